@@ -1,0 +1,123 @@
+// Copyright kvferry authors. Apache-2.0.
+#include "cpu/reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "cpu/dtype.h"
+
+namespace kvferry::cpu {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+float DotRow(const float* q, const void* row, DType dtype, int head_dim) {
+  float acc = 0.0f;
+  for (int d = 0; d < head_dim; ++d) acc += q[d] * LoadAsF32(row, dtype, d);
+  return acc;
+}
+
+// Two-pass softmax over logits of one query, then o = sum p_j v_j.
+void SoftmaxAccumulate(const float* logits, int64_t count, const void* const* v_rows,
+                       const AttnParams& p, float* o, float* lse) {
+  if (count == 0) {
+    std::fill(o, o + p.head_dim, 0.0f);
+    *lse = kNegInf;
+    return;
+  }
+  float m = kNegInf;
+  for (int64_t j = 0; j < count; ++j) m = std::max(m, logits[j]);
+  double sum = 0.0;
+  std::vector<double> acc(static_cast<size_t>(p.head_dim), 0.0);
+  for (int64_t j = 0; j < count; ++j) {
+    double w = std::exp(static_cast<double>(logits[j]) - m);
+    sum += w;
+    for (int d = 0; d < p.head_dim; ++d) acc[d] += w * LoadAsF32(v_rows[j], p.kv_dtype, d);
+  }
+  for (int d = 0; d < p.head_dim; ++d) o[d] = static_cast<float>(acc[d] / sum);
+  *lse = static_cast<float>(m + std::log(sum));
+}
+
+}  // namespace
+
+void ScoreRowsRef(const AttnParams& p, const float* q, const void* const* k_rows, int32_t count,
+                  float* logits) {
+  for (int g = 0; g < p.group; ++g) {
+    for (int32_t j = 0; j < count; ++j) {
+      logits[static_cast<int64_t>(g) * count + j] =
+          p.scale * DotRow(q + static_cast<int64_t>(g) * p.head_dim, k_rows[j], p.kv_dtype, p.head_dim);
+    }
+  }
+}
+
+void AttendRowsRef(const AttnParams& p, const RowAttnItem& item) {
+  std::vector<float> logits(static_cast<size_t>(item.count) * p.group);
+  ScoreRowsRef(p, item.q, item.k_rows, item.count, logits.data());
+  for (int g = 0; g < p.group; ++g) {
+    SoftmaxAccumulate(logits.data() + static_cast<int64_t>(g) * item.count, item.count,
+                      item.v_rows, p, item.o + static_cast<int64_t>(g) * p.head_dim, item.lse + g);
+  }
+}
+
+void AttendPagedRef(const AttnParams& p, const PagedAttnItem& item) {
+  const size_t elem = DTypeSize(p.kv_dtype);
+  const int64_t n = item.q_pos0 + item.num_q;
+  std::vector<const void*> k_rows(static_cast<size_t>(n)), v_rows(static_cast<size_t>(n));
+  for (int64_t pos = 0; pos < n; ++pos) {
+    k_rows[pos] = PagedKRow(item.kv, pos, p.head_dim, elem);
+    v_rows[pos] = PagedVRow(item.kv, pos, p.head_dim, elem);
+  }
+  std::vector<float> logits(static_cast<size_t>(n));
+  for (int32_t t = 0; t < item.num_q; ++t) {
+    const int64_t len = item.q_pos0 + t + 1;
+    for (int g = 0; g < p.group; ++g) {
+      const int64_t row = static_cast<int64_t>(t) * p.group + g;
+      const float* q = item.q + row * p.head_dim;
+      for (int64_t j = 0; j < len; ++j) logits[j] = p.scale * DotRow(q, k_rows[j], p.kv_dtype, p.head_dim);
+      SoftmaxAccumulate(logits.data(), len, v_rows.data(), p, item.o + row * p.head_dim,
+                        item.lse + row);
+    }
+  }
+}
+
+void MergeLseRef(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t rows,
+                 int head_dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float la = lse_a[r], lb = lse_b[r];
+    if (lb == kNegInf) continue;
+    if (la == kNegInf) {
+      std::copy(o_b + r * head_dim, o_b + (r + 1) * head_dim, o_a + r * head_dim);
+      lse_a[r] = lb;
+      continue;
+    }
+    const float m = std::max(la, lb);
+    const double wa = std::exp(static_cast<double>(la) - m);
+    const double wb = std::exp(static_cast<double>(lb) - m);
+    const double inv = 1.0 / (wa + wb);
+    for (int d = 0; d < head_dim; ++d) {
+      float* dst = o_a + r * head_dim + d;
+      *dst = static_cast<float>((wa * *dst + wb * o_b[r * head_dim + d]) * inv);
+    }
+    lse_a[r] = static_cast<float>(m + std::log(wa + wb));
+  }
+}
+
+void TopKRef(const float* scores, int64_t n, int64_t k, int32_t* out_indices) {
+  k = std::clamp<int64_t>(k, 0, n);
+  std::vector<int32_t> idx(static_cast<size_t>(n));
+  std::iota(idx.begin(), idx.end(), 0);
+  auto key = [&](int32_t i) {
+    return std::isnan(scores[i]) ? -std::numeric_limits<float>::infinity() : scores[i];
+  };
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int32_t a, int32_t b) {
+    const float sa = key(a), sb = key(b);
+    if (sa != sb) return sa > sb;
+    return a < b;
+  });
+  std::copy(idx.begin(), idx.begin() + k, out_indices);
+}
+
+}  // namespace kvferry::cpu

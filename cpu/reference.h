@@ -1,0 +1,32 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// Scalar reference kernels: the specification every fast path (AVX-512, oneDNN, CUDA) is tested
+// against. fp32 accumulation, two-pass softmax; simple over fast.
+
+#include <cstdint>
+
+#include "cpu/attn_types.h"
+
+namespace kvferry::cpu {
+
+/// Sparse attention over a row list (see RowAttnItem).
+void AttendRowsRef(const AttnParams& p, const RowAttnItem& item);
+
+/// Causal paged attention (see PagedAttnItem); also dense decode attention with num_q = 1.
+void AttendPagedRef(const AttnParams& p, const PagedAttnItem& item);
+
+/// Exact merge of two partial attention results over disjoint key sets, in place into (o_a,
+/// lse_a): o = (e^lse_a o_a + e^lse_b o_b) / (e^lse_a + e^lse_b), lse = log(e^lse_a + e^lse_b).
+/// rows results of head_dim each. Either side may be empty (lse = -inf).
+void MergeLseRef(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t rows,
+                 int head_dim);
+
+/// Scaled logits of a GQA group against a row list: logits[g * count + j] = scale * q_g . k_j.
+void ScoreRowsRef(const AttnParams& p, const float* q, const void* const* k_rows, int32_t count,
+                  float* logits);
+
+/// Indices of the k largest scores, ordered by score descending, ties broken by lower index.
+/// k is clamped to n. NaN scores rank lowest.
+void TopKRef(const float* scores, int64_t n, int64_t k, int32_t* out_indices);
+
+}  // namespace kvferry::cpu

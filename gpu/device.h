@@ -1,0 +1,85 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// The Device interface: everything the runtime asks of the accelerator. Two implementations: the
+// CUDA backend (gpu/cuda_device.cu) and the host-emulated device (gpu/host_device.cpp), which runs
+// the same plan with the CPU reference kernels so the runtime is testable without a GPU.
+//
+// Contract: allocation happens only at set-up or when a sequence grows by a page; the per-step
+// entry points (Convert*, Attend*, Merge*, CopyAsync) never allocate and are ordered on the stream
+// they are given. Work descriptors (item arrays) must live in memory the device can read: device
+// memory or mapped pinned host memory from AllocHost. Pointers inside them likewise.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "cpu/attn_types.h"
+#include "kvferry/config.h"
+#include "kvferry/status.h"
+#include "kvferry/tensor.h"
+
+namespace kvferry {
+
+using EventHandle = void*;
+
+/// One row copy with dtype conversion: \p elems elements from src (src_dtype) to dst (dst_dtype).
+struct RowCopy {
+  void* dst = nullptr;
+  const void* src = nullptr;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  [[nodiscard]] virtual Backend backend() const = 0;
+  [[nodiscard]] virtual std::string name() const = 0;
+
+  // ---- memory (set-up time) ----
+  virtual Result<void*> AllocDevice(size_t bytes) = 0;
+  virtual void FreeDevice(void* ptr) = 0;
+  /// Host memory the device can read and write directly (pinned and mapped on CUDA; 64-byte
+  /// aligned and NUMA-placed on the host backend).
+  virtual Result<void*> AllocHost(size_t bytes) = 0;
+  virtual void FreeHost(void* ptr) = 0;
+
+  // ---- streams and events ----
+  /// The runtime's default stream (never the legacy null stream on CUDA).
+  [[nodiscard]] virtual StreamHandle default_stream() const = 0;
+  virtual Result<StreamHandle> CreateStream() = 0;
+  virtual void DestroyStream(StreamHandle stream) = 0;
+  virtual Result<EventHandle> CreateEvent() = 0;
+  virtual void DestroyEvent(EventHandle event) = 0;
+  virtual Status RecordEvent(EventHandle event, StreamHandle stream) = 0;
+  virtual Status WaitEvent(StreamHandle stream, EventHandle event) = 0;  ///< stream waits, host doesn't
+  virtual Status SynchronizeEvent(EventHandle event) = 0;                 ///< host waits
+  virtual Status SynchronizeStream(StreamHandle stream) = 0;
+
+  // ---- data movement ----
+  /// Any-direction copy (unified addressing).
+  virtual Status CopyAsync(void* dst, const void* src, size_t bytes, StreamHandle stream) = 0;
+  /// Converts and scatters rows: rows[i].dst <- convert(rows[i].src), elems each.
+  virtual Status CopyRows(const RowCopy* rows, int64_t num_rows, int elems, DType src_dtype,
+                          DType dst_dtype, StreamHandle stream) = 0;
+
+  // ---- compute ----
+  virtual Status AttendRows(const AttnParams& p, const RowAttnItem* items, int64_t num_items,
+                            StreamHandle stream) = 0;
+  virtual Status AttendPaged(const AttnParams& p, const PagedAttnItem* items, int64_t num_items,
+                             StreamHandle stream) = 0;
+  /// In-place exact merge (see cpu::MergeLseRef); o_b/lse_b may be null (nothing to merge), then
+  /// writes out only. Finally converts o_a to \p out (rows x head_dim, out_dtype) if out != null.
+  virtual Status MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b,
+                          int64_t rows, int head_dim, void* out, DType out_dtype,
+                          StreamHandle stream) = 0;
+};
+
+/// Host-emulated device: plain (aligned) host memory, synchronous "streams", reference kernels.
+std::unique_ptr<Device> MakeHostDevice();
+
+/// Whether this build has CUDA and a usable GPU.
+bool CudaAvailable();
+/// The CUDA device \p device_id, or kUnimplemented when built without CUDA.
+Result<std::unique_ptr<Device>> MakeCudaDevice(int device_id);
+
+}  // namespace kvferry

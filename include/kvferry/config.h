@@ -1,0 +1,89 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+/// \file config.h
+/// \brief Everything a Runtime is created with. Plain values; validated by Runtime::Create.
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "kvferry/tensor.h"
+
+namespace kvferry {
+
+/// \brief Attention shape of the model. head_dim must be 64, 128 or 256 (or 8..256, a multiple of
+/// 8, on the host backend, for tiny test models); num_q_heads a multiple of num_kv_heads (GQA).
+struct ModelShape {
+  int num_layers = 32;
+  int num_q_heads = 32;
+  int num_kv_heads = 8;
+  int head_dim = 128;
+  DType kv_dtype = DType::kBF16;  ///< storage type of K and V (kBF16 or kF16)
+  /// Softmax scale; 0 means 1/sqrt(head_dim).
+  float softmax_scale = 0.0f;
+};
+
+/// \brief How much the runtime may hold. Memory for the resident tier, token bank and plan
+/// buffers is allocated at Create; host-store pages are allocated as sequences grow.
+struct Capacity {
+  int max_sequences = 8;
+  int64_t max_tokens_per_sequence = 131072;
+  int max_batch = 8;               ///< most sequences in one Decode call
+  int64_t max_prefill_chunk = 8192;  ///< most tokens in one Prefill call
+  /// Upper bound on host-store bytes (0 = unlimited); exceeding it is kResourceExhausted.
+  int64_t max_host_bytes = 0;
+};
+
+/// \brief GPU-resident tiers, per (sequence, layer, KV head).
+struct Tiers {
+  int sink_tokens = 4;        ///< first tokens, always attended, always resident
+  int window_tokens = 256;    ///< ring of the most recent tokens, always resident
+  int bank_slots = 0;         ///< token-bank slots of offloaded rows (0 = no bank)
+  std::string bank_map = "vector";  ///< "vector" (position -> slot array) or "hash"
+};
+
+/// \brief The selection policy and its budget.
+struct PolicyConfig {
+  /// "dense", "streaming", "oracle" (and, when built, "lfps", "hip", "sparcas", "quest", "kvpop").
+  std::string name = "streaming";
+  /// Tokens attended per (sequence, KV head) per step, resident tokens included. 0 means use
+  /// budget_fraction. Ignored by "dense".
+  int64_t budget_tokens = 256;
+  /// Fraction of the current context used when budget_tokens == 0 (e.g. 0.02).
+  double budget_fraction = 0.0;
+  /// Policy-specific parameters by name ("r" -> 0.95, "eps" -> 0.85, ...); unknown names are an
+  /// error at Create.
+  std::map<std::string, double> params;
+};
+
+/// \brief Where offloaded (host-only) rows are attended.
+enum class Route : uint8_t {
+  kAuto = 0,  ///< the scheduler splits misses between the two routes by its cost model
+  kGpu = 1,   ///< rows cross PCIe and are attended on the device
+  kCpu = 2,   ///< rows are attended by the CPU cores; only q and (o, lse) cross PCIe
+};
+
+/// \brief Which Device implementation runs the plan.
+enum class Backend : uint8_t {
+  kAuto = 0,  ///< CUDA when built with it and a GPU is present, else host
+  kCuda = 1,
+  kHost = 2,  ///< host-emulated device: same plan, CPU reference kernels; no GPU needed
+};
+
+const char* RouteName(Route route);
+const char* BackendName(Backend backend);
+
+/// \brief The whole configuration of a Runtime.
+struct RuntimeConfig {
+  ModelShape model;
+  Capacity capacity;
+  Tiers tiers;
+  PolicyConfig policy;
+  Route route = Route::kAuto;
+  Backend backend = Backend::kAuto;
+  int device_id = 0;
+  /// CPU worker threads for the CPU route (0 = the cores of the GPU's NUMA node, or all cores).
+  int cpu_threads = 0;
+};
+
+}  // namespace kvferry

@@ -1,0 +1,81 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+/// \file runtime.h
+/// \brief The kvferry runtime: KV cache storage across GPU and host, sparse selection, and
+/// attention for prefill and decode.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "kvferry/config.h"
+#include "kvferry/stats.h"
+#include "kvferry/status.h"
+#include "kvferry/tensor.h"
+
+namespace kvferry {
+
+/// Identifies a sequence; chosen by the caller, unique among live sequences.
+using SequenceId = uint64_t;
+
+namespace detail {
+class RuntimeImpl;
+}
+
+/// \brief Owns the KV cache of up to Capacity::max_sequences sequences for all layers and computes
+/// attention over it.
+///
+/// Calls for one layer of one sequence must come in order (prefill chunks, then decodes); layers
+/// are independent. A Runtime is not thread-safe: call it from one thread (the engine's). Work is
+/// ordered on the given stream (CUDA backend) or complete when the call returns (host backend).
+/// On an error return nothing has changed: every sequence's data is as before the call.
+class Runtime {
+ public:
+  /// Validates \p config and allocates the resident tier, token bank and plan buffers.
+  static Result<std::unique_ptr<Runtime>> Create(const RuntimeConfig& config);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  /// Registers a new, empty sequence. Fails if \p seq is live or max_sequences are live.
+  Status AddSequence(SequenceId seq);
+  /// Frees every tier's data of \p seq.
+  Status RemoveSequence(SequenceId seq);
+  /// Tokens stored for \p seq at \p layer.
+  [[nodiscard]] Result<int64_t> SequenceLength(SequenceId seq, int layer) const;
+
+  /// Appends a chunk of T prompt tokens of one sequence at \p layer and computes causal attention
+  /// of the chunk over everything stored before it plus itself (dense).
+  /// q, out: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim].
+  /// q/k/v/out may be f32, bf16 or f16, on host or device memory (device only with CUDA).
+  Status Prefill(SequenceId seq, int layer, const TensorView& q, const TensorView& k,
+                 const TensorView& v, const TensorView& out, StreamHandle stream = nullptr);
+
+  /// Appends one new token for each sequence of \p seqs at \p layer and computes attention of its
+  /// query over the positions the policy selects, merging the resident, GPU and CPU parts exactly.
+  /// q, out: [B, num_q_heads, head_dim]; k, v: [B, num_kv_heads, head_dim]; B = seqs.size().
+  Status Decode(std::span<const SequenceId> seqs, int layer, const TensorView& q,
+                const TensorView& k, const TensorView& v, const TensorView& out,
+                StreamHandle stream = nullptr);
+
+  /// Positions attended at the last Decode of (\p seq, \p layer, \p kv_head), ascending. For
+  /// diagnostics and benchmarks; valid until the next Decode of that layer.
+  [[nodiscard]] Result<std::vector<int32_t>> LastSelection(SequenceId seq, int layer,
+                                                           int kv_head) const;
+
+  /// Blocks until all work issued on the runtime's streams is complete.
+  Status Synchronize();
+
+  [[nodiscard]] Stats GetStats() const;
+  void ResetStats();
+  [[nodiscard]] const RuntimeConfig& config() const;
+  /// The backend actually in use (kHost or kCuda).
+  [[nodiscard]] Backend backend() const;
+
+ private:
+  explicit Runtime(std::unique_ptr<detail::RuntimeImpl> impl);
+  std::unique_ptr<detail::RuntimeImpl> impl_;
+};
+
+}  // namespace kvferry

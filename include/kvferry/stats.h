@@ -1,0 +1,44 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+/// \file stats.h
+/// \brief Counters a Runtime keeps. All byte counts are what crosses (or on the host backend,
+/// would cross) PCIe.
+
+#include <cstdint>
+#include <string>
+
+namespace kvferry {
+
+/// \brief Cumulative counters since Create (or the last ResetStats).
+struct Stats {
+  int64_t prefill_tokens = 0;    ///< tokens prefilled, summed over layers
+  int64_t decode_steps = 0;      ///< Decode calls (one layer of a batch each)
+  int64_t decode_tokens = 0;     ///< sequence-layer decodes (batch size summed)
+
+  int64_t bytes_h2d = 0;         ///< host -> device: fetched KV rows, CPU results (o, lse)
+  int64_t bytes_d2h = 0;         ///< device -> host: K/V write-through, q for the CPU route
+
+  int64_t rows_resident = 0;     ///< (position, KV head) rows attended from sinks or window
+  int64_t rows_bank_hit = 0;     ///< rows attended from the token bank
+  int64_t rows_fetched = 0;      ///< host-only rows fetched to the GPU route
+  int64_t rows_cpu = 0;          ///< host-only rows attended on the CPU route
+  int64_t rows_selected = 0;     ///< sum of the above
+  int64_t bank_admitted = 0;
+  int64_t bank_evicted = 0;
+
+  double ms_append = 0;          ///< time per stage, summed (wall clock on the host)
+  double ms_select = 0;
+  double ms_resolve = 0;
+  double ms_attend_gpu = 0;
+  double ms_attend_cpu = 0;
+  double ms_merge = 0;
+  double ms_prefill = 0;
+
+  int64_t host_bytes_reserved = 0;  ///< host-store bytes held now
+  int64_t device_bytes_reserved = 0;  ///< device bytes held now (resident tier, bank, plans)
+
+  /// One JSON object with every field above.
+  [[nodiscard]] std::string ToJson() const;
+};
+
+}  // namespace kvferry

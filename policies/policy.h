@@ -1,0 +1,79 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// The selection-policy interface. A policy decides, each decode step and for each (sequence,
+// layer, KV head), which positions the GQA group attends. The runtime resolves those positions
+// against the tiers (sink, window, bank, host) and attends them.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cpu/attn_types.h"
+#include "kvferry/config.h"
+#include "kvferry/status.h"
+
+namespace kvferry {
+
+enum class Placement : uint8_t { kGpu = 0, kCpu = 1 };
+
+/// What a policy sees of one (sequence, layer, KV head) at a decode step. Host memory throughout.
+struct SelectContext {
+  int slot = 0;          ///< runtime's dense index of the sequence, in [0, max_sequences)
+  int layer = 0;
+  int kv_head = 0;
+  int64_t n = 0;         ///< positions stored, the new token included (it is position n-1)
+  int sink = 0;          ///< resident sink tokens (positions [0, sink))
+  int window = 0;        ///< resident window (positions [n-window, n))
+  int64_t budget = 0;    ///< tokens to attend in total, resident ones included (>= 1)
+  const float* q = nullptr;  ///< [group, head_dim] fp32, the new token's queries (post-RoPE)
+  AttnParams params;     ///< group, head_dim, kv dtype, scale
+  KvPages kv;            ///< every stored row of this (sequence, layer, KV head), host memory
+};
+
+/// The prompt chunk a policy may learn from at Prefill (e.g. LFPS primes its tables from the
+/// last rows' attention). Queries are post-RoPE fp32 in host memory.
+struct PrefillContext {
+  int slot = 0;
+  int layer = 0;
+  int kv_head = 0;
+  int64_t q_pos0 = 0;    ///< position of the chunk's first query
+  int32_t num_q = 0;     ///< queries in the chunk
+  int64_t n = 0;         ///< positions stored after this chunk
+  int sink = 0;
+  int window = 0;
+  const float* q = nullptr;  ///< [num_q, group, head_dim]
+  AttnParams params;
+  KvPages kv;
+};
+
+class Policy {
+ public:
+  virtual ~Policy() = default;
+  [[nodiscard]] virtual std::string_view name() const = 0;
+  /// Where Select runs (GPU-side selection runs on the host in the host backend).
+  [[nodiscard]] virtual Placement placement() const = 0;
+  /// True if Select may return everything (dense); lets the runtime use its paged dense path.
+  [[nodiscard]] virtual bool is_dense() const { return false; }
+
+  /// Called once per (sequence, layer, KV head) prefill chunk, after its rows are stored.
+  virtual Status OnPrefill(const PrefillContext& ctx) {
+    (void)ctx;
+    return Status::Ok();
+  }
+  /// Picks the positions to attend: ascending, unique, each in [0, ctx.n). \p out is cleared by the
+  /// caller and has capacity reserved; Select should not allocate in steady state. Calls for
+  /// different (slot, layer, kv_head) may run concurrently.
+  virtual Status Select(const SelectContext& ctx, std::vector<int32_t>& out) = 0;
+  /// The sequence in \p slot is gone: drop its state.
+  virtual void OnSequenceRemoved(int slot) { (void)slot; }
+};
+
+/// Builds the policy named in \p config.policy; unknown names or parameters are kInvalidArgument.
+Result<std::unique_ptr<Policy>> MakePolicy(const RuntimeConfig& config);
+
+/// Names MakePolicy accepts.
+std::vector<std::string> PolicyNames();
+
+}  // namespace kvferry
