@@ -1,0 +1,92 @@
+// Copyright kvferry authors. Apache-2.0.
+#include "offload/host_store.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "runtime/check.h"
+
+namespace kvferry {
+namespace {
+// Pages are carved from chunks of about this many bytes, so pinning cost is paid rarely.
+constexpr int64_t kChunkBytes = int64_t{8} << 20;
+}  // namespace
+
+HostStore::HostStore(Device* device, const HostStoreShape& shape)
+    : device_(device),
+      shape_(shape),
+      row_elem_bytes_(DTypeSize(shape.kv_dtype)),
+      page_bytes_(int64_t{2} * shape.page_tokens * shape.head_dim *
+                  static_cast<int64_t>(DTypeSize(shape.kv_dtype))),
+      max_pages_((shape.max_tokens + shape.page_tokens - 1) / shape.page_tokens) {}
+
+HostStore::~HostStore() {
+  for (void* c : chunks_) device_->FreeHost(c);
+  if (table_ != nullptr) device_->FreeHost(table_);
+}
+
+Status HostStore::Init() {
+  const int64_t entries =
+      static_cast<int64_t>(shape_.max_slots) * shape_.num_layers * shape_.num_kv_heads * max_pages_;
+  table_bytes_ = entries * static_cast<int64_t>(sizeof(void*));
+  KVF_ASSIGN_OR_RETURN(void* table, device_->AllocHost(static_cast<size_t>(table_bytes_)));
+  table_ = static_cast<void**>(table);
+  std::memset(table_, 0, static_cast<size_t>(table_bytes_));
+  pages_allocated_.assign(static_cast<size_t>(shape_.max_slots) * shape_.num_layers, 0);
+  return Status::Ok();
+}
+
+Status HostStore::Grow(int64_t pages) {
+  const int64_t per_chunk = std::max<int64_t>(1, kChunkBytes / page_bytes_);
+  const int64_t chunk_pages = std::max(per_chunk, pages);
+  KVF_ASSIGN_OR_RETURN(void* chunk, device_->AllocHost(static_cast<size_t>(chunk_pages * page_bytes_)));
+  chunks_.push_back(chunk);
+  chunks_bytes_ += chunk_pages * page_bytes_;
+  for (int64_t i = chunk_pages - 1; i >= 0; --i) {
+    free_pages_.push_back(static_cast<char*>(chunk) + i * page_bytes_);
+  }
+  return Status::Ok();
+}
+
+Status HostStore::Reserve(int slot, int layer, int64_t new_len) {
+  KVF_CHECK_CODE(new_len <= shape_.max_tokens, StatusCode::kResourceExhausted, "sequence length ",
+                 new_len, " exceeds max_tokens_per_sequence ", shape_.max_tokens);
+  int64_t& have = pages_allocated_[static_cast<size_t>(slot) * shape_.num_layers + layer];
+  const int64_t need = (new_len + shape_.page_tokens - 1) / shape_.page_tokens;
+  if (need <= have) return Status::Ok();
+  const int64_t new_pages = (need - have) * shape_.num_kv_heads;
+  if (shape_.max_bytes > 0 && (pages_in_use_ + new_pages) * page_bytes_ > shape_.max_bytes) {
+    return ResourceExhausted(detail::StrCat("host store limit of ", shape_.max_bytes,
+                                            " bytes reached (", pages_in_use_ * page_bytes_,
+                                            " in use, ", new_pages * page_bytes_, " requested)"));
+  }
+  if (static_cast<int64_t>(free_pages_.size()) < new_pages) {
+    KVF_RETURN_IF_ERROR(Grow(new_pages - static_cast<int64_t>(free_pages_.size())));
+  }
+  for (int h = 0; h < shape_.num_kv_heads; ++h) {
+    for (int64_t p = have; p < need; ++p) {
+      table_[TableIndex(slot, layer, h, p)] = free_pages_.back();
+      free_pages_.pop_back();
+    }
+  }
+  pages_in_use_ += new_pages;
+  have = need;
+  return Status::Ok();
+}
+
+void HostStore::Release(int slot) {
+  for (int l = 0; l < shape_.num_layers; ++l) {
+    int64_t& have = pages_allocated_[static_cast<size_t>(slot) * shape_.num_layers + l];
+    for (int h = 0; h < shape_.num_kv_heads; ++h) {
+      for (int64_t p = 0; p < have; ++p) {
+        void*& entry = table_[TableIndex(slot, l, h, p)];
+        free_pages_.push_back(entry);
+        entry = nullptr;
+      }
+    }
+    pages_in_use_ -= have * shape_.num_kv_heads;
+    have = 0;
+  }
+}
+
+}  // namespace kvferry

@@ -1,0 +1,703 @@
+// Copyright kvferry authors. Apache-2.0.
+// The runtime: validation, sequence slots, and the prefill and decode steps of DESIGN.md.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "cpu/attention.h"
+#include "runtime/check.h"
+#include "runtime/parallel.h"
+#include "runtime/runtime_impl.h"
+
+namespace kvferry {
+namespace detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double MsSince(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+constexpr int kPageTokens = 256;
+
+bool SupportedActivation(DType d) {
+  return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16;
+}
+
+Status ValidateConfig(const RuntimeConfig& c) {
+  const ModelShape& m = c.model;
+  KVF_CHECK_ARG(m.num_layers >= 1, "num_layers ", m.num_layers, " must be >= 1");
+  KVF_CHECK_ARG(m.num_kv_heads >= 1, "num_kv_heads ", m.num_kv_heads, " must be >= 1");
+  KVF_CHECK_ARG(m.num_q_heads >= m.num_kv_heads && m.num_q_heads % m.num_kv_heads == 0,
+                "num_q_heads ", m.num_q_heads, " must be a positive multiple of num_kv_heads ",
+                m.num_kv_heads);
+  KVF_CHECK_ARG(m.head_dim >= 8 && m.head_dim <= 256 && m.head_dim % 8 == 0, "head_dim ",
+                m.head_dim, " unsupported (64, 128, 256; or a multiple of 8 up to 256 on host)");
+  KVF_CHECK_ARG(m.kv_dtype == DType::kBF16 || m.kv_dtype == DType::kF16, "kv_dtype ",
+                DTypeName(m.kv_dtype), " unsupported (bf16 or f16)");
+  KVF_CHECK_ARG(std::isfinite(m.softmax_scale) && m.softmax_scale >= 0.0f, "softmax_scale ",
+                m.softmax_scale, " must be finite and >= 0");
+  const Capacity& cap = c.capacity;
+  KVF_CHECK_ARG(cap.max_sequences >= 1, "max_sequences ", cap.max_sequences, " must be >= 1");
+  KVF_CHECK_ARG(cap.max_tokens_per_sequence >= 1 && cap.max_tokens_per_sequence <= (int64_t{1} << 30),
+                "max_tokens_per_sequence ", cap.max_tokens_per_sequence, " out of range [1, 2^30]");
+  KVF_CHECK_ARG(cap.max_batch >= 1 && cap.max_batch <= cap.max_sequences, "max_batch ",
+                cap.max_batch, " out of range [1, max_sequences=", cap.max_sequences, "]");
+  KVF_CHECK_ARG(cap.max_prefill_chunk >= 1, "max_prefill_chunk ", cap.max_prefill_chunk,
+                " must be >= 1");
+  KVF_CHECK_ARG(cap.max_host_bytes >= 0, "max_host_bytes ", cap.max_host_bytes, " must be >= 0");
+  const Tiers& t = c.tiers;
+  KVF_CHECK_ARG(t.sink_tokens >= 0, "sink_tokens ", t.sink_tokens, " must be >= 0");
+  KVF_CHECK_ARG(t.window_tokens >= 1, "window_tokens ", t.window_tokens,
+                " must be >= 1 (the new token is always resident)");
+  KVF_CHECK_ARG(t.bank_slots >= 0, "bank_slots ", t.bank_slots, " must be >= 0");
+  KVF_CHECK_ARG(t.bank_map == "vector" || t.bank_map == "hash", "bank_map '", t.bank_map,
+                "' unknown (vector or hash)");
+  const PolicyConfig& p = c.policy;
+  if (p.name != "dense") {
+    KVF_CHECK_ARG(p.budget_tokens > 0 || p.budget_fraction > 0.0,
+                  "budget of zero: set policy.budget_tokens > 0 or budget_fraction in (0, 1]");
+    KVF_CHECK_ARG(p.budget_tokens >= 0, "budget_tokens ", p.budget_tokens, " must be >= 0");
+    KVF_CHECK_ARG(p.budget_fraction >= 0.0 && p.budget_fraction <= 1.0, "budget_fraction ",
+                  p.budget_fraction, " out of range [0, 1]");
+  }
+  KVF_CHECK_ARG(c.cpu_threads >= 0, "cpu_threads ", c.cpu_threads, " must be >= 0");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<RuntimeImpl>> RuntimeImpl::Create(const RuntimeConfig& config) {
+  KVF_RETURN_IF_ERROR(ValidateConfig(config));
+  std::unique_ptr<RuntimeImpl> impl(new RuntimeImpl(config));
+  KVF_RETURN_IF_ERROR(impl->Init());
+  return impl;
+}
+
+RuntimeImpl::~RuntimeImpl() {
+  if (device_ == nullptr) return;
+  device_->SynchronizeStream(stream_).IgnoreError();
+  store_.reset();
+  for (const DeviceBuffer& b : buffers_) {
+    if (b.host) {
+      device_->FreeHost(b.ptr);
+    } else {
+      device_->FreeDevice(b.ptr);
+    }
+  }
+}
+
+Result<void*> RuntimeImpl::Alloc(size_t bytes, bool host) {
+  bytes = std::max<size_t>(bytes, 64);
+  Result<void*> r = host ? device_->AllocHost(bytes) : device_->AllocDevice(bytes);
+  if (!r.ok()) return r.status();
+  buffers_.push_back(DeviceBuffer{r.value(), bytes, host});
+  if (!host) stats_.device_bytes_reserved += static_cast<int64_t>(bytes);
+  return r.value();
+}
+
+Status RuntimeImpl::Init() {
+  const ModelShape& m = config_.model;
+  switch (config_.backend) {
+    case Backend::kHost: device_ = MakeHostDevice(); break;
+    case Backend::kCuda: {
+      KVF_ASSIGN_OR_RETURN(device_, MakeCudaDevice(config_.device_id));
+      break;
+    }
+    case Backend::kAuto: {
+      if (CudaAvailable()) {
+        Result<std::unique_ptr<Device>> cuda = MakeCudaDevice(config_.device_id);
+        if (cuda.ok()) device_ = std::move(cuda).value();
+      }
+      if (device_ == nullptr) device_ = MakeHostDevice();
+      break;
+    }
+  }
+  stream_ = device_->default_stream();
+  KVF_ASSIGN_OR_RETURN(policy_, MakePolicy(config_));
+
+  group_ = m.num_q_heads / m.num_kv_heads;
+  scale_ = m.softmax_scale > 0.0f ? m.softmax_scale : 1.0f / std::sqrt(static_cast<float>(m.head_dim));
+  kv_elem_ = DTypeSize(m.kv_dtype);
+  row_bytes_ = static_cast<size_t>(m.head_dim) * kv_elem_;
+  const Capacity& cap = config_.capacity;
+  max_rows_ = std::max<int64_t>(cap.max_prefill_chunk, cap.max_batch);
+  if (!policy_->is_dense()) {
+    const int64_t by_fraction = static_cast<int64_t>(
+        std::ceil(config_.policy.budget_fraction * static_cast<double>(cap.max_tokens_per_sequence)));
+    item_cap_ = std::min(cap.max_tokens_per_sequence,
+                         std::max(config_.policy.budget_tokens, by_fraction));
+  }
+
+  HostStoreShape shape;
+  shape.max_slots = cap.max_sequences;
+  shape.num_layers = m.num_layers;
+  shape.num_kv_heads = m.num_kv_heads;
+  shape.head_dim = m.head_dim;
+  shape.kv_dtype = m.kv_dtype;
+  shape.page_tokens = kPageTokens;
+  shape.max_tokens = cap.max_tokens_per_sequence;
+  shape.max_bytes = cap.max_host_bytes;
+  store_ = std::make_unique<HostStore>(device_.get(), shape);
+  KVF_RETURN_IF_ERROR(store_->Init());
+
+  const int64_t hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  const int64_t slot_rows = config_.tiers.sink_tokens + config_.tiers.window_tokens;
+  const size_t resident_bytes = static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv *
+                                slot_rows * 2 * row_bytes_;
+  KVF_ASSIGN_OR_RETURN(void* resident, Alloc(resident_bytes, false));
+  resident_ = static_cast<char*>(resident);
+
+  const size_t act_q = static_cast<size_t>(max_rows_ * hq * d);
+  const size_t act_kv = static_cast<size_t>(max_rows_ * hkv * d);
+  KVF_ASSIGN_OR_RETURN(q_in_, Alloc(act_q * 4, false));
+  KVF_ASSIGN_OR_RETURN(k_in_, Alloc(act_kv * 4, false));
+  KVF_ASSIGN_OR_RETURN(v_in_, Alloc(act_kv * 4, false));
+  KVF_ASSIGN_OR_RETURN(out_stage_, Alloc(act_q * 4, false));
+  void* p = nullptr;
+  KVF_ASSIGN_OR_RETURN(p, Alloc(act_q * 4, false));
+  q_f32_ = static_cast<float*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(act_q * 4, false));
+  o_gpu_ = static_cast<float*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(max_rows_ * hq) * 4, false));
+  lse_gpu_ = static_cast<float*>(p);
+  const size_t batch_q = static_cast<size_t>(cap.max_batch * hq * d);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(batch_q * 4, false));
+  o_cpu_dev_ = static_cast<float*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(cap.max_batch * hq) * 4, false));
+  lse_cpu_dev_ = static_cast<float*>(p);
+
+  KVF_ASSIGN_OR_RETURN(p, Alloc(act_q * 4, true));
+  q_host_ = static_cast<float*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(batch_q * 4, true));
+  o_cpu_host_ = static_cast<float*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(cap.max_batch * hq) * 4, true));
+  lse_cpu_host_ = static_cast<float*>(p);
+  // Row copies per call: K and V to the store, the ring and the sinks for every row, plus q and
+  // output rows (prefill transposes them per KV head).
+  const size_t num_copies = static_cast<size_t>(max_rows_ * hkv * 6 + max_rows_ * hkv * 2);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(num_copies * sizeof(RowCopy), true));
+  copies_ = static_cast<RowCopy*>(p);
+  const size_t items = static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(items * sizeof(RowAttnItem), true));
+  gpu_items_ = static_cast<RowAttnItem*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(items * sizeof(RowAttnItem), true));
+  cpu_items_ = static_cast<RowAttnItem*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(std::max<size_t>(items, static_cast<size_t>(hkv)) * sizeof(PagedAttnItem), true));
+  paged_items_ = static_cast<PagedAttnItem*>(p);
+  const size_t row_ptrs = items * static_cast<size_t>(std::max<int64_t>(item_cap_, 1));
+  for (const void*** dst : {&gpu_k_rows_, &gpu_v_rows_, &cpu_k_rows_, &cpu_v_rows_}) {
+    KVF_ASSIGN_OR_RETURN(p, Alloc(row_ptrs * sizeof(void*), true));
+    *dst = static_cast<const void**>(p);
+  }
+
+  selections_.resize(items);
+  for (auto& s : selections_) s.reserve(static_cast<size_t>(item_cap_));
+  last_selection_.resize(static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv);
+  item_status_.resize(items);
+  lengths_.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
+  for (int s = cap.max_sequences - 1; s >= 0; --s) free_slots_.push_back(s);
+  return Status::Ok();
+}
+
+Result<int> RuntimeImpl::SlotOf(SequenceId seq) const {
+  auto it = slots_.find(seq);
+  if (it == slots_.end()) return NotFound(StrCat("sequence ", seq, " is not live"));
+  return it->second;
+}
+
+Status RuntimeImpl::CheckLayer(int layer) const {
+  KVF_CHECK_ARG(layer >= 0 && layer < config_.model.num_layers, "layer ", layer,
+                " out of range [0, ", config_.model.num_layers, ")");
+  return Status::Ok();
+}
+
+Status RuntimeImpl::CheckTensor(const TensorView& t, const char* name, int64_t rows,
+                                int heads) const {
+  const int d = config_.model.head_dim;
+  KVF_CHECK_ARG(t.data != nullptr, name, " is null");
+  KVF_CHECK_ARG(t.ndim == 3 && t.shape[0] == rows && t.shape[1] == heads && t.shape[2] == d, name,
+                " has shape [", t.ndim > 0 ? t.shape[0] : 0, ", ", t.ndim > 1 ? t.shape[1] : 0,
+                ", ", t.ndim > 2 ? t.shape[2] : 0, "] (ndim ", t.ndim, "), expected [", rows, ", ",
+                heads, ", ", d, "]");
+  KVF_CHECK_ARG(SupportedActivation(t.dtype), name, " dtype ", DTypeName(t.dtype),
+                " unsupported (f32, bf16, f16)");
+  KVF_CHECK_ARG(t.is_contiguous(), name, " must be contiguous");
+  KVF_CHECK_ARG(t.where == MemoryKind::kHost || device_->backend() == Backend::kCuda, name,
+                " is in device memory but the backend is host");
+  return Status::Ok();
+}
+
+int64_t RuntimeImpl::BudgetFor(int64_t n) const {
+  int64_t b = config_.policy.budget_tokens;
+  if (b <= 0) {
+    b = static_cast<int64_t>(std::ceil(config_.policy.budget_fraction * static_cast<double>(n)));
+  }
+  return std::clamp<int64_t>(b, 1, std::max<int64_t>(item_cap_, 1));
+}
+
+Status RuntimeImpl::AddSequence(SequenceId seq) {
+  KVF_CHECK_ARG(slots_.find(seq) == slots_.end(), "sequence ", seq, " is already live");
+  KVF_CHECK_CODE(!free_slots_.empty(), StatusCode::kResourceExhausted, "max_sequences ",
+                 config_.capacity.max_sequences, " are live; remove one before adding ", seq);
+  const int slot = free_slots_.back();
+  free_slots_.pop_back();
+  slots_.emplace(seq, slot);
+  std::fill_n(lengths_.begin() + static_cast<int64_t>(slot) * config_.model.num_layers,
+              config_.model.num_layers, 0);
+  return Status::Ok();
+}
+
+Status RuntimeImpl::RemoveSequence(SequenceId seq) {
+  KVF_ASSIGN_OR_RETURN(int slot, SlotOf(seq));
+  KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));  // in-flight work may read its rows
+  store_->Release(slot);
+  policy_->OnSequenceRemoved(slot);
+  const int hkv = config_.model.num_kv_heads;
+  for (int l = 0; l < config_.model.num_layers; ++l) {
+    lengths_[static_cast<size_t>(slot) * config_.model.num_layers + l] = 0;
+    for (int h = 0; h < hkv; ++h) {
+      last_selection_[(static_cast<size_t>(slot) * config_.model.num_layers + l) * hkv + h].clear();
+    }
+  }
+  slots_.erase(seq);
+  free_slots_.push_back(slot);
+  return Status::Ok();
+}
+
+Result<int64_t> RuntimeImpl::SequenceLength(SequenceId seq, int layer) const {
+  KVF_RETURN_IF_ERROR(CheckLayer(layer));
+  KVF_ASSIGN_OR_RETURN(int slot, SlotOf(seq));
+  return lengths_[static_cast<size_t>(slot) * config_.model.num_layers + layer];
+}
+
+char* RuntimeImpl::ResidentK(int slot, int layer, int h, int64_t row) const {
+  const int64_t slot_rows = config_.tiers.sink_tokens + config_.tiers.window_tokens;
+  const int64_t base =
+      ((static_cast<int64_t>(slot) * config_.model.num_layers + layer) * config_.model.num_kv_heads + h) *
+      slot_rows * 2;
+  return resident_ + static_cast<size_t>(base + row) * row_bytes_;
+}
+
+char* RuntimeImpl::ResidentV(int slot, int layer, int h, int64_t row) const {
+  const int64_t slot_rows = config_.tiers.sink_tokens + config_.tiers.window_tokens;
+  return ResidentK(slot, layer, h, row) + static_cast<size_t>(slot_rows) * row_bytes_;
+}
+
+int64_t RuntimeImpl::ResidentRow(int64_t pos, int64_t n) const {
+  const int sink = config_.tiers.sink_tokens, window = config_.tiers.window_tokens;
+  if (pos < sink) return pos;
+  if (pos >= n - window) return sink + pos % window;
+  return -1;
+}
+
+int64_t RuntimeImpl::PlanAppend(int slot, int layer, int64_t pos0, int64_t count, int64_t new_len,
+                                const void* k_src, const void* v_src, int64_t src_row0,
+                                RowCopy* copies) {
+  const int hkv = config_.model.num_kv_heads;
+  const int sink = config_.tiers.sink_tokens, window = config_.tiers.window_tokens;
+  int64_t c = 0;
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t pos = pos0 + t;
+    for (int h = 0; h < hkv; ++h) {
+      const int64_t src_row = (src_row0 + t) * hkv + h;
+      const void* ks = static_cast<const char*>(k_src) + src_row * config_.model.head_dim * 4;
+      const void* vs = static_cast<const char*>(v_src) + src_row * config_.model.head_dim * 4;
+      copies[c++] = RowCopy{store_->k_row(slot, layer, h, pos), ks};
+      copies[c++] = RowCopy{store_->v_row(slot, layer, h, pos), vs};
+      if (pos < sink) {
+        copies[c++] = RowCopy{ResidentK(slot, layer, h, pos), ks};
+        copies[c++] = RowCopy{ResidentV(slot, layer, h, pos), vs};
+      } else if (pos >= new_len - window) {
+        copies[c++] = RowCopy{ResidentK(slot, layer, h, sink + pos % window), ks};
+        copies[c++] = RowCopy{ResidentV(slot, layer, h, sink + pos % window), vs};
+      }
+    }
+  }
+  return c;
+}
+
+Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, const TensorView& k,
+                            const TensorView& v, const TensorView& out, StreamHandle stream) {
+  const auto t0 = Clock::now();
+  const ModelShape& m = config_.model;
+  KVF_RETURN_IF_ERROR(CheckLayer(layer));
+  KVF_ASSIGN_OR_RETURN(int slot, SlotOf(seq));
+  KVF_CHECK_ARG(q.ndim == 3 && q.shape[0] >= 1, "q must be [T, ", m.num_q_heads, ", ", m.head_dim,
+                "] with T >= 1");
+  const int64_t tokens = q.shape[0];
+  KVF_CHECK_ARG(tokens <= config_.capacity.max_prefill_chunk, "prefill chunk of ", tokens,
+                " tokens exceeds max_prefill_chunk ", config_.capacity.max_prefill_chunk);
+  KVF_RETURN_IF_ERROR(CheckTensor(q, "q", tokens, m.num_q_heads));
+  KVF_RETURN_IF_ERROR(CheckTensor(k, "k", tokens, m.num_kv_heads));
+  KVF_RETURN_IF_ERROR(CheckTensor(v, "v", tokens, m.num_kv_heads));
+  KVF_RETURN_IF_ERROR(CheckTensor(out, "out", tokens, m.num_q_heads));
+  int64_t& len = lengths_[static_cast<size_t>(slot) * m.num_layers + layer];
+  const int64_t pos0 = len, new_len = len + tokens;
+  KVF_CHECK_CODE(new_len <= config_.capacity.max_tokens_per_sequence,
+                 StatusCode::kResourceExhausted, "sequence ", seq, " would hold ", new_len,
+                 " tokens at layer ", layer, ", over max_tokens_per_sequence ",
+                 config_.capacity.max_tokens_per_sequence);
+  KVF_RETURN_IF_ERROR(store_->Reserve(slot, layer, new_len));
+  if (stream == nullptr) stream = stream_;
+
+  const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  // Stage inputs as f32 (device memory; a copy when they are already there).
+  const int64_t nq = tokens * hq * d, nkv = tokens * hkv * d;
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(q_in_, q.data, nq * DTypeSize(q.dtype), stream));
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(k_in_, k.data, nkv * DTypeSize(k.dtype), stream));
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(v_in_, v.data, nkv * DTypeSize(v.dtype), stream));
+  // Convert in place into f32 staging: q_f32_ <- q (transposed to [Hkv, T, G, D]), and k/v into
+  // o_gpu_/out_stage_ scratch as f32 [T, Hkv, D] for the row scatter.
+  float* k_f32 = o_gpu_;
+  float* v_f32 = static_cast<float*>(out_stage_);
+  {
+    RowCopy c[2] = {{k_f32, k_in_}, {v_f32, v_in_}};
+    KVF_RETURN_IF_ERROR(device_->CopyRows(&c[0], 1, static_cast<int>(nkv), k.dtype, DType::kF32, stream));
+    KVF_RETURN_IF_ERROR(device_->CopyRows(&c[1], 1, static_cast<int>(nkv), v.dtype, DType::kF32, stream));
+  }
+  const int64_t n_copies = PlanAppend(slot, layer, pos0, tokens, new_len, k_f32, v_f32, 0, copies_);
+  KVF_RETURN_IF_ERROR(device_->CopyRows(copies_, n_copies, d, DType::kF32, m.kv_dtype, stream));
+  stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
+
+  const int64_t gd = static_cast<int64_t>(group_) * d;
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int h = 0; h < hkv; ++h) {
+      copies_[t * hkv + h] = RowCopy{q_f32_ + (h * tokens + t) * gd,
+                                     static_cast<char*>(q_in_) + (t * hq + h * group_) * d * DTypeSize(q.dtype)};
+    }
+  }
+  KVF_RETURN_IF_ERROR(device_->CopyRows(copies_, tokens * hkv, static_cast<int>(gd), q.dtype,
+                                        DType::kF32, stream));
+  AttnParams params{group_, d, m.kv_dtype, scale_};
+  float* o_f32 = o_gpu_;  // k_f32 scratch is consumed by now (stream order)
+  for (int h = 0; h < hkv; ++h) {
+    PagedAttnItem& it = paged_items_[h];
+    it.q = q_f32_ + h * tokens * gd;
+    it.o = o_f32 + h * tokens * gd;
+    it.lse = lse_gpu_ + h * tokens * group_;
+    it.kv = store_->pages(slot, layer, h);
+    it.q_pos0 = pos0;
+    it.num_q = static_cast<int32_t>(tokens);
+  }
+  KVF_RETURN_IF_ERROR(device_->AttendPaged(params, paged_items_, hkv, stream));
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int h = 0; h < hkv; ++h) {
+      copies_[t * hkv + h] = RowCopy{static_cast<char*>(out_stage_) + (t * hq + h * group_) * d * DTypeSize(out.dtype),
+                                     o_f32 + (h * tokens + t) * gd};
+    }
+  }
+  KVF_RETURN_IF_ERROR(device_->CopyRows(copies_, tokens * hkv, static_cast<int>(gd), DType::kF32,
+                                        out.dtype, stream));
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
+
+  // Policies learn from the prompt's queries (host copy of the transposed f32 queries).
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, static_cast<size_t>(nq) * 4, stream));
+  KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+  stats_.bytes_d2h += nq * 4;
+  for (int h = 0; h < hkv; ++h) {
+    PrefillContext ctx;
+    ctx.slot = slot;
+    ctx.layer = layer;
+    ctx.kv_head = h;
+    ctx.q_pos0 = pos0;
+    ctx.num_q = static_cast<int32_t>(tokens);
+    ctx.n = new_len;
+    ctx.sink = config_.tiers.sink_tokens;
+    ctx.window = config_.tiers.window_tokens;
+    ctx.q = q_host_ + h * tokens * gd;
+    ctx.params = params;
+    ctx.kv = store_->pages(slot, layer, h);
+    KVF_RETURN_IF_ERROR(policy_->OnPrefill(ctx));
+  }
+  len = new_len;
+  stats_.prefill_tokens += tokens;
+  stats_.ms_prefill += MsSince(t0);
+  return Status::Ok();
+}
+
+Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const TensorView& q,
+                           const TensorView& k, const TensorView& v, const TensorView& out,
+                           StreamHandle stream) {
+  auto t0 = Clock::now();
+  const ModelShape& m = config_.model;
+  KVF_RETURN_IF_ERROR(CheckLayer(layer));
+  const int64_t batch = static_cast<int64_t>(seqs.size());
+  KVF_CHECK_ARG(batch >= 1 && batch <= config_.capacity.max_batch, "batch of ", batch,
+                " sequences out of range [1, max_batch=", config_.capacity.max_batch, "]");
+  KVF_RETURN_IF_ERROR(CheckTensor(q, "q", batch, m.num_q_heads));
+  KVF_RETURN_IF_ERROR(CheckTensor(k, "k", batch, m.num_kv_heads));
+  KVF_RETURN_IF_ERROR(CheckTensor(v, "v", batch, m.num_kv_heads));
+  KVF_RETURN_IF_ERROR(CheckTensor(out, "out", batch, m.num_q_heads));
+  std::vector<int>& slot_of = batch_slots_;  // thread_local would not reach the worker threads
+  slot_of.resize(static_cast<size_t>(batch));
+  for (int64_t b = 0; b < batch; ++b) {
+    KVF_ASSIGN_OR_RETURN(slot_of[b], SlotOf(seqs[b]));
+    for (int64_t c = 0; c < b; ++c) {
+      KVF_CHECK_ARG(seqs[c] != seqs[b], "sequence ", seqs[b], " appears twice in one batch");
+    }
+    const int64_t len = lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
+    KVF_CHECK_CODE(len > 0, StatusCode::kFailedPrecondition, "sequence ", seqs[b],
+                   " has no prefill at layer ", layer, ": decode before prefill");
+    KVF_CHECK_CODE(len + 1 <= config_.capacity.max_tokens_per_sequence,
+                   StatusCode::kResourceExhausted, "sequence ", seqs[b], " is full at layer ",
+                   layer, " (max_tokens_per_sequence ", config_.capacity.max_tokens_per_sequence, ")");
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
+    KVF_RETURN_IF_ERROR(store_->Reserve(slot_of[b], layer, len + 1));
+  }
+  if (stream == nullptr) stream = stream_;
+  const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  const int64_t nq = batch * hq * d, nkv = batch * hkv * d;
+  const int64_t gd = static_cast<int64_t>(group_) * d;
+
+  // 1 append: stage, convert, write through to the store and into the resident ring.
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(q_in_, q.data, nq * DTypeSize(q.dtype), stream));
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(k_in_, k.data, nkv * DTypeSize(k.dtype), stream));
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(v_in_, v.data, nkv * DTypeSize(v.dtype), stream));
+  float* k_f32 = o_gpu_;
+  float* v_f32 = o_cpu_dev_;
+  {
+    RowCopy c[3] = {{q_f32_, q_in_}, {k_f32, k_in_}, {v_f32, v_in_}};
+    KVF_RETURN_IF_ERROR(device_->CopyRows(&c[0], 1, static_cast<int>(nq), q.dtype, DType::kF32, stream));
+    KVF_RETURN_IF_ERROR(device_->CopyRows(&c[1], 1, static_cast<int>(nkv), k.dtype, DType::kF32, stream));
+    KVF_RETURN_IF_ERROR(device_->CopyRows(&c[2], 1, static_cast<int>(nkv), v.dtype, DType::kF32, stream));
+  }
+  int64_t n_copies = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t& len = lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
+    n_copies += PlanAppend(slot_of[b], layer, len, 1, len + 1, k_f32, v_f32, b, copies_ + n_copies);
+  }
+  KVF_RETURN_IF_ERROR(device_->CopyRows(copies_, n_copies, d, DType::kF32, m.kv_dtype, stream));
+  for (int64_t b = 0; b < batch; ++b) ++lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
+  stats_.bytes_d2h += batch * hkv * 2 * static_cast<int64_t>(row_bytes_);
+  stats_.ms_append += MsSince(t0);
+
+  const AttnParams params{group_, d, m.kv_dtype, scale_};
+  const int64_t items = batch * hkv;
+  const Route route = config_.route;
+
+  if (policy_->is_dense()) {
+    // Dense: every position read from the host store (full streaming), on the chosen route.
+    t0 = Clock::now();
+    const bool on_cpu = route == Route::kCpu;
+    if (on_cpu) {
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, nq * 4, stream));
+      KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+    }
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t n = lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
+      for (int h = 0; h < hkv; ++h) {
+        PagedAttnItem& it = paged_items_[b * hkv + h];
+        const int64_t off = b * hq * d + h * gd;
+        it.q = (on_cpu ? q_host_ : q_f32_) + off;
+        it.o = (on_cpu ? o_cpu_host_ : o_gpu_) + off;
+        it.lse = (on_cpu ? lse_cpu_host_ : lse_gpu_) + b * hq + h * group_;
+        it.kv = store_->pages(slot_of[b], layer, h);
+        it.q_pos0 = n - 1;
+        it.num_q = 1;
+        if (on_cpu) {
+          stats_.rows_cpu += n;
+        } else {
+          stats_.rows_fetched += n;
+          stats_.bytes_h2d += n * 2 * static_cast<int64_t>(row_bytes_);
+        }
+        stats_.rows_selected += n;
+      }
+    }
+    if (on_cpu) {
+      ParallelFor(items, [&](int64_t i) { cpu::AttendPaged(params, &paged_items_[i], 1); });
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(o_gpu_, o_cpu_host_, nq * 4, stream));
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(lse_gpu_, lse_cpu_host_, batch * hq * 4, stream));
+      stats_.bytes_d2h += nq * 4;
+      stats_.bytes_h2d += (nq + batch * hq) * 4;
+      stats_.ms_attend_cpu += MsSince(t0);
+    } else {
+      KVF_RETURN_IF_ERROR(device_->AttendPaged(params, paged_items_, items, stream));
+      stats_.ms_attend_gpu += MsSince(t0);
+    }
+    t0 = Clock::now();
+    KVF_RETURN_IF_ERROR(device_->MergeLse(o_gpu_, lse_gpu_, nullptr, nullptr, batch * hq, d,
+                                          out_stage_, out.dtype, stream));
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
+    if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+    stats_.ms_merge += MsSince(t0);
+    stats_.decode_steps += 1;
+    stats_.decode_tokens += batch;
+    return Status::Ok();
+  }
+
+  // 2 select: the policy runs on the host over the f32 queries.
+  t0 = Clock::now();
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, nq * 4, stream));
+  KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+  stats_.bytes_d2h += nq * 4;
+  ParallelFor(items, [&](int64_t i) {
+    const int64_t b = i / hkv;
+    const int h = static_cast<int>(i % hkv);
+    SelectContext ctx;
+    ctx.slot = slot_of[b];
+    ctx.layer = layer;
+    ctx.kv_head = h;
+    ctx.n = lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
+    ctx.sink = config_.tiers.sink_tokens;
+    ctx.window = config_.tiers.window_tokens;
+    ctx.budget = BudgetFor(ctx.n);
+    ctx.q = q_host_ + b * hq * d + h * gd;
+    ctx.params = params;
+    ctx.kv = store_->pages(slot_of[b], layer, h);
+    std::vector<int32_t>& sel = selections_[i];
+    sel.clear();
+    item_status_[i] = policy_->Select(ctx, sel);
+    if (item_status_[i].ok() && static_cast<int64_t>(sel.size()) > item_cap_) {
+      item_status_[i] = Internal(StrCat("policy '", policy_->name(), "' selected ", sel.size(),
+                                        " positions, over its capacity ", item_cap_));
+    }
+  });
+  for (int64_t i = 0; i < items; ++i) {
+    if (!item_status_[i].ok()) {
+      // The new token is stored; the step failed in the policy. Roll the length back so that the
+      // sequence is as before the call.
+      for (int64_t b = 0; b < batch; ++b) --lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
+      return item_status_[i];
+    }
+  }
+  stats_.ms_select += MsSince(t0);
+
+  // 3 resolve + 4 route.
+  t0 = Clock::now();
+  int64_t cpu_items = 0;
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t b = i / hkv;
+    const int h = static_cast<int>(i % hkv);
+    const int slot = slot_of[b];
+    const int64_t n = lengths_[static_cast<size_t>(slot) * m.num_layers + layer];
+    const std::vector<int32_t>& sel = selections_[i];
+    last_selection_[(static_cast<size_t>(slot) * m.num_layers + layer) * hkv + h].assign(sel.begin(), sel.end());
+    const void** gk = gpu_k_rows_ + i * item_cap_;
+    const void** gv = gpu_v_rows_ + i * item_cap_;
+    int32_t n_gpu = 0;
+    int64_t misses = 0;
+    for (int32_t pos : sel) {
+      if (ResidentRow(pos, n) < 0) ++misses;
+    }
+    const int64_t to_cpu = CpuShare(route, cost_, misses);
+    const void** ck = cpu_k_rows_ + cpu_items * item_cap_;
+    const void** cv = cpu_v_rows_ + cpu_items * item_cap_;
+    int32_t n_cpu = 0;
+    int64_t miss_seen = 0;
+    for (int32_t pos : sel) {
+      const int64_t row = ResidentRow(pos, n);
+      if (row >= 0) {
+        gk[n_gpu] = ResidentK(slot, layer, h, row);
+        gv[n_gpu++] = ResidentV(slot, layer, h, row);
+        ++stats_.rows_resident;
+      } else if (miss_seen++ < misses - to_cpu) {
+        gk[n_gpu] = store_->k_row(slot, layer, h, pos);
+        gv[n_gpu++] = store_->v_row(slot, layer, h, pos);
+        ++stats_.rows_fetched;
+      } else {
+        ck[n_cpu] = store_->k_row(slot, layer, h, pos);
+        cv[n_cpu++] = store_->v_row(slot, layer, h, pos);
+        ++stats_.rows_cpu;
+      }
+    }
+    stats_.rows_selected += static_cast<int64_t>(sel.size());
+    const int64_t off = b * hq * d + h * gd;
+    gpu_items_[i] = RowAttnItem{q_f32_ + off, o_gpu_ + off, lse_gpu_ + b * hq + h * group_, gk, gv, n_gpu};
+    if (n_cpu > 0 || to_cpu > 0) {
+      cpu_items_[cpu_items++] =
+          RowAttnItem{q_host_ + off, o_cpu_host_ + off, lse_cpu_host_ + b * hq + h * group_, ck, cv, n_cpu};
+    }
+    stats_.bytes_h2d += (n_gpu - (static_cast<int64_t>(sel.size()) - misses)) * 2 * static_cast<int64_t>(row_bytes_);
+  }
+  stats_.ms_resolve += MsSince(t0);
+
+  // 5 attend: the GPU part is issued first so that the CPU part overlaps it.
+  t0 = Clock::now();
+  KVF_RETURN_IF_ERROR(device_->AttendRows(params, gpu_items_, items, stream));
+  stats_.ms_attend_gpu += MsSince(t0);
+  const bool have_cpu = cpu_items > 0;
+  if (have_cpu) {
+    t0 = Clock::now();
+    // Items without a CPU share contribute nothing: lse = -inf.
+    std::fill_n(lse_cpu_host_, batch * hq, -std::numeric_limits<float>::infinity());
+    std::fill_n(o_cpu_host_, nq, 0.0f);
+    ParallelFor(cpu_items, [&](int64_t i) { cpu::AttendRows(params, &cpu_items_[i], 1); });
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(o_cpu_dev_, o_cpu_host_, nq * 4, stream));
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(lse_cpu_dev_, lse_cpu_host_, batch * hq * 4, stream));
+    stats_.bytes_h2d += (nq + batch * hq) * 4;
+    stats_.ms_attend_cpu += MsSince(t0);
+  }
+  // 6 merge, and the output in its dtype.
+  t0 = Clock::now();
+  KVF_RETURN_IF_ERROR(device_->MergeLse(o_gpu_, lse_gpu_, have_cpu ? o_cpu_dev_ : nullptr,
+                                        have_cpu ? lse_cpu_dev_ : nullptr, batch * hq, d,
+                                        out_stage_, out.dtype, stream));
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
+  if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+  stats_.ms_merge += MsSince(t0);
+  stats_.decode_steps += 1;
+  stats_.decode_tokens += batch;
+  return Status::Ok();
+}
+
+Result<std::vector<int32_t>> RuntimeImpl::LastSelection(SequenceId seq, int layer,
+                                                        int kv_head) const {
+  KVF_RETURN_IF_ERROR(CheckLayer(layer));
+  KVF_ASSIGN_OR_RETURN(int slot, SlotOf(seq));
+  KVF_CHECK_ARG(kv_head >= 0 && kv_head < config_.model.num_kv_heads, "kv_head ", kv_head,
+                " out of range [0, ", config_.model.num_kv_heads, ")");
+  if (policy_->is_dense()) {
+    const int64_t n = lengths_[static_cast<size_t>(slot) * config_.model.num_layers + layer];
+    std::vector<int32_t> all(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) all[i] = static_cast<int32_t>(i);
+    return all;
+  }
+  return last_selection_[(static_cast<size_t>(slot) * config_.model.num_layers + layer) *
+                             config_.model.num_kv_heads + kv_head];
+}
+
+Stats RuntimeImpl::stats() const {
+  Stats s = stats_;
+  s.host_bytes_reserved = store_->bytes_reserved();
+  return s;
+}
+
+}  // namespace detail
+
+// ---- public facade ---------------------------------------------------------------------------
+
+Runtime::Runtime(std::unique_ptr<detail::RuntimeImpl> impl) : impl_(std::move(impl)) {}
+Runtime::~Runtime() = default;
+
+Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& config) {
+  KVF_ASSIGN_OR_RETURN(auto impl, detail::RuntimeImpl::Create(config));
+  return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
+}
+Status Runtime::AddSequence(SequenceId seq) { return impl_->AddSequence(seq); }
+Status Runtime::RemoveSequence(SequenceId seq) { return impl_->RemoveSequence(seq); }
+Result<int64_t> Runtime::SequenceLength(SequenceId seq, int layer) const {
+  return impl_->SequenceLength(seq, layer);
+}
+Status Runtime::Prefill(SequenceId seq, int layer, const TensorView& q, const TensorView& k,
+                        const TensorView& v, const TensorView& out, StreamHandle stream) {
+  return impl_->Prefill(seq, layer, q, k, v, out, stream);
+}
+Status Runtime::Decode(std::span<const SequenceId> seqs, int layer, const TensorView& q,
+                       const TensorView& k, const TensorView& v, const TensorView& out,
+                       StreamHandle stream) {
+  return impl_->Decode(seqs, layer, q, k, v, out, stream);
+}
+Result<std::vector<int32_t>> Runtime::LastSelection(SequenceId seq, int layer, int kv_head) const {
+  return impl_->LastSelection(seq, layer, kv_head);
+}
+Status Runtime::Synchronize() { return impl_->Synchronize(); }
+Stats Runtime::GetStats() const { return impl_->stats(); }
+void Runtime::ResetStats() { impl_->ResetStats(); }
+const RuntimeConfig& Runtime::config() const { return impl_->config(); }
+Backend Runtime::backend() const { return impl_->backend(); }
+
+}  // namespace kvferry

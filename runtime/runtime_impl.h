@@ -1,0 +1,115 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// Runtime internals: sequence slots, tiers, plan buffers and the decode step of DESIGN.md.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "gpu/device.h"
+#include "kvferry/runtime.h"
+#include "offload/host_store.h"
+#include "policies/policy.h"
+#include "runtime/scheduler.h"
+
+namespace kvferry::detail {
+
+/// A buffer from the Device, freed with it.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  bool host = false;
+};
+
+class RuntimeImpl {
+ public:
+  static Result<std::unique_ptr<RuntimeImpl>> Create(const RuntimeConfig& config);
+  ~RuntimeImpl();
+
+  Status AddSequence(SequenceId seq);
+  Status RemoveSequence(SequenceId seq);
+  Result<int64_t> SequenceLength(SequenceId seq, int layer) const;
+  Status Prefill(SequenceId seq, int layer, const TensorView& q, const TensorView& k,
+                 const TensorView& v, const TensorView& out, StreamHandle stream);
+  Status Decode(std::span<const SequenceId> seqs, int layer, const TensorView& q,
+                const TensorView& k, const TensorView& v, const TensorView& out,
+                StreamHandle stream);
+  Result<std::vector<int32_t>> LastSelection(SequenceId seq, int layer, int kv_head) const;
+  Status Synchronize() { return device_->SynchronizeStream(stream_); }
+
+  Stats stats() const;
+  void ResetStats() { stats_ = Stats{}; }
+  const RuntimeConfig& config() const { return config_; }
+  Backend backend() const { return device_->backend(); }
+
+ private:
+  explicit RuntimeImpl(const RuntimeConfig& config) : config_(config) {}
+  Status Init();
+  Result<void*> Alloc(size_t bytes, bool host);
+  Result<int> SlotOf(SequenceId seq) const;
+  Status CheckLayer(int layer) const;
+  Status CheckTensor(const TensorView& t, const char* name, int64_t rows, int heads) const;
+  int64_t BudgetFor(int64_t n) const;
+
+  // Resident tier addressing: rows [0, sink) hold the sinks, rows [sink, sink+window) the ring.
+  char* ResidentK(int slot, int layer, int h, int64_t row) const;
+  char* ResidentV(int slot, int layer, int h, int64_t row) const;
+  // Resident row of position pos in a sequence of n tokens, or -1 if host-only.
+  int64_t ResidentRow(int64_t pos, int64_t n) const;
+  // Appends rows [0, count) of k/v (input layout [count, Hkv, D]) at positions pos0.. of one slot.
+  int64_t PlanAppend(int slot, int layer, int64_t pos0, int64_t count, int64_t new_len,
+                     const void* k_src, const void* v_src, int64_t src_row0, RowCopy* copies);
+
+  RuntimeConfig config_;
+  std::unique_ptr<Device> device_;
+  StreamHandle stream_ = nullptr;
+  std::unique_ptr<HostStore> store_;
+  std::unique_ptr<Policy> policy_;
+  CostModel cost_;
+
+  int group_ = 1;
+  float scale_ = 1.0f;
+  size_t kv_elem_ = 2;
+  size_t row_bytes_ = 0;  // one K (or V) row
+  int64_t max_rows_ = 0;  // most tokens in one call (prefill chunk or batch)
+  int64_t item_cap_ = 0;  // most positions one (sequence, KV head) attends per step (0: dense)
+
+  std::unordered_map<SequenceId, int> slots_;
+  std::vector<int> free_slots_;
+  std::vector<int64_t> lengths_;  // [slot][layer]
+
+  std::vector<DeviceBuffer> buffers_;
+  char* resident_ = nullptr;  // device: [slot][layer][kv_head][K rows (S+W), V rows (S+W)]
+  // device staging
+  void* q_in_ = nullptr;
+  void* k_in_ = nullptr;
+  void* v_in_ = nullptr;
+  void* out_stage_ = nullptr;
+  float* q_f32_ = nullptr;   // device, decode: [B, Hq, D]; prefill: [Hkv, T, G, D]
+  float* o_gpu_ = nullptr;   // device, like q_f32_
+  float* lse_gpu_ = nullptr;
+  float* o_cpu_dev_ = nullptr;
+  float* lse_cpu_dev_ = nullptr;
+  // pinned host
+  float* q_host_ = nullptr;
+  float* o_cpu_host_ = nullptr;
+  float* lse_cpu_host_ = nullptr;
+  RowCopy* copies_ = nullptr;
+  RowAttnItem* gpu_items_ = nullptr;
+  RowAttnItem* cpu_items_ = nullptr;
+  PagedAttnItem* paged_items_ = nullptr;
+  const void** gpu_k_rows_ = nullptr;
+  const void** gpu_v_rows_ = nullptr;
+  const void** cpu_k_rows_ = nullptr;
+  const void** cpu_v_rows_ = nullptr;
+
+  std::vector<std::vector<int32_t>> selections_;       // per decode item
+  std::vector<std::vector<int32_t>> last_selection_;   // per (slot, layer, kv head)
+  std::vector<Status> item_status_;
+  std::vector<int> batch_slots_;
+  Stats stats_;
+};
+
+}  // namespace kvferry::detail
