@@ -40,7 +40,11 @@ class RuntimeImpl {
   Status Synchronize() { return device_->SynchronizeStream(stream_); }
 
   Stats stats() const;
-  void ResetStats() { stats_ = Stats{}; }
+  void ResetStats() {
+    const int64_t device_bytes = stats_.device_bytes_reserved;
+    stats_ = Stats{};
+    stats_.device_bytes_reserved = device_bytes;
+  }
   const RuntimeConfig& config() const { return config_; }
   Backend backend() const { return device_->backend(); }
 
