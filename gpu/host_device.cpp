@@ -10,6 +10,7 @@
 #include "cpu/dtype.h"
 #include "cpu/reference.h"
 #include "gpu/device.h"
+#include "offload/numa.h"
 #include "runtime/check.h"
 
 namespace kvferry {
@@ -29,7 +30,13 @@ class HostDevice final : public Device {
 
   Result<void*> AllocDevice(size_t bytes) override { return Alloc(bytes); }
   void FreeDevice(void* ptr) override { std::free(ptr); }
-  Result<void*> AllocHost(size_t bytes) override { return Alloc(bytes); }
+  // Host-store pages are bound to the NUMA node of the thread that creates the runtime (the
+  // engine's), which is where the CPU route's workers run with no GPU to follow.
+  Result<void*> AllocHost(size_t bytes) override {
+    Result<void*> r = Alloc(bytes);
+    if (r.ok()) BindToNumaNode(r.value(), bytes, -1);
+    return r;
+  }
   void FreeHost(void* ptr) override { std::free(ptr); }
 
   StreamHandle default_stream() const override { return nullptr; }
