@@ -1,7 +1,9 @@
 // Copyright kvferry authors. Apache-2.0.
 #pragma once
 // CPU attention entry points used by the runtime. Each picks its implementation once at run time
-// from an ordered list (fastest first, scalar reference last) by what the CPU supports.
+// from an ordered list (fastest first, scalar reference last) by what the CPU supports:
+// AVX-512 BF16/FP16, AVX-512F, AVX2, scalar (see cpu_features.h; KVFERRY_CPU_ISA caps it).
+// All of them are single-threaded; the worker pool (pool.h) parallelises over items.
 
 #include <cstdint>
 #include <vector>
@@ -13,18 +15,67 @@ namespace kvferry::cpu {
 /// Attends every item of the batch (single-threaded; the worker pool parallelises over items).
 void AttendRows(const AttnParams& p, const RowAttnItem* items, int64_t num_items);
 
-/// Causal paged attention (prefill and dense decode) on the CPU.
+/// Causal paged attention (prefill and dense decode) on the CPU. Items with num_q * group >= 32
+/// (prefill chunks) go through oneDNN matmul (AMX / AVX-512 BF16 where the CPU has them) when
+/// oneDNN has a primitive for the dtype; that path rounds q and the softmax weights to the KV dtype
+/// before the matmuls (as GPU flash attention does), so it matches the reference to the dtype's
+/// precision. Decode-sized items use the SIMD kernels and match the reference to fp32 rounding.
 void AttendPaged(const AttnParams& p, const PagedAttnItem* items, int64_t num_items);
 
 /// Scaled logits of a GQA group over all positions [0, n) of a paged KV head:
 /// logits[g * n + j]. Used by the oracle policy and LFPS candidate scoring.
 void ScorePaged(const AttnParams& p, const float* q, const KvPages& kv, int64_t n, float* logits);
 
-/// Exact top-k indices (see TopKRef for the ordering contract).
+/// Exact top-k indices (see TopKRef for the ordering contract). Vectorised threshold filter plus
+/// partial selection; equals TopKRef exactly.
 void TopK(const float* scores, int64_t n, int64_t k, int32_t* out_indices);
 
 /// Name of the implementation AttendRows uses on this CPU ("avx512_bf16", "avx512f", "avx2",
 /// "scalar").
 const char* AttendRowsImplName();
+
+// ---- additions for the CPU route, LFPS and the benchmarks ----------------------------------------
+
+/// Attention of one GQA group over a list of positions of a paged KV head (the CPU route's unit of
+/// work: only positions cross from the planner, rows are read where they lie). Same output
+/// contract as RowAttnItem: normalised o, natural-log lse, count == 0 gives o = 0, lse = -inf.
+struct PositionAttnItem {
+  const float* q = nullptr;  ///< [group, head_dim] fp32
+  float* o = nullptr;        ///< [group, head_dim] fp32
+  float* lse = nullptr;      ///< [group]
+  KvPages kv;
+  const int32_t* positions = nullptr;  ///< [count], any order, each < stored length
+  int32_t count = 0;
+};
+
+/// Attends every item (single-threaded).
+void AttendPositions(const AttnParams& p, const PositionAttnItem* items, int64_t num_items);
+
+/// Scaled logits over a position list: logits[g * count + j] = scale * q_g . k_{positions[j]}.
+void ScorePositions(const AttnParams& p, const float* q, const KvPages& kv,
+                    const int32_t* positions, int32_t count, float* logits);
+
+/// Scaled logits over [begin, end): logits[g * ld + (j - begin)].
+void ScoreRange(const AttnParams& p, const float* q, const KvPages& kv, int64_t begin,
+                int64_t end, float* logits, int64_t ld);
+
+/// Indices i in [0, n) with x[i] > thr, ascending, offset by \p base; returns the count. \p out has
+/// room for n. (The vectorised scan behind TopK and the LFPS candidate tables.)
+int64_t FilterGreater(const float* x, int64_t n, float thr, int32_t base, int32_t* out);
+
+/// Which dense implementation AttendPagedWith uses.
+enum class DenseImpl : uint8_t { kAuto = 0, kOneDnn = 1, kSimd = 2 };
+
+/// Dense causal paged attention through \p impl. Returns false (and writes nothing) when \p impl
+/// cannot run this shape here (oneDNN has no primitive for the dtype on this CPU).
+bool AttendPagedWith(DenseImpl impl, const AttnParams& p, const PagedAttnItem& item);
+
+/// oneDNN's implementation name for the bf16/f16 QK^T matmul of this shape ("brg:avx512_core_amx",
+/// "gemm:jit", ...), or "unavailable".
+const char* OneDnnMatmulImplName(const AttnParams& p);
+
+/// Makes oneDNN's OpenMP runtime use one thread on the calling thread (a no-op if oneDNN's
+/// runtime is not OpenMP). The pool calls it on every worker so oneDNN never oversubscribes it.
+void LimitOneDnnThreadsOnThisThread();
 
 }  // namespace kvferry::cpu

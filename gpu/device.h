@@ -34,6 +34,9 @@ class Device {
   virtual ~Device() = default;
   [[nodiscard]] virtual Backend backend() const = 0;
   [[nodiscard]] virtual std::string name() const = 0;
+  /// PCI bus id of the accelerator ("0000:3b:00.0"), empty for the host device. The CPU worker
+  /// pool pins itself to the cores of this device's NUMA node.
+  [[nodiscard]] virtual std::string pci_bus_id() const { return {}; }
 
   // ---- memory (set-up time) ----
   virtual Result<void*> AllocDevice(size_t bytes) = 0;

@@ -7,7 +7,6 @@
 
 #include "cpu/attention.h"
 #include "runtime/check.h"
-#include "runtime/parallel.h"
 #include "runtime/runtime_impl.h"
 
 namespace kvferry {
@@ -116,6 +115,10 @@ Status RuntimeImpl::Init() {
   }
   stream_ = device_->default_stream();
   KVF_ASSIGN_OR_RETURN(policy_, MakePolicy(config_));
+  cpu::CpuPoolOptions pool_options;
+  pool_options.threads = config_.cpu_threads;
+  pool_options.gpu_pci_bus_id = device_->pci_bus_id();
+  KVF_ASSIGN_OR_RETURN(pool_, cpu::CpuPool::Create(pool_options));
 
   group_ = m.num_q_heads / m.num_kv_heads;
   scale_ = m.softmax_scale > 0.0f ? m.softmax_scale : 1.0f / std::sqrt(static_cast<float>(m.head_dim));
@@ -477,7 +480,11 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
 
   const AttnParams params{group_, d, m.kv_dtype, scale_};
   const int64_t items = batch * hkv;
-  const Route route = config_.route;
+  // A policy that selects on the CPU has q there already: in auto its misses stay on the CPU
+  // (only q went down; only (o, lse) comes back), as LFPS prescribes.
+  const Route route = config_.route == Route::kAuto && policy_->placement() == Placement::kCpu
+                          ? Route::kCpu
+                          : config_.route;
 
   if (policy_->is_dense()) {
     // Dense: every position read from the host store (full streaming), on the chosen route.
@@ -508,7 +515,7 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
       }
     }
     if (on_cpu) {
-      ParallelFor(items, [&](int64_t i) { cpu::AttendPaged(params, &paged_items_[i], 1); });
+      pool_->ParallelFor(items, [&](int64_t i) { cpu::AttendPaged(params, &paged_items_[i], 1); });
       KVF_RETURN_IF_ERROR(device_->CopyAsync(o_gpu_, o_cpu_host_, nq * 4, stream));
       KVF_RETURN_IF_ERROR(device_->CopyAsync(lse_gpu_, lse_cpu_host_, batch * hq * 4, stream));
       stats_.bytes_d2h += nq * 4;
@@ -534,7 +541,7 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, nq * 4, stream));
   KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
   stats_.bytes_d2h += nq * 4;
-  ParallelFor(items, [&](int64_t i) {
+  pool_->ParallelFor(items, [&](int64_t i) {
     const int64_t b = i / hkv;
     const int h = static_cast<int>(i % hkv);
     SelectContext ctx;
@@ -625,7 +632,7 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
     // Items without a CPU share contribute nothing: lse = -inf.
     std::fill_n(lse_cpu_host_, batch * hq, -std::numeric_limits<float>::infinity());
     std::fill_n(o_cpu_host_, nq, 0.0f);
-    ParallelFor(cpu_items, [&](int64_t i) { cpu::AttendRows(params, &cpu_items_[i], 1); });
+    pool_->ParallelFor(cpu_items, [&](int64_t i) { cpu::AttendRows(params, &cpu_items_[i], 1); });
     KVF_RETURN_IF_ERROR(device_->CopyAsync(o_cpu_dev_, o_cpu_host_, nq * 4, stream));
     KVF_RETURN_IF_ERROR(device_->CopyAsync(lse_cpu_dev_, lse_cpu_host_, batch * hq * 4, stream));
     stats_.bytes_h2d += (nq + batch * hq) * 4;

@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cpu/pool.h"
 #include "gpu/device.h"
 #include "kvferry/runtime.h"
 #include "offload/host_store.h"
@@ -40,6 +41,7 @@ class RuntimeImpl {
   Status Synchronize() { return device_->SynchronizeStream(stream_); }
 
   Stats stats() const;
+  cpu::CpuPool& pool() { return *pool_; }
   void ResetStats() {
     const int64_t device_bytes = stats_.device_bytes_reserved;
     stats_ = Stats{};
@@ -71,6 +73,7 @@ class RuntimeImpl {
   StreamHandle stream_ = nullptr;
   std::unique_ptr<HostStore> store_;
   std::unique_ptr<Policy> policy_;
+  std::unique_ptr<cpu::CpuPool> pool_;  // CPU route and host-side selection
   CostModel cost_;
 
   int group_ = 1;
