@@ -77,6 +77,7 @@ Result<std::unique_ptr<RuntimeImpl>> RuntimeImpl::Create(const RuntimeConfig& co
 RuntimeImpl::~RuntimeImpl() {
   if (device_ == nullptr) return;
   device_->SynchronizeStream(stream_).IgnoreError();
+  if (call_done_ != nullptr) device_->DestroyEvent(call_done_);
   store_.reset();
   for (const DeviceBuffer& b : buffers_) {
     if (b.host) {
@@ -177,11 +178,16 @@ Status RuntimeImpl::Init() {
   o_cpu_host_ = static_cast<float*>(p);
   KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(cap.max_batch * hq) * 4, true));
   lse_cpu_host_ = static_cast<float*>(p);
-  // Row copies per call: K and V to the store, the ring and the sinks for every row, plus q and
-  // output rows (prefill transposes them per KV head).
-  const size_t num_copies = static_cast<size_t>(max_rows_ * hkv * 6 + max_rows_ * hkv * 2);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(num_copies * sizeof(RowCopy), true));
-  copies_ = static_cast<RowCopy*>(p);
+  const size_t rows = static_cast<size_t>(max_rows_);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(rows * hkv * 2 * sizeof(RowCopy), true));
+  k_copies_ = static_cast<RowCopy*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(rows * hkv * 2 * sizeof(RowCopy), true));
+  v_copies_ = static_cast<RowCopy*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(rows * hq * sizeof(RowCopy), true));
+  q_copies_ = static_cast<RowCopy*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(rows * hkv * sizeof(RowCopy), true));
+  o_copies_ = static_cast<RowCopy*>(p);
+  KVF_ASSIGN_OR_RETURN(call_done_, device_->CreateEvent());
   const size_t items = static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv);
   KVF_ASSIGN_OR_RETURN(p, Alloc(items * sizeof(RowAttnItem), true));
   gpu_items_ = static_cast<RowAttnItem*>(p);
@@ -296,30 +302,47 @@ int64_t RuntimeImpl::ResidentRow(int64_t pos, int64_t n) const {
 }
 
 int64_t RuntimeImpl::PlanAppend(int slot, int layer, int64_t pos0, int64_t count, int64_t new_len,
-                                const void* k_src, const void* v_src, int64_t src_row0,
-                                RowCopy* copies) {
-  const int hkv = config_.model.num_kv_heads;
+                                const void* k_src, size_t k_elem, const void* v_src, size_t v_elem,
+                                int64_t src_row0, RowCopy* k_copies, RowCopy* v_copies) {
+  const int hkv = config_.model.num_kv_heads, d = config_.model.head_dim;
   const int sink = config_.tiers.sink_tokens, window = config_.tiers.window_tokens;
   int64_t c = 0;
   for (int64_t t = 0; t < count; ++t) {
     const int64_t pos = pos0 + t;
     for (int h = 0; h < hkv; ++h) {
       const int64_t src_row = (src_row0 + t) * hkv + h;
-      const void* ks = static_cast<const char*>(k_src) + src_row * config_.model.head_dim * 4;
-      const void* vs = static_cast<const char*>(v_src) + src_row * config_.model.head_dim * 4;
-      copies[c++] = RowCopy{store_->k_row(slot, layer, h, pos), ks};
-      copies[c++] = RowCopy{store_->v_row(slot, layer, h, pos), vs};
+      const void* ks = static_cast<const char*>(k_src) + src_row * d * k_elem;
+      const void* vs = static_cast<const char*>(v_src) + src_row * d * v_elem;
+      k_copies[c] = RowCopy{store_->k_row(slot, layer, h, pos), ks};
+      v_copies[c++] = RowCopy{store_->v_row(slot, layer, h, pos), vs};
+      int64_t row = -1;
       if (pos < sink) {
-        copies[c++] = RowCopy{ResidentK(slot, layer, h, pos), ks};
-        copies[c++] = RowCopy{ResidentV(slot, layer, h, pos), vs};
+        row = pos;
       } else if (pos >= new_len - window) {
-        copies[c++] = RowCopy{ResidentK(slot, layer, h, sink + pos % window), ks};
-        copies[c++] = RowCopy{ResidentV(slot, layer, h, sink + pos % window), vs};
+        row = sink + pos % window;
+      }
+      if (row >= 0) {
+        k_copies[c] = RowCopy{ResidentK(slot, layer, h, row), ks};
+        v_copies[c++] = RowCopy{ResidentV(slot, layer, h, row), vs};
       }
     }
   }
   return c;
 }
+
+Result<const void*> RuntimeImpl::StageInput(const TensorView& t, void* staging, StreamHandle stream) {
+  if (t.where == MemoryKind::kDevice || device_->backend() == Backend::kHost) return static_cast<const void*>(t.data);
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(staging, t.data, static_cast<size_t>(t.numel()) * DTypeSize(t.dtype), stream));
+  return static_cast<const void*>(staging);
+}
+
+Status RuntimeImpl::BeginCall() {
+  // The descriptor buffers are single-buffered: the previous call's launches must have read them.
+  // (Host-side selection synchronises every step anyway; double buffering would lift this.)
+  return device_->SynchronizeEvent(call_done_);
+}
+
+Status RuntimeImpl::EndCall(StreamHandle stream) { return device_->RecordEvent(call_done_, stream); }
 
 Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, const TensorView& k,
                             const TensorView& v, const TensorView& out, StreamHandle stream) {
@@ -346,35 +369,30 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   if (stream == nullptr) stream = stream_;
 
   const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
-  // Stage inputs as f32 (device memory; a copy when they are already there).
-  const int64_t nq = tokens * hq * d, nkv = tokens * hkv * d;
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(q_in_, q.data, nq * DTypeSize(q.dtype), stream));
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(k_in_, k.data, nkv * DTypeSize(k.dtype), stream));
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(v_in_, v.data, nkv * DTypeSize(v.dtype), stream));
-  // Convert in place into f32 staging: q_f32_ <- q (transposed to [Hkv, T, G, D]), and k/v into
-  // o_gpu_/out_stage_ scratch as f32 [T, Hkv, D] for the row scatter.
-  float* k_f32 = o_gpu_;
-  float* v_f32 = static_cast<float*>(out_stage_);
-  {
-    RowCopy c[2] = {{k_f32, k_in_}, {v_f32, v_in_}};
-    KVF_RETURN_IF_ERROR(device_->CopyRows(&c[0], 1, static_cast<int>(nkv), k.dtype, DType::kF32, stream));
-    KVF_RETURN_IF_ERROR(device_->CopyRows(&c[1], 1, static_cast<int>(nkv), v.dtype, DType::kF32, stream));
-  }
-  const int64_t n_copies = PlanAppend(slot, layer, pos0, tokens, new_len, k_f32, v_f32, 0, copies_);
-  KVF_RETURN_IF_ERROR(device_->CopyRows(copies_, n_copies, d, DType::kF32, m.kv_dtype, stream));
+  KVF_RETURN_IF_ERROR(BeginCall());
+  const int64_t nq = tokens * hq * d;
+  KVF_ASSIGN_OR_RETURN(const void* q_src, StageInput(q, q_in_, stream));
+  KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, k_in_, stream));
+  KVF_ASSIGN_OR_RETURN(const void* v_src, StageInput(v, v_in_, stream));
+  const int64_t n_copies = PlanAppend(slot, layer, pos0, tokens, new_len, k_src, DTypeSize(k.dtype),
+                                      v_src, DTypeSize(v.dtype), 0, k_copies_, v_copies_);
+  KVF_RETURN_IF_ERROR(device_->CopyRows(k_copies_, n_copies, d, k.dtype, m.kv_dtype, stream));
+  KVF_RETURN_IF_ERROR(device_->CopyRows(v_copies_, n_copies, d, v.dtype, m.kv_dtype, stream));
   stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
 
+  // q to f32, transposed to [Hkv, T, G, D] so that each KV head's queries are contiguous.
   const int64_t gd = static_cast<int64_t>(group_) * d;
   for (int64_t t = 0; t < tokens; ++t) {
     for (int h = 0; h < hkv; ++h) {
-      copies_[t * hkv + h] = RowCopy{q_f32_ + (h * tokens + t) * gd,
-                                     static_cast<char*>(q_in_) + (t * hq + h * group_) * d * DTypeSize(q.dtype)};
+      q_copies_[t * hkv + h] = RowCopy{
+          q_f32_ + (h * tokens + t) * gd,
+          static_cast<const char*>(q_src) + (t * hq + h * group_) * d * DTypeSize(q.dtype)};
     }
   }
-  KVF_RETURN_IF_ERROR(device_->CopyRows(copies_, tokens * hkv, static_cast<int>(gd), q.dtype,
+  KVF_RETURN_IF_ERROR(device_->CopyRows(q_copies_, tokens * hkv, static_cast<int>(gd), q.dtype,
                                         DType::kF32, stream));
   AttnParams params{group_, d, m.kv_dtype, scale_};
-  float* o_f32 = o_gpu_;  // k_f32 scratch is consumed by now (stream order)
+  float* o_f32 = o_gpu_;
   for (int h = 0; h < hkv; ++h) {
     PagedAttnItem& it = paged_items_[h];
     it.q = q_f32_ + h * tokens * gd;
@@ -385,15 +403,19 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
     it.num_q = static_cast<int32_t>(tokens);
   }
   KVF_RETURN_IF_ERROR(device_->AttendPaged(params, paged_items_, hkv, stream));
+  const bool out_direct = out.where == MemoryKind::kDevice || device_->backend() == Backend::kHost;
+  char* out_dst = static_cast<char*>(out_direct ? out.data : out_stage_);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int h = 0; h < hkv; ++h) {
-      copies_[t * hkv + h] = RowCopy{static_cast<char*>(out_stage_) + (t * hq + h * group_) * d * DTypeSize(out.dtype),
-                                     o_f32 + (h * tokens + t) * gd};
+      o_copies_[t * hkv + h] = RowCopy{out_dst + (t * hq + h * group_) * d * DTypeSize(out.dtype),
+                                       o_f32 + (h * tokens + t) * gd};
     }
   }
-  KVF_RETURN_IF_ERROR(device_->CopyRows(copies_, tokens * hkv, static_cast<int>(gd), DType::kF32,
+  KVF_RETURN_IF_ERROR(device_->CopyRows(o_copies_, tokens * hkv, static_cast<int>(gd), DType::kF32,
                                         out.dtype, stream));
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
+  if (!out_direct) {
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
+  }
 
   // Policies learn from the prompt's queries (host copy of the transposed f32 queries).
   KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, static_cast<size_t>(nq) * 4, stream));
@@ -414,6 +436,7 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
     ctx.kv = store_->pages(slot, layer, h);
     KVF_RETURN_IF_ERROR(policy_->OnPrefill(ctx));
   }
+  KVF_RETURN_IF_ERROR(EndCall(stream));
   len = new_len;
   stats_.prefill_tokens += tokens;
   stats_.ms_prefill += MsSince(t0);
@@ -453,27 +476,26 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   }
   if (stream == nullptr) stream = stream_;
   const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
-  const int64_t nq = batch * hq * d, nkv = batch * hkv * d;
+  const int64_t nq = batch * hq * d;
   const int64_t gd = static_cast<int64_t>(group_) * d;
 
-  // 1 append: stage, convert, write through to the store and into the resident ring.
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(q_in_, q.data, nq * DTypeSize(q.dtype), stream));
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(k_in_, k.data, nkv * DTypeSize(k.dtype), stream));
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(v_in_, v.data, nkv * DTypeSize(v.dtype), stream));
-  float* k_f32 = o_gpu_;
-  float* v_f32 = o_cpu_dev_;
-  {
-    RowCopy c[3] = {{q_f32_, q_in_}, {k_f32, k_in_}, {v_f32, v_in_}};
-    KVF_RETURN_IF_ERROR(device_->CopyRows(&c[0], 1, static_cast<int>(nq), q.dtype, DType::kF32, stream));
-    KVF_RETURN_IF_ERROR(device_->CopyRows(&c[1], 1, static_cast<int>(nkv), k.dtype, DType::kF32, stream));
-    KVF_RETURN_IF_ERROR(device_->CopyRows(&c[2], 1, static_cast<int>(nkv), v.dtype, DType::kF32, stream));
+  // 1 append: write the new rows through to the store and into the resident ring; q to f32.
+  KVF_RETURN_IF_ERROR(BeginCall());
+  KVF_ASSIGN_OR_RETURN(const void* q_src, StageInput(q, q_in_, stream));
+  KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, k_in_, stream));
+  KVF_ASSIGN_OR_RETURN(const void* v_src, StageInput(v, v_in_, stream));
+  for (int64_t r = 0; r < batch * hq; ++r) {
+    q_copies_[r] = RowCopy{q_f32_ + r * d, static_cast<const char*>(q_src) + r * d * DTypeSize(q.dtype)};
   }
+  KVF_RETURN_IF_ERROR(device_->CopyRows(q_copies_, batch * hq, d, q.dtype, DType::kF32, stream));
   int64_t n_copies = 0;
   for (int64_t b = 0; b < batch; ++b) {
     int64_t& len = lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
-    n_copies += PlanAppend(slot_of[b], layer, len, 1, len + 1, k_f32, v_f32, b, copies_ + n_copies);
+    n_copies += PlanAppend(slot_of[b], layer, len, 1, len + 1, k_src, DTypeSize(k.dtype), v_src,
+                           DTypeSize(v.dtype), b, k_copies_ + n_copies, v_copies_ + n_copies);
   }
-  KVF_RETURN_IF_ERROR(device_->CopyRows(copies_, n_copies, d, DType::kF32, m.kv_dtype, stream));
+  KVF_RETURN_IF_ERROR(device_->CopyRows(k_copies_, n_copies, d, k.dtype, m.kv_dtype, stream));
+  KVF_RETURN_IF_ERROR(device_->CopyRows(v_copies_, n_copies, d, v.dtype, m.kv_dtype, stream));
   for (int64_t b = 0; b < batch; ++b) ++lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
   stats_.bytes_d2h += batch * hkv * 2 * static_cast<int64_t>(row_bytes_);
   stats_.ms_append += MsSince(t0);
@@ -526,10 +548,7 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
       stats_.ms_attend_gpu += MsSince(t0);
     }
     t0 = Clock::now();
-    KVF_RETURN_IF_ERROR(device_->MergeLse(o_gpu_, lse_gpu_, nullptr, nullptr, batch * hq, d,
-                                          out_stage_, out.dtype, stream));
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
-    if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+    KVF_RETURN_IF_ERROR(WriteOutput(nullptr, nullptr, batch * hq, out, stream));
     stats_.ms_merge += MsSince(t0);
     stats_.decode_steps += 1;
     stats_.decode_tokens += batch;
@@ -640,14 +659,27 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   }
   // 6 merge, and the output in its dtype.
   t0 = Clock::now();
-  KVF_RETURN_IF_ERROR(device_->MergeLse(o_gpu_, lse_gpu_, have_cpu ? o_cpu_dev_ : nullptr,
-                                        have_cpu ? lse_cpu_dev_ : nullptr, batch * hq, d,
-                                        out_stage_, out.dtype, stream));
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
-  if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+  KVF_RETURN_IF_ERROR(WriteOutput(have_cpu ? o_cpu_dev_ : nullptr, have_cpu ? lse_cpu_dev_ : nullptr,
+                                  batch * hq, out, stream));
   stats_.ms_merge += MsSince(t0);
   stats_.decode_steps += 1;
   stats_.decode_tokens += batch;
+  return Status::Ok();
+}
+
+Status RuntimeImpl::WriteOutput(const float* o_b, const float* lse_b, int64_t rows,
+                                const TensorView& out, StreamHandle stream) {
+  const bool direct = out.where == MemoryKind::kDevice || device_->backend() == Backend::kHost;
+  void* dst = direct ? out.data : out_stage_;
+  KVF_RETURN_IF_ERROR(device_->MergeLse(o_gpu_, lse_gpu_, o_b, lse_b, rows, config_.model.head_dim,
+                                        dst, out.dtype, stream));
+  if (!direct) {
+    const size_t bytes = static_cast<size_t>(rows) * config_.model.head_dim * DTypeSize(out.dtype);
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, bytes, stream));
+  }
+  KVF_RETURN_IF_ERROR(EndCall(stream));
+  // Host-memory outputs are complete when Decode returns.
+  if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
   return Status::Ok();
 }
 

@@ -64,9 +64,21 @@ class RuntimeImpl {
   char* ResidentV(int slot, int layer, int h, int64_t row) const;
   // Resident row of position pos in a sequence of n tokens, or -1 if host-only.
   int64_t ResidentRow(int64_t pos, int64_t n) const;
-  // Appends rows [0, count) of k/v (input layout [count, Hkv, D]) at positions pos0.. of one slot.
+  // Plans the writes of rows [src_row0, src_row0 + count) of k/v (input layout [rows, Hkv, D],
+  // element sizes k_elem/v_elem) to positions pos0.. of one slot: the store (write-through) and
+  // the resident tier. Fills k_copies and v_copies alike; returns how many each got.
   int64_t PlanAppend(int slot, int layer, int64_t pos0, int64_t count, int64_t new_len,
-                     const void* k_src, const void* v_src, int64_t src_row0, RowCopy* copies);
+                     const void* k_src, size_t k_elem, const void* v_src, size_t v_elem,
+                     int64_t src_row0, RowCopy* k_copies, RowCopy* v_copies);
+  // Where the device reads an input from: the caller's memory when the device can read it,
+  // else a staging copy (pageable host memory on CUDA).
+  Result<const void*> StageInput(const TensorView& t, void* staging, StreamHandle stream);
+  // Waits until the previous call's work no longer reads the descriptor buffers.
+  Status BeginCall();
+  Status EndCall(StreamHandle stream);
+  // Merges the CPU part (if any) into the GPU part and writes \p out in its dtype.
+  Status WriteOutput(const float* o_b, const float* lse_b, int64_t rows, const TensorView& out,
+                     StreamHandle stream);
 
   RuntimeConfig config_;
   std::unique_ptr<Device> device_;
@@ -103,7 +115,13 @@ class RuntimeImpl {
   float* q_host_ = nullptr;
   float* o_cpu_host_ = nullptr;
   float* lse_cpu_host_ = nullptr;
-  RowCopy* copies_ = nullptr;
+  // Row-copy descriptors, one region per use in a call so that no region is rewritten while an
+  // earlier asynchronous launch of the same call may still read it.
+  RowCopy* k_copies_ = nullptr;  // [max_rows * Hkv * 2]
+  RowCopy* v_copies_ = nullptr;  // [max_rows * Hkv * 2]
+  RowCopy* q_copies_ = nullptr;  // [max_rows * Hq]
+  RowCopy* o_copies_ = nullptr;  // [max_rows * Hkv]
+  EventHandle call_done_ = nullptr;
   RowAttnItem* gpu_items_ = nullptr;
   RowAttnItem* cpu_items_ = nullptr;
   PagedAttnItem* paged_items_ = nullptr;
