@@ -1,0 +1,397 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// Decode attention kernels: one query token (per GQA group) against a list of KV rows, split over
+// the rows FlashDecoding-style and merged exactly by log-sum-exp. Written here rather than taken
+// from a library because the rows come from anywhere (paged resident tier, token bank, or pinned
+// host memory read zero-copy over PCIe) and the output must carry the lse for the CPU-route merge.
+//
+// Work layout. A CTA of kWarps warps takes one item (blockIdx.x), one chunk of its rows
+// (blockIdx.y of num_splits) and up to G query heads of its group (blockIdx.z). A KV row is
+// head_dim contiguous elements; LPR = head_dim / 8 lanes read it with one 16-byte load each, so a
+// warp step covers 32 / LPR rows and every lane keeps q, the running max, sum and output for its 8
+// dimensions of each query head in registers (no shared memory in the main loop). kSteps row steps
+// are loaded before the first is used so that enough bytes are in flight to saturate HBM (or
+// PCIe for zero-copy rows). Logits are kept in the log2 domain (q is pre-scaled by scale*log2e).
+//
+// Paged items with num_q > 1 (prefill) do not split the rows: the CTA at blockIdx.y takes query
+// tokens t = y, y + num_splits, ... over their full causal range and writes the final result.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu/attn_types.h"
+
+namespace kvferry::cuda {
+
+constexpr int kAttnWarps = 4;
+constexpr int kAttnThreads = kAttnWarps * 32;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+/// Kernel arguments (a POD view). ws_o: [num_items, num_splits, group, head_dim] fp32 partial
+/// outputs (normalised); ws_lse: [num_items, num_splits, group] natural-log lse. Unused (null) when
+/// num_splits == 1.
+struct DecodeAttnArgs {
+  const void* items = nullptr;  // const RowAttnItem* or const PagedAttnItem*
+  int32_t num_items = 0;
+  int32_t group = 1;
+  int32_t num_splits = 1;
+  int32_t min_chunk = 256;
+  float scale_log2 = 0.0f;
+  float* ws_o = nullptr;
+  float* ws_lse = nullptr;
+};
+
+// 8 elements of a 16-byte vector as fp32.
+template <typename T>
+__device__ __forceinline__ void Unpack8(const uint4& raw, float (&f)[8]);
+
+template <>
+__device__ __forceinline__ void Unpack8<__nv_bfloat16>(const uint4& raw, float (&f)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+template <>
+__device__ __forceinline__ void Unpack8<__half>(const uint4& raw, float (&f)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __half2 h;
+    static_assert(sizeof(h) == 4);
+    memcpy(&h, &w[i], 4);
+    const float2 v = __half22float2(h);
+    f[2 * i] = v.x;
+    f[2 * i + 1] = v.y;
+  }
+}
+
+__device__ __forceinline__ uint4 Load16(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// Row addresses of a paged KV head (see KvPages).
+struct PagedRows {
+  const void* const* pages;
+  uint32_t page_tokens;
+  uint32_t row_bytes;
+  __device__ __forceinline__ void Rows(int64_t pos, const char*& k, const char*& v) const {
+    const uint32_t p = static_cast<uint32_t>(pos);
+    const uint32_t page = p / page_tokens;
+    const uint32_t off = p - page * page_tokens;
+    const char* base = reinterpret_cast<const char*>(
+        __ldg(reinterpret_cast<const unsigned long long*>(pages) + page));
+    k = base + static_cast<size_t>(off) * row_bytes;
+    v = base + static_cast<size_t>(off + page_tokens) * row_bytes;
+  }
+};
+
+// Row addresses from explicit lists (RowAttnItem).
+struct ListRows {
+  const void* const* k_rows;
+  const void* const* v_rows;
+  __device__ __forceinline__ void Rows(int64_t j, const char*& k, const char*& v) const {
+    k = static_cast<const char*>(k_rows[j]);
+    v = static_cast<const char*>(v_rows[j]);
+  }
+};
+
+// Online-softmax state of one lane: G query heads x 8 dimensions.
+template <int G>
+struct LaneState {
+  float m[G];    // running max (log2 domain), -inf when empty
+  float l[G];    // running sum of 2^(logit - m)
+  float acc[G][8];
+};
+
+template <int G>
+__device__ __forceinline__ void Combine(LaneState<G>& s, const float m_o[G], const float l_o[G],
+                                        const float (&acc_o)[G][8]) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float m_new = fmaxf(s.m[g], m_o[g]);
+    const float a = s.m[g] == -INFINITY ? 0.0f : exp2f(s.m[g] - m_new);
+    const float b = m_o[g] == -INFINITY ? 0.0f : exp2f(m_o[g] - m_new);
+    s.m[g] = m_new;
+    s.l[g] = s.l[g] * a + l_o[g] * b;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s.acc[g][i] = s.acc[g][i] * a + acc_o[g][i] * b;
+  }
+}
+
+// Attends rows [begin, end) of \p src for the CTA's query heads and leaves the merged state of the
+// whole CTA in shared memory: red_m/red_l [G], red_o [G][HD] (un-normalised).
+template <int HD, typename T, int G, typename Src>
+__device__ void AttendRange(const Src& src, const float* __restrict__ q, int gcount, float scale_log2,
+                            int64_t begin, int64_t end, float* red_m, float* red_l, float* red_o,
+                            float* warp_buf) {
+  constexpr int kLpr = HD / 8;
+  constexpr int kRpw = 32 / kLpr;
+  // Row steps loaded before first use: 8 when registers allow (G <= 4), else 4.
+  constexpr int kAttnSteps = G <= 4 ? 8 : 4;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int sub = lane / kLpr;
+  const int dl = lane % kLpr;
+
+  float qr[G][8];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qr[g][i] = g < gcount ? q[g * HD + dl * 8 + i] * scale_log2 : 0.0f;
+  }
+  LaneState<G> st;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    st.m[g] = -INFINITY;
+    st.l[g] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) st.acc[g][i] = 0.0f;
+  }
+
+  constexpr int64_t kRowsPerBlock = static_cast<int64_t>(kRpw) * kAttnSteps;
+  for (int64_t blk = begin + warp * kRowsPerBlock; blk < end;
+       blk += kRowsPerBlock * kAttnWarps) {
+    uint4 kraw[kAttnSteps], vraw[kAttnSteps];
+    bool valid[kAttnSteps];
+#pragma unroll
+    for (int s = 0; s < kAttnSteps; ++s) {
+      const int64_t r = blk + s * kRpw + sub;
+      valid[s] = r < end;
+      kraw[s] = make_uint4(0, 0, 0, 0);
+      vraw[s] = make_uint4(0, 0, 0, 0);
+      if (valid[s]) {
+        const char* kp;
+        const char* vp;
+        src.Rows(r, kp, vp);
+        kraw[s] = Load16(kp + dl * 16);
+        vraw[s] = Load16(vp + dl * 16);
+      }
+    }
+    float logit[kAttnSteps][G];
+#pragma unroll
+    for (int s = 0; s < kAttnSteps; ++s) {
+      float kf[8];
+      Unpack8<T>(kraw[s], kf);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float d = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d = fmaf(qr[g][i], kf[i], d);
+#pragma unroll
+        for (int off = kLpr / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
+        logit[s][g] = valid[s] ? d : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float mx = logit[0][g];
+#pragma unroll
+      for (int s = 1; s < kAttnSteps; ++s) mx = fmaxf(mx, logit[s][g]);
+      const float m_new = fmaxf(st.m[g], mx);
+      if (m_new == -INFINITY) continue;
+      const float alpha = exp2f(st.m[g] - m_new);  // 0 when st.m == -inf
+      st.m[g] = m_new;
+      st.l[g] *= alpha;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) st.acc[g][i] *= alpha;
+#pragma unroll
+      for (int s = 0; s < kAttnSteps; ++s) logit[s][g] = exp2f(logit[s][g] - m_new);
+    }
+#pragma unroll
+    for (int s = 0; s < kAttnSteps; ++s) {
+      float vf[8];
+      Unpack8<T>(vraw[s], vf);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float p = valid[s] ? logit[s][g] : 0.0f;
+        st.l[g] += p;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) st.acc[g][i] = fmaf(p, vf[i], st.acc[g][i]);
+      }
+    }
+  }
+
+  // Merge the kRpw row groups of the warp (lanes with the same dl).
+#pragma unroll
+  for (int off = kLpr; off < 32; off <<= 1) {
+    float m_o[G], l_o[G], acc_o[G][8];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      m_o[g] = __shfl_xor_sync(0xffffffffu, st.m[g], off);
+      l_o[g] = __shfl_xor_sync(0xffffffffu, st.l[g], off);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc_o[g][i] = __shfl_xor_sync(0xffffffffu, st.acc[g][i], off);
+    }
+    Combine<G>(st, m_o, l_o, acc_o);
+  }
+  // Merge the warps through shared memory: warp_buf [kAttnWarps][G][HD + 2].
+  if (sub == 0) {
+    float* wb = warp_buf + static_cast<size_t>(warp) * G * (HD + 2);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) wb[g * (HD + 2) + dl * 8 + i] = st.acc[g][i];
+      if (dl == 0) {
+        wb[g * (HD + 2) + HD] = st.m[g];
+        wb[g * (HD + 2) + HD + 1] = st.l[g];
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < G * HD; idx += kAttnThreads) {
+    const int g = idx / HD;
+    const int d = idx % HD;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) m = fmaxf(m, warp_buf[(w * G + g) * (HD + 2) + HD]);
+    float l = 0.0f, o = 0.0f;
+    if (m != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kAttnWarps; ++w) {
+        const float* wb = warp_buf + (w * G + g) * (HD + 2);
+        const float mw = wb[HD];
+        const float a = mw == -INFINITY ? 0.0f : exp2f(mw - m);
+        l += wb[HD + 1] * a;
+        o += wb[d] * a;
+      }
+    }
+    red_o[g * HD + d] = o;
+    if (d == 0) {
+      red_m[g] = m;
+      red_l[g] = l;
+    }
+  }
+  __syncthreads();
+}
+
+// Writes the CTA's merged state as a normalised output plus natural-log lse.
+template <int HD, int G>
+__device__ void WriteResult(const float* red_m, const float* red_l, const float* red_o, int gcount,
+                            float* o, float* lse) {
+  for (int idx = threadIdx.x; idx < gcount * HD; idx += kAttnThreads) {
+    const int g = idx / HD;
+    const float l = red_l[g];
+    o[idx] = l > 0.0f ? red_o[idx] / l : 0.0f;
+    if (idx % HD == 0) lse[g] = l > 0.0f ? (red_m[g] + log2f(l)) * kLn2 : -INFINITY;
+  }
+}
+
+template <int HD, int G>
+__device__ __forceinline__ size_t AttnSmemFloats() {
+  return static_cast<size_t>(kAttnWarps) * G * (HD + 2) + G * HD + 2 * G;
+}
+
+template <int HD, typename T, int G, typename Item>
+__global__ void __launch_bounds__(kAttnThreads) DecodeAttnKernel(DecodeAttnArgs args) {
+  extern __shared__ float smem[];
+  float* warp_buf = smem;
+  float* red_o = warp_buf + kAttnWarps * G * (HD + 2);
+  float* red_m = red_o + G * HD;
+  float* red_l = red_m + G;
+  // Items may live in mapped host memory: one thread reads the descriptor once.
+  __shared__ alignas(Item) unsigned char item_raw[sizeof(Item)];
+  if (threadIdx.x == 0) {
+    memcpy(item_raw, static_cast<const Item*>(args.items) + blockIdx.x, sizeof(Item));
+  }
+  __syncthreads();
+  const Item& item = *reinterpret_cast<const Item*>(item_raw);
+
+  const int g0 = blockIdx.z * G;
+  const int gcount = min(G, args.group - g0);
+  const int split = blockIdx.y;
+  constexpr size_t kElem = sizeof(T);
+
+  int64_t len;
+  int32_t num_q = 1;
+  if constexpr (std::is_same_v<Item, RowAttnItem>) {
+    len = item.count;
+  } else {
+    num_q = item.num_q;
+    len = item.q_pos0 + 1;
+  }
+
+  if (num_q == 1) {
+    // Split the rows into num_splits chunks of at least min_chunk rows.
+    int64_t chunk = (len + args.num_splits - 1) / args.num_splits;
+    if (chunk < args.min_chunk) chunk = args.min_chunk;
+    const int64_t begin = chunk * split < len ? chunk * split : len;
+    const int64_t end = begin + chunk < len ? begin + chunk : len;
+    const float* q = item.q + static_cast<size_t>(g0) * HD;
+    if constexpr (std::is_same_v<Item, RowAttnItem>) {
+      ListRows src{item.k_rows, item.v_rows};
+      AttendRange<HD, T, G>(src, q, gcount, args.scale_log2, begin, end, red_m, red_l, red_o,
+                            warp_buf);
+    } else {
+      PagedRows src{item.kv.pages, static_cast<uint32_t>(item.kv.page_tokens),
+                    static_cast<uint32_t>(HD * kElem)};
+      AttendRange<HD, T, G>(src, q, gcount, args.scale_log2, begin, end, red_m, red_l, red_o,
+                            warp_buf);
+    }
+    if (args.num_splits == 1) {
+      WriteResult<HD, G>(red_m, red_l, red_o, gcount, item.o + static_cast<size_t>(g0) * HD,
+                         item.lse + g0);
+    } else {
+      const size_t part = static_cast<size_t>(blockIdx.x) * args.num_splits + split;
+      WriteResult<HD, G>(red_m, red_l, red_o, gcount,
+                         args.ws_o + (part * args.group + g0) * HD,
+                         args.ws_lse + part * args.group + g0);
+    }
+    return;
+  }
+  if constexpr (!std::is_same_v<Item, RowAttnItem>) {
+    PagedRows src{item.kv.pages, static_cast<uint32_t>(item.kv.page_tokens),
+                  static_cast<uint32_t>(HD * kElem)};
+    for (int32_t t = split; t < num_q; t += args.num_splits) {
+      const size_t row = static_cast<size_t>(t) * args.group + g0;
+      AttendRange<HD, T, G>(src, item.q + row * HD, gcount, args.scale_log2, 0,
+                            item.q_pos0 + t + 1, red_m, red_l, red_o, warp_buf);
+      WriteResult<HD, G>(red_m, red_l, red_o, gcount, item.o + row * HD, item.lse + row);
+      __syncthreads();  // red_* are reused by the next token
+    }
+  }
+}
+
+// Merges the num_splits partial results of each single-query item into its output. One CTA per
+// item; items with num_q > 1 were written directly and are skipped.
+template <typename Item>
+__global__ void __launch_bounds__(kAttnThreads) CombineSplitsKernel(DecodeAttnArgs args,
+                                                                    int head_dim) {
+  const Item& item = static_cast<const Item*>(args.items)[blockIdx.x];
+  if constexpr (!std::is_same_v<Item, RowAttnItem>) {
+    if (item.num_q != 1) return;
+  }
+  const int splits = args.num_splits;
+  const size_t base = static_cast<size_t>(blockIdx.x) * splits;
+  for (int g = 0; g < args.group; ++g) {
+    float m = -INFINITY;
+    for (int y = 0; y < splits; ++y) m = fmaxf(m, args.ws_lse[(base + y) * args.group + g]);
+    float sum = 0.0f;
+    for (int y = 0; y < splits; ++y) {
+      const float l = args.ws_lse[(base + y) * args.group + g];
+      sum += l == -INFINITY ? 0.0f : expf(l - m);
+    }
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+      float o = 0.0f;
+      if (m != -INFINITY) {
+        for (int y = 0; y < splits; ++y) {
+          const float l = args.ws_lse[(base + y) * args.group + g];
+          if (l == -INFINITY) continue;
+          o += expf(l - m) * args.ws_o[((base + y) * args.group + g) * head_dim + d];
+        }
+        o /= sum;
+      }
+      item.o[static_cast<size_t>(g) * head_dim + d] = o;
+    }
+    if (threadIdx.x == 0) item.lse[g] = m == -INFINITY ? -INFINITY : m + logf(sum);
+  }
+}
+
+}  // namespace kvferry::cuda

@@ -1,0 +1,312 @@
+// Copyright kvferry authors. Apache-2.0.
+#include "gpu/cuda_device.h"
+
+#include <hwloc.h>
+
+#include <cstdio>
+#include <utility>
+
+#include "gpu/cuda_check.h"
+#include "runtime/check.h"
+
+namespace kvferry {
+namespace cuda {
+namespace {
+
+// Finds the NUMA node of the GPU with PCI bus id \p bus_id. Returns -1 when the machine has one
+// node or hwloc cannot place the device; fills *topo / *nodeset (caller owns) otherwise.
+int FindGpuNumaNode(const char* bus_id, hwloc_topology_t* topo_out, hwloc_nodeset_t* nodeset_out) {
+  hwloc_topology_t topo;
+  if (hwloc_topology_init(&topo) != 0) return -1;
+  hwloc_topology_set_io_types_filter(topo, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
+  if (hwloc_topology_load(topo) != 0 ||
+      hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE) < 2) {
+    hwloc_topology_destroy(topo);
+    return -1;
+  }
+  hwloc_obj_t pci = hwloc_get_pcidev_by_busidstring(topo, bus_id);
+  hwloc_obj_t anc = pci != nullptr ? hwloc_get_non_io_ancestor_obj(topo, pci) : nullptr;
+  if (anc == nullptr || anc->nodeset == nullptr || hwloc_bitmap_weight(anc->nodeset) != 1) {
+    hwloc_topology_destroy(topo);
+    return -1;
+  }
+  *topo_out = topo;
+  *nodeset_out = hwloc_bitmap_dup(anc->nodeset);
+  return hwloc_bitmap_first(anc->nodeset);
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CudaDevice>> CudaDevice::Create(int device_id) {
+  int count = 0;
+  KVF_CUDA_CHECK(cudaGetDeviceCount(&count));
+  KVF_CHECK_ARG(device_id >= 0 && device_id < count, "CUDA device ", device_id,
+                " out of range [0, ", count, ")");
+  std::unique_ptr<CudaDevice> dev(new CudaDevice(device_id));
+  KVF_RETURN_IF_ERROR(dev->Init());
+  return Result<std::unique_ptr<CudaDevice>>(std::move(dev));
+}
+
+Status CudaDevice::Init() {
+  KVF_CUDA_CHECK(cudaSetDevice(device_id_));
+  KVF_CUDA_CHECK(cudaGetDeviceProperties(&props_, device_id_));
+  KVF_CHECK_CODE(props_.major >= 7, StatusCode::kUnimplemented, "CUDA device ", device_id_, " (",
+                 props_.name, ") has compute capability ", props_.major, ".", props_.minor,
+                 "; kvferry needs 7.0+");
+  KVF_CHECK_CODE(props_.canMapHostMemory && props_.unifiedAddressing, StatusCode::kUnimplemented,
+                 "CUDA device ", device_id_, " cannot map host memory with unified addressing");
+  info_.num_sms = props_.multiProcessorCount;
+  KVF_CUDA_CHECK(cudaStreamCreateWithFlags(&default_stream_, cudaStreamNonBlocking));
+  void* ws = nullptr;
+  KVF_CUDA_CHECK(cudaMalloc(&ws, kWorkspaceBytes));
+  workspaces_[default_stream_] = static_cast<float*>(ws);
+
+  char bus_id[32] = {};
+  if (cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device_id_) == cudaSuccess) {
+    hwloc_topology_t topo = nullptr;
+    hwloc_nodeset_t nodeset = nullptr;
+    numa_node_ = FindGpuNumaNode(bus_id, &topo, &nodeset);
+    if (numa_node_ >= 0) {
+      topology_ = topo;
+      nodeset_ = nodeset;
+    }
+  }
+  name_ = detail::StrCat("cuda:", device_id_, " ", props_.name, " (sm_", props_.major,
+                         props_.minor, ", ", props_.multiProcessorCount, " SMs, ",
+                         props_.totalGlobalMem >> 20, " MiB",
+                         numa_node_ >= 0 ? detail::StrCat(", NUMA node ", numa_node_) : "", ")");
+  return Status::Ok();
+}
+
+CudaDevice::~CudaDevice() {
+  if (cudaSetDevice(device_id_) != cudaSuccess) return;
+  if (default_stream_ != nullptr) KVF_CUDA_WARN(cudaStreamSynchronize(default_stream_));
+  for (auto& [stream, ws] : workspaces_) KVF_CUDA_WARN(cudaFree(ws));
+  for (auto& [ptr, block] : host_blocks_) {
+    if (block.registered) {
+      KVF_CUDA_WARN(cudaHostUnregister(ptr));
+      hwloc_free(static_cast<hwloc_topology_t>(topology_), ptr, block.bytes);
+    } else {
+      KVF_CUDA_WARN(cudaFreeHost(ptr));
+    }
+  }
+  if (default_stream_ != nullptr) KVF_CUDA_WARN(cudaStreamDestroy(default_stream_));
+  if (nodeset_ != nullptr) hwloc_bitmap_free(static_cast<hwloc_nodeset_t>(nodeset_));
+  if (topology_ != nullptr) hwloc_topology_destroy(static_cast<hwloc_topology_t>(topology_));
+}
+
+Status CudaDevice::Activate() const {
+  KVF_CUDA_CHECK(cudaSetDevice(device_id_));
+  return Status::Ok();
+}
+
+Result<void*> CudaDevice::AllocDevice(size_t bytes) {
+  KVF_RETURN_IF_ERROR(Activate());
+  void* p = nullptr;
+  if (bytes == 0) return p;
+  const cudaError_t err = cudaMalloc(&p, bytes);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky-free allocation error
+    return Status(StatusCode::kResourceExhausted,
+                  detail::StrCat("cudaMalloc(", bytes, " bytes) on ", name_, " failed: ",
+                                 cudaGetErrorString(err)));
+  }
+  return p;
+}
+
+void CudaDevice::FreeDevice(void* ptr) {
+  if (ptr == nullptr) return;
+  KVF_CUDA_WARN(cudaSetDevice(device_id_));
+  KVF_CUDA_WARN(cudaFree(ptr));
+}
+
+Result<void*> CudaDevice::AllocHost(size_t bytes) {
+  KVF_RETURN_IF_ERROR(Activate());
+  void* p = nullptr;
+  if (bytes == 0) return p;
+  // On a multi-node machine: bind the pages to the GPU's node first, then pin and map them. The
+  // mapped address must equal the host address (true on 64-bit Linux with UVA); otherwise fall
+  // back to cudaHostAlloc.
+  if (topology_ != nullptr) {
+    auto topo = static_cast<hwloc_topology_t>(topology_);
+    p = hwloc_alloc_membind(topo, bytes, static_cast<hwloc_nodeset_t>(nodeset_),
+                            HWLOC_MEMBIND_BIND, HWLOC_MEMBIND_BYNODESET);
+    if (p != nullptr) {
+      void* dev_ptr = nullptr;
+      if (cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable) ==
+              cudaSuccess &&
+          cudaHostGetDevicePointer(&dev_ptr, p, 0) == cudaSuccess && dev_ptr == p) {
+        std::lock_guard<std::mutex> lock(mu_);
+        host_blocks_[p] = HostBlock{bytes, true};
+        return p;
+      }
+      (void)cudaGetLastError();
+      (void)cudaHostUnregister(p);
+      (void)cudaGetLastError();
+      hwloc_free(topo, p, bytes);
+      p = nullptr;
+    }
+  }
+  const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Status(StatusCode::kResourceExhausted,
+                  detail::StrCat("cudaHostAlloc(", bytes, " bytes, mapped) failed: ",
+                                 cudaGetErrorString(err)));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  host_blocks_[p] = HostBlock{bytes, false};
+  return p;
+}
+
+void CudaDevice::FreeHost(void* ptr) {
+  if (ptr == nullptr) return;
+  HostBlock block;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = host_blocks_.find(ptr);
+    if (it == host_blocks_.end()) {
+      std::fprintf(stderr, "kvferry: FreeHost(%p): not allocated by this device\n", ptr);
+      return;
+    }
+    block = it->second;
+    host_blocks_.erase(it);
+  }
+  KVF_CUDA_WARN(cudaSetDevice(device_id_));
+  if (block.registered) {
+    KVF_CUDA_WARN(cudaHostUnregister(ptr));
+    hwloc_free(static_cast<hwloc_topology_t>(topology_), ptr, block.bytes);
+  } else {
+    KVF_CUDA_WARN(cudaFreeHost(ptr));
+  }
+}
+
+Result<StreamHandle> CudaDevice::CreateStream() {
+  KVF_RETURN_IF_ERROR(Activate());
+  cudaStream_t s = nullptr;
+  KVF_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto ws = Workspace(s);  // allocate its scratch now, not in the first step
+  if (!ws.ok()) {
+    KVF_CUDA_WARN(cudaStreamDestroy(s));
+    return ws.status();
+  }
+  return static_cast<StreamHandle>(s);
+}
+
+void CudaDevice::DestroyStream(StreamHandle stream) {
+  if (stream == nullptr || stream == default_stream_) return;
+  auto s = static_cast<cudaStream_t>(stream);
+  KVF_CUDA_WARN(cudaSetDevice(device_id_));
+  KVF_CUDA_WARN(cudaStreamSynchronize(s));
+  float* ws = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = workspaces_.find(s);
+    if (it != workspaces_.end()) {
+      ws = it->second;
+      workspaces_.erase(it);
+    }
+  }
+  if (ws != nullptr) KVF_CUDA_WARN(cudaFree(ws));
+  KVF_CUDA_WARN(cudaStreamDestroy(s));
+}
+
+Result<AttnWorkspace> CudaDevice::Workspace(cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = workspaces_.find(stream);
+  if (it != workspaces_.end()) return AttnWorkspace{it->second, kWorkspaceBytes};
+  // A stream the caller created: allocate once, keep until the device goes.
+  void* ws = nullptr;
+  KVF_CUDA_CHECK(cudaMalloc(&ws, kWorkspaceBytes));
+  workspaces_[stream] = static_cast<float*>(ws);
+  return AttnWorkspace{static_cast<float*>(ws), kWorkspaceBytes};
+}
+
+Result<EventHandle> CudaDevice::CreateEvent() {
+  KVF_RETURN_IF_ERROR(Activate());
+  cudaEvent_t e = nullptr;
+  KVF_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return static_cast<EventHandle>(e);
+}
+
+void CudaDevice::DestroyEvent(EventHandle event) {
+  if (event == nullptr) return;
+  KVF_CUDA_WARN(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
+}
+
+Status CudaDevice::RecordEvent(EventHandle event, StreamHandle stream) {
+  KVF_CHECK_ARG(event != nullptr, "RecordEvent: null event");
+  KVF_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), Resolve(stream)));
+  return Status::Ok();
+}
+
+Status CudaDevice::WaitEvent(StreamHandle stream, EventHandle event) {
+  KVF_CHECK_ARG(event != nullptr, "WaitEvent: null event");
+  KVF_CUDA_CHECK(cudaStreamWaitEvent(Resolve(stream), static_cast<cudaEvent_t>(event), 0));
+  return Status::Ok();
+}
+
+Status CudaDevice::SynchronizeEvent(EventHandle event) {
+  KVF_CHECK_ARG(event != nullptr, "SynchronizeEvent: null event");
+  KVF_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+  return Status::Ok();
+}
+
+Status CudaDevice::SynchronizeStream(StreamHandle stream) {
+  KVF_CUDA_CHECK(cudaStreamSynchronize(Resolve(stream)));
+  return Status::Ok();
+}
+
+Status CudaDevice::CopyAsync(void* dst, const void* src, size_t bytes, StreamHandle stream) {
+  if (bytes == 0) return Status::Ok();
+  KVF_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, Resolve(stream)));
+  return Status::Ok();
+}
+
+Status CudaDevice::CopyRows(const RowCopy* rows, int64_t num_rows, int elems, DType src_dtype,
+                            DType dst_dtype, StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  return LaunchCopyRows(rows, num_rows, elems, src_dtype, dst_dtype, Resolve(stream));
+}
+
+Status CudaDevice::AttendRows(const AttnParams& p, const RowAttnItem* items, int64_t num_items,
+                              StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  const cudaStream_t s = Resolve(stream);
+  KVF_ASSIGN_OR_RETURN(AttnWorkspace ws, Workspace(s));
+  return LaunchAttendRows(p, items, num_items, info_, ws, s);
+}
+
+Status CudaDevice::AttendPaged(const AttnParams& p, const PagedAttnItem* items, int64_t num_items,
+                               StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  const cudaStream_t s = Resolve(stream);
+  KVF_ASSIGN_OR_RETURN(AttnWorkspace ws, Workspace(s));
+  return LaunchAttendPaged(p, items, num_items, info_, ws, s);
+}
+
+Status CudaDevice::MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b,
+                            int64_t rows, int head_dim, void* out, DType out_dtype,
+                            StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  return LaunchMergeLse(o_a, lse_a, o_b, lse_b, rows, head_dim, out, out_dtype, Resolve(stream));
+}
+
+}  // namespace cuda
+
+bool CudaAvailable() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return count > 0;
+}
+
+Result<std::unique_ptr<Device>> MakeCudaDevice(int device_id) {
+  auto dev = cuda::CudaDevice::Create(device_id);
+  if (!dev.ok()) return dev.status();
+  return std::unique_ptr<Device>(std::move(dev).value());
+}
+
+}  // namespace kvferry

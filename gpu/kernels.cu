@@ -1,0 +1,79 @@
+// Copyright kvferry authors. Apache-2.0.
+// Launchers of the row kernels (rows.cuh) and the exact top-k (topk.cuh).
+
+#include <algorithm>
+
+#include "gpu/cuda_check.h"
+#include "gpu/cuda_kernels.h"
+#include "gpu/rows.cuh"
+#include "gpu/topk.cuh"
+#include "runtime/check.h"
+
+namespace kvferry::cuda {
+namespace {
+
+unsigned RowGrid(int64_t rows) {
+  const int64_t warps_per_block = kRowThreads / 32;
+  return static_cast<unsigned>(std::clamp<int64_t>((rows + warps_per_block - 1) / warps_per_block,
+                                                   1, 65535));
+}
+
+int64_t NextPow2(int64_t x) {
+  int64_t p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+
+}  // namespace
+
+Status LaunchCopyRows(const RowCopy* rows, int64_t num_rows, int elems, DType src_dtype,
+                      DType dst_dtype, cudaStream_t stream) {
+  KVF_CHECK_ARG(num_rows >= 0 && elems >= 0, "CopyRows: negative size (", num_rows, " rows of ",
+                elems, ")");
+  if (num_rows == 0 || elems == 0) return Status::Ok();
+  KVF_CHECK_ARG(rows != nullptr, "CopyRows: null row list");
+  CopyRowsKernel<<<RowGrid(num_rows), kRowThreads, 0, stream>>>(rows, num_rows, elems, src_dtype,
+                                                                dst_dtype);
+  KVF_CUDA_CHECK_LAUNCH(CopyRowsKernel);
+  return Status::Ok();
+}
+
+Status LaunchMergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b,
+                      int64_t rows, int head_dim, void* out, DType out_dtype,
+                      cudaStream_t stream) {
+  KVF_CHECK_ARG(rows >= 0 && head_dim > 0, "MergeLse: bad shape ", rows, " x ", head_dim);
+  if (rows == 0) return Status::Ok();
+  KVF_CHECK_ARG(o_a != nullptr && lse_a != nullptr, "MergeLse: null o_a/lse_a");
+  MergeLseKernel<<<RowGrid(rows), kRowThreads, 0, stream>>>(o_a, lse_a, o_b, lse_b, rows, head_dim,
+                                                            out, out_dtype);
+  KVF_CUDA_CHECK_LAUNCH(MergeLseKernel);
+  return Status::Ok();
+}
+
+size_t TopKWorkspaceBytes(int64_t rows, int64_t k) {
+  const int64_t sort_n = NextPow2(std::max<int64_t>(k, 1));
+  if (sort_n <= kTopKSmemItems) return 0;
+  return static_cast<size_t>(rows) * sort_n * sizeof(unsigned long long);
+}
+
+Status LaunchTopK(const float* scores, int64_t n, int64_t ld, int64_t rows, int64_t k,
+                  int32_t* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  KVF_CHECK_ARG(n >= 0 && rows >= 0 && k >= 0 && ld >= n, "TopK: bad shape n=", n, " ld=", ld,
+                " rows=", rows, " k=", k);
+  KVF_CHECK_ARG(n < (int64_t{1} << 31), "TopK: n=", n, " exceeds int32 indices");
+  k = std::min(k, n);
+  if (rows == 0 || k == 0) return Status::Ok();
+  KVF_CHECK_ARG(rows <= 0x7fffffff, "TopK: too many rows ", rows);
+  const int64_t sort_n = NextPow2(k);
+  const size_t need = TopKWorkspaceBytes(rows, k);
+  KVF_CHECK_ARG(workspace_bytes >= need, "TopK: workspace of ", workspace_bytes, " bytes < ", need,
+                " needed for k=", k);
+  const size_t smem = sort_n <= kTopKSmemItems ? sort_n * sizeof(unsigned long long) : 0;
+  TopKKernel<<<static_cast<unsigned>(rows), kTopKThreads, smem, stream>>>(
+      scores, n, ld, static_cast<int>(k), static_cast<int>(sort_n), out,
+      static_cast<unsigned long long*>(workspace));
+  KVF_CUDA_CHECK_LAUNCH(TopKKernel);
+  return Status::Ok();
+}
+
+}  // namespace kvferry::cuda
