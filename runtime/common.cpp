@@ -102,7 +102,7 @@ std::string Stats::ToJson() const {
      << ",\"bank_admitted\":" << bank_admitted << ",\"bank_evicted\":" << bank_evicted
      << ",\"ms_append\":" << ms_append << ",\"ms_select\":" << ms_select
      << ",\"ms_resolve\":" << ms_resolve << ",\"ms_attend_gpu\":" << ms_attend_gpu
-     << ",\"ms_attend_cpu\":" << ms_attend_cpu << ",\"ms_merge\":" << ms_merge
+     << ",\"ms_attend_cpu\":" << ms_attend_cpu << ",\"ms_merge\":" << ms_merge << ",\"ms_admit\":" << ms_admit
      << ",\"ms_prefill\":" << ms_prefill << ",\"host_bytes_reserved\":" << host_bytes_reserved
      << ",\"device_bytes_reserved\":" << device_bytes_reserved << "}";
   return os.str();

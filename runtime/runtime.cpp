@@ -78,6 +78,12 @@ RuntimeImpl::~RuntimeImpl() {
   if (device_ == nullptr) return;
   device_->SynchronizeStream(stream_).IgnoreError();
   if (call_done_ != nullptr) device_->DestroyEvent(call_done_);
+  if (bank_ != nullptr) {
+    device_->SynchronizeStream(side_stream_).IgnoreError();
+    bank_.reset();
+    device_->DestroyEvent(bank_step_done_);
+    device_->DestroyStream(side_stream_);
+  }
   store_.reset();
   for (const DeviceBuffer& b : buffers_) {
     if (b.host) {
@@ -201,6 +207,24 @@ Status RuntimeImpl::Init() {
     *dst = static_cast<const void**>(p);
   }
 
+  if (config_.tiers.bank_slots > 0) {
+    TokenBankConfig bank;
+    bank.max_sequences = cap.max_sequences;
+    bank.num_layers = m.num_layers;
+    bank.num_kv_heads = m.num_kv_heads;
+    bank.slots = config_.tiers.bank_slots;
+    bank.max_positions = cap.max_tokens_per_sequence;
+    bank.head_dim = m.head_dim;
+    bank.kv_dtype = m.kv_dtype;
+    bank.map = config_.tiers.bank_map == "hash" ? BankMapKind::kHash : BankMapKind::kVector;
+    KVF_ASSIGN_OR_RETURN(bank_, TokenBank::Create(device_.get(), bank));
+    KVF_ASSIGN_OR_RETURN(side_stream_, device_->CreateStream());
+    KVF_ASSIGN_OR_RETURN(bank_step_done_, device_->CreateEvent());
+  }
+  offloaded_.resize(items);
+  misses_.resize(items);
+  for (auto& v : offloaded_) v.reserve(static_cast<size_t>(item_cap_));
+  for (auto& v : misses_) v.reserve(static_cast<size_t>(item_cap_));
   selections_.resize(items);
   for (auto& s : selections_) s.reserve(static_cast<size_t>(item_cap_));
   last_selection_.resize(static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv);
@@ -263,6 +287,10 @@ Status RuntimeImpl::RemoveSequence(SequenceId seq) {
   KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));  // in-flight work may read its rows
   store_->Release(slot);
   policy_->OnSequenceRemoved(slot);
+  if (bank_ != nullptr) {
+    KVF_RETURN_IF_ERROR(device_->SynchronizeStream(side_stream_));
+    bank_->ResetSequence(slot);
+  }
   const int hkv = config_.model.num_kv_heads;
   for (int l = 0; l < config_.model.num_layers; ++l) {
     lengths_[static_cast<size_t>(slot) * config_.model.num_layers + l] = 0;
@@ -592,9 +620,10 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   }
   stats_.ms_select += MsSince(t0);
 
-  // 3 resolve + 4 route.
+  // 3 resolve (resident tier, then token bank) + 4 route the remaining misses.
   t0 = Clock::now();
   int64_t cpu_items = 0;
+  const int64_t hits_before = bank_ ? bank_->counters().hits : 0;
   for (int64_t i = 0; i < items; ++i) {
     const int64_t b = i / hkv;
     const int h = static_cast<int>(i % hkv);
@@ -605,39 +634,61 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
     const void** gk = gpu_k_rows_ + i * item_cap_;
     const void** gv = gpu_v_rows_ + i * item_cap_;
     int32_t n_gpu = 0;
-    int64_t misses = 0;
-    for (int32_t pos : sel) {
-      if (ResidentRow(pos, n) < 0) ++misses;
-    }
-    const int64_t to_cpu = CpuShare(route, cost_, misses);
-    const void** ck = cpu_k_rows_ + cpu_items * item_cap_;
-    const void** cv = cpu_v_rows_ + cpu_items * item_cap_;
-    int32_t n_cpu = 0;
-    int64_t miss_seen = 0;
+    std::vector<int32_t>& offloaded = offloaded_[i];
+    offloaded.clear();
     for (int32_t pos : sel) {
       const int64_t row = ResidentRow(pos, n);
       if (row >= 0) {
         gk[n_gpu] = ResidentK(slot, layer, h, row);
         gv[n_gpu++] = ResidentV(slot, layer, h, row);
-        ++stats_.rows_resident;
-      } else if (miss_seen++ < misses - to_cpu) {
+      } else {
+        offloaded.push_back(pos);
+      }
+    }
+    stats_.rows_resident += n_gpu;
+    std::vector<int32_t>& misses = misses_[i];
+    misses.resize(offloaded.size());
+    int64_t n_miss = static_cast<int64_t>(offloaded.size());
+    if (bank_ != nullptr && !offloaded.empty()) {
+      const TokenBank::ResolveCounts rc =
+          bank_->Resolve(bank_->TableIndex(slot, layer, h), offloaded, gk + n_gpu, gv + n_gpu,
+                         nullptr, misses.data());
+      n_gpu += static_cast<int32_t>(rc.hits);
+      n_miss = rc.misses;
+    } else {
+      std::copy(offloaded.begin(), offloaded.end(), misses.begin());
+    }
+    misses.resize(static_cast<size_t>(n_miss));
+    const int64_t to_cpu = CpuShare(route, cost_, n_miss);
+    const int64_t to_gpu = n_miss - to_cpu;
+    const void** ck = cpu_k_rows_ + cpu_items * item_cap_;
+    const void** cv = cpu_v_rows_ + cpu_items * item_cap_;
+    int32_t n_cpu = 0;
+    for (int64_t j = 0; j < n_miss; ++j) {
+      const int32_t pos = misses[j];
+      if (j < to_gpu) {
         gk[n_gpu] = store_->k_row(slot, layer, h, pos);
         gv[n_gpu++] = store_->v_row(slot, layer, h, pos);
-        ++stats_.rows_fetched;
       } else {
         ck[n_cpu] = store_->k_row(slot, layer, h, pos);
         cv[n_cpu++] = store_->v_row(slot, layer, h, pos);
-        ++stats_.rows_cpu;
       }
     }
+    misses.resize(static_cast<size_t>(to_gpu));  // what crossed PCIe: candidates for the bank
+    stats_.rows_fetched += to_gpu;
+    stats_.rows_cpu += to_cpu;
+    stats_.bytes_h2d += to_gpu * 2 * static_cast<int64_t>(row_bytes_);
     stats_.rows_selected += static_cast<int64_t>(sel.size());
     const int64_t off = b * hq * d + h * gd;
     gpu_items_[i] = RowAttnItem{q_f32_ + off, o_gpu_ + off, lse_gpu_ + b * hq + h * group_, gk, gv, n_gpu};
-    if (n_cpu > 0 || to_cpu > 0) {
+    if (n_cpu > 0) {
       cpu_items_[cpu_items++] =
           RowAttnItem{q_host_ + off, o_cpu_host_ + off, lse_cpu_host_ + b * hq + h * group_, ck, cv, n_cpu};
     }
-    stats_.bytes_h2d += (n_gpu - (static_cast<int64_t>(sel.size()) - misses)) * 2 * static_cast<int64_t>(row_bytes_);
+  }
+  if (bank_ != nullptr) {
+    stats_.rows_bank_hit += bank_->counters().hits - hits_before;
+    KVF_RETURN_IF_ERROR(bank_->WaitReady(stream));
   }
   stats_.ms_resolve += MsSince(t0);
 
@@ -662,6 +713,28 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   KVF_RETURN_IF_ERROR(WriteOutput(have_cpu ? o_cpu_dev_ : nullptr, have_cpu ? lse_cpu_dev_ : nullptr,
                                   batch * hq, out, stream));
   stats_.ms_merge += MsSince(t0);
+  t0 = Clock::now();
+  // 7 admit: rows that crossed PCIe this step may enter the bank, copied on the side stream after
+  // the step's reads of the bank (off the critical path).
+  if (bank_ != nullptr) {
+    KVF_RETURN_IF_ERROR(device_->RecordEvent(bank_step_done_, stream));
+    KVF_RETURN_IF_ERROR(bank_->BeginAdmit(side_stream_, bank_step_done_));
+    for (int64_t i = 0; i < items; ++i) {
+      const std::vector<int32_t>& fetched = misses_[i];
+      if (fetched.empty()) continue;
+      const int slot = slot_of[i / hkv];
+      const int h = static_cast<int>(i % hkv);
+      // The fetched rows' addresses are the first entries after the resident and hit rows.
+      const RowAttnItem& it = gpu_items_[i];
+      const int64_t first = it.count - static_cast<int64_t>(fetched.size());
+      bank_->Admit(bank_->TableIndex(slot, layer, h), fetched,
+                   it.k_rows + first, it.v_rows + first);
+    }
+    KVF_RETURN_IF_ERROR(bank_->CommitAdmit());
+    stats_.bank_admitted = bank_->counters().admitted;
+    stats_.bank_evicted = bank_->counters().evicted;
+  }
+  stats_.ms_admit += MsSince(t0);
   stats_.decode_steps += 1;
   stats_.decode_tokens += batch;
   return Status::Ok();

@@ -12,6 +12,7 @@
 #include "gpu/device.h"
 #include "kvferry/runtime.h"
 #include "offload/host_store.h"
+#include "offload/token_bank.h"
 #include "policies/policy.h"
 #include "runtime/scheduler.h"
 
@@ -46,6 +47,7 @@ class RuntimeImpl {
     const int64_t device_bytes = stats_.device_bytes_reserved;
     stats_ = Stats{};
     stats_.device_bytes_reserved = device_bytes;
+    if (bank_ != nullptr) bank_->ResetCounters();
   }
   const RuntimeConfig& config() const { return config_; }
   Backend backend() const { return device_->backend(); }
@@ -85,7 +87,10 @@ class RuntimeImpl {
   StreamHandle stream_ = nullptr;
   std::unique_ptr<HostStore> store_;
   std::unique_ptr<Policy> policy_;
-  std::unique_ptr<cpu::CpuPool> pool_;  // CPU route and host-side selection
+  std::unique_ptr<cpu::CpuPool> pool_;
+  std::unique_ptr<TokenBank> bank_;     // null without bank_slots
+  StreamHandle side_stream_ = nullptr;  // bank admissions
+  EventHandle bank_step_done_ = nullptr;  // CPU route and host-side selection
   CostModel cost_;
 
   int group_ = 1;
@@ -133,6 +138,8 @@ class RuntimeImpl {
   std::vector<std::vector<int32_t>> selections_;       // per decode item
   std::vector<std::vector<int32_t>> last_selection_;   // per (slot, layer, kv head)
   std::vector<Status> item_status_;
+  std::vector<std::vector<int32_t>> offloaded_;  // per decode item: selected, not resident
+  std::vector<std::vector<int32_t>> misses_;     // per decode item: bank misses, then fetched
   std::vector<int> batch_slots_;
   Stats stats_;
 };

@@ -502,3 +502,38 @@ TEST(Dtypes, Bf16AndF16ActivationsAndKv) {
 
 }  // namespace
 }  // namespace kvferry
+
+namespace kvferry {
+namespace {
+
+// The token bank changes where rows come from, never the result: outputs equal attention over the
+// selected set exactly, and repeated selections hit the bank.
+TEST(TokenBankRuntime, HitsServeRowsAndOutputsStayExact) {
+  for (const char* map : {"vector", "hash"}) {
+    for (Route route : {Route::kGpu, Route::kAuto}) {
+      RuntimeConfig c = SmallConfig(64, 4, 1, "oracle");
+      c.policy.budget_tokens = 40;
+      c.tiers.window_tokens = 8;
+      c.tiers.bank_slots = 64;
+      c.tiers.bank_map = map;
+      c.route = route;
+      Harness h(c, 21);
+      h.Add(1);
+      h.Add(2);
+      h.Prefill(1, 300);
+      h.Prefill(2, 150);
+      for (int step = 0; step < 6; ++step) {
+        EXPECT_LT(h.DecodeStep({1, 2}, true), 1e-5) << map << " step " << step;
+      }
+      h.Remove(2);  // its bank rows are forgotten; sequence 1 unaffected
+      EXPECT_LT(h.DecodeStep({1}, true), 1e-5) << map;
+      const Stats s = h.rt().GetStats();
+      EXPECT_GT(s.rows_bank_hit, 0) << map;
+      EXPECT_GT(s.bank_admitted, 0) << map;
+      EXPECT_EQ(s.rows_selected, s.rows_resident + s.rows_bank_hit + s.rows_fetched + s.rows_cpu);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvferry

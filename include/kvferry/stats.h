@@ -32,6 +32,7 @@ struct Stats {
   double ms_attend_gpu = 0;
   double ms_attend_cpu = 0;
   double ms_merge = 0;
+  double ms_admit = 0;           ///< planning token-bank admissions (copies run on a side stream)
   double ms_prefill = 0;
 
   int64_t host_bytes_reserved = 0;  ///< host-store bytes held now
