@@ -96,7 +96,8 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
         err = std::max(err, static_cast<double>(std::abs(out[0][i] - out[1][i])));
         norm += out[1][i] * out[1][i];
       }
-      EXPECT_LT(err, 1e-4) << "prefill seq " << s << " layer " << layer;
+      // The host backend may run prefill through oneDNN with dtype-rounded operands.
+      EXPECT_LT(err, 2e-2) << "prefill seq " << s << " layer " << layer;
       EXPECT_GT(norm, 0.0);
     }
   }
