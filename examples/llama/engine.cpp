@@ -1,0 +1,239 @@
+// Copyright kvferry authors. Apache-2.0.
+#include "examples/llama/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "runtime/check.h"
+
+namespace kvferry::llama {
+namespace {
+
+using detail::StrCat;
+
+void RmsNorm(const float* x, const std::vector<float>& w, int64_t dim, float eps, float* out) {
+  double ss = 0;
+  for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(dim) + eps));
+  for (int64_t i = 0; i < dim; ++i) out[i] = x[i] * inv * w[i];
+}
+
+class ReferenceAttention final : public Attention {
+ public:
+  explicit ReferenceAttention(const ModelConfig& c)
+      : q_heads_(c.num_q_heads), kv_heads_(c.num_kv_heads), head_dim_(c.head_dim),
+        k_(c.num_layers), v_(c.num_layers) {}
+
+  Status Prefill(int layer, int64_t n, const float* q, const float* k, const float* v,
+                 float* out) override {
+    return Append(layer, n, q, k, v, out);
+  }
+  Status Decode(int layer, const float* q, const float* k, const float* v, float* out) override {
+    return Append(layer, 1, q, k, v, out);
+  }
+  Status Reset() override {
+    for (auto& x : k_) x.clear();
+    for (auto& x : v_) x.clear();
+    return Status::Ok();
+  }
+
+ private:
+  Status Append(int layer, int64_t n, const float* q, const float* k, const float* v,
+                float* out) {
+    KVF_CHECK_ARG(layer >= 0 && layer < static_cast<int>(k_.size()), "layer ", layer,
+                  " out of range");
+    const int64_t row = static_cast<int64_t>(kv_heads_) * head_dim_;
+    const int64_t past = static_cast<int64_t>(k_[layer].size()) / row;
+    k_[layer].insert(k_[layer].end(), k, k + n * row);
+    v_[layer].insert(v_[layer].end(), v, v + n * row);
+    const float* kc = k_[layer].data();
+    const float* vc = v_[layer].data();
+    const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+    const int group = q_heads_ / kv_heads_;
+    std::vector<double> scores;
+    std::vector<double> acc(head_dim_);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t len = past + t + 1;
+      scores.resize(len);
+      for (int h = 0; h < q_heads_; ++h) {
+        const float* qh = q + (t * q_heads_ + h) * head_dim_;
+        const int kvh = h / group;
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < len; ++j) {
+          const float* kj = kc + j * row + kvh * head_dim_;
+          double s = 0;
+          for (int d = 0; d < head_dim_; ++d) s += static_cast<double>(qh[d]) * kj[d];
+          scores[j] = s * scale;
+          mx = std::max(mx, scores[j]);
+        }
+        double sum = 0;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int64_t j = 0; j < len; ++j) {
+          const double p = std::exp(scores[j] - mx);
+          sum += p;
+          const float* vj = vc + j * row + kvh * head_dim_;
+          for (int d = 0; d < head_dim_; ++d) acc[d] += p * vj[d];
+        }
+        float* oh = out + (t * q_heads_ + h) * head_dim_;
+        for (int d = 0; d < head_dim_; ++d) oh[d] = static_cast<float>(acc[d] / sum);
+      }
+    }
+    return Status::Ok();
+  }
+
+  int q_heads_, kv_heads_, head_dim_;
+  std::vector<std::vector<float>> k_, v_;  // per layer: [pos, kv_heads, head_dim]
+};
+
+}  // namespace
+
+std::unique_ptr<Attention> MakeReferenceAttention(const ModelConfig& config) {
+  return std::make_unique<ReferenceAttention>(config);
+}
+
+Engine::Engine(const Model& model) : model_(model) {}
+
+void Engine::ApplyRope(float* x, int64_t n, int num_heads, int64_t pos) const {
+  const ModelConfig& c = model_.config;
+  const int half = c.head_dim / 2;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* cs = &rope_cos_[(pos + t) * half];
+    const float* sn = &rope_sin_[(pos + t) * half];
+    for (int h = 0; h < num_heads; ++h) {
+      float* xh = x + (t * num_heads + h) * c.head_dim;
+      for (int i = 0; i < half; ++i) {
+        // kHalves pairs (i, i + half); kAdjacent pairs (2i, 2i + 1).
+        const int a = c.rope_style == RopeStyle::kHalves ? i : 2 * i;
+        const int b = c.rope_style == RopeStyle::kHalves ? i + half : 2 * i + 1;
+        const float x0 = xh[a];
+        const float x1 = xh[b];
+        xh[a] = x0 * cs[i] - x1 * sn[i];
+        xh[b] = x1 * cs[i] + x0 * sn[i];
+      }
+    }
+  }
+}
+
+Status Engine::Prefill(std::span<const int32_t> tokens, int64_t pos,
+                       std::span<Attention* const> attns, std::vector<float>* logits,
+                       bool all_logits, int64_t chunk) {
+  KVF_CHECK_ARG(!attns.empty(), "prefill: no attention");
+  KVF_CHECK_ARG(chunk > 0, "prefill: chunk ", chunk);
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  const int64_t vocab = model_.config.vocab_size;
+  if (logits != nullptr) logits->assign(all_logits ? n * vocab : vocab, 0.0f);
+  for (int64_t start = 0; start < n; start += chunk) {
+    const int64_t len = std::min(chunk, n - start);
+    float* dst = nullptr;
+    bool all = false;
+    if (logits != nullptr && all_logits) {
+      dst = logits->data() + start * vocab;
+      all = true;
+    } else if (logits != nullptr && start + len == n) {
+      dst = logits->data();
+    }
+    KVF_RETURN_IF_ERROR(Forward(tokens.subspan(start, len), pos + start, attns, false, dst, all));
+  }
+  return Status::Ok();
+}
+
+Status Engine::Decode(int32_t token, int64_t pos, Attention& attn, std::vector<float>* logits) {
+  Attention* attns[1] = {&attn};
+  if (logits != nullptr) logits->resize(model_.config.vocab_size);
+  return Forward(std::span<const int32_t>(&token, 1), pos, attns, true,
+                 logits != nullptr ? logits->data() : nullptr, false);
+}
+
+Status Engine::Forward(std::span<const int32_t> tokens, int64_t pos,
+                       std::span<Attention* const> attns, bool decode, float* logits,
+                       bool all_logits) {
+  const ModelConfig& c = model_.config;
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  const int64_t dim = c.dim;
+  const int64_t q_dim = static_cast<int64_t>(c.num_q_heads) * c.head_dim;
+  const int64_t kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  KVF_CHECK_ARG(n > 0 && pos >= 0, "forward: ", n, " tokens at position ", pos);
+  for (int32_t t : tokens) {
+    KVF_CHECK_ARG(t >= 0 && t < c.vocab_size, "token ", t, " out of range [0, ", c.vocab_size, ")");
+  }
+  // RoPE tables grow with the longest position seen; angles in double, as a table of f32.
+  const int half = c.head_dim / 2;
+  const int64_t have = static_cast<int64_t>(rope_cos_.size()) / half;
+  if (pos + n > have) {
+    const int64_t want = std::max<int64_t>(pos + n, 2 * have);
+    rope_cos_.resize(want * half);
+    rope_sin_.resize(want * half);
+    for (int64_t p = have; p < want; ++p) {
+      for (int i = 0; i < half; ++i) {
+        const float inv_freq = static_cast<float>(
+            1.0 / std::pow(static_cast<double>(c.rope_theta), 2.0 * i / c.head_dim));
+        const double angle = static_cast<double>(p) * inv_freq;
+        rope_cos_[p * half + i] = static_cast<float>(std::cos(angle));
+        rope_sin_[p * half + i] = static_cast<float>(std::sin(angle));
+      }
+    }
+  }
+  x_.resize(n * dim);
+  xb_.resize(n * dim);
+  q_.resize(n * q_dim);
+  k_.resize(n * kv_dim);
+  v_.resize(n * kv_dim);
+  att_.resize(n * q_dim);
+  gate_.resize(n * c.hidden_dim);
+  up_.resize(n * c.hidden_dim);
+  for (int64_t t = 0; t < n; ++t) {
+    std::copy_n(&model_.token_embedding.data[static_cast<int64_t>(tokens[t]) * dim], dim,
+                &x_[t * dim]);
+  }
+  for (int l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& w = model_.layers[l];
+    for (int64_t t = 0; t < n; ++t) RmsNorm(&x_[t * dim], w.attn_norm, dim, c.rms_eps, &xb_[t * dim]);
+    KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data(), n, w.wq, q_.data()));
+    KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data(), n, w.wk, k_.data()));
+    KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data(), n, w.wv, v_.data()));
+    ApplyRope(q_.data(), n, c.num_q_heads, pos);
+    ApplyRope(k_.data(), n, c.num_kv_heads, pos);
+    if (observer_) observer_(l, pos, n, q_.data(), k_.data(), v_.data());
+    if (decode) {
+      KVF_RETURN_IF_ERROR(attns[0]->Decode(l, q_.data(), k_.data(), v_.data(), att_.data()));
+    } else {
+      for (size_t a = attns.size(); a-- > 0;) {
+        // Every cache gets the same rows; the first attention's output is the one kept.
+        KVF_RETURN_IF_ERROR(attns[a]->Prefill(l, n, q_.data(), k_.data(), v_.data(), att_.data()));
+      }
+    }
+    KVF_RETURN_IF_ERROR(matmul_.Run(att_.data(), n, w.wo, xb_.data()));
+    for (int64_t i = 0; i < n * dim; ++i) x_[i] += xb_[i];
+    for (int64_t t = 0; t < n; ++t) RmsNorm(&x_[t * dim], w.ffn_norm, dim, c.rms_eps, &xb_[t * dim]);
+    KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data(), n, w.w_gate, gate_.data()));
+    KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data(), n, w.w_up, up_.data()));
+    for (int64_t i = 0; i < n * c.hidden_dim; ++i) {
+      const float g = gate_[i];
+      gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
+    }
+    KVF_RETURN_IF_ERROR(matmul_.Run(gate_.data(), n, w.w_down, xb_.data()));
+    for (int64_t i = 0; i < n * dim; ++i) x_[i] += xb_[i];
+  }
+  if (logits == nullptr) return Status::Ok();
+  const int64_t first = all_logits ? 0 : n - 1;
+  const int64_t rows = n - first;
+  for (int64_t t = first; t < n; ++t) {
+    RmsNorm(&x_[t * dim], model_.final_norm, dim, c.rms_eps, &xb_[(t - first) * dim]);
+  }
+  return matmul_.Run(xb_.data(), rows, model_.classifier(), logits);
+}
+
+int32_t Argmax(std::span<const float> v) {
+  return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+
+double LogProb(std::span<const float> logits, int32_t target) {
+  double mx = -std::numeric_limits<double>::infinity();
+  for (float x : logits) mx = std::max(mx, static_cast<double>(x));
+  double sum = 0;
+  for (float x : logits) sum += std::exp(static_cast<double>(x) - mx);
+  return static_cast<double>(logits[target]) - mx - std::log(sum);
+}
+
+}  // namespace kvferry::llama

@@ -1,0 +1,107 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+/// \file engine.h
+/// \brief The forward pass of a Llama-family model. Matrix products run through oneDNN; every
+/// attention call goes through an Attention object (kvferry's Runtime in the engine proper, an
+/// exact f32 reference in tests).
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "examples/llama/matmul.h"
+#include "examples/llama/model.h"
+#include "kvferry/config.h"
+#include "kvferry/runtime.h"
+#include "kvferry/status.h"
+
+namespace kvferry::llama {
+
+/// \brief Attention over one sequence's KV cache, layer by layer.
+/// All buffers are f32 host memory: q, out [T, num_q_heads, head_dim]; k, v [T, num_kv_heads,
+/// head_dim]; q and k already rotated (RoPE).
+class Attention {
+ public:
+  virtual ~Attention() = default;
+  /// Appends T tokens at \p layer and writes causal attention of them over the cache.
+  virtual Status Prefill(int layer, int64_t num_tokens, const float* q, const float* k,
+                         const float* v, float* out) = 0;
+  /// Appends one token at \p layer and writes its attention over the cache.
+  virtual Status Decode(int layer, const float* q, const float* k, const float* v,
+                        float* out) = 0;
+  /// Forgets the sequence, ready for a new one.
+  virtual Status Reset() = 0;
+};
+
+/// Exact causal softmax attention in f32 (double accumulation for the softmax), over its own
+/// cache. The independent reference that kvferry's results are compared with.
+std::unique_ptr<Attention> MakeReferenceAttention(const ModelConfig& config);
+
+/// \brief Attention through a kvferry Runtime that holds one sequence.
+class RuntimeAttention final : public Attention {
+ public:
+  static Result<std::unique_ptr<RuntimeAttention>> Create(const RuntimeConfig& config);
+  Status Prefill(int layer, int64_t num_tokens, const float* q, const float* k, const float* v,
+                 float* out) override;
+  Status Decode(int layer, const float* q, const float* k, const float* v, float* out) override;
+  Status Reset() override;
+  [[nodiscard]] Runtime& runtime() { return *runtime_; }
+
+ private:
+  explicit RuntimeAttention(std::unique_ptr<Runtime> runtime) : runtime_(std::move(runtime)) {}
+  std::unique_ptr<Runtime> runtime_;
+  SequenceId seq_ = 1;
+  int q_heads_ = 0;
+  int kv_heads_ = 0;
+  int head_dim_ = 0;
+};
+
+/// The Runtime configuration for \p model: shape from the model, everything else from \p base.
+RuntimeConfig RuntimeConfigFor(const ModelConfig& model, RuntimeConfig base);
+
+/// Called after RoPE with the layer's q [T, Hq, D], k and v [T, Hkv, D] of positions
+/// [pos, pos + T).
+using QkvObserver = std::function<void(int layer, int64_t pos, int64_t num_tokens, const float* q,
+                                       const float* k, const float* v)>;
+
+/// \brief Runs the model. Holds scratch buffers and the oneDNN primitives; not thread-safe.
+/// The model must outlive the engine.
+class Engine {
+ public:
+  explicit Engine(const Model& model);
+
+  /// Runs tokens at positions [pos, pos + n) as a prefill through every Attention of \p attns
+  /// (they all receive the same q/k/v; the output of the first is used, so several caches can be
+  /// filled by one pass). Processes at most \p chunk tokens per call to the attention.
+  /// \p logits: if non-null, receives [n, vocab] (all_logits) or [vocab] (last position only).
+  Status Prefill(std::span<const int32_t> tokens, int64_t pos, std::span<Attention* const> attns,
+                 std::vector<float>* logits, bool all_logits = false, int64_t chunk = 512);
+  /// Runs one token at position \p pos through \p attn's decode path; \p logits receives [vocab].
+  Status Decode(int32_t token, int64_t pos, Attention& attn, std::vector<float>* logits);
+
+  void set_observer(QkvObserver observer) { observer_ = std::move(observer); }
+  [[nodiscard]] const Model& model() const { return model_; }
+
+ private:
+  Status Forward(std::span<const int32_t> tokens, int64_t pos, std::span<Attention* const> attns,
+                 bool decode, float* logits, bool all_logits);
+  void ApplyRope(float* x, int64_t num_tokens, int num_heads, int64_t pos) const;
+
+  const Model& model_;
+  Matmul matmul_;
+  std::vector<float> rope_cos_;  ///< [max_context, head_dim / 2]
+  std::vector<float> rope_sin_;
+  QkvObserver observer_;
+  // Scratch, grown on demand.
+  std::vector<float> x_, xb_, q_, k_, v_, att_, gate_, up_, hb_;
+};
+
+/// Index of the largest value.
+int32_t Argmax(std::span<const float> v);
+/// log softmax(logits)[target].
+double LogProb(std::span<const float> logits, int32_t target);
+
+}  // namespace kvferry::llama

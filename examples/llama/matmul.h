@@ -1,0 +1,33 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+/// \file matmul.h
+/// \brief y = x W^T on the CPU through oneDNN's matmul primitive.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <tuple>
+
+#include "examples/llama/model.h"
+#include "kvferry/status.h"
+
+namespace kvferry::llama {
+
+/// \brief Computes y[M, N] = x[M, K] * W[N, K]^T in f32 with oneDNN, caching one primitive per
+/// shape. Not thread-safe: one per engine.
+class Matmul {
+ public:
+  Matmul();
+  ~Matmul();
+  Matmul(const Matmul&) = delete;
+  Matmul& operator=(const Matmul&) = delete;
+
+  /// \p x: [m, w.cols] row-major; \p y: [m, w.rows] row-major (overwritten).
+  Status Run(const float* x, int64_t m, const Matrix& w, float* y);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvferry::llama

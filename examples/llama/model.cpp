@@ -1,0 +1,234 @@
+// Copyright kvferry authors. Apache-2.0.
+#include "examples/llama/model.h"
+
+#include <cstring>
+
+#include "examples/llama/gguf.h"
+#include "runtime/check.h"
+
+namespace kvferry::llama {
+namespace {
+
+using detail::StrCat;
+
+Result<Matrix> LoadMatrix(const GgufFile& f, const std::string& name, int64_t rows, int64_t cols) {
+  KVF_ASSIGN_OR_RETURN(const GgufTensorInfo* info, f.FindTensor(name));
+  if (info->dims.size() != 2 || info->dims[0] != static_cast<uint64_t>(cols) ||
+      info->dims[1] != static_cast<uint64_t>(rows)) {
+    std::string dims;
+    for (uint64_t d : info->dims) dims += StrCat(d, ",");
+    return CorruptData(StrCat("gguf: tensor '", name, "' has dims {", dims, "}, expected {",
+                              cols, ",", rows, ",}"));
+  }
+  Matrix m;
+  m.rows = rows;
+  m.cols = cols;
+  KVF_ASSIGN_OR_RETURN(m.data, f.Dequantize(name));
+  return m;
+}
+
+Result<std::vector<float>> LoadVector(const GgufFile& f, const std::string& name, int64_t n) {
+  KVF_ASSIGN_OR_RETURN(const GgufTensorInfo* info, f.FindTensor(name));
+  if (info->dims.size() != 1 || info->dims[0] != static_cast<uint64_t>(n)) {
+    return CorruptData(StrCat("gguf: tensor '", name, "' is not a vector of ", n));
+  }
+  return f.Dequantize(name);
+}
+
+// llama.cpp's converter permutes the rows of Q and K inside each head so that RoPE can rotate
+// adjacent pairs (2i, 2i+1); Hugging Face rotates (i, i + d/2). Row 2i+s of a GGUF head is row
+// s*d/2 + i of the Hugging Face head. Undo it so that Q/K (and traces) match Hugging Face.
+void UnpermuteRopeRows(Matrix& m, int num_heads, int head_dim) {
+  std::vector<float> src = m.data;
+  const int64_t cols = m.cols;
+  const int half = head_dim / 2;
+  for (int h = 0; h < num_heads; ++h) {
+    for (int i = 0; i < half; ++i) {
+      for (int s = 0; s < 2; ++s) {
+        const int64_t from = static_cast<int64_t>(h) * head_dim + 2 * i + s;
+        const int64_t to = static_cast<int64_t>(h) * head_dim + s * half + i;
+        std::memcpy(&m.data[to * cols], &src[from * cols], cols * sizeof(float));
+      }
+    }
+  }
+}
+
+Status CheckConfig(const ModelConfig& c) {
+  const auto bad = [](int v, int hi) { return v <= 0 || v > hi; };
+  if (bad(c.dim, 1 << 16) || bad(c.hidden_dim, 1 << 18) || bad(c.num_layers, 1024) ||
+      bad(c.num_q_heads, 1024) || bad(c.num_kv_heads, 1024) || bad(c.vocab_size, 1 << 22) ||
+      bad(c.max_context, 1 << 24)) {
+    return CorruptData(StrCat("model: implausible shape dim=", c.dim, " hidden=", c.hidden_dim,
+                              " layers=", c.num_layers, " heads=", c.num_q_heads, "/",
+                              c.num_kv_heads, " vocab=", c.vocab_size, " ctx=", c.max_context));
+  }
+  if (c.dim % c.num_q_heads != 0 || c.num_q_heads % c.num_kv_heads != 0 ||
+      (c.head_dim % 2) != 0 || c.head_dim * c.num_q_heads != c.dim) {
+    return CorruptData(StrCat("model: dim ", c.dim, " with ", c.num_q_heads, "/", c.num_kv_heads,
+                              " heads is not a valid Llama shape"));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<Model> LoadGgufModelFromBytes(std::span<const uint8_t> bytes) {
+  KVF_ASSIGN_OR_RETURN(GgufFile f, GgufFile::Parse(bytes));
+  KVF_ASSIGN_OR_RETURN(std::string arch, f.GetString("general.architecture"));
+  if (arch != "llama") {
+    return Unimplemented(StrCat("gguf: architecture '", arch, "' is not supported (need llama)"));
+  }
+  Model model;
+  ModelConfig& c = model.config;
+  auto name = f.GetString("general.name");
+  c.name = name.ok() ? *name : "llama";
+  KVF_ASSIGN_OR_RETURN(int64_t dim, f.GetInt("llama.embedding_length"));
+  KVF_ASSIGN_OR_RETURN(int64_t hidden, f.GetInt("llama.feed_forward_length"));
+  KVF_ASSIGN_OR_RETURN(int64_t layers, f.GetInt("llama.block_count"));
+  KVF_ASSIGN_OR_RETURN(int64_t heads, f.GetInt("llama.attention.head_count"));
+  KVF_ASSIGN_OR_RETURN(int64_t kv_heads, f.GetIntOr("llama.attention.head_count_kv", heads));
+  KVF_ASSIGN_OR_RETURN(int64_t ctx, f.GetIntOr("llama.context_length", 2048));
+  KVF_ASSIGN_OR_RETURN(double theta, f.GetFloatOr("llama.rope.freq_base", 10000.0));
+  KVF_ASSIGN_OR_RETURN(double eps, f.GetFloatOr("llama.attention.layer_norm_rms_epsilon", 1e-5));
+  KVF_ASSIGN_OR_RETURN(const GgufTensorInfo* emb, f.FindTensor("token_embd.weight"));
+  if (emb->dims.size() != 2) return CorruptData("gguf: token_embd.weight is not a matrix");
+  const auto clamp = [](int64_t v) { return v < 0 || v > (1 << 30) ? -1 : static_cast<int>(v); };
+  c.dim = clamp(dim);
+  c.hidden_dim = clamp(hidden);
+  c.num_layers = clamp(layers);
+  c.num_q_heads = clamp(heads);
+  c.num_kv_heads = clamp(kv_heads);
+  c.vocab_size = clamp(static_cast<int64_t>(std::min<uint64_t>(emb->dims[1], 1u << 30)));
+  c.max_context = clamp(ctx);
+  c.head_dim = c.num_q_heads > 0 ? c.dim / c.num_q_heads : 0;
+  c.rope_theta = static_cast<float>(theta);
+  c.rms_eps = static_cast<float>(eps);
+  c.rope_style = RopeStyle::kHalves;
+  KVF_RETURN_IF_ERROR(CheckConfig(c));
+  KVF_ASSIGN_OR_RETURN(int64_t rope_dims, f.GetIntOr("llama.rope.dimension_count", c.head_dim));
+  if (rope_dims != c.head_dim) {
+    return Unimplemented(StrCat("gguf: partial RoPE (", rope_dims, " of ", c.head_dim,
+                                " dims) is not supported"));
+  }
+
+  const int64_t q_dim = static_cast<int64_t>(c.num_q_heads) * c.head_dim;
+  const int64_t kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  KVF_ASSIGN_OR_RETURN(model.token_embedding,
+                       LoadMatrix(f, "token_embd.weight", c.vocab_size, c.dim));
+  model.layers.resize(c.num_layers);
+  for (int l = 0; l < c.num_layers; ++l) {
+    LayerWeights& w = model.layers[l];
+    const std::string p = StrCat("blk.", l, ".");
+    KVF_ASSIGN_OR_RETURN(w.attn_norm, LoadVector(f, p + "attn_norm.weight", c.dim));
+    KVF_ASSIGN_OR_RETURN(w.ffn_norm, LoadVector(f, p + "ffn_norm.weight", c.dim));
+    KVF_ASSIGN_OR_RETURN(w.wq, LoadMatrix(f, p + "attn_q.weight", q_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.wk, LoadMatrix(f, p + "attn_k.weight", kv_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.wv, LoadMatrix(f, p + "attn_v.weight", kv_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.wo, LoadMatrix(f, p + "attn_output.weight", c.dim, q_dim));
+    KVF_ASSIGN_OR_RETURN(w.w_gate, LoadMatrix(f, p + "ffn_gate.weight", c.hidden_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.w_up, LoadMatrix(f, p + "ffn_up.weight", c.hidden_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.w_down, LoadMatrix(f, p + "ffn_down.weight", c.dim, c.hidden_dim));
+    UnpermuteRopeRows(w.wq, c.num_q_heads, c.head_dim);
+    UnpermuteRopeRows(w.wk, c.num_kv_heads, c.head_dim);
+  }
+  KVF_ASSIGN_OR_RETURN(model.final_norm, LoadVector(f, "output_norm.weight", c.dim));
+  if (f.FindTensor("output.weight").ok()) {
+    KVF_ASSIGN_OR_RETURN(model.output, LoadMatrix(f, "output.weight", c.vocab_size, c.dim));
+  }
+  return model;
+}
+
+Result<Model> LoadGgufModel(const std::string& path) {
+  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadFileBytes(path));
+  auto model = LoadGgufModelFromBytes(bytes);
+  if (!model.ok()) {
+    return Status(model.status().code(), StrCat(path, ": ", model.status().message()));
+  }
+  return model;
+}
+
+Result<Model> LoadLlama2cModelFromBytes(std::span<const uint8_t> bytes) {
+  int32_t header[7];
+  if (bytes.size() < sizeof(header)) return CorruptData("llama2.c: file shorter than its header");
+  std::memcpy(header, bytes.data(), sizeof(header));
+  Model model;
+  ModelConfig& c = model.config;
+  c.name = "llama2.c";
+  c.dim = header[0];
+  c.hidden_dim = header[1];
+  c.num_layers = header[2];
+  c.num_q_heads = header[3];
+  c.num_kv_heads = header[4];
+  // A negative vocabulary size marks an untied classifier.
+  const bool tied = header[5] > 0;
+  c.vocab_size = header[5] == INT32_MIN ? -1 : (tied ? header[5] : -header[5]);
+  c.max_context = header[6];
+  c.head_dim = c.num_q_heads > 0 ? c.dim / c.num_q_heads : 0;
+  c.rope_theta = 10000.0f;
+  c.rms_eps = 1e-5f;
+  c.rope_style = RopeStyle::kAdjacent;
+  KVF_RETURN_IF_ERROR(CheckConfig(c));
+
+  const int64_t dim = c.dim, hidden = c.hidden_dim, layers = c.num_layers;
+  const int64_t kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  const int64_t rope_table = static_cast<int64_t>(c.max_context) * c.head_dim / 2;
+  int64_t need = c.vocab_size * dim + layers * (2 * dim + dim * dim + 2 * kv_dim * dim +
+                                                dim * dim + 3 * hidden * dim) +
+                 dim + 2 * rope_table + (tied ? 0 : c.vocab_size * dim);
+  need = need * 4 + static_cast<int64_t>(sizeof(header));
+  if (static_cast<int64_t>(bytes.size()) < need) {
+    return CorruptData(StrCat("llama2.c: file has ", bytes.size(), " bytes, its header needs ",
+                              need));
+  }
+  const uint8_t* p = bytes.data() + sizeof(header);
+  const auto take = [&p](int64_t n) {
+    std::vector<float> v(n);
+    std::memcpy(v.data(), p, n * sizeof(float));
+    p += n * sizeof(float);
+    return v;
+  };
+  const auto take_matrix = [&take](int64_t rows, int64_t cols) {
+    Matrix m;
+    m.rows = rows;
+    m.cols = cols;
+    m.data = take(rows * cols);
+    return m;
+  };
+  model.token_embedding = take_matrix(c.vocab_size, dim);
+  model.layers.resize(c.num_layers);
+  // Arrays are stored per kind for all layers at once.
+  for (auto& w : model.layers) w.attn_norm = take(dim);
+  for (auto& w : model.layers) w.wq = take_matrix(dim, dim);
+  for (auto& w : model.layers) w.wk = take_matrix(kv_dim, dim);
+  for (auto& w : model.layers) w.wv = take_matrix(kv_dim, dim);
+  for (auto& w : model.layers) w.wo = take_matrix(dim, dim);
+  for (auto& w : model.layers) w.ffn_norm = take(dim);
+  for (auto& w : model.layers) w.w_gate = take_matrix(hidden, dim);
+  for (auto& w : model.layers) w.w_down = take_matrix(dim, hidden);
+  for (auto& w : model.layers) w.w_up = take_matrix(hidden, dim);
+  model.final_norm = take(dim);
+  p += 2 * rope_table * sizeof(float);  // precomputed RoPE tables; recomputed by the engine
+  if (!tied) model.output = take_matrix(c.vocab_size, dim);
+  return model;
+}
+
+Result<Model> LoadLlama2cModel(const std::string& path) {
+  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadFileBytes(path));
+  auto model = LoadLlama2cModelFromBytes(bytes);
+  if (!model.ok()) {
+    return Status(model.status().code(), StrCat(path, ": ", model.status().message()));
+  }
+  return model;
+}
+
+Result<Model> LoadModel(const std::string& path) {
+  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadFileBytes(path));
+  const bool is_gguf = bytes.size() >= 4 && std::memcmp(bytes.data(), "GGUF", 4) == 0;
+  auto model = is_gguf ? LoadGgufModelFromBytes(bytes) : LoadLlama2cModelFromBytes(bytes);
+  if (!model.ok()) {
+    return Status(model.status().code(), StrCat(path, ": ", model.status().message()));
+  }
+  return model;
+}
+
+}  // namespace kvferry::llama

