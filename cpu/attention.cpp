@@ -61,6 +61,16 @@ int64_t FilterGreater(const float* x, int64_t n, float thr, int32_t base, int32_
 
 const char* AttendRowsImplName() { return BestCpuKernels().name; }
 
+void SoftmaxAccumulate(const float* x, int64_t n, float weight, float* acc) {
+  if (n <= 0) return;
+  BestCpuKernels().softmax_accumulate(x, n, weight, acc);
+}
+
+void SetGatherPrefetch(int rows, int hint) {
+  g_gather_prefetch_rows = std::clamp(rows, 0, 256);
+  g_gather_prefetch_hint = hint != 0 ? 1 : 0;
+}
+
 // ---- exact top-k ---------------------------------------------------------------------------------
 // One streaming pass: a vectorised filter keeps only scores above the running k-th best (strictly
 // above: an equal score seen later has a higher index and loses the tie), candidates collect in a

@@ -63,6 +63,14 @@ void ScoreRange(const AttnParams& p, const float* q, const KvPages& kv, int64_t 
 /// room for n. (The vectorised scan behind TopK and the LFPS candidate tables.)
 int64_t FilterGreater(const float* x, int64_t n, float thr, int32_t base, int32_t* out);
 
+/// acc[j] += weight * softmax(x)[j] for j in [0, n) (vectorised exp; n >= 1, max(x) finite).
+void SoftmaxAccumulate(const float* x, int64_t n, float weight, float* acc);
+
+/// Tunes the row-gather kernels (AttendPositions, AttendRows, ScorePositions): K/V rows are
+/// prefetched \p rows rows ahead (0..256) into L1 (\p hint 0) or L2 (1). Only for benchmarks and
+/// tuning; call while no kernel runs. Defaults: 16 rows, L1.
+void SetGatherPrefetch(int rows, int hint);
+
 /// Which dense implementation AttendPagedWith uses.
 enum class DenseImpl : uint8_t { kAuto = 0, kOneDnn = 1, kSimd = 2 };
 

@@ -36,7 +36,15 @@ struct CpuKernels {
   /// returns how many. \p out has room for n.
   int64_t (*filter_greater)(const float* x, int64_t n, float thr, int32_t base,
                             int32_t* out) = nullptr;
+  /// acc[j] += weight * softmax(x)[j] for j in [0, n), n >= 1 (x finite or -inf, max finite).
+  void (*softmax_accumulate)(const float* x, int64_t n, float weight, float* acc) = nullptr;
 };
+
+/// Tuning of the row-gather kernels (attention over scattered positions, position scoring): how
+/// many rows ahead the K/V rows are prefetched, and into which level (0: L1, 1: L2). Plain ints,
+/// read once per item; SetGatherPrefetch (attention.h) writes them, only while no kernel runs.
+extern int g_gather_prefetch_rows;
+extern int g_gather_prefetch_hint;
 
 /// True if the SIMD tables handle this shape (see the file comment).
 inline bool SimdShapeOk(const AttnParams& p) {

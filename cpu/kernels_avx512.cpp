@@ -12,7 +12,7 @@ const CpuKernels& Avx512Kernels() {
   // Aggregate initialisation on purpose: a constructor call would be an inline function emitted
   // in this ISA's code that the linker could also hand to baseline callers.
   static const CpuKernels kernels{CpuIsa::kAvx512F, "avx512f", &AttendRowsSimd, &AttendPositionsSimd,
-                                  &ScorePositionsSimd, &ScoreRangeSimd, &FilterGreaterImpl};
+                                  &ScorePositionsSimd, &ScoreRangeSimd, &FilterGreaterImpl, &SoftmaxAccumulateImpl};
   return kernels;
 }
 

@@ -1,6 +1,7 @@
 // Copyright kvferry authors. Apache-2.0.
 // The baseline kernel table: the scalar reference kernels behind the CpuKernels interface, plus
 // the table lookup by ISA.
+#include <cmath>
 #include <vector>
 
 #include "cpu/kernels.h"
@@ -65,13 +66,25 @@ int64_t FilterGreaterScalar(const float* x, int64_t n, float thr, int32_t base, 
   return c;
 }
 
+void SoftmaxAccumulateScalar(const float* x, int64_t n, float weight, float* acc) {
+  float m = x[0];
+  for (int64_t i = 1; i < n; ++i) m = x[i] > m ? x[i] : m;
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) sum += std::exp(x[i] - m);
+  const float w = static_cast<float>(weight / sum);
+  for (int64_t i = 0; i < n; ++i) acc[i] += w * std::exp(x[i] - m);
+}
+
 }  // namespace
+
+int g_gather_prefetch_rows = 16;
+int g_gather_prefetch_hint = 0;
 
 const CpuKernels& ScalarKernels() {
   static const CpuKernels kernels{CpuIsa::kScalar,       "scalar",
                                   &AttendRowsScalar,     &AttendPositionsScalar,
                                   &ScorePositionsScalar, &ScoreRangeScalar,
-                                  &FilterGreaterScalar};
+                                  &FilterGreaterScalar,  &SoftmaxAccumulateScalar};
   return kernels;
 }
 

@@ -53,10 +53,20 @@ Scratch& GetScratch() {
   return s;
 }
 
-double PowerSum(const std::vector<float>& u, int64_t n, int k) {
-  double s = 0.0;
-  for (int64_t i = 0; i < n; ++i) s += std::pow(static_cast<double>(u[i]), k);
-  return s;
+// pw[k] = sum_i u_i^k, k = 1..4, in one pass (products, not pow).
+void PowerSums(const std::vector<float>& u, double* pw) {
+  double s1 = 0.0, s2 = 0.0, s3 = 0.0, s4 = 0.0;
+  for (const float f : u) {
+    const double x = f, x2 = x * x;
+    s1 += x;
+    s2 += x2;
+    s3 += x2 * x;
+    s4 += x2 * x2;
+  }
+  pw[1] = s1;
+  pw[2] = s2;
+  pw[3] = s3;
+  pw[4] = s4;
 }
 
 }  // namespace
@@ -82,11 +92,8 @@ struct LfpsPolicy::HeadState {
     if (static_cast<int64_t>(sla.size()) < n) sla.resize(static_cast<size_t>(n), 0.0f);
   }
   void Resync() {
-    const int64_t n = static_cast<int64_t>(ver.size());
-    for (int k = 1; k <= 4; ++k) {
-      ver_pow[k] = PowerSum(ver, n, k);
-      sla_pow[k] = PowerSum(sla, static_cast<int64_t>(sla.size()), k);
-    }
+    PowerSums(ver, ver_pow);
+    PowerSums(sla, sla_pow);
   }
   void Renormalise() {
     for (float& x : ver) x = static_cast<float>(x * scale);
@@ -455,16 +462,24 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   sc.probs.resize(static_cast<size_t>(m));
   cpu::ScorePositions(p, ctx.q, ctx.kv, c1.data(), static_cast<int32_t>(m), sc.logits.data());
   for (int g = 0; g < group; ++g) {
-    Softmax(sc.logits.data() + g * m, m, sc.probs.data());
-    for (int64_t j = 0; j < m; ++j) sc.weights[j] += sc.probs[j];
+    cpu::SoftmaxAccumulate(sc.logits.data() + g * m, m, 1.0f, sc.weights.data());
   }
   std::vector<int32_t>& c2_idx = sc.c2_idx;  // indices into c1
   if (m <= k_off) {
     c2_idx.resize(static_cast<size_t>(m));
     std::iota(c2_idx.begin(), c2_idx.end(), 0);
   } else {
+    // The top-k set (TopK's order: weight descending, lower index first on ties) by selection in
+    // O(m), then ascending indices; the ranking within the set is never used. NaN ranks last.
+    float* w = sc.weights.data();
+    for (int64_t j = 0; j < m; ++j) {
+      if (std::isnan(w[j])) w[j] = -std::numeric_limits<float>::infinity();
+    }
+    c2_idx.resize(static_cast<size_t>(m));
+    std::iota(c2_idx.begin(), c2_idx.end(), 0);
+    std::nth_element(c2_idx.begin(), c2_idx.begin() + (k_off - 1), c2_idx.end(),
+                     [w](int32_t a, int32_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); });
     c2_idx.resize(static_cast<size_t>(k_off));
-    cpu::TopK(sc.weights.data(), m, k_off, c2_idx.data());
     std::sort(c2_idx.begin(), c2_idx.end());
   }
   const int64_t k2 = static_cast<int64_t>(c2_idx.size());
@@ -475,13 +490,9 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   std::fill(sc.weights.begin(), sc.weights.begin() + k2, 0.0f);
   for (int g = 0; g < group; ++g) {
     const float* l = sc.logits.data() + g * m;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < k2; ++j) mx = std::max(mx, l[c2_idx[j]]);
-    double sum = 0.0;
-    for (int64_t j = 0; j < k2; ++j) sum += std::exp(l[c2_idx[j]] - mx);
-    for (int64_t j = 0; j < k2; ++j) {
-      sc.weights[j] += static_cast<float>(std::exp(l[c2_idx[j]] - mx) / sum / group);
-    }
+    for (int64_t j = 0; j < k2; ++j) sc.probs[j] = l[c2_idx[j]];
+    cpu::SoftmaxAccumulate(sc.probs.data(), k2, 1.0f / static_cast<float>(group),
+                           sc.weights.data());
   }
   st->scale *= params_.r;
   const double inv_scale = 1.0 / st->scale;

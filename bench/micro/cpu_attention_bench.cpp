@@ -8,6 +8,8 @@
 // Usage: cpu_attention_bench [out.json] [--quick]
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -15,8 +17,12 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include <sys/mman.h>
 
 #include "cpu/attention.h"
 #include "cpu/cpu_features.h"
@@ -36,33 +42,66 @@ double Seconds() {
 }
 
 // KV heads of n tokens each in the host store's page layout, filled with small random bf16.
+// One 2 MiB-aligned arena with transparent huge pages requested (a 4 KiB-page TLB cannot map a
+// 1 GiB random-row working set: every row would add a page walk), first-touched page by page by
+// the pinned pool threads so the memory spreads over the node(s) the workers run on, as a host
+// store filled by many threads would be.
 struct Heads {
-  std::vector<std::unique_ptr<uint16_t[]>> pages;
+  char* arena = nullptr;
+  size_t arena_bytes = 0;
   std::vector<std::vector<void*>> ptrs;
   std::vector<KvPages> kv;
-  Heads(int num_heads, int64_t n) {
-    uint64_t state = 0x9e3779b97f4a7c15ull;
+  Heads(int num_heads, int64_t n, CpuPool* toucher) {
     const int64_t num_pages = (n + kPageTokens - 1) / kPageTokens;
     const size_t page_elems = static_cast<size_t>(2) * kPageTokens * kHd;
+    const size_t page_bytes = page_elems * sizeof(uint16_t);
+    const size_t total_pages = static_cast<size_t>(num_heads) * num_pages;
+    constexpr size_t kHuge = size_t{2} << 20;
+    arena_bytes = (total_pages * page_bytes + kHuge - 1) / kHuge * kHuge;
+    void* mem = mmap(nullptr, arena_bytes + kHuge, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) std::abort();
+    arena = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(mem) + kHuge - 1) / kHuge * kHuge);
+    madvise(arena, arena_bytes, MADV_HUGEPAGE);
+    auto fill = [&](int64_t pi) {
+      uint64_t state = 0x9e3779b97f4a7c15ull ^ (static_cast<uint64_t>(pi + 1) * 0xbf58476d1ce4e5b9ull);
+      uint16_t* dst = reinterpret_cast<uint16_t*>(arena + static_cast<size_t>(pi) * page_bytes);
+      for (size_t i = 0; i < page_elems; ++i) {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        // bf16 in about [-1, 1]: sign, exponent 121..127, random mantissa
+        dst[i] = static_cast<uint16_t>(((state >> 8) & 0x8000u) | ((121u + (state >> 20) % 7u) << 7) |
+                                       (state & 0x7fu));
+      }
+    };
+    if (toucher != nullptr) {
+      toucher->ParallelFor(static_cast<int64_t>(total_pages), fill);
+    } else {
+      for (size_t pi = 0; pi < total_pages; ++pi) fill(static_cast<int64_t>(pi));
+    }
     ptrs.resize(static_cast<size_t>(num_heads));
     for (int h = 0; h < num_heads; ++h) {
       for (int64_t p = 0; p < num_pages; ++p) {
-        pages.emplace_back(new uint16_t[page_elems]);
-        uint16_t* dst = pages.back().get();
-        for (size_t i = 0; i < page_elems; ++i) {
-          state ^= state << 13;
-          state ^= state >> 7;
-          state ^= state << 17;
-          // bf16 in about [-1, 1]: sign, exponent 121..127, random mantissa
-          dst[i] = static_cast<uint16_t>(((state >> 8) & 0x8000u) | ((121u + (state >> 20) % 7u) << 7) |
-                                         (state & 0x7fu));
-        }
-        ptrs[h].push_back(dst);
+        ptrs[h].push_back(arena + (static_cast<size_t>(h) * num_pages + p) * page_bytes);
       }
     }
     for (auto& p : ptrs) kv.push_back(KvPages{p.data(), kPageTokens});
   }
+  ~Heads() {
+    // The mapping began up to 2 MiB before the arena; unmapping the arena part is enough here.
+    munmap(arena, arena_bytes);
+  }
+  Heads(const Heads&) = delete;
+  Heads& operator=(const Heads&) = delete;
 };
+
+std::string ReadFirstLine(const char* path) {
+  std::ifstream f(path);
+  std::string line;
+  std::getline(f, line);
+  return line;
+}
 
 struct Jobs {
   std::vector<std::vector<int32_t>> positions;
@@ -132,7 +171,15 @@ int main(int argc, char** argv) {
   const int64_t n = quick ? 8192 : 32768;
   const int num_jobs = quick ? 64 : 1024;
   std::fprintf(stderr, "allocating %d heads x %lld tokens\n", num_heads, static_cast<long long>(n));
-  Heads heads(num_heads, n);
+  std::unique_ptr<CpuPool> toucher;
+  {
+    CpuPoolOptions opt;
+    opt.threads = 16;
+    auto pool_or = CpuPool::Create(opt);
+    if (pool_or.ok()) toucher = std::move(*pool_or);
+  }
+  Heads heads(num_heads, n, toucher.get());
+  toucher.reset();
   Jobs jobs = MakeJobs(heads, n, positions, num_jobs);
   std::string json = "{\n  \"bench\": \"cpu_attention\",\n";
   json += "  \"cpu_isa\": \"" + std::string(AttendRowsImplName()) + "\",\n";
@@ -140,6 +187,10 @@ int main(int argc, char** argv) {
   json += "  \"shape\": {\"head_dim\": 128, \"group\": 4, \"dtype\": \"bf16\", \"positions\": " +
           std::to_string(positions) + ", \"tokens_per_head\": " + std::to_string(n) +
           ", \"heads\": " + std::to_string(num_heads) + "},\n";
+  json += "  \"thp\": \"" + ReadFirstLine("/sys/kernel/mm/transparent_hugepage/enabled") + "\",\n";
+  json += "  \"memory\": \"one 2 MiB-aligned MADV_HUGEPAGE arena, first-touched by 16 pinned pool threads\",\n";
+  json += "  \"gather_prefetch\": {\"rows\": " + std::to_string(g_gather_prefetch_rows) +
+          ", \"hint\": " + std::to_string(g_gather_prefetch_hint) + "},\n";
 
   // Sparse attention through the pool, 1..16 threads.
   json += "  \"sparse_pool\": [\n";
@@ -176,6 +227,43 @@ int main(int argc, char** argv) {
   json += "  \"sparse_16_threads_gbs\": " + Fmt(gbs_16) + ",\n";
   json += "  \"target_frac_at_16_threads\": 0.7,\n";
 
+  // Prefetch distance / level sweep of the gather kernel (tuning record; the default is above).
+  json += "  \"prefetch_sweep\": [\n";
+  first = true;
+  {
+    const int def_rows = g_gather_prefetch_rows, def_hint = g_gather_prefetch_hint;
+    for (int threads : {16, 1}) {
+      CpuPoolOptions opt;
+      opt.threads = threads;
+      auto pool_or = CpuPool::Create(opt);
+      if (!pool_or.ok()) break;
+      CpuPool& pool = **pool_or;
+      const size_t njobs = threads == 1 ? std::min<size_t>(256, jobs.jobs.size()) : jobs.jobs.size();
+      std::span<const CpuJob> js(jobs.jobs.data(), njobs);
+      for (auto [rows, hint] : {std::pair{4, 0}, std::pair{8, 0}, std::pair{16, 0}, std::pair{24, 0},
+                                std::pair{32, 0}, std::pair{64, 0}, std::pair{16, 1},
+                                std::pair{32, 1}}) {
+        SetGatherPrefetch(rows, hint);
+        (void)pool.Run(std::span<const CpuJob>(jobs.jobs.data(), std::min<size_t>(64, njobs)));
+        double best = 1e30;
+        for (int r = 0; r < (quick ? 1 : 3); ++r) {
+          const double t0 = Seconds();
+          if (!pool.Run(js).ok()) return 1;
+          best = std::min(best, Seconds() - t0);
+        }
+        const double gbs = BytesPerJob(positions) * static_cast<double>(njobs) / best / 1e9;
+        json += std::string(first ? "" : ",\n") + "    {\"threads\": " + std::to_string(threads) +
+                ", \"rows\": " + std::to_string(rows) + ", \"hint\": " + std::to_string(hint) +
+                ", \"gbs\": " + Fmt(gbs) + "}";
+        first = false;
+        std::fprintf(stderr, "sweep %2d threads prefetch %2d rows hint %d: %.2f GB/s\n", threads, rows,
+                     hint, gbs);
+      }
+    }
+    SetGatherPrefetch(def_rows, def_hint);
+  }
+  json += "\n  ],\n";
+
   // Every kernel family at one thread.
   json += "  \"sparse_single_thread_by_isa\": {";
   double scalar_gbs = 0.0, best_gbs = 0.0;
@@ -205,7 +293,7 @@ int main(int argc, char** argv) {
   first = true;
   for (int64_t dn : {int64_t{32768}, int64_t{131072}}) {
     const int64_t tokens = quick ? dn / 8 : dn;
-    Heads dense(1, tokens);
+    Heads dense(1, tokens, nullptr);
     kvferry::AttnParams p = jobs.jobs[0].params;
     std::vector<float> q(kGroup * kHd, 0.1f), o(kGroup * kHd), lse(kGroup);
     kvferry::PagedAttnItem item{q.data(), o.data(), lse.data(), dense.kv[0], tokens - 1, 1};

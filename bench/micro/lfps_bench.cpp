@@ -3,15 +3,18 @@
 // recall of the exact top-k, |C1|/n (keys given an exact q.k), bypassed heads, attention-mass
 // recall and the relative L2 error of the output vs dense attention. Written as JSON.
 //
-// Workload: generated here (seeded), with the structure real attention has: a sink token, RoPE
-// (theta 5e5) over a shared key/query component so nearby tokens and fixed distances score high
-// (local decay, slash patterns), a few persistent distant "needle" keys in the low-frequency
-// channels that the queries revisit for stretches of steps, and one sink-dominated head in eight.
-// Usage: lfps_bench [out.json] [--quick]
+// Workload: the shared synthetic generator of kvferry-bench (bench/lib/synthetic.h,
+// kvferry::bench::SyntheticWorkload; seeded, 32 query / 8 KV heads, head_dim 128): sinks, local
+// decay through a shared content vector under RoPE, heavy-tailed channels and retrieval targets
+// that queries switch on for stints of steps. One layer, one sequence; K/V are generated for the
+// whole run up front (in parallel, bit-identical to a serial generation) and stored as bf16 in the
+// host store's page layout; step t appends nothing but reveals position t (n grows by one).
+// Usage: lfps_bench [out.json] [--quick] [--tokens N (one context length only)]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -20,6 +23,9 @@
 #include <string>
 #include <vector>
 
+#include <thread>
+
+#include "bench/lib/synthetic.h"
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
 #include "cpu/reference.h"
@@ -30,28 +36,17 @@ namespace {
 
 constexpr int kHd = 128, kGroup = 4, kPage = 256, kSink = 4, kWindow = 64;
 constexpr double kBudgetFrac = 0.02;
-constexpr int kNeedles = 12;
 
 double Seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 
-void Rope(float* x, int64_t pos) {
-  for (int j = 0; j < kHd / 2; ++j) {
-    const double freq = std::pow(5e5, -2.0 * j / kHd);
-    const double a = pos * freq;
-    const float c = static_cast<float>(std::cos(a)), s = static_cast<float>(std::sin(a));
-    const float x0 = x[2 * j], x1 = x[2 * j + 1];
-    x[2 * j] = x0 * c - x1 * s;
-    x[2 * j + 1] = x0 * s + x1 * c;
-  }
-}
-
-// One KV head of the synthetic model, growing one token per decode step.
+// One KV head's rows in the host store's page layout; n() grows by one per decode step (the rows
+// themselves are all generated up front).
 class SynthHead {
  public:
-  SynthHead(int64_t capacity, uint32_t seed, bool sink_heavy) : rng_(seed), sink_heavy_(sink_heavy) {
+  explicit SynthHead(int64_t capacity) {
     const int64_t pages = (capacity + kPage - 1) / kPage;
     for (int64_t p = 0; p < pages; ++p) {
       pages_.emplace_back(new uint16_t[static_cast<size_t>(2) * kPage * kHd]);
@@ -59,90 +54,51 @@ class SynthHead {
     }
     kv_.pages = ptrs_.data();
     kv_.page_tokens = kPage;
-    std::normal_distribution<float> nd;
-    shared_k_.resize(kHd);
-    shared_q_.resize(kHd);
-    for (int d = 0; d < kHd; ++d) {
-      // The shared component lives in the high-frequency channels (first half): under RoPE its
-      // score depends on distance only, which makes local decay and fixed-distance stripes.
-      shared_k_[d] = d < kHd / 2 ? nd(rng_) : 0.0f;
-      shared_q_[d] = d < kHd / 2 ? shared_k_[d] * 0.6f + 0.3f * nd(rng_) : 0.0f;
-    }
-    needle_dirs_.resize(kNeedles);
-    for (auto& u : needle_dirs_) {  // low-frequency channels: stable under RoPE over 128K
-      u.assign(kHd, 0.0f);
-      double norm = 0;
-      for (int d = kHd / 2 + 16; d < kHd; ++d) {
-        u[d] = nd(rng_);
-        norm += u[d] * u[d];
-      }
-      for (float& x : u) x /= static_cast<float>(std::sqrt(norm));
-    }
   }
-  void PlaceNeedles(int64_t n) {
-    std::uniform_int_distribution<int64_t> where(kSink + 16, std::max<int64_t>(kSink + 17, n - 4 * kWindow));
-    needle_pos_.clear();
-    for (int r = 0; r < kNeedles; ++r) needle_pos_.push_back(where(rng_));
-  }
-  void Append() {
-    std::normal_distribution<float> nd;
-    const int64_t pos = n_;
-    std::vector<float> k(kHd), v(kHd);
-    for (int d = 0; d < kHd; ++d) {
-      k[d] = 0.9f * shared_k_[d] + 0.7f * nd(rng_);
-      v[d] = nd(rng_);
-    }
-    if (pos == 0) {
-      for (int d = 0; d < kHd; ++d) k[d] = (sink_heavy_ ? 8.0f : 2.0f) * shared_q_[d] + 0.2f * nd(rng_);
-    }
-    for (int r = 0; r < kNeedles; ++r) {
-      if (needle_pos_.size() == kNeedles && needle_pos_[r] == pos) {
-        for (int d = 0; d < kHd; ++d) k[d] = 0.5f * k[d] + 7.0f * needle_dirs_[r][d];
-      }
-    }
-    Rope(k.data(), pos);
+  void Store(int64_t pos, const float* k, const float* v) {
     uint16_t* page = pages_[pos / kPage].get();
     const int64_t row = pos % kPage;
     for (int d = 0; d < kHd; ++d) {
       page[row * kHd + d] = cpu::F32ToBf16(k[d]);
       page[(kPage + row) * kHd + d] = cpu::F32ToBf16(v[d]);
     }
-    ++n_;
   }
-  // Queries of the group for the token at position pos (the newest), step index step.
-  void Query(int64_t pos, int64_t step, float* q) {
-    std::normal_distribution<float> nd;
-    // Two needles active at a time, switching every 16 steps.
-    const int a = static_cast<int>((step / 16) % kNeedles);
-    const int b = static_cast<int>((step / 16 * 7 + 3) % kNeedles);
-    for (int g = 0; g < kGroup; ++g) {
-      float* qg = q + g * kHd;
-      for (int d = 0; d < kHd; ++d) {
-        qg[d] = 2.2f * shared_q_[d] + 0.5f * nd(rng_) +
-                (g % 2 == 0 ? 2.8f : 1.4f) * (needle_dirs_[a][d] + needle_dirs_[b][d]);
-      }
-      if (sink_heavy_) {
-        for (int d = 0; d < kHd; ++d) qg[d] = 4.0f * shared_q_[d] + 0.2f * nd(rng_);
-      }
-      // Overall temperature: peaky enough that a 2% budget holds most of the mass, as in LLMs.
-      for (int d = 0; d < kHd; ++d) qg[d] *= 1.8f;
-      Rope(qg, pos);
-    }
-  }
+  void SetN(int64_t n) { n_ = n; }
+  void Append() { ++n_; }
   int64_t n() const { return n_; }
   const KvPages& kv() const { return kv_; }
 
  private:
-  std::mt19937 rng_;
-  bool sink_heavy_;
   std::vector<std::unique_ptr<uint16_t[]>> pages_;
   std::vector<void*> ptrs_;
   KvPages kv_;
   int64_t n_ = 0;
-  std::vector<float> shared_k_, shared_q_;
-  std::vector<std::vector<float>> needle_dirs_;
-  std::vector<int64_t> needle_pos_;
 };
+
+// Generates K/V of positions [0, total) for every KV head into heads, in parallel chunks.
+void Generate(const bench::SyntheticWorkload& wl, int64_t total,
+              std::vector<std::unique_ptr<SynthHead>>& heads) {
+  const int hkv = wl.shape().num_kv_heads;
+  const int nt = std::max(1, std::min(32, static_cast<int>(std::thread::hardware_concurrency())));
+  std::vector<std::thread> th;
+  for (int w = 0; w < nt; ++w) {
+    th.emplace_back([&, w] {
+      constexpr int64_t kChunk = 256;
+      std::vector<float> k(static_cast<size_t>(kChunk) * hkv * kHd), v(k.size());
+      for (int64_t p0 = static_cast<int64_t>(w) * kChunk; p0 < total; p0 += kChunk * nt) {
+        const int64_t cnt = std::min(kChunk, total - p0);
+        wl.KeysValues(0, p0, cnt, k.data(), v.data());
+        for (int64_t t = 0; t < cnt; ++t) {
+          for (int h = 0; h < hkv; ++h) {
+            const size_t off = (static_cast<size_t>(t) * hkv + h) * kHd;
+            heads[h]->Store(p0 + t, k.data() + off, v.data() + off);
+          }
+        }
+      }
+    });
+  }
+  for (auto& t : th) t.join();
+}
 
 AttnParams Params() {
   AttnParams p;
@@ -188,16 +144,21 @@ int main(int argc, char** argv) {
   using namespace kvferry;  // NOLINT
   std::string out_path = "bench/results/lfps.json";
   bool quick = false;
+  int64_t only = 0;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
+    } else if (std::strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) {
+      only = std::atoll(argv[++i]);
     } else {
       out_path = argv[i];
     }
   }
   const std::vector<int64_t> lengths =
-      quick ? std::vector<int64_t>{4096, 16384} : std::vector<int64_t>{4096, 16384, 65536, 131072};
-  const int num_heads = 8;  // head 0 is sink-dominated
+      only > 0 ? std::vector<int64_t>{only}
+      : quick  ? std::vector<int64_t>{4096, 16384}
+               : std::vector<int64_t>{4096, 16384, 65536, 131072};
+  const int num_heads = 8;  // KV heads of the synthetic model (32 query heads, GQA 4)
   const int warmup = 4, steps = quick ? 12 : 24;
   const double paper_speedup[] = {4.3, 8.1, 14.7, 0.0};
   const double paper_c1[] = {6.0, 4.1, 2.0, 1.7};
@@ -205,7 +166,8 @@ int main(int argc, char** argv) {
   std::string json = "{\n  \"bench\": \"lfps\",\n  \"cpu_isa\": \"" +
                      std::string(cpu::AttendRowsImplName()) + "\",\n  \"threads\": 1,\n" +
                      "  \"shape\": {\"head_dim\": 128, \"group\": 4, \"kv_heads\": 8, \"sink\": 4, "
-                     "\"window\": 64, \"budget_frac\": 0.02},\n  \"params\": {\"s\": 32, \"r\": "
+                     "\"window\": 64, \"budget_frac\": 0.02},\n  \"workload\": \"bench/lib/synthetic.h "
+                     "SyntheticWorkload (as kvferry-bench), seed 1234 + run index, defaults otherwise\",\n  \"params\": {\"s\": 32, \"r\": "
                      "0.95, \"eps\": 0.85, \"a\": 0.2},\n  \"runs\": [\n";
   for (size_t li = 0; li < lengths.size(); ++li) {
     const int64_t n0 = lengths[li];
@@ -219,14 +181,28 @@ int main(int argc, char** argv) {
     auto& lfps = static_cast<LfpsPolicy&>(**policy_or);
     std::vector<std::unique_ptr<SynthHead>> heads;
     const double t_gen = Seconds();
+    bench::SyntheticShape shape;
+    shape.num_layers = 1;
+    shape.num_q_heads = num_heads * kGroup;
+    shape.num_kv_heads = num_heads;
+    shape.head_dim = kHd;
+    shape.max_positions = n0;
+    shape.seed = 1234u + static_cast<uint64_t>(li);
+    shape.sinks = kSink;
+    const bench::SyntheticWorkload wl(shape);
+    const int64_t total = n0 + warmup + steps;
+    for (int h = 0; h < num_heads; ++h) heads.push_back(std::make_unique<SynthHead>(total));
+    Generate(wl, total, heads);
+    // Prime from the last 32 prompt queries: [32][q heads][hd] -> per KV head [32][group][hd].
+    std::vector<float> all_q(static_cast<size_t>(32) * shape.num_q_heads * kHd);
+    wl.Queries(0, n0 - 32, 32, all_q.data());
     for (int h = 0; h < num_heads; ++h) {
-      heads.push_back(std::make_unique<SynthHead>(n0 + warmup + steps + 1, 1234u + 77u * h +
-                                                      static_cast<uint32_t>(li), h == 0));
-      heads[h]->PlaceNeedles(n0);
-      for (int64_t i = 0; i < n0; ++i) heads[h]->Append();
-      // Prime from the last 32 prompt queries.
+      heads[h]->SetN(n0);
       std::vector<float> pq(static_cast<size_t>(32) * kGroup * kHd);
-      for (int r = 0; r < 32; ++r) heads[h]->Query(n0 - 32 + r, -1, pq.data() + r * kGroup * kHd);
+      for (int r = 0; r < 32; ++r) {
+        std::copy_n(all_q.data() + (static_cast<size_t>(r) * shape.num_q_heads + h * kGroup) * kHd,
+                    kGroup * kHd, pq.data() + static_cast<size_t>(r) * kGroup * kHd);
+      }
       PrefillContext pc;
       pc.kv_head = h;
       pc.q_pos0 = n0 - 32;
@@ -247,23 +223,18 @@ int main(int argc, char** argv) {
     std::vector<float> q(kGroup * kHd), logits, w, o_sel(kGroup * kHd), lse_sel(kGroup),
         o_dense(kGroup * kHd), lse_dense(kGroup), o_tmp(kGroup * kHd), lse_tmp(kGroup);
     std::vector<int32_t> exact_set, lfps_set, resident_plus_exact;
+    std::vector<float> step_q(static_cast<size_t>(shape.num_q_heads) * kHd);
     for (int step = 0; step < warmup + steps; ++step) {
+      wl.Queries(0, heads[0]->n(), 1, step_q.data());  // the query of the token appended now
       for (int h = 0; h < num_heads; ++h) {
         SynthHead& hd = *heads[h];
         hd.Append();
         const int64_t n = hd.n();
-        hd.Query(n - 1, step, q.data());
+        std::copy_n(step_q.data() + static_cast<size_t>(h) * kGroup * kHd, kGroup * kHd, q.data());
         const int64_t budget = static_cast<int64_t>(std::ceil(kBudgetFrac * n));
         const int64_t k_off = budget - kSink - kWindow;
-        // Exact top-k (+ its sparse attention).
-        double t0 = Seconds();
-        ExactTopK(hd, q.data(), k_off, logits, w, exact_set);
-        double t1 = Seconds();
-        cpu::PositionAttnItem ei{q.data(), o_tmp.data(), lse_tmp.data(), hd.kv(),
-                                 exact_set.data(), static_cast<int32_t>(exact_set.size())};
-        cpu::AttendPositions(p, &ei, 1);
-        double t2 = Seconds();
-        // LFPS (+ its sparse attention over the offloaded part it chose).
+        // LFPS (+ its sparse attention over the offloaded part it chose). Runs first, so that its
+        // row reads are not served from the LLC that exact top-k's full scan just filled.
         SelectContext ctx;
         ctx.kv_head = h;
         ctx.n = n;
@@ -281,6 +252,14 @@ int main(int argc, char** argv) {
                                       lfps_set.data(), static_cast<int32_t>(lfps_set.size())};
         cpu::AttendPositions(p, &li_item, 1);
         const double t5 = Seconds();
+        // Exact top-k (+ its sparse attention).
+        double t0 = Seconds();
+        ExactTopK(hd, q.data(), k_off, logits, w, exact_set);
+        double t1 = Seconds();
+        cpu::PositionAttnItem ei{q.data(), o_tmp.data(), lse_tmp.data(), hd.kv(),
+                                 exact_set.data(), static_cast<int32_t>(exact_set.size())};
+        cpu::AttendPositions(p, &ei, 1);
+        double t2 = Seconds();
         if (step < warmup) continue;
         ++head_steps;
         bypassed += info.bypassed;
