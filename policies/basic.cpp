@@ -64,15 +64,7 @@ void GroupAttentionWeights(const SelectContext& ctx, std::vector<float>& logits,
   weights.assign(static_cast<size_t>(n), 0.0f);
   cpu::ScorePaged(ctx.params, ctx.q, ctx.kv, n, logits.data());
   for (int g = 0; g < group; ++g) {
-    const float* l = logits.data() + static_cast<int64_t>(g) * n;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, l[j]);
-    double sum = 0.0;
-    for (int64_t j = 0; j < n; ++j) sum += std::exp(static_cast<double>(l[j]) - m);
-    const double inv = 1.0 / sum;
-    for (int64_t j = 0; j < n; ++j) {
-      weights[j] += static_cast<float>(std::exp(static_cast<double>(l[j]) - m) * inv);
-    }
+    cpu::SoftmaxAccumulate(logits.data() + static_cast<int64_t>(g) * n, n, 1.0f, weights.data());
   }
 }
 

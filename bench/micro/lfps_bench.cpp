@@ -117,14 +117,8 @@ void ExactTopK(const SynthHead& h, const float* q, int64_t k_off, std::vector<fl
   logits.resize(static_cast<size_t>(kGroup) * m);
   w.assign(static_cast<size_t>(m), 0.0f);
   cpu::ScoreRange(p, q, h.kv(), lo, hi, logits.data(), m);
-  for (int g = 0; g < kGroup; ++g) {
-    const float* l = logits.data() + g * m;
-    const float mx = *std::max_element(l, l + m);
-    double s = 0;
-    for (int64_t j = 0; j < m; ++j) s += std::exp(l[j] - mx);
-    const float inv = static_cast<float>(1.0 / s);
-    for (int64_t j = 0; j < m; ++j) w[j] += std::exp(l[j] - mx) * inv;
-  }
+  // Same vectorised softmax as LFPS uses, so the baseline is not handicapped by scalar exp.
+  for (int g = 0; g < kGroup; ++g) cpu::SoftmaxAccumulate(logits.data() + g * m, m, 1.0f, w.data());
   out.resize(static_cast<size_t>(k_off));
   cpu::TopK(w.data(), m, k_off, out.data());
   for (int32_t& x : out) x += static_cast<int32_t>(lo);
