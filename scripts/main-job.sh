@@ -4,7 +4,9 @@
 # print a report: tokens/s, KV bytes held on the GPU vs dense, PCIe bytes per token, perplexity
 # dense vs kvferry, passkey found or not.
 #
-# Usage: scripts/main-job.sh [--policy streaming] [--budget 256] [--context N] [--backend B]
+# Usage: scripts/main-job.sh [--policy lfps] [--budget 256] [--window 192] [--context N] [--backend B]
+# Default: LFPS selects on the CPU from the offloaded tokens (sinks and a 192-token window stay
+# resident), so only q and (o, lse) cross PCIe per layer.
 # Environment: BUILD_DIR (default build-main-job), JOBS (default: all cores).
 # Context: 8192 with a GPU (or 16+ cores), 4096 with 8+ cores, else 2048, unless --context is given.
 set -euo pipefail
@@ -12,8 +14,9 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${BUILD_DIR:-$repo/build-main-job}"
 jobs="${JOBS:-$(nproc)}"
-policy=streaming
+policy=lfps
 budget=256
+window=192
 context=""
 backend=auto
 while [[ $# -gt 0 ]]; do
@@ -22,7 +25,8 @@ while [[ $# -gt 0 ]]; do
     --budget) budget="$2"; shift 2 ;;
     --context) context="$2"; shift 2 ;;
     --backend) backend="$2"; shift 2 ;;
-    *) echo "usage: $0 [--policy P] [--budget N] [--context N] [--backend host|cuda|auto]" >&2
+    --window) window="$2"; shift 2 ;;
+    *) echo "usage: $0 [--policy P] [--budget N] [--window N] [--context N] [--backend host|cuda|auto]" >&2
        exit 2 ;;
   esac
 done
@@ -78,6 +82,6 @@ log "running: context $context, scored $scored, policy $policy@$budget, backend 
 "$build/examples/llama/kvferry-llama" \
   --model "$repo/data/SmolLM2-135M-Instruct.Q4_1.gguf" --text "$repo/data/kjv.txt" \
   --report --chat --context "$context" --scored "$scored" --offset-lines 1000 \
-  --policy "$policy" --budget "$budget" --backend "$backend" \
+  --policy "$policy" --budget "$budget" --window "$window" --backend "$backend" \
   --json "$build/main-job.json"
 log "JSON: $build/main-job.json"
