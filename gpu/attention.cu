@@ -3,6 +3,8 @@
 // head_dim / dtype / head-group size to template instances, and merges the splits.
 
 #include <algorithm>
+#include <type_traits>
+#include <utility>
 
 #include "gpu/attention.cuh"
 #include "gpu/cuda_check.h"
@@ -35,28 +37,63 @@
 namespace kvferry::cuda {
 namespace {
 
+// Dynamic shared memory and resident CTAs per SM of one kernel instance (computed once).
+template <int HD, typename T, int G, typename Item, bool kPipe>
+struct KernelConfig {
+  static size_t Smem() {
+    const size_t red =
+        (static_cast<size_t>(kAttnWarps) * G * (HD + 2) + G * HD + 2 * G) * sizeof(float);
+    return kPipe ? std::max(red, kPipeSmemBytes<HD, T>) : red;
+  }
+  /// Sets the shared-memory limit (above 48 KiB needs opting in) and returns CTAs per SM.
+  static Result<int> Prepare() {
+    static const std::pair<cudaError_t, int> cached = [] {
+      auto kernel = DecodeAttnKernel<HD, T, G, Item, kPipe>;
+      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(Smem()));
+      int blocks = 0;
+      if (e == cudaSuccess) {
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kAttnThreads, Smem());
+      }
+      return std::make_pair(e, blocks);
+    }();
+    if (cached.first != cudaSuccess) {
+      return Status(StatusCode::kDeviceError,
+                    detail::StrCat("CUDA attention: configuring DecodeAttnKernel: ",
+                                   cudaGetErrorName(cached.first)));
+    }
+    return std::max(cached.second, 1);
+  }
+};
+
 // Query heads a CTA handles: 4 covers GQA 1-4 with fewer registers, 8 covers 5-8; larger groups
-// are cut into chunks of 8 along blockIdx.z.
-template <int HD, typename T, typename Item>
-Status LaunchDecode(const AttnParams& p, const Item* items, int64_t num_items,
-                    const LaunchInfo& info, AttnWorkspace ws, cudaStream_t stream) {
-  const int gmax = p.group <= 4 ? 4 : 8;
-  const int gz = (p.group + gmax - 1) / gmax;
-  // Enough CTAs for ~8 per SM; bounded by the workspace for the partial results.
+// are cut into chunks of 8 along blockIdx.z. Paged single-query items (dense decode) use the
+// cp.async pipeline with one wave of CTAs: splits = resident CTAs / (items x head chunks), so at
+// batch 1 every SM streams a share of each KV head; row lists keep the register-load kernel (their
+// rows may be mapped host memory).
+template <int HD, typename T, int G, typename Item>
+Status LaunchDecodeG(const AttnParams& p, const Item* items, int64_t num_items,
+                     const LaunchInfo& info, AttnWorkspace ws, cudaStream_t stream) {
+  constexpr bool kPipe = std::is_same_v<Item, PagedAttnItem>;
+  using Config = KernelConfig<HD, T, G, Item, kPipe>;
+  KVF_ASSIGN_OR_RETURN(const int per_sm, Config::Prepare());
+  const int gz = (p.group + G - 1) / G;
+  KVF_CHECK_CODE(num_items <= 0x7fffffff && gz <= 65535, StatusCode::kInvalidArgument,
+                 "CUDA attention: too many items (", num_items, ")");
   const int64_t ctas = static_cast<int64_t>(num_items) * gz;
-  int64_t splits = std::clamp<int64_t>((8LL * info.num_sms + ctas - 1) / ctas, 1, info.max_splits);
+  const int64_t slots = static_cast<int64_t>(info.num_sms) * (kPipe ? per_sm : 8);
+  int64_t splits = kPipe ? std::max<int64_t>(slots / ctas, 1) : (slots + ctas - 1) / ctas;
+  splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(info.max_splits, kAttnThreads));
   const size_t per_split = static_cast<size_t>(num_items) * p.group * (HD + 1) * sizeof(float);
   if (per_split > 0) splits = std::min<int64_t>(splits, static_cast<int64_t>(ws.bytes / per_split));
   splits = std::max<int64_t>(splits, 1);
-  KVF_CHECK_CODE(num_items <= 0x7fffffff && gz <= 65535, StatusCode::kInvalidArgument,
-                 "CUDA attention: too many items (", num_items, ")");
 
   DecodeAttnArgs args;
   args.items = items;
   args.num_items = static_cast<int32_t>(num_items);
   args.group = p.group;
   args.num_splits = static_cast<int32_t>(splits);
-  args.min_chunk = info.min_chunk;
+  args.min_chunk = kPipe ? 4 * kPipeTileRows<HD> : info.min_chunk;
   args.scale_log2 = p.scale * kLog2e;
   if (splits > 1) {
     args.ws_o = ws.data;
@@ -64,20 +101,23 @@ Status LaunchDecode(const AttnParams& p, const Item* items, int64_t num_items,
   }
   const dim3 grid(static_cast<unsigned>(num_items), static_cast<unsigned>(splits),
                   static_cast<unsigned>(gz));
-  if (gmax == 4) {
-    const size_t smem = (kAttnWarps * 4 * (HD + 2) + 4 * HD + 8) * sizeof(float);
-    DecodeAttnKernel<HD, T, 4, Item><<<grid, kAttnThreads, smem, stream>>>(args);
-  } else {
-    const size_t smem = (kAttnWarps * 8 * (HD + 2) + 8 * HD + 16) * sizeof(float);
-    DecodeAttnKernel<HD, T, 8, Item><<<grid, kAttnThreads, smem, stream>>>(args);
-  }
+  DecodeAttnKernel<HD, T, G, Item, kPipe><<<grid, kAttnThreads, Config::Smem(), stream>>>(args);
   KVF_CUDA_CHECK_LAUNCH(DecodeAttnKernel);
   if (splits > 1) {
-    CombineSplitsKernel<Item><<<static_cast<unsigned>(num_items), kAttnThreads, 0, stream>>>(args,
-                                                                                           HD);
+    const dim3 cgrid(static_cast<unsigned>(num_items), static_cast<unsigned>(p.group));
+    CombineSplitsKernel<Item><<<cgrid, kAttnThreads, 0, stream>>>(args, HD);
     KVF_CUDA_CHECK_LAUNCH(CombineSplitsKernel);
   }
   return Status::Ok();
+}
+
+template <int HD, typename T, typename Item>
+Status LaunchDecode(const AttnParams& p, const Item* items, int64_t num_items,
+                    const LaunchInfo& info, AttnWorkspace ws, cudaStream_t stream) {
+  KVF_CHECK_CODE(p.group <= 65535, StatusCode::kInvalidArgument, "CUDA attention: group ",
+                 p.group, " too large");
+  if (p.group <= 4) return LaunchDecodeG<HD, T, 4, Item>(p, items, num_items, info, ws, stream);
+  return LaunchDecodeG<HD, T, 8, Item>(p, items, num_items, info, ws, stream);
 }
 
 template <typename Item>

@@ -126,99 +126,69 @@ __device__ __forceinline__ void Combine(LaneState<G>& s, const float m_o[G], con
   }
 }
 
-// Attends rows [begin, end) of \p src for the CTA's query heads and leaves the merged state of the
-// whole CTA in shared memory: red_m/red_l [G], red_o [G][HD] (un-normalised).
-template <int HD, typename T, int G, typename Src>
-__device__ void AttendRange(const Src& src, const float* __restrict__ q, int gcount, float scale_log2,
-                            int64_t begin, int64_t end, float* red_m, float* red_l, float* red_o,
-                            float* warp_buf) {
+// One batch of kSteps row steps already loaded (kraw/vraw, invalid rows masked by valid): logits,
+// online-softmax rescale, and the P.V accumulation into the lane state.
+template <int HD, typename T, int G, int kSteps>
+__device__ __forceinline__ void ConsumeSteps(LaneState<G>& st, const float (&qr)[G][8],
+                                             const uint4 (&kraw)[kSteps],
+                                             const uint4 (&vraw)[kSteps],
+                                             const bool (&valid)[kSteps]) {
   constexpr int kLpr = HD / 8;
-  constexpr int kRpw = 32 / kLpr;
-  // Row steps loaded before first use: 8 when registers allow (G <= 4), else 4.
-  constexpr int kAttnSteps = G <= 4 ? 8 : 4;
+  constexpr int kAttnSteps = kSteps;
+  float logit[kAttnSteps][G];
+#pragma unroll
+  for (int s = 0; s < kAttnSteps; ++s) {
+    float kf[8];
+    Unpack8<T>(kraw[s], kf);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float d = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) d = fmaf(qr[g][i], kf[i], d);
+#pragma unroll
+      for (int off = kLpr / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
+      logit[s][g] = valid[s] ? d : -INFINITY;
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float mx = logit[0][g];
+#pragma unroll
+    for (int s = 1; s < kAttnSteps; ++s) mx = fmaxf(mx, logit[s][g]);
+    const float m_new = fmaxf(st.m[g], mx);
+    if (m_new == -INFINITY) continue;
+    const float alpha = exp2f(st.m[g] - m_new);  // 0 when st.m == -inf
+    st.m[g] = m_new;
+    st.l[g] *= alpha;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) st.acc[g][i] *= alpha;
+#pragma unroll
+    for (int s = 0; s < kAttnSteps; ++s) logit[s][g] = exp2f(logit[s][g] - m_new);
+  }
+#pragma unroll
+  for (int s = 0; s < kAttnSteps; ++s) {
+    float vf[8];
+    Unpack8<T>(vraw[s], vf);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float p = valid[s] ? logit[s][g] : 0.0f;
+      st.l[g] += p;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) st.acc[g][i] = fmaf(p, vf[i], st.acc[g][i]);
+    }
+  }
+}
+
+// Merges the lane states of the CTA (lanes of a warp, then warps through shared memory) and leaves
+// red_m/red_l [G], red_o [G][HD] (un-normalised) in shared memory.
+template <int HD, int G>
+__device__ __forceinline__ void ReduceCta(LaneState<G>& st, float* red_m, float* red_l,
+                                          float* red_o, float* warp_buf) {
+  constexpr int kLpr = HD / 8;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int sub = lane / kLpr;
   const int dl = lane % kLpr;
-
-  float qr[G][8];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) qr[g][i] = g < gcount ? q[g * HD + dl * 8 + i] * scale_log2 : 0.0f;
-  }
-  LaneState<G> st;
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    st.m[g] = -INFINITY;
-    st.l[g] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) st.acc[g][i] = 0.0f;
-  }
-
-  constexpr int64_t kRowsPerBlock = static_cast<int64_t>(kRpw) * kAttnSteps;
-  for (int64_t blk = begin + warp * kRowsPerBlock; blk < end;
-       blk += kRowsPerBlock * kAttnWarps) {
-    uint4 kraw[kAttnSteps], vraw[kAttnSteps];
-    bool valid[kAttnSteps];
-#pragma unroll
-    for (int s = 0; s < kAttnSteps; ++s) {
-      const int64_t r = blk + s * kRpw + sub;
-      valid[s] = r < end;
-      kraw[s] = make_uint4(0, 0, 0, 0);
-      vraw[s] = make_uint4(0, 0, 0, 0);
-      if (valid[s]) {
-        const char* kp;
-        const char* vp;
-        src.Rows(r, kp, vp);
-        kraw[s] = Load16(kp + dl * 16);
-        vraw[s] = Load16(vp + dl * 16);
-      }
-    }
-    float logit[kAttnSteps][G];
-#pragma unroll
-    for (int s = 0; s < kAttnSteps; ++s) {
-      float kf[8];
-      Unpack8<T>(kraw[s], kf);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float d = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) d = fmaf(qr[g][i], kf[i], d);
-#pragma unroll
-        for (int off = kLpr / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
-        logit[s][g] = valid[s] ? d : -INFINITY;
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float mx = logit[0][g];
-#pragma unroll
-      for (int s = 1; s < kAttnSteps; ++s) mx = fmaxf(mx, logit[s][g]);
-      const float m_new = fmaxf(st.m[g], mx);
-      if (m_new == -INFINITY) continue;
-      const float alpha = exp2f(st.m[g] - m_new);  // 0 when st.m == -inf
-      st.m[g] = m_new;
-      st.l[g] *= alpha;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) st.acc[g][i] *= alpha;
-#pragma unroll
-      for (int s = 0; s < kAttnSteps; ++s) logit[s][g] = exp2f(logit[s][g] - m_new);
-    }
-#pragma unroll
-    for (int s = 0; s < kAttnSteps; ++s) {
-      float vf[8];
-      Unpack8<T>(vraw[s], vf);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float p = valid[s] ? logit[s][g] : 0.0f;
-        st.l[g] += p;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) st.acc[g][i] = fmaf(p, vf[i], st.acc[g][i]);
-      }
-    }
-  }
-
   // Merge the kRpw row groups of the warp (lanes with the same dl).
 #pragma unroll
   for (int off = kLpr; off < 32; off <<= 1) {
@@ -272,6 +242,171 @@ __device__ void AttendRange(const Src& src, const float* __restrict__ q, int gco
   __syncthreads();
 }
 
+// Attends rows [begin, end) of \p src for the CTA's query heads and leaves the merged state of the
+// whole CTA in shared memory: red_m/red_l [G], red_o [G][HD] (un-normalised).
+template <int HD, typename T, int G, typename Src>
+__device__ void AttendRange(const Src& src, const float* __restrict__ q, int gcount, float scale_log2,
+                            int64_t begin, int64_t end, float* red_m, float* red_l, float* red_o,
+                            float* warp_buf) {
+  constexpr int kLpr = HD / 8;
+  constexpr int kRpw = 32 / kLpr;
+  // Row steps loaded before first use: 8 when registers allow (G <= 4), else 4.
+  constexpr int kAttnSteps = G <= 4 ? 8 : 4;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int sub = lane / kLpr;
+  const int dl = lane % kLpr;
+
+  float qr[G][8];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qr[g][i] = g < gcount ? q[g * HD + dl * 8 + i] * scale_log2 : 0.0f;
+  }
+  LaneState<G> st;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    st.m[g] = -INFINITY;
+    st.l[g] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) st.acc[g][i] = 0.0f;
+  }
+
+  constexpr int64_t kRowsPerBlock = static_cast<int64_t>(kRpw) * kAttnSteps;
+  for (int64_t blk = begin + warp * kRowsPerBlock; blk < end;
+       blk += kRowsPerBlock * kAttnWarps) {
+    uint4 kraw[kAttnSteps], vraw[kAttnSteps];
+    bool valid[kAttnSteps];
+#pragma unroll
+    for (int s = 0; s < kAttnSteps; ++s) {
+      const int64_t r = blk + s * kRpw + sub;
+      valid[s] = r < end;
+      kraw[s] = make_uint4(0, 0, 0, 0);
+      vraw[s] = make_uint4(0, 0, 0, 0);
+      if (valid[s]) {
+        const char* kp;
+        const char* vp;
+        src.Rows(r, kp, vp);
+        kraw[s] = Load16(kp + dl * 16);
+        vraw[s] = Load16(vp + dl * 16);
+      }
+    }
+    ConsumeSteps<HD, T, G, kAttnSteps>(st, qr, kraw, vraw, valid);
+  }
+
+  ReduceCta<HD, G>(st, red_m, red_l, red_o, warp_buf);
+}
+
+// cp.async (LDGSTS) helpers: 16-byte global -> shared copies that occupy no registers while in
+// flight, so a CTA keeps several tiles of K/V streaming from HBM while it computes on another.
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Pipelined decode (num_q == 1 over device-memory rows): tiles of kPipeTileRows<HD> rows (16 KiB of
+// K + V for 2-byte KV) stream through kPipeStages shared-memory stages with cp.async; each warp
+// computes 4 row steps per tile from shared memory (a warp step reads 512 contiguous bytes).
+constexpr int kPipeStages = 4;
+template <int HD>
+constexpr int kPipeTileRows = 4096 / HD;
+template <int HD, typename T>
+constexpr size_t kPipeStageBytes = static_cast<size_t>(2) * kPipeTileRows<HD> * HD * sizeof(T);
+template <int HD, typename T>
+constexpr size_t kPipeSmemBytes = kPipeStages * kPipeStageBytes<HD, T>;
+
+template <int HD, typename T, int G, typename Src>
+__device__ void AttendRangePipelined(const Src& src, const float* __restrict__ q, int gcount,
+                                     float scale_log2, int64_t begin, int64_t end, char* pipe,
+                                     float* red_m, float* red_l, float* red_o, float* warp_buf) {
+  static_assert(sizeof(T) == 2, "pipelined decode assumes 2-byte KV elements");
+  constexpr int kLpr = HD / 8;
+  constexpr int kRpw = 32 / kLpr;
+  constexpr int kTile = kPipeTileRows<HD>;
+  constexpr int kSteps = kTile / (kRpw * kAttnWarps);  // 4
+  static_assert(kSteps * kRpw * kAttnWarps == kTile);
+  constexpr size_t kRowB = HD * sizeof(T);
+  constexpr size_t kStageB = kPipeStageBytes<HD, T>;
+  constexpr int kRowChunks = kTile * kLpr / kAttnThreads;  // 16-byte K chunks per thread per tile
+  static_assert(kRowChunks * kAttnThreads == kTile * kLpr);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int sub = lane / kLpr;
+  const int dl = lane % kLpr;
+
+  const int64_t ntiles = end > begin ? (end - begin + kTile - 1) / kTile : 0;
+  auto issue = [&](int64_t t) {
+    char* stage = pipe + (t % kPipeStages) * kStageB;
+    const int64_t r0 = begin + t * kTile;
+#pragma unroll
+    for (int i = 0; i < kRowChunks; ++i) {
+      const int c = threadIdx.x + i * kAttnThreads;
+      const int rr = c / kLpr;
+      const int piece = c % kLpr;
+      if (r0 + rr < end) {
+        const char* kp;
+        const char* vp;
+        src.Rows(r0 + rr, kp, vp);
+        CpAsync16(stage + rr * kRowB + piece * 16, kp + piece * 16);
+        CpAsync16(stage + (kTile + rr) * kRowB + piece * 16, vp + piece * 16);
+      }
+    }
+  };
+#pragma unroll
+  for (int t = 0; t < kPipeStages - 1; ++t) {
+    if (t < ntiles) issue(t);
+    CpAsyncCommit();
+  }
+
+  float qr[G][8];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qr[g][i] = g < gcount ? q[g * HD + dl * 8 + i] * scale_log2 : 0.0f;
+  }
+  LaneState<G> st;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    st.m[g] = -INFINITY;
+    st.l[g] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) st.acc[g][i] = 0.0f;
+  }
+
+  for (int64_t t = 0; t < ntiles; ++t) {
+    CpAsyncWait<kPipeStages - 2>();
+    __syncthreads();  // tile t visible to all; every warp is done with tile t - 1's stage
+    if (t + kPipeStages - 1 < ntiles) issue(t + kPipeStages - 1);
+    CpAsyncCommit();
+    const char* stage = pipe + (t % kPipeStages) * kStageB;
+    const int64_t r0 = begin + t * kTile;
+    uint4 kraw[kSteps], vraw[kSteps];
+    bool valid[kSteps];
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      const int rr = (s * kAttnWarps + warp) * kRpw + sub;
+      valid[s] = r0 + rr < end;
+      kraw[s] = make_uint4(0, 0, 0, 0);
+      vraw[s] = make_uint4(0, 0, 0, 0);
+      if (valid[s]) {
+        kraw[s] = *reinterpret_cast<const uint4*>(stage + rr * kRowB + dl * 16);
+        vraw[s] = *reinterpret_cast<const uint4*>(stage + (kTile + rr) * kRowB + dl * 16);
+      }
+    }
+    ConsumeSteps<HD, T, G, kSteps>(st, qr, kraw, vraw, valid);
+  }
+  CpAsyncWait<0>();
+  __syncthreads();  // the stages are reused as warp_buf / red_* below
+  ReduceCta<HD, G>(st, red_m, red_l, red_o, warp_buf);
+}
+
 // Writes the CTA's merged state as a normalised output plus natural-log lse.
 template <int HD, int G>
 __device__ void WriteResult(const float* red_m, const float* red_l, const float* red_o, int gcount,
@@ -289,9 +424,14 @@ __device__ __forceinline__ size_t AttnSmemFloats() {
   return static_cast<size_t>(kAttnWarps) * G * (HD + 2) + G * HD + 2 * G;
 }
 
-template <int HD, typename T, int G, typename Item>
-__global__ void __launch_bounds__(kAttnThreads) DecodeAttnKernel(DecodeAttnArgs args) {
-  extern __shared__ float smem[];
+// kPipe: single-query items stream their rows through the cp.async pipeline (rows must be in device
+// memory; the dynamic shared memory is then max(kPipeSmemBytes, AttnSmemFloats) and the reduction
+// buffers alias the drained stages). Without it rows are loaded into registers (any memory,
+// including mapped host memory read zero-copy).
+template <int HD, typename T, int G, typename Item, bool kPipe>
+__global__ void __launch_bounds__(kAttnThreads, kPipe && G <= 4 ? 3 : 1)
+    DecodeAttnKernel(DecodeAttnArgs args) {
+  extern __shared__ __align__(16) float smem[];
   float* warp_buf = smem;
   float* red_o = warp_buf + kAttnWarps * G * (HD + 2);
   float* red_m = red_o + G * HD;
@@ -319,21 +459,31 @@ __global__ void __launch_bounds__(kAttnThreads) DecodeAttnKernel(DecodeAttnArgs 
   }
 
   if (num_q == 1) {
-    // Split the rows into num_splits chunks of at least min_chunk rows.
+    // Split the rows into num_splits chunks of at least min_chunk rows (whole tiles when
+    // pipelined).
     int64_t chunk = (len + args.num_splits - 1) / args.num_splits;
     if (chunk < args.min_chunk) chunk = args.min_chunk;
+    if constexpr (kPipe) {
+      chunk = (chunk + kPipeTileRows<HD> - 1) / kPipeTileRows<HD> * kPipeTileRows<HD>;
+    }
     const int64_t begin = chunk * split < len ? chunk * split : len;
     const int64_t end = begin + chunk < len ? begin + chunk : len;
     const float* q = item.q + static_cast<size_t>(g0) * HD;
+    auto attend = [&](const auto& src) {
+      if constexpr (kPipe) {
+        AttendRangePipelined<HD, T, G>(src, q, gcount, args.scale_log2, begin, end,
+                                       reinterpret_cast<char*>(smem), red_m, red_l, red_o,
+                                       warp_buf);
+      } else {
+        AttendRange<HD, T, G>(src, q, gcount, args.scale_log2, begin, end, red_m, red_l, red_o,
+                              warp_buf);
+      }
+    };
     if constexpr (std::is_same_v<Item, RowAttnItem>) {
-      ListRows src{item.k_rows, item.v_rows};
-      AttendRange<HD, T, G>(src, q, gcount, args.scale_log2, begin, end, red_m, red_l, red_o,
-                            warp_buf);
+      attend(ListRows{item.k_rows, item.v_rows});
     } else {
-      PagedRows src{item.kv.pages, static_cast<uint32_t>(item.kv.page_tokens),
-                    static_cast<uint32_t>(HD * kElem)};
-      AttendRange<HD, T, G>(src, q, gcount, args.scale_log2, begin, end, red_m, red_l, red_o,
-                            warp_buf);
+      attend(PagedRows{item.kv.pages, static_cast<uint32_t>(item.kv.page_tokens),
+                       static_cast<uint32_t>(HD * kElem)});
     }
     if (args.num_splits == 1) {
       WriteResult<HD, G>(red_m, red_l, red_o, gcount, item.o + static_cast<size_t>(g0) * HD,
@@ -359,39 +509,68 @@ __global__ void __launch_bounds__(kAttnThreads) DecodeAttnKernel(DecodeAttnArgs 
   }
 }
 
-// Merges the num_splits partial results of each single-query item into its output. One CTA per
-// item; items with num_q > 1 were written directly and are skipped.
+// Merges the num_splits (<= kAttnThreads) partial results of one query head (blockIdx.y) of each
+// single-query item (blockIdx.x) into its output; items with num_q > 1 were written directly.
+// Thread y loads split y's lse; the weights go through shared memory and every thread then sums its
+// output dimensions over the splits with independent loads.
 template <typename Item>
 __global__ void __launch_bounds__(kAttnThreads) CombineSplitsKernel(DecodeAttnArgs args,
                                                                     int head_dim) {
+  __shared__ float w[kAttnThreads];
+  __shared__ float red[kAttnWarps];
+  __shared__ float m_sh, sum_sh;
   const Item& item = static_cast<const Item*>(args.items)[blockIdx.x];
-  if constexpr (!std::is_same_v<Item, RowAttnItem>) {
+  if constexpr (std::is_same_v<Item, PagedAttnItem>) {
     if (item.num_q != 1) return;
   }
   const int splits = args.num_splits;
+  const int g = blockIdx.y;
   const size_t base = static_cast<size_t>(blockIdx.x) * splits;
-  for (int g = 0; g < args.group; ++g) {
-    float m = -INFINITY;
-    for (int y = 0; y < splits; ++y) m = fmaxf(m, args.ws_lse[(base + y) * args.group + g]);
-    float sum = 0.0f;
-    for (int y = 0; y < splits; ++y) {
-      const float l = args.ws_lse[(base + y) * args.group + g];
-      sum += l == -INFINITY ? 0.0f : expf(l - m);
-    }
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-      float o = 0.0f;
-      if (m != -INFINITY) {
-        for (int y = 0; y < splits; ++y) {
-          const float l = args.ws_lse[(base + y) * args.group + g];
-          if (l == -INFINITY) continue;
-          o += expf(l - m) * args.ws_o[((base + y) * args.group + g) * head_dim + d];
-        }
-        o /= sum;
-      }
-      item.o[static_cast<size_t>(g) * head_dim + d] = o;
-    }
-    if (threadIdx.x == 0) item.lse[g] = m == -INFINITY ? -INFINITY : m + logf(sum);
+  const int tid = threadIdx.x;
+  const float l = tid < splits ? args.ws_lse[(base + tid) * args.group + g] : -INFINITY;
+  float m = l;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if ((tid & 31) == 0) red[tid >> 5] = m;
+  __syncthreads();
+  if (tid == 0) {
+    float mm = red[0];
+    for (int i = 1; i < kAttnWarps; ++i) mm = fmaxf(mm, red[i]);
+    m_sh = mm;
   }
+  __syncthreads();
+  m = m_sh;
+  const float wt = (l == -INFINITY || m == -INFINITY) ? 0.0f : expf(l - m);
+  w[tid] = wt;
+  float sum = wt;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  __syncthreads();  // red[] is reused
+  if ((tid & 31) == 0) red[tid >> 5] = sum;
+  __syncthreads();
+  if (tid == 0) {
+    float ss = 0.0f;
+    for (int i = 0; i < kAttnWarps; ++i) ss += red[i];
+    sum_sh = ss;
+  }
+  __syncthreads();
+  sum = sum_sh;
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const float* ws_o = args.ws_o + (base * args.group + g) * head_dim;
+  const size_t ystride = static_cast<size_t>(args.group) * head_dim;
+  for (int d = tid; d < head_dim; d += kAttnThreads) {
+    float o0 = 0.0f, o1 = 0.0f, o2 = 0.0f, o3 = 0.0f;
+    int y = 0;
+    for (; y + 4 <= splits; y += 4) {
+      o0 = fmaf(w[y], ws_o[y * ystride + d], o0);
+      o1 = fmaf(w[y + 1], ws_o[(y + 1) * ystride + d], o1);
+      o2 = fmaf(w[y + 2], ws_o[(y + 2) * ystride + d], o2);
+      o3 = fmaf(w[y + 3], ws_o[(y + 3) * ystride + d], o3);
+    }
+    for (; y < splits; ++y) o0 = fmaf(w[y], ws_o[y * ystride + d], o0);
+    item.o[static_cast<size_t>(g) * head_dim + d] = ((o0 + o1) + (o2 + o3)) * inv;
+  }
+  if (tid == 0) item.lse[g] = m == -INFINITY ? -INFINITY : m + logf(sum);
 }
 
 }  // namespace kvferry::cuda

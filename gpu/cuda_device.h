@@ -58,6 +58,11 @@ class CudaDevice final : public Device {
   Status MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t rows,
                   int head_dim, void* out, DType out_dtype, StreamHandle stream) override;
 
+  /// CUDA-only: position-list attention of the token bank (see LaunchAttendBank), with the
+  /// stream's split workspace.
+  Status AttendBank(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
+                    BankPass pass, StreamHandle stream, int64_t max_rows = 0);
+
   [[nodiscard]] int device_id() const { return device_id_; }
   [[nodiscard]] const cudaDeviceProp& props() const { return props_; }
   [[nodiscard]] const LaunchInfo& launch_info() const { return info_; }

@@ -41,6 +41,53 @@ Status LaunchAttendRows(const AttnParams& p, const RowAttnItem* items, int64_t n
 Status LaunchAttendPaged(const AttnParams& p, const PagedAttnItem* items, int64_t num_items,
                          const LaunchInfo& info, AttnWorkspace ws, cudaStream_t stream);
 
+/// One (sequence, KV head) of a position-list attention, the HiP token bank's decode step: the
+/// host sends only positions; the kernel finds each row itself. All pointers device-readable.
+struct BankAttnItem {
+  const float* q = nullptr;  ///< [group, head_dim] fp32
+  float* o = nullptr;        ///< [group, head_dim] fp32 (normalised over this pass's rows)
+  float* lse = nullptr;      ///< [group], -inf when the pass found no row
+  const int32_t* positions = nullptr;
+  int32_t count = 0;
+  /// Page table of the item's bank table (kHits / kMisses): exactly one of vector_map (uint16
+  /// slot per position, 0xffff = none; vector_len entries) and hash_map (packed (pos << 32 | slot)
+  /// entries, ~0 = empty, 2^hash_log2 of them, linear probing from HashPageMap::Bucket).
+  const uint16_t* vector_map = nullptr;
+  int64_t vector_len = 0;
+  const uint64_t* hash_map = nullptr;
+  int32_t hash_log2 = 0;
+  /// Bank rows: slot s has K at bank_rows + 2 s row_bytes and V one row later.
+  const char* bank_rows = nullptr;
+  /// kHits: bit s set (atomicOr) for every slot s read (the host folds it into CLOCK); may be null.
+  uint32_t* ref_bits = nullptr;
+  /// kDirect / kMisses: the row of position p has K at store + p * store_stride, V one row later
+  /// (device memory, or pinned mapped host memory read zero-copy).
+  const char* store = nullptr;
+  int64_t store_stride = 0;
+  /// kMisses (optional): row j's K and V are also written to stage + 2 j row_bytes (device
+  /// memory; admission then copies bank <- stage on the GPU), and j is appended to miss_list:
+  /// miss_list[0] = count (atomic, zeroed by the caller), miss_list[1 + i] = j for i < miss_cap.
+  char* stage = nullptr;
+  int32_t* miss_list = nullptr;
+  int32_t miss_cap = 0;
+};
+
+/// Which rows of a BankAttnItem a launch attends.
+enum class BankPass : int32_t {
+  kDirect = 0,          ///< every position, from store in device memory (all-on-GPU baseline)
+  kHits = 1,            ///< positions found in the page table, from the bank
+  kMisses = 2,          ///< positions not found, from store (+ staging and miss list)
+  kDirectZeroCopy = 3,  ///< every position, from store in pinned host memory (no-bank baseline)
+};
+
+/// Position-list attention (see BankAttnItem). Split over rows and merged exactly like
+/// LaunchAttendRows; a kHits and a kMisses launch over the same positions (o/lse of separate
+/// buffers) merged with LaunchMergeLse give the attention over all positions. \p max_rows: the
+/// largest count of the items when the caller knows it (sizes the split count), else 0.
+Status LaunchAttendBank(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
+                        BankPass pass, int64_t max_rows, const LaunchInfo& info, AttnWorkspace ws,
+                        cudaStream_t stream);
+
 /// rows[i].dst <- convert(rows[i].src), elems elements each; rows[] device-readable.
 Status LaunchCopyRows(const RowCopy* rows, int64_t num_rows, int elems, DType src_dtype,
                       DType dst_dtype, cudaStream_t stream);

@@ -47,6 +47,12 @@ __global__ void __launch_bounds__(kRowThreads) CopyRowsKernel(const RowCopy* __r
       const uint4* s = static_cast<const uint4*>(rc.src);
       uint4* d = static_cast<uint4*>(rc.dst);
       for (size_t i = lane; i < src_bytes / 16; i += 32) d[i] = s[i];
+    } else if (src_dtype == dst_dtype) {
+      // Same dtype: a bit-exact copy (as the host backend's memcpy), so rows may carry ids and
+      // packed integers (the token bank's device page tables) as well as values, NaNs included.
+      const uint16_t* s = static_cast<const uint16_t*>(rc.src);
+      uint16_t* d = static_cast<uint16_t*>(rc.dst);
+      for (size_t i = lane; i < src_bytes / 2; i += 32) d[i] = s[i];
     } else {
       for (int i = lane; i < elems; i += 32) {
         StoreElem(rc.dst, dst_dtype, i, LoadElem(rc.src, src_dtype, i));

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstring>
 
 #include "runtime/check.h"
 
@@ -19,6 +20,7 @@ bool VectorPageMap::Insert(int32_t pos, int32_t slot) {
     slot_of_.resize(n, kNone);
   }
   slot_of_[pos] = static_cast<uint16_t>(slot);
+  if (dirty_ != nullptr) dirty_->push_back(static_cast<uint32_t>(pos));
   return true;
 }
 
@@ -51,12 +53,12 @@ bool HashPageMap::Insert(int32_t pos, int32_t slot) {
     ++probes_;
     const uint64_t e = entries_[i];
     if (e == kEmpty) {
-      entries_[i] = packed;
+      Set(i, packed);
       ++size_;
       return true;
     }
     if (static_cast<int32_t>(e >> 32) == pos) {
-      entries_[i] = packed;
+      Set(i, packed);
       return true;
     }
   }
@@ -75,7 +77,7 @@ void HashPageMap::Erase(int32_t pos) {
   if (n == entries_.size()) return;
   // Backward-shift deletion: pull later members of the cluster into the hole when their home
   // bucket does not lie cyclically in (hole, j].
-  entries_[i] = kEmpty;
+  Set(i, kEmpty);
   --size_;
   uint64_t hole = i;
   uint64_t j = (i + 1) & mask;
@@ -86,8 +88,8 @@ void HashPageMap::Erase(int32_t pos) {
     const uint64_t dist_home = (j - home) & mask;  // how far e sits from home
     const uint64_t dist_hole = (j - hole) & mask;  // how far the hole is behind e
     if (dist_home >= dist_hole) {
-      entries_[hole] = e;
-      entries_[j] = kEmpty;
+      Set(hole, e);
+      Set(j, kEmpty);
       hole = j;
     }
   }
@@ -156,7 +158,170 @@ Status TokenBank::Init() {
     staging_[b] = static_cast<RowCopy*>(buf);
     KVF_ASSIGN_OR_RETURN(staging_done_[b], device_->CreateEvent());
   }
+  if (config_.device_map) KVF_RETURN_IF_ERROR(InitDeviceMaps());
   return Status::Ok();
+}
+
+Status TokenBank::InitDeviceMaps() {
+  const size_t tables = static_cast<size_t>(num_tables_);
+  size_t table_bytes = 0;
+  if (config_.map == BankMapKind::kVector) {
+    table_bytes = static_cast<size_t>(config_.max_positions) * sizeof(uint16_t);
+  } else {
+    hash_cap_ = hash_maps_[0].capacity();
+    hash_log2_ = hash_maps_[0].log2_capacity();
+    table_bytes = static_cast<size_t>(hash_cap_) * sizeof(uint64_t);
+  }
+  KVF_ASSIGN_OR_RETURN(void* dmap, device_->AllocDevice(tables * table_bytes));
+  if (config_.map == BankMapKind::kVector) {
+    dev_vector_ = static_cast<uint16_t*>(dmap);
+  } else {
+    dev_hash_ = static_cast<uint64_t*>(dmap);
+  }
+  // Both empty markers are all ones (0xffff, ~0): one pinned image of a table resets any table.
+  KVF_ASSIGN_OR_RETURN(none_host_, device_->AllocHost(table_bytes));
+  std::memset(none_host_, 0xff, table_bytes);
+  ref_words_ = (config_.slots + 31) / 32;
+  const size_t ref_bytes = tables * static_cast<size_t>(ref_words_) * sizeof(uint32_t);
+  KVF_ASSIGN_OR_RETURN(void* refs, device_->AllocDevice(ref_bytes));
+  dev_refs_ = static_cast<uint32_t*>(refs);
+  KVF_ASSIGN_OR_RETURN(void* rh, device_->AllocHost(ref_bytes));
+  refs_host_ = static_cast<uint32_t*>(rh);
+  KVF_ASSIGN_OR_RETURN(void* rz, device_->AllocHost(ref_bytes));
+  refs_zero_ = static_cast<uint32_t*>(rz);
+  std::memset(refs_zero_, 0, ref_bytes);
+  ref_acc_.assign(tables * ref_words_, 0);
+  KVF_ASSIGN_OR_RETURN(refs_done_, device_->CreateEvent());
+  // Map updates: up to 2 entries per admitted row for the vector map; backward-shift deletion can
+  // move more hash entries, so room for 8 per row (beyond that a table is copied whole).
+  map_staging_cap_ = staging_rows_cap_ * (config_.map == BankMapKind::kVector ? 2 : 8);
+  for (int b = 0; b < 2; ++b) {
+    KVF_ASSIGN_OR_RETURN(void* st, device_->AllocHost(static_cast<size_t>(map_staging_cap_) *
+                                                      sizeof(RowCopy)));
+    map_staging_[b] = static_cast<RowCopy*>(st);
+    KVF_ASSIGN_OR_RETURN(void* vals, device_->AllocHost(static_cast<size_t>(map_staging_cap_) *
+                                                        sizeof(uint64_t)));
+    map_values_[b] = static_cast<uint64_t*>(vals);
+  }
+  dirty_.assign(tables, {});
+  for (size_t t = 0; t < tables; ++t) {
+    if (config_.map == BankMapKind::kVector) {
+      vector_maps_[t].set_dirty_log(&dirty_[t]);
+    } else {
+      hash_maps_[t].set_dirty_log(&dirty_[t]);
+    }
+  }
+  device_map_bytes_ = tables * table_bytes + ref_bytes;
+  const StreamHandle s = device_->default_stream();
+  for (int t = 0; t < num_tables_; ++t) {
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(
+        static_cast<char*>(dmap) + static_cast<size_t>(t) * table_bytes, none_host_, table_bytes,
+        s));
+  }
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(dev_refs_, refs_zero_, ref_bytes, s));
+  return device_->SynchronizeStream(s);
+}
+
+TokenBank::DeviceTable TokenBank::device_table(int table) const {
+  DeviceTable d;
+  if (!config_.device_map) return d;
+  if (dev_vector_ != nullptr) {
+    d.vector_map = dev_vector_ + static_cast<size_t>(table) * config_.max_positions;
+    d.vector_len = config_.max_positions;
+  } else {
+    d.hash_map = dev_hash_ + static_cast<size_t>(table) * hash_cap_;
+    d.hash_log2 = hash_log2_;
+  }
+  d.bank_rows = static_cast<const char*>(SlotK(table, 0));
+  d.ref_bits = dev_refs_ + static_cast<size_t>(table) * ref_words_;
+  return d;
+}
+
+Status TokenBank::SnapshotRefs(StreamHandle stream) {
+  if (!config_.device_map) return Status::Ok();
+  const size_t ref_bytes = static_cast<size_t>(num_tables_) * ref_words_ * sizeof(uint32_t);
+  if (refs_pending_) {  // the previous snapshot was never folded: keep its bits
+    KVF_RETURN_IF_ERROR(device_->SynchronizeEvent(refs_done_));
+    FoldRefs();
+  }
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(refs_host_, dev_refs_, ref_bytes, stream));
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(dev_refs_, refs_zero_, ref_bytes, stream));
+  KVF_RETURN_IF_ERROR(device_->RecordEvent(refs_done_, stream));
+  refs_pending_ = true;
+  return Status::Ok();
+}
+
+void TokenBank::FoldRefs() {
+  const size_t n = ref_acc_.size();
+  for (size_t i = 0; i < n; ++i) ref_acc_[i] |= refs_host_[i];
+  refs_pending_ = false;
+}
+
+Status TokenBank::ResetDeviceTable(int table) {
+  const StreamHandle s = device_->default_stream();
+  if (dev_vector_ != nullptr) {
+    const size_t bytes = static_cast<size_t>(config_.max_positions) * sizeof(uint16_t);
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(
+        dev_vector_ + static_cast<size_t>(table) * config_.max_positions, none_host_, bytes, s));
+  } else {
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(dev_hash_ + static_cast<size_t>(table) * hash_cap_,
+                                           none_host_, static_cast<size_t>(hash_cap_) * 8, s));
+  }
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(dev_refs_ + static_cast<size_t>(table) * ref_words_,
+                                         refs_zero_, static_cast<size_t>(ref_words_) * 4, s));
+  dirty_[table].clear();
+  std::fill(ref_acc_.begin() + static_cast<size_t>(table) * ref_words_,
+            ref_acc_.begin() + static_cast<size_t>(table + 1) * ref_words_, 0u);
+  return Status::Ok();
+}
+
+// Queues the page-table entries written since the last commit (their current values) as 2-byte
+// (vector) or 8-byte (hash) bit-exact row copies on the admission stream, after the row copies.
+Status TokenBank::CommitMapUpdates() {
+  RowCopy* rc = map_staging_[cur_];
+  uint64_t* vals = map_values_[cur_];
+  int64_t n = 0;
+  for (const int t : dirty_tables_) {
+    auto& log = dirty_[t];
+    if (log.empty()) continue;
+    if (n + static_cast<int64_t>(log.size()) > map_staging_cap_) {
+      // Too many for the staging buffer: copy the table whole (pageable source, rare).
+      if (dev_vector_ != nullptr) {
+        const auto& m = vector_maps_[t];
+        std::vector<uint16_t> img(static_cast<size_t>(config_.max_positions));
+        for (size_t i = 0; i < img.size(); ++i) img[i] = m.raw(static_cast<int64_t>(i));
+        KVF_RETURN_IF_ERROR(device_->CopyAsync(
+            dev_vector_ + static_cast<size_t>(t) * config_.max_positions, img.data(),
+            img.size() * 2, admit_stream_));
+        KVF_RETURN_IF_ERROR(device_->SynchronizeStream(admit_stream_));
+      } else {
+        const auto& m = hash_maps_[t];
+        std::vector<uint64_t> img(static_cast<size_t>(hash_cap_));
+        for (size_t i = 0; i < img.size(); ++i) img[i] = m.entry(static_cast<int64_t>(i));
+        KVF_RETURN_IF_ERROR(device_->CopyAsync(dev_hash_ + static_cast<size_t>(t) * hash_cap_,
+                                               img.data(), img.size() * 8, admit_stream_));
+        KVF_RETURN_IF_ERROR(device_->SynchronizeStream(admit_stream_));
+      }
+      log.clear();
+      continue;
+    }
+    for (const uint32_t i : log) {
+      if (dev_vector_ != nullptr) {
+        vals[n] = vector_maps_[t].raw(i);
+        rc[n] = RowCopy{dev_vector_ + static_cast<size_t>(t) * config_.max_positions + i, &vals[n]};
+      } else {
+        vals[n] = hash_maps_[t].entry(i);
+        rc[n] = RowCopy{dev_hash_ + static_cast<size_t>(t) * hash_cap_ + i, &vals[n]};
+      }
+      ++n;
+    }
+    log.clear();
+  }
+  dirty_tables_.clear();
+  if (n == 0) return Status::Ok();
+  // Same dtype: a bit-exact copy of 1 x 2 bytes (vector) or 4 x 2 bytes (hash) per entry.
+  return device_->CopyRows(rc, n, dev_vector_ != nullptr ? 1 : 4, DType::kBF16, DType::kBF16,
+                           admit_stream_);
 }
 
 TokenBank::~TokenBank() {
@@ -166,6 +331,19 @@ TokenBank::~TokenBank() {
     device_->FreeHost(staging_[b]);
   }
   device_->FreeDevice(bank_);
+  if (config_.device_map) {
+    if (refs_pending_) device_->SynchronizeEvent(refs_done_).IgnoreError();
+    if (refs_done_ != nullptr) device_->DestroyEvent(refs_done_);
+    for (int b = 0; b < 2; ++b) {
+      device_->FreeHost(map_staging_[b]);
+      device_->FreeHost(map_values_[b]);
+    }
+    device_->FreeHost(refs_host_);
+    device_->FreeHost(refs_zero_);
+    device_->FreeHost(none_host_);
+    device_->FreeDevice(dev_refs_);
+    device_->FreeDevice(dev_vector_ != nullptr ? static_cast<void*>(dev_vector_) : dev_hash_);
+  }
 }
 
 int32_t TokenBank::MapFind(int table, int32_t pos) const {
@@ -229,6 +407,13 @@ int32_t TokenBank::PickVictim(int table) {
     const int32_t s = hand;
     hand = hand + 1 == config_.slots ? 0 : hand + 1;
     if (pos_of_[base + s] < 0) return s;  // free
+    if (!ref_acc_.empty()) {  // device hits since the hand last passed: one access each
+      uint32_t& w = ref_acc_[static_cast<size_t>(table) * ref_words_ + (s >> 5)];
+      if (w & (1u << (s & 31))) {
+        w &= ~(1u << (s & 31));
+        if (count_[base + s] < kMaxCount) ++count_[base + s];
+      }
+    }
     if (count_[base + s] == 0) return s;
     --count_[base + s];
   }
@@ -240,6 +425,10 @@ Status TokenBank::BeginAdmit(StreamHandle stream, EventHandle after) {
                  "TokenBank::BeginAdmit: previous batch not committed");
   if (after != nullptr) KVF_RETURN_IF_ERROR(device_->WaitEvent(stream, after));
   if (staging_used_[cur_]) KVF_RETURN_IF_ERROR(device_->SynchronizeEvent(staging_done_[cur_]));
+  if (refs_pending_) {
+    KVF_RETURN_IF_ERROR(device_->SynchronizeEvent(refs_done_));
+    FoldRefs();
+  }
   admit_stream_ = stream;
   cur_rows_ = 0;
   in_batch_ = true;
@@ -254,6 +443,7 @@ int64_t TokenBank::Admit(int table, std::span<const int32_t> positions, const vo
   }
   const size_t base = static_cast<size_t>(table) * config_.slots;
   int64_t admitted = 0;
+  if (config_.device_map && dirty_[table].empty()) dirty_tables_.push_back(table);
   for (size_t i = 0; i < positions.size(); ++i) {
     const int32_t pos = positions[i];
     if (MapFind(table, pos) >= 0) continue;  // already banked (duplicate in the list)
@@ -299,9 +489,13 @@ Status TokenBank::CommitAdmit() {
   KVF_CHECK_CODE(in_batch_, StatusCode::kFailedPrecondition,
                  "TokenBank::CommitAdmit without BeginAdmit");
   in_batch_ = false;
-  if (cur_rows_ == 0) return Status::Ok();
-  KVF_RETURN_IF_ERROR(device_->CopyRows(staging_[cur_], 2 * cur_rows_, config_.head_dim,
-                                        config_.kv_dtype, config_.kv_dtype, admit_stream_));
+  if (cur_rows_ == 0 && dirty_tables_.empty()) return Status::Ok();
+  if (cur_rows_ > 0) {
+    KVF_RETURN_IF_ERROR(device_->CopyRows(staging_[cur_], 2 * cur_rows_, config_.head_dim,
+                                          config_.kv_dtype, config_.kv_dtype, admit_stream_));
+  }
+  // The page tables change only after the rows they point to are written (same stream).
+  if (config_.device_map) KVF_RETURN_IF_ERROR(CommitMapUpdates());
   KVF_RETURN_IF_ERROR(device_->RecordEvent(staging_done_[cur_], admit_stream_));
   staging_used_[cur_] = true;
   ready_ = staging_done_[cur_];
@@ -323,15 +517,18 @@ void TokenBank::ResetSequence(int seq_slot) {
   for (int t = first; t < last; ++t) {
     if (config_.map == BankMapKind::kVector) {
       vector_maps_[t] = VectorPageMap(config_.max_positions);  // release the O(T) table too
+      if (config_.device_map) vector_maps_[t].set_dirty_log(&dirty_[t]);
     } else {
       hash_maps_[t].Clear();
     }
+    if (config_.device_map) ResetDeviceTable(t).IgnoreError();
     const size_t base = static_cast<size_t>(t) * config_.slots;
     std::fill(pos_of_.begin() + base, pos_of_.begin() + base + config_.slots, -1);
     std::fill(count_.begin() + base, count_.begin() + base + config_.slots, 0);
     hand_[t] = 0;
     used_[t] = 0;
   }
+  if (config_.device_map) device_->SynchronizeStream(device_->default_stream()).IgnoreError();
 }
 
 size_t TokenBank::map_bytes() const {

@@ -48,8 +48,17 @@ class VectorPageMap {
   /// False if pos is outside [0, max_positions).
   bool Insert(int32_t pos, int32_t slot);
   void Erase(int32_t pos) {
-    if (static_cast<size_t>(pos) < slot_of_.size()) slot_of_[pos] = kNone;
+    if (static_cast<size_t>(pos) < slot_of_.size()) {
+      slot_of_[pos] = kNone;
+      if (dirty_ != nullptr) dirty_->push_back(pos);
+    }
   }
+  /// Raw entry (kNone when absent or past the grown length).
+  [[nodiscard]] uint16_t raw(int64_t pos) const {
+    return static_cast<size_t>(pos) < slot_of_.size() ? slot_of_[pos] : kNone;
+  }
+  /// When set, every written index is appended to \p log (device mirror updates).
+  void set_dirty_log(std::vector<uint32_t>* log) { dirty_ = log; }
   void Clear() { slot_of_.assign(slot_of_.size(), kNone); }
   /// Bytes of the table.
   [[nodiscard]] size_t bytes() const { return slot_of_.capacity() * sizeof(uint16_t); }
@@ -57,6 +66,7 @@ class VectorPageMap {
  private:
   int64_t max_positions_;
   std::vector<uint16_t> slot_of_;
+  std::vector<uint32_t>* dirty_ = nullptr;
 };
 
 /// Position -> slot by open addressing with linear probing; entries pack (pos << 32 | slot);
@@ -81,10 +91,19 @@ class HashPageMap {
   [[nodiscard]] int log2_capacity() const { return log2_cap_; }
   /// Probes made by Find/Insert since construction (for the benchmark).
   [[nodiscard]] int64_t probes() const { return probes_; }
+  static constexpr uint64_t kEmpty = ~uint64_t{0};
+  /// Raw packed entry i ((pos << 32) | slot, or kEmpty).
+  [[nodiscard]] uint64_t entry(int64_t i) const { return entries_[static_cast<size_t>(i)]; }
+  /// When set, every written bucket index is appended to \p log (device mirror updates).
+  void set_dirty_log(std::vector<uint32_t>* log) { dirty_ = log; }
 
  private:
-  static constexpr uint64_t kEmpty = ~uint64_t{0};
+  void Set(uint64_t i, uint64_t e) {
+    entries_[i] = e;
+    if (dirty_ != nullptr) dirty_->push_back(static_cast<uint32_t>(i));
+  }
   std::vector<uint64_t> entries_;
+  std::vector<uint32_t>* dirty_ = nullptr;
   int log2_cap_ = 0;
   int64_t size_ = 0;
   mutable int64_t probes_ = 0;
@@ -107,6 +126,10 @@ struct TokenBankConfig {
   /// Most rows admitted per CommitAdmit over all tables (sizes the pinned staging buffers;
   /// 0 = 64 per table, capped at 1 << 20).
   int64_t max_admit_rows = 0;
+  /// Keep a device copy of every page table (vector: uint16 per position; hash: the packed
+  /// entries) and a per-slot reference bitmap, so that a kernel resolves positions itself
+  /// (cuda::LaunchAttendBank). CommitAdmit then also updates the copies on the admission stream.
+  bool device_map = false;
 };
 
 /// Counters since creation or ResetCounters.
@@ -165,6 +188,30 @@ class TokenBank {
   /// Makes \p stream wait for the last committed admission (no-op when none is pending).
   Status WaitReady(StreamHandle stream);
 
+  // ---- device page tables (config.device_map) ----
+  /// What a kernel needs to resolve positions of \p table on the device.
+  struct DeviceTable {
+    const uint16_t* vector_map = nullptr;  ///< [vector_len] (vector kind)
+    int64_t vector_len = 0;
+    const uint64_t* hash_map = nullptr;    ///< [2^hash_log2] (hash kind)
+    int32_t hash_log2 = 0;
+    const char* bank_rows = nullptr;       ///< SlotK(table, 0); slot s at + 2 s row bytes
+    uint32_t* ref_bits = nullptr;          ///< [ceil(slots / 32)] set by the kernel per hit
+  };
+  [[nodiscard]] DeviceTable device_table(int table) const;
+  /// Queues on \p stream (after the step's hit launches) a copy of the reference bitmaps to pinned
+  /// memory and their reset; BeginAdmit waits for it and folds the bits into CLOCK (a set bit
+  /// counts as one access of the slot, as a host Resolve hit does).
+  Status SnapshotRefs(StreamHandle stream);
+  /// Counts a step whose lookups ran on the device: \p lookups positions, \p misses of them missed.
+  void CountDeviceLookups(int64_t lookups, int64_t misses) {
+    counters_.lookups += lookups;
+    counters_.misses += misses;
+    counters_.hits += lookups - misses;
+  }
+  /// Device bytes of the page-table copies and reference bitmaps (0 without device_map).
+  [[nodiscard]] size_t device_map_bytes() const { return device_map_bytes_; }
+
   /// Forgets every row of the tables of \p seq_slot (sequence removed). Call when no work that
   /// reads those rows is in flight.
   void ResetSequence(int seq_slot);
@@ -197,6 +244,10 @@ class TokenBank {
   int32_t PickVictim(int table);
 
   static constexpr uint8_t kMaxCount = 3;
+  Status InitDeviceMaps();
+  Status CommitMapUpdates();
+  void FoldRefs();
+  Status ResetDeviceTable(int table);
 
   Device* device_;
   TokenBankConfig config_;
@@ -223,6 +274,26 @@ class TokenBank {
   StreamHandle admit_stream_ = nullptr;
   EventHandle ready_ = nullptr;
   TokenBankCounters counters_;
+
+  // Device page tables (config.device_map).
+  uint16_t* dev_vector_ = nullptr;     // [tables][max_positions]
+  uint64_t* dev_hash_ = nullptr;       // [tables][capacity]
+  int64_t hash_cap_ = 0;
+  int hash_log2_ = 0;
+  uint32_t* dev_refs_ = nullptr;       // [tables][ref_words_]
+  uint32_t* refs_host_ = nullptr;      // pinned snapshot
+  uint32_t* refs_zero_ = nullptr;      // pinned zeros
+  void* none_host_ = nullptr;          // pinned "empty" table image (ResetSequence)
+  int64_t ref_words_ = 0;
+  std::vector<uint32_t> ref_acc_;      // folded reference bits not yet seen by the hand
+  EventHandle refs_done_ = nullptr;
+  bool refs_pending_ = false;
+  std::vector<std::vector<uint32_t>> dirty_;  // [table] written map indices this batch
+  std::vector<int> dirty_tables_;
+  RowCopy* map_staging_[2] = {nullptr, nullptr};
+  uint64_t* map_values_[2] = {nullptr, nullptr};
+  int64_t map_staging_cap_ = 0;
+  size_t device_map_bytes_ = 0;
 };
 
 }  // namespace kvferry

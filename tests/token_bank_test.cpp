@@ -325,6 +325,125 @@ TEST(TokenBankConfigCheck, RejectsBadConfig) {
   EXPECT_EQ(TokenBank::Create(dev.get(), c).status().code(), StatusCode::kInvalidArgument);
 }
 
+// The device page tables (config.device_map) mirror the host maps after every commit (on the
+// host-emulated device "device memory" is host memory, so the copy is read directly), and the
+// reference bitmap the kernel sets stands in for host hits in CLOCK.
+class TokenBankDeviceMapTest : public ::testing::TestWithParam<BankMapKind> {};
+
+TEST_P(TokenBankDeviceMapTest, MirrorMatchesHostMapsUnderChurnAndReset) {
+  auto dev = MakeHostDevice();
+  TokenBankConfig c;
+  c.max_sequences = 2;
+  c.num_kv_heads = 2;
+  c.slots = 32;
+  c.max_positions = 1000;
+  c.head_dim = 64;
+  c.map = GetParam();
+  c.max_admit_per_table = 16;
+  c.device_map = true;
+  auto r = TokenBank::Create(dev.get(), c);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  auto bank = std::move(r).value();
+  EXPECT_GT(bank->device_map_bytes(), 0u);
+  FakeStore store(dev.get(), bank->num_tables(), 1000, 64);
+  std::mt19937 rng(3);
+  auto check = [&](int t) {
+    const auto d = bank->device_table(t);
+    ASSERT_EQ(d.bank_rows, bank->SlotK(t, 0));
+    for (int32_t p = 0; p < 1000; ++p) {
+      int32_t dev_slot = -1;
+      if (d.vector_map != nullptr) {
+        ASSERT_EQ(d.vector_len, 1000);
+        dev_slot = d.vector_map[p] == 0xffff ? -1 : d.vector_map[p];
+      } else {
+        // Probe the device copy exactly as the kernel does.
+        const uint32_t mask = (1u << d.hash_log2) - 1;
+        uint32_t i = HashPageMap::Bucket(p, d.hash_log2);
+        for (uint32_t n = 0; n <= mask; ++n, i = (i + 1) & mask) {
+          const uint64_t e = d.hash_map[i];
+          if (e == ~uint64_t{0}) break;
+          if (static_cast<int32_t>(e >> 32) == p) {
+            dev_slot = static_cast<int32_t>(e & 0xffffffffu);
+            break;
+          }
+        }
+      }
+      ASSERT_EQ(dev_slot, bank->Find(t, p)) << "table " << t << " pos " << p;
+    }
+  };
+  for (int step = 0; step < 20; ++step) {
+    ASSERT_TRUE(bank->BeginAdmit(nullptr, nullptr).ok());
+    for (int t = 0; t < bank->num_tables(); ++t) {
+      std::vector<int32_t> pos;
+      std::vector<const void*> k, v;
+      for (int i = 0; i < 12; ++i) {
+        pos.push_back(static_cast<int32_t>(rng() % 1000));
+        k.push_back(store.Row(t, pos.back(), 0));
+        v.push_back(store.Row(t, pos.back(), 1));
+      }
+      bank->Admit(t, pos, k.data(), v.data());
+    }
+    ASSERT_TRUE(bank->CommitAdmit().ok());
+    ASSERT_TRUE(bank->WaitReady(nullptr).ok());
+    for (int t = 0; t < bank->num_tables(); ++t) check(t);
+  }
+  EXPECT_GT(bank->counters().evicted, 0);
+  bank->ResetSequence(1);
+  for (int t = 0; t < bank->num_tables(); ++t) check(t);
+}
+
+TEST_P(TokenBankDeviceMapTest, ReferenceBitsKeepHitRowsLikeHostHits) {
+  auto dev = MakeHostDevice();
+  TokenBankConfig c;
+  c.slots = 8;
+  c.max_positions = 512;
+  c.head_dim = 64;
+  c.map = GetParam();
+  c.max_admit_per_table = 8;
+  c.device_map = true;
+  auto bank = std::move(TokenBank::Create(dev.get(), c)).value();
+  FakeStore store(dev.get(), 1, 512, 64);
+  auto admit = [&](const std::vector<int32_t>& pos) {
+    std::vector<const void*> k, v;
+    for (int32_t p : pos) {
+      k.push_back(store.Row(0, p, 0));
+      v.push_back(store.Row(0, p, 1));
+    }
+    EXPECT_TRUE(bank->BeginAdmit(nullptr, nullptr).ok());
+    const int64_t n = bank->Admit(0, pos, k.data(), v.data());
+    EXPECT_TRUE(bank->CommitAdmit().ok());
+    return n;
+  };
+  ASSERT_EQ(admit({10, 11, 12, 13, 14, 15, 16, 17}), 8);
+  // The kernel's hits on 10 and 11, three steps in a row.
+  for (int i = 0; i < 3; ++i) {
+    const auto d = bank->device_table(0);
+    for (int32_t p : {10, 11}) {
+      const int32_t s = bank->Find(0, p);
+      d.ref_bits[s >> 5] |= 1u << (s & 31);
+    }
+    ASSERT_TRUE(bank->SnapshotRefs(nullptr).ok());
+    bank->CountDeviceLookups(2, 0);
+    EXPECT_EQ(d.ref_bits[0], 0u);  // reset for the next step
+    ASSERT_TRUE(bank->BeginAdmit(nullptr, nullptr).ok());  // folds the snapshot
+    ASSERT_TRUE(bank->CommitAdmit().ok());
+  }
+  ASSERT_EQ(admit({100, 101, 102, 103}), 4);
+  EXPECT_GE(bank->Find(0, 10), 0);
+  EXPECT_GE(bank->Find(0, 11), 0);
+  int cold_left = 0;
+  for (int32_t p = 12; p <= 17; ++p) cold_left += bank->Find(0, p) >= 0;
+  EXPECT_EQ(cold_left, 2);
+  EXPECT_EQ(bank->counters().hits, 6);
+  EXPECT_EQ(bank->counters().lookups, 6);
+}
+
+INSTANTIATE_TEST_SUITE_P(TokenBank, TokenBankDeviceMapTest,
+                         ::testing::Values(BankMapKind::kVector, BankMapKind::kHash),
+                         [](const auto& info) {
+                           return info.param == BankMapKind::kVector ? "Vector" : "Hash";
+                         });
+
 INSTANTIATE_TEST_SUITE_P(TokenBank, TokenBankTest,
                          ::testing::Values(BankMapKind::kVector, BankMapKind::kHash),
                          [](const auto& info) {

@@ -3,11 +3,15 @@
 # One call on the GPU machine for the CUDA engine: build, GPU tests (kernels and bank first, the
 # CUDA-vs-host runtime comparison in its own process so a device fault there cannot hide kernel
 # results), kernel and bank benchmarks, torch SDPA comparison, compute-sanitizer memcheck on a
-# subset. Writes at most 7 files under $OUT (default bench/results) and prints short tables last.
+# subset. Writes at most 8 files under $OUT (default bench/results: the committed results are
+# gpu_attention_h100.json (dense decode, sparse rows, transfer probe), transfer_h100.json (the probe
+# alone), bank_h100.json and torch_sdpa_h100.json, named by $TAG, default h100) and prints short
+# tables last.
 #   source .device/on-device.sh && bash scripts/device/gpu.sh [tests|bench|all]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-bench/results}
+TAG=${TAG:-h100}
 mkdir -p "$OUT"
 log=$(mktemp)
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVFERRY_CUDA_ARCHS=90 > "$log" 2>&1 ||
@@ -25,15 +29,17 @@ if [[ $what != bench ]]; then
   ./build-gpu/tests/kvferry_tests --gtest_filter='Cuda*' > "$OUT/tests_runtime.log" 2>&1 || rc=1
 fi
 if [[ $what != tests ]]; then
-  { echo "==== kernels"; ./build-gpu/bench/gpu_attention_bench "$OUT/gpu_attention.json" 2>&1
-    echo "==== bank"; ./build-gpu/bench/bank_bench "$OUT/bank.json" 2>&1
-    echo "==== torch"; python3 scripts/device/torch_sdpa.py "$OUT/torch_sdpa.json" \
-      --ours "$OUT/gpu_attention.json" 2>&1; } >> "$sum"
+  { echo "==== kernels"; ./build-gpu/bench/gpu_attention_bench "$OUT/gpu_attention_$TAG.json" 2>&1
+    python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); json.dump({"device": d["device"], **{k: v for k, v in d.items() if k.startswith("probe_")}}, open(sys.argv[2], "w"), indent=1)' \
+      "$OUT/gpu_attention_$TAG.json" "$OUT/transfer_$TAG.json"
+    echo "==== bank"; ./build-gpu/bench/bank_bench "$OUT/bank_$TAG.json" 2>&1
+    echo "==== torch"; python3 scripts/device/torch_sdpa.py "$OUT/torch_sdpa_$TAG.json" \
+      --ours "$OUT/gpu_attention_$TAG.json" 2>&1; } >> "$sum"
 fi
 if [[ $what != bench ]] && command -v compute-sanitizer > /dev/null; then
   timeout ${MEMCHECK_TIMEOUT:-120} compute-sanitizer --tool memcheck --error-exitcode 9 \
     ./build-gpu/tests/kvferry_tests --gtest_brief=1 \
-    --gtest_filter='*GpuAttend*d128_bf16_g4*:*GpuAttend*d256_f16_g8*:*GpuAttend*d64_f16_g3*:*GpuMerge*:GpuCopy*:*GpuTopK*' \
+    --gtest_filter='*GpuAttend*d128_bf16_g4*:*GpuAttend*d256_f16_g8*:*GpuAttend*d64_f16_g3*:*GpuMerge*:GpuCopy*:*GpuTopK*:*GpuBankAttend*' \
     > "$OUT/memcheck.log" 2>&1 || rc=1
 fi
 echo "==== tests (kernels, bank)"; tail -12 "$OUT/tests.log" 2>/dev/null

@@ -40,7 +40,7 @@ def main():
     hq, hkv, d = 32, 8, 128
     rows = []
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name(0)}")
-    print(f"{'batch':<6} {'ctx':<8} {'sdpa us':>10} {'GB/s':>8} {'ours us':>10} {'ours/sdpa speed':>16}")
+    print(f"{'batch':<6} {'ctx':<8} {'sdpa us':>10} {'GB/s':>8} {'ours us':>10} {'ours GB/s':>10} {'ours/sdpa speed':>16}")
     for batch in (1, 8):
         for ctx in (8192, 16384, 32768, 65536, 131072):
             kv_bytes = 2 * batch * hkv * ctx * d * 2
@@ -63,8 +63,9 @@ def main():
             if ours and (batch, ctx) in ours:
                 o_us = ours[(batch, ctx)]["us"]
                 row["ours_us"] = o_us
+                row["ours_hbm_gbps"] = ours[(batch, ctx)].get("hbm_gbps")
                 row["speed_ratio_ours_over_sdpa"] = ms * 1e3 / o_us
-                line += f" {o_us:>10.1f} {ms * 1e3 / o_us:>16.2f}"
+                line += f" {o_us:>10.1f} {kv_bytes / (o_us * 1e-6) / 1e9:>10.0f} {ms * 1e3 / o_us:>16.2f}"
             print(line)
             rows.append(row)
             del ks, vs
