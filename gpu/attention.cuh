@@ -468,6 +468,15 @@ __global__ void __launch_bounds__(kAttnThreads, kPipe && G <= 4 ? 3 : 1)
     }
     const int64_t begin = chunk * split < len ? chunk * split : len;
     const int64_t end = begin + chunk < len ? begin + chunk : len;
+    if (begin >= end && args.num_splits > 1) {
+      // An empty split (short row lists get more splits than rows): contribute nothing to the
+      // combine and leave at once instead of running the block reductions. Uniform per CTA.
+      const size_t part = static_cast<size_t>(blockIdx.x) * args.num_splits + split;
+      float* ws_o = args.ws_o + (part * args.group + g0) * HD;
+      for (int i = threadIdx.x; i < gcount * HD; i += blockDim.x) ws_o[i] = 0.0f;
+      if (threadIdx.x < gcount) args.ws_lse[part * args.group + g0 + threadIdx.x] = -INFINITY;
+      return;
+    }
     const float* q = item.q + static_cast<size_t>(g0) * HD;
     auto attend = [&](const auto& src) {
       if constexpr (kPipe) {

@@ -112,7 +112,9 @@ Status RuntimeImpl::Init() {
       break;
     }
     case Backend::kAuto: {
-      if (CudaAvailable()) {
+      // The CUDA kernels cover head_dim 64/128/256; other shapes (tiny test models) stay on host.
+      const bool cuda_shape = m.head_dim == 64 || m.head_dim == 128 || m.head_dim == 256;
+      if (cuda_shape && CudaAvailable()) {
         Result<std::unique_ptr<Device>> cuda = MakeCudaDevice(config_.device_id);
         if (cuda.ok()) device_ = std::move(cuda).value();
       }
