@@ -53,6 +53,8 @@ class HostStore {
     return const_cast<void*>(
         PagedVRow(pages(slot, layer, kv_head), pos, shape_.head_dim, row_elem_bytes_));
   }
+  /// Bytes of one page (K and V rows of page_tokens tokens).
+  [[nodiscard]] int64_t page_bytes() const { return page_bytes_; }
   /// Page bytes handed out now.
   [[nodiscard]] int64_t bytes_in_use() const { return pages_in_use_ * page_bytes_; }
   [[nodiscard]] int64_t bytes_reserved() const { return chunks_bytes_ + table_bytes_; }

@@ -227,6 +227,17 @@ Status RuntimeImpl::Init() {
   misses_.resize(items);
   for (auto& v : offloaded_) v.reserve(static_cast<size_t>(item_cap_));
   for (auto& v : misses_) v.reserve(static_cast<size_t>(item_cap_));
+  if (device_->backend() == Backend::kCuda) {
+    // Prefill staging: one layer's pages of one sequence in device memory, and their page table.
+    max_pages_ = (cap.max_tokens_per_sequence + kPageTokens - 1) / kPageTokens;
+    const size_t scratch = static_cast<size_t>(hkv * max_pages_) * static_cast<size_t>(store_->page_bytes());
+    KVF_ASSIGN_OR_RETURN(p, Alloc(scratch, false));
+    prefill_scratch_ = static_cast<char*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(hkv * max_pages_) * sizeof(void*), true));
+    prefill_pages_host_ = static_cast<void**>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(hkv * max_pages_) * sizeof(void*), false));
+    prefill_pages_dev_ = static_cast<void**>(p);
+  }
   selections_.resize(items);
   for (auto& s : selections_) s.reserve(static_cast<size_t>(item_cap_));
   last_selection_.resize(static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv);
@@ -423,12 +434,31 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
                                         DType::kF32, stream));
   AttnParams params{group_, d, m.kv_dtype, scale_};
   float* o_f32 = o_gpu_;
+  // On a GPU, prefill reads every stored row once per query: stage this layer's pages in device
+  // memory first (one PCIe pass per chunk) instead of reading them over PCIe for every query.
+  const bool stage_pages = prefill_pages_dev_ != nullptr;
+  const int64_t num_pages = (new_len + store_->shape().page_tokens - 1) / store_->shape().page_tokens;
+  if (stage_pages) {
+    const int64_t page_bytes = store_->page_bytes();
+    for (int h = 0; h < hkv; ++h) {
+      const KvPages src = store_->pages(slot, layer, h);
+      for (int64_t pg = 0; pg < num_pages; ++pg) {
+        char* dst = prefill_scratch_ + (h * max_pages_ + pg) * page_bytes;
+        KVF_RETURN_IF_ERROR(device_->CopyAsync(dst, src.pages[pg], static_cast<size_t>(page_bytes), stream));
+        prefill_pages_host_[h * max_pages_ + pg] = dst;
+      }
+    }
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(prefill_pages_dev_, prefill_pages_host_,
+                                           static_cast<size_t>(hkv * max_pages_) * sizeof(void*), stream));
+    stats_.bytes_h2d += num_pages * page_bytes * hkv;
+  }
   for (int h = 0; h < hkv; ++h) {
     PagedAttnItem& it = paged_items_[h];
     it.q = q_f32_ + h * tokens * gd;
     it.o = o_f32 + h * tokens * gd;
     it.lse = lse_gpu_ + h * tokens * group_;
-    it.kv = store_->pages(slot, layer, h);
+    it.kv = stage_pages ? KvPages{prefill_pages_dev_ + h * max_pages_, store_->shape().page_tokens}
+                        : store_->pages(slot, layer, h);
     it.q_pos0 = pos0;
     it.num_q = static_cast<int32_t>(tokens);
   }

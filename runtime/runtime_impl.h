@@ -127,6 +127,11 @@ class RuntimeImpl {
   RowCopy* q_copies_ = nullptr;  // [max_rows * Hq]
   RowCopy* o_copies_ = nullptr;  // [max_rows * Hkv]
   EventHandle call_done_ = nullptr;
+  // CUDA only: prefill stages one layer's pages of the sequence in device memory.
+  int64_t max_pages_ = 0;
+  char* prefill_scratch_ = nullptr;     // device: [Hkv][max_pages] pages
+  void** prefill_pages_host_ = nullptr;  // pinned: page table being built
+  void** prefill_pages_dev_ = nullptr;   // device copy the kernel reads
   RowAttnItem* gpu_items_ = nullptr;
   RowAttnItem* cpu_items_ = nullptr;
   PagedAttnItem* paged_items_ = nullptr;

@@ -18,6 +18,8 @@ echo "== cuda engine"
 OUT=$OUT/r bash scripts/device/gpu.sh all 2>&1 | tail -60
 fi
 if [[ $stage == *b* ]]; then
+echo "== runtime tests (CUDA vs host, host runtime)"
+./build-gpu/tests/kvferry_tests --gtest_brief=1 --gtest_filter='Cuda*:*FullBudget*:Selection*:MultiSequence*:BadInput*:TokenBankRuntime*' 2>&1 | grep -E "^\[  (PASSED|FAILED)" | head
 echo "== runtime end to end"
 BUILD=build-gpu OUT=$OUT/r bash scripts/device/runtime.sh 2>&1 | tail -20
 echo "== lfps vs exact top-k (one core)"
