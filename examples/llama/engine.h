@@ -83,6 +83,9 @@ class Engine {
   Status Decode(int32_t token, int64_t pos, Attention& attn, std::vector<float>* logits);
 
   void set_observer(QkvObserver observer) { observer_ = std::move(observer); }
+  /// Runs the matrix products on the GPU (cuBLAS) from now on; kUnimplemented without CUDA.
+  Status UseGpuMatmul(int device_id = 0) { return matmul_.EnableCuda(device_id); }
+  [[nodiscard]] bool gpu_matmul() const { return matmul_.on_gpu(); }
   [[nodiscard]] const Model& model() const { return model_; }
 
  private:

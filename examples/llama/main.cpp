@@ -28,6 +28,7 @@
 #include "examples/llama/gguf.h"
 #include "examples/llama/model.h"
 #include "examples/llama/tokenizer.h"
+#include "gpu/device.h"
 #include "runtime/check.h"
 
 namespace kvferry::llama {
@@ -571,6 +572,15 @@ Status Main(int argc, char** argv) {
                mc.num_kv_heads, mc.head_dim, mc.vocab_size,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   Engine engine(model);
+  // Matrix products follow the attention backend: cuBLAS when kvferry runs on CUDA.
+  const bool want_gpu = o.base.backend == Backend::kCuda ||
+                        (o.base.backend == Backend::kAuto && CudaAvailable());
+  if (want_gpu) {
+    const Status s = engine.UseGpuMatmul(o.base.device_id);
+    if (!s.ok() && o.base.backend == Backend::kCuda) return s;
+    std::fprintf(stderr, "[kvferry-llama] matrix products on %s\n",
+                 engine.gpu_matmul() ? "the GPU (cuBLAS)" : "the CPU (oneDNN)");
+  }
   std::ostringstream json;
   if (o.mode == "generate") return RunGenerate(o, engine, *tok, mc);
   if (o.mode == "perplexity") KVF_RETURN_IF_ERROR(RunPerplexity(o, engine, *tok, mc, json));

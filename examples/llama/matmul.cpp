@@ -5,7 +5,14 @@
 
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include <unordered_map>
+
 #include "runtime/check.h"
+
+#ifdef KVFERRY_WITH_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#endif
 
 namespace kvferry::llama {
 
@@ -15,7 +22,101 @@ struct Matmul::Impl {
   // Shapes repeat (decode: m = 1; prefill: the chunk size), so primitives are built once.
   std::map<std::tuple<int64_t, int64_t, int64_t>, std::pair<dnnl::matmul, dnnl::matmul::primitive_desc>>
       cache;
+#ifdef KVFERRY_WITH_CUDA
+  bool gpu = false;
+  cublasHandle_t handle = nullptr;
+  cudaStream_t cuda_stream = nullptr;
+  std::unordered_map<const float*, float*> weights;  // host weights -> device copy
+  float* dx = nullptr;
+  float* dy = nullptr;
+  size_t dx_cap = 0, dy_cap = 0;
+
+  ~Impl() {
+    for (auto& [host, dev] : weights) cudaFree(dev);
+    if (dx != nullptr) cudaFree(dx);
+    if (dy != nullptr) cudaFree(dy);
+    if (handle != nullptr) cublasDestroy(handle);
+    if (cuda_stream != nullptr) cudaStreamDestroy(cuda_stream);
+  }
+  Status RunGpu(const float* x, int64_t m, const Matrix& w, float* y);
+#endif
 };
+
+#ifdef KVFERRY_WITH_CUDA
+namespace {
+Status CudaStatus(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::Ok();
+  return DeviceError(detail::StrCat("matmul: ", what, ": ", cudaGetErrorString(e)));
+}
+Status CublasStatus(cublasStatus_t e, const char* what) {
+  if (e == CUBLAS_STATUS_SUCCESS) return Status::Ok();
+  return DeviceError(detail::StrCat("matmul: ", what, " failed (cublas status ", static_cast<int>(e), ")"));
+}
+Status Grow(float*& buf, size_t& cap, size_t want) {
+  if (want <= cap) return Status::Ok();
+  if (buf != nullptr) cudaFree(buf);
+  buf = nullptr;
+  cap = 0;
+  KVF_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&buf, want * sizeof(float)), "cudaMalloc"));
+  cap = want;
+  return Status::Ok();
+}
+}  // namespace
+
+Status Matmul::Impl::RunGpu(const float* x, int64_t m, const Matrix& w, float* y) {
+  const int64_t k = w.cols, n = w.rows;
+  auto it = weights.find(w.data.data());
+  if (it == weights.end()) {
+    float* dev = nullptr;
+    const size_t bytes = w.data.size() * sizeof(float);
+    KVF_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&dev, bytes), "cudaMalloc weights"));
+    KVF_RETURN_IF_ERROR(CudaStatus(cudaMemcpy(dev, w.data.data(), bytes, cudaMemcpyHostToDevice),
+                                   "upload weights"));
+    it = weights.emplace(w.data.data(), dev).first;
+  }
+  KVF_RETURN_IF_ERROR(Grow(dx, dx_cap, static_cast<size_t>(m * k)));
+  KVF_RETURN_IF_ERROR(Grow(dy, dy_cap, static_cast<size_t>(m * n)));
+  KVF_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(dx, x, m * k * sizeof(float), cudaMemcpyHostToDevice, cuda_stream), "copy x"));
+  // Row-major y[m,n] = x[m,k] W[n,k]^T is column-major y^T[n,m] = W^T^T x^T: W is a column-major
+  // [k, n] matrix (ld k), used transposed; x is column-major [k, m] (ld k).
+  const float one = 1.0f, zero = 0.0f;
+  KVF_RETURN_IF_ERROR(CublasStatus(
+      cublasSgemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
+                  static_cast<int>(k), &one, it->second, static_cast<int>(k), dx,
+                  static_cast<int>(k), &zero, dy, static_cast<int>(n)),
+      "cublasSgemm"));
+  KVF_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(y, dy, m * n * sizeof(float), cudaMemcpyDeviceToHost, cuda_stream), "copy y"));
+  return CudaStatus(cudaStreamSynchronize(cuda_stream), "synchronize");
+}
+#endif
+
+Status Matmul::EnableCuda(int device_id) {
+#ifdef KVFERRY_WITH_CUDA
+  KVF_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_id), "cudaSetDevice"));
+  KVF_RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&impl_->cuda_stream, cudaStreamNonBlocking),
+                                 "cudaStreamCreate"));
+  KVF_RETURN_IF_ERROR(CublasStatus(cublasCreate(&impl_->handle), "cublasCreate"));
+  KVF_RETURN_IF_ERROR(CublasStatus(cublasSetStream(impl_->handle, impl_->cuda_stream), "cublasSetStream"));
+  // Plain FP32 (no TF32), so that logits match the CPU path closely.
+  KVF_RETURN_IF_ERROR(CublasStatus(cublasSetMathMode(impl_->handle, CUBLAS_PEDANTIC_MATH),
+                                   "cublasSetMathMode"));
+  impl_->gpu = true;
+  return Status::Ok();
+#else
+  (void)device_id;
+  return Unimplemented("matmul: built without CUDA");
+#endif
+}
+
+bool Matmul::on_gpu() const {
+#ifdef KVFERRY_WITH_CUDA
+  return impl_->gpu;
+#else
+  return false;
+#endif
+}
 
 Matmul::Matmul() : impl_(std::make_unique<Impl>()) {}
 Matmul::~Matmul() = default;
@@ -25,6 +126,9 @@ Status Matmul::Run(const float* x, int64_t m, const Matrix& w, float* y) {
   const int64_t k = w.cols;
   const int64_t n = w.rows;
   KVF_CHECK_ARG(m > 0 && k > 0 && n > 0, "matmul: empty shape ", m, "x", k, "x", n);
+#ifdef KVFERRY_WITH_CUDA
+  if (impl_->gpu) return impl_->RunGpu(x, m, w, y);
+#endif
   try {
     auto key = std::make_tuple(m, k, n);
     auto it = impl_->cache.find(key);

@@ -1,7 +1,7 @@
 // Copyright kvferry authors. Apache-2.0.
 #pragma once
 /// \file matmul.h
-/// \brief y = x W^T on the CPU through oneDNN's matmul primitive.
+/// \brief y = x W^T on the CPU through oneDNN's matmul primitive, or on the GPU through cuBLAS.
 
 #include <cstdint>
 #include <map>
@@ -13,8 +13,9 @@
 
 namespace kvferry::llama {
 
-/// \brief Computes y[M, N] = x[M, K] * W[N, K]^T in f32 with oneDNN, caching one primitive per
-/// shape. Not thread-safe: one per engine.
+/// \brief Computes y[M, N] = x[M, K] * W[N, K]^T in f32 with oneDNN (caching one primitive per
+/// shape), or with cuBLAS SGEMM after EnableCuda (weights uploaded once on first use, x and y
+/// staged per call). Not thread-safe: one per engine.
 class Matmul {
  public:
   Matmul();
@@ -24,6 +25,10 @@ class Matmul {
 
   /// \p x: [m, w.cols] row-major; \p y: [m, w.rows] row-major (overwritten).
   Status Run(const float* x, int64_t m, const Matrix& w, float* y);
+
+  /// Routes every later Run through cuBLAS on \p device_id; kUnimplemented without CUDA.
+  Status EnableCuda(int device_id);
+  [[nodiscard]] bool on_gpu() const;
 
  private:
   struct Impl;
