@@ -297,7 +297,10 @@ Status RuntimeImpl::AddSequence(SequenceId seq) {
 
 Status RuntimeImpl::RemoveSequence(SequenceId seq) {
   KVF_ASSIGN_OR_RETURN(int slot, SlotOf(seq));
-  KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));  // in-flight work may read its rows
+  // In-flight work may read its rows: wait for the runtime's stream and for the last call, which
+  // may have been issued on a caller's stream.
+  KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
+  KVF_RETURN_IF_ERROR(device_->SynchronizeEvent(call_done_));
   store_->Release(slot);
   policy_->OnSequenceRemoved(slot);
   if (bank_ != nullptr) {
