@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "cpu/attention.h"
+#include "offload/transfer.h"
 #include "runtime/check.h"
 #include "runtime/runtime_impl.h"
 
@@ -238,12 +239,58 @@ Status RuntimeImpl::Init() {
     KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(hkv * max_pages_) * sizeof(void*), false));
     prefill_pages_dev_ = static_cast<void**>(p);
   }
+  if (config_.probe_at_start) KVF_RETURN_IF_ERROR(ProbeCosts());
   selections_.resize(items);
   for (auto& s : selections_) s.reserve(static_cast<size_t>(item_cap_));
   last_selection_.resize(static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv);
   item_status_.resize(items);
   lengths_.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
   for (int s = cap.max_sequences - 1; s >= 0; --s) free_slots_.push_back(s);
+  return Status::Ok();
+}
+
+Status RuntimeImpl::ProbeCosts() {
+  // CPU route: the pool attends random rows of a buffer larger than a core's caches, as it would
+  // host-store rows; rate in GB/s of K and V rows read.
+  const int d = config_.model.head_dim;
+  const int64_t rows = std::max<int64_t>(4096, (int64_t{16} << 20) / static_cast<int64_t>(2 * row_bytes_));
+  std::vector<uint16_t> kv(static_cast<size_t>(rows) * 2 * d);
+  for (size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<uint16_t>(0x3c00 + (i * 2654435761u >> 22) % 512);
+  const int threads = std::max(1, pool_->num_threads());
+  const int64_t per_item = 1024;
+  std::vector<const void*> k_rows(static_cast<size_t>(threads * per_item)), v_rows(k_rows.size());
+  uint64_t x = 88172645463325252ull;
+  for (size_t i = 0; i < k_rows.size(); ++i) {
+    x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+    const int64_t r = static_cast<int64_t>(x % static_cast<uint64_t>(rows));
+    k_rows[i] = kv.data() + r * 2 * d;
+    v_rows[i] = kv.data() + (r * 2 + 1) * d;
+  }
+  std::vector<float> q(static_cast<size_t>(threads) * group_ * d, 0.01f), o(q.size()),
+      lse(static_cast<size_t>(threads) * group_);
+  std::vector<RowAttnItem> items(static_cast<size_t>(threads));
+  for (int t = 0; t < threads; ++t) {
+    items[t] = RowAttnItem{q.data() + t * group_ * d, o.data() + t * group_ * d, lse.data() + t * group_,
+                           k_rows.data() + t * per_item, v_rows.data() + t * per_item,
+                           static_cast<int32_t>(per_item)};
+  }
+  const AttnParams params{group_, d, config_.model.kv_dtype, scale_};
+  double best = 1e30;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = Clock::now();
+    pool_->ParallelFor(threads, [&](int64_t i) { cpu::AttendRows(params, &items[i], 1); });
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  const double bytes = static_cast<double>(threads * per_item) * 2.0 * static_cast<double>(row_bytes_);
+  cost_.cpu_gbps = std::max(0.1, bytes / best * 1e-9);
+  // GPU route: the zero-copy gather rate of host rows, measured on the device.
+  if (device_->backend() == Backend::kCuda) {
+    Result<std::unique_ptr<TransferEngine>> te = TransferEngine::Create(device_.get(), 1 << 16);
+    if (te.ok()) {
+      Result<TransferProbe> probe = te.value()->Probe(size_t{32} << 20, static_cast<int>(row_bytes_));
+      if (probe.ok() && probe->zero_copy_gather_gbps > 0) cost_.pcie_gbps = probe->zero_copy_gather_gbps;
+    }
+  }
   return Status::Ok();
 }
 
@@ -810,6 +857,8 @@ Result<std::vector<int32_t>> RuntimeImpl::LastSelection(SequenceId seq, int laye
 Stats RuntimeImpl::stats() const {
   Stats s = stats_;
   s.host_bytes_reserved = store_->bytes_reserved();
+  s.cost_pcie_gbps = cost_.pcie_gbps;
+  s.cost_cpu_gbps = cost_.cpu_gbps;
   return s;
 }
 

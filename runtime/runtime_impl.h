@@ -55,6 +55,8 @@ class RuntimeImpl {
  private:
   explicit RuntimeImpl(const RuntimeConfig& config) : config_(config) {}
   Status Init();
+  // Measures the scheduler's rates (CPU sparse attention, PCIe zero-copy gather) into cost_.
+  Status ProbeCosts();
   Result<void*> Alloc(size_t bytes, bool host);
   Result<int> SlotOf(SequenceId seq) const;
   Status CheckLayer(int layer) const;

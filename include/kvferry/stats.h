@@ -35,6 +35,9 @@ struct Stats {
   double ms_admit = 0;           ///< planning token-bank admissions (copies run on a side stream)
   double ms_prefill = 0;
 
+  double cost_pcie_gbps = 0;     ///< scheduler's GPU-route rate: zero-copy gather GB/s (probed on CUDA)
+  double cost_cpu_gbps = 0;      ///< scheduler's CPU-route rate: sparse attention GB/s (probed)
+
   int64_t host_bytes_reserved = 0;  ///< host-store bytes held now
   int64_t device_bytes_reserved = 0;  ///< device bytes held now (resident tier, bank, plans)
 
