@@ -57,6 +57,9 @@ class Policy {
   /// True if Select may return everything (dense); lets the runtime use its paged dense path.
   [[nodiscard]] virtual bool is_dense() const { return false; }
 
+  /// True if OnPrefill reads the prompt's queries; only then does the runtime bring them to the
+  /// host (a copy and a stream synchronisation per prefill chunk).
+  [[nodiscard]] virtual bool wants_prefill_queries() const { return false; }
   /// Called once per (sequence, layer, KV head) prefill chunk, after its rows are stored.
   virtual Status OnPrefill(const PrefillContext& ctx) {
     (void)ctx;

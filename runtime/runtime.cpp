@@ -527,26 +527,30 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
     KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
   }
 
-  // Policies learn from the prompt's queries (host copy of the transposed f32 queries).
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, static_cast<size_t>(nq) * 4, stream));
-  KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
-  stats_.bytes_d2h += nq * 4;
-  for (int h = 0; h < hkv; ++h) {
-    PrefillContext ctx;
-    ctx.slot = slot;
-    ctx.layer = layer;
-    ctx.kv_head = h;
-    ctx.q_pos0 = pos0;
-    ctx.num_q = static_cast<int32_t>(tokens);
-    ctx.n = new_len;
-    ctx.sink = config_.tiers.sink_tokens;
-    ctx.window = config_.tiers.window_tokens;
-    ctx.q = q_host_ + h * tokens * gd;
-    ctx.params = params;
-    ctx.kv = store_->pages(slot, layer, h);
-    KVF_RETURN_IF_ERROR(policy_->OnPrefill(ctx));
+  // Policies that learn from the prompt (LFPS primes its tables) get its f32 queries on the host;
+  // the others cost no copy and no synchronisation here.
+  if (policy_->wants_prefill_queries()) {
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, static_cast<size_t>(nq) * 4, stream));
+    KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+    stats_.bytes_d2h += nq * 4;
+    for (int h = 0; h < hkv; ++h) {
+      PrefillContext ctx;
+      ctx.slot = slot;
+      ctx.layer = layer;
+      ctx.kv_head = h;
+      ctx.q_pos0 = pos0;
+      ctx.num_q = static_cast<int32_t>(tokens);
+      ctx.n = new_len;
+      ctx.sink = config_.tiers.sink_tokens;
+      ctx.window = config_.tiers.window_tokens;
+      ctx.q = q_host_ + h * tokens * gd;
+      ctx.params = params;
+      ctx.kv = store_->pages(slot, layer, h);
+      KVF_RETURN_IF_ERROR(policy_->OnPrefill(ctx));
+    }
   }
   KVF_RETURN_IF_ERROR(EndCall(stream));
+  if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
   len = new_len;
   stats_.prefill_tokens += tokens;
   stats_.ms_prefill += MsSince(t0);
