@@ -3,9 +3,9 @@
 // resolves each selected position itself - through the bank's device page table (vector map: one
 // uint16 load; hash map: a linear probe) or directly in a row store - so the host sends positions
 // only and does no per-row work on the critical path. Bank hits (HBM) and misses (pinned host
-// memory read zero-copy over PCIe) are separate launches, normally on two streams, merged by lse;
-// the miss launch also stages the rows it read in device memory so that admission is a
-// device-to-device copy.
+// memory read zero-copy over PCIe) are either separate launches (kHits, kMisses; two streams,
+// merged by lse) or one launch (kAll) that reads each row from wherever it is; a pass that reads
+// misses also stages them in device memory so that admission is a device-to-device copy.
 
 #include <algorithm>
 #include <utility>
@@ -98,7 +98,7 @@ __device__ void AttendBankRange(const BankAttnItem& it, BankPass pass, const flo
       vraw[s] = make_uint4(0, 0, 0, 0);
       const char* kp = nullptr;
       if (pos[s] >= 0) {
-        if (pass == BankPass::kHits) {
+        if (pass == BankPass::kHits || (pass == BankPass::kAll && slot[s] >= 0)) {
           if (slot[s] >= 0) kp = it.bank_rows + static_cast<size_t>(slot[s]) * 2 * kRowB;
         } else if (pass == BankPass::kDirect || slot[s] < 0) {
           kp = it.store + static_cast<int64_t>(pos[s]) * it.store_stride;
@@ -115,11 +115,11 @@ __device__ void AttendBankRange(const BankAttnItem& it, BankPass pass, const flo
     for (int s = 0; s < kSteps; ++s) {
       if (!valid[s]) continue;
       const int64_t r = blk + s * kRpw + sub;
-      if (pass == BankPass::kHits) {
+      if (pass == BankPass::kHits || (pass == BankPass::kAll && slot[s] >= 0)) {
         if (dl == 0 && it.ref_bits != nullptr) {
           atomicOr(it.ref_bits + (slot[s] >> 5), 1u << (slot[s] & 31));
         }
-      } else if (pass == BankPass::kMisses) {
+      } else if (pass == BankPass::kMisses || pass == BankPass::kAll) {
         if (it.stage != nullptr) {
           char* dst = it.stage + static_cast<size_t>(r) * 2 * kRowB + dl * 16;
           *reinterpret_cast<uint4*>(dst) = kraw[s];
@@ -141,10 +141,14 @@ __device__ void AttendBankRange(const BankAttnItem& it, BankPass pass, const flo
 template <size_t kRowB>
 __device__ __forceinline__ const char* BankRow(const BankAttnItem& it, BankPass pass, int64_t r,
                                                int32_t& slot_out) {
-  const int32_t pos = __ldg(it.positions + r);
   slot_out = 0;
+  if (pass == BankPass::kStaged) {  // the r-th listed miss, staged by LaunchBankGather
+    return it.stage + static_cast<int64_t>(it.miss_list[1 + r]) * 2 * kRowB;
+  }
+  const int32_t pos = __ldg(it.positions + r);
   if (pass == BankPass::kDirect) return it.store + static_cast<int64_t>(pos) * it.store_stride;
   const int32_t slot = BankFind(it, pos);
+
   if (pass == BankPass::kHits) {
     slot_out = slot;
     return slot >= 0 ? it.bank_rows + static_cast<size_t>(slot) * 2 * kRowB : nullptr;
@@ -258,7 +262,9 @@ __global__ void __launch_bounds__(kAttnThreads, kPipe&& G <= 4 ? 3 : 1)
   const int g0 = blockIdx.z * G;
   const int gcount = min(G, args.group - g0);
   const int split = blockIdx.y;
-  const int64_t len = item.count;
+  const int64_t len = args.pass == static_cast<int32_t>(BankPass::kStaged)
+                          ? min(*item.miss_list, item.miss_cap)
+                          : item.count;
   int64_t chunk = (len + args.num_splits - 1) / args.num_splits;
   if (chunk < args.min_chunk) chunk = args.min_chunk;
   if constexpr (kPipe)
@@ -383,7 +389,8 @@ Status LaunchBankHd(const AttnParams& p, const BankAttnItem* items, int64_t num_
                     cudaStream_t stream) {
   // Rows in device memory (bank hits; a device store) stream through the cp.async pipeline; rows
   // that may be pinned host memory (misses; a host store) use register loads.
-  const bool pipe = pass == BankPass::kHits || pass == BankPass::kDirect;
+  const bool pipe =
+      pass == BankPass::kHits || pass == BankPass::kDirect || pass == BankPass::kStaged;
   if (pass == BankPass::kDirectZeroCopy) pass = BankPass::kDirect;
   if (p.group <= 4) {
     return pipe ? LaunchBankG<HD, T, 4, true>(p, items, num_items, pass, max_rows, info, ws, stream)
@@ -394,7 +401,95 @@ Status LaunchBankHd(const AttnParams& p, const BankAttnItem* items, int64_t num_
               : LaunchBankG<HD, T, 8, false>(p, items, num_items, pass, max_rows, info, ws, stream);
 }
 
+// LaunchBankGather, phase 1: the misses of each position list (page-table lookups only) appended
+// to the item's miss list.
+constexpr int kResolveThreads = 256;
+__global__ void __launch_bounds__(kResolveThreads) BankResolveKernel(const BankAttnItem* items) {
+  const BankAttnItem& it = items[blockIdx.x];
+  const int64_t r = static_cast<int64_t>(blockIdx.y) * kResolveThreads + threadIdx.x;
+  const int32_t count = __ldg(&it.count);
+  if (r >= count) return;
+  const int32_t pos = __ldg(it.positions + r);
+  if (BankFind(it, pos) >= 0) return;
+  int32_t* ml = it.miss_list;
+  const int32_t idx = atomicAdd(ml, 1);
+  if (idx < __ldg(&it.miss_cap)) ml[1 + idx] = static_cast<int32_t>(r);
+}
+
+// Phase 2: the listed rows copied from the (pinned host) store to staging, every warp busy: one
+// warp per row (K and V contiguous, 16 B per lane), four rows per warp with every load issued
+// before the first store, so that enough PCIe reads are in flight to approach the link.
+constexpr int kCopyWarps = 8, kCopyRowsPerWarp = 4;
+template <int kRowB>
+__global__ void __launch_bounds__(kCopyWarps * 32) BankCopyMissesKernel(const BankAttnItem* items) {
+  constexpr int kChunks = 2 * kRowB / 16;
+  constexpr int kPerLane = (kChunks + 31) / 32;
+  const BankAttnItem& it = items[blockIdx.x];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int32_t n = min(*it.miss_list, __ldg(&it.miss_cap));
+  const int64_t j0 = (static_cast<int64_t>(blockIdx.y) * kCopyWarps + warp) * kCopyRowsPerWarp;
+  if (j0 >= n) return;
+  const char* store = it.store;
+  const int64_t stride = it.store_stride;
+  int32_t row[kCopyRowsPerWarp];
+  const char* src[kCopyRowsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kCopyRowsPerWarp; ++i) {
+    row[i] = j0 + i < n ? it.miss_list[1 + j0 + i] : -1;
+  }
+#pragma unroll
+  for (int i = 0; i < kCopyRowsPerWarp; ++i) {
+    src[i] = row[i] >= 0 ? store + static_cast<int64_t>(__ldg(it.positions + row[i])) * stride
+                         : nullptr;
+  }
+  uint4 v[kCopyRowsPerWarp][kPerLane];
+#pragma unroll
+  for (int i = 0; i < kCopyRowsPerWarp; ++i) {
+#pragma unroll
+    for (int c = 0; c < kPerLane; ++c) {
+      const int chunk = lane + c * 32;
+      if (src[i] != nullptr && chunk < kChunks) {
+        v[i][c] = *reinterpret_cast<const uint4*>(src[i] + chunk * 16);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kCopyRowsPerWarp; ++i) {
+    if (src[i] == nullptr) continue;
+#pragma unroll
+    for (int c = 0; c < kPerLane; ++c) {
+      const int chunk = lane + c * 32;
+      if (chunk < kChunks) {
+        *reinterpret_cast<uint4*>(it.stage + static_cast<int64_t>(row[i]) * 2 * kRowB +
+                                  chunk * 16) = v[i][c];
+      }
+    }
+  }
+}
+
 }  // namespace
+
+Status LaunchBankGather(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
+                        int64_t max_rows, cudaStream_t stream) {
+  KVF_RETURN_IF_ERROR(CheckAttnShape(p));
+  if (num_items == 0 || max_rows == 0) return Status::Ok();
+  KVF_CHECK_ARG(items != nullptr, "CUDA bank gather: null item array");
+  KVF_CHECK_ARG(p.head_dim == 128, "CUDA bank gather: head_dim ", p.head_dim,
+                " (instantiated for 128)");
+  KVF_CHECK_ARG(num_items <= 0x7fffffff && max_rows > 0, "CUDA bank gather: ", num_items,
+                " items of up to ", max_rows, " rows");
+  const int64_t gy1 = (max_rows + kResolveThreads - 1) / kResolveThreads;
+  const int64_t per_block = kCopyWarps * kCopyRowsPerWarp;
+  const int64_t gy2 = (max_rows + per_block - 1) / per_block;
+  KVF_CHECK_ARG(gy1 <= 65535, "CUDA bank gather: ", max_rows, " rows per item is too many");
+  BankResolveKernel<<<dim3(static_cast<unsigned>(num_items), static_cast<unsigned>(gy1)),
+                      kResolveThreads, 0, stream>>>(items);
+  KVF_CUDA_CHECK_LAUNCH(BankResolveKernel);
+  BankCopyMissesKernel<256><<<dim3(static_cast<unsigned>(num_items), static_cast<unsigned>(gy2)),
+                              kCopyWarps * 32, 0, stream>>>(items);
+  KVF_CUDA_CHECK_LAUNCH(BankCopyMissesKernel);
+  return Status::Ok();
+}
 
 Status LaunchAttendBank(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
                         BankPass pass, int64_t max_rows, const LaunchInfo& info, AttnWorkspace ws,

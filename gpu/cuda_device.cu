@@ -285,6 +285,12 @@ Status CudaDevice::AttendBank(const AttnParams& p, const BankAttnItem* items, in
   return LaunchAttendBank(p, items, num_items, pass, max_rows, info_, ws, s);
 }
 
+Status CudaDevice::GatherBank(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
+                              int64_t max_rows, StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  return LaunchBankGather(p, items, num_items, max_rows, Resolve(stream));
+}
+
 Status CudaDevice::AttendPaged(const AttnParams& p, const PagedAttnItem* items, int64_t num_items,
                                StreamHandle stream) {
   KVF_RETURN_IF_ERROR(Activate());

@@ -63,6 +63,10 @@ class CudaDevice final : public Device {
   Status AttendBank(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
                     BankPass pass, StreamHandle stream, int64_t max_rows = 0);
 
+  /// CUDA-only: the token bank's miss gather (see LaunchBankGather).
+  Status GatherBank(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
+                    int64_t max_rows, StreamHandle stream);
+
   [[nodiscard]] int device_id() const { return device_id_; }
   [[nodiscard]] const cudaDeviceProp& props() const { return props_; }
   [[nodiscard]] const LaunchInfo& launch_info() const { return info_; }

@@ -58,13 +58,14 @@ struct BankAttnItem {
   int32_t hash_log2 = 0;
   /// Bank rows: slot s has K at bank_rows + 2 s row_bytes and V one row later.
   const char* bank_rows = nullptr;
-  /// kHits: bit s set (atomicOr) for every slot s read (the host folds it into CLOCK); may be null.
+  /// kHits / kAll: bit s set (atomicOr) for every slot s read (folded into CLOCK by the host
+  /// TokenBank or by cuda::DeviceBank::Admit); may be null.
   uint32_t* ref_bits = nullptr;
   /// kDirect / kMisses: the row of position p has K at store + p * store_stride, V one row later
   /// (device memory, or pinned mapped host memory read zero-copy).
   const char* store = nullptr;
   int64_t store_stride = 0;
-  /// kMisses (optional): row j's K and V are also written to stage + 2 j row_bytes (device
+  /// kMisses / kAll (optional): a missed row j's K and V are also written to stage + 2 j row_bytes (device
   /// memory; admission then copies bank <- stage on the GPU), and j is appended to miss_list:
   /// miss_list[0] = count (atomic, zeroed by the caller), miss_list[1 + i] = j for i < miss_cap.
   char* stage = nullptr;
@@ -78,6 +79,10 @@ enum class BankPass : int32_t {
   kHits = 1,            ///< positions found in the page table, from the bank
   kMisses = 2,          ///< positions not found, from store (+ staging and miss list)
   kDirectZeroCopy = 3,  ///< every position, from store in pinned host memory (no-bank baseline)
+  kAll = 4,             ///< every position: hits from the bank (ref bits), misses from store
+                        ///< (+ staging and miss list), in one launch
+  kStaged = 5,          ///< the rows listed in miss_list (count from device memory), from
+                        ///< stage: the misses after LaunchBankGather
 };
 
 /// Position-list attention (see BankAttnItem). Split over rows and merged exactly like
@@ -87,6 +92,15 @@ enum class BankPass : int32_t {
 Status LaunchAttendBank(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
                         BankPass pass, int64_t max_rows, const LaunchInfo& info, AttnWorkspace ws,
                         cudaStream_t stream);
+
+/// The misses of each item's position list (not found in its page table): list index j is
+/// appended to miss_list and row j's K and V are copied from store to stage + 2 j row_bytes (what
+/// a kMisses pass does, without the attention). Two kernels: page-table lookups, then a copy in
+/// which every warp has rows to read, so that enough PCIe reads are in flight to approach the
+/// link (the attention kernels' interleaved reads cannot). A kHits launch can run beside it and a
+/// kStaged launch (over the listed rows only) after it. \p max_rows: the largest count.
+Status LaunchBankGather(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
+                        int64_t max_rows, cudaStream_t stream);
 
 /// rows[i].dst <- convert(rows[i].src), elems elements each; rows[] device-readable.
 Status LaunchCopyRows(const RowCopy* rows, int64_t num_rows, int elems, DType src_dtype,

@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,pcie.link.gen.current,pci
   --format=csv > "$sum" 2>&1
 rc=0
 if [[ $what != bench ]]; then
-  ./build-gpu/tests/kvferry_tests --gtest_filter='Gpu*:TokenBank*' --gtest_brief=1 \
+  ./build-gpu/tests/kvferry_tests --gtest_filter='Gpu*:TokenBank*:DeviceBank*' --gtest_brief=1 \
     > "$OUT/tests.log" 2>&1 || rc=1
   ./build-gpu/tests/kvferry_tests --gtest_filter='Cuda*' > "$OUT/tests_runtime.log" 2>&1 || rc=1
 fi
@@ -39,7 +39,7 @@ fi
 if [[ $what != bench ]] && command -v compute-sanitizer > /dev/null; then
   timeout ${MEMCHECK_TIMEOUT:-120} compute-sanitizer --tool memcheck --error-exitcode 9 \
     ./build-gpu/tests/kvferry_tests --gtest_brief=1 \
-    --gtest_filter='*GpuAttend*d128_bf16_g4*:*GpuAttend*d256_f16_g8*:*GpuAttend*d64_f16_g3*:*GpuMerge*:GpuCopy*:*GpuTopK*:*GpuBankAttend*' \
+    --gtest_filter='*GpuAttend*d128_bf16_g4*:*GpuAttend*d256_f16_g8*:*GpuAttend*d64_f16_g3*:*GpuMerge*:GpuCopy*:*GpuTopK*:*GpuBankAttend*:*DeviceBank*' \
     > "$OUT/memcheck.log" 2>&1 || rc=1
 fi
 echo "==== tests (kernels, bank)"; tail -12 "$OUT/tests.log" 2>/dev/null
