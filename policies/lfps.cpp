@@ -51,6 +51,7 @@ struct Scratch {
   std::vector<uint64_t> c0_bits;
   std::vector<uint32_t> keys, bin_keys;
   std::vector<float> logits, weights, probs;
+  std::vector<double> log_glob;
 };
 Scratch& GetScratch() {
   thread_local Scratch s;
@@ -462,6 +463,16 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   }
   if (k_off <= 0) return finish(nullptr, 0);
 
+  const bool bypass_test = params_.eps < 1.0 && sink > 0;
+  const int64_t loc_lo = std::max(sink, n - params_.local);
+  if (bypass_test) {  // its K rows are usually out of cache: start loading them now
+    const size_t elem = DTypeSize(p.kv_dtype);
+    const int64_t row_bytes = static_cast<int64_t>(p.head_dim) * static_cast<int64_t>(elem);
+    for (int64_t i = 0; i < n; i = i + 1 == sink ? loc_lo : i + 1) {
+      const char* row = static_cast<const char*>(PagedKRow(ctx.kv, i, p.head_dim, elem));
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
+    }
+  }
   KVF_ASSIGN_OR_RETURN(HeadState * st, State(ctx.slot, ctx.layer, ctx.kv_head, true));
   st->Extend(n);
   Scratch& sc = GetScratch();
@@ -469,15 +480,12 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   const int64_t hd = p.head_dim;
 
   // (1) Bypass test: rho = w_sink / (w_sink + w_glob + w_loc) per query head (Eq. 5-6).
-  if (st->primed && params_.eps < 1.0 && sink > 0) {
-    const int64_t loc_lo = std::max(sink, n - params_.local);
+  if (st->primed && bypass_test) {
     const int64_t n_loc = n - loc_lo;
     const int64_t n_glob = std::max<int64_t>(0, n - sink - n_loc);
     const int64_t ld = sink + n_loc;
-    float* logits = Room(sc.logits, group * ld);
-    cpu::ScoreRange(p, ctx.q, ctx.kv, 0, sink, logits, ld);
-    if (n_loc > 0) cpu::ScoreRange(p, ctx.q, ctx.kv, loc_lo, n, logits + sink, ld);
-    double min_rho = 1.0;
+    // The query-only terms first, while the rows arrive.
+    double* log_glob = Room(sc.log_glob, group);
     for (int g = 0; g < group; ++g) {
       const float* qg = ctx.q + g * hd;
       double qk = 0.0, qq = 0.0;
@@ -485,13 +493,19 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
         qk += static_cast<double>(qg[d]) * st->k_bar[d];
         qq += static_cast<double>(qg[d]) * qg[d];
       }
+      log_glob[g] = n_glob > 0 ? std::log(static_cast<double>(n_glob)) + p.scale * qk +
+                                     0.5 * qq * st->sigma2_hat
+                               : -std::numeric_limits<double>::infinity();
+    }
+    float* logits = Room(sc.logits, group * ld);
+    cpu::ScoreRange(p, ctx.q, ctx.kv, 0, sink, logits, ld);
+    if (n_loc > 0) cpu::ScoreRange(p, ctx.q, ctx.kv, loc_lo, n, logits + sink, ld);
+    double min_rho = 1.0;
+    for (int g = 0; g < group; ++g) {
       const float* l = logits + g * ld;
-      const double log_glob = n_glob > 0 ? std::log(static_cast<double>(n_glob)) + p.scale * qk +
-                                               0.5 * qq * st->sigma2_hat
-                                         : -std::numeric_limits<double>::infinity();
-      double m = log_glob;
+      double m = log_glob[g];
       for (int64_t j = 0; j < ld; ++j) m = std::max(m, static_cast<double>(l[j]));
-      double w_sink = 0.0, w_rest = std::exp(log_glob - m);
+      double w_sink = 0.0, w_rest = std::exp(log_glob[g] - m);
       for (int64_t j = 0; j < sink; ++j) w_sink += std::exp(l[j] - m);
       for (int64_t j = sink; j < ld; ++j) w_rest += std::exp(l[j] - m);
       min_rho = std::min(min_rho, w_sink / (w_sink + w_rest));
@@ -600,8 +614,23 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   const double base = 1.0 / (2.0 * static_cast<double>(k2));
   int32_t* c2 = Room(sc.c2, k2);
   for (int64_t j = 0; j < k2; ++j) {
-    const int64_t pos = c1[c2_idx[j]];
-    c2[j] = static_cast<int32_t>(pos);
+    c2[j] = c1[c2_idx[j]];
+  }
+  // The table lines were read by the expansion, but the scoring's row stream has evicted them
+  // since: fetch them a few entries ahead.
+  constexpr int64_t kAhead = 8;
+  float* ver = st->ver.data();
+  float* sla = st->sla.data();
+  for (int64_t j = 0; j < std::min(k2, kAhead); ++j) {
+    __builtin_prefetch(ver + c2[j], 1);
+    __builtin_prefetch(sla + (t - c2[j]), 1);
+  }
+  for (int64_t j = 0; j < k2; ++j) {
+    if (j + kAhead < k2) {
+      __builtin_prefetch(ver + c2[j + kAhead], 1);
+      __builtin_prefetch(sla + (t - c2[j + kAhead]), 1);
+    }
+    const int64_t pos = c2[j];
     const double delta = (weights[j] - base) * inv_scale;
     HeadState::Add(st->ver, st->ver_pow, st->ver_bound, pos, delta);
     HeadState::Add(st->sla, st->sla_pow, st->sla_bound, t - pos, delta);
