@@ -42,7 +42,6 @@ namespace kvferry {
 namespace {
 
 constexpr double kRenormBelow = 1e-6;  // renormalise stored tables when the global scale gets here
-constexpr int kOffsets[] = {-1, 0, 1, 2};
 constexpr int kMaxQueriesPerScore = 16;  // cpu::kMaxSimdGroup
 
 // Thread-local scratch: Select allocates only while these grow to the largest context seen.
