@@ -160,7 +160,6 @@ int main(int argc, char** argv) {
   const int warmup = 4, steps = steps_arg > 0 ? steps_arg : (quick ? 12 : 24);
   const double paper_speedup[] = {4.3, 8.1, 14.7, 0.0};
   const double paper_c1[] = {6.0, 4.1, 2.0, 1.7};
-  if (std::getenv("PF_ROWS")) cpu::SetGatherPrefetch(std::atoi(std::getenv("PF_ROWS")), std::atoi(std::getenv("PF_HINT")));
   const AttnParams p = Params();
   std::string json = "{\n  \"bench\": \"lfps\",\n  \"cpu_isa\": \"" +
                      std::string(cpu::AttendRowsImplName()) + "\",\n  \"threads\": 1,\n" +
