@@ -59,6 +59,11 @@ int64_t FilterGreater(const float* x, int64_t n, float thr, int32_t base, int32_
   return BestCpuKernels().filter_greater(x, n, thr, base, out);
 }
 
+int64_t FilterGreaterBlocked(const float* x, float* bound, int64_t lo, int64_t hi, float thr,
+                             int32_t* out) {
+  return BestCpuKernels().filter_greater_blocked(x, bound, lo, hi, thr, out);
+}
+
 const char* AttendRowsImplName() { return BestCpuKernels().name; }
 
 void SoftmaxAccumulate(const float* x, int64_t n, float weight, float* acc) {

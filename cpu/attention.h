@@ -63,6 +63,18 @@ void ScoreRange(const AttnParams& p, const float* q, const KvPages& kv, int64_t 
 /// room for n. (The vectorised scan behind TopK and the LFPS candidate tables.)
 int64_t FilterGreater(const float* x, int64_t n, float thr, int32_t base, int32_t* out);
 
+/// Entries per block of FilterGreaterBlocked's block bounds.
+inline constexpr int64_t kFilterBlock = 64;
+
+/// FilterGreater over x[lo, hi) that skips whole blocks: block b = x[b kFilterBlock, (b + 1)
+/// kFilterBlock) is read only if bound[b] > thr. On entry every bound[b] must be >= each non-NaN
+/// entry of its block (an upper bound: then the result equals FilterGreater exactly). Writes i (not
+/// i - lo) for every i in [lo, hi) with x[i] > thr, ascending; returns the count; \p out has room
+/// for hi - lo. Every block read in full (lying inside [lo, hi)) gets its exact bound back (max of
+/// its non-NaN entries, -inf if none), so stale bounds tighten where they are looked at.
+int64_t FilterGreaterBlocked(const float* x, float* bound, int64_t lo, int64_t hi, float thr,
+                             int32_t* out);
+
 /// acc[j] += weight * softmax(x)[j] for j in [0, n) (vectorised exp; n >= 1, max(x) finite).
 void SoftmaxAccumulate(const float* x, int64_t n, float weight, float* acc);
 

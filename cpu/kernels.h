@@ -38,6 +38,10 @@ struct CpuKernels {
                             int32_t* out) = nullptr;
   /// acc[j] += weight * softmax(x)[j] for j in [0, n), n >= 1 (x finite or -inf, max finite).
   void (*softmax_accumulate)(const float* x, int64_t n, float weight, float* acc) = nullptr;
+  /// FilterGreaterBlocked (attention.h): block-skipping filter of x[lo, hi) with kFilterBlock
+  /// block bounds, refreshed for the blocks read in full.
+  int64_t (*filter_greater_blocked)(const float* x, float* bound, int64_t lo, int64_t hi,
+                                    float thr, int32_t* out) = nullptr;
 };
 
 /// Tuning of the row-gather kernels (attention over scattered positions, position scoring): how

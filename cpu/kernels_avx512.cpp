@@ -12,7 +12,8 @@ const CpuKernels& Avx512Kernels() {
   // Aggregate initialisation on purpose: a constructor call would be an inline function emitted
   // in this ISA's code that the linker could also hand to baseline callers.
   static const CpuKernels kernels{CpuIsa::kAvx512F, "avx512f", &AttendRowsSimd, &AttendPositionsSimd,
-                                  &ScorePositionsSimd, &ScoreRangeSimd, &FilterGreaterImpl, &SoftmaxAccumulateImpl};
+                                  &ScorePositionsSimd, &ScoreRangeSimd, &FilterGreaterImpl,
+                                  &SoftmaxAccumulateImpl, &FilterGreaterBlockedImpl};
   return kernels;
 }
 

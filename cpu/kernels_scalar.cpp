@@ -1,7 +1,9 @@
 // Copyright kvferry authors. Apache-2.0.
 // The baseline kernel table: the scalar reference kernels behind the CpuKernels interface, plus
 // the table lookup by ISA.
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "cpu/kernels.h"
@@ -66,6 +68,24 @@ int64_t FilterGreaterScalar(const float* x, int64_t n, float thr, int32_t base, 
   return c;
 }
 
+// The reference: one block at a time, a block read only when its bound passes.
+int64_t FilterGreaterBlockedScalar(const float* x, float* bound, int64_t lo, int64_t hi, float thr,
+                                   int32_t* out) {
+  int64_t c = 0;
+  for (int64_t b = lo / kFilterBlock; b * kFilterBlock < hi; ++b) {
+    if (!(bound[b] > thr)) continue;
+    const int64_t b0 = b * kFilterBlock, b1 = b0 + kFilterBlock;
+    const int64_t s = std::max(lo, b0), e = std::min(hi, b1);
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t i = s; i < e; ++i) {
+      if (x[i] > thr) out[c++] = static_cast<int32_t>(i);
+      if (x[i] > mx) mx = x[i];
+    }
+    if (s == b0 && e == b1) bound[b] = mx;
+  }
+  return c;
+}
+
 void SoftmaxAccumulateScalar(const float* x, int64_t n, float weight, float* acc) {
   float m = x[0];
   for (int64_t i = 1; i < n; ++i) m = x[i] > m ? x[i] : m;
@@ -84,7 +104,8 @@ const CpuKernels& ScalarKernels() {
   static const CpuKernels kernels{CpuIsa::kScalar,       "scalar",
                                   &AttendRowsScalar,     &AttendPositionsScalar,
                                   &ScorePositionsScalar, &ScoreRangeScalar,
-                                  &FilterGreaterScalar,  &SoftmaxAccumulateScalar};
+                                  &FilterGreaterScalar,  &SoftmaxAccumulateScalar,
+                                  &FilterGreaterBlockedScalar};
   return kernels;
 }
 

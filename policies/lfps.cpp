@@ -23,12 +23,14 @@
 //    token included. p (and the tables) cover offloaded positions only, so sinks and the window do
 //    not bias them (the paper's footnote).
 //  - Kurtosis as printed (no factor n), over the n_off offloaded entries, from running power sums
-//    (exact resync at every renormalisation), so thresholds cost O(1) and only the candidate scan is
-//    O(n) (2 floats per position, vectorised).
+//    (exact resync at every renormalisation), so thresholds cost O(1). The candidate scan reads only
+//    the table blocks whose upper bound (kept per cpu::kFilterBlock entries) exceeds tau.
 #include "policies/lfps.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 
@@ -40,17 +42,39 @@ namespace kvferry {
 namespace {
 
 constexpr double kRenormBelow = 1e-6;  // renormalise stored tables when the global scale gets here
-constexpr int kOffsets[] = {-1, 0, 1, 2};
 constexpr int kMaxQueriesPerScore = 16;  // cpu::kMaxSimdGroup
 
 // Thread-local scratch: Select allocates only while these grow to the largest context seen.
 struct Scratch {
-  std::vector<int32_t> ver_hits, sla_hits, c0, c1, c2_idx, c2;
+  std::vector<int32_t> hits, c1, c2_idx, c2;
+  std::vector<uint64_t> c0_bits;
+  std::vector<uint32_t> keys, bin_keys;
   std::vector<float> logits, weights, probs;
+  std::vector<double> log_glob;
 };
 Scratch& GetScratch() {
   thread_local Scratch s;
   return s;
+}
+
+// Room for n elements; only ever grows (resize down and up again would value-initialise the gap
+// on every step).
+template <typename T>
+T* Room(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
+// Upper bound of every stored entry per cpu::kFilterBlock entries, exact (max of the non-NaN
+// entries, -inf if none).
+void RebuildBounds(const std::vector<float>& u, std::vector<float>& bound) {
+  constexpr int64_t kB = cpu::kFilterBlock;
+  const int64_t n = static_cast<int64_t>(u.size());
+  bound.assign(static_cast<size_t>((n + kB - 1) / kB), -std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; ++i) {
+    float& b = bound[i / kB];
+    if (u[i] > b) b = u[i];
+  }
 }
 
 // pw[k] = sum_i u_i^k, k = 1..4, in one pass (products, not pow).
@@ -74,6 +98,9 @@ void PowerSums(const std::vector<float>& u, double* pw) {
 struct LfpsPolicy::HeadState {
   std::vector<float> ver;  ///< stored vertical table by position; true value = scale * ver[i]
   std::vector<float> sla;  ///< stored slash table by distance t - i; true value = scale * sla[d]
+  /// Per cpu::kFilterBlock entries of ver / sla: >= every stored entry of the block. Updates only
+  /// raise them, the candidate scan tightens the blocks it reads, Resync rebuilds them exactly.
+  std::vector<float> ver_bound, sla_bound;
   double scale = 1.0;      ///< r^(steps since last renormalisation)
   double ver_pow[5] = {0, 0, 0, 0, 0};  ///< sum of ver^k, k = 1..4 (stored units)
   double sla_pow[5] = {0, 0, 0, 0, 0};
@@ -85,15 +112,31 @@ struct LfpsPolicy::HeadState {
     if (static_cast<int64_t>(ver.capacity()) < max_tokens) {
       ver.reserve(static_cast<size_t>(max_tokens));
       sla.reserve(static_cast<size_t>(max_tokens));
+      const int64_t blocks = (max_tokens + cpu::kFilterBlock - 1) / cpu::kFilterBlock;
+      ver_bound.reserve(static_cast<size_t>(blocks));
+      sla_bound.reserve(static_cast<size_t>(blocks));
     }
   }
+  static void ExtendTable(std::vector<float>& u, std::vector<float>& bound, int64_t n) {
+    const int64_t old = static_cast<int64_t>(u.size());
+    if (old >= n) return;
+    u.resize(static_cast<size_t>(n), 0.0f);
+    // The new zeros join the old last block (when partial) and fill new blocks.
+    if (old % cpu::kFilterBlock != 0) {
+      float& b = bound[old / cpu::kFilterBlock];
+      b = std::max(b, 0.0f);
+    }
+    bound.resize(static_cast<size_t>((n + cpu::kFilterBlock - 1) / cpu::kFilterBlock), 0.0f);
+  }
   void Extend(int64_t n) {  // new positions / distances start at 0
-    if (static_cast<int64_t>(ver.size()) < n) ver.resize(static_cast<size_t>(n), 0.0f);
-    if (static_cast<int64_t>(sla.size()) < n) sla.resize(static_cast<size_t>(n), 0.0f);
+    ExtendTable(ver, ver_bound, n);
+    ExtendTable(sla, sla_bound, n);
   }
   void Resync() {
     PowerSums(ver, ver_pow);
     PowerSums(sla, sla_pow);
+    RebuildBounds(ver, ver_bound);
+    RebuildBounds(sla, sla_bound);
   }
   void Renormalise() {
     for (float& x : ver) x = static_cast<float>(x * scale);
@@ -101,10 +144,13 @@ struct LfpsPolicy::HeadState {
     scale = 1.0;
     Resync();
   }
-  static void Add(std::vector<float>& u, double* pw, int64_t i, double delta) {
+  static void Add(std::vector<float>& u, double* pw, std::vector<float>& bound, int64_t i,
+                  double delta) {
     const double old = u[i];
     const double now = old + delta;
     u[i] = static_cast<float>(now);
+    float& b = bound[i / cpu::kFilterBlock];
+    if (u[i] > b) b = u[i];
     const double stored = u[i];
     double o = old, s = stored;
     for (int k = 1; k <= 4; ++k) {
@@ -141,6 +187,64 @@ Threshold ComputeThreshold(const double* pw, int64_t count, double a) {
 
 void AppendRange(std::vector<int32_t>& out, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) out.push_back(static_cast<int32_t>(i));
+}
+
+// Unsigned key with the order of the float: NaN as -inf (it ranks last), -0 as +0 (they are equal
+// as floats, so they must tie).
+inline uint32_t OrderedKey(float f) {
+  f = f != f ? -std::numeric_limits<float>::infinity() : f + 0.0f;
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return (b & 0x80000000u) != 0 ? ~b : (b | 0x80000000u);
+}
+
+// The top k of w[0, m) in TopK's order (value descending, lower index first on ties; NaN ranks
+// last), written as ascending indices; 0 < k < m; returns k. The k-th largest key v is found by
+// selection over a small set: above kRadixMin keys, an 11-bit histogram of the key's top bits finds
+// the bin that holds it and only that bin's keys are partitioned. Then one pass in index order takes
+// every key > v and the first (k - #{> v}) keys == v, which is the sorted set directly.
+int64_t TopKAscending(const float* w, int64_t m, int64_t k, Scratch& sc, int32_t* out) {
+  constexpr int64_t kRadixMin = 1536;
+  constexpr int kShift = 21, kBins = 1 << (32 - kShift);
+  uint32_t* key = Room(sc.keys, m);
+  uint32_t* cand = Room(sc.bin_keys, m);
+  for (int64_t j = 0; j < m; ++j) key[j] = OrderedKey(w[j]);
+  int64_t nc = m, need = k;  // v is the need-th largest of cand[0, nc)
+  if (m < kRadixMin) {
+    std::copy_n(key, m, cand);
+  } else {
+    uint32_t hist[2][kBins] = {};  // two interleaved counts: equal neighbours do not serialise
+    int64_t j = 0;
+    for (; j + 2 <= m; j += 2) {
+      ++hist[0][key[j] >> kShift];
+      ++hist[1][key[j + 1] >> kShift];
+    }
+    if (j < m) ++hist[0][key[j] >> kShift];
+    uint32_t bin = kBins - 1;
+    for (;; --bin) {
+      const int64_t h = static_cast<int64_t>(hist[0][bin]) + hist[1][bin];
+      if (h >= need) break;
+      need -= h;
+    }
+    nc = 0;
+    for (j = 0; j < m; ++j) {
+      cand[nc] = key[j];
+      nc += (key[j] >> kShift) == bin;
+    }
+  }
+  std::nth_element(cand, cand + (need - 1), cand + nc, std::greater<uint32_t>());
+  const uint32_t v = cand[need - 1];
+  int64_t ties = need;  // keys == v to take, lower index first
+  for (int64_t i = 0; i < need - 1; ++i) ties -= cand[i] > v;
+  int64_t c = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    const bool eq = key[j] == v;
+    const bool take = key[j] > v || (eq && ties > 0);
+    out[c] = static_cast<int32_t>(j);
+    c += take;
+    ties -= eq && take;
+  }
+  return c;
 }
 
 // Softmax of logits[0..count) written to probs (fp32), returns nothing; count > 0.
@@ -342,9 +446,9 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   out.clear();
   steps_.fetch_add(1, std::memory_order_relaxed);
   offloaded_.fetch_add(n_off, std::memory_order_relaxed);
-  auto finish = [&](const std::vector<int32_t>* chosen) {
+  auto finish = [&](const int32_t* chosen, int64_t count) {
     AppendRange(out, 0, sink);
-    if (chosen != nullptr) out.insert(out.end(), chosen->begin(), chosen->end());
+    out.insert(out.end(), chosen, chosen + count);
     AppendRange(out, off_hi, n);
     if (info_out != nullptr) *info_out = info;
     return Status::Ok();
@@ -356,8 +460,18 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
     if (info_out != nullptr) *info_out = info;
     return Status::Ok();
   }
-  if (k_off <= 0) return finish(nullptr);
+  if (k_off <= 0) return finish(nullptr, 0);
 
+  const bool bypass_test = params_.eps < 1.0 && sink > 0;
+  const int64_t loc_lo = std::max(sink, n - params_.local);
+  if (bypass_test) {  // its K rows are usually out of cache: start loading them now
+    const size_t elem = DTypeSize(p.kv_dtype);
+    const int64_t row_bytes = static_cast<int64_t>(p.head_dim) * static_cast<int64_t>(elem);
+    for (int64_t i = 0; i < n; i = i + 1 == sink ? loc_lo : i + 1) {
+      const char* row = static_cast<const char*>(PagedKRow(ctx.kv, i, p.head_dim, elem));
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
+    }
+  }
   KVF_ASSIGN_OR_RETURN(HeadState * st, State(ctx.slot, ctx.layer, ctx.kv_head, true));
   st->Extend(n);
   Scratch& sc = GetScratch();
@@ -365,15 +479,12 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   const int64_t hd = p.head_dim;
 
   // (1) Bypass test: rho = w_sink / (w_sink + w_glob + w_loc) per query head (Eq. 5-6).
-  if (st->primed && params_.eps < 1.0 && sink > 0) {
-    const int64_t loc_lo = std::max(sink, n - params_.local);
+  if (st->primed && bypass_test) {
     const int64_t n_loc = n - loc_lo;
     const int64_t n_glob = std::max<int64_t>(0, n - sink - n_loc);
-    sc.logits.resize(static_cast<size_t>(group) * (sink + n_loc));
     const int64_t ld = sink + n_loc;
-    cpu::ScoreRange(p, ctx.q, ctx.kv, 0, sink, sc.logits.data(), ld);
-    if (n_loc > 0) cpu::ScoreRange(p, ctx.q, ctx.kv, loc_lo, n, sc.logits.data() + sink, ld);
-    double min_rho = 1.0;
+    // The query-only terms first, while the rows arrive.
+    double* log_glob = Room(sc.log_glob, group);
     for (int g = 0; g < group; ++g) {
       const float* qg = ctx.q + g * hd;
       double qk = 0.0, qq = 0.0;
@@ -381,13 +492,19 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
         qk += static_cast<double>(qg[d]) * st->k_bar[d];
         qq += static_cast<double>(qg[d]) * qg[d];
       }
-      const float* l = sc.logits.data() + g * ld;
-      const double log_glob = n_glob > 0 ? std::log(static_cast<double>(n_glob)) + p.scale * qk +
-                                               0.5 * qq * st->sigma2_hat
-                                         : -std::numeric_limits<double>::infinity();
-      double m = log_glob;
+      log_glob[g] = n_glob > 0 ? std::log(static_cast<double>(n_glob)) + p.scale * qk +
+                                     0.5 * qq * st->sigma2_hat
+                               : -std::numeric_limits<double>::infinity();
+    }
+    float* logits = Room(sc.logits, group * ld);
+    cpu::ScoreRange(p, ctx.q, ctx.kv, 0, sink, logits, ld);
+    if (n_loc > 0) cpu::ScoreRange(p, ctx.q, ctx.kv, loc_lo, n, logits + sink, ld);
+    double min_rho = 1.0;
+    for (int g = 0; g < group; ++g) {
+      const float* l = logits + g * ld;
+      double m = log_glob[g];
       for (int64_t j = 0; j < ld; ++j) m = std::max(m, static_cast<double>(l[j]));
-      double w_sink = 0.0, w_rest = std::exp(log_glob - m);
+      double w_sink = 0.0, w_rest = std::exp(log_glob[g] - m);
       for (int64_t j = 0; j < sink; ++j) w_sink += std::exp(l[j] - m);
       for (int64_t j = sink; j < ld; ++j) w_rest += std::exp(l[j] - m);
       min_rho = std::min(min_rho, w_sink / (w_sink + w_rest));
@@ -396,118 +513,129 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
     if (min_rho > params_.eps) {
       info.bypassed = true;
       bypassed_.fetch_add(1, std::memory_order_relaxed);
-      return finish(nullptr);
+      return finish(nullptr, 0);
     }
   }
 
   // (2)-(3) Candidates: C0 from the thresholds, C1 by expansion (Eq. 7-9).
-  std::vector<int32_t>& c1 = sc.c1;
-  c1.clear();
+  int32_t* c1 = Room(sc.c1, n_off);
+  int64_t m = 0;
   if (params_.score_all) {
-    AppendRange(c1, off_lo, off_hi);
+    std::iota(c1, c1 + n_off, static_cast<int32_t>(off_lo));
+    m = n_off;
   } else {
     const Threshold tv = ComputeThreshold(st->ver_pow, n_off, params_.a);
     const Threshold ts = ComputeThreshold(st->sla_pow, n_off, params_.a);
-    sc.ver_hits.resize(static_cast<size_t>(n_off));
-    sc.sla_hits.resize(static_cast<size_t>(n_off));
-    int64_t nv = 0, ns = 0;
+    // C0 = the union of both tables' hits as a bitmap over positions (bit i of word w: position
+    // 64 w + i), words [w_lo, w_hi) plus one zero guard word on each side for the expansion.
+    const int64_t w_lo = off_lo >> 6, w_hi = ((off_hi - 1) >> 6) + 1;
+    uint64_t* bits = Room(sc.c0_bits, w_hi + 2) + 1;
+    std::fill(bits + w_lo - 1, bits + w_hi + 1, uint64_t{0});
+    int32_t* hits = Room(sc.hits, n_off);
+    int64_t c0 = 0;
     if (tv.ok) {
-      nv = cpu::FilterGreater(st->ver.data() + off_lo, n_off, tv.tau, static_cast<int32_t>(off_lo),
-                              sc.ver_hits.data());
+      const int64_t nv = cpu::FilterGreaterBlocked(st->ver.data(), st->ver_bound.data(), off_lo,
+                                                   off_hi, tv.tau, hits);
+      for (int64_t j = 0; j < nv; ++j) bits[hits[j] >> 6] |= uint64_t{1} << (hits[j] & 63);
+      c0 = nv;
     }
     if (ts.ok) {
       // Distances t - i for i in [off_lo, off_hi) are [t - off_hi + 1, t - off_lo].
-      const int64_t d_lo = t - off_hi + 1;
-      ns = cpu::FilterGreater(st->sla.data() + d_lo, n_off, ts.tau, static_cast<int32_t>(d_lo),
-                              sc.sla_hits.data());
-      for (int64_t j = 0; j < ns; ++j) sc.sla_hits[j] = static_cast<int32_t>(t - sc.sla_hits[j]);
-      std::reverse(sc.sla_hits.begin(), sc.sla_hits.begin() + ns);  // ascending positions
+      const int64_t ns = cpu::FilterGreaterBlocked(st->sla.data(), st->sla_bound.data(),
+                                                   t - off_hi + 1, t - off_lo + 1, ts.tau, hits);
+      for (int64_t j = 0; j < ns; ++j) {
+        const int64_t i = t - hits[j];
+        uint64_t& word = bits[i >> 6];
+        const uint64_t bit = uint64_t{1} << (i & 63);
+        c0 += (word & bit) == 0;
+        word |= bit;
+      }
     }
-    std::vector<int32_t>& c0 = sc.c0;
-    c0.resize(static_cast<size_t>(nv + ns));
-    c0.resize(static_cast<size_t>(
-        std::set_union(sc.ver_hits.begin(), sc.ver_hits.begin() + nv, sc.sla_hits.begin(),
-                       sc.sla_hits.begin() + ns, c0.begin()) -
-        c0.begin()));
-    info.c0 = static_cast<int64_t>(c0.size());
-    // Expansion: i + {-1, 0, 1, 2}, kept if either table is above its mean there. C0 ascending and
-    // offsets ascending: a watermark of the last position considered keeps C1 sorted and unique.
+    info.c0 = c0;
+    // Expansion: position j is a candidate if one of j + 1, j, j - 1, j - 2 is in C0 (offsets
+    // {-1, 0, 1, 2}), inside [off_lo, off_hi); kept if either table is above its mean there. Bits
+    // come out ascending and unique. A table without a threshold keeps nothing (mean +inf).
+    constexpr float kInf = std::numeric_limits<float>::infinity();
+    const float ver_mean = tv.ok ? tv.mean : kInf;
+    const float sla_mean = ts.ok ? ts.mean : kInf;
     const float* ver = st->ver.data();
     const float* sla = st->sla.data();
-    int64_t considered = off_lo - 1;
-    for (int32_t i : c0) {
-      for (int off : kOffsets) {
-        const int64_t j = static_cast<int64_t>(i) + off;
-        if (j <= considered || j >= off_hi) continue;
-        considered = j;
-        if ((tv.ok && ver[j] > tv.mean) || (ts.ok && sla[t - j] > ts.mean)) {
-          c1.push_back(static_cast<int32_t>(j));
-        }
+    for (int64_t w = w_lo; w < w_hi; ++w) {
+      const uint64_t x = bits[w];
+      uint64_t cand = x | (x >> 1) | (bits[w + 1] << 63) | (x << 1) | (bits[w - 1] >> 63) |
+                      (x << 2) | (bits[w - 1] >> 62);
+      if (w == w_lo) cand &= ~uint64_t{0} << (off_lo & 63);
+      if (w == w_hi - 1 && (off_hi & 63) != 0) cand &= (uint64_t{1} << (off_hi & 63)) - 1;
+      while (cand != 0) {
+        const int64_t j = (w << 6) + __builtin_ctzll(cand);
+        cand &= cand - 1;
+        c1[m] = static_cast<int32_t>(j);
+        m += (ver[j] > ver_mean) | (sla[t - j] > sla_mean);
       }
     }
   }
-  if (c1.empty()) {
-    if (!params_.fallback) return finish(nullptr);
+  if (m == 0) {
+    if (!params_.fallback) return finish(nullptr, 0);
     info.fallback = true;
     fallbacks_.fetch_add(1, std::memory_order_relaxed);
-    AppendRange(c1, off_lo, off_hi);
+    std::iota(c1, c1 + n_off, static_cast<int32_t>(off_lo));
+    m = n_off;
   }
-  const int64_t m = static_cast<int64_t>(c1.size());
   info.c1 = m;
   scored_.fetch_add(m, std::memory_order_relaxed);
 
   // (4) Exact scores on C1; rank by the group's summed softmax weight; C2 = top-k.
-  sc.logits.resize(static_cast<size_t>(group) * m);
-  sc.weights.assign(static_cast<size_t>(m), 0.0f);
-  sc.probs.resize(static_cast<size_t>(m));
-  cpu::ScorePositions(p, ctx.q, ctx.kv, c1.data(), static_cast<int32_t>(m), sc.logits.data());
-  for (int g = 0; g < group; ++g) {
-    cpu::SoftmaxAccumulate(sc.logits.data() + g * m, m, 1.0f, sc.weights.data());
-  }
-  std::vector<int32_t>& c2_idx = sc.c2_idx;  // indices into c1
+  float* logits = Room(sc.logits, group * m);
+  float* weights = Room(sc.weights, m);
+  std::fill(weights, weights + m, 0.0f);
+  cpu::ScorePositions(p, ctx.q, ctx.kv, c1, static_cast<int32_t>(m), logits);
+  for (int g = 0; g < group; ++g) cpu::SoftmaxAccumulate(logits + g * m, m, 1.0f, weights);
+  int32_t* c2_idx = Room(sc.c2_idx, m);  // indices into c1, ascending
+  int64_t k2 = m;
   if (m <= k_off) {
-    c2_idx.resize(static_cast<size_t>(m));
-    std::iota(c2_idx.begin(), c2_idx.end(), 0);
+    std::iota(c2_idx, c2_idx + m, 0);
   } else {
-    // The top-k set (TopK's order: weight descending, lower index first on ties) by selection in
-    // O(m), then ascending indices; the ranking within the set is never used. NaN ranks last.
-    float* w = sc.weights.data();
-    for (int64_t j = 0; j < m; ++j) {
-      if (std::isnan(w[j])) w[j] = -std::numeric_limits<float>::infinity();
-    }
-    c2_idx.resize(static_cast<size_t>(m));
-    std::iota(c2_idx.begin(), c2_idx.end(), 0);
-    std::nth_element(c2_idx.begin(), c2_idx.begin() + (k_off - 1), c2_idx.end(),
-                     [w](int32_t a, int32_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); });
-    c2_idx.resize(static_cast<size_t>(k_off));
-    std::sort(c2_idx.begin(), c2_idx.end());
+    k2 = TopKAscending(weights, m, k_off, sc, c2_idx);
   }
-  const int64_t k2 = static_cast<int64_t>(c2_idx.size());
   info.c2 = k2;
 
   // (5) Table update (Eq. 10) with p = the group's mean softmax over C2:
   // Phi <- r Phi + p - 1/(2|C2|) on C2, r Phi elsewhere (a global scale).
-  std::fill(sc.weights.begin(), sc.weights.begin() + k2, 0.0f);
+  std::fill(weights, weights + k2, 0.0f);
+  float* probs = Room(sc.probs, k2);
   for (int g = 0; g < group; ++g) {
-    const float* l = sc.logits.data() + g * m;
-    for (int64_t j = 0; j < k2; ++j) sc.probs[j] = l[c2_idx[j]];
-    cpu::SoftmaxAccumulate(sc.probs.data(), k2, 1.0f / static_cast<float>(group),
-                           sc.weights.data());
+    const float* l = logits + g * m;
+    for (int64_t j = 0; j < k2; ++j) probs[j] = l[c2_idx[j]];
+    cpu::SoftmaxAccumulate(probs, k2, 1.0f / static_cast<float>(group), weights);
   }
   st->scale *= params_.r;
   const double inv_scale = 1.0 / st->scale;
   const double base = 1.0 / (2.0 * static_cast<double>(k2));
-  std::vector<int32_t>& c2 = sc.c2;
-  c2.resize(static_cast<size_t>(k2));
+  int32_t* c2 = Room(sc.c2, k2);
   for (int64_t j = 0; j < k2; ++j) {
-    const int64_t pos = c1[c2_idx[j]];
-    c2[j] = static_cast<int32_t>(pos);
-    const double delta = (sc.weights[j] - base) * inv_scale;
-    HeadState::Add(st->ver, st->ver_pow, pos, delta);
-    HeadState::Add(st->sla, st->sla_pow, t - pos, delta);
+    c2[j] = c1[c2_idx[j]];
+  }
+  // The table lines were read by the expansion, but the scoring's row stream has evicted them
+  // since: fetch them a few entries ahead.
+  constexpr int64_t kAhead = 8;
+  float* ver = st->ver.data();
+  float* sla = st->sla.data();
+  for (int64_t j = 0; j < std::min(k2, kAhead); ++j) {
+    __builtin_prefetch(ver + c2[j], 1);
+    __builtin_prefetch(sla + (t - c2[j]), 1);
+  }
+  for (int64_t j = 0; j < k2; ++j) {
+    if (j + kAhead < k2) {
+      __builtin_prefetch(ver + c2[j + kAhead], 1);
+      __builtin_prefetch(sla + (t - c2[j + kAhead]), 1);
+    }
+    const int64_t pos = c2[j];
+    const double delta = (weights[j] - base) * inv_scale;
+    HeadState::Add(st->ver, st->ver_pow, st->ver_bound, pos, delta);
+    HeadState::Add(st->sla, st->sla_pow, st->sla_bound, t - pos, delta);
   }
   if (st->scale < kRenormBelow) st->Renormalise();
-  return finish(&c2);
+  return finish(c2, k2);
 }
 
 LfpsStats LfpsPolicy::stats() const {

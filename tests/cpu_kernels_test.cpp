@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -284,6 +285,72 @@ TEST(CpuKernelEdgeTest, FilterGreaterMatchesScalar) {
       std::vector<int32_t> got(static_cast<size_t>(n) + 1, -1);
       got.resize(static_cast<size_t>(kernels->filter_greater(x.data(), n, 0.7f, 100, got.data())));
       EXPECT_EQ(got, want) << kernels->name << " n=" << n;
+    }
+  }
+}
+
+// The block-skipping filter must return exactly FilterGreater's hits for any valid (possibly
+// loose) bounds, on every ISA, and leave identical bounds: exact maxima for the blocks it read in
+// full, the given bound elsewhere.
+TEST(CpuKernelEdgeTest, FilterGreaterBlockedEqualsFilterGreater) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  std::mt19937 rng(23);
+  std::normal_distribution<float> dist;
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  for (int64_t size : {int64_t{1}, int64_t{17}, kFilterBlock, kFilterBlock + 1, int64_t{1000},
+                       int64_t{4099}, 40 * kFilterBlock + 13}) {
+    const int64_t blocks = (size + kFilterBlock - 1) / kFilterBlock;
+    for (int rep = 0; rep < 12; ++rep) {
+      std::vector<float> x(static_cast<size_t>(size));
+      // Sparse large values on a low floor, as in the LFPS tables; rep 0 also has NaN and +-inf.
+      for (float& v : x) v = unit(rng) < 0.05f ? 3.0f + dist(rng) : 0.1f * dist(rng);
+      if (rep == 0 && size > 5) {
+        x[1] = kNan;
+        x[3] = kInf;
+        x[4] = -kInf;
+      }
+      if (rep == 1 && size >= kFilterBlock) {  // one block all NaN, another all equal
+        std::fill_n(x.begin(), kFilterBlock, kNan);
+        if (size >= 2 * kFilterBlock) std::fill_n(x.begin() + kFilterBlock, kFilterBlock, 0.5f);
+      }
+      std::vector<float> bound(static_cast<size_t>(blocks), -kInf);
+      for (int64_t i = 0; i < size; ++i) {
+        if (x[i] > bound[i / kFilterBlock]) bound[i / kFilterBlock] = x[i];
+      }
+      for (float& b : bound) {  // some bounds loose (as after table updates), some exact
+        if (unit(rng) < 0.5f) b += 2.0f * unit(rng);
+      }
+      const int64_t lo = std::uniform_int_distribution<int64_t>(0, size)(rng);
+      const int64_t hi = std::uniform_int_distribution<int64_t>(lo, size)(rng);
+      const float thr = rep == 2 ? 0.5f : (rep == 3 ? -kInf : (rep == 4 ? kNan : 0.2f + unit(rng)));
+      std::vector<int32_t> want;
+      for (int64_t i = lo; i < hi; ++i) {
+        if (x[i] > thr) want.push_back(static_cast<int32_t>(i));
+      }
+      std::vector<float> want_bound = bound;
+      for (int64_t b = lo / kFilterBlock; b * kFilterBlock < hi; ++b) {
+        const int64_t b0 = b * kFilterBlock;
+        if (!(bound[b] > thr) || b0 < lo || b0 + kFilterBlock > hi) continue;
+        float mx = -kInf;
+        for (int64_t i = b0; i < b0 + kFilterBlock; ++i) mx = x[i] > mx ? x[i] : mx;
+        want_bound[b] = mx;
+      }
+      for (CpuIsa isa : AllIsas()) {
+        const CpuKernels* kernels = GetCpuKernels(isa);
+        if (kernels == nullptr) continue;
+        std::vector<float> got_bound = bound;
+        std::vector<int32_t> got(static_cast<size_t>(hi - lo) + 1, -1);
+        got.resize(static_cast<size_t>(
+            kernels->filter_greater_blocked(x.data(), got_bound.data(), lo, hi, thr, got.data())));
+        EXPECT_EQ(got, want) << kernels->name << " size=" << size << " rep=" << rep << " [" << lo
+                             << ", " << hi << ") thr=" << thr;
+        for (int64_t b = 0; b < blocks; ++b) {
+          // Bitwise equal (-inf for an all-NaN block, never NaN).
+          ASSERT_EQ(std::memcmp(&got_bound[b], &want_bound[b], sizeof(float)), 0)
+              << kernels->name << " size=" << size << " rep=" << rep << " block " << b << ": "
+              << got_bound[b] << " vs " << want_bound[b];
+        }
+      }
     }
   }
 }

@@ -10,6 +10,7 @@
 // whole run up front (in parallel, bit-identical to a serial generation) and stored as bf16 in the
 // host store's page layout; step t appends nothing but reveals position t (n grows by one).
 // Usage: lfps_bench [out.json] [--quick] [--tokens N (one context length only)]
+//                   [--steps N (measured decode steps; default 24, 12 with --quick)]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -139,11 +140,14 @@ int main(int argc, char** argv) {
   std::string out_path = "bench/results/lfps.json";
   bool quick = false;
   int64_t only = 0;
+  int steps_arg = 0;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
     } else if (std::strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) {
       only = std::atoll(argv[++i]);
+    } else if (std::strcmp(argv[i], "--steps") == 0 && i + 1 < argc) {
+      steps_arg = std::max(1, std::atoi(argv[++i]));
     } else {
       out_path = argv[i];
     }
@@ -153,7 +157,7 @@ int main(int argc, char** argv) {
       : quick  ? std::vector<int64_t>{4096, 16384}
                : std::vector<int64_t>{4096, 16384, 65536, 131072};
   const int num_heads = 8;  // KV heads of the synthetic model (32 query heads, GQA 4)
-  const int warmup = 4, steps = quick ? 12 : 24;
+  const int warmup = 4, steps = steps_arg > 0 ? steps_arg : (quick ? 12 : 24);
   const double paper_speedup[] = {4.3, 8.1, 14.7, 0.0};
   const double paper_c1[] = {6.0, 4.1, 2.0, 1.7};
   const AttnParams p = Params();
