@@ -22,8 +22,12 @@ TEST(LlamaGpuMatmul, CublasEqualsOneDnn) {
   ASSERT_TRUE(gpu.EnableCuda(0).ok());
   std::mt19937 rng(3);
   std::normal_distribution<float> normal;
+  // Every matrix stays alive: the GPU side caches device copies by host address, as the engine's
+  // weights do (a freed matrix's address may be reused by the next allocation).
+  std::vector<Matrix> keep;
+  keep.reserve(3);
   for (auto [m, k, n] : {std::tuple{1, 576, 1536}, std::tuple{17, 64, 97}, std::tuple{512, 576, 192}}) {
-    Matrix w;
+    Matrix& w = keep.emplace_back();
     w.rows = n;
     w.cols = k;
     w.data.resize(static_cast<size_t>(n) * k);

@@ -26,13 +26,20 @@ struct Matmul::Impl {
   bool gpu = false;
   cublasHandle_t handle = nullptr;
   cudaStream_t cuda_stream = nullptr;
-  std::unordered_map<const float*, float*> weights;  // host weights -> device copy
+  // Host weights -> device copy, uploaded at first use. Keyed by address and checked by size: a
+  // matrix freed and another allocated at the same address with another shape is re-uploaded
+  // (weights are assumed immutable while the Matmul uses them).
+  struct DeviceWeights {
+    float* dev = nullptr;
+    size_t elems = 0;
+  };
+  std::unordered_map<const float*, DeviceWeights> weights;
   float* dx = nullptr;
   float* dy = nullptr;
   size_t dx_cap = 0, dy_cap = 0;
 
   ~Impl() {
-    for (auto& [host, dev] : weights) cudaFree(dev);
+    for (auto& [host, dw] : weights) cudaFree(dw.dev);
     if (dx != nullptr) cudaFree(dx);
     if (dy != nullptr) cudaFree(dy);
     if (handle != nullptr) cublasDestroy(handle);
@@ -66,13 +73,18 @@ Status Grow(float*& buf, size_t& cap, size_t want) {
 Status Matmul::Impl::RunGpu(const float* x, int64_t m, const Matrix& w, float* y) {
   const int64_t k = w.cols, n = w.rows;
   auto it = weights.find(w.data.data());
+  if (it != weights.end() && it->second.elems != w.data.size()) {
+    cudaFree(it->second.dev);
+    weights.erase(it);
+    it = weights.end();
+  }
   if (it == weights.end()) {
     float* dev = nullptr;
     const size_t bytes = w.data.size() * sizeof(float);
     KVF_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&dev, bytes), "cudaMalloc weights"));
     KVF_RETURN_IF_ERROR(CudaStatus(cudaMemcpy(dev, w.data.data(), bytes, cudaMemcpyHostToDevice),
                                    "upload weights"));
-    it = weights.emplace(w.data.data(), dev).first;
+    it = weights.emplace(w.data.data(), DeviceWeights{dev, w.data.size()}).first;
   }
   KVF_RETURN_IF_ERROR(Grow(dx, dx_cap, static_cast<size_t>(m * k)));
   KVF_RETURN_IF_ERROR(Grow(dy, dy_cap, static_cast<size_t>(m * n)));
@@ -83,7 +95,7 @@ Status Matmul::Impl::RunGpu(const float* x, int64_t m, const Matrix& w, float* y
   const float one = 1.0f, zero = 0.0f;
   KVF_RETURN_IF_ERROR(CublasStatus(
       cublasSgemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
-                  static_cast<int>(k), &one, it->second, static_cast<int>(k), dx,
+                  static_cast<int>(k), &one, it->second.dev, static_cast<int>(k), dx,
                   static_cast<int>(k), &zero, dy, static_cast<int>(n)),
       "cublasSgemm"));
   KVF_RETURN_IF_ERROR(CudaStatus(
