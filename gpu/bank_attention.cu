@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "gpu/attention.cuh"
+#include "gpu/bank_map.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
 #include "runtime/check.h"
@@ -25,17 +26,10 @@ __device__ __forceinline__ int32_t BankFind(const BankAttnItem& it, int32_t pos)
     return s == 0xffff ? -1 : static_cast<int32_t>(s);
   }
   if (it.hash_map == nullptr) return -1;
-  const uint32_t cap = 1u << it.hash_log2;
-  const uint32_t mask = cap - 1;
-  uint32_t i =
-      it.hash_log2 == 0 ? 0u : (static_cast<uint32_t>(pos) * 0x9E3779B1u) >> (32 - it.hash_log2);
-  for (uint32_t n = 0; n < cap; ++n, i = (i + 1) & mask) {
-    const unsigned long long e =
-        __ldg(reinterpret_cast<const unsigned long long*>(it.hash_map) + i);
-    if (e == ~0ull) return -1;
-    if (static_cast<int32_t>(e >> 32) == pos) return static_cast<int32_t>(e & 0xffffffffu);
-  }
-  return -1;
+  int32_t slot = -1;
+  BankHashFind<true>(reinterpret_cast<const unsigned long long*>(it.hash_map), it.hash_log2, pos,
+                     &slot);
+  return slot;
 }
 
 struct BankArgs {

@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "gpu/bank_map.cuh"
 #include "gpu/cuda_check.h"
 #include "runtime/check.h"
 
@@ -32,8 +33,8 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxCount = 3;
-constexpr unsigned long long kEmpty = ~0ull;
-constexpr unsigned long long kTomb = 0xFFFFFFFEFFFFFFFFull;  // pos field -2: matches no position
+constexpr unsigned long long kEmpty = kBankHashEmpty;
+constexpr unsigned long long kTomb = kBankHashTomb;  // pos field -2: matches no position
 constexpr uint16_t kNoSlot = 0xffff;
 
 struct AdmitArgs {
@@ -53,20 +54,9 @@ struct AdmitArgs {
   int64_t row_bytes = 0;
 };
 
-__device__ __forceinline__ uint32_t HashBucket(int32_t pos, int log2) {
-  return log2 == 0 ? 0u : (static_cast<uint32_t>(pos) * 0x9E3779B1u) >> (32 - log2);
-}
-
-// Entry index of pos, or -1.
-__device__ int64_t HashFind(const unsigned long long* h, int log2, int32_t pos) {
-  const uint32_t cap = 1u << log2, mask = cap - 1;
-  uint32_t i = HashBucket(pos, log2);
-  for (uint32_t n = 0; n < cap; ++n, i = (i + 1) & mask) {
-    const unsigned long long e = h[i];
-    if (e == kEmpty) return -1;
-    if (static_cast<int32_t>(e >> 32) == pos) return i;
-  }
-  return -1;
+// Entry index of pos, or -1 (plain loads: admission writes the table).
+__device__ __forceinline__ int64_t HashFind(const unsigned long long* h, int log2, int32_t pos) {
+  return BankHashFind<false>(h, log2, pos);
 }
 
 // Inserts (pos, slot) for a pos known to be absent; false when no entry is free. *reused counts
@@ -76,7 +66,7 @@ __device__ bool HashInsert(unsigned long long* h, int log2, int32_t pos, int32_t
   const uint32_t cap = 1u << log2, mask = cap - 1;
   const unsigned long long e = (static_cast<unsigned long long>(static_cast<uint32_t>(pos)) << 32) |
                                static_cast<uint32_t>(slot);
-  uint32_t i = HashBucket(pos, log2);
+  uint32_t i = HashPageMap::Bucket(pos, log2);
   for (uint32_t n = 0; n < cap;) {
     const unsigned long long cur = *reinterpret_cast<volatile unsigned long long*>(h + i);
     if (cur == kEmpty || cur == kTomb) {

@@ -31,6 +31,12 @@
 #include "gpu/device.h"
 #include "kvferry/status.h"
 
+#if defined(__CUDACC__)
+#define KVF_HOST_DEVICE __host__ __device__
+#else
+#define KVF_HOST_DEVICE
+#endif
+
 namespace kvferry {
 
 enum class BankMapKind : uint8_t { kVector = 0, kHash = 1 };
@@ -83,8 +89,9 @@ class HashPageMap {
   [[nodiscard]] int64_t size() const { return size_; }
   [[nodiscard]] int64_t capacity() const { return static_cast<int64_t>(entries_.size()); }
   [[nodiscard]] size_t bytes() const { return entries_.size() * sizeof(uint64_t); }
-  /// Home bucket of \p pos in a table of 2^log2_capacity entries (Fibonacci hashing).
-  static uint32_t Bucket(int32_t pos, int log2_capacity) {
+  /// Home bucket of \p pos in a table of 2^log2_capacity entries (Fibonacci hashing); also called
+  /// by the CUDA kernels that probe the device copies (gpu/bank_map.cuh).
+  KVF_HOST_DEVICE static uint32_t Bucket(int32_t pos, int log2_capacity) {
     if (log2_capacity == 0) return 0;
     return (static_cast<uint32_t>(pos) * 0x9E3779B1u) >> (32 - log2_capacity);
   }
