@@ -45,24 +45,9 @@ struct KernelConfig {
         (static_cast<size_t>(kAttnWarps) * G * (HD + 2) + G * HD + 2 * G) * sizeof(float);
     return kPipe ? std::max(red, kPipeSmemBytes<HD, T>) : red;
   }
-  /// Sets the shared-memory limit (above 48 KiB needs opting in) and returns CTAs per SM.
+  /// Sets the shared-memory limit and returns CTAs per SM.
   static Result<int> Prepare() {
-    static const std::pair<cudaError_t, int> cached = [] {
-      auto kernel = DecodeAttnKernel<HD, T, G, Item, kPipe>;
-      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(Smem()));
-      int blocks = 0;
-      if (e == cudaSuccess) {
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kAttnThreads, Smem());
-      }
-      return std::make_pair(e, blocks);
-    }();
-    if (cached.first != cudaSuccess) {
-      return Status(StatusCode::kDeviceError,
-                    detail::StrCat("CUDA attention: configuring DecodeAttnKernel: ",
-                                   cudaGetErrorName(cached.first)));
-    }
-    return std::max(cached.second, 1);
+    return PrepareAttnKernel<DecodeAttnKernel<HD, T, G, Item, kPipe>>(Smem(), "DecodeAttnKernel");
   }
 };
 

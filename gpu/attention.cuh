@@ -19,10 +19,14 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "cpu/attn_types.h"
+#include "kvferry/status.h"
+#include "runtime/check.h"
 
 namespace kvferry::cuda {
 
@@ -580,6 +584,27 @@ __global__ void __launch_bounds__(kAttnThreads) CombineSplitsKernel(DecodeAttnAr
     item.o[static_cast<size_t>(g) * head_dim + d] = ((o0 + o1) + (o2 + o3)) * inv;
   }
   if (tid == 0) item.lse[g] = m == -INFINITY ? -INFINITY : m + logf(sum);
+}
+
+// Opts \p Kernel into \p smem bytes of dynamic shared memory (above 48 KiB needs it) and returns
+// its resident CTAs per SM at kAttnThreads threads; computed once per kernel instance. \p name
+// goes into the error.
+template <auto Kernel>
+Result<int> PrepareAttnKernel(size_t smem, const char* name) {
+  static const std::pair<cudaError_t, int> cached = [smem] {
+    cudaError_t e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+    int blocks = 0;
+    if (e == cudaSuccess) {
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, Kernel, kAttnThreads, smem);
+    }
+    return std::make_pair(e, blocks);
+  }();
+  if (cached.first != cudaSuccess) {
+    return Status(StatusCode::kDeviceError, detail::StrCat("CUDA: configuring ", name, ": ",
+                                                           cudaGetErrorName(cached.first)));
+  }
+  return std::max(cached.second, 1);
 }
 
 }  // namespace kvferry::cuda

@@ -309,22 +309,7 @@ struct BankKernelConfig {
                  : red;
   }
   static Result<int> Prepare() {
-    static const std::pair<cudaError_t, int> cached = [] {
-      auto kernel = BankAttnKernel<HD, T, G, kPipe>;
-      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(Smem()));
-      int blocks = 0;
-      if (e == cudaSuccess) {
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kAttnThreads, Smem());
-      }
-      return std::make_pair(e, blocks);
-    }();
-    if (cached.first != cudaSuccess) {
-      return Status(StatusCode::kDeviceError,
-                    detail::StrCat("CUDA bank attention: configuring BankAttnKernel: ",
-                                   cudaGetErrorName(cached.first)));
-    }
-    return std::max(cached.second, 1);
+    return PrepareAttnKernel<BankAttnKernel<HD, T, G, kPipe>>(Smem(), "BankAttnKernel");
   }
 };
 

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 
+#include "bench/lib/utf8.h"
 #include "examples/llama/gguf.h"
 #include "runtime/check.h"
 
@@ -13,24 +14,7 @@ namespace {
 
 using detail::StrCat;
 
-// Appends the UTF-8 encoding of code point \p cp.
-void AppendUtf8(uint32_t cp, std::string* out) {
-  if (cp < 0x80) {
-    out->push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out->push_back(static_cast<char>(0xc0 | (cp >> 6)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-  } else if (cp < 0x10000) {
-    out->push_back(static_cast<char>(0xe0 | (cp >> 12)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-  } else {
-    out->push_back(static_cast<char>(0xf0 | (cp >> 18)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3f)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3f)));
-  }
-}
+using bench::AppendUtf8;
 
 // Length in bytes of the UTF-8 sequence starting with \p lead, clamped to \p left; invalid lead
 // bytes count as one byte.
