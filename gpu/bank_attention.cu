@@ -139,6 +139,16 @@ __device__ __forceinline__ const char* BankRow(const BankAttnItem& it, BankPass 
   if (pass == BankPass::kStaged) {  // the r-th listed miss, staged by LaunchBankGather
     return it.stage + static_cast<int64_t>(it.miss_list[1 + r]) * 2 * kRowB;
   }
+  if (pass == BankPass::kResolved) {  // resolved by LaunchBankResolve; slot_out -1 for a miss
+    const int32_t v = it.resolved[r];
+    slot_out = v >= 0 ? v : -1;
+    if (v >= 0) return it.bank_rows + static_cast<size_t>(v) * 2 * kRowB;
+    if (v == kResolvedFromStore) {
+      return it.store + static_cast<int64_t>(__ldg(it.positions + r)) * it.store_stride;
+    }
+    const int64_t first = it.stage_first != nullptr ? *it.stage_first : 0;
+    return it.stage + (first - 1 - v) * 2 * static_cast<int64_t>(kRowB);
+  }
   const int32_t pos = __ldg(it.positions + r);
   if (pass == BankPass::kDirect) return it.store + static_cast<int64_t>(pos) * it.store_stride;
   const int32_t slot = BankFind(it, pos);
@@ -229,7 +239,8 @@ __device__ void AttendBankPipelined(const BankAttnItem& it, BankPass pass,
       if (valid[s]) {
         kraw[s] = *reinterpret_cast<const uint4*>(stage + rr * kRowB + dl * 16);
         vraw[s] = *reinterpret_cast<const uint4*>(stage + (kTile + rr) * kRowB + dl * 16);
-        if (pass == BankPass::kHits && dl == 0 && it.ref_bits != nullptr) {
+        if ((pass == BankPass::kHits || pass == BankPass::kResolved) && slot >= 0 && dl == 0 &&
+            it.ref_bits != nullptr) {
           atomicOr(it.ref_bits + (slot >> 5), 1u << (slot & 31));
         }
       }
@@ -368,8 +379,8 @@ Status LaunchBankHd(const AttnParams& p, const BankAttnItem* items, int64_t num_
                     cudaStream_t stream) {
   // Rows in device memory (bank hits; a device store) stream through the cp.async pipeline; rows
   // that may be pinned host memory (misses; a host store) use register loads.
-  const bool pipe =
-      pass == BankPass::kHits || pass == BankPass::kDirect || pass == BankPass::kStaged;
+  const bool pipe = pass == BankPass::kHits || pass == BankPass::kDirect ||
+                    pass == BankPass::kStaged || pass == BankPass::kResolved;
   if (pass == BankPass::kDirectZeroCopy) pass = BankPass::kDirect;
   if (p.group <= 4) {
     return pipe ? LaunchBankG<HD, T, 4, true>(p, items, num_items, pass, max_rows, info, ws, stream)
@@ -389,10 +400,17 @@ __global__ void __launch_bounds__(kResolveThreads) BankResolveKernel(const BankA
   const int32_t count = __ldg(&it.count);
   if (r >= count) return;
   const int32_t pos = __ldg(it.positions + r);
-  if (BankFind(it, pos) >= 0) return;
+  const int32_t slot = BankFind(it, pos);
+  int32_t* resolved = it.resolved;
+  if (slot >= 0) {
+    if (resolved != nullptr) resolved[r] = slot;
+    return;
+  }
   int32_t* ml = it.miss_list;
   const int32_t idx = atomicAdd(ml, 1);
-  if (idx < __ldg(&it.miss_cap)) ml[1 + idx] = static_cast<int32_t>(r);
+  const bool listed = idx < __ldg(&it.miss_cap);
+  if (listed) ml[1 + idx] = static_cast<int32_t>(r);
+  if (resolved != nullptr) resolved[r] = listed ? -1 - idx : kResolvedFromStore;
 }
 
 // Phase 2: the listed rows copied from the (pinned host) store to staging, every warp busy: one
@@ -457,16 +475,27 @@ Status LaunchBankGather(const AttnParams& p, const BankAttnItem* items, int64_t 
                 " (instantiated for 128)");
   KVF_CHECK_ARG(num_items <= 0x7fffffff && max_rows > 0, "CUDA bank gather: ", num_items,
                 " items of up to ", max_rows, " rows");
-  const int64_t gy1 = (max_rows + kResolveThreads - 1) / kResolveThreads;
   const int64_t per_block = kCopyWarps * kCopyRowsPerWarp;
   const int64_t gy2 = (max_rows + per_block - 1) / per_block;
-  KVF_CHECK_ARG(gy1 <= 65535, "CUDA bank gather: ", max_rows, " rows per item is too many");
-  BankResolveKernel<<<dim3(static_cast<unsigned>(num_items), static_cast<unsigned>(gy1)),
-                      kResolveThreads, 0, stream>>>(items);
-  KVF_CUDA_CHECK_LAUNCH(BankResolveKernel);
+  KVF_CHECK_ARG(gy2 <= 65535, "CUDA bank gather: ", max_rows, " rows per item is too many");
+  KVF_RETURN_IF_ERROR(LaunchBankResolve(items, num_items, max_rows, stream));
   BankCopyMissesKernel<256><<<dim3(static_cast<unsigned>(num_items), static_cast<unsigned>(gy2)),
                               kCopyWarps * 32, 0, stream>>>(items);
   KVF_CUDA_CHECK_LAUNCH(BankCopyMissesKernel);
+  return Status::Ok();
+}
+
+Status LaunchBankResolve(const BankAttnItem* items, int64_t num_items, int64_t max_rows,
+                         cudaStream_t stream) {
+  if (num_items == 0 || max_rows == 0) return Status::Ok();
+  KVF_CHECK_ARG(items != nullptr, "CUDA bank resolve: null item array");
+  KVF_CHECK_ARG(num_items <= 0x7fffffff && max_rows > 0, "CUDA bank resolve: ", num_items,
+                " items of up to ", max_rows, " rows");
+  const int64_t gy = (max_rows + kResolveThreads - 1) / kResolveThreads;
+  KVF_CHECK_ARG(gy <= 65535, "CUDA bank resolve: ", max_rows, " rows per item is too many");
+  BankResolveKernel<<<dim3(static_cast<unsigned>(num_items), static_cast<unsigned>(gy)),
+                      kResolveThreads, 0, stream>>>(items);
+  KVF_CUDA_CHECK_LAUNCH(BankResolveKernel);
   return Status::Ok();
 }
 

@@ -291,6 +291,12 @@ Status CudaDevice::GatherBank(const AttnParams& p, const BankAttnItem* items, in
   return LaunchBankGather(p, items, num_items, max_rows, Resolve(stream));
 }
 
+Status CudaDevice::ResolveBank(const BankAttnItem* items, int64_t num_items, int64_t max_rows,
+                               StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  return LaunchBankResolve(items, num_items, max_rows, Resolve(stream));
+}
+
 Status CudaDevice::AttendPaged(const AttnParams& p, const PagedAttnItem* items, int64_t num_items,
                                StreamHandle stream) {
   KVF_RETURN_IF_ERROR(Activate());

@@ -66,6 +66,9 @@ class CudaDevice final : public Device {
   /// CUDA-only: the token bank's miss gather (see LaunchBankGather).
   Status GatherBank(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
                     int64_t max_rows, StreamHandle stream);
+  /// CUDA-only: the token bank's page-table lookups alone (see LaunchBankResolve).
+  Status ResolveBank(const BankAttnItem* items, int64_t num_items, int64_t max_rows,
+                     StreamHandle stream);
 
   [[nodiscard]] int device_id() const { return device_id_; }
   [[nodiscard]] const cudaDeviceProp& props() const { return props_; }

@@ -71,7 +71,18 @@ struct BankAttnItem {
   char* stage = nullptr;
   int32_t* miss_list = nullptr;
   int32_t miss_cap = 0;
+  /// LaunchBankResolve / kResolved: per list index j (count entries, device memory) the bank slot
+  /// of a hit (>= 0), -(1 + i) for the i-th listed miss, or kResolvedFromStore for a miss past
+  /// miss_cap (kResolved then reads it from store).
+  int32_t* resolved = nullptr;
+  /// Compact staging (kResolved): when set, the i-th listed miss's K and V are at
+  /// stage + 2 (*stage_first + i) row_bytes; the rows of all items of a launch can then be one
+  /// contiguous block (the host writes it, one copy carries it). Device memory.
+  const int32_t* stage_first = nullptr;
 };
+
+/// BankAttnItem::resolved value of a miss that is not in the miss list (past miss_cap).
+constexpr int32_t kResolvedFromStore = INT32_MIN;
 
 /// Which rows of a BankAttnItem a launch attends.
 enum class BankPass : int32_t {
@@ -83,6 +94,8 @@ enum class BankPass : int32_t {
                         ///< (+ staging and miss list), in one launch
   kStaged = 5,          ///< the rows listed in miss_list (count from device memory), from
                         ///< stage: the misses after LaunchBankGather
+  kResolved = 6,        ///< every position, as LaunchBankResolve resolved it: hits from the bank
+                        ///< (ref bits), listed misses from the compact stage, the rest from store
 };
 
 /// Position-list attention (see BankAttnItem). Split over rows and merged exactly like
@@ -101,6 +114,14 @@ Status LaunchAttendBank(const AttnParams& p, const BankAttnItem* items, int64_t 
 /// kStaged launch (over the listed rows only) after it. \p max_rows: the largest count.
 Status LaunchBankGather(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
                         int64_t max_rows, cudaStream_t stream);
+
+/// Page-table lookups only: each item's misses appended to its miss_list (list index j; the
+/// count in miss_list[0] must be 0 before) and, when resolved is set, resolved[j] written for every
+/// position (see BankAttnItem::resolved). The host reads the miss lists back, stages the rows
+/// itself (compact, stage_first) and a kResolved launch attends every position. \p max_rows: the
+/// largest count.
+Status LaunchBankResolve(const BankAttnItem* items, int64_t num_items, int64_t max_rows,
+                         cudaStream_t stream);
 
 /// rows[i].dst <- convert(rows[i].src), elems elements each; rows[] device-readable.
 Status LaunchCopyRows(const RowCopy* rows, int64_t num_rows, int elems, DType src_dtype,

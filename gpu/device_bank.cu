@@ -127,6 +127,8 @@ __global__ void __launch_bounds__(kThreads) AdmitKernel(AdmitArgs a) {
   DeviceBank::TableState* ts = a.state + t;
   const int reported = max(it.miss_list[0], 0);
   const int n = min(min(reported, it.miss_cap), DeviceBank::kMaxAdmit);
+  const bool compact = it.stage_first != nullptr;
+  const int64_t stage_base = compact ? *it.stage_first : 0;
   if (tid == 0) {
     sh_admitted = 0;
     sh_evicted = 0;
@@ -154,7 +156,7 @@ __global__ void __launch_bounds__(kThreads) AdmitKernel(AdmitArgs a) {
     if (j < n) {
       const int32_t r = it.miss_list[1 + j];
       keys[j] = it.positions[r];
-      vals[j] = r;
+      vals[j] = compact ? j : r;  // where the row is staged: miss-list entry or list index
     } else {
       keys[j] = INT_MAX;
       vals[j] = 0;
@@ -283,7 +285,7 @@ __global__ void __launch_bounds__(kThreads) AdmitKernel(AdmitArgs a) {
     const int32_t s = victims[j];
     if (s < 0) continue;
     const uint4* src = reinterpret_cast<const uint4*>(
-        it.stage + static_cast<int64_t>(new_row[j]) * 2 * a.row_bytes) + piece;
+        it.stage + (stage_base + new_row[j]) * 2 * a.row_bytes) + piece;
     uint4* dst =
         reinterpret_cast<uint4*>(a.bank + (t * S + s) * 2 * a.row_bytes) + piece;
     *dst = *src;

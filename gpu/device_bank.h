@@ -56,6 +56,9 @@ struct BankAdmitItem {
   const int32_t* positions = nullptr;   ///< the step's position list of the table
   int32_t* miss_list = nullptr;         ///< [0] = misses, [1 + i] = list index; [0] reset to 0
   const char* stage = nullptr;          ///< list index j's K at stage + 2 j row_bytes, V next
+  /// Compact staging (as BankAttnItem::stage_first): when set, the i-th listed miss's K is at
+  /// stage + 2 (*stage_first + i) row_bytes instead. Device memory.
+  const int32_t* stage_first = nullptr;
 };
 
 /// Totals over all tables since creation (read back synchronously).

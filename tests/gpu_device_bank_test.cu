@@ -84,7 +84,15 @@ TEST_P(DeviceBankTest, DecodeStreamKeepsInvariantsAndMatchesReference) {
   auto* items = static_cast<cuda::BankAttnItem*>(
       dev->AllocHost(2 * kTables * sizeof(cuda::BankAttnItem)).value());
   auto* admit = static_cast<cuda::BankAdmitItem*>(
-      dev->AllocHost(kTables * sizeof(cuda::BankAdmitItem)).value());
+      dev->AllocHost(2 * kTables * sizeof(cuda::BankAdmitItem)).value());
+  // The host-staged flow: LaunchBankResolve, the host reads the miss lists back and writes the
+  // missed rows as one compact block (per-table first row in a header), one copy carries it, a
+  // kResolved launch attends everything, Admit takes its rows from the compact block.
+  auto* resolved = static_cast<int32_t*>(dalloc(kTables * sel_n * 4));
+  auto* first_d = static_cast<int32_t*>(dalloc(kTables * 4));
+  char* compact = static_cast<char*>(dalloc(static_cast<size_t>(kTables) * kMissCap * 2 * kRow));
+  auto* items_r = static_cast<cuda::BankAttnItem*>(
+      dev->AllocHost(kTables * sizeof(cuda::BankAttnItem)).value());
   for (int t = 0; t < kTables; ++t) {
     cuda::BankAttnItem it;
     it.q = dq + t * kGroup * kHd;
@@ -108,6 +116,14 @@ TEST_P(DeviceBankTest, DecodeStreamKeepsInvariantsAndMatchesReference) {
     admit[t].positions = it.positions;
     admit[t].miss_list = it.miss_list;
     admit[t].stage = it.stage;
+    it = items[t];
+    it.resolved = resolved + t * sel_n;
+    it.stage = compact;
+    it.stage_first = first_d + t;
+    items_r[t] = it;
+    admit[kTables + t] = admit[t];
+    admit[kTables + t].stage = compact;
+    admit[kTables + t].stage_first = first_d + t;
   }
   AttnParams p;
   p.group = kGroup;
@@ -132,8 +148,41 @@ TEST_P(DeviceBankTest, DecodeStreamKeepsInvariantsAndMatchesReference) {
     ASSERT_EQ(cudaMemset(doo, 0xff, qn * 4), cudaSuccess);  // poison
     std::vector<std::vector<int32_t>> before(kTables);
     for (int t = 0; t < kTables; ++t) before[t] = bank->FindAll(t, sel[t]).value();
-    if (step % 2 == 0) {  // one launch
+    const int flow = step % 3;
+    if (flow == 0) {  // one launch
       ASSERT_TRUE(dev->AttendBank(p, items, kTables, cuda::BankPass::kAll, nullptr, sel_n).ok());
+    } else if (flow == 2) {  // resolve, host-staged compact misses, one kResolved launch
+      ASSERT_EQ(cudaMemset(resolved, 0x7f, kTables * sel_n * 4), cudaSuccess);  // poison
+      ASSERT_TRUE(dev->ResolveBank(items_r, kTables, sel_n, nullptr).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<int32_t> ml(kTables * (kMissCap + 1)), res(kTables * sel_n);
+      ASSERT_EQ(cudaMemcpy(ml.data(), dmiss, ml.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(res.data(), resolved, res.size() * 4, cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      std::vector<int32_t> first(kTables);
+      std::vector<char> block;
+      for (int t = 0; t < kTables; ++t) {
+        const int32_t* m = ml.data() + t * (kMissCap + 1);
+        first[t] = static_cast<int32_t>(block.size() / (2 * kRow));
+        std::vector<int32_t> want(sel_n, 0);
+        for (int j = 0; j < sel_n; ++j) want[j] = before[t][j];
+        for (int i = 0; i < m[0]; ++i) {
+          const int32_t j = m[1 + i];
+          ASSERT_LT(before[t][j], 0) << "a hit in the miss list";
+          want[j] = -1 - i;
+          const char* row = row_ptr(t, sel[t][j]);
+          block.insert(block.end(), row, row + 2 * kRow);
+        }
+        for (int j = 0; j < sel_n; ++j) {
+          ASSERT_EQ(res[t * sel_n + j], want[j]) << "resolved[" << j << "] table " << t;
+        }
+      }
+      ASSERT_EQ(cudaMemcpy(first_d, first.data(), kTables * 4, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(compact, block.data(), block.size(), cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_TRUE(
+          dev->AttendBank(p, items_r, kTables, cuda::BankPass::kResolved, nullptr, sel_n).ok());
     } else {  // gather the misses, hits + staged misses, merged
       ASSERT_TRUE(dev->GatherBank(p, items, kTables, sel_n, nullptr).ok());
       ASSERT_TRUE(dev->AttendBank(p, items, kTables, cuda::BankPass::kHits, nullptr, sel_n).ok());
@@ -180,7 +229,7 @@ TEST_P(DeviceBankTest, DecodeStreamKeepsInvariantsAndMatchesReference) {
       EXPECT_EQ(got, want) << "step " << step << " table " << t;
       reported_total += m[0];
     }
-    ASSERT_TRUE(bank->Admit(admit, kTables, nullptr).ok());
+    ASSERT_TRUE(bank->Admit(admit + (flow == 2 ? kTables : 0), kTables, nullptr).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(ml.data(), dmiss, ml.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
     // Invariants after admission.
@@ -250,7 +299,12 @@ TEST_P(DeviceBankTest, DecodeStreamKeepsInvariantsAndMatchesReference) {
         << "table 0 must survive the reset of tables 1-2";
   }
   dev->FreeHost(items);
+  dev->FreeHost(items_r);
   dev->FreeHost(admit);
+  for (void* ptr : {static_cast<void*>(resolved), static_cast<void*>(first_d),
+                    static_cast<void*>(compact)}) {
+    dev->FreeDevice(ptr);
+  }
   for (void* ptr : {static_cast<void*>(dq), static_cast<void*>(doo), static_cast<void*>(dl),
                     static_cast<void*>(dob), static_cast<void*>(dlb),
                     static_cast<void*>(dpos), static_cast<void*>(dmiss), static_cast<void*>(stage)}) {
@@ -267,6 +321,142 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{BankMapKind::kHash, 700, 0, 333, true, "hash_odd"},
                       Case{BankMapKind::kHash, 256, 64, 200, false, "hash_full_map"}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// kResolved with a miss list far smaller than the misses: the listed misses come from the compact
+// stage, the rest (kResolvedFromStore) straight from the pinned store, hits from the bank; two
+// steps, so the second has hits from the first step's admissions.
+TEST(DeviceBankResolve, MissesPastTheListReadFromStore) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU";
+  auto dev = cuda::CudaDevice::Create(0).value();
+  constexpr int kTables = 2, kCtx = 1000, kSel = 300, kCap = 10;
+  std::mt19937 rng(77);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const size_t store_bytes = static_cast<size_t>(kTables) * kCtx * 2 * kRow;
+  auto* store = static_cast<uint16_t*>(dev->AllocHost(store_bytes).value());
+  for (size_t i = 0; i < store_bytes / 2; ++i) store[i] = cpu::F32ToBf16(nd(rng));
+  auto row_ptr = [&](int t, int32_t pos) {
+    return reinterpret_cast<const char*>(store) + ((static_cast<size_t>(t) * kCtx + pos) * 2) * kRow;
+  };
+  cuda::DeviceBankConfig c;
+  c.num_tables = kTables;
+  c.slots = 64;
+  c.max_positions = kCtx;
+  c.map = BankMapKind::kVector;
+  auto bank = cuda::DeviceBank::Create(dev.get(), c).value();
+  auto dalloc = [&](size_t bytes) { return dev->AllocDevice(bytes).value(); };
+  const size_t qn = static_cast<size_t>(kTables) * kGroup * kHd;
+  float* dq = static_cast<float*>(dalloc(qn * 4));
+  float* doo = static_cast<float*>(dalloc(qn * 4));
+  float* dl = static_cast<float*>(dalloc(kTables * kGroup * 4));
+  auto* dpos = static_cast<int32_t*>(dalloc(kTables * kSel * 4));
+  auto* dmiss = static_cast<int32_t*>(dalloc(kTables * (kCap + 1) * 4));
+  auto* resolved = static_cast<int32_t*>(dalloc(kTables * kSel * 4));
+  auto* first_d = static_cast<int32_t*>(dalloc(kTables * 4));
+  char* compact = static_cast<char*>(dalloc(static_cast<size_t>(kTables) * kCap * 2 * kRow));
+  ASSERT_EQ(cudaMemset(dmiss, 0, kTables * (kCap + 1) * 4), cudaSuccess);
+  auto* items = static_cast<cuda::BankAttnItem*>(
+      dev->AllocHost(kTables * sizeof(cuda::BankAttnItem)).value());
+  auto* admit = static_cast<cuda::BankAdmitItem*>(
+      dev->AllocHost(kTables * sizeof(cuda::BankAdmitItem)).value());
+  for (int t = 0; t < kTables; ++t) {
+    cuda::BankAttnItem it;
+    it.q = dq + t * kGroup * kHd;
+    it.o = doo + t * kGroup * kHd;
+    it.lse = dl + t * kGroup;
+    it.positions = dpos + t * kSel;
+    it.count = kSel;
+    it.store = row_ptr(t, 0);
+    it.store_stride = 2 * kRow;
+    it.stage = compact;
+    it.stage_first = first_d + t;
+    it.miss_list = dmiss + t * (kCap + 1);
+    it.miss_cap = kCap;
+    it.resolved = resolved + t * kSel;
+    bank->Describe(t, &it);
+    items[t] = it;
+    admit[t] = cuda::BankAdmitItem{t, kCap, it.positions, it.miss_list, compact, first_d + t};
+  }
+  AttnParams p;
+  p.group = kGroup;
+  p.head_dim = kHd;
+  p.kv_dtype = DType::kBF16;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(kHd));
+  std::vector<int32_t> flat(kTables * kSel);
+  for (auto& x : flat) x = static_cast<int32_t>(rng() % kCtx);
+  for (int step = 0; step < 2; ++step) {
+    std::vector<float> q(qn);
+    for (auto& x : q) x = nd(rng);
+    ASSERT_EQ(cudaMemcpy(dq, q.data(), qn * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dpos, flat.data(), flat.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemset(doo, 0xff, qn * 4), cudaSuccess);
+    ASSERT_TRUE(dev->ResolveBank(items, kTables, kSel, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<int32_t> ml(kTables * (kCap + 1)), res(kTables * kSel);
+    ASSERT_EQ(cudaMemcpy(ml.data(), dmiss, ml.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(res.data(), resolved, res.size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    std::vector<int32_t> first(kTables);
+    std::vector<char> block;
+    int from_store = 0, hits = 0;
+    for (int t = 0; t < kTables; ++t) {
+      first[t] = static_cast<int32_t>(block.size() / (2 * kRow));
+      const int32_t* m = ml.data() + t * (kCap + 1);
+      ASSERT_GT(m[0], kCap) << "the test needs more misses than the list holds";
+      for (int i = 0; i < kCap; ++i) {
+        const char* row = row_ptr(t, flat[t * kSel + m[1 + i]]);
+        block.insert(block.end(), row, row + 2 * kRow);
+      }
+      for (int j = 0; j < kSel; ++j) {
+        from_store += res[t * kSel + j] == cuda::kResolvedFromStore;
+        hits += res[t * kSel + j] >= 0;
+      }
+    }
+    EXPECT_GT(from_store, 0);
+    if (step == 1) EXPECT_GT(hits, 0) << "the first step's admissions must hit";
+    ASSERT_EQ(cudaMemcpy(first_d, first.data(), kTables * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(compact, block.data(), block.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_TRUE(dev->AttendBank(p, items, kTables, cuda::BankPass::kResolved, nullptr, kSel).ok());
+    ASSERT_TRUE(bank->Admit(admit, kTables, nullptr).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<float> o(qn), o_ref(qn), lse_ref(kTables * kGroup);
+    ASSERT_EQ(cudaMemcpy(o.data(), doo, qn * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int t = 0; t < kTables; ++t) {
+      std::vector<const void*> kr, vr;
+      for (int j = 0; j < kSel; ++j) {
+        kr.push_back(row_ptr(t, flat[t * kSel + j]));
+        vr.push_back(row_ptr(t, flat[t * kSel + j]) + kRow);
+      }
+      cpu::AttendRowsRef(p, RowAttnItem{q.data() + t * kGroup * kHd, o_ref.data() + t * kGroup * kHd,
+                                        lse_ref.data() + t * kGroup, kr.data(), vr.data(), kSel});
+    }
+    for (size_t i = 0; i < qn; ++i) {
+      ASSERT_NEAR(o[i], o_ref[i], 2e-3 + 2e-3 * std::abs(o_ref[i])) << "step " << step << " " << i;
+    }
+    // Banked rows equal their store rows (Admit read the compact block).
+    const std::vector<int32_t> spos = bank->SlotPositions(0).value();
+    std::vector<char> rows(static_cast<size_t>(c.slots) * 2 * kRow);
+    ASSERT_EQ(cudaMemcpy(rows.data(), bank->SlotK(0, 0), rows.size(), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    int banked = 0;
+    for (int s = 0; s < c.slots; ++s) {
+      if (spos[s] < 0) continue;
+      ++banked;
+      ASSERT_EQ(std::memcmp(rows.data() + static_cast<size_t>(s) * 2 * kRow, row_ptr(0, spos[s]),
+                            2 * kRow),
+                0);
+    }
+    EXPECT_GT(banked, 0);
+  }
+  dev->FreeHost(items);
+  dev->FreeHost(admit);
+  for (void* ptr : {static_cast<void*>(dq), static_cast<void*>(doo), static_cast<void*>(dl),
+                    static_cast<void*>(dpos), static_cast<void*>(dmiss),
+                    static_cast<void*>(resolved), static_cast<void*>(first_d),
+                    static_cast<void*>(compact)}) {
+    dev->FreeDevice(ptr);
+  }
+  dev->FreeHost(store);
+}
 
 TEST(DeviceBankErrors, BadConfigAndRanges) {
   if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU";

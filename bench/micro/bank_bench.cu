@@ -30,7 +30,8 @@
 // comparison measures). Reports the median step time, the ratio to all_gpu (graph) of the same
 // kind, hit rate, device page-table bytes, and the largest |o - o_all_gpu| of the last step's last
 // layer; table + JSON (argv[1], default bench/results/bank.json).
-// Usage: bank_bench [out.json] [--layers L] [--steps N] [--breakdown (per-launch times)]
+// Usage: bank_bench [out.json] [--layers L] [--steps N] [--churn F] [--batch B]
+//                   [--modes m1,m2 (all_gpu always runs)] [--breakdown (per-launch times)]
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -44,10 +45,13 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "cpu/pool.h"
 #include "gpu/cuda_device.h"
 #include "gpu/device_bank.h"
+#include "offload/host_gather.h"
 #include "offload/token_bank.h"
 
 using namespace kvferry;
@@ -92,7 +96,10 @@ constexpr int kMissCap = 512;  // misses recorded (and admitted) per table per s
 int main(int argc, char** argv) {
   std::string out_path = "bench/results/bank.json";
   int layers = 32, steps = 200;
+  double churn = 0.05;
   bool breakdown = false;
+  std::string only;  // ",mode,mode," to run only those (all_gpu always runs: it is the baseline)
+  std::vector<int> batches = {1, 8};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--layers") && i + 1 < argc) {
       layers = std::atoi(argv[++i]);
@@ -100,6 +107,12 @@ int main(int argc, char** argv) {
       breakdown = true;
     } else if (!std::strcmp(argv[i], "--steps") && i + 1 < argc) {
       steps = std::atoi(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--modes") && i + 1 < argc) {
+      only = std::string(",") + argv[++i] + ",";
+    } else if (!std::strcmp(argv[i], "--batch") && i + 1 < argc) {
+      batches = {std::atoi(argv[++i])};
+    } else if (!std::strcmp(argv[i], "--churn") && i + 1 < argc) {
+      churn = std::atof(argv[++i]);
     } else {
       out_path = argv[i];
     }
@@ -117,6 +130,15 @@ int main(int argc, char** argv) {
     join[l] = dev->CreateEvent().value();
   }
   EventHandle side_done = dev->CreateEvent().value();
+  // Host-staged modes: miss lists back on d2h, compact staging blocks over on h2d (copy engines).
+  StreamHandle d2h = dev->CreateStream().value();
+  StreamHandle h2d = dev->CreateStream().value();
+  EventHandle resolved_ev = dev->CreateEvent().value();
+  std::vector<EventHandle> list_ev(layers), stage_ev(layers);
+  for (int l = 0; l < layers; ++l) {
+    list_ev[l] = dev->CreateEvent().value();
+    stage_ev[l] = dev->CreateEvent().value();
+  }
   std::printf("device: %s\n", dev->name().c_str());
   // Dense weights of the model for the decode-step rows (skipped if they do not fit).
   cublasHandle_t cublas;
@@ -148,10 +170,15 @@ int main(int argc, char** argv) {
   }
 
   const int64_t ctx = 131072, k = 2048;
-  const double churn = 0.05;
   const int warmup = 30;
+  // The CPU pool of the host-staged modes (all cores of the GPU's node).
+  auto pool_r = cpu::CpuPool::Create(cpu::CpuPoolOptions{});
+  BENCH_CHECK(pool_r.status());
+  auto pool = std::move(pool_r).value();
+  std::printf("cpu pool: %s\n", pool->description().c_str());
   std::string json = "{\"device\": \"" + dev->name() + "\", \"ctx\": 131072, \"k\": 2048, " +
-                     "\"churn\": 0.05, \"slots\": 4096, \"layers\": " + std::to_string(layers) +
+                     "\"churn\": " + std::to_string(churn) + ", \"slots\": 4096, \"layers\": " +
+                     std::to_string(layers) +
                      ", \"kv_heads\": 8, \"group\": 4, \"head_dim\": 128, \"dtype\": \"bf16\", " +
                      "\"steps\": " + std::to_string(steps) + ", \"runs\": [";
   std::printf("layers %d, ctx %lld, k %lld, churn %.2f, slots %lld\n", layers,
@@ -160,27 +187,46 @@ int main(int argc, char** argv) {
   std::printf("\n%-6s %-13s %6s %6s %10s %10s %8s %9s %12s %10s\n", "batch", "mode", "graph",
               "model", "step us", "us/layer", "vs gpu", "hit rate", "map bytes", "max|do|");
   bool first = true;
-  for (int batch : {1, 8}) {
+  for (int batch : batches) {
     const int items = batch * kKvHeads;           // tables per layer
     const int64_t tables = static_cast<int64_t>(items) * layers;
-    const size_t kv_bytes = static_cast<size_t>(items) * ctx * 2 * kRowBytes;
-    // Host store and a device copy: row (item, pos) K at ((item * ctx + pos) * 2) * row, V next;
-    // every layer reads the same store (a layer's rows are far larger than the L2 either way).
+    // Host store and a device copy, as large as a real one where memory allows: every layer has
+    // its own region (a real store is per (sequence, layer, KV head)) up to 16 GiB, after which
+    // regions are reused (layer l reads region l % regions). Zero-copy reads slow down with the
+    // span of host memory they touch (address translation), so a store of one layer's size would
+    // flatter them. Row (region, item, pos): K at (((region * items + item) * ctx + pos) * 2) *
+    // row, V next.
+    const size_t layer_bytes = static_cast<size_t>(items) * ctx * 2 * kRowBytes;
+    const int regions =
+        std::max(1, std::min(layers, static_cast<int>((size_t{16} << 30) / layer_bytes)));
+    const size_t kv_bytes = layer_bytes * regions;
     char* host = static_cast<char*>(dev->AllocHost(kv_bytes).value());
     char* gpu = static_cast<char*>(dev->AllocDevice(kv_bytes).value());
     {
+      // A 64 MiB block of bf16 normals repeated over the store, written by 16 threads.
+      const size_t block = size_t{64} << 20;
+      std::vector<uint16_t> blk(block / 2);
       std::mt19937 rng(1);
       std::normal_distribution<float> nd(0.f, 1.f);
-      auto* h16 = reinterpret_cast<uint16_t*>(host);
-      for (size_t i = 0; i < kv_bytes / 2; i += 97) {  // piecewise-constant fill is enough here
-        float f = nd(rng);
+      for (auto& x : blk) {
+        const float f = nd(rng);
         uint32_t b;
         std::memcpy(&b, &f, 4);
-        for (size_t j = i; j < std::min(i + 97, kv_bytes / 2); ++j)
-          h16[j] = static_cast<uint16_t>(b >> 16);
+        x = static_cast<uint16_t>(b >> 16);
       }
+      std::vector<std::thread> fill;
+      for (int th = 0; th < 16; ++th) {
+        fill.emplace_back([&, th] {
+          for (size_t off = th * block; off < kv_bytes; off += 16 * block) {
+            std::memcpy(host + off, blk.data(), std::min(block, kv_bytes - off));
+          }
+        });
+      }
+      for (auto& th : fill) th.join();
       BENCH_CHECK(dev->CopyAsync(gpu, host, kv_bytes, s));
     }
+    std::printf("batch %d: store %.1f GiB (%d layer regions)\n", batch, kv_bytes / 1073741824.0,
+                regions);
     const size_t q_floats = static_cast<size_t>(items) * kGroup * kHeadDim;
     float* q = static_cast<float*>(dev->AllocDevice(q_floats * 4).value());
     float* o = static_cast<float*>(dev->AllocDevice(q_floats * 4 * layers).value());
@@ -214,6 +260,18 @@ int main(int argc, char** argv) {
         dev->AllocDevice(2 * tables * sizeof(cuda::BankAttnItem)).value());
     auto* admit_d = static_cast<cuda::BankAdmitItem*>(
         dev->AllocDevice(tables * sizeof(cuda::BankAdmitItem)).value());
+    // Host-staged modes: per-position resolutions, and per layer a compact staging block (a
+    // header of per-item first rows, then the rows) in pinned host memory and in device memory.
+    constexpr size_t kHdr = 1024;
+    if (static_cast<size_t>(items) * 4 > kHdr) {
+      std::fprintf(stderr, "batch %d: staging header too small\n", batch);
+      return 1;
+    }
+    const size_t cstage_bytes = kHdr + static_cast<size_t>(items) * kMissCap * 2 * kRowBytes;
+    auto* resolved_d = static_cast<int32_t*>(dev->AllocDevice(tables * k * 4).value());
+    char* cstage_d = static_cast<char*>(dev->AllocDevice(cstage_bytes * layers).value());
+    char* cstage_h = static_cast<char*>(dev->AllocHost(cstage_bytes * layers).value());
+    std::vector<RowCopy> grows(static_cast<size_t>(items) * kMissCap);
     AttnParams p;
     p.group = kGroup;
     p.head_dim = kHeadDim;
@@ -233,16 +291,22 @@ int main(int argc, char** argv) {
           Mode{"all_gpu", false, false},
           Mode{"vector_fused", true, false}, Mode{"hash_fused", true, false},
           Mode{"vector_prefetch", true, false}, Mode{"hash_prefetch", true, false},
+          Mode{"vector_staged", false, false}, Mode{"hash_staged", false, false},
           Mode{"vector_host", false, false}, Mode{"none", true, false},
           Mode{"all_gpu", true, true}, Mode{"vector_fused", true, true},
           Mode{"hash_fused", true, true}, Mode{"vector_prefetch", true, true},
-          Mode{"hash_prefetch", true, true}, Mode{"none", true, true}}) {
+          Mode{"hash_prefetch", true, true}, Mode{"vector_staged", false, true},
+          Mode{"hash_staged", false, true}, Mode{"none", true, true}}) {
       const std::string name = mode.name;
       const bool model = mode.model;
       if (model && weights == nullptr) continue;
+      if (!only.empty() && name != "all_gpu" && only.find("," + name + ",") == std::string::npos) {
+        continue;
+      }
       const bool fused = name == "vector_fused" || name == "hash_fused";
       const bool prefetch = name == "vector_prefetch" || name == "hash_prefetch";
-      const bool dbank = fused || prefetch;
+      const bool staged = name == "vector_staged" || name == "hash_staged";
+      const bool dbank = fused || prefetch || staged;
       const bool hbank = name == "vector_host";
       const char* store = name == "all_gpu" ? gpu : host;
       std::unique_ptr<cuda::DeviceBank> bank;
@@ -287,7 +351,7 @@ int main(int argc, char** argv) {
           it.lse = lse + (static_cast<size_t>(l) * items + i) * kGroup;
           it.positions = pos_d + t * k;
           it.count = static_cast<int32_t>(k);
-          it.store = store + static_cast<size_t>(i) * ctx * 2 * kRowBytes;
+          it.store = store + (static_cast<size_t>(l % regions) * items + i) * ctx * 2 * kRowBytes;
           it.store_stride = 2 * kRowBytes;
           if (bank) bank->Describe(static_cast<int>(t), &it);
           if (hb) {
@@ -299,12 +363,21 @@ int main(int argc, char** argv) {
           }
           char* st = stage[0] + (static_cast<size_t>(l) * stage_rows + i * k) * 2 * kRowBytes;
           int32_t* ml = miss_d[0] + t * (1 + kMissCap);
-          if (fused) {
-            it.stage = st;
+          // Host-staged: layer l's compact block; item i's first row in its header.
+          char* cst = cstage_d + static_cast<size_t>(l) * cstage_bytes;
+          const int32_t* first = reinterpret_cast<const int32_t*>(cst) + i;
+          if (fused || staged) {
+            it.stage = staged ? cst + kHdr : st;
             it.miss_list = ml;
             it.miss_cap = kMissCap;
           }
+          if (staged) {
+            it.resolved = resolved_d + t * k;
+            it.stage_first = first;
+          }
           ih[t] = it;
+          it.resolved = nullptr;
+          it.stage_first = nullptr;
           it.o = o_b + (static_cast<size_t>(l) * items + i) * kGroup * kHeadDim;
           it.lse = lse_b + (static_cast<size_t>(l) * items + i) * kGroup;
           it.ref_bits = nullptr;
@@ -316,7 +389,8 @@ int main(int argc, char** argv) {
           ah[t].miss_cap = kMissCap;
           ah[t].positions = it.positions;
           ah[t].miss_list = ml;
-          ah[t].stage = st;
+          ah[t].stage = staged ? cst + kHdr : st;
+          ah[t].stage_first = staged ? first : nullptr;
         }
       }
       BENCH_CHECK(dev->CopyAsync(items_d, ih.data(), ih.size() * sizeof(ih[0]), s));
@@ -339,9 +413,11 @@ int main(int argc, char** argv) {
                                CUDA_R_16BF, kk, act, CUDA_R_16BF, kk, &zero, out, CUDA_R_16BF, m,
                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
       };
-      auto model_layer = [&](int l) {
+      auto model_pre = [&](int l) {  // before the attention: QKV
+        gemm(weights + static_cast<size_t>(l) * kLayerWeightBytes, kQkv, kDim, act_out);
+      };
+      auto model_post = [&](int l) {  // after it: O, gate + up, down
         const char* w = weights + static_cast<size_t>(l) * kLayerWeightBytes;
-        gemm(w, kQkv, kDim, act_out);
         w += static_cast<size_t>(kQkv) * kDim * 2;
         gemm(w, kDim, kDim, act_out);
         w += static_cast<size_t>(kDim) * kDim * 2;
@@ -364,6 +440,7 @@ int main(int argc, char** argv) {
         }
         for (int l = 0; l < layers; ++l) {
           const cuda::BankAttnItem* li = items_d + static_cast<size_t>(l) * items;
+          if (model) model_pre(l);
           if (!dbank) {
             BENCH_CHECK(dev->AttendBank(
                 p, li, items,
@@ -382,7 +459,7 @@ int main(int argc, char** argv) {
                                       DType::kF32, s));
             admit_layer(l);
           }
-          if (model) model_layer(l);
+          if (model) model_post(l);
         }
         if (model) model_head();
         if (dbank) {  // the next step's reads of the bank wait for every admission
@@ -401,6 +478,8 @@ int main(int argc, char** argv) {
       std::vector<int32_t> mpos(kMissCap);
       std::vector<const void*> mk(kMissCap), mv(kMissCap);
       int64_t host_lookups = 0, host_misses = 0;
+      double host_us[3] = {0, 0, 0};  // staged: wait for lists, build row list, gather
+      int64_t host_rows = 0;
       int64_t dev_misses_before = 0;
       for (int step = 0; step < warmup + steps; ++step) {
         for (auto& v : sel) {
@@ -460,6 +539,64 @@ int main(int argc, char** argv) {
           }
           host_lookups += tables * k;
           BENCH_CHECK(hb->CommitAdmit());
+        } else if (staged) {
+          // Host-staged: the step's lookups in one launch; each layer's miss lists come back on
+          // d2h while the GPU works; the host gathers that layer's missed rows (CPU pool) into a
+          // compact pinned block and one copy on h2d carries it; the layer's kResolved launch
+          // waits for it and reads only device memory. No graph: host work sits between launches.
+          BENCH_CHECK(dev->CopyAsync(pos_d, pos_h, pos_bytes, s));
+          BENCH_CHECK(dev->ResolveBank(items_d, tables, k, s));
+          BENCH_CHECK(dev->RecordEvent(resolved_ev, s));
+          BENCH_CHECK(dev->WaitEvent(d2h, resolved_ev));
+          const size_t layer_ints = static_cast<size_t>(items) * (1 + kMissCap);
+          for (int l = 0; l < layers; ++l) {
+            BENCH_CHECK(dev->CopyAsync(miss_h[0] + l * layer_ints, miss_d[0] + l * layer_ints,
+                                       layer_ints * 4, d2h));
+            BENCH_CHECK(dev->RecordEvent(list_ev[l], d2h));
+          }
+          for (int l = 0; l < layers; ++l) {
+            if (model) model_pre(l);
+            const auto h0 = std::chrono::steady_clock::now();
+            CUDA_OK(cudaEventSynchronize(static_cast<cudaEvent_t>(list_ev[l])));
+            const auto h1 = std::chrono::steady_clock::now();
+            char* hs = cstage_h + static_cast<size_t>(l) * cstage_bytes;
+            auto* first = reinterpret_cast<int32_t*>(hs);
+            int64_t run = 0;
+            for (int i = 0; i < items; ++i) {
+              const int64_t t = static_cast<int64_t>(l) * items + i;
+              const int32_t* ml = miss_h[0] + t * (1 + kMissCap);
+              const int n = std::min(ml[0], kMissCap);
+              first[i] = static_cast<int32_t>(run);
+              const char* base =
+                  host + (static_cast<size_t>(l % regions) * items + i) * ctx * 2 * kRowBytes;
+              for (int e = 0; e < n; ++e) {
+                const int64_t pos = pos_h[t * k + ml[1 + e]];
+                grows[run + e] = RowCopy{hs + kHdr + (run + e) * 2 * kRowBytes,
+                                         base + pos * 2 * kRowBytes};
+              }
+              run += n;
+            }
+            const auto h2 = std::chrono::steady_clock::now();
+            GatherRowsHost(pool.get(), grows.data(), run, 2 * kRowBytes);
+            const auto h3 = std::chrono::steady_clock::now();
+            if (step >= warmup) {
+              host_us[0] += std::chrono::duration<double, std::micro>(h1 - h0).count();
+              host_us[1] += std::chrono::duration<double, std::micro>(h2 - h1).count();
+              host_us[2] += std::chrono::duration<double, std::micro>(h3 - h2).count();
+              host_rows += run;
+            }
+            BENCH_CHECK(dev->CopyAsync(cstage_d + static_cast<size_t>(l) * cstage_bytes, hs,
+                                       kHdr + run * 2 * kRowBytes, h2d));
+            BENCH_CHECK(dev->RecordEvent(stage_ev[l], h2d));
+            BENCH_CHECK(dev->WaitEvent(s, stage_ev[l]));
+            BENCH_CHECK(dev->AttendBank(p, items_d + static_cast<size_t>(l) * items, items,
+                                        cuda::BankPass::kResolved, s, k));
+            admit_layer(l);
+            if (model) model_post(l);
+          }
+          if (model) model_head();
+          BENCH_CHECK(dev->RecordEvent(side_done, side));
+          BENCH_CHECK(dev->WaitEvent(s, side_done));
         } else if (mode.graph) {
           if (graph_exec == nullptr && step == 1) {  // step 0 ran uncaptured (workspaces exist)
             cudaGraph_t graph;
@@ -483,6 +620,12 @@ int main(int argc, char** argv) {
       }
       CUDA_OK(cudaStreamSynchronize(static_cast<cudaStream_t>(side)));
       if (graph_exec != nullptr) CUDA_OK(cudaGraphExecDestroy(graph_exec));
+      if (staged) {
+        const double per = static_cast<double>(steps) * layers;
+        std::printf("  host us per layer: wait %.1f, list %.1f, gather %.1f (%.1f GB/s)\n",
+                    host_us[0] / per, host_us[1] / per, host_us[2] / per,
+                    host_rows * 2.0 * kRowBytes / (host_us[2] > 0 ? host_us[2] : 1) / 1e3);
+      }
       if (breakdown && !model && mode.graph) {
         // Each launch of a layer alone on one stream between events (no overlap): us per layer.
         std::vector<std::pair<std::string, double>> parts;
@@ -608,6 +751,9 @@ int main(int argc, char** argv) {
       dev->FreeDevice(ptr);
     }
     dev->FreeHost(pos_h);
+    dev->FreeHost(cstage_h);
+    dev->FreeDevice(cstage_d);
+    dev->FreeDevice(resolved_d);
     dev->FreeDevice(gpu);
     dev->FreeHost(host);
   }
@@ -623,6 +769,13 @@ int main(int argc, char** argv) {
   cublasDestroy(cublas);
   dev->FreeDevice(cublas_ws);
   dev->DestroyEvent(side_done);
+  dev->DestroyEvent(resolved_ev);
+  for (int l = 0; l < layers; ++l) {
+    dev->DestroyEvent(list_ev[l]);
+    dev->DestroyEvent(stage_ev[l]);
+  }
+  dev->DestroyStream(d2h);
+  dev->DestroyStream(h2d);
   dev->DestroyEvent(step_done);
   for (int l = 0; l < layers; ++l) {
     dev->DestroyEvent(fork[l]);
