@@ -1,7 +1,9 @@
 // Copyright kvferry authors. Apache-2.0.
 // cuda::DeviceBank (the device-resident token bank) on a decode stream: every step's attention,
-// alternately one kAll launch (hits from the bank, misses zero-copy from the pinned store) and
-// LaunchBankGather + kHits + kStaged merged by lse, against
+// in turn one kAll launch (hits from the bank, misses zero-copy from the pinned store),
+// LaunchBankGather + kHits + kStaged merged by lse, and the host-staged flow (LaunchBankResolve,
+// the per-position resolutions checked, the host writes the misses as one compact block, one
+// kResolved launch, Admit from the compact block), against
 // cpu::AttendRowsRef over all positions, the miss list against the device map before the step, and
 // after each Admit the bank's invariants read back from the device: slot -> position and the map
 // are inverse, no position twice, every banked row equals its store row, counters add up, and
