@@ -48,6 +48,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/lib/check.h"
 #include "cpu/pool.h"
 #include "gpu/cuda_device.h"
 #include "gpu/device_bank.h"
@@ -55,23 +56,6 @@
 #include "offload/token_bank.h"
 
 using namespace kvferry;
-
-#define BENCH_CHECK(expr)                                                             \
-  do {                                                                                \
-    auto s_ = (expr);                                                                 \
-    if (!s_.ok()) {                                                                   \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
-#define CUDA_OK(expr)                                                                          \
-  do {                                                                                         \
-    cudaError_t e_ = (expr);                                                                   \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
 
 #define CUBLAS_OK(expr)                                                      \
   do {                                                                       \

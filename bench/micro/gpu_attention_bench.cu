@@ -17,19 +17,11 @@
 #include <string>
 #include <vector>
 
+#include "bench/lib/check.h"
 #include "gpu/cuda_device.h"
 #include "offload/transfer.h"
 
 using namespace kvferry;
-
-#define BENCH_CHECK(expr)                                                          \
-  do {                                                                             \
-    auto s_ = (expr);                                                              \
-    if (!s_.ok()) {                                                                \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
 
 namespace {
 
