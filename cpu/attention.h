@@ -99,3 +99,12 @@ const char* OneDnnMatmulImplName(const AttnParams& p);
 void LimitOneDnnThreadsOnThisThread();
 
 }  // namespace kvferry::cpu
+
+namespace kvferry::cpu {
+
+/// The host implementation of one layer of a planned decode step (see DecodeStepArgs): append,
+/// attend and combine, serially, with the kernels above. The host-emulated device runs it, and it
+/// is the reference the CUDA DecodeStep is tested against.
+void DecodeStep(const DecodeStepArgs& args);
+
+}  // namespace kvferry::cpu

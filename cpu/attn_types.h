@@ -61,3 +61,132 @@ struct PagedAttnItem {
 };
 
 }  // namespace kvferry
+
+namespace kvferry {
+
+/// How a decode step's rows are chosen on the device (DecodeStepArgs::mode).
+enum class StepRowMode : int32_t {
+  /// The first min(sink, budget, n) positions and the most recent ones up to budget in all
+  /// (StreamingLLM); budget >= n is dense attention over every position.
+  kSinksAndRecent = 0,
+  /// The positions in list[item * list_cap ..], list_count[item] of them (a GPU selection).
+  kList = 1,
+};
+
+/// One layer of a planned decode step for a batch (the Runtime's run path), executed by
+/// Device::DecodeStep. Everything that changes from step to step (the sequences' slots and the new
+/// token's position at every layer) is read from device memory, so the same arguments serve every
+/// step of a batch and the launches can be captured in a CUDA graph. Item i = b * num_kv_heads + h.
+///
+/// Stages, in order on the stream: (1) append: k/v of token b are converted to the KV dtype and
+/// written to the host store (write-through) and to its resident row (sink or window ring); q is
+/// converted to fp32 into q_f32. (2) attend: each item attends its rows (resident rows from device
+/// memory, the others from the host store read zero-copy) split over CTAs. (3) combine: the splits
+/// and the optional CPU part (o_cpu, lse_cpu) merge exactly into out (out_dtype) and lse.
+struct DecodeStepArgs {
+  AttnParams params;
+  int32_t batch = 0;
+  int32_t num_kv_heads = 0;
+  int32_t num_layers = 0;
+  int32_t layer = 0;
+  int32_t sink = 0;
+  int32_t window = 1;
+  StepRowMode mode = StepRowMode::kSinksAndRecent;
+  /// Tokens attended per item (resident ones included) when mode is kSinksAndRecent:
+  /// budget_tokens if > 0, else ceil(budget_fraction * n); clamped to [1, budget_cap].
+  int64_t budget_tokens = 0;
+  double budget_fraction = 0.0;
+  int64_t budget_cap = 0;
+  /// Every attended row is resident (lets the CUDA kernel stream rows through shared memory).
+  bool all_resident = false;
+
+  const int32_t* slots = nullptr;      ///< [batch] sequence slots (device)
+  const int64_t* positions = nullptr;  ///< [batch * num_layers]: new token's position (device)
+
+  const void* q = nullptr;  ///< [batch, num_q_heads, head_dim], q_dtype
+  const void* k = nullptr;  ///< [batch, num_kv_heads, head_dim], k_dtype
+  const void* v = nullptr;  ///< [batch, num_kv_heads, head_dim], v_dtype
+  void* out = nullptr;      ///< [batch, num_q_heads, head_dim], out_dtype
+  DType q_dtype = DType::kF32;
+  DType k_dtype = DType::kF32;
+  DType v_dtype = DType::kF32;
+  DType out_dtype = DType::kF32;
+
+  /// Resident tier: item (slot, layer, h) owns rows_per_slot = sink + window K rows followed by as
+  /// many V rows at resident + ((slot * num_layers + layer) * num_kv_heads + h) * 2 *
+  /// rows_per_slot * row_bytes. Position p < sink is row p; a window position is row
+  /// sink + p % window.
+  char* resident = nullptr;
+  /// Host store page table (device-readable): entry ((slot * num_layers + layer) * num_kv_heads +
+  /// h) * max_pages + p is page p (see KvPages).
+  void* const* pages = nullptr;
+  int64_t max_pages = 0;
+  int32_t page_tokens = 256;
+
+  const int32_t* list = nullptr;        ///< kList: [batch * num_kv_heads, list_cap]
+  const int32_t* list_count = nullptr;  ///< kList: [batch * num_kv_heads]
+  int64_t list_cap = 0;
+
+  float* q_f32 = nullptr;  ///< scratch [batch, num_q_heads, head_dim]
+  float* lse = nullptr;    ///< [batch, num_q_heads] natural-log lse of the result (may be null)
+  const float* o_cpu = nullptr;    ///< optional CPU part [batch, num_q_heads, head_dim]
+  const float* lse_cpu = nullptr;  ///< its lse [batch, num_q_heads]; -inf where empty
+
+  /// CUDA: scratch for the split partial results, ws_floats floats (device memory owned by the
+  /// caller, so nothing is allocated while a graph is captured). Unused on the host.
+  float* ws = nullptr;
+  int64_t ws_floats = 0;
+  /// CUDA: the most rows an item attends in this call (sizes the split count; the kernels read
+  /// the true counts on the device). 0: unknown.
+  int64_t max_rows_hint = 0;
+};
+
+#if defined(__CUDACC__)
+#define KVF_HOST_DEVICE __host__ __device__
+#else
+#define KVF_HOST_DEVICE
+#endif
+
+/// Rows attended by an item with n positions under kSinksAndRecent: positions [0, sinks) and
+/// [recent_begin, n). Shared by the host reference, the runtime's stats and the CUDA kernels.
+struct StepRange {
+  int64_t sinks = 0;
+  int64_t recent_begin = 0;
+  int64_t count = 0;
+};
+
+/// Tokens an item with \p n positions attends (see DecodeStepArgs::budget_tokens).
+KVF_HOST_DEVICE inline int64_t StepBudget(int64_t budget_tokens, double budget_fraction,
+                                          int64_t budget_cap, int64_t n) {
+  int64_t b = budget_tokens;
+  if (b <= 0) {
+    const double x = budget_fraction * static_cast<double>(n);
+    b = static_cast<int64_t>(x);
+    if (static_cast<double>(b) < x) ++b;  // ceil
+  }
+  const int64_t hi = budget_cap > 1 ? budget_cap : 1;
+  return b < 1 ? 1 : (b > hi ? hi : b);
+}
+
+/// StreamingLLM's rows: the first min(sink, budget, n) positions and the most recent ones.
+KVF_HOST_DEVICE inline StepRange SinksAndRecent(int64_t n, int64_t sink, int64_t budget) {
+  StepRange r;
+  r.sinks = sink < budget ? sink : budget;
+  if (n < r.sinks) r.sinks = n;
+  const int64_t rest = n - (budget - r.sinks);
+  r.recent_begin = rest > r.sinks ? rest : r.sinks;
+  r.count = r.sinks + (n - r.recent_begin);
+  return r;
+}
+
+/// Resident row of position \p pos when n positions are stored: row pos for a sink, row
+/// sink + pos % window in the window ring, -1 when the row is only in the host store.
+KVF_HOST_DEVICE inline int64_t ResidentRowOf(int64_t pos, int64_t n, int32_t sink,
+                                             int32_t window) {
+  if (pos < sink) return pos;
+  if (pos >= n - window) return sink + static_cast<int64_t>(static_cast<uint32_t>(pos) %
+                                                            static_cast<uint32_t>(window));
+  return -1;
+}
+
+}  // namespace kvferry

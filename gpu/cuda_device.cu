@@ -305,6 +305,30 @@ Status CudaDevice::AttendPaged(const AttnParams& p, const PagedAttnItem* items, 
   return LaunchAttendPaged(p, items, num_items, info_, ws, s);
 }
 
+Status CudaDevice::DecodeStep(const DecodeStepArgs& args, StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  return LaunchDecodeStep(args, info_, Resolve(stream));
+}
+
+bool CudaDevice::IsCapturing(StreamHandle stream) const {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(Resolve(stream), &st) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return st != cudaStreamCaptureStatusNone;
+}
+
+bool CudaDevice::EventDone(EventHandle event) const {
+  if (event == nullptr) return true;
+  const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (e == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+
 Status CudaDevice::MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b,
                             int64_t rows, int head_dim, void* out, DType out_dtype,
                             StreamHandle stream) {

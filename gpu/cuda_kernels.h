@@ -123,6 +123,10 @@ Status LaunchBankGather(const AttnParams& p, const BankAttnItem* items, int64_t 
 Status LaunchBankResolve(const BankAttnItem* items, int64_t num_items, int64_t max_rows,
                          cudaStream_t stream);
 
+/// One layer of the Runtime's decode step (see DecodeStepArgs): append, attend, combine; three
+/// launches that read the step's slots and positions from device memory (graph-capturable).
+Status LaunchDecodeStep(const DecodeStepArgs& args, const LaunchInfo& info, cudaStream_t stream);
+
 /// rows[i].dst <- convert(rows[i].src), elems elements each; rows[] device-readable.
 Status LaunchCopyRows(const RowCopy* rows, int64_t num_rows, int elems, DType src_dtype,
                       DType dst_dtype, cudaStream_t stream);
@@ -141,5 +145,31 @@ size_t TopKWorkspaceBytes(int64_t rows, int64_t k);
 /// out: [rows, k] (k clamped to n; the row stride of out is k).
 Status LaunchTopK(const float* scores, int64_t n, int64_t ld, int64_t rows, int64_t k,
                   int32_t* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+/// Causal prefill attention of one (sequence, KV head) query block on tensor cores (see
+/// gpu/prefill.cuh). The group query heads of a token are rows of the same query tile, so they
+/// share every K/V tile load (GQA). All pointers device-readable; q, k, v 16-byte aligned with
+/// q_stride_tok and kv_stride multiples of 8 elements (cp.async moves 16-byte chunks); o aligned to
+/// two output elements.
+struct PrefillAttnItem {
+  const void* q = nullptr;   ///< [num_q, group, head_dim], dtype = kv dtype (bf16 or f16)
+  int64_t q_stride_tok = 0;  ///< elements between consecutive tokens of q and of o
+  void* o = nullptr;         ///< same layout and stride as q; dtype given by the launch
+  float* lse = nullptr;      ///< [num_q, group] natural-log lse, may be null
+  const void* k = nullptr;   ///< key row of position p at k + p * kv_stride elements
+  const void* v = nullptr;   ///< value rows, same stride
+  int64_t kv_stride = 0;     ///< elements between consecutive positions' rows
+  int64_t q_pos0 = 0;        ///< position of query 0; query t attends positions [0, q_pos0 + t]
+  int32_t num_q = 0;
+};
+
+/// Causal prefill attention (FlashAttention-2 style, mma.sync on tensor cores, fp32 accumulation):
+/// o normalised and lse (natural log) per (token, query head), mergeable exactly with
+/// LaunchMergeLse. head_dim 64/128/256; q_dtype must equal p.kv_dtype (bf16 or f16); out_dtype
+/// f32, bf16 or f16. \p max_num_q: the largest num_q of the items (sizes the grid). Reads only
+/// positions [0, q_pos0 + num_q) of each item's K/V. No workspace; never allocates.
+Status LaunchPrefillAttention(const AttnParams& p, DType q_dtype, DType out_dtype,
+                              const PrefillAttnItem* items, int64_t num_items, int32_t max_num_q,
+                              cudaStream_t stream);
 
 }  // namespace kvferry::cuda

@@ -70,6 +70,21 @@ class Device {
                             StreamHandle stream) = 0;
   virtual Status AttendPaged(const AttnParams& p, const PagedAttnItem* items, int64_t num_items,
                              StreamHandle stream) = 0;
+  /// One layer of a planned decode step (see DecodeStepArgs): append, attend, combine. Reads the
+  /// step's slots and positions from device memory, never allocates and never synchronises, so
+  /// it can be captured in a CUDA graph.
+  virtual Status DecodeStep(const DecodeStepArgs& args, StreamHandle stream) = 0;
+  /// Whether \p stream is being captured into a CUDA graph (always false on the host).
+  [[nodiscard]] virtual bool IsCapturing(StreamHandle stream) const {
+    (void)stream;
+    return false;
+  }
+  /// True if the event's work is complete (the host does not wait).
+  [[nodiscard]] virtual bool EventDone(EventHandle event) const {
+    (void)event;
+    return true;
+  }
+
   /// In-place exact merge (see cpu::MergeLseRef); o_b/lse_b may be null (nothing to merge), then
   /// writes out only. Finally converts o_a to \p out (rows x head_dim, out_dtype) if out != null.
   virtual Status MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b,

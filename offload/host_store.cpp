@@ -23,6 +23,7 @@ HostStore::HostStore(Device* device, const HostStoreShape& shape)
 HostStore::~HostStore() {
   for (void* c : chunks_) device_->FreeHost(c);
   if (table_ != nullptr) device_->FreeHost(table_);
+  if (table_dev_ != nullptr) device_->FreeDevice(table_dev_);
 }
 
 Status HostStore::Init() {
@@ -32,6 +33,11 @@ Status HostStore::Init() {
   KVF_ASSIGN_OR_RETURN(void* table, device_->AllocHost(static_cast<size_t>(table_bytes_)));
   table_ = static_cast<void**>(table);
   std::memset(table_, 0, static_cast<size_t>(table_bytes_));
+  KVF_ASSIGN_OR_RETURN(void* table_dev, device_->AllocDevice(static_cast<size_t>(table_bytes_)));
+  table_dev_ = static_cast<void**>(table_dev);
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(table_dev_, table_, static_cast<size_t>(table_bytes_),
+                                         device_->default_stream()));
+  KVF_RETURN_IF_ERROR(device_->SynchronizeStream(device_->default_stream()));
   pages_allocated_.assign(static_cast<size_t>(shape_.max_slots) * shape_.num_layers, 0);
   return Status::Ok();
 }
@@ -68,9 +74,21 @@ Status HostStore::Reserve(int slot, int layer, int64_t new_len) {
       table_[TableIndex(slot, layer, h, p)] = free_pages_.back();
       free_pages_.pop_back();
     }
+    dirty_.emplace_back(TableIndex(slot, layer, h, have), need - have);
   }
   pages_in_use_ += new_pages;
   have = need;
+  return Status::Ok();
+}
+
+Status HostStore::FlushTable(StreamHandle stream) {
+  // The pinned entries are not rewritten before the copy runs: only Release clears them, after
+  // the runtime has waited for its streams.
+  for (const auto& [first, count] : dirty_) {
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(table_dev_ + first, table_ + first,
+                                           static_cast<size_t>(count) * sizeof(void*), stream));
+  }
+  dirty_.clear();
   return Status::Ok();
 }
 

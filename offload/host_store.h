@@ -7,6 +7,7 @@
 // table that the GPU can read too.
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "cpu/attn_types.h"
@@ -42,6 +43,14 @@ class HostStore {
   /// Returns every page of \p slot to the free list.
   void Release(int slot);
 
+  /// The page table's copy in device memory, as KvPages::pages of (slot, layer, kv_head) at
+  /// device_table() + ((slot * num_layers + layer) * num_kv_heads + kv_head) * max_pages().
+  /// Entries that Reserve set since the last FlushTable reach it with FlushTable.
+  [[nodiscard]] void* const* device_table() const { return table_dev_; }
+  [[nodiscard]] int64_t max_pages() const { return max_pages_; }
+  /// Enqueues on \p stream the copies of the table entries Reserve set since the last call.
+  Status FlushTable(StreamHandle stream);
+
   [[nodiscard]] KvPages pages(int slot, int layer, int kv_head) const {
     return KvPages{table_ + TableIndex(slot, layer, kv_head, 0), shape_.page_tokens};
   }
@@ -73,6 +82,8 @@ class HostStore {
   int64_t page_bytes_;
   int64_t max_pages_;
   void** table_ = nullptr;
+  void** table_dev_ = nullptr;
+  std::vector<std::pair<int64_t, int64_t>> dirty_;  // table entries [first, first + count)
   int64_t table_bytes_ = 0;
   std::vector<int64_t> pages_allocated_;  // per (slot, layer): pages each KV head has
   std::vector<void*> free_pages_;

@@ -19,6 +19,7 @@ class DensePolicy final : public Policy {
   std::string_view name() const override { return "dense"; }
   Placement placement() const override { return Placement::kGpu; }
   bool is_dense() const override { return true; }
+  bool selects_sinks_and_recent() const override { return true; }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
     out.resize(static_cast<size_t>(ctx.n));
     for (int64_t i = 0; i < ctx.n; ++i) out[i] = static_cast<int32_t>(i);
@@ -30,6 +31,7 @@ class StreamingPolicy final : public Policy {
  public:
   std::string_view name() const override { return "streaming"; }
   Placement placement() const override { return Placement::kGpu; }
+  bool selects_sinks_and_recent() const override { return true; }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
     StreamingSelect(ctx.n, ctx.sink, ctx.budget, out);
     return Status::Ok();
@@ -50,10 +52,9 @@ class OraclePolicy final : public Policy {
 
 void StreamingSelect(int64_t n, int sink, int64_t budget, std::vector<int32_t>& out) {
   out.clear();
-  const int64_t sinks = std::min<int64_t>({sink, budget, n});
-  for (int64_t i = 0; i < sinks; ++i) out.push_back(static_cast<int32_t>(i));
-  const int64_t recent_begin = std::max(sinks, n - (budget - sinks));
-  for (int64_t i = recent_begin; i < n; ++i) out.push_back(static_cast<int32_t>(i));
+  const StepRange r = SinksAndRecent(n, sink, budget);
+  for (int64_t i = 0; i < r.sinks; ++i) out.push_back(static_cast<int32_t>(i));
+  for (int64_t i = r.recent_begin; i < n; ++i) out.push_back(static_cast<int32_t>(i));
 }
 
 void GroupAttentionWeights(const SelectContext& ctx, std::vector<float>& logits,

@@ -56,6 +56,11 @@ class Policy {
   [[nodiscard]] virtual Placement placement() const = 0;
   /// True if Select may return everything (dense); lets the runtime use its paged dense path.
   [[nodiscard]] virtual bool is_dense() const { return false; }
+  /// True if the selection is a function of the length alone: the sinks and the most recent
+  /// positions up to the budget (StreamingLLM; dense with an unbounded budget). The device then
+  /// computes it inside the step's kernels (StepRowMode::kSinksAndRecent), with no Select call,
+  /// which makes the step capture-safe.
+  [[nodiscard]] virtual bool selects_sinks_and_recent() const { return false; }
 
   /// True if OnPrefill reads the prompt's queries; only then does the runtime bring them to the
   /// host (a copy and a stream synchronisation per prefill chunk).
@@ -72,6 +77,14 @@ class Policy {
   /// The sequence in \p slot is gone: drop its state.
   virtual void OnSequenceRemoved(int slot) { (void)slot; }
 };
+
+/// Builds a policy from a configuration (its name is config.policy.name); bad parameters are
+/// kInvalidArgument.
+using PolicyFactory = Result<std::unique_ptr<Policy>> (*)(const RuntimeConfig& config);
+
+/// Adds \p name to the registry (extensions, tests). False if the name is taken or empty.
+/// Thread-safe; takes effect for Runtimes created afterwards.
+bool RegisterPolicy(std::string name, PolicyFactory factory);
 
 /// Builds the policy named in \p config.policy; unknown names or parameters are kInvalidArgument.
 Result<std::unique_ptr<Policy>> MakePolicy(const RuntimeConfig& config);

@@ -95,7 +95,9 @@ bool TensorView::is_contiguous() const {
 std::string Stats::ToJson() const {
   std::ostringstream os;
   os << "{\"prefill_tokens\":" << prefill_tokens << ",\"decode_steps\":" << decode_steps
-     << ",\"decode_tokens\":" << decode_tokens << ",\"bytes_h2d\":" << bytes_h2d
+     << ",\"decode_tokens\":" << decode_tokens << ",\"decode_planned\":" << decode_planned
+     << ",\"decode_plans\":" << decode_plans << ",\"host_syncs\":" << host_syncs
+     << ",\"bytes_h2d\":" << bytes_h2d
      << ",\"bytes_d2h\":" << bytes_d2h << ",\"rows_resident\":" << rows_resident
      << ",\"rows_bank_hit\":" << rows_bank_hit << ",\"rows_fetched\":" << rows_fetched
      << ",\"rows_cpu\":" << rows_cpu << ",\"rows_selected\":" << rows_selected

@@ -7,6 +7,7 @@
 
 #include "cpu/attention.h"
 #include "offload/transfer.h"
+#include "policies/basic.h"
 #include "runtime/check.h"
 #include "runtime/runtime_impl.h"
 
@@ -79,6 +80,7 @@ RuntimeImpl::~RuntimeImpl() {
   if (device_ == nullptr) return;
   device_->SynchronizeStream(stream_).IgnoreError();
   if (call_done_ != nullptr) device_->DestroyEvent(call_done_);
+  for (EventHandle e : plan_events_) device_->DestroyEvent(e);
   if (bank_ != nullptr) {
     device_->SynchronizeStream(side_stream_).IgnoreError();
     bank_.reset();
@@ -239,6 +241,7 @@ Status RuntimeImpl::Init() {
     KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(hkv * max_pages_) * sizeof(void*), false));
     prefill_pages_dev_ = static_cast<void**>(p);
   }
+  KVF_RETURN_IF_ERROR(InitStepBuffers());
   if (config_.probe_at_start) KVF_RETURN_IF_ERROR(ProbeCosts());
   selections_.resize(items);
   for (auto& s : selections_) s.reserve(static_cast<size_t>(item_cap_));
@@ -344,6 +347,7 @@ Status RuntimeImpl::AddSequence(SequenceId seq) {
 
 Status RuntimeImpl::RemoveSequence(SequenceId seq) {
   KVF_ASSIGN_OR_RETURN(int slot, SlotOf(seq));
+  RetirePlan();
   // In-flight work may read its rows: wait for the runtime's stream and for the last call, which
   // may have been issued on a caller's stream.
   KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
@@ -430,7 +434,8 @@ Result<const void*> RuntimeImpl::StageInput(const TensorView& t, void* staging, 
 Status RuntimeImpl::BeginCall() {
   // The descriptor buffers are single-buffered: the previous call's launches must have read them.
   // (Host-side selection synchronises every step anyway; double buffering would lift this.)
-  return device_->SynchronizeEvent(call_done_);
+  if (device_->EventDone(call_done_)) return Status::Ok();
+  return HostWaitEvent(call_done_);
 }
 
 Status RuntimeImpl::EndCall(StreamHandle stream) { return device_->RecordEvent(call_done_, stream); }
@@ -456,6 +461,7 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
                  StatusCode::kResourceExhausted, "sequence ", seq, " would hold ", new_len,
                  " tokens at layer ", layer, ", over max_tokens_per_sequence ",
                  config_.capacity.max_tokens_per_sequence);
+  RetirePlan();
   KVF_RETURN_IF_ERROR(store_->Reserve(slot, layer, new_len));
   if (stream == nullptr) stream = stream_;
 
@@ -571,12 +577,10 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   KVF_RETURN_IF_ERROR(CheckTensor(v, "v", batch, m.num_kv_heads));
   KVF_RETURN_IF_ERROR(CheckTensor(out, "out", batch, m.num_q_heads));
   std::vector<int>& slot_of = batch_slots_;  // thread_local would not reach the worker threads
-  slot_of.resize(static_cast<size_t>(batch));
+  KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
+  // Policies that select on the device run the planned step (runtime/decode_plan.cpp).
+  if (fast_path_) return RunDecodeStep(seqs, layer, q, k, v, out, stream);
   for (int64_t b = 0; b < batch; ++b) {
-    KVF_ASSIGN_OR_RETURN(slot_of[b], SlotOf(seqs[b]));
-    for (int64_t c = 0; c < b; ++c) {
-      KVF_CHECK_ARG(seqs[c] != seqs[b], "sequence ", seqs[b], " appears twice in one batch");
-    }
     const int64_t len = lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
     KVF_CHECK_CODE(len > 0, StatusCode::kFailedPrecondition, "sequence ", seqs[b],
                    " has no prefill at layer ", layer, ": decode before prefill");
@@ -628,7 +632,7 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
     const bool on_cpu = route == Route::kCpu;
     if (on_cpu) {
       KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, nq * 4, stream));
-      KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+      KVF_RETURN_IF_ERROR(HostWaitStream(stream));
     }
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t n = lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
@@ -672,7 +676,7 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   // 2 select: the policy runs on the host over the f32 queries.
   t0 = Clock::now();
   KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, nq * 4, stream));
-  KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+  KVF_RETURN_IF_ERROR(HostWaitStream(stream));
   stats_.bytes_d2h += nq * 4;
   pool_->ParallelFor(items, [&](int64_t i) {
     const int64_t b = i / hkv;
@@ -698,8 +702,9 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   });
   for (int64_t i = 0; i < items; ++i) {
     if (!item_status_[i].ok()) {
-      // The new token is stored; the step failed in the policy. Roll the length back so that the
-      // sequence is as before the call.
+      // The new token is stored; the step failed in the policy. Put back the window rows its
+      // append overwrote and roll the length back, so that the sequence is as before the call.
+      KVF_RETURN_IF_ERROR(RestoreEvictedRows(slot_of, layer, stream));
       for (int64_t b = 0; b < batch; ++b) --lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
       return item_status_[i];
     }
@@ -838,7 +843,7 @@ Status RuntimeImpl::WriteOutput(const float* o_b, const float* lse_b, int64_t ro
   }
   KVF_RETURN_IF_ERROR(EndCall(stream));
   // Host-memory outputs are complete when Decode returns.
-  if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+  if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(HostWaitStream(stream));
   return Status::Ok();
 }
 
@@ -853,6 +858,13 @@ Result<std::vector<int32_t>> RuntimeImpl::LastSelection(SequenceId seq, int laye
     std::vector<int32_t> all(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) all[i] = static_cast<int32_t>(i);
     return all;
+  }
+  if (fast_path_) {
+    // The device selected from the length alone: the same rows, recomputed.
+    const int64_t n = lengths_[static_cast<size_t>(slot) * config_.model.num_layers + layer];
+    std::vector<int32_t> sel;
+    if (n > 0) StreamingSelect(n, config_.tiers.sink_tokens, BudgetFor(n), sel);
+    return sel;
   }
   return last_selection_[(static_cast<size_t>(slot) * config_.model.num_layers + layer) *
                              config_.model.num_kv_heads + kv_head];
@@ -891,6 +903,10 @@ Status Runtime::Decode(std::span<const SequenceId> seqs, int layer, const Tensor
                        StreamHandle stream) {
   return impl_->Decode(seqs, layer, q, k, v, out, stream);
 }
+Status Runtime::PlanDecode(std::span<const SequenceId> seqs, StreamHandle stream) {
+  return impl_->PlanDecode(seqs, stream);
+}
+bool Runtime::decode_is_capture_safe() const { return impl_->decode_is_capture_safe(); }
 Result<std::vector<int32_t>> Runtime::LastSelection(SequenceId seq, int layer, int kv_head) const {
   return impl_->LastSelection(seq, layer, kv_head);
 }

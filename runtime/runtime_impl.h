@@ -38,6 +38,8 @@ class RuntimeImpl {
   Status Decode(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                 const TensorView& k, const TensorView& v, const TensorView& out,
                 StreamHandle stream);
+  Status PlanDecode(std::span<const SequenceId> seqs, StreamHandle stream);
+  bool decode_is_capture_safe() const { return fast_path_; }
   Result<std::vector<int32_t>> LastSelection(SequenceId seq, int layer, int kv_head) const;
   Status Synchronize() { return device_->SynchronizeStream(stream_); }
 
@@ -80,6 +82,34 @@ class RuntimeImpl {
   // Waits until the previous call's work no longer reads the descriptor buffers.
   Status BeginCall();
   Status EndCall(StreamHandle stream);
+  // ---- the planned decode step (runtime/decode_plan.cpp) ----
+  // A planned step: which sequences, where each layer's new token goes, which layers ran.
+  struct StepPlan {
+    bool active = false;
+    std::vector<SequenceId> seqs;
+    std::vector<int> slots;
+    std::vector<int64_t> positions;  // [b * num_layers + layer]
+    std::vector<uint8_t> layer_run;  // [layer]: Decode ran (or failed) for it
+  };
+  Status InitStepBuffers();
+  // Checks seqs and resolves their slots into \p slot_of (no state changes).
+  Status CheckBatch(std::span<const SequenceId> seqs, std::vector<int>& slot_of) const;
+  // Writes slots and positions to a pinned staging entry and copies them to device region
+  // \p region (0: explicit plans, 1: a Decode's own plan) on \p stream.
+  Status UploadPlan(int region, std::span<const int> slots, std::span<const int64_t> positions,
+                    StreamHandle stream);
+  // Rolls back the layers of plan_ that did not run, when some did (see PlanDecode).
+  void RetirePlan();
+  // The run: one layer of the step on the device.
+  Status RunDecodeStep(std::span<const SequenceId> seqs, int layer, const TensorView& q,
+                       const TensorView& k, const TensorView& v, const TensorView& out,
+                       StreamHandle stream);
+  // Puts back into the window ring the rows that a failed step's append overwrote.
+  Status RestoreEvictedRows(std::span<const int> slot_of, int layer, StreamHandle stream);
+  // Host waits inside Decode and PlanDecode, counted in Stats::host_syncs.
+  Status HostWaitStream(StreamHandle stream);
+  Status HostWaitEvent(EventHandle event);
+
   // Merges the CPU part (if any) into the GPU part and writes \p out in its dtype.
   Status WriteOutput(const float* o_b, const float* lse_b, int64_t rows, const TensorView& out,
                      StreamHandle stream);
@@ -149,6 +179,20 @@ class RuntimeImpl {
   std::vector<std::vector<int32_t>> misses_;     // per decode item: bank misses, then fetched
   std::vector<int> batch_slots_;
   Stats stats_;
+
+  // Planned decode step state.
+  bool fast_path_ = false;         // policy selects on the device, no bank, route gpu/auto
+  bool step_all_resident_ = false; // every row such a step attends is resident
+  StepPlan plan_;
+  int32_t* step_slots_dev_ = nullptr;  // device: [2 regions][max_batch]
+  int64_t* step_pos_dev_ = nullptr;    // device: [2 regions][max_batch * num_layers]
+  char* plan_stage_ = nullptr;         // pinned: [kPlanRing][plan_stage_bytes_]
+  size_t plan_stage_bytes_ = 0;
+  std::vector<EventHandle> plan_events_;
+  int plan_next_ = 0;
+  float* step_ws_ = nullptr;           // device: split partials of the step kernels
+  int64_t step_ws_floats_ = 0;
+  std::vector<int64_t> step_pos_scratch_;
 };
 
 }  // namespace kvferry::detail

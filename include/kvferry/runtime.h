@@ -59,6 +59,26 @@ class Runtime {
                 const TensorView& k, const TensorView& v, const TensorView& out,
                 StreamHandle stream = nullptr);
 
+  /// Whether this runtime's decode step runs without the host (device-side selection: see
+  /// PlanDecode), so that it can be captured in a CUDA graph.
+  [[nodiscard]] bool decode_is_capture_safe() const;
+
+  /// Plans one decode token step of \p seqs (FlashInfer's plan/run split): checks the batch,
+  /// reserves host-store pages for one more token at every layer, commits that token at every
+  /// layer and copies the step's positions into device memory, ordered on \p stream. The
+  /// Decode(seqs, layer, ...) calls of the step (one per layer, in any order) then only enqueue
+  /// kernels: no host synchronisation, no allocation, nothing the host writes for the call.
+  ///
+  /// Optional for plain use: a Decode without a matching plan plans itself (its layer only).
+  /// Required around CUDA graphs: capture PlanDecode's step outside the capture, capture the
+  /// Decode calls of every layer, and before each replay call PlanDecode(seqs, stream) again; the
+  /// replay then runs the planned step. Capture-safe policies (those whose selection runs on the
+  /// device: "dense", "streaming") with route gpu or auto and no token bank; the others need the
+  /// host inside the step and return kFailedPrecondition while capturing. A layer of a planned
+  /// step whose Decode fails, or that is not run before the next PlanDecode while other layers
+  /// were, is rolled back (its token uncommitted). Synchronise before RemoveSequence after replays.
+  Status PlanDecode(std::span<const SequenceId> seqs, StreamHandle stream = nullptr);
+
   /// Positions attended at the last Decode of (\p seq, \p layer, \p kv_head), ascending. For
   /// diagnostics and benchmarks; valid until the next Decode of that layer.
   [[nodiscard]] Result<std::vector<int32_t>> LastSelection(SequenceId seq, int layer,

@@ -14,6 +14,12 @@ struct Stats {
   int64_t prefill_tokens = 0;    ///< tokens prefilled, summed over layers
   int64_t decode_steps = 0;      ///< Decode calls (one layer of a batch each)
   int64_t decode_tokens = 0;     ///< sequence-layer decodes (batch size summed)
+  int64_t decode_planned = 0;    ///< Decode calls that ran a planned step (no host work but launches)
+  int64_t decode_plans = 0;      ///< plans built: PlanDecode calls and Decode calls that planned themselves
+  /// Times a Decode or PlanDecode call made the host wait for the device (stream or event
+  /// synchronisation). Zero in a steady planned step of a device-selecting policy with device
+  /// tensors.
+  int64_t host_syncs = 0;
 
   int64_t bytes_h2d = 0;         ///< host -> device: fetched KV rows, CPU results (o, lse)
   int64_t bytes_d2h = 0;         ///< device -> host: K/V write-through, q for the CPU route

@@ -82,6 +82,8 @@ class [[nodiscard]] Result {
   T* operator->() { return &std::get<T>(v_); }
   const T* operator->() const { return &std::get<T>(v_); }
   T& operator*() & { return std::get<T>(v_); }
+  const T& operator*() const& { return std::get<T>(v_); }
+  T&& operator*() && { return std::get<T>(std::move(v_)); }
 
  private:
   std::variant<T, Status> v_;

@@ -1,0 +1,114 @@
+// Copyright kvferry authors. Apache-2.0.
+// The host implementation of a planned decode step (DecodeStepArgs): what the host-emulated
+// device runs, stage by stage as the CUDA kernels do, so both backends execute the same plan.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu/attention.h"
+#include "cpu/dtype.h"
+#include "cpu/reference.h"
+
+namespace kvferry::cpu {
+namespace {
+
+struct ItemRows {
+  const char* resident_k;
+  size_t resident_v_offset;
+  const KvPages kv;
+};
+
+}  // namespace
+
+void DecodeStep(const DecodeStepArgs& a) {
+  const AttnParams& p = a.params;
+  const int hkv = a.num_kv_heads, d = p.head_dim, group = p.group;
+  const int64_t hq = static_cast<int64_t>(hkv) * group;
+  const size_t elem = DTypeSize(p.kv_dtype);
+  const size_t row_bytes = static_cast<size_t>(d) * elem;
+  const int64_t rows_per_slot = static_cast<int64_t>(a.sink) + a.window;
+
+  auto item_rows = [&](int slot, int h) {
+    const int64_t t = (static_cast<int64_t>(slot) * a.num_layers + a.layer) * hkv + h;
+    return ItemRows{a.resident + static_cast<size_t>(t * 2 * rows_per_slot) * row_bytes,
+                    static_cast<size_t>(rows_per_slot) * row_bytes,
+                    KvPages{a.pages + t * a.max_pages, a.page_tokens}};
+  };
+
+  // 1 append (all items first, as the CUDA append kernel completes before attention starts).
+  for (int32_t b = 0; b < a.batch; ++b) {
+    const int slot = a.slots[b];
+    const int64_t pos = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer];
+    const int64_t n = pos + 1;
+    ConvertSpan(a.q_f32 + b * hq * d, DType::kF32,
+                static_cast<const char*>(a.q) + b * hq * d * DTypeSize(a.q_dtype), a.q_dtype,
+                hq * d);
+    for (int h = 0; h < hkv; ++h) {
+      const ItemRows r = item_rows(slot, h);
+      const int64_t src = (static_cast<int64_t>(b) * hkv + h) * d;
+      const void* ks = static_cast<const char*>(a.k) + src * DTypeSize(a.k_dtype);
+      const void* vs = static_cast<const char*>(a.v) + src * DTypeSize(a.v_dtype);
+      ConvertSpan(const_cast<void*>(PagedKRow(r.kv, pos, d, elem)), p.kv_dtype, ks, a.k_dtype, d);
+      ConvertSpan(const_cast<void*>(PagedVRow(r.kv, pos, d, elem)), p.kv_dtype, vs, a.v_dtype, d);
+      const int64_t row = ResidentRowOf(pos, n, a.sink, a.window);
+      if (row >= 0) {
+        char* rk = const_cast<char*>(r.resident_k) + static_cast<size_t>(row) * row_bytes;
+        ConvertSpan(rk, p.kv_dtype, ks, a.k_dtype, d);
+        ConvertSpan(rk + r.resident_v_offset, p.kv_dtype, vs, a.v_dtype, d);
+      }
+    }
+  }
+
+  // 2 attend and 3 combine, item by item.
+  thread_local std::vector<const void*> k_rows, v_rows;
+  thread_local std::vector<float> o, lse;
+  o.resize(static_cast<size_t>(group) * d);
+  lse.resize(static_cast<size_t>(group));
+  for (int32_t b = 0; b < a.batch; ++b) {
+    const int slot = a.slots[b];
+    const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+    for (int h = 0; h < hkv; ++h) {
+      const int64_t item = static_cast<int64_t>(b) * hkv + h;
+      const ItemRows r = item_rows(slot, h);
+      int64_t count = 0;
+      StepRange range;
+      if (a.mode == StepRowMode::kList) {
+        count = a.list_count[item];
+      } else {
+        range = SinksAndRecent(n, a.sink, StepBudget(a.budget_tokens, a.budget_fraction,
+                                                     a.budget_cap, n));
+        count = range.count;
+      }
+      k_rows.resize(static_cast<size_t>(count));
+      v_rows.resize(static_cast<size_t>(count));
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t pos = a.mode == StepRowMode::kList
+                                ? a.list[item * a.list_cap + j]
+                                : (j < range.sinks ? j : range.recent_begin + (j - range.sinks));
+        const int64_t row = ResidentRowOf(pos, n, a.sink, a.window);
+        if (row >= 0) {
+          k_rows[j] = r.resident_k + static_cast<size_t>(row) * row_bytes;
+          v_rows[j] = r.resident_k + static_cast<size_t>(row) * row_bytes + r.resident_v_offset;
+        } else {
+          k_rows[j] = PagedKRow(r.kv, pos, d, elem);
+          v_rows[j] = PagedVRow(r.kv, pos, d, elem);
+        }
+      }
+      const float* q = a.q_f32 + b * hq * d + static_cast<int64_t>(h) * group * d;
+      const RowAttnItem it{q, o.data(), lse.data(), k_rows.data(), v_rows.data(),
+                           static_cast<int32_t>(count)};
+      AttendRows(p, &it, 1);
+      const int64_t row0 = b * hq + static_cast<int64_t>(h) * group;  // first query head's row
+      if (a.o_cpu != nullptr) {
+        MergeLseRef(o.data(), lse.data(), a.o_cpu + row0 * d, a.lse_cpu + row0, group, d);
+      }
+      ConvertSpan(static_cast<char*>(a.out) + row0 * d * DTypeSize(a.out_dtype), a.out_dtype,
+                  o.data(), DType::kF32, static_cast<int64_t>(group) * d);
+      if (a.lse != nullptr) {
+        for (int g = 0; g < group; ++g) a.lse[row0 + g] = lse[g];
+      }
+    }
+  }
+}
+
+}  // namespace kvferry::cpu

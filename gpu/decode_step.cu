@@ -1,0 +1,302 @@
+// Copyright kvferry authors. Apache-2.0.
+// The Runtime's decode step on the GPU (DecodeStepArgs): three launches per layer, none of which
+// reads anything the host wrote for this call. Append writes the new token through to the host
+// store and its resident row and converts q; attend runs the split decode kernel of attention.cuh
+// over a row source that turns a list index into a position and the position into an address
+// (resident tier or host store, read zero-copy); combine merges the splits, and the CPU part when
+// there is one, into the caller's output in its dtype.
+
+#include <algorithm>
+
+#include "gpu/attention.cuh"
+#include "gpu/cuda_check.h"
+#include "gpu/cuda_kernels.h"
+#include "gpu/dispatch.cuh"
+#include "runtime/check.h"
+
+namespace kvferry::cuda {
+namespace {
+
+__device__ __forceinline__ float LoadAs(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case DType::kF16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ void StoreAs(void* p, DType t, int64_t i, float x) {
+  switch (t) {
+    case DType::kBF16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); break;
+    case DType::kF16: static_cast<__half*>(p)[i] = __float2half_rn(x); break;
+    default: static_cast<float*>(p)[i] = x; break;
+  }
+}
+
+// Where one item's rows live.
+struct ItemPlace {
+  int64_t n;          // positions stored, the new token included
+  const char* res_k;  // resident K rows; V rows follow at res_v_off
+  const unsigned long long* pages;  // host-store page table of the item
+};
+
+__device__ __forceinline__ ItemPlace PlaceOf(const DecodeStepArgs& a, int32_t b, int32_t h) {
+  const int64_t slot = a.slots[b];
+  const int64_t t = (slot * a.num_layers + a.layer) * a.num_kv_heads + h;
+  const int64_t rows_per_slot = static_cast<int64_t>(a.sink) + a.window;
+  const size_t row_bytes = static_cast<size_t>(a.params.head_dim) * DTypeSize(a.params.kv_dtype);
+  ItemPlace p;
+  p.n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  p.res_k = a.resident + static_cast<size_t>(t * 2 * rows_per_slot) * row_bytes;
+  p.pages = reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages;
+  return p;
+}
+
+// (1) append: grid (batch, num_kv_heads).
+__global__ void StepAppendKernel(DecodeStepArgs a) {
+  const int32_t b = blockIdx.x, h = blockIdx.y;
+  const int d = a.params.head_dim, group = a.params.group;
+  const int64_t hq = static_cast<int64_t>(a.num_kv_heads) * group;
+  const ItemPlace pl = PlaceOf(a, b, h);
+  const int64_t pos = pl.n - 1;
+  const int64_t q0 = (b * hq + static_cast<int64_t>(h) * group) * d;
+  for (int i = threadIdx.x; i < group * d; i += blockDim.x) {
+    a.q_f32[q0 + i] = LoadAs(a.q, a.q_dtype, q0 + i);
+  }
+  const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(a.params.kv_dtype);
+  const uint32_t pt = static_cast<uint32_t>(a.page_tokens);
+  const uint32_t off = static_cast<uint32_t>(pos) % pt;
+  char* page = reinterpret_cast<char*>(pl.pages[static_cast<uint32_t>(pos) / pt]);
+  char* store_k = page + off * row_bytes;
+  char* store_v = page + (pt + off) * row_bytes;
+  const int64_t row = ResidentRowOf(pos, pl.n, a.sink, a.window);
+  char* res_k = row >= 0 ? const_cast<char*>(pl.res_k) + row * row_bytes : nullptr;
+  char* res_v = row >= 0 ? res_k + static_cast<size_t>(a.sink + a.window) * row_bytes : nullptr;
+  const int64_t src = (static_cast<int64_t>(b) * a.num_kv_heads + h) * d;
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    const float kx = LoadAs(a.k, a.k_dtype, src + i);
+    const float vx = LoadAs(a.v, a.v_dtype, src + i);
+    StoreAs(store_k, a.params.kv_dtype, i, kx);
+    StoreAs(store_v, a.params.kv_dtype, i, vx);
+    if (res_k != nullptr) {
+      StoreAs(res_k, a.params.kv_dtype, i, kx);
+      StoreAs(res_v, a.params.kv_dtype, i, vx);
+    }
+  }
+}
+
+// List index -> position -> row address: resident rows from device memory, the others from the
+// host store (zero-copy).
+struct StepRows {
+  const char* res_k;
+  const unsigned long long* pages;
+  const int32_t* list;  // kList, else null
+  int64_t n, sinks, recent_begin;
+  uint32_t res_v_off, row_bytes, page_tokens;
+  int32_t sink, window;
+  __device__ __forceinline__ void Rows(int64_t j, const char*& k, const char*& v) const {
+    const int64_t pos = list != nullptr ? list[j] : (j < sinks ? j : recent_begin + (j - sinks));
+    const int64_t row = ResidentRowOf(pos, n, sink, window);
+    if (row >= 0) {
+      k = res_k + static_cast<size_t>(row) * row_bytes;
+      v = k + res_v_off;
+    } else {
+      const uint32_t p = static_cast<uint32_t>(pos);
+      const uint32_t page = p / page_tokens;
+      const uint32_t off = p - page * page_tokens;
+      const char* base = reinterpret_cast<const char*>(__ldg(pages + page));
+      k = base + static_cast<size_t>(off) * row_bytes;
+      v = base + static_cast<size_t>(off + page_tokens) * row_bytes;
+    }
+  }
+};
+
+struct StepLaunch {
+  int32_t num_splits;
+  int32_t min_chunk;
+  float scale_log2;
+};
+
+// (2) attend: grid (items, splits, head chunks); partials to ws always (combine converts).
+template <int HD, typename T, int G, bool kPipe>
+__global__ void __launch_bounds__(kAttnThreads, kPipe && G <= 4 ? 3 : 1)
+    StepAttnKernel(DecodeStepArgs a, StepLaunch l) {
+  extern __shared__ __align__(16) float smem[];
+  float* warp_buf = smem;
+  float* red_o = warp_buf + kAttnWarps * G * (HD + 2);
+  float* red_m = red_o + G * HD;
+  float* red_l = red_m + G;
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const int group = a.params.group;
+  const int g0 = blockIdx.z * G;
+  const int gcount = min(G, group - g0);
+  const int split = blockIdx.y;
+  const ItemPlace pl = PlaceOf(a, b, h);
+
+  StepRows src;
+  src.res_k = pl.res_k;
+  src.pages = pl.pages;
+  src.n = pl.n;
+  src.sink = a.sink;
+  src.window = a.window;
+  src.row_bytes = HD * sizeof(T);
+  src.res_v_off = static_cast<uint32_t>((a.sink + a.window) * HD * sizeof(T));
+  src.page_tokens = static_cast<uint32_t>(a.page_tokens);
+  int64_t len;
+  if (a.mode == StepRowMode::kList) {
+    src.list = a.list + item * a.list_cap;
+    src.sinks = 0;
+    src.recent_begin = 0;
+    len = a.list_count[item];
+  } else {
+    src.list = nullptr;
+    const StepRange r =
+        SinksAndRecent(pl.n, a.sink, StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, pl.n));
+    src.sinks = r.sinks;
+    src.recent_begin = r.recent_begin;
+    len = r.count;
+  }
+
+  int64_t chunk = (len + l.num_splits - 1) / l.num_splits;
+  if (chunk < l.min_chunk) chunk = l.min_chunk;
+  if constexpr (kPipe) chunk = (chunk + kPipeTileRows<HD> - 1) / kPipeTileRows<HD> * kPipeTileRows<HD>;
+  const int64_t begin = chunk * split < len ? chunk * split : len;
+  const int64_t end = begin + chunk < len ? begin + chunk : len;
+  const size_t part = static_cast<size_t>(item) * l.num_splits + split;
+  float* ws_o = a.ws + (part * group + g0) * HD;
+  float* ws_lse = a.ws + static_cast<size_t>(gridDim.x) * l.num_splits * group * HD + part * group + g0;
+  if (begin >= end) {
+    for (int i = threadIdx.x; i < gcount * HD; i += blockDim.x) ws_o[i] = 0.0f;
+    if (threadIdx.x < gcount) ws_lse[threadIdx.x] = -INFINITY;
+    return;
+  }
+  const float* q = a.q_f32 + ((static_cast<int64_t>(b) * a.num_kv_heads + h) * group + g0) * HD;
+  if constexpr (kPipe) {
+    AttendRangePipelined<HD, T, G>(src, q, gcount, l.scale_log2, begin, end,
+                                   reinterpret_cast<char*>(smem), red_m, red_l, red_o, warp_buf);
+  } else {
+    AttendRange<HD, T, G>(src, q, gcount, l.scale_log2, begin, end, red_m, red_l, red_o, warp_buf);
+  }
+  WriteResult<HD, G>(red_m, red_l, red_o, gcount, ws_o, ws_lse);
+}
+
+// (3) combine: grid (items, group). Merges the splits and the optional CPU part; writes out in its
+// dtype and the lse.
+__global__ void __launch_bounds__(kAttnThreads) StepCombineKernel(DecodeStepArgs a, int32_t splits) {
+  __shared__ float w[kAttnThreads + 1];
+  __shared__ float red[kAttnWarps];
+  __shared__ float m_sh, sum_sh;
+  const int32_t item = blockIdx.x;
+  const int g = blockIdx.y;
+  const int group = a.params.group, d = a.params.head_dim;
+  const size_t items = gridDim.x;
+  const int64_t row = static_cast<int64_t>(item) * group + g;  // (b, h*G + g)
+  const int tid = threadIdx.x;
+  const size_t base = static_cast<size_t>(item) * splits;
+  const float* ws_lse = a.ws + items * splits * group * d;
+  // Entry `splits` is the CPU part.
+  float l = -INFINITY;
+  if (tid < splits) {
+    l = ws_lse[(base + tid) * group + g];
+  } else if (tid == splits && a.lse_cpu != nullptr) {
+    l = a.lse_cpu[row];
+  }
+  float m = l;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if ((tid & 31) == 0) red[tid >> 5] = m;
+  __syncthreads();
+  if (tid == 0) {
+    float mm = red[0];
+    for (int i = 1; i < kAttnWarps; ++i) mm = fmaxf(mm, red[i]);
+    m_sh = mm;
+  }
+  __syncthreads();
+  m = m_sh;
+  const float wt = (l == -INFINITY || m == -INFINITY) ? 0.0f : expf(l - m);
+  if (tid <= splits) w[tid] = wt;
+  float sum = wt;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  __syncthreads();
+  if ((tid & 31) == 0) red[tid >> 5] = sum;
+  __syncthreads();
+  if (tid == 0) {
+    float ss = 0.0f;
+    for (int i = 0; i < kAttnWarps; ++i) ss += red[i];
+    sum_sh = ss;
+  }
+  __syncthreads();
+  sum = sum_sh;
+  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+  const float* ws_o = a.ws + (base * group + g) * d;
+  const size_t ystride = static_cast<size_t>(group) * d;
+  const float* o_cpu = a.o_cpu != nullptr ? a.o_cpu + row * d : nullptr;
+  for (int i = tid; i < d; i += kAttnThreads) {
+    float acc = 0.0f;
+    for (int y = 0; y < splits; ++y) acc = fmaf(w[y], ws_o[y * ystride + i], acc);
+    if (o_cpu != nullptr) acc = fmaf(w[splits], o_cpu[i], acc);
+    StoreAs(a.out, a.out_dtype, row * d + i, acc * inv);
+  }
+  if (tid == 0 && a.lse != nullptr) a.lse[row] = m == -INFINITY ? -INFINITY : m + logf(sum);
+}
+
+template <int HD, typename T, int G, bool kPipe>
+Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
+  constexpr size_t kRed = (static_cast<size_t>(kAttnWarps) * G * (HD + 2) + G * HD + 2 * G) * sizeof(float);
+  const size_t smem = kPipe ? std::max(kRed, kPipeSmemBytes<HD, T>) : kRed;
+  KVF_ASSIGN_OR_RETURN(const int per_sm,
+                       (PrepareAttnKernel<StepAttnKernel<HD, T, G, kPipe>>(smem, "StepAttnKernel")));
+  const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
+  const int gz = (a.params.group + G - 1) / G;
+  const int64_t ctas = items * gz;
+  const int64_t slots = static_cast<int64_t>(info.num_sms) * (kPipe ? per_sm : 8);
+  StepLaunch l;
+  l.min_chunk = kPipe ? 4 * kPipeTileRows<HD> : info.min_chunk;
+  int64_t splits = kPipe ? std::max<int64_t>(slots / ctas, 1) : (slots + ctas - 1) / ctas;
+  if (a.max_rows_hint > 0) splits = std::min<int64_t>(splits, (a.max_rows_hint + l.min_chunk - 1) / l.min_chunk);
+  // The combine kernel keeps one split per thread, plus the CPU part.
+  splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(info.max_splits, kAttnThreads - 1));
+  const int64_t per_split = items * a.params.group * (HD + 1);
+  splits = std::max<int64_t>(1, std::min<int64_t>(splits, a.ws_floats / per_split));
+  KVF_CHECK_CODE(a.ws_floats >= per_split * splits, StatusCode::kInternal,
+                 "decode step workspace of ", a.ws_floats, " floats is too small");
+  l.num_splits = static_cast<int32_t>(splits);
+  l.scale_log2 = a.params.scale * kLog2e;
+
+  StepAppendKernel<<<dim3(a.batch, a.num_kv_heads), kAttnThreads, 0, stream>>>(a);
+  KVF_CUDA_CHECK_LAUNCH(StepAppendKernel);
+  const dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>(splits), static_cast<unsigned>(gz));
+  StepAttnKernel<HD, T, G, kPipe><<<grid, kAttnThreads, smem, stream>>>(a, l);
+  KVF_CUDA_CHECK_LAUNCH(StepAttnKernel);
+  StepCombineKernel<<<dim3(static_cast<unsigned>(items), a.params.group), kAttnThreads, 0, stream>>>(
+      a, l.num_splits);
+  KVF_CUDA_CHECK_LAUNCH(StepCombineKernel);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status LaunchDecodeStep(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
+  KVF_RETURN_IF_ERROR(CheckAttnShape(a.params));
+  if (a.batch == 0) return Status::Ok();
+  KVF_CHECK_ARG(a.ws != nullptr && a.slots != nullptr && a.positions != nullptr && a.pages != nullptr,
+                "decode step: null workspace, slots, positions or page table");
+  KVF_CHECK_ARG(a.mode != StepRowMode::kList || (a.list != nullptr && a.list_count != nullptr),
+                "decode step: list mode without a list");
+  KVF_CHECK_ARG(a.params.group <= 65535 && a.batch <= 65535, "decode step: group ", a.params.group,
+                " or batch ", a.batch, " too large");
+  return DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
+    return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
+      if (a.params.group <= 4) {
+        return a.all_resident ? LaunchStepG<HD, T, 4, true>(a, info, stream)
+                              : LaunchStepG<HD, T, 4, false>(a, info, stream);
+      }
+      return a.all_resident ? LaunchStepG<HD, T, 8, true>(a, info, stream)
+                            : LaunchStepG<HD, T, 8, false>(a, info, stream);
+    });
+  });
+}
+
+}  // namespace kvferry::cuda

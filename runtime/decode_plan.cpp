@@ -1,0 +1,340 @@
+// Copyright kvferry authors. Apache-2.0.
+// The planned decode step (plan / run, DESIGN.md): PlanDecode does the host work of a token step
+// once for all layers; each Decode of the step then enqueues the device's append, attend and
+// combine (Device::DecodeStep) and nothing else. Policies whose selection is a function of the
+// length (dense, streaming) run here; the others take the host path in runtime.cpp.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "runtime/check.h"
+#include "runtime/runtime_impl.h"
+
+namespace kvferry::detail {
+namespace {
+
+constexpr int kPlanRing = 16;       // pinned staging entries for plans in flight
+constexpr int kStepMaxSplits = 127;  // split partials per item the step workspace holds
+
+using Clock = std::chrono::steady_clock;
+double MsSince(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+}  // namespace
+
+Status RuntimeImpl::InitStepBuffers() {
+  const Capacity& cap = config_.capacity;
+  const ModelShape& m = config_.model;
+  fast_path_ = policy_->selects_sinks_and_recent() && bank_ == nullptr &&
+               config_.route != Route::kCpu;
+  const int64_t resident_rows = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
+  step_all_resident_ = policy_->is_dense() ? resident_rows >= cap.max_tokens_per_sequence
+                                           : item_cap_ <= resident_rows;
+  if (!fast_path_) return Status::Ok();
+  void* p = nullptr;
+  KVF_ASSIGN_OR_RETURN(p, Alloc(size_t{2} * cap.max_batch * sizeof(int32_t), false));
+  step_slots_dev_ = static_cast<int32_t*>(p);
+  const size_t positions = static_cast<size_t>(cap.max_batch) * m.num_layers;
+  KVF_ASSIGN_OR_RETURN(p, Alloc(2 * positions * sizeof(int64_t), false));
+  step_pos_dev_ = static_cast<int64_t*>(p);
+  plan_stage_bytes_ = AlignUp(static_cast<size_t>(cap.max_batch) * sizeof(int32_t), 64) +
+                      AlignUp(positions * sizeof(int64_t), 64);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(kPlanRing * plan_stage_bytes_, true));
+  plan_stage_ = static_cast<char*>(p);
+  for (int i = 0; i < kPlanRing; ++i) {
+    KVF_ASSIGN_OR_RETURN(EventHandle e, device_->CreateEvent());
+    plan_events_.push_back(e);
+  }
+  if (device_->backend() == Backend::kCuda) {
+    step_ws_floats_ = static_cast<int64_t>(cap.max_batch) * m.num_kv_heads * kStepMaxSplits *
+                      group_ * (m.head_dim + 1);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(step_ws_floats_) * sizeof(float), false));
+    step_ws_ = static_cast<float*>(p);
+  }
+  plan_.layer_run.assign(static_cast<size_t>(m.num_layers), 0);
+  return Status::Ok();
+}
+
+Status RuntimeImpl::HostWaitStream(StreamHandle stream) {
+  ++stats_.host_syncs;
+  return device_->SynchronizeStream(stream);
+}
+
+Status RuntimeImpl::HostWaitEvent(EventHandle event) {
+  ++stats_.host_syncs;
+  return device_->SynchronizeEvent(event);
+}
+
+Status RuntimeImpl::CheckBatch(std::span<const SequenceId> seqs, std::vector<int>& slot_of) const {
+  const int64_t batch = static_cast<int64_t>(seqs.size());
+  KVF_CHECK_ARG(batch >= 1 && batch <= config_.capacity.max_batch, "batch of ", batch,
+                " sequences out of range [1, max_batch=", config_.capacity.max_batch, "]");
+  slot_of.resize(static_cast<size_t>(batch));
+  for (int64_t b = 0; b < batch; ++b) {
+    KVF_ASSIGN_OR_RETURN(slot_of[b], SlotOf(seqs[b]));
+    for (int64_t c = 0; c < b; ++c) {
+      KVF_CHECK_ARG(seqs[c] != seqs[b], "sequence ", seqs[b], " appears twice in one batch");
+    }
+  }
+  return Status::Ok();
+}
+
+Status RuntimeImpl::UploadPlan(int region, std::span<const int> slots,
+                               std::span<const int64_t> positions, StreamHandle stream) {
+  // A staging entry is rewritten only after the copies that read it ran: kPlanRing plans back.
+  EventHandle done = plan_events_[plan_next_];
+  if (!device_->EventDone(done)) KVF_RETURN_IF_ERROR(HostWaitEvent(done));
+  char* entry = plan_stage_ + static_cast<size_t>(plan_next_) * plan_stage_bytes_;
+  auto* slots_host = reinterpret_cast<int32_t*>(entry);
+  auto* pos_host = reinterpret_cast<int64_t*>(
+      entry + AlignUp(static_cast<size_t>(config_.capacity.max_batch) * sizeof(int32_t), 64));
+  for (size_t b = 0; b < slots.size(); ++b) slots_host[b] = slots[b];
+  std::memcpy(pos_host, positions.data(), positions.size_bytes());
+  const size_t batch_cap = static_cast<size_t>(config_.capacity.max_batch);
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(step_slots_dev_ + region * batch_cap, slots_host,
+                                         slots.size() * sizeof(int32_t), stream));
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(
+      step_pos_dev_ + region * batch_cap * config_.model.num_layers, pos_host,
+      positions.size_bytes(), stream));
+  KVF_RETURN_IF_ERROR(device_->RecordEvent(done, stream));
+  plan_next_ = (plan_next_ + 1) % kPlanRing;
+  ++stats_.decode_plans;
+  return Status::Ok();
+}
+
+void RuntimeImpl::RetirePlan() {
+  if (!plan_.active) return;
+  plan_.active = false;
+  const bool any_run = std::any_of(plan_.layer_run.begin(), plan_.layer_run.end(),
+                                   [](uint8_t r) { return r != 0; });
+  // No layer ran on the host: the step was replayed from a CUDA graph (or will not run at all,
+  // which the API forbids). Some ran: the others never will, so their tokens are taken back.
+  if (!any_run) return;
+  const int layers = config_.model.num_layers;
+  for (int l = 0; l < layers; ++l) {
+    if (plan_.layer_run[l] != 0) continue;
+    for (int slot : plan_.slots) --lengths_[static_cast<size_t>(slot) * layers + l];
+  }
+}
+
+Status RuntimeImpl::PlanDecode(std::span<const SequenceId> seqs, StreamHandle stream) {
+  if (stream == nullptr) stream = stream_;
+  KVF_CHECK_CODE(!device_->IsCapturing(stream), StatusCode::kFailedPrecondition,
+                 "PlanDecode is called outside a CUDA graph capture (before capturing and "
+                 "before each replay)");
+  std::vector<int> slot_of;
+  KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
+  const int layers = config_.model.num_layers;
+  for (size_t b = 0; b < slot_of.size(); ++b) {
+    for (int l = 0; l < layers; ++l) {
+      const int64_t len = lengths_[static_cast<size_t>(slot_of[b]) * layers + l];
+      KVF_CHECK_CODE(len > 0, StatusCode::kFailedPrecondition, "sequence ", seqs[b],
+                     " has no prefill at layer ", l, ": decode before prefill");
+      KVF_CHECK_CODE(len + 1 <= config_.capacity.max_tokens_per_sequence,
+                     StatusCode::kResourceExhausted, "sequence ", seqs[b], " is full at layer ", l,
+                     " (max_tokens_per_sequence ", config_.capacity.max_tokens_per_sequence, ")");
+    }
+  }
+  // Policies that select on the host plan inside each Decode: nothing to do ahead.
+  if (!fast_path_) return Status::Ok();
+  const auto t0 = Clock::now();
+  RetirePlan();
+  for (size_t b = 0; b < slot_of.size(); ++b) {
+    for (int l = 0; l < layers; ++l) {
+      KVF_RETURN_IF_ERROR(store_->Reserve(slot_of[b], l,
+                                          lengths_[static_cast<size_t>(slot_of[b]) * layers + l] + 1));
+    }
+  }
+  KVF_RETURN_IF_ERROR(store_->FlushTable(stream));
+  plan_.positions.resize(slot_of.size() * layers);
+  for (size_t b = 0; b < slot_of.size(); ++b) {
+    std::copy_n(lengths_.begin() + static_cast<int64_t>(slot_of[b]) * layers, layers,
+                plan_.positions.begin() + static_cast<int64_t>(b) * layers);
+  }
+  KVF_RETURN_IF_ERROR(UploadPlan(0, slot_of, plan_.positions, stream));
+  // Committed: every layer's length includes the new token from here on.
+  for (int slot : slot_of) {
+    for (int l = 0; l < layers; ++l) ++lengths_[static_cast<size_t>(slot) * layers + l];
+  }
+  plan_.active = true;
+  plan_.seqs.assign(seqs.begin(), seqs.end());
+  plan_.slots = slot_of;
+  std::fill(plan_.layer_run.begin(), plan_.layer_run.end(), 0);
+  stats_.ms_append += MsSince(t0);
+  return Status::Ok();
+}
+
+Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, const TensorView& q,
+                                  const TensorView& k, const TensorView& v, const TensorView& out,
+                                  StreamHandle stream) {
+  const auto t0 = Clock::now();
+  const ModelShape& m = config_.model;
+  const int layers = m.num_layers;
+  const std::vector<int>& slot_of = batch_slots_;
+  const int64_t batch = static_cast<int64_t>(slot_of.size());
+  if (stream == nullptr) stream = stream_;
+  const bool capturing = device_->IsCapturing(stream);
+  KVF_CHECK_CODE(!capturing || (q.where == MemoryKind::kDevice && k.where == MemoryKind::kDevice &&
+                                v.where == MemoryKind::kDevice && out.where == MemoryKind::kDevice),
+                 StatusCode::kFailedPrecondition,
+                 "a Decode captured in a CUDA graph takes q, k, v and out in device memory");
+  const bool planned = plan_.active && plan_.layer_run[layer] == 0 &&
+                       std::equal(seqs.begin(), seqs.end(), plan_.seqs.begin(), plan_.seqs.end());
+  std::vector<int64_t>& pos = step_pos_scratch_;  // new token's position per b at this layer
+  pos.resize(static_cast<size_t>(batch));
+  int region = 0;
+  if (planned) {
+    for (int64_t b = 0; b < batch; ++b) pos[b] = plan_.positions[b * layers + layer];
+  } else {
+    KVF_CHECK_CODE(!capturing, StatusCode::kFailedPrecondition,
+                   "Decode of layer ", layer, " while capturing a CUDA graph needs a plan: call "
+                   "PlanDecode(seqs) before the capture");
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t len = lengths_[static_cast<size_t>(slot_of[b]) * layers + layer];
+      KVF_CHECK_CODE(len > 0, StatusCode::kFailedPrecondition, "sequence ", seqs[b],
+                     " has no prefill at layer ", layer, ": decode before prefill");
+      KVF_CHECK_CODE(len + 1 <= config_.capacity.max_tokens_per_sequence,
+                     StatusCode::kResourceExhausted, "sequence ", seqs[b], " is full at layer ",
+                     layer, " (max_tokens_per_sequence ", config_.capacity.max_tokens_per_sequence, ")");
+    }
+    for (int64_t b = 0; b < batch; ++b) {
+      KVF_RETURN_IF_ERROR(store_->Reserve(
+          slot_of[b], layer, lengths_[static_cast<size_t>(slot_of[b]) * layers + layer] + 1));
+    }
+    KVF_RETURN_IF_ERROR(store_->FlushTable(stream));
+    std::vector<int64_t> all(static_cast<size_t>(batch * layers));
+    for (int64_t b = 0; b < batch; ++b) {
+      std::copy_n(lengths_.begin() + static_cast<int64_t>(slot_of[b]) * layers, layers,
+                  all.begin() + b * layers);
+      pos[b] = all[b * layers + layer];
+    }
+    region = 1;
+    KVF_RETURN_IF_ERROR(UploadPlan(region, slot_of, all, stream));
+  }
+  // From here a failure takes this layer's token back (a planned layer committed it already).
+  auto uncommit = [&] {
+    if (!planned) return;
+    plan_.layer_run[layer] = 1;
+    for (int slot : slot_of) --lengths_[static_cast<size_t>(slot) * layers + layer];
+  };
+
+  Result<const void*> q_src = StageInput(q, q_in_, stream);
+  Result<const void*> k_src = q_src.ok() ? StageInput(k, k_in_, stream) : q_src;
+  Result<const void*> v_src = k_src.ok() ? StageInput(v, v_in_, stream) : k_src;
+  if (!v_src.ok()) {
+    uncommit();
+    return v_src.status();
+  }
+  const bool out_direct = out.where == MemoryKind::kDevice || device_->backend() == Backend::kHost;
+
+  DecodeStepArgs a;
+  a.params = AttnParams{group_, m.head_dim, m.kv_dtype, scale_};
+  a.batch = static_cast<int32_t>(batch);
+  a.num_kv_heads = m.num_kv_heads;
+  a.num_layers = layers;
+  a.layer = layer;
+  a.sink = config_.tiers.sink_tokens;
+  a.window = config_.tiers.window_tokens;
+  a.mode = StepRowMode::kSinksAndRecent;
+  if (policy_->is_dense()) {
+    a.budget_tokens = config_.capacity.max_tokens_per_sequence;
+    a.budget_cap = config_.capacity.max_tokens_per_sequence;
+  } else {
+    a.budget_tokens = config_.policy.budget_tokens;
+    a.budget_fraction = config_.policy.budget_fraction;
+    a.budget_cap = std::max<int64_t>(item_cap_, 1);
+  }
+  a.all_resident = step_all_resident_;
+  const size_t batch_cap = static_cast<size_t>(config_.capacity.max_batch);
+  a.slots = step_slots_dev_ + region * batch_cap;
+  a.positions = step_pos_dev_ + region * batch_cap * layers;
+  a.q = q_src.value();
+  a.k = k_src.value();
+  a.v = v_src.value();
+  a.out = out_direct ? out.data : out_stage_;
+  a.q_dtype = q.dtype;
+  a.k_dtype = k.dtype;
+  a.v_dtype = v.dtype;
+  a.out_dtype = out.dtype;
+  a.resident = resident_;
+  a.pages = store_->device_table();
+  a.max_pages = store_->max_pages();
+  a.page_tokens = store_->shape().page_tokens;
+  a.q_f32 = q_f32_;
+  a.lse = lse_gpu_;
+  a.ws = step_ws_;
+  a.ws_floats = step_ws_floats_;
+
+  // Rows each item attends, for the launch shape and the stats (the device recomputes them).
+  const int64_t window = config_.tiers.window_tokens;
+  int64_t max_rows = 0, resident = 0, fetched = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = pos[b] + 1;
+    const StepRange r = SinksAndRecent(
+        n, a.sink, StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n));
+    const int64_t res = r.sinks + (n - std::max(r.recent_begin, n - window));
+    max_rows = std::max(max_rows, r.count);
+    resident += res;
+    fetched += r.count - res;
+  }
+  a.max_rows_hint = max_rows;
+  stats_.ms_append += MsSince(t0);
+
+  const auto t1 = Clock::now();
+  Status st = device_->DecodeStep(a, stream);
+  if (st.ok() && !out_direct) {
+    const size_t bytes = static_cast<size_t>(out.numel()) * DTypeSize(out.dtype);
+    st = device_->CopyAsync(out.data, out_stage_, bytes, stream);
+  }
+  if (st.ok() && !capturing) st = device_->RecordEvent(call_done_, stream);
+  // Host-memory outputs are complete when Decode returns.
+  if (st.ok() && out.where == MemoryKind::kHost && device_->backend() == Backend::kCuda) {
+    st = HostWaitStream(stream);
+  }
+  if (!st.ok()) {
+    uncommit();
+    return st;
+  }
+  if (planned) {
+    plan_.layer_run[layer] = 1;
+  } else {
+    for (int slot : slot_of) ++lengths_[static_cast<size_t>(slot) * layers + layer];
+  }
+  const int64_t hkv = m.num_kv_heads;
+  stats_.ms_attend_gpu += MsSince(t1);
+  stats_.rows_resident += resident * hkv;
+  stats_.rows_fetched += fetched * hkv;
+  stats_.rows_selected += (resident + fetched) * hkv;
+  stats_.bytes_h2d += fetched * hkv * 2 * static_cast<int64_t>(row_bytes_);
+  stats_.bytes_d2h += batch * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
+  stats_.decode_steps += 1;
+  stats_.decode_tokens += batch;
+  stats_.decode_planned += planned ? 1 : 0;
+  return Status::Ok();
+}
+
+Status RuntimeImpl::RestoreEvictedRows(std::span<const int> slot_of, int layer,
+                                       StreamHandle stream) {
+  const ModelShape& m = config_.model;
+  const int sink = config_.tiers.sink_tokens, window = config_.tiers.window_tokens;
+  int64_t c = 0;
+  for (int slot : slot_of) {
+    const int64_t pos = lengths_[static_cast<size_t>(slot) * m.num_layers + layer] - 1;
+    const int64_t evicted = pos - window;
+    if (pos < sink || evicted < sink) continue;  // the append took no ring row from anyone
+    const int64_t row = sink + pos % window;
+    for (int h = 0; h < m.num_kv_heads; ++h) {
+      k_copies_[c] = RowCopy{ResidentK(slot, layer, h, row), store_->k_row(slot, layer, h, evicted)};
+      v_copies_[c++] = RowCopy{ResidentV(slot, layer, h, row), store_->v_row(slot, layer, h, evicted)};
+    }
+  }
+  if (c == 0) return Status::Ok();
+  KVF_RETURN_IF_ERROR(device_->CopyRows(k_copies_, c, m.head_dim, m.kv_dtype, m.kv_dtype, stream));
+  KVF_RETURN_IF_ERROR(device_->CopyRows(v_copies_, c, m.head_dim, m.kv_dtype, m.kv_dtype, stream));
+  return HostWaitStream(stream);
+}
+
+}  // namespace kvferry::detail

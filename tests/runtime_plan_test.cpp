@@ -1,0 +1,271 @@
+// Copyright kvferry authors. Apache-2.0.
+// The planned decode step (Runtime::PlanDecode + Decode) on the host-emulated device: a planned
+// step equals an unplanned one exactly, a partly run plan gives back the layers it did not run,
+// bad input to PlanDecode changes nothing, and a policy that fails after the append leaves every
+// sequence exactly as before the call (the window row the append overwrote is put back).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvferry/kvferry.h"
+#include "policies/basic.h"
+#include "policies/policy.h"
+
+namespace kvferry {
+namespace {
+
+RuntimeConfig PlanConfig(const std::string& policy, int layers) {
+  RuntimeConfig c;
+  c.model = {.num_layers = layers, .num_q_heads = 8, .num_kv_heads = 2, .head_dim = 32,
+             .kv_dtype = DType::kBF16};
+  c.capacity.max_sequences = 4;
+  c.capacity.max_tokens_per_sequence = 512;
+  c.capacity.max_batch = 3;
+  c.capacity.max_prefill_chunk = 256;
+  c.tiers.sink_tokens = 3;
+  c.tiers.window_tokens = 8;
+  c.policy.name = policy;
+  c.policy.budget_tokens = 24;
+  c.backend = Backend::kHost;
+  c.cpu_threads = 1;
+  c.probe_at_start = false;
+  return c;
+}
+
+// Feeds identical inputs to several runtimes.
+struct Feeder {
+  explicit Feeder(const RuntimeConfig& c, uint32_t seed) : c(c), rng(seed) {}
+  std::vector<float> Random(int64_t n) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (float& e : x) e = nd(rng);
+    return x;
+  }
+  TensorView View(std::vector<float>& x, int64_t rows, int heads) const {
+    return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost,
+                                  {rows, heads, c.model.head_dim});
+  }
+  void Prefill(std::vector<Runtime*> rts, SequenceId s, int64_t tokens) {
+    const ModelShape& m = c.model;
+    for (int l = 0; l < m.num_layers; ++l) {
+      auto q = Random(tokens * m.num_q_heads * m.head_dim);
+      auto k = Random(tokens * m.num_kv_heads * m.head_dim);
+      auto v = Random(tokens * m.num_kv_heads * m.head_dim);
+      std::vector<float> out(q.size());
+      for (Runtime* rt : rts) {
+        ASSERT_TRUE(rt->Prefill(s, l, View(q, tokens, m.num_q_heads), View(k, tokens, m.num_kv_heads),
+                                View(v, tokens, m.num_kv_heads), View(out, tokens, m.num_q_heads))
+                        .ok());
+      }
+    }
+  }
+  // One layer's decode inputs for a batch.
+  struct Step {
+    std::vector<float> q, k, v;
+  };
+  Step Make(int64_t batch) {
+    const ModelShape& m = c.model;
+    return Step{Random(batch * m.num_q_heads * m.head_dim), Random(batch * m.num_kv_heads * m.head_dim),
+                Random(batch * m.num_kv_heads * m.head_dim)};
+  }
+  Status Decode(Runtime& rt, const std::vector<SequenceId>& seqs, int layer, Step& s,
+                std::vector<float>& out) {
+    const ModelShape& m = c.model;
+    const int64_t b = static_cast<int64_t>(seqs.size());
+    out.assign(static_cast<size_t>(b * m.num_q_heads * m.head_dim), std::nanf(""));
+    return rt.Decode(seqs, layer, View(s.q, b, m.num_q_heads), View(s.k, b, m.num_kv_heads),
+                     View(s.v, b, m.num_kv_heads), View(out, b, m.num_q_heads));
+  }
+  RuntimeConfig c;
+  std::mt19937 rng;
+  std::normal_distribution<float> nd{0.0f, 1.0f};
+};
+
+std::unique_ptr<Runtime> Make(const RuntimeConfig& c) {
+  auto r = Runtime::Create(c);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  return r.ok() ? std::move(r).value() : nullptr;
+}
+
+double NormOf(const std::vector<float>& x) {
+  double s = 0;
+  for (float e : x) s += static_cast<double>(e) * e;
+  return std::sqrt(s);
+}
+
+class PlannedStep : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PlannedStep, EqualsUnplannedStepExactly) {
+  const RuntimeConfig c = PlanConfig(GetParam(), 3);
+  auto planned = Make(c), unplanned = Make(c);
+  ASSERT_TRUE(planned && unplanned);
+  EXPECT_TRUE(planned->decode_is_capture_safe());
+  Feeder f(c, 7);
+  const std::vector<SequenceId> seqs = {5, 9};
+  for (SequenceId s : seqs) {
+    ASSERT_TRUE(planned->AddSequence(s).ok());
+    ASSERT_TRUE(unplanned->AddSequence(s).ok());
+  }
+  f.Prefill({planned.get(), unplanned.get()}, 5, 37);
+  f.Prefill({planned.get(), unplanned.get()}, 9, 5);  // shorter than sinks + window
+  const int steps = 20;  // the window ring wraps; sequence 9 crosses sink + window
+  for (int t = 0; t < steps; ++t) {
+    ASSERT_TRUE(planned->PlanDecode(seqs).ok());
+    for (int l = 0; l < c.model.num_layers; ++l) {
+      Feeder::Step s = f.Make(2);
+      std::vector<float> a, b;
+      ASSERT_TRUE(f.Decode(*planned, seqs, l, s, a).ok());
+      ASSERT_TRUE(f.Decode(*unplanned, seqs, l, s, b).ok());
+      ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "step " << t << " layer " << l;
+      EXPECT_GT(NormOf(a), 0.0);
+    }
+  }
+  for (int l = 0; l < c.model.num_layers; ++l) {
+    EXPECT_EQ(*planned->SequenceLength(5, l), 37 + steps);
+    EXPECT_EQ(*planned->SequenceLength(9, l), 5 + steps);
+    auto sel = planned->LastSelection(5, l, 1);
+    ASSERT_TRUE(sel.ok());
+    std::vector<int32_t> want;
+    StreamingSelect(37 + steps, c.tiers.sink_tokens,
+                    GetParam() == "dense" ? 37 + steps : c.policy.budget_tokens, want);
+    EXPECT_EQ(*sel, want);
+  }
+  const Stats sp = planned->GetStats(), su = unplanned->GetStats();
+  EXPECT_EQ(sp.decode_planned, steps * c.model.num_layers);
+  EXPECT_EQ(su.decode_planned, 0);
+  EXPECT_EQ(sp.decode_plans, steps);
+  EXPECT_EQ(su.decode_plans, steps * c.model.num_layers);
+  EXPECT_EQ(sp.host_syncs, 0);
+  EXPECT_EQ(sp.rows_selected, su.rows_selected);
+  EXPECT_EQ(sp.rows_fetched, su.rows_fetched);
+  EXPECT_EQ(sp.rows_selected, sp.rows_resident + sp.rows_fetched);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, PlannedStep, ::testing::Values("dense", "streaming"));
+
+TEST(PlannedStep, PartlyRunPlanGivesBackTheLayersItDidNotRun) {
+  const RuntimeConfig c = PlanConfig("streaming", 3);
+  auto rt = Make(c), twin = Make(c);
+  Feeder f(c, 11);
+  const std::vector<SequenceId> seqs = {1};
+  ASSERT_TRUE(rt->AddSequence(1).ok());
+  ASSERT_TRUE(twin->AddSequence(1).ok());
+  f.Prefill({rt.get(), twin.get()}, 1, 30);
+  ASSERT_TRUE(rt->PlanDecode(seqs).ok());
+  for (int l = 0; l < 3; ++l) EXPECT_EQ(*rt->SequenceLength(1, l), 31);  // committed
+  Feeder::Step s0 = f.Make(1);
+  std::vector<float> a, b;
+  ASSERT_TRUE(f.Decode(*rt, seqs, 0, s0, a).ok());
+  ASSERT_TRUE(f.Decode(*twin, seqs, 0, s0, b).ok());
+  // The engine gave up on layers 1 and 2 of that step: the next plan takes their tokens back.
+  ASSERT_TRUE(rt->PlanDecode(seqs).ok());
+  EXPECT_EQ(*rt->SequenceLength(1, 0), 32);
+  EXPECT_EQ(*rt->SequenceLength(1, 1), 31);
+  EXPECT_EQ(*rt->SequenceLength(1, 2), 31);
+  for (int l = 0; l < 3; ++l) {
+    Feeder::Step s = f.Make(1);
+    ASSERT_TRUE(f.Decode(*rt, seqs, l, s, a).ok());
+    ASSERT_TRUE(f.Decode(*twin, seqs, l, s, b).ok());
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "layer " << l;
+  }
+}
+
+TEST(PlannedStep, BadPlansChangeNothing) {
+  const RuntimeConfig c = PlanConfig("streaming", 2);
+  auto rt = Make(c);
+  Feeder f(c, 3);
+  ASSERT_TRUE(rt->AddSequence(1).ok());
+  ASSERT_TRUE(rt->AddSequence(2).ok());
+  f.Prefill({rt.get()}, 1, 20);
+  const std::vector<SequenceId> unknown = {1, 77}, twice = {1, 1}, unprefilled = {1, 2},
+                                too_many = {1, 2, 3, 4};
+  EXPECT_EQ(rt->PlanDecode(unknown).code(), StatusCode::kNotFound);
+  EXPECT_EQ(rt->PlanDecode(twice).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(rt->PlanDecode(unprefilled).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(rt->PlanDecode(too_many).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(rt->PlanDecode({}).code(), StatusCode::kInvalidArgument);
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(*rt->SequenceLength(1, l), 20);
+    EXPECT_EQ(*rt->SequenceLength(2, l), 0);
+  }
+  // A planned Decode with a bad tensor fails and takes that layer's token back.
+  const std::vector<SequenceId> one = {1};
+  ASSERT_TRUE(rt->PlanDecode(one).ok());
+  Feeder::Step s = f.Make(1);
+  std::vector<float> out(8);  // wrong shape
+  EXPECT_EQ(rt->Decode(one, 0, f.View(s.q, 1, 8), f.View(s.k, 1, 2), f.View(s.v, 1, 2),
+                       f.View(out, 1, 2)).code(),
+            StatusCode::kInvalidArgument);
+  std::vector<float> good;
+  ASSERT_TRUE(f.Decode(*rt, one, 1, s, good).ok());
+  ASSERT_TRUE(f.Decode(*rt, one, 0, s, good).ok());  // unplanned now: appends at 20
+  EXPECT_EQ(*rt->SequenceLength(1, 0), 21);
+  EXPECT_EQ(*rt->SequenceLength(1, 1), 21);
+}
+
+// A CPU-placed policy that selects like streaming but fails while the switch is on.
+std::atomic<bool> g_fail{false};
+
+class FailingPolicy final : public Policy {
+ public:
+  std::string_view name() const override { return "test_failing"; }
+  Placement placement() const override { return Placement::kCpu; }
+  Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
+    if (g_fail.load()) return Internal("test_failing: injected failure");
+    StreamingSelect(ctx.n, ctx.sink, ctx.budget, out);
+    return Status::Ok();
+  }
+};
+
+Result<std::unique_ptr<Policy>> MakeFailing(const RuntimeConfig&) {
+  return std::unique_ptr<Policy>(new FailingPolicy());
+}
+
+TEST(FailingPolicy, LeavesEverySequenceAsBeforeTheCall) {
+  static const bool registered = RegisterPolicy("test_failing", MakeFailing);
+  (void)registered;
+  EXPECT_FALSE(RegisterPolicy("streaming", MakeFailing));  // names are unique
+  RuntimeConfig c = PlanConfig("test_failing", 1);
+  c.policy.budget_tokens = 16;  // larger than sinks + window: host rows are read too
+  auto rt = Make(c), twin = Make(c);
+  ASSERT_TRUE(rt && twin);
+  EXPECT_FALSE(rt->decode_is_capture_safe());
+  Feeder f(c, 5);
+  const std::vector<SequenceId> both = {1, 2};
+  for (SequenceId s : both) {
+    ASSERT_TRUE(rt->AddSequence(s).ok());
+    ASSERT_TRUE(twin->AddSequence(s).ok());
+  }
+  f.Prefill({rt.get(), twin.get()}, 1, 40);
+  f.Prefill({rt.get(), twin.get()}, 2, 23);
+  std::vector<float> a, b;
+  for (int t = 0; t < 3; ++t) {
+    Feeder::Step s = f.Make(2);
+    ASSERT_TRUE(f.Decode(*rt, both, 0, s, a).ok());
+    ASSERT_TRUE(f.Decode(*twin, both, 0, s, b).ok());
+  }
+  // The failing call: only rt sees it.
+  g_fail = true;
+  Feeder::Step bad = f.Make(2);
+  const Status st = f.Decode(*rt, both, 0, bad, a);
+  g_fail = false;
+  EXPECT_EQ(st.code(), StatusCode::kInternal);
+  EXPECT_EQ(*rt->SequenceLength(1, 0), 43);
+  EXPECT_EQ(*rt->SequenceLength(2, 0), 26);
+  // Every later step attends the window rows the failed append had overwritten: outputs must
+  // equal the twin's exactly.
+  for (int t = 0; t < 10; ++t) {
+    Feeder::Step s = f.Make(2);
+    ASSERT_TRUE(f.Decode(*rt, both, 0, s, a).ok());
+    ASSERT_TRUE(f.Decode(*twin, both, 0, s, b).ok());
+    ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "step " << t;
+  }
+}
+
+}  // namespace
+}  // namespace kvferry
