@@ -563,6 +563,43 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   return Status::Ok();
 }
 
+Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const TensorView& v,
+                           StreamHandle stream) {
+  const auto t0 = Clock::now();
+  const ModelShape& m = config_.model;
+  KVF_RETURN_IF_ERROR(CheckLayer(layer));
+  KVF_ASSIGN_OR_RETURN(int slot, SlotOf(seq));
+  KVF_CHECK_ARG(k.ndim == 3 && k.shape[0] >= 1, "k must be [T, ", m.num_kv_heads, ", ",
+                m.head_dim, "] with T >= 1");
+  const int64_t tokens = k.shape[0];
+  KVF_CHECK_ARG(tokens <= config_.capacity.max_prefill_chunk, "append of ", tokens,
+                " tokens exceeds max_prefill_chunk ", config_.capacity.max_prefill_chunk);
+  KVF_RETURN_IF_ERROR(CheckTensor(k, "k", tokens, m.num_kv_heads));
+  KVF_RETURN_IF_ERROR(CheckTensor(v, "v", tokens, m.num_kv_heads));
+  int64_t& len = lengths_[static_cast<size_t>(slot) * m.num_layers + layer];
+  const int64_t new_len = len + tokens;
+  KVF_CHECK_CODE(new_len <= config_.capacity.max_tokens_per_sequence,
+                 StatusCode::kResourceExhausted, "sequence ", seq, " would hold ", new_len,
+                 " tokens at layer ", layer, ", over max_tokens_per_sequence ",
+                 config_.capacity.max_tokens_per_sequence);
+  RetirePlan();
+  KVF_RETURN_IF_ERROR(store_->Reserve(slot, layer, new_len));
+  if (stream == nullptr) stream = stream_;
+  KVF_RETURN_IF_ERROR(BeginCall());
+  KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, k_in_, stream));
+  KVF_ASSIGN_OR_RETURN(const void* v_src, StageInput(v, v_in_, stream));
+  const int64_t n_copies = PlanAppend(slot, layer, len, tokens, new_len, k_src, DTypeSize(k.dtype),
+                                      v_src, DTypeSize(v.dtype), 0, k_copies_, v_copies_);
+  KVF_RETURN_IF_ERROR(device_->CopyRows(k_copies_, n_copies, m.head_dim, k.dtype, m.kv_dtype, stream));
+  KVF_RETURN_IF_ERROR(device_->CopyRows(v_copies_, n_copies, m.head_dim, v.dtype, m.kv_dtype, stream));
+  KVF_RETURN_IF_ERROR(EndCall(stream));
+  stats_.bytes_d2h += tokens * m.num_kv_heads * 2 * static_cast<int64_t>(row_bytes_);
+  len = new_len;
+  stats_.prefill_tokens += tokens;
+  stats_.ms_prefill += MsSince(t0);
+  return Status::Ok();
+}
+
 Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                            const TensorView& k, const TensorView& v, const TensorView& out,
                            StreamHandle stream) {
@@ -902,6 +939,10 @@ Status Runtime::Decode(std::span<const SequenceId> seqs, int layer, const Tensor
                        const TensorView& k, const TensorView& v, const TensorView& out,
                        StreamHandle stream) {
   return impl_->Decode(seqs, layer, q, k, v, out, stream);
+}
+Status Runtime::Append(SequenceId seq, int layer, const TensorView& k, const TensorView& v,
+                       StreamHandle stream) {
+  return impl_->Append(seq, layer, k, v, stream);
 }
 Status Runtime::PlanDecode(std::span<const SequenceId> seqs, StreamHandle stream) {
   return impl_->PlanDecode(seqs, stream);

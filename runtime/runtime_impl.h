@@ -39,6 +39,8 @@ class RuntimeImpl {
                 const TensorView& k, const TensorView& v, const TensorView& out,
                 StreamHandle stream);
   Status PlanDecode(std::span<const SequenceId> seqs, StreamHandle stream);
+  Status Append(SequenceId seq, int layer, const TensorView& k, const TensorView& v,
+                StreamHandle stream);
   bool decode_is_capture_safe() const { return fast_path_; }
   Result<std::vector<int32_t>> LastSelection(SequenceId seq, int layer, int kv_head) const;
   Status Synchronize() { return device_->SynchronizeStream(stream_); }

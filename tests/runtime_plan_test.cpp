@@ -208,6 +208,46 @@ TEST(PlannedStep, BadPlansChangeNothing) {
   EXPECT_EQ(*rt->SequenceLength(1, 1), 21);
 }
 
+TEST(Append, StoresWhatPrefillStoresWithoutAttention) {
+  for (const char* policy : {"dense", "streaming", "oracle"}) {
+    const RuntimeConfig c = PlanConfig(policy, 2);
+    auto appended = Make(c), prefilled = Make(c);
+    Feeder f(c, 21);
+    const ModelShape& m = c.model;
+    const std::vector<SequenceId> one = {4};
+    ASSERT_TRUE(appended->AddSequence(4).ok());
+    ASSERT_TRUE(prefilled->AddSequence(4).ok());
+    const int64_t t = 45;
+    for (int l = 0; l < m.num_layers; ++l) {
+      auto q = f.Random(t * m.num_q_heads * m.head_dim);
+      auto k = f.Random(t * m.num_kv_heads * m.head_dim), v = f.Random(t * m.num_kv_heads * m.head_dim);
+      std::vector<float> out(q.size());
+      ASSERT_TRUE(appended->Append(4, l, f.View(k, t, m.num_kv_heads), f.View(v, t, m.num_kv_heads)).ok());
+      ASSERT_TRUE(prefilled->Prefill(4, l, f.View(q, t, m.num_q_heads), f.View(k, t, m.num_kv_heads),
+                                     f.View(v, t, m.num_kv_heads), f.View(out, t, m.num_q_heads)).ok());
+      EXPECT_EQ(*appended->SequenceLength(4, l), t);
+    }
+    for (int step = 0; step < 12; ++step) {
+      for (int l = 0; l < m.num_layers; ++l) {
+        Feeder::Step s = f.Make(1);
+        std::vector<float> a, b;
+        ASSERT_TRUE(f.Decode(*appended, one, l, s, a).ok());
+        ASSERT_TRUE(f.Decode(*prefilled, one, l, s, b).ok());
+        ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << policy;
+      }
+    }
+    // Bad input changes nothing.
+    auto k = f.Random(3 * m.num_kv_heads * m.head_dim);
+    EXPECT_EQ(appended->Append(4, 9, f.View(k, 3, m.num_kv_heads), f.View(k, 3, m.num_kv_heads)).code(),
+              StatusCode::kInvalidArgument);
+    EXPECT_EQ(appended->Append(99, 0, f.View(k, 3, m.num_kv_heads), f.View(k, 3, m.num_kv_heads)).code(),
+              StatusCode::kNotFound);
+    EXPECT_EQ(appended->Append(4, 0, f.View(k, 3, m.num_kv_heads), f.View(k, 1, m.num_kv_heads)).code(),
+              StatusCode::kInvalidArgument);
+    EXPECT_EQ(*appended->SequenceLength(4, 0), t + 12);
+  }
+}
+
 // A CPU-placed policy that selects like streaming but fails while the switch is on.
 std::atomic<bool> g_fail{false};
 

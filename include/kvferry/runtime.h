@@ -52,6 +52,13 @@ class Runtime {
   Status Prefill(SequenceId seq, int layer, const TensorView& q, const TensorView& k,
                  const TensorView& v, const TensorView& out, StreamHandle stream = nullptr);
 
+  /// Stores a chunk of T tokens' K and V of one sequence at \p layer without computing attention:
+  /// for engines that run prompt attention with their own kernel (or load a cache) and hand the
+  /// KV to kvferry. k, v: [T, num_kv_heads, head_dim]. Policies that learn from the prompt's
+  /// queries (lfps) get nothing from these tokens; a later Prefill chunk primes them.
+  Status Append(SequenceId seq, int layer, const TensorView& k, const TensorView& v,
+                StreamHandle stream = nullptr);
+
   /// Appends one new token for each sequence of \p seqs at \p layer and computes attention of its
   /// query over the positions the policy selects, merging the resident, GPU and CPU parts exactly.
   /// q, out: [B, num_q_heads, head_dim]; k, v: [B, num_kv_heads, head_dim]; B = seqs.size().

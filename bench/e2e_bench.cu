@@ -1,0 +1,314 @@
+// Copyright kvferry authors. Apache-2.0.
+// kvferry-e2e: the Runtime driven the way an engine drives it. Every token step runs the attention
+// of all layers (Llama-3.1-8B shape by default: 32 layers, 32 q / 8 KV heads, head_dim 128, bf16)
+// through the public API with device tensors on the caller's stream; policies whose step is
+// capture-safe run as one CUDA graph per token step (PlanDecode, then the graph), the others call
+// Decode layer by layer. The cache is filled with Append (device tensors made on the GPU) plus a
+// 32-token Prefill per layer that primes policies learning from the prompt's last queries.
+// One JSON object per row; scripts/device/e2e_sdpa.py adds torch SDPA's time in the same run.
+//
+//   kvferry-e2e --json out.json [--contexts 32768,131072] [--batches 1,4] [--modes a,b,..]
+//               [--steps 20] [--layers 32] [--host-gib 100] [--device-gib 70]
+// Modes: dense_resident (window covers the context), streaming (budget 1024), oracle (2%),
+// lfps (2%, route auto), full_streaming (dense, every row read over PCIe).
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kvferry/kvferry.h"
+
+namespace {
+
+using kvferry::DType;
+using kvferry::MemoryKind;
+using kvferry::Runtime;
+using kvferry::RuntimeConfig;
+using kvferry::SequenceId;
+using kvferry::Stats;
+using kvferry::TensorView;
+
+#define CHECK_CUDA(x)                                                                   \
+  do {                                                                                  \
+    cudaError_t e_ = (x);                                                               \
+    if (e_ != cudaSuccess) {                                                            \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+__global__ void FillBf16(uint16_t* x, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    const float f = (static_cast<float>(h & 0xffff) / 65536.0f - 0.5f) * 4.0f;
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    x[i] = static_cast<uint16_t>(bits >> 16);
+  }
+}
+
+struct Options {
+  std::vector<int64_t> contexts = {32768, 131072};
+  std::vector<int> batches = {1, 4};
+  std::vector<std::string> modes = {"dense_resident", "streaming", "oracle", "lfps", "full_streaming"};
+  int steps = 20;
+  int layers = 32;
+  double host_gib = 100;
+  double device_gib = 70;
+  std::string json;
+};
+
+template <typename T>
+std::vector<T> SplitList(const std::string& s) {
+  std::vector<T> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if constexpr (std::is_same_v<T, std::string>) {
+      out.push_back(item);
+    } else {
+      out.push_back(static_cast<T>(std::stoll(item)));
+    }
+  }
+  return out;
+}
+
+Options Parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "missing value after %s\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--json") o.json = next();
+    else if (a == "--contexts") o.contexts = SplitList<int64_t>(next());
+    else if (a == "--batches") o.batches = SplitList<int>(next());
+    else if (a == "--modes") o.modes = SplitList<std::string>(next());
+    else if (a == "--steps") o.steps = std::stoi(next());
+    else if (a == "--layers") o.layers = std::stoi(next());
+    else if (a == "--host-gib") o.host_gib = std::stod(next());
+    else if (a == "--device-gib") o.device_gib = std::stod(next());
+    else {
+      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
+      std::exit(2);
+    }
+  }
+  return o;
+}
+
+double Now() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+struct Row {
+  std::string json;
+};
+
+std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& mode) {
+  constexpr int kHq = 32, kHkv = 8, kD = 128, kSink = 4, kWindow = 256, kPrime = 32;
+  const double kv_gib = static_cast<double>(batch) * ctx * o.layers * kHkv * 2 * kD * 2 / (1 << 30);
+  std::ostringstream row;
+  row << "{\"name\":\"decode\",\"mode\":\"" << mode << "\",\"context\":" << ctx << ",\"batch\":" << batch
+      << ",\"layers\":" << o.layers;
+  const bool resident = mode == "dense_resident";
+  if (kv_gib * 1.05 > o.host_gib || (resident && kv_gib * 1.05 > o.device_gib)) {
+    row << ",\"skipped\":\"KV of " << kv_gib << " GiB exceeds the memory allowed\"}";
+    return row.str();
+  }
+  RuntimeConfig c;
+  c.model = {.num_layers = o.layers, .num_q_heads = kHq, .num_kv_heads = kHkv, .head_dim = kD,
+             .kv_dtype = DType::kBF16};
+  c.capacity.max_sequences = batch;
+  c.capacity.max_batch = batch;
+  c.capacity.max_tokens_per_sequence = ctx + o.steps + 16;
+  c.capacity.max_prefill_chunk = 4096;
+  c.tiers.sink_tokens = kSink;
+  c.tiers.window_tokens = resident ? static_cast<int>(c.capacity.max_tokens_per_sequence) - kSink : kWindow;
+  c.backend = kvferry::Backend::kCuda;
+  c.probe_at_start = mode == "lfps";
+  c.route = kvferry::Route::kGpu;
+  if (mode == "dense_resident" || mode == "full_streaming") {
+    c.policy.name = "dense";
+  } else if (mode == "streaming") {
+    c.policy.name = "streaming";
+    c.policy.budget_tokens = 1024;
+  } else if (mode == "oracle") {
+    c.policy.name = "oracle";
+    c.policy.budget_tokens = 0;
+    c.policy.budget_fraction = 0.02;
+  } else if (mode == "lfps") {
+    c.policy.name = "lfps";
+    c.policy.budget_tokens = 0;
+    c.policy.budget_fraction = 0.02;
+    c.route = kvferry::Route::kAuto;
+  } else {
+    row << ",\"skipped\":\"unknown mode\"}";
+    return row.str();
+  }
+  row << ",\"policy\":\"" << c.policy.name << "\",\"route\":\"" << kvferry::RouteName(c.route) << "\"";
+  auto made = Runtime::Create(c);
+  if (!made.ok()) {
+    row << ",\"skipped\":\"" << made.status().ToString() << "\"}";
+    return row.str();
+  }
+  std::unique_ptr<Runtime> rt = std::move(made).value();
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // Inputs made on the GPU: one chunk of K/V reused for every Append, per-step q/k/v/out.
+  const int64_t chunk = 4096;
+  uint16_t *ck, *cv, *pq, *pout, *q, *k, *v, *out;
+  CHECK_CUDA(cudaMalloc(&ck, chunk * kHkv * kD * 2));
+  CHECK_CUDA(cudaMalloc(&cv, chunk * kHkv * kD * 2));
+  CHECK_CUDA(cudaMalloc(&pq, kPrime * kHq * kD * 2));
+  CHECK_CUDA(cudaMalloc(&pout, kPrime * kHq * kD * 2));
+  CHECK_CUDA(cudaMalloc(&q, batch * kHq * kD * 2));
+  CHECK_CUDA(cudaMalloc(&k, batch * kHkv * kD * 2));
+  CHECK_CUDA(cudaMalloc(&v, batch * kHkv * kD * 2));
+  CHECK_CUDA(cudaMalloc(&out, batch * kHq * kD * 2));
+  FillBf16<<<256, 256, 0, stream>>>(ck, chunk * kHkv * kD, 1);
+  FillBf16<<<256, 256, 0, stream>>>(cv, chunk * kHkv * kD, 2);
+  FillBf16<<<64, 256, 0, stream>>>(pq, kPrime * kHq * kD, 3);
+  FillBf16<<<64, 256, 0, stream>>>(q, batch * kHq * kD, 4);
+  FillBf16<<<64, 256, 0, stream>>>(k, batch * kHkv * kD, 5);
+  FillBf16<<<64, 256, 0, stream>>>(v, batch * kHkv * kD, 6);
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  auto view = [](void* p, int64_t rows, int heads) {
+    return TensorView::Contiguous(p, DType::kBF16, MemoryKind::kDevice, {rows, heads, kD});
+  };
+  const double t_fill0 = Now();
+  std::vector<SequenceId> seqs;
+  for (int b = 0; b < batch; ++b) {
+    const SequenceId s = 100 + b;
+    seqs.push_back(s);
+    if (!rt->AddSequence(s).ok()) std::exit(1);
+    for (int l = 0; l < o.layers; ++l) {
+      for (int64_t pos = 0; pos < ctx - kPrime; pos += chunk) {
+        const int64_t n = std::min<int64_t>(chunk, ctx - kPrime - pos);
+        const kvferry::Status st = rt->Append(s, l, view(ck, n, kHkv), view(cv, n, kHkv), stream);
+        if (!st.ok()) {
+          row << ",\"skipped\":\"append: " << st.ToString() << "\"}";
+          return row.str();
+        }
+      }
+      const kvferry::Status st = rt->Prefill(s, l, view(pq, kPrime, kHq), view(ck, kPrime, kHkv),
+                                             view(cv, kPrime, kHkv), view(pout, kPrime, kHq), stream);
+      if (!st.ok()) {
+        row << ",\"skipped\":\"prefill: " << st.ToString() << "\"}";
+        return row.str();
+      }
+    }
+  }
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  const double fill_s = (Now() - t_fill0) * 1e-3;
+
+  auto step_plain = [&](bool plan) {
+    if (plan && !rt->PlanDecode(seqs, stream).ok()) std::exit(1);
+    for (int l = 0; l < o.layers; ++l) {
+      const kvferry::Status st =
+          rt->Decode(seqs, l, view(q, batch, kHq), view(k, batch, kHkv), view(v, batch, kHkv),
+                     view(out, batch, kHq), stream);
+      if (!st.ok()) {
+        std::fprintf(stderr, "decode: %s\n", st.ToString().c_str());
+        std::exit(1);
+      }
+    }
+  };
+  const bool graph_ok = rt->decode_is_capture_safe();
+  // Warm-up.
+  for (int i = 0; i < 2; ++i) step_plain(graph_ok);
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  // Call by call.
+  rt->ResetStats();
+  double t0 = Now();
+  for (int i = 0; i < o.steps; ++i) step_plain(graph_ok);
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  const double ms_plain = (Now() - t0) / o.steps;
+  const Stats sp = rt->GetStats();
+  double ms_graph = -1;
+  Stats sg{};
+  if (graph_ok) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    if (!rt->PlanDecode(seqs, stream).ok()) std::exit(1);
+    CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    step_plain(false);
+    CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    for (int i = 0; i < 2; ++i) {
+      if (!rt->PlanDecode(seqs, stream).ok()) std::exit(1);
+      CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    }
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    rt->ResetStats();
+    t0 = Now();
+    for (int i = 0; i < o.steps; ++i) {
+      if (!rt->PlanDecode(seqs, stream).ok()) std::exit(1);
+      CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    }
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    ms_graph = (Now() - t0) / o.steps;
+    sg = rt->GetStats();
+    CHECK_CUDA(cudaGraphExecDestroy(exec));
+    CHECK_CUDA(cudaGraphDestroy(graph));
+  }
+  const double steps = o.steps;
+  const double ms = graph_ok ? ms_graph : ms_plain;
+  row << ",\"capture_safe\":" << (graph_ok ? "true" : "false") << ",\"ms_per_token_step\":" << ms
+      << ",\"ms_per_token_step_no_graph\":" << ms_plain
+      << ",\"host_syncs_per_step\":" << (graph_ok ? sg.host_syncs : sp.host_syncs) / steps
+      << ",\"host_syncs_per_step_no_graph\":" << sp.host_syncs / steps
+      << ",\"bytes_h2d_per_step\":" << sp.bytes_h2d / steps
+      << ",\"rows_selected_per_step\":" << sp.rows_selected / steps
+      << ",\"rows_fetched_per_step\":" << sp.rows_fetched / steps
+      << ",\"rows_cpu_per_step\":" << sp.rows_cpu / steps << ",\"stages_ms_per_step\":{"
+      << "\"append\":" << sp.ms_append / steps << ",\"select\":" << sp.ms_select / steps
+      << ",\"resolve\":" << sp.ms_resolve / steps << ",\"attend_gpu\":" << sp.ms_attend_gpu / steps
+      << ",\"attend_cpu\":" << sp.ms_attend_cpu / steps << ",\"merge\":" << sp.ms_merge / steps
+      << ",\"admit\":" << sp.ms_admit / steps << "}"
+      << ",\"gpu_bytes\":" << sp.device_bytes_reserved << ",\"host_bytes\":" << sp.host_bytes_reserved
+      << ",\"fill_s\":" << fill_s << "}";
+  for (void* p : {static_cast<void*>(ck), static_cast<void*>(cv), static_cast<void*>(pq),
+                  static_cast<void*>(pout), static_cast<void*>(q), static_cast<void*>(k),
+                  static_cast<void*>(v), static_cast<void*>(out)}) {
+    CHECK_CUDA(cudaFree(p));
+  }
+  rt.reset();
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  return row.str();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = Parse(argc, argv);
+  std::ofstream f;
+  if (!o.json.empty()) f.open(o.json, std::ios::app);
+  for (int64_t ctx : o.contexts) {
+    for (int batch : o.batches) {
+      for (const std::string& mode : o.modes) {
+        const std::string r = RunOne(o, ctx, batch, mode);
+        std::printf("%s\n", r.c_str());
+        std::fflush(stdout);
+        if (f) f << r << "\n" << std::flush;
+      }
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+# Copyright kvferry authors. Apache-2.0.
+"""The baseline for kvferry-e2e, in the same run: torch SDPA with every layer's KV on the GPU.
+
+Reads the rows kvferry-e2e wrote (JSON lines), times one token step of torch's
+scaled_dot_product_attention over all layers (each layer its own K/V, as many as fit, replayed as
+one CUDA graph of the whole step, like kvferry's), and writes the rows with sdpa_ms_per_token_step
+and ratio = kvferry / SDPA time into one JSON file.
+
+Usage: e2e_sdpa.py ROWS.jsonl OUT.json [--device-gib 70]
+"""
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def time_step(ctx, batch, layers, hq=32, hkv=8, d=128, device_gib=70.0, reps=20):
+    dev = torch.device("cuda")
+    per_layer = 2 * batch * hkv * ctx * d * 2
+    copies = int(max(1, min(layers, (device_gib * (1 << 30)) // per_layer)))
+    q = torch.randn(batch, hq, 1, d, device=dev, dtype=torch.bfloat16)
+    ks = [torch.randn(batch, hkv, ctx, d, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+    vs = [torch.randn(batch, hkv, ctx, d, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+    outs = [None] * layers
+
+    def step():
+        for l in range(layers):
+            outs[l] = F.scaled_dot_product_attention(q, ks[l % copies], vs[l % copies], enable_gqa=True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    b.synchronize()
+    ms = a.elapsed_time(b) / reps
+    del ks, vs, outs, g
+    torch.cuda.empty_cache()
+    return ms, copies
+
+
+def main():
+    rows_path, out_path = sys.argv[1], sys.argv[2]
+    device_gib = 70.0
+    if "--device-gib" in sys.argv:
+        device_gib = float(sys.argv[sys.argv.index("--device-gib") + 1])
+    rows = [json.loads(l) for l in open(rows_path) if l.strip()]
+    cache = {}
+    for r in rows:
+        if "skipped" in r:
+            continue
+        key = (r["context"], r["batch"], r["layers"])
+        if key not in cache:
+            try:
+                cache[key] = time_step(r["context"], r["batch"], r["layers"], device_gib=device_gib)
+            except torch.cuda.OutOfMemoryError:
+                cache[key] = (None, 0)
+                torch.cuda.empty_cache()
+        ms, copies = cache[key]
+        r["sdpa_ms_per_token_step"] = ms
+        r["sdpa_distinct_layer_kv"] = copies
+        r["ratio"] = r["ms_per_token_step"] / ms if ms else None
+        print(f"{r['mode']:15s} ctx={r['context']:<7} b={r['batch']:<3} kvferry {r['ms_per_token_step']:8.3f} ms"
+              f" (no graph {r['ms_per_token_step_no_graph']:8.3f})  sdpa {ms if ms else float('nan'):8.3f} ms"
+              f"  ratio {r['ratio'] if r['ratio'] else float('nan'):7.3f}  syncs/step {r['host_syncs_per_step']:.1f}")
+    with open(out_path, "w") as f:
+        json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(0),
+                   "note": "ms_per_token_step: attention of all layers for one token of every sequence "
+                           "of the batch, wall clock; SDPA: all KV on the GPU, CUDA graph of the step",
+                   "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+// Copyright kvferry authors. Apache-2.0.
+// The planned decode step on CUDA: captured in a CUDA graph (a whole 4-layer step, device tensors)
+// and replayed step after step with PlanDecode before each replay, it gives the outputs of the
+// same steps run call by call, with no host synchronisation; device and host tensors give the
+// same outputs. Skips without a GPU.
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu/device.h"
+#include "kvferry/kvferry.h"
+
+namespace kvferry {
+namespace {
+
+#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+RuntimeConfig GraphConfig(const std::string& policy, int window) {
+  RuntimeConfig c;
+  c.model = {.num_layers = 4, .num_q_heads = 8, .num_kv_heads = 2, .head_dim = 128,
+             .kv_dtype = DType::kBF16};
+  c.capacity.max_sequences = 2;
+  c.capacity.max_tokens_per_sequence = 2048;
+  c.capacity.max_batch = 2;
+  c.capacity.max_prefill_chunk = 1024;
+  c.tiers.sink_tokens = 4;
+  c.tiers.window_tokens = window;
+  c.policy.name = policy;
+  c.policy.budget_tokens = 200;
+  c.route = Route::kGpu;
+  c.backend = Backend::kCuda;
+  c.cpu_threads = 1;
+  c.probe_at_start = false;
+  return c;
+}
+
+struct DeviceBuf {
+  void* p = nullptr;
+  explicit DeviceBuf(size_t bytes) { EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess); }
+  ~DeviceBuf() { cudaFree(p); }
+};
+
+class CudaGraph : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  const auto [policy, window] = GetParam();
+  const RuntimeConfig c = GraphConfig(policy, window);
+  const ModelShape& m = c.model;
+  std::unique_ptr<Runtime> rt[2];  // 0: graph, 1: call by call
+  for (auto& r : rt) {
+    auto made = Runtime::Create(c);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    r = std::move(made).value();
+  }
+  ASSERT_TRUE(rt[0]->decode_is_capture_safe());
+  const std::vector<SequenceId> seqs = {3, 4};
+  const int64_t batch = 2, prompt[2] = {700, 301};
+  std::mt19937 rng(99);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto random = [&](int64_t n) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (float& e : x) e = nd(rng);
+    return x;
+  };
+  auto host_view = [&](std::vector<float>& x, int64_t rows, int heads) {
+    return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {rows, heads, m.head_dim});
+  };
+  for (int i = 0; i < 2; ++i) {
+    for (auto& r : rt) ASSERT_TRUE(r->AddSequence(seqs[i]).ok());
+    for (int l = 0; l < m.num_layers; ++l) {
+      const int64_t t = prompt[i];
+      auto q = random(t * m.num_q_heads * m.head_dim), k = random(t * m.num_kv_heads * m.head_dim),
+           v = random(t * m.num_kv_heads * m.head_dim);
+      std::vector<float> out(q.size());
+      for (auto& r : rt) {
+        ASSERT_TRUE(r->Prefill(seqs[i], l, host_view(q, t, m.num_q_heads), host_view(k, t, m.num_kv_heads),
+                               host_view(v, t, m.num_kv_heads), host_view(out, t, m.num_q_heads))
+                        .ok());
+      }
+    }
+  }
+  // Static device inputs and outputs per layer, as an engine's graph would own them.
+  const size_t nq = batch * m.num_q_heads * m.head_dim, nkv = batch * m.num_kv_heads * m.head_dim;
+  std::vector<std::unique_ptr<DeviceBuf>> dq, dk, dv, dout[2];
+  for (int l = 0; l < m.num_layers; ++l) {
+    dq.emplace_back(new DeviceBuf(nq * 4));
+    dk.emplace_back(new DeviceBuf(nkv * 4));
+    dv.emplace_back(new DeviceBuf(nkv * 4));
+    for (auto& o : dout) o.emplace_back(new DeviceBuf(nq * 4));
+  }
+  auto dev_view = [&](void* p, int heads) {
+    return TensorView::Contiguous(p, DType::kF32, MemoryKind::kDevice, {batch, heads, m.head_dim});
+  };
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto new_inputs = [&] {
+    for (int l = 0; l < m.num_layers; ++l) {
+      auto q = random(static_cast<int64_t>(nq)), k = random(static_cast<int64_t>(nkv)),
+           v = random(static_cast<int64_t>(nkv));
+      CUDA_OK(cudaMemcpy(dq[l]->p, q.data(), nq * 4, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(dk[l]->p, k.data(), nkv * 4, cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(dv[l]->p, v.data(), nkv * 4, cudaMemcpyHostToDevice));
+    }
+  };
+  auto run_layers = [&](int which) {
+    for (int l = 0; l < m.num_layers; ++l) {
+      const Status st = rt[which]->Decode(seqs, l, dev_view(dq[l]->p, m.num_q_heads),
+                                          dev_view(dk[l]->p, m.num_kv_heads),
+                                          dev_view(dv[l]->p, m.num_kv_heads),
+                                          dev_view(dout[which][l]->p, m.num_q_heads), stream);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+    }
+  };
+  auto compare = [&](int step) {
+    CUDA_OK(cudaStreamSynchronize(stream));
+    for (int l = 0; l < m.num_layers; ++l) {
+      std::vector<float> a(nq), b(nq);
+      CUDA_OK(cudaMemcpy(a.data(), dout[0][l]->p, nq * 4, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(b.data(), dout[1][l]->p, nq * 4, cudaMemcpyDeviceToHost));
+      double err = 0, norm = 0;
+      for (size_t i = 0; i < nq; ++i) {
+        ASSERT_TRUE(std::isfinite(a[i])) << "step " << step << " layer " << l << " i " << i;
+        err = std::max(err, static_cast<double>(std::fabs(a[i] - b[i])));
+        norm += static_cast<double>(b[i]) * b[i];
+      }
+      EXPECT_LT(err, 1e-4) << "step " << step << " layer " << l;
+      EXPECT_GT(norm, 0.0);
+    }
+  };
+
+  // Warm-up step, call by call on both (kernel set-up happens outside the capture).
+  new_inputs();
+  for (int which = 0; which < 2; ++which) {
+    ASSERT_TRUE(rt[which]->PlanDecode(seqs, stream).ok());
+    run_layers(which);
+  }
+  compare(-1);
+
+  // Capture one step of runtime 0.
+  new_inputs();
+  ASSERT_TRUE(rt[0]->PlanDecode(seqs, stream).ok());
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  run_layers(0);
+  // Outside a plan, a captured Decode is refused (it would need host work inside the graph).
+  EXPECT_EQ(rt[0]->Decode(seqs, 0, dev_view(dq[0]->p, m.num_q_heads), dev_view(dk[0]->p, m.num_kv_heads),
+                          dev_view(dv[0]->p, m.num_kv_heads), dev_view(dout[0][0]->p, m.num_q_heads),
+                          stream)
+                .code(),
+            StatusCode::kFailedPrecondition);
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  const Stats before = rt[0]->GetStats();
+  CUDA_OK(cudaGraphLaunch(exec, stream));
+  ASSERT_TRUE(rt[1]->PlanDecode(seqs, stream).ok());
+  run_layers(1);
+  compare(0);
+  const int steps = 40;  // crosses the window ring and page boundaries
+  for (int t = 1; t <= steps; ++t) {
+    new_inputs();
+    ASSERT_TRUE(rt[0]->PlanDecode(seqs, stream).ok());
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    run_layers(1);
+    compare(t);
+  }
+  const Stats after = rt[0]->GetStats();
+  EXPECT_EQ(after.host_syncs, before.host_syncs);
+  for (int l = 0; l < m.num_layers; ++l) {
+    EXPECT_EQ(*rt[0]->SequenceLength(3, l), prompt[0] + steps + 2);
+    EXPECT_EQ(*rt[0]->SequenceLength(3, l), *rt[1]->SequenceLength(3, l));
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  ASSERT_TRUE(rt[0]->Synchronize().ok());
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+// streaming (rows beyond the window read zero-copy), dense over everything (rows from host memory
+// past the window) and dense with every row resident (the cp.async path).
+INSTANTIATE_TEST_SUITE_P(Policies, CudaGraph,
+                         ::testing::Values(std::make_tuple(std::string("streaming"), 64),
+                                           std::make_tuple(std::string("dense"), 64),
+                                           std::make_tuple(std::string("dense"), 2048 - 4)));
+
+TEST(CudaPlannedStep, DeviceAndHostTensorsAgree) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  for (const char* policy : {"streaming", "dense"}) {
+    const RuntimeConfig c = GraphConfig(policy, 64);
+    const ModelShape& m = c.model;
+    auto a = Runtime::Create(c), b = Runtime::Create(c);
+    ASSERT_TRUE(a.ok() && b.ok());
+    Runtime* rts[2] = {a->get(), b->get()};
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    auto random = [&](int64_t n) {
+      std::vector<float> x(static_cast<size_t>(n));
+      for (float& e : x) e = nd(rng);
+      return x;
+    };
+    const int64_t t = 500;
+    for (Runtime* r : rts) ASSERT_TRUE(r->AddSequence(1).ok());
+    for (int l = 0; l < m.num_layers; ++l) {
+      auto k = random(t * m.num_kv_heads * m.head_dim), v = random(t * m.num_kv_heads * m.head_dim);
+      for (Runtime* r : rts) {
+        ASSERT_TRUE(r->Append(1, l,
+                              TensorView::Contiguous(k.data(), DType::kF32, MemoryKind::kHost, {t, m.num_kv_heads, m.head_dim}),
+                              TensorView::Contiguous(v.data(), DType::kF32, MemoryKind::kHost, {t, m.num_kv_heads, m.head_dim}))
+                        .ok());
+      }
+    }
+    const size_t nq = m.num_q_heads * m.head_dim, nkv = m.num_kv_heads * m.head_dim;
+    DeviceBuf dq(nq * 2), dk(nkv * 2), dv(nkv * 2), dout(nq * 2);
+    const std::vector<SequenceId> one = {1};
+    for (int step = 0; step < 5; ++step) {
+      for (int l = 0; l < m.num_layers; ++l) {
+        std::vector<uint16_t> q(nq), k(nkv), v(nkv), out_host(nq), out_dev(nq, 0xffff);
+        for (auto* x : {&q, &k, &v}) {
+          for (auto& e : *x) e = static_cast<uint16_t>(0x3c00 + (rng() % 0x300) - 0x180);  // small positive bf16
+        }
+        auto hv = [&](std::vector<uint16_t>& x, int heads) {
+          return TensorView::Contiguous(x.data(), DType::kBF16, MemoryKind::kHost, {1, heads, m.head_dim});
+        };
+        auto dvw = [&](DeviceBuf& x, int heads) {
+          return TensorView::Contiguous(x.p, DType::kBF16, MemoryKind::kDevice, {1, heads, m.head_dim});
+        };
+        CUDA_OK(cudaMemcpy(dq.p, q.data(), nq * 2, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(dk.p, k.data(), nkv * 2, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(dv.p, v.data(), nkv * 2, cudaMemcpyHostToDevice));
+        ASSERT_TRUE(rts[0]->Decode(one, l, hv(q, m.num_q_heads), hv(k, m.num_kv_heads), hv(v, m.num_kv_heads),
+                                   hv(out_host, m.num_q_heads)).ok());
+        ASSERT_TRUE(rts[1]->Decode(one, l, dvw(dq, m.num_q_heads), dvw(dk, m.num_kv_heads),
+                                   dvw(dv, m.num_kv_heads), dvw(dout, m.num_q_heads)).ok());
+        ASSERT_TRUE(rts[1]->Synchronize().ok());
+        CUDA_OK(cudaMemcpy(out_dev.data(), dout.p, nq * 2, cudaMemcpyDeviceToHost));
+        EXPECT_EQ(out_host, out_dev) << policy << " step " << step << " layer " << l;
+      }
+    }
+    EXPECT_EQ(rts[1]->GetStats().host_syncs, 0) << policy;  // device tensors: no host wait
+    EXPECT_GT(rts[0]->GetStats().host_syncs, 0) << policy;  // host output: waited for
+  }
+}
+
+}  // namespace
+}  // namespace kvferry
