@@ -9,7 +9,9 @@
 //
 //   kvferry-e2e --json out.json [--contexts 32768,131072] [--batches 1,4] [--modes a,b,..]
 //               [--steps 20] [--layers 32] [--host-gib 100] [--device-gib 70]
-// Modes: dense_resident (window covers the context), streaming (budget 1024), oracle (2%),
+// Modes: dense_resident (window covers the context), streaming (budget 1024, window 256: 768 rows
+// per KV head read over PCIe each step), streaming_resident (budget 1024 = sinks + window: nothing
+// read over PCIe), oracle (2%),
 // lfps (2%, route auto), full_streaming (dense, every row read over PCIe).
 
 #include <cuda_runtime.h>
@@ -61,7 +63,8 @@ __global__ void FillBf16(uint16_t* x, int64_t n, uint32_t seed) {
 struct Options {
   std::vector<int64_t> contexts = {32768, 131072};
   std::vector<int> batches = {1, 4};
-  std::vector<std::string> modes = {"dense_resident", "streaming", "oracle", "lfps", "full_streaming"};
+  std::vector<std::string> modes = {"dense_resident", "streaming_resident", "streaming", "oracle",
+                                    "lfps", "full_streaming"};
   int steps = 20;
   int layers = 32;
   double host_gib = 100;
@@ -148,6 +151,11 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   } else if (mode == "streaming") {
     c.policy.name = "streaming";
     c.policy.budget_tokens = 1024;
+  } else if (mode == "streaming_resident") {
+    // The 1024 attended tokens are the resident tier (sinks + window); the rest is offloaded.
+    c.policy.name = "streaming";
+    c.policy.budget_tokens = 1024;
+    c.tiers.window_tokens = 1024 - kSink;
   } else if (mode == "oracle") {
     c.policy.name = "oracle";
     c.policy.budget_tokens = 0;

@@ -114,8 +114,7 @@ struct DecodeStepArgs {
 
   /// Resident tier: item (slot, layer, h) owns rows_per_slot = sink + window K rows followed by as
   /// many V rows at resident + ((slot * num_layers + layer) * num_kv_heads + h) * 2 *
-  /// rows_per_slot * row_bytes. Position p < sink is row p; a window position is row
-  /// sink + p % window.
+  /// rows_per_slot * row_bytes. Rows as ResidentRowOf places them.
   char* resident = nullptr;
   /// Host store page table (device-readable): entry ((slot * num_layers + layer) * num_kv_heads +
   /// h) * max_pages + p is page p (see KvPages).
@@ -136,6 +135,9 @@ struct DecodeStepArgs {
   /// caller, so nothing is allocated while a graph is captured). Unused on the host.
   float* ws = nullptr;
   int64_t ws_floats = 0;
+  /// CUDA: zeroed counters, batch * num_kv_heads * group of them (device memory); the kernels
+  /// leave them zeroed.
+  int32_t* counters = nullptr;
   /// CUDA: the most rows an item attends in this call (sizes the split count; the kernels read
   /// the true counts on the device). 0: unknown.
   int64_t max_rows_hint = 0;
@@ -180,12 +182,16 @@ KVF_HOST_DEVICE inline StepRange SinksAndRecent(int64_t n, int64_t sink, int64_t
 }
 
 /// Resident row of position \p pos when n positions are stored: row pos for a sink, row
-/// sink + pos % window in the window ring, -1 when the row is only in the host store.
+/// sink + (pos - sink) % window in the window ring, -1 when the row is only in the host store.
+/// Counting the ring from the first non-sink position makes the resident rows of a sequence
+/// that fits (n <= sink + window) exactly rows [0, n), in position order.
 KVF_HOST_DEVICE inline int64_t ResidentRowOf(int64_t pos, int64_t n, int32_t sink,
                                              int32_t window) {
   if (pos < sink) return pos;
-  if (pos >= n - window) return sink + static_cast<int64_t>(static_cast<uint32_t>(pos) %
-                                                            static_cast<uint32_t>(window));
+  if (pos >= n - window) {
+    return sink + static_cast<int64_t>(static_cast<uint32_t>(pos - sink) %
+                                       static_cast<uint32_t>(window));
+  }
   return -1;
 }
 

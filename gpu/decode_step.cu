@@ -1,10 +1,10 @@
 // Copyright kvferry authors. Apache-2.0.
-// The Runtime's decode step on the GPU (DecodeStepArgs): three launches per layer, none of which
+// The Runtime's decode step on the GPU (DecodeStepArgs): two launches per layer, neither of which
 // reads anything the host wrote for this call. Append writes the new token through to the host
-// store and its resident row and converts q; attend runs the split decode kernel of attention.cuh
+// store and its resident row and converts q; attend runs the split decode loops of attention.cuh
 // over a row source that turns a list index into a position and the position into an address
-// (resident tier or host store, read zero-copy); combine merges the splits, and the CPU part when
-// there is one, into the caller's output in its dtype.
+// (resident tier or host store, read zero-copy), and the last CTA of each item merges the splits,
+// and the CPU part when there is one, into the caller's output in its dtype.
 
 #include <algorithm>
 
@@ -111,94 +111,39 @@ struct StepRows {
   }
 };
 
+// Every resident row of the item, in row order: the attended set when all of it is resident and
+// the count equals the rows in use (dense over a context the tier holds, or streaming whose
+// recent part is the whole ring). No position arithmetic per row.
+struct ResidentRows {
+  const char* res_k;
+  uint32_t res_v_off, row_bytes;
+  __device__ __forceinline__ void Rows(int64_t j, const char*& k, const char*& v) const {
+    k = res_k + static_cast<size_t>(j) * row_bytes;
+    v = k + res_v_off;
+  }
+};
+
 struct StepLaunch {
   int32_t num_splits;
   int32_t min_chunk;
   float scale_log2;
 };
 
-// (2) attend: grid (items, splits, head chunks); partials to ws always (combine converts).
-template <int HD, typename T, int G, bool kPipe>
-__global__ void __launch_bounds__(kAttnThreads, kPipe && G <= 4 ? 3 : 1)
-    StepAttnKernel(DecodeStepArgs a, StepLaunch l) {
-  extern __shared__ __align__(16) float smem[];
-  float* warp_buf = smem;
-  float* red_o = warp_buf + kAttnWarps * G * (HD + 2);
-  float* red_m = red_o + G * HD;
-  float* red_l = red_m + G;
-  const int32_t item = blockIdx.x;
-  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
-  const int group = a.params.group;
-  const int g0 = blockIdx.z * G;
-  const int gcount = min(G, group - g0);
-  const int split = blockIdx.y;
-  const ItemPlace pl = PlaceOf(a, b, h);
-
-  StepRows src;
-  src.res_k = pl.res_k;
-  src.pages = pl.pages;
-  src.n = pl.n;
-  src.sink = a.sink;
-  src.window = a.window;
-  src.row_bytes = HD * sizeof(T);
-  src.res_v_off = static_cast<uint32_t>((a.sink + a.window) * HD * sizeof(T));
-  src.page_tokens = static_cast<uint32_t>(a.page_tokens);
-  int64_t len;
-  if (a.mode == StepRowMode::kList) {
-    src.list = a.list + item * a.list_cap;
-    src.sinks = 0;
-    src.recent_begin = 0;
-    len = a.list_count[item];
-  } else {
-    src.list = nullptr;
-    const StepRange r =
-        SinksAndRecent(pl.n, a.sink, StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, pl.n));
-    src.sinks = r.sinks;
-    src.recent_begin = r.recent_begin;
-    len = r.count;
-  }
-
-  int64_t chunk = (len + l.num_splits - 1) / l.num_splits;
-  if (chunk < l.min_chunk) chunk = l.min_chunk;
-  if constexpr (kPipe) chunk = (chunk + kPipeTileRows<HD> - 1) / kPipeTileRows<HD> * kPipeTileRows<HD>;
-  const int64_t begin = chunk * split < len ? chunk * split : len;
-  const int64_t end = begin + chunk < len ? begin + chunk : len;
-  const size_t part = static_cast<size_t>(item) * l.num_splits + split;
-  float* ws_o = a.ws + (part * group + g0) * HD;
-  float* ws_lse = a.ws + static_cast<size_t>(gridDim.x) * l.num_splits * group * HD + part * group + g0;
-  if (begin >= end) {
-    for (int i = threadIdx.x; i < gcount * HD; i += blockDim.x) ws_o[i] = 0.0f;
-    if (threadIdx.x < gcount) ws_lse[threadIdx.x] = -INFINITY;
-    return;
-  }
-  const float* q = a.q_f32 + ((static_cast<int64_t>(b) * a.num_kv_heads + h) * group + g0) * HD;
-  if constexpr (kPipe) {
-    AttendRangePipelined<HD, T, G>(src, q, gcount, l.scale_log2, begin, end,
-                                   reinterpret_cast<char*>(smem), red_m, red_l, red_o, warp_buf);
-  } else {
-    AttendRange<HD, T, G>(src, q, gcount, l.scale_log2, begin, end, red_m, red_l, red_o, warp_buf);
-  }
-  WriteResult<HD, G>(red_m, red_l, red_o, gcount, ws_o, ws_lse);
-}
-
-// (3) combine: grid (items, group). Merges the splits and the optional CPU part; writes out in its
-// dtype and the lse.
-__global__ void __launch_bounds__(kAttnThreads) StepCombineKernel(DecodeStepArgs a, int32_t splits) {
+// (3) combine of one query head of an item: the splits' partials and the optional CPU part
+// (entry `splits`), weighted by their lse, into out in its dtype. Run by the item's last CTA.
+__device__ void CombineHead(const DecodeStepArgs& a, int32_t item, int g, int32_t splits,
+                            size_t items) {
   __shared__ float w[kAttnThreads + 1];
   __shared__ float red[kAttnWarps];
   __shared__ float m_sh, sum_sh;
-  const int32_t item = blockIdx.x;
-  const int g = blockIdx.y;
   const int group = a.params.group, d = a.params.head_dim;
-  const size_t items = gridDim.x;
-  const int64_t row = static_cast<int64_t>(item) * group + g;  // (b, h*G + g)
+  const int64_t row = static_cast<int64_t>(item) * group + g;  // (b, h * group + g)
   const int tid = threadIdx.x;
   const size_t base = static_cast<size_t>(item) * splits;
   const float* ws_lse = a.ws + items * splits * group * d;
-  // Entry `splits` is the CPU part.
   float l = -INFINITY;
   if (tid < splits) {
-    l = ws_lse[(base + tid) * group + g];
+    l = __ldcg(ws_lse + (base + tid) * group + g);
   } else if (tid == splits && a.lse_cpu != nullptr) {
     l = a.lse_cpu[row];
   }
@@ -234,12 +179,106 @@ __global__ void __launch_bounds__(kAttnThreads) StepCombineKernel(DecodeStepArgs
   const size_t ystride = static_cast<size_t>(group) * d;
   const float* o_cpu = a.o_cpu != nullptr ? a.o_cpu + row * d : nullptr;
   for (int i = tid; i < d; i += kAttnThreads) {
-    float acc = 0.0f;
-    for (int y = 0; y < splits; ++y) acc = fmaf(w[y], ws_o[y * ystride + i], acc);
+    float acc0 = 0.0f, acc1 = 0.0f;
+    int y = 0;
+    for (; y + 2 <= splits; y += 2) {
+      acc0 = fmaf(w[y], __ldcg(ws_o + y * ystride + i), acc0);
+      acc1 = fmaf(w[y + 1], __ldcg(ws_o + (y + 1) * ystride + i), acc1);
+    }
+    if (y < splits) acc0 = fmaf(w[y], __ldcg(ws_o + y * ystride + i), acc0);
+    float acc = acc0 + acc1;
     if (o_cpu != nullptr) acc = fmaf(w[splits], o_cpu[i], acc);
     StoreAs(a.out, a.out_dtype, row * d + i, acc * inv);
   }
   if (tid == 0 && a.lse != nullptr) a.lse[row] = m == -INFINITY ? -INFINITY : m + logf(sum);
+  __syncthreads();  // w / red are reused by the next head
+}
+
+// (2) attend + (3) combine: grid (items, splits, head chunks). Each CTA writes its partial result
+// to ws; the last CTA of an (item, head chunk) to finish (a counter per pair, reset by it) merges
+// them into out, so a layer costs two launches.
+template <int HD, typename T, int G, bool kPipe>
+__global__ void __launch_bounds__(kAttnThreads, kPipe && G <= 4 ? 3 : 1)
+    StepAttnKernel(DecodeStepArgs a, StepLaunch l) {
+  extern __shared__ __align__(16) float smem[];
+  float* warp_buf = smem;
+  float* red_o = warp_buf + kAttnWarps * G * (HD + 2);
+  float* red_m = red_o + G * HD;
+  float* red_l = red_m + G;
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const int group = a.params.group;
+  const int g0 = blockIdx.z * G;
+  const int gcount = min(G, group - g0);
+  const int split = blockIdx.y;
+  const ItemPlace pl = PlaceOf(a, b, h);
+
+  StepRows src;
+  src.res_k = pl.res_k;
+  src.pages = pl.pages;
+  src.n = pl.n;
+  src.sink = a.sink;
+  src.window = a.window;
+  src.row_bytes = HD * sizeof(T);
+  src.res_v_off = static_cast<uint32_t>((a.sink + a.window) * HD * sizeof(T));
+  src.page_tokens = static_cast<uint32_t>(a.page_tokens);
+  int64_t len;
+  bool contiguous = false;
+  if (a.mode == StepRowMode::kList) {
+    src.list = a.list + item * a.list_cap;
+    src.sinks = 0;
+    src.recent_begin = 0;
+    len = a.list_count[item];
+  } else {
+    src.list = nullptr;
+    const StepRange r =
+        SinksAndRecent(pl.n, a.sink, StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, pl.n));
+    src.sinks = r.sinks;
+    src.recent_begin = r.recent_begin;
+    len = r.count;
+    const int64_t in_use = min(pl.n, static_cast<int64_t>(a.sink) + a.window);
+    contiguous = a.all_resident && len == in_use;
+  }
+
+  int64_t chunk = (len + l.num_splits - 1) / l.num_splits;
+  if (chunk < l.min_chunk) chunk = l.min_chunk;
+  if constexpr (kPipe) chunk = (chunk + kPipeTileRows<HD> - 1) / kPipeTileRows<HD> * kPipeTileRows<HD>;
+  const int64_t begin = chunk * split < len ? chunk * split : len;
+  const int64_t end = begin + chunk < len ? begin + chunk : len;
+  const size_t part = static_cast<size_t>(item) * l.num_splits + split;
+  float* ws_o = a.ws + (part * group + g0) * HD;
+  float* ws_lse = a.ws + static_cast<size_t>(gridDim.x) * l.num_splits * group * HD + part * group + g0;
+  if (begin >= end) {
+    for (int i = threadIdx.x; i < gcount * HD; i += blockDim.x) ws_o[i] = 0.0f;
+    if (threadIdx.x < gcount) ws_lse[threadIdx.x] = -INFINITY;
+  } else {
+    const float* q = a.q_f32 + ((static_cast<int64_t>(b) * a.num_kv_heads + h) * group + g0) * HD;
+    auto attend = [&](const auto& rows) {
+      if constexpr (kPipe) {
+        AttendRangePipelined<HD, T, G>(rows, q, gcount, l.scale_log2, begin, end,
+                                       reinterpret_cast<char*>(smem), red_m, red_l, red_o, warp_buf);
+      } else {
+        AttendRange<HD, T, G>(rows, q, gcount, l.scale_log2, begin, end, red_m, red_l, red_o, warp_buf);
+      }
+    };
+    if (contiguous) {
+      attend(ResidentRows{pl.res_k, src.res_v_off, src.row_bytes});
+    } else {
+      attend(src);
+    }
+    WriteResult<HD, G>(red_m, red_l, red_o, gcount, ws_o, ws_lse);
+  }
+  // Publish the partial, then count it; the last CTA combines.
+  __threadfence();
+  __syncthreads();
+  __shared__ bool last;
+  int32_t* counter = a.counters + static_cast<size_t>(item) * gridDim.z + blockIdx.z;
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == l.num_splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int g = g0; g < g0 + gcount; ++g) CombineHead(a, item, g, l.num_splits, gridDim.x);
+  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or graph replay)
 }
 
 template <int HD, typename T, int G, bool kPipe>
@@ -270,9 +309,6 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
   const dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>(splits), static_cast<unsigned>(gz));
   StepAttnKernel<HD, T, G, kPipe><<<grid, kAttnThreads, smem, stream>>>(a, l);
   KVF_CUDA_CHECK_LAUNCH(StepAttnKernel);
-  StepCombineKernel<<<dim3(static_cast<unsigned>(items), a.params.group), kAttnThreads, 0, stream>>>(
-      a, l.num_splits);
-  KVF_CUDA_CHECK_LAUNCH(StepCombineKernel);
   return Status::Ok();
 }
 
@@ -281,7 +317,7 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
 Status LaunchDecodeStep(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
   KVF_RETURN_IF_ERROR(CheckAttnShape(a.params));
   if (a.batch == 0) return Status::Ok();
-  KVF_CHECK_ARG(a.ws != nullptr && a.slots != nullptr && a.positions != nullptr && a.pages != nullptr,
+  KVF_CHECK_ARG(a.ws != nullptr && a.counters != nullptr && a.slots != nullptr && a.positions != nullptr && a.pages != nullptr,
                 "decode step: null workspace, slots, positions or page table");
   KVF_CHECK_ARG(a.mode != StepRowMode::kList || (a.list != nullptr && a.list_count != nullptr),
                 "decode step: list mode without a list");

@@ -10,6 +10,7 @@ namespace kvferry {
 namespace {
 // Pages are carved from chunks of about this many bytes, so pinning cost is paid rarely.
 constexpr int64_t kChunkBytes = int64_t{8} << 20;
+constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
 }  // namespace
 
 HostStore::HostStore(Device* device, const HostStoreShape& shape)
@@ -43,8 +44,13 @@ Status HostStore::Init() {
 }
 
 Status HostStore::Grow(int64_t pages) {
-  const int64_t per_chunk = std::max<int64_t>(1, kChunkBytes / page_bytes_);
-  const int64_t chunk_pages = std::max(per_chunk, pages);
+  // Chunks grow with the store (a quarter of what it holds, 8 MiB to 1 GiB), so that filling
+  // tens of GiB pins memory in a few dozen calls rather than thousands; never past max_bytes.
+  const int64_t grown = std::clamp<int64_t>(chunks_bytes_ / 4, kChunkBytes, kMaxChunkBytes);
+  int64_t chunk_pages = std::max<int64_t>({1, grown / page_bytes_, pages});
+  if (shape_.max_bytes > 0) {
+    chunk_pages = std::max(pages, std::min(chunk_pages, (shape_.max_bytes - chunks_bytes_) / page_bytes_));
+  }
   KVF_ASSIGN_OR_RETURN(void* chunk, device_->AllocHost(static_cast<size_t>(chunk_pages * page_bytes_)));
   chunks_.push_back(chunk);
   chunks_bytes_ += chunk_pages * page_bytes_;

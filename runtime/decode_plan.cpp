@@ -53,6 +53,12 @@ Status RuntimeImpl::InitStepBuffers() {
                       group_ * (m.head_dim + 1);
     KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(step_ws_floats_) * sizeof(float), false));
     step_ws_ = static_cast<float*>(p);
+    const size_t counters = static_cast<size_t>(cap.max_batch) * m.num_kv_heads * group_;
+    KVF_ASSIGN_OR_RETURN(p, Alloc(counters * sizeof(int32_t), false));
+    step_counters_ = static_cast<int32_t*>(p);
+    const std::vector<int32_t> zeros(counters, 0);
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(step_counters_, zeros.data(), counters * sizeof(int32_t), stream_));
+    KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
   }
   plan_.layer_run.assign(static_cast<size_t>(m.num_layers), 0);
   return Status::Ok();
@@ -267,6 +273,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   a.lse = lse_gpu_;
   a.ws = step_ws_;
   a.ws_floats = step_ws_floats_;
+  a.counters = step_counters_;
 
   // Rows each item attends, for the launch shape and the stats (the device recomputes them).
   const int64_t window = config_.tiers.window_tokens;
@@ -325,7 +332,7 @@ Status RuntimeImpl::RestoreEvictedRows(std::span<const int> slot_of, int layer,
     const int64_t pos = lengths_[static_cast<size_t>(slot) * m.num_layers + layer] - 1;
     const int64_t evicted = pos - window;
     if (pos < sink || evicted < sink) continue;  // the append took no ring row from anyone
-    const int64_t row = sink + pos % window;
+    const int64_t row = ResidentRowOf(pos, pos + 1, sink, window);
     for (int h = 0; h < m.num_kv_heads; ++h) {
       k_copies_[c] = RowCopy{ResidentK(slot, layer, h, row), store_->k_row(slot, layer, h, evicted)};
       v_copies_[c++] = RowCopy{ResidentV(slot, layer, h, row), store_->v_row(slot, layer, h, evicted)};

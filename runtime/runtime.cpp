@@ -391,9 +391,7 @@ char* RuntimeImpl::ResidentV(int slot, int layer, int h, int64_t row) const {
 
 int64_t RuntimeImpl::ResidentRow(int64_t pos, int64_t n) const {
   const int sink = config_.tiers.sink_tokens, window = config_.tiers.window_tokens;
-  if (pos < sink) return pos;
-  if (pos >= n - window) return sink + pos % window;
-  return -1;
+  return ResidentRowOf(pos, n, sink, window);
 }
 
 int64_t RuntimeImpl::PlanAppend(int slot, int layer, int64_t pos0, int64_t count, int64_t new_len,
@@ -410,12 +408,7 @@ int64_t RuntimeImpl::PlanAppend(int slot, int layer, int64_t pos0, int64_t count
       const void* vs = static_cast<const char*>(v_src) + src_row * d * v_elem;
       k_copies[c] = RowCopy{store_->k_row(slot, layer, h, pos), ks};
       v_copies[c++] = RowCopy{store_->v_row(slot, layer, h, pos), vs};
-      int64_t row = -1;
-      if (pos < sink) {
-        row = pos;
-      } else if (pos >= new_len - window) {
-        row = sink + pos % window;
-      }
+      const int64_t row = ResidentRowOf(pos, new_len, sink, window);
       if (row >= 0) {
         k_copies[c] = RowCopy{ResidentK(slot, layer, h, row), ks};
         v_copies[c++] = RowCopy{ResidentV(slot, layer, h, row), vs};

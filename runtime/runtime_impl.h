@@ -194,6 +194,7 @@ class RuntimeImpl {
   int plan_next_ = 0;
   float* step_ws_ = nullptr;           // device: split partials of the step kernels
   int64_t step_ws_floats_ = 0;
+  int32_t* step_counters_ = nullptr;   // device: zeroed split counters of the step kernel
   std::vector<int64_t> step_pos_scratch_;
 };
 
