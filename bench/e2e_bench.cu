@@ -114,6 +114,12 @@ Options Parse(int argc, char** argv) {
   return o;
 }
 
+void Check(const kvferry::Status& st, const char* what) {
+  if (st.ok()) return;
+  std::fprintf(stderr, "%s: %s\n", what, st.ToString().c_str());
+  std::exit(1);
+}
+
 double Now() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
@@ -139,7 +145,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
              .kv_dtype = DType::kBF16};
   c.capacity.max_sequences = batch;
   c.capacity.max_batch = batch;
-  c.capacity.max_tokens_per_sequence = ctx + o.steps + 16;
+  c.capacity.max_tokens_per_sequence = ctx + 2 * o.steps + 64;  // warm-ups, plain and graph runs
   c.capacity.max_prefill_chunk = 4096;
   c.tiers.sink_tokens = kSink;
   c.tiers.window_tokens = resident ? static_cast<int>(c.capacity.max_tokens_per_sequence) - kSink : kWindow;
@@ -204,7 +210,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   for (int b = 0; b < batch; ++b) {
     const SequenceId s = 100 + b;
     seqs.push_back(s);
-    if (!rt->AddSequence(s).ok()) std::exit(1);
+    Check(rt->AddSequence(s), "AddSequence");
     for (int l = 0; l < o.layers; ++l) {
       for (int64_t pos = 0; pos < ctx - kPrime; pos += chunk) {
         const int64_t n = std::min<int64_t>(chunk, ctx - kPrime - pos);
@@ -226,7 +232,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   const double fill_s = (Now() - t_fill0) * 1e-3;
 
   auto step_plain = [&](bool plan) {
-    if (plan && !rt->PlanDecode(seqs, stream).ok()) std::exit(1);
+    if (plan) Check(rt->PlanDecode(seqs, stream), "PlanDecode");
     for (int l = 0; l < o.layers; ++l) {
       const kvferry::Status st =
           rt->Decode(seqs, l, view(q, batch, kHq), view(k, batch, kHkv), view(v, batch, kHkv),
@@ -253,21 +259,21 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   if (graph_ok) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
-    if (!rt->PlanDecode(seqs, stream).ok()) std::exit(1);
+    Check(rt->PlanDecode(seqs, stream), "PlanDecode");
     CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     step_plain(false);
     CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
     CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
     CHECK_CUDA(cudaGraphLaunch(exec, stream));
     for (int i = 0; i < 2; ++i) {
-      if (!rt->PlanDecode(seqs, stream).ok()) std::exit(1);
+      Check(rt->PlanDecode(seqs, stream), "PlanDecode");
       CHECK_CUDA(cudaGraphLaunch(exec, stream));
     }
     CHECK_CUDA(cudaStreamSynchronize(stream));
     rt->ResetStats();
     t0 = Now();
     for (int i = 0; i < o.steps; ++i) {
-      if (!rt->PlanDecode(seqs, stream).ok()) std::exit(1);
+      Check(rt->PlanDecode(seqs, stream), "PlanDecode");
       CHECK_CUDA(cudaGraphLaunch(exec, stream));
     }
     CHECK_CUDA(cudaStreamSynchronize(stream));
