@@ -80,7 +80,8 @@ enum class StepRowMode : int32_t {
 ///
 /// Stages, in order on the stream: (1) append: k/v of token b are converted to the KV dtype and
 /// written to the host store (write-through) and to its resident row (sink or window ring); q is
-/// converted to fp32 into q_f32. (2) attend: each item attends its rows (resident rows from device
+/// converted to fp32 (into q_f32 on the host; inside the attention kernel on CUDA, which also
+/// appends and reads the new token from k/v when they are in the KV dtype: one launch a layer). (2) attend: each item attends its rows (resident rows from device
 /// memory, the others from the host store read zero-copy) split over CTAs. (3) combine: the splits
 /// and the optional CPU part (o_cpu, lse_cpu) merge exactly into out (out_dtype) and lse.
 struct DecodeStepArgs {
@@ -126,7 +127,7 @@ struct DecodeStepArgs {
   const int32_t* list_count = nullptr;  ///< kList: [batch * num_kv_heads]
   int64_t list_cap = 0;
 
-  float* q_f32 = nullptr;  ///< scratch [batch, num_q_heads, head_dim]
+  float* q_f32 = nullptr;  ///< host scratch [batch, num_q_heads, head_dim]
   float* lse = nullptr;    ///< [batch, num_q_heads] natural-log lse of the result (may be null)
   const float* o_cpu = nullptr;    ///< optional CPU part [batch, num_q_heads, head_dim]
   const float* lse_cpu = nullptr;  ///< its lse [batch, num_q_heads]; -inf where empty

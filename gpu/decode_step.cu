@@ -1,7 +1,7 @@
 // Copyright kvferry authors. Apache-2.0.
-// The Runtime's decode step on the GPU (DecodeStepArgs): two launches per layer, neither of which
-// reads anything the host wrote for this call. Append writes the new token through to the host
-// store and its resident row and converts q; attend runs the split decode loops of attention.cuh
+// The Runtime's decode step on the GPU (DecodeStepArgs): one launch per layer (two when k/v come
+// in another dtype than the cache's), reading nothing the host wrote for this call. Append writes
+// the new token through to the host store and its resident row; attend converts q and runs the split decode loops of attention.cuh
 // over a row source that turns a list index into a position and the position into an address
 // (resident tier or host store, read zero-copy), and the last CTA of each item merges the splits,
 // and the CPU part when there is one, into the caller's output in its dtype.
@@ -52,17 +52,11 @@ __device__ __forceinline__ ItemPlace PlaceOf(const DecodeStepArgs& a, int32_t b,
   return p;
 }
 
-// (1) append: grid (batch, num_kv_heads).
-__global__ void StepAppendKernel(DecodeStepArgs a) {
-  const int32_t b = blockIdx.x, h = blockIdx.y;
-  const int d = a.params.head_dim, group = a.params.group;
-  const int64_t hq = static_cast<int64_t>(a.num_kv_heads) * group;
-  const ItemPlace pl = PlaceOf(a, b, h);
+// (1) append of one item's new token: K/V converted to the KV dtype, written through to the
+// host store and to its resident row, by the threads of one CTA.
+__device__ void AppendItem(const DecodeStepArgs& a, int32_t b, int32_t h, const ItemPlace& pl) {
+  const int d = a.params.head_dim;
   const int64_t pos = pl.n - 1;
-  const int64_t q0 = (b * hq + static_cast<int64_t>(h) * group) * d;
-  for (int i = threadIdx.x; i < group * d; i += blockDim.x) {
-    a.q_f32[q0 + i] = LoadAs(a.q, a.q_dtype, q0 + i);
-  }
   const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(a.params.kv_dtype);
   const uint32_t pt = static_cast<uint32_t>(a.page_tokens);
   const uint32_t off = static_cast<uint32_t>(pos) % pt;
@@ -70,32 +64,45 @@ __global__ void StepAppendKernel(DecodeStepArgs a) {
   char* store_k = page + off * row_bytes;
   char* store_v = page + (pt + off) * row_bytes;
   const int64_t row = ResidentRowOf(pos, pl.n, a.sink, a.window);
-  char* res_k = row >= 0 ? const_cast<char*>(pl.res_k) + row * row_bytes : nullptr;
-  char* res_v = row >= 0 ? res_k + static_cast<size_t>(a.sink + a.window) * row_bytes : nullptr;
+  char* res_k = const_cast<char*>(pl.res_k) + row * row_bytes;
+  char* res_v = res_k + static_cast<size_t>(a.sink + a.window) * row_bytes;
   const int64_t src = (static_cast<int64_t>(b) * a.num_kv_heads + h) * d;
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
     const float kx = LoadAs(a.k, a.k_dtype, src + i);
     const float vx = LoadAs(a.v, a.v_dtype, src + i);
     StoreAs(store_k, a.params.kv_dtype, i, kx);
     StoreAs(store_v, a.params.kv_dtype, i, vx);
-    if (res_k != nullptr) {
-      StoreAs(res_k, a.params.kv_dtype, i, kx);
-      StoreAs(res_v, a.params.kv_dtype, i, vx);
-    }
+    StoreAs(res_k, a.params.kv_dtype, i, kx);  // the new token is always in the window
+    StoreAs(res_v, a.params.kv_dtype, i, vx);
   }
+}
+
+// (1) append as its own launch, grid (batch, num_kv_heads): when k/v arrive in another dtype than
+// the KV cache's, the attention reads the new token from its resident row, written here first.
+__global__ void StepAppendKernel(DecodeStepArgs a) {
+  AppendItem(a, blockIdx.x, blockIdx.y, PlaceOf(a, blockIdx.x, blockIdx.y));
 }
 
 // List index -> position -> row address: resident rows from device memory, the others from the
 // host store (zero-copy).
+// new_k / new_v (when set): the new token's K and V straight from the caller's input, which the
+// step's own append may still be writing to the resident row.
 struct StepRows {
   const char* res_k;
   const unsigned long long* pages;
   const int32_t* list;  // kList, else null
+  const char* new_k;
+  const char* new_v;
   int64_t n, sinks, recent_begin;
   uint32_t res_v_off, row_bytes, page_tokens;
   int32_t sink, window;
   __device__ __forceinline__ void Rows(int64_t j, const char*& k, const char*& v) const {
     const int64_t pos = list != nullptr ? list[j] : (j < sinks ? j : recent_begin + (j - sinks));
+    if (new_k != nullptr && pos == n - 1) {
+      k = new_k;
+      v = new_v;
+      return;
+    }
     const int64_t row = ResidentRowOf(pos, n, sink, window);
     if (row >= 0) {
       k = res_k + static_cast<size_t>(row) * row_bytes;
@@ -116,14 +123,23 @@ struct StepRows {
 // recent part is the whole ring). No position arithmetic per row.
 struct ResidentRows {
   const char* res_k;
+  const char* new_k;  // as in StepRows: row new_row is read from the input
+  const char* new_v;
+  int64_t new_row;
   uint32_t res_v_off, row_bytes;
   __device__ __forceinline__ void Rows(int64_t j, const char*& k, const char*& v) const {
+    if (j == new_row) {
+      k = new_k;
+      v = new_v;
+      return;
+    }
     k = res_k + static_cast<size_t>(j) * row_bytes;
     v = k + res_v_off;
   }
 };
 
 struct StepLaunch {
+  bool fused_append;  // the attention kernel appends (k/v already in the KV dtype)
   int32_t num_splits;
   int32_t min_chunk;
   float scale_log2;
@@ -212,8 +228,26 @@ __global__ void __launch_bounds__(kAttnThreads, kPipe && G <= 4 ? 3 : 1)
   const int gcount = min(G, group - g0);
   const int split = blockIdx.y;
   const ItemPlace pl = PlaceOf(a, b, h);
+  // The CTA's query heads in fp32 (converted from the caller's dtype here: no separate pass).
+  __shared__ float q_s[G * HD];
+  const int64_t q0 = ((static_cast<int64_t>(b) * a.num_kv_heads + h) * group + g0) * HD;
+  for (int i = threadIdx.x; i < gcount * HD; i += blockDim.x) q_s[i] = LoadAs(a.q, a.q_dtype, q0 + i);
+  const char* new_k = nullptr;
+  const char* new_v = nullptr;
+  if (l.fused_append) {
+    const size_t in_row = (static_cast<size_t>(b) * a.num_kv_heads + h) * HD * sizeof(T);
+    new_k = static_cast<const char*>(a.k) + in_row;
+    new_v = static_cast<const char*>(a.v) + in_row;
+    // Nothing in this step reads the new token's resident or store row (it is read from the
+    // input above, and the row it takes held a position now outside the window), so one CTA
+    // per item writes them while the others attend.
+    if (split == 0 && blockIdx.z == 0) AppendItem(a, b, h, pl);
+  }
+  __syncthreads();
 
   StepRows src;
+  src.new_k = new_k;
+  src.new_v = new_v;
   src.res_k = pl.res_k;
   src.pages = pl.pages;
   src.n = pl.n;
@@ -252,7 +286,7 @@ __global__ void __launch_bounds__(kAttnThreads, kPipe && G <= 4 ? 3 : 1)
     for (int i = threadIdx.x; i < gcount * HD; i += blockDim.x) ws_o[i] = 0.0f;
     if (threadIdx.x < gcount) ws_lse[threadIdx.x] = -INFINITY;
   } else {
-    const float* q = a.q_f32 + ((static_cast<int64_t>(b) * a.num_kv_heads + h) * group + g0) * HD;
+    const float* q = q_s;
     auto attend = [&](const auto& rows) {
       if constexpr (kPipe) {
         AttendRangePipelined<HD, T, G>(rows, q, gcount, l.scale_log2, begin, end,
@@ -262,7 +296,9 @@ __global__ void __launch_bounds__(kAttnThreads, kPipe && G <= 4 ? 3 : 1)
       }
     };
     if (contiguous) {
-      attend(ResidentRows{pl.res_k, src.res_v_off, src.row_bytes});
+      attend(ResidentRows{pl.res_k, new_k, new_v,
+                          new_k != nullptr ? ResidentRowOf(pl.n - 1, pl.n, a.sink, a.window) : -1,
+                          src.res_v_off, src.row_bytes});
     } else {
       attend(src);
     }
@@ -292,7 +328,10 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
   const int64_t ctas = items * gz;
   const int64_t slots = static_cast<int64_t>(info.num_sms) * (kPipe ? per_sm : 8);
   StepLaunch l;
-  l.min_chunk = kPipe ? 4 * kPipeTileRows<HD> : info.min_chunk;
+  // Short resident lists get more, shorter splits: the step is latency-bound there.
+  l.min_chunk = kPipe ? 2 * kPipeTileRows<HD> : info.min_chunk;
+  l.fused_append = a.k_dtype == a.params.kv_dtype && a.v_dtype == a.params.kv_dtype &&
+                   reinterpret_cast<uintptr_t>(a.k) % 16 == 0 && reinterpret_cast<uintptr_t>(a.v) % 16 == 0;
   int64_t splits = kPipe ? std::max<int64_t>(slots / ctas, 1) : (slots + ctas - 1) / ctas;
   if (a.max_rows_hint > 0) splits = std::min<int64_t>(splits, (a.max_rows_hint + l.min_chunk - 1) / l.min_chunk);
   // The combine kernel keeps one split per thread, plus the CPU part.
@@ -304,8 +343,10 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
   l.num_splits = static_cast<int32_t>(splits);
   l.scale_log2 = a.params.scale * kLog2e;
 
-  StepAppendKernel<<<dim3(a.batch, a.num_kv_heads), kAttnThreads, 0, stream>>>(a);
-  KVF_CUDA_CHECK_LAUNCH(StepAppendKernel);
+  if (!l.fused_append) {
+    StepAppendKernel<<<dim3(a.batch, a.num_kv_heads), kAttnThreads, 0, stream>>>(a);
+    KVF_CUDA_CHECK_LAUNCH(StepAppendKernel);
+  }
   const dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>(splits), static_cast<unsigned>(gz));
   StepAttnKernel<HD, T, G, kPipe><<<grid, kAttnThreads, smem, stream>>>(a, l);
   KVF_CUDA_CHECK_LAUNCH(StepAttnKernel);

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/dtype.h"
 #include "gpu/device.h"
 #include "kvferry/kvferry.h"
 
@@ -46,11 +47,12 @@ struct DeviceBuf {
   ~DeviceBuf() { cudaFree(p); }
 };
 
-class CudaGraph : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+class CudaGraph : public ::testing::TestWithParam<std::tuple<std::string, int, DType>> {};
 
 TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
   if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
-  const auto [policy, window] = GetParam();
+  const auto [policy, window, in_dtype] = GetParam();
+  const size_t in_elem = DTypeSize(in_dtype);
   const RuntimeConfig c = GraphConfig(policy, window);
   const ModelShape& m = c.model;
   std::unique_ptr<Runtime> rt[2];  // 0: graph, 1: call by call
@@ -90,13 +92,23 @@ TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
   const size_t nq = batch * m.num_q_heads * m.head_dim, nkv = batch * m.num_kv_heads * m.head_dim;
   std::vector<std::unique_ptr<DeviceBuf>> dq, dk, dv, dout[2];
   for (int l = 0; l < m.num_layers; ++l) {
-    dq.emplace_back(new DeviceBuf(nq * 4));
-    dk.emplace_back(new DeviceBuf(nkv * 4));
-    dv.emplace_back(new DeviceBuf(nkv * 4));
+    dq.emplace_back(new DeviceBuf(nq * in_elem));
+    dk.emplace_back(new DeviceBuf(nkv * in_elem));
+    dv.emplace_back(new DeviceBuf(nkv * in_elem));
     for (auto& o : dout) o.emplace_back(new DeviceBuf(nq * 4));
   }
-  auto dev_view = [&](void* p, int heads) {
-    return TensorView::Contiguous(p, DType::kF32, MemoryKind::kDevice, {batch, heads, m.head_dim});
+  auto dev_view = [&](void* p, int heads, DType dt) {
+    return TensorView::Contiguous(p, dt, MemoryKind::kDevice, {batch, heads, m.head_dim});
+  };
+  // Upload in the input dtype (k/v in the cache's dtype take the one-launch path).
+  auto upload = [&](void* dst, const std::vector<float>& x) {
+    if (in_dtype == DType::kF32) {
+      ASSERT_EQ(cudaMemcpy(dst, x.data(), x.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+      return;
+    }
+    std::vector<uint16_t> h(x.size());
+    for (size_t i = 0; i < x.size(); ++i) h[i] = cpu::F32ToBf16(x[i]);
+    ASSERT_EQ(cudaMemcpy(dst, h.data(), h.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
   };
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -104,17 +116,17 @@ TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
     for (int l = 0; l < m.num_layers; ++l) {
       auto q = random(static_cast<int64_t>(nq)), k = random(static_cast<int64_t>(nkv)),
            v = random(static_cast<int64_t>(nkv));
-      CUDA_OK(cudaMemcpy(dq[l]->p, q.data(), nq * 4, cudaMemcpyHostToDevice));
-      CUDA_OK(cudaMemcpy(dk[l]->p, k.data(), nkv * 4, cudaMemcpyHostToDevice));
-      CUDA_OK(cudaMemcpy(dv[l]->p, v.data(), nkv * 4, cudaMemcpyHostToDevice));
+      upload(dq[l]->p, q);
+      upload(dk[l]->p, k);
+      upload(dv[l]->p, v);
     }
   };
   auto run_layers = [&](int which) {
     for (int l = 0; l < m.num_layers; ++l) {
-      const Status st = rt[which]->Decode(seqs, l, dev_view(dq[l]->p, m.num_q_heads),
-                                          dev_view(dk[l]->p, m.num_kv_heads),
-                                          dev_view(dv[l]->p, m.num_kv_heads),
-                                          dev_view(dout[which][l]->p, m.num_q_heads), stream);
+      const Status st = rt[which]->Decode(seqs, l, dev_view(dq[l]->p, m.num_q_heads, in_dtype),
+                                          dev_view(dk[l]->p, m.num_kv_heads, in_dtype),
+                                          dev_view(dv[l]->p, m.num_kv_heads, in_dtype),
+                                          dev_view(dout[which][l]->p, m.num_q_heads, DType::kF32), stream);
       ASSERT_TRUE(st.ok()) << st.ToString();
     }
   };
@@ -149,9 +161,10 @@ TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   run_layers(0);
   // Outside a plan, a captured Decode is refused (it would need host work inside the graph).
-  EXPECT_EQ(rt[0]->Decode(seqs, 0, dev_view(dq[0]->p, m.num_q_heads), dev_view(dk[0]->p, m.num_kv_heads),
-                          dev_view(dv[0]->p, m.num_kv_heads), dev_view(dout[0][0]->p, m.num_q_heads),
-                          stream)
+  EXPECT_EQ(rt[0]->Decode(seqs, 0, dev_view(dq[0]->p, m.num_q_heads, in_dtype),
+                          dev_view(dk[0]->p, m.num_kv_heads, in_dtype),
+                          dev_view(dv[0]->p, m.num_kv_heads, in_dtype),
+                          dev_view(dout[0][0]->p, m.num_q_heads, DType::kF32), stream)
                 .code(),
             StatusCode::kFailedPrecondition);
   cudaGraph_t graph;
@@ -185,10 +198,10 @@ TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
 
 // streaming (rows beyond the window read zero-copy), dense over everything (rows from host memory
 // past the window) and dense with every row resident (the cp.async path).
-INSTANTIATE_TEST_SUITE_P(Policies, CudaGraph,
-                         ::testing::Values(std::make_tuple(std::string("streaming"), 64),
-                                           std::make_tuple(std::string("dense"), 64),
-                                           std::make_tuple(std::string("dense"), 2048 - 4)));
+INSTANTIATE_TEST_SUITE_P(
+    Policies, CudaGraph,
+    ::testing::Combine(::testing::Values(std::string("streaming"), std::string("dense")),
+                       ::testing::Values(64, 2048 - 4), ::testing::Values(DType::kF32, DType::kBF16)));
 
 TEST(CudaPlannedStep, DeviceAndHostTensorsAgree) {
   if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
