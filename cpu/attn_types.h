@@ -196,4 +196,48 @@ KVF_HOST_DEVICE inline int64_t ResidentRowOf(int64_t pos, int64_t n, int32_t sin
   return -1;
 }
 
+/// One prefill chunk of one (sequence, layer): what LaunchPrefillStage reads and writes.
+struct PrefillStageArgs {
+  const void* k = nullptr;  ///< [tokens, num_kv_heads, head_dim], k_dtype (device-readable)
+  const void* v = nullptr;
+  DType k_dtype = DType::kF32;
+  DType v_dtype = DType::kF32;
+  int64_t pos0 = 0;     ///< position of the chunk's first token
+  int64_t tokens = 0;
+  int64_t new_len = 0;  ///< pos0 + tokens
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  DType kv_dtype = DType::kBF16;
+  /// Device page table of the (slot, layer): head h's page p at pages[h * max_pages + p]; pages
+  /// hold page_tokens K rows then as many V rows (see KvPages).
+  void* const* pages = nullptr;
+  int64_t max_pages = 0;
+  int32_t page_tokens = 256;
+  /// Resident tier of the (slot, layer): head h's K rows at resident + h * 2 * (sink + window)
+  /// rows, its V rows after them, placed by ResidentRowOf.
+  char* resident = nullptr;
+  int32_t sink = 0;
+  int32_t window = 1;
+  /// Device staging [num_kv_heads][K, V][staging_cap][head_dim] in the KV dtype, or null.
+  char* staging = nullptr;
+  int64_t staging_cap = 0;
+};
+
+/// One prefill chunk on the device's tensor-core path (Device::PrefillChunk): staging as above,
+/// then causal attention of the chunk's queries over rows [0, new_len) of the staging.
+struct PrefillChunkArgs {
+  PrefillStageArgs stage;
+  AttnParams params;
+  int32_t num_q_heads = 0;
+  const void* q = nullptr;  ///< [tokens, num_q_heads, head_dim], q_dtype (device-readable)
+  DType q_dtype = DType::kF32;
+  void* out = nullptr;      ///< [tokens, num_q_heads, head_dim], out_dtype
+  DType out_dtype = DType::kF32;
+  /// Scratch for q in the KV dtype when q_dtype differs: tokens * num_q_heads * head_dim elements.
+  void* q_scratch = nullptr;
+  /// num_kv_heads attention descriptors' worth of device-readable memory (pinned host or device)
+  /// the device fills; not rewritten by the host before the call's work ran.
+  void* items = nullptr;
+};
+
 }  // namespace kvferry

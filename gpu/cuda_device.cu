@@ -310,6 +310,39 @@ Status CudaDevice::DecodeStep(const DecodeStepArgs& args, StreamHandle stream) {
   return LaunchDecodeStep(args, info_, Resolve(stream));
 }
 
+Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  const cudaStream_t s = Resolve(stream);
+  const PrefillStageArgs& st = a.stage;
+  KVF_CHECK_ARG(a.items != nullptr && st.staging != nullptr, "PrefillChunk: no items or staging");
+  KVF_RETURN_IF_ERROR(LaunchPrefillStage(st, s));
+  const int64_t hq = a.num_q_heads, d = st.head_dim, group = a.params.group;
+  const void* q = a.q;
+  if (a.q_dtype != st.kv_dtype) {
+    KVF_CHECK_ARG(a.q_scratch != nullptr, "PrefillChunk: q in ", DTypeName(a.q_dtype),
+                  " needs q_scratch");
+    KVF_RETURN_IF_ERROR(LaunchConvert(a.q, a.q_dtype, a.q_scratch, st.kv_dtype, st.tokens * hq * d, s));
+    q = a.q_scratch;
+  }
+  auto* items = static_cast<PrefillAttnItem*>(a.items);
+  const size_t elem = DTypeSize(st.kv_dtype), out_elem = DTypeSize(a.out_dtype);
+  const size_t row_bytes = static_cast<size_t>(d) * elem;
+  for (int h = 0; h < st.num_kv_heads; ++h) {
+    PrefillAttnItem& it = items[h];
+    it.q = static_cast<const char*>(q) + static_cast<size_t>(h * group * d) * elem;
+    it.q_stride_tok = hq * d;
+    it.o = static_cast<char*>(a.out) + static_cast<size_t>(h * group * d) * out_elem;
+    it.lse = nullptr;
+    it.k = st.staging + static_cast<size_t>(h * 2) * st.staging_cap * row_bytes;
+    it.v = st.staging + static_cast<size_t>(h * 2 + 1) * st.staging_cap * row_bytes;
+    it.kv_stride = d;
+    it.q_pos0 = st.pos0;
+    it.num_q = static_cast<int32_t>(st.tokens);
+  }
+  return LaunchPrefillAttention(a.params, st.kv_dtype, a.out_dtype, items, st.num_kv_heads,
+                                static_cast<int32_t>(st.tokens), s);
+}
+
 bool CudaDevice::IsCapturing(StreamHandle stream) const {
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(Resolve(stream), &st) != cudaSuccess) {

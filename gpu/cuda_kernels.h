@@ -127,6 +127,15 @@ Status LaunchBankResolve(const BankAttnItem* items, int64_t num_items, int64_t m
 /// launches that read the step's slots and positions from device memory (graph-capturable).
 Status LaunchDecodeStep(const DecodeStepArgs& args, const LaunchInfo& info, cudaStream_t stream);
 
+/// A prefill chunk's K/V converted to the KV dtype and written to the host store (zero-copy),
+/// the resident tier and the staging, then (staging only) positions [0, pos0) read from the host
+/// store into the staging, so that the staging holds rows [0, new_len) contiguously per head.
+Status LaunchPrefillStage(const PrefillStageArgs& args, cudaStream_t stream);
+
+/// dst[i] <- convert(src[i]) for n elements.
+Status LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n,
+                     cudaStream_t stream);
+
 /// rows[i].dst <- convert(rows[i].src), elems elements each; rows[] device-readable.
 Status LaunchCopyRows(const RowCopy* rows, int64_t num_rows, int elems, DType src_dtype,
                       DType dst_dtype, cudaStream_t stream);

@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "gpu/attention.cuh"
+#include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
 #include "gpu/dispatch.cuh"
@@ -16,22 +17,6 @@
 
 namespace kvferry::cuda {
 namespace {
-
-__device__ __forceinline__ float LoadAs(const void* p, DType t, int64_t i) {
-  switch (t) {
-    case DType::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case DType::kF16: return __half2float(static_cast<const __half*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-
-__device__ __forceinline__ void StoreAs(void* p, DType t, int64_t i, float x) {
-  switch (t) {
-    case DType::kBF16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); break;
-    case DType::kF16: static_cast<__half*>(p)[i] = __float2half_rn(x); break;
-    default: static_cast<float*>(p)[i] = x; break;
-  }
-}
 
 // Where one item's rows live.
 struct ItemPlace {
@@ -68,12 +53,12 @@ __device__ void AppendItem(const DecodeStepArgs& a, int32_t b, int32_t h, const 
   char* res_v = res_k + static_cast<size_t>(a.sink + a.window) * row_bytes;
   const int64_t src = (static_cast<int64_t>(b) * a.num_kv_heads + h) * d;
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
-    const float kx = LoadAs(a.k, a.k_dtype, src + i);
-    const float vx = LoadAs(a.v, a.v_dtype, src + i);
-    StoreAs(store_k, a.params.kv_dtype, i, kx);
-    StoreAs(store_v, a.params.kv_dtype, i, vx);
-    StoreAs(res_k, a.params.kv_dtype, i, kx);  // the new token is always in the window
-    StoreAs(res_v, a.params.kv_dtype, i, vx);
+    const float kx = LoadElem(a.k, a.k_dtype, src + i);
+    const float vx = LoadElem(a.v, a.v_dtype, src + i);
+    StoreElem(store_k, a.params.kv_dtype, i, kx);
+    StoreElem(store_v, a.params.kv_dtype, i, vx);
+    StoreElem(res_k, a.params.kv_dtype, i, kx);  // the new token is always in the window
+    StoreElem(res_v, a.params.kv_dtype, i, vx);
   }
 }
 
@@ -204,7 +189,7 @@ __device__ void CombineHead(const DecodeStepArgs& a, int32_t item, int g, int32_
     if (y < splits) acc0 = fmaf(w[y], __ldcg(ws_o + y * ystride + i), acc0);
     float acc = acc0 + acc1;
     if (o_cpu != nullptr) acc = fmaf(w[splits], o_cpu[i], acc);
-    StoreAs(a.out, a.out_dtype, row * d + i, acc * inv);
+    StoreElem(a.out, a.out_dtype, row * d + i, acc * inv);
   }
   if (tid == 0 && a.lse != nullptr) a.lse[row] = m == -INFINITY ? -INFINITY : m + logf(sum);
   __syncthreads();  // w / red are reused by the next head
@@ -231,7 +216,7 @@ __global__ void __launch_bounds__(kAttnThreads, kPipe && G <= 4 ? 3 : 1)
   // The CTA's query heads in fp32 (converted from the caller's dtype here: no separate pass).
   __shared__ float q_s[G * HD];
   const int64_t q0 = ((static_cast<int64_t>(b) * a.num_kv_heads + h) * group + g0) * HD;
-  for (int i = threadIdx.x; i < gcount * HD; i += blockDim.x) q_s[i] = LoadAs(a.q, a.q_dtype, q0 + i);
+  for (int i = threadIdx.x; i < gcount * HD; i += blockDim.x) q_s[i] = LoadElem(a.q, a.q_dtype, q0 + i);
   const char* new_k = nullptr;
   const char* new_v = nullptr;
   if (l.fused_append) {

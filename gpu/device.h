@@ -74,6 +74,13 @@ class Device {
   /// step's slots and positions from device memory, never allocates and never synchronises, so
   /// it can be captured in a CUDA graph.
   virtual Status DecodeStep(const DecodeStepArgs& args, StreamHandle stream) = 0;
+  /// One prefill chunk on tensor cores (see PrefillChunkArgs). kUnimplemented where there is no
+  /// such kernel (the host device): the runtime then runs its paged path.
+  virtual Status PrefillChunk(const PrefillChunkArgs& args, StreamHandle stream) {
+    (void)args;
+    (void)stream;
+    return Unimplemented("PrefillChunk: no tensor-core prefill on this device");
+  }
   /// Whether \p stream is being captured into a CUDA graph (always false on the host).
   [[nodiscard]] virtual bool IsCapturing(StreamHandle stream) const {
     (void)stream;

@@ -8,27 +8,12 @@
 
 #include <cstdint>
 
+#include "gpu/convert.cuh"
 #include "gpu/device.h"
 
 namespace kvferry::cuda {
 
 constexpr int kRowThreads = 256;
-
-__device__ __forceinline__ float LoadElem(const void* p, DType t, int64_t i) {
-  switch (t) {
-    case DType::kF32: return static_cast<const float*>(p)[i];
-    case DType::kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    default: return __half2float(static_cast<const __half*>(p)[i]);
-  }
-}
-
-__device__ __forceinline__ void StoreElem(void* p, DType t, int64_t i, float x) {
-  switch (t) {
-    case DType::kF32: static_cast<float*>(p)[i] = x; break;
-    case DType::kBF16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); break;
-    default: static_cast<__half*>(p)[i] = __float2half_rn(x); break;
-  }
-}
 
 /// rows: [num_rows] {dst, src}; each row elems elements.
 __global__ void __launch_bounds__(kRowThreads) CopyRowsKernel(const RowCopy* __restrict__ rows,

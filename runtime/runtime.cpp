@@ -2,7 +2,9 @@
 // The runtime: validation, sequence slots, and the prefill and decode steps of DESIGN.md.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <limits>
 
 #include "cpu/attention.h"
@@ -240,6 +242,12 @@ Status RuntimeImpl::Init() {
     prefill_pages_host_ = static_cast<void**>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(hkv * max_pages_) * sizeof(void*), false));
     prefill_pages_dev_ = static_cast<void**>(p);
+    // Prefill on tensor cores unless KVFERRY_CUDA_PREFILL=paged asks for the CUDA-core kernel
+    // (the reference it is tested against).
+    const char* prefill_kernel = std::getenv("KVFERRY_CUDA_PREFILL");
+    if (prefill_kernel == nullptr || std::string_view(prefill_kernel) != "paged") {
+      KVF_ASSIGN_OR_RETURN(prefill_items_, Alloc(static_cast<size_t>(hkv) * 128, true));
+    }
   }
   KVF_RETURN_IF_ERROR(InitStepBuffers());
   if (config_.probe_at_start) KVF_RETURN_IF_ERROR(ProbeCosts());
@@ -464,71 +472,125 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   KVF_ASSIGN_OR_RETURN(const void* q_src, StageInput(q, q_in_, stream));
   KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, k_in_, stream));
   KVF_ASSIGN_OR_RETURN(const void* v_src, StageInput(v, v_in_, stream));
-  const int64_t n_copies = PlanAppend(slot, layer, pos0, tokens, new_len, k_src, DTypeSize(k.dtype),
-                                      v_src, DTypeSize(v.dtype), 0, k_copies_, v_copies_);
-  KVF_RETURN_IF_ERROR(device_->CopyRows(k_copies_, n_copies, d, k.dtype, m.kv_dtype, stream));
-  KVF_RETURN_IF_ERROR(device_->CopyRows(v_copies_, n_copies, d, v.dtype, m.kv_dtype, stream));
-  stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
-
-  // q to f32, transposed to [Hkv, T, G, D] so that each KV head's queries are contiguous.
   const int64_t gd = static_cast<int64_t>(group_) * d;
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int h = 0; h < hkv; ++h) {
-      q_copies_[t * hkv + h] = RowCopy{
-          q_f32_ + (h * tokens + t) * gd,
-          static_cast<const char*>(q_src) + (t * hq + h * group_) * d * DTypeSize(q.dtype)};
-    }
-  }
-  KVF_RETURN_IF_ERROR(device_->CopyRows(q_copies_, tokens * hkv, static_cast<int>(gd), q.dtype,
-                                        DType::kF32, stream));
-  AttnParams params{group_, d, m.kv_dtype, scale_};
-  float* o_f32 = o_gpu_;
-  // On a GPU, prefill reads every stored row once per query: stage this layer's pages in device
-  // memory first (one PCIe pass per chunk) instead of reading them over PCIe for every query.
-  const bool stage_pages = prefill_pages_dev_ != nullptr;
-  const int64_t num_pages = (new_len + store_->shape().page_tokens - 1) / store_->shape().page_tokens;
-  if (stage_pages) {
-    const int64_t page_bytes = store_->page_bytes();
-    for (int h = 0; h < hkv; ++h) {
-      const KvPages src = store_->pages(slot, layer, h);
-      for (int64_t pg = 0; pg < num_pages; ++pg) {
-        char* dst = prefill_scratch_ + (h * max_pages_ + pg) * page_bytes;
-        KVF_RETURN_IF_ERROR(device_->CopyAsync(dst, src.pages[pg], static_cast<size_t>(page_bytes), stream));
-        prefill_pages_host_[h * max_pages_ + pg] = dst;
+  // q to f32, transposed to [Hkv, T, G, D] so that each KV head's queries are contiguous.
+  auto transpose_q = [&]() -> Status {
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int h = 0; h < hkv; ++h) {
+        q_copies_[t * hkv + h] = RowCopy{
+            q_f32_ + (h * tokens + t) * gd,
+            static_cast<const char*>(q_src) + (t * hq + h * group_) * d * DTypeSize(q.dtype)};
       }
     }
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(prefill_pages_dev_, prefill_pages_host_,
-                                           static_cast<size_t>(hkv * max_pages_) * sizeof(void*), stream));
-    stats_.bytes_h2d += num_pages * page_bytes * hkv;
-  }
-  for (int h = 0; h < hkv; ++h) {
-    PagedAttnItem& it = paged_items_[h];
-    it.q = q_f32_ + h * tokens * gd;
-    it.o = o_f32 + h * tokens * gd;
-    it.lse = lse_gpu_ + h * tokens * group_;
-    it.kv = stage_pages ? KvPages{prefill_pages_dev_ + h * max_pages_, store_->shape().page_tokens}
-                        : store_->pages(slot, layer, h);
-    it.q_pos0 = pos0;
-    it.num_q = static_cast<int32_t>(tokens);
-  }
-  KVF_RETURN_IF_ERROR(device_->AttendPaged(params, paged_items_, hkv, stream));
-  const bool out_direct = out.where == MemoryKind::kDevice || device_->backend() == Backend::kHost;
-  char* out_dst = static_cast<char*>(out_direct ? out.data : out_stage_);
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int h = 0; h < hkv; ++h) {
-      o_copies_[t * hkv + h] = RowCopy{out_dst + (t * hq + h * group_) * d * DTypeSize(out.dtype),
-                                       o_f32 + (h * tokens + t) * gd};
+    return device_->CopyRows(q_copies_, tokens * hkv, static_cast<int>(gd), q.dtype, DType::kF32,
+                             stream);
+  };
+  AttnParams params{group_, d, m.kv_dtype, scale_};
+  bool tensor_cores = false;
+  if (prefill_items_ != nullptr) {
+    // CUDA: one staging pass and the tensor-core kernel (gpu/prefill.cuh).
+    KVF_RETURN_IF_ERROR(store_->FlushTable(stream));
+    const int64_t rows_per_slot = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
+    const int64_t t0_index = (static_cast<int64_t>(slot) * m.num_layers + layer) * hkv;
+    PrefillChunkArgs a;
+    PrefillStageArgs& st = a.stage;
+    st.k = k_src;
+    st.v = v_src;
+    st.k_dtype = k.dtype;
+    st.v_dtype = v.dtype;
+    st.pos0 = pos0;
+    st.tokens = tokens;
+    st.new_len = new_len;
+    st.num_kv_heads = hkv;
+    st.head_dim = d;
+    st.kv_dtype = m.kv_dtype;
+    st.pages = store_->device_table() + t0_index * store_->max_pages();
+    st.max_pages = store_->max_pages();
+    st.page_tokens = store_->shape().page_tokens;
+    st.resident = resident_ + static_cast<size_t>(t0_index * 2 * rows_per_slot) * row_bytes_;
+    st.sink = config_.tiers.sink_tokens;
+    st.window = config_.tiers.window_tokens;
+    st.staging = prefill_scratch_;
+    st.staging_cap = max_pages_ * store_->shape().page_tokens;
+    a.params = params;
+    a.num_q_heads = hq;
+    a.q = q_src;
+    a.q_dtype = q.dtype;
+    const bool out_direct = out.where == MemoryKind::kDevice;
+    a.out = out_direct ? out.data : out_stage_;
+    a.out_dtype = out.dtype;
+    a.q_scratch = q_in_ == q_src ? out_stage_ : q_in_;  // a free buffer of the chunk's size
+    if (!out_direct && a.q_scratch == out_stage_) a.q_scratch = q_f32_;
+    a.items = prefill_items_;
+    const Status st_run = device_->PrefillChunk(a, stream);
+    if (st_run.ok()) {
+      tensor_cores = true;
+      if (!out_direct) {
+        KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
+      }
+      stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
+      stats_.bytes_h2d += pos0 * hkv * 2 * static_cast<int64_t>(row_bytes_);    // earlier rows staged
+    } else if (st_run.code() != StatusCode::kUnimplemented) {
+      return st_run;
     }
   }
-  KVF_RETURN_IF_ERROR(device_->CopyRows(o_copies_, tokens * hkv, static_cast<int>(gd), DType::kF32,
-                                        out.dtype, stream));
-  if (!out_direct) {
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
+  if (!tensor_cores) {
+    const int64_t n_copies = PlanAppend(slot, layer, pos0, tokens, new_len, k_src, DTypeSize(k.dtype),
+                                        v_src, DTypeSize(v.dtype), 0, k_copies_, v_copies_);
+    KVF_RETURN_IF_ERROR(device_->CopyRows(k_copies_, n_copies, d, k.dtype, m.kv_dtype, stream));
+    KVF_RETURN_IF_ERROR(device_->CopyRows(v_copies_, n_copies, d, v.dtype, m.kv_dtype, stream));
+    stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
+
+    KVF_RETURN_IF_ERROR(transpose_q());
+    float* o_f32 = o_gpu_;
+    // On a GPU, prefill reads every stored row once per query: stage this layer's pages in device
+    // memory first (one PCIe pass per chunk) instead of reading them over PCIe for every query.
+    const bool stage_pages = prefill_pages_dev_ != nullptr;
+    const int64_t num_pages = (new_len + store_->shape().page_tokens - 1) / store_->shape().page_tokens;
+    if (stage_pages) {
+      const int64_t page_bytes = store_->page_bytes();
+      for (int h = 0; h < hkv; ++h) {
+        const KvPages src = store_->pages(slot, layer, h);
+        for (int64_t pg = 0; pg < num_pages; ++pg) {
+          char* dst = prefill_scratch_ + (h * max_pages_ + pg) * page_bytes;
+          KVF_RETURN_IF_ERROR(device_->CopyAsync(dst, src.pages[pg], static_cast<size_t>(page_bytes), stream));
+          prefill_pages_host_[h * max_pages_ + pg] = dst;
+        }
+      }
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(prefill_pages_dev_, prefill_pages_host_,
+                                             static_cast<size_t>(hkv * max_pages_) * sizeof(void*), stream));
+      stats_.bytes_h2d += num_pages * page_bytes * hkv;
+    }
+    for (int h = 0; h < hkv; ++h) {
+      PagedAttnItem& it = paged_items_[h];
+      it.q = q_f32_ + h * tokens * gd;
+      it.o = o_f32 + h * tokens * gd;
+      it.lse = lse_gpu_ + h * tokens * group_;
+      it.kv = stage_pages ? KvPages{prefill_pages_dev_ + h * max_pages_, store_->shape().page_tokens}
+                          : store_->pages(slot, layer, h);
+      it.q_pos0 = pos0;
+      it.num_q = static_cast<int32_t>(tokens);
+    }
+    KVF_RETURN_IF_ERROR(device_->AttendPaged(params, paged_items_, hkv, stream));
+    const bool out_direct = out.where == MemoryKind::kDevice || device_->backend() == Backend::kHost;
+    char* out_dst = static_cast<char*>(out_direct ? out.data : out_stage_);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int h = 0; h < hkv; ++h) {
+        o_copies_[t * hkv + h] = RowCopy{out_dst + (t * hq + h * group_) * d * DTypeSize(out.dtype),
+                                         o_f32 + (h * tokens + t) * gd};
+      }
+    }
+    KVF_RETURN_IF_ERROR(device_->CopyRows(o_copies_, tokens * hkv, static_cast<int>(gd), DType::kF32,
+                                          out.dtype, stream));
+    if (!out_direct) {
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
+    }
   }
 
   // Policies that learn from the prompt (LFPS primes its tables) get its f32 queries on the host;
   // the others cost no copy and no synchronisation here.
   if (policy_->wants_prefill_queries()) {
+    if (tensor_cores) KVF_RETURN_IF_ERROR(transpose_q());
     KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, static_cast<size_t>(nq) * 4, stream));
     KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
     stats_.bytes_d2h += nq * 4;

@@ -166,6 +166,7 @@ class RuntimeImpl {
   char* prefill_scratch_ = nullptr;     // device: [Hkv][max_pages] pages
   void** prefill_pages_host_ = nullptr;  // pinned: page table being built
   void** prefill_pages_dev_ = nullptr;   // device copy the kernel reads
+  void* prefill_items_ = nullptr;  // pinned: tensor-core prefill descriptors (null: paged path)
   RowAttnItem* gpu_items_ = nullptr;
   RowAttnItem* cpu_items_ = nullptr;
   PagedAttnItem* paged_items_ = nullptr;

@@ -263,3 +263,96 @@ TEST(CudaPlannedStep, DeviceAndHostTensorsAgree) {
 
 }  // namespace
 }  // namespace kvferry
+
+namespace kvferry {
+namespace {
+
+// Chunked prefill on CUDA (tensor-core kernel, earlier chunks staged from the host store) equals
+// the host backend, chunk by chunk and in the decode steps after it; for the policy that learns
+// from the prompt's queries too (lfps).
+class CudaPrefill : public ::testing::TestWithParam<std::tuple<std::string, DType>> {};
+
+TEST_P(CudaPrefill, ChunkedEqualsHost) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  const auto [policy, in_dtype] = GetParam();
+  std::unique_ptr<Runtime> rt[2];
+  for (int b = 0; b < 2; ++b) {
+    RuntimeConfig c = GraphConfig(policy, 64);
+    c.backend = b == 0 ? Backend::kCuda : Backend::kHost;
+    c.route = policy == "lfps" ? Route::kAuto : Route::kGpu;
+    auto made = Runtime::Create(c);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    rt[b] = std::move(made).value();
+  }
+  const ModelShape& m = rt[0]->config().model;
+  for (auto& r : rt) ASSERT_TRUE(r->AddSequence(8).ok());
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto tensor = [&](int64_t rows, int heads, std::vector<float>& f32, std::vector<uint16_t>& b16) {
+    f32.resize(static_cast<size_t>(rows * heads * m.head_dim));
+    for (float& e : f32) e = nd(rng);
+    b16.resize(f32.size());
+    for (size_t i = 0; i < f32.size(); ++i) {
+      b16[i] = cpu::F32ToBf16(f32[i]);
+      if (in_dtype == DType::kBF16) f32[i] = cpu::Bf16ToF32(b16[i]);
+    }
+    void* p = in_dtype == DType::kBF16 ? static_cast<void*>(b16.data()) : static_cast<void*>(f32.data());
+    return TensorView::Contiguous(p, in_dtype, MemoryKind::kHost, {rows, heads, m.head_dim});
+  };
+  const int64_t chunks[] = {700, 301, 45};
+  for (int64_t t : chunks) {
+    for (int l = 0; l < m.num_layers; ++l) {
+      std::vector<float> qf, kf, vf;
+      std::vector<uint16_t> qb, kb, vb;
+      const TensorView q = tensor(t, m.num_q_heads, qf, qb), k = tensor(t, m.num_kv_heads, kf, kb),
+                       v = tensor(t, m.num_kv_heads, vf, vb);
+      std::vector<float> out[2];
+      for (int b = 0; b < 2; ++b) {
+        out[b].assign(static_cast<size_t>(t * m.num_q_heads * m.head_dim), std::nanf(""));
+        const Status st = rt[b]->Prefill(8, l, q, k, v,
+                                         TensorView::Contiguous(out[b].data(), DType::kF32, MemoryKind::kHost,
+                                                                {t, m.num_q_heads, m.head_dim}));
+        ASSERT_TRUE(st.ok()) << st.ToString();
+      }
+      double err = 0, ref_max = 0;
+      for (size_t i = 0; i < out[0].size(); ++i) {
+        ASSERT_TRUE(std::isfinite(out[0][i])) << "chunk " << t << " layer " << l << " i " << i;
+        err = std::max(err, static_cast<double>(std::fabs(out[0][i] - out[1][i])));
+        ref_max = std::max(ref_max, static_cast<double>(std::fabs(out[1][i])));
+      }
+      // Tensor cores take q and P in bf16: errors of a few parts in a thousand of the outputs.
+      EXPECT_GT(ref_max, 0.0);
+      EXPECT_LT(err, 3e-2 * ref_max) << "chunk " << t << " layer " << l;
+    }
+  }
+  const std::vector<SequenceId> one = {8};
+  for (int step = 0; step < 6; ++step) {
+    for (int l = 0; l < m.num_layers; ++l) {
+      std::vector<float> qf, kf, vf;
+      std::vector<uint16_t> qb, kb, vb;
+      const TensorView q = tensor(1, m.num_q_heads, qf, qb), k = tensor(1, m.num_kv_heads, kf, kb),
+                       v = tensor(1, m.num_kv_heads, vf, vb);
+      std::vector<float> out[2];
+      for (int b = 0; b < 2; ++b) {
+        out[b].assign(static_cast<size_t>(m.num_q_heads * m.head_dim), std::nanf(""));
+        ASSERT_TRUE(rt[b]->Decode(one, l, q, k, v,
+                                  TensorView::Contiguous(out[b].data(), DType::kF32, MemoryKind::kHost,
+                                                         {1, m.num_q_heads, m.head_dim}))
+                        .ok());
+      }
+      double err = 0;
+      for (size_t i = 0; i < out[0].size(); ++i) {
+        err = std::max(err, static_cast<double>(std::fabs(out[0][i] - out[1][i])));
+      }
+      EXPECT_LT(err, 1e-3) << "decode step " << step << " layer " << l;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, CudaPrefill,
+                         ::testing::Combine(::testing::Values(std::string("streaming"), std::string("dense"),
+                                                              std::string("lfps")),
+                                            ::testing::Values(DType::kF32, DType::kBF16)));
+
+}  // namespace
+}  // namespace kvferry

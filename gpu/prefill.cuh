@@ -1,0 +1,524 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// Causal prefill attention on tensor cores, FlashAttention-2 style: a CTA owns a tile of query rows
+// and streams the K/V tiles of its causal range through shared memory, keeping S = Q K^T, the
+// online-softmax state and O in registers. Written here (not taken from a library) because its
+// inputs are kvferry's own: K/V rows at an arbitrary stride (a staged copy of the paged store or
+// the caller's tensors), q/o inside the engine's [T, Hq, D] tensors, and an lse output so that the
+// result merges exactly with the offloaded part of the context (LaunchMergeLse).
+//
+// Work layout. Query rows are (token, g) pairs, row r = t * group + g of one item, so the group
+// query heads of a token sit in the same tile and share every K/V load (GQA). CTA (x, y) takes
+// item x and rows [m0, m0 + kBlockM) with m0 = (num_m_blocks - 1 - y) * kBlockM: the longest
+// causal ranges are handed out first, the short ones fill the tail of the grid. kWarps warps take
+// kMRep m16 row blocks (16 kMRep rows) each. K/V tiles of kBlockN positions are walked from the
+// diagonal down to position 0; only tiles that reach past the first row's last position are
+// masked element-wise, tiles past the last row's last position are not visited.
+//
+// Tensor-core fragments (mma.sync.m16n8k16.row.col, 16-bit inputs, fp32 accumulators; lane l,
+// gid = l / 4, tig = l % 4):
+//   A (16 x 16, row-major): a0 = (gid, 2 tig..+1), a1 = (gid + 8, 2 tig..),
+//     a2 = (gid, 2 tig + 8..), a3 = (gid + 8, 2 tig + 8..); loaded from Q with one ldmatrix.x4
+//     (lanes 0-15 address rows 0-15 at column k0, lanes 16-31 rows 0-15 at k0 + 8).
+//   B (16 x 8, k x n): b0 = (k = 2 tig..+1, n = gid), b1 = (k = 2 tig + 8.., n = gid).
+//     For S = Q K^T, B[k][n] = K[key n][dim k] is a K row read as is (ldmatrix); for O += P V,
+//     B[k][n] = V[key k][dim n] runs across V rows (ldmatrix.trans).
+//   C/D (16 x 8): c0, c1 = (gid, 2 tig..+1), c2, c3 = (gid + 8, 2 tig..). The S accumulators of key
+//     columns [16 kk, 16 kk + 16) are exactly the A fragment of P for k-step kk (packed to 16 bit).
+// So every thread owns two query rows (gid and gid + 8) of each of its warp's row blocks; row max
+// and sum need only the 4 lanes of a quad.
+//
+// Shared memory: Q tile [kBlockM][HD] and kStages stages of K and V tiles [kBlockN][HD], 16-bit.
+// Rows are HD * 2 bytes; 16-byte chunk c of row r is stored at chunk c ^ (r % 8), so that the 8 row
+// addresses of an ldmatrix phase (8 rows, same logical chunk) hit 8 different bank groups. Tiles
+// are filled with cp.async (16-byte LDGSTS, zero-fill past the end: rows past the causal range are
+// zeros, never stale data, so a masked P = 0 never meets a NaN in V). One __syncthreads per K/V
+// tile: after it, tile it is visible to every warp and every warp is done with tile it - 1, whose
+// stage the next copy then overwrites. Logits are kept in the log2 domain (scaled by scale *
+// log2 e); the lse is converted to natural log on output.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "gpu/cuda_kernels.h"
+
+namespace kvferry::cuda {
+
+/// Tile shape of one head_dim: kWarps warps of kMRep m16 row blocks each, kBlockN keys per K/V
+/// tile, kStages tiles in flight, kMinBlocks CTAs per SM. head_dim <= 128: 4 warps x 32 rows (every
+/// K/V fragment read from shared memory feeds two MMAs, which halves the shared-memory traffic per
+/// MMA of 16-row warps) by 32 keys, 2 CTAs per SM (<= 255 registers, no spills); head_dim 256: 4
+/// warps x 16 rows, 1 CTA per SM. Measured alternatives are in docs/cuda.md. Q fragments stay in
+/// registers when they fit (head_dim x rows per warp <= 128 x 16), else they are re-read from
+/// shared memory for every K/V tile.
+template <int HD>
+struct PrefillTile {
+  static constexpr int kWarps = 4;
+  static constexpr int kMRep = HD <= 128 ? 2 : 1;
+  static constexpr int kBlockN = 32;
+  static constexpr int kStages = 2;
+  static constexpr int kMinBlocks = HD <= 128 ? 2 : 1;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBlockM = kWarps * 16 * kMRep;
+  static constexpr bool kQInRegs = HD * kMRep <= 128;
+  static constexpr size_t kQBytes = static_cast<size_t>(kBlockM) * HD * 2;
+  static constexpr size_t kKvTileBytes = static_cast<size_t>(kBlockN) * HD * 2;
+  static constexpr size_t kSmemBytes = kQBytes + kStages * 2 * kKvTileBytes;
+};
+
+/// Kernel arguments (a POD view).
+struct PrefillArgs {
+  const PrefillAttnItem* items = nullptr;
+  int32_t group = 1;
+  int32_t num_m_blocks = 0;
+  float scale_log2 = 0.0f;
+};
+
+namespace prefill {
+
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; src_bytes = 0 writes 16 zero bytes (gmem is not read).
+__device__ __forceinline__ void CpAsync16Zfill(uint32_t smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// d += a * b for one m16n8k16 tile (fp32 accumulators).
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    static_assert(std::is_same_v<T, __half>, "16-bit inputs only");
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two fp32 values as a 16-bit pair, lo in the low half (the lower column of an A fragment).
+template <typename T>
+__device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
+  uint32_t u;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    memcpy(&u, &v, 4);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    memcpy(&u, &v, 4);
+  }
+  return u;
+}
+
+template <typename OutT>
+__device__ __forceinline__ void StorePair(OutT* dst, float a, float b) {
+  if constexpr (std::is_same_v<OutT, float>) {
+    *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+  } else if constexpr (std::is_same_v<OutT, __nv_bfloat16>) {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+  } else {
+    *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
+  }
+}
+
+// 2^x; -inf -> +0 (the masked logits).
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Byte offset of 16-byte chunk c of row r in a swizzled [rows][HD] 16-bit tile.
+template <int HD>
+__device__ __forceinline__ uint32_t TileOffset(int r, int c) {
+  return static_cast<uint32_t>(r * (HD * 2) + ((c ^ (r & 7)) << 4));
+}
+
+// The ldmatrix address of one lane for 16-byte chunk 2 m + c0 (c0 in {0, 1}) of row r (or of row
+// r + 8 i) of a tile at a 128-byte aligned shared address. Rows start at multiples of 128 bytes
+// and the swizzle only flips the low 3 bits of the chunk, i.e. address bits 4-6, so with
+// lane = tile + LaneOffset(r, c0) the chunk for k-step m is (lane ^ (m % 4) * 32) + (m / 4) * 128:
+// one register per operand and a XOR with an immediate per ldmatrix.
+template <int HD>
+__device__ __forceinline__ uint32_t LaneOffset(int r, int c0) {
+  return static_cast<uint32_t>(r * (HD * 2) + ((c0 ^ (r & 7)) << 4));
+}
+__device__ __forceinline__ uint32_t ChunkAddr(uint32_t lane, int m) {
+  return (lane ^ static_cast<uint32_t>((m & 3) << 5)) + static_cast<uint32_t>((m >> 2) * 128);
+}
+
+}  // namespace prefill
+
+/// One CTA: item blockIdx.x, query rows [m0, m0 + kBlockM) of it (see the layout above).
+/// T: q/K/V dtype; OutT: o dtype (float, __nv_bfloat16 or __half).
+template <int HD, typename T, typename OutT>
+__global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kMinBlocks)
+    PrefillAttnKernel(PrefillArgs args) {
+  using Tile = PrefillTile<HD>;
+  using namespace prefill;
+  constexpr int kBM = Tile::kBlockM;
+  constexpr int kBN = Tile::kBlockN;
+  constexpr int kThreads = Tile::kThreads;
+  constexpr int kStages = Tile::kStages;
+  constexpr int kMRep = Tile::kMRep;
+  constexpr int kChunks = HD / 8;   // 16-byte chunks per row
+  constexpr int kDTiles = HD / 8;   // n8 tiles of O
+  constexpr int kNTiles = kBN / 8;  // n8 tiles of S
+  constexpr int kQChunksPerThread = kBM * kChunks / kThreads;
+  constexpr int kKvChunksPerThread = kBN * kChunks / kThreads;
+  static_assert(kQChunksPerThread * kThreads == kBM * kChunks);
+  static_assert(kKvChunksPerThread * kThreads == kBN * kChunks);
+  static_assert(kStages >= 2);
+
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t s_q = SmemAddr(smem);
+  const uint32_t s_kv = s_q + static_cast<uint32_t>(Tile::kQBytes);
+  // Stage s: K at s_kv + 2 s kKvTileBytes, V one tile later.
+
+  // Every thread reads the descriptor (items may be in mapped host memory: one request per warp).
+  // The output fields are read again in the epilogue rather than held in registers across the loop.
+  const PrefillAttnItem* item = args.items + blockIdx.x;
+  const int group = args.group;
+  const int64_t q_pos0 = item->q_pos0;
+  const int64_t rows = static_cast<int64_t>(item->num_q) * group;
+  const int64_t m0 =
+      static_cast<int64_t>(args.num_m_blocks - 1 - static_cast<int>(blockIdx.y)) * kBM;
+  if (m0 >= rows) return;  // uniform: this item has fewer queries than the longest
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int gid = lane >> 2;
+  const int tig = lane & 3;
+
+  const T* q = static_cast<const T*>(item->q);
+  const T* k = static_cast<const T*>(item->k);
+  const T* v = static_cast<const T*>(item->v);
+  const int64_t q_stride = item->q_stride_tok;
+  const int64_t kv_stride = item->kv_stride;
+
+  // Causal range of the tile: the first row's token sees keys [0, q_pos0 + t_lo], the last row's
+  // [0, q_pos0 + t_hi]. Tiles [0, n_full) need no mask; tiles [n_full, n_tiles) are masked.
+  const int64_t row_last = (m0 + kBM < rows ? m0 + kBM : rows) - 1;
+  const int64_t t_lo = m0 / group;
+  const int64_t t_hi = row_last / group;
+  const int64_t kv_end = q_pos0 + t_hi + 1;
+  const int n_tiles = static_cast<int>((kv_end + kBN - 1) / kBN);
+  const int n_full = static_cast<int>((q_pos0 + t_lo + 1) / kBN);
+
+  // Q tile: rows past the item are zero-filled (never written back).
+#pragma unroll
+  for (int i = 0; i < kQChunksPerThread; ++i) {
+    const int idx = tid + i * kThreads;
+    const int r = idx / kChunks;
+    const int c = idx % kChunks;
+    const int64_t row = m0 + r;
+    const bool valid = row < rows;
+    const T* src = q;
+    if (valid) {
+      const int64_t t = row / group;
+      src = q + t * q_stride + (row - t * group) * HD + c * 8;
+    }
+    CpAsync16Zfill(s_q + TileOffset<HD>(r, c), src, valid);
+  }
+  CpAsyncCommit();
+
+  // K/V tile j into stage s: positions past kv_end are zero-filled.
+  // Thread tid copies chunk c = tid % kChunks of rows r0 + i * kRowStep, i < kKvChunksPerThread.
+  constexpr int kRowStep = kThreads / kChunks;
+  static_assert(kRowStep * kChunks == kThreads);
+  const int kv_r0 = tid / kChunks;
+  const int kv_c = tid % kChunks;
+  const int64_t kv_step = static_cast<int64_t>(kRowStep) * kv_stride;
+  const uint32_t kv_soff = TileOffset<HD>(kv_r0, kv_c);
+  auto load_kv = [&](int j, int s) {
+    const uint32_t s_k = s_kv + static_cast<uint32_t>(2 * s * Tile::kKvTileBytes) + kv_soff;
+    const uint32_t s_v = s_k + static_cast<uint32_t>(Tile::kKvTileBytes);
+    const int64_t pos0 = static_cast<int64_t>(j) * kBN + kv_r0;
+    const int64_t left = kv_end - pos0;  // rows i * kRowStep < left are inside the range
+    const int64_t off0 = pos0 * kv_stride + kv_c * 8;
+    const T* ks = k + off0;
+    const T* vs = v + off0;
+#pragma unroll
+    for (int i = 0; i < kKvChunksPerThread; ++i) {
+      const bool valid = i * kRowStep < left;
+      // Same swizzle phase on every pass when kRowStep is a multiple of 8 (an immediate offset).
+      const uint32_t so = kRowStep % 8 == 0 ? static_cast<uint32_t>(i * kRowStep * HD * 2)
+                                            : TileOffset<HD>(kv_r0 + i * kRowStep, kv_c) - kv_soff;
+      CpAsync16Zfill(s_k + so, valid ? ks : k, valid);
+      CpAsync16Zfill(s_v + so, valid ? vs : v, valid);
+      ks += kv_step;
+      vs += kv_step;
+    }
+  };
+  // The first kStages - 1 tiles (from the diagonal down) start streaming now.
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < n_tiles) load_kv(n_tiles - 1 - st, st);
+    CpAsyncCommit();
+  }
+
+  // The rows of this thread: row block mr of the warp, rows gid and gid + 8 (h = 0, 1). For each,
+  // the last key position it may see, relative to the first key of the last tile (within
+  // [-kBM, kBN): every row of the tile sees past q_pos0 + t_lo). Padding rows (past the item) take
+  // the last row's range; their Q is zero and they are not written.
+  const int64_t r_base = m0 + warp * 16 * kMRep + gid;
+  int limit_rel[kMRep][2];
+#pragma unroll
+  for (int mr = 0; mr < kMRep; ++mr) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t r0 = r_base + mr * 16 + 8 * h;
+      const int64_t r = r0 < rows ? r0 : rows - 1;
+      limit_rel[mr][h] =
+          static_cast<int>(q_pos0 + r / group - static_cast<int64_t>(n_tiles - 1) * kBN);
+    }
+  }
+
+  // Q fragments (A operand of S = Q K^T): lanes 0-15 address rows 0-15 of a row block at chunk
+  // 2 kk, lanes 16-31 the same rows at chunk 2 kk + 1.
+  const uint32_t q_lane = s_q + LaneOffset<HD>(warp * 16 * kMRep + (lane & 15), lane >> 4);
+  uint32_t qf[Tile::kQInRegs ? kMRep : 1][Tile::kQInRegs ? HD / 16 : 1][4];
+  CpAsyncWait<kStages - 1>();  // Q landed (this thread's copies)
+  __syncthreads();             // ... and everyone's
+  if constexpr (Tile::kQInRegs) {
+#pragma unroll
+    for (int mr = 0; mr < kMRep; ++mr) {
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        LdMatrixX4(qf[mr][kk], ChunkAddr(q_lane, kk) + mr * 16 * HD * 2);
+      }
+    }
+  }
+
+  // K fragments (B of S): matrices {keys 0-7, chunk 2kk}, {keys 0-7, 2kk+1}, {keys 8-15, 2kk},
+  // {keys 8-15, 2kk+1} of a 16-key pair of n8 tiles -> b0, b1 of tile 2np and of tile 2np+1.
+  const uint32_t k_lane = LaneOffset<HD>((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+  // V fragments (B of P V, transposed): {keys 0-7, chunk 2dp}, {keys 8-15, 2dp}, {keys 0-7,
+  // 2dp+1}, {keys 8-15, 2dp+1} -> b0, b1 of d tile 2dp and of d tile 2dp+1.
+  const uint32_t v_lane = LaneOffset<HD>((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+
+  float acc[kMRep][kDTiles][4];
+#pragma unroll
+  for (int mr = 0; mr < kMRep; ++mr) {
+#pragma unroll
+    for (int i = 0; i < kDTiles; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mr][i][e] = 0.0f;
+    }
+  }
+  float m_run[kMRep][2];  // running max, log2 domain
+  float l_run[kMRep][2];  // this thread's share of the running sum
+#pragma unroll
+  for (int mr = 0; mr < kMRep; ++mr) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m_run[mr][h] = -INFINITY;
+      l_run[mr][h] = 0.0f;
+    }
+  }
+  const float scale_log2 = args.scale_log2;
+
+  // One K/V tile: S = Q K^T, mask, online softmax, O += P V.
+  auto attend_tile = [&](int it, int stage, auto masked) {
+    const uint32_t s_k = s_kv + static_cast<uint32_t>(2 * stage * Tile::kKvTileBytes);
+    const uint32_t s_v = s_k + static_cast<uint32_t>(Tile::kKvTileBytes);
+    float s[kMRep][kNTiles][4];
+#pragma unroll
+    for (int mr = 0; mr < kMRep; ++mr) {
+#pragma unroll
+      for (int i = 0; i < kNTiles; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mr][i][e] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      uint32_t a[kMRep][4];
+#pragma unroll
+      for (int mr = 0; mr < kMRep; ++mr) {
+        if constexpr (Tile::kQInRegs) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mr][e] = qf[mr][kk][e];
+        } else {
+          LdMatrixX4(a[mr], ChunkAddr(q_lane, kk) + mr * 16 * HD * 2);
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < kNTiles / 2; ++np) {
+        uint32_t b[4];
+        LdMatrixX4(b, ChunkAddr(s_k + k_lane, kk) + np * 16 * HD * 2);
+#pragma unroll
+        for (int mr = 0; mr < kMRep; ++mr) {
+          Mma16816<T>(s[mr][2 * np], a[mr], b[0], b[1]);
+          Mma16816<T>(s[mr][2 * np + 1], a[mr], b[2], b[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int mr = 0; mr < kMRep; ++mr) {
+#pragma unroll
+      for (int i = 0; i < kNTiles; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mr][i][e] *= scale_log2;
+      }
+    }
+    if constexpr (decltype(masked)::value) {
+      // Tile it starts it * kBN keys below the last tile: its key col is visible to a row iff
+      // col <= limit_rel + it * kBN.
+#pragma unroll
+      for (int mr = 0; mr < kMRep; ++mr) {
+        const int rel[2] = {limit_rel[mr][0] + it * kBN, limit_rel[mr][1] + it * kBN};
+#pragma unroll
+        for (int i = 0; i < kNTiles; ++i) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = i * 8 + 2 * tig + (e & 1);
+            if (col > rel[e >> 1]) s[mr][i][e] = -INFINITY;
+          }
+        }
+      }
+    }
+    // Online softmax per row (the quad's 4 lanes hold the row's kBN columns). P is packed to 16
+    // bits as soon as it exists (half the registers of S): pp[mr][i][h] = row h's pair of n8
+    // tile i.
+    uint32_t pp[kMRep][kNTiles][2];
+#pragma unroll
+    for (int mr = 0; mr < kMRep; ++mr) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < kNTiles; ++i) {
+          mx = fmaxf(mx, fmaxf(s[mr][i][2 * h], s[mr][i][2 * h + 1]));
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[mr][h], mx);
+        // A row with nothing visible yet keeps m = -inf; subtract 0 so its p stay 0, not NaN.
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+        const float alpha = Exp2(m_run[mr][h] - m_use);
+        m_run[mr][h] = m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kNTiles; ++i) {
+          const float p0 = Exp2(s[mr][i][2 * h] - m_use);
+          const float p1 = Exp2(s[mr][i][2 * h + 1] - m_use);
+          sum += p0 + p1;
+          pp[mr][i][h] = PackPair<T>(p0, p1);
+        }
+        l_run[mr][h] = l_run[mr][h] * alpha + sum;
+#pragma unroll
+        for (int i = 0; i < kDTiles; ++i) {
+          acc[mr][i][2 * h] *= alpha;
+          acc[mr][i][2 * h + 1] *= alpha;
+        }
+      }
+    }
+    // O += P V: P of keys [16 kk, 16 kk + 16) (n8 tiles 2 kk, 2 kk + 1) is the A fragment of
+    // k-step kk: a0 = (gid, tile 2kk), a1 = (gid + 8, tile 2kk), a2 / a3 the same of tile 2kk + 1.
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      uint32_t a[kMRep][4];
+#pragma unroll
+      for (int mr = 0; mr < kMRep; ++mr) {
+        a[mr][0] = pp[mr][2 * kk][0];
+        a[mr][1] = pp[mr][2 * kk][1];
+        a[mr][2] = pp[mr][2 * kk + 1][0];
+        a[mr][3] = pp[mr][2 * kk + 1][1];
+      }
+#pragma unroll
+      for (int dp = 0; dp < HD / 16; ++dp) {
+        uint32_t b[4];
+        LdMatrixX4Trans(b, ChunkAddr(s_v + v_lane, dp) + kk * 16 * HD * 2);
+#pragma unroll
+        for (int mr = 0; mr < kMRep; ++mr) {
+          Mma16816<T>(acc[mr][2 * dp], a[mr], b[0], b[1]);
+          Mma16816<T>(acc[mr][2 * dp + 1], a[mr], b[2], b[3]);
+        }
+      }
+    }
+  };
+
+  // Tiles from the diagonal (masked) down to 0; tiles it + 1 .. it + kStages - 1 stream in while
+  // tile it is used. One commit group per iteration (empty at the end) keeps the wait count fixed.
+  int stage = 0;  // it % kStages
+  for (int it = 0; it < n_tiles; ++it) {
+    const int j = n_tiles - 1 - it;
+    CpAsyncWait<kStages - 2>();  // tile it landed (this thread's copies)
+    __syncthreads();  // ... everyone's; and everyone is done with tile it - 1, whose stage is next
+    const int ahead = it + kStages - 1;
+    if (ahead < n_tiles) load_kv(n_tiles - 1 - ahead, stage == 0 ? kStages - 1 : stage - 1);
+    CpAsyncCommit();
+    if (j >= n_full) {
+      attend_tile(it, stage, std::true_type{});
+    } else {
+      attend_tile(it, stage, std::false_type{});
+    }
+    stage = stage == kStages - 1 ? 0 : stage + 1;
+  }
+
+  // Epilogue: the row sums over the quad, normalise, write o and lse.
+  OutT* o = static_cast<OutT*>(item->o);
+  float* lse = item->lse;
+  const int64_t o_stride = item->q_stride_tok;
+#pragma unroll
+  for (int mr = 0; mr < kMRep; ++mr) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[mr][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const int64_t r = r_base + mr * 16 + 8 * h;
+      if (r >= rows) continue;
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const int64_t t = r / group;
+      OutT* dst = o + t * o_stride + (r - t * group) * HD + 2 * tig;
+#pragma unroll
+      for (int i = 0; i < kDTiles; ++i) {
+        StorePair<OutT>(dst + i * 8, acc[mr][i][2 * h] * inv, acc[mr][i][2 * h + 1] * inv);
+      }
+      if (lse != nullptr && tig == 0) {
+        lse[r] = m_run[mr][h] == -INFINITY ? -INFINITY : m_run[mr][h] * kLn2 + logf(l);
+      }
+    }
+  }
+}
+
+}  // namespace kvferry::cuda

@@ -1,0 +1,128 @@
+// Copyright kvferry authors. Apache-2.0.
+// Staging for the CUDA prefill (PrefillStageArgs): one kernel writes a chunk's K/V through to the
+// host store, into the resident tier and into the contiguous device staging the tensor-core
+// prefill kernel reads; another brings the earlier positions from the host store into the same
+// staging (zero-copy reads through the device page table). Nothing is built on the host per row.
+
+#include <algorithm>
+
+#include "gpu/convert.cuh"
+#include "gpu/cuda_check.h"
+#include "gpu/cuda_kernels.h"
+#include "runtime/check.h"
+
+namespace kvferry::cuda {
+namespace {
+
+constexpr int kStageThreads = 256;
+
+// One thread per 8 elements of a row: (token t, head h, K or V, 8-element chunk c).
+__global__ void __launch_bounds__(kStageThreads) StageChunkKernel(PrefillStageArgs a) {
+  const int d = a.head_dim;
+  const int chunks = d / 8;
+  const int64_t units = a.tokens * a.num_kv_heads * 2 * chunks;
+  const size_t elem = DTypeSize(a.kv_dtype);
+  const size_t row_bytes = static_cast<size_t>(d) * elem;
+  const int64_t rows_per_slot = static_cast<int64_t>(a.sink) + a.window;
+  for (int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; u < units;
+       u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int c = static_cast<int>(u % chunks);
+    int64_t r = u / chunks;
+    const int which = static_cast<int>(r % 2);  // 0: K, 1: V
+    r /= 2;
+    const int h = static_cast<int>(r % a.num_kv_heads);
+    const int64_t t = r / a.num_kv_heads;
+    const int64_t pos = a.pos0 + t;
+    const void* src = which == 0 ? a.k : a.v;
+    const DType src_dtype = which == 0 ? a.k_dtype : a.v_dtype;
+    const int64_t src_off = (t * a.num_kv_heads + h) * d + c * 8;
+    alignas(16) char packed[16];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) StoreElem(packed, a.kv_dtype, i, LoadElem(src, src_dtype, src_off + i));
+    const uint4 val = *reinterpret_cast<const uint4*>(packed);
+    const size_t col = static_cast<size_t>(c) * 8 * elem;
+    // Host store (write-through).
+    const uint32_t pt = static_cast<uint32_t>(a.page_tokens);
+    const char* page = reinterpret_cast<const char*>(
+        reinterpret_cast<const unsigned long long*>(a.pages)[h * a.max_pages + pos / pt]);
+    *reinterpret_cast<uint4*>(const_cast<char*>(page) +
+                              (static_cast<size_t>(which) * pt + pos % pt) * row_bytes + col) = val;
+    // Resident tier: the sinks and the rows that end in the window.
+    const int64_t row = ResidentRowOf(pos, a.new_len, a.sink, a.window);
+    if (row >= 0) {
+      char* res = a.resident + static_cast<size_t>(h * 2 + which) * rows_per_slot * row_bytes;
+      *reinterpret_cast<uint4*>(res + row * row_bytes + col) = val;
+    }
+    // Contiguous staging for the prefill kernel.
+    if (a.staging != nullptr) {
+      char* st = a.staging + (static_cast<size_t>(h * 2 + which) * a.staging_cap + pos) * row_bytes;
+      *reinterpret_cast<uint4*>(st + col) = val;
+    }
+  }
+}
+
+// Earlier positions [0, pos0) from the host store into the staging: 16-byte copies.
+__global__ void __launch_bounds__(kStageThreads) StageHistoryKernel(PrefillStageArgs a) {
+  const size_t row_bytes = static_cast<size_t>(a.head_dim) * DTypeSize(a.kv_dtype);
+  const int chunks = static_cast<int>(row_bytes / 16);
+  const int64_t units = a.pos0 * a.num_kv_heads * 2 * chunks;
+  const uint32_t pt = static_cast<uint32_t>(a.page_tokens);
+  for (int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; u < units;
+       u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int c = static_cast<int>(u % chunks);
+    int64_t r = u / chunks;
+    const int64_t pos = r % a.pos0;  // consecutive threads walk positions: contiguous rows
+    r /= a.pos0;
+    const int which = static_cast<int>(r % 2);
+    const int h = static_cast<int>(r / 2);
+    const char* page = reinterpret_cast<const char*>(
+        reinterpret_cast<const unsigned long long*>(a.pages)[h * a.max_pages + pos / pt]);
+    const uint4 val = *reinterpret_cast<const uint4*>(
+        page + (static_cast<size_t>(which) * pt + pos % pt) * row_bytes + static_cast<size_t>(c) * 16);
+    char* st = a.staging + (static_cast<size_t>(h * 2 + which) * a.staging_cap + pos) * row_bytes;
+    *reinterpret_cast<uint4*>(st + static_cast<size_t>(c) * 16) = val;
+  }
+}
+
+__global__ void __launch_bounds__(kStageThreads) ConvertKernel(const void* src, DType src_dtype,
+                                                               void* dst, DType dst_dtype, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    StoreElem(dst, dst_dtype, i, LoadElem(src, src_dtype, i));
+  }
+}
+
+unsigned GridFor(int64_t units, int per_sm_blocks = 132 * 8) {
+  const int64_t blocks = (units + kStageThreads - 1) / kStageThreads;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(blocks, per_sm_blocks)));
+}
+
+}  // namespace
+
+Status LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n,
+                     cudaStream_t stream) {
+  if (n <= 0) return Status::Ok();
+  ConvertKernel<<<GridFor(n), kStageThreads, 0, stream>>>(src, src_dtype, dst, dst_dtype, n);
+  KVF_CUDA_CHECK_LAUNCH(ConvertKernel);
+  return Status::Ok();
+}
+
+Status LaunchPrefillStage(const PrefillStageArgs& a, cudaStream_t stream) {
+  KVF_CHECK_ARG(a.head_dim % 8 == 0 && a.tokens >= 0 && a.pos0 >= 0,
+                "prefill stage: head_dim ", a.head_dim, " or sizes out of range");
+  KVF_CHECK_ARG(a.pages != nullptr && a.resident != nullptr, "prefill stage: null page table or tier");
+  if (a.tokens > 0) {
+    const int64_t units = a.tokens * a.num_kv_heads * 2 * (a.head_dim / 8);
+    StageChunkKernel<<<GridFor(units), kStageThreads, 0, stream>>>(a);
+    KVF_CUDA_CHECK_LAUNCH(StageChunkKernel);
+  }
+  if (a.staging != nullptr && a.pos0 > 0) {
+    const int64_t units =
+        a.pos0 * a.num_kv_heads * 2 * (a.head_dim * static_cast<int64_t>(DTypeSize(a.kv_dtype)) / 16);
+    StageHistoryKernel<<<GridFor(units), kStageThreads, 0, stream>>>(a);
+    KVF_CUDA_CHECK_LAUNCH(StageHistoryKernel);
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvferry::cuda
