@@ -571,7 +571,24 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
       it.q_pos0 = pos0;
       it.num_q = static_cast<int32_t>(tokens);
     }
-    KVF_RETURN_IF_ERROR(device_->AttendPaged(params, paged_items_, hkv, stream));
+    if (device_->backend() == Backend::kHost) {
+      // The host device runs kernels on the calling thread: spread (KV head, query block) over
+      // the pool. Rows are independent, so the blocks give the single call's results.
+      constexpr int64_t kQueryBlock = 64;
+      const int64_t blocks = (tokens + kQueryBlock - 1) / kQueryBlock;
+      pool_->ParallelFor(hkv * blocks, [&](int64_t u) {
+        const int64_t t0 = (u % blocks) * kQueryBlock;
+        PagedAttnItem it = paged_items_[u / blocks];
+        it.q += t0 * gd;
+        it.o += t0 * gd;
+        it.lse += t0 * group_;
+        it.q_pos0 += t0;
+        it.num_q = static_cast<int32_t>(std::min(kQueryBlock, tokens - t0));
+        cpu::AttendPaged(params, &it, 1);
+      });
+    } else {
+      KVF_RETURN_IF_ERROR(device_->AttendPaged(params, paged_items_, hkv, stream));
+    }
     const bool out_direct = out.where == MemoryKind::kDevice || device_->backend() == Backend::kHost;
     char* out_dst = static_cast<char*>(out_direct ? out.data : out_stage_);
     for (int64_t t = 0; t < tokens; ++t) {
