@@ -208,6 +208,31 @@ TEST(PlannedStep, BadPlansChangeNothing) {
   EXPECT_EQ(*rt->SequenceLength(1, 1), 21);
 }
 
+TEST(PlannedStep, HostSelectingPoliciesPlanInsideEachDecode) {
+  // oracle selects on the host: PlanDecode only validates, each Decode appends its own token.
+  const RuntimeConfig c = PlanConfig("oracle", 2);
+  auto rt = Make(c), twin = Make(c);
+  EXPECT_FALSE(rt->decode_is_capture_safe());
+  Feeder f(c, 8);
+  const std::vector<SequenceId> one = {3};
+  ASSERT_TRUE(rt->AddSequence(3).ok());
+  ASSERT_TRUE(twin->AddSequence(3).ok());
+  f.Prefill({rt.get(), twin.get()}, 3, 40);
+  for (int step = 0; step < 4; ++step) {
+    ASSERT_TRUE(rt->PlanDecode(one).ok());
+    EXPECT_EQ(*rt->SequenceLength(3, 0), 40 + step);
+    for (int l = 0; l < 2; ++l) {
+      Feeder::Step s = f.Make(1);
+      std::vector<float> a, b;
+      ASSERT_TRUE(f.Decode(*rt, one, l, s, a).ok());
+      ASSERT_TRUE(f.Decode(*twin, one, l, s, b).ok());
+      ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+    }
+  }
+  EXPECT_EQ(*rt->SequenceLength(3, 1), 44);
+  EXPECT_EQ(rt->GetStats().decode_planned, 0);
+}
+
 TEST(Append, StoresWhatPrefillStoresWithoutAttention) {
   for (const char* policy : {"dense", "streaming", "oracle"}) {
     const RuntimeConfig c = PlanConfig(policy, 2);
