@@ -4,12 +4,20 @@
 //    the diagonal and the next query reads key i at its own distance t' - i: the table is shifted by
 //    one before selection (the paper's Phi_sla[i-1] form), for free, and the decay is one global
 //    scale factor. The offsets {-1, 0, 1, 2} are applied to positions as printed.
-//  - k: k = budget - resident tokens; C2 = top-k of C1 by exact score, C2 = C1 when |C1| <= k (no
-//    filler). When the tables give no candidate at all (cold start, or a state the decay alone can
-//    never leave, since tau / mean is scale-free) the step scores every offloaded key (exact
-//    top-k), which also re-seeds the tables; "fallback" = 0 turns this off.
+//  - k: k = budget - resident tokens; C2 = top-k of C1 by exact score. The paper's C2 = C1 when
+//    |C1| <= k left most of the budget unused on real heads (SmolLM2: LFPS@512 attended ~264
+//    tokens). Now (docs/lfps.md, issue 12) C1 is widened before the exact scoring by two sources of
+//    evidence so that the selection fills the budget: the scan ("scan" channels, every step while it
+//    pays off) adds the ceil(scan_factor k) best positions by an approximate q.k over an int8
+//    channel-major shadow of K; the fill ("fill") tops C1 up to ceil(fill k) with the best table
+//    entries below the thresholds. rank=0 fill=0 scan=0 is the paper, bit for bit
+//    (tests/lfps_equivalence_test.cpp). When the tables give no candidate at all (cold start, or a
+//    state the decay alone can never leave, since tau / mean is scale-free) the step scores every
+//    offloaded key (exact top-k), which also re-seeds the tables; "fallback" = 0 turns this off.
 //  - GQA: one pair of tables per KV head (4x less memory at Llama-3's ratio; the group's candidate
-//    rows are read once). Ranking by the group's summed softmax weight over C1; the table update
+//    rows are read once). Ranking by the group's summed softmax weight over C1 (rank=1: each head's
+//    softmax normalised over C1 plus the resident sinks and local tokens, whose exact logits are
+//    cheap, so that a head whose mass sits on the sink does not outvote the others); the table update
 //    uses p = the group's mean softmax over C2, so sum p = 1 and sum Phi -> 0.5 / (1 - r) still
 //    holds. Bypass only when every head of the group is sink-dominated (min rho > eps): one
 //    retrieval head in a group needs the offloaded tokens.
@@ -46,10 +54,12 @@ constexpr int kMaxQueriesPerScore = 16;  // cpu::kMaxSimdGroup
 
 // Thread-local scratch: Select allocates only while these grow to the largest context seen.
 struct Scratch {
-  std::vector<int32_t> hits, c1, c2_idx, c2;
+  std::vector<int32_t> hits, c1, c2_idx, c2, fill, merged;
   std::vector<uint64_t> c0_bits;
   std::vector<uint32_t> keys, bin_keys;
-  std::vector<float> logits, weights, probs;
+  std::vector<float> logits, weights, probs, fill_score, chan_imp;
+  std::vector<int32_t> scan_acc, scan_w;
+  std::vector<int32_t> chans, hist;
   std::vector<double> log_glob;
 };
 Scratch& GetScratch() {
@@ -93,6 +103,54 @@ void PowerSums(const std::vector<float>& u, double* pw) {
   pw[4] = s4;
 }
 
+// Approximate logits of \p group query heads over len keys from an int8 channel-major shadow, in
+// integers (exact, so every ISA and the reference agree bit for bit):
+// acc[g * ld + j] = sum_c w[g * r + c] * rows[c][j], |w| < 2^15, r <= 256 (no overflow).
+// Blocked over j so the r channel rows of a block stay in L1 while every head consumes them; cloned
+// for AVX-512 / AVX2 (the loops are plain C++).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void ScanChannels(const int8_t* const* rows, const int32_t* w, int r, int group, int64_t len,
+                  int32_t* acc, int64_t ld) {
+  constexpr int64_t kChunk = 512;
+  for (int64_t j0 = 0; j0 < len; j0 += kChunk) {
+    const int64_t cnt = std::min(kChunk, len - j0);
+    for (int g = 0; g < group; ++g) std::fill_n(acc + g * ld + j0, cnt, 0);
+    for (int c = 0; c < r; ++c) {
+      const int8_t* kc = rows[c] + j0;
+      for (int g = 0; g < group; ++g) {
+        const int32_t wg = w[g * r + c];
+        int32_t* a = acc + g * ld + j0;
+        for (int64_t j = 0; j < cnt; ++j) a[j] += wg * static_cast<int32_t>(kc[j]);
+      }
+    }
+  }
+}
+
+// score[j] = max_g (acc[g][j] - mx[g]) as float, for j in [0, len) (exact integer max first).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void CombineHeads(const int32_t* acc, int64_t ld, int group, const int32_t* mx, int64_t len,
+                  float* score) {
+  for (int64_t j = 0; j < len; ++j) {
+    int32_t best = acc[j] - mx[0];
+    for (int g = 1; g < group; ++g) best = std::max(best, acc[g * ld + j] - mx[g]);
+    score[j] = static_cast<float>(best);
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+int32_t MaxOfInt(const int32_t* x, int64_t n) {
+  int32_t m = std::numeric_limits<int32_t>::min();
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);
+  return m;
+}
+
+
 }  // namespace
 
 struct LfpsPolicy::HeadState {
@@ -107,6 +165,40 @@ struct LfpsPolicy::HeadState {
   std::vector<float> k_bar, v_bar;  ///< mean offloaded K and V at prefill
   double sigma2_hat = 0.0;
   bool primed = false;
+  /// The scan's int8 channel-major shadow of K: k8[c * k8_cap + i] = round(127 K[i][c] /
+  /// k8_scale[c]) clamped, for rows [0, k8_n); scales from the rows seen at its creation.
+  std::unique_ptr<int8_t[]> k8;
+  int64_t k8_cap = 0, k8_n = 0;
+  int scan_period = 1, since_scan = 0;  ///< the scan runs every scan_period steps (adaptive)
+  std::vector<float> k8_scale;
+
+  /// Brings the shadow up to n rows; the first call sizes it for max_tokens rows (virtual memory
+  /// until written) and takes per-channel scales from the rows stored then.
+  void SyncShadow(const AttnParams& p, const KvPages& kv, int64_t n, int64_t max_tokens) {
+    const int64_t hd = p.head_dim;
+    const size_t elem = DTypeSize(p.kv_dtype);
+    if (k8 == nullptr || n > k8_cap) {
+      k8_cap = std::max(max_tokens, n);
+      k8.reset(new int8_t[static_cast<size_t>(hd * k8_cap)]);
+      k8_scale.assign(static_cast<size_t>(hd), 0.0f);
+      for (int64_t i = 0; i < n; ++i) {
+        const void* k = PagedKRow(kv, i, p.head_dim, elem);
+        for (int64_t c = 0; c < hd; ++c) {
+          k8_scale[c] = std::max(k8_scale[c], std::fabs(cpu::LoadAsF32(k, p.kv_dtype, c)));
+        }
+      }
+      for (float& x : k8_scale) x = x > 0.0f && std::isfinite(x) ? x : 1.0f;
+      k8_n = 0;
+    }
+    for (; k8_n < n; ++k8_n) {
+      const void* k = PagedKRow(kv, k8_n, p.head_dim, elem);
+      for (int64_t c = 0; c < hd; ++c) {
+        const float v = cpu::LoadAsF32(k, p.kv_dtype, c) * (127.0f / k8_scale[c]);
+        k8[c * k8_cap + k8_n] =
+            static_cast<int8_t>(std::lrint(std::clamp(v == v ? v : 0.0f, -127.0f, 127.0f)));
+      }
+    }
+  }
 
   void Reserve(int64_t max_tokens) {
     if (static_cast<int64_t>(ver.capacity()) < max_tokens) {
@@ -298,12 +390,35 @@ Result<LfpsParams> ParseLfpsParams(const std::map<std::string, double>& params) 
     } else if (key == "fallback") {
       KVF_CHECK_ARG(value == 0 || value == 1, "lfps fallback ", value, " must be 0 or 1");
       lp.fallback = value == 1;
+    } else if (key == "fill") {
+      KVF_CHECK_ARG(value >= 0 && value <= 64, "lfps fill ", value, " must be in [0, 64]");
+      lp.fill = value;
+    } else if (key == "scan") {
+      KVF_CHECK_ARG(value >= 0 && value <= 256 && value == std::floor(value), "lfps scan ", value,
+                    " must be an integer in [0, 256]");
+      lp.scan = static_cast<int>(value);
+    } else if (key == "scan_factor") {
+      KVF_CHECK_ARG(value >= 0 && value <= 64, "lfps scan_factor ", value, " must be in [0, 64]");
+      lp.scan_factor = value;
+    } else if (key == "scan_max_period") {
+      KVF_CHECK_ARG(value >= 1 && value <= 1024 && value == std::floor(value),
+                    "lfps scan_max_period ", value, " must be an integer in [1, 1024]");
+      lp.scan_max_period = static_cast<int>(value);
+    } else if (key == "per_head_budget") {
+      KVF_CHECK_ARG(value >= 0 && value == std::floor(value), "lfps per_head_budget ", value,
+                    " must be an integer >= 0");
+      lp.per_head_budget = static_cast<int64_t>(value);
+    } else if (key == "rank") {
+      KVF_CHECK_ARG(value == 0 || value == 1 || value == 2, "lfps rank ", value,
+                    " must be 0, 1 or 2");
+      lp.rank = static_cast<int>(value);
     } else if (key == "score_all") {
       KVF_CHECK_ARG(value == 0 || value == 1, "lfps score_all ", value, " must be 0 or 1");
       lp.score_all = value == 1;
     } else {
       return InvalidArgument(detail::StrCat("unknown lfps parameter '", key,
-                                            "' (known: s, r, eps, a, local, fallback, score_all)"));
+                                            "' (known: s, r, eps, a, local, fallback, score_all, fill, rank, scan, scan_factor, "
+                                            "scan_max_period, per_head_budget)"));
     }
   }
   return lp;
@@ -317,6 +432,42 @@ LfpsPolicy::LfpsPolicy(const LfpsParams& params, int max_sequences, int num_laye
       num_kv_heads_(num_kv_heads),
       max_tokens_(max_tokens) {
   states_.resize(static_cast<size_t>(max_sequences) * num_layers * num_kv_heads);
+  need_.reset(new std::atomic<float>[states_.size()]);
+  for (size_t i = 0; i < states_.size(); ++i) need_[i].store(-1.0f, std::memory_order_relaxed);
+}
+
+int64_t LfpsPolicy::PerHeadK(int slot, int layer, int kv_head, int64_t k_avg, int64_t k_cap) const {
+  // Water-filling of the layer's k_avg * heads offloaded picks over its heads in proportion to their
+  // need, none above k_cap; a head with no need measured yet (or a layer where some is missing)
+  // takes the average.
+  if (k_avg <= 0) return 0;
+  const int h_count = num_kv_heads_;
+  double need[256];
+  bool fixed[256] = {};
+  if (h_count > 256) return k_avg;
+  for (int h = 0; h < h_count; ++h) {
+    need[h] = need_[NeedIndex(slot, layer, h)].load(std::memory_order_relaxed);
+    if (need[h] < 0) return std::min(k_avg, k_cap);
+    need[h] = std::max(need[h], 1e-4);
+  }
+  double left = static_cast<double>(k_avg) * h_count;
+  for (int round = 0; round < h_count; ++round) {
+    double w = 0.0;
+    for (int h = 0; h < h_count; ++h) w += fixed[h] ? 0.0 : need[h];
+    bool changed = false;
+    for (int h = 0; h < h_count; ++h) {
+      if (!fixed[h] && left * need[h] / w >= static_cast<double>(k_cap)) {
+        fixed[h] = true;
+        left -= static_cast<double>(k_cap);
+        changed = true;
+      }
+    }
+    if (!changed) break;
+  }
+  if (fixed[kv_head]) return k_cap;
+  double w = 0.0;
+  for (int h = 0; h < h_count; ++h) w += fixed[h] ? 0.0 : need[h];
+  return std::clamp<int64_t>(std::llround(left * need[kv_head] / w), 1, k_cap);
 }
 
 LfpsPolicy::~LfpsPolicy() = default;
@@ -339,7 +490,10 @@ Result<LfpsPolicy::HeadState*> LfpsPolicy::State(int slot, int layer, int kv_hea
 void LfpsPolicy::OnSequenceRemoved(int slot) {
   if (slot < 0 || slot >= max_sequences_) return;
   const size_t per_slot = static_cast<size_t>(num_layers_) * num_kv_heads_;
-  for (size_t i = 0; i < per_slot; ++i) states_[slot * per_slot + i].reset();
+  for (size_t i = 0; i < per_slot; ++i) {
+    states_[slot * per_slot + i].reset();
+    need_[slot * per_slot + i].store(-1.0f, std::memory_order_relaxed);
+  }
 }
 
 Status LfpsPolicy::OnPrefill(const PrefillContext& ctx) {
@@ -425,11 +579,11 @@ Status LfpsPolicy::OnPrefill(const PrefillContext& ctx) {
 }
 
 Status LfpsPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
-  return SelectWithInfo(ctx, out, nullptr);
+  return SelectWithInfo(ctx, out, nullptr, nullptr);
 }
 
 Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>& out,
-                                  LfpsStepInfo* info_out) {
+                                  LfpsStepInfo* info_out, LfpsStepDetail* dbg) {
   KVF_CHECK_ARG(ctx.n >= 1 && ctx.q != nullptr && ctx.params.group >= 1,
                 "lfps select needs n >= 1 and a query");
   KVF_RETURN_IF_ERROR(State(ctx.slot, ctx.layer, ctx.kv_head, false).status());
@@ -444,6 +598,14 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   const int64_t k_off = ctx.budget - (sink + (n - off_hi));
   info.offloaded = n_off;
   out.clear();
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+  if (dbg != nullptr) {
+    dbg->c0.clear();
+    dbg->c1.clear();
+    dbg->probe_ver.assign(dbg->probe.size(), kNaN);
+    dbg->probe_sla.assign(dbg->probe.size(), kNaN);
+    dbg->tau_ver = dbg->tau_sla = dbg->mean_ver = dbg->mean_sla = kNaN;
+  }
   steps_.fetch_add(1, std::memory_order_relaxed);
   offloaded_.fetch_add(n_off, std::memory_order_relaxed);
   auto finish = [&](const int32_t* chosen, int64_t count) {
@@ -517,8 +679,19 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
     }
   }
 
-  // (2)-(3) Candidates: C0 from the thresholds, C1 by expansion (Eq. 7-9).
-  int32_t* c1 = Room(sc.c1, n_off);
+  // Per-head budget: this head's share of the layer's offloaded picks, by measured need.
+  int64_t k_sel = k_off;
+  if (params_.per_head_budget > 0) {
+    k_sel = std::min(k_off, PerHeadK(ctx.slot, ctx.layer, ctx.kv_head,
+                                     params_.per_head_budget - (sink + (n - off_hi)), k_off));
+    info.k = k_sel;
+    if (k_sel <= 0) return finish(nullptr, 0);
+  }
+
+  // (2)-(3) Candidates: C0 from the thresholds, C1 by expansion (Eq. 7-9). Room for the resident
+  // positions the ranking may append (sinks, the local tokens, one pseudo-row).
+  const int64_t n_loc_rank = n - loc_lo;
+  int32_t* c1 = Room(sc.c1, n_off + sink + n_loc_rank + 1);
   int64_t m = 0;
   if (params_.score_all) {
     std::iota(c1, c1 + n_off, static_cast<int32_t>(off_lo));
@@ -552,6 +725,14 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
       }
     }
     info.c0 = c0;
+    if (dbg != nullptr) {
+      const float sc = static_cast<float>(st->scale);
+      if (tv.ok) dbg->tau_ver = tv.tau * sc, dbg->mean_ver = tv.mean * sc;
+      if (ts.ok) dbg->tau_sla = ts.tau * sc, dbg->mean_sla = ts.mean * sc;
+      for (int64_t i = off_lo; i < off_hi; ++i) {
+        if ((bits[i >> 6] >> (i & 63)) & 1) dbg->c0.push_back(static_cast<int32_t>(i));
+      }
+    }
     // Expansion: position j is a candidate if one of j + 1, j, j - 1, j - 2 is in C0 (offsets
     // {-1, 0, 1, 2}), inside [off_lo, off_hi); kept if either table is above its mean there. Bits
     // come out ascending and unique. A table without a threshold keeps nothing (mean +inf).
@@ -574,6 +755,116 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
       }
     }
   }
+  // (3a) Scan: approximate logits of every offloaded key from the int8 shadow over the r channels
+  // with the largest |q| * scale (summed over the group), max over the group's heads of the logit
+  // minus the head's max; the best ceil(scan_factor k) positions outside C1 join C1.
+  const bool scan_now = params_.scan > 0 && ++st->since_scan >= st->scan_period;
+  int64_t hist_m = m;  // C1 from the tables alone
+  if (scan_now && (m > 0 || !params_.fallback) && !params_.score_all) {
+    st->since_scan = 0;
+    const int64_t want_scan = std::min<int64_t>(
+        n_off - m, static_cast<int64_t>(std::ceil(params_.scan_factor * static_cast<double>(k_sel))));
+    if (want_scan > 0) {
+      st->SyncShadow(ctx.params, ctx.kv, n, max_tokens_);
+      const int r = std::min<int>(params_.scan, static_cast<int>(hd));
+      float* imp = Room(sc.chan_imp, hd);
+      for (int64_t c = 0; c < hd; ++c) {
+        float a = 0.0f;
+        for (int g = 0; g < group; ++g) a += std::fabs(ctx.q[g * hd + c]);
+        imp[c] = a * st->k8_scale[c];
+      }
+      int32_t* ch = Room(sc.chans, hd);
+      std::iota(ch, ch + hd, 0);
+      std::partial_sort(ch, ch + r, ch + hd, [imp](int32_t x, int32_t y) {
+        return imp[x] > imp[y] || (imp[x] == imp[y] && x < y);
+      });
+      // One integer scale for the whole group (so heads compare): |w| <= 2^14.
+      int32_t* wq = Room(sc.scan_w, static_cast<int64_t>(group) * r);
+      const int8_t* rows[256];
+      float wmax = 0.0f;
+      for (int c = 0; c < r; ++c) {
+        for (int g = 0; g < group; ++g) {
+          wmax = std::max(wmax, std::fabs(ctx.q[g * hd + ch[c]] * st->k8_scale[ch[c]]));
+        }
+      }
+      const float wscale = wmax > 0.0f && std::isfinite(wmax) ? 16384.0f / wmax : 0.0f;
+      for (int c = 0; c < r; ++c) {
+        rows[c] = st->k8.get() + static_cast<int64_t>(ch[c]) * st->k8_cap + off_lo;
+        for (int g = 0; g < group; ++g) {
+          const float v = ctx.q[g * hd + ch[c]] * st->k8_scale[ch[c]] * wscale;
+          wq[g * r + c] = static_cast<int32_t>(std::lrint(v == v ? v : 0.0f));
+        }
+      }
+      int32_t* acc = Room(sc.scan_acc, static_cast<int64_t>(group) * n_off);
+      ScanChannels(rows, wq, r, group, n_off, acc, n_off);
+      int32_t mx[kMaxQueriesPerScore];
+      for (int g = 0; g < group; ++g) mx[g] = MaxOfInt(acc + g * n_off, n_off);
+      float* score = Room(sc.fill_score, n_off);
+      CombineHeads(acc, n_off, group, mx, n_off, score);
+      for (int64_t j = 0; j < m; ++j) score[c1[j] - off_lo] = -std::numeric_limits<float>::infinity();
+      int32_t* pick = Room(sc.fill, want_scan + 1);
+      int64_t got = want_scan;
+      if (want_scan < n_off) {
+        got = TopKAscending(score, n_off, want_scan, sc, pick);
+      } else {
+        std::iota(pick, pick + n_off, 0);
+      }
+      int32_t* merged = Room(sc.merged, m + got);
+      int64_t a = 0, b = 0, o = 0;
+      while (a < m || b < got) {
+        const int32_t pb = b < got ? static_cast<int32_t>(off_lo + pick[b]) : INT32_MAX;
+        if (a < m && c1[a] < pb) {
+          merged[o++] = c1[a++];
+        } else {
+          merged[o++] = pb;
+          ++b;
+        }
+      }
+      int32_t* hist = Room(sc.hist, m);
+      std::copy_n(c1, m, hist);
+      std::copy_n(merged, o, c1);
+      info.scanned = got;
+      hist_m = m;
+      m = o;
+    }
+  }
+  // (3b) Fill: when the tables nominate fewer than ceil(fill k) candidates, add the offloaded
+  // positions with the best table evidence max(Phi_ver[i], Phi_sla[t - i]) (ties: the most recent
+  // first), so that the exact scoring, and through it the selection, uses the budget.
+  const int64_t want =
+      params_.fill > 0 ? std::min<int64_t>(n_off, static_cast<int64_t>(std::ceil(params_.fill *
+                                                                                  k_sel)))
+                       : 0;
+  if ((m > 0 || !params_.fallback) && m < want) {
+    const int64_t need = want - m;
+    float* score = Room(sc.fill_score, n_off);  // r = off_hi - 1 - i: most recent first
+    const float* ver = st->ver.data();
+    const float* sla = st->sla.data() + (t - off_hi + 1);
+    for (int64_t r = 0; r < n_off; ++r) score[r] = std::max(ver[off_hi - 1 - r], sla[r]);
+    for (int64_t j = 0; j < m; ++j) score[off_hi - 1 - c1[j]] = -std::numeric_limits<float>::infinity();
+    int32_t* pick = Room(sc.fill, need + 1);
+    int64_t got = need;
+    if (need < n_off) {
+      got = TopKAscending(score, n_off, need, sc, pick);
+    } else {
+      std::iota(pick, pick + n_off, 0);
+    }
+    // pick holds r ascending = positions descending: merge both ascending lists.
+    int32_t* merged = Room(sc.merged, m + got);
+    int64_t a = 0, b = got - 1, o = 0;
+    while (a < m || b >= 0) {
+      const int32_t pb = b >= 0 ? static_cast<int32_t>(off_hi - 1 - pick[b]) : INT32_MAX;
+      if (a < m && c1[a] < pb) {
+        merged[o++] = c1[a++];
+      } else {
+        merged[o++] = pb;
+        --b;
+      }
+    }
+    std::copy_n(merged, o, c1);
+    info.filled = got;
+    m = o;
+  }
   if (m == 0) {
     if (!params_.fallback) return finish(nullptr, 0);
     info.fallback = true;
@@ -583,28 +874,84 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   }
   info.c1 = m;
   scored_.fetch_add(m, std::memory_order_relaxed);
+  if (dbg != nullptr) {
+    dbg->c1.assign(c1, c1 + m);
+    for (size_t j = 0; j < dbg->probe.size(); ++j) {
+      const int64_t pos = dbg->probe[j];
+      if (pos < 0 || pos > t) continue;
+      dbg->probe_ver[j] = static_cast<float>(st->ver[pos] * st->scale);
+      dbg->probe_sla[j] = static_cast<float>(st->sla[t - pos] * st->scale);
+    }
+  }
 
-  // (4) Exact scores on C1; rank by the group's summed softmax weight; C2 = top-k.
-  float* logits = Room(sc.logits, group * m);
-  float* weights = Room(sc.weights, m);
-  std::fill(weights, weights + m, 0.0f);
-  cpu::ScorePositions(p, ctx.q, ctx.kv, c1, static_cast<int32_t>(m), logits);
-  for (int g = 0; g < group; ++g) cpu::SoftmaxAccumulate(logits + g * m, m, 1.0f, weights);
+  // (4) Exact scores on C1; rank by the group's summed softmax weight; C2 = top-k. With rank >= 1
+  // each head's softmax is normalised over C1 plus the resident sinks and local tokens (rank 2:
+  // plus the log-normal estimate of the rest), which brings each head's weights close to its
+  // weights over all positions, so that the group's sum ranks as the oracle's does.
+  int64_t ld = m;
+  const bool glob_row = params_.rank >= 2 && st->primed;
+  if (params_.rank >= 1) {
+    for (int64_t i = 0; i < sink; ++i) c1[ld++] = static_cast<int32_t>(i);
+    for (int64_t i = loc_lo; i < n; ++i) c1[ld++] = static_cast<int32_t>(i);
+    if (glob_row) c1[ld++] = 0;  // a placeholder row: its logit is replaced below
+  }
+  float* logits = Room(sc.logits, group * ld);
+  float* weights = Room(sc.weights, ld);
+  std::fill(weights, weights + ld, 0.0f);
+  cpu::ScorePositions(p, ctx.q, ctx.kv, c1, static_cast<int32_t>(ld), logits);
+  if (glob_row) {
+    const int64_t n_glob = std::max<int64_t>(0, n - sink - n_loc_rank - m);
+    for (int g = 0; g < group; ++g) {
+      const float* qg = ctx.q + g * hd;
+      double qk = 0.0, qq = 0.0;
+      for (int64_t d = 0; d < hd; ++d) {
+        qk += static_cast<double>(qg[d]) * st->k_bar[d];
+        qq += static_cast<double>(qg[d]) * qg[d];
+      }
+      logits[g * ld + ld - 1] =
+          n_glob > 0 ? static_cast<float>(std::log(static_cast<double>(n_glob)) + p.scale * qk +
+                                          0.5 * qq * st->sigma2_hat)
+                     : -std::numeric_limits<float>::infinity();
+    }
+  }
+  for (int g = 0; g < group; ++g) cpu::SoftmaxAccumulate(logits + g * ld, ld, 1.0f, weights);
   int32_t* c2_idx = Room(sc.c2_idx, m);  // indices into c1, ascending
   int64_t k2 = m;
-  if (m <= k_off) {
+  if (m <= k_sel) {
     std::iota(c2_idx, c2_idx + m, 0);
   } else {
-    k2 = TopKAscending(weights, m, k_off, sc, c2_idx);
+    k2 = TopKAscending(weights, m, k_sel, sc, c2_idx);
   }
   info.c2 = k2;
+  // Adaptive scan period: a scan whose candidates made few of C2 (< 1/16) doubles the period (up to
+  // scan_max_period); one that mattered brings it back to every step. Scan-only candidates are the
+  // positions of C1 \ C1_tables, recognised by a binary search in the tables' list (kept in hits).
+  if (params_.scan > 0 && info.scanned > 0) {
+    int64_t from_scan = 0;
+    const int32_t* hist = sc.hist.data();
+    for (int64_t j = 0; j < k2; ++j) {
+      from_scan += !std::binary_search(hist, hist + hist_m, c1[c2_idx[j]]);
+    }
+    st->scan_period = 16 * from_scan >= k2 ? 1 : std::min(2 * st->scan_period, params_.scan_max_period);
+  }
+  if (params_.per_head_budget > 0) {
+    // Need: the head's estimated attention share on offloaded tokens (C1's weight under the
+    // resident-normalised ranking), an EMA over steps.
+    double share = 0.0;
+    for (int64_t j = 0; j < m; ++j) share += weights[j];
+    share /= group;
+    std::atomic<float>& need = need_[NeedIndex(ctx.slot, ctx.layer, ctx.kv_head)];
+    const float old = need.load(std::memory_order_relaxed);
+    need.store(old < 0 ? static_cast<float>(share) : static_cast<float>(0.9 * old + 0.1 * share),
+               std::memory_order_relaxed);
+  }
 
   // (5) Table update (Eq. 10) with p = the group's mean softmax over C2:
   // Phi <- r Phi + p - 1/(2|C2|) on C2, r Phi elsewhere (a global scale).
   std::fill(weights, weights + k2, 0.0f);
   float* probs = Room(sc.probs, k2);
   for (int g = 0; g < group; ++g) {
-    const float* l = logits + g * m;
+    const float* l = logits + g * ld;
     for (int64_t j = 0; j < k2; ++j) probs[j] = l[c2_idx[j]];
     cpu::SoftmaxAccumulate(probs, k2, 1.0f / static_cast<float>(group), weights);
   }

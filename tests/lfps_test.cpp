@@ -6,6 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
+#include <string>
+#include <utility>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -141,43 +145,53 @@ TEST(LfpsTest, TableSumsConvergeToHalfOverOneMinusR) {
 }
 
 // With every offloaded position a candidate, LFPS selects exactly the oracle's set: resident
-// tokens plus the top-k of the group's summed softmax weight over the offloaded keys.
+// tokens plus the top-k of the group's summed softmax weight over the offloaded keys. rank 0 (the
+// paper) normalises each head's softmax over the candidates; rank 1 also over the resident sinks
+// and local tokens (closer to each head's weights over everything).
 TEST(LfpsTest, AllCandidatesEqualsExactTopK) {
-  for (int group : {1, 3, 4}) {
-    std::mt19937 rng(10 + group);
-    KvHead head(3000);
-    for (int i = 0; i < 2500; ++i) head.Append(Gaussian(rng, kHd, 1), Gaussian(rng, kHd, 1));
-    LfpsParams lp;
-    lp.score_all = true;
-    lp.eps = 2.0;
-    LfpsPolicy policy = MakePolicy(lp);
-    const int sink = 4, window = 32;
-    const int64_t budget = 100;
-    const std::vector<float> q = Gaussian(rng, group * kHd, 3);
-    std::vector<int32_t> out;
-    ASSERT_TRUE(policy.Select(Ctx(head, q, group, budget, sink, window), out).ok());
-    // The oracle, from the reference kernels.
-    const int64_t n = head.n(), lo = sink, hi = n - window, k = budget - sink - window;
-    std::vector<const void*> rows;
-    for (int64_t i = lo; i < hi; ++i) rows.push_back(PagedKRow(head.kv(), i, kHd, 2));
-    const int32_t m = static_cast<int32_t>(rows.size());
-    std::vector<float> logits(static_cast<size_t>(group) * m), w(static_cast<size_t>(m), 0.0f);
-    cpu::ScoreRowsRef(Params(group), q.data(), rows.data(), m, logits.data());
-    for (int g = 0; g < group; ++g) {
-      const float* l = logits.data() + g * m;
-      const float mx = *std::max_element(l, l + m);
-      double s = 0;
-      for (int j = 0; j < m; ++j) s += std::exp(l[j] - mx);
-      for (int j = 0; j < m; ++j) w[j] += static_cast<float>(std::exp(l[j] - mx) / s);
+  for (int rank : {0, 1}) {
+    for (int group : {1, 3, 4}) {
+      std::mt19937 rng(10 + group + 7 * rank);
+      KvHead head(3000);
+      for (int i = 0; i < 2500; ++i) head.Append(Gaussian(rng, kHd, 1), Gaussian(rng, kHd, 1));
+      LfpsParams lp;
+      lp.score_all = true;
+      lp.eps = 2.0;
+      lp.rank = rank;
+      LfpsPolicy policy = MakePolicy(lp);
+      const int sink = 4, window = 32;
+      const int64_t budget = 100;
+      const std::vector<float> q = Gaussian(rng, group * kHd, 3);
+      std::vector<int32_t> out;
+      ASSERT_TRUE(policy.Select(Ctx(head, q, group, budget, sink, window), out).ok());
+      // The oracle, from the reference kernels.
+      const int64_t n = head.n(), lo = sink, hi = n - window, k = budget - sink - window;
+      std::vector<const void*> rows;
+      for (int64_t i = lo; i < hi; ++i) rows.push_back(PagedKRow(head.kv(), i, kHd, 2));
+      const int32_t m = static_cast<int32_t>(rows.size());
+      if (rank == 1) {  // normaliser rows
+        for (int64_t i = 0; i < sink; ++i) rows.push_back(PagedKRow(head.kv(), i, kHd, 2));
+        for (int64_t i = n - lp.local; i < n; ++i) rows.push_back(PagedKRow(head.kv(), i, kHd, 2));
+      }
+      const int32_t ld = static_cast<int32_t>(rows.size());
+      std::vector<float> logits(static_cast<size_t>(group) * ld), w(static_cast<size_t>(m), 0.0f);
+      cpu::ScoreRowsRef(Params(group), q.data(), rows.data(), ld, logits.data());
+      for (int g = 0; g < group; ++g) {
+        const float* l = logits.data() + g * ld;
+        const float mx = *std::max_element(l, l + ld);
+        double s = 0;
+        for (int j = 0; j < ld; ++j) s += std::exp(l[j] - mx);
+        for (int j = 0; j < m; ++j) w[j] += static_cast<float>(std::exp(l[j] - mx) / s);
+      }
+      std::vector<int32_t> top(static_cast<size_t>(k));
+      cpu::TopKRef(w.data(), m, k, top.data());
+      std::vector<int32_t> want;
+      for (int i = 0; i < sink; ++i) want.push_back(i);
+      for (int32_t j : top) want.push_back(static_cast<int32_t>(lo + j));
+      for (int64_t i = hi; i < n; ++i) want.push_back(static_cast<int32_t>(i));
+      std::sort(want.begin(), want.end());
+      EXPECT_EQ(out, want) << "group " << group << " rank " << rank;
     }
-    std::vector<int32_t> top(static_cast<size_t>(k));
-    cpu::TopKRef(w.data(), m, k, top.data());
-    std::vector<int32_t> want;
-    for (int i = 0; i < sink; ++i) want.push_back(i);
-    for (int32_t j : top) want.push_back(static_cast<int32_t>(lo + j));
-    for (int64_t i = hi; i < n; ++i) want.push_back(static_cast<int32_t>(i));
-    std::sort(want.begin(), want.end());
-    EXPECT_EQ(out, want) << "group " << group;
   }
 }
 
@@ -357,6 +371,173 @@ TEST(LfpsTest, SelectionIsResidentPlusAtMostBudget) {
   SelectContext bad = Ctx(head, std::vector<float>(kHd), 1, 10, 4, 32);
   bad.slot = 7;
   EXPECT_EQ(policy.Select(bad, out).code(), StatusCode::kInvalidArgument);
+}
+
+// Primes a policy's head from the last 32 queries of a random prompt.
+void Prime(LfpsPolicy& policy, const KvHead& head, int group, int kv_head, int sink, int window,
+           std::mt19937& rng) {
+  std::vector<float> qs = Gaussian(rng, 32 * group * kHd, 1);
+  PrefillContext pc;
+  pc.kv_head = kv_head;
+  pc.q_pos0 = head.n() - 32;
+  pc.num_q = 32;
+  pc.n = head.n();
+  pc.sink = sink;
+  pc.window = window;
+  pc.q = qs.data();
+  pc.params = Params(group);
+  pc.kv = head.kv();
+  ASSERT_TRUE(policy.OnPrefill(pc).ok());
+}
+
+// The budget is used: whenever more tokens are offloaded than the budget leaves room for
+// (n - sink - window > budget - sink - window), a step that is not bypassed attends exactly the
+// budget (resident tokens included), with the scan, with the fill alone, and not in the paper's
+// mode (which attends what the tables nominate).
+TEST(LfpsTest, AttendsTheWholeBudget) {
+  struct Mode {
+    double fill;
+    int scan;
+    bool whole;
+  };
+  for (const Mode mode : {Mode{1.0, 16, true}, Mode{1.0, 0, true}, Mode{0.0, 0, false}}) {
+    std::mt19937 rng(21);
+    KvHead head(5000);
+    for (int i = 0; i < 3000; ++i) head.Append(Gaussian(rng, kHd, 1), Gaussian(rng, kHd, 1));
+    LfpsParams lp;
+    lp.eps = 2.0;
+    lp.fill = mode.fill;
+    lp.scan = mode.scan;
+    lp.fallback = false;
+    LfpsPolicy policy = MakePolicy(lp);
+    const int sink = 4, window = 64, group = 3;
+    Prime(policy, head, group, 0, sink, window, rng);
+    std::vector<int32_t> out;
+    int64_t steps = 0, whole = 0, big_steps = 0, big_whole = 0;
+    for (int step = 0; step < 80; ++step) {
+      head.Append(Gaussian(rng, kHd, 1), Gaussian(rng, kHd, 1));
+      const int64_t budget = std::vector<int64_t>{70, 82, 128, 256, 600}[step % 5];
+      const std::vector<float> q = Gaussian(rng, group * kHd, 1.5);
+      LfpsStepInfo info;
+      ASSERT_TRUE(policy.SelectWithInfo(Ctx(head, q, group, budget, sink, window), out, &info).ok());
+      ASSERT_TRUE(SortedUnique(out, head.n()));
+      ASSERT_LE(static_cast<int64_t>(out.size()), budget);
+      ASSERT_GT(head.n() - sink - window, budget - sink - window);
+      ++steps;
+      whole += static_cast<int64_t>(out.size()) == budget;
+      big_steps += budget == 600;
+      big_whole += budget == 600 && static_cast<int64_t>(out.size()) == budget;
+    }
+    if (mode.whole) {
+      EXPECT_EQ(whole, steps) << "fill " << mode.fill << " scan " << mode.scan;
+    } else {
+      EXPECT_LT(big_whole, big_steps) << "the paper's mode leaves a large budget unused";
+    }
+  }
+}
+
+// A key the query matches at a new random offloaded position every step has no history, so only
+// the scan can nominate it; with the scan it is attended (almost) every step, without it rarely.
+TEST(LfpsTest, ScanFindsKeysWithoutHistory) {
+  for (int scan : {16, 0}) {
+    std::mt19937 rng(22);
+    KvHead head(6000);
+    std::vector<std::vector<float>> keys;
+    for (int i = 0; i < 4000; ++i) {
+      keys.push_back(Gaussian(rng, kHd, 1));
+      head.Append(keys.back(), Gaussian(rng, kHd, 1));
+    }
+    LfpsParams lp;
+    lp.eps = 2.0;
+    lp.scan = scan;
+    LfpsPolicy policy = MakePolicy(lp);
+    const int sink = 4, window = 64, group = 2;
+    Prime(policy, head, group, 0, sink, window, rng);
+    std::vector<int32_t> out;
+    int found = 0;
+    const int steps = 60;
+    for (int step = 0; step < steps; ++step) {
+      head.Append(Gaussian(rng, kHd, 1), Gaussian(rng, kHd, 1));
+      const int64_t target = sink + static_cast<int64_t>(rng() % (head.n() - sink - window));
+      std::vector<float> q = Gaussian(rng, group * kHd, 0.3f);
+      for (int d = 0; d < kHd; ++d) q[d] += 1.5f * keys[target][d];  // head 0 retrieves it
+      ASSERT_TRUE(policy.Select(Ctx(head, q, group, 128, sink, window), out).ok());
+      found += std::binary_search(out.begin(), out.end(), static_cast<int32_t>(target));
+    }
+    if (scan > 0) {
+      EXPECT_GE(found, steps - 2);
+    } else {
+      EXPECT_LT(found, steps / 3);
+    }
+  }
+}
+
+// Per-head budgets: heads whose attention lies on offloaded tokens get more of the layer's budget
+// than sink-dominated heads, none more than ctx.budget, the layer's total at most heads x B.
+TEST(LfpsTest, PerHeadBudgetFollowsNeed) {
+  std::mt19937 rng(23);
+  constexpr int kHeads = 3, group = 2, sink = 4, window = 32;
+  std::vector<std::unique_ptr<KvHead>> heads;
+  const std::vector<float> sink_key = Gaussian(rng, kHd, 1);
+  for (int h = 0; h < kHeads; ++h) {
+    heads.push_back(std::make_unique<KvHead>(4000));
+    for (int i = 0; i < 2500; ++i) {
+      heads[h]->Append(i == 0 && h > 0 ? sink_key : Gaussian(rng, kHd, 1), Gaussian(rng, kHd, 1));
+    }
+  }
+  LfpsParams lp;
+  lp.eps = 2.0;
+  lp.per_head_budget = 150;
+  LfpsPolicy policy(lp, 1, 1, kHeads, 1 << 14);
+  for (int h = 0; h < kHeads; ++h) Prime(policy, *heads[h], group, h, sink, window, rng);
+  std::vector<int32_t> out;
+  std::vector<int64_t> attended(kHeads, 0);
+  const int64_t cap = 400;
+  for (int step = 0; step < 60; ++step) {
+    int64_t total = 0;
+    for (int h = 0; h < kHeads; ++h) {
+      heads[h]->Append(Gaussian(rng, kHd, 1), Gaussian(rng, kHd, 1));
+      // Head 0 spreads its attention over the offloaded keys; heads 1 and 2 look at the sink.
+      std::vector<float> q = Gaussian(rng, group * kHd, 0.5f);
+      if (h > 0) {
+        for (int g = 0; g < group; ++g) {
+          for (int d = 0; d < kHd; ++d) q[g * kHd + d] += 3.0f * sink_key[d];
+        }
+      }
+      SelectContext c = Ctx(*heads[h], q, group, cap, sink, window);
+      c.kv_head = h;
+      ASSERT_TRUE(policy.Select(c, out).ok());
+      ASSERT_TRUE(SortedUnique(out, heads[h]->n()));
+      ASSERT_LE(static_cast<int64_t>(out.size()), cap);
+      if (step >= 20) attended[h] += static_cast<int64_t>(out.size());
+      total += static_cast<int64_t>(out.size()) - sink - window;
+    }
+    EXPECT_LE(total, kHeads * (150 - sink - window) + kHeads);
+  }
+  EXPECT_GT(attended[0], 2 * attended[1]);
+  EXPECT_GT(attended[0], 2 * attended[2]);
+}
+
+TEST(LfpsTest, FactoryParsesBudgetFillingParams) {
+  RuntimeConfig config;
+  config.policy.name = "lfps";
+  config.policy.params = {{"fill", 1.5}, {"rank", 0}, {"scan", 8}, {"scan_factor", 3},
+                          {"scan_max_period", 4}, {"per_head_budget", 256}};
+  auto policy = MakeLfpsPolicy(config);
+  ASSERT_TRUE(policy.ok()) << policy.status().ToString();
+  const auto& lfps = static_cast<const LfpsPolicy&>(**policy);
+  EXPECT_DOUBLE_EQ(lfps.params().fill, 1.5);
+  EXPECT_EQ(lfps.params().rank, 0);
+  EXPECT_EQ(lfps.params().scan, 8);
+  EXPECT_DOUBLE_EQ(lfps.params().scan_factor, 3.0);
+  EXPECT_EQ(lfps.params().scan_max_period, 4);
+  EXPECT_EQ(lfps.params().per_head_budget, 256);
+  for (const auto& bad : std::vector<std::pair<std::string, double>>{
+           {"rank", 3}, {"scan", 1.5}, {"scan", 300}, {"fill", -1}, {"scan_max_period", 0},
+           {"per_head_budget", -2}}) {
+    config.policy.params = {bad};
+    EXPECT_EQ(MakeLfpsPolicy(config).status().code(), StatusCode::kInvalidArgument) << bad.first;
+  }
 }
 
 }  // namespace
