@@ -32,7 +32,7 @@ Status RuntimeImpl::InitStepBuffers() {
                config_.route != Route::kCpu;
   const int64_t resident_rows = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
   step_all_resident_ = policy_->is_dense() ? resident_rows >= cap.max_tokens_per_sequence
-                                           : item_cap_ <= resident_rows;
+                                           : budget_max_ <= resident_rows;
   if (!fast_path_) return Status::Ok();
   void* p = nullptr;
   KVF_ASSIGN_OR_RETURN(p, Alloc(size_t{2} * cap.max_batch * sizeof(int32_t), false));

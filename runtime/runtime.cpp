@@ -143,8 +143,12 @@ Status RuntimeImpl::Init() {
   if (!policy_->is_dense()) {
     const int64_t by_fraction = static_cast<int64_t>(
         std::ceil(config_.policy.budget_fraction * static_cast<double>(cap.max_tokens_per_sequence)));
-    item_cap_ = std::min(cap.max_tokens_per_sequence,
-                         std::max(config_.policy.budget_tokens, by_fraction));
+    // Room for the resident rows on top of the budget: a policy that always attends the sinks
+    // and the window (lfps) may return more than a budget smaller than they are.
+    const int64_t resident = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
+    budget_max_ = std::min(cap.max_tokens_per_sequence,
+                           std::max(config_.policy.budget_tokens, by_fraction));
+    item_cap_ = std::min(cap.max_tokens_per_sequence, budget_max_ + resident);
   }
 
   HostStoreShape shape;

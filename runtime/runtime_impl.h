@@ -132,7 +132,8 @@ class RuntimeImpl {
   size_t kv_elem_ = 2;
   size_t row_bytes_ = 0;  // one K (or V) row
   int64_t max_rows_ = 0;  // most tokens in one call (prefill chunk or batch)
-  int64_t item_cap_ = 0;  // most positions one (sequence, KV head) attends per step (0: dense)
+  int64_t item_cap_ = 0;
+  int64_t budget_max_ = 0;  // the largest budget any step gets (0: dense)  // most positions one (sequence, KV head) attends per step (0: dense)
 
   std::unordered_map<SequenceId, int> slots_;
   std::vector<int> free_slots_;

@@ -233,6 +233,26 @@ TEST(PlannedStep, HostSelectingPoliciesPlanInsideEachDecode) {
   EXPECT_EQ(rt->GetStats().decode_planned, 0);
 }
 
+TEST(PlannedStep, BudgetSmallerThanTheResidentTiersStillDecodes) {
+  // lfps always attends its sinks and window: a budget below them must not overflow the
+  // runtime's per-item capacity (it used to fail at the first decode with an internal error).
+  RuntimeConfig c = PlanConfig("lfps", 1);
+  c.policy.budget_tokens = 4;  // sinks 3 + window 8 = 11 > 4
+  auto rt = Make(c);
+  ASSERT_TRUE(rt);
+  Feeder f(c, 9);
+  const std::vector<SequenceId> one = {2};
+  ASSERT_TRUE(rt->AddSequence(2).ok());
+  f.Prefill({rt.get()}, 2, 60);
+  for (int step = 0; step < 3; ++step) {
+    Feeder::Step s = f.Make(1);
+    std::vector<float> out;
+    const Status st = f.Decode(*rt, one, 0, s, out);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    EXPECT_GT(NormOf(out), 0.0);
+  }
+}
+
 TEST(Append, StoresWhatPrefillStoresWithoutAttention) {
   for (const char* policy : {"dense", "streaming", "oracle"}) {
     const RuntimeConfig c = PlanConfig(policy, 2);
