@@ -2,6 +2,21 @@
 # The README's test command: installs what is missing, fetches the test data (the real model and
 # text; the real-model tests skip with a message if that fails), builds and runs every test.
 # Works with or without a GPU (GPU tests skip cleanly without one).
+#
+# After the normal tests come the reliability stages (docs/reliability.md), each of which a
+# developer can skip:
+#   KVFERRY_SANITIZE=0  no ASan+UBSan build: the library and kvferry_tests built with gcc
+#                       -fsanitize=address,undefined (build dir $KVFERRY_ASAN_BUILD_DIR, default
+#                       <build>-asan) and run on the CPU subset: host backend, runtime, policies,
+#                       CPU kernels, the file readers and the CLI ($KVFERRY_ASAN_FILTER)
+#   KVFERRY_FUZZ=0      no fuzzing: the libFuzzer targets of tests/fuzz (clang, <build>-fuzz) replay
+#                       their corpus, then fuzz KVFERRY_FUZZ_SECONDS (default 20) seconds each
+# KVFERRY_SANITIZE=0 also turns fuzzing off unless KVFERRY_FUZZ=1.
+# Opt-in: KVFERRY_TSAN=1 builds with ThreadSanitizer and runs the worker pool, host gather and
+# runtime tests ($KVFERRY_TSAN_FILTER). Off by default: the distribution's libtbb is not
+# instrumented, so every hand-off through a TBB arena or parallel_for (and boost.lockfree's
+# freelist) is reported as a race: 65 reports on the pool tests alone, all false
+# (docs/reliability.md). Useful with a TSan-built oneTBB (KVFERRY_CMAKE_ARGS=-DTBB_DIR=...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -10,6 +25,123 @@ if [ -f scripts/fetch-data.sh ]; then
 fi
 build=${KVFERRY_BUILD_DIR:-build}
 jobs=$(nproc)
+t_start=$SECONDS
+stage_times=()
+stage_done() { stage_times+=("$1 $(( SECONDS - $2 ))s"); echo "run-tests: $1 took $(( SECONDS - $2 )) s" >&2; }
+
+t0=$SECONDS
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release ${KVFERRY_CMAKE_ARGS:-}
 cmake --build "$build" -j"$jobs"
 ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 900
+stage_done "build+tests" "$t0"
+
+sanitize=${KVFERRY_SANITIZE:-1}
+tsan=${KVFERRY_TSAN:-0}
+fuzz=${KVFERRY_FUZZ:-$sanitize}
+
+# Runs \$1 (a gtest binary) split into $jobs shards in parallel; fails if any shard fails.
+run_sharded() {
+  local bin=$1 filter=$2 log_prefix=$3 pids=() rc=0
+  for ((i = 0; i < jobs; i++)); do
+    GTEST_TOTAL_SHARDS=$jobs GTEST_SHARD_INDEX=$i \
+      "$bin" --gtest_filter="$filter" --gtest_brief=1 >"$log_prefix.$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    if ! wait "${pids[$i]}"; then
+      echo "run-tests: shard $i of $bin failed:" >&2
+      tail -n 60 "$log_prefix.$i.log" >&2
+      rc=1
+    fi
+  done
+  return $rc
+}
+
+# ---- ASan + UBSan ------------------------------------------------------------------------------
+if [ "$sanitize" != 0 ]; then
+  t0=$SECONDS
+  asan_build=${KVFERRY_ASAN_BUILD_DIR:-$build-asan}
+  san_flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+  cmake -S . -B "$asan_build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DCMAKE_CXX_FLAGS="$san_flags" \
+    -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" -DKVFERRY_WITH_CUDA=OFF \
+    -DKVFERRY_BUILD_BENCH=OFF -DKVFERRY_BUILD_EXAMPLES=ON >/dev/null
+  cmake --build "$asan_build" -j"$jobs" --target kvferry_tests kvferry-llama
+  # The CPU subset: everything but the GPU suites (which skip without a GPU anyway), the
+  # SmolLM2 logit checks (minutes of f32 matmuls under ASan; the readers they use are fuzzed) and
+  # the long-context FullBudget instances.
+  asan_filter=${KVFERRY_ASAN_FILTER:-"*-Gpu*:Cuda*:*GpuMatmul*:LlamaSmolLm2.*Logits*:LlamaSmolLm2.Sparse*:Long/FullBudget.*:LlamaGguf.FuzzRealFile"}
+  # libtbb (not instrumented) can lose the 40-byte proxy of a task_scheduler_observer that is
+  # removed while a worker walks the observer list (kvferry calls observe(false) in the
+  # destructor); that one TBB-internal allocation is the only leak suppressed.
+  lsan_supp="$(cd "$asan_build" && pwd)/lsan.supp"
+  printf 'leak:tbb::detail::r1::observe\n' >"$lsan_supp"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1 \
+  LSAN_OPTIONS=suppressions=$lsan_supp \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    run_sharded "$asan_build/tests/kvferry_tests" "$asan_filter" "$asan_build/asan"
+  stage_done "asan+ubsan" "$t0"
+fi
+
+# ---- ThreadSanitizer ---------------------------------------------------------------------------
+if [ "$tsan" != 0 ]; then
+  t0=$SECONDS
+  tsan_build=${KVFERRY_TSAN_BUILD_DIR:-$build-tsan}
+  # No function entry/exit hooks: the ifunc resolvers of target_clones functions run before the
+  # TSan runtime is up and crash the binary at load when instrumented (stacks are then shorter).
+  cmake -S . -B "$tsan_build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
+    -DCMAKE_CXX_FLAGS="-fsanitize=thread --param=tsan-instrument-func-entry-exit=0" \
+    -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread" -DKVFERRY_WITH_CUDA=OFF \
+    -DKVFERRY_BUILD_BENCH=OFF -DKVFERRY_BUILD_EXAMPLES=OFF ${KVFERRY_CMAKE_ARGS:-} >/dev/null
+  cmake --build "$tsan_build" -j"$jobs" --target kvferry_tests
+  tsan_filter=${KVFERRY_TSAN_FILTER:-"CpuPoolTest.*:HostGatherTest.*:MultiSequence.*:BadInput.*:Selection.*:Routes/FullBudget.*"}
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+    run_sharded "$tsan_build/tests/kvferry_tests" "$tsan_filter" "$tsan_build/tsan"
+  stage_done "tsan" "$t0"
+fi
+
+# ---- libFuzzer ---------------------------------------------------------------------------------
+if [ "$fuzz" != 0 ]; then
+  t0=$SECONDS
+  fuzz_build=${KVFERRY_FUZZ_BUILD_DIR:-$build-fuzz}
+  secs=${KVFERRY_FUZZ_SECONDS:-20}
+  CC=clang CXX=clang++ cmake -S . -B "$fuzz_build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DKVFERRY_WITH_CUDA=OFF -DKVFERRY_BUILD_FUZZ=ON -DKVFERRY_BUILD_TESTS=OFF \
+    -DKVFERRY_BUILD_BENCH=OFF -DKVFERRY_BUILD_EXAMPLES=OFF >/dev/null
+  cmake --build "$fuzz_build" -j"$jobs" --target kvferry_fuzz
+  ctest --test-dir "$fuzz_build/tests/fuzz" --output-on-failure -j"$jobs"
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  targets=(gguf llama2c_model llama2c_tokenizer bpe_tokenizer safetensors cli)
+  # Two targets at a time (one per core on the CI machine), new inputs into a scratch folder.
+  fuzz_one() {
+    local t=$1 dict=""
+    [ -f "tests/fuzz/$t.dict" ] && dict="-dict=tests/fuzz/$t.dict"
+    mkdir -p "$work/$t"
+    "$fuzz_build/tests/fuzz/fuzz_$t" $dict -max_total_time="$secs" -rss_limit_mb=4096 -timeout=30 \
+      -print_final_stats=1 -artifact_prefix="$work/$t-" "$work/$t" "tests/fuzz/corpus/$t" \
+      >"$work/$t.log" 2>&1
+  }
+  rc=0
+  for ((i = 0; i < ${#targets[@]}; i += jobs)); do
+    pids=()
+    for ((j = i; j < i + jobs && j < ${#targets[@]}; j++)); do
+      fuzz_one "${targets[$j]}" &
+      pids+=("$!:${targets[$j]}")
+    done
+    for p in "${pids[@]}"; do
+      if ! wait "${p%%:*}"; then
+        echo "run-tests: fuzz_${p#*:} found a crash:" >&2
+        tail -n 60 "$work/${p#*:}.log" >&2
+        ls "$work"/"${p#*:}"-* >&2 2>/dev/null || true
+        rc=1
+      fi
+      grep -h "stat::number_of_executed_units" "$work/${p#*:}.log" |
+        sed "s/^/run-tests: fuzz_${p#*:} /" >&2 || true
+    done
+  done
+  [ $rc = 0 ] || exit 1
+  stage_done "fuzz" "$t0"
+fi
+echo "run-tests: all passed in $(( SECONDS - t_start )) s (${stage_times[*]})" >&2

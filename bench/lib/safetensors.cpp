@@ -2,6 +2,7 @@
 #include "bench/lib/safetensors.h"
 
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -181,6 +182,7 @@ class JsonParser {
             i_ += 2;
             uint32_t lo = 0;
             KVF_ST_RETURN_IF_ERROR(Hex4(&lo));
+            if (lo < 0xdc00 || lo >= 0xe000) return Error("bad low surrogate");
             cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
           }
           AppendUtf8(cp, out);
@@ -270,7 +272,7 @@ Result<std::vector<float>> SafetensorsFile::GetFloat(const std::string& name) co
   std::vector<float> out(n);
   const uint8_t* p = t.bytes.data();
   if (t.dtype == "F32") {
-    std::memcpy(out.data(), p, n * 4);
+    if (n > 0) std::memcpy(out.data(), p, n * 4);  // an empty vector's data() may be null
   } else if (t.dtype == "BF16" || t.dtype == "F16") {
     for (int64_t i = 0; i < n; ++i) {
       const uint16_t h = static_cast<uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
@@ -303,7 +305,7 @@ Result<std::vector<int32_t>> SafetensorsFile::GetInt32(const std::string& name) 
   const int64_t n = t.numel();
   std::vector<int32_t> out(n);
   if (t.dtype == "I32") {
-    std::memcpy(out.data(), t.bytes.data(), n * 4);
+    if (n > 0) std::memcpy(out.data(), t.bytes.data(), n * 4);
   } else if (t.dtype == "I64") {
     for (int64_t i = 0; i < n; ++i) {
       int64_t v;
@@ -377,7 +379,8 @@ Result<SafetensorsFile> ParseSafetensors(const std::vector<uint8_t>& bytes) {
     }
     const double b = std::get<double>(offs[0].v);
     const double end = std::get<double>(offs[1].v);
-    if (b < 0 || end < b || end > static_cast<double>(data_size) ||
+    if (b < 0 || end < b || end > static_cast<double>(data_size) || b != std::floor(b) ||
+        end != std::floor(end) ||
         static_cast<uint64_t>(end - b) != numel * static_cast<uint64_t>(elem)) {
       return CorruptData(Cat("safetensors: data of tensor '", name, "' [", b, ", ", end,
                              ") does not match its shape or lies outside the file"));
@@ -478,13 +481,14 @@ void AddFloatTensor(SafetensorsFile& file, const std::string& name, std::vector<
   file.tensors[name] = std::move(t);
 }
 
-Result<Trace> LoadTrace(const std::string& path) {
-  auto file_or = ReadSafetensors(path);
-  if (!file_or.ok()) return file_or.status();
-  SafetensorsFile& file = file_or.value();
+namespace {
+
+// A trace from a parsed file; \p where prefixes messages (the path).
+Result<Trace> TraceFrom(const SafetensorsFile& file, const std::string& where) {
   Trace trace;
   trace.metadata = file.metadata;
   std::map<int, TraceLayer> layers;
+  constexpr int64_t kMaxHeads = 1 << 16;
   for (const auto& [name, t] : file.tensors) {
     // "layer.<l>.<q|k|v>"
     if (name.rfind("layer.", 0) != 0) continue;
@@ -497,8 +501,9 @@ Result<Trace> LoadTrace(const std::string& path) {
     const int l = std::stoi(num);
     const char kind = name.back();
     if (kind != 'q' && kind != 'k' && kind != 'v') continue;
-    if (t.shape.size() != 3) {
-      return CorruptData(Cat(path, ": tensor '", name, "' is not [T, heads, head_dim]"));
+    if (t.shape.size() != 3 || t.shape[1] < 1 || t.shape[1] > kMaxHeads || t.shape[2] < 1 ||
+        t.shape[2] > kMaxHeads) {
+      return CorruptData(Cat(where, ": tensor '", name, "' is not [T, heads, head_dim]"));
     }
     TraceLayer& tl = layers[l];
     tl.layer = l;
@@ -511,28 +516,47 @@ Result<Trace> LoadTrace(const std::string& path) {
       tl.num_kv_heads = static_cast<int>(t.shape[1]);
       tl.k = std::move(data.value());
     } else {
+      if (tl.num_kv_heads != 0 && tl.num_kv_heads != t.shape[1]) {
+        return CorruptData(Cat(where, ": layer ", l, " has k and v of different head counts"));
+      }
+      tl.num_kv_heads = static_cast<int>(t.shape[1]);
       tl.v = std::move(data.value());
     }
     if (tl.num_tokens != 0 && tl.num_tokens != t.shape[0]) {
-      return CorruptData(Cat(path, ": layer ", l, " has q/k/v of different lengths"));
+      return CorruptData(Cat(where, ": layer ", l, " has q/k/v of different lengths"));
     }
     if (tl.head_dim != 0 && tl.head_dim != t.shape[2]) {
-      return CorruptData(Cat(path, ": layer ", l, " has q/k/v of different head_dim"));
+      return CorruptData(Cat(where, ": layer ", l, " has q/k/v of different head_dim"));
     }
     tl.num_tokens = t.shape[0];
     tl.head_dim = static_cast<int>(t.shape[2]);
   }
-  if (layers.empty()) return CorruptData(Cat(path, ": no 'layer.<l>.q/k/v' tensors"));
+  if (layers.empty()) return CorruptData(Cat(where, ": no 'layer.<l>.q/k/v' tensors"));
   for (auto& [l, tl] : layers) {
     if (tl.q.empty() || tl.k.empty() || tl.v.empty()) {
-      return CorruptData(Cat(path, ": layer ", l, " lacks one of q, k, v"));
+      return CorruptData(Cat(where, ": layer ", l, " lacks one of q, k, v"));
     }
-    if (tl.v.size() != tl.k.size() || tl.num_kv_heads == 0 || tl.num_q_heads % tl.num_kv_heads != 0) {
-      return CorruptData(Cat(path, ": layer ", l, " has inconsistent head counts"));
+    if (tl.v.size() != tl.k.size() || tl.num_q_heads <= 0 || tl.num_kv_heads <= 0 ||
+        tl.num_q_heads % tl.num_kv_heads != 0) {
+      return CorruptData(Cat(where, ": layer ", l, " has inconsistent head counts"));
     }
     trace.layers.push_back(std::move(tl));
   }
   return trace;
+}
+
+}  // namespace
+
+Result<Trace> LoadTrace(const std::string& path) {
+  auto file = ReadSafetensors(path);
+  if (!file.ok()) return file.status();
+  return TraceFrom(file.value(), path);
+}
+
+Result<Trace> LoadTraceFromBytes(const std::vector<uint8_t>& bytes) {
+  auto file = ParseSafetensors(bytes);
+  if (!file.ok()) return file.status();
+  return TraceFrom(file.value(), "trace");
 }
 
 }  // namespace kvferry::bench

@@ -74,5 +74,7 @@ struct Trace {
 /// Loads a trace file into memory, converting every tensor to f32. Fails with a message naming
 /// the tensor if a layer lacks q, k or v or their shapes disagree.
 Result<Trace> LoadTrace(const std::string& path);
+/// The same from a safetensors image in memory.
+Result<Trace> LoadTraceFromBytes(const std::vector<uint8_t>& bytes);
 
 }  // namespace kvferry::bench

@@ -22,15 +22,14 @@ Status ResetAll(const std::vector<Attention*>& lanes) {
 
 }  // namespace
 
-Result<std::vector<PerplexityResult>> EvalPerplexity(Engine& engine,
-                                                     const std::vector<int32_t>& tokens,
-                                                     int64_t scored,
-                                                     const std::vector<Attention*>& lanes,
-                                                     int64_t chunk, double* prefill_seconds) {
+Result<std::vector<PerplexityResult>> EvalPerplexity(
+    Engine& engine, const std::vector<int32_t>& tokens, int64_t scored,
+    const std::vector<Attention*>& lanes, int64_t chunk, double* prefill_seconds,
+    const std::function<void(size_t lane, bool after)>& around_decode) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   KVF_CHECK_ARG(!lanes.empty(), "perplexity: no lanes");
-  KVF_CHECK_ARG(scored >= 1 && scored + 2 <= n, "perplexity: scoring ", scored, " of ", n,
-                " tokens leaves no prefix");
+  KVF_CHECK_ARG(scored >= 1 && scored + 2 <= n, "perplexity: ", scored, " scored tokens of a ", n,
+                "-token window: need 1 <= scored <= window - 2");
   KVF_RETURN_IF_ERROR(ResetAll(lanes));
   const int64_t prefix = n - scored - 1;
   auto t0 = std::chrono::steady_clock::now();
@@ -42,6 +41,7 @@ Result<std::vector<PerplexityResult>> EvalPerplexity(Engine& engine,
   std::vector<float> logits;
   for (size_t l = 0; l < lanes.size(); ++l) {
     PerplexityResult& r = results[l];
+    if (around_decode) around_decode(l, false);
     t0 = std::chrono::steady_clock::now();
     for (int64_t p = prefix; p < n - 1; ++p) {
       KVF_RETURN_IF_ERROR(engine.Decode(tokens[p], p, *lanes[l], &logits));
@@ -52,6 +52,7 @@ Result<std::vector<PerplexityResult>> EvalPerplexity(Engine& engine,
       ++r.scored;
     }
     r.decode_seconds = Seconds(t0);
+    if (around_decode) around_decode(l, true);
     r.perplexity = std::exp(r.nll_sum / static_cast<double>(r.scored));
   }
   return results;

@@ -4,6 +4,7 @@
 /// \brief Evaluation on real text: perplexity, passkey retrieval, attention traces, sampling.
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -27,12 +28,13 @@ struct PerplexityResult {
 /// are prefilled once into every lane (prefill is dense in every policy), then each lane decodes
 /// tokens N - scored - 1 .. N - 2 one by one, feeding the true token and scoring the next, so the
 /// scored predictions are exactly what each lane's sparse decode produces. Resets every lane first.
-/// \p prefill_seconds receives the shared prefill's wall time.
-Result<std::vector<PerplexityResult>> EvalPerplexity(Engine& engine,
-                                                     const std::vector<int32_t>& tokens,
-                                                     int64_t scored,
-                                                     const std::vector<Attention*>& lanes,
-                                                     int64_t chunk, double* prefill_seconds);
+/// \p prefill_seconds receives the shared prefill's wall time. \p around_decode, if set, is called
+/// with (lane, false) just before a lane's scored decode steps and (lane, true) just after them,
+/// so that a caller can take counters around decode alone.
+Result<std::vector<PerplexityResult>> EvalPerplexity(
+    Engine& engine, const std::vector<int32_t>& tokens, int64_t scored,
+    const std::vector<Attention*>& lanes, int64_t chunk, double* prefill_seconds,
+    const std::function<void(size_t lane, bool after)>& around_decode = {});
 
 /// \brief A passkey prompt: a pass key sentence hidden at \p depth of filler text.
 struct PasskeyPrompt {

@@ -1,6 +1,7 @@
 // Copyright kvferry authors. Apache-2.0.
 #include "examples/llama/gguf.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -298,7 +299,8 @@ Result<GgufFile> GgufFile::Parse(std::span<const uint8_t> bytes) {
     KVF_RETURN_IF_ERROR(ReadValue(c, static_cast<GgufType>(type), &value, 0));
     file.metadata_[key] = std::move(value);
   }
-  file.tensors_.reserve(num_tensors);
+  // Each directory entry takes at least 32 bytes (name length, rank, one dim, type, offset).
+  file.tensors_.reserve(std::min<uint64_t>(num_tensors, c.remaining() / 32));
   for (uint64_t i = 0; i < num_tensors; ++i) {
     GgufTensorInfo info;
     KVF_RETURN_IF_ERROR(c.ReadString(&info.name, "tensor name"));
@@ -340,7 +342,11 @@ Result<GgufFile> GgufFile::Parse(std::span<const uint8_t> bytes) {
   }
   const uint64_t align = static_cast<uint64_t>(alignment);
   const uint64_t data_start = (c.pos() + align - 1) / align * align;
-  if (data_start > bytes.size()) return CorruptData("gguf: file ends before its data section");
+  if (data_start > bytes.size()) {
+    // A file of metadata only (a tokenizer, say) may end without padding to its empty data.
+    if (!file.tensors_.empty()) return CorruptData("gguf: file ends before its data section");
+    return file;
+  }
   file.data_ = bytes.subspan(data_start);
   for (const GgufTensorInfo& t : file.tensors_) {
     if (t.offset % align != 0 || t.offset > file.data_.size() ||

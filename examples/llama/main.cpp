@@ -5,15 +5,19 @@
 //   kvferry-llama --model M.gguf --perplexity --text data/kjv.txt --context 4096 --scored 1024
 //   kvferry-llama --model M.gguf --passkey --text data/kjv.txt --lengths 2048,4096 --depths 0.1,0.5,0.9
 //   kvferry-llama --model M.gguf --dump-trace t.safetensors --trace-layers 0,15,29 --trace-steps 32
-//   kvferry-llama --model M.gguf --report        (the README's main job: all of the above, summed up)
+//   kvferry-llama --model M.gguf --report --text data/kjv.txt  (the README's main job, summed up)
 // Runtime: --policy streaming[,oracle] --budget 256[,512] --backend host|cuda|auto
 //          --route auto|gpu|cpu --kv-dtype bf16|f16 --sinks 4 --window 64 --bank-slots 0
 //          --param name=value  (evaluations add a dense lane next to every policy)
+// Arguments are parsed and checked (examples/llama/cli.h) before the model is loaded; usage errors
+// exit with 2, failed runs with 1.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -23,6 +27,7 @@
 #include <vector>
 
 #include "bench/lib/safetensors.h"
+#include "examples/llama/cli.h"
 #include "examples/llama/engine.h"
 #include "examples/llama/eval.h"
 #include "examples/llama/gguf.h"
@@ -35,148 +40,6 @@ namespace kvferry::llama {
 namespace {
 
 using detail::StrCat;
-
-struct Options {
-  std::string model, tokenizer, text, prompt, json_out, dump_trace;
-  std::string mode = "generate";
-  int max_new = 64;
-  float temperature = 0.0f, top_p = 0.9f;
-  uint64_t seed = 1;
-  bool chat = false;
-  int64_t context = 2048, scored = 512, offset_lines = 0, chunk = 512;
-  std::vector<int64_t> lengths{2048};
-  std::vector<double> depths{0.1, 0.5, 0.9};
-  int trials = 1;
-  std::vector<int> trace_layers{0};
-  int trace_steps = 16;
-  bool trace_bf16 = false;
-  std::vector<std::string> policies{"streaming"};
-  std::vector<int64_t> budgets{256};
-  RuntimeConfig base;
-  bool no_dense = false;
-};
-
-template <typename T>
-Result<std::vector<T>> ParseList(const std::string& s) {
-  std::vector<T> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    std::stringstream is(item);
-    T v{};
-    if (!(is >> v)) return InvalidArgument(StrCat("bad list item '", item, "' in '", s, "'"));
-    out.push_back(v);
-  }
-  if (out.empty()) return InvalidArgument(StrCat("empty list '", s, "'"));
-  return out;
-}
-
-void Usage() {
-  std::fprintf(stderr,
-               "usage: kvferry-llama --model FILE [--tokenizer tok.bin] MODE [options]\n"
-               "modes: --prompt TEXT | --perplexity | --passkey | --dump-trace FILE | --report\n"
-               "text:  --text FILE --offset-lines N --context N --scored N --chunk N\n"
-               "gen:   --max-new N --temperature T --top-p P --seed S --chat\n"
-               "passkey: --lengths 2048,4096 --depths 0.1,0.5,0.9 --trials N\n"
-               "trace: --trace-layers 0,15 | all --trace-steps N --trace-dtype f32|bf16\n"
-               "runtime: --policy a[,b] --budget n[,m] --backend host|cuda|auto --route "
-               "auto|gpu|cpu\n         --kv-dtype bf16|f16 --sinks N --window N --bank-slots N "
-               "--param k=v --no-dense\n"
-               "output: --json FILE\n");
-}
-
-Result<Options> ParseArgs(int argc, char** argv) {
-  Options o;
-  o.base.tiers.sink_tokens = 4;
-  o.base.tiers.window_tokens = 64;
-  o.base.model.kv_dtype = DType::kF16;
-  std::string layers_arg;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto next = [&]() -> Result<std::string> {
-      if (i + 1 >= argc) return InvalidArgument(StrCat(a, " needs a value"));
-      return std::string(argv[++i]);
-    };
-    const auto num = [&]() -> Result<double> {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      char* end = nullptr;
-      const double d = std::strtod(v.c_str(), &end);
-      if (end == v.c_str() || *end != '\0') return InvalidArgument(StrCat(a, ": bad number ", v));
-      return d;
-    };
-    if (a == "--model") { KVF_ASSIGN_OR_RETURN(o.model, next()); }
-    else if (a == "--tokenizer") { KVF_ASSIGN_OR_RETURN(o.tokenizer, next()); }
-    else if (a == "--text") { KVF_ASSIGN_OR_RETURN(o.text, next()); }
-    else if (a == "--prompt") { KVF_ASSIGN_OR_RETURN(o.prompt, next()); o.mode = "generate"; }
-    else if (a == "--perplexity") { o.mode = "perplexity"; }
-    else if (a == "--passkey") { o.mode = "passkey"; }
-    else if (a == "--report") { o.mode = "report"; }
-    else if (a == "--dump-trace") { KVF_ASSIGN_OR_RETURN(o.dump_trace, next()); o.mode = "trace"; }
-    else if (a == "--json") { KVF_ASSIGN_OR_RETURN(o.json_out, next()); }
-    else if (a == "--max-new") { KVF_ASSIGN_OR_RETURN(double v, num()); o.max_new = static_cast<int>(v); }
-    else if (a == "--temperature") { KVF_ASSIGN_OR_RETURN(double v, num()); o.temperature = static_cast<float>(v); }
-    else if (a == "--top-p") { KVF_ASSIGN_OR_RETURN(double v, num()); o.top_p = static_cast<float>(v); }
-    else if (a == "--seed") { KVF_ASSIGN_OR_RETURN(double v, num()); o.seed = static_cast<uint64_t>(v); }
-    else if (a == "--chat") { o.chat = true; }
-    else if (a == "--context") { KVF_ASSIGN_OR_RETURN(double v, num()); o.context = static_cast<int64_t>(v); }
-    else if (a == "--scored") { KVF_ASSIGN_OR_RETURN(double v, num()); o.scored = static_cast<int64_t>(v); }
-    else if (a == "--offset-lines") { KVF_ASSIGN_OR_RETURN(double v, num()); o.offset_lines = static_cast<int64_t>(v); }
-    else if (a == "--chunk") { KVF_ASSIGN_OR_RETURN(double v, num()); o.chunk = static_cast<int64_t>(v); }
-    else if (a == "--trials") { KVF_ASSIGN_OR_RETURN(double v, num()); o.trials = static_cast<int>(v); }
-    else if (a == "--lengths") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      KVF_ASSIGN_OR_RETURN(o.lengths, ParseList<int64_t>(v));
-    } else if (a == "--depths") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      KVF_ASSIGN_OR_RETURN(o.depths, ParseList<double>(v));
-    }
-    else if (a == "--trace-layers") { KVF_ASSIGN_OR_RETURN(layers_arg, next()); }
-    else if (a == "--trace-steps") { KVF_ASSIGN_OR_RETURN(double v, num()); o.trace_steps = static_cast<int>(v); }
-    else if (a == "--trace-dtype") { KVF_ASSIGN_OR_RETURN(std::string v, next()); KVF_CHECK_ARG(v == "f32" || v == "bf16", "--trace-dtype f32|bf16"); o.trace_bf16 = v == "bf16"; }
-    else if (a == "--policy") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      KVF_ASSIGN_OR_RETURN(o.policies, ParseList<std::string>(v));
-    } else if (a == "--budget") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      KVF_ASSIGN_OR_RETURN(o.budgets, ParseList<int64_t>(v));
-    } else if (a == "--backend") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      if (v == "host") o.base.backend = Backend::kHost;
-      else if (v == "cuda") o.base.backend = Backend::kCuda;
-      else if (v == "auto") o.base.backend = Backend::kAuto;
-      else return InvalidArgument(StrCat("--backend ", v, ": host|cuda|auto"));
-    } else if (a == "--route") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      if (v == "auto") o.base.route = Route::kAuto;
-      else if (v == "gpu") o.base.route = Route::kGpu;
-      else if (v == "cpu") o.base.route = Route::kCpu;
-      else return InvalidArgument(StrCat("--route ", v, ": auto|gpu|cpu"));
-    } else if (a == "--kv-dtype") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      if (v == "bf16") o.base.model.kv_dtype = DType::kBF16;
-      else if (v == "f16") o.base.model.kv_dtype = DType::kF16;
-      else return InvalidArgument(StrCat("--kv-dtype ", v, ": bf16|f16"));
-    } else if (a == "--sinks") { KVF_ASSIGN_OR_RETURN(double v, num()); o.base.tiers.sink_tokens = static_cast<int>(v); }
-    else if (a == "--window") { KVF_ASSIGN_OR_RETURN(double v, num()); o.base.tiers.window_tokens = static_cast<int>(v); }
-    else if (a == "--bank-slots") { KVF_ASSIGN_OR_RETURN(double v, num()); o.base.tiers.bank_slots = static_cast<int>(v); }
-    else if (a == "--cpu-threads") { KVF_ASSIGN_OR_RETURN(double v, num()); o.base.cpu_threads = static_cast<int>(v); }
-    else if (a == "--param") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      const size_t eq = v.find('=');
-      KVF_CHECK_ARG(eq != std::string::npos, "--param wants name=value, got ", v);
-      o.base.policy.params[v.substr(0, eq)] = std::strtod(v.c_str() + eq + 1, nullptr);
-    } else if (a == "--no-dense") { o.no_dense = true; }
-    else if (a == "-h" || a == "--help") { Usage(); std::exit(0); }
-    else return InvalidArgument(StrCat("unknown option ", a));
-  }
-  KVF_CHECK_ARG(!o.model.empty(), "--model is required");
-  if (!layers_arg.empty() && layers_arg != "all") {
-    KVF_ASSIGN_OR_RETURN(o.trace_layers, ParseList<int>(layers_arg));
-  } else if (layers_arg == "all") {
-    o.trace_layers.clear();  // filled once the model is known
-  }
-  return o;
-}
 
 struct Lane {
   std::string label;
@@ -192,6 +55,7 @@ Result<std::vector<Lane>> MakeLanes(const Options& o, const ModelConfig& mc, int
     RuntimeConfig rc = RuntimeConfigFor(mc, o.base);
     rc.policy.name = policy;
     rc.policy.budget_tokens = budget;
+    if (policy == "dense") rc.policy.params.clear();  // --param is for the sparse policies
     rc.capacity.max_sequences = 2;
     rc.capacity.max_batch = 1;
     rc.capacity.max_tokens_per_sequence = max_tokens;
@@ -236,67 +100,119 @@ Result<std::string> ReadText(const std::string& path) {
 // tokenizer wants one).
 Result<std::vector<int32_t>> TextWindow(const Tokenizer& tok, const std::vector<std::string>& lines,
                                         int64_t offset_lines, int64_t count) {
+  KVF_CHECK_ARG(count >= 1 && offset_lines >= 0, "text window of ", count, " tokens from line ",
+                offset_lines);
   std::vector<int32_t> out;
   if (tok.add_bos()) out.push_back(tok.bos_id());
   for (int64_t i = offset_lines; static_cast<int64_t>(out.size()) < count; ++i) {
-    KVF_CHECK_ARG(i < static_cast<int64_t>(lines.size()), "text too short for ", count, " tokens");
+    KVF_CHECK_ARG(i < static_cast<int64_t>(lines.size()), "--text has ", lines.size(),
+                  " non-empty lines: too short for ", count, " tokens from --offset-lines ",
+                  offset_lines);
     for (int32_t id : tok.Encode(lines[i] + "\n", false)) out.push_back(id);
   }
   out.resize(count);
   return out;
 }
 
-double KvBytesDense(const ModelConfig& mc, int64_t tokens, DType dtype) {
-  return 2.0 * static_cast<double>(tokens) * mc.num_layers * mc.num_kv_heads * mc.head_dim *
-         static_cast<double>(DTypeSize(dtype));
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (u < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", u);
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
 }
 
-struct Json {
-  std::ostringstream os;
-  bool first = true;
-  void Key(const std::string& k) {
-    os << (first ? "" : ", ") << "\"" << k << "\": ";
-    first = false;
-  }
+double MiB(double bytes) { return bytes / 1048576.0; }
+
+// What one lane of a perplexity run measured; every figure the report prints comes from here.
+struct LaneFigures {
+  std::string label;
+  PerplexityResult ppl;
+  double decode_tok_s = 0;      // scored decode steps / their wall time
+  DecodeTraffic traffic;        // PCIe bytes of the scored decode steps only
+  int64_t gpu_kv_bytes = 0;     // KV kept on the GPU for the sequence (GpuKvBytes)
+  int64_t host_reserved = 0;    // host-store bytes reserved after the window (Stats)
+  int64_t device_reserved = 0;  // everything the runtime reserved on the device (Stats)
+  Backend backend = Backend::kHost;
 };
 
-Status RunPerplexity(const Options& o, Engine& engine, const Tokenizer& tok, const ModelConfig& mc,
-                     std::ostream& json) {
+struct PerplexityRun {
+  double prefill_seconds = 0;
+  int64_t prefix_tokens = 0;  // tokens prefilled once into every lane
+  std::vector<LaneFigures> lanes;
+};
+
+bool Emulated(Backend b) { return b == Backend::kHost; }
+
+Result<PerplexityRun> RunPerplexity(const Options& o, Engine& engine, const Tokenizer& tok,
+                                    const ModelConfig& mc, std::ostream& json) {
   KVF_ASSIGN_OR_RETURN(std::string text, ReadText(o.text));
   const std::vector<std::string> lines = SplitLines(text);
   KVF_ASSIGN_OR_RETURN(std::vector<int32_t> tokens, TextWindow(tok, lines, o.offset_lines, o.context));
   KVF_ASSIGN_OR_RETURN(std::vector<Lane> lanes, MakeLanes(o, mc, o.context, !o.no_dense));
-  double prefill_s = 0;
-  KVF_ASSIGN_OR_RETURN(auto results, EvalPerplexity(engine, tokens, o.scored, Attns(lanes),
-                                                    o.chunk, &prefill_s));
+  PerplexityRun run;
+  run.prefix_tokens = o.context - o.scored - 1;
+  std::vector<Stats> before(lanes.size()), after(lanes.size());
+  const auto around_decode = [&](size_t lane, bool done) {
+    (done ? after : before)[lane] = lanes[lane].attn->runtime().GetStats();
+  };
+  KVF_ASSIGN_OR_RETURN(auto results, EvalPerplexity(engine, tokens, o.scored, Attns(lanes), o.chunk,
+                                                    &run.prefill_seconds, around_decode));
+  const bool emulated = Emulated(lanes[0].attn->runtime().backend());
   std::printf("perplexity: %lld-token window of %s from line %lld, last %lld tokens scored; "
-              "shared prefill %.1f s (%.0f tok/s)\n",
+              "shared prefill of %lld tokens into %zu lanes %.1f s (%.0f tok/s)\n",
               static_cast<long long>(o.context), o.text.c_str(),
-              static_cast<long long>(o.offset_lines), static_cast<long long>(o.scored), prefill_s,
-              static_cast<double>(o.context - o.scored - 1) / prefill_s);
-  std::printf("%-22s %10s %10s %12s %12s %14s\n", "lane", "ppl", "nll/tok", "decode tok/s",
-              "argmax=lane0", "PCIe B/token");
+              static_cast<long long>(o.offset_lines), static_cast<long long>(o.scored),
+              static_cast<long long>(run.prefix_tokens), lanes.size(), run.prefill_seconds,
+              static_cast<double>(run.prefix_tokens) / run.prefill_seconds);
+  std::printf("%-22s %10s %10s %12s %12s %18s %12s\n", "lane", "ppl", "nll/tok", "decode tok/s",
+              "argmax=lane0", emulated ? "PCIe B/tok (emul.)" : "PCIe B/tok",
+              emulated ? "GPU KV (emul.)" : "GPU KV");
   json << "{\"mode\": \"perplexity\", \"context\": " << o.context << ", \"scored\": " << o.scored
-       << ", \"prefill_seconds\": " << prefill_s << ", \"lanes\": [";
+       << ", \"prefill_tokens\": " << run.prefix_tokens
+       << ", \"prefill_seconds\": " << run.prefill_seconds
+       << ", \"emulated_gpu\": " << (emulated ? "true" : "false") << ", \"lanes\": [";
   for (size_t i = 0; i < lanes.size(); ++i) {
-    const PerplexityResult& r = results[i];
-    const Stats st = lanes[i].attn->runtime().GetStats();
-    const double per_token =
-        static_cast<double>(st.bytes_h2d + st.bytes_d2h) / static_cast<double>(r.scored);
-    std::printf("%-22s %10.3f %10.4f %12.1f %11.1f%% %14.0f\n", lanes[i].label.c_str(),
-                r.perplexity, r.nll_sum / static_cast<double>(r.scored),
-                static_cast<double>(r.scored) / r.decode_seconds,
-                100.0 * static_cast<double>(r.argmax_agree) / static_cast<double>(r.scored),
-                per_token);
-    json << (i ? ", " : "") << "{\"lane\": \"" << lanes[i].label << "\", \"policy\": \""
-         << lanes[i].policy << "\", \"budget\": " << lanes[i].budget
-         << ", \"perplexity\": " << r.perplexity << ", \"scored\": " << r.scored
-         << ", \"decode_seconds\": " << r.decode_seconds << ", \"argmax_agree\": "
-         << r.argmax_agree << ", \"pcie_bytes_per_token\": " << per_token
-         << ", \"stats\": " << st.ToJson() << "}";
+    LaneFigures f;
+    f.label = lanes[i].label;
+    f.ppl = results[i];
+    f.decode_tok_s = static_cast<double>(f.ppl.scored) / f.ppl.decode_seconds;
+    f.traffic = TrafficBetween(before[i], after[i], f.ppl.scored);
+    f.gpu_kv_bytes = GpuKvBytes(mc, o.base.model.kv_dtype, o.base.tiers, o.context);
+    f.host_reserved = after[i].host_bytes_reserved;
+    f.device_reserved = after[i].device_bytes_reserved;
+    f.backend = lanes[i].attn->runtime().backend();
+    std::printf("%-22s %10.3f %10.4f %12.1f %11.1f%% %18.0f %8.2f MiB\n", f.label.c_str(),
+                f.ppl.perplexity, f.ppl.nll_sum / static_cast<double>(f.ppl.scored), f.decode_tok_s,
+                100.0 * static_cast<double>(f.ppl.argmax_agree) / static_cast<double>(f.ppl.scored),
+                f.traffic.bytes_per_token(), MiB(static_cast<double>(f.gpu_kv_bytes)));
+    json << (i ? ", " : "") << "{\"lane\": " << JsonString(f.label)
+         << ", \"policy\": " << JsonString(lanes[i].policy) << ", \"budget\": " << lanes[i].budget
+         << ", \"perplexity\": " << f.ppl.perplexity << ", \"scored\": " << f.ppl.scored
+         << ", \"decode_seconds\": " << f.ppl.decode_seconds
+         << ", \"decode_tokens_per_second\": " << f.decode_tok_s
+         << ", \"argmax_agree\": " << f.ppl.argmax_agree
+         << ", \"decode_pcie_bytes_h2d\": " << f.traffic.bytes_h2d
+         << ", \"decode_pcie_bytes_d2h\": " << f.traffic.bytes_d2h
+         << ", \"decode_pcie_bytes_per_token\": " << f.traffic.bytes_per_token()
+         << ", \"gpu_kv_bytes_per_sequence\": " << f.gpu_kv_bytes
+         << ", \"host_store_bytes_reserved\": " << f.host_reserved
+         << ", \"device_bytes_reserved\": " << f.device_reserved
+         << ", \"stats\": " << after[i].ToJson() << "}";
+    run.lanes.push_back(std::move(f));
   }
   json << "]}";
-  return Status::Ok();
+  return run;
 }
 
 Status RunPasskey(const Options& o, Engine& engine, const Tokenizer& tok, const ModelConfig& mc,
@@ -334,13 +250,8 @@ Status RunPasskey(const Options& o, Engine& engine, const Tokenizer& tok, const 
           const bool ok = FirstDigits(answer, 5) == key;
           found[i] += ok ? 1 : 0;
           std::printf(" %s=%s", lanes[i].label.c_str(), ok ? "found" : "MISS");
-          std::string escaped;
-          for (char c : answer) {
-            if (c == '"' || c == '\\') escaped += '\\';
-            if (static_cast<unsigned char>(c) >= 0x20) escaped += c;
-          }
-          json << (i ? ", " : "") << "\"" << lanes[i].label << "\": {\"found\": "
-               << (ok ? "true" : "false") << ", \"answer\": \"" << escaped << "\"}";
+          json << (i ? ", " : "") << JsonString(lanes[i].label) << ": {\"found\": "
+               << (ok ? "true" : "false") << ", \"answer\": " << JsonString(answer) << "}";
         }
         json << "}}";
         std::printf("\n");
@@ -352,7 +263,7 @@ Status RunPasskey(const Options& o, Engine& engine, const Tokenizer& tok, const 
   std::printf("passkey accuracy over %d prompts:\n", trials);
   for (size_t i = 0; i < lanes.size(); ++i) {
     std::printf("  %-22s %d/%d\n", lanes[i].label.c_str(), found[i], trials);
-    json << (i ? ", " : "") << "\"" << lanes[i].label << "\": "
+    json << (i ? ", " : "") << JsonString(lanes[i].label) << ": "
          << static_cast<double>(found[i]) / std::max(trials, 1);
   }
   json << "}}";
@@ -449,8 +360,8 @@ Status RunTrace(const Options& o, Engine& engine, const Tokenizer& tok, const Mo
               static_cast<long long>(total), tokens.size() - 1,
               static_cast<long long>(total - static_cast<int64_t>(tokens.size()) + 1),
               layer_list.c_str(), o.dump_trace.c_str());
-  json << "{\"mode\": \"trace\", \"file\": \"" << o.dump_trace << "\", \"positions\": " << total
-       << "}";
+  json << "{\"mode\": \"trace\", \"file\": " << JsonString(o.dump_trace)
+       << ", \"positions\": " << total << "}";
   return Status::Ok();
 }
 
@@ -495,69 +406,101 @@ Status RunGenerate(const Options& o, Engine& engine, const Tokenizer& tok, const
   return Status::Ok();
 }
 
-Status RunReport(Options o, Engine& engine, const Tokenizer& tok, const ModelConfig& mc,
+Status RunReport(Options o, Engine& engine, const Tokenizer& tok, const Model& model,
                  std::ostream& json) {
+  const ModelConfig& mc = model.config;
   // One sparse lane (the first policy and budget) next to dense.
   o.policies = {o.policies[0]};
   o.budgets = {o.budgets[0]};
+  o.no_dense = o.policies[0] == "dense";
   json << "{\"mode\": \"report\", \"perplexity\": ";
   std::ostringstream ppl_json;
   auto t0 = std::chrono::steady_clock::now();
-  KVF_RETURN_IF_ERROR(RunPerplexity(o, engine, tok, mc, ppl_json));
+  KVF_ASSIGN_OR_RETURN(PerplexityRun ppl, RunPerplexity(o, engine, tok, mc, ppl_json));
   json << ppl_json.str() << ", \"passkey\": ";
   int found_dense = 0, found_sparse = 0, total = 0;
   Options pk = o;
   pk.lengths = {o.context};
   pk.depths = {0.5};
   KVF_RETURN_IF_ERROR(RunPasskey(pk, engine, tok, mc, json, &found_dense, &found_sparse, &total));
-  json << "}";
-  // Memory and traffic of the sparse lane on its own decode run.
-  KVF_ASSIGN_OR_RETURN(std::string text, ReadText(o.text));
-  KVF_ASSIGN_OR_RETURN(std::vector<int32_t> tokens,
-                       TextWindow(tok, SplitLines(text), o.offset_lines, o.context));
-  KVF_ASSIGN_OR_RETURN(std::vector<Lane> lanes, MakeLanes(o, mc, o.context, false));
-  std::vector<Attention*> attns{lanes[0].attn.get()};
-  const int64_t steps = std::min<int64_t>(64, o.scored);
-  const int64_t prefix = o.context - steps;
-  auto p0 = std::chrono::steady_clock::now();
-  KVF_RETURN_IF_ERROR(engine.Prefill(std::span<const int32_t>(tokens.data(), prefix), 0, attns,
-                                     nullptr, false, o.chunk));
-  auto p1 = std::chrono::steady_clock::now();
-  Runtime& rt = lanes[0].attn->runtime();
-  rt.ResetStats();
-  std::vector<float> logits;
-  for (int64_t p = prefix; p < o.context; ++p) {
-    KVF_RETURN_IF_ERROR(engine.Decode(tokens[p], p, *lanes[0].attn, &logits));
+  const double total_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const LaneFigures& dense = ppl.lanes.front();
+  const LaneFigures& sparse = ppl.lanes.back();
+  const bool emulated = Emulated(sparse.backend);
+  const int64_t dense_cache = o.context * KvBytesPerToken(mc, o.base.model.kv_dtype);
+  const Tiers& tiers = o.base.tiers;
+  std::printf("\n==== kvferry main job: %s, %lld-token window of %s from line %lld, %s vs dense "
+              "====\n",
+              FileLabel(o.model).c_str(), static_cast<long long>(o.context),
+              std::filesystem::path(o.text).filename().string().c_str(),
+              static_cast<long long>(o.offset_lines), sparse.label.c_str());
+  if (emulated) {
+    std::printf("backend host: no GPU here; the GPU and PCIe below are emulated in host memory "
+                "(bytes are what the CUDA backend would move)\n");
+  } else {
+    std::printf("backend %s\n", BackendName(sparse.backend));
   }
-  auto p2 = std::chrono::steady_clock::now();
-  const Stats st = rt.GetStats();
-  const double prefill_tps = static_cast<double>(prefix) / std::chrono::duration<double>(p1 - p0).count();
-  const double decode_tps = static_cast<double>(steps) / std::chrono::duration<double>(p2 - p1).count();
-  const double dense_bytes = KvBytesDense(mc, o.context, o.base.model.kv_dtype);
-  std::printf("\n==== kvferry main job: %s on %lld tokens of KJV, %s (backend %s) ====\n",
-              mc.name.c_str(), static_cast<long long>(o.context), lanes[0].label.c_str(),
-              BackendName(rt.backend()));
-  std::printf("prefill            %10.1f tok/s\n", prefill_tps);
-  std::printf("decode             %10.1f tok/s   (%lld steps at context %lld)\n", decode_tps,
-              static_cast<long long>(steps), static_cast<long long>(o.context));
-  std::printf("KV on GPU          %10.2f MiB     (dense would hold %.2f MiB: %.1f%%)\n",
-              static_cast<double>(st.device_bytes_reserved) / 1048576.0, dense_bytes / 1048576.0,
-              100.0 * static_cast<double>(st.device_bytes_reserved) / dense_bytes);
-  std::printf("KV on host         %10.2f MiB\n",
-              static_cast<double>(st.host_bytes_reserved) / 1048576.0);
-  std::printf("PCIe per token     %10.0f bytes   (h2d %lld, d2h %lld over %lld tokens)\n",
-              static_cast<double>(st.bytes_h2d + st.bytes_d2h) / static_cast<double>(steps),
-              static_cast<long long>(st.bytes_h2d), static_cast<long long>(st.bytes_d2h),
-              static_cast<long long>(steps));
-  std::printf("passkey            dense %d/%d, %s %d/%d\n", found_dense, total,
-              lanes[0].label.c_str(), found_sparse, total);
-  std::printf("total time         %10.1f s\n",
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  const int64_t per_token = KvBytesPerToken(mc, o.base.model.kv_dtype);
+  std::printf("perplexity          dense %.3f, %s %.3f   (last %lld tokens scored by decode)\n",
+              dense.ppl.perplexity, sparse.label.c_str(), sparse.ppl.perplexity,
+              static_cast<long long>(o.scored));
+  std::printf("prefill             %10.1f tok/s   (%lld-token prefix, one model pass into %zu "
+              "lanes)\n",
+              static_cast<double>(ppl.prefix_tokens) / ppl.prefill_seconds,
+              static_cast<long long>(ppl.prefix_tokens), ppl.lanes.size());
+  std::printf("decode              %10.1f tok/s   (%s over the %lld scored steps; dense %.1f)\n",
+              sparse.decode_tok_s, sparse.label.c_str(), static_cast<long long>(sparse.ppl.scored),
+              dense.decode_tok_s);
+  std::printf("KV kept on the GPU  %10.2f MiB     per sequence%s: min(%lld tokens, sinks %d + "
+              "window %d + bank %d) = %lld rows x %lld B per token\n",
+              MiB(static_cast<double>(sparse.gpu_kv_bytes)), emulated ? " (emulated)" : "",
+              static_cast<long long>(o.context), tiers.sink_tokens, tiers.window_tokens,
+              tiers.bank_slots, static_cast<long long>(GpuKvRows(tiers, o.context)),
+              static_cast<long long>(per_token));
+  std::printf("  vs a GPU-only dense cache %.2f MiB: %lld tokens x %lld B = %.1f%% of it on the GPU\n",
+              MiB(static_cast<double>(dense_cache)), static_cast<long long>(o.context),
+              static_cast<long long>(per_token),
+              100.0 * static_cast<double>(sparse.gpu_kv_bytes) / static_cast<double>(dense_cache));
+  std::printf("KV in host memory   %10.2f MiB     (all %lld tokens; the host store has %.2f MiB "
+              "reserved)\n",
+              MiB(static_cast<double>(dense_cache)), static_cast<long long>(o.context),
+              MiB(static_cast<double>(sparse.host_reserved)));
+  std::printf("%-20s%10.0f bytes   per decoded token, %s (h2d %lld + d2h %lld over %lld decode "
+              "steps; dense %.0f)\n",
+              emulated ? "PCIe (emulated)" : "PCIe", sparse.traffic.bytes_per_token(),
+              sparse.label.c_str(), static_cast<long long>(sparse.traffic.bytes_h2d),
+              static_cast<long long>(sparse.traffic.bytes_d2h),
+              static_cast<long long>(sparse.traffic.tokens), dense.traffic.bytes_per_token());
+  std::printf("passkey             dense %d/%d, %s %d/%d   (key at depth 0.5 of a %lld-token "
+              "prompt)\n",
+              found_dense, total, sparse.label.c_str(), found_sparse, total,
+              static_cast<long long>(o.context));
+  std::printf("device reserved     %10.2f MiB     (%s memory the runtime allocated: sinks and "
+              "window of 2 sequence slots, staging, plan buffers)\n",
+              MiB(static_cast<double>(sparse.device_reserved)), emulated ? "emulated GPU" : "GPU");
+  std::printf("total time          %10.1f s\n", total_s);
+  json << ", \"summary\": {\"model\": " << JsonString(FileLabel(o.model))
+       << ", \"text\": " << JsonString(o.text) << ", \"lane\": " << JsonString(sparse.label)
+       << ", \"backend\": " << JsonString(BackendName(sparse.backend))
+       << ", \"emulated_gpu\": " << (emulated ? "true" : "false")
+       << ", \"perplexity_dense\": " << dense.ppl.perplexity
+       << ", \"perplexity_sparse\": " << sparse.ppl.perplexity
+       << ", \"prefill_tokens_per_second\": "
+       << static_cast<double>(ppl.prefix_tokens) / ppl.prefill_seconds
+       << ", \"decode_tokens_per_second\": " << sparse.decode_tok_s
+       << ", \"gpu_kv_bytes_per_sequence\": " << sparse.gpu_kv_bytes
+       << ", \"dense_gpu_cache_bytes\": " << dense_cache
+       << ", \"host_kv_bytes\": " << dense_cache
+       << ", \"host_store_bytes_reserved\": " << sparse.host_reserved
+       << ", \"decode_pcie_bytes_per_token\": " << sparse.traffic.bytes_per_token()
+       << ", \"passkey_dense\": " << found_dense << ", \"passkey_sparse\": " << found_sparse
+       << ", \"passkey_trials\": " << total << ", \"device_bytes_reserved\": "
+       << sparse.device_reserved << ", \"seconds\": " << total_s << "}}";
   return Status::Ok();
 }
 
-Status Main(int argc, char** argv) {
-  KVF_ASSIGN_OR_RETURN(Options o, ParseArgs(argc, argv));
+Status Run(const Options& o) {
   auto t0 = std::chrono::steady_clock::now();
   KVF_ASSIGN_OR_RETURN(Model model, LoadModel(o.model));
   std::unique_ptr<Tokenizer> tok;
@@ -567,9 +510,9 @@ Status Main(int argc, char** argv) {
     KVF_ASSIGN_OR_RETURN(tok, LoadGgufTokenizer(o.model));
   }
   const ModelConfig& mc = model.config;
-  std::fprintf(stderr, "[kvferry-llama] %s: %d layers, %d/%d heads, head_dim %d, vocab %d, "
-               "loaded in %.1f s\n", mc.name.c_str(), mc.num_layers, mc.num_q_heads,
-               mc.num_kv_heads, mc.head_dim, mc.vocab_size,
+  std::fprintf(stderr, "[kvferry-llama] %s (%s): %d layers, %d/%d heads, head_dim %d, vocab %d, "
+               "loaded in %.1f s\n", FileLabel(o.model).c_str(), mc.name.c_str(), mc.num_layers,
+               mc.num_q_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   Engine engine(model);
   // Matrix products follow the attention backend: cuBLAS when kvferry runs on CUDA.
@@ -578,15 +521,23 @@ Status Main(int argc, char** argv) {
   if (want_gpu) {
     const Status s = engine.UseGpuMatmul(o.base.device_id);
     if (!s.ok() && o.base.backend == Backend::kCuda) return s;
-    std::fprintf(stderr, "[kvferry-llama] matrix products on %s\n",
-                 engine.gpu_matmul() ? "the GPU (cuBLAS)" : "the CPU (oneDNN)");
   }
+  std::fprintf(stderr, "[kvferry-llama] matrix products on %s\n",
+               engine.gpu_matmul() ? "the GPU (cuBLAS)" : "the CPU (oneDNN)");
   std::ostringstream json;
-  if (o.mode == "generate") return RunGenerate(o, engine, *tok, mc);
-  if (o.mode == "perplexity") KVF_RETURN_IF_ERROR(RunPerplexity(o, engine, *tok, mc, json));
-  if (o.mode == "passkey") KVF_RETURN_IF_ERROR(RunPasskey(o, engine, *tok, mc, json, nullptr, nullptr, nullptr));
-  if (o.mode == "trace") KVF_RETURN_IF_ERROR(RunTrace(o, engine, *tok, model, json));
-  if (o.mode == "report") KVF_RETURN_IF_ERROR(RunReport(o, engine, *tok, mc, json));
+  switch (o.mode) {
+    case Mode::kGenerate: return RunGenerate(o, engine, *tok, mc);
+    case Mode::kPerplexity: {
+      KVF_ASSIGN_OR_RETURN(PerplexityRun run, RunPerplexity(o, engine, *tok, mc, json));
+      (void)run;
+      break;
+    }
+    case Mode::kPasskey:
+      KVF_RETURN_IF_ERROR(RunPasskey(o, engine, *tok, mc, json, nullptr, nullptr, nullptr));
+      break;
+    case Mode::kTrace: KVF_RETURN_IF_ERROR(RunTrace(o, engine, *tok, model, json)); break;
+    case Mode::kReport: KVF_RETURN_IF_ERROR(RunReport(o, engine, *tok, model, json)); break;
+  }
   if (!o.json_out.empty()) {
     std::ofstream out(o.json_out);
     out << json.str() << "\n";
@@ -595,15 +546,37 @@ Status Main(int argc, char** argv) {
   return Status::Ok();
 }
 
+int Main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines show up when piped to a log
+  Result<Options> o = ParseArgs(argc, argv);
+  if (o.ok() && o->help) {
+    std::fputs(UsageText().c_str(), stdout);
+    return kExitOk;
+  }
+  const Status usage = o.ok() ? CheckBeforeLoad(*o) : o.status();
+  if (!usage.ok()) {
+    std::fprintf(stderr, "kvferry-llama: %s\n(kvferry-llama --help lists the options)\n",
+                 usage.message().c_str());
+    return kExitUsage;
+  }
+  const Status st = Run(*o);
+  if (!st.ok()) {
+    std::fprintf(stderr, "kvferry-llama: %s\n", st.ToString().c_str());
+    return kExitFailure;
+  }
+  return kExitOk;
+}
+
 }  // namespace
 }  // namespace kvferry::llama
 
 int main(int argc, char** argv) {
-  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines show up when piped to a log
-  const kvferry::Status st = kvferry::llama::Main(argc, argv);
-  if (!st.ok()) {
-    std::fprintf(stderr, "kvferry-llama: %s\n", st.ToString().c_str());
-    return 1;
+  // Errors are values inside; this only turns an escaped exception (e.g. std::bad_alloc on a
+  // machine without memory for the model) into a message instead of an abort.
+  try {
+    return kvferry::llama::Main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvferry-llama: unexpected error: %s\n", e.what());
+    return kvferry::llama::kExitFailure;
   }
-  return 0;
 }

@@ -1,7 +1,9 @@
 // Copyright kvferry authors. Apache-2.0.
 #include "examples/llama/model.h"
 
+#include <cctype>
 #include <cstring>
+#include <filesystem>
 
 #include "examples/llama/gguf.h"
 #include "runtime/check.h"
@@ -105,6 +107,10 @@ Result<Model> LoadGgufModelFromBytes(std::span<const uint8_t> bytes) {
   c.rms_eps = static_cast<float>(eps);
   c.rope_style = RopeStyle::kHalves;
   KVF_RETURN_IF_ERROR(CheckConfig(c));
+  if (!(theta > 0.0 && theta < 1e30) || !(eps >= 0.0 && eps < 1.0)) {
+    return CorruptData(StrCat("gguf: implausible llama.rope.freq_base ", theta,
+                              " or layer_norm_rms_epsilon ", eps));
+  }
   KVF_ASSIGN_OR_RETURN(int64_t rope_dims, f.GetIntOr("llama.rope.dimension_count", c.head_dim));
   if (rope_dims != c.head_dim) {
     return Unimplemented(StrCat("gguf: partial RoPE (", rope_dims, " of ", c.head_dim,
@@ -149,7 +155,10 @@ Result<Model> LoadGgufModel(const std::string& path) {
 
 Result<Model> LoadLlama2cModelFromBytes(std::span<const uint8_t> bytes) {
   int32_t header[7];
-  if (bytes.size() < sizeof(header)) return CorruptData("llama2.c: file shorter than its header");
+  if (bytes.size() < sizeof(header)) {
+    return CorruptData(StrCat("not a GGUF file (no 'GGUF' magic) and, at ", bytes.size(),
+                              " bytes, shorter than a llama2.c checkpoint's 28-byte header"));
+  }
   std::memcpy(header, bytes.data(), sizeof(header));
   Model model;
   ModelConfig& c = model.config;
@@ -223,7 +232,13 @@ Result<Model> LoadLlama2cModel(const std::string& path) {
 
 Result<Model> LoadModel(const std::string& path) {
   KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadFileBytes(path));
-  const bool is_gguf = bytes.size() >= 4 && std::memcmp(bytes.data(), "GGUF", 4) == 0;
+  if (bytes.empty()) return CorruptData(StrCat(path, ": the file is empty (0 bytes)"));
+  // A .gguf name is read as GGUF whatever its first bytes, so that a damaged GGUF file is
+  // reported as one (bad magic, truncated header) rather than as a short llama2.c checkpoint.
+  std::string ext = std::filesystem::path(path).extension().string();
+  for (char& ch : ext) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  const bool is_gguf = ext == ".gguf" ||
+                       (bytes.size() >= 4 && std::memcmp(bytes.data(), "GGUF", 4) == 0);
   auto model = is_gguf ? LoadGgufModelFromBytes(bytes) : LoadLlama2cModelFromBytes(bytes);
   if (!model.ok()) {
     return Status(model.status().code(), StrCat(path, ": ", model.status().message()));

@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <queue>
 
 #include "bench/lib/utf8.h"
 #include "examples/llama/gguf.h"
@@ -102,6 +104,60 @@ std::vector<std::string_view> PreTokenize(std::string_view text) {
   return out;
 }
 
+// Greedy pair merging, as GPT-2's BPE and llama2.c do it: repeatedly merge the adjacent pair of
+// symbols with the lowest priority (the leftmost of equal ones) until no pair has one. A heap of
+// candidate pairs makes it O(n log n); rescanning every pair after each merge was O(n^2) and took
+// minutes on a long run of letters. \p priority(left, right, &p) returns false when the pair does
+// not merge. A merged pair lives on in the left symbol; the returned mask says which symbols are
+// left. Entries that a merge made stale are skipped when popped: a pair is current while both
+// symbols are alive, still adjacent and as long as when it was pushed (symbols only grow).
+template <typename PriorityFn>
+std::vector<bool> MergeGreedily(std::vector<std::string>& symbols, PriorityFn priority) {
+  const size_t n = symbols.size();
+  std::vector<bool> alive(n, true);
+  if (n < 2) return alive;
+  constexpr size_t kNone = static_cast<size_t>(-1);
+  std::vector<size_t> prev(n), next(n);
+  for (size_t i = 0; i < n; ++i) {
+    prev[i] = i == 0 ? kNone : i - 1;
+    next[i] = i + 1 == n ? kNone : i + 1;
+  }
+  struct Candidate {
+    double priority;
+    size_t left, right, size;
+    bool operator>(const Candidate& o) const {
+      return priority != o.priority ? priority > o.priority : left > o.left;
+    }
+  };
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> heap;
+  const auto push = [&](size_t left, size_t right) {
+    if (left == kNone || right == kNone) return;
+    double p = 0;
+    if (priority(symbols[left], symbols[right], &p)) {
+      heap.push({p, left, right, symbols[left].size() + symbols[right].size()});
+    }
+  };
+  for (size_t i = 0; i + 1 < n; ++i) push(i, i + 1);
+  while (!heap.empty()) {
+    const Candidate c = heap.top();
+    heap.pop();
+    std::string& left = symbols[c.left];
+    std::string& right = symbols[c.right];
+    if (!alive[c.left] || !alive[c.right] || next[c.left] != c.right ||
+        left.size() + right.size() != c.size) {
+      continue;
+    }
+    left += right;
+    right.clear();
+    alive[c.right] = false;
+    next[c.left] = next[c.right];
+    if (next[c.right] != kNone) prev[next[c.right]] = c.left;
+    push(prev[c.left], c.left);
+    push(c.left, next[c.left]);
+  }
+  return alive;
+}
+
 class ByteBpeTokenizer final : public Tokenizer {
  public:
   static Result<std::unique_ptr<Tokenizer>> Create(const GgufFile& f) {
@@ -148,7 +204,10 @@ class ByteBpeTokenizer final : public Tokenizer {
     KVF_ASSIGN_OR_RETURN(int64_t bos, f.GetIntOr("tokenizer.ggml.bos_token_id", -1));
     KVF_ASSIGN_OR_RETURN(int64_t eos, f.GetIntOr("tokenizer.ggml.eos_token_id", -1));
     KVF_ASSIGN_OR_RETURN(int64_t add_bos, f.GetIntOr("tokenizer.ggml.add_bos_token", 0));
-    if (bos >= vocab || eos >= vocab) return CorruptData("gguf: bos/eos id outside vocabulary");
+    if (bos < -1 || bos >= vocab || eos < -1 || eos >= vocab) {
+      return CorruptData(StrCat("gguf: bos id ", bos, " or eos id ", eos, " outside the ", vocab,
+                                "-token vocabulary"));
+    }
     tok->bos_id_ = static_cast<int>(bos);
     tok->eos_id_ = static_cast<int>(eos);
     tok->add_bos_ = add_bos != 0 && bos >= 0;
@@ -213,22 +272,17 @@ class ByteBpeTokenizer final : public Tokenizer {
       for (char c : word) symbols.push_back(byte_to_symbol_[static_cast<uint8_t>(c)]);
       // Merge the adjacent pair of lowest rank until none is in the merge table.
       std::string key;
-      while (symbols.size() > 1) {
-        int32_t best_rank = std::numeric_limits<int32_t>::max();
-        size_t best = 0;
-        for (size_t i = 0; i + 1 < symbols.size(); ++i) {
-          key.assign(symbols[i]).append(" ").append(symbols[i + 1]);
-          auto it = merge_rank_.find(key);
-          if (it != merge_rank_.end() && it->second < best_rank) {
-            best_rank = it->second;
-            best = i;
-          }
-        }
-        if (best_rank == std::numeric_limits<int32_t>::max()) break;
-        symbols[best] += symbols[best + 1];
-        symbols.erase(symbols.begin() + static_cast<std::ptrdiff_t>(best) + 1);
-      }
-      for (const std::string& s : symbols) {
+      const std::vector<bool> alive =
+          MergeGreedily(symbols, [&](const std::string& a, const std::string& b, double* rank) {
+            key.assign(a).append(" ").append(b);
+            auto it = merge_rank_.find(key);
+            if (it == merge_rank_.end()) return false;
+            *rank = static_cast<double>(it->second);
+            return true;
+          });
+      for (size_t k = 0; k < symbols.size(); ++k) {
+        if (!alive[k]) continue;
+        const std::string& s = symbols[k];
         auto it = piece_to_id_.find(s);
         if (it != piece_to_id_.end()) {
           ids->push_back(it->second);
@@ -259,12 +313,18 @@ class ByteBpeTokenizer final : public Tokenizer {
 // repeatedly merges the adjacent pair whose concatenation has the highest score.
 class Llama2cTokenizer final : public Tokenizer {
  public:
-  static Result<std::unique_ptr<Tokenizer>> Create(const std::string& path, int vocab_size) {
-    KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadFileBytes(path));
-    KVF_CHECK_ARG(vocab_size > 3, "llama2.c tokenizer: vocabulary of ", vocab_size);
+  static Result<std::unique_ptr<Tokenizer>> Create(std::span<const uint8_t> bytes,
+                                                   const std::string& path, int vocab_size) {
+    KVF_CHECK_ARG(vocab_size > 3 && vocab_size <= (1 << 22), "llama2.c tokenizer: vocabulary of ",
+                  vocab_size);
     auto tok = std::make_unique<Llama2cTokenizer>();
     size_t pos = 4;
     if (bytes.size() < pos) return CorruptData(StrCat(path, ": truncated header"));
+    // Each token takes at least 8 bytes (score and length): refuse before allocating for them.
+    if ((bytes.size() - pos) / 8 < static_cast<size_t>(vocab_size)) {
+      return CorruptData(StrCat(path, ": ", bytes.size(), " bytes cannot hold ", vocab_size,
+                                " tokens"));
+    }
     tok->pieces_.resize(vocab_size);
     tok->scores_.resize(vocab_size);
     for (int i = 0; i < vocab_size; ++i) {
@@ -297,29 +357,38 @@ class Llama2cTokenizer final : public Tokenizer {
       if (it != piece_to_id_.end()) {
         ids.push_back(it->second);
       } else {
-        for (size_t b = 0; b < len; ++b) ids.push_back(static_cast<uint8_t>(text[i + b]) + 3);
+        // Byte fallback: <0xXX> is id byte + 3; a vocabulary too small to hold it gets <unk> (0).
+        for (size_t b = 0; b < len; ++b) {
+          const int32_t id = static_cast<uint8_t>(text[i + b]) + 3;
+          ids.push_back(id < vocab_size() ? id : 0);
+        }
       }
       i += len;
     }
+    // Merge the adjacent pair whose concatenation is the token of highest score.
+    std::vector<std::string> symbols;
+    symbols.reserve(ids.size());
+    for (int32_t id : ids) symbols.push_back(pieces_[id]);
     std::string merged;
-    while (true) {
-      float best_score = -1e30f;
-      int best_id = -1;
-      size_t best = 0;
-      for (size_t i = 0; i + 1 < ids.size(); ++i) {
-        merged = pieces_[ids[i]] + pieces_[ids[i + 1]];
-        auto it = piece_to_id_.find(merged);
-        if (it != piece_to_id_.end() && scores_[it->second] > best_score) {
-          best_score = scores_[it->second];
-          best_id = it->second;
-          best = i;
-        }
-      }
-      if (best_id < 0) break;
-      ids[best] = best_id;
-      ids.erase(ids.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+    const std::vector<bool> alive =
+        MergeGreedily(symbols, [&](const std::string& a, const std::string& b, double* priority) {
+          merged.assign(a).append(b);
+          auto it = piece_to_id_.find(merged);
+          if (it == piece_to_id_.end()) return false;
+          // As llama2.c: scores must beat -1e30 (NaN never does, which keeps the heap ordered).
+          const float score = scores_[it->second];
+          if (!(score > -1e30f)) return false;
+          *priority = -static_cast<double>(score);
+          return true;
+        });
+    std::vector<int32_t> out;
+    for (size_t k = 0; k < symbols.size(); ++k) {
+      if (!alive[k]) continue;
+      // A symbol that never merged keeps its id (a vocabulary may hold a piece twice).
+      out.push_back(symbols[k].size() == pieces_[ids[k]].size() ? ids[k]
+                                                                : piece_to_id_.at(symbols[k]));
     }
-    return ids;
+    return out;
   }
 
   std::string Decode(int32_t id) const override {
@@ -359,7 +428,13 @@ Result<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const std::string& path) {
 }
 
 Result<std::unique_ptr<Tokenizer>> LoadLlama2cTokenizer(const std::string& path, int vocab_size) {
-  return Llama2cTokenizer::Create(path, vocab_size);
+  KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadFileBytes(path));
+  return Llama2cTokenizer::Create(bytes, path, vocab_size);
+}
+
+Result<std::unique_ptr<Tokenizer>> LoadLlama2cTokenizerFromBytes(std::span<const uint8_t> bytes,
+                                                                 int vocab_size) {
+  return Llama2cTokenizer::Create(bytes, "llama2.c tokenizer", vocab_size);
 }
 
 }  // namespace kvferry::llama

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -46,5 +47,8 @@ Result<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const GgufFile& file);
 Result<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const std::string& path);
 /// llama2.c tokenizer.bin for a model of \p vocab_size tokens.
 Result<std::unique_ptr<Tokenizer>> LoadLlama2cTokenizer(const std::string& path, int vocab_size);
+/// The same from a tokenizer.bin image in memory (kCorruptData if it is short or inconsistent).
+Result<std::unique_ptr<Tokenizer>> LoadLlama2cTokenizerFromBytes(std::span<const uint8_t> bytes,
+                                                                 int vocab_size);
 
 }  // namespace kvferry::llama

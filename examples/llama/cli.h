@@ -1,0 +1,98 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+/// \file cli.h
+/// \brief kvferry-llama's command line, testable without running the tool: argument parsing and
+/// validation (all of it before the model is loaded), exit codes, and the figures the report
+/// prints, each defined once here.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "examples/llama/model.h"
+#include "kvferry/config.h"
+#include "kvferry/stats.h"
+#include "kvferry/status.h"
+
+namespace kvferry::llama {
+
+/// Exit codes of kvferry-llama: 0 done, 1 the run failed (unreadable model, runtime error),
+/// 2 usage error (bad flag, value out of range, missing input file), found before any loading.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailure = 1;
+inline constexpr int kExitUsage = 2;
+
+/// Largest --context, --budget, --window, --sinks, --lengths, ... (tokens).
+inline constexpr int64_t kMaxTokensFlag = int64_t{1} << 20;
+
+enum class Mode { kGenerate, kPerplexity, kPasskey, kTrace, kReport };
+
+/// \brief Everything the command line sets. Defaults are the tool's (see docs/llama.md).
+struct Options {
+  std::string model, tokenizer, text, prompt, json_out, dump_trace;
+  Mode mode = Mode::kGenerate;
+  bool help = false;
+  int max_new = 64;
+  float temperature = 0.0f, top_p = 0.9f;
+  uint64_t seed = 1;
+  bool chat = false;
+  int64_t context = 2048, scored = 512, offset_lines = 0, chunk = 512;
+  std::vector<int64_t> lengths{2048};
+  std::vector<double> depths{0.1, 0.5, 0.9};
+  int trials = 1;
+  std::vector<int> trace_layers{0};  ///< empty: all layers ("--trace-layers all")
+  int trace_steps = 16;
+  bool trace_bf16 = false;
+  std::vector<std::string> policies{"streaming"};
+  std::vector<int64_t> budgets{256};
+  /// Sinks 4, window 64 (most of a 256-token budget left to the policy's choice), KV f16; the
+  /// model's shape is filled in once it is loaded.
+  RuntimeConfig base;
+  bool no_dense = false;
+};
+
+/// Parses argv[1, argc). Reads no file. Every numeric flag must be a number of the right kind
+/// (whole or real) inside its range, and flags must agree (--scored below --context, one mode, the
+/// inputs a mode needs); the error is kInvalidArgument and names the flag and the value it got.
+/// "-h"/"--help" sets Options::help and skips the checks.
+Result<Options> ParseArgs(int argc, const char* const* argv);
+
+/// Checks that need no model: the input files open, output folders exist, --backend cuda has a
+/// GPU, and kvferry's Runtime accepts every (policy, budget) with the tiers and --param values
+/// (a small host runtime is created and dropped for each). kInvalidArgument naming the flags.
+Status CheckBeforeLoad(const Options& o);
+
+/// The --help text.
+std::string UsageText();
+
+/// Name of a file for reports: its base name without the last extension
+/// ("data/SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct.Q4_1").
+std::string FileLabel(const std::string& path);
+
+// ---- the report's figures ---------------------------------------------------------------------
+
+/// Bytes of K and V that one token occupies over the whole model:
+/// 2 (K and V) x layers x KV heads x head_dim x bytes per element of \p kv_dtype.
+int64_t KvBytesPerToken(const ModelConfig& model, DType kv_dtype);
+
+/// Rows per (layer, KV head) that a kvferry runtime keeps on the GPU for one sequence of
+/// \p context tokens: sinks + window + token-bank slots, no more than the sequence has. Every
+/// policy keeps the same (dense included: it reads the other rows from the host store).
+int64_t GpuKvRows(const Tiers& tiers, int64_t context);
+
+/// KV bytes one sequence keeps on the GPU: GpuKvRows x KvBytesPerToken. A GPU-only dense cache
+/// keeps \p context x KvBytesPerToken.
+int64_t GpuKvBytes(const ModelConfig& model, DType kv_dtype, const Tiers& tiers, int64_t context);
+
+/// \brief PCIe traffic of some decode steps: the difference of two Stats taken around them (only
+/// decode, never prefill, in the window), over the tokens decoded.
+struct DecodeTraffic {
+  int64_t bytes_h2d = 0;
+  int64_t bytes_d2h = 0;
+  int64_t tokens = 0;  ///< tokens decoded between the two Stats
+  /// (bytes_h2d + bytes_d2h) / tokens; 0 when no token was decoded.
+  [[nodiscard]] double bytes_per_token() const;
+};
+DecodeTraffic TrafficBetween(const Stats& before, const Stats& after, int64_t tokens);
+
+}  // namespace kvferry::llama
