@@ -134,26 +134,12 @@ Status RuntimeImpl::PlanDecode(std::span<const SequenceId> seqs, StreamHandle st
   std::vector<int> slot_of;
   KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
   const int layers = config_.model.num_layers;
-  for (size_t b = 0; b < slot_of.size(); ++b) {
-    for (int l = 0; l < layers; ++l) {
-      const int64_t len = lengths_[static_cast<size_t>(slot_of[b]) * layers + l];
-      KVF_CHECK_CODE(len > 0, StatusCode::kFailedPrecondition, "sequence ", seqs[b],
-                     " has no prefill at layer ", l, ": decode before prefill");
-      KVF_CHECK_CODE(len + 1 <= config_.capacity.max_tokens_per_sequence,
-                     StatusCode::kResourceExhausted, "sequence ", seqs[b], " is full at layer ", l,
-                     " (max_tokens_per_sequence ", config_.capacity.max_tokens_per_sequence, ")");
-    }
-  }
+  for (int l = 0; l < layers; ++l) KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, l));
   // Policies that select on the host plan inside each Decode: nothing to do ahead.
   if (!fast_path_) return Status::Ok();
   const auto t0 = Clock::now();
   RetirePlan();
-  for (size_t b = 0; b < slot_of.size(); ++b) {
-    for (int l = 0; l < layers; ++l) {
-      KVF_RETURN_IF_ERROR(store_->Reserve(slot_of[b], l,
-                                          lengths_[static_cast<size_t>(slot_of[b]) * layers + l] + 1));
-    }
-  }
+  for (int l = 0; l < layers; ++l) KVF_RETURN_IF_ERROR(ReserveNextToken(slot_of, l));
   KVF_RETURN_IF_ERROR(store_->FlushTable(stream));
   plan_.positions.resize(slot_of.size() * layers);
   for (size_t b = 0; b < slot_of.size(); ++b) {
@@ -198,18 +184,8 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     KVF_CHECK_CODE(!capturing, StatusCode::kFailedPrecondition,
                    "Decode of layer ", layer, " while capturing a CUDA graph needs a plan: call "
                    "PlanDecode(seqs) before the capture");
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t len = lengths_[static_cast<size_t>(slot_of[b]) * layers + layer];
-      KVF_CHECK_CODE(len > 0, StatusCode::kFailedPrecondition, "sequence ", seqs[b],
-                     " has no prefill at layer ", layer, ": decode before prefill");
-      KVF_CHECK_CODE(len + 1 <= config_.capacity.max_tokens_per_sequence,
-                     StatusCode::kResourceExhausted, "sequence ", seqs[b], " is full at layer ",
-                     layer, " (max_tokens_per_sequence ", config_.capacity.max_tokens_per_sequence, ")");
-    }
-    for (int64_t b = 0; b < batch; ++b) {
-      KVF_RETURN_IF_ERROR(store_->Reserve(
-          slot_of[b], layer, lengths_[static_cast<size_t>(slot_of[b]) * layers + layer] + 1));
-    }
+    KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, layer));
+    KVF_RETURN_IF_ERROR(ReserveNextToken(slot_of, layer));
     KVF_RETURN_IF_ERROR(store_->FlushTable(stream));
     std::vector<int64_t> all(static_cast<size_t>(batch * layers));
     for (int64_t b = 0; b < batch; ++b) {

@@ -462,12 +462,7 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   KVF_RETURN_IF_ERROR(CheckTensor(out, "out", tokens, m.num_q_heads));
   int64_t& len = lengths_[static_cast<size_t>(slot) * m.num_layers + layer];
   const int64_t pos0 = len, new_len = len + tokens;
-  KVF_CHECK_CODE(new_len <= config_.capacity.max_tokens_per_sequence,
-                 StatusCode::kResourceExhausted, "sequence ", seq, " would hold ", new_len,
-                 " tokens at layer ", layer, ", over max_tokens_per_sequence ",
-                 config_.capacity.max_tokens_per_sequence);
-  RetirePlan();
-  KVF_RETURN_IF_ERROR(store_->Reserve(slot, layer, new_len));
+  KVF_RETURN_IF_ERROR(ReserveChunk(seq, slot, layer, new_len));
   if (stream == nullptr) stream = stream_;
 
   const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
@@ -639,6 +634,36 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   return Status::Ok();
 }
 
+Status RuntimeImpl::ReserveChunk(SequenceId seq, int slot, int layer, int64_t new_len) {
+  KVF_CHECK_CODE(new_len <= config_.capacity.max_tokens_per_sequence,
+                 StatusCode::kResourceExhausted, "sequence ", seq, " would hold ", new_len,
+                 " tokens at layer ", layer, ", over max_tokens_per_sequence ",
+                 config_.capacity.max_tokens_per_sequence);
+  RetirePlan();
+  return store_->Reserve(slot, layer, new_len);
+}
+
+Status RuntimeImpl::CheckNextToken(std::span<const SequenceId> seqs, std::span<const int> slot_of,
+                                   int layer) const {
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    const int64_t len = lengths_[static_cast<size_t>(slot_of[b]) * config_.model.num_layers + layer];
+    KVF_CHECK_CODE(len > 0, StatusCode::kFailedPrecondition, "sequence ", seqs[b],
+                   " has no prefill at layer ", layer, ": decode before prefill");
+    KVF_CHECK_CODE(len + 1 <= config_.capacity.max_tokens_per_sequence,
+                   StatusCode::kResourceExhausted, "sequence ", seqs[b], " is full at layer ",
+                   layer, " (max_tokens_per_sequence ", config_.capacity.max_tokens_per_sequence, ")");
+  }
+  return Status::Ok();
+}
+
+Status RuntimeImpl::ReserveNextToken(std::span<const int> slot_of, int layer) {
+  for (int slot : slot_of) {
+    const int64_t len = lengths_[static_cast<size_t>(slot) * config_.model.num_layers + layer];
+    KVF_RETURN_IF_ERROR(store_->Reserve(slot, layer, len + 1));
+  }
+  return Status::Ok();
+}
+
 Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const TensorView& v,
                            StreamHandle stream) {
   const auto t0 = Clock::now();
@@ -654,12 +679,7 @@ Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const
   KVF_RETURN_IF_ERROR(CheckTensor(v, "v", tokens, m.num_kv_heads));
   int64_t& len = lengths_[static_cast<size_t>(slot) * m.num_layers + layer];
   const int64_t new_len = len + tokens;
-  KVF_CHECK_CODE(new_len <= config_.capacity.max_tokens_per_sequence,
-                 StatusCode::kResourceExhausted, "sequence ", seq, " would hold ", new_len,
-                 " tokens at layer ", layer, ", over max_tokens_per_sequence ",
-                 config_.capacity.max_tokens_per_sequence);
-  RetirePlan();
-  KVF_RETURN_IF_ERROR(store_->Reserve(slot, layer, new_len));
+  KVF_RETURN_IF_ERROR(ReserveChunk(seq, slot, layer, new_len));
   if (stream == nullptr) stream = stream_;
   KVF_RETURN_IF_ERROR(BeginCall());
   KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, k_in_, stream));
@@ -693,18 +713,8 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
   // Policies that select on the device run the planned step (runtime/decode_plan.cpp).
   if (fast_path_) return RunDecodeStep(seqs, layer, q, k, v, out, stream);
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t len = lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
-    KVF_CHECK_CODE(len > 0, StatusCode::kFailedPrecondition, "sequence ", seqs[b],
-                   " has no prefill at layer ", layer, ": decode before prefill");
-    KVF_CHECK_CODE(len + 1 <= config_.capacity.max_tokens_per_sequence,
-                   StatusCode::kResourceExhausted, "sequence ", seqs[b], " is full at layer ",
-                   layer, " (max_tokens_per_sequence ", config_.capacity.max_tokens_per_sequence, ")");
-  }
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t len = lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
-    KVF_RETURN_IF_ERROR(store_->Reserve(slot_of[b], layer, len + 1));
-  }
+  KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, layer));
+  KVF_RETURN_IF_ERROR(ReserveNextToken(slot_of, layer));
   if (stream == nullptr) stream = stream_;
   const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
   const int64_t nq = batch * hq * d;

@@ -94,6 +94,13 @@ class RuntimeImpl {
     std::vector<uint8_t> layer_run;  // [layer]: Decode ran (or failed) for it
   };
   Status InitStepBuffers();
+  // Checks that a chunk ending at new_len fits, retires a pending plan and reserves its pages.
+  Status ReserveChunk(SequenceId seq, int slot, int layer, int64_t new_len);
+  // Checks that every sequence of a batch can take one more token at \p layer (prefilled, not
+  // full), and reserves its page.
+  Status CheckNextToken(std::span<const SequenceId> seqs, std::span<const int> slot_of,
+                        int layer) const;
+  Status ReserveNextToken(std::span<const int> slot_of, int layer);
   // Checks seqs and resolves their slots into \p slot_of (no state changes).
   Status CheckBatch(std::span<const SequenceId> seqs, std::vector<int>& slot_of) const;
   // Writes slots and positions to a pinned staging entry and copies them to device region
