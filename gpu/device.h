@@ -74,12 +74,13 @@ class Device {
   /// step's slots and positions from device memory, never allocates and never synchronises, so
   /// it can be captured in a CUDA graph.
   virtual Status DecodeStep(const DecodeStepArgs& args, StreamHandle stream) = 0;
-  /// One prefill chunk on tensor cores (see PrefillChunkArgs). kUnimplemented where there is no
-  /// such kernel (the host device): the runtime then runs its paged path.
+  /// One prefill chunk on tensor cores (see PrefillChunkArgs). Only the CUDA device has the
+  /// kernel; the runtime calls this only there (the host device prefills with AttendPaged), so
+  /// the base class reports the call as a misuse.
   virtual Status PrefillChunk(const PrefillChunkArgs& args, StreamHandle stream) {
     (void)args;
     (void)stream;
-    return Unimplemented("PrefillChunk: no tensor-core prefill on this device");
+    return Internal("PrefillChunk called on a device without the tensor-core prefill kernel");
   }
   /// Whether \p stream is being captured into a CUDA graph (always false on the host).
   [[nodiscard]] virtual bool IsCapturing(StreamHandle stream) const {

@@ -61,6 +61,12 @@ Status RuntimeImpl::InitStepBuffers() {
     KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
   }
   plan_.layer_run.assign(static_cast<size_t>(m.num_layers), 0);
+  plan_.seqs.reserve(static_cast<size_t>(cap.max_batch));
+  plan_.slots.reserve(static_cast<size_t>(cap.max_batch));
+  plan_.positions.reserve(positions);
+  implicit_pos_scratch_.reserve(positions);
+  plan_slots_scratch_.reserve(static_cast<size_t>(cap.max_batch));
+  step_pos_scratch_.reserve(static_cast<size_t>(cap.max_batch));
   return Status::Ok();
 }
 
@@ -131,7 +137,7 @@ Status RuntimeImpl::PlanDecode(std::span<const SequenceId> seqs, StreamHandle st
   KVF_CHECK_CODE(!device_->IsCapturing(stream), StatusCode::kFailedPrecondition,
                  "PlanDecode is called outside a CUDA graph capture (before capturing and "
                  "before each replay)");
-  std::vector<int> slot_of;
+  std::vector<int>& slot_of = plan_slots_scratch_;  // reserved at set-up: no allocation
   KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
   const int layers = config_.model.num_layers;
   for (int l = 0; l < layers; ++l) KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, l));
@@ -187,7 +193,8 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, layer));
     KVF_RETURN_IF_ERROR(ReserveNextToken(slot_of, layer));
     KVF_RETURN_IF_ERROR(store_->FlushTable(stream));
-    std::vector<int64_t> all(static_cast<size_t>(batch * layers));
+    std::vector<int64_t>& all = implicit_pos_scratch_;  // reserved at set-up: no allocation
+    all.resize(static_cast<size_t>(batch * layers));
     for (int64_t b = 0; b < batch; ++b) {
       std::copy_n(lengths_.begin() + static_cast<int64_t>(slot_of[b]) * layers, layers,
                   all.begin() + b * layers);

@@ -521,17 +521,13 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
     a.q_scratch = q_in_ == q_src ? out_stage_ : q_in_;  // a free buffer of the chunk's size
     if (!out_direct && a.q_scratch == out_stage_) a.q_scratch = q_f32_;
     a.items = prefill_items_;
-    const Status st_run = device_->PrefillChunk(a, stream);
-    if (st_run.ok()) {
-      tensor_cores = true;
-      if (!out_direct) {
-        KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
-      }
-      stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
-      stats_.bytes_h2d += pos0 * hkv * 2 * static_cast<int64_t>(row_bytes_);    // earlier rows staged
-    } else if (st_run.code() != StatusCode::kUnimplemented) {
-      return st_run;
+    KVF_RETURN_IF_ERROR(device_->PrefillChunk(a, stream));
+    tensor_cores = true;
+    if (!out_direct) {
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
     }
+    stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
+    stats_.bytes_h2d += pos0 * hkv * 2 * static_cast<int64_t>(row_bytes_);    // earlier rows staged
   }
   if (!tensor_cores) {
     const int64_t n_copies = PlanAppend(slot, layer, pos0, tokens, new_len, k_src, DTypeSize(k.dtype),

@@ -204,7 +204,9 @@ class RuntimeImpl {
   float* step_ws_ = nullptr;           // device: split partials of the step kernels
   int64_t step_ws_floats_ = 0;
   int32_t* step_counters_ = nullptr;   // device: zeroed split counters of the step kernel
-  std::vector<int64_t> step_pos_scratch_;
+  std::vector<int64_t> step_pos_scratch_;     // [batch]: new token's position at the layer
+  std::vector<int64_t> implicit_pos_scratch_; // [batch * layers]: a Decode's own plan
+  std::vector<int> plan_slots_scratch_;       // [batch]: PlanDecode's slots
 };
 
 }  // namespace kvferry::detail
