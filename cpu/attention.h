@@ -107,4 +107,15 @@ namespace kvferry::cpu {
 /// is the reference the CUDA DecodeStep is tested against.
 void DecodeStep(const DecodeStepArgs& args);
 
+/// The host implementation of a step's device selection (Device::DecodeSelect, see
+/// DecodeStepArgs::scoring): writes list / list_count of every item. The new token's K is taken
+/// from the input (written through to its host-store row first, as DecodeStep will).
+void DecodeSelect(const DecodeStepArgs& args);
+
+/// The oracle's selection over positions [0, n) of a paged KV head: the k positions of largest
+/// softmax weight summed over the GQA group (q: [group, head_dim] fp32), ascending; ties to the
+/// lower position. \p logits and \p weights are scratch (resized).
+void ExactTopKSelect(const AttnParams& p, const float* q, const KvPages& kv, int64_t n, int64_t k,
+                     std::vector<float>& logits, std::vector<float>& weights, int32_t* out);
+
 }  // namespace kvferry::cpu

@@ -73,6 +73,15 @@ enum class StepRowMode : int32_t {
   kList = 1,
 };
 
+/// How the device selects a step's rows for kList (Device::DecodeSelect). A policy declares one
+/// (Policy::device_scoring); kNone means it selects on the host (or needs no list).
+enum class SelectScoring : int32_t {
+  kNone = 0,
+  /// Exact top-k of the GQA group's summed softmax weight over every position (the oracle): the
+  /// logits of all keys, a softmax per query head, their sum per position, top-k, ascending.
+  kExactTopK = 1,
+};
+
 /// One layer of a planned decode step for a batch (the Runtime's run path), executed by
 /// Device::DecodeStep. Everything that changes from step to step (the sequences' slots and the new
 /// token's position at every layer) is read from device memory, so the same arguments serve every
@@ -123,9 +132,21 @@ struct DecodeStepArgs {
   int64_t max_pages = 0;
   int32_t page_tokens = 256;
 
-  const int32_t* list = nullptr;        ///< kList: [batch * num_kv_heads, list_cap]
-  const int32_t* list_count = nullptr;  ///< kList: [batch * num_kv_heads]
+  /// kList: [batch * num_kv_heads, list_cap] positions and [batch * num_kv_heads] counts (device
+  /// memory), written by DecodeSelect, read by DecodeStep.
+  int32_t* list = nullptr;
+  int32_t* list_count = nullptr;
   int64_t list_cap = 0;
+
+  /// DecodeSelect: the scoring, the item budget (budget_tokens / budget_fraction / budget_cap as
+  /// above: an item selects min(StepBudget(n), n) positions; list_cap >= budget_cap), and its
+  /// device scratch: select_ws holds [batch * num_kv_heads, group, select_ld] floats
+  /// (select_ld >= every n), topk_ws [batch * num_kv_heads, pow2 >= budget_cap] 8-byte keys when
+  /// budget_cap > 4096 (else unused). Nothing the host computes per step is read: capture-safe.
+  SelectScoring scoring = SelectScoring::kNone;
+  float* select_ws = nullptr;
+  int64_t select_ld = 0;
+  unsigned long long* topk_ws = nullptr;
 
   float* q_f32 = nullptr;  ///< host scratch [batch, num_q_heads, head_dim]
   float* lse = nullptr;    ///< [batch, num_q_heads] natural-log lse of the result (may be null)

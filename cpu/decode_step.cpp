@@ -1,6 +1,7 @@
 // Copyright kvferry authors. Apache-2.0.
 // The host implementation of a planned decode step (DecodeStepArgs): what the host-emulated
 // device runs, stage by stage as the CUDA kernels do, so both backends execute the same plan.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -106,6 +107,56 @@ void DecodeStep(const DecodeStepArgs& a) {
                   o.data(), DType::kF32, static_cast<int64_t>(group) * d);
       if (a.lse != nullptr) {
         for (int g = 0; g < group; ++g) a.lse[row0 + g] = lse[g];
+      }
+    }
+  }
+}
+
+void ExactTopKSelect(const AttnParams& p, const float* q, const KvPages& kv, int64_t n, int64_t k,
+                     std::vector<float>& logits, std::vector<float>& weights, int32_t* out) {
+  k = std::min(k, n);
+  if (k <= 0) return;
+  logits.resize(static_cast<size_t>(n) * p.group);
+  weights.assign(static_cast<size_t>(n), 0.0f);
+  ScorePaged(p, q, kv, n, logits.data());
+  for (int g = 0; g < p.group; ++g) {
+    SoftmaxAccumulate(logits.data() + static_cast<int64_t>(g) * n, n, 1.0f, weights.data());
+  }
+  TopK(weights.data(), n, k, out);
+  std::sort(out, out + k);
+}
+
+void DecodeSelect(const DecodeStepArgs& a) {
+  const AttnParams& p = a.params;
+  const int hkv = a.num_kv_heads, d = p.head_dim, group = p.group;
+  const int64_t hq = static_cast<int64_t>(hkv) * group;
+  const size_t elem = DTypeSize(p.kv_dtype);
+  thread_local std::vector<float> q, logits, weights;
+  q.resize(static_cast<size_t>(group) * d);
+  for (int32_t b = 0; b < a.batch; ++b) {
+    const int64_t slot = a.slots[b];
+    const int64_t pos = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer];
+    const int64_t n = pos + 1;
+    const int64_t k = std::min(StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n), n);
+    for (int h = 0; h < hkv; ++h) {
+      const int64_t item = static_cast<int64_t>(b) * hkv + h;
+      const int64_t t = (slot * a.num_layers + a.layer) * hkv + h;
+      const KvPages kv{a.pages + t * a.max_pages, a.page_tokens};
+      const int64_t src = item * d;
+      ConvertSpan(const_cast<void*>(PagedKRow(kv, pos, d, elem)), p.kv_dtype,
+                  static_cast<const char*>(a.k) + src * DTypeSize(a.k_dtype), a.k_dtype, d);
+      ConvertSpan(q.data(), DType::kF32,
+                  static_cast<const char*>(a.q) + (b * hq + h * group) * d * DTypeSize(a.q_dtype),
+                  a.q_dtype, static_cast<int64_t>(group) * d);
+      int32_t* out = a.list + item * a.list_cap;
+      switch (a.scoring) {
+        case SelectScoring::kExactTopK:
+          ExactTopKSelect(p, q.data(), kv, n, k, logits, weights, out);
+          a.list_count[item] = static_cast<int32_t>(k);
+          break;
+        case SelectScoring::kNone:
+          a.list_count[item] = 0;
+          break;
       }
     }
   }

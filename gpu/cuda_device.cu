@@ -310,6 +310,11 @@ Status CudaDevice::DecodeStep(const DecodeStepArgs& args, StreamHandle stream) {
   return LaunchDecodeStep(args, info_, Resolve(stream));
 }
 
+Status CudaDevice::DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  return LaunchDecodeSelect(args, info_, Resolve(stream));
+}
+
 Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) {
   KVF_RETURN_IF_ERROR(Activate());
   const cudaStream_t s = Resolve(stream);

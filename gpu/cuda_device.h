@@ -56,6 +56,7 @@ class CudaDevice final : public Device {
   Status AttendPaged(const AttnParams& p, const PagedAttnItem* items, int64_t num_items,
                      StreamHandle stream) override;
   Status DecodeStep(const DecodeStepArgs& args, StreamHandle stream) override;
+  Status DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) override;
   Status PrefillChunk(const PrefillChunkArgs& args, StreamHandle stream) override;
   [[nodiscard]] bool IsCapturing(StreamHandle stream) const override;
   [[nodiscard]] bool EventDone(EventHandle event) const override;

@@ -127,6 +127,12 @@ Status LaunchBankResolve(const BankAttnItem* items, int64_t num_items, int64_t m
 /// launches that read the step's slots and positions from device memory (graph-capturable).
 Status LaunchDecodeStep(const DecodeStepArgs& args, const LaunchInfo& info, cudaStream_t stream);
 
+/// The selection of a planned decode step (DecodeStepArgs::scoring) into args.list/list_count:
+/// kExactTopK scores every key (resident, host store zero-copy, the new token from the input),
+/// a softmax per query head summed over the group, an exact top-k per item (ties to the lower
+/// position), ascending. Everything per step is read on the device: graph-capturable.
+Status LaunchDecodeSelect(const DecodeStepArgs& args, const LaunchInfo& info, cudaStream_t stream);
+
 /// A prefill chunk's K/V converted to the KV dtype and written to the host store (zero-copy),
 /// the resident tier and the staging, then (staging only) positions [0, pos0) read from the host
 /// store into the staging, so that the staging holds rows [0, new_len) contiguously per head.

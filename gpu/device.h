@@ -74,6 +74,10 @@ class Device {
   /// step's slots and positions from device memory, never allocates and never synchronises, so
   /// it can be captured in a CUDA graph.
   virtual Status DecodeStep(const DecodeStepArgs& args, StreamHandle stream) = 0;
+  /// The selection of a planned decode step (args.scoring, see DecodeStepArgs): fills args.list
+  /// and args.list_count for a DecodeStep in kList mode that follows on the same stream. Like
+  /// DecodeStep, reads the step from device memory, never allocates, never synchronises.
+  virtual Status DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) = 0;
   /// One prefill chunk on tensor cores (see PrefillChunkArgs). Only the CUDA device has the
   /// kernel; the runtime calls this only there (the host device prefills with AttendPaged), so
   /// the base class reports the call as a misuse.

@@ -50,6 +50,25 @@ Status LaunchMergeLse(float* o_a, float* lse_a, const float* o_b, const float* l
   return Status::Ok();
 }
 
+namespace {
+
+/// scores row r at scores + r * ld (n valid); out row r at out + r * k; ws: [rows, sort_n] when
+/// sort_n > kTopKSmemItems. sort_n = pow2 >= k.
+__global__ void __launch_bounds__(kTopKThreads) TopKKernel(const float* __restrict__ scores,
+                                                           int64_t n, int64_t ld, int k,
+                                                           int sort_n, int32_t* __restrict__ out,
+                                                           unsigned long long* ws) {
+  extern __shared__ unsigned long long sort_smem[];
+  unsigned long long* sel =
+      sort_n <= kTopKSmemItems ? sort_smem : ws + static_cast<int64_t>(blockIdx.x) * sort_n;
+  TopKSelect(scores + static_cast<int64_t>(blockIdx.x) * ld, n, k, sort_n, sel);
+  for (int i = threadIdx.x; i < k; i += blockDim.x) {
+    out[static_cast<int64_t>(blockIdx.x) * k + i] = static_cast<int32_t>(sel[i] & 0xffffffffu);
+  }
+}
+
+}  // namespace
+
 size_t TopKWorkspaceBytes(int64_t rows, int64_t k) {
   const int64_t sort_n = NextPow2(std::max<int64_t>(k, 1));
   if (sort_n <= kTopKSmemItems) return 0;

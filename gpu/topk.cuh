@@ -26,7 +26,7 @@ __device__ __forceinline__ uint32_t OrderedKey(float x) {
 }
 
 // Sorts v[0, n) ascending (n a power of two) with the whole CTA.
-__device__ void BitonicSortBlock(unsigned long long* v, int n) {
+__device__ inline void BitonicSortBlock(unsigned long long* v, int n) {
   for (int size = 2; size <= n; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
       __syncthreads();
@@ -45,21 +45,16 @@ __device__ void BitonicSortBlock(unsigned long long* v, int n) {
   __syncthreads();
 }
 
-/// scores row r at scores + r * ld (n valid); out row r at out + r * k; ws: [rows, sort_n] when
-/// sort_n > kTopKSmemItems. sort_n = pow2 >= k.
-__global__ void __launch_bounds__(kTopKThreads) TopKKernel(const float* __restrict__ scores,
-                                                           int64_t n, int64_t ld, int k,
-                                                           int sort_n, int32_t* __restrict__ out,
-                                                           unsigned long long* ws) {
+/// The k largest of row[0, n) (OrderedKey order, ties to the lower index) into sel[0, k) as
+/// (~key << 32 | index), sorted by (score desc, index asc); sel[k, sort_n) = ~0. sort_n = pow2 >= k,
+/// 1 <= k <= n. Called by every thread of a kTopKThreads-thread CTA; sel in shared or global memory.
+__device__ inline void TopKSelect(const float* __restrict__ row, int64_t n, int k, int sort_n,
+                           unsigned long long* sel) {
   using Scan = cub::BlockScan<int, kTopKThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ unsigned int hist[256];
   __shared__ uint32_t s_prefix, s_remaining;
   __shared__ int s_gt, s_eq_base;
-  extern __shared__ unsigned long long sort_smem[];
-  const float* row = scores + static_cast<int64_t>(blockIdx.x) * ld;
-  unsigned long long* sel =
-      sort_n <= kTopKSmemItems ? sort_smem : ws + static_cast<int64_t>(blockIdx.x) * sort_n;
 
   uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(k);
   for (int shift = 24; shift >= 0; shift -= 8) {
@@ -118,9 +113,6 @@ __global__ void __launch_bounds__(kTopKThreads) TopKKernel(const float* __restri
   }
   for (int i = k + threadIdx.x; i < sort_n; i += blockDim.x) sel[i] = ~0ull;
   BitonicSortBlock(sel, sort_n);
-  for (int i = threadIdx.x; i < k; i += blockDim.x) {
-    out[static_cast<int64_t>(blockIdx.x) * k + i] = static_cast<int32_t>(sel[i] & 0xffffffffu);
-  }
 }
 
 }  // namespace kvferry::cuda

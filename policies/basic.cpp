@@ -42,6 +42,7 @@ class OraclePolicy final : public Policy {
  public:
   std::string_view name() const override { return "oracle"; }
   Placement placement() const override { return Placement::kGpu; }
+  SelectScoring device_scoring() const override { return SelectScoring::kExactTopK; }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
     OracleSelect(ctx, out);
     return Status::Ok();
@@ -71,11 +72,8 @@ void GroupAttentionWeights(const SelectContext& ctx, std::vector<float>& logits,
 
 void OracleSelect(const SelectContext& ctx, std::vector<int32_t>& out) {
   thread_local std::vector<float> logits, weights;
-  GroupAttentionWeights(ctx, logits, weights);
-  const int64_t k = std::min(ctx.budget, ctx.n);
-  out.resize(static_cast<size_t>(k));
-  cpu::TopK(weights.data(), ctx.n, k, out.data());
-  std::sort(out.begin(), out.end());
+  out.resize(static_cast<size_t>(std::min(ctx.budget, ctx.n)));
+  cpu::ExactTopKSelect(ctx.params, ctx.q, ctx.kv, ctx.n, ctx.budget, logits, weights, out.data());
 }
 
 Result<std::unique_ptr<Policy>> MakeBasicPolicy(const RuntimeConfig& config) {

@@ -61,6 +61,10 @@ class Policy {
   /// computes it inside the step's kernels (StepRowMode::kSinksAndRecent), with no Select call,
   /// which makes the step capture-safe.
   [[nodiscard]] virtual bool selects_sinks_and_recent() const { return false; }
+  /// How the device computes this policy's selection inside a planned step (Device::DecodeSelect
+  /// into the step's device list); kNone: Select runs on the host. A policy that declares a
+  /// scoring must select exactly what Select would (up to fp32 rounding of near-ties on CUDA).
+  [[nodiscard]] virtual SelectScoring device_scoring() const { return SelectScoring::kNone; }
 
   /// True if OnPrefill reads the prompt's queries; only then does the runtime bring them to the
   /// host (a copy and a stream synchronisation per prefill chunk).

@@ -28,13 +28,40 @@ size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 Status RuntimeImpl::InitStepBuffers() {
   const Capacity& cap = config_.capacity;
   const ModelShape& m = config_.model;
-  fast_path_ = policy_->selects_sinks_and_recent() && bank_ == nullptr &&
-               config_.route != Route::kCpu;
+  scoring_ = policy_->device_scoring();
+  fast_path_ = (policy_->selects_sinks_and_recent() || scoring_ != SelectScoring::kNone) &&
+               bank_ == nullptr && config_.route != Route::kCpu;
   const int64_t resident_rows = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
-  step_all_resident_ = policy_->is_dense() ? resident_rows >= cap.max_tokens_per_sequence
-                                           : budget_max_ <= resident_rows;
+  // A device selection may pick any position: its rows are all resident only when every
+  // position is.
+  step_all_resident_ = policy_->is_dense() || scoring_ != SelectScoring::kNone
+                           ? resident_rows >= cap.max_tokens_per_sequence
+                           : budget_max_ <= resident_rows;
   if (!fast_path_) return Status::Ok();
   void* p = nullptr;
+  if (scoring_ != SelectScoring::kNone) {
+    // Per layer a list region, so that any layer's last selection can be read back and no layer
+    // rewrites a list an earlier launch of the step may still read.
+    const int64_t items = int64_t{cap.max_batch} * m.num_kv_heads;
+    list_cap_ = std::max<int64_t>(item_cap_, 1);
+    const size_t lists = static_cast<size_t>(m.num_layers) * items;
+    KVF_ASSIGN_OR_RETURN(p, Alloc(lists * static_cast<size_t>(list_cap_) * sizeof(int32_t), false));
+    step_list_ = static_cast<int32_t*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(lists * sizeof(int32_t), false));
+    step_list_count_ = static_cast<int32_t*>(p);
+    select_ld_ = cap.max_tokens_per_sequence;
+    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(items) * group_ * select_ld_ * sizeof(float),
+                                  false));
+    select_ws_ = static_cast<float*>(p);
+    int64_t sort_cap = 1;
+    while (sort_cap < list_cap_) sort_cap <<= 1;
+    if (sort_cap > 4096) {
+      KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(items * sort_cap) * 8, false));
+      topk_ws_ = static_cast<unsigned long long*>(p);
+    }
+    list_slots_.assign(static_cast<size_t>(m.num_layers), {});
+    for (auto& v : list_slots_) v.reserve(static_cast<size_t>(cap.max_batch));
+  }
   KVF_ASSIGN_OR_RETURN(p, Alloc(size_t{2} * cap.max_batch * sizeof(int32_t), false));
   step_slots_dev_ = static_cast<int32_t*>(p);
   const size_t positions = static_cast<size_t>(cap.max_batch) * m.num_layers;
@@ -227,7 +254,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   a.layer = layer;
   a.sink = config_.tiers.sink_tokens;
   a.window = config_.tiers.window_tokens;
-  a.mode = StepRowMode::kSinksAndRecent;
+  a.mode = scoring_ != SelectScoring::kNone ? StepRowMode::kList : StepRowMode::kSinksAndRecent;
   if (policy_->is_dense()) {
     a.budget_tokens = config_.capacity.max_tokens_per_sequence;
     a.budget_cap = config_.capacity.max_tokens_per_sequence;
@@ -257,24 +284,48 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   a.ws = step_ws_;
   a.ws_floats = step_ws_floats_;
   a.counters = step_counters_;
+  if (scoring_ != SelectScoring::kNone) {
+    const size_t lists = static_cast<size_t>(layer) * batch_cap * m.num_kv_heads;
+    a.scoring = scoring_;
+    a.list = step_list_ + lists * list_cap_;
+    a.list_count = step_list_count_ + lists;
+    a.list_cap = list_cap_;
+    a.select_ws = select_ws_;
+    a.select_ld = select_ld_;
+    a.topk_ws = topk_ws_;
+  }
 
-  // Rows each item attends, for the launch shape and the stats (the device recomputes them).
+  // Rows each item attends, for the launch shape and the stats (the device recomputes them). A
+  // device selection's split between resident and fetched rows is not known on the host: its
+  // rows count as selected only.
   const int64_t window = config_.tiers.window_tokens;
-  int64_t max_rows = 0, resident = 0, fetched = 0;
+  int64_t max_rows = 0, resident = 0, fetched = 0, selected = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = pos[b] + 1;
-    const StepRange r = SinksAndRecent(
-        n, a.sink, StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n));
+    const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
+    if (scoring_ != SelectScoring::kNone) {
+      const int64_t count = std::min(budget, n);
+      max_rows = std::max(max_rows, count);
+      selected += count;
+      continue;
+    }
+    const StepRange r = SinksAndRecent(n, a.sink, budget);
     const int64_t res = r.sinks + (n - std::max(r.recent_begin, n - window));
     max_rows = std::max(max_rows, r.count);
     resident += res;
     fetched += r.count - res;
+    selected += r.count;
   }
   a.max_rows_hint = max_rows;
   stats_.ms_append += MsSince(t0);
 
   const auto t1 = Clock::now();
-  Status st = device_->DecodeStep(a, stream);
+  Status st = Status::Ok();
+  if (scoring_ != SelectScoring::kNone) {
+    st = device_->DecodeSelect(a, stream);
+    list_slots_[layer].assign(slot_of.begin(), slot_of.end());
+  }
+  if (st.ok()) st = device_->DecodeStep(a, stream);
   if (st.ok() && !out_direct) {
     const size_t bytes = static_cast<size_t>(out.numel()) * DTypeSize(out.dtype);
     st = device_->CopyAsync(out.data, out_stage_, bytes, stream);
@@ -297,7 +348,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   stats_.ms_attend_gpu += MsSince(t1);
   stats_.rows_resident += resident * hkv;
   stats_.rows_fetched += fetched * hkv;
-  stats_.rows_selected += (resident + fetched) * hkv;
+  stats_.rows_selected += selected * hkv;
   stats_.bytes_h2d += fetched * hkv * 2 * static_cast<int64_t>(row_bytes_);
   stats_.bytes_d2h += batch * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
   stats_.decode_steps += 1;

@@ -978,6 +978,29 @@ Result<std::vector<int32_t>> RuntimeImpl::LastSelection(SequenceId seq, int laye
     for (int64_t i = 0; i < n; ++i) all[i] = static_cast<int32_t>(i);
     return all;
   }
+  if (fast_path_ && scoring_ != SelectScoring::kNone) {
+    // The device's list of the last step that ran this layer for the sequence.
+    const std::vector<int>& slots = list_slots_[static_cast<size_t>(layer)];
+    const auto it = std::find(slots.begin(), slots.end(), slot);
+    if (it == slots.end()) return std::vector<int32_t>{};
+    const size_t item = static_cast<size_t>(layer) * config_.capacity.max_batch *
+                            config_.model.num_kv_heads +
+                        static_cast<size_t>(it - slots.begin()) * config_.model.num_kv_heads +
+                        kv_head;
+    // The last Decode's work (on whatever stream it ran) is done once call_done_ is.
+    KVF_RETURN_IF_ERROR(device_->SynchronizeEvent(call_done_));
+    int32_t count = 0;
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(&count, step_list_count_ + item, sizeof(int32_t),
+                                           stream_));
+    KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
+    std::vector<int32_t> sel(static_cast<size_t>(count));
+    if (count > 0) {
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(sel.data(), step_list_ + item * list_cap_,
+                                             sel.size() * sizeof(int32_t), stream_));
+      KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
+    }
+    return sel;
+  }
   if (fast_path_) {
     // The device selected from the length alone: the same rows, recomputed.
     const int64_t n = lengths_[static_cast<size_t>(slot) * config_.model.num_layers + layer];

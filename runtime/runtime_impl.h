@@ -207,6 +207,15 @@ class RuntimeImpl {
   std::vector<int64_t> step_pos_scratch_;     // [batch]: new token's position at the layer
   std::vector<int64_t> implicit_pos_scratch_; // [batch * layers]: a Decode's own plan
   std::vector<int> plan_slots_scratch_;       // [batch]: PlanDecode's slots
+  // Device selection (Policy::device_scoring != kNone).
+  SelectScoring scoring_ = SelectScoring::kNone;
+  int64_t list_cap_ = 0;
+  int32_t* step_list_ = nullptr;        // device: [layer][max_batch * Hkv][list_cap_]
+  int32_t* step_list_count_ = nullptr;  // device: [layer][max_batch * Hkv]
+  float* select_ws_ = nullptr;          // device: [max_batch * Hkv][group][select_ld_]
+  int64_t select_ld_ = 0;
+  unsigned long long* topk_ws_ = nullptr;  // device, when the list capacity exceeds 4096
+  std::vector<std::vector<int>> list_slots_;  // [layer]: slots of the last step's batch
 };
 
 }  // namespace kvferry::detail

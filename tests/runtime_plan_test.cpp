@@ -209,8 +209,8 @@ TEST(PlannedStep, BadPlansChangeNothing) {
 }
 
 TEST(PlannedStep, HostSelectingPoliciesPlanInsideEachDecode) {
-  // oracle selects on the host: PlanDecode only validates, each Decode appends its own token.
-  const RuntimeConfig c = PlanConfig("oracle", 2);
+  // lfps selects on the host: PlanDecode only validates, each Decode appends its own token.
+  const RuntimeConfig c = PlanConfig("lfps", 2);
   auto rt = Make(c), twin = Make(c);
   EXPECT_FALSE(rt->decode_is_capture_safe());
   Feeder f(c, 8);
@@ -231,6 +231,52 @@ TEST(PlannedStep, HostSelectingPoliciesPlanInsideEachDecode) {
   }
   EXPECT_EQ(*rt->SequenceLength(3, 1), 44);
   EXPECT_EQ(rt->GetStats().decode_planned, 0);
+}
+
+TEST(PlannedStep, DeviceSelectedOracleEqualsTheHostPolicy) {
+  // The oracle's selection runs inside the planned step (Device::DecodeSelect): the same positions
+  // as the policy's host Select (taken when a token bank is configured) and the same outputs.
+  RuntimeConfig c = PlanConfig("oracle", 2);
+  c.route = Route::kGpu;
+  RuntimeConfig host = c;
+  host.tiers.bank_slots = 16;  // a bank keeps the runtime on its host-selecting path
+  auto dev = Make(c), ref = Make(host);
+  ASSERT_TRUE(dev && ref);
+  EXPECT_TRUE(dev->decode_is_capture_safe());
+  EXPECT_FALSE(ref->decode_is_capture_safe());
+  Feeder f(c, 11);
+  const std::vector<SequenceId> seqs = {2, 6, 4};
+  for (SequenceId s : seqs) {
+    ASSERT_TRUE(dev->AddSequence(s).ok());
+    ASSERT_TRUE(ref->AddSequence(s).ok());
+  }
+  f.Prefill({dev.get(), ref.get()}, 2, 97);
+  f.Prefill({dev.get(), ref.get()}, 6, 17);  // fewer than the budget (24): every position
+  f.Prefill({dev.get(), ref.get()}, 4, 250);
+  for (int t = 0; t < 6; ++t) {
+    ASSERT_TRUE(dev->PlanDecode(seqs).ok());
+    for (int l = 0; l < c.model.num_layers; ++l) {
+      Feeder::Step s = f.Make(3);
+      std::vector<float> a, b;
+      ASSERT_TRUE(f.Decode(*dev, seqs, l, s, a).ok());
+      ASSERT_TRUE(f.Decode(*ref, seqs, l, s, b).ok());
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-5) << "step " << t << " at " << i;
+      EXPECT_GT(NormOf(a), 0.0);
+      for (SequenceId sq : seqs) {
+        for (int h = 0; h < c.model.num_kv_heads; ++h) {
+          auto x = dev->LastSelection(sq, l, h), y = ref->LastSelection(sq, l, h);
+          ASSERT_TRUE(x.ok() && y.ok());
+          EXPECT_EQ(*x, *y) << "sequence " << sq << " layer " << l << " head " << h;
+          const int64_t n = *dev->SequenceLength(sq, l);
+          EXPECT_EQ(static_cast<int64_t>(x->size()), std::min<int64_t>(n, c.policy.budget_tokens));
+        }
+      }
+    }
+  }
+  const Stats st = dev->GetStats();
+  EXPECT_EQ(st.host_syncs, 0);
+  EXPECT_EQ(st.decode_planned, 6 * c.model.num_layers);
+  EXPECT_EQ(st.rows_selected, ref->GetStats().rows_selected);
 }
 
 TEST(PlannedStep, BudgetSmallerThanTheResidentTiersStillDecodes) {

@@ -80,14 +80,17 @@ class Runtime {
   /// Required around CUDA graphs: capture PlanDecode's step outside the capture, capture the
   /// Decode calls of every layer, and before each replay call PlanDecode(seqs, stream) again; the
   /// replay then runs the planned step. Capture-safe policies (those whose selection runs on the
-  /// device: "dense", "streaming") with route gpu or auto and no token bank; the others need the
+  /// device: "dense", "streaming" from the length, "oracle" by an exact top-k over the scores of
+  /// every key) with route gpu or auto and no token bank; the others need the
   /// host inside the step and return kFailedPrecondition while capturing. A layer of a planned
   /// step whose Decode fails, or that is not run before the next PlanDecode while other layers
   /// were, is rolled back (its token uncommitted). Synchronise before RemoveSequence after replays.
   Status PlanDecode(std::span<const SequenceId> seqs, StreamHandle stream = nullptr);
 
   /// Positions attended at the last Decode of (\p seq, \p layer, \p kv_head), ascending. For
-  /// diagnostics and benchmarks; valid until the next Decode of that layer.
+  /// diagnostics and benchmarks; valid until the next Decode of that layer. Where the device
+  /// selected them (see PlanDecode), waits for the last Decode and reads its list back; the last
+  /// step of a replayed CUDA graph is not seen.
   [[nodiscard]] Result<std::vector<int32_t>> LastSelection(SequenceId seq, int layer,
                                                            int kv_head) const;
 
