@@ -8,8 +8,12 @@
 #include <vector>
 
 #include "policies/basic.h"
+#include "policies/hip.h"
+#include "policies/kvpop.h"
 #include "policies/lfps.h"
 #include "policies/policy.h"
+#include "policies/quest.h"
+#include "policies/sparcas.h"
 #include "runtime/check.h"
 
 namespace kvferry {
@@ -27,6 +31,10 @@ struct Registry {
       {"streaming", MakeBasicPolicy},
       {"oracle", MakeBasicPolicy},
       {"lfps", MakeLfpsPolicy},
+      {"quest", MakeQuestPolicy},
+      {"sparcas", MakeSparcasPolicy},
+      {"hip", MakeHipPolicy},
+      {"kvpop", MakeKvpopPolicy},
   };
 };
 

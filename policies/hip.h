@@ -1,0 +1,92 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// HiP (seed 003, notes/hip.md): a hierarchical top-k mask for decode. The offloaded range is cut
+// into blocks of bk tokens and into K' = k / bk nodes of about equal length; each iteration splits
+// every node of more than one block into two halves, scores each half by one representative block
+// (the centre one by default) and keeps the best K' branches, until every node is one block.
+// The mask is cached per (slot, layer, KV head) and rebuilt every r_m steps; tokens that leave the
+// window between rebuilds wait for the next one (as in the paper's decode).
+//
+// Host reference. Decisions on the notes' open questions (section 8):
+//  - Iterations: until every node is one block (about log2(NB / K')); a one-block node is one
+//    branch and competes unsplit. Split of [f, l) at m = floor((f + l) / 2).
+//  - Branch score: the largest scaled q_g . k over the group's query heads and the representative
+//    block's tokens (the paper's max over the query block, bsk = 1).
+//  - GQA: one mask per KV head for the group. Sinks and the window are resident and excluded
+//    from the search (as the public code). Ties: the lower block.
+//  - First `dense_layers` (default 3, the notes' l_d for 7B models): the per-item capacity of the
+//    runtime forbids dense, so those layers take the exact top-k (see sparcas.h).
+//  - k = budget - sink - window tokens; K' = floor(k / bk) blocks (the remainder is unused).
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "policies/policy.h"
+#include "policies/select_util.h"
+
+namespace kvferry {
+
+/// Which token block represents a branch [f, l) of blocks when it is scored.
+enum class HipRepresentative : int { kCentre = 0, kFirst = 1, kLast = 2, kRandom = 3 };
+
+struct HipMaskOptions {
+  int bk = 2;  ///< tokens per block
+  HipRepresentative rep = HipRepresentative::kCentre;
+  uint64_t seed = 0;  ///< kRandom: the pseudo-random choice is a hash of (seed, f, l)
+};
+
+// ---- numeric core (pure functions; the CUDA port is tested against these) ----------------------
+
+/// The representative block of branch [f, l) (l > f).
+int64_t HipRepresentativeBlock(int64_t f, int64_t l, const HipMaskOptions& opt);
+
+/// Score of block b of [begin, end): max over g < group and tokens t in [begin + b bk,
+/// min(begin + (b + 1) bk, end)) of scale * sum_d q[g][d] k_t[d] (fp32, ascending d). Keys are
+/// rows of \p kv in p.kv_dtype; q is [group][head_dim] fp32.
+float HipBlockScore(const AttnParams& p, const float* q, const KvPages& kv, int64_t begin,
+                    int64_t end, int64_t block, int bk);
+
+/// The mask over positions [begin, end) for k tokens: writes the chosen block indices (block b
+/// = positions [begin + b bk, min(begin + (b + 1) bk, end))) ascending to out_blocks, at most
+/// max(k / bk, 0) of them, and returns the count. Every block when ceil((end - begin) / bk) <=
+/// k / bk.
+int64_t HipMask(const AttnParams& p, const float* q, const KvPages& kv, int64_t begin,
+                int64_t end, int64_t k, const HipMaskOptions& opt, std::vector<int32_t>& out_blocks);
+
+// ---- policy -------------------------------------------------------------------------------------
+
+struct HipParams {
+  int bk = 2;            ///< "bk": tokens per block
+  int r_m = 8;           ///< "r_m": mask refresh interval in steps
+  int dense_layers = 3;  ///< "dense_layers": first layers with the exact top-k
+  int rep = 0;           ///< "rep": representative, 0 centre, 1 first, 2 last, 3 random
+};
+
+Result<HipParams> ParseHipParams(const std::map<std::string, double>& params);
+
+class HipPolicy final : public Policy {
+ public:
+  HipPolicy(const HipParams& params, int max_sequences, int num_layers, int num_kv_heads);
+  [[nodiscard]] std::string_view name() const override { return "hip"; }
+  [[nodiscard]] Placement placement() const override { return Placement::kGpu; }
+  Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
+  void OnSequenceRemoved(int slot) override { states_.RemoveSlot(slot); }
+  [[nodiscard]] const HipParams& params() const { return params_; }
+
+ private:
+  struct HeadState {
+    std::vector<int32_t> mask;  ///< cached offloaded positions, ascending
+    int64_t k_off = -1;         ///< k the mask was built for
+    int64_t n = 0;              ///< n at the last call
+    int since_refresh = 0;
+  };
+  HipParams params_;
+  HeadStateTable<HeadState> states_;
+};
+
+Result<std::unique_ptr<Policy>> MakeHipPolicy(const RuntimeConfig& config);
+
+}  // namespace kvferry

@@ -1,0 +1,388 @@
+// Copyright kvferry authors. Apache-2.0.
+#include "policies/kvpop.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <limits>
+
+#include "runtime/check.h"
+
+namespace kvferry {
+namespace {
+
+// ---- a small JSON reader for the safetensors header (objects, arrays, strings, numbers) --------
+// policies/ may not include examples/ (whose reader this mirrors in spirit, not in code).
+struct Json {
+  enum Kind { kNull, kNum, kStr, kArr, kObj } kind = kNull;
+  double num = 0;
+  std::string str;
+  std::vector<Json> arr;
+  std::vector<std::pair<std::string, Json>> obj;
+  const Json* Find(const std::string& key) const {
+    for (const auto& [k, v] : obj) {
+      if (k == key) return &v;
+    }
+    return nullptr;
+  }
+};
+
+class JsonParser {
+ public:
+  explicit JsonParser(const std::string& s) : s_(s) {}
+  bool Parse(Json& out, int depth = 0) {
+    if (depth > 16) return false;
+    Skip();
+    if (i_ >= s_.size()) return false;
+    const char c = s_[i_];
+    if (c == '{') {
+      ++i_;
+      out.kind = Json::kObj;
+      Skip();
+      if (Peek('}')) return ++i_, true;
+      for (;;) {
+        Json key;
+        Skip();
+        if (!ParseString(key.str)) return false;
+        Skip();
+        if (!Peek(':')) return false;
+        ++i_;
+        Json v;
+        if (!Parse(v, depth + 1)) return false;
+        out.obj.emplace_back(std::move(key.str), std::move(v));
+        Skip();
+        if (Peek(',')) { ++i_; continue; }
+        if (Peek('}')) return ++i_, true;
+        return false;
+      }
+    }
+    if (c == '[') {
+      ++i_;
+      out.kind = Json::kArr;
+      Skip();
+      if (Peek(']')) return ++i_, true;
+      for (;;) {
+        Json v;
+        if (!Parse(v, depth + 1)) return false;
+        out.arr.push_back(std::move(v));
+        Skip();
+        if (Peek(',')) { ++i_; continue; }
+        if (Peek(']')) return ++i_, true;
+        return false;
+      }
+    }
+    if (c == '"') {
+      out.kind = Json::kStr;
+      return ParseString(out.str);
+    }
+    const char* begin = s_.c_str() + i_;
+    char* end = nullptr;
+    out.num = std::strtod(begin, &end);
+    if (end == begin) return false;
+    out.kind = Json::kNum;
+    i_ += static_cast<size_t>(end - begin);
+    return true;
+  }
+
+ private:
+  void Skip() {
+    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\n' || s_[i_] == '\t' || s_[i_] == '\r')) ++i_;
+  }
+  bool Peek(char c) const { return i_ < s_.size() && s_[i_] == c; }
+  bool ParseString(std::string& out) {
+    if (!Peek('"')) return false;
+    ++i_;
+    while (i_ < s_.size() && s_[i_] != '"') {
+      if (s_[i_] == '\\') {
+        if (++i_ >= s_.size()) return false;
+        const char e = s_[i_];
+        out.push_back(e == 'n' ? '\n' : e == 't' ? '\t' : e);  // names and numbers only
+      } else {
+        out.push_back(s_[i_]);
+      }
+      ++i_;
+    }
+    if (i_ >= s_.size()) return false;
+    ++i_;
+    return true;
+  }
+  const std::string& s_;
+  size_t i_ = 0;
+};
+
+Status ReadTensor(const std::string& path, const Json& header, const std::string& data,
+                  const char* name, const std::vector<int64_t>& shape, std::vector<float>& out) {
+  const Json* t = header.Find(name);
+  KVF_CHECK_CODE(t != nullptr && t->kind == Json::kObj, StatusCode::kCorruptData, path,
+                 ": kvpop weights have no tensor '", name, "'");
+  const Json* dtype = t->Find("dtype");
+  const Json* shp = t->Find("shape");
+  const Json* off = t->Find("data_offsets");
+  KVF_CHECK_CODE(dtype != nullptr && dtype->str == "F32", StatusCode::kCorruptData, path,
+                 ": tensor '", name, "' must be F32");
+  KVF_CHECK_CODE(shp != nullptr && shp->kind == Json::kArr && shp->arr.size() == shape.size(),
+                 StatusCode::kCorruptData, path, ": tensor '", name, "' has rank ",
+                 shp == nullptr ? 0 : shp->arr.size(), ", expected ", shape.size());
+  int64_t count = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    KVF_CHECK_CODE(static_cast<int64_t>(shp->arr[i].num) == shape[i], StatusCode::kCorruptData,
+                   path, ": tensor '", name, "' dimension ", i, " is ", shp->arr[i].num,
+                   ", expected ", shape[i]);
+    count *= shape[i];
+  }
+  KVF_CHECK_CODE(off != nullptr && off->kind == Json::kArr && off->arr.size() == 2,
+                 StatusCode::kCorruptData, path, ": tensor '", name, "' has no data_offsets");
+  const double a = off->arr[0].num, b = off->arr[1].num;
+  KVF_CHECK_CODE(a >= 0 && b >= a && b <= static_cast<double>(data.size()) &&
+                     static_cast<int64_t>(b - a) == count * 4,
+                 StatusCode::kCorruptData, path, ": tensor '", name, "' offsets [", a, ", ", b,
+                 ") do not fit ", count, " floats in ", data.size(), " data bytes");
+  out.resize(static_cast<size_t>(count));
+  if (count > 0) std::memcpy(out.data(), data.data() + static_cast<size_t>(a), static_cast<size_t>(count) * 4);
+  return Status::Ok();
+}
+
+int64_t Dim(const Json& header, const char* name, size_t i) {
+  const Json* t = header.Find(name);
+  if (t == nullptr) return -1;
+  const Json* s = t->Find("shape");
+  if (s == nullptr || s->arr.size() <= i) return -1;
+  return static_cast<int64_t>(s->arr[i].num);
+}
+
+}  // namespace
+
+Result<KvpopScorerWeights> LoadKvpopWeights(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  KVF_CHECK_CODE(f.good(), StatusCode::kIoError, "cannot open kvpop weights '", path, "'");
+  uint64_t hlen = 0;
+  f.read(reinterpret_cast<char*>(&hlen), 8);
+  KVF_CHECK_CODE(f.good() && hlen > 1 && hlen < (64u << 20), StatusCode::kCorruptData, path,
+                 ": not a safetensors file (header length ", hlen, ")");
+  std::string head(static_cast<size_t>(hlen), '\0');
+  f.read(head.data(), static_cast<std::streamsize>(hlen));
+  KVF_CHECK_CODE(f.good(), StatusCode::kCorruptData, path, ": truncated header");
+  std::string data((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  Json header;
+  JsonParser parser(head);
+  KVF_CHECK_CODE(parser.Parse(header) && header.kind == Json::kObj, StatusCode::kCorruptData,
+                 path, ": header is not a JSON object");
+  KvpopScorerWeights w;
+  const int64_t layers = Dim(header, "w1", 0), heads = Dim(header, "w1", 1),
+                hidden = Dim(header, "w1", 2), in_dim = Dim(header, "w1", 3);
+  KVF_CHECK_CODE(layers >= 1 && heads >= 1 && hidden >= 1 && in_dim >= 2 && layers < 4096 &&
+                     heads < 4096 && hidden < 65536 && in_dim <= 1024,
+                 StatusCode::kCorruptData, path, ": tensor 'w1' must be [layers, kv_heads, hidden, 2 head_dim]");
+  w.num_layers = static_cast<int>(layers);
+  w.num_kv_heads = static_cast<int>(heads);
+  w.hidden = static_cast<int>(hidden);
+  w.in_dim = static_cast<int>(in_dim);
+  KVF_RETURN_IF_ERROR(ReadTensor(path, header, data, "w1", {layers, heads, hidden, in_dim}, w.w1));
+  KVF_RETURN_IF_ERROR(ReadTensor(path, header, data, "b1", {layers, heads, hidden}, w.b1));
+  KVF_RETURN_IF_ERROR(ReadTensor(path, header, data, "w2", {layers, heads, hidden}, w.w2));
+  KVF_RETURN_IF_ERROR(ReadTensor(path, header, data, "b2", {layers, heads}, w.b2));
+  KVF_RETURN_IF_ERROR(ReadTensor(path, header, data, "alpha", {layers, heads}, w.alpha));
+  if (const Json* meta = header.Find("__metadata__"); meta != nullptr) {
+    if (const Json* g = meta->Find("gamma_min"); g != nullptr) w.gamma_min = std::strtof(g->str.c_str(), nullptr);
+    if (const Json* g = meta->Find("gamma_max"); g != nullptr) w.gamma_max = std::strtof(g->str.c_str(), nullptr);
+  }
+  KVF_CHECK_CODE(w.gamma_min > 0 && w.gamma_min <= w.gamma_max && w.gamma_max < 1,
+                 StatusCode::kCorruptData, path, ": gamma_min ", w.gamma_min, " / gamma_max ",
+                 w.gamma_max, " must satisfy 0 < gamma_min <= gamma_max < 1");
+  return w;
+}
+
+float KvpopMlpScore(const float* x, int in_dim, int hidden, const float* w1, const float* b1,
+                    const float* w2, float b2) {
+  float r = b2;
+  for (int i = 0; i < hidden; ++i) {
+    const float* row = w1 + static_cast<int64_t>(i) * in_dim;
+    float z = b1[i];
+    for (int j = 0; j < in_dim; ++j) z += row[j] * x[j];
+    const float h = z / (1.0f + std::exp(-z));
+    r += w2[i] * h;
+  }
+  return r;
+}
+
+float KvpopLogGamma(float alpha, float gamma_min, float gamma_max) {
+  const float lo = std::log(gamma_min), hi = std::log(gamma_max);
+  const float sig = 1.0f / (1.0f + std::exp(-alpha));
+  return lo + sig * (hi - lo);
+}
+
+float KvpopPriority(float r, int64_t pos, float log_gamma) {
+  return std::fma(-static_cast<float>(pos), log_gamma, r);
+}
+
+int64_t KvpopAdmit(int32_t* slot_pos, float* slot_prio, int64_t* count, int64_t k, int32_t pos,
+                   float prio) {
+  if (*count < k) {
+    slot_pos[*count] = pos;
+    slot_prio[*count] = prio;
+    ++*count;
+    return -1;
+  }
+  if (k <= 0) return pos;
+  // Worst entry: lowest priority, then highest position.
+  int64_t w = 0;
+  for (int64_t i = 1; i < *count; ++i) {
+    if (slot_prio[i] < slot_prio[w] || (slot_prio[i] == slot_prio[w] && slot_pos[i] > slot_pos[w])) w = i;
+  }
+  const bool beats = prio > slot_prio[w] || (prio == slot_prio[w] && pos < slot_pos[w]);
+  if (!beats) return pos;
+  const int32_t out = slot_pos[w];
+  slot_pos[w] = pos;
+  slot_prio[w] = prio;
+  return out;
+}
+
+Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params) {
+  KvpopParams kp;
+  for (const auto& [key, value] : params) {
+    if (key == "scorer") {
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("kvpop", key, value, -1, 1));
+      kp.scorer = static_cast<int>(v);
+    } else if (key == "gamma_min") {
+      KVF_CHECK_ARG(value > 0 && value < 1, "kvpop parameter 'gamma_min' = ", value,
+                    " must be in (0, 1)");
+      kp.gamma_min = value;
+    } else if (key == "gamma_max") {
+      KVF_CHECK_ARG(value > 0 && value < 1, "kvpop parameter 'gamma_max' = ", value,
+                    " must be in (0, 1)");
+      kp.gamma_max = value;
+    } else {
+      return InvalidArgument(detail::StrCat("unknown kvpop parameter '", key,
+                                            "' (known: scorer, gamma_min, gamma_max)"));
+    }
+  }
+  KVF_CHECK_ARG(kp.gamma_min <= kp.gamma_max, "kvpop parameter 'gamma_min' = ", kp.gamma_min,
+                " exceeds 'gamma_max' = ", kp.gamma_max);
+  return kp;
+}
+
+KvpopPolicy::KvpopPolicy(const KvpopParams& params,
+                         std::shared_ptr<const KvpopScorerWeights> weights,
+                         const RuntimeConfig& config)
+    : params_(params), weights_(std::move(weights)) {
+  use_mlp_ = weights_ != nullptr && params_.scorer != 0;
+  states_.Init(config.capacity.max_sequences, config.model.num_layers, config.model.num_kv_heads);
+}
+
+Result<std::unique_ptr<KvpopPolicy>> KvpopPolicy::Create(
+    const KvpopParams& params, std::shared_ptr<const KvpopScorerWeights> weights,
+    const RuntimeConfig& config) {
+  KVF_RETURN_IF_ERROR(CheckPolicyShape("kvpop", config));
+  KVF_CHECK_ARG(params.scorer != 1 || weights != nullptr,
+                "kvpop parameter 'scorer' = 1 needs trained weights (set KVFERRY_KVPOP_WEIGHTS "
+                "to a file written by scripts/kvpop_train.py)");
+  if (weights != nullptr) {
+    KVF_CHECK_ARG(weights->num_layers == config.model.num_layers &&
+                      weights->num_kv_heads == config.model.num_kv_heads &&
+                      weights->in_dim == 2 * config.model.head_dim,
+                  "kvpop weights are for ", weights->num_layers, " layers x ",
+                  weights->num_kv_heads, " KV heads x input ", weights->in_dim,
+                  ", the model has ", config.model.num_layers, " x ", config.model.num_kv_heads,
+                  " x ", 2 * config.model.head_dim);
+  }
+  return std::unique_ptr<KvpopPolicy>(new KvpopPolicy(params, std::move(weights), config));
+}
+
+float KvpopPolicy::LogGamma(int layer, int kv_head) const {
+  if (use_mlp_) {
+    const KvpopScorerWeights& w = *weights_;
+    return KvpopLogGamma(w.alpha[static_cast<size_t>(layer) * w.num_kv_heads + kv_head],
+                         w.gamma_min, w.gamma_max);
+  }
+  return KvpopLogGamma(0.0f, static_cast<float>(params_.gamma_min),
+                       static_cast<float>(params_.gamma_max));
+}
+
+Status KvpopPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
+  KVF_CHECK_ARG(ctx.n >= 1 && ctx.params.group >= 1, "kvpop select needs n >= 1");
+  KVF_ASSIGN_OR_RETURN(HeadState * st, states_.Get("kvpop", ctx.slot, ctx.layer, ctx.kv_head, true));
+  const AttnParams& p = ctx.params;
+  const OffloadSplit s = SplitPositions(ctx.n, ctx.sink, ctx.window, ctx.budget);
+  if (ctx.n < st->next_u) *st = HeadState{};  // a new sequence in this slot
+  const int64_t k = std::max<int64_t>(s.k_off, 0);
+  if (static_cast<int64_t>(st->slot_pos.size()) < k) {
+    st->slot_pos.resize(static_cast<size_t>(k));
+    st->slot_prio.resize(static_cast<size_t>(k));
+  }
+  // A smaller budget evicts the lowest priorities first.
+  while (st->count > k) {
+    int64_t w = 0;
+    for (int64_t i = 1; i < st->count; ++i) {
+      if (st->slot_prio[i] < st->slot_prio[w] ||
+          (st->slot_prio[i] == st->slot_prio[w] && st->slot_pos[i] > st->slot_pos[w])) {
+        w = i;
+      }
+    }
+    st->evicted.push_back(st->slot_pos[w]);
+    --st->count;
+    st->slot_pos[w] = st->slot_pos[st->count];
+    st->slot_prio[w] = st->slot_prio[st->count];
+  }
+  // Tokens that left the window since the last call, in order (the decode kernel does one a step).
+  const float log_gamma = LogGamma(ctx.layer, ctx.kv_head);
+  thread_local std::vector<float> x;
+  x.resize(static_cast<size_t>(2 * p.head_dim));
+  const KvpopScorerWeights* w = use_mlp_ ? weights_.get() : nullptr;
+  const size_t head = static_cast<size_t>(ctx.layer) * (w ? w->num_kv_heads : 0) + ctx.kv_head;
+  for (int64_t u = std::max<int64_t>(st->next_u, s.sink); u < s.off_hi; ++u) {
+    float r = 0.0f;
+    if (w != nullptr) {
+      LoadRowF32(ctx.kv, p, u, false, x.data());
+      LoadRowF32(ctx.kv, p, u, true, x.data() + p.head_dim);
+      const size_t h = static_cast<size_t>(w->hidden);
+      r = KvpopMlpScore(x.data(), w->in_dim, w->hidden, w->w1.data() + head * h * w->in_dim,
+                        w->b1.data() + head * h, w->w2.data() + head * h, w->b2[head]);
+    }
+    const int64_t ev = KvpopAdmit(st->slot_pos.data(), st->slot_prio.data(), &st->count, k,
+                                  static_cast<int32_t>(u), KvpopPriority(r, u, log_gamma));
+    if (ev >= 0) st->evicted.push_back(static_cast<int32_t>(ev));
+  }
+  st->next_u = std::max(st->next_u, s.off_hi);
+  if (s.all && st->count == s.n_off()) {
+    SelectAll(ctx.n, out);
+    return Status::Ok();
+  }
+  thread_local std::vector<int32_t> chosen;
+  chosen.assign(st->slot_pos.begin(), st->slot_pos.begin() + st->count);
+  std::sort(chosen.begin(), chosen.end());
+  FinishSelection(s, chosen.data(), static_cast<int64_t>(chosen.size()), out);
+  return Status::Ok();
+}
+
+std::vector<int32_t> KvpopPolicy::Retained(int slot, int layer, int kv_head) const {
+  const HeadState* st = states_.Peek(slot, layer, kv_head);
+  if (st == nullptr) return {};
+  std::vector<int32_t> r(st->slot_pos.begin(), st->slot_pos.begin() + st->count);
+  std::sort(r.begin(), r.end());
+  return r;
+}
+
+std::vector<int32_t> KvpopPolicy::Evicted(int slot, int layer, int kv_head) const {
+  const HeadState* st = states_.Peek(slot, layer, kv_head);
+  if (st == nullptr) return {};
+  std::vector<int32_t> e = st->evicted;
+  std::sort(e.begin(), e.end());
+  return e;
+}
+
+Result<std::unique_ptr<Policy>> MakeKvpopPolicy(const RuntimeConfig& config) {
+  KVF_ASSIGN_OR_RETURN(KvpopParams params, ParseKvpopParams(config.policy.params));
+  std::shared_ptr<const KvpopScorerWeights> weights;
+  const char* path = std::getenv("KVFERRY_KVPOP_WEIGHTS");
+  if (params.scorer != 0 && path != nullptr && path[0] != '\0') {
+    KVF_ASSIGN_OR_RETURN(KvpopScorerWeights w, LoadKvpopWeights(path));
+    weights = std::make_shared<const KvpopScorerWeights>(std::move(w));
+  }
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<KvpopPolicy> policy,
+                       KvpopPolicy::Create(params, std::move(weights), config));
+  return std::unique_ptr<Policy>(std::move(policy));
+}
+
+}  // namespace kvferry

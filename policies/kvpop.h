@@ -1,0 +1,128 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// KVpop (seed 004, notes/kvpop.md): learned eviction. Each (slot, layer, KV head) keeps its sinks,
+// its window and k long-range slots. When a token u leaves the window it is scored once by a
+// per-KV-head scorer on [k_u; v_u] and gets the static priority p_u = r_u - u log(gamma_h)
+// (log gamma < 0, so newer tokens get a bonus); it enters the slots if there is room or if it
+// beats the slot with the lowest priority (argmin eviction), else it is evicted at once. p is
+// static and the eligible set only grows, so this online rule equals "top-k of the eligible set by
+// p" at every step, and an evicted token never comes back. Evicted rows stay in the host store
+// (kvferry never deletes rows), so evicted + retained + resident = every position (a test).
+//
+// Host reference. Decisions on the notes' gaps (section 8):
+//  - Budget: sink + window + k with the runtime's sink and window (ctx.sink, ctx.window) and
+//    k = budget - sink - window, so the zero scorer (r = 0) keeps the most recent eligible tokens
+//    and equals streaming exactly. A budget that shrinks evicts the lowest priorities; one that
+//    grows does not bring evicted tokens back.
+//  - Scorer input: the stored (post-RoPE) key and the value, fp32.
+//  - Scorer: the MLP variant ("scorer" = 1): r = w2 . SiLU(W1 x + b1) + b2 per (layer, KV head),
+//    log gamma_h = log gamma_min + sigmoid(alpha_h) (log gamma_max - log gamma_min), weights from
+//    a safetensors file (scripts/kvpop_train.py writes it). The zero scorer ("scorer" = 0) uses
+//    alpha = 0. The mLSTM (delayed) variant is not implemented here.
+//  - Ties: a priority equal to the lowest retained one does not evict it (the lower position
+//    stays); among equal lowest priorities the highest position is evicted.
+//  - Weights file: PolicyConfig::params holds numbers only, so the path comes from the
+//    environment variable KVFERRY_KVPOP_WEIGHTS (read at MakeKvpopPolicy) or from
+//    KvpopPolicy::Create with loaded weights (tests, embedders).
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "policies/policy.h"
+#include "policies/select_util.h"
+
+namespace kvferry {
+
+/// The trained scorers of every (layer, KV head), fp32.
+struct KvpopScorerWeights {
+  int num_layers = 0;
+  int num_kv_heads = 0;
+  int in_dim = 0;   ///< 2 * head_dim: [k; v]
+  int hidden = 0;
+  std::vector<float> w1;     ///< [layers][kv_heads][hidden][in_dim]
+  std::vector<float> b1;     ///< [layers][kv_heads][hidden]
+  std::vector<float> w2;     ///< [layers][kv_heads][hidden]
+  std::vector<float> b2;     ///< [layers][kv_heads]
+  std::vector<float> alpha;  ///< [layers][kv_heads]: decay logit
+  float gamma_min = 0.999f;
+  float gamma_max = 0.999999f;
+};
+
+/// Reads a scorer file: safetensors with F32 tensors "w1", "b1", "w2", "b2", "alpha" of the
+/// shapes above and metadata "gamma_min", "gamma_max" (optional). Errors name the file and tensor.
+Result<KvpopScorerWeights> LoadKvpopWeights(const std::string& path);
+
+// ---- numeric core (pure functions; the CUDA port is tested against these) ----------------------
+
+/// r = b2 + sum_i w2[i] SiLU(b1[i] + sum_j w1[i][j] x[j]); sums ascending in fp32; SiLU(z) =
+/// z / (1 + exp(-z)). x [in_dim], w1 [hidden][in_dim].
+float KvpopMlpScore(const float* x, int in_dim, int hidden, const float* w1, const float* b1,
+                    const float* w2, float b2);
+
+/// log gamma = log(gamma_min) + sigmoid(alpha) (log(gamma_max) - log(gamma_min)), fp32.
+float KvpopLogGamma(float alpha, float gamma_min, float gamma_max);
+
+/// Static priority p = r - pos * log_gamma, computed as fmaf(-(float)pos, log_gamma, r).
+float KvpopPriority(float r, int64_t pos, float log_gamma);
+
+/// One online admission into k slots: slot_pos / slot_prio [k] hold *count live entries. If
+/// *count < k the token is appended; else if (prio, -pos) beats the worst entry (lowest priority,
+/// then highest position) it replaces it. Returns the evicted position (the worst entry or the
+/// token itself), or -1 if nothing was evicted. k == 0 evicts the token.
+int64_t KvpopAdmit(int32_t* slot_pos, float* slot_prio, int64_t* count, int64_t k, int32_t pos,
+                   float prio);
+
+// ---- policy -------------------------------------------------------------------------------------
+
+struct KvpopParams {
+  int scorer = -1;   ///< "scorer": 0 zero (recency), 1 MLP (needs weights), -1 MLP if weights
+  double gamma_min = 0.999;     ///< "gamma_min" (used when the weights file sets none)
+  double gamma_max = 0.999999;  ///< "gamma_max"
+};
+
+Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params);
+
+class KvpopPolicy final : public Policy {
+ public:
+  /// \p weights may be null (zero scorer only); its shape must match the model's.
+  static Result<std::unique_ptr<KvpopPolicy>> Create(
+      const KvpopParams& params, std::shared_ptr<const KvpopScorerWeights> weights,
+      const RuntimeConfig& config);
+
+  [[nodiscard]] std::string_view name() const override { return "kvpop"; }
+  [[nodiscard]] Placement placement() const override { return Placement::kGpu; }
+  Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
+  void OnSequenceRemoved(int slot) override { states_.RemoveSlot(slot); }
+
+  /// True if the trained MLP scores tokens (false: the zero scorer, pure recency).
+  [[nodiscard]] bool trained() const { return use_mlp_; }
+  /// The long-range slots (ascending positions) and the evicted positions (ascending) of a head;
+  /// empty if it has no state.
+  [[nodiscard]] std::vector<int32_t> Retained(int slot, int layer, int kv_head) const;
+  [[nodiscard]] std::vector<int32_t> Evicted(int slot, int layer, int kv_head) const;
+
+ private:
+  KvpopPolicy(const KvpopParams& params, std::shared_ptr<const KvpopScorerWeights> weights,
+              const RuntimeConfig& config);
+  struct HeadState {
+    int64_t next_u = 0;             ///< positions below this have left the window (were scored)
+    int64_t count = 0;
+    std::vector<int32_t> slot_pos;  ///< [count] (unordered)
+    std::vector<float> slot_prio;
+    std::vector<int32_t> evicted;   ///< in eviction order
+  };
+  float LogGamma(int layer, int kv_head) const;
+  KvpopParams params_;
+  std::shared_ptr<const KvpopScorerWeights> weights_;
+  bool use_mlp_ = false;
+  HeadStateTable<HeadState> states_;
+};
+
+/// The registry's factory: params from config.policy.params ("scorer", "gamma_min",
+/// "gamma_max"); weights from $KVFERRY_KVPOP_WEIGHTS when set.
+Result<std::unique_ptr<Policy>> MakeKvpopPolicy(const RuntimeConfig& config);
+
+}  // namespace kvferry

@@ -1,0 +1,147 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// Pieces the sparse selection policies (quest, sparcas, hip, kvpop) share: the split of a head's
+// positions into resident (sinks, window) and offloaded ones, deterministic top-k, row loading and
+// a table of per-(slot, layer, KV head) state that concurrent Select calls may use safely.
+//
+// Selection convention (as LFPS): the resident sinks [0, sink) and window [n - window, n) are
+// always returned; the policy picks k_off = budget - sink - window positions of the offloaded range
+// [sink, n - window). When k_off covers the whole range the selection is [0, n) (so a full budget
+// is dense attention); when k_off <= 0 only the resident positions are returned.
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cpu/attn_types.h"
+#include "cpu/dtype.h"
+#include "kvferry/config.h"
+#include "kvferry/status.h"
+#include "policies/policy.h"
+
+namespace kvferry {
+
+/// Where a head's positions lie at one step.
+struct OffloadSplit {
+  int64_t n = 0;
+  int64_t sink = 0;    ///< resident sinks [0, sink)
+  int64_t off_lo = 0;  ///< offloaded range [off_lo, off_hi)
+  int64_t off_hi = 0;
+  int64_t k_off = 0;   ///< offloaded positions to pick (may be <= 0)
+  bool all = false;    ///< the budget covers every offloaded position: select [0, n)
+  int64_t n_off() const { return off_hi - off_lo; }
+};
+
+inline OffloadSplit SplitPositions(int64_t n, int sink, int window, int64_t budget) {
+  OffloadSplit s;
+  s.n = n;
+  s.sink = std::clamp<int64_t>(sink, 0, n);
+  s.off_lo = s.sink;
+  s.off_hi = std::max(s.sink, n - std::max(window, 0));
+  s.k_off = budget - (s.sink + (n - s.off_hi));
+  s.all = s.k_off >= s.n_off();
+  return s;
+}
+
+/// out = sinks, then \p chosen (ascending, inside the offloaded range), then the window.
+inline void FinishSelection(const OffloadSplit& s, const int32_t* chosen, int64_t count,
+                            std::vector<int32_t>& out) {
+  out.clear();
+  for (int64_t i = 0; i < s.sink; ++i) out.push_back(static_cast<int32_t>(i));
+  out.insert(out.end(), chosen, chosen + count);
+  for (int64_t i = s.off_hi; i < s.n; ++i) out.push_back(static_cast<int32_t>(i));
+}
+
+/// Every position [0, n).
+inline void SelectAll(int64_t n, std::vector<int32_t>& out) {
+  out.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(i);
+}
+
+/// Indices of the k largest of scores[0, count) (ties: lower index; NaN ranks last), written
+/// ascending to out[0, min(k, count)) plus \p base; returns the count.
+int64_t TopKAscendingIndices(const float* scores, int64_t count, int64_t k, int32_t base,
+                             int32_t* out);
+
+/// Row \p pos of K (or V when \p value) of a paged KV head as fp32 into dst[0, head_dim).
+inline void LoadRowF32(const KvPages& kv, const AttnParams& p, int64_t pos, bool value,
+                       float* dst) {
+  const size_t elem = DTypeSize(p.kv_dtype);
+  const void* row = value ? PagedVRow(kv, pos, p.head_dim, elem) : PagedKRow(kv, pos, p.head_dim, elem);
+  for (int d = 0; d < p.head_dim; ++d) dst[d] = cpu::LoadAsF32(row, p.kv_dtype, d);
+}
+
+/// Group-summed softmax of logits[g * ld + j], j in [0, count), into weights[0, count) (each
+/// head's softmax over the count entries; weights[j] in [0, group]). The oracle's aggregation.
+void GroupSoftmaxSum(const float* logits, int group, int64_t count, int64_t ld, float* weights);
+
+/// Per-(slot, layer, KV head) state, created on first use. Different keys may be used
+/// concurrently (each has its own element); one key must not be used by two threads at once (the
+/// runtime never does that).
+template <typename State>
+class HeadStateTable {
+ public:
+  void Init(int max_sequences, int num_layers, int num_kv_heads) {
+    max_sequences_ = max_sequences;
+    num_layers_ = num_layers;
+    num_kv_heads_ = num_kv_heads;
+    states_.clear();
+    states_.resize(static_cast<size_t>(max_sequences) * num_layers * num_kv_heads);
+  }
+  /// The state of (slot, layer, kv_head), created (default-constructed) if \p create.
+  Result<State*> Get(const char* policy, int slot, int layer, int kv_head, bool create) {
+    if (slot < 0 || slot >= max_sequences_ || layer < 0 || layer >= num_layers_ || kv_head < 0 ||
+        kv_head >= num_kv_heads_) {
+      return InvalidArgument(std::string(policy) + ": slot " + std::to_string(slot) + ", layer " +
+                             std::to_string(layer) + " or kv_head " + std::to_string(kv_head) +
+                             " out of range [0, " + std::to_string(max_sequences_) + ") x [0, " +
+                             std::to_string(num_layers_) + ") x [0, " +
+                             std::to_string(num_kv_heads_) + ")");
+    }
+    auto& st = states_[Index(slot, layer, kv_head)];
+    if (st == nullptr && create) st = std::make_unique<State>();
+    return st.get();
+  }
+  const State* Peek(int slot, int layer, int kv_head) const {
+    if (slot < 0 || slot >= max_sequences_ || layer < 0 || layer >= num_layers_ || kv_head < 0 ||
+        kv_head >= num_kv_heads_) {
+      return nullptr;
+    }
+    return states_[Index(slot, layer, kv_head)].get();
+  }
+  void RemoveSlot(int slot) {
+    if (slot < 0 || slot >= max_sequences_) return;
+    const size_t per_slot = static_cast<size_t>(num_layers_) * num_kv_heads_;
+    for (size_t i = 0; i < per_slot; ++i) states_[slot * per_slot + i].reset();
+  }
+  int num_layers() const { return num_layers_; }
+  int num_kv_heads() const { return num_kv_heads_; }
+
+ private:
+  size_t Index(int slot, int layer, int kv_head) const {
+    return (static_cast<size_t>(slot) * num_layers_ + layer) * num_kv_heads_ + kv_head;
+  }
+  int max_sequences_ = 0, num_layers_ = 0, num_kv_heads_ = 0;
+  std::vector<std::unique_ptr<State>> states_;
+};
+
+/// Common checks of a policy factory's configuration.
+Status CheckPolicyShape(const char* policy, const RuntimeConfig& config);
+
+/// A policy parameter that must be an integer in [lo, hi]; the error names it.
+Result<int64_t> IntParam(const char* policy, const std::string& key, double value, int64_t lo,
+                         int64_t hi);
+
+}  // namespace kvferry
+
+namespace kvferry {
+
+/// The exact top-k_off of the offloaded range by the group's summed softmax weight over all n
+/// positions (the oracle's ranking with the resident positions forced in), ascending into
+/// \p chosen; returns the count. For layers a policy keeps exact.
+int64_t ExactOffloadedTopK(const SelectContext& ctx, const OffloadSplit& s,
+                           std::vector<int32_t>& chosen);
+
+}  // namespace kvferry

@@ -1,0 +1,159 @@
+// Copyright kvferry authors. Apache-2.0.
+#include "policies/sparcas.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "runtime/check.h"
+
+namespace kvferry {
+
+void SparcasChooseDims(const float* q, int group, int head_dim, int d_b, int32_t* out_dims) {
+  d_b = std::clamp(d_b, 1, head_dim);
+  thread_local std::vector<float> imp;
+  thread_local std::vector<int32_t> idx;
+  imp.assign(static_cast<size_t>(head_dim), 0.0f);
+  for (int g = 0; g < group; ++g) {
+    for (int d = 0; d < head_dim; ++d) imp[d] += std::fabs(q[g * head_dim + d]);
+  }
+  idx.resize(static_cast<size_t>(head_dim));
+  std::iota(idx.begin(), idx.end(), 0);
+  const auto better = [&](int32_t a, int32_t b) {
+    const float ia = imp[a] == imp[a] ? imp[a] : -1.0f;  // NaN ranks last
+    const float ib = imp[b] == imp[b] ? imp[b] : -1.0f;
+    return ia > ib || (ia == ib && a < b);
+  };
+  std::partial_sort(idx.begin(), idx.begin() + d_b, idx.end(), better);
+  std::copy_n(idx.begin(), d_b, out_dims);
+  std::sort(out_dims, out_dims + d_b);
+}
+
+void SparcasGatherCompact(const float* key, const int32_t* dims, int d_b, float* compact) {
+  for (int i = 0; i < d_b; ++i) compact[i] = key[dims[i]];
+}
+
+void SparcasApproxScores(const float* q, int group, int head_dim, const int32_t* dims, int d_b,
+                         const float* compact, int64_t n, float scale, float* out, int64_t ld) {
+  float qd[256 * 16];  // group * d_b <= 16 * 256 (cpu::kMaxSimdGroup heads, head_dim <= 256)
+  const bool small = static_cast<int64_t>(group) * d_b <= 256 * 16;
+  thread_local std::vector<float> big;
+  float* qs = qd;
+  if (!small) {
+    big.resize(static_cast<size_t>(group) * d_b);
+    qs = big.data();
+  }
+  for (int g = 0; g < group; ++g) {
+    for (int i = 0; i < d_b; ++i) qs[g * d_b + i] = q[g * head_dim + dims[i]];
+  }
+  for (int g = 0; g < group; ++g) {
+    const float* qg = qs + g * d_b;
+    float* o = out + g * ld;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* c = compact + j * d_b;
+      float s = 0.0f;
+      for (int i = 0; i < d_b; ++i) s += qg[i] * c[i];
+      o[j] = scale * s;
+    }
+  }
+}
+
+Result<SparcasParams> ParseSparcasParams(const std::map<std::string, double>& params) {
+  SparcasParams sp;
+  for (const auto& [key, value] : params) {
+    if (key == "d_b") {
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("sparcas", key, value, 1, 256));
+      sp.d_b = static_cast<int>(v);
+    } else if (key == "u") {
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("sparcas", key, value, 1, 1 << 20));
+      sp.u = static_cast<int>(v);
+    } else if (key == "dense_layers") {
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("sparcas", key, value, 0, 4096));
+      sp.dense_layers = static_cast<int>(v);
+    } else {
+      return InvalidArgument(detail::StrCat("unknown sparcas parameter '", key,
+                                            "' (known: d_b, u, dense_layers)"));
+    }
+  }
+  return sp;
+}
+
+int SparcasDb(const SparcasParams& params, int head_dim) {
+  const int d_b = params.d_b > 0 ? params.d_b : (16 * head_dim + 127) / 128;
+  return std::clamp(d_b, 1, head_dim);
+}
+
+SparcasPolicy::SparcasPolicy(const SparcasParams& params, int max_sequences, int num_layers,
+                             int num_kv_heads)
+    : params_(params) {
+  states_.Init(max_sequences, num_layers, num_kv_heads);
+}
+
+Status SparcasPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
+  KVF_CHECK_ARG(ctx.n >= 1 && ctx.q != nullptr && ctx.params.group >= 1,
+                "sparcas select needs n >= 1 and a query");
+  KVF_ASSIGN_OR_RETURN(HeadState * st,
+                       states_.Get("sparcas", ctx.slot, ctx.layer, ctx.kv_head, true));
+  const AttnParams& p = ctx.params;
+  const int hd = p.head_dim;
+  const int64_t n = ctx.n;
+  const OffloadSplit s = SplitPositions(n, ctx.sink, ctx.window, ctx.budget);
+  if (s.all || s.k_off <= 0) {
+    // Nothing to rank; the compact keys catch up at the next ranked step.
+    if (s.all) {
+      SelectAll(n, out);
+    } else {
+      FinishSelection(s, nullptr, 0, out);
+    }
+    return Status::Ok();
+  }
+  const int d_b = ctx.layer < params_.dense_layers ? hd : SparcasDb(params_, hd);
+  if (st->seen > n) st->seen = 0;
+  thread_local std::vector<float> row;
+  row.resize(static_cast<size_t>(hd));
+  // Stage 1 (query only): dimensions, every u steps; a change re-gathers every compact row.
+  bool regather = false;
+  if (st->d_b != d_b || st->dims.empty() || st->since_refresh >= params_.u) {
+    std::vector<int32_t> dims(static_cast<size_t>(d_b));
+    SparcasChooseDims(ctx.q, p.group, hd, d_b, dims.data());
+    regather = st->d_b != d_b || dims != st->dims;
+    st->dims = std::move(dims);
+    st->d_b = d_b;
+    st->since_refresh = 0;
+  }
+  ++st->since_refresh;
+  const int64_t from = regather ? 0 : st->seen;
+  if (static_cast<int64_t>(st->compact.size()) < n * d_b) {
+    st->compact.resize(static_cast<size_t>(std::max<int64_t>(n * d_b, 2 * st->compact.size())));
+  }
+  for (int64_t pos = from; pos < n; ++pos) {
+    LoadRowF32(ctx.kv, p, pos, false, row.data());
+    SparcasGatherCompact(row.data(), st->dims.data(), d_b, st->compact.data() + pos * d_b);
+  }
+  st->seen = n;
+  // Stage 2: partial scores of every position, group softmax sum, top-k of the offloaded range.
+  thread_local std::vector<float> logits, weights;
+  thread_local std::vector<int32_t> chosen;
+  logits.resize(static_cast<size_t>(p.group) * n);
+  weights.resize(static_cast<size_t>(n));
+  SparcasApproxScores(ctx.q, p.group, hd, st->dims.data(), d_b, st->compact.data(), n, p.scale,
+                      logits.data(), n);
+  GroupSoftmaxSum(logits.data(), p.group, n, n, weights.data());
+  chosen.resize(static_cast<size_t>(s.k_off));
+  const int64_t got = TopKAscendingIndices(weights.data() + s.off_lo, s.n_off(), s.k_off,
+                                           static_cast<int32_t>(s.off_lo), chosen.data());
+  FinishSelection(s, chosen.data(), got, out);
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<Policy>> MakeSparcasPolicy(const RuntimeConfig& config) {
+  KVF_ASSIGN_OR_RETURN(SparcasParams params, ParseSparcasParams(config.policy.params));
+  KVF_RETURN_IF_ERROR(CheckPolicyShape("sparcas", config));
+  KVF_CHECK_ARG(params.d_b <= config.model.head_dim, "sparcas parameter 'd_b' = ", params.d_b,
+                " exceeds head_dim ", config.model.head_dim);
+  return std::unique_ptr<Policy>(new SparcasPolicy(params, config.capacity.max_sequences,
+                                                   config.model.num_layers,
+                                                   config.model.num_kv_heads));
+}
+
+}  // namespace kvferry

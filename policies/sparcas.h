@@ -1,0 +1,87 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// SparCas (seed 002, notes/sparcas.md): a dimension-first cascade. Per KV group, the d_b key
+// dimensions with the largest |q| summed over the group's query heads are chosen every `u` steps;
+// a compact copy of those key dimensions is kept for every stored position; each step the partial
+// scores q[D] . k[D] of all positions give the token top-k; exact attention runs on those tokens.
+//
+// Host reference. Decisions on the notes' open questions (section 7):
+//  - GQA: one dimension set per KV head from sum_g |q_g,d| (ties: lower d); tokens ranked by the
+//    group's summed softmax of the scaled partial logits over all n positions (the oracle's
+//    aggregation), so that d_b = head_dim gives exactly the oracle's ranking.
+//  - Refresh: dimensions chosen at the first Select of a head and then every `u` Selects; the
+//    compact keys are re-gathered on a change of dimensions, and positions stored since the last
+//    call are appended with the current dimensions (the GPU port's append).
+//  - Sinks and the recent window are always attended (the resident tiers), the top-k runs over
+//    the offloaded range [sink, n - window) with k = budget - sink - window.
+//  - First `dense_layers` layers (default 2): the runtime gives every item a fixed capacity
+//    (budget + resident rows), so a policy cannot return all n positions there; those layers use
+//    every dimension (d_b = head_dim), i.e. the exact top-k. The interface change that allows real
+//    dense layers (a per-layer "dense" answer the runtime routes to its paged dense path) belongs
+//    to runtime/.
+//  - d_b defaults to 16 of 128 scaled to head_dim (8 at head_dim 64); "d_b" sets it directly.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "policies/policy.h"
+#include "policies/select_util.h"
+
+namespace kvferry {
+
+// ---- numeric core (pure functions; the CUDA port is tested against these) ----------------------
+
+/// The d_b dimensions with the largest importance sum_g |q[g][d]| (q [group][head_dim] fp32,
+/// summed over g ascending in fp32), ties broken by the lower dimension; written ascending to
+/// out_dims[0, d_b). d_b is clamped to [1, head_dim].
+void SparcasChooseDims(const float* q, int group, int head_dim, int d_b, int32_t* out_dims);
+
+/// Copies dims[0, d_b) of one key row (fp32 [head_dim]) into compact[0, d_b).
+void SparcasGatherCompact(const float* key, const int32_t* dims, int d_b, float* compact);
+
+/// Partial logits: compact keys [n][d_b] fp32 (row j holds key j's dims[0..d_b)); q [group]
+/// [head_dim]; out [group][ld] with out[g * ld + j] = scale * sum_{i < d_b} q[g][dims[i]] *
+/// compact[j][i], summed in ascending i in fp32, for j in [0, n).
+void SparcasApproxScores(const float* q, int group, int head_dim, const int32_t* dims, int d_b,
+                         const float* compact, int64_t n, float scale, float* out, int64_t ld);
+
+// ---- policy -------------------------------------------------------------------------------------
+
+struct SparcasParams {
+  int d_b = 0;           ///< "d_b": dimensions kept (0 = 16/128 of head_dim, at least 1)
+  int u = 64;            ///< "u": dimension refresh interval in steps
+  int dense_layers = 2;  ///< "dense_layers": first layers that use every dimension (exact top-k)
+};
+
+Result<SparcasParams> ParseSparcasParams(const std::map<std::string, double>& params);
+
+/// d_b in effect for \p head_dim (16/128 scaled when params.d_b == 0), clamped to [1, head_dim].
+int SparcasDb(const SparcasParams& params, int head_dim);
+
+class SparcasPolicy final : public Policy {
+ public:
+  SparcasPolicy(const SparcasParams& params, int max_sequences, int num_layers, int num_kv_heads);
+  [[nodiscard]] std::string_view name() const override { return "sparcas"; }
+  [[nodiscard]] Placement placement() const override { return Placement::kGpu; }
+  Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
+  void OnSequenceRemoved(int slot) override { states_.RemoveSlot(slot); }
+  [[nodiscard]] const SparcasParams& params() const { return params_; }
+
+ private:
+  struct HeadState {
+    int64_t seen = 0;             ///< compact rows [0, seen) are valid
+    int64_t since_refresh = 0;
+    int d_b = 0;
+    std::vector<int32_t> dims;    ///< [d_b] ascending
+    std::vector<float> compact;   ///< [seen][d_b]
+  };
+  SparcasParams params_;
+  HeadStateTable<HeadState> states_;
+};
+
+Result<std::unique_ptr<Policy>> MakeSparcasPolicy(const RuntimeConfig& config);
+
+}  // namespace kvferry
