@@ -112,6 +112,9 @@ void DecodeStep(const DecodeStepArgs& args);
 /// from the input (written through to its host-store row first, as DecodeStep will).
 void DecodeSelect(const DecodeStepArgs& args);
 
+/// The host implementation of Device::PageBounds (see PageBoundsArgs).
+void PageBounds(const PageBoundsArgs& args);
+
 /// The oracle's selection over positions [0, n) of a paged KV head: the k positions of largest
 /// softmax weight summed over the GQA group (q: [group, head_dim] fp32), ascending; ties to the
 /// lower position. \p logits and \p weights are scratch (resized).

@@ -80,6 +80,33 @@ enum class SelectScoring : int32_t {
   /// Exact top-k of the GQA group's summed softmax weight over every position (the oracle): the
   /// logits of all keys, a softmax per query head, their sum per position, top-k, ascending.
   kExactTopK = 1,
+  /// Quest: per page of meta_page tokens the element-wise min and max of its keys (kept on the
+  /// device in `meta`, extended at prefill by Device::PageBounds and at each step by
+  /// DecodeSelect); each page's bound on q.k, sum_d max(q_d min_d, q_d max_d) * scale; the group's
+  /// page score max_g (bound_g - max over pages of bound_g); the best pages of the offloaded range
+  /// [sink, n - window) until budget - resident positions are taken (the last page taken
+  /// contributes its first positions; ties to the lower page); plus sinks and window. Equals
+  /// policies/quest's host Select.
+  kQuestPages = 2,
+};
+
+/// Page bounds of a KV head (SelectScoring::kQuestPages): page p's element-wise min row then max
+/// row, head_dim elements each in the KV dtype, at meta + (t * meta_pages + p) * 2 * row_bytes for
+/// t = (slot * num_layers + layer) * num_kv_heads + h.
+struct PageBoundsArgs {
+  AttnParams params;
+  int32_t num_kv_heads = 0;
+  int32_t num_layers = 0;
+  int32_t layer = 0;
+  int32_t slot = 0;
+  int64_t pos0 = 0;     ///< first position written by the chunk
+  int64_t new_len = 0;  ///< positions stored after it: pages [pos0 / page, (new_len-1) / page]
+  void* const* pages = nullptr;  ///< host-store page table (device-readable), as in DecodeStepArgs
+  int64_t max_pages = 0;
+  int32_t page_tokens = 256;
+  char* meta = nullptr;
+  int64_t meta_pages = 0;
+  int32_t meta_page = 16;
 };
 
 /// One layer of a planned decode step for a batch (the Runtime's run path), executed by
@@ -144,6 +171,10 @@ struct DecodeStepArgs {
   /// (select_ld >= every n), topk_ws [batch * num_kv_heads, pow2 >= budget_cap] 8-byte keys when
   /// budget_cap > 4096 (else unused). Nothing the host computes per step is read: capture-safe.
   SelectScoring scoring = SelectScoring::kNone;
+  /// kQuestPages: the page bounds (see PageBoundsArgs) and tokens per page.
+  char* meta = nullptr;
+  int64_t meta_pages = 0;
+  int32_t meta_page = 16;
   float* select_ws = nullptr;
   int64_t select_ld = 0;
   unsigned long long* topk_ws = nullptr;

@@ -315,6 +315,11 @@ Status CudaDevice::DecodeSelect(const DecodeStepArgs& args, StreamHandle stream)
   return LaunchDecodeSelect(args, info_, Resolve(stream));
 }
 
+Status CudaDevice::PageBounds(const PageBoundsArgs& args, StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  return LaunchPageBounds(args, Resolve(stream));
+}
+
 Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) {
   KVF_RETURN_IF_ERROR(Activate());
   const cudaStream_t s = Resolve(stream);

@@ -57,6 +57,7 @@ class CudaDevice final : public Device {
                      StreamHandle stream) override;
   Status DecodeStep(const DecodeStepArgs& args, StreamHandle stream) override;
   Status DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) override;
+  Status PageBounds(const PageBoundsArgs& args, StreamHandle stream) override;
   Status PrefillChunk(const PrefillChunkArgs& args, StreamHandle stream) override;
   [[nodiscard]] bool IsCapturing(StreamHandle stream) const override;
   [[nodiscard]] bool EventDone(EventHandle event) const override;

@@ -133,6 +133,9 @@ Status LaunchDecodeStep(const DecodeStepArgs& args, const LaunchInfo& info, cuda
 /// position), ascending. Everything per step is read on the device: graph-capturable.
 Status LaunchDecodeSelect(const DecodeStepArgs& args, const LaunchInfo& info, cudaStream_t stream);
 
+/// Quest page bounds of a prefill chunk's pages (see PageBoundsArgs), from the host store.
+Status LaunchPageBounds(const PageBoundsArgs& args, cudaStream_t stream);
+
 /// A prefill chunk's K/V converted to the KV dtype and written to the host store (zero-copy),
 /// the resident tier and the staging, then (staging only) positions [0, pos0) read from the host
 /// store into the staging, so that the staging holds rows [0, new_len) contiguously per head.

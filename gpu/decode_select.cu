@@ -104,6 +104,130 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SelectScoreKernel(DecodeStep
   }
 }
 
+// ---- kQuestPages --------------------------------------------------------------------------------
+
+__device__ __forceinline__ const char* StoreKRow(const unsigned long long* pages, int64_t pos,
+                                                 uint32_t page_tokens, size_t row_bytes) {
+  const uint32_t p = static_cast<uint32_t>(pos);
+  return reinterpret_cast<const char*>(__ldg(pages + p / page_tokens)) +
+         static_cast<size_t>(p % page_tokens) * row_bytes;
+}
+
+// Bounds of page pg of one KV head over store rows [pg * page, min(.., n)); row n - 1 from
+// new_k (k_dtype, rounded to T) when set. The CTA's threads split the dimensions.
+template <typename T>
+__device__ void RecomputePage(char* meta_t, const unsigned long long* pages, uint32_t page_tokens,
+                              int head_dim, int64_t pg, int64_t n, int page, const void* new_k,
+                              DType k_dtype, int64_t new_k_off) {
+  const size_t row_bytes = static_cast<size_t>(head_dim) * sizeof(T);
+  T* lo_out = reinterpret_cast<T*>(meta_t + static_cast<size_t>(pg) * 2 * row_bytes);
+  T* hi_out = lo_out + head_dim;
+  const int64_t end = min((pg + 1) * page, n);
+  for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (int64_t pos = pg * page; pos < end; ++pos) {
+      float x;
+      if (new_k != nullptr && pos == n - 1) {
+        x = ToF32(FromF32<T>(LoadElem(new_k, k_dtype, new_k_off + i)));
+      } else {
+        x = ToF32(reinterpret_cast<const T*>(StoreKRow(pages, pos, page_tokens, row_bytes))[i]);
+      }
+      lo = fminf(lo, x);
+      hi = fmaxf(hi, x);
+    }
+    lo_out[i] = FromF32<T>(lo);
+    hi_out[i] = FromF32<T>(hi);
+  }
+}
+
+// Grid (num_kv_heads, pages of the chunk): a prefill chunk's pages.
+template <typename T>
+__global__ void PageBoundsKernel(PageBoundsArgs a) {
+  const int h = blockIdx.x;
+  const int64_t pg = a.pos0 / a.meta_page + blockIdx.y;
+  const int64_t t = (static_cast<int64_t>(a.slot) * a.num_layers + a.layer) * a.num_kv_heads + h;
+  const size_t meta_bytes = static_cast<size_t>(a.meta_pages) * 2 * a.params.head_dim * sizeof(T);
+  RecomputePage<T>(a.meta + t * meta_bytes,
+                   reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages,
+                   static_cast<uint32_t>(a.page_tokens), a.params.head_dim, pg, a.new_len,
+                   a.meta_page, nullptr, DType::kF32, 0);
+}
+
+// Grid (items): the new token's page of every item, before the step scores pages.
+template <typename T>
+__global__ void QuestAppendKernel(DecodeStepArgs a) {
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const int64_t slot = a.slots[b];
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const int64_t t = (slot * a.num_layers + a.layer) * a.num_kv_heads + h;
+  const size_t meta_bytes = static_cast<size_t>(a.meta_pages) * 2 * a.params.head_dim * sizeof(T);
+  RecomputePage<T>(a.meta + t * meta_bytes,
+                   reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages,
+                   static_cast<uint32_t>(a.page_tokens), a.params.head_dim, (n - 1) / a.meta_page,
+                   n, a.meta_page, a.k, a.k_dtype, static_cast<int64_t>(item) * a.params.head_dim);
+}
+
+// The offloaded range of an item (as policies/select_util's SplitPositions).
+struct QuestSplit {
+  int64_t sinks, off_lo, off_hi, k_off, p_lo, np;
+  bool all;
+};
+
+__device__ __forceinline__ QuestSplit QuestSplitOf(const DecodeStepArgs& a, int64_t n) {
+  QuestSplit s;
+  s.sinks = min(max(static_cast<int64_t>(a.sink), int64_t{0}), n);
+  s.off_lo = s.sinks;
+  s.off_hi = max(s.sinks, n - max(a.window, 0));
+  const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
+  s.k_off = budget - (s.sinks + (n - s.off_hi));
+  s.all = s.k_off >= s.off_hi - s.off_lo;
+  s.p_lo = s.off_lo / a.meta_page;
+  s.np = s.off_hi > s.off_lo ? (s.off_hi - 1) / a.meta_page + 1 - s.p_lo : 0;
+  return s;
+}
+
+// Grid (items, y), a warp per page of the offloaded range: ub[item][g][p - p_lo].
+template <int HD, typename T>
+__global__ void __launch_bounds__(kScoreWarps * 32) QuestScoreKernel(DecodeStepArgs a) {
+  constexpr int kE = HD / 32;
+  extern __shared__ float q_s[];  // [group][HD]
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const int group = a.params.group;
+  const int64_t slot = a.slots[b];
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const QuestSplit s = QuestSplitOf(a, n);
+  if (s.all || s.k_off <= 0) return;
+  const int64_t t = (slot * a.num_layers + a.layer) * a.num_kv_heads + h;
+  const int64_t q0 = static_cast<int64_t>(item) * group * HD;
+  for (int i = threadIdx.x; i < group * HD; i += blockDim.x) q_s[i] = LoadElem(a.q, a.q_dtype, q0 + i);
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const T* meta = reinterpret_cast<const T*>(a.meta) + static_cast<size_t>(t) * a.meta_pages * 2 * HD;
+  float* out = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
+  for (int64_t i = static_cast<int64_t>(blockIdx.y) * kScoreWarps + warp; i < s.np;
+       i += static_cast<int64_t>(gridDim.y) * kScoreWarps) {
+    const T* lo = meta + static_cast<size_t>(s.p_lo + i) * 2 * HD + lane * kE;
+    const T* hi = lo + HD;
+    float lx[kE], hx[kE];
+#pragma unroll
+    for (int e = 0; e < kE; ++e) {
+      lx[e] = ToF32(lo[e]);
+      hx[e] = ToF32(hi[e]);
+    }
+    for (int g = 0; g < group; ++g) {
+      const float* qg = q_s + g * HD + lane * kE;
+      float acc = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kE; ++e) acc += fmaxf(qg[e] * lx[e], qg[e] * hx[e]);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (lane == 0) out[static_cast<size_t>(g) * a.select_ld + i] = a.params.scale * acc;
+    }
+  }
+}
+
 // Reduces x over the CTA (kTopKThreads threads) with op; every thread gets the result.
 template <typename Op>
 __device__ __forceinline__ float BlockReduce(float x, Op op, float* red) {
@@ -165,28 +289,145 @@ __global__ void __launch_bounds__(kTopKThreads) SelectTopKKernel(DecodeStepArgs 
   if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(k);
 }
 
+
+// A CTA per item: group page scores over row g = 0, the best pages, the list (sinks, pages'
+// positions ascending, window).
+__global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a) {
+  extern __shared__ unsigned long long sort_smem[];
+  __shared__ float red[kTopKThreads / 32];
+  __shared__ int64_t s_total;
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads;
+  const int group = a.params.group;
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const QuestSplit s = QuestSplitOf(a, n);
+  int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
+  if (s.all) {
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = static_cast<int32_t>(i);
+    if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(n);
+    return;
+  }
+  for (int64_t i = threadIdx.x; i < s.sinks; i += blockDim.x) out[i] = static_cast<int32_t>(i);
+  int64_t taken = 0;
+  if (s.k_off > 0) {
+    float* l = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
+    // score[p] = max_g (ub_g[p] - max ub_g), into row 0 (each thread owns its p).
+    float mx[64];
+    for (int g = 0; g < group; ++g) {
+      const float* lg = l + static_cast<size_t>(g) * a.select_ld;
+      float m = -INFINITY;
+      for (int64_t p = threadIdx.x; p < s.np; p += blockDim.x) m = fmaxf(m, lg[p]);
+      mx[g] = BlockReduce(m, [](float x, float y) { return fmaxf(x, y); }, red);
+    }
+    for (int64_t p = threadIdx.x; p < s.np; p += blockDim.x) {
+      float sc = -INFINITY;
+      for (int g = 0; g < group; ++g) sc = fmaxf(sc, l[static_cast<size_t>(g) * a.select_ld + p] - mx[g]);
+      l[p] = sc;
+    }
+    __syncthreads();
+    const int64_t want = min(s.np, s.k_off / a.meta_page + 3);
+    int sort_n = 1;
+    while (sort_n < want) sort_n <<= 1;
+    unsigned long long* sel = sort_smem;
+    TopKSelect(l, s.np, static_cast<int>(want), sort_n, sel);
+    // Walk the pages by score until k_off positions are taken; key them by page for the sort.
+    if (threadIdx.x == 0) {
+      int64_t left = s.k_off;
+      for (int i = 0; i < sort_n; ++i) {
+        unsigned long long key = ~0ull;
+        if (i < want && left > 0) {
+          const int64_t pg = s.p_lo + static_cast<int64_t>(sel[i] & 0xffffffffu);
+          const int64_t lo = max(pg * a.meta_page, s.off_lo);
+          const int64_t take = min(min((pg + 1) * a.meta_page, s.off_hi) - lo, left);
+          left -= take;
+          key = (static_cast<unsigned long long>(pg) << 32) | static_cast<unsigned long long>(take);
+        }
+        sel[i] = key;
+      }
+      s_total = s.k_off - left;
+    }
+    __syncthreads();
+    BitonicSortBlock(sel, sort_n);
+    // Prefix offsets of the pages' positions (serial: at most k_off / page + 3 entries).
+    int32_t* offs = reinterpret_cast<int32_t*>(sort_smem + sort_n);
+    if (threadIdx.x == 0) {
+      int32_t off = 0;
+      for (int i = 0; i < sort_n && sel[i] != ~0ull; ++i) {
+        offs[i] = off;
+        off += static_cast<int32_t>(sel[i] & 0xffffffffu);
+      }
+    }
+    __syncthreads();
+    // One warp per page writes its positions.
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int i = warp; i < sort_n; i += kTopKThreads / 32) {
+      const unsigned long long key = sel[i];
+      if (key == ~0ull) break;
+      const int64_t pg = static_cast<int64_t>(key >> 32);
+      const int64_t off = offs[i];
+      const int64_t take = static_cast<int64_t>(key & 0xffffffffu);
+      const int64_t lo = max(pg * a.meta_page, s.off_lo);
+      for (int64_t j = lane; j < take; j += 32) out[s.sinks + off + j] = static_cast<int32_t>(lo + j);
+    }
+    taken = s_total;
+  }
+  const int64_t w0 = s.sinks + taken;
+  for (int64_t i = s.off_hi + threadIdx.x; i < n; i += blockDim.x) out[w0 + (i - s.off_hi)] = static_cast<int32_t>(i);
+  if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - s.off_hi));
+}
+
 }  // namespace
 
 Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
   if (a.batch == 0 || a.scoring == SelectScoring::kNone) return Status::Ok();
   KVF_RETURN_IF_ERROR(CheckAttnShape(a.params));
-  KVF_CHECK_ARG(a.scoring == SelectScoring::kExactTopK, "DecodeSelect: unknown scoring ",
-                static_cast<int>(a.scoring));
+  KVF_CHECK_ARG(a.scoring == SelectScoring::kExactTopK || a.scoring == SelectScoring::kQuestPages,
+                "DecodeSelect: unknown scoring ", static_cast<int>(a.scoring));
   KVF_CHECK_ARG(a.list != nullptr && a.list_count != nullptr && a.select_ws != nullptr &&
                     a.slots != nullptr && a.positions != nullptr && a.pages != nullptr,
                 "DecodeSelect: null list, workspace, slots, positions or page table");
   KVF_CHECK_ARG(a.params.group <= 64, "DecodeSelect: group ", a.params.group, " > 64");
   KVF_CHECK_ARG(a.budget_cap >= 1 && a.list_cap >= a.budget_cap && a.budget_cap < (int64_t{1} << 30),
                 "DecodeSelect: list_cap ", a.list_cap, " < budget_cap ", a.budget_cap);
+  const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
+  const size_t q_smem = static_cast<size_t>(a.params.group) * a.params.head_dim * sizeof(float);
+  const int64_t fill = std::max<int64_t>(1, int64_t{info.num_sms} * 8 / items);
+  if (a.scoring == SelectScoring::kQuestPages) {
+    KVF_CHECK_ARG(a.meta != nullptr && a.meta_page >= 1 && a.meta_pages >= 1,
+                  "DecodeSelect: quest without page bounds");
+    int64_t sort_cap = 1;
+    while (sort_cap < a.budget_cap / a.meta_page + 3) sort_cap <<= 1;
+    KVF_CHECK_ARG(sort_cap <= kTopKSmemItems, "DecodeSelect: quest budget ", a.budget_cap,
+                  " over ", kTopKSmemItems, " pages of ", a.meta_page);
+    const int64_t pages = (a.select_ld + a.meta_page - 1) / a.meta_page;
+    const unsigned gy = static_cast<unsigned>(
+        std::clamp<int64_t>(std::min((pages + kScoreWarps * 4 - 1) / (kScoreWarps * 4), fill), 1, 65535));
+    KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
+      return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
+        QuestAppendKernel<T><<<static_cast<unsigned>(items), 128, 0, stream>>>(a);
+        KVF_CUDA_CHECK_LAUNCH(QuestAppendKernel);
+        if (q_smem > 48 * 1024) {
+          KVF_CUDA_CHECK(cudaFuncSetAttribute(QuestScoreKernel<HD, T>,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(q_smem)));
+        }
+        QuestScoreKernel<HD, T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, q_smem,
+                                  stream>>>(a);
+        KVF_CUDA_CHECK_LAUNCH(QuestScoreKernel);
+        return Status::Ok();
+      });
+    }));
+    const size_t smem = static_cast<size_t>(sort_cap) * (sizeof(unsigned long long) + sizeof(int32_t));
+    QuestTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(a);
+    KVF_CUDA_CHECK_LAUNCH(QuestTopKKernel);
+    return Status::Ok();
+  }
   int64_t sort_cap = 1;
   while (sort_cap < a.budget_cap) sort_cap <<= 1;
   KVF_CHECK_ARG(sort_cap <= kTopKSmemItems || a.topk_ws != nullptr,
                 "DecodeSelect: budget_cap ", a.budget_cap, " needs a top-k workspace");
-  const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
   const int64_t want = (a.select_ld + kScoreWarps * 8 - 1) / (kScoreWarps * 8);
-  const int64_t fill = std::max<int64_t>(1, int64_t{info.num_sms} * 8 / items);
   const unsigned gy = static_cast<unsigned>(std::clamp<int64_t>(std::min(want, fill), 1, 65535));
-  const size_t q_smem = static_cast<size_t>(a.params.group) * a.params.head_dim * sizeof(float);
   KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
     return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
       if (q_smem > 48 * 1024) {
@@ -205,6 +446,20 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
       a, static_cast<int>(sort_cap));
   KVF_CUDA_CHECK_LAUNCH(SelectTopKKernel);
   return Status::Ok();
+}
+
+Status LaunchPageBounds(const PageBoundsArgs& a, cudaStream_t stream) {
+  if (a.new_len <= a.pos0) return Status::Ok();
+  KVF_CHECK_ARG(a.meta != nullptr && a.pages != nullptr && a.meta_page >= 1,
+                "PageBounds: null page bounds or page table");
+  const int64_t pages = (a.new_len - 1) / a.meta_page - a.pos0 / a.meta_page + 1;
+  KVF_CHECK_ARG(pages <= 65535, "PageBounds: ", pages, " pages in one chunk");
+  return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
+    PageBoundsKernel<T><<<dim3(static_cast<unsigned>(a.num_kv_heads), static_cast<unsigned>(pages)),
+                          128, 0, stream>>>(a);
+    KVF_CUDA_CHECK_LAUNCH(PageBoundsKernel);
+    return Status::Ok();
+  });
 }
 
 }  // namespace kvferry::cuda

@@ -78,6 +78,9 @@ class Device {
   /// and args.list_count for a DecodeStep in kList mode that follows on the same stream. Like
   /// DecodeStep, reads the step from device memory, never allocates, never synchronises.
   virtual Status DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) = 0;
+  /// Recomputes the page bounds (SelectScoring::kQuestPages) of a stored chunk's pages from the
+  /// host store, on \p stream after the chunk's writes.
+  virtual Status PageBounds(const PageBoundsArgs& args, StreamHandle stream) = 0;
   /// One prefill chunk on tensor cores (see PrefillChunkArgs). Only the CUDA device has the
   /// kernel; the runtime calls this only there (the host device prefills with AttendPaged), so
   /// the base class reports the call as a misuse.

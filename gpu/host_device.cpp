@@ -84,6 +84,11 @@ class HostDevice final : public Device {
     return Status::Ok();
   }
 
+  Status PageBounds(const PageBoundsArgs& args, StreamHandle) override {
+    cpu::PageBounds(args);
+    return Status::Ok();
+  }
+
   Status MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t rows,
                   int head_dim, void* out, DType out_dtype, StreamHandle) override {
     if (o_b != nullptr) cpu::MergeLseRef(o_a, lse_a, o_b, lse_b, rows, head_dim);

@@ -65,6 +65,8 @@ class Policy {
   /// into the step's device list); kNone: Select runs on the host. A policy that declares a
   /// scoring must select exactly what Select would (up to fp32 rounding of near-ties on CUDA).
   [[nodiscard]] virtual SelectScoring device_scoring() const { return SelectScoring::kNone; }
+  /// Tokens per page of the device's page bounds (SelectScoring::kQuestPages).
+  [[nodiscard]] virtual int device_page_tokens() const { return 16; }
 
   /// True if OnPrefill reads the prompt's queries; only then does the runtime bring them to the
   /// host (a copy and a stream synchronisation per prefill chunk).

@@ -59,6 +59,15 @@ Status RuntimeImpl::InitStepBuffers() {
       KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(items * sort_cap) * 8, false));
       topk_ws_ = static_cast<unsigned long long*>(p);
     }
+    if (scoring_ == SelectScoring::kQuestPages) {
+      meta_page_ = policy_->device_page_tokens();
+      KVF_CHECK_ARG(meta_page_ >= 1, "policy '", policy_->name(), "': page of ", meta_page_, " tokens");
+      meta_pages_ = (cap.max_tokens_per_sequence + meta_page_ - 1) / meta_page_;
+      const size_t bytes = static_cast<size_t>(cap.max_sequences) * m.num_layers * m.num_kv_heads *
+                           static_cast<size_t>(meta_pages_) * 2 * row_bytes_;
+      KVF_ASSIGN_OR_RETURN(p, Alloc(bytes, false));
+      meta_ = static_cast<char*>(p);
+    }
     list_slots_.assign(static_cast<size_t>(m.num_layers), {});
     for (auto& v : list_slots_) v.reserve(static_cast<size_t>(cap.max_batch));
   }
@@ -293,6 +302,9 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.select_ws = select_ws_;
     a.select_ld = select_ld_;
     a.topk_ws = topk_ws_;
+    a.meta = meta_;
+    a.meta_pages = meta_pages_;
+    a.meta_page = meta_page_;
   }
 
   // Rows each item attends, for the launch shape and the stats (the device recomputes them). A
@@ -355,6 +367,28 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   stats_.decode_tokens += batch;
   stats_.decode_planned += planned ? 1 : 0;
   return Status::Ok();
+}
+
+Status RuntimeImpl::ExtendPageBounds(int slot, int layer, int64_t pos0, int64_t new_len,
+                                     StreamHandle stream) {
+  if (meta_ == nullptr) return Status::Ok();
+  const ModelShape& m = config_.model;
+  KVF_RETURN_IF_ERROR(store_->FlushTable(stream));
+  PageBoundsArgs a;
+  a.params = AttnParams{group_, m.head_dim, m.kv_dtype, scale_};
+  a.num_kv_heads = m.num_kv_heads;
+  a.num_layers = m.num_layers;
+  a.layer = layer;
+  a.slot = slot;
+  a.pos0 = pos0;
+  a.new_len = new_len;
+  a.pages = store_->device_table();
+  a.max_pages = store_->max_pages();
+  a.page_tokens = store_->shape().page_tokens;
+  a.meta = meta_;
+  a.meta_pages = meta_pages_;
+  a.meta_page = meta_page_;
+  return device_->PageBounds(a, stream);
 }
 
 Status RuntimeImpl::RestoreEvictedRows(std::span<const int> slot_of, int layer,

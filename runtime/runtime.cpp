@@ -622,6 +622,7 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
       KVF_RETURN_IF_ERROR(policy_->OnPrefill(ctx));
     }
   }
+  KVF_RETURN_IF_ERROR(ExtendPageBounds(slot, layer, pos0, new_len, stream));
   KVF_RETURN_IF_ERROR(EndCall(stream));
   if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
   len = new_len;
@@ -684,6 +685,7 @@ Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const
                                       v_src, DTypeSize(v.dtype), 0, k_copies_, v_copies_);
   KVF_RETURN_IF_ERROR(device_->CopyRows(k_copies_, n_copies, m.head_dim, k.dtype, m.kv_dtype, stream));
   KVF_RETURN_IF_ERROR(device_->CopyRows(v_copies_, n_copies, m.head_dim, v.dtype, m.kv_dtype, stream));
+  KVF_RETURN_IF_ERROR(ExtendPageBounds(slot, layer, len, new_len, stream));
   KVF_RETURN_IF_ERROR(EndCall(stream));
   stats_.bytes_d2h += tokens * m.num_kv_heads * 2 * static_cast<int64_t>(row_bytes_);
   len = new_len;

@@ -113,6 +113,9 @@ class RuntimeImpl {
   Status RunDecodeStep(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                        const TensorView& k, const TensorView& v, const TensorView& out,
                        StreamHandle stream);
+  // Recomputes the device page bounds of positions [pos0, new_len) of (slot, layer) when the
+  // policy keeps them (kQuestPages); a no-op otherwise.
+  Status ExtendPageBounds(int slot, int layer, int64_t pos0, int64_t new_len, StreamHandle stream);
   // Puts back into the window ring the rows that a failed step's append overwrote.
   Status RestoreEvictedRows(std::span<const int> slot_of, int layer, StreamHandle stream);
   // Host waits inside Decode and PlanDecode, counted in Stats::host_syncs.
@@ -216,6 +219,9 @@ class RuntimeImpl {
   int64_t select_ld_ = 0;
   unsigned long long* topk_ws_ = nullptr;  // device, when the list capacity exceeds 4096
   std::vector<std::vector<int>> list_slots_;  // [layer]: slots of the last step's batch
+  char* meta_ = nullptr;  // device: page bounds (kQuestPages), see PageBoundsArgs
+  int64_t meta_pages_ = 0;
+  int32_t meta_page_ = 16;
 };
 
 }  // namespace kvferry::detail

@@ -149,6 +149,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"streaming", Route::kGpu, 0, "vector"},
                       Case{"oracle", Route::kGpu, 0, "vector"},
                       Case{"oracle", Route::kCpu, 0, "vector"},
+                      Case{"quest", Route::kGpu, 0, "vector"},
+                      Case{"quest", Route::kCpu, 0, "vector"},
                       Case{"oracle", Route::kGpu, 64, "vector"},
                       Case{"oracle", Route::kGpu, 64, "hash"}),
     [](const auto& info) {

@@ -5,6 +5,7 @@
 // sequence exactly as before the call (the window row the append overwrote is put back).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -233,10 +234,14 @@ TEST(PlannedStep, HostSelectingPoliciesPlanInsideEachDecode) {
   EXPECT_EQ(rt->GetStats().decode_planned, 0);
 }
 
-TEST(PlannedStep, DeviceSelectedOracleEqualsTheHostPolicy) {
-  // The oracle's selection runs inside the planned step (Device::DecodeSelect): the same positions
-  // as the policy's host Select (taken when a token bank is configured) and the same outputs.
-  RuntimeConfig c = PlanConfig("oracle", 2);
+class DeviceSelected : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DeviceSelected, EqualsTheHostPolicy) {
+  // The selection runs inside the planned step (Device::DecodeSelect; quest's page bounds kept by
+  // the device): the same positions as the policy's host Select (taken when a token bank is
+  // configured) and the same outputs.
+  RuntimeConfig c = PlanConfig(GetParam(), 2);
+  if (GetParam() == "quest") c.policy.params["page"] = 4;  // several pages, some cut
   c.route = Route::kGpu;
   RuntimeConfig host = c;
   host.tiers.bank_slots = 16;  // a bank keeps the runtime on its host-selecting path
@@ -269,6 +274,7 @@ TEST(PlannedStep, DeviceSelectedOracleEqualsTheHostPolicy) {
           EXPECT_EQ(*x, *y) << "sequence " << sq << " layer " << l << " head " << h;
           const int64_t n = *dev->SequenceLength(sq, l);
           EXPECT_EQ(static_cast<int64_t>(x->size()), std::min<int64_t>(n, c.policy.budget_tokens));
+          EXPECT_TRUE(std::is_sorted(x->begin(), x->end()));
         }
       }
     }
@@ -278,6 +284,8 @@ TEST(PlannedStep, DeviceSelectedOracleEqualsTheHostPolicy) {
   EXPECT_EQ(st.decode_planned, 6 * c.model.num_layers);
   EXPECT_EQ(st.rows_selected, ref->GetStats().rows_selected);
 }
+
+INSTANTIATE_TEST_SUITE_P(Policies, DeviceSelected, ::testing::Values("oracle", "quest"));
 
 TEST(PlannedStep, BudgetSmallerThanTheResidentTiersStillDecodes) {
   // lfps always attends its sinks and window: a budget below them must not overflow the
