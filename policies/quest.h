@@ -57,6 +57,9 @@ class QuestPolicy final : public Policy {
   QuestPolicy(const QuestParams& params, int max_sequences, int num_layers, int num_kv_heads);
   [[nodiscard]] std::string_view name() const override { return "quest"; }
   [[nodiscard]] Placement placement() const override { return Placement::kGpu; }
+  /// Inside a planned step the device keeps the page bounds and selects (kQuestPages).
+  [[nodiscard]] SelectScoring device_scoring() const override { return SelectScoring::kQuestPages; }
+  [[nodiscard]] int device_page_tokens() const override { return params_.page; }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
   void OnSequenceRemoved(int slot) override { states_.RemoveSlot(slot); }
   [[nodiscard]] const QuestParams& params() const { return params_; }
