@@ -1,0 +1,144 @@
+// Copyright kvferry authors. Apache-2.0.
+// HiP: the mask's shape (K' blocks, ascending, in range; everything when it fits), the centre
+// representative beating random and first/last ones on recall at equal k, the cached mask and its
+// refresh every r_m steps, parameters.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "policies/hip.h"
+#include "tests/policy_test_util.h"
+
+namespace kvferry {
+namespace {
+
+using testing_util::Context;
+using testing_util::ExpectValidSelection;
+using testing_util::OffloadedRecall;
+using testing_util::Synthetic;
+
+TEST(HipCore, MaskShape) {
+  for (int bk : {1, 2, 3}) {
+    for (int64_t len : {1, 17, 97, 1001}) {
+      for (int64_t k : {0, 1, 5, 64, 2000}) {
+        Synthetic syn(len + 7, 2, 64, static_cast<uint32_t>(bk * 1000 + len + k));
+        HipMaskOptions opt;
+        opt.bk = bk;
+        std::vector<int32_t> blocks;
+        const int64_t got = HipMask(testing_util::Params(2, 64, DType::kBF16), syn.q.data(),
+                                    syn.kv.pages(), 7, 7 + len, k, opt, blocks);
+        const int64_t nb = (len + bk - 1) / bk;
+        EXPECT_EQ(got, static_cast<int64_t>(blocks.size()));
+        EXPECT_EQ(got, std::min(nb, k / bk)) << "bk " << bk << " len " << len << " k " << k;
+        EXPECT_TRUE(std::is_sorted(blocks.begin(), blocks.end()));
+        EXPECT_TRUE(std::adjacent_find(blocks.begin(), blocks.end()) == blocks.end());
+        for (int32_t b : blocks) {
+          EXPECT_GE(b, 0);
+          EXPECT_LT(b, nb);
+        }
+      }
+    }
+  }
+}
+
+TEST(HipCore, RepresentativeBlocks) {
+  HipMaskOptions opt;
+  EXPECT_EQ(HipRepresentativeBlock(10, 11, opt), 10);
+  EXPECT_EQ(HipRepresentativeBlock(10, 14, opt), 11);
+  EXPECT_EQ(HipRepresentativeBlock(10, 15, opt), 12);
+  opt.rep = HipRepresentative::kFirst;
+  EXPECT_EQ(HipRepresentativeBlock(10, 15, opt), 10);
+  opt.rep = HipRepresentative::kLast;
+  EXPECT_EQ(HipRepresentativeBlock(10, 15, opt), 14);
+  opt.rep = HipRepresentative::kRandom;
+  for (uint64_t s = 0; s < 50; ++s) {
+    opt.seed = s;
+    const int64_t r = HipRepresentativeBlock(10, 15, opt);
+    EXPECT_GE(r, 10);
+    EXPECT_LT(r, 15);
+    EXPECT_EQ(r, HipRepresentativeBlock(10, 15, opt));  // deterministic
+  }
+}
+
+TEST(HipCore, BlockScoreIsMaxOverGroupAndTokens) {
+  Synthetic syn(20, 3, 64, 4);
+  const AttnParams p = testing_util::Params(3, 64, DType::kBF16);
+  const float s = HipBlockScore(p, syn.q.data(), syn.kv.pages(), 2, 19, 8, 2);  // tokens 18
+  float best = -INFINITY;
+  for (int64_t t : {18}) {
+    std::vector<float> k = syn.kv.Key(t);
+    for (int g = 0; g < 3; ++g) {
+      float d = 0;
+      for (int e = 0; e < 64; ++e) d += syn.q[g * 64 + e] * k[e];
+      best = std::max(best, p.scale * d);
+    }
+  }
+  EXPECT_FLOAT_EQ(s, best);
+}
+
+// Theorem 1 of the paper, on attention with locality: at equal k, the centre representative
+// finds more of the exact top-k than a random, the first or the last block of each branch.
+TEST(HipPolicy, CentreBeatsRandomAndFirstLastOnRecall) {
+  double recall[4] = {0, 0, 0, 0};
+  const int trials = 24;
+  for (int t = 0; t < trials; ++t) {
+    Synthetic syn(4001, 3, 64, 900 + t, DType::kBF16, 0.97, 8, 24);
+    for (int rep = 0; rep < 4; ++rep) {
+      HipParams hp;
+      hp.rep = rep;
+      hp.dense_layers = 0;
+      HipPolicy policy(hp, 1, 1, 1);
+      SelectContext ctx = Context(syn.kv, syn.q.data(), 3, 4, 64, 4 + 64 + 256);
+      std::vector<int32_t> sel;
+      ASSERT_TRUE(policy.Select(ctx, sel).ok());
+      ExpectValidSelection(ctx, sel);
+      recall[rep] += OffloadedRecall(ctx, sel) / trials;
+    }
+  }
+  std::printf("recall centre %.4f first %.4f last %.4f random %.4f\n", recall[0], recall[1],
+              recall[2], recall[3]);
+  EXPECT_GT(recall[0], recall[3]);
+  EXPECT_GT(recall[0], recall[1]);
+  EXPECT_GT(recall[0], recall[2]);
+}
+
+TEST(HipPolicy, MaskCachedForRmStepsThenRebuilt) {
+  Synthetic syn(700, 1, 64, 12);
+  HipParams hp;
+  hp.r_m = 4;
+  hp.dense_layers = 0;
+  HipPolicy policy(hp, 1, 1, 1);
+  std::vector<float> q2(64);
+  std::mt19937 rng(2);
+  std::normal_distribution<float> nd;
+  for (float& x : q2) x = nd(rng);
+  SelectContext c1 = Context(syn.kv, syn.q.data(), 1, 4, 32, 4 + 32 + 64);
+  SelectContext c2 = Context(syn.kv, q2.data(), 1, 4, 32, 4 + 32 + 64);
+  std::vector<int32_t> first, sel, fresh_sel;
+  ASSERT_TRUE(policy.Select(c1, first).ok());
+  for (int step = 1; step < 4; ++step) {
+    ASSERT_TRUE(policy.Select(c2, sel).ok());
+    EXPECT_EQ(sel, first) << "step " << step << " should reuse the cached mask";
+  }
+  HipPolicy fresh(hp, 1, 1, 1);
+  ASSERT_TRUE(fresh.Select(c2, fresh_sel).ok());
+  ASSERT_NE(fresh_sel, first);
+  ASSERT_TRUE(policy.Select(c2, sel).ok());  // step 5: rebuilt from q2
+  EXPECT_EQ(sel, fresh_sel);
+}
+
+TEST(HipPolicy, BadParametersNameTheParameter) {
+  for (const auto& [key, value] : std::vector<std::pair<std::string, double>>{
+           {"bk", 0}, {"r_m", 0}, {"r_m", 1.5}, {"dense_layers", -2}, {"rep", 4}, {"k", 5}}) {
+    auto r = ParseHipParams({{key, value}});
+    ASSERT_FALSE(r.ok()) << key << "=" << value;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(key), std::string::npos) << r.status().message();
+  }
+}
+
+}  // namespace
+}  // namespace kvferry
