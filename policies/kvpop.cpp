@@ -278,15 +278,8 @@ Result<std::unique_ptr<KvpopPolicy>> KvpopPolicy::Create(
   KVF_CHECK_ARG(params.scorer != 1 || weights != nullptr,
                 "kvpop parameter 'scorer' = 1 needs trained weights (set KVFERRY_KVPOP_WEIGHTS "
                 "to a file written by scripts/kvpop_train.py)");
-  if (weights != nullptr) {
-    KVF_CHECK_ARG(weights->num_layers == config.model.num_layers &&
-                      weights->num_kv_heads == config.model.num_kv_heads &&
-                      weights->in_dim == 2 * config.model.head_dim,
-                  "kvpop weights are for ", weights->num_layers, " layers x ",
-                  weights->num_kv_heads, " KV heads x input ", weights->in_dim,
-                  ", the model has ", config.model.num_layers, " x ", config.model.num_kv_heads,
-                  " x ", 2 * config.model.head_dim);
-  }
+  // The weights' shape is checked at Select, not here: callers validate a configuration with a
+  // placeholder model (kvferry-llama checks its policies on a one-layer model before loading).
   return std::unique_ptr<KvpopPolicy>(new KvpopPolicy(params, std::move(weights), config));
 }
 
@@ -330,6 +323,13 @@ Status KvpopPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) 
   thread_local std::vector<float> x;
   x.resize(static_cast<size_t>(2 * p.head_dim));
   const KvpopScorerWeights* w = use_mlp_ ? weights_.get() : nullptr;
+  if (w != nullptr) {
+    KVF_CHECK_ARG(ctx.layer < w->num_layers && ctx.kv_head < w->num_kv_heads &&
+                      w->in_dim == 2 * p.head_dim,
+                  "kvpop weights are for ", w->num_layers, " layers x ", w->num_kv_heads,
+                  " KV heads x input ", w->in_dim, "; asked for layer ", ctx.layer, ", KV head ",
+                  ctx.kv_head, " with input ", 2 * p.head_dim);
+  }
   const size_t head = static_cast<size_t>(ctx.layer) * (w ? w->num_kv_heads : 0) + ctx.kv_head;
   for (int64_t u = std::max<int64_t>(st->next_u, s.sink); u < s.off_hi; ++u) {
     float r = 0.0f;

@@ -87,7 +87,8 @@ Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params
 
 class KvpopPolicy final : public Policy {
  public:
-  /// \p weights may be null (zero scorer only); its shape must match the model's.
+  /// \p weights may be null (zero scorer only); a shape that does not match the model fails at
+  /// Select (naming both shapes).
   static Result<std::unique_ptr<KvpopPolicy>> Create(
       const KvpopParams& params, std::shared_ptr<const KvpopScorerWeights> weights,
       const RuntimeConfig& config);

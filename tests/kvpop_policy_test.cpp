@@ -227,11 +227,19 @@ TEST(KvpopWeights, LoadRoundTripAndErrors) {
   EXPECT_EQ(r.value().alpha, w.alpha);
   EXPECT_FLOAT_EQ(r.value().gamma_min, 0.99f);
   EXPECT_FLOAT_EQ(r.value().gamma_max, 0.9999f);
-  // A model of another shape is refused, naming both.
+  // A model of another shape is refused at Select, naming both shapes.
   auto shared = std::make_shared<const KvpopScorerWeights>(r.value());
-  auto bad = KvpopPolicy::Create(KvpopParams{}, shared, OneHead(30, 3, 64));
-  ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("layers"), std::string::npos);
+  auto other = KvpopPolicy::Create(KvpopParams{}, shared, OneHead(30, 3, 64));
+  ASSERT_TRUE(other.ok());
+  PagedHead kv(64, DType::kBF16);
+  std::vector<float> row(64, 0.25f), q(64, 1.0f), sel;
+  for (int i = 0; i < 200; ++i) kv.Append(row.data(), row.data());
+  std::vector<int32_t> out;
+  SelectContext ctx = Context(kv, q.data(), 1, 4, 16, 60, 7);
+  Status st = other.value()->Select(ctx, out);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("layers"), std::string::npos) << st.message();
   // A tensor of the wrong shape is named.
   WriteSafetensors(path,
                    {{"w1", {{3, 2, 4, 16}, w.w1}},
