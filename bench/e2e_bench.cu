@@ -12,7 +12,7 @@
 // Modes: dense_resident (window covers the context), streaming (budget 1024, window 256: 768 rows
 // per KV head read over PCIe each step), streaming_resident (budget 1024 = sinks + window: nothing
 // read over PCIe), oracle (2%),
-// quest (2%, page bounds on the GPU), lfps (2%, route auto), lfps_gpu (2%, route gpu), full_streaming (dense, every row read over PCIe).
+// quest (2%, page bounds on the GPU), sparcas (2%, compact keys on the GPU), lfps (2%, route auto), lfps_gpu (2%, route gpu), full_streaming (dense, every row read over PCIe).
 
 #include <cuda_runtime.h>
 
@@ -168,6 +168,10 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     c.policy.budget_fraction = 0.02;
   } else if (mode == "quest") {
     c.policy.name = "quest";  // page bounds on the GPU, pages of 16
+    c.policy.budget_tokens = 0;
+    c.policy.budget_fraction = 0.02;
+  } else if (mode == "sparcas") {
+    c.policy.name = "sparcas";  // 16 of 128 key dimensions kept on the GPU, first 2 layers exact
     c.policy.budget_tokens = 0;
     c.policy.budget_fraction = 0.02;
   } else if (mode == "lfps_gpu") {

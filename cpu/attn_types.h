@@ -88,6 +88,25 @@ enum class SelectScoring : int32_t {
   /// contributes its first positions; ties to the lower page); plus sinks and window. Equals
   /// policies/quest's host Select.
   kQuestPages = 2,
+  /// SparCas: per item the d_b key dimensions of largest sum_g |q_g,d| (ties: lower d), chosen at
+  /// the first ranked step and every sparcas_u ranked steps; a compact copy of those dimensions of
+  /// every key kept in device memory (`meta`, re-gathered when the dimensions change, extended by
+  /// the positions stored since the last ranked step); partial logits of all n positions over
+  /// them, the group's summed softmax, its top k of the offloaded range [sink, n - window) with
+  /// k = budget - resident positions; plus sinks and window. Layers below sparcas_dense_layers use
+  /// every dimension (the exact top-k). Equals policies/sparcas's host Select.
+  kSparcas = 3,
+};
+
+/// Per-item SparCas state in device memory (DecodeStepArgs::sparcas_state, one per
+/// t = (slot * num_layers + layer) * num_kv_heads + h; all zero for a new sequence).
+struct SparcasState {
+  int64_t seen = 0;           ///< compact rows [0, seen) hold the current dimensions
+  int32_t d_b = 0;            ///< dimensions in use (0: none chosen yet)
+  int32_t since_refresh = 0;  ///< ranked steps since the dimensions were chosen
+  int64_t from = 0;           ///< this step: first compact row to (re)gather
+  int32_t ranked = 0;         ///< this step ranks positions (else all, or sinks + window only)
+  int32_t pad = 0;
 };
 
 /// Page bounds of a KV head (SelectScoring::kQuestPages): page p's element-wise min row then max
@@ -172,9 +191,17 @@ struct DecodeStepArgs {
   /// budget_cap > 4096 (else unused). Nothing the host computes per step is read: capture-safe.
   SelectScoring scoring = SelectScoring::kNone;
   /// kQuestPages: the page bounds (see PageBoundsArgs) and tokens per page.
+  /// kSparcas: item (slot, layer, h)'s compact keys (KV dtype) at element SparcasCompactOffset of
+  /// meta, meta_pages positions of SparcasDimsOf elements each (row j holds key j's chosen
+  /// dimensions, ascending); its chosen dimensions at sparcas_dims + t * head_dim.
   char* meta = nullptr;
   int64_t meta_pages = 0;
   int32_t meta_page = 16;
+  SparcasState* sparcas_state = nullptr;
+  int32_t* sparcas_dims = nullptr;
+  int32_t sparcas_db = 16;
+  int32_t sparcas_u = 64;
+  int32_t sparcas_dense_layers = 2;
   float* select_ws = nullptr;
   int64_t select_ld = 0;
   unsigned long long* topk_ws = nullptr;
@@ -246,6 +273,29 @@ KVF_HOST_DEVICE inline int64_t ResidentRowOf(int64_t pos, int64_t n, int32_t sin
                                        static_cast<uint32_t>(window));
   }
   return -1;
+}
+
+/// SparCas: dimensions kept by layer \p layer, and the element offset of item (slot, layer, h)'s
+/// compact keys in DecodeStepArgs::meta: per slot, the dense layers' rows (head_dim elements)
+/// then the others' (d_b elements), meta_pages positions per item.
+KVF_HOST_DEVICE inline int32_t SparcasDimsOf(int32_t layer, int32_t dense_layers, int32_t d_b,
+                                             int32_t head_dim) {
+  const int32_t k = d_b < 1 ? 1 : (d_b > head_dim ? head_dim : d_b);
+  return layer < dense_layers ? head_dim : k;
+}
+KVF_HOST_DEVICE inline int64_t SparcasCompactOffset(int64_t slot, int32_t layer, int32_t h,
+                                                    int32_t num_layers, int32_t num_kv_heads,
+                                                    int64_t positions, int32_t head_dim,
+                                                    int32_t d_b, int32_t dense_layers) {
+  const int32_t dl = dense_layers < 0 ? 0 : (dense_layers > num_layers ? num_layers : dense_layers);
+  const int32_t k = SparcasDimsOf(num_layers, dl, d_b, head_dim);  // the sparse layers' dims
+  const int64_t item = positions;
+  const int64_t per_slot = (static_cast<int64_t>(dl) * head_dim + static_cast<int64_t>(num_layers - dl) * k) *
+                           num_kv_heads * item;
+  int64_t off = slot * per_slot;
+  if (layer < dl) return off + (static_cast<int64_t>(layer) * num_kv_heads + h) * item * head_dim;
+  off += static_cast<int64_t>(dl) * num_kv_heads * item * head_dim;
+  return off + (static_cast<int64_t>(layer - dl) * num_kv_heads + h) * item * k;
 }
 
 /// One prefill chunk of one (sequence, layer): what LaunchPrefillStage reads and writes.

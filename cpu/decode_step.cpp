@@ -223,6 +223,90 @@ int64_t QuestSelect(const AttnParams& p, const float* q, const char* meta_t, int
   return c;
 }
 
+// SelectScoring::kSparcas for one item (see DecodeStepArgs); returns the count written to out.
+int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv,
+                      int64_t n, int32_t* out) {
+  const AttnParams& p = a.params;
+  const int d = p.head_dim;
+  const size_t elem = DTypeSize(p.kv_dtype);
+  const int64_t sinks = std::clamp<int64_t>(a.sink, 0, n);
+  const int64_t off_lo = sinks, off_hi = std::max(sinks, n - std::max(a.window, 0));
+  const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
+  const int64_t k_off = budget - (sinks + (n - off_hi));
+  int64_t c = 0;
+  if (k_off >= off_hi - off_lo) {
+    for (int64_t i = 0; i < n; ++i) out[c++] = static_cast<int32_t>(i);
+    return c;
+  }
+  for (int64_t i = 0; i < sinks; ++i) out[c++] = static_cast<int32_t>(i);
+  if (k_off > 0) {
+    SparcasState& st = a.sparcas_state[t];
+    int32_t* dims = a.sparcas_dims + t * d;
+    const int d_b = SparcasDimsOf(a.layer, a.sparcas_dense_layers, a.sparcas_db, d);
+    if (st.seen > n) st.seen = 0;
+    bool regather = false;
+    if (st.d_b != d_b || st.since_refresh >= a.sparcas_u) {
+      thread_local std::vector<float> imp;
+      thread_local std::vector<int32_t> idx;
+      imp.assign(static_cast<size_t>(d), 0.0f);
+      for (int g = 0; g < p.group; ++g) {
+        for (int i = 0; i < d; ++i) imp[i] += std::fabs(q[g * d + i]);
+      }
+      idx.resize(static_cast<size_t>(d));
+      for (int i = 0; i < d; ++i) idx[i] = i;
+      const auto better = [&](int32_t x, int32_t y) {
+        const float ix = imp[x] == imp[x] ? imp[x] : -1.0f;  // NaN ranks last
+        const float iy = imp[y] == imp[y] ? imp[y] : -1.0f;
+        return ix > iy || (ix == iy && x < y);
+      };
+      std::partial_sort(idx.begin(), idx.begin() + d_b, idx.end(), better);
+      std::sort(idx.begin(), idx.begin() + d_b);
+      regather = st.d_b != d_b || !std::equal(idx.begin(), idx.begin() + d_b, dims);
+      std::copy_n(idx.begin(), d_b, dims);
+      st.d_b = d_b;
+      st.since_refresh = 0;
+    }
+    ++st.since_refresh;
+    const int64_t slot = t / (static_cast<int64_t>(a.num_layers) * a.num_kv_heads);
+    char* compact = a.meta + SparcasCompactOffset(slot, a.layer, static_cast<int32_t>(t % a.num_kv_heads),
+                                                  a.num_layers, a.num_kv_heads, a.meta_pages, d,
+                                                  a.sparcas_db, a.sparcas_dense_layers) * elem;
+    thread_local std::vector<float> row;
+    row.resize(static_cast<size_t>(d));
+    for (int64_t pos = regather ? 0 : st.seen; pos < n; ++pos) {
+      ConvertSpan(row.data(), DType::kF32, PagedKRow(kv, pos, d, elem), p.kv_dtype, d);
+      char* dst = compact + static_cast<size_t>(pos) * d_b * elem;
+      for (int i = 0; i < d_b; ++i) ConvertSpan(dst + i * elem, p.kv_dtype, &row[dims[i]], DType::kF32, 1);
+    }
+    st.seen = n;
+    // Partial logits of every position, the group's softmax sum, top k_off of the offloaded range.
+    thread_local std::vector<float> qs, cf, logits, weights;
+    thread_local std::vector<int32_t> chosen;
+    qs.resize(static_cast<size_t>(p.group) * d_b);
+    for (int g = 0; g < p.group; ++g) {
+      for (int i = 0; i < d_b; ++i) qs[g * d_b + i] = q[g * d + dims[i]];
+    }
+    cf.resize(static_cast<size_t>(d_b));
+    logits.resize(static_cast<size_t>(p.group) * n);
+    for (int64_t j = 0; j < n; ++j) {
+      ConvertSpan(cf.data(), DType::kF32, compact + static_cast<size_t>(j) * d_b * elem, p.kv_dtype, d_b);
+      for (int g = 0; g < p.group; ++g) {
+        float acc = 0.0f;
+        for (int i = 0; i < d_b; ++i) acc += qs[g * d_b + i] * cf[i];
+        logits[g * n + j] = p.scale * acc;
+      }
+    }
+    weights.assign(static_cast<size_t>(n), 0.0f);
+    for (int g = 0; g < p.group; ++g) SoftmaxAccumulate(logits.data() + g * n, n, 1.0f, weights.data());
+    chosen.resize(static_cast<size_t>(k_off));
+    TopK(weights.data() + off_lo, off_hi - off_lo, k_off, chosen.data());
+    std::sort(chosen.begin(), chosen.end());
+    for (int64_t i = 0; i < k_off; ++i) out[c++] = static_cast<int32_t>(off_lo + chosen[i]);
+  }
+  for (int64_t i = off_hi; i < n; ++i) out[c++] = static_cast<int32_t>(i);
+  return c;
+}
+
 }  // namespace
 
 void PageBounds(const PageBoundsArgs& a) {
@@ -277,6 +361,9 @@ void DecodeSelect(const DecodeStepArgs& a) {
                           a.meta_page, out));
           break;
         }
+        case SelectScoring::kSparcas:
+          a.list_count[item] = static_cast<int32_t>(SparcasSelect(a, t, q.data(), kv, n, out));
+          break;
         case SelectScoring::kNone:
           a.list_count[item] = 0;
           break;

@@ -241,20 +241,15 @@ __device__ __forceinline__ float BlockReduce(float x, Op op, float* red) {
   return r;
 }
 
-// A CTA per item: group weights over row g = 0, top-k, list ascending.
-__global__ void __launch_bounds__(kTopKThreads) SelectTopKKernel(DecodeStepArgs a, int sort_cap) {
-  extern __shared__ unsigned long long sort_smem[];
+// The group's summed softmax weight of every position [0, n) of the logits l (row g at
+// l + g * ld, log2 domain) over row 0, then the top k of positions [lo, lo + count) into sel, re-sorted
+// by position (sel[i] = position - lo for i < k). Every thread of a kTopKThreads CTA calls it.
+__device__ void GroupWeightsTopK(float* l, int64_t ld, int group, int64_t n, int64_t lo,
+                                 int64_t count, int64_t k, unsigned long long* sel, int& sort_n) {
   __shared__ float red[kTopKThreads / 32];
   __shared__ float m_s[64], inv_s[64];
-  const int32_t item = blockIdx.x;
-  const int32_t b = item / a.num_kv_heads;
-  const int group = a.params.group;
-  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  int64_t k = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
-  if (k > n) k = n;
-  float* l = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
   for (int g = 0; g < group; ++g) {
-    const float* lg = l + static_cast<size_t>(g) * a.select_ld;
+    const float* lg = l + static_cast<size_t>(g) * ld;
     float m = -INFINITY;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, lg[j]);
     m = BlockReduce(m, [](float x, float y) { return fmaxf(x, y); }, red);
@@ -269,21 +264,34 @@ __global__ void __launch_bounds__(kTopKThreads) SelectTopKKernel(DecodeStepArgs 
   __syncthreads();
   for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
     float w = 0.0f;
-    for (int g = 0; g < group; ++g) w += exp2f(l[static_cast<size_t>(g) * a.select_ld + j] - m_s[g]) * inv_s[g];
+    for (int g = 0; g < group; ++g) w += exp2f(l[static_cast<size_t>(g) * ld + j] - m_s[g]) * inv_s[g];
     l[j] = w;  // only this thread reads position j
   }
   __syncthreads();
-  int sort_n = 1;
+  sort_n = 1;
   while (sort_n < k) sort_n <<= 1;
-  unsigned long long* sel = sort_cap <= kTopKSmemItems
-                                ? sort_smem
-                                : a.topk_ws + static_cast<size_t>(item) * sort_cap;
-  TopKSelect(l, n, static_cast<int>(k), sort_n, sel);
-  // Re-sort the winners by position: the list is ascending, as the host policies return it.
+  TopKSelect(l + lo, count, static_cast<int>(k), sort_n, sel);
+  // Re-sort the winners by position: lists are ascending, as the host policies return them.
   for (int i = threadIdx.x; i < sort_n; i += blockDim.x) {
     sel[i] = i < k ? (sel[i] & 0xffffffffull) : ~0ull;
   }
   BitonicSortBlock(sel, sort_n);
+}
+
+// A CTA per item: the oracle's list (top k of every position).
+__global__ void __launch_bounds__(kTopKThreads) SelectTopKKernel(DecodeStepArgs a, int sort_cap) {
+  extern __shared__ unsigned long long sort_smem[];
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads;
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  int64_t k = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
+  if (k > n) k = n;
+  float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
+  unsigned long long* sel = sort_cap <= kTopKSmemItems
+                                ? sort_smem
+                                : a.topk_ws + static_cast<size_t>(item) * sort_cap;
+  int sort_n = 0;
+  GroupWeightsTopK(l, a.select_ld, a.params.group, n, 0, n, k, sel, sort_n);
   int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
   for (int i = threadIdx.x; i < k; i += blockDim.x) out[i] = static_cast<int32_t>(sel[i]);
   if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(k);
@@ -376,12 +384,195 @@ __global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a
   if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - s.off_hi));
 }
 
+
+// ---- kSparcas -----------------------------------------------------------------------------------
+
+__device__ __forceinline__ int64_t ItemT(const DecodeStepArgs& a, int32_t b, int32_t h) {
+  return (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
+}
+
+template <typename T>
+__device__ __forceinline__ T* CompactOf(const DecodeStepArgs& a, int32_t b, int32_t h) {
+  return reinterpret_cast<T*>(a.meta) +
+         SparcasCompactOffset(a.slots[b], a.layer, h, a.num_layers, a.num_kv_heads, a.meta_pages,
+                              a.params.head_dim, a.sparcas_db, a.sparcas_dense_layers);
+}
+
+// Grid (items), 256 threads: whether the step ranks, the dimensions (every u ranked steps), and
+// the compact rows to (re)gather, into the item's SparcasState.
+__global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a) {
+  __shared__ float imp[256];
+  __shared__ int32_t chosen[256];
+  __shared__ int32_t picked[256];
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const int hd = a.params.head_dim, group = a.params.group;
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const QuestSplit sp = QuestSplitOf(a, n);
+  const int64_t t = ItemT(a, b, h);
+  SparcasState* st = a.sparcas_state + t;
+  if (sp.all || sp.k_off <= 0) {
+    if (threadIdx.x == 0) st->ranked = 0;
+    return;
+  }
+  const int d_b = SparcasDimsOf(a.layer, a.sparcas_dense_layers, a.sparcas_db, hd);
+  const int32_t cur_db = st->d_b;
+  const int32_t since = st->since_refresh;
+  int64_t seen = st->seen;
+  if (seen > n) seen = 0;
+  __syncthreads();  // every thread has read the state before thread 0 rewrites it
+  int32_t* dims = a.sparcas_dims + t * hd;
+  bool regather = false;
+  const bool choose = cur_db != d_b || since >= a.sparcas_u;
+  if (choose) {
+    const int64_t q0 = static_cast<int64_t>(item) * group * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+      float x = 0.0f;
+      for (int g = 0; g < group; ++g) x += fabsf(LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(g) * hd + d));
+      imp[d] = x == x ? x : -1.0f;  // NaN ranks last
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+      int rank = 0;
+      for (int e = 0; e < hd; ++e) rank += imp[e] > imp[d] || (imp[e] == imp[d] && e < d);
+      picked[d] = rank < d_b;
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+      if (picked[d]) {
+        int at = 0;
+        for (int e = 0; e < d; ++e) at += picked[e];
+        chosen[at] = d;
+      }
+    }
+    __syncthreads();
+    int changed = cur_db != d_b;
+    for (int i = threadIdx.x; i < d_b; i += blockDim.x) changed |= dims[i] != chosen[i];
+    regather = __syncthreads_or(changed) != 0;
+    for (int i = threadIdx.x; i < d_b; i += blockDim.x) dims[i] = chosen[i];
+  }
+  if (threadIdx.x == 0) {
+    if (choose) {
+      st->d_b = d_b;
+      st->since_refresh = 1;
+    } else {
+      st->since_refresh = since + 1;
+    }
+    st->from = regather ? 0 : seen;
+    st->seen = n;
+    st->ranked = 1;
+  }
+}
+
+// Grid (items, y), a warp per position in [from, n): the chosen dimensions of its key.
+template <typename T>
+__global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeStepArgs a) {
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const int64_t t = ItemT(a, b, h);
+  const SparcasState st = a.sparcas_state[t];
+  if (st.ranked == 0) return;
+  const int hd = a.params.head_dim;
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const int d_b = st.d_b;
+  const int32_t* dims = a.sparcas_dims + t * hd;
+  T* compact = CompactOf<T>(a, b, h);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const size_t row_bytes = static_cast<size_t>(hd) * sizeof(T);
+  const char* res_k =
+      a.resident + static_cast<size_t>(t * 2 * (static_cast<int64_t>(a.sink) + a.window)) * row_bytes;
+  const unsigned long long* pages = reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages;
+  for (int64_t j = st.from + static_cast<int64_t>(blockIdx.y) * kScoreWarps + warp; j < n;
+       j += static_cast<int64_t>(gridDim.y) * kScoreWarps) {
+    T* dst = compact + j * d_b;
+    if (j == n - 1) {
+      const int64_t src = static_cast<int64_t>(item) * hd;
+      for (int i = lane; i < d_b; i += 32) dst[i] = FromF32<T>(LoadElem(a.k, a.k_dtype, src + dims[i]));
+    } else {
+      const int64_t row = ResidentRowOf(j, n, a.sink, a.window);
+      const T* kp = row >= 0 ? reinterpret_cast<const T*>(res_k + static_cast<size_t>(row) * row_bytes)
+                             : reinterpret_cast<const T*>(StoreKRow(pages, j, static_cast<uint32_t>(a.page_tokens), row_bytes));
+      for (int i = lane; i < d_b; i += 32) dst[i] = kp[dims[i]];
+    }
+  }
+}
+
+// Grid (items, y), a warp per position in [0, n): partial logits over the compact keys (log2
+// domain) into select_ws[item][g][j].
+template <typename T>
+__global__ void __launch_bounds__(kScoreWarps * 32) SparcasScoreKernel(DecodeStepArgs a) {
+  extern __shared__ float q_s[];  // [group][d_b], the chosen dimensions of q, scaled
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const int64_t t = ItemT(a, b, h);
+  const SparcasState st = a.sparcas_state[t];
+  if (st.ranked == 0) return;
+  const int hd = a.params.head_dim, group = a.params.group, d_b = st.d_b;
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const int32_t* dims = a.sparcas_dims + t * hd;
+  const float qscale = a.params.scale * kLog2e;
+  const int64_t q0 = static_cast<int64_t>(item) * group * hd;
+  for (int i = threadIdx.x; i < group * d_b; i += blockDim.x) {
+    q_s[i] = LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(i / d_b) * hd + dims[i % d_b]) * qscale;
+  }
+  __syncthreads();
+  const T* compact = CompactOf<T>(a, b, h);
+  float* out = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int64_t j = static_cast<int64_t>(blockIdx.y) * kScoreWarps + warp; j < n;
+       j += static_cast<int64_t>(gridDim.y) * kScoreWarps) {
+    const T* c = compact + j * d_b;
+    for (int g = 0; g < group; ++g) {
+      float acc = 0.0f;
+      for (int i = lane; i < d_b; i += 32) acc = fmaf(q_s[g * d_b + i], ToF32(c[i]), acc);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+      if (lane == 0) out[static_cast<size_t>(g) * a.select_ld + j] = acc;
+    }
+  }
+}
+
+// A CTA per item: SparCas's list (sinks, top k_off of the offloaded range, window). Layers below
+// dense_layers score with SelectScoreKernel (every dimension of the keys where they lie).
+__global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs a, int sort_cap) {
+  extern __shared__ unsigned long long sort_smem[];
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads;
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const QuestSplit sp = QuestSplitOf(a, n);
+  int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
+  if (sp.all) {
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = static_cast<int32_t>(i);
+    if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(n);
+    return;
+  }
+  for (int64_t i = threadIdx.x; i < sp.sinks; i += blockDim.x) out[i] = static_cast<int32_t>(i);
+  int64_t taken = 0;
+  if (sp.k_off > 0) {
+    float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
+    unsigned long long* sel = sort_cap <= kTopKSmemItems
+                                  ? sort_smem
+                                  : a.topk_ws + static_cast<size_t>(item) * sort_cap;
+    int sort_n = 0;
+    GroupWeightsTopK(l, a.select_ld, a.params.group, n, sp.off_lo, sp.off_hi - sp.off_lo, sp.k_off,
+                     sel, sort_n);
+    for (int64_t i = threadIdx.x; i < sp.k_off; i += blockDim.x) {
+      out[sp.sinks + i] = static_cast<int32_t>(sp.off_lo + static_cast<int64_t>(sel[i]));
+    }
+    taken = sp.k_off;
+  }
+  const int64_t w0 = sp.sinks + taken;
+  for (int64_t i = sp.off_hi + threadIdx.x; i < n; i += blockDim.x) out[w0 + (i - sp.off_hi)] = static_cast<int32_t>(i);
+  if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - sp.off_hi));
+}
+
 }  // namespace
 
 Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
   if (a.batch == 0 || a.scoring == SelectScoring::kNone) return Status::Ok();
   KVF_RETURN_IF_ERROR(CheckAttnShape(a.params));
-  KVF_CHECK_ARG(a.scoring == SelectScoring::kExactTopK || a.scoring == SelectScoring::kQuestPages,
+  KVF_CHECK_ARG(a.scoring == SelectScoring::kExactTopK || a.scoring == SelectScoring::kQuestPages ||
+                    a.scoring == SelectScoring::kSparcas,
                 "DecodeSelect: unknown scoring ", static_cast<int>(a.scoring));
   KVF_CHECK_ARG(a.list != nullptr && a.list_count != nullptr && a.select_ws != nullptr &&
                     a.slots != nullptr && a.positions != nullptr && a.pages != nullptr,
@@ -428,6 +619,37 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
                 "DecodeSelect: budget_cap ", a.budget_cap, " needs a top-k workspace");
   const int64_t want = (a.select_ld + kScoreWarps * 8 - 1) / (kScoreWarps * 8);
   const unsigned gy = static_cast<unsigned>(std::clamp<int64_t>(std::min(want, fill), 1, 65535));
+  const size_t topk_smem = sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long) : 0;
+  if (a.scoring == SelectScoring::kSparcas) {
+    KVF_CHECK_ARG(a.meta != nullptr && a.sparcas_state != nullptr && a.sparcas_dims != nullptr &&
+                      a.params.head_dim <= 256,
+                  "DecodeSelect: sparcas without its compact keys or state");
+    SparcasPrepKernel<<<static_cast<unsigned>(items), 256, 0, stream>>>(a);
+    KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
+    const bool dense_layer = a.layer < a.sparcas_dense_layers;
+    KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
+      return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
+        if (dense_layer) {  // every dimension: the keys where they lie, as the oracle
+          SelectScoreKernel<HD, T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32,
+                                     q_smem, stream>>>(a);
+          KVF_CUDA_CHECK_LAUNCH(SelectScoreKernel);
+          return Status::Ok();
+        }
+        SparcasGatherKernel<T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, 0,
+                                 stream>>>(a);
+        KVF_CUDA_CHECK_LAUNCH(SparcasGatherKernel);
+        const size_t qs = static_cast<size_t>(a.params.group) * HD * sizeof(float);
+        SparcasScoreKernel<T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, qs,
+                                stream>>>(a);
+        KVF_CUDA_CHECK_LAUNCH(SparcasScoreKernel);
+        return Status::Ok();
+      });
+    }));
+    SparcasTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, topk_smem, stream>>>(
+        a, static_cast<int>(sort_cap));
+    KVF_CUDA_CHECK_LAUNCH(SparcasTopKKernel);
+    return Status::Ok();
+  }
   KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
     return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
       if (q_smem > 48 * 1024) {
@@ -441,7 +663,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
       return Status::Ok();
     });
   }));
-  const size_t smem = sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long) : 0;
+  const size_t smem = topk_smem;
   SelectTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(
       a, static_cast<int>(sort_cap));
   KVF_CUDA_CHECK_LAUNCH(SelectTopKKernel);

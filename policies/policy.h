@@ -65,8 +65,17 @@ class Policy {
   /// into the step's device list); kNone: Select runs on the host. A policy that declares a
   /// scoring must select exactly what Select would (up to fp32 rounding of near-ties on CUDA).
   [[nodiscard]] virtual SelectScoring device_scoring() const { return SelectScoring::kNone; }
-  /// Tokens per page of the device's page bounds (SelectScoring::kQuestPages).
-  [[nodiscard]] virtual int device_page_tokens() const { return 16; }
+  /// The parameters of the device's selection (see SelectScoring).
+  struct DeviceSelectParams {
+    int page_tokens = 16;  ///< kQuestPages: tokens per page of the bounds
+    int d_b = 16;          ///< kSparcas: dimensions kept
+    int u = 64;            ///< kSparcas: refresh interval in ranked steps
+    int dense_layers = 2;  ///< kSparcas: first layers ranked over every dimension
+  };
+  [[nodiscard]] virtual DeviceSelectParams device_select_params(int head_dim) const {
+    (void)head_dim;
+    return {};
+  }
 
   /// True if OnPrefill reads the prompt's queries; only then does the runtime bring them to the
   /// host (a copy and a stream synchronisation per prefill chunk).

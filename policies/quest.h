@@ -59,7 +59,11 @@ class QuestPolicy final : public Policy {
   [[nodiscard]] Placement placement() const override { return Placement::kGpu; }
   /// Inside a planned step the device keeps the page bounds and selects (kQuestPages).
   [[nodiscard]] SelectScoring device_scoring() const override { return SelectScoring::kQuestPages; }
-  [[nodiscard]] int device_page_tokens() const override { return params_.page; }
+  [[nodiscard]] DeviceSelectParams device_select_params(int) const override {
+    DeviceSelectParams d;
+    d.page_tokens = params_.page;
+    return d;
+  }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
   void OnSequenceRemoved(int slot) override { states_.RemoveSlot(slot); }
   [[nodiscard]] const QuestParams& params() const { return params_; }

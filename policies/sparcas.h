@@ -66,6 +66,15 @@ class SparcasPolicy final : public Policy {
   SparcasPolicy(const SparcasParams& params, int max_sequences, int num_layers, int num_kv_heads);
   [[nodiscard]] std::string_view name() const override { return "sparcas"; }
   [[nodiscard]] Placement placement() const override { return Placement::kGpu; }
+  /// Inside a planned step the device keeps the compact keys and selects (kSparcas).
+  [[nodiscard]] SelectScoring device_scoring() const override { return SelectScoring::kSparcas; }
+  [[nodiscard]] DeviceSelectParams device_select_params(int head_dim) const override {
+    DeviceSelectParams d;
+    d.d_b = SparcasDb(params_, head_dim);
+    d.u = params_.u;
+    d.dense_layers = params_.dense_layers;
+    return d;
+  }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
   void OnSequenceRemoved(int slot) override { states_.RemoveSlot(slot); }
   [[nodiscard]] const SparcasParams& params() const { return params_; }

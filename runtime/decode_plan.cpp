@@ -60,13 +60,33 @@ Status RuntimeImpl::InitStepBuffers() {
       topk_ws_ = static_cast<unsigned long long*>(p);
     }
     if (scoring_ == SelectScoring::kQuestPages) {
-      meta_page_ = policy_->device_page_tokens();
+      meta_page_ = policy_->device_select_params(m.head_dim).page_tokens;
       KVF_CHECK_ARG(meta_page_ >= 1, "policy '", policy_->name(), "': page of ", meta_page_, " tokens");
       meta_pages_ = (cap.max_tokens_per_sequence + meta_page_ - 1) / meta_page_;
       const size_t bytes = static_cast<size_t>(cap.max_sequences) * m.num_layers * m.num_kv_heads *
                            static_cast<size_t>(meta_pages_) * 2 * row_bytes_;
       KVF_ASSIGN_OR_RETURN(p, Alloc(bytes, false));
       meta_ = static_cast<char*>(p);
+    }
+    if (scoring_ == SelectScoring::kSparcas) {
+      const Policy::DeviceSelectParams dp = policy_->device_select_params(m.head_dim);
+      KVF_CHECK_ARG(dp.d_b >= 1 && dp.u >= 1 && dp.dense_layers >= 0, "policy '", policy_->name(),
+                    "': d_b ", dp.d_b, ", u ", dp.u, ", dense_layers ", dp.dense_layers);
+      sparcas_db_ = dp.d_b;
+      sparcas_u_ = dp.u;
+      sparcas_dense_ = dp.dense_layers;
+      meta_pages_ = cap.max_tokens_per_sequence;
+      const int64_t elems = SparcasCompactOffset(cap.max_sequences, 0, 0, m.num_layers,
+                                                 m.num_kv_heads, meta_pages_, m.head_dim,
+                                                 sparcas_db_, sparcas_dense_);
+      KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(elems) * kv_elem_, false));
+      meta_ = static_cast<char*>(p);
+      const size_t items_all = static_cast<size_t>(cap.max_sequences) * m.num_layers * m.num_kv_heads;
+      KVF_ASSIGN_OR_RETURN(p, Alloc(items_all * sizeof(SparcasState), false));
+      sparcas_state_ = static_cast<SparcasState*>(p);
+      KVF_ASSIGN_OR_RETURN(p, Alloc(items_all * m.head_dim * sizeof(int32_t), false));
+      sparcas_dims_ = static_cast<int32_t*>(p);
+      KVF_RETURN_IF_ERROR(ResetSelectState(-1));
     }
     list_slots_.assign(static_cast<size_t>(m.num_layers), {});
     for (auto& v : list_slots_) v.reserve(static_cast<size_t>(cap.max_batch));
@@ -305,6 +325,11 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.meta = meta_;
     a.meta_pages = meta_pages_;
     a.meta_page = meta_page_;
+    a.sparcas_state = sparcas_state_;
+    a.sparcas_dims = sparcas_dims_;
+    a.sparcas_db = sparcas_db_;
+    a.sparcas_u = sparcas_u_;
+    a.sparcas_dense_layers = sparcas_dense_;
   }
 
   // Rows each item attends, for the launch shape and the stats (the device recomputes them). A
@@ -369,9 +394,21 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   return Status::Ok();
 }
 
+Status RuntimeImpl::ResetSelectState(int slot) {
+  if (sparcas_state_ == nullptr) return Status::Ok();
+  const ModelShape& m = config_.model;
+  const size_t per_slot = static_cast<size_t>(m.num_layers) * m.num_kv_heads;
+  const size_t first = slot < 0 ? 0 : static_cast<size_t>(slot) * per_slot;
+  const size_t count = slot < 0 ? per_slot * config_.capacity.max_sequences : per_slot;
+  const std::vector<SparcasState> zeros(count);
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(sparcas_state_ + first, zeros.data(),
+                                         count * sizeof(SparcasState), stream_));
+  return device_->SynchronizeStream(stream_);
+}
+
 Status RuntimeImpl::ExtendPageBounds(int slot, int layer, int64_t pos0, int64_t new_len,
                                      StreamHandle stream) {
-  if (meta_ == nullptr) return Status::Ok();
+  if (meta_ == nullptr || scoring_ != SelectScoring::kQuestPages) return Status::Ok();
   const ModelShape& m = config_.model;
   KVF_RETURN_IF_ERROR(store_->FlushTable(stream));
   PageBoundsArgs a;

@@ -366,6 +366,7 @@ Status RuntimeImpl::RemoveSequence(SequenceId seq) {
   KVF_RETURN_IF_ERROR(device_->SynchronizeEvent(call_done_));
   store_->Release(slot);
   policy_->OnSequenceRemoved(slot);
+  KVF_RETURN_IF_ERROR(ResetSelectState(slot));
   if (bank_ != nullptr) {
     KVF_RETURN_IF_ERROR(device_->SynchronizeStream(side_stream_));
     bank_->ResetSequence(slot);

@@ -116,6 +116,8 @@ class RuntimeImpl {
   // Recomputes the device page bounds of positions [pos0, new_len) of (slot, layer) when the
   // policy keeps them (kQuestPages); a no-op otherwise.
   Status ExtendPageBounds(int slot, int layer, int64_t pos0, int64_t new_len, StreamHandle stream);
+  // Zeroes the device selection state of \p slot (all slots for -1) for a new sequence; waits.
+  Status ResetSelectState(int slot);
   // Puts back into the window ring the rows that a failed step's append overwrote.
   Status RestoreEvictedRows(std::span<const int> slot_of, int layer, StreamHandle stream);
   // Host waits inside Decode and PlanDecode, counted in Stats::host_syncs.
@@ -222,6 +224,9 @@ class RuntimeImpl {
   char* meta_ = nullptr;  // device: page bounds (kQuestPages), see PageBoundsArgs
   int64_t meta_pages_ = 0;
   int32_t meta_page_ = 16;
+  SparcasState* sparcas_state_ = nullptr;  // device: [slot][layer][kv_head]
+  int32_t* sparcas_dims_ = nullptr;        // device: [slot][layer][kv_head][head_dim]
+  int32_t sparcas_db_ = 16, sparcas_u_ = 64, sparcas_dense_ = 2;
 };
 
 }  // namespace kvferry::detail

@@ -198,11 +198,13 @@ TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
 
 // streaming (rows beyond the window read zero-copy), dense over everything (rows from host memory
 // past the window), dense with every row resident (the cp.async path) and the oracle (its
-// top-k selected inside the captured step) and quest (page bounds kept and scored on the device).
+// top-k selected inside the captured step), quest (page bounds kept and scored on the device) and
+// sparcas (compact keys kept, re-gathered and scored on the device).
 INSTANTIATE_TEST_SUITE_P(
     Policies, CudaGraph,
     ::testing::Combine(::testing::Values(std::string("streaming"), std::string("dense"),
-                                         std::string("oracle"), std::string("quest")),
+                                         std::string("oracle"), std::string("quest"),
+                                         std::string("sparcas")),
                        ::testing::Values(64, 2048 - 4), ::testing::Values(DType::kF32, DType::kBF16)));
 
 TEST(CudaPlannedStep, DeviceAndHostTensorsAgree) {

@@ -151,6 +151,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"oracle", Route::kCpu, 0, "vector"},
                       Case{"quest", Route::kGpu, 0, "vector"},
                       Case{"quest", Route::kCpu, 0, "vector"},
+                      Case{"sparcas", Route::kGpu, 0, "vector"},
                       Case{"oracle", Route::kGpu, 64, "vector"},
                       Case{"oracle", Route::kGpu, 64, "hash"}),
     [](const auto& info) {

@@ -242,6 +242,10 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   // configured) and the same outputs.
   RuntimeConfig c = PlanConfig(GetParam(), 2);
   if (GetParam() == "quest") c.policy.params["page"] = 4;  // several pages, some cut
+  if (GetParam() == "sparcas") {
+    c.policy.params["u"] = 3;  // dimensions re-chosen (and keys re-gathered) within the test
+    c.policy.params["dense_layers"] = 1;
+  }
   c.route = Route::kGpu;
   RuntimeConfig host = c;
   host.tiers.bank_slots = 16;  // a bank keeps the runtime on its host-selecting path
@@ -285,7 +289,7 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   EXPECT_EQ(st.rows_selected, ref->GetStats().rows_selected);
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, DeviceSelected, ::testing::Values("oracle", "quest"));
+INSTANTIATE_TEST_SUITE_P(Policies, DeviceSelected, ::testing::Values("oracle", "quest", "sparcas"));
 
 TEST(PlannedStep, BudgetSmallerThanTheResidentTiersStillDecodes) {
   // lfps always attends its sinks and window: a budget below them must not overflow the
