@@ -21,7 +21,8 @@ def main():
     d = json.load(open(src))
     rows = [r for r in d["rows"] if "skipped" not in r]
     points = sorted({(r["context"], r["batch"]) for r in rows})
-    modes = ["dense_resident", "streaming_resident", "streaming", "lfps", "oracle", "full_streaming"]
+    modes = ["dense_resident", "streaming_resident", "streaming", "quest", "sparcas", "oracle", "lfps",
+             "lfps_gpu", "full_streaming"]
     modes = [m for m in modes if any(r["mode"] == m for r in rows)]
     fig, ax = plt.subplots(figsize=(11, 5))
     width = 0.8 / (len(modes) + 1)
