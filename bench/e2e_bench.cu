@@ -70,6 +70,8 @@ struct Options {
   double host_gib = 100;
   double device_gib = 70;
   std::string json;
+  std::vector<int64_t> prefill_chunks = {2048, 8192};  // prefill_* modes
+  int prefill_layers = 3;                              // the first is a warm-up
 };
 
 template <typename T>
@@ -106,6 +108,8 @@ Options Parse(int argc, char** argv) {
     else if (a == "--layers") o.layers = std::stoi(next());
     else if (a == "--host-gib") o.host_gib = std::stod(next());
     else if (a == "--device-gib") o.device_gib = std::stod(next());
+    else if (a == "--prefill-chunks") o.prefill_chunks = SplitList<int64_t>(next());
+    else if (a == "--prefill-layers") o.prefill_layers = std::stoi(next());
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       std::exit(2);
@@ -320,6 +324,87 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   return row.str();
 }
 
+
+// Prefill of one prompt of ctx tokens through Runtime::Prefill in chunks, device tensors, the
+// Llama-3.1-8B attention shape: ms per layer (layers after the first, a warm-up), tokens/s and the
+// causal attention's TFLOP/s (2 * Hq * D * ctx^2 flops: QK^T and PV over the causal half).
+// Modes: prefill_dense (dense policy) and prefill_lfps (LFPS primes its tables from the queries).
+std::string RunPrefill(const Options& o, int64_t ctx, int64_t chunk, const std::string& mode) {
+  constexpr int kHq = 32, kHkv = 8, kD = 128;
+  std::ostringstream row;
+  row << "{\"name\":\"prefill\",\"mode\":\"" << mode << "\",\"context\":" << ctx
+      << ",\"batch\":1,\"chunk\":" << chunk << ",\"layers_timed\":" << o.prefill_layers - 1;
+  RuntimeConfig c;
+  c.model = {.num_layers = o.prefill_layers, .num_q_heads = kHq, .num_kv_heads = kHkv,
+             .head_dim = kD, .kv_dtype = DType::kBF16};
+  c.capacity.max_sequences = 1;
+  c.capacity.max_batch = 1;
+  c.capacity.max_tokens_per_sequence = ctx;
+  c.capacity.max_prefill_chunk = chunk;
+  c.tiers.sink_tokens = 4;
+  c.tiers.window_tokens = 256;
+  c.backend = kvferry::Backend::kCuda;
+  c.route = kvferry::Route::kGpu;
+  c.probe_at_start = false;
+  c.policy.name = mode == "prefill_lfps" ? "lfps" : "dense";
+  c.policy.budget_tokens = mode == "prefill_lfps" ? 0 : ctx;
+  c.policy.budget_fraction = mode == "prefill_lfps" ? 0.02 : 0.0;
+  row << ",\"policy\":\"" << c.policy.name << "\"";
+  auto made = Runtime::Create(c);
+  if (!made.ok()) {
+    row << ",\"skipped\":\"" << made.status().ToString() << "\"}";
+    return row.str();
+  }
+  std::unique_ptr<Runtime> rt = std::move(made).value();
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  uint16_t *q, *k, *v, *out;
+  CHECK_CUDA(cudaMalloc(&q, chunk * kHq * kD * 2));
+  CHECK_CUDA(cudaMalloc(&k, chunk * kHkv * kD * 2));
+  CHECK_CUDA(cudaMalloc(&v, chunk * kHkv * kD * 2));
+  CHECK_CUDA(cudaMalloc(&out, chunk * kHq * kD * 2));
+  FillBf16<<<256, 256, 0, stream>>>(q, chunk * kHq * kD, 11);
+  FillBf16<<<256, 256, 0, stream>>>(k, chunk * kHkv * kD, 12);
+  FillBf16<<<256, 256, 0, stream>>>(v, chunk * kHkv * kD, 13);
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  auto view = [](void* p, int64_t rows, int heads) {
+    return TensorView::Contiguous(p, DType::kBF16, MemoryKind::kDevice, {rows, heads, kD});
+  };
+  const SequenceId s = 7;
+  Check(rt->AddSequence(s), "AddSequence");
+  double t0 = 0;
+  for (int l = 0; l < o.prefill_layers; ++l) {
+    if (l == 1) {
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      rt->ResetStats();
+      t0 = Now();
+    }
+    for (int64_t pos = 0; pos < ctx; pos += chunk) {
+      const int64_t n = std::min<int64_t>(chunk, ctx - pos);
+      const kvferry::Status st =
+          rt->Prefill(s, l, view(q, n, kHq), view(k, n, kHkv), view(v, n, kHkv), view(out, n, kHq), stream);
+      if (!st.ok()) {
+        row << ",\"skipped\":\"prefill: " << st.ToString() << "\"}";
+        return row.str();
+      }
+    }
+  }
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  const double ms = (Now() - t0) / std::max(1, o.prefill_layers - 1);
+  const kvferry::Stats st = rt->GetStats();
+  const double flops = 2.0 * kHq * kD * static_cast<double>(ctx) * static_cast<double>(ctx);
+  row << ",\"ms_per_layer\":" << ms << ",\"tokens_per_s\":" << ctx / (ms * 1e-3)
+      << ",\"tflops\":" << flops / (ms * 1e-3) * 1e-12
+      << ",\"host_syncs_per_layer\":" << static_cast<double>(st.host_syncs) / std::max(1, o.prefill_layers - 1)
+      << "}";
+  for (void* p : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(out)}) {
+    CHECK_CUDA(cudaFree(p));
+  }
+  rt.reset();
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  return row.str();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -329,6 +414,16 @@ int main(int argc, char** argv) {
   for (int64_t ctx : o.contexts) {
     for (int batch : o.batches) {
       for (const std::string& mode : o.modes) {
+        if (mode.rfind("prefill_", 0) == 0) {
+          if (batch != o.batches.front()) continue;  // one prompt: batch 1
+          for (int64_t chunk : o.prefill_chunks) {
+            const std::string r = RunPrefill(o, ctx, chunk, mode);
+            std::printf("%s\n", r.c_str());
+            std::fflush(stdout);
+            if (f) f << r << "\n" << std::flush;
+          }
+          continue;
+        }
         const std::string r = RunOne(o, ctx, batch, mode);
         std::printf("%s\n", r.c_str());
         std::fflush(stdout);

@@ -47,7 +47,8 @@ __device__ inline void BitonicSortBlock(unsigned long long* v, int n) {
 
 /// The k largest of row[0, n) (OrderedKey order, ties to the lower index) into sel[0, k) as
 /// (~key << 32 | index), sorted by (score desc, index asc); sel[k, sort_n) = ~0. sort_n = pow2 >= k,
-/// 1 <= k <= n. Called by every thread of a kTopKThreads-thread CTA; sel in shared or global memory.
+/// 1 <= k <= n. Called by every thread of a kTopKThreads-thread CTA (a multiple of 32); sel in
+/// shared or global memory.
 __device__ inline void TopKSelect(const float* __restrict__ row, int64_t n, int k, int sort_n,
                            unsigned long long* sel) {
   using Scan = cub::BlockScan<int, kTopKThreads>;
@@ -57,12 +58,20 @@ __device__ inline void TopKSelect(const float* __restrict__ row, int64_t n, int 
   __shared__ int s_gt, s_eq_base;
 
   uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(k);
+  const int64_t n_round = (n + blockDim.x - 1) / blockDim.x * blockDim.x;  // whole warps loop
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
     __syncthreads();
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      const uint32_t key = OrderedKey(row[i]);
-      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xffu], 1u);
+    // Warp-aggregated: the lanes of a warp that fall in one bin add once (scores of one row often
+    // share their high bits, and one shared counter hit by every lane serialises the pass).
+    for (int64_t i = threadIdx.x; i < n_round; i += blockDim.x) {
+      const uint32_t key = i < n ? OrderedKey(row[i]) : 0u;
+      const bool in = i < n && (key & mask) == prefix;
+      const uint32_t bin = in ? (key >> shift) & 0xffu : 0x100u;
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (in && static_cast<int>(threadIdx.x & 31) == __ffs(peers) - 1) {
+        atomicAdd(&hist[bin], static_cast<unsigned>(__popc(peers)));
+      }
     }
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -54,6 +54,30 @@ def time_step(ctx, batch, layers, hq=32, hkv=8, d=128, device_gib=70.0, reps=20)
     return ms, copies
 
 
+def time_prefill(ctx, hq=32, hkv=8, d=128, reps=3):
+    """One layer's causal prefill of ctx tokens with SDPA's flash backend (GQA: K/V expanded to
+    the query heads beforehand, outside the timing), ms."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    dev = torch.device("cuda")
+    q = torch.randn(1, hq, ctx, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(1, hkv, ctx, d, device=dev, dtype=torch.bfloat16).repeat_interleave(hq // hkv, 1)
+    v = torch.randn(1, hkv, ctx, d, device=dev, dtype=torch.bfloat16).repeat_interleave(hq // hkv, 1)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.cuda.synchronize()
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        b.record()
+        b.synchronize()
+    ms = a.elapsed_time(b) / reps
+    del q, k, v
+    torch.cuda.empty_cache()
+    return ms
+
+
 def main():
     rows_path, out_path = sys.argv[1], sys.argv[2]
     device_gib = 70.0
@@ -63,6 +87,18 @@ def main():
     cache = {}
     for r in rows:
         if "skipped" in r:
+            continue
+        if r.get("name") == "prefill":
+            key = ("prefill", r["context"])
+            if key not in cache:
+                cache[key] = time_prefill(r["context"])
+            ms = cache[key]
+            r["sdpa_flash_ms_per_layer"] = ms
+            r["sdpa_flash_tflops"] = 2.0 * 32 * 128 * r["context"] ** 2 / (ms * 1e-3) * 1e-12
+            r["ratio"] = r["ms_per_layer"] / ms
+            print(f"{r['mode']:15s} ctx={r['context']:<7} chunk={r['chunk']:<5} kvferry {r['ms_per_layer']:9.2f} ms"
+                  f" ({r['tflops']:.0f} TFLOP/s)  sdpa flash {ms:9.2f} ms ({r['sdpa_flash_tflops']:.0f} TFLOP/s)"
+                  f"  ratio {r['ratio']:.3f}")
             continue
         key = (r["context"], r["batch"], r["layers"])
         if key not in cache:
@@ -81,7 +117,10 @@ def main():
     with open(out_path, "w") as f:
         json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(0),
                    "note": "ms_per_token_step: attention of all layers for one token of every sequence "
-                           "of the batch, wall clock; SDPA: all KV on the GPU, CUDA graph of the step",
+                           "of the batch, wall clock; SDPA: all KV on the GPU, CUDA graph of the step. "
+                           "prefill rows: one layer of a ctx-token prompt through Runtime::Prefill in "
+                           "chunks (write-through to the host store included) vs SDPA's flash backend "
+                           "over the whole prompt at once",
                    "rows": rows}, f, indent=1)
 
 
