@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+# Copyright kvferry authors. Apache-2.0.
+"""Merges kvferry-llama perplexity / passkey JSON and kvferry-bench trace-replay JSONL into one
+quality table (bench/results/quality_smollm2.json): per policy and budget, perplexity and its gap
+to dense (and over the oracle's gap at the same budget), passkey found/total and whether it is
+found whenever dense finds it, and recall / mass_recall / rel_err on real traces.
+
+  python scripts/quality_smollm2.py --ppl a.json b.json --passkey p.json q.json \
+      --replay r.jsonl --out bench/results/quality_smollm2.json --note "..."
+Later files win when a lane appears twice.
+"""
+import argparse
+import json
+
+
+def lane_key(label):
+    if "@" in label:
+        p, b = label.split("@")
+        return p, int(b)
+    return label, None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ppl", nargs="*", default=[])
+    ap.add_argument("--passkey", nargs="*", default=[])
+    ap.add_argument("--replay", nargs="*", default=[])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--note", action="append", default=[])
+    a = ap.parse_args()
+
+    rows = {}
+    def row(policy, budget):
+        return rows.setdefault(f"{policy}@{budget}" if budget else policy,
+                               {"policy": policy, "budget": budget})
+
+    ppl_sources = {}
+    for path in a.ppl:
+        d = json.load(open(path))
+        for l in d["lanes"]:
+            p, b = lane_key(l["lane"])
+            r = row(p, b)
+            r["perplexity"] = l["perplexity"]
+            r["argmax_agree_with_lane0"] = l["argmax_agree"]
+            r["decode_seconds"] = l["decode_seconds"]
+            st = l.get("stats", {})
+            if st.get("decode_steps"):
+                r["ms_select_per_layer_step"] = st["ms_select"] / st["decode_steps"]
+            ppl_sources[r["policy"] + (f"@{b}" if b else "")] = path
+    dense = rows.get("dense", {}).get("perplexity")
+    if dense:
+        for r in rows.values():
+            if "perplexity" in r:
+                r["gap_pct"] = 100.0 * (r["perplexity"] / dense - 1)
+        for r in rows.values():
+            o = rows.get(f"oracle@{r['budget']}")
+            if r["budget"] and o and o.get("gap_pct") and "gap_pct" in r:
+                r["gap_over_oracle_gap"] = r["gap_pct"] / o["gap_pct"]
+
+    # Passkey: per trial, which lanes found the key; dense's answer decides "whenever dense does".
+    trials = {}
+    for path in a.passkey:
+        d = json.load(open(path))
+        for t in d["trials"]:
+            k = (t["length"], t["depth"], t["key"])
+            trials.setdefault(k, {}).update({lab: v["found"] for lab, v in t["answers"].items()})
+    for (length, depth, key), ans in sorted(trials.items()):
+        for lab, found in ans.items():
+            p, b = lane_key(lab)
+            r = row(p, b)
+            pk = r.setdefault("passkey", {"found": 0, "trials": 0, "missed_where_dense_found": 0,
+                                          "by_prompt": []})
+            pk["trials"] += 1
+            pk["found"] += int(found)
+            if ans.get("dense") and not found:
+                pk["missed_where_dense_found"] += 1
+            pk["by_prompt"].append({"length": length, "depth": depth, "found": found})
+    for r in rows.values():
+        pk = r.get("passkey")
+        if pk and "dense" in rows:
+            pk["found_whenever_dense_does"] = pk["missed_where_dense_found"] == 0
+
+    for path in a.replay:
+        for line in open(path):
+            line = line.strip()
+            if not line:
+                continue
+            d = json.loads(line)
+            tag = d.get("tag") or d["policy"]
+            r = row(tag, d["budget"] if d["policy"] != "dense" else None)
+            r["trace_replay"] = {k: d[k] for k in ("recall", "mass_recall", "rel_err", "rel_err_max",
+                                                   "steps", "layers", "context", "workload")
+                                 if k in d}
+
+    out = {"bench": "quality_smollm2", "notes": a.note, "sources": {"perplexity": a.ppl,
+           "passkey": a.passkey, "replay": a.replay},
+           "rows": [rows[k] for k in sorted(rows, key=lambda k: (rows[k]["budget"] or 0, k))]}
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    for r in out["rows"]:
+        pk = r.get("passkey", {})
+        tr = r.get("trace_replay", {})
+        print(f"{r['policy']:>10} {str(r['budget'] or ''):>4} ppl {r.get('perplexity', float('nan')):7.3f} "
+              f"gap {r.get('gap_pct', float('nan')):6.2f}% x{r.get('gap_over_oracle_gap', float('nan')):5.2f} "
+              f"passkey {pk.get('found', '-')}/{pk.get('trials', '-')} "
+              f"recall {tr.get('recall', float('nan')):.3f} mass {tr.get('mass_recall', float('nan')):.3f} "
+              f"rel_err {tr.get('rel_err', float('nan')):.3f}")
+
+
+if __name__ == "__main__":
+    main()
