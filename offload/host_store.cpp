@@ -43,6 +43,21 @@ Status HostStore::Init() {
   return Status::Ok();
 }
 
+Status HostStore::Prepin(int64_t bytes) {
+  int64_t pages = (bytes + page_bytes_ - 1) / page_bytes_;
+  if (shape_.max_bytes > 0) pages = std::min(pages, (shape_.max_bytes - chunks_bytes_) / page_bytes_);
+  const int64_t per_chunk = std::max<int64_t>(1, kMaxChunkBytes / page_bytes_);
+  while (pages > 0) {
+    const int64_t n = std::min(pages, per_chunk);
+    KVF_ASSIGN_OR_RETURN(void* chunk, device_->AllocHost(static_cast<size_t>(n * page_bytes_)));
+    chunks_.push_back(chunk);
+    chunks_bytes_ += n * page_bytes_;
+    for (int64_t i = n - 1; i >= 0; --i) free_pages_.push_back(static_cast<char*>(chunk) + i * page_bytes_);
+    pages -= n;
+  }
+  return Status::Ok();
+}
+
 Status HostStore::Grow(int64_t pages) {
   // Chunks grow with the store (a quarter of what it holds, 8 MiB to 1 GiB), so that filling
   // tens of GiB pins memory in a few dozen calls rather than thousands; never past max_bytes.

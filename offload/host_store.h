@@ -40,6 +40,9 @@ class HostStore {
   /// Makes sure (slot, layer, every KV head) has pages for positions [0, new_len). On failure
   /// nothing is allocated.
   Status Reserve(int slot, int layer, int64_t new_len);
+  /// Allocates (and pins) pages for at least \p bytes up front, in chunks of at most 1 GiB; they
+  /// wait on the free list. Within max_bytes.
+  Status Prepin(int64_t bytes);
   /// Returns every page of \p slot to the free list.
   void Release(int slot);
 

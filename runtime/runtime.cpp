@@ -50,6 +50,10 @@ Status ValidateConfig(const RuntimeConfig& c) {
   KVF_CHECK_ARG(cap.max_prefill_chunk >= 1, "max_prefill_chunk ", cap.max_prefill_chunk,
                 " must be >= 1");
   KVF_CHECK_ARG(cap.max_host_bytes >= 0, "max_host_bytes ", cap.max_host_bytes, " must be >= 0");
+  KVF_CHECK_ARG(cap.host_bytes_at_create >= 0 &&
+                    (cap.max_host_bytes == 0 || cap.host_bytes_at_create <= cap.max_host_bytes),
+                "host_bytes_at_create ", cap.host_bytes_at_create,
+                " must be in [0, max_host_bytes=", cap.max_host_bytes, "] (0: no cap)");
   const Tiers& t = c.tiers;
   KVF_CHECK_ARG(t.sink_tokens >= 0, "sink_tokens ", t.sink_tokens, " must be >= 0");
   KVF_CHECK_ARG(t.window_tokens >= 1, "window_tokens ", t.window_tokens,
@@ -162,6 +166,7 @@ Status RuntimeImpl::Init() {
   shape.max_bytes = cap.max_host_bytes;
   store_ = std::make_unique<HostStore>(device_.get(), shape);
   KVF_RETURN_IF_ERROR(store_->Init());
+  KVF_RETURN_IF_ERROR(store_->Prepin(cap.host_bytes_at_create));
 
   const int64_t hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
   const int64_t slot_rows = config_.tiers.sink_tokens + config_.tiers.window_tokens;

@@ -291,6 +291,29 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
 
 INSTANTIATE_TEST_SUITE_P(Policies, DeviceSelected, ::testing::Values("oracle", "quest", "sparcas"));
 
+TEST(HostStore, BytesAtCreateAreReservedUpFrontAndServeThePrompt) {
+  RuntimeConfig c = PlanConfig("dense", 2);
+  const int64_t page_bytes = int64_t{2} * 256 * c.model.head_dim * 2;  // 256-token pages, bf16
+  c.capacity.host_bytes_at_create = 40 * page_bytes + 1;
+  auto rt = Make(c);
+  ASSERT_TRUE(rt);
+  const int64_t reserved = rt->GetStats().host_bytes_reserved;
+  EXPECT_GE(reserved, 41 * page_bytes);
+  Feeder f(c, 5);
+  ASSERT_TRUE(rt->AddSequence(1).ok());
+  f.Prefill({rt.get()}, 1, 250);  // 1 page per (layer, head): 4 pages, all from the reserve
+  EXPECT_EQ(rt->GetStats().host_bytes_reserved, reserved);
+  // Bad values are refused with the field named.
+  RuntimeConfig bad = c;
+  bad.capacity.host_bytes_at_create = -1;
+  auto r = Runtime::Create(bad);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("host_bytes_at_create"), std::string::npos);
+  bad.capacity.host_bytes_at_create = 100;
+  bad.capacity.max_host_bytes = 50;
+  EXPECT_EQ(Runtime::Create(bad).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(PlannedStep, BudgetSmallerThanTheResidentTiersStillDecodes) {
   // lfps always attends its sinks and window: a budget below them must not overflow the
   // runtime's per-item capacity (it used to fail at the first decode with an internal error).

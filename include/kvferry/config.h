@@ -32,6 +32,10 @@ struct Capacity {
   int64_t max_prefill_chunk = 8192;  ///< most tokens in one Prefill call
   /// Upper bound on host-store bytes (0 = unlimited); exceeding it is kResourceExhausted.
   int64_t max_host_bytes = 0;
+  /// Host-store bytes allocated (and, on CUDA, pinned) at Create rather than as sequences grow
+  /// (0 = none). Pinning costs about as much as the prefill of the tokens it holds, once; a
+  /// serving engine that knows its working set pays it at start-up. At most max_host_bytes.
+  int64_t host_bytes_at_create = 0;
 };
 
 /// \brief GPU-resident tiers, per (sequence, layer, KV head).
