@@ -19,7 +19,7 @@ def main():
     src = sys.argv[1] if len(sys.argv) > 1 else "bench/results/e2e_h100.json"
     dst = sys.argv[2] if len(sys.argv) > 2 else src.rsplit(".", 1)[0] + ".png"
     d = json.load(open(src))
-    rows = [r for r in d["rows"] if "skipped" not in r]
+    rows = [r for r in d["rows"] if "skipped" not in r and r.get("name", "decode") == "decode"]
     points = sorted({(r["context"], r["batch"]) for r in rows})
     modes = ["dense_resident", "streaming_resident", "streaming", "quest", "sparcas", "oracle", "lfps",
              "lfps_gpu", "full_streaming"]
