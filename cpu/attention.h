@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cpu/attn_types.h"
+#include "base/attn_types.h"
 
 namespace kvferry::cpu {
 

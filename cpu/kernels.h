@@ -11,7 +11,7 @@
 #include <cstdint>
 
 #include "cpu/attention.h"
-#include "cpu/attn_types.h"
+#include "base/attn_types.h"
 #include "cpu/cpu_features.h"
 
 namespace kvferry::cpu {

@@ -15,7 +15,7 @@
 #include <oneapi/tbb/task_scheduler_observer.h>
 
 #include "cpu/cpu_features.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry::cpu {
 namespace {

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "cpu/attention.h"
-#include "cpu/attn_types.h"
+#include "base/attn_types.h"
 #include "kvferry/status.h"
 
 namespace kvferry::cpu {

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "cpu/attn_types.h"
+#include "base/attn_types.h"
 
 namespace kvferry::cpu {
 

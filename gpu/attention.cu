@@ -10,7 +10,7 @@
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
 #include "gpu/dispatch.cuh"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry::cuda {
 namespace {

@@ -24,9 +24,9 @@
 #include <type_traits>
 #include <utility>
 
-#include "cpu/attn_types.h"
+#include "base/attn_types.h"
 #include "kvferry/status.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry::cuda {
 

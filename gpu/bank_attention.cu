@@ -14,7 +14,7 @@
 #include "gpu/bank_map.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry::cuda {
 namespace {

@@ -7,7 +7,7 @@
 #include <utility>
 
 #include "gpu/cuda_check.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry {
 namespace cuda {

@@ -10,7 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cpu/attn_types.h"
+#include "base/attn_types.h"
 #include "gpu/device.h"
 #include "kvferry/status.h"
 

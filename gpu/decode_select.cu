@@ -18,7 +18,7 @@
 #include "gpu/cuda_kernels.h"
 #include "gpu/dispatch.cuh"
 #include "gpu/topk.cuh"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry::cuda {
 namespace {

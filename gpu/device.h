@@ -14,7 +14,7 @@
 #include <memory>
 #include <string>
 
-#include "cpu/attn_types.h"
+#include "base/attn_types.h"
 #include "kvferry/config.h"
 #include "kvferry/status.h"
 #include "kvferry/tensor.h"

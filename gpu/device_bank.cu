@@ -25,7 +25,7 @@
 
 #include "gpu/bank_map.cuh"
 #include "gpu/cuda_check.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry::cuda {
 namespace {

@@ -6,7 +6,7 @@
 #include <cuda_fp16.h>
 
 #include "kvferry/status.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 // Converts a run-time head_dim into the compile-time constant HEAD_DIM for the body.
 #define DISPATCH_HEAD_DIM(head_dim, HEAD_DIM, ...)                                  \

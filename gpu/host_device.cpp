@@ -11,7 +11,7 @@
 #include "cpu/reference.h"
 #include "gpu/device.h"
 #include "offload/numa.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry {
 namespace {

@@ -7,7 +7,7 @@
 #include "gpu/cuda_kernels.h"
 #include "gpu/rows.cuh"
 #include "gpu/topk.cuh"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry::cuda {
 namespace {

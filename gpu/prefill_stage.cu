@@ -9,7 +9,7 @@
 #include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry::cuda {
 namespace {

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry {
 namespace {

@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/attn_types.h"
+#include "base/attn_types.h"
 #include "gpu/device.h"
 #include "kvferry/status.h"
 

@@ -5,7 +5,7 @@
 #include <bit>
 #include <cstring>
 
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry {
 

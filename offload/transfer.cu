@@ -13,7 +13,7 @@
 #include "gpu/cuda_device.h"
 #include "gpu/cuda_kernels.h"
 #include "offload/transfer.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry {
 namespace {

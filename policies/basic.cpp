@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "cpu/attention.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry {
 namespace {

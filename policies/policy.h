@@ -10,7 +10,7 @@
 #include <string_view>
 #include <vector>
 
-#include "cpu/attn_types.h"
+#include "base/attn_types.h"
 #include "kvferry/config.h"
 #include "kvferry/status.h"
 

@@ -14,7 +14,7 @@
 #include "policies/policy.h"
 #include "policies/quest.h"
 #include "policies/sparcas.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry {
 namespace {

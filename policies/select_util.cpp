@@ -6,7 +6,7 @@
 #include <limits>
 
 #include "cpu/attention.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry {
 

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu/attn_types.h"
+#include "base/attn_types.h"
 #include "cpu/dtype.h"
 #include "kvferry/config.h"
 #include "kvferry/status.h"

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry {
 

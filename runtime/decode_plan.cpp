@@ -7,7 +7,7 @@
 #include <chrono>
 #include <cstring>
 
-#include "runtime/check.h"
+#include "base/check.h"
 #include "runtime/runtime_impl.h"
 
 namespace kvferry::detail {

@@ -10,7 +10,7 @@
 #include "cpu/attention.h"
 #include "offload/transfer.h"
 #include "policies/basic.h"
-#include "runtime/check.h"
+#include "base/check.h"
 #include "runtime/runtime_impl.h"
 
 namespace kvferry {

@@ -13,7 +13,7 @@
 #include <set>
 #include <vector>
 
-#include "cpu/attn_types.h"
+#include "base/attn_types.h"
 #include "cpu/dtype.h"
 #include "kvferry/kvferry.h"
 #include "policies/policy.h"

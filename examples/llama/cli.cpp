@@ -11,7 +11,7 @@
 #include <system_error>
 
 #include "kvferry/runtime.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 #if !defined(KVFERRY_CLI_NO_RUNTIME)
 #include "gpu/device.h"

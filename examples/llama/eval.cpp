@@ -6,7 +6,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry::llama {
 namespace {

@@ -8,7 +8,7 @@
 #include <fstream>
 #include <limits>
 
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry::llama {
 namespace {

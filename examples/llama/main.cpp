@@ -34,7 +34,7 @@
 #include "examples/llama/model.h"
 #include "examples/llama/tokenizer.h"
 #include "gpu/device.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry::llama {
 namespace {

@@ -7,7 +7,7 @@
 
 #include <unordered_map>
 
-#include "runtime/check.h"
+#include "base/check.h"
 
 #ifdef KVFERRY_WITH_CUDA
 #include <cublas_v2.h>

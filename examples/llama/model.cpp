@@ -6,7 +6,7 @@
 #include <filesystem>
 
 #include "examples/llama/gguf.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry::llama {
 namespace {

@@ -1,7 +1,7 @@
 // Copyright kvferry authors. Apache-2.0.
 // The engine's attention through kvferry's Runtime.
 #include "examples/llama/engine.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry::llama {
 

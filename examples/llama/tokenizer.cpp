@@ -9,7 +9,7 @@
 
 #include "bench/lib/utf8.h"
 #include "examples/llama/gguf.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry::llama {
 namespace {

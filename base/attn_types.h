@@ -1,0 +1,345 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// Plain work descriptors shared by the scalar reference, the CPU fast paths and the CUDA kernels.
+// Every pointer is valid for the memory space of whoever executes the work (host pointers for the
+// CPU, device or mapped pinned-host pointers for CUDA). Nothing here owns memory.
+
+#include <cstdint>
+
+#include "kvferry/tensor.h"
+
+namespace kvferry {
+
+/// Parameters common to a batch of attention work.
+struct AttnParams {
+  int32_t group = 1;      ///< query heads per KV head (GQA ratio)
+  int32_t head_dim = 128;
+  DType kv_dtype = DType::kBF16;  ///< dtype of K and V rows
+  float scale = 0.0f;     ///< softmax scale applied to q.k
+};
+
+/// The host store's pages of one (sequence, layer, KV head). Page p holds positions
+/// [p*page_tokens, (p+1)*page_tokens): first page_tokens K rows, then page_tokens V rows, each row
+/// head_dim contiguous elements.
+struct KvPages {
+  void* const* pages = nullptr;
+  int32_t page_tokens = 256;
+};
+
+/// Address of the K (or V) row of \p pos in \p kv.
+inline const void* PagedKRow(const KvPages& kv, int64_t pos, int head_dim, size_t elem) {
+  const char* page = static_cast<const char*>(kv.pages[pos / kv.page_tokens]);
+  return page + static_cast<size_t>(pos % kv.page_tokens) * head_dim * elem;
+}
+inline const void* PagedVRow(const KvPages& kv, int64_t pos, int head_dim, size_t elem) {
+  const char* page = static_cast<const char*>(kv.pages[pos / kv.page_tokens]);
+  return page + (static_cast<size_t>(kv.page_tokens) + pos % kv.page_tokens) * head_dim * elem;
+}
+
+/// Attention of one GQA group (group query heads sharing a KV head) over an explicit list of KV
+/// rows, in any order. Output o is normalised; lse[g] = log(sum_j exp(scale * q_g . k_j)) in
+/// natural log. With count == 0: o = 0 and lse = -inf.
+struct RowAttnItem {
+  const float* q = nullptr;       ///< [group, head_dim] fp32
+  float* o = nullptr;             ///< [group, head_dim] fp32
+  float* lse = nullptr;           ///< [group]
+  const void* const* k_rows = nullptr;  ///< [count] row addresses
+  const void* const* v_rows = nullptr;  ///< [count]
+  int32_t count = 0;
+};
+
+/// Causal attention of num_q consecutive queries (positions q_pos0 .. q_pos0+num_q-1) of one GQA
+/// group over the paged rows of one KV head: query t attends positions [0, q_pos0 + t].
+/// Decode over everything is num_q = 1, q_pos0 = n - 1.
+struct PagedAttnItem {
+  const float* q = nullptr;  ///< [num_q, group, head_dim] fp32
+  float* o = nullptr;        ///< [num_q, group, head_dim] fp32
+  float* lse = nullptr;      ///< [num_q, group]
+  KvPages kv;
+  int64_t q_pos0 = 0;
+  int32_t num_q = 1;
+};
+
+}  // namespace kvferry
+
+namespace kvferry {
+
+/// How a decode step's rows are chosen on the device (DecodeStepArgs::mode).
+enum class StepRowMode : int32_t {
+  /// The first min(sink, budget, n) positions and the most recent ones up to budget in all
+  /// (StreamingLLM); budget >= n is dense attention over every position.
+  kSinksAndRecent = 0,
+  /// The positions in list[item * list_cap ..], list_count[item] of them (a GPU selection).
+  kList = 1,
+};
+
+/// How the device selects a step's rows for kList (Device::DecodeSelect). A policy declares one
+/// (Policy::device_scoring); kNone means it selects on the host (or needs no list).
+enum class SelectScoring : int32_t {
+  kNone = 0,
+  /// Exact top-k of the GQA group's summed softmax weight over every position (the oracle): the
+  /// logits of all keys, a softmax per query head, their sum per position, top-k, ascending.
+  kExactTopK = 1,
+  /// Quest: per page of meta_page tokens the element-wise min and max of its keys (kept on the
+  /// device in `meta`, extended at prefill by Device::PageBounds and at each step by
+  /// DecodeSelect); each page's bound on q.k, sum_d max(q_d min_d, q_d max_d) * scale; the group's
+  /// page score max_g (bound_g - max over pages of bound_g); the best pages of the offloaded range
+  /// [sink, n - window) until budget - resident positions are taken (the last page taken
+  /// contributes its first positions; ties to the lower page); plus sinks and window. Equals
+  /// policies/quest's host Select.
+  kQuestPages = 2,
+  /// SparCas: per item the d_b key dimensions of largest sum_g |q_g,d| (ties: lower d), chosen at
+  /// the first ranked step and every sparcas_u ranked steps; a compact copy of those dimensions of
+  /// every key kept in device memory (`meta`, re-gathered when the dimensions change, extended by
+  /// the positions stored since the last ranked step); partial logits of all n positions over
+  /// them, the group's summed softmax, its top k of the offloaded range [sink, n - window) with
+  /// k = budget - resident positions; plus sinks and window. Layers below sparcas_dense_layers use
+  /// every dimension (the exact top-k). Equals policies/sparcas's host Select.
+  kSparcas = 3,
+};
+
+/// Per-item SparCas state in device memory (DecodeStepArgs::sparcas_state, one per
+/// t = (slot * num_layers + layer) * num_kv_heads + h; all zero for a new sequence).
+struct SparcasState {
+  int64_t seen = 0;           ///< compact rows [0, seen) hold the current dimensions
+  int32_t d_b = 0;            ///< dimensions in use (0: none chosen yet)
+  int32_t since_refresh = 0;  ///< ranked steps since the dimensions were chosen
+  int64_t from = 0;           ///< this step: first compact row to (re)gather
+  int32_t ranked = 0;         ///< this step ranks positions (else all, or sinks + window only)
+  int32_t pad = 0;
+};
+
+/// Page bounds of a KV head (SelectScoring::kQuestPages): page p's element-wise min row then max
+/// row, head_dim elements each in the KV dtype, at meta + (t * meta_pages + p) * 2 * row_bytes for
+/// t = (slot * num_layers + layer) * num_kv_heads + h.
+struct PageBoundsArgs {
+  AttnParams params;
+  int32_t num_kv_heads = 0;
+  int32_t num_layers = 0;
+  int32_t layer = 0;
+  int32_t slot = 0;
+  int64_t pos0 = 0;     ///< first position written by the chunk
+  int64_t new_len = 0;  ///< positions stored after it: pages [pos0 / page, (new_len-1) / page]
+  void* const* pages = nullptr;  ///< host-store page table (device-readable), as in DecodeStepArgs
+  int64_t max_pages = 0;
+  int32_t page_tokens = 256;
+  char* meta = nullptr;
+  int64_t meta_pages = 0;
+  int32_t meta_page = 16;
+};
+
+/// One layer of a planned decode step for a batch (the Runtime's run path), executed by
+/// Device::DecodeStep. Everything that changes from step to step (the sequences' slots and the new
+/// token's position at every layer) is read from device memory, so the same arguments serve every
+/// step of a batch and the launches can be captured in a CUDA graph. Item i = b * num_kv_heads + h.
+///
+/// Stages, in order on the stream: (1) append: k/v of token b are converted to the KV dtype and
+/// written to the host store (write-through) and to its resident row (sink or window ring); q is
+/// converted to fp32 (into q_f32 on the host; inside the attention kernel on CUDA, which also
+/// appends and reads the new token from k/v when they are in the KV dtype: one launch a layer). (2) attend: each item attends its rows (resident rows from device
+/// memory, the others from the host store read zero-copy) split over CTAs. (3) combine: the splits
+/// and the optional CPU part (o_cpu, lse_cpu) merge exactly into out (out_dtype) and lse.
+struct DecodeStepArgs {
+  AttnParams params;
+  int32_t batch = 0;
+  int32_t num_kv_heads = 0;
+  int32_t num_layers = 0;
+  int32_t layer = 0;
+  int32_t sink = 0;
+  int32_t window = 1;
+  StepRowMode mode = StepRowMode::kSinksAndRecent;
+  /// Tokens attended per item (resident ones included) when mode is kSinksAndRecent:
+  /// budget_tokens if > 0, else ceil(budget_fraction * n); clamped to [1, budget_cap].
+  int64_t budget_tokens = 0;
+  double budget_fraction = 0.0;
+  int64_t budget_cap = 0;
+  /// Every attended row is resident (lets the CUDA kernel stream rows through shared memory).
+  bool all_resident = false;
+
+  const int32_t* slots = nullptr;      ///< [batch] sequence slots (device)
+  const int64_t* positions = nullptr;  ///< [batch * num_layers]: new token's position (device)
+
+  const void* q = nullptr;  ///< [batch, num_q_heads, head_dim], q_dtype
+  const void* k = nullptr;  ///< [batch, num_kv_heads, head_dim], k_dtype
+  const void* v = nullptr;  ///< [batch, num_kv_heads, head_dim], v_dtype
+  void* out = nullptr;      ///< [batch, num_q_heads, head_dim], out_dtype
+  DType q_dtype = DType::kF32;
+  DType k_dtype = DType::kF32;
+  DType v_dtype = DType::kF32;
+  DType out_dtype = DType::kF32;
+
+  /// Resident tier: item (slot, layer, h) owns rows_per_slot = sink + window K rows followed by as
+  /// many V rows at resident + ((slot * num_layers + layer) * num_kv_heads + h) * 2 *
+  /// rows_per_slot * row_bytes. Rows as ResidentRowOf places them.
+  char* resident = nullptr;
+  /// Host store page table (device-readable): entry ((slot * num_layers + layer) * num_kv_heads +
+  /// h) * max_pages + p is page p (see KvPages).
+  void* const* pages = nullptr;
+  int64_t max_pages = 0;
+  int32_t page_tokens = 256;
+
+  /// kList: [batch * num_kv_heads, list_cap] positions and [batch * num_kv_heads] counts (device
+  /// memory), written by DecodeSelect, read by DecodeStep.
+  int32_t* list = nullptr;
+  int32_t* list_count = nullptr;
+  int64_t list_cap = 0;
+
+  /// DecodeSelect: the scoring, the item budget (budget_tokens / budget_fraction / budget_cap as
+  /// above: an item selects min(StepBudget(n), n) positions; list_cap >= budget_cap), and its
+  /// device scratch: select_ws holds [batch * num_kv_heads, group, select_ld] floats
+  /// (select_ld >= every n), topk_ws [batch * num_kv_heads, pow2 >= budget_cap] 8-byte keys when
+  /// budget_cap > 4096 (else unused). Nothing the host computes per step is read: capture-safe.
+  SelectScoring scoring = SelectScoring::kNone;
+  /// kQuestPages: the page bounds (see PageBoundsArgs) and tokens per page.
+  /// kSparcas: item (slot, layer, h)'s compact keys (KV dtype) at element SparcasCompactOffset of
+  /// meta, meta_pages positions of SparcasDimsOf elements each (row j holds key j's chosen
+  /// dimensions, ascending); its chosen dimensions at sparcas_dims + t * head_dim.
+  char* meta = nullptr;
+  int64_t meta_pages = 0;
+  int32_t meta_page = 16;
+  SparcasState* sparcas_state = nullptr;
+  int32_t* sparcas_dims = nullptr;
+  int32_t sparcas_db = 16;
+  int32_t sparcas_u = 64;
+  int32_t sparcas_dense_layers = 2;
+  float* select_ws = nullptr;
+  int64_t select_ld = 0;
+  unsigned long long* topk_ws = nullptr;
+
+  float* q_f32 = nullptr;  ///< host scratch [batch, num_q_heads, head_dim]
+  float* lse = nullptr;    ///< [batch, num_q_heads] natural-log lse of the result (may be null)
+  const float* o_cpu = nullptr;    ///< optional CPU part [batch, num_q_heads, head_dim]
+  const float* lse_cpu = nullptr;  ///< its lse [batch, num_q_heads]; -inf where empty
+
+  /// CUDA: scratch for the split partial results, ws_floats floats (device memory owned by the
+  /// caller, so nothing is allocated while a graph is captured). Unused on the host.
+  float* ws = nullptr;
+  int64_t ws_floats = 0;
+  /// CUDA: zeroed counters, batch * num_kv_heads * group of them (device memory); the kernels
+  /// leave them zeroed.
+  int32_t* counters = nullptr;
+  /// CUDA: the most rows an item attends in this call (sizes the split count; the kernels read
+  /// the true counts on the device). 0: unknown.
+  int64_t max_rows_hint = 0;
+};
+
+#if defined(__CUDACC__)
+#define KVF_HOST_DEVICE __host__ __device__
+#else
+#define KVF_HOST_DEVICE
+#endif
+
+/// Rows attended by an item with n positions under kSinksAndRecent: positions [0, sinks) and
+/// [recent_begin, n). Shared by the host reference, the runtime's stats and the CUDA kernels.
+struct StepRange {
+  int64_t sinks = 0;
+  int64_t recent_begin = 0;
+  int64_t count = 0;
+};
+
+/// Tokens an item with \p n positions attends (see DecodeStepArgs::budget_tokens).
+KVF_HOST_DEVICE inline int64_t StepBudget(int64_t budget_tokens, double budget_fraction,
+                                          int64_t budget_cap, int64_t n) {
+  int64_t b = budget_tokens;
+  if (b <= 0) {
+    const double x = budget_fraction * static_cast<double>(n);
+    b = static_cast<int64_t>(x);
+    if (static_cast<double>(b) < x) ++b;  // ceil
+  }
+  const int64_t hi = budget_cap > 1 ? budget_cap : 1;
+  return b < 1 ? 1 : (b > hi ? hi : b);
+}
+
+/// StreamingLLM's rows: the first min(sink, budget, n) positions and the most recent ones.
+KVF_HOST_DEVICE inline StepRange SinksAndRecent(int64_t n, int64_t sink, int64_t budget) {
+  StepRange r;
+  r.sinks = sink < budget ? sink : budget;
+  if (n < r.sinks) r.sinks = n;
+  const int64_t rest = n - (budget - r.sinks);
+  r.recent_begin = rest > r.sinks ? rest : r.sinks;
+  r.count = r.sinks + (n - r.recent_begin);
+  return r;
+}
+
+/// Resident row of position \p pos when n positions are stored: row pos for a sink, row
+/// sink + (pos - sink) % window in the window ring, -1 when the row is only in the host store.
+/// Counting the ring from the first non-sink position makes the resident rows of a sequence
+/// that fits (n <= sink + window) exactly rows [0, n), in position order.
+KVF_HOST_DEVICE inline int64_t ResidentRowOf(int64_t pos, int64_t n, int32_t sink,
+                                             int32_t window) {
+  if (pos < sink) return pos;
+  if (pos >= n - window) {
+    return sink + static_cast<int64_t>(static_cast<uint32_t>(pos - sink) %
+                                       static_cast<uint32_t>(window));
+  }
+  return -1;
+}
+
+/// SparCas: dimensions kept by layer \p layer, and the element offset of item (slot, layer, h)'s
+/// compact keys in DecodeStepArgs::meta: per slot, the dense layers' rows (head_dim elements)
+/// then the others' (d_b elements), meta_pages positions per item.
+KVF_HOST_DEVICE inline int32_t SparcasDimsOf(int32_t layer, int32_t dense_layers, int32_t d_b,
+                                             int32_t head_dim) {
+  const int32_t k = d_b < 1 ? 1 : (d_b > head_dim ? head_dim : d_b);
+  return layer < dense_layers ? head_dim : k;
+}
+KVF_HOST_DEVICE inline int64_t SparcasCompactOffset(int64_t slot, int32_t layer, int32_t h,
+                                                    int32_t num_layers, int32_t num_kv_heads,
+                                                    int64_t positions, int32_t head_dim,
+                                                    int32_t d_b, int32_t dense_layers) {
+  const int32_t dl = dense_layers < 0 ? 0 : (dense_layers > num_layers ? num_layers : dense_layers);
+  const int32_t k = SparcasDimsOf(num_layers, dl, d_b, head_dim);  // the sparse layers' dims
+  const int64_t item = positions;
+  const int64_t per_slot = (static_cast<int64_t>(dl) * head_dim + static_cast<int64_t>(num_layers - dl) * k) *
+                           num_kv_heads * item;
+  int64_t off = slot * per_slot;
+  if (layer < dl) return off + (static_cast<int64_t>(layer) * num_kv_heads + h) * item * head_dim;
+  off += static_cast<int64_t>(dl) * num_kv_heads * item * head_dim;
+  return off + (static_cast<int64_t>(layer - dl) * num_kv_heads + h) * item * k;
+}
+
+/// One prefill chunk of one (sequence, layer): what LaunchPrefillStage reads and writes.
+struct PrefillStageArgs {
+  const void* k = nullptr;  ///< [tokens, num_kv_heads, head_dim], k_dtype (device-readable)
+  const void* v = nullptr;
+  DType k_dtype = DType::kF32;
+  DType v_dtype = DType::kF32;
+  int64_t pos0 = 0;     ///< position of the chunk's first token
+  int64_t tokens = 0;
+  int64_t new_len = 0;  ///< pos0 + tokens
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  DType kv_dtype = DType::kBF16;
+  /// Device page table of the (slot, layer): head h's page p at pages[h * max_pages + p]; pages
+  /// hold page_tokens K rows then as many V rows (see KvPages).
+  void* const* pages = nullptr;
+  int64_t max_pages = 0;
+  int32_t page_tokens = 256;
+  /// Resident tier of the (slot, layer): head h's K rows at resident + h * 2 * (sink + window)
+  /// rows, its V rows after them, placed by ResidentRowOf.
+  char* resident = nullptr;
+  int32_t sink = 0;
+  int32_t window = 1;
+  /// Device staging [num_kv_heads][K, V][staging_cap][head_dim] in the KV dtype, or null.
+  char* staging = nullptr;
+  int64_t staging_cap = 0;
+};
+
+/// One prefill chunk on the device's tensor-core path (Device::PrefillChunk): staging as above,
+/// then causal attention of the chunk's queries over rows [0, new_len) of the staging.
+struct PrefillChunkArgs {
+  PrefillStageArgs stage;
+  AttnParams params;
+  int32_t num_q_heads = 0;
+  const void* q = nullptr;  ///< [tokens, num_q_heads, head_dim], q_dtype (device-readable)
+  DType q_dtype = DType::kF32;
+  void* out = nullptr;      ///< [tokens, num_q_heads, head_dim], out_dtype
+  DType out_dtype = DType::kF32;
+  /// Scratch for q in the KV dtype when q_dtype differs: tokens * num_q_heads * head_dim elements.
+  void* q_scratch = nullptr;
+  /// num_kv_heads attention descriptors' worth of device-readable memory (pinned host or device)
+  /// the device fills; not rewritten by the host before the call's work ran.
+  void* items = nullptr;
+};
+
+}  // namespace kvferry
