@@ -151,6 +151,43 @@ int32_t MaxOfInt(const int32_t* x, int64_t n) {
 }
 
 
+constexpr int kMaxShadowDim = 512;  // head_dim bound of the scan's shadow (runtime: <= 256)
+constexpr int64_t kShadowTile = 64;  // rows quantised per transposition tile
+
+// One K row as fp32 (the dtype switch outside the loop, so the bf16 case vectorises).
+void LoadRowF32(const void* src, DType dtype, int hd, float* dst) {
+  if (dtype == DType::kBF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int c = 0; c < hd; ++c) dst[c] = cpu::Bf16ToF32(s[c]);
+  } else if (dtype == DType::kF32) {
+    std::memcpy(dst, src, static_cast<size_t>(hd) * sizeof(float));
+  } else {
+    for (int c = 0; c < hd; ++c) dst[c] = cpu::LoadAsF32(src, dtype, c);
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void RowAbsMax(const float* x, int hd, float* mx) {
+  for (int c = 0; c < hd; ++c) mx[c] = std::max(mx[c], std::fabs(x[c]));  // NaN keeps mx
+}
+
+// out[c] = round(clamp(x[c] * mul[c], -127, 127)) (NaN -> 0, ties to even as lrint), seen raised
+// to |x[c]|.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void QuantizeRow(const float* x, const float* mul, int hd, int8_t* out, float* seen) {
+  for (int c = 0; c < hd; ++c) {
+    seen[c] = std::max(seen[c], std::fabs(x[c]));
+    float v = x[c] * mul[c];
+    v = v == v ? v : 0.0f;
+    v = std::min(std::max(v, -127.0f), 127.0f);
+    out[c] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(v)));
+  }
+}
+
 }  // namespace
 
 struct LfpsPolicy::HeadState {
@@ -166,38 +203,91 @@ struct LfpsPolicy::HeadState {
   double sigma2_hat = 0.0;
   bool primed = false;
   /// The scan's int8 channel-major shadow of K: k8[c * k8_cap + i] = round(127 K[i][c] /
-  /// k8_scale[c]) clamped, for rows [0, k8_n); scales from the rows seen at its creation.
+  /// k8_scale[c]) clamped, for rows [0, k8_n). The scales are the channels' max |K| over every row
+  /// stored when the shadow was made or last re-primed (PrimeShadow, at each OnPrefill); rows added
+  /// by decode steps are quantised with them (clamped), one row per step.
   std::unique_ptr<int8_t[]> k8;
   int64_t k8_cap = 0, k8_n = 0;
   int scan_period = 1, since_scan = 0;  ///< the scan runs every scan_period steps (adaptive)
   std::vector<float> k8_scale;
+  std::vector<float> k8_seen;  ///< max |K| per channel over rows [0, k8_n) (raw, before the fix-up)
 
-  /// Brings the shadow up to n rows; the first call sizes it for max_tokens rows (virtual memory
-  /// until written) and takes per-channel scales from the rows stored then.
-  void SyncShadow(const AttnParams& p, const KvPages& kv, int64_t n, int64_t max_tokens) {
+  /// Brings the shadow up to n rows (quantising only the rows it lacks); makes it from rows [0, n)
+  /// if there is none. Returns the rows quantised.
+  int64_t SyncShadow(const AttnParams& p, const KvPages& kv, int64_t n, int64_t max_tokens) {
+    if (k8 == nullptr) return PrimeShadow(p, kv, n, max_tokens);
+    if (n > k8_cap) GrowShadow(n);
+    const int64_t from = k8_n;
+    QuantizeShadowRows(p, kv, k8_n, n);
+    return n - from;
+  }
+
+  /// The shadow of rows [0, n) with scales from all of them: the first call sizes it for max_tokens
+  /// rows (virtual memory until written); later calls quantise only the new rows unless they raise a
+  /// channel's max, which requantises every row. Returns the rows quantised.
+  int64_t PrimeShadow(const AttnParams& p, const KvPages& kv, int64_t n, int64_t max_tokens) {
     const int64_t hd = p.head_dim;
-    const size_t elem = DTypeSize(p.kv_dtype);
-    if (k8 == nullptr || n > k8_cap) {
+    std::vector<float> mx(static_cast<size_t>(hd), 0.0f);
+    if (k8 == nullptr) {
       k8_cap = std::max(max_tokens, n);
       k8.reset(new int8_t[static_cast<size_t>(hd * k8_cap)]);
-      k8_scale.assign(static_cast<size_t>(hd), 0.0f);
-      for (int64_t i = 0; i < n; ++i) {
-        const void* k = PagedKRow(kv, i, p.head_dim, elem);
-        for (int64_t c = 0; c < hd; ++c) {
-          k8_scale[c] = std::max(k8_scale[c], std::fabs(cpu::LoadAsF32(k, p.kv_dtype, c)));
-        }
-      }
-      for (float& x : k8_scale) x = x > 0.0f && std::isfinite(x) ? x : 1.0f;
+      k8_n = 0;
+    } else {
+      if (n > k8_cap) GrowShadow(n);
+      mx = k8_seen;
+    }
+    ShadowChannelMax(p, kv, std::min(k8_n, n), n, mx.data());
+    for (float& x : mx) x = x > 0.0f && std::isfinite(x) ? x : 1.0f;
+    if (mx != k8_scale) {
+      k8_scale = mx;
       k8_n = 0;
     }
-    for (; k8_n < n; ++k8_n) {
-      const void* k = PagedKRow(kv, k8_n, p.head_dim, elem);
-      for (int64_t c = 0; c < hd; ++c) {
-        const float v = cpu::LoadAsF32(k, p.kv_dtype, c) * (127.0f / k8_scale[c]);
-        k8[c * k8_cap + k8_n] =
-            static_cast<int8_t>(std::lrint(std::clamp(v == v ? v : 0.0f, -127.0f, 127.0f)));
+    if (k8_n == 0) k8_seen.assign(static_cast<size_t>(hd), 0.0f);
+    const int64_t from = k8_n;
+    QuantizeShadowRows(p, kv, k8_n, n);
+    return n - from;
+  }
+
+  void GrowShadow(int64_t n) {
+    const int64_t hd = static_cast<int64_t>(k8_scale.size());
+    const int64_t cap = std::max(n, 2 * k8_cap);
+    std::unique_ptr<int8_t[]> grown(new int8_t[static_cast<size_t>(hd * cap)]);
+    for (int64_t c = 0; c < hd; ++c) std::copy_n(k8.get() + c * k8_cap, k8_n, grown.get() + c * cap);
+    k8 = std::move(grown);
+    k8_cap = cap;
+  }
+
+  // mx[c] = max(mx[c], |K[i][c]|) over rows [begin, end).
+  static void ShadowChannelMax(const AttnParams& p, const KvPages& kv, int64_t begin, int64_t end,
+                               float* mx) {
+    const size_t elem = DTypeSize(p.kv_dtype);
+    float row[kMaxShadowDim];
+    for (int64_t i = begin; i < end; ++i) {
+      LoadRowF32(PagedKRow(kv, i, p.head_dim, elem), p.kv_dtype, p.head_dim, row);
+      RowAbsMax(row, p.head_dim, mx);
+    }
+  }
+
+  // Quantises rows [begin, end) (begin == k8_n) into the channel rows, kShadowTile rows at a time
+  // through a row-major tile, and raises k8_seen.
+  void QuantizeShadowRows(const AttnParams& p, const KvPages& kv, int64_t begin, int64_t end) {
+    const int hd = p.head_dim;
+    const size_t elem = DTypeSize(p.kv_dtype);
+    float mul[kMaxShadowDim], row[kMaxShadowDim];
+    for (int c = 0; c < hd; ++c) mul[c] = 127.0f / k8_scale[c];
+    int8_t tile[kShadowTile * kMaxShadowDim];
+    for (int64_t i0 = begin; i0 < end; i0 += kShadowTile) {
+      const int64_t cnt = std::min<int64_t>(kShadowTile, end - i0);
+      for (int64_t r = 0; r < cnt; ++r) {
+        LoadRowF32(PagedKRow(kv, i0 + r, hd, elem), p.kv_dtype, hd, row);
+        QuantizeRow(row, mul, hd, tile + r * hd, k8_seen.data());
+      }
+      for (int c = 0; c < hd; ++c) {
+        int8_t* dst = k8.get() + static_cast<int64_t>(c) * k8_cap + i0;
+        for (int64_t r = 0; r < cnt; ++r) dst[r] = tile[r * hd + c];
       }
     }
+    k8_n = end;
   }
 
   void Reserve(int64_t max_tokens) {
@@ -575,6 +665,9 @@ Status LfpsPolicy::OnPrefill(const PrefillContext& ctx) {
   }
   st->Resync();
   st->primed = true;
+  // The scan's shadow is made here, on the prompt's path, so that a decode step only quantises its
+  // own new row (making it at the first scan costs a pass over every K row inside a token step).
+  if (params_.scan > 0 && !params_.score_all) st->PrimeShadow(p, ctx.kv, n, max_tokens_);
   return Status::Ok();
 }
 
@@ -759,13 +852,18 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   // with the largest |q| * scale (summed over the group), max over the group's heads of the logit
   // minus the head's max; the best ceil(scan_factor k) positions outside C1 join C1.
   const bool scan_now = params_.scan > 0 && ++st->since_scan >= st->scan_period;
+  // When the tables give no candidate, the scan (when on) nominates them instead of the exact
+  // fallback over every offloaded key: the exact work stays O(k) every step.
+  const bool rescue = params_.scan > 0 && params_.fallback && m == 0 && !params_.score_all;
+  info.rescued = rescue;
   int64_t hist_m = m;  // C1 from the tables alone
-  if (scan_now && (m > 0 || !params_.fallback) && !params_.score_all) {
+  if ((rescue || (scan_now && (m > 0 || !params_.fallback))) && !params_.score_all) {
     st->since_scan = 0;
     const int64_t want_scan = std::min<int64_t>(
         n_off - m, static_cast<int64_t>(std::ceil(params_.scan_factor * static_cast<double>(k_sel))));
     if (want_scan > 0) {
-      st->SyncShadow(ctx.params, ctx.kv, n, max_tokens_);
+      shadow_rows_.fetch_add(st->SyncShadow(ctx.params, ctx.kv, n, max_tokens_),
+                             std::memory_order_relaxed);
       const int r = std::min<int>(params_.scan, static_cast<int>(hd));
       float* imp = Room(sc.chan_imp, hd);
       for (int64_t c = 0; c < hd; ++c) {
@@ -993,6 +1091,7 @@ LfpsStats LfpsPolicy::stats() const {
   s.all = all_.load(std::memory_order_relaxed);
   s.scored_keys = scored_.load(std::memory_order_relaxed);
   s.offloaded_keys = offloaded_.load(std::memory_order_relaxed);
+  s.shadow_rows_in_select = shadow_rows_.load(std::memory_order_relaxed);
   return s;
 }
 

@@ -30,7 +30,9 @@ struct LfpsParams {
   double eps = 0.85;     ///< "eps": bypass a head when its sink share rho exceeds this (>= 1: never)
   double a = 0.2;        ///< "a": threshold scale, tau = a * mean / kurtosis
   int local = 6;         ///< "local": recent tokens in the bypass test's w_loc
-  bool fallback = true;  ///< "fallback" (0/1): exact top-k when the tables give no candidate
+  /// "fallback" (0/1): when the tables give no candidate, the scan nominates the candidates (scan >
+  /// 0) or, without a scan, every offloaded key is scored (exact top-k).
+  bool fallback = true;
   bool score_all = false;  ///< "score_all" (0/1): candidates = every offloaded position (ablation)
   /// "fill": when the tables nominate fewer than ceil(fill * k) candidates (k = offloaded tokens
   /// the budget leaves), add the positions with the best table evidence up to that many; 0 = the
@@ -64,6 +66,9 @@ struct LfpsStepInfo {
   bool all = false;       ///< budget covered everything: returned [0, n), tables untouched
   bool bypassed = false;  ///< sink-dominated head: returned the resident set only
   bool fallback = false;  ///< tables gave no candidate: scored every offloaded position
+  /// Tables gave no candidate and the scan nominated them instead (scan > 0, "fallback" = 1): the
+  /// exact work stays O(k); the exact fallback over every offloaded key is for scan = 0.
+  bool rescued = false;
   double rho = 0.0;       ///< smallest sink share over the group's heads (0 if not computed)
   int64_t offloaded = 0;  ///< |[sink, n - window)|
   int64_t c0 = 0, c1 = 0, c2 = 0;  ///< candidate set sizes; c1 = keys given an exact q.k
@@ -91,6 +96,9 @@ struct LfpsStats {
   int64_t steps = 0, bypassed = 0, fallbacks = 0, all = 0;
   int64_t scored_keys = 0;     ///< sum of c1
   int64_t offloaded_keys = 0;  ///< sum of offloaded
+  /// K rows quantised into the scan's shadow inside Select: one per new token once OnPrefill has
+  /// made the shadow (it is made at the first scan only for heads that were never primed).
+  int64_t shadow_rows_in_select = 0;
 };
 
 class LfpsPolicy final : public Policy {
@@ -132,7 +140,7 @@ class LfpsPolicy final : public Policy {
   std::vector<std::unique_ptr<HeadState>> states_;
   std::unique_ptr<std::atomic<float>[]> need_;  ///< per head: offloaded attention share (EMA), -1 unknown
   std::atomic<int64_t> steps_{0}, bypassed_{0}, fallbacks_{0}, all_{0}, scored_{0},
-      offloaded_{0};
+      offloaded_{0}, shadow_rows_{0};
 };
 
 /// The registry's factory: params from config.policy.params ("s", "r", "eps", "a", "local",

@@ -105,6 +105,21 @@ class ReferenceLfps {
     }
     Resync();
     primed_ = true;
+    // The scan's shadow: scales = max |K| per channel over every row stored now; a change of
+    // scales requantises every row.
+    if (params_.scan > 0 && !params_.score_all) {
+      std::vector<float> scale(static_cast<size_t>(hd), 0.0f);
+      const size_t elem = DTypeSize(p.kv_dtype);
+      for (int64_t i = 0; i < n; ++i) {
+        const void* k = PagedKRow(ctx.kv, i, p.head_dim, elem);
+        for (int c = 0; c < p.head_dim; ++c) {
+          scale[c] = std::max(scale[c], std::fabs(cpu::LoadAsF32(k, p.kv_dtype, c)));
+        }
+      }
+      for (float& x : scale) x = x > 0.0f && std::isfinite(x) ? x : 1.0f;
+      if (scale != k8_scale_) k8_.clear();
+      Shadow(p, ctx.kv, n);
+    }
   }
 
   void Select(const SelectContext& ctx, std::vector<int32_t>& out, LfpsStepInfo* info_out) {
@@ -204,7 +219,10 @@ class ReferenceLfps {
     // Scan: integer approximate logits over the r channels with the largest group |q| * scale.
     const std::vector<int32_t> hist = c1;
     const bool scan_now = params_.scan > 0 && ++since_scan_ >= scan_period_;
-    if (scan_now && (!c1.empty() || !params_.fallback) && !params_.score_all) {
+    // No candidate from the tables: the scan nominates them (instead of the exact fallback).
+    const bool rescue = params_.scan > 0 && params_.fallback && c1.empty() && !params_.score_all;
+    info.rescued = rescue;
+    if ((rescue || (scan_now && (!c1.empty() || !params_.fallback))) && !params_.score_all) {
       since_scan_ = 0;
       const int64_t want = std::min<int64_t>(
           n_off - static_cast<int64_t>(c1.size()),
@@ -408,7 +426,8 @@ class ReferenceLfps {
     }
   }
 
-  // The scan's int8 shadow: scales from the rows stored at the first scan, rows added as they come.
+  // The scan's int8 shadow: scales from the rows stored when it is made (at OnPrefill, else at the
+  // first scan), rows added as they come.
   void Shadow(const AttnParams& p, const KvPages& kv, int64_t n) {
     const size_t elem = DTypeSize(p.kv_dtype);
     if (k8_.empty()) {
@@ -535,7 +554,7 @@ AttnParams Params(int group) {
 // What the steps of a run covered.
 struct Coverage {
   int64_t over_k = 0, under_k = 0, fallback = 0, bypassed = 0, big_c1 = 0, scanned = 0,
-          filled = 0, full = 0;
+          filled = 0, full = 0, rescued = 0;
 };
 
 void RunCase(const Case& c, uint32_t seed, Coverage* cov) {
@@ -612,6 +631,7 @@ void RunCase(const Case& c, uint32_t seed, Coverage* cov) {
       ASSERT_EQ(gi.all, wi.all) << "step " << step;
       ASSERT_EQ(gi.bypassed, wi.bypassed) << "step " << step;
       ASSERT_EQ(gi.fallback, wi.fallback) << "step " << step;
+      ASSERT_EQ(gi.rescued, wi.rescued) << "step " << step;
       ASSERT_EQ(gi.rho, wi.rho) << "step " << step;
       ASSERT_EQ(gi.offloaded, wi.offloaded) << "step " << step;
       ASSERT_EQ(gi.c0, wi.c0) << "step " << step;
@@ -623,6 +643,7 @@ void RunCase(const Case& c, uint32_t seed, Coverage* cov) {
       cov->over_k += wi.c1 > k;
       cov->under_k += wi.c1 > 0 && wi.c1 <= k;
       cov->fallback += wi.fallback;
+      cov->rescued += wi.rescued;
       cov->bypassed += wi.bypassed;
       cov->big_c1 += wi.c1 > k && wi.c1 >= 2048;
       cov->scanned += wi.scanned > 0;
@@ -684,6 +705,7 @@ TEST(LfpsEquivalenceTest, ScanFillAndRanking) {
   }
   EXPECT_GT(cov.scanned, 100);
   EXPECT_GT(cov.filled, 20);
+  EXPECT_GT(cov.rescued, 0);  // no candidate from the tables: the scan nominates them
   EXPECT_GT(cov.full, 300);  // the selection uses the whole budget
 }
 

@@ -472,6 +472,55 @@ TEST(LfpsTest, ScanFindsKeysWithoutHistory) {
   }
 }
 
+// The work of a decode step is bounded by the budget, not by the context (the defaults once cost
+// more than exact top-k per step: the first scan quantised every K row inside a token step, and a
+// step whose tables nominated nothing scored every offloaded key). Uniform random keys and a
+// constant query, as kvferry-e2e makes them: flat tables from 32 prompt rows nominate nothing at the
+// first steps. Every step scores at most the expansion of C0 plus the scan's and the fill's shares
+// of k exactly, never every offloaded key, and quantises only its own new K row into the shadow.
+TEST(LfpsTest, DecodeWorkIsBoundedByTheBudget) {
+  for (const int64_t n0 : {int64_t{4099}, int64_t{20011}}) {
+    std::mt19937 rng(23);
+    std::uniform_real_distribution<float> uni(-2.0f, 2.0f);
+    auto uniform = [&](int n) {
+      std::vector<float> x(static_cast<size_t>(n));
+      for (float& v : x) v = uni(rng);
+      return x;
+    };
+    const int steps = 24;
+    KvHead head(n0 + steps);
+    for (int64_t i = 0; i < n0; ++i) head.Append(uniform(kHd), uniform(kHd));
+    LfpsParams lp;  // the defaults: rank 1, fill 1, scan 16, scan_factor 2
+    LfpsPolicy policy = MakePolicy(lp);
+    const int sink = 4, window = 256, group = 4;
+    Prime(policy, head, group, 0, sink, window, rng);
+    const std::vector<float> q = uniform(group * kHd);
+    const std::vector<float> new_k = uniform(kHd), new_v = uniform(kHd);
+    std::vector<int32_t> out;
+    int64_t rescued = 0;
+    for (int step = 0; step < steps; ++step) {
+      head.Append(new_k, new_v);
+      const int64_t budget = static_cast<int64_t>(std::ceil(0.02 * head.n())) + sink + window;
+      LfpsStepInfo info;
+      ASSERT_TRUE(
+          policy.SelectWithInfo(Ctx(head, q, group, budget, sink, window), out, &info).ok());
+      const int64_t k = budget - sink - window;
+      ASSERT_GT(k, 0);
+      const int64_t bound = 4 * info.c0 + static_cast<int64_t>(std::ceil(lp.scan_factor * k)) +
+                            static_cast<int64_t>(std::ceil(lp.fill * k));
+      EXPECT_FALSE(info.fallback) << "n0 " << n0 << " step " << step;
+      EXPECT_LE(info.c1, bound) << "n0 " << n0 << " step " << step << " c0 " << info.c0;
+      EXPECT_LT(info.c1, info.offloaded / 4) << "n0 " << n0 << " step " << step;
+      EXPECT_EQ(static_cast<int64_t>(out.size()), budget) << "n0 " << n0 << " step " << step;
+      rescued += info.rescued;
+    }
+    EXPECT_GT(rescued, 0) << "n0 " << n0;  // the workload reaches the no-candidate case
+    const LfpsStats st = policy.stats();
+    EXPECT_LE(st.shadow_rows_in_select, steps) << "n0 " << n0;
+    EXPECT_LE(st.scored_keys, steps * (n0 / 4)) << "n0 " << n0;
+  }
+}
+
 // Per-head budgets: heads whose attention lies on offloaded tokens get more of the layer's budget
 // than sink-dominated heads, none more than ctx.budget, the layer's total at most heads x B.
 TEST(LfpsTest, PerHeadBudgetFollowsNeed) {
