@@ -44,7 +44,7 @@
 
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
-#include "runtime/check.h"
+#include "base/check.h"
 
 namespace kvferry {
 namespace {
