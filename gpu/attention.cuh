@@ -411,6 +411,304 @@ __device__ void AttendRangePipelined(const Src& src, const float* __restrict__ q
   ReduceCta<HD, G>(st, red_m, red_l, red_o, warp_buf);
 }
 
+// ---- Tensor-core decode (mma.sync m16n8k16) -------------------------------------------------------
+// The CUDA-core loops above spend ~90 warp instructions per row (a 16-lane dot product, its
+// shuffles, the online softmax) and leave the SM issue-bound below HBM speed for single-query
+// decode. Here both products run on tensor cores with the KV rows as the MMA's M dimension and
+// the GQA group's query heads (<= 8) as its N dimension, so no MMA row is padding:
+//   S^T = K Q^T      A = K rows (ldmatrix), B = Q^T (registers, loaded once)
+//   O^T += V^T P^T   A = V^T (ldmatrix.trans), B = P^T (S^T's accumulators, transposed in
+//                    registers by movmatrix)
+// Precision: Q and P are split into hi + lo halves of the MMA type (x = hi + lo to ~2^-17; Q's lo
+// half is skipped when Q is exact in the type), so scores and weights carry fp32-like precision
+// against K and V, which are exact in their type; accumulation is fp32. Every warp computes S^T
+// for the whole tile and owns a quarter of the head dimension of O, so warps exchange nothing.
+
+template <typename T>
+__device__ __forceinline__ uint32_t PackPair(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t PackPair<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t PackPair<__half>(float a, float b) {
+  const __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <typename T>
+__device__ __forceinline__ float RoundTo(float x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat162float(__float2bfloat16_rn(x));
+  } else {
+    return __half2float(__float2half_rn(x));
+  }
+}
+// hi and lo halves of a pair: hi = T(x), lo = T(x - hi).
+template <typename T>
+__device__ __forceinline__ void SplitPair(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const float ha = RoundTo<T>(a), hb = RoundTo<T>(b);
+  hi = PackPair<T>(ha, hb);
+  lo = PackPair<T>(a - ha, b - hb);
+}
+
+// D += A B: A 16x16 (a[4]), B 16x8 (b0, b1), fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* smem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+// The register fragment of an 8x8 b16 matrix -> the fragment of its transpose.
+__device__ __forceinline__ uint32_t MovMatrixTrans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// Byte offset of 16-byte chunk c of row r in a stage: chunks are XOR-swizzled by the row's low
+// three bits so that the 8 rows an ldmatrix reads at one chunk fall in distinct banks.
+template <int HD, typename T>
+__device__ __forceinline__ uint32_t SwizzledChunk(int r, int c) {
+  return static_cast<uint32_t>(r) * (HD * sizeof(T)) + static_cast<uint32_t>(c ^ (r & 7)) * 16u;
+}
+
+// Whether AttendRangeMma serves (HD, G): each warp's quarter of the head dimension must be whole
+// 16-row MMA tiles of O^T, and the group's heads fit the MMA's 8 columns.
+template <int HD, int G>
+constexpr bool kMmaDecode = (HD == 64 || HD == 128) && G <= 8;
+
+// Resident CTAs per SM the Runtime's decode step kernel is compiled for (its register budget):
+// three of the pipelined ones (~145 registers on tensor cores; the CUDA-core loops fit only for
+// G <= 4). DecodeAttnKernel keeps G <= 4: its multi-query items run the CUDA-core loops.
+template <int HD, int G, bool kPipe>
+constexpr int kPipeMinBlocks = kPipe && (G <= 4 || kMmaDecode<HD, G>) ? 3 : 1;
+
+// Same contract as AttendRangePipelined (rows in device memory, range [begin, end), q fp32
+// unscaled, result in red_m / red_l / red_o, the stages aliasing them).
+template <int HD, typename T, int G, typename Src>
+__device__ void AttendRangeMma(const Src& src, const float* __restrict__ q, int gcount,
+                               float scale_log2, int64_t begin, int64_t end, char* pipe,
+                               float* red_m, float* red_l, float* red_o) {
+  static_assert(sizeof(T) == 2 && kMmaDecode<HD, G>);
+  constexpr int kLpr = HD / 8;  // 16-byte chunks per row
+  constexpr int kTile = kPipeTileRows<HD>;
+  constexpr size_t kRowB = HD * sizeof(T);
+  constexpr size_t kStageB = kPipeStageBytes<HD, T>;
+  constexpr int kRowChunks = kTile * kLpr / kAttnThreads;
+  constexpr int kMT = kTile / 16;        // 16-row m-tiles of S^T per tile
+  constexpr int kKS = HD / 16;           // k-steps of K Q^T
+  constexpr int kDW = HD / kAttnWarps;   // head dimensions of O per warp
+  constexpr int kDT = kDW / 16;          // 16-row m-tiles of O^T per warp
+  static_assert(kRowChunks * kAttnThreads == kTile * kLpr && kDT >= 1 && kKS % 2 == 0);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int fr = lane >> 2;        // fragment row within an 8-row block
+  const int fc = (lane & 3) * 2;   // fragment column pair: heads fc, fc + 1 in S^T and O^T
+
+  const int64_t ntiles = end > begin ? (end - begin + kTile - 1) / kTile : 0;
+  auto issue = [&](int64_t t) {
+    char* stage = pipe + (t % kPipeStages) * kStageB;
+    const int64_t r0 = begin + t * kTile;
+#pragma unroll
+    for (int i = 0; i < kRowChunks; ++i) {
+      const int c = threadIdx.x + i * kAttnThreads;
+      const int rr = c / kLpr;
+      const int piece = c % kLpr;
+      char* ks = stage + SwizzledChunk<HD, T>(rr, piece);
+      char* vs = ks + kTile * kRowB;
+      if (r0 + rr < end) {
+        const char* kp;
+        const char* vp;
+        src.Rows(r0 + rr, kp, vp);
+        CpAsync16(ks, kp + piece * 16);
+        CpAsync16(vs, vp + piece * 16);
+      } else {  // past the range: zeros, so that P = 0 never meets a stale NaN
+        *reinterpret_cast<uint4*>(ks) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(vs) = make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+#pragma unroll
+  for (int t = 0; t < kPipeStages - 1; ++t) {
+    if (t < ntiles) issue(t);
+    CpAsyncCommit();
+  }
+
+  // Q^T as B fragments: k-step ks, b0 = dims ks*16 + fc, +1 and b1 = dims +8, of head fr.
+  uint32_t qb_hi[kKS][2], qb_lo[kKS][2];
+  bool q_lo = false;
+#pragma unroll
+  for (int ks = 0; ks < kKS; ++ks) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int col = ks * 16 + h * 8 + fc;
+      const float x0 = fr < gcount ? q[fr * HD + col] : 0.0f;
+      const float x1 = fr < gcount ? q[fr * HD + col + 1] : 0.0f;
+      SplitPair<T>(x0, x1, qb_hi[ks][h], qb_lo[ks][h]);
+      q_lo |= qb_lo[ks][h] != 0u;
+    }
+  }
+  q_lo = __any_sync(0xffffffffu, q_lo);  // warp-uniform: skip Q's lo half when Q is exact
+  float m[2] = {-INFINITY, -INFINITY};  // running max (log2 domain) of heads fc, fc + 1
+  float l[2] = {0.0f, 0.0f};            // this lane's share of their running sums
+  float o[kDT][4];                      // O^T: dims (warp's dt-th 16) + fr (+8), heads fc, fc+1
+#pragma unroll
+  for (int j = 0; j < kDT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+
+  for (int64_t t = 0; t < ntiles; ++t) {
+    CpAsyncWait<kPipeStages - 2>();
+    __syncthreads();  // tile t visible to all; every warp is done with tile t - 1's stage
+    if (t + kPipeStages - 1 < ntiles) issue(t + kPipeStages - 1);
+    CpAsyncCommit();
+    const char* stage = pipe + (t % kPipeStages) * kStageB;
+    const char* vstage = stage + kTile * kRowB;
+    const int64_t r0 = begin + t * kTile;
+
+    // S^T = K Q^T: m-tile mt holds rows mt*16 + fr (c0, c1) and + 8 (c2, c3), heads fc, fc+1.
+    float s[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      float acc_lo[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
+      const int row = mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int ks = 0; ks < kKS; ++ks) {
+        // Matrices: rows +0 / +8 at chunk 2ks, then rows +0 / +8 at chunk 2ks+1.
+        uint32_t a[4];
+        LdMatrixX4(a, stage + SwizzledChunk<HD, T>(row, ks * 2 + (lane >> 4)));
+        Mma16816<T>(s[mt], a, qb_hi[ks][0], qb_hi[ks][1]);
+        if (q_lo) Mma16816<T>(acc_lo, a, qb_lo[ks][0], qb_lo[ks][1]);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mt][e] += acc_lo[e];
+    }
+    // Online softmax per head over the tile: a head's values lie in the 8 lanes of equal fc.
+    float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool ok = r0 + mt * 16 + fr + (e >> 1) * 8 < end;
+        s[mt][e] = ok ? s[mt][e] * scale_log2 : -INFINITY;
+        tmax[e & 1] = fmaxf(tmax[e & 1], s[mt][e]);
+      }
+    }
+    float corr[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) {
+        tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], off));
+      }
+      const float m_new = fmaxf(m[h], tmax[h]);  // finite: every tile has a row in range
+      corr[h] = exp2f(m[h] - m_new);
+      m[h] = m_new;
+      l[h] *= corr[h];
+    }
+#pragma unroll
+    for (int j = 0; j < kDT; ++j) {
+      o[j][0] *= corr[0];
+      o[j][1] *= corr[1];
+      o[j][2] *= corr[0];
+      o[j][3] *= corr[1];
+    }
+    // P^T as B fragments of k-step mt (rows mt*16 ..): S^T's (rows fr, heads fc..) blocks
+    // transposed to (rows fc.., head fr); b0 from c0/c1 (rows +0), b1 from c2/c3 (rows +8).
+    uint32_t pb_hi[kMT][2], pb_lo[kMT][2];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float p0 = exp2f(s[mt][2 * h] - m[0]);
+        const float p1 = exp2f(s[mt][2 * h + 1] - m[1]);
+        l[0] += p0;
+        l[1] += p1;
+        uint32_t hi, lo;
+        SplitPair<T>(p0, p1, hi, lo);
+        pb_hi[mt][h] = MovMatrixTrans(hi);
+        pb_lo[mt][h] = MovMatrixTrans(lo);
+      }
+    }
+    // O^T[warp's dims] += V^T P^T: A = V^T (16 dims x 16 rows) by ldmatrix.trans; matrices:
+    // (rows +0, dims +0), (rows +0, dims +8), (rows +8, dims +0), (rows +8, dims +8).
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      const int vrow = mt * 16 + (lane & 7) + (lane >> 4) * 8;
+#pragma unroll
+      for (int j = 0; j < kDT; ++j) {
+        const int chunk = (warp * kDW + j * 16) / 8 + ((lane >> 3) & 1);
+        uint32_t a[4];
+        LdMatrixX4Trans(a, vstage + SwizzledChunk<HD, T>(vrow, chunk));
+        Mma16816<T>(o[j], a, pb_hi[mt][0], pb_hi[mt][1]);
+        Mma16816<T>(o[j], a, pb_lo[mt][0], pb_lo[mt][1]);
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) l[h] += __shfl_xor_sync(0xffffffffu, l[h], off);
+  }
+  CpAsyncWait<0>();
+  __syncthreads();  // the stages are reused as red_* below
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int g = fc + h;
+    if (g >= gcount) continue;
+    if (warp == 0 && fr == 0) {
+      red_m[g] = m[h];
+      red_l[g] = l[h];
+    }
+#pragma unroll
+    for (int j = 0; j < kDT; ++j) {
+      const int d = warp * kDW + j * 16 + fr;
+      red_o[g * HD + d] = o[j][h];
+      red_o[g * HD + d + 8] = o[j][2 + h];
+    }
+  }
+  __syncthreads();
+}
+
+// The pipelined single-query decode over device-memory rows: tensor cores where kMmaDecode holds,
+// else the CUDA-core loops.
+template <int HD, typename T, int G, typename Src>
+__device__ __forceinline__ void AttendRangeStaged(const Src& src, const float* __restrict__ q,
+                                                  int gcount, float scale_log2, int64_t begin,
+                                                  int64_t end, char* pipe, float* red_m,
+                                                  float* red_l, float* red_o, float* warp_buf) {
+  if constexpr (kMmaDecode<HD, G>) {
+    AttendRangeMma<HD, T, G>(src, q, gcount, scale_log2, begin, end, pipe, red_m, red_l, red_o);
+  } else {
+    AttendRangePipelined<HD, T, G>(src, q, gcount, scale_log2, begin, end, pipe, red_m, red_l,
+                                   red_o, warp_buf);
+  }
+}
+
 // Writes the CTA's merged state as a normalised output plus natural-log lse.
 template <int HD, int G>
 __device__ void WriteResult(const float* red_m, const float* red_l, const float* red_o, int gcount,
@@ -484,9 +782,8 @@ __global__ void __launch_bounds__(kAttnThreads, kPipe && G <= 4 ? 3 : 1)
     const float* q = item.q + static_cast<size_t>(g0) * HD;
     auto attend = [&](const auto& src) {
       if constexpr (kPipe) {
-        AttendRangePipelined<HD, T, G>(src, q, gcount, args.scale_log2, begin, end,
-                                       reinterpret_cast<char*>(smem), red_m, red_l, red_o,
-                                       warp_buf);
+        AttendRangeStaged<HD, T, G>(src, q, gcount, args.scale_log2, begin, end,
+                                    reinterpret_cast<char*>(smem), red_m, red_l, red_o, warp_buf);
       } else {
         AttendRange<HD, T, G>(src, q, gcount, args.scale_log2, begin, end, red_m, red_l, red_o,
                               warp_buf);

@@ -130,76 +130,77 @@ struct StepLaunch {
   float scale_log2;
 };
 
-// (3) combine of one query head of an item: the splits' partials and the optional CPU part
-// (entry `splits`), weighted by their lse, into out in its dtype. Run by the item's last CTA.
-__device__ void CombineHead(const DecodeStepArgs& a, int32_t item, int g, int32_t splits,
-                            size_t items) {
-  __shared__ float w[kAttnThreads + 1];
-  __shared__ float red[kAttnWarps];
-  __shared__ float m_sh, sum_sh;
-  const int group = a.params.group, d = a.params.head_dim;
-  const int64_t row = static_cast<int64_t>(item) * group + g;  // (b, h * group + g)
-  const int tid = threadIdx.x;
+// (3) combine of the CTA's query heads g0 .. g0+gcount of an item: the splits' partials and the
+// optional CPU part (entry `splits`), weighted by their lse, into out in its dtype. Run by the
+// item's last CTA. Warp w weighs the splits of heads w, w + warps, ...; then every thread sums
+// (head, dimension) outputs over the splits with eight independent loads in flight, so the tail
+// after the last split finishes is a few L2 round trips, not one per split and head.
+// wbuf: shared memory for gcount * (splits + 1) floats.
+template <int HD, int G>
+__device__ void CombineHeads(const DecodeStepArgs& a, int32_t item, int g0, int gcount,
+                             int32_t splits, size_t items, float* wbuf) {
+  __shared__ float inv_sh[G];
+  const int group = a.params.group;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const size_t base = static_cast<size_t>(item) * splits;
-  const float* ws_lse = a.ws + items * splits * group * d;
-  float l = -INFINITY;
-  if (tid < splits) {
-    l = __ldcg(ws_lse + (base + tid) * group + g);
-  } else if (tid == splits && a.lse_cpu != nullptr) {
-    l = a.lse_cpu[row];
-  }
-  float m = l;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  if ((tid & 31) == 0) red[tid >> 5] = m;
-  __syncthreads();
-  if (tid == 0) {
-    float mm = red[0];
-    for (int i = 1; i < kAttnWarps; ++i) mm = fmaxf(mm, red[i]);
-    m_sh = mm;
-  }
-  __syncthreads();
-  m = m_sh;
-  const float wt = (l == -INFINITY || m == -INFINITY) ? 0.0f : expf(l - m);
-  if (tid <= splits) w[tid] = wt;
-  float sum = wt;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  __syncthreads();
-  if ((tid & 31) == 0) red[tid >> 5] = sum;
-  __syncthreads();
-  if (tid == 0) {
-    float ss = 0.0f;
-    for (int i = 0; i < kAttnWarps; ++i) ss += red[i];
-    sum_sh = ss;
-  }
-  __syncthreads();
-  sum = sum_sh;
-  const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-  const float* ws_o = a.ws + (base * group + g) * d;
-  const size_t ystride = static_cast<size_t>(group) * d;
-  const float* o_cpu = a.o_cpu != nullptr ? a.o_cpu + row * d : nullptr;
-  for (int i = tid; i < d; i += kAttnThreads) {
-    float acc0 = 0.0f, acc1 = 0.0f;
-    int y = 0;
-    for (; y + 2 <= splits; y += 2) {
-      acc0 = fmaf(w[y], __ldcg(ws_o + y * ystride + i), acc0);
-      acc1 = fmaf(w[y + 1], __ldcg(ws_o + (y + 1) * ystride + i), acc1);
+  const int wn = splits + 1;
+  for (int gi = warp; gi < gcount; gi += kAttnWarps) {
+    const int g = g0 + gi;
+    const int64_t row = static_cast<int64_t>(item) * group + g;  // (b, h * group + g)
+    const float* ws_lse = a.ws + items * splits * group * HD;
+    float* w = wbuf + gi * wn;
+    float m = -INFINITY;
+    for (int y = lane; y <= splits; y += 32) {
+      float l = -INFINITY;
+      if (y < splits) {
+        l = __ldcg(ws_lse + (base + y) * group + g);
+      } else if (a.lse_cpu != nullptr) {
+        l = a.lse_cpu[row];
+      }
+      w[y] = l;  // read back below by this same lane
+      m = fmaxf(m, l);
     }
-    if (y < splits) acc0 = fmaf(w[y], __ldcg(ws_o + y * ystride + i), acc0);
-    float acc = acc0 + acc1;
-    if (o_cpu != nullptr) acc = fmaf(w[splits], o_cpu[i], acc);
-    StoreElem(a.out, a.out_dtype, row * d + i, acc * inv);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float sum = 0.0f;
+    for (int y = lane; y <= splits; y += 32) {
+      const float l = w[y];
+      const float wt = (l == -INFINITY || m == -INFINITY) ? 0.0f : expf(l - m);
+      w[y] = wt;
+      sum += wt;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) {
+      inv_sh[gi] = sum > 0.0f ? 1.0f / sum : 0.0f;
+      if (a.lse != nullptr) a.lse[row] = m == -INFINITY ? -INFINITY : m + logf(sum);
+    }
   }
-  if (tid == 0 && a.lse != nullptr) a.lse[row] = m == -INFINITY ? -INFINITY : m + logf(sum);
-  __syncthreads();  // w / red are reused by the next head
+  __syncthreads();
+  const size_t ystride = static_cast<size_t>(group) * HD;
+  for (int idx = threadIdx.x; idx < gcount * HD; idx += kAttnThreads) {
+    const int gi = idx / HD, i = idx - gi * HD;
+    const float* w = wbuf + gi * wn;
+    const float* src = a.ws + (base * group + g0 + gi) * HD + i;
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    int y = 0;
+    for (; y + 8 <= splits; y += 8) {
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc[u] = fmaf(w[y + u], __ldcg(src + (y + u) * ystride), acc[u]);
+    }
+    for (; y < splits; ++y) acc[0] = fmaf(w[y], __ldcg(src + y * ystride), acc[0]);
+    float o = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    const int64_t out_row = static_cast<int64_t>(item) * group + g0 + gi;
+    if (a.o_cpu != nullptr) o = fmaf(w[splits], a.o_cpu[out_row * HD + i], o);
+    StoreElem(a.out, a.out_dtype, out_row * HD + i, o * inv_sh[gi]);
+  }
 }
 
 // (2) attend + (3) combine: grid (items, splits, head chunks). Each CTA writes its partial result
 // to ws; the last CTA of an (item, head chunk) to finish (a counter per pair, reset by it) merges
 // them into out, so a layer costs two launches.
 template <int HD, typename T, int G, bool kPipe>
-__global__ void __launch_bounds__(kAttnThreads, kPipe && G <= 4 ? 3 : 1)
+__global__ void __launch_bounds__(kAttnThreads, kPipeMinBlocks<HD, G, kPipe>)
     StepAttnKernel(DecodeStepArgs a, StepLaunch l) {
   extern __shared__ __align__(16) float smem[];
   float* warp_buf = smem;
@@ -274,8 +275,8 @@ __global__ void __launch_bounds__(kAttnThreads, kPipe && G <= 4 ? 3 : 1)
     const float* q = q_s;
     auto attend = [&](const auto& rows) {
       if constexpr (kPipe) {
-        AttendRangePipelined<HD, T, G>(rows, q, gcount, l.scale_log2, begin, end,
-                                       reinterpret_cast<char*>(smem), red_m, red_l, red_o, warp_buf);
+        AttendRangeStaged<HD, T, G>(rows, q, gcount, l.scale_log2, begin, end,
+                                    reinterpret_cast<char*>(smem), red_m, red_l, red_o, warp_buf);
       } else {
         AttendRange<HD, T, G>(rows, q, gcount, l.scale_log2, begin, end, red_m, red_l, red_o, warp_buf);
       }
@@ -298,7 +299,9 @@ __global__ void __launch_bounds__(kAttnThreads, kPipe && G <= 4 ? 3 : 1)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  for (int g = g0; g < g0 + gcount; ++g) CombineHead(a, item, g, l.num_splits, gridDim.x);
+  // The attention's shared memory is free now: it holds the combine's weights (G * kAttnThreads floats
+  // at most, below the reduction buffers' size).
+  CombineHeads<HD, G>(a, item, g0, gcount, l.num_splits, gridDim.x, smem);
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or graph replay)
 }
 
@@ -306,6 +309,8 @@ template <int HD, typename T, int G, bool kPipe>
 Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
   constexpr size_t kRed = (static_cast<size_t>(kAttnWarps) * G * (HD + 2) + G * HD + 2 * G) * sizeof(float);
   const size_t smem = kPipe ? std::max(kRed, kPipeSmemBytes<HD, T>) : kRed;
+  static_assert(kRed >= static_cast<size_t>(G) * kAttnThreads * sizeof(float),
+                "the combine's weights fit in the reduction buffers");
   KVF_ASSIGN_OR_RETURN(const int per_sm,
                        (PrepareAttnKernel<StepAttnKernel<HD, T, G, kPipe>>(smem, "StepAttnKernel")));
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
