@@ -16,6 +16,7 @@
 
 #include "base/attn_types.h"
 #include "kvferry/config.h"
+#include "kvferry/runtime.h"
 #include "kvferry/status.h"
 #include "kvferry/tensor.h"
 
@@ -110,8 +111,7 @@ class Device {
 /// Host-emulated device: plain (aligned) host memory, synchronous "streams", reference kernels.
 std::unique_ptr<Device> MakeHostDevice();
 
-/// Whether this build has CUDA and a usable GPU.
-bool CudaAvailable();
+// CudaAvailable() is public (kvferry/runtime.h).
 /// The CUDA device \p device_id, or kUnimplemented when built without CUDA.
 Result<std::unique_ptr<Device>> MakeCudaDevice(int device_id);
 

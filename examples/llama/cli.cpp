@@ -11,10 +11,10 @@
 #include <system_error>
 
 #include "kvferry/runtime.h"
-#include "base/check.h"
+#include "kvferry/status_macros.h"
 
 #if !defined(KVFERRY_CLI_NO_RUNTIME)
-#include "gpu/device.h"
+#include "kvferry/runtime.h"
 #endif
 
 namespace kvferry::llama {

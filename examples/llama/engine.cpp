@@ -5,7 +5,7 @@
 #include <cmath>
 #include <limits>
 
-#include "base/check.h"
+#include "kvferry/status_macros.h"
 
 namespace kvferry::llama {
 namespace {

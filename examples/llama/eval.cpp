@@ -6,7 +6,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "base/check.h"
+#include "kvferry/status_macros.h"
 
 namespace kvferry::llama {
 namespace {

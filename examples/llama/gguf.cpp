@@ -8,7 +8,7 @@
 #include <fstream>
 #include <limits>
 
-#include "base/check.h"
+#include "kvferry/status_macros.h"
 
 namespace kvferry::llama {
 namespace {

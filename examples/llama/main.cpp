@@ -33,8 +33,8 @@
 #include "examples/llama/gguf.h"
 #include "examples/llama/model.h"
 #include "examples/llama/tokenizer.h"
-#include "gpu/device.h"
-#include "base/check.h"
+#include "kvferry/runtime.h"
+#include "kvferry/status_macros.h"
 
 namespace kvferry::llama {
 namespace {

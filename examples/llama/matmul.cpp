@@ -7,7 +7,7 @@
 
 #include <unordered_map>
 
-#include "base/check.h"
+#include "kvferry/status_macros.h"
 
 #ifdef KVFERRY_WITH_CUDA
 #include <cublas_v2.h>

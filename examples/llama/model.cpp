@@ -6,7 +6,7 @@
 #include <filesystem>
 
 #include "examples/llama/gguf.h"
-#include "base/check.h"
+#include "kvferry/status_macros.h"
 
 namespace kvferry::llama {
 namespace {

@@ -1,7 +1,7 @@
 // Copyright kvferry authors. Apache-2.0.
 // The engine's attention through kvferry's Runtime.
 #include "examples/llama/engine.h"
-#include "base/check.h"
+#include "kvferry/status_macros.h"
 
 namespace kvferry::llama {
 

@@ -9,7 +9,7 @@
 
 #include "bench/lib/utf8.h"
 #include "examples/llama/gguf.h"
-#include "base/check.h"
+#include "kvferry/status_macros.h"
 
 namespace kvferry::llama {
 namespace {

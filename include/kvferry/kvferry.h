@@ -6,4 +6,5 @@
 #include "kvferry/runtime.h"
 #include "kvferry/stats.h"
 #include "kvferry/status.h"
+#include "kvferry/status_macros.h"
 #include "kvferry/tensor.h"

@@ -108,4 +108,8 @@ class Runtime {
   std::unique_ptr<detail::RuntimeImpl> impl_;
 };
 
+/// Whether this build of kvferry has the CUDA backend and a usable GPU (what Backend::kAuto
+/// resolves to kCuda on).
+bool CudaAvailable();
+
 }  // namespace kvferry
