@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "kvferry/config.h"
@@ -111,5 +112,8 @@ class Runtime {
 /// Whether this build of kvferry has the CUDA backend and a usable GPU (what Backend::kAuto
 /// resolves to kCuda on).
 bool CudaAvailable();
+
+/// Names of the selection policies Runtime::Create accepts in PolicyConfig::name.
+std::vector<std::string> PolicyNames();
 
 }  // namespace kvferry

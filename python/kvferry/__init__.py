@@ -1,0 +1,207 @@
+# Copyright kvferry authors. Apache-2.0.
+"""kvferry: a KV cache split between GPU and host memory, with sparse attention over it.
+
+One :class:`Runtime` owns the KV cache of several sequences for every layer and computes attention
+for prefill (``prefill``, causal, dense) and decode (``decode``, one token per sequence, over the
+positions the policy selects). It mirrors the C++ API (``include/kvferry/``)::
+
+    import torch, kvferry
+    rt = kvferry.Runtime(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                         policy="oracle", budget=64, backend="host")
+    rt.add_sequence(7)
+    out = rt.prefill(7, 0, q, k, v)          # q [T, Hq, D], k/v [T, Hkv, D], post-RoPE
+    out1 = rt.decode([7], 0, q1, k1, v1)     # q1 [B, Hq, D], k1/v1 [B, Hkv, D]
+    rt.stats()["rows_selected"], rt.last_selection(7, 0, 0)
+
+Tensors are ``torch.Tensor`` (or any DLPack / buffer-protocol array, e.g. numpy) of float32,
+bfloat16 or float16 on the CPU or a CUDA device, taken without a copy; the innermost dimension must
+be contiguous. CUDA work runs on torch's current stream. Errors raise ``ValueError`` (invalid
+arguments, unknown sequences), ``MemoryError`` (capacity) or ``RuntimeError`` (device and internal
+errors), with kvferry's message.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+from . import _core
+
+__all__ = ["RuntimeConfig", "Runtime", "cuda_available", "policy_names", "__version__"]
+__version__ = "0.1.0"
+
+
+def cuda_available() -> bool:
+    """Whether this build of kvferry has the CUDA backend and a usable GPU."""
+    return _core.cuda_available()
+
+
+def policy_names() -> List[str]:
+    """Names of the selection policies ``RuntimeConfig.policy`` accepts."""
+    return list(_core.policy_names())
+
+
+@dataclass
+class RuntimeConfig:
+    """Everything a Runtime is created with (``kvferry::RuntimeConfig``, flattened).
+
+    Model shape: ``num_layers``, ``num_q_heads``, ``num_kv_heads`` (GQA), ``head_dim`` (64, 128 or
+    256 on CUDA; 8..256, a multiple of 8, on the host backend), ``kv_dtype`` ("bf16" or "f16"),
+    ``softmax_scale`` (0: 1/sqrt(head_dim)). Capacity: ``max_sequences``,
+    ``max_tokens_per_sequence``, ``max_batch`` (sequences per decode), ``max_prefill_chunk``,
+    ``max_host_bytes`` (0: unlimited), ``host_bytes_at_create``. Tiers: ``sink_tokens``,
+    ``window_tokens`` (resident on the GPU), ``bank_slots``, ``bank_map``. Policy: ``policy``
+    (see :func:`policy_names`), ``budget`` (tokens attended per sequence and KV head, resident ones
+    included; 0: use ``budget_fraction``), ``params`` (policy parameters by name). ``route``:
+    "auto", "gpu" or "cpu"; ``backend``: "auto", "cuda" or "host".
+    """
+
+    num_layers: int = 32
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    kv_dtype: str = "bf16"
+    softmax_scale: float = 0.0
+    max_sequences: int = 8
+    max_tokens_per_sequence: int = 131072
+    max_batch: int = 8
+    max_prefill_chunk: int = 8192
+    max_host_bytes: int = 0
+    host_bytes_at_create: int = 0
+    sink_tokens: int = 4
+    window_tokens: int = 256
+    bank_slots: int = 0
+    bank_map: str = "vector"
+    policy: str = "streaming"
+    budget: int = 256
+    budget_fraction: float = 0.0
+    params: Dict[str, float] = field(default_factory=dict)
+    route: str = "auto"
+    backend: str = "auto"
+    device_id: int = 0
+    cpu_threads: int = 0
+    probe_at_start: bool = True
+
+
+def _is_torch(t: Any) -> bool:
+    return type(t).__module__.startswith("torch")
+
+
+def _stream_of(t: Any) -> int:
+    """torch's current CUDA stream for a CUDA tensor, else 0 (the runtime's own / host)."""
+    if _is_torch(t) and t.is_cuda:
+        import torch
+
+        return int(torch.cuda.current_stream(t.device).cuda_stream)
+    return 0
+
+
+def _new_out(q: Any) -> Any:
+    """An output like q: same shape, dtype and device, contiguous."""
+    if _is_torch(q):
+        import torch
+
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    import numpy as np
+
+    return np.empty(q.shape, dtype=q.dtype)
+
+
+class Runtime:
+    """The KV cache of up to ``max_sequences`` sequences and attention over it.
+
+    ``Runtime(config)`` or ``Runtime(**fields)`` (names of :class:`RuntimeConfig`); a config plus
+    keyword arguments overrides those fields. Not thread-safe: call it from one thread. Every call
+    releases the GIL while kvferry works.
+    """
+
+    def __init__(self, config: Optional[RuntimeConfig] = None, **fields: Any) -> None:
+        if config is None:
+            config = RuntimeConfig(**fields)
+        elif fields:
+            config = dataclasses.replace(config, **fields)
+        self._config = config
+        self._rt = _core.Runtime(dataclasses.asdict(config))
+
+    @property
+    def config(self) -> RuntimeConfig:
+        """The configuration this runtime was created with."""
+        return self._config
+
+    @property
+    def backend(self) -> str:
+        """"host" or "cuda": the backend in use."""
+        return self._rt.backend
+
+    @property
+    def decode_is_capture_safe(self) -> bool:
+        """Whether a planned decode step can be captured in a CUDA graph."""
+        return self._rt.decode_is_capture_safe
+
+    def add_sequence(self, seq: int) -> None:
+        """Registers a new, empty sequence ``seq`` (an id the caller chooses)."""
+        self._rt.add_sequence(seq)
+
+    def remove_sequence(self, seq: int) -> None:
+        """Frees every tier's data of ``seq``."""
+        self._rt.remove_sequence(seq)
+
+    def sequence_length(self, seq: int, layer: int) -> int:
+        """Tokens stored for ``seq`` at ``layer``."""
+        return self._rt.sequence_length(seq, layer)
+
+    def prefill(self, seq: int, layer: int, q: Any, k: Any, v: Any, out: Any = None) -> Any:
+        """Stores a prompt chunk's K/V of ``seq`` at ``layer`` and returns causal attention of the
+        chunk's queries over everything stored plus the chunk. q/out: [T, Hq, D]; k/v: [T, Hkv, D].
+        ``out`` (optional) is written in place; otherwise a tensor like q is returned."""
+        if out is None:
+            out = _new_out(q)
+        self._rt.prefill(seq, layer, q, k, v, out, _stream_of(q))
+        return out
+
+    def append(self, seq: int, layer: int, k: Any, v: Any) -> None:
+        """Stores a chunk's K/V of ``seq`` at ``layer`` without attention. k/v: [T, Hkv, D]."""
+        self._rt.append(seq, layer, k, v, _stream_of(k))
+
+    def decode(self, seqs: Sequence[int], layer: int, q: Any, k: Any, v: Any,
+               out: Any = None) -> Any:
+        """Appends one token per sequence of ``seqs`` at ``layer`` and returns attention of its
+        query over the positions the policy selects. q/out: [B, Hq, D]; k/v: [B, Hkv, D]."""
+        if out is None:
+            out = _new_out(q)
+        self._rt.decode(list(seqs), layer, q, k, v, out, _stream_of(q))
+        return out
+
+    def plan_decode(self, seqs: Iterable[int], stream: Optional[int] = None) -> None:
+        """Plans one decode token step of ``seqs`` (all layers); see the C++ PlanDecode."""
+        if stream is None:
+            stream = 0
+            try:
+                import torch
+
+                if torch.cuda.is_available() and self.backend == "cuda":
+                    stream = int(torch.cuda.current_stream().cuda_stream)
+            except ImportError:
+                pass
+        self._rt.plan_decode(list(seqs), stream)
+
+    def last_selection(self, seq: int, layer: int, kv_head: int) -> List[int]:
+        """Positions attended at the last decode of (seq, layer, kv_head), ascending."""
+        return list(self._rt.last_selection(seq, layer, kv_head))
+
+    def synchronize(self) -> None:
+        """Waits for all work issued on the runtime's streams."""
+        self._rt.synchronize()
+
+    def stats(self) -> Dict[str, float]:
+        """Cumulative counters (kvferry::Stats) as a dict: rows per tier, PCIe bytes, ms per stage."""
+        return dict(self._rt.stats())
+
+    def reset_stats(self) -> None:
+        """Zeroes the counters."""
+        self._rt.reset_stats()
+
+    def __repr__(self) -> str:
+        c = self._config
+        return (f"kvferry.Runtime(policy={c.policy!r}, budget={c.budget}, backend={self.backend!r}, "
+                f"layers={c.num_layers}, heads={c.num_q_heads}/{c.num_kv_heads}x{c.head_dim})")

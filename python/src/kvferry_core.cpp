@@ -1,0 +1,377 @@
+// Copyright kvferry authors. Apache-2.0.
+// kvferry._core: the nanobind extension behind the `kvferry` Python package. It binds the public
+// C++ API (include/kvferry/) one to one; the package's __init__.py adds the torch conveniences
+// (allocating outputs, torch's current CUDA stream). Tensors arrive as DLPack / buffer-protocol
+// arrays (torch, numpy, cupy, ...) and are passed to the runtime as TensorViews over the same
+// memory: no copy. The GIL is released while the runtime works.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kvferry/kvferry.h"
+
+namespace nb = nanobind;
+
+namespace kvferry::python {
+namespace {
+
+// Raises the Python exception that matches \p st: ValueError for the caller's mistakes,
+// MemoryError for exhausted capacity, RuntimeError otherwise; the message is Status::ToString().
+void Raise(const Status& st) {
+  PyObject* type = PyExc_RuntimeError;
+  switch (st.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kNotFound:
+    case StatusCode::kFailedPrecondition:
+    case StatusCode::kCorruptData:
+      type = PyExc_ValueError;
+      break;
+    case StatusCode::kResourceExhausted:
+      type = PyExc_MemoryError;
+      break;
+    default:
+      break;
+  }
+  PyErr_SetString(type, st.ToString().c_str());
+  throw nb::python_error();
+}
+void Check(const Status& st) {
+  if (!st.ok()) Raise(st);
+}
+
+[[noreturn]] void BadTensor(const std::string& message) { throw nb::value_error(message.c_str()); }
+
+std::string ShapeOf(const nb::ndarray<>& a) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.shape(i);
+  os << (a.ndim() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+// A TensorView over \p a, which must be [d0, d1, d2] with the dims named in \p dims, of f32, bf16
+// or f16, on the CPU or a CUDA device, innermost dimension contiguous. \p name names the argument
+// in errors.
+TensorView ViewOf(const nb::ndarray<>& a, const char* name, const char* dims,
+                  int64_t d1, int64_t d2) {
+  if (a.ndim() != 3) {
+    BadTensor(std::string(name) + ": expected 3 dimensions " + dims + ", got shape " + ShapeOf(a));
+  }
+  if (a.shape(1) != static_cast<size_t>(d1) || a.shape(2) != static_cast<size_t>(d2)) {
+    std::ostringstream os;
+    os << name << ": expected shape " << dims << " with " << d1 << " heads of " << d2
+       << ", got " << ShapeOf(a);
+    BadTensor(os.str());
+  }
+  TensorView v;
+  const nb::dlpack::dtype dt = a.dtype();
+  if (dt == nb::dtype<float>()) {
+    v.dtype = DType::kF32;
+  } else if (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && dt.bits == 16 &&
+             dt.lanes == 1) {
+    v.dtype = DType::kBF16;
+  } else if (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && dt.bits == 16 &&
+             dt.lanes == 1) {
+    v.dtype = DType::kF16;
+  } else {
+    std::ostringstream os;
+    os << name << ": dtype must be float32, bfloat16 or float16 (got code " << int(dt.code)
+       << ", " << int(dt.bits) << " bits)";
+    BadTensor(os.str());
+  }
+  if (a.device_type() == nb::device::cpu::value) {
+    v.where = MemoryKind::kHost;
+  } else if (a.device_type() == nb::device::cuda::value) {
+    v.where = MemoryKind::kDevice;
+  } else {
+    BadTensor(std::string(name) + ": tensor must be on the CPU or a CUDA device");
+  }
+  if (a.shape(2) > 1 && a.stride(2) != 1) {
+    BadTensor(std::string(name) + ": the innermost dimension must be contiguous (stride 1), got " +
+              std::to_string(a.stride(2)) + "; call .contiguous()");
+  }
+  v.data = a.data();
+  v.ndim = 3;
+  for (int i = 0; i < 3; ++i) {
+    v.shape[i] = static_cast<int64_t>(a.shape(i));
+    v.stride[i] = a.shape(i) > 1 ? static_cast<int64_t>(a.stride(i)) : 0;
+  }
+  v.stride[2] = 1;
+  // Strides of size-1 dimensions are free in DLPack; give them the contiguous value.
+  if (v.shape[1] <= 1) v.stride[1] = v.shape[2];
+  if (v.shape[0] <= 1) v.stride[0] = v.shape[1] * v.stride[1];
+  return v;
+}
+
+void RequireRows(const TensorView& v, const char* name, int64_t rows, const char* what) {
+  if (v.shape[0] != rows) {
+    std::ostringstream os;
+    os << name << ": " << v.shape[0] << " rows, but " << what << " has " << rows;
+    BadTensor(os.str());
+  }
+}
+
+StreamHandle StreamOf(uintptr_t stream) { return reinterpret_cast<StreamHandle>(stream); }
+
+// RuntimeConfig from the package's RuntimeConfig dataclass (as a dict of its fields).
+RuntimeConfig ConfigFromDict(const nb::dict& d) {
+  RuntimeConfig c;
+  auto get_int = [&](const char* k, auto& field) {
+    if (d.contains(k)) field = static_cast<std::remove_reference_t<decltype(field)>>(nb::cast<int64_t>(d[k]));
+  };
+  auto get_dtype = [&](const char* k, DType& field) {
+    if (!d.contains(k)) return;
+    const std::string s = nb::cast<std::string>(d[k]);
+    if (s == "bf16" || s == "bfloat16") {
+      field = DType::kBF16;
+    } else if (s == "f16" || s == "float16") {
+      field = DType::kF16;
+    } else {
+      throw nb::value_error(("kv_dtype: want 'bf16' or 'f16', got '" + s + "'").c_str());
+    }
+  };
+  static const char* const kKnown[] = {
+      "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "kv_dtype", "softmax_scale",
+      "max_sequences", "max_tokens_per_sequence", "max_batch", "max_prefill_chunk",
+      "max_host_bytes", "host_bytes_at_create", "sink_tokens", "window_tokens", "bank_slots",
+      "bank_map", "policy", "budget", "budget_fraction", "params", "route", "backend",
+      "device_id", "cpu_threads", "probe_at_start"};
+  for (auto [key, value] : d) {
+    const std::string k = nb::cast<std::string>(key);
+    bool known = false;
+    for (const char* n : kKnown) known |= k == n;
+    if (!known) throw nb::value_error(("unknown configuration field '" + k + "'").c_str());
+  }
+  get_int("num_layers", c.model.num_layers);
+  get_int("num_q_heads", c.model.num_q_heads);
+  get_int("num_kv_heads", c.model.num_kv_heads);
+  get_int("head_dim", c.model.head_dim);
+  get_dtype("kv_dtype", c.model.kv_dtype);
+  if (d.contains("softmax_scale")) c.model.softmax_scale = nb::cast<float>(d["softmax_scale"]);
+  get_int("max_sequences", c.capacity.max_sequences);
+  get_int("max_tokens_per_sequence", c.capacity.max_tokens_per_sequence);
+  get_int("max_batch", c.capacity.max_batch);
+  get_int("max_prefill_chunk", c.capacity.max_prefill_chunk);
+  get_int("max_host_bytes", c.capacity.max_host_bytes);
+  get_int("host_bytes_at_create", c.capacity.host_bytes_at_create);
+  get_int("sink_tokens", c.tiers.sink_tokens);
+  get_int("window_tokens", c.tiers.window_tokens);
+  get_int("bank_slots", c.tiers.bank_slots);
+  if (d.contains("bank_map")) c.tiers.bank_map = nb::cast<std::string>(d["bank_map"]);
+  if (d.contains("policy")) c.policy.name = nb::cast<std::string>(d["policy"]);
+  get_int("budget", c.policy.budget_tokens);
+  if (d.contains("budget_fraction")) c.policy.budget_fraction = nb::cast<double>(d["budget_fraction"]);
+  if (d.contains("params") && !d["params"].is_none()) {
+    for (auto [pk, pv] : nb::cast<nb::dict>(d["params"])) {
+      c.policy.params[nb::cast<std::string>(pk)] = nb::cast<double>(pv);
+    }
+  }
+  if (d.contains("route")) {
+    const std::string s = nb::cast<std::string>(d["route"]);
+    if (s == "auto") c.route = Route::kAuto;
+    else if (s == "gpu") c.route = Route::kGpu;
+    else if (s == "cpu") c.route = Route::kCpu;
+    else throw nb::value_error(("route: want 'auto', 'gpu' or 'cpu', got '" + s + "'").c_str());
+  }
+  if (d.contains("backend")) {
+    const std::string s = nb::cast<std::string>(d["backend"]);
+    if (s == "auto") c.backend = Backend::kAuto;
+    else if (s == "cuda") c.backend = Backend::kCuda;
+    else if (s == "host") c.backend = Backend::kHost;
+    else throw nb::value_error(("backend: want 'auto', 'cuda' or 'host', got '" + s + "'").c_str());
+  }
+  get_int("device_id", c.device_id);
+  get_int("cpu_threads", c.cpu_threads);
+  if (d.contains("probe_at_start")) c.probe_at_start = nb::cast<bool>(d["probe_at_start"]);
+  return c;
+}
+
+nb::dict StatsDict(const Stats& s) {
+  nb::dict d;
+#define KVF_STAT(f) d[#f] = s.f
+  KVF_STAT(prefill_tokens);
+  KVF_STAT(decode_steps);
+  KVF_STAT(decode_tokens);
+  KVF_STAT(decode_planned);
+  KVF_STAT(decode_plans);
+  KVF_STAT(host_syncs);
+  KVF_STAT(bytes_h2d);
+  KVF_STAT(bytes_d2h);
+  KVF_STAT(rows_resident);
+  KVF_STAT(rows_bank_hit);
+  KVF_STAT(rows_fetched);
+  KVF_STAT(rows_cpu);
+  KVF_STAT(rows_selected);
+  KVF_STAT(bank_admitted);
+  KVF_STAT(bank_evicted);
+  KVF_STAT(ms_append);
+  KVF_STAT(ms_select);
+  KVF_STAT(ms_resolve);
+  KVF_STAT(ms_attend_gpu);
+  KVF_STAT(ms_attend_cpu);
+  KVF_STAT(ms_merge);
+  KVF_STAT(ms_admit);
+  KVF_STAT(ms_prefill);
+  KVF_STAT(cost_pcie_gbps);
+  KVF_STAT(cost_cpu_gbps);
+  KVF_STAT(host_bytes_reserved);
+  KVF_STAT(device_bytes_reserved);
+#undef KVF_STAT
+  return d;
+}
+
+// The runtime as Python sees it. Calls are checked here (shapes, dtypes, devices, with the
+// argument named), then run without the GIL.
+class PyRuntime {
+ public:
+  explicit PyRuntime(const nb::dict& config) {
+    const RuntimeConfig c = ConfigFromDict(config);
+    Result<std::unique_ptr<Runtime>> rt = [&] {
+      nb::gil_scoped_release release;
+      return Runtime::Create(c);
+    }();
+    if (!rt.ok()) Raise(rt.status());
+    rt_ = std::move(rt).value();
+  }
+
+  void AddSequence(SequenceId seq) { Check(rt_->AddSequence(seq)); }
+  void RemoveSequence(SequenceId seq) {
+    nb::gil_scoped_release release;
+    const Status st = rt_->RemoveSequence(seq);
+    nb::gil_scoped_acquire acquire;
+    Check(st);
+  }
+  int64_t SequenceLength(SequenceId seq, int layer) {
+    Result<int64_t> n = rt_->SequenceLength(seq, layer);
+    if (!n.ok()) Raise(n.status());
+    return *n;
+  }
+
+  void Prefill(SequenceId seq, int layer, const nb::ndarray<>& q, const nb::ndarray<>& k,
+               const nb::ndarray<>& v, const nb::ndarray<>& out, uintptr_t stream) {
+    const ModelShape& m = rt_->config().model;
+    const TensorView qv = ViewOf(q, "q", "[T, num_q_heads, head_dim]", m.num_q_heads, m.head_dim);
+    const TensorView kv = ViewOf(k, "k", "[T, num_kv_heads, head_dim]", m.num_kv_heads, m.head_dim);
+    const TensorView vv = ViewOf(v, "v", "[T, num_kv_heads, head_dim]", m.num_kv_heads, m.head_dim);
+    const TensorView ov = ViewOf(out, "out", "[T, num_q_heads, head_dim]", m.num_q_heads, m.head_dim);
+    RequireRows(kv, "k", qv.shape[0], "q");
+    RequireRows(vv, "v", qv.shape[0], "q");
+    RequireRows(ov, "out", qv.shape[0], "q");
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = rt_->Prefill(seq, layer, qv, kv, vv, ov, StreamOf(stream));
+    }
+    Check(st);
+  }
+
+  void Append(SequenceId seq, int layer, const nb::ndarray<>& k, const nb::ndarray<>& v,
+              uintptr_t stream) {
+    const ModelShape& m = rt_->config().model;
+    const TensorView kv = ViewOf(k, "k", "[T, num_kv_heads, head_dim]", m.num_kv_heads, m.head_dim);
+    const TensorView vv = ViewOf(v, "v", "[T, num_kv_heads, head_dim]", m.num_kv_heads, m.head_dim);
+    RequireRows(vv, "v", kv.shape[0], "k");
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = rt_->Append(seq, layer, kv, vv, StreamOf(stream));
+    }
+    Check(st);
+  }
+
+  void Decode(const std::vector<SequenceId>& seqs, int layer, const nb::ndarray<>& q,
+              const nb::ndarray<>& k, const nb::ndarray<>& v, const nb::ndarray<>& out,
+              uintptr_t stream) {
+    const ModelShape& m = rt_->config().model;
+    const TensorView qv = ViewOf(q, "q", "[B, num_q_heads, head_dim]", m.num_q_heads, m.head_dim);
+    const TensorView kv = ViewOf(k, "k", "[B, num_kv_heads, head_dim]", m.num_kv_heads, m.head_dim);
+    const TensorView vv = ViewOf(v, "v", "[B, num_kv_heads, head_dim]", m.num_kv_heads, m.head_dim);
+    const TensorView ov = ViewOf(out, "out", "[B, num_q_heads, head_dim]", m.num_q_heads, m.head_dim);
+    const int64_t b = static_cast<int64_t>(seqs.size());
+    RequireRows(qv, "q", b, "the batch of sequences");
+    RequireRows(kv, "k", b, "the batch of sequences");
+    RequireRows(vv, "v", b, "the batch of sequences");
+    RequireRows(ov, "out", b, "the batch of sequences");
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = rt_->Decode(seqs, layer, qv, kv, vv, ov, StreamOf(stream));
+    }
+    Check(st);
+  }
+
+  void PlanDecode(const std::vector<SequenceId>& seqs, uintptr_t stream) {
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = rt_->PlanDecode(seqs, StreamOf(stream));
+    }
+    Check(st);
+  }
+
+  std::vector<int32_t> LastSelection(SequenceId seq, int layer, int kv_head) {
+    Result<std::vector<int32_t>> r = [&] {
+      nb::gil_scoped_release release;
+      return rt_->LastSelection(seq, layer, kv_head);
+    }();
+    if (!r.ok()) Raise(r.status());
+    return std::move(r).value();
+  }
+
+  void Synchronize() {
+    Status st;
+    {
+      nb::gil_scoped_release release;
+      st = rt_->Synchronize();
+    }
+    Check(st);
+  }
+  nb::dict GetStats() const { return StatsDict(rt_->GetStats()); }
+  std::string StatsJson() const { return rt_->GetStats().ToJson(); }
+  void ResetStats() { rt_->ResetStats(); }
+  std::string BackendName() const { return kvferry::BackendName(rt_->backend()); }
+  bool CaptureSafe() const { return rt_->decode_is_capture_safe(); }
+
+ private:
+  std::unique_ptr<Runtime> rt_;
+};
+
+}  // namespace
+}  // namespace kvferry::python
+
+NB_MODULE(_core, m) {
+  using kvferry::python::PyRuntime;
+  m.doc() = "kvferry's compiled core: the C++ Runtime bound one to one (use the kvferry package).";
+  m.def("cuda_available", &kvferry::CudaAvailable,
+        "Whether this build has the CUDA backend and a usable GPU.");
+  m.def("policy_names", &kvferry::PolicyNames, "Names of the selection policies.");
+  nb::class_<PyRuntime>(m, "Runtime")
+      .def(nb::init<const nb::dict&>(), nb::arg("config"),
+           "Creates a runtime from a dict of RuntimeConfig fields (see kvferry.RuntimeConfig).")
+      .def("add_sequence", &PyRuntime::AddSequence, nb::arg("seq"))
+      .def("remove_sequence", &PyRuntime::RemoveSequence, nb::arg("seq"))
+      .def("sequence_length", &PyRuntime::SequenceLength, nb::arg("seq"), nb::arg("layer"))
+      .def("prefill", &PyRuntime::Prefill, nb::arg("seq"), nb::arg("layer"), nb::arg("q"),
+           nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("stream") = 0)
+      .def("append", &PyRuntime::Append, nb::arg("seq"), nb::arg("layer"), nb::arg("k"),
+           nb::arg("v"), nb::arg("stream") = 0)
+      .def("decode", &PyRuntime::Decode, nb::arg("seqs"), nb::arg("layer"), nb::arg("q"),
+           nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("stream") = 0)
+      .def("plan_decode", &PyRuntime::PlanDecode, nb::arg("seqs"), nb::arg("stream") = 0)
+      .def("last_selection", &PyRuntime::LastSelection, nb::arg("seq"), nb::arg("layer"),
+           nb::arg("kv_head"))
+      .def("synchronize", &PyRuntime::Synchronize)
+      .def("stats", &PyRuntime::GetStats)
+      .def("stats_json", &PyRuntime::StatsJson)
+      .def("reset_stats", &PyRuntime::ResetStats)
+      .def_prop_ro("backend", &PyRuntime::BackendName)
+      .def_prop_ro("decode_is_capture_safe", &PyRuntime::CaptureSafe);
+}

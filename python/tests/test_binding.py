@@ -1,0 +1,264 @@
+# Copyright kvferry authors. Apache-2.0.
+"""The Python binding against float64 references of what the C++ runtime computes (host backend),
+its errors, and that it releases the GIL. Fresh random inputs every run."""
+import math
+import threading
+
+import numpy as np
+import pytest
+
+import kvferry
+
+torch = pytest.importorskip("torch")
+
+HQ, HKV, D = 8, 2, 64
+GROUP = HQ // HKV
+
+
+def make_rt(**kw):
+    cfg = dict(num_layers=2, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, backend="host",
+               max_sequences=4, max_tokens_per_sequence=4096, max_batch=4, max_prefill_chunk=1024,
+               sink_tokens=4, window_tokens=32, policy="dense", budget=0, cpu_threads=2,
+               probe_at_start=False)
+    cfg.update(kw)
+    return kvferry.Runtime(**cfg)
+
+
+def rnd(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=torch.float32).to(dtype)
+
+
+def stored(x, kv_dtype=torch.bfloat16):
+    """K/V as the runtime stores them (rounded to the KV dtype), in float64."""
+    return x.to(kv_dtype).to(torch.float64)
+
+
+def attend(q, k, v, positions_per_head=None):
+    """float64 attention of queries q [Hq, D] over k/v [N, Hkv, D]; positions_per_head[h] limits KV
+    head h to those rows (else all)."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    scale = 1.0 / math.sqrt(D)
+    for hq in range(HQ):
+        h = hq // GROUP
+        rows = slice(None) if positions_per_head is None else positions_per_head[h]
+        kk, vv = k[rows, h], v[rows, h]
+        s = (kk @ q[hq].double()) * scale
+        p = torch.softmax(s, dim=0)
+        out[hq] = p @ vv
+    return out
+
+
+# Prefill runs the tensor-core kernel's arithmetic (q and P rounded to bf16, fp32 accumulation)
+# also on the host backend, so it is compared with the tolerance the C++ tests use for it.
+PREFILL_TOL = 2e-2
+
+
+def causal_prefill_ref(q, k, v):
+    t = q.shape[0]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i in range(t):
+        out[i] = attend(q[i], k[: i + 1], v[: i + 1])
+    return out
+
+
+def test_prefill_then_decode_dense_equals_reference():
+    rt = make_rt()
+    rt.add_sequence(3)
+    t = 70
+    q, k, v = rnd(t, HQ, D), rnd(t, HKV, D), rnd(t, HKV, D)
+    out = rt.prefill(3, 0, q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = causal_prefill_ref(q, stored(k), stored(v))
+    assert torch.allclose(out.double(), ref, atol=PREFILL_TOL)
+    ks, vs = [k], [v]
+    for step in range(3):
+        q1, k1, v1 = rnd(1, HQ, D), rnd(1, HKV, D), rnd(1, HKV, D)
+        ks.append(k1)
+        vs.append(v1)
+        o1 = rt.decode([3], 0, q1, k1, v1)
+        ref1 = attend(q1[0], stored(torch.cat(ks)), stored(torch.cat(vs)))
+        assert torch.allclose(o1[0].double(), ref1, atol=2e-5, rtol=1e-4), step
+    assert rt.sequence_length(3, 0) == t + 3
+    assert rt.sequence_length(3, 1) == 0
+    s = rt.stats()
+    assert s["prefill_tokens"] == t and s["decode_tokens"] == 3
+    assert s["rows_selected"] == HKV * ((t + 1) + (t + 2) + (t + 3))  # every row, each step
+    assert set(s) >= {"bytes_h2d", "rows_resident", "rows_fetched", "ms_select", "host_bytes_reserved"}
+
+
+def test_streaming_attends_sinks_and_recent():
+    budget = 40
+    rt = make_rt(policy="streaming", budget=budget)
+    rt.add_sequence(1)
+    t = 200
+    q, k, v = rnd(t, HQ, D), rnd(t, HKV, D), rnd(t, HKV, D)
+    rt.prefill(1, 0, q, k, v)
+    q1, k1, v1 = rnd(1, HQ, D), rnd(1, HKV, D), rnd(1, HKV, D)
+    o1 = rt.decode([1], 0, q1, k1, v1)
+    n = t + 1
+    want = list(range(4)) + list(range(n - (budget - 4), n))
+    sel = [rt.last_selection(1, 0, h) for h in range(HKV)]
+    assert all(s == want for s in sel)
+    kk, vv = stored(torch.cat([k, k1])), stored(torch.cat([v, v1]))
+    ref = attend(q1[0], kk, vv, positions_per_head=[want] * HKV)
+    assert torch.allclose(o1[0].double(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_oracle_selects_the_exact_top_k_of_the_group_softmax():
+    budget = 24
+    rt = make_rt(policy="oracle", budget=budget, sink_tokens=2, window_tokens=8)
+    rt.add_sequence(5)
+    t = 300
+    q, k, v = rnd(t, HQ, D), rnd(t, HKV, D), rnd(t, HKV, D)
+    rt.prefill(5, 0, q, k, v)
+    q1, k1, v1 = rnd(1, HQ, D), rnd(1, HKV, D), rnd(1, HKV, D)
+    o1 = rt.decode([5], 0, q1, k1, v1)
+    n = t + 1
+    kk, vv = stored(torch.cat([k, k1])), stored(torch.cat([v, v1]))
+    chosen = []
+    for h in range(HKV):
+        sel = rt.last_selection(5, 0, h)
+        assert sel == sorted(set(sel)) and len(sel) == budget
+        # The positions of largest group-summed softmax mass (the oracle's definition).
+        qs = q1[0, h * GROUP:(h + 1) * GROUP].double()
+        p = torch.softmax((kk[:, h] @ qs.T) / math.sqrt(D), dim=0).sum(dim=1)
+        want = set(torch.topk(p, budget).indices.tolist())
+        got = set(sel)
+        # Ties within fp32 rounding may swap the last place: the masses must agree.
+        mass_got = sum(float(p[i]) for i in got)
+        mass_want = sum(float(p[i]) for i in want)
+        assert len(got ^ want) <= 2 and abs(mass_got - mass_want) < 1e-5
+        chosen.append(sel)
+    ref = attend(q1[0], kk, vv, positions_per_head=chosen)
+    assert torch.allclose(o1[0].double(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_batch_of_sequences_of_different_lengths_and_dtypes():
+    rt = make_rt()
+    lens = {10: 33, 11: 90, 12: 5}
+    kv = {}
+    for s, t in lens.items():
+        rt.add_sequence(s)
+        q, k, v = rnd(t, HQ, D), rnd(t, HKV, D), rnd(t, HKV, D)
+        rt.prefill(s, 1, q, k, v)
+        kv[s] = (k, v)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        q1, k1, v1 = rnd(3, HQ, D, dtype=dt), rnd(3, HKV, D, dtype=dt), rnd(3, HKV, D, dtype=dt)
+        out = torch.zeros(3, HQ, D, dtype=dt)
+        ret = rt.decode(list(lens), 1, q1, k1, v1, out=out)
+        assert ret is out
+        for b, s in enumerate(lens):
+            k, v = kv[s]
+            k, v = torch.cat([k, k1[b:b + 1].float()]), torch.cat([v, v1[b:b + 1].float()])
+            kv[s] = (k, v)
+            ref = attend(q1[b].float(), stored(k), stored(v))
+            tol = 2e-5 if dt == torch.float32 else 1e-2
+            assert torch.allclose(out[b].double(), ref, atol=tol, rtol=tol), (dt, s)
+
+
+def test_strided_views_are_refused_and_numpy_inputs_work():
+    rt = make_rt()
+    rt.add_sequence(0)
+    t = 12
+    qkv = rnd(t, HQ + 2 * HKV, D)  # one fused projection; q/k/v are strided views of it
+    q, k, v = qkv[:, :HQ], qkv[:, HQ:HQ + HKV], qkv[:, HQ + HKV:]
+    assert not q.is_contiguous()
+    with pytest.raises(ValueError, match="contiguous"):  # prefill wants dense chunks
+        rt.prefill(0, 0, q, k, v)
+    assert rt.sequence_length(0, 0) == 0
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = rt.prefill(0, 0, q, k, v)
+    ref = causal_prefill_ref(q, stored(k), stored(v))
+    assert torch.allclose(out.double(), ref, atol=PREFILL_TOL)
+    rt2 = make_rt()
+    rt2.add_sequence(0)
+    out_np = rt2.prefill(0, 0, q.numpy(), k.numpy(), v.numpy())
+    assert isinstance(out_np, np.ndarray) and out_np.dtype == np.float32
+    assert np.allclose(out_np, out.numpy(), atol=1e-6)
+
+
+def test_bad_inputs_raise_with_the_argument_named():
+    rt = make_rt()
+    rt.add_sequence(1)
+    q, k, v = rnd(4, HQ, D), rnd(4, HKV, D), rnd(4, HKV, D)
+    with pytest.raises(ValueError, match="q: expected 3 dimensions"):
+        rt.prefill(1, 0, q[0], k, v)
+    with pytest.raises(ValueError, match="k: expected shape"):
+        rt.prefill(1, 0, q, rnd(4, HKV + 1, D), v)
+    with pytest.raises(ValueError, match="v: 3 rows"):
+        rt.prefill(1, 0, q, k, v[:3])
+    with pytest.raises(ValueError, match="dtype"):
+        rt.prefill(1, 0, q.double(), k, v)
+    with pytest.raises(ValueError, match="contiguous"):
+        rt.prefill(1, 0, rnd(4, HQ, 2 * D)[:, :, ::2], k, v)
+    with pytest.raises(ValueError, match="not found|unknown|sequence"):
+        rt.prefill(99, 0, q, k, v)
+    with pytest.raises(ValueError, match="layer"):
+        rt.prefill(1, 7, q, k, v)
+    with pytest.raises(ValueError, match="batch"):
+        rt.decode([1, 1], 0, rnd(1, HQ, D), rnd(1, HKV, D), rnd(1, HKV, D))
+    with pytest.raises(ValueError):
+        rt.add_sequence(1)  # already live
+    # Nothing above changed the sequence.
+    assert rt.sequence_length(1, 0) == 0
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_rt(policy="nonsense", budget=16)
+    with pytest.raises(ValueError, match="nonsense"):
+        make_rt(policy="oracle", budget=16, params={"nonsense": 1.0})
+    with pytest.raises(ValueError, match="route"):
+        make_rt(route="sideways")
+    with pytest.raises(TypeError):
+        make_rt(not_a_field=1)
+
+
+def test_host_capacity_is_a_memory_error_and_leaves_other_sequences_intact():
+    rt = make_rt(max_host_bytes=1 << 20)
+    rt.add_sequence(1)
+    rt.add_sequence(2)
+    q, k, v = rnd(8, HQ, D), rnd(8, HKV, D), rnd(8, HKV, D)
+    rt.prefill(2, 0, q, k, v)
+    big = 1024
+    with pytest.raises(MemoryError):
+        for layer in range(2):
+            rt.prefill(1, layer, rnd(big, HQ, D), rnd(big, HKV, D), rnd(big, HKV, D))
+    assert rt.sequence_length(2, 0) == 8
+    q1, k1, v1 = rnd(1, HQ, D), rnd(1, HKV, D), rnd(1, HKV, D)
+    o1 = rt.decode([2], 0, q1, k1, v1)
+    ref = attend(q1[0], stored(torch.cat([k, k1])), stored(torch.cat([v, v1])))
+    assert torch.allclose(o1[0].double(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_the_gil_is_released_during_work():
+    rt = make_rt(max_prefill_chunk=4096, cpu_threads=1)
+    rt.add_sequence(1)
+    t = 4096
+    q, k, v = rnd(t, HQ, D), rnd(t, HKV, D), rnd(t, HKV, D)
+    ticks = [0]
+    done = threading.Event()
+
+    def count():
+        while not done.is_set():
+            ticks[0] += 1
+
+    th = threading.Thread(target=count)
+    th.start()
+    try:
+        before = ticks[0]
+        rt.prefill(1, 0, q, k, v)  # a second or so of causal attention on one thread
+        during = ticks[0] - before
+    finally:
+        done.set()
+        th.join()
+    # With the GIL held for the whole call the counter could advance only at the switch before and
+    # after it (a few hundred ticks); released, it runs the whole time.
+    assert during > 10000, during
+
+
+def test_config_dataclass_and_repr():
+    cfg = kvferry.RuntimeConfig(num_layers=1, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                                backend="host", policy="oracle", budget=16, probe_at_start=False)
+    rt = kvferry.Runtime(cfg, budget=32)
+    assert rt.config.budget == 32 and cfg.budget == 16
+    assert rt.backend == "host" and "oracle" in repr(rt)
+    assert "lfps" in kvferry.policy_names()
+    assert isinstance(kvferry.cuda_available(), bool)
