@@ -9,6 +9,10 @@
 set -euo pipefail
 pkgs=(g++ cmake ninja-build pkg-config libtbb-dev libdnnl-dev ocl-icd-opencl-dev opencl-headers
       libboost-dev libhwloc-dev libgtest-dev libgmock-dev libbenchmark-dev python3 ca-certificates)
+# python3-venv, python3-dev: the Python stage (pip install . of the kvferry package, pytest).
+if [ "${KVFERRY_PYTHON:-1}" != 0 ]; then
+  pkgs+=(python3-venv python3-dev)
+fi
 if [ "${KVFERRY_FUZZ:-${KVFERRY_SANITIZE:-1}}" != 0 ]; then
   pkgs+=(clang libclang-rt-14-dev)
 fi

@@ -11,6 +11,9 @@
 #                       CPU kernels, the file readers and the CLI ($KVFERRY_ASAN_FILTER)
 #   KVFERRY_FUZZ=0      no fuzzing: the libFuzzer targets of tests/fuzz (clang, <build>-fuzz) replay
 #                       their corpus, then fuzz KVFERRY_FUZZ_SECONDS (default 20) seconds each
+#   KVFERRY_PYTHON=0    no Python stage: a venv (<build>-pyenv) with pinned torch (CPU use) and
+#                       transformers from PyPI, `pip install .` of the kvferry package (its own
+#                       CMake build, host-only without nvcc), then pytest python/tests
 # KVFERRY_SANITIZE=0 also turns fuzzing off unless KVFERRY_FUZZ=1.
 # Opt-in: KVFERRY_TSAN=1 builds with ThreadSanitizer and runs the worker pool, host gather and
 # runtime tests ($KVFERRY_TSAN_FILTER). Off by default: the distribution's libtbb is not
@@ -34,6 +37,18 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release ${KVFERRY_CMAKE_ARGS:
 cmake --build "$build" -j"$jobs"
 ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 900
 stage_done "build+tests" "$t0"
+
+# ---- Python ------------------------------------------------------------------------------------
+if [ "${KVFERRY_PYTHON:-1}" != 0 ]; then
+  t0=$SECONDS
+  pyenv=${KVFERRY_PYENV:-$build-pyenv}
+  [ -x "$pyenv/bin/python" ] || python3 -m venv "$pyenv"
+  "$pyenv/bin/pip" install -q --disable-pip-version-check \
+    "torch==2.15.0" "transformers==5.23.0" "accelerate" "numpy>=1.22" "pytest>=7" "gguf>=0.10" "safetensors"
+  CMAKE_BUILD_PARALLEL_LEVEL=$jobs "$pyenv/bin/pip" install -q --disable-pip-version-check .
+  (cd python/tests && "$pyenv/bin/python" -m pytest -q -p no:cacheprovider .)
+  stage_done "python" "$t0"
+fi
 
 sanitize=${KVFERRY_SANITIZE:-1}
 tsan=${KVFERRY_TSAN:-0}
