@@ -97,6 +97,13 @@ def main():
            "rows": [rows[k] for k in sorted(rows, key=lambda k: (rows[k]["budget"] or 0, k))]}
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
+    # The plot next to it (bench/plot.py; skipped with a message without matplotlib).
+    import os
+    import subprocess
+    import sys
+    plot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "plot.py")
+    subprocess.call([sys.executable, plot, "--results", os.path.dirname(os.path.abspath(a.out)),
+                     "--only", "quality"])
     for r in out["rows"]:
         pk = r.get("passkey", {})
         tr = r.get("trace_replay", {})

@@ -23,5 +23,6 @@ if [ -n "${E2E_ARGS:-}" ]; then
   timeout ${E2E_TIMEOUT:-420} "$B/bench/kvferry-e2e" --json "$OUT/e2e_rows.jsonl" $E2E_ARGS > "$OUT/e2e.log" 2>&1
   echo "e2e rc=$?"; tail -3 "$OUT/e2e.log"
   python3 scripts/device/e2e_sdpa.py "$OUT/e2e_rows.jsonl" "$OUT/e2e_h100.json"
+  python3 "$SRC/bench/plot.py" --results "$OUT" --only e2e || echo "e2e: no plot (matplotlib?)"
 fi
 echo "total: $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+# Copyright kvferry authors. Apache-2.0.
+"""Renders the benchmark JSON under bench/results/ into PNGs next to them:
+
+  e2e_h100.png         time per token step vs context, per policy, against torch SDPA (all KV on
+                       the GPU) and full PCIe streaming, from e2e_h100.json
+  quality_smollm2.png  perplexity gap to dense and attention-mass recall vs budget, per policy,
+                       from quality_smollm2.json
+  bank_h100.png        token-bank decode speed (vs all KV on the GPU) against its hit rate, from
+                       bank_h100*.json
+
+A plot whose JSON is absent is skipped with a message. Usage: plot.py [--results bench/results]
+[--only e2e,quality,bank]
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:  # the benchmark scripts call this at their end; plotting is optional there
+    sys.exit("plot.py: matplotlib is not installed; no plots rendered")
+
+E2E_MODES = ["dense_resident", "streaming_resident", "streaming", "quest", "sparcas", "oracle",
+             "lfps", "lfps_gpu", "full_streaming"]
+
+
+def plot_e2e(results):
+    src = os.path.join(results, "e2e_h100.json")
+    if not os.path.exists(src):
+        return print(f"plot.py: {src} absent; e2e plot skipped")
+    d = json.load(open(src))
+    rows = [r for r in d["rows"] if "skipped" not in r and r.get("name", "decode") == "decode"]
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 5), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        here = [r for r in rows if r["batch"] == batch]
+        ctxs = sorted({r["context"] for r in here})
+        sdpa = {r["context"]: r["sdpa_ms_per_token_step"] for r in here if r.get("sdpa_ms_per_token_step")}
+        ax.plot(sorted(sdpa), [sdpa[c] for c in sorted(sdpa)], "k-o", lw=2.5,
+                label="torch SDPA, all KV on GPU")
+        for j, m in enumerate(E2E_MODES):
+            pts = sorted((r["context"], r["ms_per_token_step"], r.get("ratio")) for r in here
+                         if r["mode"] == m)
+            if not pts:
+                continue
+            style = "--" if m == "full_streaming" else "-"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", color=f"C{j}",
+                    label=m)
+            for c, ms, ratio in pts:
+                if ratio:
+                    ax.annotate(f"{ratio:.2g}x", (c, ms), textcoords="offset points", xytext=(4, 2),
+                                fontsize=6, color=f"C{j}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(ctxs)
+        ax.set_xticklabels([f"{c // 1024}K" for c in ctxs])
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("ms per token step (32 layers)")
+        ax.set_title(f"batch {batch}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("kvferry Runtime end to end vs torch SDPA (H100, Llama-3.1-8B attention shape); "
+                 "labels: kvferry / SDPA time, same run", fontsize=10)
+    fig.tight_layout()
+    dst = src[:-5] + ".png"
+    fig.savefig(dst, dpi=110)
+    plt.close(fig)
+    print(dst)
+
+
+def plot_quality(results):
+    src = os.path.join(results, "quality_smollm2.json")
+    if not os.path.exists(src):
+        return print(f"plot.py: {src} absent; quality plot skipped")
+    d = json.load(open(src))
+    rows = [r for r in d["rows"] if r.get("budget")]
+    policies = sorted({r["policy"] for r in rows if r.get("gap_pct") is not None})
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for j, p in enumerate(policies):
+        pts = sorted((r["budget"], r["gap_pct"]) for r in rows
+                     if r["policy"] == p and r.get("gap_pct") is not None)
+        a1.plot([b for b, _ in pts], [g for _, g in pts], "-o", color=f"C{j}", label=p)
+        rec = sorted((r["budget"], r["trace_replay"]["mass_recall"]) for r in rows
+                     if r["policy"] == p and r.get("trace_replay"))
+        if rec:
+            a2.plot([b for b, _ in rec], [m for _, m in rec], "-o", color=f"C{j}", label=p)
+    a1.set_xscale("log", base=2)
+    a1.set_yscale("log")
+    a1.set_xlabel("budget (tokens per KV head, resident ones included)")
+    a1.set_ylabel("perplexity gap to dense (%)")
+    a1.set_title("SmolLM2-135M on KJV, 8K context")
+    a2.set_xscale("log", base=2)
+    a2.set_xlabel("budget")
+    a2.set_ylabel("attention-mass recall")
+    a2.set_title("real traces (SmolLM2, KJV 4K)")
+    for a in (a1, a2):
+        a.grid(True, which="both", alpha=0.3)
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    dst = src[:-5] + ".png"
+    fig.savefig(dst, dpi=110)
+    plt.close(fig)
+    print(dst)
+
+
+def plot_bank(results):
+    files = sorted(glob.glob(os.path.join(results, "bank_h100*.json")))
+    if not files:
+        return print(f"plot.py: no bank_h100*.json in {results}; bank plot skipped")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    seen = set()
+    for f in files:
+        d = json.load(open(f))
+        for r in d.get("runs", []):
+            if r["mode"] not in ("vector_fused", "hash_fused") or not r.get("graph"):
+                continue
+            key = (r["mode"], r["batch"])
+            color = {"vector_fused": "C0", "hash_fused": "C1"}[r["mode"]]
+            marker = "o" if r["batch"] == 1 else "s"
+            ax.scatter(r["hit_rate"], r["speed_vs_all_gpu"], color=color, marker=marker,
+                       label=f"{r['mode']}, batch {r['batch']}" if key not in seen else None)
+            seen.add(key)
+    ax.axhline(1.0, color="k", lw=1, ls="--", label="all KV on the GPU")
+    ax.set_xlabel("bank hit rate")
+    ax.set_ylabel("decode speed vs all KV on the GPU")
+    ax.set_title("token bank (H100, 128K context, 32 layers); one point per run")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    dst = os.path.join(results, "bank_h100.png")
+    fig.savefig(dst, dpi=110)
+    plt.close(fig)
+    print(dst)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--only", default="e2e,quality,bank")
+    a = ap.parse_args()
+    plots = {"e2e": plot_e2e, "quality": plot_quality, "bank": plot_bank}
+    for name in a.only.split(","):
+        if name not in plots:
+            sys.exit(f"plot.py: unknown plot '{name}' (known: {', '.join(plots)})")
+        plots[name](a.results)
+
+
+if __name__ == "__main__":
+    main()
