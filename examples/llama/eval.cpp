@@ -6,6 +6,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "examples/llama/progress.h"
 #include "kvferry/status_macros.h"
 
 namespace kvferry::llama {
@@ -43,6 +44,9 @@ Result<std::vector<PerplexityResult>> EvalPerplexity(
     PerplexityResult& r = results[l];
     if (around_decode) around_decode(l, false);
     t0 = std::chrono::steady_clock::now();
+    Progress progress("perplexity, lane " + std::to_string(l + 1) + " of " +
+                          std::to_string(lanes.size()),
+                      n - 1 - prefix, "tokens");
     for (int64_t p = prefix; p < n - 1; ++p) {
       KVF_RETURN_IF_ERROR(engine.Decode(tokens[p], p, *lanes[l], &logits));
       r.nll_sum -= LogProb(logits, tokens[p + 1]);
@@ -50,7 +54,9 @@ Result<std::vector<PerplexityResult>> EvalPerplexity(
       if (l == 0) lane0_argmax.push_back(top);
       if (top == lane0_argmax[p - prefix]) ++r.argmax_agree;
       ++r.scored;
+      progress.Update(p - prefix + 1);
     }
+    progress.Finish();
     r.decode_seconds = Seconds(t0);
     if (around_decode) around_decode(l, true);
     r.perplexity = std::exp(r.nll_sum / static_cast<double>(r.scored));
