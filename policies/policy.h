@@ -18,6 +18,13 @@ namespace kvferry {
 
 enum class Placement : uint8_t { kGpu = 0, kCpu = 1 };
 
+/// Counters a policy may keep (the PrHS wrappers: inner Select runs vs reused sets); the runtime
+/// reports them in Stats.
+struct PolicyCounters {
+  int64_t select_calls = 0;   ///< Select calls that ran a (costly) base selection
+  int64_t select_reused = 0;  ///< Select calls answered from a kept set
+};
+
 /// What a policy sees of one (sequence, layer, KV head) at a decode step. Host memory throughout.
 struct SelectContext {
   int slot = 0;          ///< runtime's dense index of the sequence, in [0, max_sequences)
@@ -91,6 +98,8 @@ class Policy {
   virtual Status Select(const SelectContext& ctx, std::vector<int32_t>& out) = 0;
   /// The sequence in \p slot is gone: drop its state.
   virtual void OnSequenceRemoved(int slot) { (void)slot; }
+  /// Cumulative counters (thread-safe to read between steps).
+  [[nodiscard]] virtual PolicyCounters counters() const { return {}; }
 };
 
 /// Builds a policy from a configuration (its name is config.policy.name); bad parameters are

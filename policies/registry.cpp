@@ -12,6 +12,7 @@
 #include "policies/kvpop.h"
 #include "policies/lfps.h"
 #include "policies/policy.h"
+#include "policies/prhs.h"
 #include "policies/quest.h"
 #include "policies/sparcas.h"
 #include "base/check.h"
@@ -38,6 +39,20 @@ struct Registry {
   };
 };
 
+// Wrappers built by name composition ("cis+oracle", "psaw+cis+oracle"): a prefix and the factory
+// that builds the stack (it calls MakePolicy for the rest of the name).
+struct WrapperEntry {
+  const char* prefix;
+  PolicyFactory factory;
+  const char* example;  // a composed name PolicyNames lists
+};
+const WrapperEntry kWrapperEntries[] = {
+    {"cis+", MakePrhsPolicy, "cis+oracle"},
+    {"psaw+", MakePrhsPolicy, "psaw+lfps"},
+    {"xl+", MakePrhsPolicy, "xl+quest"},
+    {"psaw+", MakePrhsPolicy, "psaw+cis+oracle"},
+};
+
 Registry& GetRegistry() {
   static Registry r;
   return r;
@@ -50,6 +65,7 @@ std::vector<std::string> PolicyNames() {
   std::lock_guard<std::mutex> lock(r.mu);
   std::vector<std::string> names;
   for (const Entry& e : r.entries) names.push_back(e.name);
+  for (const WrapperEntry& w : kWrapperEntries) names.emplace_back(w.example);
   return names;
 }
 
@@ -75,9 +91,22 @@ Result<std::unique_ptr<Policy>> MakePolicy(const RuntimeConfig& config) {
     }
   }
   if (factory != nullptr) return factory(config);
-  std::string known;
-  for (const std::string& n : PolicyNames()) known += (known.empty() ? "" : ", ") + n;
-  return InvalidArgument(detail::StrCat("unknown policy '", name, "' (known: ", known, ")"));
+  for (const WrapperEntry& w : kWrapperEntries) {
+    if (name.rfind(w.prefix, 0) == 0) return w.factory(config);
+  }
+  std::string known, wrappers;
+  {
+    Registry& r = GetRegistry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    for (const Entry& e : r.entries) known += (known.empty() ? "" : ", ") + e.name;
+  }
+  for (const WrapperEntry& w : kWrapperEntries) {
+    if (wrappers.find(w.prefix) == std::string::npos) {
+      wrappers += (wrappers.empty() ? "" : ", ") + std::string(w.prefix);
+    }
+  }
+  return InvalidArgument(detail::StrCat("unknown policy '", name, "' (known: ", known,
+                                        "; wrappers: ", wrappers, " e.g. 'cis+oracle')"));
 }
 
 }  // namespace kvferry

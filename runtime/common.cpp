@@ -102,6 +102,8 @@ std::string Stats::ToJson() const {
      << ",\"rows_bank_hit\":" << rows_bank_hit << ",\"rows_fetched\":" << rows_fetched
      << ",\"rows_cpu\":" << rows_cpu << ",\"rows_selected\":" << rows_selected
      << ",\"bank_admitted\":" << bank_admitted << ",\"bank_evicted\":" << bank_evicted
+     << ",\"prhs_select_calls\":" << prhs_select_calls
+     << ",\"prhs_select_reused\":" << prhs_select_reused
      << ",\"ms_append\":" << ms_append << ",\"ms_select\":" << ms_select
      << ",\"ms_resolve\":" << ms_resolve << ",\"ms_attend_gpu\":" << ms_attend_gpu
      << ",\"ms_attend_cpu\":" << ms_attend_cpu << ",\"ms_merge\":" << ms_merge << ",\"ms_admit\":" << ms_admit

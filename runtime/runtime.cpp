@@ -1025,6 +1025,9 @@ Stats RuntimeImpl::stats() const {
   s.host_bytes_reserved = store_->bytes_reserved();
   s.cost_pcie_gbps = cost_.pcie_gbps;
   s.cost_cpu_gbps = cost_.cpu_gbps;
+  const PolicyCounters pc = policy_->counters();
+  s.prhs_select_calls = pc.select_calls - policy_counters_at_reset_.select_calls;
+  s.prhs_select_reused = pc.select_reused - policy_counters_at_reset_.select_reused;
   return s;
 }
 

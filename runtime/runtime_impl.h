@@ -52,6 +52,7 @@ class RuntimeImpl {
     stats_ = Stats{};
     stats_.device_bytes_reserved = device_bytes;
     if (bank_ != nullptr) bank_->ResetCounters();
+    if (policy_ != nullptr) policy_counters_at_reset_ = policy_->counters();
   }
   const RuntimeConfig& config() const { return config_; }
   Backend backend() const { return device_->backend(); }
@@ -195,6 +196,7 @@ class RuntimeImpl {
   std::vector<std::vector<int32_t>> misses_;     // per decode item: bank misses, then fetched
   std::vector<int> batch_slots_;
   Stats stats_;
+  PolicyCounters policy_counters_at_reset_;  // the policy's counters at the last ResetStats
 
   // Planned decode step state.
   bool fast_path_ = false;         // policy selects on the device, no bank, route gpu/auto

@@ -31,6 +31,10 @@ struct Stats {
   int64_t rows_selected = 0;     ///< sum of the above
   int64_t bank_admitted = 0;
   int64_t bank_evicted = 0;
+  /// Selection wrappers (cis+, xl+): Select calls that ran the inner (base) selection and calls
+  /// answered from a kept set; rho = prhs_select_calls / (prhs_select_calls + prhs_select_reused).
+  int64_t prhs_select_calls = 0;
+  int64_t prhs_select_reused = 0;
 
   double ms_append = 0;          ///< time per stage, summed (wall clock on the host)
   double ms_select = 0;

@@ -1,0 +1,434 @@
+// Copyright kvferry authors. Apache-2.0.
+// PrHS/CPE's pre-hoc selectors (CIS, PSAW) and cross-layer sharing as wrappers of another policy.
+// Decisions where the paper is ambiguous are in docs/prhs.md.
+#include "policies/prhs.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "base/check.h"
+#include "policies/select_util.h"
+
+namespace kvferry {
+namespace {
+
+// ---- shared by the three wrappers -----------------------------------------------------------
+
+/// Holds the inner policy and forwards everything but Select to it.
+class WrapperBase : public Policy {
+ public:
+  WrapperBase(std::string name, std::unique_ptr<Policy> inner)
+      : name_(std::move(name)), inner_(std::move(inner)) {}
+  std::string_view name() const override { return name_; }
+  Placement placement() const override { return inner_->placement(); }
+  bool wants_prefill_queries() const override { return inner_->wants_prefill_queries(); }
+  Status OnPrefill(const PrefillContext& ctx) override { return inner_->OnPrefill(ctx); }
+  void OnSequenceRemoved(int slot) override {
+    DropSlot(slot);
+    inner_->OnSequenceRemoved(slot);
+  }
+  PolicyCounters counters() const override {
+    PolicyCounters c = inner_->counters();
+    c.select_calls += calls_.load(std::memory_order_relaxed);
+    c.select_reused += reused_.load(std::memory_order_relaxed);
+    return c;
+  }
+
+ protected:
+  virtual void DropSlot(int slot) = 0;
+  void CountCall() { calls_.fetch_add(1, std::memory_order_relaxed); }
+  void CountReuse() { reused_.fetch_add(1, std::memory_order_relaxed); }
+  Policy& inner() { return *inner_; }
+
+ private:
+  std::string name_;
+  std::unique_ptr<Policy> inner_;
+  std::atomic<int64_t> calls_{0}, reused_{0};
+};
+
+bool IsResident(int64_t p, int64_t n, int sink, int window) {
+  return p < sink || p >= n - window;
+}
+
+// ---- CIS ------------------------------------------------------------------------------------
+
+struct CisParams {
+  int64_t s = 16;
+  double tau = 0.8;
+  int r = 1;
+  double m_frac = 1.0 / 3.0;
+};
+
+struct CisRef {
+  std::vector<float> q;         // [group * head_dim]
+  std::vector<int32_t> ranked;  // kept non-resident positions, best first
+};
+
+struct CisState {
+  int64_t steps = 0;            // decode steps seen (counted where the budget does not cover n)
+  std::vector<CisRef> refs;     // retrievals of the current block, oldest first
+};
+
+/// min over the group's heads of cos(q_g, ref_g); 0 when a norm is 0.
+double GroupMinCos(const float* q, const std::vector<float>& ref, int group, int d) {
+  double worst = 1.0;
+  for (int g = 0; g < group; ++g) {
+    double dot = 0, a = 0, b = 0;
+    for (int i = 0; i < d; ++i) {
+      const double x = q[g * d + i], y = ref[static_cast<size_t>(g) * d + i];
+      dot += x * y;
+      a += x * x;
+      b += y * y;
+    }
+    const double c = (a > 0 && b > 0) ? dot / std::sqrt(a * b) : 0.0;
+    worst = std::min(worst, c);
+  }
+  return worst;
+}
+
+class CisPolicy final : public WrapperBase {
+ public:
+  CisPolicy(std::string name, std::unique_ptr<Policy> inner, CisParams p, const RuntimeConfig& c)
+      : WrapperBase(std::move(name), std::move(inner)), p_(p) {
+    states_.Init(c.capacity.max_sequences, c.model.num_layers, c.model.num_kv_heads);
+  }
+
+  Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
+    const OffloadSplit split = SplitPositions(ctx.n, ctx.sink, ctx.window, ctx.budget);
+    if (split.all || split.k_off <= 0) return inner().Select(ctx, out);  // nothing to choose
+    KVF_ASSIGN_OR_RETURN(CisState * st, states_.Get("cis", ctx.slot, ctx.layer, ctx.kv_head, true));
+    const int group = ctx.params.group, d = ctx.params.head_dim;
+    const bool block_start = st->steps % p_.s == 0;
+    ++st->steps;
+    if (block_start) st->refs.clear();
+    const CisRef* share = nullptr;
+    for (auto it = st->refs.rbegin(); it != st->refs.rend() && share == nullptr; ++it) {
+      if (GroupMinCos(ctx.q, it->q, group, d) > p_.tau) share = &*it;
+    }
+    if (share != nullptr) {
+      CountReuse();
+      const int64_t k = split.k_off;
+      const int64_t m = std::max<int64_t>(1, static_cast<int64_t>(std::floor(p_.m_frac * k)));
+      CisShareSet(ctx.n, ctx.sink, ctx.window, ctx.budget, share->ranked, m, p_.r, out);
+      return Status::Ok();
+    }
+    CountCall();
+    KVF_RETURN_IF_ERROR(inner().Select(ctx, out));
+    CisRef ref;
+    ref.q.assign(ctx.q, ctx.q + static_cast<size_t>(group) * d);
+    for (int32_t pos : out) {
+      if (!IsResident(pos, ctx.n, ctx.sink, ctx.window)) ref.ranked.push_back(pos);
+    }
+    RankByWeight(ctx, ref.ranked);
+    st->refs.push_back(std::move(ref));
+    return Status::Ok();
+  }
+
+ private:
+  /// Orders \p pos by the group's summed softmax weight over the set (best first; ties: lower
+  /// position). The inner policy gives no ranking, so the kept set is scored once here: |S| rows.
+  static void RankByWeight(const SelectContext& ctx, std::vector<int32_t>& pos) {
+    const int group = ctx.params.group, d = ctx.params.head_dim;
+    const int64_t count = static_cast<int64_t>(pos.size());
+    if (count == 0) return;
+    thread_local std::vector<float> logits, weights, krow;
+    logits.resize(static_cast<size_t>(count) * group);
+    weights.resize(static_cast<size_t>(count));
+    krow.resize(static_cast<size_t>(d));
+    for (int64_t j = 0; j < count; ++j) {
+      LoadRowF32(ctx.kv, ctx.params, pos[j], false, krow.data());
+      for (int g = 0; g < group; ++g) {
+        float acc = 0;
+        for (int i = 0; i < d; ++i) acc += ctx.q[g * d + i] * krow[i];
+        logits[static_cast<size_t>(g) * count + j] = acc * ctx.params.scale;
+      }
+    }
+    GroupSoftmaxSum(logits.data(), group, count, count, weights.data());
+    std::vector<int64_t> order(static_cast<size_t>(count));
+    for (int64_t j = 0; j < count; ++j) order[j] = j;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return weights[a] > weights[b];
+    });
+    std::vector<int32_t> ranked(static_cast<size_t>(count));
+    for (int64_t j = 0; j < count; ++j) ranked[j] = pos[order[j]];
+    pos.swap(ranked);
+  }
+
+  void DropSlot(int slot) override { states_.RemoveSlot(slot); }
+
+  CisParams p_;
+  HeadStateTable<CisState> states_;
+};
+
+// ---- PSAW -----------------------------------------------------------------------------------
+
+class PsawPolicy final : public WrapperBase {
+ public:
+  PsawPolicy(std::string name, std::unique_ptr<Policy> inner, double phi, int l_s, int num_layers)
+      : WrapperBase(std::move(name), std::move(inner)), phi_(phi), l_s_(l_s), num_layers_(num_layers) {}
+
+  Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
+    const int64_t sink = std::clamp<int64_t>(ctx.sink, 0, ctx.n);
+    const int64_t hide_end = PsawHiddenEnd(ctx.layer, num_layers_, l_s_, phi_, ctx.n);
+    KVF_RETURN_IF_ERROR(inner().Select(ctx, out));
+    if (hide_end <= sink) return Status::Ok();  // identity below l_s (and for short heads)
+    // Filter the inner's set, then refill the budget from the visible positions, most recent
+    // first (the inner cannot be run on a restricted view: positions are absolute).
+    size_t w = 0;
+    for (int32_t p : out) {
+      if (p < sink || p >= hide_end) out[w++] = p;
+    }
+    out.resize(w);
+    const int64_t visible = sink + (ctx.n - hide_end);
+    const int64_t target = std::min(ctx.budget, visible);
+    if (static_cast<int64_t>(out.size()) < target) {
+      thread_local std::vector<int32_t> add;
+      add.clear();
+      size_t j = out.size();  // walk the selection backwards alongside
+      for (int64_t p = ctx.n - 1;
+           p >= hide_end && static_cast<int64_t>(out.size() + add.size()) < target; --p) {
+        while (j > 0 && out[j - 1] > p) --j;
+        if (j > 0 && out[j - 1] == p) continue;
+        add.push_back(static_cast<int32_t>(p));
+      }
+      for (int64_t p = 0; p < sink && static_cast<int64_t>(out.size() + add.size()) < target; ++p) {
+        if (!std::binary_search(out.begin(), out.end(), static_cast<int32_t>(p))) {
+          add.push_back(static_cast<int32_t>(p));
+        }
+      }
+      out.insert(out.end(), add.begin(), add.end());
+      std::sort(out.begin(), out.end());
+    }
+    return Status::Ok();
+  }
+
+ private:
+  void DropSlot(int) override {}  // stateless
+
+  double phi_;
+  int l_s_, num_layers_;
+};
+
+// ---- cross-layer sharing --------------------------------------------------------------------
+
+struct XlState {
+  int layer = -1;   // layer of the kept set
+  int64_t n = -1;   // its length (one step of one sequence has one n in every layer)
+  std::vector<int32_t> set;
+};
+
+class XlPolicy final : public WrapperBase, public XlPredictor {
+ public:
+  XlPolicy(std::string name, std::unique_ptr<Policy> inner, int start, const RuntimeConfig& c)
+      : WrapperBase(std::move(name), std::move(inner)), start_(start),
+        num_layers_(c.model.num_layers) {
+    states_.Init(c.capacity.max_sequences, 1, c.model.num_kv_heads);
+  }
+
+  Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
+    KVF_ASSIGN_OR_RETURN(XlState * st, states_.Get("xl", ctx.slot, 0, ctx.kv_head, true));
+    if (Reuses(*st, ctx.layer, ctx.n)) {
+      CountReuse();
+      out.assign(st->set.begin(), st->set.end());
+      ClipToBudget(ctx, out);
+    } else {
+      CountCall();
+      KVF_RETURN_IF_ERROR(inner().Select(ctx, out));
+    }
+    st->layer = ctx.layer;
+    st->n = ctx.n;
+    st->set.assign(out.begin(), out.end());
+    return Status::Ok();
+  }
+
+  std::vector<int32_t> PredictNext(int slot, int layer, int kv_head) const override {
+    const XlState* st = states_.Peek(slot, 0, kv_head);
+    if (st == nullptr || st->layer != layer || !Reuses(*st, layer + 1, st->n)) return {};
+    return st->set;
+  }
+
+ private:
+  bool Reuses(const XlState& st, int layer, int64_t n) const {
+    return layer >= start_ && layer < num_layers_ && st.layer == layer - 1 && st.n == n;
+  }
+  /// A budget is a function of n alone, so the kept set fits; kept for safety: the most recent
+  /// positions go last.
+  static void ClipToBudget(const SelectContext& ctx, std::vector<int32_t>& out) {
+    if (static_cast<int64_t>(out.size()) > ctx.budget) out.resize(static_cast<size_t>(ctx.budget));
+  }
+  void DropSlot(int slot) override { states_.RemoveSlot(slot); }
+
+  int start_, num_layers_;
+  HeadStateTable<XlState> states_;
+};
+
+// ---- construction ---------------------------------------------------------------------------
+
+struct WrapperSpec {
+  const char* prefix;  // "cis+"
+  const char* ns;      // "cis."
+  Result<std::unique_ptr<Policy>> (*make)(const std::string& name, std::unique_ptr<Policy> inner,
+                                          const std::map<std::string, double>& own,
+                                          const RuntimeConfig& config);
+};
+
+Result<double> FiniteParam(const char* key, double v) {
+  KVF_CHECK_ARG(std::isfinite(v), "parameter '", key, "' = ", v, " must be finite");
+  return v;
+}
+
+Result<std::unique_ptr<Policy>> MakeCis(const std::string& name, std::unique_ptr<Policy> inner,
+                                        const std::map<std::string, double>& own,
+                                        const RuntimeConfig& config) {
+  CisParams p;
+  for (const auto& [key, value] : own) {
+    if (key == "cis.s") {
+      KVF_ASSIGN_OR_RETURN(p.s, IntParam("cis", key, value, 1, int64_t{1} << 30));
+    } else if (key == "cis.tau") {
+      KVF_ASSIGN_OR_RETURN(p.tau, FiniteParam("cis.tau", value));
+    } else if (key == "cis.r") {
+      KVF_ASSIGN_OR_RETURN(int64_t r, IntParam("cis", key, value, 0, 1 << 20));
+      p.r = static_cast<int>(r);
+    } else if (key == "cis.m_frac") {
+      KVF_CHECK_ARG(std::isfinite(value) && value > 0 && value <= 1,
+                    "cis parameter 'cis.m_frac' = ", value, " must be in (0, 1]");
+      p.m_frac = value;
+    } else {
+      return InvalidArgument(detail::StrCat("cis: unknown parameter '", key,
+                                            "' (known: cis.s, cis.tau, cis.r, cis.m_frac)"));
+    }
+  }
+  return std::unique_ptr<Policy>(new CisPolicy(name, std::move(inner), p, config));
+}
+
+Result<std::unique_ptr<Policy>> MakePsaw(const std::string& name, std::unique_ptr<Policy> inner,
+                                         const std::map<std::string, double>& own,
+                                         const RuntimeConfig& config) {
+  double phi = 0.7, start = 0.75;
+  for (const auto& [key, value] : own) {
+    if (key == "psaw.phi") {
+      KVF_CHECK_ARG(std::isfinite(value) && value > 0 && value < 1,
+                    "psaw parameter 'psaw.phi' = ", value, " must be in (0, 1)");
+      phi = value;
+    } else if (key == "psaw.start") {
+      KVF_CHECK_ARG(std::isfinite(value) && value >= 0 && value < 1,
+                    "psaw parameter 'psaw.start' = ", value, " must be in [0, 1)");
+      start = value;
+    } else {
+      return InvalidArgument(detail::StrCat("psaw: unknown parameter '", key,
+                                            "' (known: psaw.phi, psaw.start)"));
+    }
+  }
+  const int n_layers = config.model.num_layers;
+  const int l_s = static_cast<int>(std::floor(start * n_layers));
+  return std::unique_ptr<Policy>(new PsawPolicy(name, std::move(inner), phi, l_s, n_layers));
+}
+
+Result<std::unique_ptr<Policy>> MakeXl(const std::string& name, std::unique_ptr<Policy> inner,
+                                       const std::map<std::string, double>& own,
+                                       const RuntimeConfig& config) {
+  double start = 0.5;
+  for (const auto& [key, value] : own) {
+    if (key == "xl.start") {
+      KVF_CHECK_ARG(std::isfinite(value) && value >= 0 && value <= 1,
+                    "xl parameter 'xl.start' = ", value, " must be in [0, 1]");
+      start = value;
+    } else {
+      return InvalidArgument(
+          detail::StrCat("xl: unknown parameter '", key, "' (known: xl.start)"));
+    }
+  }
+  // Layer 0 has no previous layer: the first reusing layer is at least 1.
+  const int first = std::max(1, static_cast<int>(std::floor(start * config.model.num_layers)));
+  return std::unique_ptr<Policy>(new XlPolicy(name, std::move(inner), first, config));
+}
+
+const WrapperSpec kWrappers[] = {
+    {"cis+", "cis.", MakeCis},
+    {"psaw+", "psaw.", MakePsaw},
+    {"xl+", "xl.", MakeXl},
+};
+
+const WrapperSpec* FindWrapper(const std::string& name) {
+  for (const WrapperSpec& w : kWrappers) {
+    if (name.rfind(w.prefix, 0) == 0) return &w;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+const std::vector<std::string>& PrhsWrapperPrefixes() {
+  static const std::vector<std::string> p = [] {
+    std::vector<std::string> v;
+    for (const WrapperSpec& w : kWrappers) v.emplace_back(w.prefix);
+    return v;
+  }();
+  return p;
+}
+
+int64_t PsawHiddenEnd(int layer, int num_layers, int l_s, double phi, int64_t n) {
+  if (layer < l_s || num_layers <= l_s) return 0;
+  const double e = static_cast<double>(layer - l_s) / static_cast<double>(num_layers - l_s);
+  return static_cast<int64_t>(std::floor((1.0 - std::pow(phi, e)) * static_cast<double>(n)));
+}
+
+void CisShareSet(int64_t n, int sink, int window, int64_t budget, const std::vector<int32_t>& ranked,
+                 int64_t m, int r, std::vector<int32_t>& out) {
+  out.clear();
+  const int64_t s = std::clamp<int64_t>(sink, 0, n);
+  const int64_t w_lo = std::max(s, n - std::max(window, 0));
+  thread_local std::vector<uint8_t> mark;
+  mark.assign(static_cast<size_t>(n), 0);
+  auto add = [&](int64_t p) {
+    if (p < 0 || p >= n || mark[p] || static_cast<int64_t>(out.size()) >= budget) return;
+    mark[p] = 1;
+    out.push_back(static_cast<int32_t>(p));
+  };
+  for (int64_t p = 0; p < s; ++p) add(p);
+  for (int64_t p = n - 1; p >= w_lo; --p) add(p);  // newest first when the budget is short
+  const int64_t top = std::min<int64_t>(m, static_cast<int64_t>(ranked.size()));
+  for (int64_t i = 0; i < top; ++i) add(ranked[i]);
+  for (int64_t i = 0; i < top; ++i) {
+    for (int dr = 1; dr <= r; ++dr) {
+      add(int64_t{ranked[i]} - dr);
+      add(int64_t{ranked[i]} + dr);
+    }
+  }
+  for (size_t i = static_cast<size_t>(top); i < ranked.size(); ++i) add(ranked[i]);
+  std::sort(out.begin(), out.end());
+}
+
+Result<std::unique_ptr<Policy>> MakePrhsPolicy(const RuntimeConfig& config) {
+  const std::string& name = config.policy.name;
+  const WrapperSpec* w = FindWrapper(name);
+  if (w == nullptr) return NotFound(detail::StrCat("no wrapper prefix in '", name, "'"));
+  const std::string inner_name = name.substr(std::string(w->prefix).size());
+  KVF_CHECK_ARG(!inner_name.empty(), "policy '", name, "' names no inner policy (e.g. '",
+                w->prefix, "oracle')");
+  std::map<std::string, double> own, rest;
+  for (const auto& [key, value] : config.policy.params) {
+    (key.rfind(w->ns, 0) == 0 ? own : rest)[key] = value;
+  }
+  if (FindWrapper(inner_name) == nullptr) {
+    // The base policy: a namespaced parameter left over names a wrapper missing from the stack.
+    for (const auto& [key, value] : rest) {
+      for (const WrapperSpec& o : kWrappers) {
+        KVF_CHECK_ARG(key.rfind(o.ns, 0) != 0, "parameter '", key, "' is for the ", o.prefix,
+                      " wrapper, which policy '", name, "' does not contain");
+      }
+    }
+  }
+  RuntimeConfig inner_config = config;
+  inner_config.policy.name = inner_name;
+  inner_config.policy.params = std::move(rest);
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<Policy> inner, MakePolicy(inner_config));
+  return w->make(name, std::move(inner), own, config);
+}
+
+}  // namespace kvferry
