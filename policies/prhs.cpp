@@ -62,6 +62,7 @@ struct CisParams {
   double tau = 0.8;
   int r = 1;
   double m_frac = 1.0 / 3.0;
+  bool mean_cos = false;  // cis.group_mean: the group's mean cosine instead of its minimum
 };
 
 struct CisRef {
@@ -74,9 +75,9 @@ struct CisState {
   std::vector<CisRef> refs;     // retrievals of the current block, oldest first
 };
 
-/// min over the group's heads of cos(q_g, ref_g); 0 when a norm is 0.
-double GroupMinCos(const float* q, const std::vector<float>& ref, int group, int d) {
-  double worst = 1.0;
+/// min (or mean) over the group's heads of cos(q_g, ref_g); 0 when a norm is 0.
+double GroupCos(const float* q, const std::vector<float>& ref, int group, int d, bool mean) {
+  double worst = 1.0, sum = 0;
   for (int g = 0; g < group; ++g) {
     double dot = 0, a = 0, b = 0;
     for (int i = 0; i < d; ++i) {
@@ -87,8 +88,9 @@ double GroupMinCos(const float* q, const std::vector<float>& ref, int group, int
     }
     const double c = (a > 0 && b > 0) ? dot / std::sqrt(a * b) : 0.0;
     worst = std::min(worst, c);
+    sum += c;
   }
-  return worst;
+  return mean ? sum / group : worst;
 }
 
 class CisPolicy final : public WrapperBase {
@@ -108,7 +110,7 @@ class CisPolicy final : public WrapperBase {
     if (block_start) st->refs.clear();
     const CisRef* share = nullptr;
     for (auto it = st->refs.rbegin(); it != st->refs.rend() && share == nullptr; ++it) {
-      if (GroupMinCos(ctx.q, it->q, group, d) > p_.tau) share = &*it;
+      if (GroupCos(ctx.q, it->q, group, d, p_.mean_cos) > p_.tau) share = &*it;
     }
     if (share != nullptr) {
       CountReuse();
@@ -298,9 +300,12 @@ Result<std::unique_ptr<Policy>> MakeCis(const std::string& name, std::unique_ptr
       KVF_CHECK_ARG(std::isfinite(value) && value > 0 && value <= 1,
                     "cis parameter 'cis.m_frac' = ", value, " must be in (0, 1]");
       p.m_frac = value;
+    } else if (key == "cis.group_mean") {
+      KVF_ASSIGN_OR_RETURN(int64_t g, IntParam("cis", key, value, 0, 1));
+      p.mean_cos = g == 1;
     } else {
       return InvalidArgument(detail::StrCat("cis: unknown parameter '", key,
-                                            "' (known: cis.s, cis.tau, cis.r, cis.m_frac)"));
+                                            "' (known: cis.s, cis.tau, cis.r, cis.m_frac, cis.group_mean)"));
     }
   }
   return std::unique_ptr<Policy>(new CisPolicy(name, std::move(inner), p, config));
