@@ -212,6 +212,8 @@ nb::dict StatsDict(const Stats& s) {
   KVF_STAT(rows_selected);
   KVF_STAT(bank_admitted);
   KVF_STAT(bank_evicted);
+  KVF_STAT(prhs_select_calls);
+  KVF_STAT(prhs_select_reused);
   KVF_STAT(ms_append);
   KVF_STAT(ms_select);
   KVF_STAT(ms_resolve);
