@@ -71,8 +71,9 @@ struct CisRef {
 };
 
 struct CisState {
-  int64_t steps = 0;            // decode steps seen (counted where the budget does not cover n)
-  std::vector<CisRef> refs;     // retrievals of the current block, oldest first
+  int64_t steps = 0;         // decode steps seen (counted where the budget does not cover n)
+  std::vector<CisRef> refs;  // [0, num_refs): the current block's retrievals, oldest first; the
+  size_t num_refs = 0;       // elements past it keep their buffers (no allocation once s were seen)
 };
 
 /// min (or mean) over the group's heads of cos(q_g, ref_g); 0 when a norm is 0.
@@ -107,10 +108,11 @@ class CisPolicy final : public WrapperBase {
     const int group = ctx.params.group, d = ctx.params.head_dim;
     const bool block_start = st->steps % p_.s == 0;
     ++st->steps;
-    if (block_start) st->refs.clear();
+    if (block_start) st->num_refs = 0;
     const CisRef* share = nullptr;
-    for (auto it = st->refs.rbegin(); it != st->refs.rend() && share == nullptr; ++it) {
-      if (GroupCos(ctx.q, it->q, group, d, p_.mean_cos) > p_.tau) share = &*it;
+    for (size_t i = st->num_refs; i > 0 && share == nullptr; --i) {
+      const CisRef& ref = st->refs[i - 1];
+      if (GroupCos(ctx.q, ref.q, group, d, p_.mean_cos) > p_.tau) share = &ref;
     }
     if (share != nullptr) {
       CountReuse();
@@ -121,13 +123,14 @@ class CisPolicy final : public WrapperBase {
     }
     CountCall();
     KVF_RETURN_IF_ERROR(inner().Select(ctx, out));
-    CisRef ref;
+    if (st->num_refs == st->refs.size()) st->refs.emplace_back();
+    CisRef& ref = st->refs[st->num_refs++];
     ref.q.assign(ctx.q, ctx.q + static_cast<size_t>(group) * d);
+    ref.ranked.clear();
     for (int32_t pos : out) {
       if (!IsResident(pos, ctx.n, ctx.sink, ctx.window)) ref.ranked.push_back(pos);
     }
     RankByWeight(ctx, ref.ranked);
-    st->refs.push_back(std::move(ref));
     return Status::Ok();
   }
 
@@ -139,6 +142,8 @@ class CisPolicy final : public WrapperBase {
     const int64_t count = static_cast<int64_t>(pos.size());
     if (count == 0) return;
     thread_local std::vector<float> logits, weights, krow;
+    thread_local std::vector<int64_t> order;
+    thread_local std::vector<int32_t> ranked;
     logits.resize(static_cast<size_t>(count) * group);
     weights.resize(static_cast<size_t>(count));
     krow.resize(static_cast<size_t>(d));
@@ -151,14 +156,14 @@ class CisPolicy final : public WrapperBase {
       }
     }
     GroupSoftmaxSum(logits.data(), group, count, count, weights.data());
-    std::vector<int64_t> order(static_cast<size_t>(count));
+    order.resize(static_cast<size_t>(count));
     for (int64_t j = 0; j < count; ++j) order[j] = j;
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
       return weights[a] > weights[b];
     });
-    std::vector<int32_t> ranked(static_cast<size_t>(count));
+    ranked.resize(static_cast<size_t>(count));
     for (int64_t j = 0; j < count; ++j) ranked[j] = pos[order[j]];
-    pos.swap(ranked);
+    std::copy(ranked.begin(), ranked.end(), pos.begin());
   }
 
   void DropSlot(int slot) override { states_.RemoveSlot(slot); }
@@ -172,7 +177,10 @@ class CisPolicy final : public WrapperBase {
 class PsawPolicy final : public WrapperBase {
  public:
   PsawPolicy(std::string name, std::unique_ptr<Policy> inner, double phi, int l_s, int num_layers)
-      : WrapperBase(std::move(name), std::move(inner)), phi_(phi), l_s_(l_s), num_layers_(num_layers) {}
+      : WrapperBase(std::move(name), std::move(inner)),
+        phi_(phi),
+        l_s_(l_s),
+        num_layers_(num_layers) {}
 
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
     const int64_t sink = std::clamp<int64_t>(ctx.sink, 0, ctx.n);
@@ -304,8 +312,9 @@ Result<std::unique_ptr<Policy>> MakeCis(const std::string& name, std::unique_ptr
       KVF_ASSIGN_OR_RETURN(int64_t g, IntParam("cis", key, value, 0, 1));
       p.mean_cos = g == 1;
     } else {
-      return InvalidArgument(detail::StrCat("cis: unknown parameter '", key,
-                                            "' (known: cis.s, cis.tau, cis.r, cis.m_frac, cis.group_mean)"));
+      return InvalidArgument(
+          detail::StrCat("cis: unknown parameter '", key,
+                         "' (known: cis.s, cis.tau, cis.r, cis.m_frac, cis.group_mean)"));
     }
   }
   return std::unique_ptr<Policy>(new CisPolicy(name, std::move(inner), p, config));
@@ -383,8 +392,8 @@ int64_t PsawHiddenEnd(int layer, int num_layers, int l_s, double phi, int64_t n)
   return static_cast<int64_t>(std::floor((1.0 - std::pow(phi, e)) * static_cast<double>(n)));
 }
 
-void CisShareSet(int64_t n, int sink, int window, int64_t budget, const std::vector<int32_t>& ranked,
-                 int64_t m, int r, std::vector<int32_t>& out) {
+void CisShareSet(int64_t n, int sink, int window, int64_t budget,
+                 const std::vector<int32_t>& ranked, int64_t m, int r, std::vector<int32_t>& out) {
   out.clear();
   const int64_t s = std::clamp<int64_t>(sink, 0, n);
   const int64_t w_lo = std::max(s, n - std::max(window, 0));

@@ -37,8 +37,8 @@ int64_t PsawHiddenEnd(int layer, int num_layers, int l_s, double phi, int64_t n)
 /// [n - window, n) re-anchored at n, then, up to \p budget positions in all: the kept positions'
 /// top m (\p ranked is the kept non-resident positions, best first), the +-r neighbours of those m,
 /// then the rest of \p ranked in rank order. Out of range positions are skipped. Ascending.
-void CisShareSet(int64_t n, int sink, int window, int64_t budget, const std::vector<int32_t>& ranked,
-                 int64_t m, int r, std::vector<int32_t>& out);
+void CisShareSet(int64_t n, int sink, int window, int64_t budget,
+                 const std::vector<int32_t>& ranked, int64_t m, int r, std::vector<int32_t>& out);
 
 /// The cross-layer wrapper's public face: what layer+1 will select.
 class XlPredictor {
@@ -47,7 +47,8 @@ class XlPredictor {
   /// The positions layer + 1 of (slot, kv_head) will select at the current step if it reuses
   /// this layer's set (ascending); empty when layer + 1 runs its inner policy (below the start
   /// layer, past the last layer, or nothing kept for this step).
-  [[nodiscard]] virtual std::vector<int32_t> PredictNext(int slot, int layer, int kv_head) const = 0;
+  [[nodiscard]] virtual std::vector<int32_t> PredictNext(int slot, int layer,
+                                                         int kv_head) const = 0;
 };
 
 }  // namespace kvferry

@@ -139,8 +139,8 @@ TEST(PrhsCis, RhoAtLeastOneOverS) {
   for (int s : {4, 8, 16}) {
     for (double tau : {-1.0, 0.8, 0.95}) {
       const int steps = 32;
-      Trace t = RunSteps(Config("cis+oracle", 2, 4, 64, {{"cis.s", s}, {"cis.tau", tau}}), 300, steps,
-                    0.3f, 11u + s);
+      Trace t = RunSteps(Config("cis+oracle", 2, 4, 64, {{"cis.s", s}, {"cis.tau", tau}}), 300,
+                         steps, 0.3f, 11u + s);
       const int64_t calls = t.stats.prhs_select_calls, reused = t.stats.prhs_select_reused;
       ASSERT_EQ(calls + reused, int64_t{steps} * 2 * 2) << "every (step, layer, head) counted";
       const double rho = static_cast<double>(calls) / static_cast<double>(calls + reused);
@@ -156,7 +156,8 @@ TEST(PrhsCis, GroupMeanSharesAtLeastAsOftenAsGroupMin) {
   // The group's mean cosine is >= its minimum, so against the same refs the mean gate shares
   // whenever the min gate does; on this seeded run it retrieves far less often.
   const auto cfg = [](double mean) {
-    return Config("cis+oracle", 2, 4, 64, {{"cis.s", 16}, {"cis.tau", 0.8}, {"cis.group_mean", mean}});
+    return Config("cis+oracle", 2, 4, 64,
+                  {{"cis.s", 16}, {"cis.tau", 0.8}, {"cis.group_mean", mean}});
   };
   Trace a = RunSteps(cfg(0), 300, 32, 0.45f, 13u), b = RunSteps(cfg(1), 300, 32, 0.45f, 13u);
   EXPECT_LT(b.stats.prhs_select_calls, a.stats.prhs_select_calls);
@@ -187,7 +188,8 @@ TEST(PrhsCis, TauAboveOneIsTheBasePolicy) {
 
 TEST(PrhsCis, SharedStepsReuseTheKeptSet) {
   // tau = -1: steps 2..s of a block reuse. The shared set keeps sinks and window re-anchored.
-  Trace t = RunSteps(Config("cis+oracle", 1, 2, 64, {{"cis.tau", -1.0}, {"cis.s", 8}}), 300, 8, 0.3f, 9u);
+  Trace t =
+      RunSteps(Config("cis+oracle", 1, 2, 64, {{"cis.tau", -1.0}, {"cis.s", 8}}), 300, 8, 0.3f, 9u);
   for (size_t step = 1; step < t.sel.size(); ++step) {
     const int64_t n = 300 + static_cast<int64_t>(step) + 1;
     for (const auto& p : t.sel[step]) {
@@ -338,7 +340,8 @@ TEST(PrhsCis, RemovedSequenceStartsFresh) {
   EXPECT_EQ(rt.GetStats().prhs_select_reused, 4);
   ASSERT_TRUE(rt.RemoveSequence(5).ok());
   rt.ResetStats();
-  RunSteps(c, 200, 1, 0.3f, 2u, &rt, 5);  // same id again: a block start, not step 4 of the old block
+  // The same id again: a block start, not step 4 of the old block.
+  RunSteps(c, 200, 1, 0.3f, 2u, &rt, 5);
   EXPECT_EQ(rt.GetStats().prhs_select_calls, 2);
   EXPECT_EQ(rt.GetStats().prhs_select_reused, 0);
 }
