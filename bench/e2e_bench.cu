@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "examples/llama/progress.h"
 #include "kvferry/kvferry.h"
 
 namespace {
@@ -223,6 +224,9 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   };
   const double t_fill0 = Now();
   std::vector<SequenceId> seqs;
+  kvferry::llama::Progress progress("fill " + std::to_string(ctx / 1024) + "K x " +
+                                        std::to_string(batch),
+                                    static_cast<int64_t>(batch) * o.layers, "layers");
   for (int b = 0; b < batch; ++b) {
     const SequenceId s = 100 + b;
     seqs.push_back(s);
@@ -242,8 +246,10 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
         row << ",\"skipped\":\"prefill: " << st.ToString() << "\"}";
         return row.str();
       }
+      progress.Update(static_cast<int64_t>(b) * o.layers + l + 1);
     }
   }
+  progress.Finish();
   CHECK_CUDA(cudaStreamSynchronize(stream));
   const double fill_s = (Now() - t_fill0) * 1e-3;
 
