@@ -41,7 +41,7 @@ stage_done "build+tests" "$t0"
 # ---- Python ------------------------------------------------------------------------------------
 if [ "${KVFERRY_PYTHON:-1}" != 0 ]; then
   t0=$SECONDS
-  pyenv=${KVFERRY_PYENV:-$build-pyenv}
+  pyenv=$(realpath -m "${KVFERRY_PYENV:-$build-pyenv}")
   [ -x "$pyenv/bin/python" ] || python3 -m venv "$pyenv"
   "$pyenv/bin/pip" install -q --disable-pip-version-check \
     "torch==2.15.0" "transformers==5.23.0" "accelerate" "numpy>=1.22" "pytest>=7" "gguf>=0.10" "safetensors"
