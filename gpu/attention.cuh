@@ -25,6 +25,7 @@
 #include <utility>
 
 #include "base/attn_types.h"
+#include "gpu/mma.cuh"
 #include "kvferry/status.h"
 #include "base/check.h"
 
@@ -425,18 +426,6 @@ __device__ void AttendRangePipelined(const Src& src, const float* __restrict__ q
 // for the whole tile and owns a quarter of the head dimension of O, so warps exchange nothing.
 
 template <typename T>
-__device__ __forceinline__ uint32_t PackPair(float a, float b);
-template <>
-__device__ __forceinline__ uint32_t PackPair<__nv_bfloat16>(float a, float b) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t PackPair<__half>(float a, float b) {
-  const __half2 v = __floats2half2_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-template <typename T>
 __device__ __forceinline__ float RoundTo(float x) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     return __bfloat162float(__float2bfloat16_rn(x));
@@ -448,53 +437,8 @@ __device__ __forceinline__ float RoundTo(float x) {
 template <typename T>
 __device__ __forceinline__ void SplitPair(float a, float b, uint32_t& hi, uint32_t& lo) {
   const float ha = RoundTo<T>(a), hb = RoundTo<T>(b);
-  hi = PackPair<T>(ha, hb);
-  lo = PackPair<T>(a - ha, b - hb);
-}
-
-// D += A B: A 16x16 (a[4]), B 16x8 (b0, b1), fp32 accumulators.
-template <typename T>
-__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* smem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* smem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-// The register fragment of an 8x8 b16 matrix -> the fragment of its transpose.
-__device__ __forceinline__ uint32_t MovMatrixTrans(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-
-// Byte offset of 16-byte chunk c of row r in a stage: chunks are XOR-swizzled by the row's low
-// three bits so that the 8 rows an ldmatrix reads at one chunk fall in distinct banks.
-template <int HD, typename T>
-__device__ __forceinline__ uint32_t SwizzledChunk(int r, int c) {
-  return static_cast<uint32_t>(r) * (HD * sizeof(T)) + static_cast<uint32_t>(c ^ (r & 7)) * 16u;
+  hi = mma::PackPair<T>(ha, hb);
+  lo = mma::PackPair<T>(a - ha, b - hb);
 }
 
 // Whether AttendRangeMma serves (HD, G): each warp's quarter of the head dimension must be whole
@@ -539,7 +483,7 @@ __device__ void AttendRangeMma(const Src& src, const float* __restrict__ q, int 
       const int c = threadIdx.x + i * kAttnThreads;
       const int rr = c / kLpr;
       const int piece = c % kLpr;
-      char* ks = stage + SwizzledChunk<HD, T>(rr, piece);
+      char* ks = stage + mma::TileOffset<HD>(rr, piece);
       char* vs = ks + kTile * kRowB;
       if (r0 + rr < end) {
         const char* kp;
@@ -600,9 +544,9 @@ __device__ void AttendRangeMma(const Src& src, const float* __restrict__ q, int 
       for (int ks = 0; ks < kKS; ++ks) {
         // Matrices: rows +0 / +8 at chunk 2ks, then rows +0 / +8 at chunk 2ks+1.
         uint32_t a[4];
-        LdMatrixX4(a, stage + SwizzledChunk<HD, T>(row, ks * 2 + (lane >> 4)));
-        Mma16816<T>(s[mt], a, qb_hi[ks][0], qb_hi[ks][1]);
-        if (q_lo) Mma16816<T>(acc_lo, a, qb_lo[ks][0], qb_lo[ks][1]);
+        mma::LdMatrixX4(a, mma::SmemAddr(stage) + mma::TileOffset<HD>(row, ks * 2 + (lane >> 4)));
+        mma::Mma16816<T>(s[mt], a, qb_hi[ks][0], qb_hi[ks][1]);
+        if (q_lo) mma::Mma16816<T>(acc_lo, a, qb_lo[ks][0], qb_lo[ks][1]);
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[mt][e] += acc_lo[e];
@@ -650,8 +594,8 @@ __device__ void AttendRangeMma(const Src& src, const float* __restrict__ q, int 
         l[1] += p1;
         uint32_t hi, lo;
         SplitPair<T>(p0, p1, hi, lo);
-        pb_hi[mt][h] = MovMatrixTrans(hi);
-        pb_lo[mt][h] = MovMatrixTrans(lo);
+        pb_hi[mt][h] = mma::MovMatrixTrans(hi);
+        pb_lo[mt][h] = mma::MovMatrixTrans(lo);
       }
     }
     // O^T[warp's dims] += V^T P^T: A = V^T (16 dims x 16 rows) by ldmatrix.trans; matrices:
@@ -663,9 +607,9 @@ __device__ void AttendRangeMma(const Src& src, const float* __restrict__ q, int 
       for (int j = 0; j < kDT; ++j) {
         const int chunk = (warp * kDW + j * 16) / 8 + ((lane >> 3) & 1);
         uint32_t a[4];
-        LdMatrixX4Trans(a, vstage + SwizzledChunk<HD, T>(vrow, chunk));
-        Mma16816<T>(o[j], a, pb_hi[mt][0], pb_hi[mt][1]);
-        Mma16816<T>(o[j], a, pb_lo[mt][0], pb_lo[mt][1]);
+        mma::LdMatrixX4Trans(a, mma::SmemAddr(vstage) + mma::TileOffset<HD>(vrow, chunk));
+        mma::Mma16816<T>(o[j], a, pb_hi[mt][0], pb_hi[mt][1]);
+        mma::Mma16816<T>(o[j], a, pb_lo[mt][0], pb_lo[mt][1]);
       }
     }
   }

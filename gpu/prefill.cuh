@@ -45,6 +45,7 @@
 #include <type_traits>
 
 #include "gpu/cuda_kernels.h"
+#include "gpu/mma.cuh"
 
 namespace kvferry::cuda {
 
@@ -82,9 +83,12 @@ namespace prefill {
 
 constexpr float kLn2 = 0.6931471805599453f;
 
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using mma::LdMatrixX4;
+using mma::LdMatrixX4Trans;
+using mma::Mma16816;
+using mma::PackPair;
+using mma::SmemAddr;
+using mma::TileOffset;
 
 // 16-byte global -> shared copy; src_bytes = 0 writes 16 zero bytes (gmem is not read).
 __device__ __forceinline__ void CpAsync16Zfill(uint32_t smem, const void* gmem, bool valid) {
@@ -99,51 +103,6 @@ __device__ __forceinline__ void CpAsyncCommit() {
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// d += a * b for one m16n8k16 tile (fp32 accumulators).
-template <typename T>
-__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    static_assert(std::is_same_v<T, __half>, "16-bit inputs only");
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-// Two fp32 values as a 16-bit pair, lo in the low half (the lower column of an A fragment).
-template <typename T>
-__device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
-  uint32_t u;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    memcpy(&u, &v, 4);
-  } else {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    memcpy(&u, &v, 4);
-  }
-  return u;
 }
 
 template <typename OutT>
@@ -162,12 +121,6 @@ __device__ __forceinline__ float Exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-
-// Byte offset of 16-byte chunk c of row r in a swizzled [rows][HD] 16-bit tile.
-template <int HD>
-__device__ __forceinline__ uint32_t TileOffset(int r, int c) {
-  return static_cast<uint32_t>(r * (HD * 2) + ((c ^ (r & 7)) << 4));
 }
 
 // The ldmatrix address of one lane for 16-byte chunk 2 m + c0 (c0 in {0, 1}) of row r (or of row
