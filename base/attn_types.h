@@ -155,6 +155,9 @@ struct DecodeStepArgs {
   int64_t budget_cap = 0;
   /// Every attended row is resident (lets the CUDA kernel stream rows through shared memory).
   bool all_resident = false;
+  /// The host writes the new token's host-store rows itself (a CPU-placed policy reads them while
+  /// the step's kernels run); the append writes only the resident row.
+  bool host_writes_store = false;
 
   const int32_t* slots = nullptr;      ///< [batch] sequence slots (device)
   const int64_t* positions = nullptr;  ///< [batch * num_layers]: new token's position (device)

@@ -50,8 +50,10 @@ void DecodeStep(const DecodeStepArgs& a) {
       const int64_t src = (static_cast<int64_t>(b) * hkv + h) * d;
       const void* ks = static_cast<const char*>(a.k) + src * DTypeSize(a.k_dtype);
       const void* vs = static_cast<const char*>(a.v) + src * DTypeSize(a.v_dtype);
-      ConvertSpan(const_cast<void*>(PagedKRow(r.kv, pos, d, elem)), p.kv_dtype, ks, a.k_dtype, d);
-      ConvertSpan(const_cast<void*>(PagedVRow(r.kv, pos, d, elem)), p.kv_dtype, vs, a.v_dtype, d);
+      if (!a.host_writes_store) {
+        ConvertSpan(const_cast<void*>(PagedKRow(r.kv, pos, d, elem)), p.kv_dtype, ks, a.k_dtype, d);
+        ConvertSpan(const_cast<void*>(PagedVRow(r.kv, pos, d, elem)), p.kv_dtype, vs, a.v_dtype, d);
+      }
       const int64_t row = ResidentRowOf(pos, n, a.sink, a.window);
       if (row >= 0) {
         char* rk = const_cast<char*>(r.resident_k) + static_cast<size_t>(row) * row_bytes;

@@ -55,8 +55,10 @@ __device__ void AppendItem(const DecodeStepArgs& a, int32_t b, int32_t h, const 
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
     const float kx = LoadElem(a.k, a.k_dtype, src + i);
     const float vx = LoadElem(a.v, a.v_dtype, src + i);
-    StoreElem(store_k, a.params.kv_dtype, i, kx);
-    StoreElem(store_v, a.params.kv_dtype, i, vx);
+    if (!a.host_writes_store) {
+      StoreElem(store_k, a.params.kv_dtype, i, kx);
+      StoreElem(store_v, a.params.kv_dtype, i, vx);
+    }
     StoreElem(res_k, a.params.kv_dtype, i, kx);  // the new token is always in the window
     StoreElem(res_v, a.params.kv_dtype, i, vx);
   }

@@ -112,6 +112,8 @@ class LfpsPolicy final : public Policy {
   [[nodiscard]] std::string_view name() const override { return "lfps"; }
   [[nodiscard]] Placement placement() const override { return Placement::kCpu; }
   bool wants_prefill_queries() const override { return true; }
+  /// Every selection is the sinks, the offloaded picks and the recent positions from n - window.
+  bool selection_covers_resident() const override { return true; }
   Status OnPrefill(const PrefillContext& ctx) override;
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
   void OnSequenceRemoved(int slot) override;

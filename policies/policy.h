@@ -68,6 +68,11 @@ class Policy {
   /// computes it inside the step's kernels (StepRowMode::kSinksAndRecent), with no Select call,
   /// which makes the step capture-safe.
   [[nodiscard]] virtual bool selects_sinks_and_recent() const { return false; }
+  /// True if every Select result contains every resident position (the first ctx.sink positions
+  /// and the last ctx.window ones). A CPU-placed policy that says so runs the planned step: the
+  /// device attends the resident rows while Select runs on the host, and only the selected
+  /// offloaded rows are attended on the CPU (their (o, lse) merged on the device afterwards).
+  [[nodiscard]] virtual bool selection_covers_resident() const { return false; }
   /// How the device computes this policy's selection inside a planned step (Device::DecodeSelect
   /// into the step's device list); kNone: Select runs on the host. A policy that declares a
   /// scoring must select exactly what Select would (up to fp32 rounding of near-ties on CUDA).

@@ -37,8 +37,22 @@ Status RuntimeImpl::InitStepBuffers() {
   step_all_resident_ = policy_->is_dense() || scoring_ != SelectScoring::kNone
                            ? resident_rows >= cap.max_tokens_per_sequence
                            : budget_max_ <= resident_rows;
-  if (!fast_path_) return Status::Ok();
+  const Route route = config_.route == Route::kAuto && policy_->placement() == Placement::kCpu
+                          ? Route::kCpu
+                          : config_.route;
+  cpu_step_ = !fast_path_ && policy_->placement() == Placement::kCpu &&
+              policy_->selection_covers_resident() && !policy_->is_dense() && bank_ == nullptr &&
+              route == Route::kCpu;
+  if (!fast_path_ && !cpu_step_) return Status::Ok();
   void* p = nullptr;
+  if (cpu_step_) {
+    // q, k and v of a step as the caller gave them (4 bytes an element at most).
+    const size_t per_token = static_cast<size_t>(m.num_q_heads + 2 * m.num_kv_heads) * m.head_dim;
+    KVF_ASSIGN_OR_RETURN(q_raw_host_,
+                         Alloc(static_cast<size_t>(cap.max_batch) * per_token * sizeof(float) + 256, true));
+    KVF_ASSIGN_OR_RETURN(q_ready_, device_->CreateEvent());
+    KVF_ASSIGN_OR_RETURN(cpu_part_up_, device_->CreateEvent());
+  }
   if (scoring_ != SelectScoring::kNone) {
     // Per layer a list region, so that any layer's last selection can be read back and no layer
     // rewrites a list an earlier launch of the step may still read.
@@ -197,8 +211,8 @@ Status RuntimeImpl::PlanDecode(std::span<const SequenceId> seqs, StreamHandle st
   KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
   const int layers = config_.model.num_layers;
   for (int l = 0; l < layers; ++l) KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, l));
-  // Policies that select on the host plan inside each Decode: nothing to do ahead.
-  if (!fast_path_) return Status::Ok();
+  // Policies that select on the host without a planned step plan inside each Decode.
+  if (!fast_path_ && !cpu_step_) return Status::Ok();
   const auto t0 = Clock::now();
   RetirePlan();
   for (int l = 0; l < layers; ++l) KVF_RETURN_IF_ERROR(ReserveNextToken(slot_of, l));
@@ -332,6 +346,19 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.sparcas_dense_layers = sparcas_dense_;
   }
 
+  if (cpu_step_) {
+    // The device's part is the resident rows (sinks + window): every selection covers them. The
+    // host's selection and its attention over the offloaded picks meet them in the merge below.
+    a.mode = StepRowMode::kSinksAndRecent;
+    a.budget_tokens = std::max<int64_t>(int64_t{a.sink} + a.window, 1);
+    a.budget_fraction = 0.0;
+    a.budget_cap = a.budget_tokens;
+    a.all_resident = true;
+    a.host_writes_store = true;
+    a.out = o_gpu_;
+    a.out_dtype = DType::kF32;
+    a.lse = lse_gpu_;
+  }
   // Rows each item attends, for the launch shape and the stats (the device recomputes them). A
   // device selection's split between resident and fetched rows is not known on the host: its
   // rows count as selected only.
@@ -340,6 +367,10 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = pos[b] + 1;
     const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
+    if (cpu_step_) {  // counted by SelectAndAttendOnCpu
+      max_rows = std::max(max_rows, std::min(budget, n));
+      continue;
+    }
     if (scoring_ != SelectScoring::kNone) {
       const int64_t count = std::min(budget, n);
       max_rows = std::max(max_rows, count);
@@ -358,11 +389,74 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
 
   const auto t1 = Clock::now();
   Status st = Status::Ok();
-  if (scoring_ != SelectScoring::kNone) {
+  // A CPU-placed policy: q, k and v go to the host ahead of the step's kernels, so that the
+  // host's selection runs while the device attends the resident rows.
+  TensorView q_host = q, k_host = k, v_host = v;
+  const bool inputs_on_host = device_->backend() == Backend::kHost ||
+                              (q.where == MemoryKind::kHost && k.where == MemoryKind::kHost &&
+                               v.where == MemoryKind::kHost);
+  if (cpu_step_ && !inputs_on_host) {
+    char* dst = static_cast<char*>(q_raw_host_);
+    for (TensorView* t : {&q_host, &k_host, &v_host}) {
+      const size_t bytes = static_cast<size_t>(t->numel()) * DTypeSize(t->dtype);
+      if (t->where == MemoryKind::kDevice && st.ok()) {
+        st = device_->CopyAsync(dst, t->data, bytes, stream);
+        t->data = dst;
+        t->where = MemoryKind::kHost;
+      }
+      dst += AlignUp(bytes, 64);
+    }
+    if (st.ok()) st = device_->RecordEvent(q_ready_, stream);
+  }
+  if (st.ok() && scoring_ != SelectScoring::kNone) {
     st = device_->DecodeSelect(a, stream);
     list_slots_[layer].assign(slot_of.begin(), slot_of.end());
   }
   if (st.ok()) st = device_->DecodeStep(a, stream);
+  bool cpu_part_failed = false;
+  if (st.ok() && cpu_step_) {
+    stats_.ms_attend_gpu += MsSince(t1);
+    const auto t2 = Clock::now();
+    if (!inputs_on_host) st = HostWaitEvent(q_ready_);
+    // The pinned CPU part of the last step must have reached the device before it is rewritten
+    // (it has, unless the caller switched streams).
+    if (st.ok() && !device_->EventDone(cpu_part_up_)) st = HostWaitEvent(cpu_part_up_);
+    if (st.ok()) {
+      st = SelectAndAttendOnCpu(slot_of, layer, pos, q_host, k_host, v_host);
+      cpu_part_failed = !st.ok();
+    }
+    stats_.ms_select += MsSince(t2);
+    const int64_t rows = batch * m.num_q_heads;
+    const bool host = device_->backend() == Backend::kHost;
+    const float* o_cpu = host ? o_cpu_host_ : o_cpu_dev_;
+    const float* lse_cpu = host ? lse_cpu_host_ : lse_cpu_dev_;
+    if (st.ok() && !host) {
+      st = device_->CopyAsync(o_cpu_dev_, o_cpu_host_, static_cast<size_t>(rows) * m.head_dim * 4,
+                              stream);
+      if (st.ok()) st = device_->CopyAsync(lse_cpu_dev_, lse_cpu_host_, rows * 4, stream);
+      if (st.ok()) st = device_->RecordEvent(cpu_part_up_, stream);
+      stats_.bytes_h2d += rows * (m.head_dim + 1) * 4;
+      stats_.bytes_d2h += static_cast<int64_t>(q.numel()) * static_cast<int64_t>(DTypeSize(q.dtype));
+    }
+    if (st.ok()) {
+      const auto t3 = Clock::now();
+      st = device_->MergeLse(o_gpu_, lse_gpu_, o_cpu, lse_cpu, rows, m.head_dim,
+                             out_direct ? out.data : out_stage_, out.dtype, stream);
+      stats_.ms_merge += MsSince(t3);
+    }
+  }
+  if (cpu_part_failed) {
+    // The step's kernels stored the new token's resident rows (the host wrote its store rows):
+    // put back the window rows they overwrote, so the sequence is as before the call.
+    if (!planned) {
+      for (int slot : slot_of) ++lengths_[static_cast<size_t>(slot) * layers + layer];
+    }
+    const Status restored = RestoreEvictedRows(slot_of, layer, stream);
+    if (!planned) {
+      for (int slot : slot_of) --lengths_[static_cast<size_t>(slot) * layers + layer];
+    }
+    KVF_RETURN_IF_ERROR(restored);
+  }
   if (st.ok() && !out_direct) {
     const size_t bytes = static_cast<size_t>(out.numel()) * DTypeSize(out.dtype);
     st = device_->CopyAsync(out.data, out_stage_, bytes, stream);
@@ -382,7 +476,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     for (int slot : slot_of) ++lengths_[static_cast<size_t>(slot) * layers + layer];
   }
   const int64_t hkv = m.num_kv_heads;
-  stats_.ms_attend_gpu += MsSince(t1);
+  if (!cpu_step_) stats_.ms_attend_gpu += MsSince(t1);
   stats_.rows_resident += resident * hkv;
   stats_.rows_fetched += fetched * hkv;
   stats_.rows_selected += selected * hkv;

@@ -87,6 +87,9 @@ RuntimeImpl::~RuntimeImpl() {
   device_->SynchronizeStream(stream_).IgnoreError();
   if (call_done_ != nullptr) device_->DestroyEvent(call_done_);
   for (EventHandle e : plan_events_) device_->DestroyEvent(e);
+  for (EventHandle e : {q_ready_, cpu_part_up_}) {
+    if (e != nullptr) device_->DestroyEvent(e);
+  }
   if (bank_ != nullptr) {
     device_->SynchronizeStream(side_stream_).IgnoreError();
     bank_.reset();
@@ -716,7 +719,7 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   std::vector<int>& slot_of = batch_slots_;  // thread_local would not reach the worker threads
   KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
   // Policies that select on the device run the planned step (runtime/decode_plan.cpp).
-  if (fast_path_) return RunDecodeStep(seqs, layer, q, k, v, out, stream);
+  if (fast_path_ || cpu_step_) return RunDecodeStep(seqs, layer, q, k, v, out, stream);
   KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, layer));
   KVF_RETURN_IF_ERROR(ReserveNextToken(slot_of, layer));
   if (stream == nullptr) stream = stream_;

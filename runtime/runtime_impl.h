@@ -114,6 +114,15 @@ class RuntimeImpl {
   Status RunDecodeStep(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                        const TensorView& k, const TensorView& v, const TensorView& out,
                        StreamHandle stream);
+  // The CPU half of a planned step for a CPU-placed policy (runtime/cpu_step.cpp): waits for q to
+  // reach the host, then per (sequence, KV head), on the pool, selects and attends the selected
+  // offloaded rows from the host store into o_cpu_host_ / lse_cpu_host_ (-inf where none). On
+  // a policy failure returns its Status with nothing on the device changed by this function.
+  // First writes the new tokens' K/V rows to the host store (the step's kernels write only their
+  // resident rows: DecodeStepArgs::host_writes_store). q/k/v: the caller's inputs in host memory.
+  Status SelectAndAttendOnCpu(std::span<const int> slot_of, int layer,
+                              std::span<const int64_t> positions, const TensorView& q,
+                              const TensorView& k, const TensorView& v);
   // Recomputes the device page bounds of positions [pos0, new_len) of (slot, layer) when the
   // policy keeps them (kQuestPages); a no-op otherwise.
   Status ExtendPageBounds(int slot, int layer, int64_t pos0, int64_t new_len, StreamHandle stream);
@@ -200,6 +209,13 @@ class RuntimeImpl {
 
   // Planned decode step state.
   bool fast_path_ = false;         // policy selects on the device, no bank, route gpu/auto
+  // A CPU-placed policy whose selections cover the resident rows, route cpu (auto), no bank: the
+  // planned step attends the resident rows on the device while the host selects, and merges the
+  // CPU's part after (SelectAndAttendOnCpu). Not capture-safe (the host is inside the step).
+  bool cpu_step_ = false;
+  void* q_raw_host_ = nullptr;       // pinned: q, k, v of a step as the caller gave them
+  EventHandle q_ready_ = nullptr;    // q_raw_host_ holds this call's q, k, v
+  EventHandle cpu_part_up_ = nullptr;  // the last CPU part left o_cpu_host_ / lse_cpu_host_
   bool step_all_resident_ = false; // every row such a step attends is resident
   StepPlan plan_;
   int32_t* step_slots_dev_ = nullptr;  // device: [2 regions][max_batch]

@@ -22,6 +22,7 @@ struct Case {
   Route route;
   int bank_slots;
   std::string bank_map;
+  bool device_io = false;  // the CUDA runtime's decode q/k/v/out in device memory
 };
 
 class CudaRuntimeTest : public ::testing::TestWithParam<Case> {};
@@ -103,6 +104,25 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
   }
   // Decode steps, batch of both sequences.
   const int64_t batch = static_cast<int64_t>(seqs.size());
+  // Device copies of the decode tensors, for the device_io cases.
+  std::unique_ptr<Device> dev;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  void* dout = nullptr;
+  const size_t q_bytes = static_cast<size_t>(batch * m.num_q_heads * m.head_dim) * 4;
+  const size_t kv_bytes = static_cast<size_t>(batch * m.num_kv_heads * m.head_dim) * 4;
+  if (c.device_io) {
+    auto made = MakeCudaDevice(0);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    dev = std::move(made).value();
+    for (auto [p, bytes] : {std::pair{&dq, q_bytes}, std::pair{&dk, kv_bytes},
+                            std::pair{&dv, kv_bytes}, std::pair{&dout, q_bytes}}) {
+      auto a = dev->AllocDevice(bytes);
+      ASSERT_TRUE(a.ok());
+      *p = a.value();
+    }
+  }
   for (int step = 0; step < 24; ++step) {
     for (int layer = 0; layer < m.num_layers; ++layer) {
       std::vector<float> q(batch * m.num_q_heads * m.head_dim), k(batch * m.num_kv_heads * m.head_dim),
@@ -117,6 +137,24 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
           return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost,
                                         {batch, heads, m.head_dim});
         };
+        if (b == 0 && c.device_io) {
+          auto dtv = [&](void* p, int heads) {
+            return TensorView::Contiguous(p, DType::kF32, MemoryKind::kDevice,
+                                          {batch, heads, m.head_dim});
+          };
+          ASSERT_TRUE(dev->CopyAsync(dq, q.data(), q_bytes, dev->default_stream()).ok());
+          ASSERT_TRUE(dev->CopyAsync(dk, k.data(), kv_bytes, dev->default_stream()).ok());
+          ASSERT_TRUE(dev->CopyAsync(dv, v.data(), kv_bytes, dev->default_stream()).ok());
+          ASSERT_TRUE(dev->CopyAsync(dout, out[b].data(), q_bytes, dev->default_stream()).ok());
+          ASSERT_TRUE(dev->SynchronizeStream(dev->default_stream()).ok());
+          const Status st = rt[b]->Decode(seqs, layer, dtv(dq, m.num_q_heads), dtv(dk, m.num_kv_heads),
+                                          dtv(dv, m.num_kv_heads), dtv(dout, m.num_q_heads));
+          ASSERT_TRUE(st.ok()) << st.ToString();
+          ASSERT_TRUE(rt[b]->Synchronize().ok());
+          ASSERT_TRUE(dev->CopyAsync(out[b].data(), dout, q_bytes, dev->default_stream()).ok());
+          ASSERT_TRUE(dev->SynchronizeStream(dev->default_stream()).ok());
+          continue;
+        }
         const Status st = rt[b]->Decode(seqs, layer, tv(q, m.num_q_heads), tv(k, m.num_kv_heads),
                                         tv(v, m.num_kv_heads), tv(out[b], m.num_q_heads));
         ASSERT_TRUE(st.ok()) << st.ToString();
@@ -141,6 +179,10 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
   const Stats s0 = rt[0]->GetStats(), s1 = rt[1]->GetStats();
   EXPECT_EQ(s0.rows_selected, s1.rows_selected);
   EXPECT_EQ(s0.rows_bank_hit, s1.rows_bank_hit);
+  EXPECT_EQ(s0.rows_cpu, s1.rows_cpu);
+  if (dev != nullptr) {
+    for (void* p : {dq, dk, dv, dout}) dev->FreeDevice(p);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -153,11 +195,17 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"quest", Route::kCpu, 0, "vector"},
                       Case{"sparcas", Route::kGpu, 0, "vector"},
                       Case{"oracle", Route::kGpu, 64, "vector"},
-                      Case{"oracle", Route::kGpu, 64, "hash"}),
+                      Case{"oracle", Route::kGpu, 64, "hash"},
+                      // lfps: the planned step (resident rows on the device, offloaded picks on
+                      // the CPU), with host and device tensors; and the host-selected gpu route.
+                      Case{"lfps", Route::kAuto, 0, "vector"},
+                      Case{"lfps", Route::kAuto, 0, "vector", true},
+                      Case{"lfps", Route::kGpu, 0, "vector"},
+                      Case{"streaming", Route::kGpu, 0, "vector", true}),
     [](const auto& info) {
       const Case& c = info.param;
-      return c.policy + "_" + (c.route == Route::kGpu ? "gpu" : "cpu") + "_bank" +
-             std::to_string(c.bank_slots) + (c.bank_slots ? "_" + c.bank_map : "");
+      return c.policy + "_" + RouteName(c.route) + "_bank" + std::to_string(c.bank_slots) +
+             (c.bank_slots ? "_" + c.bank_map : "") + (c.device_io ? "_device_io" : "");
     });
 
 }  // namespace

@@ -209,29 +209,56 @@ TEST(PlannedStep, BadPlansChangeNothing) {
   EXPECT_EQ(*rt->SequenceLength(1, 1), 21);
 }
 
-TEST(PlannedStep, HostSelectingPoliciesPlanInsideEachDecode) {
-  // lfps selects on the host: PlanDecode only validates, each Decode appends its own token.
+TEST(PlannedStep, CpuPlacedPolicyRunsThePlannedStep) {
+  // lfps selects on the host and covers the resident rows: its step is planned (PlanDecode
+  // commits the token at every layer), the device attends the resident rows and the host the
+  // selected offloaded ones. A runtime whose Decode plans itself gives the same bytes; the path
+  // without a planned step (route gpu: host selection, every selected row gathered and attended
+  // in one pass) selects the same positions and gives the same outputs to fp32 rounding.
   const RuntimeConfig c = PlanConfig("lfps", 2);
-  auto rt = Make(c), twin = Make(c);
+  RuntimeConfig unplanned_path = c;
+  unplanned_path.route = Route::kGpu;
+  auto rt = Make(c), twin = Make(c), legacy = Make(unplanned_path);
+  ASSERT_TRUE(rt && twin && legacy);
   EXPECT_FALSE(rt->decode_is_capture_safe());
   Feeder f(c, 8);
-  const std::vector<SequenceId> one = {3};
-  ASSERT_TRUE(rt->AddSequence(3).ok());
-  ASSERT_TRUE(twin->AddSequence(3).ok());
-  f.Prefill({rt.get(), twin.get()}, 3, 40);
-  for (int step = 0; step < 4; ++step) {
-    ASSERT_TRUE(rt->PlanDecode(one).ok());
-    EXPECT_EQ(*rt->SequenceLength(3, 0), 40 + step);
+  const std::vector<SequenceId> two = {3, 4};
+  for (Runtime* r : {rt.get(), twin.get(), legacy.get()}) {
+    ASSERT_TRUE(r->AddSequence(3).ok());
+    ASSERT_TRUE(r->AddSequence(4).ok());
+  }
+  f.Prefill({rt.get(), twin.get(), legacy.get()}, 3, 120);
+  f.Prefill({rt.get(), twin.get(), legacy.get()}, 4, 9);  // shorter than sinks + window
+  double worst = 0.0;
+  for (int step = 0; step < 6; ++step) {
+    ASSERT_TRUE(rt->PlanDecode(two).ok());
+    EXPECT_EQ(*rt->SequenceLength(3, 0), 121 + step);
+    EXPECT_EQ(*rt->SequenceLength(3, 1), 121 + step);
     for (int l = 0; l < 2; ++l) {
-      Feeder::Step s = f.Make(1);
-      std::vector<float> a, b;
-      ASSERT_TRUE(f.Decode(*rt, one, l, s, a).ok());
-      ASSERT_TRUE(f.Decode(*twin, one, l, s, b).ok());
+      Feeder::Step s = f.Make(2);
+      std::vector<float> a, b, ref;
+      ASSERT_TRUE(f.Decode(*rt, two, l, s, a).ok());
+      ASSERT_TRUE(f.Decode(*twin, two, l, s, b).ok());
+      ASSERT_TRUE(f.Decode(*legacy, two, l, s, ref).ok());
       ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+      for (SequenceId seq : two) {
+        for (int h = 0; h < c.model.num_kv_heads; ++h) {
+          EXPECT_EQ(*rt->LastSelection(seq, l, h), *legacy->LastSelection(seq, l, h));
+        }
+      }
+      double diff = 0.0;
+      for (size_t i = 0; i < a.size(); ++i) diff += (a[i] - ref[i]) * double{a[i] - ref[i]};
+      worst = std::max(worst, std::sqrt(diff) / NormOf(ref));
+      EXPECT_GT(NormOf(a), 0.1);
     }
   }
-  EXPECT_EQ(*rt->SequenceLength(3, 1), 44);
-  EXPECT_EQ(rt->GetStats().decode_planned, 0);
+  EXPECT_LT(worst, 1e-5);
+  EXPECT_EQ(*rt->SequenceLength(3, 1), 126);
+  const Stats st = rt->GetStats();
+  EXPECT_EQ(st.decode_planned, 12);
+  EXPECT_GT(st.rows_cpu, 0);  // offloaded picks were attended on the CPU
+  EXPECT_EQ(st.rows_fetched, 0);
+  EXPECT_EQ(st.rows_resident + st.rows_cpu, st.rows_selected);
 }
 
 class DeviceSelected : public ::testing::TestWithParam<std::string> {};
@@ -374,33 +401,53 @@ TEST(Append, StoresWhatPrefillStoresWithoutAttention) {
   }
 }
 
-// A CPU-placed policy that selects like streaming but fails while the switch is on.
+// A CPU-placed policy that selects like streaming but fails while the switch is on. With
+// covers_resident it declares that its selections hold every resident row (true at the budget the
+// tests give it), which sends it down the planned step (runtime/cpu_step.cpp).
 std::atomic<bool> g_fail{false};
 
 class FailingPolicy final : public Policy {
  public:
+  explicit FailingPolicy(bool covers_resident) : covers_resident_(covers_resident) {}
   std::string_view name() const override { return "test_failing"; }
   Placement placement() const override { return Placement::kCpu; }
+  bool selection_covers_resident() const override { return covers_resident_; }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
     if (g_fail.load()) return Internal("test_failing: injected failure");
     StreamingSelect(ctx.n, ctx.sink, ctx.budget, out);
     return Status::Ok();
   }
+
+ private:
+  bool covers_resident_;
 };
 
 Result<std::unique_ptr<Policy>> MakeFailing(const RuntimeConfig&) {
-  return std::unique_ptr<Policy>(new FailingPolicy());
+  return std::unique_ptr<Policy>(new FailingPolicy(false));
+}
+Result<std::unique_ptr<Policy>> MakeFailingCovering(const RuntimeConfig&) {
+  return std::unique_ptr<Policy>(new FailingPolicy(true));
 }
 
-TEST(FailingPolicy, LeavesEverySequenceAsBeforeTheCall) {
-  static const bool registered = RegisterPolicy("test_failing", MakeFailing);
+// name: the registered policy; planned: PlanDecode before each step.
+using FailingParam = std::tuple<std::string, bool>;
+class FailingPolicyTest : public ::testing::TestWithParam<FailingParam> {};
+
+TEST_P(FailingPolicyTest, LeavesEverySequenceAsBeforeTheCall) {
+  static const bool registered = RegisterPolicy("test_failing", MakeFailing) &&
+                                 RegisterPolicy("test_failing_covering", MakeFailingCovering);
   (void)registered;
   EXPECT_FALSE(RegisterPolicy("streaming", MakeFailing));  // names are unique
-  RuntimeConfig c = PlanConfig("test_failing", 1);
+  const auto& [name, planned] = GetParam();
+  RuntimeConfig c = PlanConfig(name, 1);
   c.policy.budget_tokens = 16;  // larger than sinks + window: host rows are read too
   auto rt = Make(c), twin = Make(c);
   ASSERT_TRUE(rt && twin);
   EXPECT_FALSE(rt->decode_is_capture_safe());
+  const std::vector<SequenceId> both_ids = {1, 2};
+  auto plan = [&](Runtime& r) {
+    if (planned) ASSERT_TRUE(r.PlanDecode(both_ids).ok());
+  };
   Feeder f(c, 5);
   const std::vector<SequenceId> both = {1, 2};
   for (SequenceId s : both) {
@@ -412,12 +459,15 @@ TEST(FailingPolicy, LeavesEverySequenceAsBeforeTheCall) {
   std::vector<float> a, b;
   for (int t = 0; t < 3; ++t) {
     Feeder::Step s = f.Make(2);
+    plan(*rt);
+    plan(*twin);
     ASSERT_TRUE(f.Decode(*rt, both, 0, s, a).ok());
     ASSERT_TRUE(f.Decode(*twin, both, 0, s, b).ok());
   }
   // The failing call: only rt sees it.
   g_fail = true;
   Feeder::Step bad = f.Make(2);
+  plan(*rt);
   const Status st = f.Decode(*rt, both, 0, bad, a);
   g_fail = false;
   EXPECT_EQ(st.code(), StatusCode::kInternal);
@@ -427,11 +477,23 @@ TEST(FailingPolicy, LeavesEverySequenceAsBeforeTheCall) {
   // equal the twin's exactly.
   for (int t = 0; t < 10; ++t) {
     Feeder::Step s = f.Make(2);
+    plan(*rt);
+    plan(*twin);
     ASSERT_TRUE(f.Decode(*rt, both, 0, s, a).ok());
     ASSERT_TRUE(f.Decode(*twin, both, 0, s, b).ok());
     ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "step " << t;
+    ASSERT_GT(NormOf(a), 0.1);
   }
+  EXPECT_EQ(rt->GetStats().decode_planned > 0, planned && name == "test_failing_covering");
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Paths, FailingPolicyTest,
+    ::testing::Combine(::testing::Values("test_failing", "test_failing_covering"),
+                       ::testing::Bool()),
+    [](const ::testing::TestParamInfo<FailingParam>& info) {
+      return std::get<0>(info.param) + (std::get<1>(info.param) ? "_planned" : "_unplanned");
+    });
 
 }  // namespace
 }  // namespace kvferry

@@ -217,13 +217,15 @@ std::string FullName(const ::testing::TestParamInfo<FullParam>& info) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, FullBudget,
-    ::testing::Combine(::testing::Values("dense", "streaming", "oracle"), ::testing::Values(64, 128),
+    ::testing::Combine(::testing::Values("dense", "streaming", "oracle", "lfps"),
+                       ::testing::Values(64, 128),
                        ::testing::Values(1, 3, 4, 8), ::testing::Values<int64_t>(1, 17, 97),
                        ::testing::Values(Route::kAuto)),
     FullName);
 INSTANTIATE_TEST_SUITE_P(
     Routes, FullBudget,
-    ::testing::Combine(::testing::Values("dense", "streaming", "oracle"), ::testing::Values(64),
+    ::testing::Combine(::testing::Values("dense", "streaming", "oracle", "lfps"),
+                       ::testing::Values(64),
                        ::testing::Values(4), ::testing::Values<int64_t>(97),
                        ::testing::Values(Route::kGpu, Route::kCpu)),
     FullName);

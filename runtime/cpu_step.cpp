@@ -1,0 +1,110 @@
+// Copyright kvferry authors. Apache-2.0.
+// The CPU half of a planned decode step for a CPU-placed policy (lfps), DESIGN.md's stages 2-5 on
+// the host: select, resolve against the resident tier, attend the offloaded picks on the CPU next
+// to the memory. The device half (runtime/decode_plan.cpp RunDecodeStep) has already enqueued the
+// attention over the resident rows; this runs while it executes, and the two parts meet in the
+// exact log-sum-exp merge on the device.
+//
+// One pool task per (sequence, KV head) does all three stages back to back, so the rows the
+// policy's exact scoring just read are still in cache when the same task attends them, and the
+// step pays one fork-join of the pool, not three.
+
+#include <algorithm>
+#include <limits>
+
+#include "base/check.h"
+#include "cpu/attention.h"
+#include "cpu/dtype.h"
+#include "runtime/runtime_impl.h"
+
+namespace kvferry::detail {
+
+Status RuntimeImpl::SelectAndAttendOnCpu(std::span<const int> slot_of, int layer,
+                                         std::span<const int64_t> positions, const TensorView& q,
+                                         const TensorView& k, const TensorView& v) {
+  const ModelShape& m = config_.model;
+  const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  const int64_t batch = static_cast<int64_t>(slot_of.size());
+  const int64_t gd = static_cast<int64_t>(group_) * d;
+  const int64_t items = batch * hkv;
+  const AttnParams params{group_, d, m.kv_dtype, scale_};
+  const size_t q_elem = DTypeSize(q.dtype), k_elem = DTypeSize(k.dtype), v_elem = DTypeSize(v.dtype);
+  const auto* q_src = static_cast<const char*>(q.data);
+  const auto* k_src = static_cast<const char*>(k.data);
+  const auto* v_src = static_cast<const char*>(v.data);
+
+  pool_->ParallelFor(items, [&](int64_t i) {
+    const int64_t b = i / hkv;
+    const int h = static_cast<int>(i % hkv);
+    const int slot = slot_of[b];
+    const int64_t pos = positions[b];
+    const int64_t n = pos + 1;
+    // 1 append (host half): the new token's store rows, which the policy may read below.
+    const int64_t kv_off = (b * hkv + h) * d;
+    cpu::ConvertSpan(store_->k_row(slot, layer, h, pos), m.kv_dtype, k_src + kv_off * k_elem,
+                     k.dtype, d);
+    cpu::ConvertSpan(store_->v_row(slot, layer, h, pos), m.kv_dtype, v_src + kv_off * v_elem,
+                     v.dtype, d);
+    float* q32 = q_host_ + b * hq * d + h * gd;
+    cpu::ConvertSpan(q32, DType::kF32, q_src + (b * hq * d + h * gd) * q_elem, q.dtype, gd);
+    float* o = o_cpu_host_ + b * hq * d + h * gd;
+    float* lse = lse_cpu_host_ + b * hq + h * group_;
+    std::fill_n(lse, group_, -std::numeric_limits<float>::infinity());
+    std::fill_n(o, gd, 0.0f);
+    // 2 select.
+    SelectContext ctx;
+    ctx.slot = slot;
+    ctx.layer = layer;
+    ctx.kv_head = h;
+    ctx.n = n;
+    ctx.sink = config_.tiers.sink_tokens;
+    ctx.window = config_.tiers.window_tokens;
+    ctx.budget = BudgetFor(n);
+    ctx.q = q32;
+    ctx.params = params;
+    ctx.kv = store_->pages(slot, layer, h);
+    std::vector<int32_t>& sel = selections_[i];
+    sel.clear();
+    item_status_[i] = policy_->Select(ctx, sel);
+    if (item_status_[i].ok() && static_cast<int64_t>(sel.size()) > item_cap_) {
+      item_status_[i] = Internal(StrCat("policy '", policy_->name(), "' selected ", sel.size(),
+                                        " positions, over its capacity ", item_cap_));
+    }
+    if (!item_status_[i].ok()) return;
+    // 3 resolve: the resident positions are the device's part (the policy covers all of them);
+    // 5 attend the others here, straight from the host store.
+    const void** ck = cpu_k_rows_ + i * item_cap_;
+    const void** cv = cpu_v_rows_ + i * item_cap_;
+    int32_t n_cpu = 0;
+    for (const int32_t p : sel) {
+      if (ResidentRow(p, n) >= 0) continue;
+      ck[n_cpu] = store_->k_row(slot, layer, h, p);
+      cv[n_cpu++] = store_->v_row(slot, layer, h, p);
+    }
+    if (n_cpu > 0) {
+      const RowAttnItem it{q32, o, lse, ck, cv, n_cpu};
+      cpu::AttendRows(params, &it, 1);
+    }
+    cpu_items_[i].count = n_cpu;  // the stats below read the split back
+  });
+
+  for (int64_t i = 0; i < items; ++i) {
+    if (!item_status_[i].ok()) return item_status_[i];
+  }
+  int64_t selected = 0, on_cpu = 0;
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t b = i / hkv;
+    const int h = static_cast<int>(i % hkv);
+    const std::vector<int32_t>& sel = selections_[i];
+    last_selection_[(static_cast<size_t>(slot_of[b]) * m.num_layers + layer) * hkv + h].assign(
+        sel.begin(), sel.end());
+    selected += static_cast<int64_t>(sel.size());
+    on_cpu += cpu_items_[i].count;
+  }
+  stats_.rows_selected += selected;
+  stats_.rows_cpu += on_cpu;
+  stats_.rows_resident += selected - on_cpu;
+  return Status::Ok();
+}
+
+}  // namespace kvferry::detail
