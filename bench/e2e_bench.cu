@@ -73,6 +73,7 @@ struct Options {
   std::string json;
   std::vector<int64_t> prefill_chunks = {2048, 8192};  // prefill_* modes
   int prefill_layers = 3;                              // the first is a warm-up
+  int cpu_threads = 0;  // RuntimeConfig::cpu_threads (0: the cores near the GPU)
 };
 
 template <typename T>
@@ -111,6 +112,7 @@ Options Parse(int argc, char** argv) {
     else if (a == "--device-gib") o.device_gib = std::stod(next());
     else if (a == "--prefill-chunks") o.prefill_chunks = SplitList<int64_t>(next());
     else if (a == "--prefill-layers") o.prefill_layers = std::stoi(next());
+    else if (a == "--cpu-threads") o.cpu_threads = std::stoi(next());
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       std::exit(2);
@@ -156,6 +158,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   c.tiers.window_tokens = resident ? static_cast<int>(c.capacity.max_tokens_per_sequence) - kSink : kWindow;
   c.backend = kvferry::Backend::kCuda;
   c.probe_at_start = mode == "lfps";
+  c.cpu_threads = o.cpu_threads;
   c.route = kvferry::Route::kGpu;
   if (mode == "dense_resident" || mode == "full_streaming") {
     c.policy.name = "dense";

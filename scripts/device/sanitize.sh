@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# On the GPU machine: compute-sanitizer memcheck, racecheck and synccheck over every GPU test of
+# kvferry_tests (the suites that launch kernels: Cuda*, Gpu*, the device bank, the cuBLAS matmul),
+# each tool's tests split into shards that run side by side on the one GPU. Summaries under $OUT.
+#   B: a build dir with tests/kvferry_tests (built if missing); SHARDS_{MEM,RACE,SYNC}: shard
+#   counts; SAN_TIMEOUT: seconds per shard; SAN_FILTER: the gtest filter of the GPU tests.
+set -u
+SRC=${SRC:-.}
+B=${B:-/tmp/b}
+OUT=${OUT:-/tmp/sanitize}
+mkdir -p "$OUT"
+if [ ! -x "$B/tests/kvferry_tests" ]; then
+  cmake -S "$SRC" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVFERRY_CUDA_ARCHS=90 \
+    -DKVFERRY_BUILD_EXAMPLES=OFF > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
+  cmake --build "$B" -j16 --target kvferry_tests > "$OUT/build.log" 2>&1 ||
+    { grep -E "error|FAILED" "$OUT/build.log" | head -40; exit 1; }
+fi
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+FILTER=${SAN_FILTER:-'Cuda*:*Cuda*:Gpu*:*Gpu*:*DeviceBank*:*DeviceMap*:LlamaGpuMatmul*'}
+TIMEOUT=${SAN_TIMEOUT:-500}
+"$B/tests/kvferry_tests" --gtest_list_tests --gtest_filter="$FILTER" | grep -c '^  ' > "$OUT/gpu_tests.count"
+echo "GPU tests: $(cat "$OUT/gpu_tests.count")"
+pids=()
+run_tool() {  # tool shards extra-args
+  local tool=$1 shards=$2
+  shift 2
+  for ((i = 0; i < shards; i++)); do
+    GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout "$TIMEOUT" "$SAN" --tool "$tool" "$@" \
+      --print-limit 20 "$B/tests/kvferry_tests" --gtest_filter="$FILTER" --gtest_brief=1 \
+      > "$OUT/$tool.$i.log" 2>&1 &
+    pids+=($!)
+  done
+}
+t0=$(date +%s)
+run_tool memcheck "${SHARDS_MEM:-4}" --leak-check no
+run_tool racecheck "${SHARDS_RACE:-6}" --racecheck-report hazard
+run_tool synccheck "${SHARDS_SYNC:-4}"
+for p in "${pids[@]}"; do wait "$p"; done
+echo "sanitizers: $(( $(date +%s) - t0 )) s"
+for tool in memcheck racecheck synccheck; do
+  done_shards=0; total=0; tests=0
+  for f in "$OUT/$tool".*.log; do
+    total=$((total + 1))
+    if grep -q "SUMMARY" "$f"; then done_shards=$((done_shards + 1)); fi
+    n=$(grep -Eo '^\[==========\] [0-9]+ tests' "$f" | grep -Eo '[0-9]+' | head -1)
+    tests=$((tests + ${n:-0}))
+  done
+  echo "$tool: $done_shards/$total shards finished, $tests tests ran"
+  grep -h "SUMMARY" "$OUT/$tool".*.log | sort | uniq -c
+  grep -h -E "^\[  FAILED  \]" "$OUT/$tool".*.log | head -5
+done
