@@ -56,6 +56,7 @@ __device__ inline void TopKSelect(const float* __restrict__ row, int64_t n, int 
   __shared__ unsigned int hist[256];
   __shared__ uint32_t s_prefix, s_remaining;
   __shared__ int s_gt, s_eq_base;
+  __shared__ bool s_done;
 
   uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(k);
   const int64_t n_round = (n + blockDim.x - 1) / blockDim.x * blockDim.x;  // whole warps loop
@@ -116,9 +117,14 @@ __device__ inline void TopKSelect(const float* __restrict__ row, int64_t n, int 
           (static_cast<unsigned long long>(~key) << 32) | static_cast<uint32_t>(i);
     }
     __syncthreads();
-    if (threadIdx.x == 0) s_eq_base = taken + total;
+    // One thread decides, between barriers: a thread that read s_gt while others of the next
+    // iteration already added to it could leave the loop alone (a divergent barrier).
+    if (threadIdx.x == 0) {
+      s_eq_base = taken + total;
+      s_done = s_eq_base >= static_cast<int>(remaining) && s_gt >= num_gt;
+    }
     __syncthreads();
-    if (s_eq_base >= static_cast<int>(remaining) && s_gt >= num_gt) break;
+    if (s_done) break;
   }
   for (int i = k + threadIdx.x; i < sort_n; i += blockDim.x) sel[i] = ~0ull;
   BitonicSortBlock(sel, sort_n);
