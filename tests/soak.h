@@ -4,6 +4,7 @@
 // sampling the process's resident memory and the runtime's host-store and device bytes. Shared
 // by the CI test (Soak.MemoryFlatAfterWarmUp, a few seconds) and kvferry_soak (a million steps,
 // bench/results/soak.json).
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -49,6 +50,9 @@ struct SoakReport {
   SoakSample start, warm, end, max;
   double output_norm = 0;  ///< of the last step's output (non-zero)
   std::vector<int64_t> rss_trace;  ///< RSS at every tenth of the steps
+  /// malloc's bytes in use (all arenas, mmapped blocks included) at every tenth: a leak grows
+  /// this; allocator caching and first touches of reserved pages grow RSS only.
+  std::vector<int64_t> heap_trace;
 
   [[nodiscard]] std::string ToJson() const {
     std::ostringstream os;
@@ -69,6 +73,8 @@ struct SoakReport {
     sample("device_bytes", &SoakSample::device_bytes);
     os << ",\"rss_bytes_every_tenth\":[";
     for (size_t i = 0; i < rss_trace.size(); ++i) os << (i ? "," : "") << rss_trace[i];
+    os << "],\"heap_in_use_bytes_every_tenth\":[";
+    for (size_t i = 0; i < heap_trace.size(); ++i) os << (i ? "," : "") << heap_trace[i];
     os << "]}";
     return os.str();
   }
@@ -151,7 +157,11 @@ inline Result<SoakReport> RunSoak(const SoakOptions& o) {
     const Stats s = rt->GetStats();
     return SoakSample{ResidentSetBytes(), s.host_bytes_reserved, s.device_bytes_reserved};
   };
-  auto rss_trace_push = [&](int64_t) { report.rss_trace.push_back(ResidentSetBytes()); };
+  auto rss_trace_push = [&](int64_t) {
+    report.rss_trace.push_back(ResidentSetBytes());
+    const struct mallinfo2 mi = mallinfo2();
+    report.heap_trace.push_back(static_cast<int64_t>(mi.uordblks + mi.hblkhd));
+  };
   auto take_max = [&](const SoakSample& s) {
     report.max.rss_bytes = std::max(report.max.rss_bytes, s.rss_bytes);
     report.max.host_bytes = std::max(report.max.host_bytes, s.host_bytes);
