@@ -1,9 +1,12 @@
 // Copyright kvferry authors. Apache-2.0.
-// Reliability of the runtime (docs/reliability.md, "Faults, concurrency, capacity, soak"):
-//   * injected device faults (tests/fault_device.h): every allocation, copy, launch and event of
-//     a call failing, before or after doing its work; the call returns a clear Status and every
-//     sequence is as before it, which is checked by running a twin runtime that never saw the
-//     fault through the same calls and comparing every later output exactly;
+// Reliability of the runtime (docs/reliability.md, "Faults, concurrency,
+// capacity, soak"):
+//   * injected device faults (tests/fault_device.h): every allocation, copy,
+//   launch and event of
+//     a call failing, before or after doing its work; the call returns a clear
+//     Status and every sequence is as before it, which is checked by running a
+//     twin runtime that never saw the fault through the same calls and
+//     comparing every later output exactly;
 //   * calls from several threads (the contract on Runtime);
 //   * capacity edges;
 //   * a short soak (tests/soak.h; kvferry_soak runs the long one).
@@ -13,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -37,9 +41,9 @@ using testing::ScopedFaults;
 
 constexpr int kLayers = 2, kKvHeads = 2, kGroup = 2, kHeadDim = 64;
 
-// A small runtime: rings of 16 tokens behind 4 sinks, so that the test contexts (20 to 60
-// tokens) have offloaded rows and every append evicts a ring row.
-RuntimeConfig SmallConfig(const std::string& policy, Route route, int bank_slots, Backend backend) {
+// A small runtime: rings of 16 tokens behind 4 sinks, so that the test contexts
+// (20 to 60 tokens) have offloaded rows and every append evicts a ring row.
+RuntimeConfig SmallConfig(const std::string &policy, Route route, int bank_slots, Backend backend) {
   RuntimeConfig c;
   c.model.num_layers = kLayers;
   c.model.num_kv_heads = kKvHeads;
@@ -57,7 +61,8 @@ RuntimeConfig SmallConfig(const std::string& policy, Route route, int bank_slots
   c.route = route;
   c.backend = backend;
   c.cpu_threads = 2;
-  // Twins must split work between the routes alike: no measured (run-to-run) rates.
+  // Twins must split work between the routes alike: no measured (run-to-run)
+  // rates.
   c.probe_at_start = false;
   return c;
 }
@@ -66,23 +71,24 @@ RuntimeConfig SmallConfig(const std::string& policy, Route route, int bank_slots
 #define SKIP_WITHOUT_BACKEND(b) \
   if ((b) == Backend::kCuda && !CudaAvailable()) GTEST_SKIP() << "no CUDA GPU"
 
-// Deterministic inputs: call i's tensors depend on i only, so twins get the same data.
+// Deterministic inputs: call i's tensors depend on i only, so twins get the
+// same data.
 std::vector<float> Inputs(uint32_t seed, int64_t count) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
   std::vector<float> x(static_cast<size_t>(count));
-  for (float& e : x) e = normal(rng);
+  for (float &e : x) e = normal(rng);
   return x;
 }
 
-TensorView View(std::vector<float>& x, int64_t rows, int heads) {
+TensorView View(std::vector<float> &x, int64_t rows, int heads) {
   return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {rows, heads, kHeadDim});
 }
 
 constexpr int kHq = kKvHeads * kGroup;
 
-Status DecodeCall(Runtime& rt, const std::vector<SequenceId>& seqs, int layer, uint32_t seed,
-                  std::vector<float>& out) {
+Status DecodeCall(Runtime &rt, const std::vector<SequenceId> &seqs, int layer, uint32_t seed,
+                  std::vector<float> &out) {
   const auto b = static_cast<int64_t>(seqs.size());
   auto q = Inputs(seed, b * kHq * kHeadDim), k = Inputs(seed + 1, b * kKvHeads * kHeadDim),
        v = Inputs(seed + 2, b * kKvHeads * kHeadDim);
@@ -91,23 +97,24 @@ Status DecodeCall(Runtime& rt, const std::vector<SequenceId>& seqs, int layer, u
                    View(out, b, kHq));
 }
 
-Status PrefillCall(Runtime& rt, SequenceId seq, int layer, int64_t tokens, uint32_t seed,
-                   std::vector<float>& out) {
-  auto q = Inputs(seed, tokens * kHq * kHeadDim), k = Inputs(seed + 1, tokens * kKvHeads * kHeadDim),
+Status PrefillCall(Runtime &rt, SequenceId seq, int layer, int64_t tokens, uint32_t seed,
+                   std::vector<float> &out) {
+  auto q = Inputs(seed, tokens * kHq * kHeadDim),
+       k = Inputs(seed + 1, tokens * kKvHeads * kHeadDim),
        v = Inputs(seed + 2, tokens * kKvHeads * kHeadDim);
   out.assign(q.size(), 0.0f);
   return rt.Prefill(seq, layer, View(q, tokens, kHq), View(k, tokens, kKvHeads),
                     View(v, tokens, kKvHeads), View(out, tokens, kHq));
 }
 
-Status AppendCall(Runtime& rt, SequenceId seq, int layer, int64_t tokens, uint32_t seed) {
+Status AppendCall(Runtime &rt, SequenceId seq, int layer, int64_t tokens, uint32_t seed) {
   auto k = Inputs(seed + 1, tokens * kKvHeads * kHeadDim),
        v = Inputs(seed + 2, tokens * kKvHeads * kHeadDim);
   return rt.Append(seq, layer, View(k, tokens, kKvHeads), View(v, tokens, kKvHeads));
 }
 
 // Prefills `tokens` at every layer in chunks of at most 20.
-void PrefillAll(Runtime& rt, SequenceId seq, int64_t tokens, uint32_t seed) {
+void PrefillAll(Runtime &rt, SequenceId seq, int64_t tokens, uint32_t seed) {
   std::vector<float> out;
   for (int layer = 0; layer < kLayers; ++layer) {
     for (int64_t t0 = 0; t0 < tokens; t0 += 20) {
@@ -118,22 +125,23 @@ void PrefillAll(Runtime& rt, SequenceId seq, int64_t tokens, uint32_t seed) {
   }
 }
 
-double Norm(const std::vector<float>& x) {
+double Norm(const std::vector<float> &x) {
   double s = 0;
   for (float e : x) s += static_cast<double>(e) * e;
   return std::sqrt(s);
 }
 
-// Exact equality (bit for bit) of two outputs, or within a relative error of `tol` when > 0.
-::testing::AssertionResult SameOutput(const std::vector<float>& a, const std::vector<float>& b,
+// Exact equality (bit for bit) of two outputs, or within a relative error of
+// `tol` when > 0.
+::testing::AssertionResult SameOutput(const std::vector<float> &a, const std::vector<float> &b,
                                       double tol) {
   if (a.size() != b.size()) return ::testing::AssertionFailure() << "sizes differ";
   if (Norm(a) == 0.0) return ::testing::AssertionFailure() << "output is all zero";
   if (tol == 0.0) {
     for (size_t i = 0; i < a.size(); ++i) {
       if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
-        return ::testing::AssertionFailure() << "first mismatch at " << i << ": " << a[i]
-                                             << " vs " << b[i];
+        return ::testing::AssertionFailure()
+               << "first mismatch at " << i << ": " << a[i] << " vs " << b[i];
       }
     }
     return ::testing::AssertionSuccess();
@@ -149,21 +157,23 @@ double Norm(const std::vector<float>& x) {
   return ::testing::AssertionSuccess();
 }
 
-// ---- injected faults during a call --------------------------------------------------------------
+// ---- injected faults during a call
+// --------------------------------------------------------------
 
-// One runtime call of a script, on some runtime; writes its output (if any) to `out`.
+// One runtime call of a script, on some runtime; writes its output (if any) to
+// `out`.
 struct Call {
   std::string what;
-  std::function<Status(Runtime&, std::vector<float>&)> run;
+  std::function<Status(Runtime &, std::vector<float> &)> run;
 };
 
-std::vector<Call> DecodeSteps(const std::vector<SequenceId>& seqs, int steps, uint32_t seed) {
+std::vector<Call> DecodeSteps(const std::vector<SequenceId> &seqs, int steps, uint32_t seed) {
   std::vector<Call> calls;
   for (int s = 0; s < steps; ++s) {
     for (int layer = 0; layer < kLayers; ++layer) {
       const uint32_t sd = seed + static_cast<uint32_t>(10 * s + layer) * 7;
       calls.push_back({"decode layer " + std::to_string(layer),
-                       [seqs, layer, sd](Runtime& rt, std::vector<float>& out) {
+                       [seqs, layer, sd](Runtime &rt, std::vector<float> &out) {
                          return DecodeCall(rt, seqs, layer, sd, out);
                        }});
     }
@@ -172,30 +182,30 @@ std::vector<Call> DecodeSteps(const std::vector<SequenceId>& seqs, int steps, ui
 }
 
 // The calls that get the fault, by kind.
-std::vector<Call> TargetCalls(const std::string& kind) {
+std::vector<Call> TargetCalls(const std::string &kind) {
   std::vector<Call> calls;
   if (kind == "decode") {
     calls = DecodeSteps({1, 2}, 1, 500);
   } else if (kind == "plan") {
-    calls.push_back({"plan", [](Runtime& rt, std::vector<float>& out) {
+    calls.push_back({"plan", [](Runtime &rt, std::vector<float> &out) {
                        out.clear();
                        const std::vector<SequenceId> seqs = {1, 2};
                        return rt.PlanDecode(seqs);
                      }});
-    for (Call& c : DecodeSteps({1, 2}, 1, 600)) calls.push_back(std::move(c));
+    for (Call &c : DecodeSteps({1, 2}, 1, 600)) calls.push_back(std::move(c));
   } else {
-    // A second chunk of sequence 3 (21 tokens so far): longer than the ring, so its rows pass
-    // through every ring row of the sequence.
+    // A second chunk of sequence 3 (21 tokens so far): longer than the ring, so
+    // its rows pass through every ring row of the sequence.
     for (int layer = 0; layer < kLayers; ++layer) {
       const uint32_t sd = 700 + 10 * layer;
       if (kind == "prefill") {
         calls.push_back({"prefill layer " + std::to_string(layer),
-                         [layer, sd](Runtime& rt, std::vector<float>& out) {
+                         [layer, sd](Runtime &rt, std::vector<float> &out) {
                            return PrefillCall(rt, 3, layer, 23, sd, out);
                          }});
       } else {
         calls.push_back({"append layer " + std::to_string(layer),
-                         [layer, sd](Runtime& rt, std::vector<float>& out) {
+                         [layer, sd](Runtime &rt, std::vector<float> &out) {
                            out.clear();
                            return AppendCall(rt, 3, layer, 23, sd);
                          }});
@@ -206,20 +216,21 @@ std::vector<Call> TargetCalls(const std::string& kind) {
 }
 
 struct ScriptResult {
-  int64_t fired = 0;            // faults injected during the target calls
-  int failed_targets = 0;       // target calls that returned an error
-  bool degraded = false;        // a fault fired and the call still succeeded (bank admission)
-  std::vector<Status> errors;   // what the failed calls returned
+  int64_t fired = 0;           // faults injected during the target calls
+  int failed_targets = 0;      // target calls that returned an error
+  bool degraded = false;       // a fault fired and the call still succeeded (bank admission)
+  std::vector<Status> errors;  // what the failed calls returned
 };
 
 using FaultParam = std::tuple<std::string, Route, int, std::string, FaultMode, Backend>;
 
 class FaultMatrix : public ::testing::TestWithParam<FaultParam> {};
 
-// Runs setup, two decode steps, the target calls with `point`'s `nth` call failing on runtime A
-// (B skips the calls A failed), then three decode steps of every sequence, comparing every output
-// both produced and every length after every call.
-ScriptResult RunScript(const RuntimeConfig& config, const std::string& kind, FaultPoint point,
+// Runs setup, two decode steps, the target calls with `point`'s `nth` call
+// failing on runtime A (B skips the calls A failed), then three decode steps of
+// every sequence, comparing every output both produced and every length after
+// every call.
+ScriptResult RunScript(const RuntimeConfig &config, const std::string &kind, FaultPoint point,
                        int64_t nth, FaultMode mode) {
   ScriptResult result;
   auto rb = Runtime::Create(config);  // the twin, on the plain device
@@ -229,9 +240,9 @@ ScriptResult RunScript(const RuntimeConfig& config, const std::string& kind, Fau
   auto ra = Runtime::Create(config);
   EXPECT_TRUE(ra.ok()) << ra.status().ToString();
   if (!ra.ok()) return result;
-  Runtime& a = *ra.value();
-  Runtime& b = *rb.value();
-  for (Runtime* rt : {&a, &b}) {
+  Runtime &a = *ra.value();
+  Runtime &b = *rb.value();
+  for (Runtime *rt : {&a, &b}) {
     for (SequenceId s : {1, 2, 3}) EXPECT_TRUE(rt->AddSequence(s).ok());
     PrefillAll(*rt, 1, 37, 11);
     PrefillAll(*rt, 2, 29, 22);
@@ -240,14 +251,14 @@ ScriptResult RunScript(const RuntimeConfig& config, const std::string& kind, Fau
   std::vector<Call> before = DecodeSteps({1, 2}, 2, 100);
   std::vector<Call> target = TargetCalls(kind);
   std::vector<Call> after = DecodeSteps({1, 2}, 3, 200);
-  for (Call& c : DecodeSteps({3}, 3, 300)) after.push_back(std::move(c));
+  for (Call &c : DecodeSteps({3}, 3, 300)) after.push_back(std::move(c));
 
   double tol = 0.0;
-  // A planned layer that failed on A is rolled back there, while on B, which skipped the call, the
-  // plan still counts its token until B's next Decode of that layer: lengths agree again after
-  // the first step of `after`.
+  // A planned layer that failed on A is rolled back there, while on B, which
+  // skipped the call, the plan still counts its token until B's next Decode of
+  // that layer: lengths agree again after the first step of `after`.
   int unsettled_calls = 0;
-  auto check_lengths = [&](const std::string& where) {
+  auto check_lengths = [&](const std::string &where) {
     if (unsettled_calls > 0) {
       --unsettled_calls;
       return;
@@ -256,12 +267,12 @@ ScriptResult RunScript(const RuntimeConfig& config, const std::string& kind, Fau
       for (int layer = 0; layer < kLayers; ++layer) {
         auto la = a.SequenceLength(s, layer), lb = b.SequenceLength(s, layer);
         ASSERT_TRUE(la.ok() && lb.ok());
-        EXPECT_EQ(la.value(), lb.value()) << "sequence " << s << " layer " << layer << " after "
-                                          << where;
+        EXPECT_EQ(la.value(), lb.value())
+            << "sequence " << s << " layer " << layer << " after " << where;
       }
     }
   };
-  auto run_both = [&](const Call& c, bool armed) {
+  auto run_both = [&](const Call &c, bool armed) {
     std::vector<float> out_a, out_b;
     const int64_t fired_before = scope.faults().fired();
     const Status sa = c.run(a, out_a);
@@ -285,27 +296,32 @@ ScriptResult RunScript(const RuntimeConfig& config, const std::string& kind, Fau
     ASSERT_TRUE(sb.ok()) << c.what << " on the twin: " << sb.ToString();
     if (!out_a.empty()) EXPECT_TRUE(SameOutput(out_a, out_b, tol)) << c.what;
     check_lengths(c.what);
-    // After a degraded call (the bank lost a batch of admissions), rows come from other places
-    // than in the twin, so sums run in another order: equal to within fp32 rounding, not bits.
+    // After a degraded call (the bank lost a batch of admissions), rows come
+    // from other places than in the twin, so sums run in another order: equal
+    // to within fp32 rounding, not bits.
     if (result.degraded) tol = 1e-5;
   };
-  for (const Call& c : before) run_both(c, false);
+  for (const Call &c : before) run_both(c, false);
   scope.faults().FailNth(point, nth, mode);
-  for (const Call& c : target) run_both(c, true);
+  for (const Call &c : target) run_both(c, true);
   scope.faults().Disarm();
-  for (const Call& c : after) run_both(c, false);
+  for (const Call &c : after) run_both(c, false);
   return result;
 }
 
 TEST_P(FaultMatrix, FailedCallsChangeNothing) {
-  const auto& [policy, route, bank, kind, mode, backend] = GetParam();
+  const auto &[policy, route, bank, kind, mode, backend] = GetParam();
   SKIP_WITHOUT_BACKEND(backend);
   const RuntimeConfig config = SmallConfig(policy, route, bank, backend);
   int64_t total_fired = 0;
+  std::string failed_at,
+      degraded_at;  // "CopyRows x3": calls that failed the target, or degraded
   for (int p = static_cast<int>(FaultPoint::kRecordEvent); p < static_cast<int>(FaultPoint::kCount);
        ++p) {
     const auto point = static_cast<FaultPoint>(p);
-    // Every call of the point inside the target calls, in turn, until the Nth is past them.
+    // Every call of the point inside the target calls, in turn, until the Nth
+    // is past them.
+    int64_t failed = 0, degraded = 0;
     for (int64_t nth = 1; nth < 64; ++nth) {
       SCOPED_TRACE(::testing::Message() << FaultPointName(point) << " call " << nth);
       const ScriptResult r = RunScript(config, kind, point, nth, mode);
@@ -313,26 +329,36 @@ TEST_P(FaultMatrix, FailedCallsChangeNothing) {
       if (r.fired == 0) break;
       total_fired += r.fired;
       if (r.degraded) {
-        // Only the bank's admission may absorb a fault: its step's output stands.
+        // Only the bank's admission may absorb a fault: its step's output
+        // stands.
         EXPECT_GT(bank, 0);
         EXPECT_TRUE(point == FaultPoint::kCopyRows || point == FaultPoint::kRecordEvent ||
                     point == FaultPoint::kWaitEvent || point == FaultPoint::kSynchronizeEvent);
+        ++degraded;
         continue;
       }
+      ++failed;
       ASSERT_EQ(r.failed_targets, 1);
-      const Status& st = r.errors[0];
+      const Status &st = r.errors[0];
       EXPECT_EQ(st.code(), StatusCode::kDeviceError) << st.ToString();
       EXPECT_NE(st.message().find(std::string("injected: ") + FaultPointName(point)),
                 std::string::npos)
           << st.ToString();
       EXPECT_EQ(st.message().find("unspecified state"), std::string::npos) << st.ToString();
     }
+    if (failed > 0)
+      failed_at += std::string(" ") + FaultPointName(point) + " x" + std::to_string(failed);
+    if (degraded > 0) {
+      degraded_at += std::string(" ") + FaultPointName(point) + " x" + std::to_string(degraded);
+    }
   }
   EXPECT_GT(total_fired, 0) << "no fault reached the target calls";
+  std::printf("[ info ] failed the call:%s; absorbed (bank admission):%s\n", failed_at.c_str(),
+              degraded_at.empty() ? " none" : degraded_at.c_str());
 }
 
-std::string FaultName(const ::testing::TestParamInfo<FaultParam>& info) {
-  const auto& [policy, route, bank, kind, mode, backend] = info.param;
+std::string FaultName(const ::testing::TestParamInfo<FaultParam> &info) {
+  const auto &[policy, route, bank, kind, mode, backend] = info.param;
   return policy + "_" + RouteName(route) + (bank > 0 ? "_bank" : "") + "_" + kind + "_" +
          (mode == FaultMode::kBefore ? "before" : "after") + "_" + BackendName(backend);
 }
@@ -348,8 +374,7 @@ INSTANTIATE_TEST_SUITE_P(
 INSTANTIATE_TEST_SUITE_P(
     FaultsOracle, FaultMatrix,
     ::testing::Combine(::testing::Values("oracle"), ::testing::Values(Route::kAuto, Route::kCpu),
-                       ::testing::Values(0),
-                       ::testing::Values("decode", "plan", "prefill"),
+                       ::testing::Values(0), ::testing::Values("decode", "plan", "prefill"),
                        ::testing::Values(FaultMode::kBefore, FaultMode::kAfter),
                        ::testing::Values(Backend::kHost, Backend::kCuda)),
     FaultName);
@@ -360,7 +385,8 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(FaultMode::kBefore, FaultMode::kAfter),
                        ::testing::Values(Backend::kHost, Backend::kCuda)),
     FaultName);
-// With a bank large enough never to evict, twins that admit alike hold the same rows.
+// With a bank large enough never to evict, twins that admit alike hold the same
+// rows.
 INSTANTIATE_TEST_SUITE_P(
     FaultsBank, FaultMatrix,
     ::testing::Combine(::testing::Values("oracle"), ::testing::Values(Route::kGpu),
@@ -369,17 +395,18 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(Backend::kHost, Backend::kCuda)),
     FaultName);
 
-// ---- allocation failures ----------------------------------------------------------------------
+// ---- allocation failures
+// ----------------------------------------------------------------------
 
 class AllocFaults : public ::testing::TestWithParam<Backend> {};
 
-// Every allocation, stream and event Create makes fails in turn: Create returns the error and
-// frees what it had (LeakSanitizer checks that in CI), and the next Create works.
+// Every allocation, stream and event Create makes fails in turn: Create returns
+// the error and frees what it had (LeakSanitizer checks that in CI), and the
+// next Create works.
 TEST_P(AllocFaults, CreateFailsCleanlyAtEveryAllocation) {
   SKIP_WITHOUT_BACKEND(GetParam());
-  for (const RuntimeConfig& config :
-       {SmallConfig("streaming", Route::kAuto, 0, GetParam()),
-        SmallConfig("oracle", Route::kGpu, 64, GetParam())}) {
+  for (const RuntimeConfig &config : {SmallConfig("streaming", Route::kAuto, 0, GetParam()),
+                                      SmallConfig("oracle", Route::kGpu, 64, GetParam())}) {
     for (FaultPoint point : {FaultPoint::kAllocDevice, FaultPoint::kAllocHost,
                              FaultPoint::kCreateEvent, FaultPoint::kCreateStream}) {
       int64_t fired = 0;
@@ -410,19 +437,19 @@ TEST_P(AllocFaults, CreateFailsCleanlyAtEveryAllocation) {
   }
 }
 
-// Device memory is taken at Create only: nothing a sequence does later allocates on the device,
-// so no call can fail for device memory after Create. (Host-store pages are the only later
-// allocation: see HostStoreGrowthFailureChangesNothing.)
+// Device memory is taken at Create only: nothing a sequence does later
+// allocates on the device, so no call can fail for device memory after Create.
+// (Host-store pages are the only later allocation: see
+// HostStoreGrowthFailureChangesNothing.)
 TEST_P(AllocFaults, NoDeviceAllocationAfterCreate) {
   SKIP_WITHOUT_BACKEND(GetParam());
-  for (const RuntimeConfig& config :
-       {SmallConfig("streaming", Route::kAuto, 0, GetParam()),
-        SmallConfig("oracle", Route::kCpu, 0, GetParam()),
-        SmallConfig("oracle", Route::kGpu, 64, GetParam())}) {
+  for (const RuntimeConfig &config : {SmallConfig("streaming", Route::kAuto, 0, GetParam()),
+                                      SmallConfig("oracle", Route::kCpu, 0, GetParam()),
+                                      SmallConfig("oracle", Route::kGpu, 64, GetParam())}) {
     ScopedFaults scope;
     auto r = Runtime::Create(config);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
-    Runtime& rt = *r.value();
+    Runtime &rt = *r.value();
     const int64_t device_allocs = scope.faults().calls(FaultPoint::kAllocDevice);
     const int64_t device_bytes = rt.GetStats().device_bytes_reserved;
     EXPECT_GT(device_allocs, 0);
@@ -445,32 +472,36 @@ TEST_P(AllocFaults, NoDeviceAllocationAfterCreate) {
 }
 
 // The host store takes pages as sequences grow: a page allocation that fails is
-// kResourceExhausted, the call changes nothing, the other sequences keep every token, and the
-// same call succeeds once memory is back (the store grows past host_bytes_at_create).
+// kResourceExhausted, the call changes nothing, the other sequences keep every
+// token, and the same call succeeds once memory is back (the store grows past
+// host_bytes_at_create).
 TEST_P(AllocFaults, HostStoreGrowthFailureChangesNothing) {
   SKIP_WITHOUT_BACKEND(GetParam());
-  for (const auto& [policy, route] : {std::pair<std::string, Route>{"streaming", Route::kAuto},
-                                      {"oracle", Route::kCpu}, {"dense", Route::kCpu}}) {
+  for (const auto &[policy, route] : {std::pair<std::string, Route>{"streaming", Route::kAuto},
+                                      {"oracle", Route::kCpu},
+                                      {"dense", Route::kCpu}}) {
     SCOPED_TRACE(policy + " " + RouteName(route));
     RuntimeConfig config = SmallConfig(policy, route, 0, GetParam());
-    // Pages of 256 tokens, one per (layer, KV head): 8 pages hold sequences 1 and 2 (<= 256
-    // tokens) at every layer and head, and nothing else.
+    // Pages of 256 tokens, one per (layer, KV head): 8 pages hold sequences 1
+    // and 2 (<= 256 tokens) at every layer and head, and nothing else.
     const int64_t page_bytes = int64_t{2} * 256 * kHeadDim * 2;
     config.capacity.host_bytes_at_create = 8 * page_bytes;
     auto rb = Runtime::Create(config);  // the twin, on the plain device
     ScopedFaults scope;
     auto ra = Runtime::Create(config);
     ASSERT_TRUE(ra.ok() && rb.ok());
-    Runtime& a = *ra.value();
-    Runtime& b = *rb.value();
-    for (Runtime* rt : {&a, &b}) {
+    Runtime &a = *ra.value();
+    Runtime &b = *rb.value();
+    for (Runtime *rt : {&a, &b}) {
       for (SequenceId s : {1, 2, 3}) ASSERT_TRUE(rt->AddSequence(s).ok());
       PrefillAll(*rt, 1, 200, 1);
-      PrefillAll(*rt, 2, 256, 2);  // its next token needs a new page at every (layer, head)
+      PrefillAll(*rt, 2, 256,
+                 2);  // its next token needs a new page at every (layer, head)
     }
     const int64_t reserved = a.GetStats().host_bytes_reserved;
     std::vector<float> out_a, out_b;
-    // Decode: sequence 2 needs a page, the store must grow, the allocation fails.
+    // Decode: sequence 2 needs a page, the store must grow, the allocation
+    // fails.
     scope.faults().FailNth(FaultPoint::kAllocHost, 1);
     Status st = DecodeCall(a, {1, 2}, 0, 5, out_a);
     EXPECT_EQ(scope.faults().fired(), 1);
@@ -502,31 +533,33 @@ TEST_P(AllocFaults, HostStoreGrowthFailureChangesNothing) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, AllocFaults,
-                         ::testing::Values(Backend::kHost, Backend::kCuda),
-                         [](const ::testing::TestParamInfo<Backend>& info) {
+INSTANTIATE_TEST_SUITE_P(Backends, AllocFaults, ::testing::Values(Backend::kHost, Backend::kCuda),
+                         [](const ::testing::TestParamInfo<Backend> &info) {
                            return std::string(BackendName(info.param));
                          });
 
-// ---- the token bank ---------------------------------------------------------------------------
+// ---- the token bank
+// ---------------------------------------------------------------------------
 
-// The bank is allocated at Create and never grows. When it cannot take rows, decode goes on
-// from the host store: a one-slot bank (almost every row a miss) and a bank whose admission
-// copies fail give the outputs of a runtime without a bank.
+// The bank is allocated at Create and never grows. When it cannot take rows,
+// decode goes on from the host store: a one-slot bank (almost every row a miss)
+// and a bank whose admission copies fail give the outputs of a runtime without
+// a bank.
 TEST(BankDegradation, FullOrFailingBankLosesNoToken) {
   for (Backend backend : {Backend::kHost, Backend::kCuda}) {
     if (backend == Backend::kCuda && !CudaAvailable()) continue;
-    for (const char* how : {"one slot", "admission fails"}) {
+    for (const char *how : {"one slot", "admission fails"}) {
       SCOPED_TRACE(std::string(how) + " " + BackendName(backend));
-      RuntimeConfig with_bank = SmallConfig("oracle", Route::kGpu, std::string(how) == "one slot" ? 1 : 64, backend);
+      RuntimeConfig with_bank =
+          SmallConfig("oracle", Route::kGpu, std::string(how) == "one slot" ? 1 : 64, backend);
       RuntimeConfig without = SmallConfig("oracle", Route::kGpu, 0, backend);
       auto rb = Runtime::Create(without);
       ScopedFaults scope;
       auto ra = Runtime::Create(with_bank);
       ASSERT_TRUE(ra.ok() && rb.ok());
-      Runtime& a = *ra.value();
-      Runtime& b = *rb.value();
-      for (Runtime* rt : {&a, &b}) {
+      Runtime &a = *ra.value();
+      Runtime &b = *rb.value();
+      for (Runtime *rt : {&a, &b}) {
         for (SequenceId s : {1, 2}) ASSERT_TRUE(rt->AddSequence(s).ok());
         PrefillAll(*rt, 1, 120, 1);
         PrefillAll(*rt, 2, 60, 2);
@@ -535,9 +568,11 @@ TEST(BankDegradation, FullOrFailingBankLosesNoToken) {
       int64_t admit_failures = 0;
       for (int step = 0; step < 8; ++step) {
         for (int layer = 0; layer < kLayers; ++layer) {
-          // Every admission copy fails: after the step's q, k and v conversions, the fourth
-          // CopyRows of a host-selection step is the bank's.
-          if (std::string(how) == "admission fails") scope.faults().FailNth(FaultPoint::kCopyRows, 4);
+          // Every admission copy fails: after the step's q, k and v
+          // conversions, the fourth CopyRows of a host-selection step is the
+          // bank's.
+          if (std::string(how) == "admission fails")
+            scope.faults().FailNth(FaultPoint::kCopyRows, 4);
           const Status st = DecodeCall(a, {1, 2}, layer, 80 + 2 * step + layer, out_a);
           ASSERT_TRUE(st.ok()) << st.ToString();
           scope.faults().Disarm();
@@ -559,35 +594,40 @@ TEST(BankDegradation, FullOrFailingBankLosesNoToken) {
         EXPECT_GT(sa.bank_evicted, 0) << "the one slot is recycled";
       }
       EXPECT_GT(sa.rows_fetched, 0);
-      EXPECT_EQ(sa.rows_selected, sa.rows_resident + sa.rows_bank_hit + sa.rows_fetched + sa.rows_cpu);
+      EXPECT_EQ(sa.rows_selected,
+                sa.rows_resident + sa.rows_bank_hit + sa.rows_fetched + sa.rows_cpu);
     }
   }
 }
 
-// ---- capacity edges ---------------------------------------------------------------------------
-// Covered in runtime_test.cpp: AddSequence past max_sequences (BadInput.ErrorsLeaveOtherSequencesIntact:
-// kResourceExhausted, the live sequence decodes on), a prefill past max_tokens_per_sequence (same
-// test), decode of a sequence never prefilled (same test: kFailedPrecondition "decode before
-// prefill"), decode on a one-token context (MultiSequence.BatchedDecodeWithChurnMatchesReference
-// prefills sequence 10 with 1 token, then decodes it against the reference), and the host-store
-// byte limit (BadInput.HostStoreLimitIsResourceExhausted). Growth past host_bytes_at_create:
-// AllocFaults.HostStoreGrowthFailureChangesNothing.
+// ---- capacity edges
+// ---------------------------------------------------------------------------
+// Covered in runtime_test.cpp: AddSequence past max_sequences
+// (BadInput.ErrorsLeaveOtherSequencesIntact: kResourceExhausted, the live
+// sequence decodes on), a prefill past max_tokens_per_sequence (same test),
+// decode of a sequence never prefilled (same test: kFailedPrecondition "decode
+// before prefill"), decode on a one-token context
+// (MultiSequence.BatchedDecodeWithChurnMatchesReference prefills sequence 10
+// with 1 token, then decodes it against the reference), and the host-store byte
+// limit (BadInput.HostStoreLimitIsResourceExhausted). Growth past
+// host_bytes_at_create: AllocFaults.HostStoreGrowthFailureChangesNothing.
 
 class CapacityEdges : public ::testing::TestWithParam<std::tuple<std::string, Route, Backend>> {};
 
-// A sequence at max_tokens_per_sequence: one more decode fails with kResourceExhausted for the
-// whole batch, nothing changes, and the others decode on as in a twin that never tried.
+// A sequence at max_tokens_per_sequence: one more decode fails with
+// kResourceExhausted for the whole batch, nothing changes, and the others
+// decode on as in a twin that never tried.
 TEST_P(CapacityEdges, DecodePastMaxTokensFailsWholeBatch) {
-  const auto& [policy, route, backend] = GetParam();
+  const auto &[policy, route, backend] = GetParam();
   SKIP_WITHOUT_BACKEND(backend);
   RuntimeConfig config = SmallConfig(policy, route, 0, backend);
   config.capacity.max_tokens_per_sequence = 41;
   auto ra = Runtime::Create(config), rb = Runtime::Create(config);
   ASSERT_TRUE(ra.ok() && rb.ok());
-  Runtime& a = *ra.value();
-  Runtime& b = *rb.value();
+  Runtime &a = *ra.value();
+  Runtime &b = *rb.value();
   std::vector<float> out_a, out_b;
-  for (Runtime* rt : {&a, &b}) {
+  for (Runtime *rt : {&a, &b}) {
     for (SequenceId s : {1, 2}) ASSERT_TRUE(rt->AddSequence(s).ok());
     PrefillAll(*rt, 1, 40, 1);
     PrefillAll(*rt, 2, 20, 2);
@@ -615,18 +655,18 @@ TEST_P(CapacityEdges, DecodePastMaxTokensFailsWholeBatch) {
   EXPECT_EQ(a.SequenceLength(1, 1).value(), 41);
 }
 
-// A batch naming a removed sequence fails as a whole with kNotFound; the other sequences keep
-// every token and decode on as in a twin.
+// A batch naming a removed sequence fails as a whole with kNotFound; the other
+// sequences keep every token and decode on as in a twin.
 TEST_P(CapacityEdges, BatchWithRemovedSequenceFailsWhole) {
-  const auto& [policy, route, backend] = GetParam();
+  const auto &[policy, route, backend] = GetParam();
   SKIP_WITHOUT_BACKEND(backend);
   const RuntimeConfig config = SmallConfig(policy, route, 0, backend);
   auto ra = Runtime::Create(config), rb = Runtime::Create(config);
   ASSERT_TRUE(ra.ok() && rb.ok());
-  Runtime& a = *ra.value();
-  Runtime& b = *rb.value();
+  Runtime &a = *ra.value();
+  Runtime &b = *rb.value();
   std::vector<float> out_a, out_b;
-  for (Runtime* rt : {&a, &b}) {
+  for (Runtime *rt : {&a, &b}) {
     for (SequenceId s : {1, 2, 3}) ASSERT_TRUE(rt->AddSequence(s).ok());
     PrefillAll(*rt, 1, 30, 1);
     PrefillAll(*rt, 2, 25, 2);
@@ -656,24 +696,25 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values("streaming", "oracle"),
                        ::testing::Values(Route::kAuto, Route::kCpu),
                        ::testing::Values(Backend::kHost, Backend::kCuda)),
-    [](const ::testing::TestParamInfo<std::tuple<std::string, Route, Backend>>& info) {
+    [](const ::testing::TestParamInfo<std::tuple<std::string, Route, Backend>> &info) {
       return std::get<0>(info.param) + "_" + RouteName(std::get<1>(info.param)) + "_" +
              BackendName(std::get<2>(info.param));
     });
 
-// ---- threads ----------------------------------------------------------------------------------
+// ---- threads
+// ----------------------------------------------------------------------------------
 
-// A planned step spans calls: its sequences cannot be removed between its first and last Decode;
-// others can, and the step completes as in a twin.
+// A planned step spans calls: its sequences cannot be removed between its first
+// and last Decode; others can, and the step completes as in a twin.
 TEST(Concurrency, RemoveDuringPlannedStep) {
   for (Backend backend : {Backend::kHost, Backend::kCuda}) {
     if (backend == Backend::kCuda && !CudaAvailable()) continue;
     const RuntimeConfig config = SmallConfig("streaming", Route::kAuto, 0, backend);
     auto ra = Runtime::Create(config), rb = Runtime::Create(config);
     ASSERT_TRUE(ra.ok() && rb.ok());
-    Runtime& a = *ra.value();
-    Runtime& b = *rb.value();
-    for (Runtime* rt : {&a, &b}) {
+    Runtime &a = *ra.value();
+    Runtime &b = *rb.value();
+    for (Runtime *rt : {&a, &b}) {
       for (SequenceId s : {1, 2, 3}) ASSERT_TRUE(rt->AddSequence(s).ok());
       PrefillAll(*rt, 1, 30, 1);
       PrefillAll(*rt, 2, 25, 2);
@@ -709,24 +750,26 @@ struct HammerCounts {
   std::atomic<int64_t> bad{0};  // calls that returned something the contract does not allow
 };
 
-// Other threads add, prefill and remove their own sequences, read stats and lengths, and reset
-// the stats for a few seconds while this thread decodes a batch of three sequences. The outputs
-// equal those of the same decodes on a runtime nobody else touched; no slot is lost.
+// Other threads add, prefill and remove their own sequences, read stats and
+// lengths, and reset the stats for a few seconds while this thread decodes a
+// batch of three sequences. The outputs equal those of the same decodes on a
+// runtime nobody else touched; no slot is lost.
 class Concurrency : public ::testing::TestWithParam<std::tuple<std::string, Route, Backend>> {};
 
 TEST_P(Concurrency, HammeringThreadsDoNotDisturbDecode) {
-  const auto& [policy, route, backend] = GetParam();
+  const auto &[policy, route, backend] = GetParam();
   SKIP_WITHOUT_BACKEND(backend);
   RuntimeConfig config = SmallConfig(policy, route, 0, backend);
-  // Two slots besides the batch's for three threads: some of their adds are refused.
+  // Two slots besides the batch's for three threads: some of their adds are
+  // refused.
   config.capacity.max_sequences = 5;
   config.capacity.max_tokens_per_sequence = 4096;
   auto ra = Runtime::Create(config), rb = Runtime::Create(config);
   ASSERT_TRUE(ra.ok() && rb.ok());
-  Runtime& a = *ra.value();
-  Runtime& b = *rb.value();
+  Runtime &a = *ra.value();
+  Runtime &b = *rb.value();
   const std::vector<SequenceId> batch = {1, 2, 3};
-  for (Runtime* rt : {&a, &b}) {
+  for (Runtime *rt : {&a, &b}) {
     for (SequenceId s : batch) ASSERT_TRUE(rt->AddSequence(s).ok());
     PrefillAll(*rt, 1, 40, 1);
     PrefillAll(*rt, 2, 25, 2);
@@ -759,7 +802,8 @@ TEST_P(Concurrency, HammeringThreadsDoNotDisturbDecode) {
         if (add.ok()) {
           ++counts.adds;
           if (i % 4 == 0) {
-            // Its own sequence, so its own call order: a prefill from this thread.
+            // Its own sequence, so its own call order: a prefill from this
+            // thread.
             if (PrefillCall(a, mine, 0, 8, static_cast<uint32_t>(i), o).ok()) {
               ++counts.prefills;
             } else {
@@ -783,8 +827,9 @@ TEST_P(Concurrency, HammeringThreadsDoNotDisturbDecode) {
           ++counts.bad;
         }
         for (size_t j = 0; j < batch.size(); ++j) {
-          // Layer 1 first: layer 0 of a step runs before layer 1, and lengths only grow, so a
-          // later read of layer 0 is never behind; neither goes back.
+          // Layer 1 first: layer 0 of a step runs before layer 1, and lengths
+          // only grow, so a later read of layer 0 is never behind; neither goes
+          // back.
           auto l1 = a.SequenceLength(batch[j], 1);
           auto l0 = a.SequenceLength(batch[j], 0);
           if (!l0.ok() || !l1.ok() || l0.value() < l1.value() || l1.value() < last_len[j]) {
@@ -810,11 +855,12 @@ TEST_P(Concurrency, HammeringThreadsDoNotDisturbDecode) {
         continue;
       }
       const ::testing::AssertionResult same = SameOutput(out, expected[2 * s + layer], 0.0);
-      if (!same && ++mismatches < 4) ADD_FAILURE() << "step " << s << " layer " << layer << ": " << same.message();
+      if (!same && ++mismatches < 4)
+        ADD_FAILURE() << "step " << s << " layer " << layer << ": " << same.message();
     }
   }
   stop = true;
-  for (std::thread& th : threads) th.join();
+  for (std::thread &th : threads) th.join();
   EXPECT_EQ(mismatches, 0);
   EXPECT_EQ(counts.bad.load(), 0);
   EXPECT_GT(counts.adds.load(), 10);
@@ -824,16 +870,18 @@ TEST_P(Concurrency, HammeringThreadsDoNotDisturbDecode) {
     EXPECT_EQ(a.SequenceLength(q, 1).value(), b.SequenceLength(q, 1).value());
   }
   EXPECT_GT(counts.add_full.load(), 0);
-  // Every slot the threads took came back: 2 free ones, then the third is refused.
+  // Every slot the threads took came back: 2 free ones, then the third is
+  // refused.
   for (SequenceId s = 50; s < 52; ++s) EXPECT_TRUE(a.AddSequence(s).ok()) << s;
   EXPECT_EQ(a.AddSequence(52).code(), StatusCode::kResourceExhausted);
-  std::printf("[ info ] %d steps; adds %lld (refused full %lld), prefills %lld, stats reads %lld, "
-              "resets %lld\n",
-              steps, static_cast<long long>(counts.adds.load()),
-              static_cast<long long>(counts.add_full.load()),
-              static_cast<long long>(counts.prefills.load()),
-              static_cast<long long>(counts.stats.load()),
-              static_cast<long long>(counts.resets.load()));
+  std::printf(
+      "[ info ] %d steps; adds %lld (refused full %lld), prefills "
+      "%lld, stats reads %lld, "
+      "resets %lld\n",
+      steps, static_cast<long long>(counts.adds.load()),
+      static_cast<long long>(counts.add_full.load()),
+      static_cast<long long>(counts.prefills.load()), static_cast<long long>(counts.stats.load()),
+      static_cast<long long>(counts.resets.load()));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -842,18 +890,20 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple("oracle", Route::kCpu, Backend::kHost),
                       std::make_tuple("streaming", Route::kAuto, Backend::kCuda),
                       std::make_tuple("oracle", Route::kCpu, Backend::kCuda)),
-    [](const ::testing::TestParamInfo<std::tuple<std::string, Route, Backend>>& info) {
+    [](const ::testing::TestParamInfo<std::tuple<std::string, Route, Backend>> &info) {
       return std::get<0>(info.param) + "_" + RouteName(std::get<1>(info.param)) + "_" +
              BackendName(std::get<2>(info.param));
     });
 
-// ---- soak -------------------------------------------------------------------------------------
+// ---- soak
+// -------------------------------------------------------------------------------------
 
-// Many decode steps with sequences coming and going: after a warm-up, the process's resident
-// memory and the runtime's host and device bytes stop growing.
+// Many decode steps with sequences coming and going: after a warm-up, the
+// process's resident memory and the runtime's host and device bytes stop
+// growing.
 TEST(Soak, MemoryFlatAfterWarmUp) {
-  for (const auto& [policy, route] : {std::pair<std::string, Route>{"streaming", Route::kAuto},
-                                      {"oracle", Route::kCpu}}) {
+  for (const auto &[policy, route] :
+       {std::pair<std::string, Route>{"streaming", Route::kAuto}, {"oracle", Route::kCpu}}) {
     testing::SoakOptions o;
     o.policy = policy;
     o.route = route;
@@ -861,14 +911,15 @@ TEST(Soak, MemoryFlatAfterWarmUp) {
     o.warmup_steps = 5000;
     const Result<testing::SoakReport> r = testing::RunSoak(o);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
-    const testing::SoakReport& s = r.value();
+    const testing::SoakReport &s = r.value();
     std::printf("[ info ] %s\n", s.ToJson().c_str());
     EXPECT_EQ(s.steps, o.steps);
     EXPECT_GT(s.sequences_added, 20) << "churn";
     EXPECT_EQ(s.end.host_bytes, s.warm.host_bytes) << policy;
     EXPECT_EQ(s.end.device_bytes, s.warm.device_bytes) << policy;
     EXPECT_EQ(s.max.host_bytes, s.warm.host_bytes) << policy;
-    // RSS: allocator noise only (a few pages), nothing that scales with the steps.
+    // RSS: allocator noise only (a few pages), nothing that scales with the
+    // steps.
     EXPECT_LT(s.end.rss_bytes - s.warm.rss_bytes, int64_t{2} << 20) << policy;
     EXPECT_GT(s.output_norm, 0.0);
   }

@@ -1,9 +1,10 @@
 // Copyright kvferry authors. Apache-2.0.
 #pragma once
-// The soak: many decode steps on small shapes with sequences added and removed throughout,
-// sampling the process's resident memory and the runtime's host-store and device bytes. Shared
-// by the CI test (Soak.MemoryFlatAfterWarmUp, a few seconds) and kvferry_soak (a million steps,
-// bench/results/soak.json).
+// The soak: many decode steps on small shapes with sequences added and removed
+// throughout, sampling the process's resident memory and the runtime's
+// host-store and device bytes. Shared by the CI test
+// (Soak.MemoryFlatAfterWarmUp, a few seconds) and kvferry_soak (a million
+// steps, bench/results/soak.json).
 #include <malloc.h>
 #include <unistd.h>
 
@@ -27,11 +28,12 @@ struct SoakOptions {
   std::string policy = "streaming";
   Route route = Route::kAuto;
   Backend backend = Backend::kHost;
-  int64_t steps = 20000;         ///< Decode calls (one layer of a batch each)
-  int64_t warmup_steps = 5000;   ///< steps before the "warm" sample
-  int live = 3;                  ///< sequences live at once, decoded as one batch
-  int64_t min_len = 24, max_len = 320;  ///< a sequence is removed at a length drawn from this range
-  int64_t max_prefill = 40;      ///< a new sequence is prefilled with 1..max_prefill tokens
+  int64_t steps = 20000;        ///< Decode calls (one layer of a batch each)
+  int64_t warmup_steps = 5000;  ///< steps before the "warm" sample
+  int live = 3;                 ///< sequences live at once, decoded as one batch
+  int64_t min_len = 24,
+          max_len = 320;     ///< a sequence is removed at a length drawn from this range
+  int64_t max_prefill = 40;  ///< a new sequence is prefilled with 1..max_prefill tokens
   uint32_t seed = 1;
 };
 
@@ -48,15 +50,16 @@ struct SoakReport {
   int64_t sequences_added = 0;
   double wall_s = 0;
   SoakSample start, warm, end, max;
-  double output_norm = 0;  ///< of the last step's output (non-zero)
+  double output_norm = 0;          ///< of the last step's output (non-zero)
   std::vector<int64_t> rss_trace;  ///< RSS at every tenth of the steps
-  /// malloc's bytes in use (all arenas, mmapped blocks included) at every tenth: a leak grows
-  /// this; allocator caching and first touches of reserved pages grow RSS only.
+  /// malloc's bytes in use (all arenas, mmapped blocks included) at every
+  /// tenth: a leak grows this; allocator caching and first touches of reserved
+  /// pages grow RSS only.
   std::vector<int64_t> heap_trace;
 
   [[nodiscard]] std::string ToJson() const {
     std::ostringstream os;
-    auto sample = [&](const char* name, int64_t SoakSample::*field) {
+    auto sample = [&](const char *name, int64_t SoakSample::*field) {
       os << "\"" << name << "\":{\"start\":" << start.*field << ",\"after_warmup\":" << warm.*field
          << ",\"end\":" << end.*field << ",\"max\":" << max.*field << "}";
     };
@@ -82,14 +85,14 @@ struct SoakReport {
 
 inline int64_t ResidentSetBytes() {
   long pages = 0, resident = 0;
-  FILE* f = std::fopen("/proc/self/statm", "r");
+  FILE *f = std::fopen("/proc/self/statm", "r");
   if (f == nullptr) return -1;
   const int n = std::fscanf(f, "%ld %ld", &pages, &resident);
   std::fclose(f);
   return n == 2 ? static_cast<int64_t>(resident) * sysconf(_SC_PAGESIZE) : -1;
 }
 
-inline Result<SoakReport> RunSoak(const SoakOptions& o) {
+inline Result<SoakReport> RunSoak(const SoakOptions &o) {
   constexpr int kLayers = 2, kKvHeads = 2, kQHeads = 4, kHeadDim = 64;
   RuntimeConfig c;
   c.model.num_layers = kLayers;
@@ -110,12 +113,13 @@ inline Result<SoakReport> RunSoak(const SoakOptions& o) {
   c.probe_at_start = false;
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Runtime> rt, Runtime::Create(c));
 
-  // Inputs are drawn once and cycled, so that the soak times the runtime, not the generator.
+  // Inputs are drawn once and cycled, so that the soak times the runtime, not
+  // the generator.
   std::mt19937 rng(o.seed);
   std::normal_distribution<float> normal;
   auto draw = [&](int64_t n) {
     std::vector<float> x(static_cast<size_t>(n));
-    for (float& e : x) e = normal(rng);
+    for (float &e : x) e = normal(rng);
     return x;
   };
   constexpr int kInputSets = 8;
@@ -127,8 +131,9 @@ inline Result<SoakReport> RunSoak(const SoakOptions& o) {
     vs.push_back(draw(std::max(b, o.max_prefill) * kKvHeads * kHeadDim));
   }
   std::vector<float> out(static_cast<size_t>(std::max(b, o.max_prefill) * kQHeads * kHeadDim));
-  auto view = [&](std::vector<float>& x, int64_t rows, int heads) {
-    return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {rows, heads, kHeadDim});
+  auto view = [&](std::vector<float> &x, int64_t rows, int heads) {
+    return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost,
+                                  {rows, heads, kHeadDim});
   };
 
   SoakReport report;
@@ -162,7 +167,7 @@ inline Result<SoakReport> RunSoak(const SoakOptions& o) {
     const struct mallinfo2 mi = mallinfo2();
     report.heap_trace.push_back(static_cast<int64_t>(mi.uordblks + mi.hblkhd));
   };
-  auto take_max = [&](const SoakSample& s) {
+  auto take_max = [&](const SoakSample &s) {
     report.max.rss_bytes = std::max(report.max.rss_bytes, s.rss_bytes);
     report.max.host_bytes = std::max(report.max.host_bytes, s.host_bytes);
     report.max.device_bytes = std::max(report.max.device_bytes, s.device_bytes);
@@ -188,7 +193,8 @@ inline Result<SoakReport> RunSoak(const SoakOptions& o) {
       }
       if (o.steps >= 10 && (step + 1) % (o.steps / 10) == 0) rss_trace_push(step);
     }
-    // Churn: a sequence that reached its length (at every layer) leaves, a fresh one comes.
+    // Churn: a sequence that reached its length (at every layer) leaves, a
+    // fresh one comes.
     for (size_t i = 0; i < live.size(); ++i) {
       KVF_ASSIGN_OR_RETURN(const int64_t n, rt->SequenceLength(live[i], kLayers - 1));
       if (n < remove_at[i]) continue;

@@ -1,10 +1,13 @@
 // Copyright kvferry authors. Apache-2.0.
-// kvferry_soak: a long soak of the runtime (tests/soak.h): decode steps with sequences added and
-// removed throughout; writes steps, wall time and the memory samples as JSON.
-//   kvferry_soak [--steps N] [--warmup N] [--policy NAME] [--route auto|gpu|cpu]
+// kvferry_soak: a long soak of the runtime (tests/soak.h): decode steps with
+// sequences added and removed throughout; writes steps, wall time and the
+// memory samples as JSON.
+//   kvferry_soak [--steps N] [--warmup N] [--policy NAME] [--route
+//   auto|gpu|cpu]
 //                [--backend host|cuda] [--out FILE]
-// Exit status 0 when memory stayed flat after the warm-up (RSS within 4 MiB, host-store and
-// device bytes unchanged), 1 when it grew, 2 on a usage or runtime error.
+// Exit status 0 when memory stayed flat after the warm-up (RSS within 4 MiB,
+// host-store and device bytes unchanged), 1 when it grew, 2 on a usage or
+// runtime error.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -13,7 +16,7 @@
 
 #include "soak.h"
 
-int main(int argc, char** argv) {
+int main(int argc, char **argv) {
   using kvferry::Backend;
   using kvferry::Route;
   kvferry::testing::SoakOptions o;
@@ -53,12 +56,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "soak failed: %s\n", r.status().ToString().c_str());
     return 2;
   }
-  const kvferry::testing::SoakReport& s = r.value();
+  const kvferry::testing::SoakReport &s = r.value();
   const std::string json = s.ToJson();
   std::printf("%s\n", json.c_str());
   std::ofstream(out_path) << json << "\n";
   const bool flat = s.end.rss_bytes - s.warm.rss_bytes < (int64_t{4} << 20) &&
-                    s.end.host_bytes == s.warm.host_bytes && s.max.host_bytes == s.warm.host_bytes &&
+                    s.end.host_bytes == s.warm.host_bytes &&
+                    s.max.host_bytes == s.warm.host_bytes &&
                     s.end.device_bytes == s.warm.device_bytes && s.output_norm > 0;
   std::fprintf(stderr, "%s\n", flat ? "memory flat after warm-up" : "MEMORY GREW after warm-up");
   return flat ? 0 : 1;

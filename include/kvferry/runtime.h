@@ -45,7 +45,8 @@ class RuntimeImpl;
 /// it after the step; sequences outside the step can be removed at any time). The order of one
 /// sequence's calls (prefill, then decodes, layer by layer) is still the caller's to keep;
 /// device work is ordered on streams as above, and with the CUDA backend a thread that removes a
-/// sequence waits for the work that reads it. config() and backend() never change.
+/// sequence waits for the work that reads it. config() and backend() never change. The
+/// destructor must not run while any call is in progress or can still start.
 ///
 /// Errors: on an error return every sequence's tokens and outputs are as before the call (a
 /// failed Decode, Prefill or Append takes back what it appended and restores the GPU window of
@@ -66,7 +67,8 @@ class Runtime {
 
   /// Registers a new, empty sequence. Fails if \p seq is live or max_sequences are live.
   Status AddSequence(SequenceId seq);
-  /// Frees every tier's data of \p seq.
+  /// Frees every tier's data of \p seq. kFailedPrecondition while \p seq is in a planned step
+  /// that has run some but not all of its layers (see PlanDecode).
   Status RemoveSequence(SequenceId seq);
   /// Tokens stored for \p seq at \p layer.
   [[nodiscard]] Result<int64_t> SequenceLength(SequenceId seq, int layer) const;
