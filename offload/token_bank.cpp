@@ -150,6 +150,7 @@ Status TokenBank::Init() {
   staging_rows_cap_ = config_.max_admit_rows > 0
                           ? config_.max_admit_rows
                           : std::min<int64_t>(int64_t{64} * num_tables_, int64_t{1} << 20);
+  batch_admits_.reserve(static_cast<size_t>(staging_rows_cap_));
   for (int b = 0; b < 2; ++b) {
     // Two RowCopy entries (K and V) per admitted row.
     KVF_ASSIGN_OR_RETURN(void* buf,
@@ -431,6 +432,7 @@ Status TokenBank::BeginAdmit(StreamHandle stream, EventHandle after) {
   }
   admit_stream_ = stream;
   cur_rows_ = 0;
+  batch_admits_.clear();
   in_batch_ = true;
   return Status::Ok();
 }
@@ -478,6 +480,7 @@ int64_t TokenBank::Admit(int table, std::span<const int32_t> positions, const vo
     RowCopy* rc = staging_[cur_] + 2 * cur_rows_;
     rc[0] = RowCopy{SlotK(table, slot), k_src[i]};
     rc[1] = RowCopy{SlotV(table, slot), v_src[i]};
+    batch_admits_.emplace_back(table, slot);
     ++cur_rows_;
     ++admitted;
   }
@@ -490,18 +493,46 @@ Status TokenBank::CommitAdmit() {
                  "TokenBank::CommitAdmit without BeginAdmit");
   in_batch_ = false;
   if (cur_rows_ == 0 && dirty_tables_.empty()) return Status::Ok();
+  Status st = Status::Ok();
   if (cur_rows_ > 0) {
-    KVF_RETURN_IF_ERROR(device_->CopyRows(staging_[cur_], 2 * cur_rows_, config_.head_dim,
-                                          config_.kv_dtype, config_.kv_dtype, admit_stream_));
+    st = device_->CopyRows(staging_[cur_], 2 * cur_rows_, config_.head_dim, config_.kv_dtype,
+                           config_.kv_dtype, admit_stream_);
+  }
+  if (!st.ok()) {
+    AbortBatch();
+    return st;
   }
   // The page tables change only after the rows they point to are written (same stream).
   if (config_.device_map) KVF_RETURN_IF_ERROR(CommitMapUpdates());
-  KVF_RETURN_IF_ERROR(device_->RecordEvent(staging_done_[cur_], admit_stream_));
+  st = device_->RecordEvent(staging_done_[cur_], admit_stream_);
+  if (!st.ok()) {
+    // Without the event no step would wait for the copies: forget their rows. (The copies may
+    // still land, in slots that are free now; a later admission's copy to the same slot runs
+    // after them on the same stream.)
+    AbortBatch();
+    return st;
+  }
   staging_used_[cur_] = true;
   ready_ = staging_done_[cur_];
   ready_pending_ = true;
   cur_ ^= 1;
   return Status::Ok();
+}
+
+void TokenBank::AbortBatch() {
+  for (const auto& [table, slot] : batch_admits_) {
+    const size_t i = static_cast<size_t>(table) * config_.slots + slot;
+    if (pos_of_[i] < 0) continue;  // the slot came up twice in the batch: undone already
+    MapErase(table, pos_of_[i]);
+    pos_of_[i] = -1;
+    count_[i] = 0;
+    --used_[table];
+  }
+  const auto n = static_cast<int64_t>(batch_admits_.size());
+  counters_.admitted -= n;
+  counters_.rejected += n;
+  batch_admits_.clear();
+  cur_rows_ = 0;
 }
 
 Status TokenBank::WaitReady(StreamHandle stream) {

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "gpu/device.h"
@@ -190,7 +191,9 @@ class TokenBank {
   /// copies are queued for CommitAdmit. Returns how many were admitted.
   int64_t Admit(int table, std::span<const int32_t> positions, const void* const* k_src,
                 const void* const* v_src);
-  /// Issues the batch's row copies on the stream of BeginAdmit and records the ready event.
+  /// Issues the batch's row copies on the stream of BeginAdmit and records the ready event. If
+  /// that fails, the batch is undone: its slots are free again and its positions miss (their rows
+  /// stay in the host store), as if nothing had been admitted; the rows it evicted stay evicted.
   Status CommitAdmit();
   /// Makes \p stream wait for the last committed admission (no-op when none is pending).
   Status WaitReady(StreamHandle stream);
@@ -277,6 +280,9 @@ class TokenBank {
   int cur_ = 0;
   int64_t cur_rows_ = 0;
   bool in_batch_ = false;
+  // (table, slot) of each row admitted in the open batch, to undo it when CommitAdmit fails.
+  std::vector<std::pair<int, int32_t>> batch_admits_;
+  void AbortBatch();
   bool ready_pending_ = false;
   StreamHandle admit_stream_ = nullptr;
   EventHandle ready_ = nullptr;

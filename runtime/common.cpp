@@ -102,6 +102,7 @@ std::string Stats::ToJson() const {
      << ",\"rows_bank_hit\":" << rows_bank_hit << ",\"rows_fetched\":" << rows_fetched
      << ",\"rows_cpu\":" << rows_cpu << ",\"rows_selected\":" << rows_selected
      << ",\"bank_admitted\":" << bank_admitted << ",\"bank_evicted\":" << bank_evicted
+     << ",\"bank_admit_failures\":" << bank_admit_failures
      << ",\"prhs_select_calls\":" << prhs_select_calls
      << ",\"prhs_select_reused\":" << prhs_select_reused
      << ",\"ms_append\":" << ms_append << ",\"ms_select\":" << ms_select

@@ -25,6 +25,13 @@ size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 }  // namespace
 
+Status WithRestore(Status failure, const Status& restored) {
+  if (restored.ok()) return failure;
+  return Status(failure.code(),
+                StrCat(failure.message(), "; restoring the window ring after it failed too (",
+                       restored.ToString(), "): the call's sequences are in an unspecified state"));
+}
+
 Status RuntimeImpl::InitStepBuffers() {
   const Capacity& cap = config_.capacity;
   const ModelShape& m = config_.model;
@@ -468,7 +475,10 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   }
   if (!st.ok()) {
     uncommit();
-    return st;
+    // DecodeStep may have appended the token to the ring before the failure: put the rows back
+    // (not while capturing, where a failure ends the capture anyway).
+    if (capturing) return st;
+    return WithRestore(std::move(st), RestoreWindow(slot_of, layer, stream));
   }
   if (planned) {
     plan_.layer_run[layer] = 1;
@@ -522,25 +532,40 @@ Status RuntimeImpl::ExtendPageBounds(int slot, int layer, int64_t pos0, int64_t 
   return device_->PageBounds(a, stream);
 }
 
-Status RuntimeImpl::RestoreEvictedRows(std::span<const int> slot_of, int layer,
-                                       StreamHandle stream) {
+Status RuntimeImpl::RestoreWindow(std::span<const int> slots, int layer, StreamHandle stream) {
   const ModelShape& m = config_.model;
   const int sink = config_.tiers.sink_tokens, window = config_.tiers.window_tokens;
+  KVF_RETURN_IF_ERROR(HostWaitStream(stream));
+  KVF_RETURN_IF_ERROR(device_->SynchronizeEvent(call_done_));
+  // At most max_rows_ * hkv * 2 descriptors fit in k_copies_; a ring holds window rows per head,
+  // so copy in rounds.
+  const int64_t cap = max_rows_ * m.num_kv_heads * 2;
   int64_t c = 0;
-  for (int slot : slot_of) {
-    const int64_t pos = lengths_[static_cast<size_t>(slot) * m.num_layers + layer] - 1;
-    const int64_t evicted = pos - window;
-    if (pos < sink || evicted < sink) continue;  // the append took no ring row from anyone
-    const int64_t row = ResidentRowOf(pos, pos + 1, sink, window);
-    for (int h = 0; h < m.num_kv_heads; ++h) {
-      k_copies_[c] = RowCopy{ResidentK(slot, layer, h, row), store_->k_row(slot, layer, h, evicted)};
-      v_copies_[c++] = RowCopy{ResidentV(slot, layer, h, row), store_->v_row(slot, layer, h, evicted)};
+  auto flush = [&]() -> Status {
+    if (c == 0) return Status::Ok();
+    KVF_RETURN_IF_ERROR(device_->CopyRows(k_copies_, c, m.head_dim, m.kv_dtype, m.kv_dtype, stream));
+    KVF_RETURN_IF_ERROR(device_->CopyRows(v_copies_, c, m.head_dim, m.kv_dtype, m.kv_dtype, stream));
+    c = 0;
+    return HostWaitStream(stream);
+  };
+  for (int slot : slots) {
+    const int64_t n = lengths_[static_cast<size_t>(slot) * m.num_layers + layer];
+    for (int64_t pos = std::max<int64_t>(sink, n - window); pos < n; ++pos) {
+      const int64_t row = ResidentRowOf(pos, n, sink, window);
+      for (int h = 0; h < m.num_kv_heads; ++h) {
+        if (c == cap) KVF_RETURN_IF_ERROR(flush());
+        k_copies_[c] = RowCopy{ResidentK(slot, layer, h, row), store_->k_row(slot, layer, h, pos)};
+        v_copies_[c++] = RowCopy{ResidentV(slot, layer, h, row), store_->v_row(slot, layer, h, pos)};
+      }
     }
   }
-  if (c == 0) return Status::Ok();
-  KVF_RETURN_IF_ERROR(device_->CopyRows(k_copies_, c, m.head_dim, m.kv_dtype, m.kv_dtype, stream));
-  KVF_RETURN_IF_ERROR(device_->CopyRows(v_copies_, c, m.head_dim, m.kv_dtype, m.kv_dtype, stream));
-  return HostWaitStream(stream);
+  return flush();
+}
+
+Status RuntimeImpl::RollBackDecode(std::span<const int> slot_of, int layer, StreamHandle stream,
+                                   Status failure) {
+  for (int slot : slot_of) --lengths_[static_cast<size_t>(slot) * config_.model.num_layers + layer];
+  return WithRestore(std::move(failure), RestoreWindow(slot_of, layer, stream));
 }
 
 }  // namespace kvferry::detail

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <string_view>
 #include <limits>
+#include <mutex>
 
 #include "cpu/attention.h"
 #include "offload/transfer.h"
@@ -75,6 +76,17 @@ Status ValidateConfig(const RuntimeConfig& c) {
 
 }  // namespace
 
+namespace {
+thread_local const DeviceDecorator* current_decorator = nullptr;
+}  // namespace
+
+ScopedDeviceDecorator::ScopedDeviceDecorator(DeviceDecorator decorator)
+    : decorator_(std::move(decorator)), previous_(current_decorator) {
+  current_decorator = &decorator_;
+}
+ScopedDeviceDecorator::~ScopedDeviceDecorator() { current_decorator = previous_; }
+const DeviceDecorator* ScopedDeviceDecorator::Current() { return current_decorator; }
+
 Result<std::unique_ptr<RuntimeImpl>> RuntimeImpl::Create(const RuntimeConfig& config) {
   KVF_RETURN_IF_ERROR(ValidateConfig(config));
   std::unique_ptr<RuntimeImpl> impl(new RuntimeImpl(config));
@@ -133,6 +145,10 @@ Status RuntimeImpl::Init() {
       if (device_ == nullptr) device_ = MakeHostDevice();
       break;
     }
+  }
+  if (const DeviceDecorator* decorate = ScopedDeviceDecorator::Current()) {
+    device_ = (*decorate)(std::move(device_));
+    KVF_CHECK_CODE(device_ != nullptr, StatusCode::kInternal, "device decorator returned null");
   }
   stream_ = device_->default_stream();
   KVF_ASSIGN_OR_RETURN(policy_, MakePolicy(config_));
@@ -367,7 +383,17 @@ Status RuntimeImpl::AddSequence(SequenceId seq) {
 
 Status RuntimeImpl::RemoveSequence(SequenceId seq) {
   KVF_ASSIGN_OR_RETURN(int slot, SlotOf(seq));
-  RetirePlan();
+  if (plan_.active && std::find(plan_.slots.begin(), plan_.slots.end(), slot) != plan_.slots.end()) {
+    // A step that has run some of its layers but not all is under way on the engine's thread
+    // (its Decode calls come one per layer): taking a sequence out of it would leave the others
+    // of the batch with the step's token at some layers only.
+    const int layers = config_.model.num_layers;
+    const auto ran = std::count(plan_.layer_run.begin(), plan_.layer_run.end(), uint8_t{1});
+    KVF_CHECK_CODE(ran == 0 || ran == layers, StatusCode::kFailedPrecondition, "sequence ", seq,
+                   " is in the decode step planned by PlanDecode, which has run ", ran, " of ",
+                   layers, " layers; remove it after the step's last Decode");
+    RetirePlan();
+  }
   // In-flight work may read its rows: wait for the runtime's stream and for the last call, which
   // may have been issued on a caller's stream.
   KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
@@ -473,7 +499,21 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   const int64_t pos0 = len, new_len = len + tokens;
   KVF_RETURN_IF_ERROR(ReserveChunk(seq, slot, layer, new_len));
   if (stream == nullptr) stream = stream_;
+  // The chunk's rows may have reached the ring before a failure: restore it for the old length,
+  // which a failed call leaves unchanged.
+  Status st = PrefillReserved(slot, layer, q, k, v, out, stream, pos0, new_len);
+  if (!st.ok()) return WithRestore(std::move(st), RestoreWindow({&slot, 1}, layer, stream));
+  len = new_len;
+  stats_.prefill_tokens += tokens;
+  stats_.ms_prefill += MsSince(t0);
+  return Status::Ok();
+}
 
+Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, const TensorView& k,
+                                    const TensorView& v, const TensorView& out,
+                                    StreamHandle stream, int64_t pos0, int64_t new_len) {
+  const ModelShape& m = config_.model;
+  const int64_t tokens = new_len - pos0;
   const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
   KVF_RETURN_IF_ERROR(BeginCall());
   const int64_t nq = tokens * hq * d;
@@ -634,9 +674,6 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   KVF_RETURN_IF_ERROR(ExtendPageBounds(slot, layer, pos0, new_len, stream));
   KVF_RETURN_IF_ERROR(EndCall(stream));
   if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
-  len = new_len;
-  stats_.prefill_tokens += tokens;
-  stats_.ms_prefill += MsSince(t0);
   return Status::Ok();
 }
 
@@ -688,14 +725,22 @@ Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const
   KVF_RETURN_IF_ERROR(ReserveChunk(seq, slot, layer, new_len));
   if (stream == nullptr) stream = stream_;
   KVF_RETURN_IF_ERROR(BeginCall());
-  KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, k_in_, stream));
-  KVF_ASSIGN_OR_RETURN(const void* v_src, StageInput(v, v_in_, stream));
-  const int64_t n_copies = PlanAppend(slot, layer, len, tokens, new_len, k_src, DTypeSize(k.dtype),
-                                      v_src, DTypeSize(v.dtype), 0, k_copies_, v_copies_);
-  KVF_RETURN_IF_ERROR(device_->CopyRows(k_copies_, n_copies, m.head_dim, k.dtype, m.kv_dtype, stream));
-  KVF_RETURN_IF_ERROR(device_->CopyRows(v_copies_, n_copies, m.head_dim, v.dtype, m.kv_dtype, stream));
-  KVF_RETURN_IF_ERROR(ExtendPageBounds(slot, layer, len, new_len, stream));
-  KVF_RETURN_IF_ERROR(EndCall(stream));
+  auto append = [&]() -> Status {
+    KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, k_in_, stream));
+    KVF_ASSIGN_OR_RETURN(const void* v_src, StageInput(v, v_in_, stream));
+    const int64_t n_copies = PlanAppend(slot, layer, len, tokens, new_len, k_src,
+                                        DTypeSize(k.dtype), v_src, DTypeSize(v.dtype), 0,
+                                        k_copies_, v_copies_);
+    KVF_RETURN_IF_ERROR(
+        device_->CopyRows(k_copies_, n_copies, m.head_dim, k.dtype, m.kv_dtype, stream));
+    KVF_RETURN_IF_ERROR(
+        device_->CopyRows(v_copies_, n_copies, m.head_dim, v.dtype, m.kv_dtype, stream));
+    KVF_RETURN_IF_ERROR(ExtendPageBounds(slot, layer, len, new_len, stream));
+    return EndCall(stream);
+  };
+  // As in Prefill: a failure leaves the length as it was and the ring restored for it.
+  Status st = append();
+  if (!st.ok()) return WithRestore(std::move(st), RestoreWindow({&slot, 1}, layer, stream));
   stats_.bytes_d2h += tokens * m.num_kv_heads * 2 * static_cast<int64_t>(row_bytes_);
   len = new_len;
   stats_.prefill_tokens += tokens;
@@ -724,8 +769,6 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   KVF_RETURN_IF_ERROR(ReserveNextToken(slot_of, layer));
   if (stream == nullptr) stream = stream_;
   const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
-  const int64_t nq = batch * hq * d;
-  const int64_t gd = static_cast<int64_t>(group_) * d;
 
   // 1 append: write the new rows through to the store and into the resident ring; q to f32.
   KVF_RETURN_IF_ERROR(BeginCall());
@@ -742,11 +785,29 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
     n_copies += PlanAppend(slot_of[b], layer, len, 1, len + 1, k_src, DTypeSize(k.dtype), v_src,
                            DTypeSize(v.dtype), b, k_copies_ + n_copies, v_copies_ + n_copies);
   }
-  KVF_RETURN_IF_ERROR(device_->CopyRows(k_copies_, n_copies, d, k.dtype, m.kv_dtype, stream));
-  KVF_RETURN_IF_ERROR(device_->CopyRows(v_copies_, n_copies, d, v.dtype, m.kv_dtype, stream));
+  // From here the new rows are in the ring: a failure takes the token back and restores the ring
+  // (RollBackDecode), so that every sequence of the batch is as before the call.
+  Status appended = device_->CopyRows(k_copies_, n_copies, d, k.dtype, m.kv_dtype, stream);
+  if (appended.ok()) appended = device_->CopyRows(v_copies_, n_copies, d, v.dtype, m.kv_dtype, stream);
   for (int64_t b = 0; b < batch; ++b) ++lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
+  if (!appended.ok()) return RollBackDecode(slot_of, layer, stream, std::move(appended));
   stats_.bytes_d2h += batch * hkv * 2 * static_cast<int64_t>(row_bytes_);
   stats_.ms_append += MsSince(t0);
+  Status attended = AttendAppended(seqs, slot_of, layer, out, stream);
+  if (!attended.ok()) return RollBackDecode(slot_of, layer, stream, std::move(attended));
+  stats_.decode_steps += 1;
+  stats_.decode_tokens += batch;
+  return Status::Ok();
+}
+
+Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<const int> slot_of,
+                                   int layer, const TensorView& out, StreamHandle stream) {
+  auto t0 = Clock::now();
+  const ModelShape& m = config_.model;
+  const int64_t batch = static_cast<int64_t>(seqs.size());
+  const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  const int64_t nq = batch * hq * d;
+  const int64_t gd = static_cast<int64_t>(group_) * d;
 
   const AttnParams params{group_, d, m.kv_dtype, scale_};
   const int64_t items = batch * hkv;
@@ -798,8 +859,6 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
     t0 = Clock::now();
     KVF_RETURN_IF_ERROR(WriteOutput(nullptr, nullptr, batch * hq, out, stream));
     stats_.ms_merge += MsSince(t0);
-    stats_.decode_steps += 1;
-    stats_.decode_tokens += batch;
     return Status::Ok();
   }
 
@@ -831,13 +890,8 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
     }
   });
   for (int64_t i = 0; i < items; ++i) {
-    if (!item_status_[i].ok()) {
-      // The new token is stored; the step failed in the policy. Put back the window rows its
-      // append overwrote and roll the length back, so that the sequence is as before the call.
-      KVF_RETURN_IF_ERROR(RestoreEvictedRows(slot_of, layer, stream));
-      for (int64_t b = 0; b < batch; ++b) --lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
-      return item_status_[i];
-    }
+    // The step failed in the policy; Decode rolls the append back.
+    if (!item_status_[i].ok()) return item_status_[i];
   }
   stats_.ms_select += MsSince(t0);
 
@@ -938,9 +992,12 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   // 7 admit: rows that crossed PCIe this step may enter the bank, copied on the side stream after
   // the step's reads of the bank (off the critical path).
   if (bank_ != nullptr) {
-    KVF_RETURN_IF_ERROR(device_->RecordEvent(bank_step_done_, stream));
-    KVF_RETURN_IF_ERROR(bank_->BeginAdmit(side_stream_, bank_step_done_));
-    for (int64_t i = 0; i < items; ++i) {
+    // Admission only saves later fetches: when the bank cannot take the rows (an event or copy
+    // fails), the step's output stands, the bank forgets the batch (TokenBank::CommitAdmit) and
+    // later steps fetch those rows from the host store again. No token is lost.
+    Status admit = device_->RecordEvent(bank_step_done_, stream);
+    if (admit.ok()) admit = bank_->BeginAdmit(side_stream_, bank_step_done_);
+    for (int64_t i = 0; admit.ok() && i < items; ++i) {
       const std::vector<int32_t>& fetched = misses_[i];
       if (fetched.empty()) continue;
       const int slot = slot_of[i / hkv];
@@ -951,13 +1008,12 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
       bank_->Admit(bank_->TableIndex(slot, layer, h), fetched,
                    it.k_rows + first, it.v_rows + first);
     }
-    KVF_RETURN_IF_ERROR(bank_->CommitAdmit());
+    if (admit.ok()) admit = bank_->CommitAdmit();
+    if (!admit.ok()) ++stats_.bank_admit_failures;
     stats_.bank_admitted = bank_->counters().admitted;
     stats_.bank_evicted = bank_->counters().evicted;
   }
   stats_.ms_admit += MsSince(t0);
-  stats_.decode_steps += 1;
-  stats_.decode_tokens += batch;
   return Status::Ok();
 }
 
@@ -1045,34 +1101,58 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& config) {
   KVF_ASSIGN_OR_RETURN(auto impl, detail::RuntimeImpl::Create(config));
   return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
 }
-Status Runtime::AddSequence(SequenceId seq) { return impl_->AddSequence(seq); }
-Status Runtime::RemoveSequence(SequenceId seq) { return impl_->RemoveSequence(seq); }
+// Every call that reads or writes the runtime's state takes the runtime's mutex once, for the
+// whole call (see the contract on Runtime). config() and backend() read what Create fixed.
+
+Status Runtime::AddSequence(SequenceId seq) {
+  const std::lock_guard<std::mutex> lock(impl_->mutex());
+  return impl_->AddSequence(seq);
+}
+Status Runtime::RemoveSequence(SequenceId seq) {
+  const std::lock_guard<std::mutex> lock(impl_->mutex());
+  return impl_->RemoveSequence(seq);
+}
 Result<int64_t> Runtime::SequenceLength(SequenceId seq, int layer) const {
+  const std::lock_guard<std::mutex> lock(impl_->mutex());
   return impl_->SequenceLength(seq, layer);
 }
 Status Runtime::Prefill(SequenceId seq, int layer, const TensorView& q, const TensorView& k,
                         const TensorView& v, const TensorView& out, StreamHandle stream) {
+  const std::lock_guard<std::mutex> lock(impl_->mutex());
   return impl_->Prefill(seq, layer, q, k, v, out, stream);
 }
 Status Runtime::Decode(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                        const TensorView& k, const TensorView& v, const TensorView& out,
                        StreamHandle stream) {
+  const std::lock_guard<std::mutex> lock(impl_->mutex());
   return impl_->Decode(seqs, layer, q, k, v, out, stream);
 }
 Status Runtime::Append(SequenceId seq, int layer, const TensorView& k, const TensorView& v,
                        StreamHandle stream) {
+  const std::lock_guard<std::mutex> lock(impl_->mutex());
   return impl_->Append(seq, layer, k, v, stream);
 }
 Status Runtime::PlanDecode(std::span<const SequenceId> seqs, StreamHandle stream) {
+  const std::lock_guard<std::mutex> lock(impl_->mutex());
   return impl_->PlanDecode(seqs, stream);
 }
 bool Runtime::decode_is_capture_safe() const { return impl_->decode_is_capture_safe(); }
 Result<std::vector<int32_t>> Runtime::LastSelection(SequenceId seq, int layer, int kv_head) const {
+  const std::lock_guard<std::mutex> lock(impl_->mutex());
   return impl_->LastSelection(seq, layer, kv_head);
 }
-Status Runtime::Synchronize() { return impl_->Synchronize(); }
-Stats Runtime::GetStats() const { return impl_->stats(); }
-void Runtime::ResetStats() { impl_->ResetStats(); }
+Status Runtime::Synchronize() {
+  const std::lock_guard<std::mutex> lock(impl_->mutex());
+  return impl_->Synchronize();
+}
+Stats Runtime::GetStats() const {
+  const std::lock_guard<std::mutex> lock(impl_->mutex());
+  return impl_->stats();
+}
+void Runtime::ResetStats() {
+  const std::lock_guard<std::mutex> lock(impl_->mutex());
+  impl_->ResetStats();
+}
 const RuntimeConfig& Runtime::config() const { return impl_->config(); }
 Backend Runtime::backend() const { return impl_->backend(); }
 

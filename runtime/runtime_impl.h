@@ -4,7 +4,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <unordered_map>
 #include <vector>
 
@@ -24,6 +26,28 @@ struct DeviceBuffer {
   size_t bytes = 0;
   bool host = false;
 };
+
+/// Test seam: while one is alive on a thread, every Runtime::Create on that thread hands the Device
+/// it made (host or CUDA) to the decorator and runs on what it returns. Tests wrap the device in
+/// one that fails chosen calls (tests/fault_device.h). The run path pays nothing for it: the
+/// decorator is looked up once, at Create.
+using DeviceDecorator = std::function<std::unique_ptr<Device>(std::unique_ptr<Device>)>;
+class ScopedDeviceDecorator {
+ public:
+  explicit ScopedDeviceDecorator(DeviceDecorator decorator);
+  ~ScopedDeviceDecorator();
+  ScopedDeviceDecorator(const ScopedDeviceDecorator&) = delete;
+  ScopedDeviceDecorator& operator=(const ScopedDeviceDecorator&) = delete;
+  /// The innermost live decorator of this thread, or null.
+  static const DeviceDecorator* Current();
+
+ private:
+  DeviceDecorator decorator_;
+  const DeviceDecorator* previous_;
+};
+
+/// \p failure, with a note when the rollback after it (\p restored) failed as well.
+Status WithRestore(Status failure, const Status& restored);
 
 class RuntimeImpl {
  public:
@@ -56,6 +80,8 @@ class RuntimeImpl {
   }
   const RuntimeConfig& config() const { return config_; }
   Backend backend() const { return device_->backend(); }
+  /// Serialises the public calls (see the contract on Runtime): each takes it once.
+  std::mutex& mutex() const { return mu_; }
 
  private:
   explicit RuntimeImpl(const RuntimeConfig& config) : config_(config) {}
@@ -82,6 +108,15 @@ class RuntimeImpl {
   // Where the device reads an input from: the caller's memory when the device can read it,
   // else a staging copy (pageable host memory on CUDA).
   Result<const void*> StageInput(const TensorView& t, void* staging, StreamHandle stream);
+  // Prefill after validation and ReserveChunk: appends the chunk and attends it; leaves the
+  // length to the caller.
+  Status PrefillReserved(int slot, int layer, const TensorView& q, const TensorView& k,
+                         const TensorView& v, const TensorView& out, StreamHandle stream,
+                         int64_t pos0, int64_t new_len);
+  // Decode after the batch's new rows are appended and counted: selection, attention, merge,
+  // output and bank admission (host-side selection and the dense path).
+  Status AttendAppended(std::span<const SequenceId> seqs, std::span<const int> slot_of, int layer,
+                        const TensorView& out, StreamHandle stream);
   // Waits until the previous call's work no longer reads the descriptor buffers.
   Status BeginCall();
   Status EndCall(StreamHandle stream);
@@ -128,8 +163,15 @@ class RuntimeImpl {
   Status ExtendPageBounds(int slot, int layer, int64_t pos0, int64_t new_len, StreamHandle stream);
   // Zeroes the device selection state of \p slot (all slots for -1) for a new sequence; waits.
   Status ResetSelectState(int slot);
-  // Puts back into the window ring the rows that a failed step's append overwrote.
-  Status RestoreEvictedRows(std::span<const int> slot_of, int layer, StreamHandle stream);
+  // Rewrites the window ring rows of \p slots at \p layer from the host store for their current
+  // lengths: after a failed call, puts back the rows its append overwrote (the store's rows below
+  // the length are never written by an append, so they are the truth). Waits for the stream
+  // first, since the descriptors it writes may still be read by the failed call's launches.
+  Status RestoreWindow(std::span<const int> slots, int layer, StreamHandle stream);
+  // Takes back the token a failed Decode appended at \p layer (lengths already counted it) and
+  // restores the ring. Returns \p failure, or the restore's error if that failed too.
+  Status RollBackDecode(std::span<const int> slot_of, int layer, StreamHandle stream,
+                        Status failure);
   // Host waits inside Decode and PlanDecode, counted in Stats::host_syncs.
   Status HostWaitStream(StreamHandle stream);
   Status HostWaitEvent(EventHandle event);
@@ -139,6 +181,7 @@ class RuntimeImpl {
                      StreamHandle stream);
 
   RuntimeConfig config_;
+  mutable std::mutex mu_;
   std::unique_ptr<Device> device_;
   StreamHandle stream_ = nullptr;
   std::unique_ptr<HostStore> store_;

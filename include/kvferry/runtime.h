@@ -28,9 +28,35 @@ class RuntimeImpl;
 /// attention over it.
 ///
 /// Calls for one layer of one sequence must come in order (prefill chunks, then decodes); layers
-/// are independent. A Runtime is not thread-safe: call it from one thread (the engine's). Work is
-/// ordered on the given stream (CUDA backend) or complete when the call returns (host backend).
-/// On an error return nothing has changed: every sequence's data is as before the call.
+/// are independent. Work is ordered on the given stream (CUDA backend) or complete when the call
+/// returns (host backend).
+///
+/// Threads: every call may come from any thread. The calls are serialised: each takes one mutex
+/// of the runtime for its whole duration (uncontended, one lock and unlock per call), so calls
+/// from different threads are ordered by who takes it first and never interleave. The intended
+/// use is one engine thread issuing Prefill, Append, Decode, PlanDecode, LastSelection and
+/// Synchronize, while other threads (a scheduler, a metrics exporter) call AddSequence,
+/// RemoveSequence, SequenceLength, GetStats and ResetStats. A Decode sees the set of live
+/// sequences as of its start; an AddSequence or RemoveSequence from another thread waits until a
+/// running call returns, so a sequence is never removed under a running Decode (the Decode ran
+/// with it, or ran after the removal and fails with kNotFound, changing nothing). A planned step
+/// spans several calls (PlanDecode, then one Decode per layer): RemoveSequence of a sequence in
+/// it fails with kFailedPrecondition after the step's first Decode and before its last (remove
+/// it after the step; sequences outside the step can be removed at any time). The order of one
+/// sequence's calls (prefill, then decodes, layer by layer) is still the caller's to keep;
+/// device work is ordered on streams as above, and with the CUDA backend a thread that removes a
+/// sequence waits for the work that reads it. config() and backend() never change. The
+/// destructor must not run while any call is in progress or can still start.
+///
+/// Errors: on an error return every sequence's tokens and outputs are as before the call (a
+/// failed Decode, Prefill or Append takes back what it appended and restores the GPU window of
+/// the call's sequences from the host store), with these exceptions: a layer of a planned step
+/// that already ran keeps its token (PlanDecode); selection policies that keep state between
+/// steps (lfps' tables, the prhs wrappers' kept sets) may have advanced it, which can change
+/// later selections (never a stored token); and if the device fails again while the
+/// call is being rolled back, the message says so and the call's sequences are in an
+/// unspecified state (remove them). A CUDA error that poisons the context (an illegal address)
+/// fails every later call; the runtime must then be destroyed.
 class Runtime {
  public:
   /// Validates \p config and allocates the resident tier, token bank and plan buffers.
@@ -41,7 +67,8 @@ class Runtime {
 
   /// Registers a new, empty sequence. Fails if \p seq is live or max_sequences are live.
   Status AddSequence(SequenceId seq);
-  /// Frees every tier's data of \p seq.
+  /// Frees every tier's data of \p seq. kFailedPrecondition while \p seq is in a planned step
+  /// that has run some but not all of its layers (see PlanDecode).
   Status RemoveSequence(SequenceId seq);
   /// Tokens stored for \p seq at \p layer.
   [[nodiscard]] Result<int64_t> SequenceLength(SequenceId seq, int layer) const;

@@ -31,6 +31,9 @@ struct Stats {
   int64_t rows_selected = 0;     ///< sum of the above
   int64_t bank_admitted = 0;
   int64_t bank_evicted = 0;
+  /// Decode steps whose bank admission failed (a copy or event error): the step's output stands,
+  /// the bank kept none of that step's rows and later steps fetch them from the host again.
+  int64_t bank_admit_failures = 0;
   /// Selection wrappers (cis+, xl+): Select calls that ran the inner (base) selection and calls
   /// answered from a kept set; rho = prhs_select_calls / (prhs_select_calls + prhs_select_reused).
   int64_t prhs_select_calls = 0;
