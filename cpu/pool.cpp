@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <mutex>
 #include <thread>
 
 #include <boost/lockfree/queue.hpp>
@@ -16,6 +17,7 @@
 
 #include "cpu/cpu_features.h"
 #include "base/check.h"
+#include "base/hwloc_lock.h"
 
 namespace kvferry::cpu {
 namespace {
@@ -115,11 +117,14 @@ Result<std::unique_ptr<CpuPool>> CpuPool::Create(const CpuPoolOptions& options) 
   std::unique_ptr<CpuPool> pool(new CpuPool());
   pool->impl_ = std::make_unique<Impl>();
   Impl& impl = *pool->impl_;
-  KVF_CHECK_CODE(hwloc_topology_init(&impl.topo) == 0, StatusCode::kInternal,
-                 "hwloc_topology_init failed");
-  hwloc_topology_set_io_types_filter(impl.topo, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
-  KVF_CHECK_CODE(hwloc_topology_load(impl.topo) == 0, StatusCode::kInternal,
-                 "hwloc_topology_load failed");
+  {
+    std::lock_guard<std::mutex> lock(detail::HwlocLoadMutex());  // see base/hwloc_lock.h
+    KVF_CHECK_CODE(hwloc_topology_init(&impl.topo) == 0, StatusCode::kInternal,
+                   "hwloc_topology_init failed");
+    hwloc_topology_set_io_types_filter(impl.topo, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
+    KVF_CHECK_CODE(hwloc_topology_load(impl.topo) == 0, StatusCode::kInternal,
+                   "hwloc_topology_load failed");
+  }
 
   hwloc_const_cpuset_t allowed = hwloc_topology_get_allowed_cpuset(impl.topo);
   hwloc_obj_t scope = hwloc_get_root_obj(impl.topo);

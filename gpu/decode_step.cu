@@ -50,7 +50,7 @@ __device__ void AppendItem(const DecodeStepArgs& a, int32_t b, int32_t h, const 
   char* store_v = page + (pt + off) * row_bytes;
   const int64_t row = ResidentRowOf(pos, pl.n, a.sink, a.window);
   char* res_k = const_cast<char*>(pl.res_k) + row * row_bytes;
-  char* res_v = res_k + static_cast<size_t>(a.sink + a.window) * row_bytes;
+  char* res_v = res_k + static_cast<size_t>(static_cast<int64_t>(a.sink) + a.window) * row_bytes;
   const int64_t src = (static_cast<int64_t>(b) * a.num_kv_heads + h) * d;
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
     const float kx = LoadElem(a.k, a.k_dtype, src + i);
@@ -81,7 +81,8 @@ struct StepRows {
   const char* new_k;
   const char* new_v;
   int64_t n, sinks, recent_begin;
-  uint32_t res_v_off, row_bytes, page_tokens;
+  size_t res_v_off;  // (sink + window) rows: past 4 GiB for a window of 2^24 256-byte rows
+  uint32_t row_bytes, page_tokens;
   int32_t sink, window;
   __device__ __forceinline__ void Rows(int64_t j, const char*& k, const char*& v) const {
     const int64_t pos = list != nullptr ? list[j] : (j < sinks ? j : recent_begin + (j - sinks));
@@ -113,7 +114,8 @@ struct ResidentRows {
   const char* new_k;  // as in StepRows: row new_row is read from the input
   const char* new_v;
   int64_t new_row;
-  uint32_t res_v_off, row_bytes;
+  size_t res_v_off;
+  uint32_t row_bytes;
   __device__ __forceinline__ void Rows(int64_t j, const char*& k, const char*& v) const {
     if (j == new_row) {
       k = new_k;
@@ -242,7 +244,7 @@ __global__ void __launch_bounds__(kAttnThreads, kPipeMinBlocks<HD, G, kPipe>)
   src.sink = a.sink;
   src.window = a.window;
   src.row_bytes = HD * sizeof(T);
-  src.res_v_off = static_cast<uint32_t>((a.sink + a.window) * HD * sizeof(T));
+  src.res_v_off = static_cast<size_t>(static_cast<int64_t>(a.sink) + a.window) * HD * sizeof(T);
   src.page_tokens = static_cast<uint32_t>(a.page_tokens);
   int64_t len;
   bool contiguous = false;

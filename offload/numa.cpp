@@ -6,12 +6,15 @@
 #include <cstdio>
 #include <mutex>
 
+#include "base/hwloc_lock.h"
+
 namespace kvferry {
 namespace {
 
 // One topology for the process, loaded on first use (with I/O devices, for PCI lookups).
 hwloc_topology_t Topology() {
   static hwloc_topology_t topo = [] {
+    std::lock_guard<std::mutex> lock(detail::HwlocLoadMutex());  // see base/hwloc_lock.h
     hwloc_topology_t t = nullptr;
     if (hwloc_topology_init(&t) != 0) return static_cast<hwloc_topology_t>(nullptr);
     hwloc_topology_set_io_types_filter(t, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);

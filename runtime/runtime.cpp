@@ -56,9 +56,13 @@ Status ValidateConfig(const RuntimeConfig& c) {
                 "host_bytes_at_create ", cap.host_bytes_at_create,
                 " must be in [0, max_host_bytes=", cap.max_host_bytes, "] (0: no cap)");
   const Tiers& t = c.tiers;
-  KVF_CHECK_ARG(t.sink_tokens >= 0, "sink_tokens ", t.sink_tokens, " must be >= 0");
-  KVF_CHECK_ARG(t.window_tokens >= 1, "window_tokens ", t.window_tokens,
-                " must be >= 1 (the new token is always resident)");
+  // Positions stay below 2^30 (max_tokens_per_sequence), so no tier needs more rows. Larger counts
+  // used to reach the tier's arithmetic, where sink + window overflowed int; the sum (up to 2^31)
+  // is taken in 64 bits everywhere now.
+  KVF_CHECK_ARG(t.sink_tokens >= 0 && t.sink_tokens <= (1 << 30), "sink_tokens ", t.sink_tokens,
+                " out of range [0, 2^30]");
+  KVF_CHECK_ARG(t.window_tokens >= 1 && t.window_tokens <= (1 << 30), "window_tokens ",
+                t.window_tokens, " out of range [1, 2^30] (the new token is always resident)");
   KVF_CHECK_ARG(t.bank_slots >= 0, "bank_slots ", t.bank_slots, " must be >= 0");
   KVF_CHECK_ARG(t.bank_map == "vector" || t.bank_map == "hash", "bank_map '", t.bank_map,
                 "' unknown (vector or hash)");
@@ -188,7 +192,7 @@ Status RuntimeImpl::Init() {
   KVF_RETURN_IF_ERROR(store_->Prepin(cap.host_bytes_at_create));
 
   const int64_t hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
-  const int64_t slot_rows = config_.tiers.sink_tokens + config_.tiers.window_tokens;
+  const int64_t slot_rows = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
   const size_t resident_bytes = static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv *
                                 slot_rows * 2 * row_bytes_;
   KVF_ASSIGN_OR_RETURN(void* resident, Alloc(resident_bytes, false));
@@ -424,7 +428,7 @@ Result<int64_t> RuntimeImpl::SequenceLength(SequenceId seq, int layer) const {
 }
 
 char* RuntimeImpl::ResidentK(int slot, int layer, int h, int64_t row) const {
-  const int64_t slot_rows = config_.tiers.sink_tokens + config_.tiers.window_tokens;
+  const int64_t slot_rows = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
   const int64_t base =
       ((static_cast<int64_t>(slot) * config_.model.num_layers + layer) * config_.model.num_kv_heads + h) *
       slot_rows * 2;
@@ -432,7 +436,7 @@ char* RuntimeImpl::ResidentK(int slot, int layer, int h, int64_t row) const {
 }
 
 char* RuntimeImpl::ResidentV(int slot, int layer, int h, int64_t row) const {
-  const int64_t slot_rows = config_.tiers.sink_tokens + config_.tiers.window_tokens;
+  const int64_t slot_rows = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
   return ResidentK(slot, layer, h, row) + static_cast<size_t>(slot_rows) * row_bytes_;
 }
 

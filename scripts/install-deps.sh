@@ -6,6 +6,8 @@
 #   clang, libclang-rt-14-dev: libFuzzer and clang's sanitizer runtimes for the fuzz stage of
 #     scripts/run-tests.sh (gcc's ASan/UBSan/TSan runtimes come with g++). Skipped when
 #     KVFERRY_FUZZ=0 or KVFERRY_SANITIZE=0.
+#   dpkg-dev: dpkg-source, to unpack Debian's oneTBB source package for the TSan stage
+#     (scripts/build-tsan-tbb.sh). Skipped when KVFERRY_TSAN=0.
 set -euo pipefail
 pkgs=(g++ cmake ninja-build pkg-config libtbb-dev libdnnl-dev ocl-icd-opencl-dev opencl-headers
       libboost-dev libhwloc-dev libgtest-dev libgmock-dev libbenchmark-dev python3 ca-certificates)
@@ -15,6 +17,9 @@ if [ "${KVFERRY_PYTHON:-1}" != 0 ]; then
 fi
 if [ "${KVFERRY_FUZZ:-${KVFERRY_SANITIZE:-1}}" != 0 ]; then
   pkgs+=(clang libclang-rt-14-dev)
+fi
+if [ "${KVFERRY_TSAN:-1}" != 0 ]; then
+  pkgs+=(dpkg-dev)
 fi
 missing=()
 for p in "${pkgs[@]}"; do
