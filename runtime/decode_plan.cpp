@@ -420,7 +420,6 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     list_slots_[layer].assign(slot_of.begin(), slot_of.end());
   }
   if (st.ok()) st = device_->DecodeStep(a, stream);
-  bool cpu_part_failed = false;
   if (st.ok() && cpu_step_) {
     stats_.ms_attend_gpu += MsSince(t1);
     const auto t2 = Clock::now();
@@ -428,10 +427,8 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     // The pinned CPU part of the last step must have reached the device before it is rewritten
     // (it has, unless the caller switched streams).
     if (st.ok() && !device_->EventDone(cpu_part_up_)) st = HostWaitEvent(cpu_part_up_);
-    if (st.ok()) {
-      st = SelectAndAttendOnCpu(slot_of, layer, pos, q_host, k_host, v_host);
-      cpu_part_failed = !st.ok();
-    }
+    // A policy failure rolls back below like any other (the window rewritten from the store).
+    if (st.ok()) st = SelectAndAttendOnCpu(slot_of, layer, pos, q_host, k_host, v_host);
     stats_.ms_select += MsSince(t2);
     const int64_t rows = batch * m.num_q_heads;
     const bool host = device_->backend() == Backend::kHost;
@@ -451,18 +448,6 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
                              out_direct ? out.data : out_stage_, out.dtype, stream);
       stats_.ms_merge += MsSince(t3);
     }
-  }
-  if (cpu_part_failed) {
-    // The step's kernels stored the new token's resident rows (the host wrote its store rows):
-    // put back the window rows they overwrote, so the sequence is as before the call.
-    if (!planned) {
-      for (int slot : slot_of) ++lengths_[static_cast<size_t>(slot) * layers + layer];
-    }
-    const Status restored = RestoreEvictedRows(slot_of, layer, stream);
-    if (!planned) {
-      for (int slot : slot_of) --lengths_[static_cast<size_t>(slot) * layers + layer];
-    }
-    KVF_RETURN_IF_ERROR(restored);
   }
   if (st.ok() && !out_direct) {
     const size_t bytes = static_cast<size_t>(out.numel()) * DTypeSize(out.dtype);
