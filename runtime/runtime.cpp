@@ -573,18 +573,20 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
       it.num_q = static_cast<int32_t>(tokens);
     }
     if (device_->backend() == Backend::kHost) {
-      // The host device runs kernels on the calling thread: spread (KV head, query block) over
-      // the pool. Rows are independent, so the blocks give the single call's results.
-      constexpr int64_t kQueryBlock = 64;
-      const int64_t blocks = (tokens + kQueryBlock - 1) / kQueryBlock;
+      // The host device runs kernels on the calling thread: spread all (KV head, query block)
+      // units of the chunk over the pool in one loop. Rows are independent, so the blocks give
+      // the single call's results. Later query blocks attend more keys: they come first, so the
+      // short ones fill in at the end.
+      const int64_t query_block = cpu::PrefillQueryBlock(tokens, hkv, pool_->num_threads());
+      const int64_t blocks = (tokens + query_block - 1) / query_block;
       pool_->ParallelFor(hkv * blocks, [&](int64_t u) {
-        const int64_t t0 = (u % blocks) * kQueryBlock;
-        PagedAttnItem it = paged_items_[u / blocks];
+        const int64_t t0 = (blocks - 1 - u / hkv) * query_block;
+        PagedAttnItem it = paged_items_[u % hkv];
         it.q += t0 * gd;
         it.o += t0 * gd;
         it.lse += t0 * group_;
         it.q_pos0 += t0;
-        it.num_q = static_cast<int32_t>(std::min(kQueryBlock, tokens - t0));
+        it.num_q = static_cast<int32_t>(std::min(query_block, tokens - t0));
         cpu::AttendPaged(params, &it, 1);
       });
     } else {
