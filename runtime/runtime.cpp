@@ -449,6 +449,23 @@ Status RuntimeImpl::BeginCall() {
   return HostWaitEvent(call_done_);
 }
 
+Status RuntimeImpl::CopyRowsWide(const RowCopy* rows, int64_t num_rows, int elems, DType src_dtype,
+                                 DType dst_dtype, StreamHandle stream) {
+  if (device_->backend() != Backend::kHost) {
+    return device_->CopyRows(rows, num_rows, elems, src_dtype, dst_dtype, stream);
+  }
+  constexpr int64_t kRowsPerTask = 256;
+  const int64_t tasks = (num_rows + kRowsPerTask - 1) / kRowsPerTask;
+  if (tasks <= 1) return device_->CopyRows(rows, num_rows, elems, src_dtype, dst_dtype, stream);
+  pool_->ParallelFor(tasks, [&](int64_t task) {
+    const int64_t end = std::min(num_rows, (task + 1) * kRowsPerTask);
+    for (int64_t i = task * kRowsPerTask; i < end; ++i) {
+      cpu::Convert(rows[i].dst, dst_dtype, rows[i].src, src_dtype, elems);
+    }
+  });
+  return Status::Ok();
+}
+
 Status RuntimeImpl::EndCall(StreamHandle stream) { return device_->RecordEvent(call_done_, stream); }
 
 Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, const TensorView& k,
@@ -487,8 +504,8 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
             static_cast<const char*>(q_src) + (t * hq + h * group_) * d * DTypeSize(q.dtype)};
       }
     }
-    return device_->CopyRows(q_copies_, tokens * hkv, static_cast<int>(gd), q.dtype, DType::kF32,
-                             stream);
+    return CopyRowsWide(q_copies_, tokens * hkv, static_cast<int>(gd), q.dtype, DType::kF32,
+                        stream);
   };
   AttnParams params{group_, d, m.kv_dtype, scale_};
   bool tensor_cores = false;
@@ -538,8 +555,8 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   if (!tensor_cores) {
     const int64_t n_copies = PlanAppend(slot, layer, pos0, tokens, new_len, k_src, DTypeSize(k.dtype),
                                         v_src, DTypeSize(v.dtype), 0, k_copies_, v_copies_);
-    KVF_RETURN_IF_ERROR(device_->CopyRows(k_copies_, n_copies, d, k.dtype, m.kv_dtype, stream));
-    KVF_RETURN_IF_ERROR(device_->CopyRows(v_copies_, n_copies, d, v.dtype, m.kv_dtype, stream));
+    KVF_RETURN_IF_ERROR(CopyRowsWide(k_copies_, n_copies, d, k.dtype, m.kv_dtype, stream));
+    KVF_RETURN_IF_ERROR(CopyRowsWide(v_copies_, n_copies, d, v.dtype, m.kv_dtype, stream));
     stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
 
     KVF_RETURN_IF_ERROR(transpose_q());
@@ -600,8 +617,8 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
                                          o_f32 + (h * tokens + t) * gd};
       }
     }
-    KVF_RETURN_IF_ERROR(device_->CopyRows(o_copies_, tokens * hkv, static_cast<int>(gd), DType::kF32,
-                                          out.dtype, stream));
+    KVF_RETURN_IF_ERROR(CopyRowsWide(o_copies_, tokens * hkv, static_cast<int>(gd), DType::kF32,
+                                     out.dtype, stream));
     if (!out_direct) {
       KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
     }
@@ -691,8 +708,8 @@ Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const
   KVF_ASSIGN_OR_RETURN(const void* v_src, StageInput(v, v_in_, stream));
   const int64_t n_copies = PlanAppend(slot, layer, len, tokens, new_len, k_src, DTypeSize(k.dtype),
                                       v_src, DTypeSize(v.dtype), 0, k_copies_, v_copies_);
-  KVF_RETURN_IF_ERROR(device_->CopyRows(k_copies_, n_copies, m.head_dim, k.dtype, m.kv_dtype, stream));
-  KVF_RETURN_IF_ERROR(device_->CopyRows(v_copies_, n_copies, m.head_dim, v.dtype, m.kv_dtype, stream));
+  KVF_RETURN_IF_ERROR(CopyRowsWide(k_copies_, n_copies, m.head_dim, k.dtype, m.kv_dtype, stream));
+  KVF_RETURN_IF_ERROR(CopyRowsWide(v_copies_, n_copies, m.head_dim, v.dtype, m.kv_dtype, stream));
   KVF_RETURN_IF_ERROR(ExtendPageBounds(slot, layer, len, new_len, stream));
   KVF_RETURN_IF_ERROR(EndCall(stream));
   stats_.bytes_d2h += tokens * m.num_kv_heads * 2 * static_cast<int64_t>(row_bytes_);
