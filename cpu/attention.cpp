@@ -207,9 +207,9 @@ void RunMatmul(CachedMatmul& cm, const void* a, const void* b, float* c) {
 
 // The dtype the prefill matmuls run in for \p kv_dtype: the KV dtype where oneDNN has a native
 // low-precision kernel for it (AMX, AVX-512 BF16/FP16: names like "brg:avx512_core_amx",
-// "brg:avx512_core_bf16"), else f32, which every x86-64 CPU runs at full FMA rate (oneDNN's bf16
-// on an AVX2 CPU is a reference loop, and Debian's oneDNN 2.6 has no f16 matmul without
-// AVX512-FP16). KVFERRY_PREFILL_MATMUL=f32 forces f32 (to compare the two).
+// "brg:avx512_core_bf16"), else f32, which every x86-64 CPU runs at full FMA rate (a bf16 or f16
+// matmul without such hardware is emulated or missing: Debian's oneDNN 2.6 has no f16 matmul on a
+// Zen 4 without AVX512-FP16). KVFERRY_PREFILL_MATMUL=f32 forces f32 (to compare the two).
 DType PrefillMatmulDtype(DType kv_dtype, int head_dim) {
   if (kv_dtype == DType::kF32) return DType::kF32;
   static const bool force_f32 = [] {
