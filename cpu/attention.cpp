@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -204,77 +205,127 @@ void RunMatmul(CachedMatmul& cm, const void* a, const void* b, float* c) {
   stream.wait();
 }
 
-// Flash-attention-style loop over pages: S = Q K_page^T (oneDNN), causal mask, online softmax in
-// fp32, O += P V_page (oneDNN, P rounded to the KV dtype). Rows are (query t, head g), t-major.
-bool AttendPagedOneDnn(const AttnParams& p, const PagedAttnItem& item) {
-  LimitOneDnnThreadsOnThisThread();
+// The dtype the prefill matmuls run in for \p kv_dtype: the KV dtype where oneDNN has a native
+// low-precision kernel for it (AMX, AVX-512 BF16/FP16: names like "brg:avx512_core_amx",
+// "brg:avx512_core_bf16"), else f32, which every x86-64 CPU runs at full FMA rate (a bf16 or f16
+// matmul without such hardware is emulated or missing: Debian's oneDNN 2.6 has no f16 matmul on a
+// Zen 4 without AVX512-FP16). KVFERRY_PREFILL_MATMUL=f32 forces f32 (to compare the two).
+DType PrefillMatmulDtype(DType kv_dtype, int head_dim) {
+  if (kv_dtype == DType::kF32) return DType::kF32;
+  static const bool force_f32 = [] {
+    const char* env = std::getenv("KVFERRY_PREFILL_MATMUL");
+    return env != nullptr && std::strcmp(env, "f32") == 0;
+  }();
+  if (force_f32) return DType::kF32;
+  const CachedMatmul& cm = GetMatmul(0, 64, 256, head_dim, kv_dtype);
+  const bool native = cm.ok && cm.impl.find("ref") == std::string::npos &&
+                      (cm.impl.find("amx") != std::string::npos ||
+                       cm.impl.find("bf16") != std::string::npos ||
+                       cm.impl.find("fp16") != std::string::npos);
+  return native ? kv_dtype : DType::kF32;
+}
+
+// Flash-attention-style host prefill: for each block of at most kDenseQueryBlock queries and each
+// block of at most kDenseKeyBlock keys, S = Q K^T (oneDNN), the causal mask and online softmax
+// (the kernel table's prefill_softmax, vectorised), O += P V (oneDNN). K and V of a key block are
+// gathered from their pages into one contiguous per-thread block (converted to the matmul dtype
+// on the way), so each matmul covers several pages. Rows are (query t, head g), t-major.
+//
+// Shapes are padded so few primitives are made (each is JIT-compiled once per thread): the rows
+// to a multiple of kPadQueries queries (zero q, never written out), the key block to a multiple
+// of kPadKeys keys (zero K and V, masked). Where the matmuls run in the KV dtype, q and P are
+// rounded to it (as GPU flash attention does); in f32 nothing is rounded.
+constexpr int64_t kDenseQueryBlock = 64;
+constexpr int64_t kDenseKeyBlock = 512;
+constexpr int64_t kPadQueries = 16;
+constexpr int64_t kPadKeys = 64;
+
+int64_t RoundUp(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// rows [begin, end) of the K (v = false) or V part of the pages, converted to \p dst_dtype.
+void GatherRows(const CpuKernels& k, const AttnParams& p, const KvPages& kv, int64_t begin,
+                int64_t end, bool v, DType dst_dtype, char* dst) {
+  const int64_t pt = kv.page_tokens;
   const int64_t hd = p.head_dim;
-  const int64_t m = static_cast<int64_t>(item.num_q) * p.group;
-  const int64_t n = item.q_pos0 + item.num_q;
-  const int64_t pt = item.kv.page_tokens;
-  const size_t elem = DTypeSize(p.kv_dtype);
-  // Probe the full-page primitives first so an unsupported dtype fails before any write.
-  if (!GetMatmul(0, m, std::min(pt, n), hd, p.kv_dtype).ok ||
-      !GetMatmul(1, m, std::min(pt, n), hd, p.kv_dtype).ok) {
-    return false;
+  const size_t src_elem = DTypeSize(p.kv_dtype), dst_elem = DTypeSize(dst_dtype);
+  for (int64_t pos = begin; pos < end;) {
+    const int64_t pg = pos / pt;
+    const int64_t run_end = std::min(end, (pg + 1) * pt);
+    const int64_t row = pos - pg * pt + (v ? pt : 0);
+    const char* src = static_cast<const char*>(kv.pages[pg]) + static_cast<size_t>(row * hd) * src_elem;
+    k.convert(dst + static_cast<size_t>((pos - begin) * hd) * dst_elem, dst_dtype, src, p.kv_dtype,
+              (run_end - pos) * hd);
+    pos = run_end;
   }
-  // q and P in the KV dtype (f32 KV is accepted too: it exercises this path on CPUs where oneDNN
-  // has no bf16/f16 matmul).
-  thread_local std::vector<char> q_low, p_low;
+}
+
+bool AttendPagedDenseBlock(const CpuKernels& k, const AttnParams& p, const PagedAttnItem& item,
+                           DType mm_dtype) {
+  const int64_t hd = p.head_dim;
+  const int64_t rows = static_cast<int64_t>(item.num_q) * p.group;
+  const int64_t m = RoundUp(item.num_q, kPadQueries) * p.group;
+  const int64_t n = item.q_pos0 + item.num_q;
+  const size_t elem = DTypeSize(mm_dtype);
+  thread_local std::vector<char> q_low, p_low, k_blk, v_blk;
   thread_local std::vector<float> s_buf, o_acc, row_max;
   thread_local std::vector<double> row_sum;
+  thread_local std::vector<int32_t> allowed;
   q_low.resize(static_cast<size_t>(m * hd) * elem);
-  ConvertSpan(q_low.data(), p.kv_dtype, item.q, DType::kF32, m * hd);
-  s_buf.resize(static_cast<size_t>(m * pt));
-  p_low.resize(static_cast<size_t>(m * pt) * elem);
+  k.convert(q_low.data(), mm_dtype, item.q, DType::kF32, rows * hd);
+  std::memset(q_low.data() + static_cast<size_t>(rows * hd) * elem, 0,
+              static_cast<size_t>((m - rows) * hd) * elem);
+  const int64_t kb_max = std::min(kDenseKeyBlock, RoundUp(n, kPadKeys));
+  s_buf.resize(static_cast<size_t>(m * kb_max));
+  p_low.resize(static_cast<size_t>(m * kb_max) * elem);
+  k_blk.resize(static_cast<size_t>(kb_max * hd) * elem);
+  v_blk.resize(k_blk.size());
   o_acc.assign(static_cast<size_t>(m * hd), 0.0f);
   row_max.assign(static_cast<size_t>(m), kNegInf);
   row_sum.assign(static_cast<size_t>(m), 0.0);
-  for (int64_t base = 0; base < n; base += pt) {
-    const int64_t valid = std::min(pt, n - base);
-    CachedMatmul& qk = GetMatmul(0, m, valid, hd, p.kv_dtype);
-    CachedMatmul& pv = GetMatmul(1, m, valid, hd, p.kv_dtype);
-    if (!qk.ok || !pv.ok) return false;  // cannot happen after the probe unless memory ran out
-    const char* page = static_cast<const char*>(item.kv.pages[base / pt]);
-    RunMatmul(qk, q_low.data(), page, s_buf.data());
+  allowed.resize(static_cast<size_t>(m));
+  for (int64_t base = 0; base < n; base += kDenseKeyBlock) {
+    const int64_t valid = std::min(kDenseKeyBlock, n - base);
+    const int64_t cols = RoundUp(valid, kPadKeys);
+    CachedMatmul& qk = GetMatmul(0, m, cols, hd, mm_dtype);
+    CachedMatmul& pv = GetMatmul(1, m, cols, hd, mm_dtype);
+    if (!qk.ok || !pv.ok) return false;  // only before the first write (see the probe)
+    GatherRows(k, p, item.kv, base, base + valid, false, mm_dtype, k_blk.data());
+    GatherRows(k, p, item.kv, base, base + valid, true, mm_dtype, v_blk.data());
+    if (cols > valid) {
+      const size_t off = static_cast<size_t>(valid * hd) * elem;
+      const size_t len = static_cast<size_t>((cols - valid) * hd) * elem;
+      std::memset(k_blk.data() + off, 0, len);
+      std::memset(v_blk.data() + off, 0, len);
+    }
+    RunMatmul(qk, q_low.data(), k_blk.data(), s_buf.data());
     for (int64_t r = 0; r < m; ++r) {
       const int64_t t = r / p.group;
-      const int64_t allowed = std::min(valid, item.q_pos0 + t - base + 1);
-      float* s = s_buf.data() + r * valid;
-      char* pl = p_low.data() + static_cast<size_t>(r * valid) * elem;
-      if (allowed <= 0) {
-        std::memset(pl, 0, static_cast<size_t>(valid) * elem);
-        continue;
-      }
-      float mx = kNegInf;
-      for (int64_t j = 0; j < allowed; ++j) mx = std::max(mx, s[j] * p.scale);
-      const float new_max = std::max(row_max[r], mx);
-      if (new_max == kNegInf) {
-        std::memset(pl, 0, static_cast<size_t>(valid) * elem);
-        continue;
-      }
-      if (row_max[r] != new_max && row_max[r] != kNegInf) {
-        const float corr = std::exp(row_max[r] - new_max);
-        row_sum[r] *= corr;
-        for (int64_t d = 0; d < hd; ++d) o_acc[r * hd + d] *= corr;
-      }
-      row_max[r] = new_max;
-      double sum = 0.0;
-      for (int64_t j = 0; j < allowed; ++j) {
-        // Sum the rounded weights: they are what multiplies V.
-        StoreFromF32(pl, p.kv_dtype, j, std::exp(s[j] * p.scale - new_max));
-        sum += LoadAsF32(pl, p.kv_dtype, j);
-      }
-      std::memset(pl + static_cast<size_t>(allowed) * elem, 0,
-                  static_cast<size_t>(valid - allowed) * elem);
-      row_sum[r] += sum;
+      allowed[r] = r < rows ? static_cast<int32_t>(
+                                  std::clamp<int64_t>(item.q_pos0 + t + 1 - base, 0, valid))
+                            : 0;
     }
-    RunMatmul(pv, p_low.data(), page + static_cast<size_t>(pt) * hd * elem, o_acc.data());
+    PrefillSoftmaxArgs a;
+    a.s = s_buf.data();
+    a.ld_s = cols;
+    a.p = p_low.data();
+    a.ld_p = cols;
+    a.p_dtype = mm_dtype;
+    a.rows = m;
+    a.cols = cols;
+    a.allowed = allowed.data();
+    a.scale = p.scale;
+    a.row_max = row_max.data();
+    a.row_sum = row_sum.data();
+    a.o = o_acc.data();
+    a.ld_o = hd;
+    a.head_dim = static_cast<int>(hd);
+    k.prefill_softmax(a);
+    RunMatmul(pv, p_low.data(), v_blk.data(), o_acc.data());
   }
-  for (int64_t r = 0; r < m; ++r) {
+  for (int64_t r = 0; r < rows; ++r) {
     if (row_sum[r] > 0.0) {
-      const double inv = 1.0 / row_sum[r];
-      for (int64_t d = 0; d < hd; ++d) item.o[r * hd + d] = static_cast<float>(o_acc[r * hd + d] * inv);
+      const float inv = static_cast<float>(1.0 / row_sum[r]);
+      for (int64_t d = 0; d < hd; ++d) item.o[r * hd + d] = o_acc[r * hd + d] * inv;
       item.lse[r] = row_max[r] + static_cast<float>(std::log(row_sum[r]));
     } else {
       std::fill(item.o + r * hd, item.o + (r + 1) * hd, 0.0f);
@@ -283,6 +334,48 @@ bool AttendPagedOneDnn(const AttnParams& p, const PagedAttnItem& item) {
   }
   return true;
 }
+
+}  // namespace
+
+bool AttendPagedDense(const CpuKernels& k, const AttnParams& p, const PagedAttnItem& item) {
+  LimitOneDnnThreadsOnThisThread();
+  const DType mm_dtype = PrefillMatmulDtype(p.kv_dtype, p.head_dim);
+  // Probe the largest primitives first so an unsupported shape fails before any write.
+  const int64_t qb = std::min<int64_t>(kDenseQueryBlock, RoundUp(item.num_q, kPadQueries));
+  const int64_t kb = std::min(kDenseKeyBlock, RoundUp(item.q_pos0 + item.num_q, kPadKeys));
+  if (!GetMatmul(0, qb * p.group, kb, p.head_dim, mm_dtype).ok ||
+      !GetMatmul(1, qb * p.group, kb, p.head_dim, mm_dtype).ok) {
+    return false;
+  }
+  for (int32_t t0 = 0; t0 < item.num_q; t0 += static_cast<int32_t>(kDenseQueryBlock)) {
+    const int64_t row0 = static_cast<int64_t>(t0) * p.group;
+    PagedAttnItem sub = item;
+    sub.q += row0 * p.head_dim;
+    sub.o += row0 * p.head_dim;
+    sub.lse += row0;
+    sub.q_pos0 += t0;
+    sub.num_q = static_cast<int32_t>(std::min<int64_t>(kDenseQueryBlock, item.num_q - t0));
+    if (!AttendPagedDenseBlock(k, p, sub, mm_dtype)) return false;
+  }
+  return true;
+}
+
+int64_t PrefillQueryBlock(int64_t tokens, int num_kv_heads, int threads) {
+  // About 4 units per thread or more keep the causal imbalance (later queries attend more keys)
+  // small; below 16 queries the matmuls get too thin to pay for their calls.
+  int64_t block = kDenseQueryBlock;
+  while (block > kPadQueries &&
+         num_kv_heads * ((tokens + block - 1) / block) < 4 * static_cast<int64_t>(threads)) {
+    block /= 2;
+  }
+  return block;
+}
+
+void Convert(void* dst, DType dst_dtype, const void* src, DType src_dtype, int64_t n) {
+  if (n > 0) BestCpuKernels().convert(dst, dst_dtype, src, src_dtype, n);
+}
+
+namespace {
 
 // The SIMD route: one position-list attention per query (positions [0, q_pos0 + t]).
 void AttendPagedSimd(const AttnParams& p, const PagedAttnItem& item) {
@@ -312,12 +405,12 @@ void AttendPagedSimd(const AttnParams& p, const PagedAttnItem& item) {
 bool AttendPagedWith(DenseImpl impl, const AttnParams& p, const PagedAttnItem& item) {
   switch (impl) {
     case DenseImpl::kOneDnn:
-      return AttendPagedOneDnn(p, item);
+      return AttendPagedDense(BestCpuKernels(), p, item);
     case DenseImpl::kSimd:
       AttendPagedSimd(p, item);
       return true;
     case DenseImpl::kAuto:
-      if (AttendPagedOneDnn(p, item)) return true;
+      if (AttendPagedDense(BestCpuKernels(), p, item)) return true;
       AttendPagedSimd(p, item);
       return true;
   }

@@ -16,11 +16,23 @@ namespace kvferry::cpu {
 void AttendRows(const AttnParams& p, const RowAttnItem* items, int64_t num_items);
 
 /// Causal paged attention (prefill and dense decode) on the CPU. Items with num_q * group >= 32
-/// (prefill chunks) go through oneDNN matmul (AMX / AVX-512 BF16 where the CPU has them) when
-/// oneDNN has a primitive for the dtype; that path rounds q and the softmax weights to the KV dtype
-/// before the matmuls (as GPU flash attention does), so it matches the reference to the dtype's
-/// precision. Decode-sized items use the SIMD kernels and match the reference to fp32 rounding.
+/// (prefill chunks) go through the flash-style dense path: oneDNN matmuls over key blocks of
+/// several pages with a vectorised online softmax between them. The matmuls run in the KV dtype
+/// where oneDNN has a native kernel for it (AMX / AVX-512 BF16); q and the softmax weights are then
+/// rounded to the KV dtype (as GPU flash attention does), so the result matches the reference to
+/// the dtype's precision. Elsewhere they run in f32 (K/V converted as they are gathered) and match
+/// it to fp32 rounding. Decode-sized items use the SIMD kernels and match the reference to fp32
+/// rounding.
 void AttendPaged(const AttnParams& p, const PagedAttnItem* items, int64_t num_items);
+
+/// Queries per unit of work when a host prefill chunk of \p tokens tokens is spread over
+/// \p threads workers as (KV head, query block) units: 64 (what the dense path is tuned for),
+/// halved down to 16 while there would be fewer than about 4 units per thread.
+int64_t PrefillQueryBlock(int64_t tokens, int num_kv_heads, int threads);
+
+/// ConvertSpan (dtype.h) through the vectorised kernels: \p n elements between f32, bf16 and f16,
+/// bit-identical to ConvertSpan except for NaN payloads.
+void Convert(void* dst, DType dst_dtype, const void* src, DType src_dtype, int64_t n);
 
 /// Scaled logits of a GQA group over all positions [0, n) of a paged KV head:
 /// logits[g * n + j]. Used by the oracle policy and LFPS candidate scoring.

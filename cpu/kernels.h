@@ -19,6 +19,32 @@ namespace kvferry::cpu {
 inline constexpr int kMaxSimdHeadDim = 256;
 inline constexpr int kMaxSimdGroup = 16;
 
+/// One key block of the host prefill's online softmax (AttendPagedDense, attention.cpp), for
+/// \p rows rows (query t, head g, t-major) of a [rows, cols] block of raw dot products q . k:
+///  - row r attends its first allowed[r] columns (0..cols; the causal mask and the block's tail);
+///  - m = max(row_max[r], max_{j < allowed[r]} scale * s[r][j]); when m rises above a finite
+///    row_max[r], row_sum[r] and o[r][0..head_dim) are multiplied by e^(row_max[r] - m);
+///  - p[r][j] = e^(scale * s[r][j] - m) rounded to p_dtype for j < allowed[r], 0 for the rest of
+///    [0, cols); row_sum[r] += the sum of the rounded weights (what multiplies V);
+///  - a row with allowed[r] == 0, or whose every logit so far is -inf, gets p = 0 and keeps its
+///    state.
+struct PrefillSoftmaxArgs {
+  const float* s = nullptr;  ///< [rows, ld_s]
+  int64_t ld_s = 0;
+  void* p = nullptr;  ///< [rows, ld_p] of p_dtype (f32, bf16 or f16)
+  int64_t ld_p = 0;
+  DType p_dtype = DType::kF32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  const int32_t* allowed = nullptr;  ///< [rows]
+  float scale = 1.0f;
+  float* row_max = nullptr;   ///< [rows], -inf before the first block
+  double* row_sum = nullptr;  ///< [rows], 0 before the first block
+  float* o = nullptr;         ///< [rows, ld_o] fp32 accumulator (P V so far)
+  int64_t ld_o = 0;
+  int head_dim = 0;
+};
+
 struct CpuKernels {
   CpuIsa isa = CpuIsa::kScalar;
   const char* name = "scalar";
@@ -42,6 +68,12 @@ struct CpuKernels {
   /// block bounds, refreshed for the blocks read in full.
   int64_t (*filter_greater_blocked)(const float* x, float* bound, int64_t lo, int64_t hi,
                                     float thr, int32_t* out) = nullptr;
+  /// PrefillSoftmaxArgs above (any head_dim, any p_dtype; no shape preconditions).
+  void (*prefill_softmax)(const PrefillSoftmaxArgs& args) = nullptr;
+  /// ConvertSpan (dtype.h) between f32, bf16 and f16, bit-identical to it except NaN payloads
+  /// (round to nearest even; f16 overflow gives inf).
+  void (*convert)(void* dst, DType dst_dtype, const void* src, DType src_dtype,
+                  int64_t n) = nullptr;
 };
 
 /// Tuning of the row-gather kernels (attention over scattered positions, position scoring): how
@@ -61,6 +93,11 @@ inline bool SimdShapeOk(const AttnParams& p) {
 const CpuKernels* GetCpuKernels(CpuIsa isa);
 /// The table for BestCpuIsa().
 const CpuKernels& BestCpuKernels();
+
+/// The dense (prefill) path of AttendPaged with the softmax and conversion kernels of \p kernels
+/// (tests run it with every table this CPU has). False, with nothing written, when oneDNN has no
+/// matmul for the shape.
+bool AttendPagedDense(const CpuKernels& kernels, const AttnParams& p, const PagedAttnItem& item);
 
 // One per translation unit; only call after CpuSupports(isa).
 const CpuKernels& ScalarKernels();

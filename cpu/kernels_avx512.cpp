@@ -13,7 +13,8 @@ const CpuKernels& Avx512Kernels() {
   // in this ISA's code that the linker could also hand to baseline callers.
   static const CpuKernels kernels{CpuIsa::kAvx512F, "avx512f", &AttendRowsSimd, &AttendPositionsSimd,
                                   &ScorePositionsSimd, &ScoreRangeSimd, &FilterGreaterImpl,
-                                  &SoftmaxAccumulateImpl, &FilterGreaterBlockedImpl};
+                                  &SoftmaxAccumulateImpl, &FilterGreaterBlockedImpl,
+                                  &PrefillSoftmaxImpl, &ConvertImpl};
   return kernels;
 }
 

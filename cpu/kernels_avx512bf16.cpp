@@ -13,7 +13,8 @@ const CpuKernels& Avx512Bf16Kernels() {
   // in this ISA's code that the linker could also hand to baseline callers.
   static const CpuKernels kernels{CpuIsa::kAvx512Bf16, "avx512_bf16", &AttendRowsSimd, &AttendPositionsSimd,
                                   &ScorePositionsSimd, &ScoreRangeSimd, &FilterGreaterImpl,
-                                  &SoftmaxAccumulateImpl, &FilterGreaterBlockedImpl};
+                                  &SoftmaxAccumulateImpl, &FilterGreaterBlockedImpl,
+                                  &PrefillSoftmaxImpl, &ConvertImpl};
   return kernels;
 }
 

@@ -3,9 +3,11 @@
 // the table lookup by ISA.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "cpu/dtype.h"
 #include "cpu/kernels.h"
 #include "cpu/reference.h"
 
@@ -95,6 +97,44 @@ void SoftmaxAccumulateScalar(const float* x, int64_t n, float weight, float* acc
   for (int64_t i = 0; i < n; ++i) acc[i] += w * std::exp(x[i] - m);
 }
 
+// The reference of the prefill softmax step: std::exp per element, the rounded weight read back
+// for the sum.
+void PrefillSoftmaxScalar(const PrefillSoftmaxArgs& a) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const size_t elem = DTypeSize(a.p_dtype);
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const float* s = a.s + r * a.ld_s;
+    char* pl = static_cast<char*>(a.p) + static_cast<size_t>(r * a.ld_p) * elem;
+    const int64_t allowed = std::clamp<int64_t>(a.allowed[r], 0, a.cols);
+    float mx = kNegInf;
+    for (int64_t j = 0; j < allowed; ++j) mx = std::max(mx, s[j] * a.scale);
+    const float new_max = std::max(a.row_max[r], mx);
+    if (allowed == 0 || new_max == kNegInf) {
+      std::memset(pl, 0, static_cast<size_t>(a.cols) * elem);
+      continue;
+    }
+    if (a.row_max[r] != new_max && a.row_max[r] != kNegInf) {
+      const float corr = std::exp(a.row_max[r] - new_max);
+      a.row_sum[r] *= corr;
+      float* o = a.o + r * a.ld_o;
+      for (int d = 0; d < a.head_dim; ++d) o[d] *= corr;
+    }
+    a.row_max[r] = new_max;
+    double sum = 0.0;
+    for (int64_t j = 0; j < allowed; ++j) {
+      StoreFromF32(pl, a.p_dtype, j, std::exp(s[j] * a.scale - new_max));
+      sum += LoadAsF32(pl, a.p_dtype, j);
+    }
+    std::memset(pl + static_cast<size_t>(allowed) * elem, 0,
+                static_cast<size_t>(a.cols - allowed) * elem);
+    a.row_sum[r] += sum;
+  }
+}
+
+void ConvertScalar(void* dst, DType dst_dtype, const void* src, DType src_dtype, int64_t n) {
+  ConvertSpan(dst, dst_dtype, src, src_dtype, n);
+}
+
 }  // namespace
 
 int g_gather_prefetch_rows = 16;
@@ -105,7 +145,9 @@ const CpuKernels& ScalarKernels() {
                                   &AttendRowsScalar,     &AttendPositionsScalar,
                                   &ScorePositionsScalar, &ScoreRangeScalar,
                                   &FilterGreaterScalar,  &SoftmaxAccumulateScalar,
-                                  &FilterGreaterBlockedScalar};
+                                  &FilterGreaterBlockedScalar,
+                                  &PrefillSoftmaxScalar,
+                                  &ConvertScalar};
   return kernels;
 }
 

@@ -57,7 +57,7 @@ class HostDevice final : public Device {
   Status CopyRows(const RowCopy* rows, int64_t num_rows, int elems, DType src_dtype,
                   DType dst_dtype, StreamHandle) override {
     for (int64_t i = 0; i < num_rows; ++i) {
-      cpu::ConvertSpan(rows[i].dst, dst_dtype, rows[i].src, src_dtype, elems);
+      cpu::Convert(rows[i].dst, dst_dtype, rows[i].src, src_dtype, elems);
     }
     return Status::Ok();
   }
@@ -92,7 +92,7 @@ class HostDevice final : public Device {
   Status MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t rows,
                   int head_dim, void* out, DType out_dtype, StreamHandle) override {
     if (o_b != nullptr) cpu::MergeLseRef(o_a, lse_a, o_b, lse_b, rows, head_dim);
-    if (out != nullptr) cpu::ConvertSpan(out, out_dtype, o_a, DType::kF32, rows * head_dim);
+    if (out != nullptr) cpu::Convert(out, out_dtype, o_a, DType::kF32, rows * head_dim);
     return Status::Ok();
   }
 

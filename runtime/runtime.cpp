@@ -482,6 +482,23 @@ Status RuntimeImpl::BeginCall() {
   return HostWaitEvent(call_done_);
 }
 
+Status RuntimeImpl::CopyRowsWide(const RowCopy* rows, int64_t num_rows, int elems, DType src_dtype,
+                                 DType dst_dtype, StreamHandle stream) {
+  if (device_->backend() != Backend::kHost) {
+    return device_->CopyRows(rows, num_rows, elems, src_dtype, dst_dtype, stream);
+  }
+  constexpr int64_t kRowsPerTask = 256;
+  const int64_t tasks = (num_rows + kRowsPerTask - 1) / kRowsPerTask;
+  if (tasks <= 1) return device_->CopyRows(rows, num_rows, elems, src_dtype, dst_dtype, stream);
+  pool_->ParallelFor(tasks, [&](int64_t task) {
+    const int64_t end = std::min(num_rows, (task + 1) * kRowsPerTask);
+    for (int64_t i = task * kRowsPerTask; i < end; ++i) {
+      cpu::Convert(rows[i].dst, dst_dtype, rows[i].src, src_dtype, elems);
+    }
+  });
+  return Status::Ok();
+}
+
 Status RuntimeImpl::EndCall(StreamHandle stream) { return device_->RecordEvent(call_done_, stream); }
 
 Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, const TensorView& k,
@@ -534,8 +551,8 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
             static_cast<const char*>(q_src) + (t * hq + h * group_) * d * DTypeSize(q.dtype)};
       }
     }
-    return device_->CopyRows(q_copies_, tokens * hkv, static_cast<int>(gd), q.dtype, DType::kF32,
-                             stream);
+    return CopyRowsWide(q_copies_, tokens * hkv, static_cast<int>(gd), q.dtype, DType::kF32,
+                        stream);
   };
   AttnParams params{group_, d, m.kv_dtype, scale_};
   bool tensor_cores = false;
@@ -585,8 +602,8 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
   if (!tensor_cores) {
     const int64_t n_copies = PlanAppend(slot, layer, pos0, tokens, new_len, k_src, DTypeSize(k.dtype),
                                         v_src, DTypeSize(v.dtype), 0, k_copies_, v_copies_);
-    KVF_RETURN_IF_ERROR(device_->CopyRows(k_copies_, n_copies, d, k.dtype, m.kv_dtype, stream));
-    KVF_RETURN_IF_ERROR(device_->CopyRows(v_copies_, n_copies, d, v.dtype, m.kv_dtype, stream));
+    KVF_RETURN_IF_ERROR(CopyRowsWide(k_copies_, n_copies, d, k.dtype, m.kv_dtype, stream));
+    KVF_RETURN_IF_ERROR(CopyRowsWide(v_copies_, n_copies, d, v.dtype, m.kv_dtype, stream));
     stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
 
     KVF_RETURN_IF_ERROR(transpose_q());
@@ -620,18 +637,20 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
       it.num_q = static_cast<int32_t>(tokens);
     }
     if (device_->backend() == Backend::kHost) {
-      // The host device runs kernels on the calling thread: spread (KV head, query block) over
-      // the pool. Rows are independent, so the blocks give the single call's results.
-      constexpr int64_t kQueryBlock = 64;
-      const int64_t blocks = (tokens + kQueryBlock - 1) / kQueryBlock;
+      // The host device runs kernels on the calling thread: spread all (KV head, query block)
+      // units of the chunk over the pool in one loop. Rows are independent, so the blocks give
+      // the single call's results. Later query blocks attend more keys: they come first, so the
+      // short ones fill in at the end.
+      const int64_t query_block = cpu::PrefillQueryBlock(tokens, hkv, pool_->num_threads());
+      const int64_t blocks = (tokens + query_block - 1) / query_block;
       pool_->ParallelFor(hkv * blocks, [&](int64_t u) {
-        const int64_t t0 = (u % blocks) * kQueryBlock;
-        PagedAttnItem it = paged_items_[u / blocks];
+        const int64_t t0 = (blocks - 1 - u / hkv) * query_block;
+        PagedAttnItem it = paged_items_[u % hkv];
         it.q += t0 * gd;
         it.o += t0 * gd;
         it.lse += t0 * group_;
         it.q_pos0 += t0;
-        it.num_q = static_cast<int32_t>(std::min(kQueryBlock, tokens - t0));
+        it.num_q = static_cast<int32_t>(std::min(query_block, tokens - t0));
         cpu::AttendPaged(params, &it, 1);
       });
     } else {
@@ -645,8 +664,8 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
                                          o_f32 + (h * tokens + t) * gd};
       }
     }
-    KVF_RETURN_IF_ERROR(device_->CopyRows(o_copies_, tokens * hkv, static_cast<int>(gd), DType::kF32,
-                                          out.dtype, stream));
+    KVF_RETURN_IF_ERROR(CopyRowsWide(o_copies_, tokens * hkv, static_cast<int>(gd), DType::kF32,
+                                     out.dtype, stream));
     if (!out_direct) {
       KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
     }
@@ -736,9 +755,9 @@ Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const
                                         DTypeSize(k.dtype), v_src, DTypeSize(v.dtype), 0,
                                         k_copies_, v_copies_);
     KVF_RETURN_IF_ERROR(
-        device_->CopyRows(k_copies_, n_copies, m.head_dim, k.dtype, m.kv_dtype, stream));
+        CopyRowsWide(k_copies_, n_copies, m.head_dim, k.dtype, m.kv_dtype, stream));
     KVF_RETURN_IF_ERROR(
-        device_->CopyRows(v_copies_, n_copies, m.head_dim, v.dtype, m.kv_dtype, stream));
+        CopyRowsWide(v_copies_, n_copies, m.head_dim, v.dtype, m.kv_dtype, stream));
     KVF_RETURN_IF_ERROR(ExtendPageBounds(slot, layer, len, new_len, stream));
     return EndCall(stream);
   };

@@ -119,6 +119,11 @@ class RuntimeImpl {
                         const TensorView& out, StreamHandle stream);
   // Waits until the previous call's work no longer reads the descriptor buffers.
   Status BeginCall();
+  // Device::CopyRows, except on the host backend, where the rows are converted by the worker pool
+  // (a prefill chunk's q, K/V and output copies would otherwise run on one core while the rest
+  // wait for the attention).
+  Status CopyRowsWide(const RowCopy* rows, int64_t num_rows, int elems, DType src_dtype,
+                      DType dst_dtype, StreamHandle stream);
   Status EndCall(StreamHandle stream);
   // ---- the planned decode step (runtime/decode_plan.cpp) ----
   // A planned step: which sequences, where each layer's new token goes, which layers ran.
