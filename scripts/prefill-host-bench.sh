@@ -81,7 +81,11 @@ if [[ -z "$base_bin" || ( $want_llama == 1 && -z "$base_llama" ) ]]; then
   log "building the base ($base) in $root/base-build"
   rm -rf "$root/base-src"
   mkdir -p "$root/base-src"
-  git -C "$repo" archive "$base" | tar -x -C "$root/base-src"
+  if [[ -n "${BASE_TAR:-}" ]]; then  # a `git archive` of the base, where there is no .git
+    tar -x -C "$root/base-src" -f "$BASE_TAR"
+  else
+    git -C "$repo" archive "$base" | tar -x -C "$root/base-src"
+  fi
   cp "$repo/bench/micro/prefill_host_bench.cpp" "$root/base-src/bench/micro/"
   build "$root/base-src" "$root/base-build"
   [[ -n "$base_bin" ]] || base_bin="$root/base-build/bench/prefill_host_bench"
@@ -128,7 +132,7 @@ if [[ $llama_context -gt 0 ]]; then
 fi
 fi  # merge_only
 
-python3 - "$root" "$rounds" "$out" "$base" "$(git -C "$repo" rev-parse --short HEAD)" \
+python3 - "$root" "$rounds" "$out" "$base" "$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo "${HEAD_REV:-unknown}")" \
   "$llama_context" <<'EOF'
 import json, os, sys
 root, rounds, out, base, head = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
