@@ -52,24 +52,8 @@ Status RuntimeImpl::SelectAndAttendOnCpu(std::span<const int> slot_of, int layer
     std::fill_n(lse, group_, -std::numeric_limits<float>::infinity());
     std::fill_n(o, gd, 0.0f);
     // 2 select.
-    SelectContext ctx;
-    ctx.slot = slot;
-    ctx.layer = layer;
-    ctx.kv_head = h;
-    ctx.n = n;
-    ctx.sink = config_.tiers.sink_tokens;
-    ctx.window = config_.tiers.window_tokens;
-    ctx.budget = BudgetFor(n);
-    ctx.q = q32;
-    ctx.params = params;
-    ctx.kv = store_->pages(slot, layer, h);
-    std::vector<int32_t>& sel = selections_[i];
-    sel.clear();
-    item_status_[i] = policy_->Select(ctx, sel);
-    if (item_status_[i].ok() && static_cast<int64_t>(sel.size()) > item_cap_) {
-      item_status_[i] = Internal(StrCat("policy '", policy_->name(), "' selected ", sel.size(),
-                                        " positions, over its capacity ", item_cap_));
-    }
+    item_status_[i] = SelectItem(i, slot, layer, h, n, q32);
+    const std::vector<int32_t>& sel = selections_[i];
     if (!item_status_[i].ok()) return;
     // 3 resolve: the resident positions are the device's part (the policy covers all of them);
     // 5 attend the others here, straight from the host store.

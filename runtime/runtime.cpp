@@ -771,6 +771,28 @@ Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const
   return Status::Ok();
 }
 
+Status RuntimeImpl::SelectItem(int64_t item, int slot, int layer, int kv_head, int64_t n,
+                               const float* q) {
+  SelectContext ctx;
+  ctx.slot = slot;
+  ctx.layer = layer;
+  ctx.kv_head = kv_head;
+  ctx.n = n;
+  ctx.sink = config_.tiers.sink_tokens;
+  ctx.window = config_.tiers.window_tokens;
+  ctx.budget = BudgetFor(n);
+  ctx.q = q;
+  ctx.params = AttnParams{group_, config_.model.head_dim, config_.model.kv_dtype, scale_};
+  ctx.kv = store_->pages(slot, layer, kv_head);
+  std::vector<int32_t>& sel = selections_[item];
+  sel.clear();
+  KVF_RETURN_IF_ERROR(policy_->Select(ctx, sel));
+  KVF_CHECK_CODE(static_cast<int64_t>(sel.size()) <= item_cap_, StatusCode::kInternal, "policy '",
+                 policy_->name(), "' selected ", sel.size(), " positions, over its capacity ",
+                 item_cap_);
+  return Status::Ok();
+}
+
 Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                            const TensorView& k, const TensorView& v, const TensorView& out,
                            StreamHandle stream) {
@@ -893,24 +915,9 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
   pool_->ParallelFor(items, [&](int64_t i) {
     const int64_t b = i / hkv;
     const int h = static_cast<int>(i % hkv);
-    SelectContext ctx;
-    ctx.slot = slot_of[b];
-    ctx.layer = layer;
-    ctx.kv_head = h;
-    ctx.n = lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
-    ctx.sink = config_.tiers.sink_tokens;
-    ctx.window = config_.tiers.window_tokens;
-    ctx.budget = BudgetFor(ctx.n);
-    ctx.q = q_host_ + b * hq * d + h * gd;
-    ctx.params = params;
-    ctx.kv = store_->pages(slot_of[b], layer, h);
-    std::vector<int32_t>& sel = selections_[i];
-    sel.clear();
-    item_status_[i] = policy_->Select(ctx, sel);
-    if (item_status_[i].ok() && static_cast<int64_t>(sel.size()) > item_cap_) {
-      item_status_[i] = Internal(StrCat("policy '", policy_->name(), "' selected ", sel.size(),
-                                        " positions, over its capacity ", item_cap_));
-    }
+    item_status_[i] = SelectItem(i, slot_of[b], layer, h,
+                                 lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer],
+                                 q_host_ + b * hq * d + h * gd);
   });
   for (int64_t i = 0; i < items; ++i) {
     // The step failed in the policy; Decode rolls the append back.
