@@ -898,6 +898,18 @@ INSTANTIATE_TEST_SUITE_P(
 // ---- soak
 // -------------------------------------------------------------------------------------
 
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kUnderAsan = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kUnderAsan = true;
+#else
+constexpr bool kUnderAsan = false;
+#endif
+#else
+constexpr bool kUnderAsan = false;
+#endif
+
 // Many decode steps with sequences coming and going: after a warm-up, the
 // process's resident memory and the runtime's host and device bytes stop
 // growing.
@@ -919,8 +931,11 @@ TEST(Soak, MemoryFlatAfterWarmUp) {
     EXPECT_EQ(s.end.device_bytes, s.warm.device_bytes) << policy;
     EXPECT_EQ(s.max.host_bytes, s.warm.host_bytes) << policy;
     // RSS: allocator noise only (a few pages), nothing that scales with the
-    // steps.
-    EXPECT_LT(s.end.rss_bytes - s.warm.rss_bytes, int64_t{2} << 20) << policy;
+    // steps. Not under AddressSanitizer: its quarantine keeps freed blocks
+    // resident (tens of MB over this run) and LeakSanitizer checks leaks there.
+    if (!kUnderAsan) {
+      EXPECT_LT(s.end.rss_bytes - s.warm.rss_bytes, int64_t{2} << 20) << policy;
+    }
     EXPECT_GT(s.output_norm, 0.0);
   }
 }
