@@ -128,6 +128,29 @@ struct PageBoundsArgs {
   int32_t meta_page = 16;
 };
 
+/// A token bank in device memory (cuda::DeviceBank) read by the planned step as a row source
+/// (DecodeStepArgs::bank, kList mode, CUDA only). Table t = (slot * num_layers + layer) *
+/// num_kv_heads + h, the resident tier's index. An offloaded position found in t's page table is
+/// read from its bank slot (and the slot's reference bit set); a miss is read from the host store
+/// zero-copy, its K and V rows staged at stage + (item * list_cap + j) * 2 * row_bytes for list
+/// index j, and j appended to the item's miss list; the step then queues the bank's admission of
+/// those misses (Device::StepBank::Admit) on the same stream.
+struct StepBankView {
+  const uint16_t* vmap = nullptr;  ///< vector map: [tables][max_positions], 0xffff = none
+  int64_t max_positions = 0;
+  const unsigned long long* hmap = nullptr;  ///< hash map: [tables][2^hash_log2] (else null)
+  int32_t hash_log2 = 0;
+  const char* rows = nullptr;  ///< slot s of table t: K at rows + (t * slots + s) * 2 * row_bytes
+  int32_t slots = 0;
+  uint32_t* refs = nullptr;  ///< reference bits, ref_words words per table
+  int64_t ref_words = 0;
+  char* stage = nullptr;        ///< [batch * num_kv_heads][list_cap] K, V row pairs
+  int32_t* miss = nullptr;      ///< [batch * num_kv_heads][1 + miss_cap]: count, list indices
+  int32_t miss_cap = 0;
+  void* admit = nullptr;        ///< [batch * num_kv_heads] admission items, written by the step
+  unsigned long long* hits = nullptr;  ///< rows read from the bank (device counter)
+};
+
 /// One layer of a planned decode step for a batch (the Runtime's run path), executed by
 /// Device::DecodeStep. Everything that changes from step to step (the sequences' slots and the new
 /// token's position at every layer) is read from device memory, so the same arguments serve every
@@ -221,6 +244,8 @@ struct DecodeStepArgs {
   /// CUDA: zeroed counters, batch * num_kv_heads * group of them (device memory); the kernels
   /// leave them zeroed.
   int32_t* counters = nullptr;
+  /// CUDA, kList mode: the device token bank (rows == null: none).
+  StepBankView bank;
   /// CUDA: the most rows an item attends in this call (sizes the split count; the kernels read
   /// the true counts on the device). 0: unknown.
   int64_t max_rows_hint = 0;

@@ -12,11 +12,14 @@
 // Modes: dense_resident (window covers the context), streaming (budget 1024, window 256: 768 rows
 // per KV head read over PCIe each step), streaming_resident (budget 1024 = sinks + window: nothing
 // read over PCIe), oracle (2%),
-// quest (2%, page bounds on the GPU), sparcas (2%, compact keys on the GPU), lfps (2%, route auto), lfps_gpu (2%, route gpu), full_streaming (dense, every row read over PCIe).
+// quest (2%, page bounds on the GPU), sparcas (2%, compact keys on the GPU), lfps (2%, route auto), lfps_gpu (2%, route gpu), full_streaming (dense, every row read over PCIe); any of oracle, quest, sparcas with "_bank" appended runs
+// with the device token bank (slots for twice the offloaded picks per sequence, layer and KV head).
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -143,6 +146,9 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   row << "{\"name\":\"decode\",\"mode\":\"" << mode << "\",\"context\":" << ctx << ",\"batch\":" << batch
       << ",\"layers\":" << o.layers;
   const bool resident = mode == "dense_resident";
+  // "<mode>_bank": the same policy with the device token bank (slots for twice the offloaded picks).
+  const bool bank = mode.size() > 5 && mode.compare(mode.size() - 5, 5, "_bank") == 0;
+  const std::string base = bank ? mode.substr(0, mode.size() - 5) : mode;
   if (kv_gib * 1.05 > o.host_gib || (resident && kv_gib * 1.05 > o.device_gib)) {
     row << ",\"skipped\":\"KV of " << kv_gib << " GiB exceeds the memory allowed\"}";
     return row.str();
@@ -157,36 +163,36 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   c.tiers.sink_tokens = kSink;
   c.tiers.window_tokens = resident ? static_cast<int>(c.capacity.max_tokens_per_sequence) - kSink : kWindow;
   c.backend = kvferry::Backend::kCuda;
-  c.probe_at_start = mode == "lfps";
+  c.probe_at_start = base == "lfps";
   c.cpu_threads = o.cpu_threads;
   c.route = kvferry::Route::kGpu;
-  if (mode == "dense_resident" || mode == "full_streaming") {
+  if (base == "dense_resident" || base == "full_streaming") {
     c.policy.name = "dense";
-  } else if (mode == "streaming") {
+  } else if (base == "streaming") {
     c.policy.name = "streaming";
     c.policy.budget_tokens = 1024;
-  } else if (mode == "streaming_resident") {
+  } else if (base == "streaming_resident") {
     // The 1024 attended tokens are the resident tier (sinks + window); the rest is offloaded.
     c.policy.name = "streaming";
     c.policy.budget_tokens = 1024;
     c.tiers.window_tokens = 1024 - kSink;
-  } else if (mode == "oracle") {
+  } else if (base == "oracle") {
     c.policy.name = "oracle";
     c.policy.budget_tokens = 0;
     c.policy.budget_fraction = 0.02;
-  } else if (mode == "quest") {
+  } else if (base == "quest") {
     c.policy.name = "quest";  // page bounds on the GPU, pages of 16
     c.policy.budget_tokens = 0;
     c.policy.budget_fraction = 0.02;
-  } else if (mode == "sparcas") {
+  } else if (base == "sparcas") {
     c.policy.name = "sparcas";  // 16 of 128 key dimensions kept on the GPU, first 2 layers exact
     c.policy.budget_tokens = 0;
     c.policy.budget_fraction = 0.02;
-  } else if (mode == "lfps_gpu") {
+  } else if (base == "lfps_gpu") {
     c.policy.name = "lfps";  // every selected offloaded row read by the GPU (zero-copy)
     c.policy.budget_tokens = 0;
     c.policy.budget_fraction = 0.02;
-  } else if (mode == "lfps") {
+  } else if (base == "lfps") {
     c.policy.name = "lfps";
     c.policy.budget_tokens = 0;
     c.policy.budget_fraction = 0.02;
@@ -195,7 +201,12 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     row << ",\"skipped\":\"unknown mode\"}";
     return row.str();
   }
-  row << ",\"policy\":\"" << c.policy.name << "\",\"route\":\"" << kvferry::RouteName(c.route) << "\"";
+  if (bank) {
+    const int64_t picks = static_cast<int64_t>(std::ceil(c.policy.budget_fraction * ctx)) - kSink - kWindow;
+    c.tiers.bank_slots = static_cast<int>(std::clamp<int64_t>(2 * picks, 64, 65534));
+  }
+  row << ",\"policy\":\"" << c.policy.name << "\",\"route\":\"" << kvferry::RouteName(c.route) << "\""
+      << ",\"bank_slots\":" << c.tiers.bank_slots;
   auto made = Runtime::Create(c);
   if (!made.ok()) {
     row << ",\"skipped\":\"" << made.status().ToString() << "\"}";
@@ -316,6 +327,8 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
       << ",\"bytes_h2d_per_step\":" << sp.bytes_h2d / steps
       << ",\"rows_selected_per_step\":" << sp.rows_selected / steps
       << ",\"rows_fetched_per_step\":" << sp.rows_fetched / steps
+      << ",\"rows_bank_hit_per_step\":" << sp.rows_bank_hit / steps
+      << ",\"bank_admitted_per_step\":" << sp.bank_admitted / steps
       << ",\"rows_cpu_per_step\":" << sp.rows_cpu / steps << ",\"stages_ms_per_step\":{"
       << "\"append\":" << sp.ms_append / steps << ",\"select\":" << sp.ms_select / steps
       << ",\"resolve\":" << sp.ms_resolve / steps << ",\"attend_gpu\":" << sp.ms_attend_gpu / steps

@@ -108,6 +108,15 @@ struct ListRows {
   }
 };
 
+// A row source may also act on each row it served once the row's bytes are loaded (the planned
+// step's token bank: reference bits of hits, staging of misses): AfterLoad(j, valid, kraw, vraw,
+// dl) is then called by every lane of the warp for its row j of each step (valid false past the
+// range), dl being the lane's 16-byte chunk of the row.
+template <typename S, typename = void>
+struct HasAfterLoad : std::false_type {};
+template <typename S>
+struct HasAfterLoad<S, std::void_t<decltype(&S::AfterLoad)>> : std::true_type {};
+
 // Online-softmax state of one lane: G query heads x 8 dimensions.
 template <int G>
 struct LaneState {
@@ -295,6 +304,10 @@ __device__ void AttendRange(const Src& src, const float* __restrict__ q, int gco
         kraw[s] = Load16(kp + dl * 16);
         vraw[s] = Load16(vp + dl * 16);
       }
+    }
+    if constexpr (HasAfterLoad<Src>::value) {
+#pragma unroll
+      for (int s = 0; s < kAttnSteps; ++s) src.AfterLoad(blk + s * kRpw + sub, valid[s], kraw[s], vraw[s], dl);
     }
     ConsumeSteps<HD, T, G, kAttnSteps>(st, qr, kraw, vraw, valid);
   }

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "gpu/cuda_check.h"
+#include "gpu/device_bank.h"
 #include "base/check.h"
 
 namespace kvferry {
@@ -351,6 +352,10 @@ Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) 
   }
   return LaunchPrefillAttention(a.params, st.kv_dtype, a.out_dtype, items, st.num_kv_heads,
                                 static_cast<int32_t>(st.tokens), s);
+}
+
+Result<std::unique_ptr<StepBank>> CudaDevice::CreateStepBank(const StepBankConfig& config) {
+  return MakeCudaStepBank(this, config);
 }
 
 bool CudaDevice::IsCapturing(StreamHandle stream) const {

@@ -60,6 +60,7 @@ class CudaDevice final : public Device {
   Status PageBounds(const PageBoundsArgs& args, StreamHandle stream) override;
   Status PrefillChunk(const PrefillChunkArgs& args, StreamHandle stream) override;
   [[nodiscard]] bool IsCapturing(StreamHandle stream) const override;
+  Result<std::unique_ptr<StepBank>> CreateStepBank(const StepBankConfig& config) override;
   [[nodiscard]] bool EventDone(EventHandle event) const override;
   Status MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t rows,
                   int head_dim, void* out, DType out_dtype, StreamHandle stream) override;

@@ -9,6 +9,8 @@
 #include <algorithm>
 
 #include "gpu/attention.cuh"
+#include "gpu/bank_map.cuh"
+#include "gpu/device_bank.h"
 #include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
@@ -84,8 +86,11 @@ struct StepRows {
   size_t res_v_off;  // (sink + window) rows: past 4 GiB for a window of 2^24 256-byte rows
   uint32_t row_bytes, page_tokens;
   int32_t sink, window;
+  __device__ __forceinline__ int64_t PositionOf(int64_t j) const {
+    return list != nullptr ? list[j] : (j < sinks ? j : recent_begin + (j - sinks));
+  }
   __device__ __forceinline__ void Rows(int64_t j, const char*& k, const char*& v) const {
-    const int64_t pos = list != nullptr ? list[j] : (j < sinks ? j : recent_begin + (j - sinks));
+    const int64_t pos = PositionOf(j);
     if (new_k != nullptr && pos == n - 1) {
       k = new_k;
       v = new_v;
@@ -96,12 +101,89 @@ struct StepRows {
       k = res_k + static_cast<size_t>(row) * row_bytes;
       v = k + res_v_off;
     } else {
-      const uint32_t p = static_cast<uint32_t>(pos);
-      const uint32_t page = p / page_tokens;
-      const uint32_t off = p - page * page_tokens;
-      const char* base = reinterpret_cast<const char*>(__ldg(pages + page));
-      k = base + static_cast<size_t>(off) * row_bytes;
-      v = base + static_cast<size_t>(off + page_tokens) * row_bytes;
+      HostRow(pos, k, v);
+    }
+  }
+  // An offloaded row in the host store (zero-copy).
+  __device__ __forceinline__ void HostRow(int64_t pos, const char*& k, const char*& v) const {
+    const uint32_t p = static_cast<uint32_t>(pos);
+    const uint32_t page = p / page_tokens;
+    const uint32_t off = p - page * page_tokens;
+    const char* base = reinterpret_cast<const char*>(__ldg(pages + page));
+    k = base + static_cast<size_t>(off) * row_bytes;
+    v = base + static_cast<size_t>(off + page_tokens) * row_bytes;
+  }
+};
+
+// StepRows with the device token bank in front of the host store (DecodeStepArgs::bank): an
+// offloaded position found in the item's page table is read from its bank slot; AfterLoad sets
+// the reference bit of each hit and stages each miss (K and V rows at its list index) and lists
+// it for the admission that follows the step. Only the CTAs of head chunk 0 record (record), so
+// an item's rows are staged and counted once however many head chunks read them.
+struct BankStepRows : StepRows {
+  StepBankView bank;
+  int64_t table;
+  char* stage;    // this item's stage: list index j at stage + 2 j row_bytes
+  int32_t* miss;  // this item's miss list
+  bool record;
+  mutable uint32_t hits;  // hits this lane recorded (dl == 0 lanes)
+
+  __device__ __forceinline__ int32_t SlotOf(int64_t pos) const {
+    if (bank.vmap != nullptr) {
+      const uint16_t s = __ldg(bank.vmap + table * bank.max_positions + pos);
+      return s == 0xffff ? -1 : static_cast<int32_t>(s);
+    }
+    int32_t slot = -1;
+    BankHashFind<true>(bank.hmap + (table << bank.hash_log2), bank.hash_log2,
+                       static_cast<int32_t>(pos), &slot);
+    return slot;
+  }
+  __device__ __forceinline__ const char* SlotK(int32_t slot) const {
+    return bank.rows + (static_cast<size_t>(table) * bank.slots + slot) * 2 * row_bytes;
+  }
+  // A bank slot for offloaded positions (>= 0), -1 for an offloaded miss, -2 for a resident row.
+  __device__ __forceinline__ int32_t Classify(int64_t pos) const {
+    if ((new_k != nullptr && pos == n - 1) || ResidentRowOf(pos, n, sink, window) >= 0) return -2;
+    return SlotOf(pos);
+  }
+  __device__ __forceinline__ void Rows(int64_t j, const char*& k, const char*& v) const {
+    const int64_t pos = PositionOf(j);
+    if (new_k != nullptr && pos == n - 1) {
+      k = new_k;
+      v = new_v;
+      return;
+    }
+    const int64_t row = ResidentRowOf(pos, n, sink, window);
+    if (row >= 0) {
+      k = res_k + static_cast<size_t>(row) * row_bytes;
+      v = k + res_v_off;
+      return;
+    }
+    const int32_t slot = SlotOf(pos);
+    if (slot >= 0) {
+      k = SlotK(slot);
+      v = k + row_bytes;
+    } else {
+      HostRow(pos, k, v);
+    }
+  }
+  __device__ __forceinline__ void AfterLoad(int64_t j, bool valid, const uint4& kraw,
+                                            const uint4& vraw, int dl) const {
+    if (!record || !valid) return;
+    const int32_t slot = Classify(PositionOf(j));  // the same answer Rows had: the map is fixed
+    if (slot >= 0) {
+      if (dl == 0) {
+        atomicOr(bank.refs + table * bank.ref_words + (slot >> 5), 1u << (slot & 31));
+        ++hits;
+      }
+    } else if (slot == -1) {
+      char* dst = stage + static_cast<size_t>(j) * 2 * row_bytes + dl * 16;
+      *reinterpret_cast<uint4*>(dst) = kraw;
+      *reinterpret_cast<uint4*>(dst + row_bytes) = vraw;
+      if (dl == 0) {
+        const int32_t idx = atomicAdd(miss, 1);
+        if (idx < bank.miss_cap) miss[1 + idx] = static_cast<int32_t>(j);
+      }
     }
   }
 };
@@ -289,10 +371,35 @@ __global__ void __launch_bounds__(kAttnThreads, kPipeMinBlocks<HD, G, kPipe>)
       attend(ResidentRows{pl.res_k, new_k, new_v,
                           new_k != nullptr ? ResidentRowOf(pl.n - 1, pl.n, a.sink, a.window) : -1,
                           src.res_v_off, src.row_bytes});
+    } else if (!kPipe && a.bank.rows != nullptr) {
+      BankStepRows bs;
+      static_cast<StepRows&>(bs) = src;
+      bs.bank = a.bank;
+      bs.table = (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
+      bs.stage = a.bank.stage + static_cast<size_t>(item) * a.list_cap * 2 * src.row_bytes;
+      bs.miss = a.bank.miss + static_cast<int64_t>(item) * (1 + a.bank.miss_cap);
+      bs.record = blockIdx.z == 0;
+      bs.hits = 0;
+      attend(bs);
+      // One atomic per warp for the hits its lanes recorded.
+      const uint32_t warp_hits = __reduce_add_sync(0xffffffffu, bs.hits);
+      if ((threadIdx.x & 31) == 0 && warp_hits != 0) atomicAdd(a.bank.hits, static_cast<unsigned long long>(warp_hits));
     } else {
       attend(src);
     }
     WriteResult<HD, G>(red_m, red_l, red_o, gcount, ws_o, ws_lse);
+  }
+  // The bank's admission item of this item, read by the admission launched after this kernel.
+  if (a.bank.rows != nullptr && split == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
+    BankAdmitItem ai;
+    ai.table = static_cast<int32_t>((static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) *
+                                        a.num_kv_heads + h);
+    ai.miss_cap = a.bank.miss_cap;
+    ai.positions = a.list + item * a.list_cap;
+    ai.miss_list = a.bank.miss + static_cast<int64_t>(item) * (1 + a.bank.miss_cap);
+    ai.stage = a.bank.stage + static_cast<size_t>(item) * a.list_cap * 2 * src.row_bytes;
+    ai.stage_first = nullptr;
+    static_cast<BankAdmitItem*>(a.bank.admit)[item] = ai;
   }
   // Publish the partial, then count it; the last CTA combines.
   __threadfence();
@@ -356,6 +463,12 @@ Status LaunchDecodeStep(const DecodeStepArgs& a, const LaunchInfo& info, cudaStr
                 "decode step: null workspace, slots, positions or page table");
   KVF_CHECK_ARG(a.mode != StepRowMode::kList || (a.list != nullptr && a.list_count != nullptr),
                 "decode step: list mode without a list");
+  KVF_CHECK_ARG(a.bank.rows == nullptr ||
+                    (a.mode == StepRowMode::kList && !a.all_resident && a.bank.stage != nullptr &&
+                     a.bank.miss != nullptr && a.bank.admit != nullptr && a.bank.hits != nullptr &&
+                     a.bank.refs != nullptr && (a.bank.vmap != nullptr || a.bank.hmap != nullptr)),
+                "decode step: a token bank needs list mode, staging, miss lists, admission items "
+                "and a page table");
   KVF_CHECK_ARG(a.params.group <= 65535 && a.batch <= 65535, "decode step: group ", a.params.group,
                 " or batch ", a.batch, " too large");
   return DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {

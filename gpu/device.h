@@ -30,6 +30,45 @@ struct RowCopy {
   const void* src = nullptr;
 };
 
+/// Sizes of a device token bank (Device::CreateStepBank).
+struct StepBankConfig {
+  int num_tables = 0;          ///< max_sequences * num_layers * num_kv_heads
+  int slots = 0;               ///< rows per table, in [1, 65534]
+  int64_t max_positions = 0;   ///< positions per table
+  int head_dim = 128;
+  DType kv_dtype = DType::kBF16;
+  bool hash_map = false;       ///< hash page tables instead of position -> slot arrays
+};
+
+/// Totals of a device token bank since creation.
+struct StepBankTotals {
+  int64_t hits = 0, misses = 0, admitted = 0, evicted = 0, rejected = 0;
+};
+
+/// A token bank that lives in device memory and is managed there (CUDA: cuda::DeviceBank): the
+/// planned decode step reads it (DecodeStepArgs::bank) and queues its admission; the host never
+/// touches a row or a map entry.
+class StepBank {
+ public:
+  virtual ~StepBank() = default;
+  /// The bank's fields of DecodeStepArgs::bank (maps, rows, reference bits, hit counter); the
+  /// caller sets stage, miss, miss_cap and admit.
+  virtual void View(StepBankView* view) const = 0;
+  /// Bytes of one admission item (StepBankView::admit holds one per decode item).
+  [[nodiscard]] virtual size_t admit_item_bytes() const = 0;
+  /// Most misses one admission considers per table.
+  [[nodiscard]] virtual int max_admit() const = 0;
+  /// Queues the admission of the step's misses, \p num_items items at \p items (written by the
+  /// step kernel), after the step on \p stream.
+  virtual Status Admit(const void* items, int num_items, StreamHandle stream) = 0;
+  /// Empties tables [first, first + count) on \p stream.
+  virtual Status ResetTables(int first, int count, StreamHandle stream) = 0;
+  /// Reads the counters back (waits for the device).
+  virtual Result<StepBankTotals> Totals() const = 0;
+  /// Device bytes held.
+  [[nodiscard]] virtual size_t bytes() const = 0;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -89,6 +128,12 @@ class Device {
     (void)args;
     (void)stream;
     return Internal("PrefillChunk called on a device without the tensor-core prefill kernel");
+  }
+  /// A token bank in device memory for the planned step, or kUnimplemented where the device has
+  /// none (the host device: the runtime keeps its host-managed TokenBank there).
+  virtual Result<std::unique_ptr<StepBank>> CreateStepBank(const StepBankConfig& config) {
+    (void)config;
+    return Unimplemented("this device has no device-managed token bank");
   }
   /// Whether \p stream is being captured into a CUDA graph (always false on the host).
   [[nodiscard]] virtual bool IsCapturing(StreamHandle stream) const {

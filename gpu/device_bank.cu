@@ -425,6 +425,17 @@ void DeviceBank::Describe(int table, BankAttnItem* item) const {
   item->ref_bits = refs_ + t * ref_words_;
 }
 
+void DeviceBank::ViewAll(StepBankView* view) const {
+  view->vmap = vmap_;
+  view->max_positions = config_.max_positions;
+  view->hmap = vmap_ != nullptr ? nullptr : hmap_;
+  view->hash_log2 = hash_log2_;
+  view->rows = bank_;
+  view->slots = config_.slots;
+  view->refs = refs_;
+  view->ref_words = ref_words_;
+}
+
 Status DeviceBank::Admit(const BankAdmitItem* items, int num_items, StreamHandle stream) {
   if (num_items == 0) return Status::Ok();
   KVF_CHECK_ARG(items != nullptr && num_items > 0, "DeviceBank::Admit: ", num_items,
@@ -541,6 +552,72 @@ Result<std::vector<int32_t>> DeviceBank::FindAll(int table,
     }
   }
   return out;
+}
+
+namespace {
+
+class CudaStepBank final : public StepBank {
+ public:
+  CudaStepBank(CudaDevice* device, std::unique_ptr<DeviceBank> bank, unsigned long long* hits)
+      : device_(device), bank_(std::move(bank)), hits_(hits) {}
+  ~CudaStepBank() override { device_->FreeDevice(hits_); }
+  CudaStepBank(const CudaStepBank&) = delete;
+  CudaStepBank& operator=(const CudaStepBank&) = delete;
+
+  void View(StepBankView* view) const override {
+    bank_->ViewAll(view);
+    view->hits = hits_;
+  }
+  [[nodiscard]] size_t admit_item_bytes() const override { return sizeof(BankAdmitItem); }
+  [[nodiscard]] int max_admit() const override { return DeviceBank::kMaxAdmit; }
+  Status Admit(const void* items, int num_items, StreamHandle stream) override {
+    return bank_->Admit(static_cast<const BankAdmitItem*>(items), num_items, stream);
+  }
+  Status ResetTables(int first, int count, StreamHandle stream) override {
+    return bank_->ResetTables(first, count, stream);
+  }
+  Result<StepBankTotals> Totals() const override {
+    KVF_ASSIGN_OR_RETURN(const DeviceBankCounters c, bank_->Counters());  // waits for the device
+    unsigned long long hits = 0;
+    KVF_CUDA_CHECK(cudaMemcpy(&hits, hits_, sizeof(hits), cudaMemcpyDeviceToHost));
+    StepBankTotals t;
+    t.hits = static_cast<int64_t>(hits);
+    t.misses = c.misses;
+    t.admitted = c.admitted;
+    t.evicted = c.evicted;
+    t.rejected = c.rejected;
+    return t;
+  }
+  [[nodiscard]] size_t bytes() const override {
+    return bank_->bank_bytes() + bank_->map_bytes() + bank_->slot_meta_bytes() + sizeof(*hits_);
+  }
+
+ private:
+  CudaDevice* device_;
+  std::unique_ptr<DeviceBank> bank_;
+  unsigned long long* hits_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<StepBank>> MakeCudaStepBank(CudaDevice* device, const StepBankConfig& config) {
+  DeviceBankConfig dc;
+  dc.num_tables = config.num_tables;
+  dc.slots = config.slots;
+  dc.max_positions = config.max_positions;
+  dc.head_dim = config.head_dim;
+  dc.kv_dtype = config.kv_dtype;
+  dc.map = config.hash_map ? BankMapKind::kHash : BankMapKind::kVector;
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<DeviceBank> bank, DeviceBank::Create(device, dc));
+  KVF_ASSIGN_OR_RETURN(void* hits, device->AllocDevice(sizeof(unsigned long long)));
+  KVF_CUDA_CHECK(cudaSetDevice(device->device_id()));
+  const cudaError_t err = cudaMemset(hits, 0, sizeof(unsigned long long));
+  if (err != cudaSuccess) {
+    device->FreeDevice(hits);
+    KVF_CUDA_CHECK(err);
+  }
+  return std::unique_ptr<StepBank>(
+      new CudaStepBank(device, std::move(bank), static_cast<unsigned long long*>(hits)));
 }
 
 }  // namespace kvferry::cuda

@@ -84,6 +84,8 @@ class DeviceBank {
   /// Fills the page-table fields of \p item (vector_map / hash_map, bank_rows, ref_bits) for
   /// \p table; the caller sets q, o, lse, positions, store, stage and miss_list.
   void Describe(int table, BankAttnItem* item) const;
+  /// Base pointers of every table (table 0's, the others at their strides) for the planned step.
+  void ViewAll(StepBankView* view) const;
   /// Queues the admission of \p num_items tables' misses on \p stream (items: device-readable).
   /// Must be ordered after every kernel that reads those tables' rows in this step.
   Status Admit(const BankAdmitItem* items, int num_items, StreamHandle stream);
@@ -137,5 +139,9 @@ class DeviceBank {
   uint32_t* refs_ = nullptr;          // [tables][ref_words]
   TableState* state_ = nullptr;       // [tables]
 };
+
+/// The planned step's device token bank (Device::CreateStepBank on CUDA): a DeviceBank plus the
+/// step's hit counter.
+Result<std::unique_ptr<StepBank>> MakeCudaStepBank(CudaDevice* device, const StepBankConfig& config);
 
 }  // namespace kvferry::cuda

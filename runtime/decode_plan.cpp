@@ -109,6 +109,20 @@ Status RuntimeImpl::InitStepBuffers() {
       sparcas_dims_ = static_cast<int32_t*>(p);
       KVF_RETURN_IF_ERROR(ResetSelectState(-1));
     }
+    if (step_bank_ != nullptr && !step_all_resident_) {
+      // The step's misses: staged at their list index, listed for the admission after the step
+      // (one layer at a time: the admission runs before the next layer's step on the stream).
+      bank_miss_cap_ = static_cast<int32_t>(std::min<int64_t>(list_cap_, step_bank_->max_admit()));
+      KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(items * list_cap_) * 2 * row_bytes_, false));
+      bank_stage_ = static_cast<char*>(p);
+      const size_t miss_ints = static_cast<size_t>(items) * (1 + bank_miss_cap_);
+      KVF_ASSIGN_OR_RETURN(p, Alloc(miss_ints * sizeof(int32_t), false));
+      bank_miss_ = static_cast<int32_t*>(p);
+      const std::vector<int32_t> zeros(miss_ints, 0);
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(bank_miss_, zeros.data(), miss_ints * sizeof(int32_t), stream_));
+      KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
+      KVF_ASSIGN_OR_RETURN(bank_admit_, Alloc(static_cast<size_t>(items) * step_bank_->admit_item_bytes(), false));
+    }
     list_slots_.assign(static_cast<size_t>(m.num_layers), {});
     for (auto& v : list_slots_) v.reserve(static_cast<size_t>(cap.max_batch));
   }
@@ -351,6 +365,13 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.sparcas_db = sparcas_db_;
     a.sparcas_u = sparcas_u_;
     a.sparcas_dense_layers = sparcas_dense_;
+    if (bank_stage_ != nullptr) {
+      step_bank_->View(&a.bank);
+      a.bank.stage = bank_stage_;
+      a.bank.miss = bank_miss_;
+      a.bank.miss_cap = bank_miss_cap_;
+      a.bank.admit = bank_admit_;
+    }
   }
 
   if (cpu_step_) {
@@ -420,6 +441,12 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     list_slots_[layer].assign(slot_of.begin(), slot_of.end());
   }
   if (st.ok()) st = device_->DecodeStep(a, stream);
+  // The bank admits the layer's misses right after the step that read them, on its stream.
+  if (st.ok() && a.bank.rows != nullptr) {
+    const auto ta = Clock::now();
+    st = step_bank_->Admit(bank_admit_, static_cast<int>(batch * m.num_kv_heads), stream);
+    stats_.ms_admit += MsSince(ta);
+  }
   if (st.ok() && cpu_step_) {
     stats_.ms_attend_gpu += MsSince(t1);
     const auto t2 = Clock::now();

@@ -106,6 +106,7 @@ RuntimeImpl::~RuntimeImpl() {
   for (EventHandle e : {q_ready_, cpu_part_up_}) {
     if (e != nullptr) device_->DestroyEvent(e);
   }
+  step_bank_.reset();
   if (bank_ != nullptr) {
     device_->SynchronizeStream(side_stream_).IgnoreError();
     bank_.reset();
@@ -246,7 +247,20 @@ Status RuntimeImpl::Init() {
     *dst = static_cast<const void**>(p);
   }
 
-  if (config_.tiers.bank_slots > 0) {
+  const bool device_bank = config_.tiers.bank_slots > 0 && device_->backend() == Backend::kCuda &&
+                           policy_->device_scoring() != SelectScoring::kNone &&
+                           config_.route != Route::kCpu;
+  if (device_bank) {
+    StepBankConfig bank;
+    bank.num_tables = cap.max_sequences * m.num_layers * m.num_kv_heads;
+    bank.slots = config_.tiers.bank_slots;
+    bank.max_positions = cap.max_tokens_per_sequence;
+    bank.head_dim = m.head_dim;
+    bank.kv_dtype = m.kv_dtype;
+    bank.hash_map = config_.tiers.bank_map == "hash";
+    KVF_ASSIGN_OR_RETURN(step_bank_, device_->CreateStepBank(bank));
+    stats_.device_bytes_reserved += static_cast<int64_t>(step_bank_->bytes());
+  } else if (config_.tiers.bank_slots > 0) {
     TokenBankConfig bank;
     bank.max_sequences = cap.max_sequences;
     bank.num_layers = m.num_layers;
@@ -408,6 +422,11 @@ Status RuntimeImpl::RemoveSequence(SequenceId seq) {
   if (bank_ != nullptr) {
     KVF_RETURN_IF_ERROR(device_->SynchronizeStream(side_stream_));
     bank_->ResetSequence(slot);
+  }
+  if (step_bank_ != nullptr) {
+    const int per_slot = config_.model.num_layers * config_.model.num_kv_heads;
+    KVF_RETURN_IF_ERROR(step_bank_->ResetTables(slot * per_slot, per_slot, stream_));
+    KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
   }
   const int hkv = config_.model.num_kv_heads;
   for (int l = 0; l < config_.model.num_layers; ++l) {
@@ -1117,6 +1136,19 @@ Stats RuntimeImpl::stats() const {
   const PolicyCounters pc = policy_->counters();
   s.prhs_select_calls = pc.select_calls - policy_counters_at_reset_.select_calls;
   s.prhs_select_reused = pc.select_reused - policy_counters_at_reset_.select_reused;
+  if (step_bank_ != nullptr) {
+    // The device bank's counters (a read-back that waits for the device). Its misses are the rows
+    // the step read from the host store.
+    Result<StepBankTotals> t = step_bank_->Totals();
+    if (t.ok()) {
+      const StepBankTotals& z = bank_totals_at_reset_;
+      s.rows_bank_hit += t.value().hits - z.hits;
+      s.rows_fetched += t.value().misses - z.misses;
+      s.bytes_h2d += (t.value().misses - z.misses) * 2 * static_cast<int64_t>(row_bytes_);
+      s.bank_admitted += t.value().admitted - z.admitted;
+      s.bank_evicted += t.value().evicted - z.evicted;
+    }
+  }
   return s;
 }
 

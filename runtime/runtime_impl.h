@@ -76,6 +76,10 @@ class RuntimeImpl {
     stats_ = Stats{};
     stats_.device_bytes_reserved = device_bytes;
     if (bank_ != nullptr) bank_->ResetCounters();
+    if (step_bank_ != nullptr) {
+      Result<StepBankTotals> t = step_bank_->Totals();
+      if (t.ok()) bank_totals_at_reset_ = t.value();
+    }
     if (policy_ != nullptr) policy_counters_at_reset_ = policy_->counters();
   }
   const RuntimeConfig& config() const { return config_; }
@@ -196,6 +200,16 @@ class RuntimeImpl {
   std::unique_ptr<Policy> policy_;
   std::unique_ptr<cpu::CpuPool> pool_;
   std::unique_ptr<TokenBank> bank_;     // null without bank_slots
+  // CUDA, a policy that selects on the device, bank_slots > 0: the bank lives in device memory and
+  // the planned step reads and admits it (bank_ stays null). Staging of the step's misses (list
+  // index j of item i at bank_stage_ + (i * list_cap_ + j) * 2 * row_bytes_), the miss lists
+  // ([items][1 + bank_miss_cap_]) and the admission items the step kernel writes.
+  std::unique_ptr<StepBank> step_bank_;
+  char* bank_stage_ = nullptr;
+  int32_t* bank_miss_ = nullptr;
+  void* bank_admit_ = nullptr;
+  int32_t bank_miss_cap_ = 0;
+  StepBankTotals bank_totals_at_reset_;
   StreamHandle side_stream_ = nullptr;  // bank admissions
   EventHandle bank_step_done_ = nullptr;  // CPU route and host-side selection
   CostModel cost_;

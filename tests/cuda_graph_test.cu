@@ -22,8 +22,13 @@ namespace {
 
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
-RuntimeConfig GraphConfig(const std::string& policy, int window) {
+// "name:bank" is policy name with a device token bank of 128 slots per (sequence, layer, head).
+RuntimeConfig GraphConfig(std::string policy, int window) {
   RuntimeConfig c;
+  if (const size_t colon = policy.find(":bank"); colon != std::string::npos) {
+    policy.resize(colon);
+    c.tiers.bank_slots = 128;
+  }
   c.model = {.num_layers = 4, .num_q_heads = 8, .num_kv_heads = 2, .head_dim = 128,
              .kv_dtype = DType::kBF16};
   c.capacity.max_sequences = 2;
@@ -200,6 +205,19 @@ TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
 // past the window), dense with every row resident (the cp.async path) and the oracle (its
 // top-k selected inside the captured step), quest (page bounds kept and scored on the device) and
 // sparcas (compact keys kept, re-gathered and scored on the device).
+// The device-selecting policies again with the device token bank: the step reads hits from the
+// bank, stages misses and queues their admission inside the graph.
+INSTANTIATE_TEST_SUITE_P(
+    Bank, CudaGraph,
+    ::testing::Combine(::testing::Values(std::string("oracle:bank"), std::string("quest:bank"),
+                                         std::string("sparcas:bank")),
+                       ::testing::Values(64), ::testing::Values(DType::kBF16)),
+    [](const auto& info) {
+      std::string name = std::get<0>(info.param);
+      name.replace(name.find(':'), 1, "_");
+      return name;
+    });
+
 INSTANTIATE_TEST_SUITE_P(
     Policies, CudaGraph,
     ::testing::Combine(::testing::Values(std::string("streaming"), std::string("dense"),
