@@ -4,6 +4,7 @@
 // Every pointer is valid for the memory space of whoever executes the work (host pointers for the
 // CPU, device or mapped pinned-host pointers for CUDA). Nothing here owns memory.
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kvferry/tensor.h"
@@ -348,10 +349,25 @@ struct PrefillStageArgs {
   char* resident = nullptr;
   int32_t sink = 0;
   int32_t window = 1;
-  /// Device staging [num_kv_heads][K, V][staging_cap][head_dim] in the KV dtype, or null.
+  /// Device staging in the host store's page layout, or null: head h's page p (K rows of
+  /// positions [p * page_tokens, (p + 1) * page_tokens), then their V rows) at staging +
+  /// (h * staging_cap / page_tokens + p) * 2 * page_tokens rows, in the KV dtype; so whole
+  /// host-store pages can be copied into it as they are. staging_cap: a multiple of page_tokens.
   char* staging = nullptr;
   int64_t staging_cap = 0;
+  /// Earlier positions [history_begin, pos0) are read into the staging from the host store
+  /// (zero-copy); [0, history_begin) are the caller's (PrefillChunkArgs copies them by page).
+  int64_t history_begin = 0;
 };
+
+/// Most history segments one PrefillChunk call copies and attends one after another.
+constexpr int kPrefillMaxSegments = 16;
+/// Bytes a PrefillAttnItem (gpu/cuda_kernels.h) may take in PrefillChunkArgs::items.
+constexpr size_t kPrefillItemBytes = 128;
+/// Host scratch PrefillChunkArgs::copy_scratch needs: three pointer-sized words per page copy.
+inline size_t PrefillCopyScratchBytes(int64_t num_kv_heads, int64_t max_pages) {
+  return static_cast<size_t>(num_kv_heads * max_pages) * 3 * sizeof(void*);
+}
 
 /// One prefill chunk on the device's tensor-core path (Device::PrefillChunk): staging as above,
 /// then causal attention of the chunk's queries over rows [0, new_len) of the staging.
@@ -365,9 +381,31 @@ struct PrefillChunkArgs {
   DType out_dtype = DType::kF32;
   /// Scratch for q in the KV dtype when q_dtype differs: tokens * num_q_heads * head_dim elements.
   void* q_scratch = nullptr;
-  /// num_kv_heads attention descriptors' worth of device-readable memory (pinned host or device)
-  /// the device fills; not rewritten by the host before the call's work ran.
+  /// Device-readable memory (pinned host or device) for attention descriptors, items_bytes of
+  /// it: num_kv_heads * kPrefillItemBytes for one launch, (1 + kPrefillMaxSegments) times that
+  /// for the overlapped history (below). The device fills it; the host must not rewrite it before
+  /// the call's work ran.
   void* items = nullptr;
+  size_t items_bytes = 0;
+
+  /// Overlapped history (all set, or copy_stream null for the one-pass staging). Whole pages of
+  /// [0, pos0) are copied from the host store into the staging by the copy engines on
+  /// copy_stream, in segments of pages, while the tensor-core kernel attends the chunk's own
+  /// causal block and then each segment after its copy landed (segment_done[j] recorded on
+  /// copy_stream, waited for on the caller's stream); the partial results merge exactly in the
+  /// kernel through o_acc / lse_acc. copy_stream starts after the caller's earlier work (an
+  /// event, fork_done) and ends before the call's last launch, so everything stays ordered on
+  /// the caller's stream. Nothing is allocated and the host never waits.
+  StreamHandle copy_stream = nullptr;
+  void* fork_done = nullptr;            ///< event (EventHandle)
+  void* const* segment_done = nullptr;  ///< kPrefillMaxSegments events
+  /// Host page table of the (slot, layer): head h's page p at host_pages[h * max_pages + p].
+  void* const* host_pages = nullptr;
+  /// Host memory for the copy lists, PrefillCopyScratchBytes(num_kv_heads, max_pages) bytes.
+  void* copy_scratch = nullptr;
+  /// f32 device scratch: tokens * num_q_heads * head_dim elements, and tokens * num_q_heads.
+  float* o_acc = nullptr;
+  float* lse_acc = nullptr;
 };
 
 }  // namespace kvferry

@@ -373,6 +373,11 @@ std::string RunPrefill(const Options& o, int64_t ctx, int64_t chunk, const std::
   c.policy.budget_tokens = mode == "prefill_lfps" ? 0 : ctx;
   c.policy.budget_fraction = mode == "prefill_lfps" ? 0.02 : 0.0;
   row << ",\"policy\":\"" << c.policy.name << "\"";
+  // Chunks after the first overlap the history copy with the attention unless
+  // KVFERRY_PREFILL_OVERLAP=off (the one-pass staging; compare both in one run).
+  const char* overlap = std::getenv("KVFERRY_PREFILL_OVERLAP");
+  row << ",\"history_overlap\":"
+      << (overlap != nullptr && std::string(overlap) == "off" ? "false" : "true");
   auto made = Runtime::Create(c);
   if (!made.ok()) {
     row << ",\"skipped\":\"" << made.status().ToString() << "\"}";

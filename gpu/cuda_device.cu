@@ -321,37 +321,174 @@ Status CudaDevice::PageBounds(const PageBoundsArgs& args, StreamHandle stream) {
   return LaunchPageBounds(args, Resolve(stream));
 }
 
+Status CudaDevice::EnqueuePageCopies(void** dst, const void** src, size_t* bytes, int64_t count,
+                                     cudaStream_t stream) {
+  if (count == 0) return Status::Ok();
+#if CUDART_VERSION >= 12080
+  // One call for the segment's copies (tens to thousands of page runs): far less host time than a
+  // cudaMemcpyAsync each. Source order is the stream's (the pages were written before the fork).
+  if (batch_copies_.load(std::memory_order_relaxed)) {
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t attr_index = 0;
+#if CUDART_VERSION >= 13000
+    const cudaError_t err = cudaMemcpyBatchAsync(dst, src, bytes, static_cast<size_t>(count), &attr,
+                                                 &attr_index, 1, stream);
+#else
+    size_t fail_index = 0;
+    const cudaError_t err =
+        cudaMemcpyBatchAsync(dst, const_cast<void**>(src), bytes, static_cast<size_t>(count), &attr,
+                             &attr_index, 1, &fail_index, stream);
+#endif
+    if (err == cudaSuccess) return Status::Ok();
+    // A driver without batched copies: one copy each from now on (copies the batch may have
+    // enqueued are made again, in stream order, with the same bytes).
+    (void)cudaGetLastError();
+    batch_copies_.store(false, std::memory_order_relaxed);
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) {
+    KVF_CUDA_CHECK(cudaMemcpyAsync(dst[i], src[i], bytes[i], cudaMemcpyHostToDevice, stream));
+  }
+  return Status::Ok();
+}
+
 Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) {
   KVF_RETURN_IF_ERROR(Activate());
   const cudaStream_t s = Resolve(stream);
-  const PrefillStageArgs& st = a.stage;
+  PrefillStageArgs st = a.stage;
   KVF_CHECK_ARG(a.items != nullptr && st.staging != nullptr, "PrefillChunk: no items or staging");
-  KVF_RETURN_IF_ERROR(LaunchPrefillStage(st, s));
-  const int64_t hq = a.num_q_heads, d = st.head_dim, group = a.params.group;
+  const int64_t pt = st.page_tokens;
+  KVF_CHECK_ARG(pt >= 32 && (pt & (pt - 1)) == 0 && st.staging_cap % pt == 0,
+                "PrefillChunk: page of ", pt, " tokens is not a power of two >= 32");
+  int page_shift = 0;
+  while ((int64_t{1} << page_shift) < pt) ++page_shift;
+  const int hkv = st.num_kv_heads;
+  const int64_t hq = a.num_q_heads, d = st.head_dim, group = a.params.group, tokens = st.tokens;
+  const size_t elem = DTypeSize(st.kv_dtype), out_elem = DTypeSize(a.out_dtype);
+  const int64_t staging_pages = st.staging_cap / pt;
+  const int64_t page_elems = 2 * pt * d;  // one staging page: K rows then V rows
+  auto* items = static_cast<PrefillAttnItem*>(a.items);
+  const int64_t item_cap = static_cast<int64_t>(a.items_bytes / sizeof(PrefillAttnItem));
+
+  // Overlapped history: whole pages [0, history_pages) by the copy engines, segment by segment;
+  // the rest of the page that holds pos0 is staged with the chunk (zero-copy, < 1 page a head).
+  const int64_t history_pages = st.pos0 / pt;
+  int64_t seg_begin[kPrefillMaxSegments + 1];
+  int num_segs = 0;
+  if (a.copy_stream != nullptr && history_pages >= kPrefillSegmentMinPages) {
+    KVF_CHECK_ARG(a.fork_done != nullptr && a.segment_done != nullptr && a.host_pages != nullptr &&
+                      a.copy_scratch != nullptr && a.o_acc != nullptr && a.lse_acc != nullptr,
+                  "PrefillChunk: overlapped history without its events or scratch");
+    num_segs = PlanPrefillSegments(history_pages, tokens, pt, seg_begin);
+  }
+  KVF_CHECK_ARG(item_cap >= (1 + num_segs) * hkv, "PrefillChunk: room for ", item_cap, " items, ",
+                (1 + num_segs) * hkv, " needed");
+  st.history_begin = num_segs > 0 ? history_pages * pt : 0;
+
+  // The copies of segment j + 1 are enqueued before the attention of segment j, so that the GPU
+  // starts early and the host's enqueueing hides behind it; every wait is on an event (nothing
+  // spins on the device), so any order of enqueueing is free of deadlock.
+  const auto copy = static_cast<cudaStream_t>(a.copy_stream);
+  const auto fork = static_cast<cudaEvent_t>(a.fork_done);
+  bool forked = false;
+  // On an error after the fork: the caller's stream waits for whatever reached the copy stream,
+  // so that no copy into the staging outlives the call unordered.
+  auto fail = [&](Status status) {
+    if (!status.ok() && forked) {
+      (void)cudaGetLastError();
+      if (cudaEventRecord(fork, copy) == cudaSuccess) (void)cudaStreamWaitEvent(s, fork, 0);
+    }
+    return status;
+  };
+  const int64_t cap = static_cast<int64_t>(hkv) * st.max_pages;
+  auto** copy_dst = static_cast<void**>(a.copy_scratch);
+  auto** copy_src = const_cast<const void**>(copy_dst + cap);
+  auto* copy_bytes = reinterpret_cast<size_t*>(copy_dst + 2 * cap);
+  int64_t copies_used = 0;  // each segment its own entries: none is rewritten while enqueued
+  auto enqueue_segment = [&](int j) -> Status {
+    const int64_t n =
+        ListPageCopies(a.host_pages, st.max_pages, hkv, seg_begin[j], seg_begin[j + 1], st.staging,
+                       staging_pages, page_elems * static_cast<int64_t>(elem),
+                       copy_dst + copies_used, copy_src + copies_used, copy_bytes + copies_used);
+    KVF_RETURN_IF_ERROR(EnqueuePageCopies(copy_dst + copies_used, copy_src + copies_used,
+                                          copy_bytes + copies_used, n, copy));
+    copies_used += n;
+    KVF_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(a.segment_done[j]), copy));
+    return Status::Ok();
+  };
+  if (num_segs > 0) {
+    // The copies start after the caller's earlier work (the earlier chunks' write-through).
+    KVF_CUDA_CHECK(cudaEventRecord(fork, s));
+    KVF_CUDA_CHECK(cudaStreamWaitEvent(copy, fork, 0));
+    forked = true;
+    KVF_RETURN_IF_ERROR(fail(enqueue_segment(0)));
+  }
+
+  KVF_RETURN_IF_ERROR(fail(LaunchPrefillStage(st, s)));
   const void* q = a.q;
   if (a.q_dtype != st.kv_dtype) {
-    KVF_CHECK_ARG(a.q_scratch != nullptr, "PrefillChunk: q in ", DTypeName(a.q_dtype),
-                  " needs q_scratch");
-    KVF_RETURN_IF_ERROR(LaunchConvert(a.q, a.q_dtype, a.q_scratch, st.kv_dtype, st.tokens * hq * d, s));
+    if (a.q_scratch == nullptr) {
+      return fail(InvalidArgument(
+          detail::StrCat("PrefillChunk: q in ", DTypeName(a.q_dtype), " needs q_scratch")));
+    }
+    KVF_RETURN_IF_ERROR(
+        fail(LaunchConvert(a.q, a.q_dtype, a.q_scratch, st.kv_dtype, tokens * hq * d, s)));
     q = a.q_scratch;
   }
-  auto* items = static_cast<PrefillAttnItem*>(a.items);
-  const size_t elem = DTypeSize(st.kv_dtype), out_elem = DTypeSize(a.out_dtype);
-  const size_t row_bytes = static_cast<size_t>(d) * elem;
-  for (int h = 0; h < st.num_kv_heads; ++h) {
-    PrefillAttnItem& it = items[h];
-    it.q = static_cast<const char*>(q) + static_cast<size_t>(h * group * d) * elem;
-    it.q_stride_tok = hq * d;
-    it.o = static_cast<char*>(a.out) + static_cast<size_t>(h * group * d) * out_elem;
-    it.lse = nullptr;
-    it.k = st.staging + static_cast<size_t>(h * 2) * st.staging_cap * row_bytes;
-    it.v = st.staging + static_cast<size_t>(h * 2 + 1) * st.staging_cap * row_bytes;
-    it.kv_stride = d;
-    it.q_pos0 = st.pos0;
-    it.num_q = static_cast<int32_t>(st.tokens);
+  // Launch 0: the chunk's own causal block (with the history before it when nothing is
+  // overlapped), from staging page first_page on. Launch 1 + j: segment j, merged into the
+  // running (o_acc, lse_acc) in place; the last one writes out.
+  const int64_t first_page = num_segs > 0 ? history_pages : 0;
+  auto fill = [&](PrefillAttnItem* its, int64_t page0, int64_t q_pos0, int64_t kv_limit, bool merge,
+                  bool final_out) {
+    for (int h = 0; h < hkv; ++h) {
+      PrefillAttnItem& it = its[h];
+      it = PrefillAttnItem{};
+      it.q = static_cast<const char*>(q) + static_cast<size_t>(h * group * d) * elem;
+      it.q_stride_tok = hq * d;
+      if (final_out) {
+        it.o = static_cast<char*>(a.out) + static_cast<size_t>(h * group * d) * out_elem;
+      } else {
+        it.o = a.o_acc + h * group * d;
+        it.lse = a.lse_acc + h * tokens * group;
+      }
+      const char* base =
+          st.staging + static_cast<size_t>((h * staging_pages + page0) * page_elems) * elem;
+      it.k = base;
+      it.v = base + static_cast<size_t>(pt * d) * elem;
+      it.kv_stride = d;
+      it.kv_page_shift = page_shift;
+      it.num_q = static_cast<int32_t>(tokens);
+      it.q_pos0 = q_pos0;
+      it.kv_limit = kv_limit;
+      if (merge) {
+        it.o_in = a.o_acc + h * group * d;
+        it.lse_in = a.lse_acc + h * tokens * group;
+      }
+    }
+  };
+  fill(items, first_page, st.pos0 - first_page * pt, 0, false, num_segs == 0);
+  KVF_RETURN_IF_ERROR(
+      fail(LaunchPrefillAttention(a.params, st.kv_dtype, num_segs == 0 ? a.out_dtype : DType::kF32,
+                                  items, hkv, static_cast<int32_t>(tokens), s)));
+  for (int j = 0; j < num_segs; ++j) {
+    if (j + 1 < num_segs) KVF_RETURN_IF_ERROR(fail(enqueue_segment(j + 1)));
+    const bool last = j == num_segs - 1;
+    const int64_t len = (seg_begin[j + 1] - seg_begin[j]) * pt;
+    PrefillAttnItem* its = items + (1 + j) * hkv;
+    fill(its, seg_begin[j], len - 1, len, true, last);
+    const cudaError_t err = cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(a.segment_done[j]), 0);
+    if (err != cudaSuccess) {
+      return fail(CudaStatus(err, "cudaStreamWaitEvent(segment_done)", __FILE__, __LINE__));
+    }
+    KVF_RETURN_IF_ERROR(
+        fail(LaunchPrefillAttention(a.params, st.kv_dtype, last ? a.out_dtype : DType::kF32, its,
+                                    hkv, static_cast<int32_t>(tokens), s)));
   }
-  return LaunchPrefillAttention(a.params, st.kv_dtype, a.out_dtype, items, st.num_kv_heads,
-                                static_cast<int32_t>(st.tokens), s);
+  // The last launch waited for the last segment's copies, hence for everything on copy_stream.
+  return Status::Ok();
 }
 
 Result<std::unique_ptr<StepBank>> CudaDevice::CreateStepBank(const StepBankConfig& config) {

@@ -12,6 +12,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -93,6 +94,10 @@ class CudaDevice final : public Device {
     return stream == nullptr ? default_stream_ : static_cast<cudaStream_t>(stream);
   }
   Result<AttnWorkspace> Workspace(cudaStream_t stream);
+  /// Host-to-device copies dst[i] <- src[i] (bytes[i]) on \p stream: one batched call where the
+  /// runtime and driver have it, else one cudaMemcpyAsync each.
+  Status EnqueuePageCopies(void** dst, const void** src, size_t* bytes, int64_t count,
+                           cudaStream_t stream);
   Status Activate() const;
 
   struct HostBlock {
@@ -109,6 +114,7 @@ class CudaDevice final : public Device {
   void* topology_ = nullptr;  // hwloc_topology_t when the GPU's NUMA node is known
   void* nodeset_ = nullptr;   // hwloc_nodeset_t of that node
   std::mutex mu_;
+  std::atomic<bool> batch_copies_{true};  // cleared when cudaMemcpyBatchAsync is refused
   std::unordered_map<cudaStream_t, float*> workspaces_;
   std::unordered_map<void*, HostBlock> host_blocks_;
 };

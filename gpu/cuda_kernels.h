@@ -137,9 +137,32 @@ Status LaunchDecodeSelect(const DecodeStepArgs& args, const LaunchInfo& info, cu
 Status LaunchPageBounds(const PageBoundsArgs& args, cudaStream_t stream);
 
 /// A prefill chunk's K/V converted to the KV dtype and written to the host store (zero-copy),
-/// the resident tier and the staging, then (staging only) positions [0, pos0) read from the host
-/// store into the staging, so that the staging holds rows [0, new_len) contiguously per head.
+/// the resident tier and the staging, then (staging only) positions [history_begin, pos0) read
+/// from the host store into the staging (zero-copy), so that the staging holds rows
+/// [history_begin, new_len) of each head in its page layout.
 Status LaunchPrefillStage(const PrefillStageArgs& args, cudaStream_t stream);
+
+/// Splits history pages [0, history_pages) into the segments a prefill chunk of \p chunk_tokens
+/// queries copies and attends one after another (PrefillChunkArgs): segment j is pages
+/// [begin[j], begin[j + 1]). The first is about as long as the chunk's own causal block takes to
+/// attend (its copy hides under it); each next one 1.5 times the last (a segment's copy takes
+/// about 0.7 of its attention for 2K-token chunks of 32 query heads, so it hides under the
+/// previous segment's), at most kPrefillSegmentMaxPages; a short rest joins the last segment.
+/// Returns the count (at most kPrefillMaxSegments; 0 when history_pages is 0); begin holds
+/// count + 1 entries.
+constexpr int64_t kPrefillSegmentMinPages = 2;
+constexpr int64_t kPrefillSegmentMaxPages = 32;
+int PlanPrefillSegments(int64_t history_pages, int64_t chunk_tokens, int64_t page_tokens,
+                        int64_t* begin);
+
+/// The copies that bring pages [page_begin, page_end) of heads [0, num_kv_heads) from the host
+/// store (host_pages[h * max_pages + p]) into a staging of the same page layout (head h's page p
+/// at staging + (h * staging_pages + p) * page_bytes): one copy per run of pages that are
+/// consecutive in both. Writes at most num_kv_heads * (page_end - page_begin) entries to dst,
+/// src and bytes (three arrays); returns the count.
+int64_t ListPageCopies(void* const* host_pages, int64_t max_pages, int num_kv_heads,
+                       int64_t page_begin, int64_t page_end, char* staging, int64_t staging_pages,
+                       int64_t page_bytes, void** dst, const void** src, size_t* bytes);
 
 /// dst[i] <- convert(src[i]) for n elements.
 Status LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n,
@@ -167,25 +190,42 @@ Status LaunchTopK(const float* scores, int64_t n, int64_t ld, int64_t rows, int6
 /// Causal prefill attention of one (sequence, KV head) query block on tensor cores (see
 /// gpu/prefill.cuh). The group query heads of a token are rows of the same query tile, so they
 /// share every K/V tile load (GQA). All pointers device-readable; q, k, v 16-byte aligned with
-/// q_stride_tok and kv_stride multiples of 8 elements (cp.async moves 16-byte chunks); o aligned to
-/// two output elements.
+/// q_stride_tok and kv_stride multiples of 8 elements (cp.async moves 16-byte chunks); o aligned
+/// to two output elements.
+///
+/// Keys: position p's K row is at k + p * kv_stride elements when kv_page_shift is 0. When it is
+/// > 0 (>= 5), the rows are in the host store's page layout: pages of P = 2^kv_page_shift
+/// positions, each page's P K rows followed by its P V rows, so that position p's K row is at
+/// k + ((p / P) * 2 P + p % P) * kv_stride, and its V row at the same offset from v = k + P
+/// kv_stride.
 struct PrefillAttnItem {
   const void* q = nullptr;   ///< [num_q, group, head_dim], dtype = kv dtype (bf16 or f16)
-  int64_t q_stride_tok = 0;  ///< elements between consecutive tokens of q and of o
+  int64_t q_stride_tok = 0;  ///< elements between consecutive tokens of q, of o and of o_in
   void* o = nullptr;         ///< same layout and stride as q; dtype given by the launch
   float* lse = nullptr;      ///< [num_q, group] natural-log lse, may be null
-  const void* k = nullptr;   ///< key row of position p at k + p * kv_stride elements
-  const void* v = nullptr;   ///< value rows, same stride
-  int64_t kv_stride = 0;     ///< elements between consecutive positions' rows
-  int64_t q_pos0 = 0;        ///< position of query 0; query t attends positions [0, q_pos0 + t]
+  const void* k = nullptr;   ///< key rows, see above
+  const void* v = nullptr;   ///< value rows, same layout
+  int64_t kv_stride = 0;     ///< elements between consecutive positions' rows (within a page)
+  int32_t kv_page_shift = 0;
   int32_t num_q = 0;
+  int64_t q_pos0 = 0;  ///< position of query 0; query t attends positions [0, q_pos0 + t]
+  /// > 0: positions from kv_limit on are not attended either (a segment of earlier positions that
+  /// every query sees whole: q_pos0 >= kv_limit - 1).
+  int64_t kv_limit = 0;
+  /// Optional partial result to merge with (both or neither): o_in f32 laid out like o (same
+  /// element stride), lse_in like lse. (o, lse) then receive the exact merge of this launch's
+  /// attention and (o_in, lse_in); o_in / lse_in may be o / lse themselves (o f32).
+  const float* o_in = nullptr;
+  const float* lse_in = nullptr;
 };
+static_assert(sizeof(PrefillAttnItem) <= kPrefillItemBytes, "PrefillChunkArgs::items sizing");
 
 /// Causal prefill attention (FlashAttention-2 style, mma.sync on tensor cores, fp32 accumulation):
 /// o normalised and lse (natural log) per (token, query head), mergeable exactly with
 /// LaunchMergeLse. head_dim 64/128/256; q_dtype must equal p.kv_dtype (bf16 or f16); out_dtype
-/// f32, bf16 or f16. \p max_num_q: the largest num_q of the items (sizes the grid). Reads only
-/// positions [0, q_pos0 + num_q) of each item's K/V. No workspace; never allocates.
+/// f32, bf16 or f16 (f32 when an item merges in place, o_in == o). \p max_num_q: the largest
+/// num_q of the items (sizes the grid). Reads only positions [0, q_pos0 + num_q) of each item's
+/// K/V, and below kv_limit when set. No workspace; never allocates.
 Status LaunchPrefillAttention(const AttnParams& p, DType q_dtype, DType out_dtype,
                               const PrefillAttnItem* items, int64_t num_items, int32_t max_num_q,
                               cudaStream_t stream);

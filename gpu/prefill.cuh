@@ -7,6 +7,12 @@
 // the caller's tensors), q/o inside the engine's [T, Hq, D] tensors, and an lse output so that the
 // result merges exactly with the offloaded part of the context (LaunchMergeLse).
 //
+// A chunk's attention may also be split over key ranges, one launch each, merged exactly in the
+// epilogue of the next launch (o_in / lse_in): the CUDA runtime attends the chunk's own causal
+// block while the copy engines bring the earlier positions into the staging, then each segment
+// of them (kv_limit: every query sees the segment whole) as soon as its copy landed. The staging
+// has the host store's page layout (kv_page_shift), so that whole pages are copied as they are.
+//
 // Work layout. Query rows are (token, g) pairs, row r = t * group + g of one item, so the group
 // query heads of a token sit in the same tile and share every K/V load (GQA). CTA (x, y) takes
 // item x and rows [m0, m0 + kBlockM) with m0 = (num_m_blocks - 1 - y) * kBlockM: the longest
@@ -185,15 +191,24 @@ __global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kM
   const T* v = static_cast<const T*>(item->v);
   const int64_t q_stride = item->q_stride_tok;
   const int64_t kv_stride = item->kv_stride;
+  // Paged rows (see PrefillAttnItem): K/V tile j starts at row j + (j & tile_hi) tiles, i.e. the
+  // K tiles of a page are followed by as many V tiles; flat rows: tile_hi = 0.
+  const int page_shift = item->kv_page_shift;
+  const int32_t tile_hi = page_shift > 0 ? ~((1 << page_shift) / kBN - 1) : 0;
+  // Last key any query may see: a history segment (kv_limit) ends before the causal limit.
+  const int64_t kv_limit = item->kv_limit;
+  const int64_t kv_last = kv_limit > 0 ? kv_limit - 1 : INT64_MAX;
 
-  // Causal range of the tile: the first row's token sees keys [0, q_pos0 + t_lo], the last row's
-  // [0, q_pos0 + t_hi]. Tiles [0, n_full) need no mask; tiles [n_full, n_tiles) are masked.
+  // Causal range of the tile: the first row's token sees keys [0, min(q_pos0 + t_lo, kv_last)],
+  // the last row's [0, min(q_pos0 + t_hi, kv_last)]. Tiles [0, n_full) need no mask; tiles
+  // [n_full, n_tiles) are masked.
   const int64_t row_last = (m0 + kBM < rows ? m0 + kBM : rows) - 1;
   const int64_t t_lo = m0 / group;
   const int64_t t_hi = row_last / group;
-  const int64_t kv_end = q_pos0 + t_hi + 1;
+  const int64_t kv_end = (q_pos0 + t_hi < kv_last ? q_pos0 + t_hi : kv_last) + 1;
   const int n_tiles = static_cast<int>((kv_end + kBN - 1) / kBN);
-  const int n_full = static_cast<int>((q_pos0 + t_lo + 1) / kBN);
+  const int n_full =
+      static_cast<int>(((q_pos0 + t_lo < kv_last ? q_pos0 + t_lo : kv_last) + 1) / kBN);
 
   // Q tile: rows past the item are zero-filled (never written back).
 #pragma unroll
@@ -225,7 +240,8 @@ __global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kM
     const uint32_t s_v = s_k + static_cast<uint32_t>(Tile::kKvTileBytes);
     const int64_t pos0 = static_cast<int64_t>(j) * kBN + kv_r0;
     const int64_t left = kv_end - pos0;  // rows i * kRowStep < left are inside the range
-    const int64_t off0 = pos0 * kv_stride + kv_c * 8;
+    const int64_t off0 =
+        (static_cast<int64_t>(j + (j & tile_hi)) * kBN + kv_r0) * kv_stride + kv_c * 8;
     const T* ks = k + off0;
     const T* vs = v + off0;
 #pragma unroll
@@ -249,8 +265,8 @@ __global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kM
 
   // The rows of this thread: row block mr of the warp, rows gid and gid + 8 (h = 0, 1). For each,
   // the last key position it may see, relative to the first key of the last tile (within
-  // [-kBM, kBN): every row of the tile sees past q_pos0 + t_lo). Padding rows (past the item) take
-  // the last row's range; their Q is zero and they are not written.
+  // [-kBM, kBN): every row of the tile sees up to min(q_pos0 + t_lo, kv_last)). Padding rows
+  // (past the item) take the last row's range; their Q is zero and they are not written.
   const int64_t r_base = m0 + warp * 16 * kMRep + gid;
   int limit_rel[kMRep][2];
 #pragma unroll
@@ -259,8 +275,8 @@ __global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kM
     for (int h = 0; h < 2; ++h) {
       const int64_t r0 = r_base + mr * 16 + 8 * h;
       const int64_t r = r0 < rows ? r0 : rows - 1;
-      limit_rel[mr][h] =
-          static_cast<int>(q_pos0 + r / group - static_cast<int64_t>(n_tiles - 1) * kBN);
+      const int64_t last = q_pos0 + r / group < kv_last ? q_pos0 + r / group : kv_last;
+      limit_rel[mr][h] = static_cast<int>(last - static_cast<int64_t>(n_tiles - 1) * kBN);
     }
   }
 
@@ -447,9 +463,14 @@ __global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kM
     stage = stage == kStages - 1 ? 0 : stage + 1;
   }
 
-  // Epilogue: the row sums over the quad, normalise, write o and lse.
+  // Epilogue: the row sums over the quad, normalise, merge with (o_in, lse_in) when given, write
+  // o and lse. Merging in place (o_in == o): every element is read and written by one thread; the
+  // row's lse_in is read by lane tig 0 only and handed to its quad by a shuffle, so no lane reads
+  // it after tig 0 wrote the merged value.
   OutT* o = static_cast<OutT*>(item->o);
   float* lse = item->lse;
+  const float* o_in = item->o_in;
+  const float* lse_in = item->lse_in;
   const int64_t o_stride = item->q_stride_tok;
 #pragma unroll
   for (int mr = 0; mr < kMRep; ++mr) {
@@ -459,17 +480,41 @@ __global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kM
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const int64_t r = r_base + mr * 16 + 8 * h;
-      if (r >= rows) continue;
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const bool valid = r < rows;
+      float lse_out = m_run[mr][h] == -INFINITY ? -INFINITY : m_run[mr][h] * kLn2 + logf(l);
+      float w_own = 1.0f, w_in = 0.0f;  // weights of this launch's o and of o_in
+      if (o_in != nullptr) {  // the same for the whole CTA: the shuffle below is not divergent
+        float lse_b = valid && tig == 0 ? lse_in[r] : -INFINITY;
+        lse_b = __shfl_sync(0xffffffffu, lse_b, lane & ~3);
+        const float mx = fmaxf(lse_out, lse_b);
+        if (mx == -INFINITY) {
+          w_own = 0.0f;
+        } else {
+          w_own = expf(lse_out - mx);
+          w_in = expf(lse_b - mx);
+          const float sum = w_own + w_in;
+          w_own /= sum;
+          w_in /= sum;
+          lse_out = mx + logf(sum);
+        }
+      }
+      if (!valid) continue;
+      const float inv = l > 0.0f ? w_own / l : 0.0f;
       const int64_t t = r / group;
-      OutT* dst = o + t * o_stride + (r - t * group) * HD + 2 * tig;
+      const int64_t off = t * o_stride + (r - t * group) * HD + 2 * tig;
+      OutT* dst = o + off;
 #pragma unroll
       for (int i = 0; i < kDTiles; ++i) {
-        StorePair<OutT>(dst + i * 8, acc[mr][i][2 * h] * inv, acc[mr][i][2 * h + 1] * inv);
+        float a0 = acc[mr][i][2 * h] * inv;
+        float a1 = acc[mr][i][2 * h + 1] * inv;
+        if (w_in > 0.0f) {  // an o_in row of lse -inf is never read (it may hold anything)
+          const float2 b = *reinterpret_cast<const float2*>(o_in + off + i * 8);
+          a0 += b.x * w_in;
+          a1 += b.y * w_in;
+        }
+        StorePair<OutT>(dst + i * 8, a0, a1);
       }
-      if (lse != nullptr && tig == 0) {
-        lse[r] = m_run[mr][h] == -INFINITY ? -INFINITY : m_run[mr][h] * kLn2 + logf(l);
-      }
+      if (lse != nullptr && tig == 0) lse[r] = lse_out;
     }
   }
 }

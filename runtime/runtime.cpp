@@ -107,6 +107,12 @@ RuntimeImpl::~RuntimeImpl() {
     if (e != nullptr) device_->DestroyEvent(e);
   }
   step_bank_.reset();
+  if (prefill_copy_stream_ != nullptr) {
+    device_->SynchronizeStream(prefill_copy_stream_).IgnoreError();
+    device_->DestroyEvent(prefill_fork_);
+    for (EventHandle e : prefill_segment_done_) device_->DestroyEvent(e);
+    device_->DestroyStream(prefill_copy_stream_);
+  }
   if (bank_ != nullptr) {
     device_->SynchronizeStream(side_stream_).IgnoreError();
     bank_.reset();
@@ -292,7 +298,23 @@ Status RuntimeImpl::Init() {
     // (the reference it is tested against).
     const char* prefill_kernel = std::getenv("KVFERRY_CUDA_PREFILL");
     if (prefill_kernel == nullptr || std::string_view(prefill_kernel) != "paged") {
-      KVF_ASSIGN_OR_RETURN(prefill_items_, Alloc(static_cast<size_t>(hkv) * 128, true));
+      prefill_items_bytes_ =
+          static_cast<size_t>((1 + kPrefillMaxSegments) * hkv) * kPrefillItemBytes;
+      KVF_ASSIGN_OR_RETURN(prefill_items_, Alloc(prefill_items_bytes_, true));
+      // Chunks after the first copy their history by whole pages on a stream of their own while
+      // the kernel attends what has landed, unless KVFERRY_PREFILL_OVERLAP=off (the one-pass
+      // staging before the kernel, kept for comparison).
+      const char* overlap = std::getenv("KVFERRY_PREFILL_OVERLAP");
+      if (overlap == nullptr || std::string_view(overlap) != "off") {
+        KVF_ASSIGN_OR_RETURN(prefill_copy_stream_, device_->CreateStream());
+        KVF_ASSIGN_OR_RETURN(prefill_fork_, device_->CreateEvent());
+        prefill_segment_done_.assign(kPrefillMaxSegments, nullptr);
+        for (EventHandle& e : prefill_segment_done_) {
+          KVF_ASSIGN_OR_RETURN(e, device_->CreateEvent());
+        }
+        prefill_copy_scratch_.assign(
+            PrefillCopyScratchBytes(hkv, store_->max_pages()) / sizeof(void*), nullptr);
+      }
     }
   }
   KVF_RETURN_IF_ERROR(InitStepBuffers());
@@ -610,6 +632,16 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
     a.q_scratch = q_in_ == q_src ? out_stage_ : q_in_;  // a free buffer of the chunk's size
     if (!out_direct && a.q_scratch == out_stage_) a.q_scratch = q_f32_;
     a.items = prefill_items_;
+    a.items_bytes = prefill_items_bytes_;
+    if (prefill_copy_stream_ != nullptr) {
+      a.copy_stream = prefill_copy_stream_;
+      a.fork_done = prefill_fork_;
+      a.segment_done = prefill_segment_done_.data();
+      a.host_pages = store_->pages(slot, layer, 0).pages;
+      a.copy_scratch = prefill_copy_scratch_.data();
+      a.o_acc = o_gpu_;
+      a.lse_acc = lse_gpu_;
+    }
     KVF_RETURN_IF_ERROR(device_->PrefillChunk(a, stream));
     tensor_cores = true;
     if (!out_direct) {

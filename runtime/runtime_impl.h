@@ -255,6 +255,14 @@ class RuntimeImpl {
   void** prefill_pages_host_ = nullptr;  // pinned: page table being built
   void** prefill_pages_dev_ = nullptr;   // device copy the kernel reads
   void* prefill_items_ = nullptr;  // pinned: tensor-core prefill descriptors (null: paged path)
+  size_t prefill_items_bytes_ = 0;
+  // Tensor-core prefill with the history copied by the copy engines while the chunk is attended
+  // (PrefillChunkArgs::copy_stream); null stream: the one-pass staging
+  // (KVFERRY_PREFILL_OVERLAP=off).
+  StreamHandle prefill_copy_stream_ = nullptr;
+  EventHandle prefill_fork_ = nullptr;
+  std::vector<EventHandle> prefill_segment_done_;
+  std::vector<void*> prefill_copy_scratch_;  // host: the copy lists
   RowAttnItem* gpu_items_ = nullptr;
   RowAttnItem* cpu_items_ = nullptr;
   PagedAttnItem* paged_items_ = nullptr;

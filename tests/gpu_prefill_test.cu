@@ -301,6 +301,232 @@ INSTANTIATE_TEST_SUITE_P(GpuD256, GpuPrefillTest,
                                             ::testing::Values(1, 4), ::testing::Values(256)),
                          CaseName);
 
+// The split the CUDA runtime makes of a chunk whose history is copied while it is attended: K/V
+// in the host store's page layout (kv_page_shift), the chunk's own causal block from the page that
+// holds q_pos0, then every earlier segment of whole pages (kv_limit) merged exactly into it in the
+// kernel's epilogue (o_in / lse_in, in place in f32), the last launch writing the output dtype and
+// the merged lse. Equals the scalar reference of the whole causal attention. Segments are single
+// pages and then two-page runs, so that a few launches merge into each output.
+// (num_q, q_pos0, group, head_dim, page_tokens)
+using SplitCase = std::tuple<int32_t, int64_t, int, int, int>;
+
+class GpuPrefillSplitTest : public ::testing::TestWithParam<SplitCase> {};
+
+TEST_P(GpuPrefillSplitTest, PagedSegmentsMergeToTheWholeAttention) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU";
+  const auto [num_q, q_pos0, group, hd, pt] = GetParam();
+  int page_shift = 0;
+  while ((1 << page_shift) < pt) ++page_shift;
+  for (DType kv_dtype : {DType::kBF16, DType::kF16}) {
+    SCOPED_TRACE(std::string("kv ") + DTypeName(kv_dtype));
+    std::mt19937 rng(static_cast<uint32_t>(num_q * 131 + q_pos0 * 17 + group * 5 + hd + pt +
+                                           (kv_dtype == DType::kF16 ? 7777 : 0)));
+    Seq s;
+    s.num_q = num_q;
+    s.q_pos0 = q_pos0;
+    s.heads = 2;
+    s.group = group;
+    s.hd = hd;
+    Fill(s, kv_dtype, rng);
+    AttnParams p;
+    p.group = group;
+    p.head_dim = hd;
+    p.kv_dtype = kv_dtype;
+    p.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    std::vector<double> ref_o, ref_lse;
+    Reference(s, p.scale, ref_o, ref_lse);
+
+    // Paged K/V per head: pages [K rows pt][V rows pt]; rows past the context NaN.
+    const int64_t num_pages = (s.ctx() + pt - 1) / pt;
+    const size_t head_elems = static_cast<size_t>(num_pages) * 2 * pt * hd;
+    std::vector<uint16_t> paged(head_elems * s.heads, kNaN16);
+    for (int h = 0; h < s.heads; ++h) {
+      for (int64_t pos = 0; pos < s.ctx(); ++pos) {
+        for (int which = 0; which < 2; ++which) {
+          const std::vector<uint16_t>& src = which == 0 ? s.k : s.v;
+          const size_t dst = h * head_elems + ((pos / pt) * 2 * pt + which * pt + pos % pt) * hd;
+          std::copy_n(src.begin() + pos * s.kv_stride() + h * hd, hd, paged.begin() + dst);
+        }
+      }
+    }
+    // Launch 0: own block from page q_pos0 / pt; then segments [0, 1), [1, 2), [2, 4), [4, 6)...
+    const int64_t history_pages = q_pos0 / pt;
+    std::vector<int64_t> seg = {0};
+    while (seg.back() < history_pages) {
+      seg.push_back(std::min(history_pages, seg.back() + (seg.size() <= 2 ? 1 : 2)));
+    }
+    const int launches = static_cast<int>(seg.size());  // own block + seg.size() - 1 segments
+    void *d_q = nullptr, *d_kv = nullptr, *d_o = nullptr;
+    float *d_acc = nullptr, *d_lse = nullptr;
+    cuda::PrefillAttnItem* d_items = nullptr;
+    ASSERT_EQ(cudaMalloc(&d_q, s.q.size() * 2), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_kv, paged.size() * 2), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_o, s.q_elems() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_acc, s.q_elems() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_lse, s.lse_elems() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_items, launches * s.heads * sizeof(cuda::PrefillAttnItem)),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_q, s.q.data(), s.q.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_kv, paged.data(), paged.size() * 2, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemset(d_acc, 0xff, s.q_elems() * 4), cudaSuccess);  // NaN until written
+    ASSERT_EQ(cudaMemset(d_lse, 0xff, s.lse_elems() * 4), cudaSuccess);
+
+    for (DType out_dtype : {DType::kF32, DType::kBF16}) {
+      SCOPED_TRACE(std::string("out ") + DTypeName(out_dtype));
+      ASSERT_EQ(cudaMemset(d_o, 0xff, s.q_elems() * 4), cudaSuccess);
+      std::vector<cuda::PrefillAttnItem> items(static_cast<size_t>(launches * s.heads));
+      for (int l = 0; l < launches; ++l) {
+        const bool last = l == launches - 1;
+        const int64_t page0 = l == 0 ? history_pages : seg[l - 1];
+        for (int h = 0; h < s.heads; ++h) {
+          cuda::PrefillAttnItem& it = items[static_cast<size_t>(l * s.heads + h)];
+          it.q = static_cast<const uint16_t*>(d_q) + h * group * hd;
+          it.q_stride_tok = s.q_stride();
+          const size_t o_off = static_cast<size_t>(h) * group * hd;
+          it.o = last ? static_cast<void*>(static_cast<char*>(d_o) + o_off * DTypeSize(out_dtype))
+                      : static_cast<void*>(d_acc + o_off);
+          it.lse = d_lse + static_cast<size_t>(h) * s.num_q * group;
+          const uint16_t* base =
+              static_cast<const uint16_t*>(d_kv) + h * head_elems + page0 * 2 * pt * hd;
+          it.k = base;
+          it.v = base + static_cast<size_t>(pt) * hd;
+          it.kv_stride = hd;
+          it.kv_page_shift = page_shift;
+          it.num_q = num_q;
+          if (l == 0) {
+            it.q_pos0 = q_pos0 - history_pages * pt;
+          } else {
+            it.kv_limit = (seg[l] - seg[l - 1]) * pt;
+            it.q_pos0 = it.kv_limit - 1;
+            it.o_in = d_acc + o_off;
+            it.lse_in = it.lse;
+          }
+        }
+      }
+      ASSERT_EQ(cudaMemcpy(d_items, items.data(), items.size() * sizeof(items[0]),
+                           cudaMemcpyHostToDevice),
+                cudaSuccess);
+      for (int l = 0; l < launches; ++l) {
+        const DType launch_out = l == launches - 1 ? out_dtype : DType::kF32;
+        const Status st = cuda::LaunchPrefillAttention(
+            p, kv_dtype, launch_out, d_items + l * s.heads, s.heads, num_q, nullptr);
+        ASSERT_TRUE(st.ok()) << st.ToString();
+      }
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<unsigned char> o_raw(s.q_elems() * 4);
+      std::vector<float> lse(s.lse_elems());
+      ASSERT_EQ(cudaMemcpy(o_raw.data(), d_o, o_raw.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(lse.data(), d_lse, lse.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      const double atol = kv_dtype == DType::kBF16 ? 4e-3 : 1e-3;
+      const double rtol = (kv_dtype == DType::kBF16 || out_dtype == DType::kBF16) ? 2e-2 : 4e-3;
+      int bad = 0;
+      double norm2 = 0.0;
+      for (size_t e = 0; e < s.q_elems(); ++e) {
+        const double got = OutValue(o_raw, e, out_dtype);
+        const double want = ref_o[e];
+        norm2 += got * got;
+        if (!(std::abs(got - want) <= atol + rtol * std::abs(want)) && bad++ < 5) {
+          const size_t tok = e / s.q_stride(), rem = e % s.q_stride();
+          ADD_FAILURE() << "o token " << tok << " head " << rem / hd << " dim " << rem % hd
+                        << ": got " << got << " want " << want;
+        }
+      }
+      EXPECT_EQ(bad, 0) << bad << " mismatches in o over " << launches << " launches";
+      EXPECT_GT(norm2, 0.0) << "all-zero output";
+      int bad_lse = 0;
+      for (size_t e = 0; e < s.lse_elems(); ++e) {
+        if (!(std::abs(lse[e] - ref_lse[e]) <= 2e-3 + 1e-4 * std::abs(ref_lse[e])) &&
+            bad_lse++ < 5) {
+          ADD_FAILURE() << "lse row " << e << ": got " << lse[e] << " want " << ref_lse[e];
+        }
+      }
+      EXPECT_EQ(bad_lse, 0) << bad_lse << " mismatches in the merged lse";
+    }
+    for (void* ptr : {d_q, d_kv, d_o, static_cast<void*>(d_acc), static_cast<void*>(d_lse),
+                      static_cast<void*>(d_items)}) {
+      cudaFree(ptr);
+    }
+  }
+}
+
+std::string SplitName(const ::testing::TestParamInfo<SplitCase>& info) {
+  const auto [num_q, q_pos0, group, hd, pt] = info.param;
+  char name[80];
+  std::snprintf(name, sizeof(name), "q%d_pos%lld_g%d_d%d_page%d", num_q,
+                static_cast<long long>(q_pos0), group, hd, pt);
+  return name;
+}
+
+// q_pos0 on and off page boundaries (0: no segment, the own block alone, paged), pages of 32
+// (one K/V tile) and 256 (the runtime's) positions.
+INSTANTIATE_TEST_SUITE_P(Gpu, GpuPrefillSplitTest,
+                         ::testing::Combine(::testing::Values(17, 300),
+                                            ::testing::Values<int64_t>(0, 512, 1100),
+                                            ::testing::Values(1, 4, 8), ::testing::Values(64, 128),
+                                            ::testing::Values(32, 256)),
+                         SplitName);
+INSTANTIATE_TEST_SUITE_P(GpuD256, GpuPrefillSplitTest,
+                         ::testing::Combine(::testing::Values(97), ::testing::Values<int64_t>(700),
+                                            ::testing::Values(1, 4), ::testing::Values(256),
+                                            ::testing::Values(64)),
+                         SplitName);
+
+// The runtime's segment plan: contiguous, covering, first about half the chunk's own block in
+// pages (2 at least), growing by half, 32 pages at most, no short tail, at most
+// kPrefillMaxSegments. Host-only: runs without a GPU.
+TEST(GpuPrefillPlan, SegmentsCoverTheHistoryInGrowingRuns) {
+  int64_t begin[kPrefillMaxSegments + 1];
+  EXPECT_EQ(cuda::PlanPrefillSegments(0, 2048, 256, begin), 0);
+  // 2K-token chunks at 32K context: the last chunk's 120 pages.
+  ASSERT_EQ(cuda::PlanPrefillSegments(120, 2048, 256, begin), 7);
+  const int64_t want[] = {0, 4, 10, 19, 33, 54, 86, 120};
+  for (int j = 0; j <= 7; ++j) EXPECT_EQ(begin[j], want[j]) << j;
+  EXPECT_EQ(cuda::PlanPrefillSegments(3, 300, 256, begin), 1);  // a tail of 1 joins the first
+  EXPECT_EQ(begin[1], 3);
+  for (int64_t pages : {1, 2, 5, 17, 97, 128, 4099}) {
+    for (int64_t chunk : {1, 17, 1000, 2048, 8192, 65536}) {
+      const int n = cuda::PlanPrefillSegments(pages, chunk, 256, begin);
+      ASSERT_GE(n, 1);
+      ASSERT_LE(n, kPrefillMaxSegments);
+      EXPECT_EQ(begin[0], 0);
+      EXPECT_EQ(begin[n], pages);
+      for (int j = 0; j < n; ++j) {
+        EXPECT_LT(begin[j], begin[j + 1])
+            << pages << " pages, chunk " << chunk << ", segment " << j;
+        if (j + 1 < n) EXPECT_LE(begin[j + 1] - begin[j], cuda::kPrefillSegmentMaxPages);
+      }
+    }
+  }
+}
+
+// Copies of whole pages: one per run of pages consecutive in the host store and in the staging.
+TEST(GpuPrefillPlan, PageCopiesJoinConsecutivePages) {
+  constexpr int64_t kPageBytes = 1024, kMaxPages = 6, kStagingPages = 8;
+  std::vector<char> host(20 * kPageBytes), staging(2 * kStagingPages * kPageBytes);
+  auto page = [&](int i) { return static_cast<void*>(host.data() + i * kPageBytes); };
+  // Head 0: pages 0-2 consecutive, 3 elsewhere, 4 right after 3; head 1: descending.
+  void* table[2 * kMaxPages] = {page(0), page(1), page(2), page(10), page(11), nullptr,
+                                page(9), page(8), page(7), page(6),  page(5),  nullptr};
+  void* dst[10];
+  const void* src[10];
+  size_t bytes[10];
+  const int64_t n = cuda::ListPageCopies(table, kMaxPages, 2, 1, 5, staging.data(), kStagingPages,
+                                         kPageBytes, dst, src, bytes);
+  ASSERT_EQ(n, 2 + 4);
+  EXPECT_EQ(src[0], page(1));
+  EXPECT_EQ(bytes[0], 2u * kPageBytes);  // pages 1-2
+  EXPECT_EQ(dst[0], staging.data() + 1 * kPageBytes);
+  EXPECT_EQ(src[1], page(10));
+  EXPECT_EQ(bytes[1], 2u * kPageBytes);  // pages 3-4
+  EXPECT_EQ(dst[1], staging.data() + 3 * kPageBytes);
+  for (int i = 0; i < 4; ++i) {  // head 1: one copy a page
+    EXPECT_EQ(src[2 + i], page(8 - i));
+    EXPECT_EQ(bytes[2 + i], static_cast<size_t>(kPageBytes));
+    EXPECT_EQ(dst[2 + i], staging.data() + (kStagingPages + 1 + i) * kPageBytes);
+  }
+}
+
 // Argument checks answer before any CUDA call, so they run without a GPU too.
 TEST(GpuPrefillArgs, RejectsUnsupportedShapes) {
   AttnParams p;
