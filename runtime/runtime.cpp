@@ -103,7 +103,7 @@ RuntimeImpl::~RuntimeImpl() {
   device_->SynchronizeStream(stream_).IgnoreError();
   if (call_done_ != nullptr) device_->DestroyEvent(call_done_);
   for (EventHandle e : plan_events_) device_->DestroyEvent(e);
-  for (EventHandle e : {q_ready_, cpu_part_up_}) {
+  for (EventHandle e : {q_ready_, cpu_part_up_, prefill_items_done_[0], prefill_items_done_[1]}) {
     if (e != nullptr) device_->DestroyEvent(e);
   }
   step_bank_.reset();
@@ -300,7 +300,10 @@ Status RuntimeImpl::Init() {
     if (prefill_kernel == nullptr || std::string_view(prefill_kernel) != "paged") {
       prefill_items_bytes_ =
           static_cast<size_t>((1 + kPrefillMaxSegments) * hkv) * kPrefillItemBytes;
-      KVF_ASSIGN_OR_RETURN(prefill_items_, Alloc(prefill_items_bytes_, true));
+      KVF_ASSIGN_OR_RETURN(prefill_items_, Alloc(2 * prefill_items_bytes_, true));
+      for (EventHandle& e : prefill_items_done_) {
+        KVF_ASSIGN_OR_RETURN(e, device_->CreateEvent());
+      }
       // Chunks after the first copy their history by whole pages on a stream of their own while
       // the kernel attends what has landed, unless KVFERRY_PREFILL_OVERLAP=off (the one-pass
       // staging before the kernel, kept for comparison).
@@ -540,7 +543,10 @@ Status RuntimeImpl::CopyRowsWide(const RowCopy* rows, int64_t num_rows, int elem
   return Status::Ok();
 }
 
-Status RuntimeImpl::EndCall(StreamHandle stream) { return device_->RecordEvent(call_done_, stream); }
+Status RuntimeImpl::EndCall(StreamHandle stream) {
+  last_call_stream_ = stream;
+  return device_->RecordEvent(call_done_, stream);
+}
 
 Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, const TensorView& k,
                             const TensorView& v, const TensorView& out, StreamHandle stream) {
@@ -577,7 +583,18 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
   const ModelShape& m = config_.model;
   const int64_t tokens = new_len - pos0;
   const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
-  KVF_RETURN_IF_ERROR(BeginCall());
+  // A tensor-core chunk whose output stays on the device and whose policy reads no queries on the
+  // host follows the last call on the same stream without a host wait: its device buffers are
+  // ordered by the stream, its descriptors double-buffered.
+  const bool chained = prefill_items_ != nullptr && prefill_items_done_[0] != nullptr &&
+                       stream == last_call_stream_ && out.where == MemoryKind::kDevice &&
+                       !policy_->wants_prefill_queries();
+  if (chained) {
+    const EventHandle read = prefill_items_done_[prefill_parity_];
+    if (!device_->EventDone(read)) KVF_RETURN_IF_ERROR(HostWaitEvent(read));
+  } else {
+    KVF_RETURN_IF_ERROR(BeginCall());
+  }
   const int64_t nq = tokens * hq * d;
   KVF_ASSIGN_OR_RETURN(const void* q_src, StageInput(q, q_in_, stream));
   KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, k_in_, stream));
@@ -631,7 +648,7 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
     a.out_dtype = out.dtype;
     a.q_scratch = q_in_ == q_src ? out_stage_ : q_in_;  // a free buffer of the chunk's size
     if (!out_direct && a.q_scratch == out_stage_) a.q_scratch = q_f32_;
-    a.items = prefill_items_;
+    a.items = static_cast<char*>(prefill_items_) + prefill_parity_ * prefill_items_bytes_;
     a.items_bytes = prefill_items_bytes_;
     if (prefill_copy_stream_ != nullptr) {
       a.copy_stream = prefill_copy_stream_;
@@ -643,6 +660,8 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
       a.lse_acc = lse_gpu_;
     }
     KVF_RETURN_IF_ERROR(device_->PrefillChunk(a, stream));
+    KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_items_done_[prefill_parity_], stream));
+    prefill_parity_ ^= 1;
     tensor_cores = true;
     if (!out_direct) {
       KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));

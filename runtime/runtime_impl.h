@@ -256,6 +256,12 @@ class RuntimeImpl {
   void** prefill_pages_dev_ = nullptr;   // device copy the kernel reads
   void* prefill_items_ = nullptr;  // pinned: tensor-core prefill descriptors (null: paged path)
   size_t prefill_items_bytes_ = 0;
+  // The tensor-core prefill's descriptors are double-buffered (prefill_items_ holds two sets of
+  // prefill_items_bytes_): a chunk waits only for the chunk two back to have read its set, so
+  // consecutive chunks on one stream run back to back on the device.
+  EventHandle prefill_items_done_[2] = {nullptr, nullptr};
+  int prefill_parity_ = 0;
+  StreamHandle last_call_stream_ = nullptr;  // the stream of the last EndCall
   // Tensor-core prefill with the history copied by the copy engines while the chunk is attended
   // (PrefillChunkArgs::copy_stream); null stream: the one-pass staging
   // (KVFERRY_PREFILL_OVERLAP=off).
