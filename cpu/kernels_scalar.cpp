@@ -135,6 +135,37 @@ void ConvertScalar(void* dst, DType dst_dtype, const void* src, DType src_dtype,
   ConvertSpan(dst, dst_dtype, src, src_dtype, n);
 }
 
+// The reference scan: one token at a time, channels in order, modulo 2^32 (equal to the exact sum
+// whenever that fits int32, which the caller guarantees).
+void ScanInt8Scalar(const ScanInt8Args& a) {
+  for (int g = 0; g < a.group; ++g) a.head_max[g] = std::numeric_limits<int32_t>::min();
+  for (int64_t j = a.begin; j < a.end; ++j) {
+    for (int g = 0; g < a.group; ++g) {
+      uint32_t s = 0;
+      for (int c = 0; c < a.r; ++c) {
+        s += static_cast<uint32_t>(a.w[g * a.r + c]) * static_cast<uint32_t>(a.rows[c][j]);
+      }
+      const int32_t v = static_cast<int32_t>(s);
+      a.acc[g * a.ld + j] = v;
+      a.head_max[g] = std::max(a.head_max[g], v);
+    }
+  }
+}
+
+int64_t ScanCollectScalar(const ScanCollectArgs& a) {
+  int64_t c = 0;
+  for (int64_t j = a.begin; j < a.end; ++j) {
+    int32_t s = a.acc[j] - a.mx[0];
+    for (int g = 1; g < a.group; ++g) s = std::max(s, a.acc[g * a.ld + j] - a.mx[g]);
+    const uint32_t key = ScanKey(s);
+    if (key >= a.thr) {
+      a.idx[c] = static_cast<int32_t>(j);
+      a.key[c++] = key;
+    }
+  }
+  return c;
+}
+
 }  // namespace
 
 int g_gather_prefetch_rows = 16;
@@ -147,7 +178,9 @@ const CpuKernels& ScalarKernels() {
                                   &FilterGreaterScalar,  &SoftmaxAccumulateScalar,
                                   &FilterGreaterBlockedScalar,
                                   &PrefillSoftmaxScalar,
-                                  &ConvertScalar};
+                                  &ConvertScalar,
+                                  &ScanInt8Scalar,
+                                  &ScanCollectScalar};
   return kernels;
 }
 
