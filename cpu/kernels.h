@@ -68,11 +68,11 @@ struct ScanInt8Args {
 struct ScanCollectArgs {
   const int32_t* acc = nullptr;  ///< [group, ld]
   int64_t ld = 0;
-  int group = 0;  ///< <= kMaxSimdGroup
+  int group = 0;                ///< <= kMaxSimdGroup
   const int32_t* mx = nullptr;  ///< [group]
   int64_t begin = 0, end = 0;
   uint32_t thr = 0;
-  int32_t* idx = nullptr;  ///< room for end - begin
+  int32_t* idx = nullptr;   ///< room for end - begin
   uint32_t* key = nullptr;  ///< room for end - begin
 };
 

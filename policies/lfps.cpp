@@ -386,7 +386,7 @@ int64_t TopKAscending(const float* w, int64_t m, int64_t k, Scratch& sc, int32_t
   return c;
 }
 
-// ---- the scan (step 3a) ---------------------------------------------------------------------------
+// ---- the scan (step 3a) -------------------------------------------------------------------------
 // A scan over many tokens may be split into ranges run as TBB tasks (SelectContext::threads). The
 // split never changes a result: head maxima combine exactly and the ranges' candidate lists are
 // concatenated in range order.
@@ -480,8 +480,8 @@ int64_t ScanCollectAll(const cpu::CpuKernels& kern, const int32_t* acc, int64_t 
 // (checked: else the pass is repeated with every key).
 int64_t ScanTopK(const cpu::CpuKernels& kern, const int32_t* acc, int64_t len, int group,
                  const int32_t* mx, const int32_t* excl, int64_t m, int64_t off_lo, int64_t need,
-                 int ranges, const lfps_internal::ScanPicksOptions& opt, Scratch& sc,
-                 int32_t* out, bool* retried) {
+                 int ranges, const lfps_internal::ScanPicksOptions& opt, Scratch& sc, int32_t* out,
+                 bool* retried) {
   int32_t* idx = Room(sc.scan_idx, len);
   uint32_t* key = Room(sc.scan_key, len);
   uint32_t thr = 0;
@@ -1028,8 +1028,8 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
       opt.threads = ctx.threads;
       int32_t* pick = Room(sc.fill, want_scan + 1);
       bool retried = false;
-      const int64_t got = ScanPicksImpl(nullptr, args, n_off, c1, m, off_lo, want_scan, opt, sc,
-                                        pick, &retried);
+      const int64_t got =
+          ScanPicksImpl(nullptr, args, n_off, c1, m, off_lo, want_scan, opt, sc, pick, &retried);
       int32_t* merged = Room(sc.merged, m + got);
       int64_t a = 0, b = 0, o = 0;
       while (a < m || b < got) {

@@ -773,7 +773,8 @@ Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const
 
 int RuntimeImpl::SelectThreads(int64_t items) const {
   const int64_t threads = pool_->num_threads();
-  return static_cast<int>(std::max<int64_t>(1, (threads + items - 1) / std::max<int64_t>(items, 1)));
+  return static_cast<int>(
+      std::max<int64_t>(1, (threads + items - 1) / std::max<int64_t>(items, 1)));
 }
 
 Status RuntimeImpl::SelectItem(int64_t item, int slot, int layer, int kv_head, int64_t n,

@@ -3,10 +3,10 @@
 // threshold and the split over threads against the scan path as it was before them, kept here as
 // a frozen reference (ScanChannels, MaxOfInt, CombineHeads, C1 at -inf, TopKAscending, verbatim
 // but for the ISA clones). The picks must be the same positions for every kernel table, thread
-// count and collection threshold, on inputs made to tie (few key values, periodic rows, tiny or zero
-// weights) and to fool the sample (C1 holding the best scores); and Select's whole output must not
-// depend on SelectContext::threads, also when heads select concurrently inside one TBB arena as in
-// the runtime's CPU step.
+// count and collection threshold, on inputs made to tie (few key values, periodic rows, tiny or
+// zero weights) and to fool the sample (C1 holding the best scores); and Select's whole output must
+// not depend on SelectContext::threads, also when heads select concurrently inside one TBB arena as
+// in the runtime's CPU step.
 #include <gtest/gtest.h>
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/task_arena.h>
@@ -143,7 +143,7 @@ std::vector<int32_t> ScanPicks(const int8_t* const* rows, const int32_t* w, int 
 
 }  // namespace frozen
 
-// ---- inputs ----------------------------------------------------------------------------------------
+// ---- inputs -------------------------------------------------------------------------------------
 enum class Keys { kUniform, kFew, kPeriodic, kZero };
 enum class Weights { kScaled, kTiny, kZero, kWide };
 
@@ -167,10 +167,18 @@ ScanInput MakeInput(std::mt19937& rng, int r, int group, int64_t len, Keys keys,
     c.resize(static_cast<size_t>(len));
     for (int64_t j = 0; j < len; ++j) {
       switch (keys) {
-        case Keys::kUniform: c[j] = static_cast<int8_t>(full(rng)); break;
-        case Keys::kFew: c[j] = static_cast<int8_t>(few(rng)); break;
-        case Keys::kPeriodic: c[j] = j < period ? static_cast<int8_t>(full(rng)) : c[j - period]; break;
-        case Keys::kZero: c[j] = 0; break;
+        case Keys::kUniform:
+          c[j] = static_cast<int8_t>(full(rng));
+          break;
+        case Keys::kFew:
+          c[j] = static_cast<int8_t>(few(rng));
+          break;
+        case Keys::kPeriodic:
+          c[j] = j < period ? static_cast<int8_t>(full(rng)) : c[j - period];
+          break;
+        case Keys::kZero:
+          c[j] = 0;
+          break;
       }
     }
     in.rows.push_back(c.data());
@@ -179,10 +187,18 @@ ScanInput MakeInput(std::mt19937& rng, int r, int group, int64_t len, Keys keys,
   in.w.resize(static_cast<size_t>(group) * r);
   for (auto& x : in.w) {
     switch (weights) {
-      case Weights::kScaled: x = static_cast<int32_t>(std::lrint(16384.0f * u(rng))); break;
-      case Weights::kTiny: x = static_cast<int32_t>(rng() % 7) - 3; break;
-      case Weights::kZero: x = 0; break;
-      case Weights::kWide: x = static_cast<int32_t>(std::lrint(32767.0f * u(rng))); break;
+      case Weights::kScaled:
+        x = static_cast<int32_t>(std::lrint(16384.0f * u(rng)));
+        break;
+      case Weights::kTiny:
+        x = static_cast<int32_t>(rng() % 7) - 3;
+        break;
+      case Weights::kZero:
+        x = 0;
+        break;
+      case Weights::kWide:
+        x = static_cast<int32_t>(std::lrint(32767.0f * u(rng)));
+        break;
     }
   }
   // As Select's weights: one at the scale's full +-16384.
@@ -247,8 +263,8 @@ TEST(LfpsScanTest, KernelsMatchTheReference) {
     for (const int group : {1, 3, 4, 5, 8, 9, 16}) {
       for (const int r : {1, 2, 4, 15, 16, 64, 255, 256}) {
         const Keys keys = static_cast<Keys>(rng() % 3);
-        const ScanInput in = MakeInput(rng, r, group, len, keys, rng() % 4 == 0 ? Weights::kWide
-                                                                                 : Weights::kScaled);
+        const ScanInput in =
+            MakeInput(rng, r, group, len, keys, rng() % 4 == 0 ? Weights::kWide : Weights::kScaled);
         std::vector<int32_t> frozen_acc(static_cast<size_t>(group) * len);
         frozen::ScanChannels(in.rows.data(), in.w.data(), r, group, len, frozen_acc.data(), len);
         // A sub-range with odd ends, so that the SIMD blocks and the scalar tails both run.
@@ -285,8 +301,8 @@ TEST(LfpsScanTest, KernelsMatchTheReference) {
           // Collect at a threshold some pass: the key of a random position's score.
           std::vector<int32_t> full_max(static_cast<size_t>(group));
           for (int g = 0; g < group; ++g) {
-            full_max[g] = *std::max_element(frozen_acc.begin() + g * len,
-                                            frozen_acc.begin() + (g + 1) * len);
+            full_max[g] =
+                *std::max_element(frozen_acc.begin() + g * len, frozen_acc.begin() + (g + 1) * len);
           }
           for (int t = 0; t < 3; ++t) {
             cpu::ScanCollectArgs c;
@@ -362,8 +378,8 @@ void RunPickCase(const PickCase& pc, uint32_t seed, int* retries) {
   for (const cpu::CpuKernels* k : Tables()) {
     for (const int threads : {1, 2, 3, 8}) {
       for (int thr_mode = 0; thr_mode < 3; ++thr_mode) {
-        SCOPED_TRACE(testing::Message() << k->name << " threads " << threads << " thr_mode "
-                                        << thr_mode);
+        SCOPED_TRACE(testing::Message()
+                     << k->name << " threads " << threads << " thr_mode " << thr_mode);
         lfps_internal::ScanPicksOptions opt;
         opt.threads = threads;
         opt.isa = static_cast<int>(k->isa);
@@ -420,7 +436,7 @@ TEST(LfpsScanTest, PicksMatchTheFrozenScan) {
   EXPECT_LE(retries, 12);
 }
 
-// ---- Select: the same output with 1 and several threads ------------------------------------------
+// ---- Select: the same output with 1 and several threads -----------------------------------------
 constexpr int kHd = 128, kPage = 256;
 
 class KvHead {
@@ -514,8 +530,8 @@ TEST(LfpsScanTest, SelectDoesNotDependOnThreads) {
       }
     }
     // [setting][head]
-    std::vector<std::vector<std::vector<int32_t>>> out(
-        std::size(settings), std::vector<std::vector<int32_t>>(kHeads));
+    std::vector<std::vector<std::vector<int32_t>>> out(std::size(settings),
+                                                       std::vector<std::vector<int32_t>>(kHeads));
     std::vector<std::vector<LfpsStepInfo>> info(std::size(settings),
                                                 std::vector<LfpsStepInfo>(kHeads));
     std::vector<Status> st(std::size(settings) * kHeads, Status::Ok());

@@ -298,11 +298,10 @@ int Main(int argc, char **argv) {
       }
       variants.push_back(v);
     } else {
-      std::fprintf(
-          stderr,
-          "usage: lfps_select_bench [--contexts a,b] [--steps N] [--warmup N] "
-          "[--repeats N] [--variant name[:k=v,..]]... [--json OUT] "
-          "[--select-threads N] [--runtime LAYERS --threads N]\n");
+      std::fprintf(stderr,
+                   "usage: lfps_select_bench [--contexts a,b] [--steps N] [--warmup N] "
+                   "[--repeats N] [--variant name[:k=v,..]]... [--json OUT] "
+                   "[--select-threads N] [--runtime LAYERS --threads N]\n");
       return 2;
     }
   }
@@ -422,8 +421,7 @@ int Main(int argc, char **argv) {
             if (var.oracle) {
               OracleSelect(sc, out);
             } else if (select_threads > 1) {
-              arena.execute(
-                  [&] { st = lfps->SelectWithInfo(sc, out, &info); });
+              arena.execute([&] { st = lfps->SelectWithInfo(sc, out, &info); });
             } else {
               st = lfps->SelectWithInfo(sc, out, &info);
             }
