@@ -5,8 +5,8 @@
 // but for the ISA clones). The picks must be the same positions for every kernel table, thread
 // count and collection threshold, on inputs made to tie (few key values, periodic rows, tiny or
 // zero weights) and to fool the sample (C1 holding the best scores); and Select's whole output must
-// not depend on SelectContext::threads, also when heads select concurrently inside one TBB arena as
-// in the runtime's CPU step.
+// not depend on SelectContext::threads, when heads select concurrently inside one TBB arena as in
+// the runtime's CPU step, nor through the runtime when its pool lends each Select several threads.
 #include <gtest/gtest.h>
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/task_arena.h>
@@ -25,6 +25,7 @@
 
 #include "cpu/dtype.h"
 #include "cpu/kernels.h"
+#include "kvferry/kvferry.h"
 #include "policies/lfps.h"
 
 namespace kvferry {
@@ -582,6 +583,81 @@ TEST(LfpsScanTest, SelectDoesNotDependOnThreads) {
       EXPECT_EQ(vs, v0);
       EXPECT_EQ(ss, s0);
     }
+  }
+}
+
+// The runtime's decode step with one KV head (so each Select gets every pool thread,
+// SelectContext::threads > 1, and its scan splits into tasks of the pool's arena) selects what a
+// one-thread runtime selects.
+TEST(LfpsScanTest, RuntimeSelectsTheSameWithMorePoolThreads) {
+  constexpr int kHd = 64, kGroup = 4, kPrime = 32, kSteps = 8;
+  constexpr int64_t kCtx = 24000;
+  std::vector<std::unique_ptr<Runtime>> rts;
+  for (const int threads : {1, 2}) {
+    RuntimeConfig c;
+    c.model = {.num_layers = 1,
+               .num_q_heads = kGroup,
+               .num_kv_heads = 1,
+               .head_dim = kHd,
+               .kv_dtype = DType::kBF16};
+    c.capacity.max_sequences = 1;
+    c.capacity.max_batch = 1;
+    c.capacity.max_tokens_per_sequence = kCtx + kSteps + 8;
+    c.capacity.max_prefill_chunk = 4096;
+    c.tiers.sink_tokens = 4;
+    c.tiers.window_tokens = 64;
+    c.backend = Backend::kHost;
+    c.probe_at_start = false;
+    c.cpu_threads = threads;
+    c.policy.name = "lfps";
+    c.policy.budget_tokens = 0;
+    c.policy.budget_fraction = 0.02;
+    c.policy.params = {{"eps", 2.0}};
+    auto made = Runtime::Create(c);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    rts.push_back(std::move(made).value());
+    ASSERT_TRUE(rts.back()->AddSequence(7).ok());
+  }
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto random = [&](int64_t n) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (float& e : x) e = nd(rng);
+    return x;
+  };
+  auto view = [](std::vector<float>& x, int64_t rows, int heads) {
+    return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {rows, heads, kHd});
+  };
+  for (int64_t pos = 0; pos < kCtx - kPrime; pos += 4096) {
+    const int64_t n = std::min<int64_t>(4096, kCtx - kPrime - pos);
+    auto k = random(n * kHd), v = random(n * kHd);
+    for (auto& rt : rts) ASSERT_TRUE(rt->Append(7, 0, view(k, n, 1), view(v, n, 1)).ok());
+  }
+  {
+    auto q = random(kPrime * kGroup * kHd), k = random(kPrime * kHd), v = random(kPrime * kHd);
+    std::vector<float> out(q.size());
+    for (auto& rt : rts) {
+      ASSERT_TRUE(rt->Prefill(7, 0, view(q, kPrime, kGroup), view(k, kPrime, 1),
+                              view(v, kPrime, 1), view(out, kPrime, kGroup))
+                      .ok());
+    }
+  }
+  const SequenceId seqs[1] = {7};
+  for (int step = 0; step < kSteps; ++step) {
+    auto q = random(kGroup * kHd), k = random(kHd), v = random(kHd);
+    std::vector<std::vector<float>> out(rts.size(), std::vector<float>(q.size()));
+    for (size_t i = 0; i < rts.size(); ++i) {
+      ASSERT_TRUE(rts[i]->Decode(seqs, 0, view(q, 1, kGroup), view(k, 1, 1), view(v, 1, 1),
+                                 view(out[i], 1, kGroup))
+                      .ok());
+    }
+    auto a = rts[0]->LastSelection(7, 0, 0), b = rts[1]->LastSelection(7, 0, 0);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_GT(a->size(), 68u + 400u) << "step " << step;  // the budget's offloaded picks
+    ASSERT_EQ(*a, *b) << "step " << step << ": " << FirstDiff(*b, *a);
+    double norm = 0.0;
+    for (float x : out[1]) norm += x * double{x};
+    EXPECT_GT(norm, 0.0);
   }
 }
 
