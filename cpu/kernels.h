@@ -45,6 +45,58 @@ struct PrefillSoftmaxArgs {
   int head_dim = 0;
 };
 
+/// LFPS's approximate scan (policies/lfps.cpp) over an int8 channel-major shadow of K, in exact
+/// int32 arithmetic so that every table gives the same bits: for j in [begin, end) and g < group,
+/// acc[g * ld + j] = sum_{c < r} w[g * r + c] * rows[c][j], and head_max[g] = the max of those
+/// (INT32_MIN for an empty range). The SIMD tables multiply int16 pairs: they need
+/// ScanArgsFitSimd (|w| <= kScanMaxSimdWeight, r <= 256, group <= kMaxSimdGroup); the scalar table
+/// takes any arguments whose sums fit int32.
+struct ScanInt8Args {
+  const int8_t* const* rows = nullptr;  ///< [r] channel rows, token j at rows[c][j]
+  const int32_t* w = nullptr;           ///< [group, r]
+  int r = 0;
+  int group = 0;
+  int64_t begin = 0, end = 0;  ///< tokens
+  int32_t* acc = nullptr;      ///< [group, ld]
+  int64_t ld = 0;
+  int32_t* head_max = nullptr;  ///< [group]
+};
+
+/// Keys of the scan's scores: for j in [begin, end), s_j = max_g (acc[g * ld + j] - mx[g]) (no
+/// overflow: the caller's mx[g] is the max of acc[g]) and key_j = ScanKey(s_j); every j with
+/// key_j >= thr is written to idx and its key to key, ascending j. Returns how many.
+struct ScanCollectArgs {
+  const int32_t* acc = nullptr;  ///< [group, ld]
+  int64_t ld = 0;
+  int group = 0;                ///< <= kMaxSimdGroup
+  const int32_t* mx = nullptr;  ///< [group]
+  int64_t begin = 0, end = 0;
+  uint32_t thr = 0;
+  int32_t* idx = nullptr;   ///< room for end - begin
+  uint32_t* key = nullptr;  ///< room for end - begin
+};
+
+inline constexpr int32_t kScanMaxSimdWeight = 32767;
+
+/// The scan's order key of an integer score: the unsigned key with the order of the float
+/// (float)s (round to nearest; so distinct scores can tie, as their floats do). Equals
+/// LFPS's OrderedKey((float)s): no NaN or -0 arises from an int.
+inline uint32_t ScanKey(int32_t s) {
+  const float f = static_cast<float>(s);
+  uint32_t b;
+  __builtin_memcpy(&b, &f, sizeof(b));
+  return b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+}
+
+/// True if the SIMD tables' scan_int8 takes these arguments (see ScanInt8Args).
+inline bool ScanArgsFitSimd(const ScanInt8Args& a) {
+  if (a.r < 1 || a.r > 256 || a.group < 1 || a.group > kMaxSimdGroup) return false;
+  for (int64_t i = 0; i < static_cast<int64_t>(a.group) * a.r; ++i) {
+    if (a.w[i] > kScanMaxSimdWeight || a.w[i] < -kScanMaxSimdWeight) return false;
+  }
+  return true;
+}
+
 struct CpuKernels {
   CpuIsa isa = CpuIsa::kScalar;
   const char* name = "scalar";
@@ -74,6 +126,10 @@ struct CpuKernels {
   /// (round to nearest even; f16 overflow gives inf).
   void (*convert)(void* dst, DType dst_dtype, const void* src, DType src_dtype,
                   int64_t n) = nullptr;
+  /// ScanInt8Args above (SIMD tables: only when ScanArgsFitSimd).
+  void (*scan_int8)(const ScanInt8Args& args) = nullptr;
+  /// ScanCollectArgs above.
+  int64_t (*scan_collect)(const ScanCollectArgs& args) = nullptr;
 };
 
 /// Tuning of the row-gather kernels (attention over scattered positions, position scoring): how

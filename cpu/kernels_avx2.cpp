@@ -14,7 +14,8 @@ const CpuKernels& Avx2Kernels() {
   static const CpuKernels kernels{CpuIsa::kAvx2, "avx2", &AttendRowsSimd, &AttendPositionsSimd,
                                   &ScorePositionsSimd, &ScoreRangeSimd, &FilterGreaterImpl,
                                   &SoftmaxAccumulateImpl, &FilterGreaterBlockedImpl,
-                                  &PrefillSoftmaxImpl, &ConvertImpl};
+                                  &PrefillSoftmaxImpl, &ConvertImpl, &ScanInt8Impl,
+                                  &ScanCollectImpl};
   return kernels;
 }
 

@@ -14,7 +14,8 @@ const CpuKernels& Avx512Kernels() {
   static const CpuKernels kernels{CpuIsa::kAvx512F, "avx512f", &AttendRowsSimd, &AttendPositionsSimd,
                                   &ScorePositionsSimd, &ScoreRangeSimd, &FilterGreaterImpl,
                                   &SoftmaxAccumulateImpl, &FilterGreaterBlockedImpl,
-                                  &PrefillSoftmaxImpl, &ConvertImpl};
+                                  &PrefillSoftmaxImpl, &ConvertImpl, &ScanInt8Impl,
+                                  &ScanCollectImpl};
   return kernels;
 }
 

@@ -14,7 +14,8 @@ const CpuKernels& Avx512Bf16Kernels() {
   static const CpuKernels kernels{CpuIsa::kAvx512Bf16, "avx512_bf16", &AttendRowsSimd, &AttendPositionsSimd,
                                   &ScorePositionsSimd, &ScoreRangeSimd, &FilterGreaterImpl,
                                   &SoftmaxAccumulateImpl, &FilterGreaterBlockedImpl,
-                                  &PrefillSoftmaxImpl, &ConvertImpl};
+                                  &PrefillSoftmaxImpl, &ConvertImpl, &ScanInt8Impl,
+                                  &ScanCollectImpl};
   return kernels;
 }
 

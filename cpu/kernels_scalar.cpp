@@ -135,6 +135,47 @@ void ConvertScalar(void* dst, DType dst_dtype, const void* src, DType src_dtype,
   ConvertSpan(dst, dst_dtype, src, src_dtype, n);
 }
 
+// The reference scan: channel by channel over chunks of tokens (the loops vectorise at the
+// baseline ISA), modulo 2^32 (equal to the exact sum whenever that fits int32, which the caller
+// guarantees).
+void ScanInt8Scalar(const ScanInt8Args& a) {
+  constexpr int64_t kChunk = 256;
+  for (int g = 0; g < a.group; ++g) a.head_max[g] = std::numeric_limits<int32_t>::min();
+  uint32_t acc[kChunk];
+  for (int64_t j0 = a.begin; j0 < a.end; j0 += kChunk) {
+    const int64_t cnt = std::min(kChunk, a.end - j0);
+    for (int g = 0; g < a.group; ++g) {
+      std::fill_n(acc, cnt, 0u);
+      for (int c = 0; c < a.r; ++c) {
+        const uint32_t w = static_cast<uint32_t>(a.w[g * a.r + c]);
+        const int8_t* k = a.rows[c] + j0;
+        for (int64_t j = 0; j < cnt; ++j) acc[j] += w * static_cast<uint32_t>(k[j]);
+      }
+      int32_t* dst = a.acc + g * a.ld + j0;
+      int32_t mx = a.head_max[g];
+      for (int64_t j = 0; j < cnt; ++j) {
+        dst[j] = static_cast<int32_t>(acc[j]);
+        mx = std::max(mx, dst[j]);
+      }
+      a.head_max[g] = mx;
+    }
+  }
+}
+
+int64_t ScanCollectScalar(const ScanCollectArgs& a) {
+  int64_t c = 0;
+  for (int64_t j = a.begin; j < a.end; ++j) {
+    int32_t s = a.acc[j] - a.mx[0];
+    for (int g = 1; g < a.group; ++g) s = std::max(s, a.acc[g * a.ld + j] - a.mx[g]);
+    const uint32_t key = ScanKey(s);
+    if (key >= a.thr) {
+      a.idx[c] = static_cast<int32_t>(j);
+      a.key[c++] = key;
+    }
+  }
+  return c;
+}
+
 }  // namespace
 
 int g_gather_prefetch_rows = 16;
@@ -147,7 +188,9 @@ const CpuKernels& ScalarKernels() {
                                   &FilterGreaterScalar,  &SoftmaxAccumulateScalar,
                                   &FilterGreaterBlockedScalar,
                                   &PrefillSoftmaxScalar,
-                                  &ConvertScalar};
+                                  &ConvertScalar,
+                                  &ScanInt8Scalar,
+                                  &ScanCollectScalar};
   return kernels;
 }
 

@@ -42,9 +42,13 @@
 #include <limits>
 #include <numeric>
 
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/task_arena.h>
+
+#include "base/check.h"
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
-#include "base/check.h"
+#include "cpu/kernels.h"
 
 namespace kvferry {
 namespace {
@@ -58,7 +62,8 @@ struct Scratch {
   std::vector<uint64_t> c0_bits;
   std::vector<uint32_t> keys, bin_keys;
   std::vector<float> logits, weights, probs, fill_score, chan_imp;
-  std::vector<int32_t> scan_acc, scan_w;
+  std::vector<int32_t> scan_acc, scan_w, scan_idx, scan_max;
+  std::vector<uint32_t> scan_key, scan_sample;
   std::vector<int32_t> chans, hist;
   std::vector<double> log_glob;
 };
@@ -102,54 +107,6 @@ void PowerSums(const std::vector<float>& u, double* pw) {
   pw[3] = s3;
   pw[4] = s4;
 }
-
-// Approximate logits of \p group query heads over len keys from an int8 channel-major shadow, in
-// integers (exact, so every ISA and the reference agree bit for bit):
-// acc[g * ld + j] = sum_c w[g * r + c] * rows[c][j], |w| < 2^15, r <= 256 (no overflow).
-// Blocked over j so the r channel rows of a block stay in L1 while every head consumes them; cloned
-// for AVX-512 / AVX2 (the loops are plain C++).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-void ScanChannels(const int8_t* const* rows, const int32_t* w, int r, int group, int64_t len,
-                  int32_t* acc, int64_t ld) {
-  constexpr int64_t kChunk = 512;
-  for (int64_t j0 = 0; j0 < len; j0 += kChunk) {
-    const int64_t cnt = std::min(kChunk, len - j0);
-    for (int g = 0; g < group; ++g) std::fill_n(acc + g * ld + j0, cnt, 0);
-    for (int c = 0; c < r; ++c) {
-      const int8_t* kc = rows[c] + j0;
-      for (int g = 0; g < group; ++g) {
-        const int32_t wg = w[g * r + c];
-        int32_t* a = acc + g * ld + j0;
-        for (int64_t j = 0; j < cnt; ++j) a[j] += wg * static_cast<int32_t>(kc[j]);
-      }
-    }
-  }
-}
-
-// score[j] = max_g (acc[g][j] - mx[g]) as float, for j in [0, len) (exact integer max first).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-void CombineHeads(const int32_t* acc, int64_t ld, int group, const int32_t* mx, int64_t len,
-                  float* score) {
-  for (int64_t j = 0; j < len; ++j) {
-    int32_t best = acc[j] - mx[0];
-    for (int g = 1; g < group; ++g) best = std::max(best, acc[g * ld + j] - mx[g]);
-    score[j] = static_cast<float>(best);
-  }
-}
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-int32_t MaxOfInt(const int32_t* x, int64_t n) {
-  int32_t m = std::numeric_limits<int32_t>::min();
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);
-  return m;
-}
-
 
 constexpr int kMaxShadowDim = 512;  // head_dim bound of the scan's shadow (runtime: <= 256)
 constexpr int64_t kShadowTile = 64;  // rows quantised per transposition tile
@@ -427,6 +384,173 @@ int64_t TopKAscending(const float* w, int64_t m, int64_t k, Scratch& sc, int32_t
     ties -= eq && take;
   }
   return c;
+}
+
+// ---- the scan (step 3a) -------------------------------------------------------------------------
+// A scan over many tokens may be split into ranges run as TBB tasks (SelectContext::threads). The
+// split never changes a result: head maxima combine exactly and the ranges' candidate lists are
+// concatenated in range order.
+constexpr int64_t kScanRangeMin = 8192;  // tokens per range at least
+constexpr int kScanMaxRanges = 64;
+constexpr int64_t kScanSampleMin = 4096;  // fewer offloaded tokens: every key is a candidate
+constexpr int kScanSamples = 1024;
+
+int ScanRanges(int64_t len, int threads) {
+  if (threads <= 1 || len < 2 * kScanRangeMin) return 1;
+  return static_cast<int>(std::min<int64_t>({threads, len / kScanRangeMin, kScanMaxRanges}));
+}
+// Range i of `ranges` over [0, len): boundaries on multiples of 64 tokens.
+int64_t RangeBegin(int64_t len, int ranges, int i) {
+  return i >= ranges ? len : (len * i / ranges) & ~int64_t{63};
+}
+
+// fn(i) for i in [0, count): inline for one range, else as TBB tasks in the calling thread's arena
+// (the runtime's pool, when Select runs in a pool task: no extra threads). Isolated, so that a
+// thread waiting here takes no outer task (another head's Select would reuse its thread-local
+// Scratch); the tasks use only the caller's buffers.
+template <typename F>
+void ForRanges(int count, const F& fn) {
+  if (count <= 1) {
+    fn(0);
+    return;
+  }
+  tbb::this_task_arena::isolate([&] { tbb::parallel_for(0, count, [&](int i) { fn(i); }); });
+}
+
+// acc[g * len + j] for j in [0, len) and mx[g] = the max over j (args.begin / end / head_max are
+// set here); range_max has room for ranges * group.
+void ScanAll(const cpu::CpuKernels& kern, const cpu::ScanInt8Args& args, int64_t len, int ranges,
+             int32_t* range_max, int32_t* mx) {
+  const int group = args.group;
+  ForRanges(ranges, [&](int i) {
+    cpu::ScanInt8Args a = args;
+    a.begin = RangeBegin(len, ranges, i);
+    a.end = RangeBegin(len, ranges, i + 1);
+    a.head_max = range_max + static_cast<int64_t>(i) * group;
+    kern.scan_int8(a);
+  });
+  for (int g = 0; g < group; ++g) {
+    mx[g] = range_max[g];
+    for (int i = 1; i < ranges; ++i) mx[g] = std::max(mx[g], range_max[i * group + g]);
+  }
+}
+
+// Every j in [0, len) with ScanKey(score_j) >= thr and off_lo + j not in the ascending list
+// excl[0, m), ascending, into idx / key (room for len); returns how many.
+int64_t ScanCollectAll(const cpu::CpuKernels& kern, const int32_t* acc, int64_t len, int group,
+                       const int32_t* mx, uint32_t thr, const int32_t* excl, int64_t m,
+                       int64_t off_lo, int ranges, int32_t* idx, uint32_t* key) {
+  int64_t counts[kScanMaxRanges];
+  ForRanges(ranges, [&](int i) {
+    cpu::ScanCollectArgs a;
+    a.acc = acc;
+    a.ld = len;
+    a.group = group;
+    a.mx = mx;
+    a.begin = RangeBegin(len, ranges, i);
+    a.end = RangeBegin(len, ranges, i + 1);
+    a.thr = thr;
+    a.idx = idx + a.begin;
+    a.key = key + a.begin;
+    counts[i] = kern.scan_collect(a);
+  });
+  // Compact in range order (in place: a kept entry never moves right), dropping excl.
+  int64_t o = 0, e = 0;
+  for (int i = 0; i < ranges; ++i) {
+    const int64_t b = RangeBegin(len, ranges, i);
+    for (int64_t t = 0; t < counts[i]; ++t) {
+      const int64_t pos = off_lo + idx[b + t];
+      while (e < m && excl[e] < pos) ++e;
+      if (e < m && excl[e] == pos) continue;
+      idx[o] = idx[b + t];
+      key[o++] = key[b + t];
+    }
+  }
+  return o;
+}
+
+// The scan's picks: the `need` best j in [0, len) by score_j = (float) max_g (acc[g len + j] -
+// mx[g]) with off_lo + j not in the ascending list excl[0, m), written as ascending j, in
+// TopKAscending's order (value descending, lower index first on ties); 0 < need <= len - m. This is
+// the set TopKAscending picks from the scores with the excluded ones at -inf (they rank below every
+// score and need <= len - m keeps them out). Instead of keying, histogramming and re-reading every
+// score, a stratified sample of kScanSamples scores sets a key threshold that about 1.5 need + 4
+// standard deviations pass, one vectorised pass collects the keys at or above it, and the exact
+// selection runs over those. The set does not depend on the threshold as long as >= need keys pass
+// (checked: else the pass is repeated with every key).
+int64_t ScanTopK(const cpu::CpuKernels& kern, const int32_t* acc, int64_t len, int group,
+                 const int32_t* mx, const int32_t* excl, int64_t m, int64_t off_lo, int64_t need,
+                 int ranges, const lfps_internal::ScanPicksOptions& opt, Scratch& sc, int32_t* out,
+                 bool* retried) {
+  int32_t* idx = Room(sc.scan_idx, len);
+  uint32_t* key = Room(sc.scan_key, len);
+  uint32_t thr = 0;
+  if (opt.force_thr) {
+    thr = opt.thr;
+  } else if (len >= kScanSampleMin) {
+    uint32_t* smp = Room(sc.scan_sample, kScanSamples);
+    int64_t ns = 0, e = 0;
+    for (int i = 0; i < kScanSamples; ++i) {
+      // One position per stratum, at a hashed offset (the cache may repeat with a period).
+      const int64_t lo = len * i / kScanSamples, hi = len * (i + 1) / kScanSamples;
+      const int64_t j = lo + ((static_cast<uint32_t>(i) * 2654435761u) >> 8) % (hi - lo);
+      while (e < m && excl[e] < off_lo + j) ++e;
+      if (e < m && excl[e] == off_lo + j) continue;
+      int32_t s = acc[j] - mx[0];
+      for (int g = 1; g < group; ++g) s = std::max(s, acc[g * len + j] - mx[g]);
+      smp[ns++] = cpu::ScanKey(s);
+    }
+    const double mean = static_cast<double>(need) / static_cast<double>(len - m) * ns;
+    const int64_t q = static_cast<int64_t>(std::ceil(1.5 * mean + 4.0 * std::sqrt(mean) + 4.0));
+    if (q < ns) {
+      std::nth_element(smp, smp + (q - 1), smp + ns, std::greater<uint32_t>());
+      thr = smp[q - 1];
+    }
+  }
+  int64_t c = ScanCollectAll(kern, acc, len, group, mx, thr, excl, m, off_lo, ranges, idx, key);
+  *retried = c < need && thr != 0;
+  if (*retried) {
+    c = ScanCollectAll(kern, acc, len, group, mx, 0, excl, m, off_lo, ranges, idx, key);
+  }
+  // v = the need-th largest key; take every key > v and the first (need - #{> v}) keys == v.
+  uint32_t* tmp = Room(sc.keys, c);
+  std::copy_n(key, c, tmp);
+  std::nth_element(tmp, tmp + (need - 1), tmp + c, std::greater<uint32_t>());
+  const uint32_t v = tmp[need - 1];
+  int64_t ties = need;
+  for (int64_t i = 0; i < need - 1; ++i) ties -= tmp[i] > v;
+  int64_t o = 0;
+  for (int64_t i = 0; i < c; ++i) {
+    const bool eq = key[i] == v;
+    const bool take = key[i] > v || (eq && ties > 0);
+    out[o] = idx[i];
+    o += take;
+    ties -= eq && take;
+  }
+  return o;
+}
+
+// Scan and picks (ScanAll + ScanTopK) with scratch from sc; args: rows, w, r, group.
+int64_t ScanPicksImpl(const cpu::CpuKernels* kern, cpu::ScanInt8Args args, int64_t len,
+                      const int32_t* excl, int64_t m, int64_t off_lo, int64_t need,
+                      const lfps_internal::ScanPicksOptions& opt, Scratch& sc, int32_t* out,
+                      bool* retried) {
+  if (kern == nullptr) {
+    kern = cpu::ScanArgsFitSimd(args) ? &cpu::BestCpuKernels() : &cpu::ScalarKernels();
+  }
+  const int group = args.group;
+  const int ranges = ScanRanges(len, opt.threads);
+  args.acc = Room(sc.scan_acc, static_cast<int64_t>(group) * len);
+  args.ld = len;
+  int32_t* mx = Room(sc.scan_max, static_cast<int64_t>(ranges + 1) * group);
+  ScanAll(*kern, args, len, ranges, mx + group, mx);
+  *retried = false;
+  if (need >= len) {
+    std::iota(out, out + len, 0);
+    return len;
+  }
+  return ScanTopK(*kern, args.acc, len, group, mx, excl, m, off_lo, need, ranges, opt, sc, out,
+                  retried);
 }
 
 // Softmax of logits[0..count) written to probs (fp32), returns nothing; count > 0.
@@ -893,20 +1017,19 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
           wq[g * r + c] = static_cast<int32_t>(std::lrint(v == v ? v : 0.0f));
         }
       }
-      int32_t* acc = Room(sc.scan_acc, static_cast<int64_t>(group) * n_off);
-      ScanChannels(rows, wq, r, group, n_off, acc, n_off);
-      int32_t mx[kMaxQueriesPerScore];
-      for (int g = 0; g < group; ++g) mx[g] = MaxOfInt(acc + g * n_off, n_off);
-      float* score = Room(sc.fill_score, n_off);
-      CombineHeads(acc, n_off, group, mx, n_off, score);
-      for (int64_t j = 0; j < m; ++j) score[c1[j] - off_lo] = -std::numeric_limits<float>::infinity();
+      // Approximate logits (exact integers: every kernel table agrees bit for bit), then the
+      // best positions outside C1 by max_g (logit_g - max logit_g).
+      cpu::ScanInt8Args args;
+      args.rows = rows;
+      args.w = wq;
+      args.r = r;
+      args.group = group;
+      lfps_internal::ScanPicksOptions opt;
+      opt.threads = ctx.threads;
       int32_t* pick = Room(sc.fill, want_scan + 1);
-      int64_t got = want_scan;
-      if (want_scan < n_off) {
-        got = TopKAscending(score, n_off, want_scan, sc, pick);
-      } else {
-        std::iota(pick, pick + n_off, 0);
-      }
+      bool retried = false;
+      const int64_t got =
+          ScanPicksImpl(nullptr, args, n_off, c1, m, off_lo, want_scan, opt, sc, pick, &retried);
       int32_t* merged = Room(sc.merged, m + got);
       int64_t a = 0, b = 0, o = 0;
       while (a < m || b < got) {
@@ -1023,12 +1146,16 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   info.c2 = k2;
   // Adaptive scan period: a scan whose candidates made few of C2 (< 1/16) doubles the period (up to
   // scan_max_period); one that mattered brings it back to every step. Scan-only candidates are the
-  // positions of C1 \ C1_tables, recognised by a binary search in the tables' list (kept in hits).
+  // positions of C1 \ C1_tables, recognised by a merge with the tables' list (kept in hist).
   if (params_.scan > 0 && info.scanned > 0) {
     int64_t from_scan = 0;
     const int32_t* hist = sc.hist.data();
+    // Both lists ascending (c2_idx is, and so is c1): one merge walk.
+    int64_t h = 0;
     for (int64_t j = 0; j < k2; ++j) {
-      from_scan += !std::binary_search(hist, hist + hist_m, c1[c2_idx[j]]);
+      const int32_t pos = c1[c2_idx[j]];
+      while (h < hist_m && hist[h] < pos) ++h;
+      from_scan += !(h < hist_m && hist[h] == pos);
     }
     st->scan_period = 16 * from_scan >= k2 ? 1 : std::min(2 * st->scan_period, params_.scan_max_period);
   }
@@ -1110,6 +1237,36 @@ bool LfpsPolicy::TableSums(int slot, int layer, int kv_head, double* ver, double
   *sla = ss * st->scale;
   return true;
 }
+
+namespace lfps_internal {
+
+int64_t ScanPicks(const int8_t* const* rows, const int32_t* w, int r, int group, int64_t len,
+                  const int32_t* excl, int64_t m, int64_t off_lo, int64_t need,
+                  const ScanPicksOptions& opt, std::vector<int32_t>& out, bool* retried) {
+  const cpu::CpuKernels* kern = nullptr;
+  if (opt.isa >= 0) {
+    kern = cpu::GetCpuKernels(static_cast<cpu::CpuIsa>(opt.isa));
+    if (kern == nullptr) return -1;
+  }
+  cpu::ScanInt8Args args;
+  args.rows = rows;
+  args.w = w;
+  args.r = r;
+  args.group = group;
+  if (kern != nullptr && kern->isa != cpu::CpuIsa::kScalar && !cpu::ScanArgsFitSimd(args)) {
+    return -1;
+  }
+  Scratch sc;
+  out.assign(static_cast<size_t>(std::min(need, len)) + 1, 0);
+  bool again = false;
+  const int64_t got =
+      ScanPicksImpl(kern, args, len, excl, m, off_lo, need, opt, sc, out.data(), &again);
+  out.resize(static_cast<size_t>(got));
+  if (retried != nullptr) *retried = again;
+  return got;
+}
+
+}  // namespace lfps_internal
 
 Result<std::unique_ptr<Policy>> MakeLfpsPolicy(const RuntimeConfig& config) {
   KVF_ASSIGN_OR_RETURN(LfpsParams params, ParseLfpsParams(config.policy.params));

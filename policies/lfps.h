@@ -145,6 +145,28 @@ class LfpsPolicy final : public Policy {
       offloaded_{0}, shadow_rows_{0};
 };
 
+namespace lfps_internal {
+
+/// Options of ScanPicks.
+struct ScanPicksOptions {
+  int threads = 1;         ///< as SelectContext::threads
+  int isa = -1;            ///< the cpu::CpuIsa whose kernel table scans; -1: Select's choice
+  bool force_thr = false;  ///< collect with thr instead of the sampled threshold
+  uint32_t thr = 0;        ///< a cpu::ScanKey
+};
+
+/// Select's scan step (3a) after the channel choice, for tests: approximate logits acc[g][j] =
+/// sum_c w[g * r + c] * rows[c][j] over j in [0, len), score_j = (float) max_g (acc[g][j] - max_j
+/// acc[g][j]), and the `need` best j (value descending, lower j first on ties) with off_lo + j not
+/// in the ascending list excl[0, m), as ascending j in out (all of [0, len) when need >= len);
+/// need <= len - m unless need >= len. Returns the count, -1 when opt.isa cannot run here or its
+/// SIMD table does not take these arguments. \p retried: the threshold let fewer than need pass.
+int64_t ScanPicks(const int8_t* const* rows, const int32_t* w, int r, int group, int64_t len,
+                  const int32_t* excl, int64_t m, int64_t off_lo, int64_t need,
+                  const ScanPicksOptions& opt, std::vector<int32_t>& out, bool* retried = nullptr);
+
+}  // namespace lfps_internal
+
 /// The registry's factory: params from config.policy.params ("s", "r", "eps", "a", "local",
 /// "fallback", "score_all"); state sized from config.capacity and config.model.
 Result<std::unique_ptr<Policy>> MakeLfpsPolicy(const RuntimeConfig& config);

@@ -37,6 +37,10 @@ struct SelectContext {
   const float* q = nullptr;  ///< [group, head_dim] fp32, the new token's queries (post-RoPE)
   AttnParams params;     ///< group, head_dim, kv dtype, scale
   KvPages kv;            ///< every stored row of this (sequence, layer, KV head), host memory
+  /// Threads Select may keep busy: > 1 lets a policy split its own O(n) work into TBB tasks of
+  /// the calling thread's arena (the runtime's CPU pool inside a pool task). The selection never
+  /// depends on it.
+  int threads = 1;
 };
 
 /// The prompt chunk a policy may learn from at Prefill (e.g. LFPS primes its tables from the

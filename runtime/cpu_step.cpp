@@ -33,6 +33,8 @@ Status RuntimeImpl::SelectAndAttendOnCpu(std::span<const int> slot_of, int layer
   const auto* k_src = static_cast<const char*>(k.data);
   const auto* v_src = static_cast<const char*>(v.data);
 
+  // Fewer items than pool threads: each Select may split its O(n) scan over the idle ones.
+  const int select_threads = SelectThreads(items);
   pool_->ParallelFor(items, [&](int64_t i) {
     const int64_t b = i / hkv;
     const int h = static_cast<int>(i % hkv);
@@ -52,7 +54,7 @@ Status RuntimeImpl::SelectAndAttendOnCpu(std::span<const int> slot_of, int layer
     std::fill_n(lse, group_, -std::numeric_limits<float>::infinity());
     std::fill_n(o, gd, 0.0f);
     // 2 select.
-    item_status_[i] = SelectItem(i, slot, layer, h, n, q32);
+    item_status_[i] = SelectItem(i, slot, layer, h, n, q32, select_threads);
     const std::vector<int32_t>& sel = selections_[i];
     if (!item_status_[i].ok()) return;
     // 3 resolve: the resident positions are the device's part (the policy covers all of them);

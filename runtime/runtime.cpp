@@ -841,8 +841,14 @@ Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const
   return Status::Ok();
 }
 
+int RuntimeImpl::SelectThreads(int64_t items) const {
+  const int64_t threads = pool_->num_threads();
+  return static_cast<int>(
+      std::max<int64_t>(1, (threads + items - 1) / std::max<int64_t>(items, 1)));
+}
+
 Status RuntimeImpl::SelectItem(int64_t item, int slot, int layer, int kv_head, int64_t n,
-                               const float* q) {
+                               const float* q, int threads) {
   SelectContext ctx;
   ctx.slot = slot;
   ctx.layer = layer;
@@ -854,6 +860,7 @@ Status RuntimeImpl::SelectItem(int64_t item, int slot, int layer, int kv_head, i
   ctx.q = q;
   ctx.params = AttnParams{group_, config_.model.head_dim, config_.model.kv_dtype, scale_};
   ctx.kv = store_->pages(slot, layer, kv_head);
+  ctx.threads = threads;
   std::vector<int32_t>& sel = selections_[item];
   sel.clear();
   KVF_RETURN_IF_ERROR(policy_->Select(ctx, sel));
@@ -982,12 +989,13 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
   KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, nq * 4, stream));
   KVF_RETURN_IF_ERROR(HostWaitStream(stream));
   stats_.bytes_d2h += nq * 4;
+  const int select_threads = SelectThreads(items);
   pool_->ParallelFor(items, [&](int64_t i) {
     const int64_t b = i / hkv;
     const int h = static_cast<int>(i % hkv);
     item_status_[i] = SelectItem(i, slot_of[b], layer, h,
                                  lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer],
-                                 q_host_ + b * hq * d + h * gd);
+                                 q_host_ + b * hq * d + h * gd, select_threads);
   });
   for (int64_t i = 0; i < items; ++i) {
     // The step failed in the policy; Decode rolls the append back.

@@ -164,7 +164,11 @@ class RuntimeImpl {
   // a policy failure returns its Status with nothing on the device changed by this function.
   // Runs the policy's Select for (slot, layer, kv_head) with n positions and the group's fp32
   // queries q into selections_[item]; a selection over item_cap_ is kInternal.
-  Status SelectItem(int64_t item, int slot, int layer, int kv_head, int64_t n, const float* q);
+  /// \p threads: SelectContext::threads (pool threads per item of the step, at least 1).
+  Status SelectItem(int64_t item, int slot, int layer, int kv_head, int64_t n, const float* q,
+                    int threads);
+  /// Pool threads per item when \p items run at once (SelectContext::threads).
+  int SelectThreads(int64_t items) const;
   // First writes the new tokens' K/V rows to the host store (the step's kernels write only their
   // resident rows: DecodeStepArgs::host_writes_store). q/k/v: the caller's inputs in host memory.
   Status SelectAndAttendOnCpu(std::span<const int> slot_of, int layer,

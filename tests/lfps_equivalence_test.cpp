@@ -508,6 +508,7 @@ struct Case {
   int rank = 0, scan = 0;
   double scan_factor = 2.0;
   int scan_max_period = 8;
+  int threads = 1;  // SelectContext::threads
 };
 
 // Keys: noise, a few "retrieval" keys along a hidden direction that the queries follow in stints
@@ -623,6 +624,7 @@ void RunCase(const Case& c, uint32_t seed, Coverage* cov) {
       ctx.q = q.data();
       ctx.params = p;
       ctx.kv = heads[h].kv();
+      ctx.threads = c.threads;
       LfpsStepInfo gi, wi;
       ASSERT_TRUE(policy.SelectWithInfo(ctx, got, &gi).ok());
       refs[h].Select(ctx, want, &wi);
@@ -726,6 +728,26 @@ TEST(LfpsEquivalenceTest, LargeContexts) {
   }
   EXPECT_GT(cov.big_c1, 20);
   EXPECT_GT(cov.under_k, 20);
+}
+
+// The scan over contexts large enough for its sampled collection threshold and for its split into
+// ranges over threads (SelectContext::threads), step by step against the reference.
+TEST(LfpsEquivalenceTest, ScanLargeContexts) {
+  // n0, group, sink, window, budget_frac, a, r, prime, fallback, eps, steps, sink_heavy,
+  // fill, rank, scan, scan_factor, scan_max_period, threads
+  const Case cases[] = {
+      {20011, 4, 4, 64, 0.02, 0.2, 0.95, true, true, 0.85, 40, false, 1.0, 1, 16, 2.0, 8, 4},
+      {33001, 8, 4, 256, 0.02, 0.2, 0.95, true, true, 2.0, 30, false, 1.0, 1, 16, 2.0, 1, 3},
+      {17000, 1, 4, 64, 0.05, 0.1, 0.9, false, true, 0.85, 30, false, 0.0, 0, 5, 1.0, 2, 1},
+      {24577, 3, 0, 32, 0.01, 0.2, 0.95, true, false, 2.0, 30, true, 1.0, 1, 64, 4.0, 4, 2},
+  };
+  uint32_t seed = 400;
+  Coverage cov;
+  for (const Case& c : cases) {
+    RunCase(c, seed++, &cov);
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_GT(cov.scanned, 60);
 }
 
 }  // namespace

@@ -20,6 +20,10 @@
 //   lfps_select_bench [--contexts 8192,32768,131072] [--steps 20] [--warmup 2]
 //   [--repeats 3]
 //                     [--variant name:k=v,k=v ...] [--json OUT]
+//                     [--select-threads N]
+// --select-threads N: each LFPS Select gets SelectContext::threads = N and runs
+// inside a TBB arena of N threads (one head at a time, its scan split over the
+// arena); the selections are the same for every N.
 // Variants default to: oracle, lfps (defaults), lfps_paper (rank=0 fill=0
 // scan=0).
 #include <algorithm>
@@ -34,6 +38,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <oneapi/tbb/task_arena.h>
 
 #include "cpu/dtype.h"
 #include "kvferry/kvferry.h"
@@ -238,7 +244,7 @@ int Main(int argc, char **argv) {
   int steps = 20, warmup = 2, repeats = 3;
   std::string json;
   bool verbose = false, recall = true;
-  int runtime_layers = 0, threads = 2;
+  int runtime_layers = 0, threads = 2, select_threads = 1;
   std::vector<Variant> variants;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -264,6 +270,8 @@ int Main(int argc, char **argv) {
       runtime_layers = std::stoi(next());
     } else if (a == "--threads") {
       threads = std::stoi(next());
+    } else if (a == "--select-threads") {
+      select_threads = std::max(1, std::stoi(next()));
     } else if (a == "--no-recall") {
       recall = false;
     } else if (a == "--verbose") {
@@ -290,10 +298,10 @@ int Main(int argc, char **argv) {
       }
       variants.push_back(v);
     } else {
-      std::fprintf(
-          stderr,
-          "usage: lfps_select_bench [--contexts a,b] [--steps N] [--warmup N] "
-          "[--repeats N] [--variant name[:k=v,..]]... [--json OUT]\n");
+      std::fprintf(stderr,
+                   "usage: lfps_select_bench [--contexts a,b] [--steps N] [--warmup N] "
+                   "[--repeats N] [--variant name[:k=v,..]]... [--json OUT] "
+                   "[--select-threads N] [--runtime LAYERS --threads N]\n");
       return 2;
     }
   }
@@ -315,6 +323,7 @@ int Main(int argc, char **argv) {
     return 0;
   }
   const AttnParams params = Params();
+  tbb::task_arena arena(select_threads);
   std::ostringstream rows;
   bool first_row = true;
   for (const int64_t ctx : contexts) {
@@ -405,16 +414,22 @@ int Main(int argc, char **argv) {
             sc.q = step_q[h].data();
             sc.params = params;
             sc.kv = heads[h]->kv();
+            sc.threads = select_threads;
             LfpsStepInfo info;
+            Status st = Status::Ok();
             const double t0 = Now();
             if (var.oracle) {
               OracleSelect(sc, out);
-            } else if (Status s = lfps->SelectWithInfo(sc, out, &info);
-                       !s.ok()) {
-              std::fprintf(stderr, "%s\n", s.ToString().c_str());
-              return 1;
+            } else if (select_threads > 1) {
+              arena.execute([&] { st = lfps->SelectWithInfo(sc, out, &info); });
+            } else {
+              st = lfps->SelectWithInfo(sc, out, &info);
             }
             const double dt = Now() - t0;
+            if (!st.ok()) {
+              std::fprintf(stderr, "%s\n", st.ToString().c_str());
+              return 1;
+            }
             if (verbose && !var.oracle) {
               std::fprintf(stderr,
                            "step %d head %d: %.3f ms c0 %lld c1 %lld scanned "
