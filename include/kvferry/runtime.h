@@ -109,8 +109,12 @@ class Runtime {
   /// Decode calls of every layer, and before each replay call PlanDecode(seqs, stream) again; the
   /// replay then runs the planned step. Capture-safe policies (those whose selection runs on the
   /// device: "dense", "streaming" from the length, "oracle" by an exact top-k over the scores of
-  /// every key) with route gpu or auto and no token bank; the others need the
-  /// host inside the step and return kFailedPrecondition while capturing. A layer of a planned
+  /// every key, "quest" and "sparcas" from metadata in device memory) with route gpu or auto; with
+  /// a token bank (bank_slots > 0) the device selecting policies keep it in device memory
+  /// (cuda::DeviceBank: hits read from the bank, misses staged and admitted by a kernel after each
+  /// layer's step), so the step stays capture-safe. The others (host-selecting policies, and
+  /// "streaming" with a bank, which keeps the host-managed bank) need the host inside the step and
+  /// return kFailedPrecondition while capturing. A layer of a planned
   /// step whose Decode fails, or that is not run before the next PlanDecode while other layers
   /// were, is rolled back (its token uncommitted). Synchronise before RemoveSequence after replays.
   Status PlanDecode(std::span<const SequenceId> seqs, StreamHandle stream = nullptr);
