@@ -36,6 +36,13 @@ Status RuntimeImpl::SelectAndAttendOnCpu(std::span<const int> slot_of, int layer
   // Fewer items than pool threads: each Select may split its O(n) scan over the idle ones.
   const int select_threads = SelectThreads(items);
   pool_->ParallelFor(items, [&](int64_t i) {
+    // One span per (sequence, KV head) task on its pool thread: append, select, CPU attention.
+    struct ItemSpan {
+      TraceRecorder& trace;
+      int64_t item;
+      TraceRecorder::Clock::time_point t0 = TraceRecorder::Clock::now();
+      ~ItemSpan() { trace.Span("cpu_item", "cpu", t0, TraceRecorder::Clock::now(), item); }
+    } span{trace_, i};
     const int64_t b = i / hkv;
     const int h = static_cast<int>(i % hkv);
     const int slot = slot_of[b];

@@ -17,9 +17,6 @@ constexpr int kPlanRing = 16;       // pinned staging entries for plans in fligh
 constexpr int kStepMaxSplits = 127;  // split partials per item the step workspace holds
 
 using Clock = std::chrono::steady_clock;
-double MsSince(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
 
 size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -252,7 +249,7 @@ Status RuntimeImpl::PlanDecode(std::span<const SequenceId> seqs, StreamHandle st
   plan_.seqs.assign(seqs.begin(), seqs.end());
   plan_.slots = slot_of;
   std::fill(plan_.layer_run.begin(), plan_.layer_run.end(), 0);
-  stats_.ms_append += MsSince(t0);
+  Stage(stats_.ms_append, "append", t0);
   return Status::Ok();
 }
 
@@ -413,7 +410,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     selected += r.count;
   }
   a.max_rows_hint = max_rows;
-  stats_.ms_append += MsSince(t0);
+  Stage(stats_.ms_append, "append", t0);
 
   const auto t1 = Clock::now();
   Status st = Status::Ok();
@@ -445,10 +442,10 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   if (st.ok() && a.bank.rows != nullptr) {
     const auto ta = Clock::now();
     st = step_bank_->Admit(bank_admit_, static_cast<int>(batch * m.num_kv_heads), stream);
-    stats_.ms_admit += MsSince(ta);
+    Stage(stats_.ms_admit, "admit", ta);
   }
   if (st.ok() && cpu_step_) {
-    stats_.ms_attend_gpu += MsSince(t1);
+    Stage(stats_.ms_attend_gpu, "attend_gpu", t1);
     const auto t2 = Clock::now();
     if (!inputs_on_host) st = HostWaitEvent(q_ready_);
     // The pinned CPU part of the last step must have reached the device before it is rewritten
@@ -456,7 +453,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     if (st.ok() && !device_->EventDone(cpu_part_up_)) st = HostWaitEvent(cpu_part_up_);
     // A policy failure rolls back below like any other (the window rewritten from the store).
     if (st.ok()) st = SelectAndAttendOnCpu(slot_of, layer, pos, q_host, k_host, v_host);
-    stats_.ms_select += MsSince(t2);
+    Stage(stats_.ms_select, "select", t2);
     const int64_t rows = batch * m.num_q_heads;
     const bool host = device_->backend() == Backend::kHost;
     const float* o_cpu = host ? o_cpu_host_ : o_cpu_dev_;
@@ -473,7 +470,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       const auto t3 = Clock::now();
       st = device_->MergeLse(o_gpu_, lse_gpu_, o_cpu, lse_cpu, rows, m.head_dim,
                              out_direct ? out.data : out_stage_, out.dtype, stream);
-      stats_.ms_merge += MsSince(t3);
+      Stage(stats_.ms_merge, "merge", t3);
     }
   }
   if (st.ok() && !out_direct) {
@@ -498,7 +495,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     for (int slot : slot_of) ++lengths_[static_cast<size_t>(slot) * layers + layer];
   }
   const int64_t hkv = m.num_kv_heads;
-  if (!cpu_step_) stats_.ms_attend_gpu += MsSince(t1);
+  if (!cpu_step_) Stage(stats_.ms_attend_gpu, "attend_gpu", t1);
   stats_.rows_resident += resident * hkv;
   stats_.rows_fetched += fetched * hkv;
   stats_.rows_selected += selected * hkv;

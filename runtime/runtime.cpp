@@ -19,9 +19,6 @@ namespace detail {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-double MsSince(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
 
 constexpr int kPageTokens = 256;
 
@@ -573,7 +570,7 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   if (!st.ok()) return WithRestore(std::move(st), RestoreWindow({&slot, 1}, layer, stream));
   len = new_len;
   stats_.prefill_tokens += tokens;
-  stats_.ms_prefill += MsSince(t0);
+  Stage(stats_.ms_prefill, "prefill", t0);
   return Status::Ok();
 }
 
@@ -837,7 +834,7 @@ Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const
   stats_.bytes_d2h += tokens * m.num_kv_heads * 2 * static_cast<int64_t>(row_bytes_);
   len = new_len;
   stats_.prefill_tokens += tokens;
-  stats_.ms_prefill += MsSince(t0);
+  Stage(stats_.ms_prefill, "prefill", t0);
   return Status::Ok();
 }
 
@@ -914,7 +911,7 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   for (int64_t b = 0; b < batch; ++b) ++lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
   if (!appended.ok()) return RollBackDecode(slot_of, layer, stream, std::move(appended));
   stats_.bytes_d2h += batch * hkv * 2 * static_cast<int64_t>(row_bytes_);
-  stats_.ms_append += MsSince(t0);
+  Stage(stats_.ms_append, "append", t0);
   Status attended = AttendAppended(seqs, slot_of, layer, out, stream);
   if (!attended.ok()) return RollBackDecode(slot_of, layer, stream, std::move(attended));
   stats_.decode_steps += 1;
@@ -973,14 +970,14 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
       KVF_RETURN_IF_ERROR(device_->CopyAsync(lse_gpu_, lse_cpu_host_, batch * hq * 4, stream));
       stats_.bytes_d2h += nq * 4;
       stats_.bytes_h2d += (nq + batch * hq) * 4;
-      stats_.ms_attend_cpu += MsSince(t0);
+      Stage(stats_.ms_attend_cpu, "attend_cpu", t0);
     } else {
       KVF_RETURN_IF_ERROR(device_->AttendPaged(params, paged_items_, items, stream));
-      stats_.ms_attend_gpu += MsSince(t0);
+      Stage(stats_.ms_attend_gpu, "attend_gpu", t0);
     }
     t0 = Clock::now();
     KVF_RETURN_IF_ERROR(WriteOutput(nullptr, nullptr, batch * hq, out, stream));
-    stats_.ms_merge += MsSince(t0);
+    Stage(stats_.ms_merge, "merge", t0);
     return Status::Ok();
   }
 
@@ -1001,7 +998,7 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
     // The step failed in the policy; Decode rolls the append back.
     if (!item_status_[i].ok()) return item_status_[i];
   }
-  stats_.ms_select += MsSince(t0);
+  Stage(stats_.ms_select, "select", t0);
 
   // 3 resolve (resident tier, then token bank) + 4 route the remaining misses.
   t0 = Clock::now();
@@ -1073,12 +1070,12 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
     stats_.rows_bank_hit += bank_->counters().hits - hits_before;
     KVF_RETURN_IF_ERROR(bank_->WaitReady(stream));
   }
-  stats_.ms_resolve += MsSince(t0);
+  Stage(stats_.ms_resolve, "resolve", t0);
 
   // 5 attend: the GPU part is issued first so that the CPU part overlaps it.
   t0 = Clock::now();
   KVF_RETURN_IF_ERROR(device_->AttendRows(params, gpu_items_, items, stream));
-  stats_.ms_attend_gpu += MsSince(t0);
+  Stage(stats_.ms_attend_gpu, "attend_gpu", t0);
   const bool have_cpu = cpu_items > 0;
   if (have_cpu) {
     t0 = Clock::now();
@@ -1089,13 +1086,13 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
     KVF_RETURN_IF_ERROR(device_->CopyAsync(o_cpu_dev_, o_cpu_host_, nq * 4, stream));
     KVF_RETURN_IF_ERROR(device_->CopyAsync(lse_cpu_dev_, lse_cpu_host_, batch * hq * 4, stream));
     stats_.bytes_h2d += (nq + batch * hq) * 4;
-    stats_.ms_attend_cpu += MsSince(t0);
+    Stage(stats_.ms_attend_cpu, "attend_cpu", t0);
   }
   // 6 merge, and the output in its dtype.
   t0 = Clock::now();
   KVF_RETURN_IF_ERROR(WriteOutput(have_cpu ? o_cpu_dev_ : nullptr, have_cpu ? lse_cpu_dev_ : nullptr,
                                   batch * hq, out, stream));
-  stats_.ms_merge += MsSince(t0);
+  Stage(stats_.ms_merge, "merge", t0);
   t0 = Clock::now();
   // 7 admit: rows that crossed PCIe this step may enter the bank, copied on the side stream after
   // the step's reads of the bank (off the critical path).
@@ -1121,7 +1118,7 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
     stats_.bank_admitted = bank_->counters().admitted;
     stats_.bank_evicted = bank_->counters().evicted;
   }
-  stats_.ms_admit += MsSince(t0);
+  Stage(stats_.ms_admit, "admit", t0);
   return Status::Ok();
 }
 
@@ -1265,6 +1262,14 @@ Result<std::vector<int32_t>> Runtime::LastSelection(SequenceId seq, int layer, i
 Status Runtime::Synchronize() {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
   return impl_->Synchronize();
+}
+Status Runtime::StartTrace(int64_t max_events) {
+  const std::lock_guard<std::mutex> lock(impl_->mutex());
+  return impl_->StartTrace(max_events);
+}
+Status Runtime::WriteTrace(const std::string& path) {
+  const std::lock_guard<std::mutex> lock(impl_->mutex());
+  return impl_->WriteTrace(path);
 }
 Stats Runtime::GetStats() const {
   const std::lock_guard<std::mutex> lock(impl_->mutex());

@@ -15,6 +15,7 @@
 #include "kvferry/runtime.h"
 #include "offload/host_store.h"
 #include "offload/token_bank.h"
+#include "runtime/trace.h"
 #include "policies/policy.h"
 #include "runtime/scheduler.h"
 
@@ -70,6 +71,8 @@ class RuntimeImpl {
   Status Synchronize() { return device_->SynchronizeStream(stream_); }
 
   Stats stats() const;
+  Status StartTrace(int64_t max_events) { return trace_.Start(max_events); }
+  Status WriteTrace(const std::string& path) { return trace_.Write(path); }
   cpu::CpuPool& pool() { return *pool_; }
   void ResetStats() {
     const int64_t device_bytes = stats_.device_bytes_reserved;
@@ -203,6 +206,13 @@ class RuntimeImpl {
   std::unique_ptr<HostStore> store_;
   std::unique_ptr<Policy> policy_;
   std::unique_ptr<cpu::CpuPool> pool_;
+  // Adds the time since t0 to a stage's Stats field and, while a trace records, a span.
+  void Stage(double& ms, const char* name, TraceRecorder::Clock::time_point t0) {
+    const auto t1 = TraceRecorder::Clock::now();
+    ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
+    trace_.Span(name, "stage", t0, t1);
+  }
+  TraceRecorder trace_;
   std::unique_ptr<TokenBank> bank_;     // null without bank_slots
   // CUDA, a policy that selects on the device, bank_slots > 0: the bank lives in device memory and
   // the planned step reads and admits it (bank_ stays null). Staging of the step's misses (list

@@ -8,7 +8,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <regex>
+#include <sstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -207,6 +211,98 @@ TEST(PlannedStep, BadPlansChangeNothing) {
   ASSERT_TRUE(f.Decode(*rt, one, 0, s, good).ok());  // unplanned now: appends at 20
   EXPECT_EQ(*rt->SequenceLength(1, 0), 21);
   EXPECT_EQ(*rt->SequenceLength(1, 1), 21);
+}
+
+// The host timeline (Runtime::StartTrace / WriteTrace): Chrome trace JSON whose stage spans are
+// the calls' stages and whose "cpu_item" spans are the planned step's pool tasks, one per
+// (sequence, KV head) and layer, each inside its layer's "select" stage; a full buffer drops spans
+// and says how many.
+TEST(Trace, StepTimelineIsChromeTraceJson) {
+  RuntimeConfig c = PlanConfig("lfps", 2);
+  c.cpu_threads = 2;
+  auto rt = Make(c);
+  ASSERT_TRUE(rt);
+  const std::string path = ::testing::TempDir() + "kvferry_trace_test.json";
+  EXPECT_EQ(rt->WriteTrace(path).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(rt->StartTrace(0).code(), StatusCode::kInvalidArgument);
+  Feeder f(c, 11);
+  const std::vector<SequenceId> two = {3, 4};
+  for (SequenceId s : two) ASSERT_TRUE(rt->AddSequence(s).ok());
+  f.Prefill({rt.get()}, 3, 120);
+  f.Prefill({rt.get()}, 4, 60);
+  auto read = [&]() {
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  struct Span {
+    std::string name;
+    int tid;
+    double ts, dur;
+  };
+  auto spans = [](const std::string& json) {
+    std::vector<Span> out;
+    const std::regex re(
+        "\\{\"name\":\"([a-z_]+)\",\"cat\":\"[a-z]+\",\"ph\":\"X\",\"pid\":1,\"tid\":([0-9]+),"
+        "\"ts\":([0-9.]+),\"dur\":([0-9.]+)");
+    for (auto it = std::sregex_iterator(json.begin(), json.end(), re); it != std::sregex_iterator(); ++it) {
+      out.push_back({(*it)[1], std::stoi((*it)[2]), std::stod((*it)[3]), std::stod((*it)[4])});
+    }
+    return out;
+  };
+  const int steps = 3, layers = c.model.num_layers, hkv = c.model.num_kv_heads;
+  ASSERT_TRUE(rt->StartTrace(1 << 12).ok());
+  for (int step = 0; step < steps; ++step) {
+    ASSERT_TRUE(rt->PlanDecode(two).ok());
+    for (int l = 0; l < layers; ++l) {
+      std::vector<float> out;
+      Feeder::Step in = f.Make(2);
+      ASSERT_TRUE(f.Decode(*rt, two, l, in, out).ok());
+    }
+  }
+  ASSERT_TRUE(rt->WriteTrace(path).ok());
+  EXPECT_EQ(rt->WriteTrace(path).code(), StatusCode::kFailedPrecondition);  // stopped
+  std::string json = read();
+  ASSERT_EQ(json.rfind("{\"displayTimeUnit\":\"ms\",\"otherData\":{\"dropped\":0},\"traceEvents\":[", 0), 0u)
+      << json.substr(0, 200);
+  EXPECT_EQ(json.substr(json.size() - 3), "]}\n");
+  std::vector<Span> all = spans(json);
+  std::vector<Span> selects, items;
+  for (const Span& s : all) {
+    EXPECT_GE(s.ts, 0.0);
+    EXPECT_GE(s.dur, 0.0);
+    if (s.name == "select") selects.push_back(s);
+    if (s.name == "cpu_item") items.push_back(s);
+  }
+  EXPECT_EQ(selects.size(), static_cast<size_t>(steps * layers));
+  EXPECT_EQ(items.size(), static_cast<size_t>(steps * layers * 2 * hkv));
+  for (const Span& it : items) {
+    bool inside = false;
+    for (const Span& s : selects) {
+      inside |= it.ts + 1e-3 >= s.ts && it.ts + it.dur <= s.ts + s.dur + 1e-3;
+    }
+    EXPECT_TRUE(inside) << "cpu_item at " << it.ts << " us outside every select stage";
+  }
+  // A buffer of 3 spans keeps the first 3 and counts the rest.
+  ASSERT_TRUE(rt->StartTrace(3).ok());
+  ASSERT_TRUE(rt->PlanDecode(two).ok());
+  for (int l = 0; l < layers; ++l) {
+    std::vector<float> out;
+    Feeder::Step in = f.Make(2);
+    ASSERT_TRUE(f.Decode(*rt, two, l, in, out).ok());
+  }
+  ASSERT_TRUE(rt->WriteTrace(path).ok());
+  json = read();
+  EXPECT_EQ(spans(json).size(), 3u);
+  const std::smatch m = [&] {
+    std::smatch r;
+    std::regex_search(json, r, std::regex("\"dropped\":([0-9]+)"));
+    return r;
+  }();
+  ASSERT_FALSE(m.empty());
+  EXPECT_GT(std::stoi(m[1]), 0);
+  std::remove(path.c_str());
 }
 
 TEST(PlannedStep, CpuPlacedPolicyRunsThePlannedStep) {

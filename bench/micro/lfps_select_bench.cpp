@@ -136,6 +136,9 @@ std::string Fmt(double x) {
 // The kvferry-e2e flow through the public Runtime on the host backend: Append +
 // 32-token Prefill per layer, `warmup` untimed token steps, then `steps` timed
 // ones; prints Stats per step.
+// --trace PATH (runtime mode): the last timed token step's host timeline, Chrome trace JSON.
+std::string g_trace_path;
+
 int RunRuntime(int64_t ctx, int layers, int steps, int warmup, int threads,
                const std::map<std::string, double> &lfps_params,
                const std::string &policy) {
@@ -210,6 +213,13 @@ int RunRuntime(int64_t ctx, int layers, int steps, int warmup, int threads,
       rt->ResetStats();
       sel_prev = 0;
     }
+    const bool trace = !g_trace_path.empty() && i == warmup + steps - 1;
+    if (trace) {
+      if (Status st = rt->StartTrace(); !st.ok()) {
+        std::fprintf(stderr, "trace: %s\n", st.ToString().c_str());
+        return 1;
+      }
+    }
     const double t0 = Now();
     for (int l = 0; l < layers; ++l) {
       if (Status st = rt->Decode(
@@ -221,6 +231,12 @@ int RunRuntime(int64_t ctx, int layers, int steps, int warmup, int threads,
       }
     }
     const double dt = Now() - t0;
+    if (trace) {
+      if (Status st = rt->WriteTrace(g_trace_path); !st.ok()) {
+        std::fprintf(stderr, "trace: %s\n", st.ToString().c_str());
+        return 1;
+      }
+    }
     const Stats s = rt->GetStats();
     std::fprintf(stderr, "%s step %d: %.2f ms, select %.2f ms\n",
                  i < warmup ? "warmup" : "timed", i, dt,
@@ -272,6 +288,8 @@ int Main(int argc, char **argv) {
       threads = std::stoi(next());
     } else if (a == "--select-threads") {
       select_threads = std::max(1, std::stoi(next()));
+    } else if (a == "--trace") {
+      g_trace_path = next();
     } else if (a == "--no-recall") {
       recall = false;
     } else if (a == "--verbose") {
@@ -301,7 +319,7 @@ int Main(int argc, char **argv) {
       std::fprintf(stderr,
                    "usage: lfps_select_bench [--contexts a,b] [--steps N] [--warmup N] "
                    "[--repeats N] [--variant name[:k=v,..]]... [--json OUT] "
-                   "[--select-threads N] [--runtime LAYERS --threads N]\n");
+                   "[--select-threads N] [--runtime LAYERS --threads N [--trace PATH]]\n");
       return 2;
     }
   }

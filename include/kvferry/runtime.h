@@ -130,6 +130,16 @@ class Runtime {
   Status Synchronize();
 
   [[nodiscard]] Stats GetStats() const;
+  /// Starts recording a timeline of the runtime's host-side work: every stage of each call on the
+  /// caller's thread (append/plan, select, resolve, attend_gpu = the GPU work's enqueue and waits,
+  /// attend_cpu, merge, admit, prefill) and every CPU task of the planned step ("cpu_item", one
+  /// per sequence and KV head, on its pool thread), up to \p max_events spans (later ones are
+  /// counted as dropped). Allocates here; recording then costs two clock reads a span.
+  Status StartTrace(int64_t max_events = int64_t{1} << 20);
+  /// Writes the spans recorded since StartTrace to \p path in the Chrome trace event format
+  /// (chrome://tracing, ui.perfetto.dev) and stops recording; kFailedPrecondition when none runs.
+  /// On CUDA the kernels run later on the stream: their time is not in this host timeline.
+  Status WriteTrace(const std::string& path);
   void ResetStats();
   [[nodiscard]] const RuntimeConfig& config() const;
   /// The backend actually in use (kHost or kCuda).
