@@ -27,6 +27,7 @@
 #include "cpu/kernels.h"
 #include "kvferry/kvferry.h"
 #include "policies/lfps.h"
+#include "tests/policy_test_util.h"
 
 namespace kvferry {
 namespace {
@@ -439,33 +440,7 @@ TEST(LfpsScanTest, PicksMatchTheFrozenScan) {
 
 // ---- Select: the same output with 1 and several threads -----------------------------------------
 constexpr int kHd = 128, kPage = 256;
-
-class KvHead {
- public:
-  explicit KvHead(int64_t capacity) {
-    storage_.resize(static_cast<size_t>((capacity + kPage - 1) / kPage));
-    for (auto& s : storage_) {
-      s.assign(static_cast<size_t>(2) * kPage * kHd, 0);
-      ptrs_.push_back(s.data());
-    }
-    kv_.pages = ptrs_.data();
-    kv_.page_tokens = kPage;
-  }
-  void Set(int64_t pos, const float* k, const float* v) {
-    uint16_t* page = storage_[pos / kPage].data();
-    const int64_t row = pos % kPage;
-    for (int d = 0; d < kHd; ++d) {
-      page[row * kHd + d] = cpu::F32ToBf16(k[d]);
-      page[(kPage + row) * kHd + d] = cpu::F32ToBf16(v[d]);
-    }
-  }
-  const KvPages& kv() const { return kv_; }
-
- private:
-  std::vector<std::vector<uint16_t>> storage_;
-  std::vector<void*> ptrs_;
-  KvPages kv_;
-};
+using testing_util::PagedHead;
 
 TEST(LfpsScanTest, SelectDoesNotDependOnThreads) {
   constexpr int kHeads = 4, kGroup = 4, kSteps = 12, kSink = 4, kWindow = 64;
@@ -473,11 +448,11 @@ TEST(LfpsScanTest, SelectDoesNotDependOnThreads) {
   std::mt19937 rng(77);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   const int64_t total = kN0 + kSteps;
-  std::vector<KvHead> heads;
+  std::vector<PagedHead> heads;
   std::vector<std::vector<float>> dirs;
   std::vector<float> k(kHd), v(kHd);
   for (int h = 0; h < kHeads; ++h) {
-    heads.emplace_back(total);
+    heads.emplace_back(kHd, DType::kBF16, kPage);
     std::vector<float> dir(kHd);
     for (float& x : dir) x = nd(rng);
     for (int64_t i = 0; i < total; ++i) {
@@ -487,7 +462,7 @@ TEST(LfpsScanTest, SelectDoesNotDependOnThreads) {
         v[d] = nd(rng);
       }
       if (i % 997 == 5) std::fill(k.begin(), k.end(), 0.0f);  // ties at logit 0
-      heads.back().Set(i, k.data(), v.data());
+      heads.back().Append(k.data(), v.data());
     }
     dirs.push_back(dir);
   }
@@ -517,7 +492,7 @@ TEST(LfpsScanTest, SelectDoesNotDependOnThreads) {
     pc.window = kWindow;
     pc.q = q.data();
     pc.params = p;
-    pc.kv = heads[h].kv();
+    pc.kv = heads[h].pages();
     for (auto& pol : pols) ASSERT_TRUE(pol->OnPrefill(pc).ok());
   }
   tbb::task_arena arena(4);
@@ -546,7 +521,7 @@ TEST(LfpsScanTest, SelectDoesNotDependOnThreads) {
         ctx.budget = static_cast<int64_t>(std::ceil(0.02 * n));
         ctx.q = q[h].data();
         ctx.params = p;
-        ctx.kv = heads[h].kv();
+        ctx.kv = heads[h].pages();
         ctx.threads = settings[s];
         st[s * kHeads + h] = pols[s]->SelectWithInfo(ctx, out[s][h], &info[s][h]);
       };
