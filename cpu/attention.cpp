@@ -44,7 +44,12 @@ void AttendPositions(const AttnParams& p, const PositionAttnItem* items, int64_t
 
 void ScorePositions(const AttnParams& p, const float* q, const KvPages& kv,
                     const int32_t* positions, int32_t count, float* logits) {
-  KernelsFor(p).score_positions(p, q, kv, positions, count, logits);
+  KernelsFor(p).score_positions(p, q, kv, positions, count, logits, count);
+}
+
+void ScorePositions(const AttnParams& p, const float* q, const KvPages& kv,
+                    const int32_t* positions, int32_t count, float* logits, int64_t ld) {
+  KernelsFor(p).score_positions(p, q, kv, positions, count, logits, ld);
 }
 
 void ScoreRange(const AttnParams& p, const float* q, const KvPages& kv, int64_t begin,

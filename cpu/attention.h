@@ -66,6 +66,9 @@ void AttendPositions(const AttnParams& p, const PositionAttnItem* items, int64_t
 /// Scaled logits over a position list: logits[g * count + j] = scale * q_g . k_{positions[j]}.
 void ScorePositions(const AttnParams& p, const float* q, const KvPages& kv,
                     const int32_t* positions, int32_t count, float* logits);
+/// The same with a row stride: logits[g * ld + j], ld >= count (a slice of a longer list).
+void ScorePositions(const AttnParams& p, const float* q, const KvPages& kv,
+                    const int32_t* positions, int32_t count, float* logits, int64_t ld);
 
 /// Scaled logits over [begin, end): logits[g * ld + (j - begin)].
 void ScoreRange(const AttnParams& p, const float* q, const KvPages& kv, int64_t begin,

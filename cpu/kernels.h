@@ -104,9 +104,10 @@ struct CpuKernels {
   void (*attend_rows)(const AttnParams& p, const RowAttnItem& item) = nullptr;
   /// One PositionAttnItem (see attention.h).
   void (*attend_positions)(const AttnParams& p, const PositionAttnItem& item) = nullptr;
-  /// logits[g * count + j] = scale * q_g . k_{positions[j]}.
+  /// logits[g * ld + j] = scale * q_g . k_{positions[j]} for j in [0, count); ld >= count.
   void (*score_positions)(const AttnParams& p, const float* q, const KvPages& kv,
-                          const int32_t* positions, int32_t count, float* logits) = nullptr;
+                          const int32_t* positions, int32_t count, float* logits,
+                          int64_t ld) = nullptr;
   /// logits[g * ld + (j - begin)] = scale * q_g . k_j for j in [begin, end).
   void (*score_range)(const AttnParams& p, const float* q, const KvPages& kv, int64_t begin,
                       int64_t end, float* logits, int64_t ld) = nullptr;

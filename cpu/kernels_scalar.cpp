@@ -41,10 +41,19 @@ void AttendPositionsScalar(const AttnParams& p, const PositionAttnItem& item) {
 }
 
 void ScorePositionsScalar(const AttnParams& p, const float* q, const KvPages& kv,
-                          const int32_t* positions, int32_t count, float* logits) {
+                          const int32_t* positions, int32_t count, float* logits, int64_t ld) {
   thread_local std::vector<const void*> k_rows;
   GatherRows(p, kv, positions, count, k_rows, nullptr);
-  ScoreRowsRef(p, q, k_rows.data(), count, logits);
+  if (ld == count) {
+    ScoreRowsRef(p, q, k_rows.data(), count, logits);
+    return;
+  }
+  thread_local std::vector<float> dense;
+  dense.resize(static_cast<size_t>(p.group) * count);
+  ScoreRowsRef(p, q, k_rows.data(), count, dense.data());
+  for (int g = 0; g < p.group; ++g) {
+    std::copy_n(dense.data() + static_cast<int64_t>(g) * count, count, logits + g * ld);
+  }
 }
 
 void ScoreRangeScalar(const AttnParams& p, const float* q, const KvPages& kv, int64_t begin,

@@ -394,6 +394,7 @@ constexpr int64_t kScanRangeMin = 8192;  // tokens per range at least
 constexpr int kScanMaxRanges = 64;
 constexpr int64_t kScanSampleMin = 4096;  // fewer offloaded tokens: every key is a candidate
 constexpr int kScanSamples = 1024;
+constexpr int64_t kScoreRangeMin = 512;  // exact-scored positions per task at least
 
 int ScanRanges(int64_t len, int threads) {
   if (threads <= 1 || len < 2 * kScanRangeMin) return 1;
@@ -469,6 +470,44 @@ int64_t ScanCollectAll(const cpu::CpuKernels& kern, const int32_t* acc, int64_t 
   return o;
 }
 
+// The need-th largest of key[0, c) (all >= lo; 0 < need <= c) into *v; returns #{key > *v}. A
+// histogram of (key - lo) over kKeyBins bins finds the bin that holds it, and only that bin's keys
+// are partitioned: two passes over the keys instead of a copy and an nth_element over all of them
+// (which cost as much as the scan's collect pass at 64K).
+int64_t NthLargestKey(const uint32_t* key, int64_t c, int64_t need, uint32_t lo, Scratch& sc,
+                      uint32_t* v) {
+  constexpr int kKeyBins = 2048;
+  constexpr int64_t kKeyHistMin = 1024;  // fewer keys: nth_element over a copy is as fast
+  uint32_t* tmp = Room(sc.keys, c);
+  if (c < kKeyHistMin) {
+    std::copy_n(key, c, tmp);
+    std::nth_element(tmp, tmp + (need - 1), tmp + c, std::greater<uint32_t>());
+    *v = tmp[need - 1];
+    int64_t greater = 0;
+    for (int64_t i = 0; i < need - 1; ++i) greater += tmp[i] > *v;
+    return greater;
+  }
+  uint32_t hi = lo;
+  for (int64_t i = 0; i < c; ++i) hi = std::max(hi, key[i]);
+  int shift = 0;
+  while (((hi - lo) >> shift) >= static_cast<uint32_t>(kKeyBins)) ++shift;
+  int32_t hist[kKeyBins] = {};
+  for (int64_t i = 0; i < c; ++i) ++hist[(key[i] - lo) >> shift];
+  int64_t above = 0;  // keys in the bins above bin b
+  int b = static_cast<int>((hi - lo) >> shift);
+  while (above + hist[b] < need) above += hist[b--];
+  int64_t nb = 0;
+  for (int64_t i = 0; i < c; ++i) {
+    if (static_cast<int>((key[i] - lo) >> shift) == b) tmp[nb++] = key[i];
+  }
+  const int64_t r = need - above;  // the r-th largest of the bin, 1 <= r <= nb
+  std::nth_element(tmp, tmp + (r - 1), tmp + nb, std::greater<uint32_t>());
+  *v = tmp[r - 1];
+  int64_t greater = above;
+  for (int64_t i = 0; i < r - 1; ++i) greater += tmp[i] > *v;
+  return greater;
+}
+
 // The scan's picks: the `need` best j in [0, len) by score_j = (float) max_g (acc[g len + j] -
 // mx[g]) with off_lo + j not in the ascending list excl[0, m), written as ascending j, in
 // TopKAscending's order (value descending, lower index first on ties); 0 < need <= len - m. This is
@@ -493,7 +532,9 @@ int64_t ScanTopK(const cpu::CpuKernels& kern, const int32_t* acc, int64_t len, i
     for (int i = 0; i < kScanSamples; ++i) {
       // One position per stratum, at a hashed offset (the cache may repeat with a period).
       const int64_t lo = len * i / kScanSamples, hi = len * (i + 1) / kScanSamples;
-      const int64_t j = lo + ((static_cast<uint32_t>(i) * 2654435761u) >> 8) % (hi - lo);
+      // (A multiply-shift, not a modulo: a 64-bit division per sample cost as much as the rest.)
+      const uint64_t h = (static_cast<uint32_t>(i) * 2654435761u) >> 8;
+      const int64_t j = lo + static_cast<int64_t>((h * static_cast<uint64_t>(hi - lo)) >> 24);
       while (e < m && excl[e] < off_lo + j) ++e;
       if (e < m && excl[e] == off_lo + j) continue;
       int32_t s = acc[j] - mx[0];
@@ -513,12 +554,9 @@ int64_t ScanTopK(const cpu::CpuKernels& kern, const int32_t* acc, int64_t len, i
     c = ScanCollectAll(kern, acc, len, group, mx, 0, excl, m, off_lo, ranges, idx, key);
   }
   // v = the need-th largest key; take every key > v and the first (need - #{> v}) keys == v.
-  uint32_t* tmp = Room(sc.keys, c);
-  std::copy_n(key, c, tmp);
-  std::nth_element(tmp, tmp + (need - 1), tmp + c, std::greater<uint32_t>());
-  const uint32_t v = tmp[need - 1];
-  int64_t ties = need;
-  for (int64_t i = 0; i < need - 1; ++i) ties -= tmp[i] > v;
+  uint32_t v = 0;
+  const int64_t greater = NthLargestKey(key, c, need, *retried ? 0 : thr, sc, &v);
+  int64_t ties = need - greater;
   int64_t o = 0;
   for (int64_t i = 0; i < c; ++i) {
     const bool eq = key[i] == v;
@@ -1119,7 +1157,13 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   float* logits = Room(sc.logits, group * ld);
   float* weights = Room(sc.weights, ld);
   std::fill(weights, weights + ld, 0.0f);
-  cpu::ScorePositions(p, ctx.q, ctx.kv, c1, static_cast<int32_t>(ld), logits);
+  // The rows lie scattered in host memory (DRAM-latency bound): split over the Select's threads.
+  const int score_ranges = static_cast<int>(
+      std::clamp<int64_t>(ld / kScoreRangeMin, 1, std::max(1, ctx.threads)));
+  ForRanges(score_ranges, [&](int i) {
+    const int64_t b = ld * i / score_ranges, e = ld * (i + 1) / score_ranges;
+    cpu::ScorePositions(p, ctx.q, ctx.kv, c1 + b, static_cast<int32_t>(e - b), logits + b, ld);
+  });
   if (glob_row) {
     const int64_t n_glob = std::max<int64_t>(0, n - sink - n_loc_rank - m);
     for (int g = 0; g < group; ++g) {

@@ -198,9 +198,23 @@ TEST_P(CpuKernelTest, ScoresMatchReference) {
   std::reverse(k_rows.begin(), k_rows.end());
   ScoreRowsRef(p, q.data(), k_rows.data(), cnt, want.data());
   std::fill(got.begin(), got.end(), kNan);
-  kernels->score_positions(p, q.data(), kv.kv, pos.data(), cnt, got.data());
+  kernels->score_positions(p, q.data(), kv.kv, pos.data(), cnt, got.data(), cnt);
   ExpectNear(got, want, 1e-4, "score_positions");
   EXPECT_GT(Norm(got), 1e-3);
+  // A slice written into a longer list (row stride ld > count) leaves the rest untouched.
+  const int64_t ld = cnt + 5;
+  std::vector<float> strided(static_cast<size_t>(p.group) * ld, kNan);
+  kernels->score_positions(p, q.data(), kv.kv, pos.data(), cnt, strided.data(), ld);
+  for (int g = 0; g < p.group; ++g) {
+    for (int64_t j = 0; j < ld; ++j) {
+      const float x = strided[static_cast<size_t>(g * ld + j)];
+      if (j < cnt) {
+        EXPECT_NEAR(x, want[static_cast<size_t>(g * cnt + j)], 1e-4) << "g " << g << " j " << j;
+      } else {
+        EXPECT_TRUE(std::isnan(x)) << "strided score_positions wrote past count: g " << g;
+      }
+    }
+  }
 }
 
 // The partial results merge exactly: attention over A then B, LSE-merged, equals attention over
