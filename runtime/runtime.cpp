@@ -253,8 +253,8 @@ Status RuntimeImpl::Init() {
     KVF_ASSIGN_OR_RETURN(step_bank_,
                          device_->CreateStepBank(StepBankConfigFor(config_.tiers.bank_slots)));
   } else if (z.host_bank) {
-    KVF_ASSIGN_OR_RETURN(bank_,
-                         TokenBank::Create(device_.get(), TokenBankConfigFor(config_.tiers.bank_slots)));
+    KVF_ASSIGN_OR_RETURN(
+        bank_, TokenBank::Create(device_.get(), TokenBankConfigFor(config_.tiers.bank_slots)));
     KVF_ASSIGN_OR_RETURN(side_stream_, device_->CreateStream());
     KVF_ASSIGN_OR_RETURN(bank_step_done_, device_->CreateEvent());
   }
