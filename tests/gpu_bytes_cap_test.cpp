@@ -12,7 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "gpu/device.h"
 #include "kvferry/kvferry.h"
+#include "offload/host_store.h"
+#include "offload/token_bank.h"
 
 namespace kvferry {
 namespace {
@@ -257,6 +260,53 @@ TEST(GpuBytesCap, BadValuesAreClearErrors) {
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
     EXPECT_NE(r.status().message().find(k.says), std::string::npos) << r.status().message();
   }
+}
+
+TEST(GpuBytesCap, ComponentsAllocateWhatTheirSizeFunctionsSay) {
+  // The plan reads these functions instead of repeating their formulas; each must be what its
+  // component then allocates, in every form (the runtime uses the host-managed bank without
+  // device maps; the device-map forms are held to it too).
+  std::unique_ptr<Device> device = MakeHostDevice();
+  for (BankMapKind map : {BankMapKind::kVector, BankMapKind::kHash}) {
+    for (bool device_map : {false, true}) {
+      for (int slots : {1, 31, 33, 100}) {
+        TokenBankConfig c;
+        c.max_sequences = 2;
+        c.num_layers = 3;
+        c.num_kv_heads = 2;
+        c.slots = slots;
+        c.max_positions = 777;
+        c.head_dim = 24;
+        c.kv_dtype = DType::kF16;
+        c.map = map;
+        c.device_map = device_map;
+        const int64_t before = device->device_bytes_held();
+        auto bank = TokenBank::Create(device.get(), c);
+        ASSERT_TRUE(bank.ok()) << bank.status().ToString();
+        const TokenBank::DeviceSizes z = TokenBank::DeviceSizesFor(c);
+        EXPECT_EQ(device->device_bytes_held() - before, static_cast<int64_t>(z.total()))
+            << "slots " << slots << " device_map " << device_map;
+        EXPECT_EQ(z.rows, bank.value()->bank_bytes());
+        EXPECT_EQ(z.page_tables + z.ref_bits, bank.value()->device_map_bytes());
+        bank.value().reset();
+        EXPECT_EQ(device->device_bytes_held(), before);
+      }
+    }
+  }
+  HostStoreShape shape;
+  shape.max_slots = 3;
+  shape.num_layers = 2;
+  shape.num_kv_heads = 5;
+  shape.head_dim = 40;
+  shape.max_tokens = 1000;
+  {
+    HostStore store(device.get(), shape);
+    ASSERT_TRUE(store.Init().ok());
+    EXPECT_EQ(device->device_bytes_held(), HostStore::DeviceTableBytes(shape));
+    EXPECT_EQ(store.page_bytes(), HostStore::PageBytes(shape));
+    EXPECT_EQ(store.max_pages(), HostStore::MaxPages(shape));
+  }
+  EXPECT_EQ(device->device_bytes_held(), 0);
 }
 
 // Feeds a seeded prompt (two chunks per layer) and six decode steps to \p rt; returns every
