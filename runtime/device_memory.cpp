@@ -4,6 +4,8 @@
 // token bank, and the cap's refusal.
 #include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
+#include <string>
 #include <string_view>
 
 #include "base/check.h"

@@ -40,9 +40,10 @@ struct Capacity {
   /// token bank, policy metadata, staging and plan buffers, the host store's page table and the
   /// device's per-stream scratch (Runtime::device_memory lists them). A configuration that needs
   /// more is refused with kResourceExhausted, naming the cap, the total and each part; with
-  /// Tiers::bank_slots = -1 the bank takes what the rest leaves. Not counted: the CUDA context
-  /// and what the engine allocates. On the host backend the same buffers live in host memory and
-  /// are counted alike, so a configuration can be sized on a machine without a GPU.
+  /// Tiers::bank_slots = -1 the bank takes what the rest leaves. Bytes as requested from the
+  /// allocator (cudaMalloc rounds each block up, large ones to 2 MiB); not counted: the CUDA
+  /// context and what the engine allocates. On the host backend the same buffers live in host
+  /// memory and are counted alike, so a configuration can be sized on a machine without a GPU.
   int64_t gpu_bytes = 0;
 };
 
