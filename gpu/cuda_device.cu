@@ -112,13 +112,30 @@ Result<void*> CudaDevice::AllocDevice(size_t bytes) {
                   detail::StrCat("cudaMalloc(", bytes, " bytes) on ", name_, " failed: ",
                                  cudaGetErrorString(err)));
   }
+  std::lock_guard<std::mutex> lock(mu_);
+  device_blocks_[p] = bytes;
+  device_block_bytes_ += static_cast<int64_t>(bytes);
   return p;
 }
 
 void CudaDevice::FreeDevice(void* ptr) {
   if (ptr == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = device_blocks_.find(ptr);
+    if (it != device_blocks_.end()) {
+      device_block_bytes_ -= static_cast<int64_t>(it->second);
+      device_blocks_.erase(it);
+    }
+  }
   KVF_CUDA_WARN(cudaSetDevice(device_id_));
   KVF_CUDA_WARN(cudaFree(ptr));
+}
+
+int64_t CudaDevice::device_bytes_held() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return device_block_bytes_ +
+         static_cast<int64_t>(workspaces_.size()) * static_cast<int64_t>(kWorkspaceBytes);
 }
 
 Result<void*> CudaDevice::AllocHost(size_t bytes) {
@@ -493,6 +510,10 @@ Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) 
 
 Result<std::unique_ptr<StepBank>> CudaDevice::CreateStepBank(const StepBankConfig& config) {
   return MakeCudaStepBank(this, config);
+}
+
+Result<StepBankSizes> CudaDevice::StepBankSizesFor(const StepBankConfig& config) const {
+  return CudaStepBankSizes(config);
 }
 
 bool CudaDevice::IsCapturing(StreamHandle stream) const {

@@ -37,6 +37,8 @@ class CudaDevice final : public Device {
   void FreeDevice(void* ptr) override;
   Result<void*> AllocHost(size_t bytes) override;
   void FreeHost(void* ptr) override;
+  [[nodiscard]] int64_t device_bytes_held() const override;
+  [[nodiscard]] size_t stream_scratch_bytes() const override { return kWorkspaceBytes; }
 
   [[nodiscard]] StreamHandle default_stream() const override { return default_stream_; }
   Result<StreamHandle> CreateStream() override;
@@ -62,6 +64,7 @@ class CudaDevice final : public Device {
   Status PrefillChunk(const PrefillChunkArgs& args, StreamHandle stream) override;
   [[nodiscard]] bool IsCapturing(StreamHandle stream) const override;
   Result<std::unique_ptr<StepBank>> CreateStepBank(const StepBankConfig& config) override;
+  Result<StepBankSizes> StepBankSizesFor(const StepBankConfig& config) const override;
   [[nodiscard]] bool EventDone(EventHandle event) const override;
   Status MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t rows,
                   int head_dim, void* out, DType out_dtype, StreamHandle stream) override;
@@ -113,10 +116,13 @@ class CudaDevice final : public Device {
   int numa_node_ = -1;
   void* topology_ = nullptr;  // hwloc_topology_t when the GPU's NUMA node is known
   void* nodeset_ = nullptr;   // hwloc_nodeset_t of that node
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::atomic<bool> batch_copies_{true};  // cleared when cudaMemcpyBatchAsync is refused
   std::unordered_map<cudaStream_t, float*> workspaces_;
   std::unordered_map<void*, HostBlock> host_blocks_;
+  // Live AllocDevice blocks (bytes as requested), for device_bytes_held().
+  std::unordered_map<void*, size_t> device_blocks_;
+  int64_t device_block_bytes_ = 0;
 };
 
 }  // namespace kvferry::cuda

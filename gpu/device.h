@@ -40,6 +40,17 @@ struct StepBankConfig {
   bool hash_map = false;       ///< hash page tables instead of position -> slot arrays
 };
 
+/// Device bytes a device token bank of a StepBankConfig allocates (Device::StepBankSizes): what
+/// Device::CreateStepBank then allocates, exactly.
+struct StepBankSizes {
+  size_t rows = 0;         ///< the K and V rows of every slot
+  size_t page_tables = 0;  ///< vector or hash maps
+  size_t slot_state = 0;   ///< back-references, CLOCK counts, reference bits, per-table state
+  size_t admit_item_bytes = 0;  ///< bytes of one admission item (StepBank::admit_item_bytes)
+  int max_admit = 0;            ///< StepBank::max_admit
+  [[nodiscard]] size_t total() const { return rows + page_tables + slot_state; }
+};
+
 /// Totals of a device token bank since creation.
 struct StepBankTotals {
   int64_t hits = 0, misses = 0, admitted = 0, evicted = 0, rejected = 0;
@@ -85,6 +96,14 @@ class Device {
   /// aligned and NUMA-placed on the host backend).
   virtual Result<void*> AllocHost(size_t bytes) = 0;
   virtual void FreeHost(void* ptr) = 0;
+  /// Device memory held now: the live AllocDevice blocks (as requested) plus the device's own
+  /// per-stream scratch (stream_scratch_bytes() per stream it holds one for). What
+  /// Stats::device_bytes_reserved reports, and what the GPU memory cap is checked against.
+  [[nodiscard]] virtual int64_t device_bytes_held() const = 0;
+  /// Device memory the device holds for each of its streams: the default stream's from creation,
+  /// CreateStream's at once, a caller's stream's on its first use (CUDA: the split-KV workspace;
+  /// 0 on the host).
+  [[nodiscard]] virtual size_t stream_scratch_bytes() const = 0;
 
   // ---- streams and events ----
   /// The runtime's default stream (never the legacy null stream on CUDA).
@@ -132,6 +151,12 @@ class Device {
   /// A token bank in device memory for the planned step, or kUnimplemented where the device has
   /// none (the host device: the runtime keeps its host-managed TokenBank there).
   virtual Result<std::unique_ptr<StepBank>> CreateStepBank(const StepBankConfig& config) {
+    (void)config;
+    return Unimplemented("this device has no device-managed token bank");
+  }
+  /// The device bytes CreateStepBank(\p config) would allocate, or kUnimplemented where
+  /// CreateStepBank is (the two share one formula on CUDA).
+  virtual Result<StepBankSizes> StepBankSizesFor(const StepBankConfig& config) const {
     (void)config;
     return Unimplemented("this device has no device-managed token bank");
   }

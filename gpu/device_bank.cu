@@ -357,45 +357,63 @@ Result<std::unique_ptr<DeviceBank>> DeviceBank::Create(CudaDevice* device,
   return std::move(bank);
 }
 
+DeviceBank::Sizes DeviceBank::SizesFor(const DeviceBankConfig& config) {
+  // Every allocation is at least 16 bytes (what Init asks cudaMalloc for).
+  auto at_least = [](size_t bytes) { return std::max<size_t>(bytes, 16); };
+  const size_t tables = static_cast<size_t>(config.num_tables);
+  const size_t slots = static_cast<size_t>(config.slots);
+  const size_t row_bytes = static_cast<size_t>(config.head_dim) * 2;
+  Sizes z;
+  z.ref_words = (config.slots + 31) / 32;
+  z.bank = at_least(tables * slots * 2 * row_bytes);
+  if (config.map == BankMapKind::kHash) {
+    const int64_t want =
+        config.hash_capacity > 0 ? config.hash_capacity : 2 * int64_t{config.slots};
+    z.hash_cap = 1;
+    while (z.hash_cap < want) {
+      z.hash_cap <<= 1;
+      ++z.hash_log2;
+    }
+    z.map = at_least(tables * static_cast<size_t>(z.hash_cap) * sizeof(unsigned long long));
+  } else {
+    z.map = at_least(tables * static_cast<size_t>(config.max_positions) * sizeof(uint16_t));
+  }
+  z.slot_pos = at_least(tables * slots * sizeof(int32_t));
+  z.count = at_least(tables * slots);
+  z.refs = at_least(tables * static_cast<size_t>(z.ref_words) * 4);
+  z.state = at_least(tables * sizeof(TableState));
+  return z;
+}
+
 Status DeviceBank::Init() {
   KVF_CUDA_CHECK(cudaSetDevice(device_->device_id()));
   if (config_.max_admit_per_table == 0) {
     config_.max_admit_per_table = std::clamp(config_.slots / 4, 1, kMaxAdmit);
   }
   const size_t tables = static_cast<size_t>(config_.num_tables);
-  const size_t slots = static_cast<size_t>(config_.slots);
+  const Sizes z = SizesFor(config_);
   row_bytes_ = static_cast<size_t>(config_.head_dim) * 2;
-  bank_bytes_ = tables * slots * 2 * row_bytes_;
-  ref_words_ = (config_.slots + 31) / 32;
-  if (config_.map == BankMapKind::kHash) {
-    int64_t want = config_.hash_capacity > 0 ? config_.hash_capacity : 2 * int64_t{config_.slots};
-    hash_cap_ = 1;
-    hash_log2_ = 0;
-    while (hash_cap_ < want) {
-      hash_cap_ <<= 1;
-      ++hash_log2_;
-    }
-    map_bytes_ = tables * static_cast<size_t>(hash_cap_) * sizeof(unsigned long long);
-  } else {
-    map_bytes_ = tables * static_cast<size_t>(config_.max_positions) * sizeof(uint16_t);
-  }
-  meta_bytes_ = tables * (slots * (sizeof(int32_t) + sizeof(uint8_t)) +
-                          static_cast<size_t>(ref_words_) * 4 + sizeof(TableState));
+  bank_bytes_ = z.bank;
+  ref_words_ = z.ref_words;
+  hash_cap_ = z.hash_cap;
+  hash_log2_ = z.hash_log2;
+  map_bytes_ = z.map;
+  meta_bytes_ = z.slot_pos + z.count + z.refs + z.state;
   auto alloc = [&](size_t bytes, auto** out) -> Status {
-    KVF_ASSIGN_OR_RETURN(void* p, device_->AllocDevice(std::max<size_t>(bytes, 16)));
+    KVF_ASSIGN_OR_RETURN(void* p, device_->AllocDevice(bytes));
     *out = static_cast<std::remove_reference_t<decltype(**out)>*>(p);
     return Status::Ok();
   };
-  KVF_RETURN_IF_ERROR(alloc(bank_bytes_, &bank_));
+  KVF_RETURN_IF_ERROR(alloc(z.bank, &bank_));
   if (config_.map == BankMapKind::kHash) {
-    KVF_RETURN_IF_ERROR(alloc(map_bytes_, &hmap_));
+    KVF_RETURN_IF_ERROR(alloc(z.map, &hmap_));
   } else {
-    KVF_RETURN_IF_ERROR(alloc(map_bytes_, &vmap_));
+    KVF_RETURN_IF_ERROR(alloc(z.map, &vmap_));
   }
-  KVF_RETURN_IF_ERROR(alloc(tables * slots * sizeof(int32_t), &slot_pos_));
-  KVF_RETURN_IF_ERROR(alloc(tables * slots, &count_));
-  KVF_RETURN_IF_ERROR(alloc(tables * static_cast<size_t>(ref_words_) * 4, &refs_));
-  KVF_RETURN_IF_ERROR(alloc(tables * sizeof(TableState), &state_));
+  KVF_RETURN_IF_ERROR(alloc(z.slot_pos, &slot_pos_));
+  KVF_RETURN_IF_ERROR(alloc(z.count, &count_));
+  KVF_RETURN_IF_ERROR(alloc(z.refs, &refs_));
+  KVF_RETURN_IF_ERROR(alloc(z.state, &state_));
   KVF_CUDA_CHECK(cudaMemset(state_, 0, tables * sizeof(TableState)));
   KVF_RETURN_IF_ERROR(ResetTables(0, config_.num_tables, nullptr));
   KVF_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(device_->default_stream())));
@@ -589,7 +607,7 @@ class CudaStepBank final : public StepBank {
     return t;
   }
   [[nodiscard]] size_t bytes() const override {
-    return bank_->bank_bytes() + bank_->map_bytes() + bank_->slot_meta_bytes() + sizeof(*hits_);
+    return DeviceBank::SizesFor(bank_->config()).total() + sizeof(*hits_);
   }
 
  private:
@@ -598,9 +616,7 @@ class CudaStepBank final : public StepBank {
   unsigned long long* hits_;
 };
 
-}  // namespace
-
-Result<std::unique_ptr<StepBank>> MakeCudaStepBank(CudaDevice* device, const StepBankConfig& config) {
+DeviceBankConfig ToDeviceBankConfig(const StepBankConfig& config) {
   DeviceBankConfig dc;
   dc.num_tables = config.num_tables;
   dc.slots = config.slots;
@@ -608,6 +624,25 @@ Result<std::unique_ptr<StepBank>> MakeCudaStepBank(CudaDevice* device, const Ste
   dc.head_dim = config.head_dim;
   dc.kv_dtype = config.kv_dtype;
   dc.map = config.hash_map ? BankMapKind::kHash : BankMapKind::kVector;
+  return dc;
+}
+
+}  // namespace
+
+Result<StepBankSizes> CudaStepBankSizes(const StepBankConfig& config) {
+  const DeviceBank::Sizes z = DeviceBank::SizesFor(ToDeviceBankConfig(config));
+  StepBankSizes s;
+  s.rows = z.bank;
+  s.page_tables = z.map;
+  // The slot state includes the step's hit counter (MakeCudaStepBank).
+  s.slot_state = z.slot_pos + z.count + z.refs + z.state + sizeof(unsigned long long);
+  s.admit_item_bytes = sizeof(BankAdmitItem);
+  s.max_admit = DeviceBank::kMaxAdmit;
+  return s;
+}
+
+Result<std::unique_ptr<StepBank>> MakeCudaStepBank(CudaDevice* device, const StepBankConfig& config) {
+  const DeviceBankConfig dc = ToDeviceBankConfig(config);
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<DeviceBank> bank, DeviceBank::Create(device, dc));
   KVF_ASSIGN_OR_RETURN(void* hits, device->AllocDevice(sizeof(unsigned long long)));
   KVF_CUDA_CHECK(cudaSetDevice(device->device_id()));

@@ -77,6 +77,17 @@ class DeviceBank {
 
   static Result<std::unique_ptr<DeviceBank>> Create(CudaDevice* device,
                                                     const DeviceBankConfig& config);
+
+  /// Bytes of each device allocation of a bank of \p config (Create allocates exactly these; the
+  /// runtime's device memory plan reads them), and the derived table geometry.
+  struct Sizes {
+    size_t bank = 0, map = 0, slot_pos = 0, count = 0, refs = 0, state = 0;
+    int64_t hash_cap = 0;  ///< hash entries per table (hash map)
+    int hash_log2 = 0;
+    int64_t ref_words = 0;  ///< reference-bit words per table
+    [[nodiscard]] size_t total() const { return bank + map + slot_pos + count + refs + state; }
+  };
+  [[nodiscard]] static Sizes SizesFor(const DeviceBankConfig& config);
   ~DeviceBank();
   DeviceBank(const DeviceBank&) = delete;
   DeviceBank& operator=(const DeviceBank&) = delete;
@@ -143,5 +154,7 @@ class DeviceBank {
 /// The planned step's device token bank (Device::CreateStepBank on CUDA): a DeviceBank plus the
 /// step's hit counter.
 Result<std::unique_ptr<StepBank>> MakeCudaStepBank(CudaDevice* device, const StepBankConfig& config);
+/// The device bytes MakeCudaStepBank(device, \p config) allocates (Device::StepBankSizesFor).
+Result<StepBankSizes> CudaStepBankSizes(const StepBankConfig& config);
 
 }  // namespace kvferry::cuda

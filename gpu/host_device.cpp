@@ -4,7 +4,9 @@
 // scheduler and policies are tested on machines without a GPU.
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
+#include <unordered_map>
 
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
@@ -28,8 +30,35 @@ class HostDevice final : public Device {
   Backend backend() const override { return Backend::kHost; }
   std::string name() const override { return "host-emulated"; }
 
-  Result<void*> AllocDevice(size_t bytes) override { return Alloc(bytes); }
-  void FreeDevice(void* ptr) override { std::free(ptr); }
+  // "Device" blocks are counted as the CUDA device counts its cudaMalloc blocks, so that the
+  // runtime's device memory plan and GPU memory cap are tested without a GPU.
+  Result<void*> AllocDevice(size_t bytes) override {
+    Result<void*> r = Alloc(bytes);
+    if (r.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      device_blocks_[r.value()] = bytes;
+      device_bytes_ += static_cast<int64_t>(bytes);
+    }
+    return r;
+  }
+  void FreeDevice(void* ptr) override {
+    if (ptr == nullptr) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = device_blocks_.find(ptr);
+      if (it != device_blocks_.end()) {
+        device_bytes_ -= static_cast<int64_t>(it->second);
+        device_blocks_.erase(it);
+      }
+    }
+    std::free(ptr);
+  }
+  int64_t device_bytes_held() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return device_bytes_;
+  }
+  // Host "streams" are synchronous and have no scratch of their own.
+  size_t stream_scratch_bytes() const override { return 0; }
   // Host-store pages are bound to the NUMA node of the thread that creates the runtime (the
   // engine's), which is where the CPU route's workers run with no GPU to follow.
   Result<void*> AllocHost(size_t bytes) override {
@@ -104,6 +133,10 @@ class HostDevice final : public Device {
     }
     return p;
   }
+
+  mutable std::mutex mu_;
+  std::unordered_map<void*, size_t> device_blocks_;
+  int64_t device_bytes_ = 0;
 };
 
 }  // namespace

@@ -17,9 +17,8 @@ HostStore::HostStore(Device* device, const HostStoreShape& shape)
     : device_(device),
       shape_(shape),
       row_elem_bytes_(DTypeSize(shape.kv_dtype)),
-      page_bytes_(int64_t{2} * shape.page_tokens * shape.head_dim *
-                  static_cast<int64_t>(DTypeSize(shape.kv_dtype))),
-      max_pages_((shape.max_tokens + shape.page_tokens - 1) / shape.page_tokens) {}
+      page_bytes_(PageBytes(shape)),
+      max_pages_(MaxPages(shape)) {}
 
 HostStore::~HostStore() {
   for (void* c : chunks_) device_->FreeHost(c);
@@ -27,10 +26,23 @@ HostStore::~HostStore() {
   if (table_dev_ != nullptr) device_->FreeDevice(table_dev_);
 }
 
+int64_t HostStore::PageBytes(const HostStoreShape& shape) {
+  return int64_t{2} * shape.page_tokens * shape.head_dim *
+         static_cast<int64_t>(DTypeSize(shape.kv_dtype));
+}
+
+int64_t HostStore::MaxPages(const HostStoreShape& shape) {
+  return (shape.max_tokens + shape.page_tokens - 1) / shape.page_tokens;
+}
+
+int64_t HostStore::DeviceTableBytes(const HostStoreShape& shape) {
+  return static_cast<int64_t>(shape.max_slots) * shape.num_layers * shape.num_kv_heads *
+         MaxPages(shape) * static_cast<int64_t>(sizeof(void*));
+}
+
 Status HostStore::Init() {
-  const int64_t entries =
-      static_cast<int64_t>(shape_.max_slots) * shape_.num_layers * shape_.num_kv_heads * max_pages_;
-  table_bytes_ = entries * static_cast<int64_t>(sizeof(void*));
+  // The pinned table and its device copy have the same size.
+  table_bytes_ = DeviceTableBytes(shape_);
   KVF_ASSIGN_OR_RETURN(void* table, device_->AllocHost(static_cast<size_t>(table_bytes_)));
   table_ = static_cast<void**>(table);
   std::memset(table_, 0, static_cast<size_t>(table_bytes_));

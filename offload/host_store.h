@@ -34,8 +34,14 @@ class HostStore {
   HostStore(const HostStore&) = delete;
   HostStore& operator=(const HostStore&) = delete;
 
-  /// Allocates the page table.
+  /// Allocates the page table (pinned) and its device copy.
   Status Init();
+  /// Device bytes a store of \p shape holds: the device copy of its page table (Init allocates
+  /// exactly these; the pages themselves are host memory).
+  [[nodiscard]] static int64_t DeviceTableBytes(const HostStoreShape& shape);
+  /// Bytes of one page (K and V rows of page_tokens tokens) and pages per (slot, layer, head).
+  [[nodiscard]] static int64_t PageBytes(const HostStoreShape& shape);
+  [[nodiscard]] static int64_t MaxPages(const HostStoreShape& shape);
 
   /// Makes sure (slot, layer, every KV head) has pages for positions [0, new_len). On failure
   /// nothing is allocated.

@@ -127,19 +127,42 @@ Result<std::unique_ptr<TokenBank>> TokenBank::Create(Device* device,
   return Result<std::unique_ptr<TokenBank>>(std::move(bank));
 }
 
+namespace {
+// Hash map entries per table before HashPageMap rounds them up to a power of two.
+int64_t HashCapacityOf(const TokenBankConfig& config) {
+  return config.hash_capacity > 0 ? config.hash_capacity
+                                  : static_cast<int64_t>(std::bit_ceil(2u * config.slots));
+}
+}  // namespace
+
+TokenBank::DeviceSizes TokenBank::DeviceSizesFor(const TokenBankConfig& config) {
+  const size_t tables =
+      static_cast<size_t>(config.max_sequences) * config.num_layers * config.num_kv_heads;
+  const size_t row_bytes = static_cast<size_t>(config.head_dim) * DTypeSize(config.kv_dtype);
+  DeviceSizes z;
+  z.rows = tables * static_cast<size_t>(config.slots) * 2 * row_bytes;
+  if (config.device_map) {
+    const size_t table_bytes =
+        config.map == BankMapKind::kVector
+            ? static_cast<size_t>(config.max_positions) * sizeof(uint16_t)
+            : static_cast<size_t>(HashPageMap(HashCapacityOf(config)).capacity()) *
+                  sizeof(uint64_t);
+    z.page_tables = tables * table_bytes;
+    z.ref_bits = tables * static_cast<size_t>((config.slots + 31) / 32) * sizeof(uint32_t);
+  }
+  return z;
+}
+
 Status TokenBank::Init() {
   num_tables_ = config_.max_sequences * config_.num_layers * config_.num_kv_heads;
   row_bytes_ = static_cast<size_t>(config_.head_dim) * DTypeSize(config_.kv_dtype);
-  bank_bytes_ = static_cast<size_t>(num_tables_) * config_.slots * 2 * row_bytes_;
+  bank_bytes_ = DeviceSizesFor(config_).rows;
   KVF_ASSIGN_OR_RETURN(void* bank, device_->AllocDevice(bank_bytes_));
   bank_ = static_cast<char*>(bank);
   if (config_.map == BankMapKind::kVector) {
     vector_maps_.assign(num_tables_, VectorPageMap(config_.max_positions));
   } else {
-    const int64_t cap = config_.hash_capacity > 0
-                            ? config_.hash_capacity
-                            : static_cast<int64_t>(std::bit_ceil(2u * config_.slots));
-    hash_maps_.assign(num_tables_, HashPageMap(cap));
+    hash_maps_.assign(num_tables_, HashPageMap(HashCapacityOf(config_)));
   }
   const size_t slots_total = static_cast<size_t>(num_tables_) * config_.slots;
   pos_of_.assign(slots_total, -1);
@@ -165,15 +188,13 @@ Status TokenBank::Init() {
 
 Status TokenBank::InitDeviceMaps() {
   const size_t tables = static_cast<size_t>(num_tables_);
-  size_t table_bytes = 0;
-  if (config_.map == BankMapKind::kVector) {
-    table_bytes = static_cast<size_t>(config_.max_positions) * sizeof(uint16_t);
-  } else {
+  const DeviceSizes sizes = DeviceSizesFor(config_);
+  const size_t table_bytes = sizes.page_tables / tables;
+  if (config_.map == BankMapKind::kHash) {
     hash_cap_ = hash_maps_[0].capacity();
     hash_log2_ = hash_maps_[0].log2_capacity();
-    table_bytes = static_cast<size_t>(hash_cap_) * sizeof(uint64_t);
   }
-  KVF_ASSIGN_OR_RETURN(void* dmap, device_->AllocDevice(tables * table_bytes));
+  KVF_ASSIGN_OR_RETURN(void* dmap, device_->AllocDevice(sizes.page_tables));
   if (config_.map == BankMapKind::kVector) {
     dev_vector_ = static_cast<uint16_t*>(dmap);
   } else {
@@ -183,7 +204,7 @@ Status TokenBank::InitDeviceMaps() {
   KVF_ASSIGN_OR_RETURN(none_host_, device_->AllocHost(table_bytes));
   std::memset(none_host_, 0xff, table_bytes);
   ref_words_ = (config_.slots + 31) / 32;
-  const size_t ref_bytes = tables * static_cast<size_t>(ref_words_) * sizeof(uint32_t);
+  const size_t ref_bytes = sizes.ref_bits;
   KVF_ASSIGN_OR_RETURN(void* refs, device_->AllocDevice(ref_bytes));
   dev_refs_ = static_cast<uint32_t*>(refs);
   KVF_ASSIGN_OR_RETURN(void* rh, device_->AllocHost(ref_bytes));

@@ -158,6 +158,16 @@ class TokenBank {
   /// Allocates the bank (num_tables * slots * 2 rows of device memory), the maps, two pinned
   /// staging buffers and their events. \p device must outlive the bank.
   static Result<std::unique_ptr<TokenBank>> Create(Device* device, const TokenBankConfig& config);
+  /// Device bytes a bank of \p config allocates (Create allocates exactly these; the runtime's
+  /// device memory plan reads them): the rows and, with device_map, the page-table copies and
+  /// reference bitmaps. The maps and slot state themselves live in host memory.
+  struct DeviceSizes {
+    size_t rows = 0;
+    size_t page_tables = 0;  ///< device_map only
+    size_t ref_bits = 0;     ///< device_map only
+    [[nodiscard]] size_t total() const { return rows + page_tables + ref_bits; }
+  };
+  [[nodiscard]] static DeviceSizes DeviceSizesFor(const TokenBankConfig& config);
   ~TokenBank();
   TokenBank(const TokenBank&) = delete;
   TokenBank& operator=(const TokenBank&) = delete;

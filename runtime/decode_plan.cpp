@@ -13,8 +13,7 @@
 namespace kvferry::detail {
 namespace {
 
-constexpr int kPlanRing = 16;       // pinned staging entries for plans in flight
-constexpr int kStepMaxSplits = 127;  // split partials per item the step workspace holds
+constexpr int kPlanRing = 16;  // pinned staging entries for plans in flight
 
 using Clock = std::chrono::steady_clock;
 
@@ -30,23 +29,15 @@ Status WithRestore(Status failure, const Status& restored) {
 }
 
 Status RuntimeImpl::InitStepBuffers() {
+  // Which step this runtime plans and its buffers' sizes come from SizeDeviceBuffers
+  // (runtime/device_memory.cpp), the one place they are computed.
   const Capacity& cap = config_.capacity;
   const ModelShape& m = config_.model;
-  scoring_ = policy_->device_scoring();
-  fast_path_ = (policy_->selects_sinks_and_recent() || scoring_ != SelectScoring::kNone) &&
-               bank_ == nullptr && config_.route != Route::kCpu;
-  const int64_t resident_rows = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
-  // A device selection may pick any position: its rows are all resident only when every
-  // position is.
-  step_all_resident_ = policy_->is_dense() || scoring_ != SelectScoring::kNone
-                           ? resident_rows >= cap.max_tokens_per_sequence
-                           : budget_max_ <= resident_rows;
-  const Route route = config_.route == Route::kAuto && policy_->placement() == Placement::kCpu
-                          ? Route::kCpu
-                          : config_.route;
-  cpu_step_ = !fast_path_ && policy_->placement() == Placement::kCpu &&
-              policy_->selection_covers_resident() && !policy_->is_dense() && bank_ == nullptr &&
-              route == Route::kCpu;
+  const DeviceBufferSizes& z = sizes_;
+  scoring_ = z.scoring;
+  fast_path_ = z.fast_path;
+  step_all_resident_ = z.step_all_resident;
+  cpu_step_ = z.cpu_step;
   if (!fast_path_ && !cpu_step_) return Status::Ok();
   void* p = nullptr;
   if (cpu_step_) {
@@ -58,75 +49,55 @@ Status RuntimeImpl::InitStepBuffers() {
     KVF_ASSIGN_OR_RETURN(cpu_part_up_, device_->CreateEvent());
   }
   if (scoring_ != SelectScoring::kNone) {
-    // Per layer a list region, so that any layer's last selection can be read back and no layer
-    // rewrites a list an earlier launch of the step may still read.
     const int64_t items = int64_t{cap.max_batch} * m.num_kv_heads;
-    list_cap_ = std::max<int64_t>(item_cap_, 1);
-    const size_t lists = static_cast<size_t>(m.num_layers) * items;
-    KVF_ASSIGN_OR_RETURN(p, Alloc(lists * static_cast<size_t>(list_cap_) * sizeof(int32_t), false));
+    list_cap_ = z.list_cap;
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_list, false));
     step_list_ = static_cast<int32_t*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(lists * sizeof(int32_t), false));
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_list_count, false));
     step_list_count_ = static_cast<int32_t*>(p);
-    select_ld_ = cap.max_tokens_per_sequence;
-    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(items) * group_ * select_ld_ * sizeof(float),
-                                  false));
+    select_ld_ = z.select_ld;
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.select_ws, false));
     select_ws_ = static_cast<float*>(p);
-    int64_t sort_cap = 1;
-    while (sort_cap < list_cap_) sort_cap <<= 1;
-    if (sort_cap > 4096) {
-      KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(items * sort_cap) * 8, false));
+    if (z.topk_ws > 0) {
+      KVF_ASSIGN_OR_RETURN(p, Alloc(z.topk_ws, false));
       topk_ws_ = static_cast<unsigned long long*>(p);
     }
-    if (scoring_ == SelectScoring::kQuestPages) {
-      meta_page_ = policy_->device_select_params(m.head_dim).page_tokens;
-      KVF_CHECK_ARG(meta_page_ >= 1, "policy '", policy_->name(), "': page of ", meta_page_, " tokens");
-      meta_pages_ = (cap.max_tokens_per_sequence + meta_page_ - 1) / meta_page_;
-      const size_t bytes = static_cast<size_t>(cap.max_sequences) * m.num_layers * m.num_kv_heads *
-                           static_cast<size_t>(meta_pages_) * 2 * row_bytes_;
-      KVF_ASSIGN_OR_RETURN(p, Alloc(bytes, false));
+    meta_page_ = z.meta_page;
+    meta_pages_ = z.meta_pages;
+    if (z.meta > 0) {
+      KVF_ASSIGN_OR_RETURN(p, Alloc(z.meta, false));
       meta_ = static_cast<char*>(p);
     }
     if (scoring_ == SelectScoring::kSparcas) {
-      const Policy::DeviceSelectParams dp = policy_->device_select_params(m.head_dim);
-      KVF_CHECK_ARG(dp.d_b >= 1 && dp.u >= 1 && dp.dense_layers >= 0, "policy '", policy_->name(),
-                    "': d_b ", dp.d_b, ", u ", dp.u, ", dense_layers ", dp.dense_layers);
-      sparcas_db_ = dp.d_b;
-      sparcas_u_ = dp.u;
-      sparcas_dense_ = dp.dense_layers;
-      meta_pages_ = cap.max_tokens_per_sequence;
-      const int64_t elems = SparcasCompactOffset(cap.max_sequences, 0, 0, m.num_layers,
-                                                 m.num_kv_heads, meta_pages_, m.head_dim,
-                                                 sparcas_db_, sparcas_dense_);
-      KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(elems) * kv_elem_, false));
-      meta_ = static_cast<char*>(p);
-      const size_t items_all = static_cast<size_t>(cap.max_sequences) * m.num_layers * m.num_kv_heads;
-      KVF_ASSIGN_OR_RETURN(p, Alloc(items_all * sizeof(SparcasState), false));
+      sparcas_db_ = z.sparcas_db;
+      sparcas_u_ = z.sparcas_u;
+      sparcas_dense_ = z.sparcas_dense;
+      KVF_ASSIGN_OR_RETURN(p, Alloc(z.sparcas_state, false));
       sparcas_state_ = static_cast<SparcasState*>(p);
-      KVF_ASSIGN_OR_RETURN(p, Alloc(items_all * m.head_dim * sizeof(int32_t), false));
+      KVF_ASSIGN_OR_RETURN(p, Alloc(z.sparcas_dims, false));
       sparcas_dims_ = static_cast<int32_t*>(p);
       KVF_RETURN_IF_ERROR(ResetSelectState(-1));
     }
-    if (step_bank_ != nullptr && !step_all_resident_) {
-      // The step's misses: staged at their list index, listed for the admission after the step
-      // (one layer at a time: the admission runs before the next layer's step on the stream).
-      bank_miss_cap_ = static_cast<int32_t>(std::min<int64_t>(list_cap_, step_bank_->max_admit()));
-      KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(items * list_cap_) * 2 * row_bytes_, false));
+    if (z.bank_stage > 0) {
+      // The step's misses: staged at their list index, listed for the admission after the step.
+      bank_miss_cap_ = z.bank_miss_cap;
+      KVF_ASSIGN_OR_RETURN(p, Alloc(z.bank_stage, false));
       bank_stage_ = static_cast<char*>(p);
       const size_t miss_ints = static_cast<size_t>(items) * (1 + bank_miss_cap_);
-      KVF_ASSIGN_OR_RETURN(p, Alloc(miss_ints * sizeof(int32_t), false));
+      KVF_ASSIGN_OR_RETURN(p, Alloc(z.bank_miss, false));
       bank_miss_ = static_cast<int32_t*>(p);
       const std::vector<int32_t> zeros(miss_ints, 0);
       KVF_RETURN_IF_ERROR(device_->CopyAsync(bank_miss_, zeros.data(), miss_ints * sizeof(int32_t), stream_));
       KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
-      KVF_ASSIGN_OR_RETURN(bank_admit_, Alloc(static_cast<size_t>(items) * step_bank_->admit_item_bytes(), false));
+      KVF_ASSIGN_OR_RETURN(bank_admit_, Alloc(z.bank_admit, false));
     }
     list_slots_.assign(static_cast<size_t>(m.num_layers), {});
     for (auto& v : list_slots_) v.reserve(static_cast<size_t>(cap.max_batch));
   }
-  KVF_ASSIGN_OR_RETURN(p, Alloc(size_t{2} * cap.max_batch * sizeof(int32_t), false));
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_slots, false));
   step_slots_dev_ = static_cast<int32_t*>(p);
   const size_t positions = static_cast<size_t>(cap.max_batch) * m.num_layers;
-  KVF_ASSIGN_OR_RETURN(p, Alloc(2 * positions * sizeof(int64_t), false));
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_pos, false));
   step_pos_dev_ = static_cast<int64_t*>(p);
   plan_stage_bytes_ = AlignUp(static_cast<size_t>(cap.max_batch) * sizeof(int32_t), 64) +
                       AlignUp(positions * sizeof(int64_t), 64);
@@ -136,13 +107,12 @@ Status RuntimeImpl::InitStepBuffers() {
     KVF_ASSIGN_OR_RETURN(EventHandle e, device_->CreateEvent());
     plan_events_.push_back(e);
   }
-  if (device_->backend() == Backend::kCuda) {
-    step_ws_floats_ = static_cast<int64_t>(cap.max_batch) * m.num_kv_heads * kStepMaxSplits *
-                      group_ * (m.head_dim + 1);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(step_ws_floats_) * sizeof(float), false));
+  if (z.step_ws > 0) {
+    step_ws_floats_ = z.step_ws_floats;
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_ws, false));
     step_ws_ = static_cast<float*>(p);
     const size_t counters = static_cast<size_t>(cap.max_batch) * m.num_kv_heads * group_;
-    KVF_ASSIGN_OR_RETURN(p, Alloc(counters * sizeof(int32_t), false));
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_counters, false));
     step_counters_ = static_cast<int32_t*>(p);
     const std::vector<int32_t> zeros(counters, 0);
     KVF_RETURN_IF_ERROR(device_->CopyAsync(step_counters_, zeros.data(), counters * sizeof(int32_t), stream_));

@@ -20,8 +20,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int kPageTokens = 256;
-
 bool SupportedActivation(DType d) {
   return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16;
 }
@@ -60,7 +58,11 @@ Status ValidateConfig(const RuntimeConfig& c) {
                 " out of range [0, 2^30]");
   KVF_CHECK_ARG(t.window_tokens >= 1 && t.window_tokens <= (1 << 30), "window_tokens ",
                 t.window_tokens, " out of range [1, 2^30] (the new token is always resident)");
-  KVF_CHECK_ARG(t.bank_slots >= 0, "bank_slots ", t.bank_slots, " must be >= 0");
+  KVF_CHECK_ARG(cap.gpu_bytes >= 0, "gpu_bytes ", cap.gpu_bytes, " must be >= 0 (0: no cap)");
+  KVF_CHECK_ARG(t.bank_slots >= -1 && t.bank_slots <= 65534, "bank_slots ", t.bank_slots,
+                " out of range [-1, 65534] (0: no bank, -1: the largest that fits gpu_bytes)");
+  KVF_CHECK_ARG(t.bank_slots != -1 || cap.gpu_bytes > 0,
+                "bank_slots -1 (the largest bank that fits) needs capacity.gpu_bytes > 0");
   KVF_CHECK_ARG(t.bank_map == "vector" || t.bank_map == "hash", "bank_map '", t.bank_map,
                 "' unknown (vector or hash)");
   const PolicyConfig& p = c.policy;
@@ -127,11 +129,10 @@ RuntimeImpl::~RuntimeImpl() {
 }
 
 Result<void*> RuntimeImpl::Alloc(size_t bytes, bool host) {
-  bytes = std::max<size_t>(bytes, 64);
+  bytes = AllocBytes(bytes);
   Result<void*> r = host ? device_->AllocHost(bytes) : device_->AllocDevice(bytes);
   if (!r.ok()) return r.status();
   buffers_.push_back(DeviceBuffer{r.value(), bytes, host});
-  if (!host) stats_.device_bytes_reserved += static_cast<int64_t>(bytes);
   return r.value();
 }
 
@@ -182,43 +183,41 @@ Status RuntimeImpl::Init() {
     item_cap_ = std::min(cap.max_tokens_per_sequence, budget_max_ + resident);
   }
 
-  HostStoreShape shape;
-  shape.max_slots = cap.max_sequences;
-  shape.num_layers = m.num_layers;
-  shape.num_kv_heads = m.num_kv_heads;
-  shape.head_dim = m.head_dim;
-  shape.kv_dtype = m.kv_dtype;
-  shape.page_tokens = kPageTokens;
-  shape.max_tokens = cap.max_tokens_per_sequence;
-  shape.max_bytes = cap.max_host_bytes;
-  store_ = std::make_unique<HostStore>(device_.get(), shape);
+  // Every device buffer's size, once (runtime/device_memory.cpp): the plan the cap is checked
+  // against here, before anything large is allocated, and the sizes allocated below.
+  const bool auto_bank = config_.tiers.bank_slots == -1;
+  if (auto_bank) {
+    KVF_ASSIGN_OR_RETURN(config_.tiers.bank_slots, ChooseBankSlots());
+  }
+  KVF_RETURN_IF_ERROR(SizeDeviceBuffers(config_.tiers.bank_slots, sizes_));
+  device_plan_ = sizes_.Plan(cap.gpu_bytes);
+  KVF_RETURN_IF_ERROR(CheckDeviceCap(device_plan_, auto_bank));
+  const DeviceBufferSizes& z = sizes_;
+
+  store_ = std::make_unique<HostStore>(device_.get(), StoreShape());
   KVF_RETURN_IF_ERROR(store_->Init());
   KVF_RETURN_IF_ERROR(store_->Prepin(cap.host_bytes_at_create));
 
-  const int64_t hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
-  const int64_t slot_rows = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
-  const size_t resident_bytes = static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv *
-                                slot_rows * 2 * row_bytes_;
-  KVF_ASSIGN_OR_RETURN(void* resident, Alloc(resident_bytes, false));
+  const int64_t hq = m.num_q_heads, hkv = m.num_kv_heads;
+  KVF_ASSIGN_OR_RETURN(void* resident, Alloc(z.resident, false));
   resident_ = static_cast<char*>(resident);
 
-  const size_t act_q = static_cast<size_t>(max_rows_ * hq * d);
-  const size_t act_kv = static_cast<size_t>(max_rows_ * hkv * d);
-  KVF_ASSIGN_OR_RETURN(q_in_, Alloc(act_q * 4, false));
-  KVF_ASSIGN_OR_RETURN(k_in_, Alloc(act_kv * 4, false));
-  KVF_ASSIGN_OR_RETURN(v_in_, Alloc(act_kv * 4, false));
-  KVF_ASSIGN_OR_RETURN(out_stage_, Alloc(act_q * 4, false));
+  const size_t act_q = static_cast<size_t>(max_rows_ * hq * m.head_dim);
+  KVF_ASSIGN_OR_RETURN(q_in_, Alloc(z.q_in, false));
+  KVF_ASSIGN_OR_RETURN(k_in_, Alloc(z.k_in, false));
+  KVF_ASSIGN_OR_RETURN(v_in_, Alloc(z.v_in, false));
+  KVF_ASSIGN_OR_RETURN(out_stage_, Alloc(z.out_stage, false));
   void* p = nullptr;
-  KVF_ASSIGN_OR_RETURN(p, Alloc(act_q * 4, false));
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.q_f32, false));
   q_f32_ = static_cast<float*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(act_q * 4, false));
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.o_gpu, false));
   o_gpu_ = static_cast<float*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(max_rows_ * hq) * 4, false));
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.lse_gpu, false));
   lse_gpu_ = static_cast<float*>(p);
-  const size_t batch_q = static_cast<size_t>(cap.max_batch * hq * d);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(batch_q * 4, false));
+  const size_t batch_q = static_cast<size_t>(cap.max_batch * hq * m.head_dim);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.o_cpu, false));
   o_cpu_dev_ = static_cast<float*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(cap.max_batch * hq) * 4, false));
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.lse_cpu, false));
   lse_cpu_dev_ = static_cast<float*>(p);
 
   KVF_ASSIGN_OR_RETURN(p, Alloc(act_q * 4, true));
@@ -250,30 +249,12 @@ Status RuntimeImpl::Init() {
     *dst = static_cast<const void**>(p);
   }
 
-  const bool device_bank = config_.tiers.bank_slots > 0 && device_->backend() == Backend::kCuda &&
-                           policy_->device_scoring() != SelectScoring::kNone &&
-                           config_.route != Route::kCpu;
-  if (device_bank) {
-    StepBankConfig bank;
-    bank.num_tables = cap.max_sequences * m.num_layers * m.num_kv_heads;
-    bank.slots = config_.tiers.bank_slots;
-    bank.max_positions = cap.max_tokens_per_sequence;
-    bank.head_dim = m.head_dim;
-    bank.kv_dtype = m.kv_dtype;
-    bank.hash_map = config_.tiers.bank_map == "hash";
-    KVF_ASSIGN_OR_RETURN(step_bank_, device_->CreateStepBank(bank));
-    stats_.device_bytes_reserved += static_cast<int64_t>(step_bank_->bytes());
-  } else if (config_.tiers.bank_slots > 0) {
-    TokenBankConfig bank;
-    bank.max_sequences = cap.max_sequences;
-    bank.num_layers = m.num_layers;
-    bank.num_kv_heads = m.num_kv_heads;
-    bank.slots = config_.tiers.bank_slots;
-    bank.max_positions = cap.max_tokens_per_sequence;
-    bank.head_dim = m.head_dim;
-    bank.kv_dtype = m.kv_dtype;
-    bank.map = config_.tiers.bank_map == "hash" ? BankMapKind::kHash : BankMapKind::kVector;
-    KVF_ASSIGN_OR_RETURN(bank_, TokenBank::Create(device_.get(), bank));
+  if (z.device_bank) {
+    KVF_ASSIGN_OR_RETURN(step_bank_,
+                         device_->CreateStepBank(StepBankConfigFor(config_.tiers.bank_slots)));
+  } else if (z.host_bank) {
+    KVF_ASSIGN_OR_RETURN(
+        bank_, TokenBank::Create(device_.get(), TokenBankConfigFor(config_.tiers.bank_slots)));
     KVF_ASSIGN_OR_RETURN(side_stream_, device_->CreateStream());
     KVF_ASSIGN_OR_RETURN(bank_step_done_, device_->CreateEvent());
   }
@@ -283,29 +264,21 @@ Status RuntimeImpl::Init() {
   for (auto& v : misses_) v.reserve(static_cast<size_t>(item_cap_));
   if (device_->backend() == Backend::kCuda) {
     // Prefill staging: one layer's pages of one sequence in device memory, and their page table.
-    max_pages_ = (cap.max_tokens_per_sequence + kPageTokens - 1) / kPageTokens;
-    const size_t scratch = static_cast<size_t>(hkv * max_pages_) * static_cast<size_t>(store_->page_bytes());
-    KVF_ASSIGN_OR_RETURN(p, Alloc(scratch, false));
+    max_pages_ = z.max_pages;
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_scratch, false));
     prefill_scratch_ = static_cast<char*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(hkv * max_pages_) * sizeof(void*), true));
     prefill_pages_host_ = static_cast<void**>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(hkv * max_pages_) * sizeof(void*), false));
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_pages, false));
     prefill_pages_dev_ = static_cast<void**>(p);
-    // Prefill on tensor cores unless KVFERRY_CUDA_PREFILL=paged asks for the CUDA-core kernel
-    // (the reference it is tested against).
-    const char* prefill_kernel = std::getenv("KVFERRY_CUDA_PREFILL");
-    if (prefill_kernel == nullptr || std::string_view(prefill_kernel) != "paged") {
+    if (z.prefill_tensor_cores) {
       prefill_items_bytes_ =
           static_cast<size_t>((1 + kPrefillMaxSegments) * hkv) * kPrefillItemBytes;
       KVF_ASSIGN_OR_RETURN(prefill_items_, Alloc(2 * prefill_items_bytes_, true));
       for (EventHandle& e : prefill_items_done_) {
         KVF_ASSIGN_OR_RETURN(e, device_->CreateEvent());
       }
-      // Chunks after the first copy their history by whole pages on a stream of their own while
-      // the kernel attends what has landed, unless KVFERRY_PREFILL_OVERLAP=off (the one-pass
-      // staging before the kernel, kept for comparison).
-      const char* overlap = std::getenv("KVFERRY_PREFILL_OVERLAP");
-      if (overlap == nullptr || std::string_view(overlap) != "off") {
+      if (z.prefill_copy_stream) {
         KVF_ASSIGN_OR_RETURN(prefill_copy_stream_, device_->CreateStream());
         KVF_ASSIGN_OR_RETURN(prefill_fork_, device_->CreateEvent());
         prefill_segment_done_.assign(kPrefillMaxSegments, nullptr);
@@ -318,6 +291,12 @@ Status RuntimeImpl::Init() {
     }
   }
   KVF_RETURN_IF_ERROR(InitStepBuffers());
+  // The cap again, against the device's own count of what it holds now: a buffer allocated
+  // outside the plan would show here (the tests hold the count equal to the plan's total).
+  const int64_t held = device_->device_bytes_held();
+  KVF_CHECK_CODE(cap.gpu_bytes == 0 || held <= cap.gpu_bytes, StatusCode::kResourceExhausted,
+                 "capacity.gpu_bytes ", cap.gpu_bytes, " exceeded: the device holds ", held,
+                 " bytes after Create's allocations, planned ", device_plan_.ToString());
   if (config_.probe_at_start) KVF_RETURN_IF_ERROR(ProbeCosts());
   selections_.resize(items);
   for (auto& s : selections_) s.reserve(static_cast<size_t>(item_cap_));
@@ -1192,6 +1171,7 @@ Result<std::vector<int32_t>> RuntimeImpl::LastSelection(SequenceId seq, int laye
 Stats RuntimeImpl::stats() const {
   Stats s = stats_;
   s.host_bytes_reserved = store_->bytes_reserved();
+  s.device_bytes_reserved = device_->device_bytes_held();
   s.cost_pcie_gbps = cost_.pcie_gbps;
   s.cost_cpu_gbps = cost_.cpu_gbps;
   const PolicyCounters pc = policy_->counters();
@@ -1285,6 +1265,7 @@ void Runtime::ResetStats() {
   impl_->ResetStats();
 }
 const RuntimeConfig& Runtime::config() const { return impl_->config(); }
+const DeviceMemoryPlan& Runtime::device_memory() const { return impl_->device_memory(); }
 Backend Runtime::backend() const { return impl_->backend(); }
 
 }  // namespace kvferry

@@ -21,11 +21,63 @@
 
 namespace kvferry::detail {
 
+/// Tokens per host-store page.
+inline constexpr int kPageTokens = 256;
+
 /// A buffer from the Device, freed with it.
 struct DeviceBuffer {
   void* ptr = nullptr;
   size_t bytes = 0;
   bool host = false;
+};
+
+/// Every device buffer Runtime::Create allocates, in bytes (0: not allocated), with the layout
+/// choices the sizes follow. RuntimeImpl::SizeDeviceBuffers computes it, once; Init allocates
+/// exactly these sizes and Runtime::device_memory reports them, so the plan the GPU memory cap is
+/// checked against and the allocations cannot drift apart (the tests compare the plan with the
+/// device's own count, Stats::device_bytes_reserved).
+struct DeviceBufferSizes {
+  // ---- layout ----
+  int bank_slots = 0;
+  bool device_bank = false;  // StepBank in device memory (CUDA, device-selecting policy)
+  bool host_bank = false;    // host-managed TokenBank (rows in device memory, maps on the host)
+  size_t bank_admit_item_bytes = 0;
+  int bank_max_admit = 0;
+  // The planned step (see the members of RuntimeImpl of the same names).
+  bool fast_path = false;
+  bool cpu_step = false;
+  bool step_all_resident = false;
+  SelectScoring scoring = SelectScoring::kNone;
+  int64_t list_cap = 0;
+  int64_t select_ld = 0;
+  int32_t meta_page = 16;
+  int64_t meta_pages = 0;
+  int32_t sparcas_db = 16, sparcas_u = 64, sparcas_dense = 2;
+  int32_t bank_miss_cap = 0;
+  int64_t step_ws_floats = 0;
+  // CUDA prefill: pages of one layer staged in device memory; the tensor-core kernel and its
+  // copy stream unless the environment asks otherwise (KVFERRY_CUDA_PREFILL,
+  // KVFERRY_PREFILL_OVERLAP).
+  int64_t max_pages = 0;
+  bool prefill_tensor_cores = false;
+  bool prefill_copy_stream = false;
+  int streams = 0;  // streams the device keeps scratch for: its default one and those Init creates
+
+  // ---- bytes ----
+  size_t resident = 0;
+  size_t q_in = 0, k_in = 0, v_in = 0, out_stage = 0;
+  size_t q_f32 = 0, o_gpu = 0, lse_gpu = 0, o_cpu = 0, lse_cpu = 0;
+  size_t store_table = 0;
+  size_t bank_rows = 0, bank_page_tables = 0, bank_slot_state = 0;
+  size_t bank_stage = 0, bank_miss = 0, bank_admit = 0;
+  size_t prefill_scratch = 0, prefill_pages = 0;
+  size_t step_list = 0, step_list_count = 0, select_ws = 0, topk_ws = 0;
+  size_t meta = 0, sparcas_state = 0, sparcas_dims = 0;
+  size_t step_slots = 0, step_pos = 0, step_ws = 0, step_counters = 0;
+  size_t stream_scratch = 0;
+
+  /// The parts (named groups of the buffers above), largest first, and their total.
+  [[nodiscard]] DeviceMemoryPlan Plan(int64_t cap_bytes) const;
 };
 
 /// Test seam: while one is alive on a thread, every Runtime::Create on that thread hands the Device
@@ -75,9 +127,7 @@ class RuntimeImpl {
   Status WriteTrace(const std::string& path) { return trace_.Write(path); }
   cpu::CpuPool& pool() { return *pool_; }
   void ResetStats() {
-    const int64_t device_bytes = stats_.device_bytes_reserved;
     stats_ = Stats{};
-    stats_.device_bytes_reserved = device_bytes;
     if (bank_ != nullptr) bank_->ResetCounters();
     if (step_bank_ != nullptr) {
       Result<StepBankTotals> t = step_bank_->Totals();
@@ -86,6 +136,7 @@ class RuntimeImpl {
     if (policy_ != nullptr) policy_counters_at_reset_ = policy_->counters();
   }
   const RuntimeConfig& config() const { return config_; }
+  const DeviceMemoryPlan& device_memory() const { return device_plan_; }
   Backend backend() const { return device_->backend(); }
   /// Serialises the public calls (see the contract on Runtime): each takes it once.
   std::mutex& mutex() const { return mu_; }
@@ -96,6 +147,22 @@ class RuntimeImpl {
   // Measures the scheduler's rates (CPU sparse attention, PCIe zero-copy gather) into cost_.
   Status ProbeCosts();
   Result<void*> Alloc(size_t bytes, bool host);
+  // ---- device memory (runtime/device_memory.cpp) ----
+  // Bytes Alloc takes for a request of \p bytes (the one rounding rule the sizing shares).
+  static size_t AllocBytes(size_t bytes);
+  // The host store's shape, and the banks' configurations for \p bank_slots.
+  HostStoreShape StoreShape() const;
+  StepBankConfig StepBankConfigFor(int bank_slots) const;
+  TokenBankConfig TokenBankConfigFor(int bank_slots) const;
+  // Sizes every device buffer Init allocates with \p bank_slots slots in the bank, and the
+  // layout they follow. Needs device_, policy_ and the scalars Init derives before it.
+  Status SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& sizes) const;
+  // The bank slots of Tiers::bank_slots = -1: the largest count whose plan fits
+  // Capacity::gpu_bytes (at most max_tokens_per_sequence and 65534), 0 if none does.
+  Result<int> ChooseBankSlots() const;
+  // kResourceExhausted, naming the cap, the total and the parts, when \p plan exceeds the cap
+  // (\p auto_bank: the bank was sized by ChooseBankSlots).
+  Status CheckDeviceCap(const DeviceMemoryPlan& plan, bool auto_bank) const;
   Result<int> SlotOf(SequenceId seq) const;
   Status CheckLayer(int layer) const;
   Status CheckTensor(const TensorView& t, const char* name, int64_t rows, int heads) const;
@@ -200,6 +267,8 @@ class RuntimeImpl {
                      StreamHandle stream);
 
   RuntimeConfig config_;
+  DeviceBufferSizes sizes_;       // what Init allocates (SizeDeviceBuffers)
+  DeviceMemoryPlan device_plan_;  // sizes_ by part, for device_memory()
   mutable std::mutex mu_;
   std::unique_ptr<Device> device_;
   StreamHandle stream_ = nullptr;

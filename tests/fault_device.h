@@ -122,6 +122,8 @@ class FaultyDevice final : public Device {
     return inner_->AllocHost(bytes);
   }
   void FreeHost(void *ptr) override { inner_->FreeHost(ptr); }
+  int64_t device_bytes_held() const override { return inner_->device_bytes_held(); }
+  size_t stream_scratch_bytes() const override { return inner_->stream_scratch_bytes(); }
 
   StreamHandle default_stream() const override { return inner_->default_stream(); }
   Result<StreamHandle> CreateStream() override {

@@ -36,13 +36,25 @@ struct Capacity {
   /// (0 = none). Pinning costs about as much as the prefill of the tokens it holds, once; a
   /// serving engine that knows its working set pays it at start-up. At most max_host_bytes.
   int64_t host_bytes_at_create = 0;
+  /// Cap on the device memory the runtime reserves at Create (0 = no cap): the resident tier, the
+  /// token bank, policy metadata, staging and plan buffers, the host store's page table and the
+  /// device's per-stream scratch (Runtime::device_memory lists them). A configuration that needs
+  /// more is refused with kResourceExhausted, naming the cap, the total and each part; with
+  /// Tiers::bank_slots = -1 the bank takes what the rest leaves. Bytes as requested from the
+  /// allocator (cudaMalloc rounds each block up, large ones to 2 MiB); not counted: the CUDA
+  /// context and what the engine allocates. On the host backend the same buffers live in host
+  /// memory and are counted alike, so a configuration can be sized on a machine without a GPU.
+  int64_t gpu_bytes = 0;
 };
 
 /// \brief GPU-resident tiers, per (sequence, layer, KV head).
 struct Tiers {
   int sink_tokens = 4;        ///< first tokens, always attended, always resident
   int window_tokens = 256;    ///< ring of the most recent tokens, always resident
-  int bank_slots = 0;         ///< token-bank slots of offloaded rows (0 = no bank)
+  /// Token-bank slots of offloaded rows per table (0 = no bank, at most 65534). -1 = the largest
+  /// bank that fits Capacity::gpu_bytes (which must then be set), at most max_tokens_per_sequence
+  /// slots; 0 when not even one slot fits. Runtime::config() reports the slots chosen.
+  int bank_slots = 0;
   std::string bank_map = "vector";  ///< "vector" (position -> slot array) or "hash"
 };
 

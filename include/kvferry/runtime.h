@@ -24,6 +24,25 @@ namespace detail {
 class RuntimeImpl;
 }
 
+/// \brief The device memory a Runtime reserves at Create, part by part (Runtime::device_memory).
+/// On the CUDA backend: its cudaMalloc blocks and the split-KV workspaces of the streams it
+/// creates; on the host backend the same buffers, in host memory. Not included: the CUDA context,
+/// the start-up bandwidth probe's buffers (freed before Create returns) and the workspace a
+/// stream of the caller's gets on its first use (32 MiB on CUDA; Stats::device_bytes_reserved
+/// counts it from then on). A plain value; the runtime's plan never changes after Create.
+struct DeviceMemoryPlan {
+  struct Part {
+    std::string name;   ///< "resident tier", "bank rows", "quest page bounds", ...
+    int64_t bytes = 0;
+  };
+  std::vector<Part> parts;   ///< the parts that hold memory, largest first
+  int64_t total_bytes = 0;   ///< sum of the parts
+  int64_t cap_bytes = 0;     ///< Capacity::gpu_bytes (0: no cap)
+  int bank_slots = 0;        ///< token-bank slots it holds (Tiers::bank_slots, -1 resolved)
+  /// "123456 bytes: resident tier 65536, bank rows 32768, ..."
+  [[nodiscard]] std::string ToString() const;
+};
+
 /// \brief Owns the KV cache of up to Capacity::max_sequences sequences for all layers and computes
 /// attention over it.
 ///
@@ -60,6 +79,7 @@ class RuntimeImpl;
 class Runtime {
  public:
   /// Validates \p config and allocates the resident tier, token bank and plan buffers.
+  /// kResourceExhausted when they need more than Capacity::gpu_bytes (see device_memory).
   static Result<std::unique_ptr<Runtime>> Create(const RuntimeConfig& config);
   ~Runtime();
   Runtime(const Runtime&) = delete;
@@ -141,7 +161,12 @@ class Runtime {
   /// On CUDA the kernels run later on the stream: their time is not in this host timeline.
   Status WriteTrace(const std::string& path);
   void ResetStats();
+  /// The configuration, as given to Create except Tiers::bank_slots = -1, replaced by the slots
+  /// chosen.
   [[nodiscard]] const RuntimeConfig& config() const;
+  /// The device memory reserved at Create, part by part (Capacity::gpu_bytes is checked against
+  /// its total, before the allocations, and against the device's count after them).
+  [[nodiscard]] const DeviceMemoryPlan& device_memory() const;
   /// The backend actually in use (kHost or kCuda).
   [[nodiscard]] Backend backend() const;
 

@@ -52,7 +52,9 @@ struct Stats {
   double cost_cpu_gbps = 0;      ///< scheduler's CPU-route rate: sparse attention GB/s (probed)
 
   int64_t host_bytes_reserved = 0;  ///< host-store bytes held now
-  int64_t device_bytes_reserved = 0;  ///< device bytes held now (resident tier, bank, plans)
+  /// Device bytes held now, by the device's own count: Runtime::device_memory's total from Create
+  /// on, plus the workspace of each caller's stream the CUDA kernels ran on (32 MiB each).
+  int64_t device_bytes_reserved = 0;
 
   /// One JSON object with every field above.
   [[nodiscard]] std::string ToJson() const;

@@ -49,11 +49,12 @@ class RuntimeConfig:
     256 on CUDA; 8..256, a multiple of 8, on the host backend), ``kv_dtype`` ("bf16" or "f16"),
     ``softmax_scale`` (0: 1/sqrt(head_dim)). Capacity: ``max_sequences``,
     ``max_tokens_per_sequence``, ``max_batch`` (sequences per decode), ``max_prefill_chunk``,
-    ``max_host_bytes`` (0: unlimited), ``host_bytes_at_create``. Tiers: ``sink_tokens``,
-    ``window_tokens`` (resident on the GPU), ``bank_slots``, ``bank_map``. Policy: ``policy``
-    (see :func:`policy_names`), ``budget`` (tokens attended per sequence and KV head, resident ones
-    included; 0: use ``budget_fraction``), ``params`` (policy parameters by name). ``route``:
-    "auto", "gpu" or "cpu"; ``backend``: "auto", "cuda" or "host".
+    ``max_host_bytes`` (0: unlimited), ``host_bytes_at_create``, ``gpu_bytes`` (cap on the device
+    memory reserved at creation; 0: none). Tiers: ``sink_tokens``, ``window_tokens`` (resident on
+    the GPU), ``bank_slots`` (-1: the largest bank that fits ``gpu_bytes``), ``bank_map``. Policy:
+    ``policy`` (see :func:`policy_names`), ``budget`` (tokens attended per sequence and KV head,
+    resident ones included; 0: use ``budget_fraction``), ``params`` (policy parameters by name).
+    ``route``: "auto", "gpu" or "cpu"; ``backend``: "auto", "cuda" or "host".
     """
 
     num_layers: int = 32
@@ -68,6 +69,7 @@ class RuntimeConfig:
     max_prefill_chunk: int = 8192
     max_host_bytes: int = 0
     host_bytes_at_create: int = 0
+    gpu_bytes: int = 0
     sink_tokens: int = 4
     window_tokens: int = 256
     bank_slots: int = 0

@@ -141,9 +141,9 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   static const char* const kKnown[] = {
       "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "kv_dtype", "softmax_scale",
       "max_sequences", "max_tokens_per_sequence", "max_batch", "max_prefill_chunk",
-      "max_host_bytes", "host_bytes_at_create", "sink_tokens", "window_tokens", "bank_slots",
-      "bank_map", "policy", "budget", "budget_fraction", "params", "route", "backend",
-      "device_id", "cpu_threads", "probe_at_start"};
+      "max_host_bytes", "host_bytes_at_create", "gpu_bytes", "sink_tokens", "window_tokens",
+      "bank_slots", "bank_map", "policy", "budget", "budget_fraction", "params", "route",
+      "backend", "device_id", "cpu_threads", "probe_at_start"};
   for (auto [key, value] : d) {
     const std::string k = nb::cast<std::string>(key);
     bool known = false;
@@ -162,6 +162,7 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   get_int("max_prefill_chunk", c.capacity.max_prefill_chunk);
   get_int("max_host_bytes", c.capacity.max_host_bytes);
   get_int("host_bytes_at_create", c.capacity.host_bytes_at_create);
+  get_int("gpu_bytes", c.capacity.gpu_bytes);
   get_int("sink_tokens", c.tiers.sink_tokens);
   get_int("window_tokens", c.tiers.window_tokens);
   get_int("bank_slots", c.tiers.bank_slots);

@@ -228,6 +228,16 @@ def test_host_capacity_is_a_memory_error_and_leaves_other_sequences_intact():
     assert torch.allclose(o1[0].double(), ref, atol=2e-5, rtol=1e-4)
 
 
+def test_gpu_bytes_cap_refuses_what_does_not_fit_and_sizes_the_auto_bank():
+    with pytest.raises(MemoryError, match="capacity.gpu_bytes 4096 is below"):
+        make_rt(gpu_bytes=4096)
+    with pytest.raises(ValueError, match="bank_slots -1"):
+        make_rt(bank_slots=-1)
+    cap = 64 << 20
+    rt = make_rt(policy="oracle", budget=16, gpu_bytes=cap, bank_slots=-1)
+    assert 0 < rt.stats()["device_bytes_reserved"] <= cap
+
+
 def test_the_gil_is_released_during_work():
     rt = make_rt(max_prefill_chunk=4096, cpu_threads=1)
     rt.add_sequence(1)

@@ -1,0 +1,299 @@
+// Copyright kvferry authors. Apache-2.0.
+// The runtime's device memory: the sizes of every buffer Create allocates (one function, which
+// both the allocations and the plan that the GPU memory cap is checked against read), the auto
+// token bank, and the cap's refusal.
+#include <algorithm>
+#include <cstdlib>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+
+#include "base/check.h"
+#include "runtime/runtime_impl.h"
+
+namespace kvferry {
+
+std::string DeviceMemoryPlan::ToString() const {
+  std::string s = detail::StrCat(total_bytes, " bytes");
+  for (size_t i = 0; i < parts.size(); ++i) {
+    s += detail::StrCat(i == 0 ? ": " : ", ", parts[i].name, " ", parts[i].bytes);
+  }
+  return s;
+}
+
+namespace detail {
+namespace {
+
+constexpr int kStepMaxSplits = 127;  // split partials per item the step workspace holds
+// Slot ids are uint16 with 0xffff for "none" in both bank forms (TokenBank, cuda::DeviceBank).
+constexpr int kMaxBankSlots = 65534;
+
+bool EnvIs(const char* name, std::string_view value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::string_view(v) == value;
+}
+
+}  // namespace
+
+DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
+  DeviceMemoryPlan plan;
+  plan.cap_bytes = cap_bytes;
+  plan.bank_slots = bank_slots;
+  auto part = [&](const char* name, std::initializer_list<size_t> bytes) {
+    int64_t sum = 0;
+    for (size_t b : bytes) sum += static_cast<int64_t>(b);
+    if (sum > 0) plan.parts.push_back({name, sum});
+    plan.total_bytes += sum;
+  };
+  part("resident tier", {resident});
+  part("bank rows", {bank_rows});
+  part("bank page tables", {bank_page_tables});
+  part("bank slot state", {bank_slot_state});
+  part("bank miss staging", {bank_stage, bank_miss, bank_admit});
+  part(scoring == SelectScoring::kSparcas ? "sparcas compact keys" : "quest page bounds", {meta});
+  part("sparcas selection state", {sparcas_state, sparcas_dims});
+  part("selection lists", {step_list, step_list_count});
+  part("selection scores", {select_ws, topk_ws});
+  part("input staging (q, k, v, out)", {q_in, k_in, v_in, out_stage});
+  part("attention partials (q, o, lse)", {q_f32, o_gpu, lse_gpu, o_cpu, lse_cpu});
+  part("step plan (slots, positions)", {step_slots, step_pos});
+  part("step workspace", {step_ws, step_counters});
+  part("prefill staging", {prefill_scratch, prefill_pages});
+  part("host-store page table", {store_table});
+  part("stream workspaces", {stream_scratch});
+  std::stable_sort(plan.parts.begin(), plan.parts.end(),
+                   [](const DeviceMemoryPlan::Part& a, const DeviceMemoryPlan::Part& b) {
+                     return a.bytes > b.bytes;
+                   });
+  return plan;
+}
+
+size_t RuntimeImpl::AllocBytes(size_t bytes) { return std::max<size_t>(bytes, 64); }
+
+HostStoreShape RuntimeImpl::StoreShape() const {
+  const ModelShape& m = config_.model;
+  const Capacity& cap = config_.capacity;
+  HostStoreShape shape;
+  shape.max_slots = cap.max_sequences;
+  shape.num_layers = m.num_layers;
+  shape.num_kv_heads = m.num_kv_heads;
+  shape.head_dim = m.head_dim;
+  shape.kv_dtype = m.kv_dtype;
+  shape.page_tokens = kPageTokens;
+  shape.max_tokens = cap.max_tokens_per_sequence;
+  shape.max_bytes = cap.max_host_bytes;
+  return shape;
+}
+
+StepBankConfig RuntimeImpl::StepBankConfigFor(int bank_slots) const {
+  const ModelShape& m = config_.model;
+  StepBankConfig bank;
+  bank.num_tables = config_.capacity.max_sequences * m.num_layers * m.num_kv_heads;
+  bank.slots = bank_slots;
+  bank.max_positions = config_.capacity.max_tokens_per_sequence;
+  bank.head_dim = m.head_dim;
+  bank.kv_dtype = m.kv_dtype;
+  bank.hash_map = config_.tiers.bank_map == "hash";
+  return bank;
+}
+
+TokenBankConfig RuntimeImpl::TokenBankConfigFor(int bank_slots) const {
+  const ModelShape& m = config_.model;
+  TokenBankConfig bank;
+  bank.max_sequences = config_.capacity.max_sequences;
+  bank.num_layers = m.num_layers;
+  bank.num_kv_heads = m.num_kv_heads;
+  bank.slots = bank_slots;
+  bank.max_positions = config_.capacity.max_tokens_per_sequence;
+  bank.head_dim = m.head_dim;
+  bank.kv_dtype = m.kv_dtype;
+  bank.map = config_.tiers.bank_map == "hash" ? BankMapKind::kHash : BankMapKind::kVector;
+  return bank;
+}
+
+Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) const {
+  const ModelShape& m = config_.model;
+  const Capacity& cap = config_.capacity;
+  const bool cuda = device_->backend() == Backend::kCuda;
+  const int64_t hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  z = DeviceBufferSizes{};
+  z.bank_slots = bank_slots;
+  z.streams = 1;  // the device's default stream
+
+  // Resident tier: [slot][layer][kv_head][K rows (S+W), V rows (S+W)].
+  const int64_t slot_rows = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
+  z.resident = AllocBytes(static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv *
+                          slot_rows * 2 * row_bytes_);
+  // Inputs and outputs staged in f32 (the largest activation dtype), for a prefill chunk or a
+  // batch; the attention's partial results.
+  const size_t act_q = static_cast<size_t>(max_rows_ * hq * d);
+  const size_t act_kv = static_cast<size_t>(max_rows_ * hkv * d);
+  const size_t batch_q = static_cast<size_t>(cap.max_batch * hq * d);
+  z.q_in = AllocBytes(act_q * 4);
+  z.k_in = AllocBytes(act_kv * 4);
+  z.v_in = AllocBytes(act_kv * 4);
+  z.out_stage = AllocBytes(act_q * 4);
+  z.q_f32 = AllocBytes(act_q * 4);
+  z.o_gpu = AllocBytes(act_q * 4);
+  z.lse_gpu = AllocBytes(static_cast<size_t>(max_rows_ * hq) * 4);
+  z.o_cpu = AllocBytes(batch_q * 4);
+  z.lse_cpu = AllocBytes(static_cast<size_t>(cap.max_batch * hq) * 4);
+  const HostStoreShape store = StoreShape();
+  z.store_table = static_cast<size_t>(HostStore::DeviceTableBytes(store));
+
+  // Token bank: in device memory and managed there for a device-selecting policy on CUDA, else
+  // host-managed (rows in device memory, maps on the host) with a side stream for admissions.
+  const SelectScoring scoring = policy_->device_scoring();
+  z.device_bank = bank_slots > 0 && cuda && scoring != SelectScoring::kNone &&
+                  config_.route != Route::kCpu;
+  z.host_bank = bank_slots > 0 && !z.device_bank;
+  if (z.device_bank) {
+    KVF_ASSIGN_OR_RETURN(const StepBankSizes b,
+                         device_->StepBankSizesFor(StepBankConfigFor(bank_slots)));
+    z.bank_rows = b.rows;
+    z.bank_page_tables = b.page_tables;
+    z.bank_slot_state = b.slot_state;
+    z.bank_admit_item_bytes = b.admit_item_bytes;
+    z.bank_max_admit = b.max_admit;
+  } else if (z.host_bank) {
+    const TokenBank::DeviceSizes b = TokenBank::DeviceSizesFor(TokenBankConfigFor(bank_slots));
+    z.bank_rows = b.rows;
+    z.bank_page_tables = b.page_tables + b.ref_bits;
+    ++z.streams;
+  }
+
+  if (cuda) {
+    // Prefill staging: one layer's pages of one sequence in device memory, and their page table.
+    z.max_pages = HostStore::MaxPages(store);
+    z.prefill_scratch = AllocBytes(static_cast<size_t>(hkv * z.max_pages) *
+                                   static_cast<size_t>(HostStore::PageBytes(store)));
+    z.prefill_pages = AllocBytes(static_cast<size_t>(hkv * z.max_pages) * sizeof(void*));
+    // Tensor cores unless KVFERRY_CUDA_PREFILL=paged asks for the CUDA-core kernel (the reference
+    // it is tested against); chunks after the first then copy their history on a stream of their
+    // own unless KVFERRY_PREFILL_OVERLAP=off (the one-pass staging, kept for comparison).
+    z.prefill_tensor_cores = !EnvIs("KVFERRY_CUDA_PREFILL", "paged");
+    z.prefill_copy_stream = z.prefill_tensor_cores && !EnvIs("KVFERRY_PREFILL_OVERLAP", "off");
+    if (z.prefill_copy_stream) ++z.streams;
+  }
+
+  // The planned decode step (runtime/decode_plan.cpp).
+  z.scoring = scoring;
+  z.fast_path = (policy_->selects_sinks_and_recent() || scoring != SelectScoring::kNone) &&
+                !z.host_bank && config_.route != Route::kCpu;
+  // A device selection may pick any position: its rows are all resident only when every
+  // position is.
+  z.step_all_resident = policy_->is_dense() || scoring != SelectScoring::kNone
+                            ? slot_rows >= cap.max_tokens_per_sequence
+                            : budget_max_ <= slot_rows;
+  const Route route = config_.route == Route::kAuto && policy_->placement() == Placement::kCpu
+                          ? Route::kCpu
+                          : config_.route;
+  z.cpu_step = !z.fast_path && policy_->placement() == Placement::kCpu &&
+               policy_->selection_covers_resident() && !policy_->is_dense() && !z.host_bank &&
+               route == Route::kCpu;
+  if (z.fast_path || z.cpu_step) {
+    const int64_t items = int64_t{cap.max_batch} * hkv;
+    if (scoring != SelectScoring::kNone) {
+      // Per layer a list region, so that any layer's last selection can be read back and no
+      // layer rewrites a list an earlier launch of the step may still read.
+      z.list_cap = std::max<int64_t>(item_cap_, 1);
+      const size_t lists = static_cast<size_t>(m.num_layers) * items;
+      z.step_list = AllocBytes(lists * static_cast<size_t>(z.list_cap) * sizeof(int32_t));
+      z.step_list_count = AllocBytes(lists * sizeof(int32_t));
+      z.select_ld = cap.max_tokens_per_sequence;
+      z.select_ws = AllocBytes(static_cast<size_t>(items) * group_ * z.select_ld * sizeof(float));
+      int64_t sort_cap = 1;
+      while (sort_cap < z.list_cap) sort_cap <<= 1;
+      if (sort_cap > 4096) z.topk_ws = AllocBytes(static_cast<size_t>(items * sort_cap) * 8);
+      if (scoring == SelectScoring::kQuestPages) {
+        z.meta_page = policy_->device_select_params(m.head_dim).page_tokens;
+        KVF_CHECK_ARG(z.meta_page >= 1, "policy '", policy_->name(), "': page of ", z.meta_page,
+                      " tokens");
+        z.meta_pages = (cap.max_tokens_per_sequence + z.meta_page - 1) / z.meta_page;
+        z.meta = AllocBytes(static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv *
+                            static_cast<size_t>(z.meta_pages) * 2 * row_bytes_);
+      }
+      if (scoring == SelectScoring::kSparcas) {
+        const Policy::DeviceSelectParams dp = policy_->device_select_params(m.head_dim);
+        KVF_CHECK_ARG(dp.d_b >= 1 && dp.u >= 1 && dp.dense_layers >= 0, "policy '",
+                      policy_->name(), "': d_b ", dp.d_b, ", u ", dp.u, ", dense_layers ",
+                      dp.dense_layers);
+        z.sparcas_db = dp.d_b;
+        z.sparcas_u = dp.u;
+        z.sparcas_dense = dp.dense_layers;
+        z.meta_pages = cap.max_tokens_per_sequence;
+        const int64_t elems =
+            SparcasCompactOffset(cap.max_sequences, 0, 0, m.num_layers, m.num_kv_heads,
+                                 z.meta_pages, m.head_dim, z.sparcas_db, z.sparcas_dense);
+        z.meta = AllocBytes(static_cast<size_t>(elems) * kv_elem_);
+        const size_t items_all = static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv;
+        z.sparcas_state = AllocBytes(items_all * sizeof(SparcasState));
+        z.sparcas_dims = AllocBytes(items_all * m.head_dim * sizeof(int32_t));
+      }
+      if (z.device_bank && !z.step_all_resident) {
+        // The step's misses: staged at their list index, listed for the admission after the
+        // step (one layer at a time: the admission runs before the next layer's step).
+        z.bank_miss_cap = static_cast<int32_t>(std::min<int64_t>(z.list_cap, z.bank_max_admit));
+        z.bank_stage = AllocBytes(static_cast<size_t>(items * z.list_cap) * 2 * row_bytes_);
+        z.bank_miss = AllocBytes(static_cast<size_t>(items) * (1 + z.bank_miss_cap) *
+                                 sizeof(int32_t));
+        z.bank_admit = AllocBytes(static_cast<size_t>(items) * z.bank_admit_item_bytes);
+      }
+    }
+    z.step_slots = AllocBytes(size_t{2} * cap.max_batch * sizeof(int32_t));
+    z.step_pos = AllocBytes(2 * static_cast<size_t>(cap.max_batch) * m.num_layers *
+                            sizeof(int64_t));
+    if (cuda) {
+      z.step_ws_floats =
+          static_cast<int64_t>(cap.max_batch) * hkv * kStepMaxSplits * group_ * (d + 1);
+      z.step_ws = AllocBytes(static_cast<size_t>(z.step_ws_floats) * sizeof(float));
+      z.step_counters = AllocBytes(static_cast<size_t>(cap.max_batch) * hkv * group_ *
+                                   sizeof(int32_t));
+    }
+  }
+  z.stream_scratch = static_cast<size_t>(z.streams) * device_->stream_scratch_bytes();
+  return Status::Ok();
+}
+
+Result<int> RuntimeImpl::ChooseBankSlots() const {
+  const int64_t cap = config_.capacity.gpu_bytes;
+  DeviceBufferSizes z;
+  auto fits = [&](int slots) -> Result<bool> {
+    KVF_RETURN_IF_ERROR(SizeDeviceBuffers(slots, z));
+    return z.Plan(cap).total_bytes <= cap;
+  };
+  // A table never holds more rows than a sequence has positions. From one slot up the total
+  // grows with the slots (the rows, the hash maps); no bank at all may take less or more than
+  // one slot (a bank changes the planned step's buffers), so 0 is the answer only when 1 fails.
+  const int hi_bound = static_cast<int>(
+      std::min<int64_t>(kMaxBankSlots, config_.capacity.max_tokens_per_sequence));
+  KVF_ASSIGN_OR_RETURN(const bool one_fits, fits(1));
+  if (!one_fits) return 0;
+  int lo = 1, hi = hi_bound;  // lo fits; find the largest that does
+  while (lo < hi) {
+    const int mid = lo + (hi - lo + 1) / 2;
+    KVF_ASSIGN_OR_RETURN(const bool mid_fits, fits(mid));
+    if (mid_fits) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+Status RuntimeImpl::CheckDeviceCap(const DeviceMemoryPlan& plan, bool auto_bank) const {
+  const int64_t cap = config_.capacity.gpu_bytes;
+  if (cap == 0 || plan.total_bytes <= cap) return Status::Ok();
+  return ResourceExhausted(StrCat(
+      "capacity.gpu_bytes ", cap, " is below the ", plan.total_bytes,
+      " bytes of device memory this configuration needs on the ",
+      BackendName(device_->backend()), " backend, ", plan.total_bytes - cap, " over (",
+      plan.ToString(), ")",
+      auto_bank ? "; bank_slots -1 (auto): not even one slot fits" : "",
+      "; lower max_sequences, max_tokens_per_sequence, max_batch, max_prefill_chunk, "
+      "sink_tokens + window_tokens or bank_slots, or raise the cap"));
+}
+
+}  // namespace detail
+}  // namespace kvferry
