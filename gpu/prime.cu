@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kPrimeThreads) PrimeStatsKernel(PrimeArgs a, i
       for (int i = 0; i < kPerWarp; ++i) {
         const int v = v0 + warp + kPrimeWarps * i;
         if (v >= num_v) continue;
-        if (pos < t_end[i]) FoldSoftmax(m[i], s[i], l[i], 1.0f);
+        if (pos < t_end[i] && pos < split.end) FoldSoftmax(m[i], s[i], l[i], 1.0f);
         if (v >= last_v0 && pos < split.end) l_sum[i] += l[i];
       }
     }
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(kPrimeThreads) PrimeWeightsKernel(PrimeArgs a,
       for (int i = 0; i < kPerWarp; ++i) {
         const int local = warp + kPrimeWarps * i, v = v0 + local;
         if (v >= num_v) continue;
-        if (pos < t_end[i]) {
+        if (pos < t_end[i] && pos < split.end) {
           const float w = expf(l[i] - sm.m[local]) * sm.inv[local];
           col += w;
           const int64_t t = a.t_first + v / group;

@@ -844,16 +844,21 @@ Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t pos0, int64_t new_l
                                            stream));
     KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
     stats_.bytes_d2h += hkv * (2 * new_len * 4 + stats_count * 8);
-    for (int h = 0; h < hkv; ++h) {
-      ctx.kv_head = h;
-      ctx.kv = store_->pages(slot, layer, h);
+    // The heads' O(n) finishing (and LFPS's O(n d) scan shadow) on the pool: their states are
+    // independent.
+    std::vector<Status> head_status(static_cast<size_t>(hkv));
+    pool_->ParallelFor(hkv, [&](int64_t h) {
+      PrefillContext head_ctx = ctx;
+      head_ctx.kv_head = static_cast<int>(h);
+      head_ctx.kv = store_->pages(slot, layer, static_cast<int>(h));
       PrimedStats primed;
       primed.ver = prime_tables_host_ + h * prime_table_stride_;
       primed.sla = primed.ver + new_len;
       primed.stats = prime_stats_host_ + h * stats_count;
       primed.rows = rows;
-      KVF_RETURN_IF_ERROR(policy_->OnPrefillPrimed(ctx, primed));
-    }
+      head_status[static_cast<size_t>(h)] = policy_->OnPrefillPrimed(head_ctx, primed);
+    });
+    for (Status& st : head_status) KVF_RETURN_IF_ERROR(std::move(st));
   } else {
     const int64_t nq = tokens * config_.model.num_q_heads * d;
     KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, static_cast<size_t>(nq) * 4, stream));
