@@ -148,10 +148,10 @@ struct PrimeArgs {
   /// Head h's rows: q + h * q_head_stride, [rows, group, head_dim] fp32 (device-readable).
   const float* q = nullptr;
   int64_t q_head_stride = 0;
-  int32_t rows = 0;      ///< >= 1
-  int64_t t_first = 0;   ///< position of the first row, < n; rows end at <= n
-  int64_t n = 0;         ///< keys stored (>= 1)
-  int64_t sink = 0;      ///< scored keys [sink, off_hi), sink <= off_hi <= n
+  int32_t rows = 0;     ///< >= 1
+  int64_t t_first = 0;  ///< position of the first row, < n; rows end at <= n
+  int64_t n = 0;        ///< keys stored (>= 1)
+  int64_t sink = 0;     ///< scored keys [sink, off_hi), sink <= off_hi <= n
   int64_t off_hi = 0;
   /// Page table of head h (KvPages layout) at pages + h * max_pages, device-readable.
   void* const* pages = nullptr;
@@ -170,7 +170,9 @@ struct PrimeArgs {
 
 /// Doubles of one head's PrimeArgs::stats: k_sum, v_sum (head_dim each), l_sum, l_sq, q_sq
 /// (group each).
-constexpr int64_t PrimeStatsCount(int head_dim, int group) { return 2 * int64_t{head_dim} + 3 * group; }
+constexpr int64_t PrimeStatsCount(int head_dim, int group) {
+  return 2 * int64_t{head_dim} + 3 * group;
+}
 
 /// Scratch bytes for PrimeArgs::scratch: per head, per key split, per query vector a (max, sum)
 /// pair, and a final pair per vector.

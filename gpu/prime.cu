@@ -36,10 +36,10 @@
 namespace kvferry::cuda {
 namespace {
 
-constexpr int kPrimeThreads = 128;        // 4 warps
+constexpr int kPrimeThreads = 128;  // 4 warps
 constexpr int kPrimeWarps = kPrimeThreads / 32;
-constexpr int kPrimeTile = 32;            // keys per tile: one per lane
-constexpr int kPrimeMinSplitKeys = 256;   // fewest keys a split handles
+constexpr int kPrimeTile = 32;           // keys per tile: one per lane
+constexpr int kPrimeMinSplitKeys = 256;  // fewest keys a split handles
 
 // Query vectors per chunk: 8 KiB of fp32 queries in shared memory at every head_dim.
 template <int HD>
@@ -50,9 +50,13 @@ constexpr int PrimeChunk() {
 template <typename T>
 __device__ __forceinline__ float ToF32(T x);
 template <>
-__device__ __forceinline__ float ToF32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float ToF32(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 template <>
-__device__ __forceinline__ float ToF32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToF32(__half x) {
+  return __half2float(x);
+}
 
 template <typename T>
 __device__ __forceinline__ const T* PagedRow(void* const* pages, int32_t page_tokens, int64_t pos,
@@ -147,8 +151,8 @@ __device__ __forceinline__ double* StatsOf(const PrimeArgs& a, int h) {
 // Pass 1: per query vector and split the softmax (max, sum) over the visible scored keys; K and V
 // column sums; the last row's logit sum.
 template <int HD, typename T>
-__global__ void __launch_bounds__(kPrimeThreads) PrimeStatsKernel(PrimeArgs a, int64_t span,
-                                                                  int splits) {
+__global__ void __launch_bounds__(kPrimeThreads)
+    PrimeStatsKernel(PrimeArgs a, int64_t span, int splits) {
   constexpr int kQv = PrimeChunk<HD>();
   constexpr int kPerWarp = kQv / kPrimeWarps;
   constexpr int kCols = (HD + kPrimeThreads - 1) / kPrimeThreads;
@@ -159,8 +163,8 @@ __global__ void __launch_bounds__(kPrimeThreads) PrimeStatsKernel(PrimeArgs a, i
   const int last_v0 = (a.rows - 1) * group;  // first vector of the last row
   void* const* pages = a.pages + h * a.max_pages;
   const PrimeSplit split = SplitOf(a, span);
-  float2* partial = static_cast<float2*>(a.scratch) +
-                    (static_cast<int64_t>(h) * splits + blockIdx.x) * num_v;
+  float2* partial =
+      static_cast<float2*>(a.scratch) + (static_cast<int64_t>(h) * splits + blockIdx.x) * num_v;
   double* stats = StatsOf(a, h);
   float k_sum[kCols] = {}, v_sum[kCols] = {};
   for (int v0 = 0; v0 < num_v; v0 += kQv) {
@@ -208,7 +212,8 @@ __global__ void __launch_bounds__(kPrimeThreads) PrimeStatsKernel(PrimeArgs a, i
       float mi = m[i], si = s[i];
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) {
-        FoldSoftmax(mi, si, __shfl_xor_sync(0xffffffffu, mi, o), __shfl_xor_sync(0xffffffffu, si, o));
+        FoldSoftmax(mi, si, __shfl_xor_sync(0xffffffffu, mi, o),
+                    __shfl_xor_sync(0xffffffffu, si, o));
       }
       const float ls = WarpSum(l_sum[i]);
       if (lane == 0 && v < num_v) {
@@ -234,14 +239,15 @@ __global__ void PrimeCombineKernel(PrimeArgs a, int splits) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<int64_t>(a.num_kv_heads) * num_v) return;
   const int h = static_cast<int>(idx / num_v), v = static_cast<int>(idx % num_v);
-  const float2* partial = static_cast<const float2*>(a.scratch) + static_cast<int64_t>(h) * splits * num_v;
+  const float2* partial =
+      static_cast<const float2*>(a.scratch) + static_cast<int64_t>(h) * splits * num_v;
   float m = -INFINITY, s = 0.0f;
   for (int sp = 0; sp < splits; ++sp) {
     const float2 p = partial[static_cast<int64_t>(sp) * num_v + v];
     FoldSoftmax(m, s, p.x, p.y);
   }
-  float2* final_pairs = static_cast<float2*>(a.scratch) +
-                        static_cast<int64_t>(a.num_kv_heads) * splits * num_v;
+  float2* final_pairs =
+      static_cast<float2*>(a.scratch) + static_cast<int64_t>(a.num_kv_heads) * splits * num_v;
   final_pairs[idx] = make_float2(m, s > 0.0f ? 1.0f / s : 0.0f);
   const int group = a.params.group, hd = a.params.head_dim;
   const int last_v0 = (a.rows - 1) * group;
@@ -256,8 +262,8 @@ __global__ void PrimeCombineKernel(PrimeArgs a, int splits) {
 // Pass 3: the weights, summed per key (ver) and per distance (sla); the last row's squared
 // deviations from its mean logit.
 template <int HD, typename T>
-__global__ void __launch_bounds__(kPrimeThreads) PrimeWeightsKernel(PrimeArgs a, int64_t span,
-                                                                    int splits) {
+__global__ void __launch_bounds__(kPrimeThreads)
+    PrimeWeightsKernel(PrimeArgs a, int64_t span, int splits) {
   constexpr int kQv = PrimeChunk<HD>();
   constexpr int kPerWarp = kQv / kPrimeWarps;
   constexpr int kSla = kPrimeTile + kQv;
@@ -350,17 +356,17 @@ int PrimeSplits(const PrimeArgs& a, int num_sms) {
   const int64_t per_split =
       static_cast<int64_t>(a.num_kv_heads) * a.rows * a.params.group * 2 * sizeof(float);
   const int64_t fit = per_split > 0 ? static_cast<int64_t>(a.scratch_bytes) / per_split - 1 : 0;
-  const int64_t want = std::min<int64_t>((len + kPrimeMinSplitKeys - 1) / kPrimeMinSplitKeys,
-                                         std::max<int64_t>(1, 4 * int64_t{num_sms} / a.num_kv_heads));
+  const int64_t want =
+      std::min<int64_t>((len + kPrimeMinSplitKeys - 1) / kPrimeMinSplitKeys,
+                        std::max<int64_t>(1, 4 * int64_t{num_sms} / a.num_kv_heads));
   return static_cast<int>(std::clamp<int64_t>(std::min(want, fit), fit >= 1 ? 1 : 0, 65535));
 }
 
 }  // namespace
 
 Status LaunchPrimeAttention(const PrimeArgs& a, int num_sms, cudaStream_t stream) {
-  KVF_CUDA_CHECK(cudaMemsetAsync(a.tables, 0,
-                                 static_cast<size_t>(a.num_kv_heads) * a.table_stride * sizeof(float),
-                                 stream));
+  KVF_CUDA_CHECK(cudaMemsetAsync(
+      a.tables, 0, static_cast<size_t>(a.num_kv_heads) * a.table_stride * sizeof(float), stream));
   KVF_CUDA_CHECK(cudaMemsetAsync(
       a.stats, 0,
       static_cast<size_t>(a.num_kv_heads * PrimeStatsCount(a.params.head_dim, a.params.group)) *
@@ -374,15 +380,15 @@ Status LaunchPrimeAttention(const PrimeArgs& a, int num_sms, cudaStream_t stream
   KVF_CHECK_ARG(a.num_kv_heads <= 65535, "PrimeAttention: ", a.num_kv_heads, " KV heads");
   const int num_v = a.rows * a.params.group;
   const int64_t combine = static_cast<int64_t>(a.num_kv_heads) * num_v;
-  const int64_t span = len <= 0 ? 0
-                                : ((len + splits - 1) / splits + kPrimeTile - 1) / kPrimeTile *
-                                      kPrimeTile;
+  const int64_t span =
+      len <= 0 ? 0 : ((len + splits - 1) / splits + kPrimeTile - 1) / kPrimeTile * kPrimeTile;
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(a.num_kv_heads));
   return DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
     return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
       PrimeStatsKernel<HD, T><<<grid, kPrimeThreads, 0, stream>>>(a, span, splits);
       KVF_CUDA_CHECK_LAUNCH(PrimeStatsKernel);
-      PrimeCombineKernel<<<static_cast<unsigned>((combine + 127) / 128), 128, 0, stream>>>(a, splits);
+      PrimeCombineKernel<<<static_cast<unsigned>((combine + 127) / 128), 128, 0, stream>>>(a,
+                                                                                           splits);
       KVF_CUDA_CHECK_LAUNCH(PrimeCombineKernel);
       PrimeWeightsKernel<HD, T><<<grid, kPrimeThreads, 0, stream>>>(a, span, splits);
       KVF_CUDA_CHECK_LAUNCH(PrimeWeightsKernel);

@@ -800,7 +800,9 @@ void LfpsPolicy::FinishPrime(HeadState* st, const PrefillContext& ctx) {
   st->primed = true;
   // The scan's shadow is made here, on the prompt's path, so that a decode step only quantises its
   // own new row (making it at the first scan costs a pass over every K row inside a token step).
-  if (params_.scan > 0 && !params_.score_all) st->PrimeShadow(ctx.params, ctx.kv, ctx.n, max_tokens_);
+  if (params_.scan > 0 && !params_.score_all) {
+    st->PrimeShadow(ctx.params, ctx.kv, ctx.n, max_tokens_);
+  }
 }
 
 Status LfpsPolicy::OnPrefillPrimed(const PrefillContext& ctx, const PrimedStats& primed) {
@@ -1296,8 +1298,12 @@ bool LfpsPolicy::GetPrimedState(int slot, int layer, int kv_head, PrimedState* o
   if (st == nullptr) return false;
   out->ver.resize(st->ver.size());
   out->sla.resize(st->sla.size());
-  for (size_t i = 0; i < st->ver.size(); ++i) out->ver[i] = static_cast<float>(st->ver[i] * st->scale);
-  for (size_t i = 0; i < st->sla.size(); ++i) out->sla[i] = static_cast<float>(st->sla[i] * st->scale);
+  for (size_t i = 0; i < st->ver.size(); ++i) {
+    out->ver[i] = static_cast<float>(st->ver[i] * st->scale);
+  }
+  for (size_t i = 0; i < st->sla.size(); ++i) {
+    out->sla[i] = static_cast<float>(st->sla[i] * st->scale);
+  }
   out->k_bar = st->k_bar;
   out->v_bar = st->v_bar;
   out->sigma2_hat = st->sigma2_hat;

@@ -322,14 +322,15 @@ Status RuntimeImpl::Init() {
   // machines without a GPU run it).
   const char* prime_env = std::getenv("KVFERRY_PRIME");
   const std::string_view prime_where = prime_env != nullptr ? prime_env : "";
-  const bool device_prime = device_->backend() == Backend::kCuda ? prime_where != "host"
-                                                                 : prime_where == "device";
+  const bool device_prime =
+      device_->backend() == Backend::kCuda ? prime_where != "host" : prime_where == "device";
   if (policy_->prime_rows() > 0 && device_prime) {
     prime_rows_ = static_cast<int>(
         std::min<int64_t>(policy_->prime_rows(), config_.capacity.max_prefill_chunk));
     prime_table_stride_ = 2 * cap.max_tokens_per_sequence;
     const size_t tables = static_cast<size_t>(hkv * prime_table_stride_) * sizeof(float);
-    const size_t stats = static_cast<size_t>(hkv * PrimeStatsCount(m.head_dim, group_)) * sizeof(double);
+    const size_t stats =
+        static_cast<size_t>(hkv * PrimeStatsCount(m.head_dim, group_)) * sizeof(double);
     KVF_ASSIGN_OR_RETURN(p, Alloc(tables, false));
     prime_tables_dev_ = static_cast<float*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(tables, true));
@@ -835,9 +836,9 @@ Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t pos0, int64_t new_l
     KVF_RETURN_IF_ERROR(device_->PrimeAttention(a, stream));
     const int64_t stats_count = PrimeStatsCount(d, group_);
     for (int h = 0; h < hkv; ++h) {
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(prime_tables_host_ + h * prime_table_stride_,
-                                             prime_tables_dev_ + h * prime_table_stride_,
-                                             static_cast<size_t>(2 * new_len) * sizeof(float), stream));
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(
+          prime_tables_host_ + h * prime_table_stride_, prime_tables_dev_ + h * prime_table_stride_,
+          static_cast<size_t>(2 * new_len) * sizeof(float), stream));
     }
     KVF_RETURN_IF_ERROR(device_->CopyAsync(prime_stats_host_, prime_stats_dev_,
                                            static_cast<size_t>(hkv * stats_count) * sizeof(double),

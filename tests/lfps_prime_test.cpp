@@ -36,7 +36,7 @@ namespace {
 
 using testing_util::PagedHead;
 
-constexpr int kHeads = 2;      // KV heads of one (sequence, layer): strides between heads
+constexpr int kHeads = 2;  // KV heads of one (sequence, layer): strides between heads
 constexpr int kWindow = 8;
 
 // Tables match: |a - b| <= 1e-4 |b| + 1e-6 max|b|, first mismatches printed.
@@ -66,15 +66,15 @@ struct PrimeCase {
 
 std::string CaseName(const PrimeCase& c) {
   return "n" + std::to_string(c.n) + "_sink" + std::to_string(c.sink) + "_g" +
-         std::to_string(c.group) + "_d" + std::to_string(c.head_dim) + "_" +
-         DTypeName(c.dtype) + "_chunk" + std::to_string(c.chunk);
+         std::to_string(c.group) + "_d" + std::to_string(c.head_dim) + "_" + DTypeName(c.dtype) +
+         "_chunk" + std::to_string(c.chunk);
 }
 
 struct PrimeInputs {
   std::vector<std::unique_ptr<PagedHead>> heads;
   std::vector<void*> table;  // [kHeads][max_pages]
   int64_t max_pages = 0;
-  std::vector<float> q;      // [kHeads][chunk][group][head_dim]
+  std::vector<float> q;  // [kHeads][chunk][group][head_dim]
   PrimeInputs(const PrimeCase& c, uint32_t seed) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> nd;
@@ -406,9 +406,9 @@ void RunAndCompare(std::vector<std::unique_ptr<Runtime>>& rts, const std::vector
         fill(k, 1.0f);
         fill(v, 1.0f);
         for (auto& rt : rts) {
-          const Status st = rt->Prefill(s, layer, tv(q, chunk, m.num_q_heads),
-                                        tv(k, chunk, m.num_kv_heads), tv(v, chunk, m.num_kv_heads),
-                                        tv(out, chunk, m.num_q_heads));
+          const Status st =
+              rt->Prefill(s, layer, tv(q, chunk, m.num_q_heads), tv(k, chunk, m.num_kv_heads),
+                          tv(v, chunk, m.num_kv_heads), tv(out, chunk, m.num_q_heads));
           ASSERT_TRUE(st.ok()) << st.ToString();
           ASSERT_TRUE(rt->Synchronize().ok());
         }
@@ -425,9 +425,9 @@ void RunAndCompare(std::vector<std::unique_ptr<Runtime>>& rts, const std::vector
       fill(v, 1.0f);
       std::vector<std::vector<float>> out(rts.size(), std::vector<float>(q.size(), std::nanf("")));
       for (size_t r = 0; r < rts.size(); ++r) {
-        const Status st = rts[r]->Decode(seqs, layer, tv(q, batch, m.num_q_heads),
-                                         tv(k, batch, m.num_kv_heads), tv(v, batch, m.num_kv_heads),
-                                         tv(out[r], batch, m.num_q_heads));
+        const Status st =
+            rts[r]->Decode(seqs, layer, tv(q, batch, m.num_q_heads), tv(k, batch, m.num_kv_heads),
+                           tv(v, batch, m.num_kv_heads), tv(out[r], batch, m.num_q_heads));
         ASSERT_TRUE(st.ok()) << st.ToString();
         ASSERT_TRUE(rts[r]->Synchronize().ok());
       }
