@@ -370,11 +370,20 @@ RuntimeConfig PrimeConfig(Backend backend, DType kv_dtype) {
   return cfg;
 }
 
-// Creates a Runtime with KVFERRY_PRIME set to \p prime ("" leaves it unset).
-std::unique_ptr<Runtime> MakeRuntime(const RuntimeConfig& c, const char* prime) {
+// Creates a Runtime with KVFERRY_PRIME set to \p prime ("" leaves it unset), and \p env (NAME=VALUE)
+// if given.
+std::unique_ptr<Runtime> MakeRuntime(const RuntimeConfig& c, const char* prime,
+                                     const char* env = nullptr) {
+  std::string env_name;
   if (*prime != '\0') setenv("KVFERRY_PRIME", prime, 1);
+  if (env != nullptr) {
+    const std::string e(env);
+    env_name = e.substr(0, e.find('='));
+    setenv(env_name.c_str(), e.substr(e.find('=') + 1).c_str(), 1);
+  }
   auto made = Runtime::Create(c);
   if (*prime != '\0') unsetenv("KVFERRY_PRIME");
+  if (env != nullptr) unsetenv(env_name.c_str());
   EXPECT_TRUE(made.ok()) << made.status().ToString();
   return made.ok() ? std::move(made).value() : nullptr;
 }
@@ -476,9 +485,9 @@ TEST(LfpsPrimeRuntime, HostDevicePathEqualsHostLoop) {
 }
 
 // On CUDA, LFPS primes on the GPU by default: its selections equal those of a CUDA runtime primed
-// by the host loop (KVFERRY_PRIME=host) and of the host backend; outputs within 1e-5 of the
-// former and within the CUDA-vs-host decode tolerance (1e-4, tests/cuda_runtime_test.cpp) of the
-// latter.
+// by the host loop (KVFERRY_PRIME=host), of one primed on the GPU from the CUDA-core prefill's
+// staging (KVFERRY_CUDA_PREFILL=paged) and of the host backend; outputs within 1e-5 of the first
+// and within the CUDA-vs-host decode tolerance (1e-4, tests/cuda_runtime_test.cpp) of the others.
 TEST(LfpsPrimeRuntime, CudaGpuPrimedEqualsHostPrimed) {
   if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
   for (const DType dt : {DType::kBF16, DType::kF16}) {
@@ -486,11 +495,12 @@ TEST(LfpsPrimeRuntime, CudaGpuPrimedEqualsHostPrimed) {
     std::vector<std::unique_ptr<Runtime>> rts;
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), ""));
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "host"));
+    rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "KVFERRY_CUDA_PREFILL=paged"));
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kHost, dt), ""));
-    ASSERT_TRUE(rts[0] != nullptr && rts[1] != nullptr && rts[2] != nullptr);
+    for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
     // Chunks after the first read their history through the overlapped page copies (segments
     // from 2 pages of 256 tokens on); the priming reads the staging they filled.
-    RunAndCompare(rts, {512, 512, 512, 21}, {0.0, 1e-5, 1e-4}, {true, true, true});
+    RunAndCompare(rts, {512, 512, 512, 21}, {0.0, 1e-5, 1e-4, 1e-4}, {true, true, true, true});
   }
 }
 
