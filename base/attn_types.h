@@ -129,6 +129,57 @@ struct PageBoundsArgs {
   int32_t meta_page = 16;
 };
 
+/// The prompt statistics a history-table policy (LFPS) learns from at prefill, computed by the
+/// device beside the prefill pass (Device::PrimeAttention) so that no host loop scores the prompt.
+/// For each KV head h of one (sequence, layer), over the keys [0, n) of that head:
+///  - the causal softmax of each of the `rows` query rows r (position t_first + r) and head g of
+///    the group over the scored keys [sink, off_hi) with position <= t_first + r (rows with none
+///    visible add nothing); with p_{r,g}(i) its weight of key i:
+///      ver[i] = sum_{r,g} p_{r,g}(i) for i in [sink, off_hi) (0 elsewhere in [0, n)),
+///      sla[d] = sum_{r,g} p_{r,g}(t_first + r - d) for d in [0, n) (by distance);
+///  - stats (double): k_sum[hd], v_sum[hd] = column sums of K and V over [sink, n); then for the
+///    last row (r = rows - 1) and each head g, over the logits l_j = scale q.k_j, j in [sink, n):
+///    l_sum[g] = sum l_j, l_sq[g] = sum (l_j - l_sum[g] / (n - sink))^2, and q_sq[g] = |q|^2.
+/// fp32 logits and weights, fp32 sums per key (double for stats); the order of summation is the
+/// implementation's. ver and sla cover [0, n) only; the caller reads n entries of each.
+struct PrimeArgs {
+  AttnParams params;
+  int32_t num_kv_heads = 0;
+  /// Head h's rows: q + h * q_head_stride, [rows, group, head_dim] fp32 (device-readable).
+  const float* q = nullptr;
+  int64_t q_head_stride = 0;
+  int32_t rows = 0;     ///< >= 1
+  int64_t t_first = 0;  ///< position of the first row, < n; rows end at <= n
+  int64_t n = 0;        ///< keys stored (>= 1)
+  int64_t sink = 0;     ///< scored keys [sink, off_hi), sink <= off_hi <= n
+  int64_t off_hi = 0;
+  /// Page table of head h (KvPages layout) at pages + h * max_pages, device-readable.
+  void* const* pages = nullptr;
+  int64_t max_pages = 0;
+  int32_t page_tokens = 256;
+  /// Head h's tables: ver at tables + h * table_stride, sla n floats after it; table_stride >= 2 n.
+  float* tables = nullptr;
+  int64_t table_stride = 0;
+  /// Head h's stats (PrimeStatsCount doubles) at stats + h * PrimeStatsCount(...).
+  double* stats = nullptr;
+  /// Device scratch for the per-row softmax partials (CUDA); PrimeScratchBytes gives a size that
+  /// allows splitting the keys over the GPU, fewer bytes only means fewer splits.
+  void* scratch = nullptr;
+  size_t scratch_bytes = 0;
+};
+
+/// Doubles of one head's PrimeArgs::stats: k_sum, v_sum (head_dim each), l_sum, l_sq, q_sq
+/// (group each).
+constexpr int64_t PrimeStatsCount(int head_dim, int group) {
+  return 2 * int64_t{head_dim} + 3 * group;
+}
+
+/// Scratch bytes for PrimeArgs::scratch: per head, per key split, per query vector a (max, sum)
+/// pair, and a final pair per vector.
+constexpr size_t PrimeScratchBytes(int num_kv_heads, int max_rows, int group, int splits) {
+  return static_cast<size_t>(num_kv_heads) * max_rows * group * (splits + 1) * 2 * sizeof(float);
+}
+
 /// A token bank in device memory (cuda::DeviceBank) read by the planned step as a row source
 /// (DecodeStepArgs::bank, kList mode, CUDA only). Table t = (slot * num_layers + layer) *
 /// num_kv_heads + h, the resident tier's index. An offloaded position found in t's page table is

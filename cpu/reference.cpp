@@ -120,4 +120,67 @@ void TopKRef(const float* scores, int64_t n, int64_t k, int32_t* out_indices) {
   std::copy(idx.begin(), idx.begin() + k, out_indices);
 }
 
+void PrimeAttentionRef(const PrimeArgs& a) {
+  const AttnParams& p = a.params;
+  const int hd = p.head_dim, group = p.group;
+  const size_t elem = DTypeSize(p.kv_dtype);
+  const int64_t len = a.n - a.sink;
+  std::vector<float> logits(static_cast<size_t>(std::max<int64_t>(len, 0)));
+  for (int h = 0; h < a.num_kv_heads; ++h) {
+    const KvPages kv{a.pages + h * a.max_pages, a.page_tokens};
+    float* ver = a.tables + h * a.table_stride;
+    float* sla = ver + a.n;
+    std::fill(ver, ver + 2 * a.n, 0.0f);
+    double* k_sum = a.stats + h * PrimeStatsCount(hd, group);
+    double* v_sum = k_sum + hd;
+    double* l_sum = v_sum + hd;
+    double* l_sq = l_sum + group;
+    double* q_sq = l_sq + group;
+    std::fill(k_sum, k_sum + PrimeStatsCount(hd, group), 0.0);
+    for (int64_t i = a.sink; i < a.n; ++i) {
+      const void* k = PagedKRow(kv, i, hd, elem);
+      const void* v = PagedVRow(kv, i, hd, elem);
+      for (int d = 0; d < hd; ++d) {
+        k_sum[d] += LoadAsF32(k, p.kv_dtype, d);
+        v_sum[d] += LoadAsF32(v, p.kv_dtype, d);
+      }
+    }
+    const float* q_head = a.q + h * a.q_head_stride;
+    for (int32_t r = 0; r < a.rows; ++r) {
+      const int64_t t = a.t_first + r;
+      const bool last = r == a.rows - 1;
+      const int64_t visible = std::max<int64_t>(0, std::min(a.off_hi, t + 1) - a.sink);
+      const int64_t scored = last ? len : visible;  // the last row also feeds the logit spread
+      for (int g = 0; g < group; ++g) {
+        const float* q = q_head + (static_cast<int64_t>(r) * group + g) * hd;
+        for (int64_t j = 0; j < scored; ++j) {
+          logits[j] = p.scale * DotRow(q, PagedKRow(kv, a.sink + j, hd, elem), p.kv_dtype, hd);
+        }
+        if (visible > 0) {
+          float m = kNegInf;
+          for (int64_t j = 0; j < visible; ++j) m = std::max(m, logits[j]);
+          double sum = 0.0;
+          for (int64_t j = 0; j < visible; ++j) sum += std::exp(logits[j] - m);
+          const float inv = static_cast<float>(1.0 / sum);
+          for (int64_t j = 0; j < visible; ++j) {
+            const float w = std::exp(logits[j] - m) * inv;
+            ver[a.sink + j] += w;
+            sla[t - (a.sink + j)] += w;
+          }
+        }
+        if (last) {
+          double s = 0.0, sq = 0.0, qq = 0.0;
+          for (int64_t j = 0; j < len; ++j) s += logits[j];
+          const double mean = len > 0 ? s / static_cast<double>(len) : 0.0;
+          for (int64_t j = 0; j < len; ++j) sq += (logits[j] - mean) * (logits[j] - mean);
+          for (int d = 0; d < hd; ++d) qq += static_cast<double>(q[d]) * q[d];
+          l_sum[g] = s;
+          l_sq[g] = sq;
+          q_sq[g] = qq;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace kvferry::cpu

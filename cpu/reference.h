@@ -25,6 +25,11 @@ void MergeLseRef(float* o_a, float* lse_a, const float* o_b, const float* lse_b,
 void ScoreRowsRef(const AttnParams& p, const float* q, const void* const* k_rows, int32_t count,
                   float* logits);
 
+/// The prefill priming statistics of every head (see PrimeArgs), in the order written there:
+/// logits and weights in fp32 (one softmax per row and head, sum in double), table sums in fp32,
+/// stats in double. The host device's Device::PrimeAttention.
+void PrimeAttentionRef(const PrimeArgs& a);
+
 /// Indices of the k largest scores, ordered by score descending, ties broken by lower index.
 /// k is clamped to n. NaN scores rank lowest.
 void TopKRef(const float* scores, int64_t n, int64_t k, int32_t* out_indices);

@@ -338,6 +338,12 @@ Status CudaDevice::PageBounds(const PageBoundsArgs& args, StreamHandle stream) {
   return LaunchPageBounds(args, Resolve(stream));
 }
 
+Status CudaDevice::PrimeAttention(const PrimeArgs& args, StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(CheckPrimeArgs(args));
+  KVF_RETURN_IF_ERROR(Activate());
+  return LaunchPrimeAttention(args, info_.num_sms, Resolve(stream));
+}
+
 Status CudaDevice::EnqueuePageCopies(void** dst, const void** src, size_t* bytes, int64_t count,
                                      cudaStream_t stream) {
   if (count == 0) return Status::Ok();

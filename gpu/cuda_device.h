@@ -62,6 +62,7 @@ class CudaDevice final : public Device {
   Status DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) override;
   Status PageBounds(const PageBoundsArgs& args, StreamHandle stream) override;
   Status PrefillChunk(const PrefillChunkArgs& args, StreamHandle stream) override;
+  Status PrimeAttention(const PrimeArgs& args, StreamHandle stream) override;
   [[nodiscard]] bool IsCapturing(StreamHandle stream) const override;
   Result<std::unique_ptr<StepBank>> CreateStepBank(const StepBankConfig& config) override;
   Result<StepBankSizes> StepBankSizesFor(const StepBankConfig& config) const override;

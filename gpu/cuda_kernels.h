@@ -136,6 +136,10 @@ Status LaunchDecodeSelect(const DecodeStepArgs& args, const LaunchInfo& info, cu
 /// Quest page bounds of a prefill chunk's pages (see PageBoundsArgs), from the host store.
 Status LaunchPageBounds(const PageBoundsArgs& args, cudaStream_t stream);
 
+/// The prefill priming statistics (PrimeArgs, gpu/prime.cu): zeroes the tables and stats, then
+/// three launches; tables, stats, scratch and q in device memory, pages device-readable.
+Status LaunchPrimeAttention(const PrimeArgs& args, int num_sms, cudaStream_t stream);
+
 /// A prefill chunk's K/V converted to the KV dtype and written to the host store (zero-copy),
 /// the resident tier and the staging, then (staging only) positions [history_begin, pos0) read
 /// from the host store into the staging (zero-copy), so that the staging holds rows

@@ -148,6 +148,15 @@ class Device {
     (void)stream;
     return Internal("PrefillChunk called on a device without the tensor-core prefill kernel");
   }
+  /// The prefill priming statistics of a (sequence, layer)'s KV heads (see PrimeArgs), on
+  /// \p stream after the work that wrote the rows and queries it reads; never allocates. The
+  /// host device computes them with cpu::PrimeAttentionRef, CUDA with gpu/prime.cu; a device
+  /// without either reports kUnimplemented.
+  virtual Status PrimeAttention(const PrimeArgs& args, StreamHandle stream) {
+    (void)args;
+    (void)stream;
+    return Unimplemented("this device cannot compute the prefill priming statistics");
+  }
   /// A token bank in device memory for the planned step, or kUnimplemented where the device has
   /// none (the host device: the runtime keeps its host-managed TokenBank there).
   virtual Result<std::unique_ptr<StepBank>> CreateStepBank(const StepBankConfig& config) {
@@ -177,6 +186,10 @@ class Device {
                           int64_t rows, int head_dim, void* out, DType out_dtype,
                           StreamHandle stream) = 0;
 };
+
+/// Checks a PrimeArgs' sizes and pointers (both devices call it first): kInvalidArgument with the
+/// reason.
+Status CheckPrimeArgs(const PrimeArgs& args);
 
 /// Host-emulated device: plain (aligned) host memory, synchronous "streams", reference kernels.
 std::unique_ptr<Device> MakeHostDevice();

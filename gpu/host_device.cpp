@@ -118,6 +118,12 @@ class HostDevice final : public Device {
     return Status::Ok();
   }
 
+  Status PrimeAttention(const PrimeArgs& args, StreamHandle) override {
+    KVF_RETURN_IF_ERROR(CheckPrimeArgs(args));
+    cpu::PrimeAttentionRef(args);
+    return Status::Ok();
+  }
+
   Status MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t rows,
                   int head_dim, void* out, DType out_dtype, StreamHandle) override {
     if (o_b != nullptr) cpu::MergeLseRef(o_a, lse_a, o_b, lse_b, rows, head_dim);
@@ -140,6 +146,30 @@ class HostDevice final : public Device {
 };
 
 }  // namespace
+
+Status CheckPrimeArgs(const PrimeArgs& a) {
+  const AttnParams& p = a.params;
+  KVF_CHECK_ARG(p.group >= 1 && p.head_dim >= 1, "PrimeAttention: group ", p.group, ", head_dim ",
+                p.head_dim);
+  KVF_CHECK_ARG(a.num_kv_heads >= 1, "PrimeAttention: ", a.num_kv_heads, " KV heads");
+  KVF_CHECK_ARG(a.n >= 1 && a.rows >= 1 && a.t_first >= 0 && a.t_first + a.rows <= a.n,
+                "PrimeAttention: rows [", a.t_first, ", ", a.t_first + a.rows,
+                ") not inside the stored positions [0, ", a.n, ")");
+  KVF_CHECK_ARG(a.sink >= 0 && a.sink <= a.off_hi && a.off_hi <= a.n,
+                "PrimeAttention: scored keys [", a.sink, ", ", a.off_hi, ") not inside [0, ", a.n,
+                ")");
+  KVF_CHECK_ARG(a.page_tokens >= 1 && a.max_pages * a.page_tokens >= a.n,
+                "PrimeAttention: ", a.max_pages, " pages of ", a.page_tokens,
+                " tokens hold fewer than ", a.n, " positions");
+  KVF_CHECK_ARG(a.table_stride >= 2 * a.n, "PrimeAttention: table stride ", a.table_stride,
+                " below 2 n = ", 2 * a.n);
+  KVF_CHECK_ARG(a.q_head_stride >= int64_t{a.rows} * p.group * p.head_dim,
+                "PrimeAttention: q head stride ", a.q_head_stride,
+                " below rows * group * head_dim");
+  KVF_CHECK_ARG(a.q != nullptr && a.pages != nullptr && a.tables != nullptr && a.stats != nullptr,
+                "PrimeAttention: null q, pages, tables or stats");
+  return Status::Ok();
+}
 
 std::unique_ptr<Device> MakeHostDevice() { return std::make_unique<HostDevice>(); }
 

@@ -755,11 +755,7 @@ Status LfpsPolicy::OnPrefill(const PrefillContext& ctx) {
   const int64_t n = ctx.n;
   const int64_t sink = std::clamp<int64_t>(ctx.sink, 0, n);
   const int64_t off_hi = std::max(sink, n - ctx.window);  // offloaded range at the end of prefill
-  // A later chunk re-primes from its own last rows: only the end of the prompt matters.
-  std::fill(st->ver.begin(), st->ver.end(), 0.0f);
-  std::fill(st->sla.begin(), st->sla.end(), 0.0f);
-  st->Extend(n);
-  st->scale = 1.0;
+  BeginPrime(st, n);
   const int rows = std::min(params_.s, ctx.num_q);
   const int64_t hd = p.head_dim;
   Scratch& sc = GetScratch();
@@ -825,11 +821,66 @@ Status LfpsPolicy::OnPrefill(const PrefillContext& ctx) {
     }
     st->sigma2_hat = sigma_sum / p.group;
   }
+  FinishPrime(st, ctx);
+  return Status::Ok();
+}
+
+void LfpsPolicy::BeginPrime(HeadState* st, int64_t n) {
+  // A later chunk re-primes from its own last rows: only the end of the prompt matters.
+  std::fill(st->ver.begin(), st->ver.end(), 0.0f);
+  std::fill(st->sla.begin(), st->sla.end(), 0.0f);
+  st->Extend(n);
+  st->scale = 1.0;
+}
+
+void LfpsPolicy::FinishPrime(HeadState* st, const PrefillContext& ctx) {
   st->Resync();
   st->primed = true;
   // The scan's shadow is made here, on the prompt's path, so that a decode step only quantises its
   // own new row (making it at the first scan costs a pass over every K row inside a token step).
-  if (params_.scan > 0 && !params_.score_all) st->PrimeShadow(p, ctx.kv, n, max_tokens_);
+  if (params_.scan > 0 && !params_.score_all) {
+    st->PrimeShadow(ctx.params, ctx.kv, ctx.n, max_tokens_);
+  }
+}
+
+Status LfpsPolicy::OnPrefillPrimed(const PrefillContext& ctx, const PrimedStats& primed) {
+  const AttnParams& p = ctx.params;
+  const int rows = std::min(params_.s, ctx.num_q);
+  KVF_CHECK_ARG(ctx.num_q >= 1 && primed.rows == rows, "lfps primed from ", primed.rows,
+                " rows of a chunk of ", ctx.num_q, ", expected ", rows);
+  KVF_CHECK_ARG(primed.ver != nullptr && primed.sla != nullptr && primed.stats != nullptr,
+                "lfps primed without its tables or stats");
+  KVF_ASSIGN_OR_RETURN(HeadState * st, State(ctx.slot, ctx.layer, ctx.kv_head, true));
+  const int64_t n = ctx.n;
+  const int64_t sink = std::clamp<int64_t>(ctx.sink, 0, n);
+  const int64_t off_hi = std::max(sink, n - ctx.window);
+  BeginPrime(st, n);
+  if (off_hi > sink) {
+    // OnPrefill's c / group per weight: the device summed the weights over rows and the group.
+    const double w = 1.0 / (2.0 * rows * (1.0 - params_.r)) / p.group;
+    for (int64_t i = sink; i < off_hi; ++i) st->ver[i] = static_cast<float>(w * primed.ver[i]);
+    for (int64_t d = 0; d < n; ++d) st->sla[d] = static_cast<float>(w * primed.sla[d]);
+  }
+  const int hd = p.head_dim;
+  st->k_bar.assign(static_cast<size_t>(hd), 0.0f);
+  st->v_bar.assign(static_cast<size_t>(hd), 0.0f);
+  if (n > sink) {
+    const double len = static_cast<double>(n - sink);
+    const double* k_sum = primed.stats;
+    const double* v_sum = k_sum + hd;
+    const double* l_sq = v_sum + hd + p.group;
+    const double* q_sq = l_sq + p.group;
+    for (int d = 0; d < hd; ++d) {
+      st->k_bar[d] = static_cast<float>(k_sum[d] / len);
+      st->v_bar[d] = static_cast<float>(v_sum[d] / len);
+    }
+    double sigma_sum = 0.0;
+    for (int g = 0; g < p.group; ++g) {
+      if (q_sq[g] > 0) sigma_sum += l_sq[g] / len / q_sq[g];
+    }
+    st->sigma2_hat = sigma_sum / p.group;
+  }
+  FinishPrime(st, ctx);
   return Status::Ok();
 }
 
@@ -1279,6 +1330,27 @@ bool LfpsPolicy::TableSums(int slot, int layer, int kv_head, double* ver, double
   for (float x : st->sla) ss += x;
   *ver = sv * st->scale;
   *sla = ss * st->scale;
+  return true;
+}
+
+bool LfpsPolicy::GetPrimedState(int slot, int layer, int kv_head, PrimedState* out) const {
+  if (slot < 0 || slot >= max_sequences_ || layer < 0 || layer >= num_layers_ || kv_head < 0 ||
+      kv_head >= num_kv_heads_) {
+    return false;
+  }
+  const auto& st = states_[NeedIndex(slot, layer, kv_head)];
+  if (st == nullptr) return false;
+  out->ver.resize(st->ver.size());
+  out->sla.resize(st->sla.size());
+  for (size_t i = 0; i < st->ver.size(); ++i) {
+    out->ver[i] = static_cast<float>(st->ver[i] * st->scale);
+  }
+  for (size_t i = 0; i < st->sla.size(); ++i) {
+    out->sla[i] = static_cast<float>(st->sla[i] * st->scale);
+  }
+  out->k_bar = st->k_bar;
+  out->v_bar = st->v_bar;
+  out->sigma2_hat = st->sigma2_hat;
   return true;
 }
 

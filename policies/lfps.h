@@ -115,6 +115,9 @@ class LfpsPolicy final : public Policy {
   /// Every selection is the sinks, the offloaded picks and the recent positions from n - window.
   bool selection_covers_resident() const override { return true; }
   Status OnPrefill(const PrefillContext& ctx) override;
+  /// The last s rows prime the tables; OnPrefillPrimed fills them from the device's sums.
+  int prime_rows() const override { return params_.s; }
+  Status OnPrefillPrimed(const PrefillContext& ctx, const PrimedStats& primed) override;
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
   void OnSequenceRemoved(int slot) override;
 
@@ -126,10 +129,21 @@ class LfpsPolicy final : public Policy {
   /// The true (decay-applied) sums of the vertical and slash tables of one head; false if the head
   /// has no state yet.
   bool TableSums(int slot, int layer, int kv_head, double* ver, double* sla) const;
+  /// What priming learnt of one head, true (decay-applied) values, for tests: the tables over
+  /// [0, n) and the bypass test's priors. False if the head has no state yet.
+  struct PrimedState {
+    std::vector<float> ver, sla, k_bar, v_bar;
+    double sigma2_hat = 0.0;
+  };
+  bool GetPrimedState(int slot, int layer, int kv_head, PrimedState* out) const;
 
  private:
   struct HeadState;
   Result<HeadState*> State(int slot, int layer, int kv_head, bool create);
+  // OnPrefill's first and last steps, shared with OnPrefillPrimed: empty tables over [0, n), and
+  // the sums, bounds and scan shadow of the filled ones.
+  void BeginPrime(HeadState* st, int64_t n);
+  void FinishPrime(HeadState* st, const PrefillContext& ctx);
 
   size_t NeedIndex(int slot, int layer, int kv_head) const {
     return (static_cast<size_t>(slot) * num_layers_ + layer) * num_kv_heads_ + kv_head;

@@ -59,6 +59,15 @@ struct PrefillContext {
   KvPages kv;
 };
 
+/// The prompt statistics a device computed for one (sequence, layer, KV head) prefill chunk
+/// (Device::PrimeAttention, PrimeArgs): host memory, valid during the OnPrefillPrimed call.
+struct PrimedStats {
+  const float* ver = nullptr;     ///< [n]: summed causal softmax weight per position
+  const float* sla = nullptr;     ///< [n]: summed weight per distance
+  const double* stats = nullptr;  ///< PrimeStatsCount(head_dim, group) doubles (see PrimeArgs)
+  int32_t rows = 0;               ///< the chunk's last rows they cover
+};
+
 class Policy {
  public:
   virtual ~Policy() = default;
@@ -100,6 +109,18 @@ class Policy {
   virtual Status OnPrefill(const PrefillContext& ctx) {
     (void)ctx;
     return Status::Ok();
+  }
+  /// Rows of a chunk's last queries whose causal attention the policy learns from at prefill,
+  /// when it can take them as device-computed statistics (OnPrefillPrimed); 0: it cannot. The
+  /// runtime then computes them on the device beside the prefill pass (CUDA) and calls
+  /// OnPrefillPrimed with min(prime_rows(), chunk) rows instead of OnPrefill.
+  [[nodiscard]] virtual int prime_rows() const { return 0; }
+  /// OnPrefill from the statistics of the chunk's last primed.rows queries; ctx.q is null (the
+  /// queries stay on the device). Must leave the state OnPrefill would, up to fp32 summation order.
+  virtual Status OnPrefillPrimed(const PrefillContext& ctx, const PrimedStats& primed) {
+    (void)ctx;
+    (void)primed;
+    return Unimplemented("this policy does not learn from device-computed prompt statistics");
   }
   /// Picks the positions to attend: ascending, unique, each in [0, ctx.n). \p out is cleared by the
   /// caller and has capacity reserved; Select should not allocate in steady state. Calls for

@@ -108,7 +108,8 @@ std::string Stats::ToJson() const {
      << ",\"ms_append\":" << ms_append << ",\"ms_select\":" << ms_select
      << ",\"ms_resolve\":" << ms_resolve << ",\"ms_attend_gpu\":" << ms_attend_gpu
      << ",\"ms_attend_cpu\":" << ms_attend_cpu << ",\"ms_merge\":" << ms_merge << ",\"ms_admit\":" << ms_admit
-     << ",\"ms_prefill\":" << ms_prefill << ",\"cost_pcie_gbps\":" << cost_pcie_gbps
+     << ",\"ms_prefill\":" << ms_prefill << ",\"ms_prime\":" << ms_prime
+     << ",\"cost_pcie_gbps\":" << cost_pcie_gbps
      << ",\"cost_cpu_gbps\":" << cost_cpu_gbps << ",\"host_bytes_reserved\":" << host_bytes_reserved
      << ",\"device_bytes_reserved\":" << device_bytes_reserved << "}";
   return os.str();

@@ -290,6 +290,48 @@ Status RuntimeImpl::Init() {
       }
     }
   }
+  // Priming on the device: on CUDA unless KVFERRY_PRIME=host (the host loop, for comparison); on
+  // the host backend only with KVFERRY_PRIME=device (the CPU reference of the same path, so that
+  // machines without a GPU run it).
+  const char* prime_env = std::getenv("KVFERRY_PRIME");
+  const std::string_view prime_where = prime_env != nullptr ? prime_env : "";
+  const bool device_prime =
+      device_->backend() == Backend::kCuda ? prime_where != "host" : prime_where == "device";
+  if (policy_->prime_rows() > 0 && device_prime) {
+    prime_rows_ = static_cast<int>(
+        std::min<int64_t>(policy_->prime_rows(), config_.capacity.max_prefill_chunk));
+    prime_table_stride_ = 2 * cap.max_tokens_per_sequence;
+    const size_t tables = static_cast<size_t>(hkv * prime_table_stride_) * sizeof(float);
+    const size_t stats =
+        static_cast<size_t>(hkv * PrimeStatsCount(m.head_dim, group_)) * sizeof(double);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(tables, false));
+    prime_tables_dev_ = static_cast<float*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(tables, true));
+    prime_tables_host_ = static_cast<float*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(stats, false));
+    prime_stats_dev_ = static_cast<double*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(stats, true));
+    prime_stats_host_ = static_cast<double*>(p);
+    if (device_->backend() == Backend::kCuda) {
+      // Softmax partials for up to 256 key splits per head, at most about 16 MiB (fewer splits
+      // for many rows).
+      const size_t per_split = PrimeScratchBytes(static_cast<int>(hkv), prime_rows_, group_, 0);
+      const size_t splits = std::clamp<size_t>((size_t{16} << 20) / per_split, 2, 257) - 1;
+      prime_scratch_bytes_ =
+          PrimeScratchBytes(static_cast<int>(hkv), prime_rows_, group_, static_cast<int>(splits));
+      KVF_ASSIGN_OR_RETURN(prime_scratch_, Alloc(prime_scratch_bytes_, false));
+      // The tensor-core prefill stages pages at fixed places; the kernel reads them through the
+      // page table the CUDA-core path builds (the same addresses).
+      const int64_t page_bytes = store_->page_bytes();
+      for (int64_t i = 0; i < hkv * max_pages_; ++i) {
+        prefill_pages_host_[i] = prefill_scratch_ + i * page_bytes;
+      }
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(prefill_pages_dev_, prefill_pages_host_,
+                                             static_cast<size_t>(hkv * max_pages_) * sizeof(void*),
+                                             stream_));
+      KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
+    }
+  }
   KVF_RETURN_IF_ERROR(InitStepBuffers());
   // The cap again, against the device's own count of what it holds now: a buffer allocated
   // outside the plan would show here (the tests hold the count equal to the plan's total).
@@ -717,32 +759,99 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
     }
   }
 
-  // Policies that learn from the prompt (LFPS primes its tables) get its f32 queries on the host;
-  // the others cost no copy and no synchronisation here.
-  if (policy_->wants_prefill_queries()) {
-    if (tensor_cores) KVF_RETURN_IF_ERROR(transpose_q());
+  KVF_RETURN_IF_ERROR(PrimePolicy(slot, layer, pos0, new_len, !tensor_cores, transpose_q, stream));
+  KVF_RETURN_IF_ERROR(ExtendPageBounds(slot, layer, pos0, new_len, stream));
+  KVF_RETURN_IF_ERROR(EndCall(stream));
+  if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+  return Status::Ok();
+}
+
+Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t pos0, int64_t new_len,
+                                bool q_transposed, const std::function<Status()>& transpose_q,
+                                StreamHandle stream) {
+  // Policies that learn from the prompt (LFPS primes its tables) get its f32 queries on the host,
+  // or the statistics the device computed from them; the others cost no copy and no
+  // synchronisation here.
+  if (prime_rows_ == 0 && !policy_->wants_prefill_queries()) return Status::Ok();
+  const auto t0 = Clock::now();
+  const int hkv = config_.model.num_kv_heads, d = config_.model.head_dim;
+  const int64_t tokens = new_len - pos0, gd = static_cast<int64_t>(group_) * d;
+  if (!q_transposed) KVF_RETURN_IF_ERROR(transpose_q());  // q_f32_: [Hkv, T, G, D]
+  PrefillContext ctx;
+  ctx.slot = slot;
+  ctx.layer = layer;
+  ctx.q_pos0 = pos0;
+  ctx.num_q = static_cast<int32_t>(tokens);
+  ctx.n = new_len;
+  ctx.sink = config_.tiers.sink_tokens;
+  ctx.window = config_.tiers.window_tokens;
+  ctx.params = AttnParams{group_, d, config_.model.kv_dtype, scale_};
+  if (prime_rows_ > 0) {
+    const int rows = static_cast<int>(std::min<int64_t>(prime_rows_, tokens));
+    PrimeArgs a;
+    a.params = ctx.params;
+    a.num_kv_heads = hkv;
+    a.q = q_f32_ + (tokens - rows) * gd;
+    a.q_head_stride = tokens * gd;
+    a.rows = rows;
+    a.t_first = new_len - rows;
+    a.n = new_len;
+    a.sink = std::min<int64_t>(ctx.sink, new_len);
+    a.off_hi = std::max<int64_t>(a.sink, new_len - ctx.window);
+    if (device_->backend() == Backend::kCuda) {
+      // The prefill left every row of [0, new_len) in the staging, on this stream.
+      a.pages = prefill_pages_dev_;
+      a.max_pages = max_pages_;
+    } else {
+      a.pages = store_->pages(slot, layer, 0).pages;
+      a.max_pages = store_->max_pages();
+    }
+    a.page_tokens = store_->shape().page_tokens;
+    a.tables = prime_tables_dev_;
+    a.table_stride = prime_table_stride_;
+    a.stats = prime_stats_dev_;
+    a.scratch = prime_scratch_;
+    a.scratch_bytes = prime_scratch_bytes_;
+    KVF_RETURN_IF_ERROR(device_->PrimeAttention(a, stream));
+    const int64_t stats_count = PrimeStatsCount(d, group_);
+    for (int h = 0; h < hkv; ++h) {
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(
+          prime_tables_host_ + h * prime_table_stride_, prime_tables_dev_ + h * prime_table_stride_,
+          static_cast<size_t>(2 * new_len) * sizeof(float), stream));
+    }
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(prime_stats_host_, prime_stats_dev_,
+                                           static_cast<size_t>(hkv * stats_count) * sizeof(double),
+                                           stream));
+    KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+    stats_.bytes_d2h += hkv * (2 * new_len * 4 + stats_count * 8);
+    // The heads' O(n) finishing (and LFPS's O(n d) scan shadow) on the pool: their states are
+    // independent.
+    std::vector<Status> head_status(static_cast<size_t>(hkv));
+    pool_->ParallelFor(hkv, [&](int64_t h) {
+      PrefillContext head_ctx = ctx;
+      head_ctx.kv_head = static_cast<int>(h);
+      head_ctx.kv = store_->pages(slot, layer, static_cast<int>(h));
+      PrimedStats primed;
+      primed.ver = prime_tables_host_ + h * prime_table_stride_;
+      primed.sla = primed.ver + new_len;
+      primed.stats = prime_stats_host_ + h * stats_count;
+      primed.rows = rows;
+      head_status[static_cast<size_t>(h)] = policy_->OnPrefillPrimed(head_ctx, primed);
+    });
+    for (Status& st : head_status) KVF_RETURN_IF_ERROR(std::move(st));
+  } else {
+    const int64_t nq = tokens * config_.model.num_q_heads * d;
     KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, static_cast<size_t>(nq) * 4, stream));
     KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
     stats_.bytes_d2h += nq * 4;
     for (int h = 0; h < hkv; ++h) {
-      PrefillContext ctx;
-      ctx.slot = slot;
-      ctx.layer = layer;
       ctx.kv_head = h;
-      ctx.q_pos0 = pos0;
-      ctx.num_q = static_cast<int32_t>(tokens);
-      ctx.n = new_len;
-      ctx.sink = config_.tiers.sink_tokens;
-      ctx.window = config_.tiers.window_tokens;
       ctx.q = q_host_ + h * tokens * gd;
-      ctx.params = params;
       ctx.kv = store_->pages(slot, layer, h);
       KVF_RETURN_IF_ERROR(policy_->OnPrefill(ctx));
     }
   }
-  KVF_RETURN_IF_ERROR(ExtendPageBounds(slot, layer, pos0, new_len, stream));
-  KVF_RETURN_IF_ERROR(EndCall(stream));
-  if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+  Stage(stats_.ms_prime, "prime", t0);
   return Status::Ok();
 }
 

@@ -210,6 +210,10 @@ class RuntimeImpl {
   };
   Status InitStepBuffers();
   // Checks that a chunk ending at new_len fits, retires a pending plan and reserves its pages.
+  // The policy's priming after a prefill chunk is stored (OnPrefill or, with prime_rows_,
+  // Device::PrimeAttention then OnPrefillPrimed); Stats::ms_prime.
+  Status PrimePolicy(int slot, int layer, int64_t pos0, int64_t new_len, bool q_transposed,
+                     const std::function<Status()>& transpose_q, StreamHandle stream);
   Status ReserveChunk(SequenceId seq, int slot, int layer, int64_t new_len);
   // Checks that every sequence of a batch can take one more token at \p layer (prefilled, not
   // full), and reserves its page.
@@ -337,6 +341,17 @@ class RuntimeImpl {
   char* prefill_scratch_ = nullptr;     // device: [Hkv][max_pages] pages
   void** prefill_pages_host_ = nullptr;  // pinned: page table being built
   void** prefill_pages_dev_ = nullptr;   // device copy the kernel reads
+  // A policy that primes from device-computed statistics (Policy::prime_rows): on CUDA (unless
+  // KVFERRY_PRIME=host) and on the host backend with KVFERRY_PRIME=device, Device::PrimeAttention
+  // computes them after each prefill chunk and OnPrefillPrimed finishes on the host. 0: off.
+  int prime_rows_ = 0;
+  int64_t prime_table_stride_ = 0;      // floats per head: ver [n] then sla [n]
+  float* prime_tables_dev_ = nullptr;   // device: [Hkv][prime_table_stride_]
+  float* prime_tables_host_ = nullptr;  // pinned copy the policy reads
+  double* prime_stats_dev_ = nullptr;   // device: [Hkv][PrimeStatsCount]
+  double* prime_stats_host_ = nullptr;
+  void* prime_scratch_ = nullptr;       // device: softmax partials
+  size_t prime_scratch_bytes_ = 0;
   void* prefill_items_ = nullptr;  // pinned: tensor-core prefill descriptors (null: paged path)
   size_t prefill_items_bytes_ = 0;
   // The tensor-core prefill's descriptors are double-buffered (prefill_items_ holds two sets of

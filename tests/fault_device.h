@@ -41,6 +41,7 @@ enum class FaultPoint : int {
   kPageBounds,
   kPrefillChunk,
   kMergeLse,
+  kPrimeAttention,
   kCount,
 };
 
@@ -49,7 +50,7 @@ inline const char *FaultPointName(FaultPoint p) {
       "AllocDevice",  "AllocHost",        "CreateStream",      "CreateEvent",  "RecordEvent",
       "WaitEvent",    "SynchronizeEvent", "SynchronizeStream", "CopyAsync",    "CopyRows",
       "AttendRows",   "AttendPaged",      "DecodeStep",        "DecodeSelect", "PageBounds",
-      "PrefillChunk", "MergeLse"};
+      "PrefillChunk", "MergeLse",     "PrimeAttention"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<size_t>(FaultPoint::kCount));
   return kNames[static_cast<int>(p)];
 }
@@ -180,6 +181,9 @@ class FaultyDevice final : public Device {
   }
   Status PrefillChunk(const PrefillChunkArgs &args, StreamHandle stream) override {
     return Run(FaultPoint::kPrefillChunk, [&] { return inner_->PrefillChunk(args, stream); });
+  }
+  Status PrimeAttention(const PrimeArgs &args, StreamHandle stream) override {
+    return Run(FaultPoint::kPrimeAttention, [&] { return inner_->PrimeAttention(args, stream); });
   }
   bool IsCapturing(StreamHandle stream) const override { return inner_->IsCapturing(stream); }
   bool EventDone(EventHandle event) const override { return inner_->EventDone(event); }

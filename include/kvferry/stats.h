@@ -47,6 +47,9 @@ struct Stats {
   double ms_merge = 0;
   double ms_admit = 0;           ///< planning token-bank admissions (copies run on a side stream)
   double ms_prefill = 0;
+  /// Part of ms_prefill: the policy learning from the prompt (LFPS's tables), from the queries'
+  /// copy to the host (or the device's priming statistics) to the end of the policy's update.
+  double ms_prime = 0;
 
   double cost_pcie_gbps = 0;     ///< scheduler's GPU-route rate: zero-copy gather GB/s (probed on CUDA)
   double cost_cpu_gbps = 0;      ///< scheduler's CPU-route rate: sparse attention GB/s (probed)
