@@ -59,6 +59,7 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
   part("step plan (slots, positions)", {step_slots, step_pos});
   part("step workspace", {step_ws, step_counters});
   part("prefill staging", {prefill_scratch, prefill_pages});
+  part("priming tables and partials", {prime_tables, prime_stats, prime_scratch});
   part("host-store page table", {store_table});
   part("stream workspaces", {stream_scratch});
   std::stable_sort(plan.parts.begin(), plan.parts.end(),
@@ -174,6 +175,26 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     z.prefill_tensor_cores = !EnvIs("KVFERRY_CUDA_PREFILL", "paged");
     z.prefill_copy_stream = z.prefill_tensor_cores && !EnvIs("KVFERRY_PREFILL_OVERLAP", "off");
     if (z.prefill_copy_stream) ++z.streams;
+  }
+
+  // Priming on the device: on CUDA unless KVFERRY_PRIME=host (the host loop, for comparison); on
+  // the host backend only with KVFERRY_PRIME=device (the CPU reference of the same path, so that
+  // machines without a GPU run it). Per KV head a table pair (vertical, slash) of 2 n floats and
+  // the stats; on CUDA the softmax partials of up to 256 key splits per head, at most about
+  // 16 MiB (fewer splits for many rows).
+  const bool device_prime = cuda ? !EnvIs("KVFERRY_PRIME", "host") : EnvIs("KVFERRY_PRIME", "device");
+  if (policy_->prime_rows() > 0 && device_prime) {
+    z.prime_rows = static_cast<int>(std::min<int64_t>(policy_->prime_rows(), cap.max_prefill_chunk));
+    z.prime_table_stride = 2 * cap.max_tokens_per_sequence;
+    z.prime_tables = AllocBytes(static_cast<size_t>(hkv * z.prime_table_stride) * sizeof(float));
+    z.prime_stats =
+        AllocBytes(static_cast<size_t>(hkv * PrimeStatsCount(m.head_dim, group_)) * sizeof(double));
+    if (cuda) {
+      const size_t per_split = PrimeScratchBytes(static_cast<int>(hkv), z.prime_rows, group_, 0);
+      const size_t splits = std::clamp<size_t>((size_t{16} << 20) / per_split, 2, 257) - 1;
+      z.prime_scratch = AllocBytes(
+          PrimeScratchBytes(static_cast<int>(hkv), z.prime_rows, group_, static_cast<int>(splits)));
+    }
   }
 
   // The planned decode step (runtime/decode_plan.cpp).

@@ -290,35 +290,20 @@ Status RuntimeImpl::Init() {
       }
     }
   }
-  // Priming on the device: on CUDA unless KVFERRY_PRIME=host (the host loop, for comparison); on
-  // the host backend only with KVFERRY_PRIME=device (the CPU reference of the same path, so that
-  // machines without a GPU run it).
-  const char* prime_env = std::getenv("KVFERRY_PRIME");
-  const std::string_view prime_where = prime_env != nullptr ? prime_env : "";
-  const bool device_prime =
-      device_->backend() == Backend::kCuda ? prime_where != "host" : prime_where == "device";
-  if (policy_->prime_rows() > 0 && device_prime) {
-    prime_rows_ = static_cast<int>(
-        std::min<int64_t>(policy_->prime_rows(), config_.capacity.max_prefill_chunk));
-    prime_table_stride_ = 2 * cap.max_tokens_per_sequence;
-    const size_t tables = static_cast<size_t>(hkv * prime_table_stride_) * sizeof(float);
-    const size_t stats =
-        static_cast<size_t>(hkv * PrimeStatsCount(m.head_dim, group_)) * sizeof(double);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(tables, false));
+  // Priming on the device (sizes and the choice: SizeDeviceBuffers).
+  if (z.prime_rows > 0) {
+    prime_rows_ = z.prime_rows;
+    prime_table_stride_ = z.prime_table_stride;
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_tables, false));
     prime_tables_dev_ = static_cast<float*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(tables, true));
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_tables, true));
     prime_tables_host_ = static_cast<float*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(stats, false));
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_stats, false));
     prime_stats_dev_ = static_cast<double*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(stats, true));
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_stats, true));
     prime_stats_host_ = static_cast<double*>(p);
-    if (device_->backend() == Backend::kCuda) {
-      // Softmax partials for up to 256 key splits per head, at most about 16 MiB (fewer splits
-      // for many rows).
-      const size_t per_split = PrimeScratchBytes(static_cast<int>(hkv), prime_rows_, group_, 0);
-      const size_t splits = std::clamp<size_t>((size_t{16} << 20) / per_split, 2, 257) - 1;
-      prime_scratch_bytes_ =
-          PrimeScratchBytes(static_cast<int>(hkv), prime_rows_, group_, static_cast<int>(splits));
+    if (z.prime_scratch > 0) {
+      prime_scratch_bytes_ = z.prime_scratch;
       KVF_ASSIGN_OR_RETURN(prime_scratch_, Alloc(prime_scratch_bytes_, false));
       // The tensor-core prefill stages pages at fixed places; the kernel reads them through the
       // page table the CUDA-core path builds (the same addresses).

@@ -62,6 +62,10 @@ struct DeviceBufferSizes {
   bool prefill_tensor_cores = false;
   bool prefill_copy_stream = false;
   int streams = 0;  // streams the device keeps scratch for: its default one and those Init creates
+  // LFPS-style priming on the device (Policy::prime_rows() > 0; on CUDA unless KVFERRY_PRIME=host,
+  // on the host backend with KVFERRY_PRIME=device): rows primed per chunk, table stride per head.
+  int prime_rows = 0;
+  int64_t prime_table_stride = 0;
 
   // ---- bytes ----
   size_t resident = 0;
@@ -74,6 +78,7 @@ struct DeviceBufferSizes {
   size_t step_list = 0, step_list_count = 0, select_ws = 0, topk_ws = 0;
   size_t meta = 0, sparcas_state = 0, sparcas_dims = 0;
   size_t step_slots = 0, step_pos = 0, step_ws = 0, step_counters = 0;
+  size_t prime_tables = 0, prime_stats = 0, prime_scratch = 0;
   size_t stream_scratch = 0;
 
   /// The parts (named groups of the buffers above), largest first, and their total.
