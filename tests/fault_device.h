@@ -185,6 +185,14 @@ class FaultyDevice final : public Device {
   Status PrimeAttention(const PrimeArgs &args, StreamHandle stream) override {
     return Run(FaultPoint::kPrimeAttention, [&] { return inner_->PrimeAttention(args, stream); });
   }
+  // The device-managed bank (CUDA) is the inner device's: its admission is a kernel on the
+  // runtime's stream, so the faults reach it through that stream's calls, not through its own.
+  Result<std::unique_ptr<StepBank>> CreateStepBank(const StepBankConfig &config) override {
+    return inner_->CreateStepBank(config);
+  }
+  Result<StepBankSizes> StepBankSizesFor(const StepBankConfig &config) const override {
+    return inner_->StepBankSizesFor(config);
+  }
   bool IsCapturing(StreamHandle stream) const override { return inner_->IsCapturing(stream); }
   bool EventDone(EventHandle event) const override { return inner_->EventDone(event); }
   Status MergeLse(float *o_a, float *lse_a, const float *o_b, const float *lse_b, int64_t rows,
