@@ -100,6 +100,9 @@ RuntimeImpl::~RuntimeImpl() {
   device_->SynchronizeStream(stream_).IgnoreError();
   if (call_done_ != nullptr) device_->DestroyEvent(call_done_);
   for (EventHandle e : plan_events_) device_->DestroyEvent(e);
+  for (EventHandle e : list_up_) {
+    if (e != nullptr) device_->DestroyEvent(e);
+  }
   for (EventHandle e : {q_ready_, cpu_part_up_, prefill_items_done_[0], prefill_items_done_[1]}) {
     if (e != nullptr) device_->DestroyEvent(e);
   }
@@ -250,9 +253,20 @@ Status RuntimeImpl::Init() {
     *dst = static_cast<const void**>(p);
   }
 
-  const bool device_bank = config_.tiers.bank_slots > 0 && device_->backend() == Backend::kCuda &&
-                           policy_->device_scoring() != SelectScoring::kNone &&
-                           config_.route != Route::kCpu;
+  // Which token bank a configuration with bank_slots > 0 gets. The host backend: the host-managed
+  // TokenBank, always. CUDA: none where a bank would never be read or filled (dense reads the
+  // store by pages; route cpu, and auto for a CPU-placed policy, move no row over PCIe, and only
+  // fetched rows are admitted), so the runtime is the one without a bank; the device bank where
+  // the planned step reads it: a policy that selects on the device with route gpu or auto, or one
+  // that selects on the host (Policy::Select) with route gpu (host_lists_); the host-managed bank
+  // only for route auto with a GPU-placed policy that selects on the host, whose misses the host
+  // path splits between the routes row by row.
+  const bool cuda = device_->backend() == Backend::kCuda;
+  const bool bank_used = config_.tiers.bank_slots > 0 &&
+                         !(cuda && (policy_->is_dense() || PlannedRoute() == Route::kCpu));
+  const bool selects_on_device = policy_->device_scoring() != SelectScoring::kNone;
+  host_lists_ = cuda && bank_used && !selects_on_device && config_.route == Route::kGpu;
+  const bool device_bank = cuda && bank_used && (selects_on_device || host_lists_);
   if (device_bank) {
     StepBankConfig bank;
     bank.num_tables = cap.max_sequences * m.num_layers * m.num_kv_heads;
@@ -263,7 +277,7 @@ Status RuntimeImpl::Init() {
     bank.hash_map = config_.tiers.bank_map == "hash";
     KVF_ASSIGN_OR_RETURN(step_bank_, device_->CreateStepBank(bank));
     stats_.device_bytes_reserved += static_cast<int64_t>(step_bank_->bytes());
-  } else if (config_.tiers.bank_slots > 0) {
+  } else if (bank_used) {
     TokenBankConfig bank;
     bank.max_sequences = cap.max_sequences;
     bank.num_layers = m.num_layers;
@@ -887,8 +901,9 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   KVF_RETURN_IF_ERROR(CheckTensor(out, "out", batch, m.num_q_heads));
   std::vector<int>& slot_of = batch_slots_;  // thread_local would not reach the worker threads
   KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
-  // Policies that select on the device run the planned step (runtime/decode_plan.cpp).
-  if (fast_path_ || cpu_step_) return RunDecodeStep(seqs, layer, q, k, v, out, stream);
+  // Policies that select on the device, CPU-placed ones on route cpu and host-selecting ones with
+  // the device bank run the planned step (runtime/decode_plan.cpp).
+  if (fast_path_ || cpu_step_ || host_lists_) return RunDecodeStep(seqs, layer, q, k, v, out, stream);
   KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, layer));
   KVF_RETURN_IF_ERROR(ReserveNextToken(slot_of, layer));
   if (stream == nullptr) stream = stream_;
@@ -937,9 +952,7 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
   const int64_t items = batch * hkv;
   // A policy that selects on the CPU has q there already: in auto its misses stay on the CPU
   // (only q went down; only (o, lse) comes back), as LFPS prescribes.
-  const Route route = config_.route == Route::kAuto && policy_->placement() == Placement::kCpu
-                          ? Route::kCpu
-                          : config_.route;
+  const Route route = PlannedRoute();
 
   if (policy_->is_dense()) {
     // Dense: every position read from the host store (full streaming), on the chosen route.

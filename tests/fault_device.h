@@ -179,6 +179,12 @@ class FaultyDevice final : public Device {
   Status PrefillChunk(const PrefillChunkArgs &args, StreamHandle stream) override {
     return Run(FaultPoint::kPrefillChunk, [&] { return inner_->PrefillChunk(args, stream); });
   }
+  // The device bank allocates on the inner device (its own calls, Admit and ResetTables, are not
+  // wrapped): creating it counts as one device allocation that can fail.
+  Result<std::unique_ptr<StepBank>> CreateStepBank(const StepBankConfig &config) override {
+    if (faults_->Hit(FaultPoint::kAllocDevice)) return FaultInjector::Error(FaultPoint::kAllocDevice);
+    return inner_->CreateStepBank(config);
+  }
   bool IsCapturing(StreamHandle stream) const override { return inner_->IsCapturing(stream); }
   bool EventDone(EventHandle event) const override { return inner_->EventDone(event); }
   Status MergeLse(float *o_a, float *lse_a, const float *o_b, const float *lse_b, int64_t rows,
