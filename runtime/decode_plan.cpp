@@ -68,7 +68,8 @@ Status RuntimeImpl::InitStepBuffers() {
     step_list_count_ = static_cast<int32_t*>(p);
     if (host_lists_) {
       // The host's lists of every layer, pinned, copied up from here (UploadHostLists).
-      KVF_ASSIGN_OR_RETURN(p, Alloc(lists * static_cast<size_t>(list_cap_ + 1) * sizeof(int32_t), true));
+      const size_t staged = lists * static_cast<size_t>(list_cap_ + 1) * sizeof(int32_t);
+      KVF_ASSIGN_OR_RETURN(p, Alloc(staged, true));
       list_stage_ = static_cast<int32_t*>(p);
       list_up_.assign(static_cast<size_t>(m.num_layers), nullptr);
       for (EventHandle& e : list_up_) {

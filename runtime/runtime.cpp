@@ -903,7 +903,9 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
   // Policies that select on the device, CPU-placed ones on route cpu and host-selecting ones with
   // the device bank run the planned step (runtime/decode_plan.cpp).
-  if (fast_path_ || cpu_step_ || host_lists_) return RunDecodeStep(seqs, layer, q, k, v, out, stream);
+  if (fast_path_ || cpu_step_ || host_lists_) {
+    return RunDecodeStep(seqs, layer, q, k, v, out, stream);
+  }
   KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, layer));
   KVF_RETURN_IF_ERROR(ReserveNextToken(slot_of, layer));
   if (stream == nullptr) stream = stream_;

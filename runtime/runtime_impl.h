@@ -180,9 +180,10 @@ class RuntimeImpl {
   Status SelectOnHost(std::span<const int> slot_of, int layer, std::span<const int64_t> positions,
                       const TensorView& q, const TensorView& k, const TensorView& v,
                       int32_t* lists = nullptr, int32_t* counts = nullptr);
-  // host_lists_: waits for q_ready_ (q on the host, unless \p inputs_on_host: the caller's tensors
-  // are there already; and the store rows Select reads written), runs SelectOnHost into layer \p layer's pinned list staging and copies the lists into
-  // the layer's device list region on \p stream. Returns the most positions an item got.
+  // host_lists_: waits for q_ready_ (q on the host, unless \p inputs_on_host: the caller's
+  // tensors are there already; and the store rows Select reads written), runs SelectOnHost into
+  // layer \p layer's pinned list staging and copies the lists into the layer's device list region
+  // on \p stream. Returns the most positions an item got.
   Result<int64_t> UploadHostLists(std::span<const int> slot_of, int layer,
                                   std::span<const int64_t> positions, const TensorView& q,
                                   const TensorView& k, const TensorView& v, bool inputs_on_host,

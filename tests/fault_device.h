@@ -182,7 +182,9 @@ class FaultyDevice final : public Device {
   // The device bank allocates on the inner device (its own calls, Admit and ResetTables, are not
   // wrapped): creating it counts as one device allocation that can fail.
   Result<std::unique_ptr<StepBank>> CreateStepBank(const StepBankConfig &config) override {
-    if (faults_->Hit(FaultPoint::kAllocDevice)) return FaultInjector::Error(FaultPoint::kAllocDevice);
+    if (faults_->Hit(FaultPoint::kAllocDevice)) {
+      return FaultInjector::Error(FaultPoint::kAllocDevice);
+    }
     return inner_->CreateStepBank(config);
   }
   bool IsCapturing(StreamHandle stream) const override { return inner_->IsCapturing(stream); }

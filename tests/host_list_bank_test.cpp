@@ -120,7 +120,8 @@ class CudaPosingDevice final : public Device {
 };
 
 // Runtime::Create on a CudaPosingDevice, its calls counted in *seen.
-std::unique_ptr<Runtime> MakePosing(const RuntimeConfig& config, const std::shared_ptr<Seen>& seen) {
+std::unique_ptr<Runtime> MakePosing(const RuntimeConfig& config,
+                                    const std::shared_ptr<Seen>& seen) {
   detail::ScopedDeviceDecorator scope([seen](std::unique_ptr<Device> d) -> std::unique_ptr<Device> {
     return std::make_unique<CudaPosingDevice>(std::move(d), seen);
   });
@@ -225,7 +226,8 @@ TEST(HostListBank, WhichConfigurationsTakeIt) {
     // The device bank's admission follows each layer's step wherever there is one.
     const bool device_bank = e.bank > 0 && e.route == Route::kGpu && e.policy != "dense";
     EXPECT_EQ(seen->admits.load(), device_bank ? c.model.num_layers : 0);
-    EXPECT_EQ(seen->selects.load(), e.policy == "oracle" && e.route == Route::kGpu ? c.model.num_layers : 0);
+    const bool device_selects = e.policy == "oracle" && e.route == Route::kGpu;
+    EXPECT_EQ(seen->selects.load(), device_selects ? c.model.num_layers : 0);
   }
 }
 
@@ -279,7 +281,8 @@ TEST(HostListBank, SameSelectionsAsTheHostPath) {
             out[r].assign(q[l].size(), std::nanf(""));
             const MemoryKind where = r == 1 ? MemoryKind::kDevice : MemoryKind::kHost;
             const Status st = rt->Decode(seqs, l, View(q[l], batch, hq, d, where),
-                                         View(k, batch, hkv, d, where), View(v, batch, hkv, d, where),
+                                         View(k, batch, hkv, d, where),
+                                         View(v, batch, hkv, d, where),
                                          View(out[r], batch, hq, d, where));
             ASSERT_TRUE(st.ok()) << st.ToString();
           }
@@ -331,7 +334,9 @@ class SwitchedPolicy final : public Policy {
   Placement placement() const override { return Placement::kGpu; }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
     StreamingSelect(ctx.n, ctx.sink, ctx.budget, out);
-    if (ctx.kv_head == 1 && g_mode.load() == 1) return Internal("test_host_list_switched: injected");
+    if (ctx.kv_head == 1 && g_mode.load() == 1) {
+      return Internal("test_host_list_switched: injected");
+    }
     if (ctx.kv_head == 1 && g_mode.load() == 2) out.back() = static_cast<int32_t>(ctx.n);
     return Status::Ok();
   }
@@ -341,13 +346,15 @@ class SwitchedPolicy final : public Policy {
 // returns the error, the sequences keep their lengths, and every later step equals a twin's that
 // never saw the call, bit for bit (the window rows the step would have overwritten are intact).
 TEST(HostListBank, FailingSelectLeavesEverySequenceAsBefore) {
-  static const bool registered = RegisterPolicy("test_host_list_switched", [](const RuntimeConfig&) {
-    return Result<std::unique_ptr<Policy>>(std::unique_ptr<Policy>(new SwitchedPolicy));
-  });
+  static const bool registered =
+      RegisterPolicy("test_host_list_switched", [](const RuntimeConfig&) {
+        return Result<std::unique_ptr<Policy>>(std::unique_ptr<Policy>(new SwitchedPolicy));
+      });
   ASSERT_TRUE(registered);
   for (const int mode : {1, 2}) {
     for (const bool planned : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << "mode " << mode << (planned ? " planned" : " self-planned"));
+      SCOPED_TRACE(::testing::Message() << "mode " << mode
+                                        << (planned ? " planned" : " self-planned"));
       RuntimeConfig cfg = Config("test_host_list_switched", 64);
       cfg.model.num_layers = 1;
       auto seen = std::make_shared<Seen>();
@@ -362,11 +369,12 @@ TEST(HostListBank, FailingSelectLeavesEverySequenceAsBefore) {
         auto k = in.Random(prompt[i] * hkv * d), v = in.Random(prompt[i] * hkv * d);
         for (Runtime* r : {rt.get(), twin.get()}) {
           ASSERT_TRUE(r->AddSequence(seqs[i]).ok());
-          ASSERT_TRUE(r->Append(seqs[i], 0, View(k, prompt[i], hkv, d), View(v, prompt[i], hkv, d)).ok());
+          ASSERT_TRUE(
+              r->Append(seqs[i], 0, View(k, prompt[i], hkv, d), View(v, prompt[i], hkv, d)).ok());
         }
       }
-      auto step = [&](Runtime& r, std::vector<float>& q, std::vector<float>& k, std::vector<float>& v,
-                      std::vector<float>& out) -> Status {
+      auto step = [&](Runtime& r, std::vector<float>& q, std::vector<float>& k,
+                      std::vector<float>& v, std::vector<float>& out) -> Status {
         if (planned) KVF_RETURN_IF_ERROR(r.PlanDecode(seqs));
         out.assign(q.size(), std::nanf(""));
         return r.Decode(seqs, 0, View(q, 2, hq, d), View(k, 2, hkv, d), View(v, 2, hkv, d),
