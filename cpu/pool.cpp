@@ -178,11 +178,14 @@ Result<std::unique_ptr<CpuPool>> CpuPool::Create(const CpuPoolOptions& options) 
   }
   KVF_CHECK_CODE(!impl.core_sets.empty(), StatusCode::kInternal, "hwloc found no usable core");
   const int cores_available = static_cast<int>(impl.core_sets.size());
-  // By default one core is left to the caller's thread: it enqueues the GPU's work and joins the
-  // arena's loops, and with a worker spinning on every core it lost its core to them (32-layer
-  // lfps step at 32K on the GPU machine's 16 cores: 25-27 ms with 16 workers, 17-19 ms with 15).
-  const int threads = options.threads > 0 ? std::min(options.threads, cores_available)
-                                          : std::max(1, cores_available - 1);
+  // By default, above two cores, one core is left to the caller's thread: it enqueues the GPU's
+  // work and joins the arena's loops, and with a worker spinning on every core it lost its core
+  // to them (32-layer lfps step at 32K on the GPU machine's 16 cores: 25-27 ms with 16 workers,
+  // 17-19 ms with 15). On two cores a one-worker arena would halve the CPU route (and TBB gives
+  // every arena a second slot, which its worker may take unpinned).
+  const int threads = options.threads > 0   ? std::min(options.threads, cores_available)
+                      : cores_available > 2 ? cores_available - 1
+                                            : cores_available;
   for (size_t i = static_cast<size_t>(threads); i < impl.core_sets.size(); ++i) {
     hwloc_bitmap_free(impl.core_sets[i]);
   }

@@ -26,7 +26,8 @@
 namespace kvferry::cpu {
 
 struct CpuPoolOptions {
-  /// Worker threads; 0 = one per core of the chosen cpuset but one (left to the calling thread).
+  /// Worker threads; 0 = one per core of the chosen cpuset (but one above two cores: it is left to
+  /// the calling thread).
   /// Clamped to the number of cores there.
   int threads = 0;
   /// PCI bus id of the GPU ("0000:65:00.0", as cudaDeviceGetPCIBusId writes it): the pool uses the

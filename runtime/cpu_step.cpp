@@ -8,6 +8,10 @@
 // One pool task per (sequence, KV head) does all three stages back to back, so the rows the
 // policy's exact scoring just read are still in cache when the same task attends them, and the
 // step pays one fork-join of the pool, not three.
+//
+// The same tasks serve a host-selecting policy with the device bank (host_lists_): there they stop
+// after the select stage, writing each selection into the pinned list the device step reads
+// (UploadHostLists copies it up), and the device attends every selected row.
 
 #include <algorithm>
 #include <limits>
@@ -19,9 +23,10 @@
 
 namespace kvferry::detail {
 
-Status RuntimeImpl::SelectAndAttendOnCpu(std::span<const int> slot_of, int layer,
-                                         std::span<const int64_t> positions, const TensorView& q,
-                                         const TensorView& k, const TensorView& v) {
+Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
+                                 std::span<const int64_t> positions, const TensorView& q,
+                                 const TensorView& k, const TensorView& v, int32_t* lists,
+                                 int32_t* counts) {
   const ModelShape& m = config_.model;
   const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
   const int64_t batch = static_cast<int64_t>(slot_of.size());
@@ -56,14 +61,35 @@ Status RuntimeImpl::SelectAndAttendOnCpu(std::span<const int> slot_of, int layer
                      v.dtype, d);
     float* q32 = q_host_ + b * hq * d + h * gd;
     cpu::ConvertSpan(q32, DType::kF32, q_src + (b * hq * d + h * gd) * q_elem, q.dtype, gd);
-    float* o = o_cpu_host_ + b * hq * d + h * gd;
-    float* lse = lse_cpu_host_ + b * hq + h * group_;
-    std::fill_n(lse, group_, -std::numeric_limits<float>::infinity());
-    std::fill_n(o, gd, 0.0f);
     // 2 select.
     item_status_[i] = SelectItem(i, slot, layer, h, n, q32, select_threads);
     const std::vector<int32_t>& sel = selections_[i];
     if (!item_status_[i].ok()) return;
+    if (lists != nullptr) {
+      // The device step reads every listed position's rows: one outside [0, n) would send it
+      // past the page table, so the Select contract (ascending, unique, in range) is checked
+      // here, where the host path would have read a wrong host row. The offloaded count is kept
+      // for the stats only.
+      int32_t offloaded = 0, prev = -1;
+      for (const int32_t p : sel) {
+        if (p <= prev || p >= n) {
+          item_status_[i] = Internal(StrCat("policy '", policy_->name(), "' selected position ",
+                                            p, " after ", prev, " of ", n, " (layer ", layer,
+                                            ", KV head ", h, "): not ascending in [0, n)"));
+          return;
+        }
+        prev = p;
+        offloaded += ResidentRow(p, n) < 0 ? 1 : 0;
+      }
+      std::copy(sel.begin(), sel.end(), lists + i * list_cap_);
+      counts[i] = static_cast<int32_t>(sel.size());
+      cpu_items_[i].count = offloaded;
+      return;
+    }
+    float* o = o_cpu_host_ + b * hq * d + h * gd;
+    float* lse = lse_cpu_host_ + b * hq + h * group_;
+    std::fill_n(lse, group_, -std::numeric_limits<float>::infinity());
+    std::fill_n(o, gd, 0.0f);
     // 3 resolve: the resident positions are the device's part (the policy covers all of them);
     // 5 attend the others here, straight from the host store.
     const void** ck = cpu_k_rows_ + i * item_cap_;
@@ -92,11 +118,12 @@ Status RuntimeImpl::SelectAndAttendOnCpu(std::span<const int> slot_of, int layer
     last_selection_[(static_cast<size_t>(slot_of[b]) * m.num_layers + layer) * hkv + h].assign(
         sel.begin(), sel.end());
     selected += static_cast<int64_t>(sel.size());
-    on_cpu += cpu_items_[i].count;
+    on_cpu += cpu_items_[i].count;  // lists: the offloaded rows
   }
   stats_.rows_selected += selected;
-  stats_.rows_cpu += on_cpu;
   stats_.rows_resident += selected - on_cpu;
+  // The device's bank counters tell its offloaded rows apart (hits, fetched: RuntimeImpl::stats).
+  if (lists == nullptr) stats_.rows_cpu += on_cpu;
   return Status::Ok();
 }
 

@@ -38,9 +38,11 @@ Status RuntimeImpl::InitStepBuffers() {
   fast_path_ = z.fast_path;
   step_all_resident_ = z.step_all_resident;
   cpu_step_ = z.cpu_step;
-  if (!fast_path_ && !cpu_step_) return Status::Ok();
+  // host_lists_ was decided with the bank (Init): a policy that selects on the host and runs the
+  // planned step because its bank is on the device.
+  if (!fast_path_ && !cpu_step_ && !host_lists_) return Status::Ok();
   void* p = nullptr;
-  if (cpu_step_) {
+  if (cpu_step_ || host_lists_) {
     // q, k and v of a step as the caller gave them (4 bytes an element at most).
     const size_t per_token = static_cast<size_t>(m.num_q_heads + 2 * m.num_kv_heads) * m.head_dim;
     KVF_ASSIGN_OR_RETURN(q_raw_host_,
@@ -48,16 +50,32 @@ Status RuntimeImpl::InitStepBuffers() {
     KVF_ASSIGN_OR_RETURN(q_ready_, device_->CreateEvent());
     KVF_ASSIGN_OR_RETURN(cpu_part_up_, device_->CreateEvent());
   }
-  if (scoring_ != SelectScoring::kNone) {
+  if (scoring_ != SelectScoring::kNone || host_lists_) {
+    // Per layer a list region, so that any layer's last selection can be read back and no layer
+    // rewrites a list an earlier launch of the step may still read.
     const int64_t items = int64_t{cap.max_batch} * m.num_kv_heads;
     list_cap_ = z.list_cap;
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_list, false));
     step_list_ = static_cast<int32_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_list_count, false));
     step_list_count_ = static_cast<int32_t*>(p);
+    if (host_lists_) {
+      // The host's lists of every layer, pinned, copied up from here (UploadHostLists).
+      const size_t lists = static_cast<size_t>(m.num_layers) * items;
+      const size_t staged = lists * static_cast<size_t>(list_cap_ + 1) * sizeof(int32_t);
+      KVF_ASSIGN_OR_RETURN(p, Alloc(staged, true));
+      list_stage_ = static_cast<int32_t*>(p);
+      list_up_.assign(static_cast<size_t>(m.num_layers), nullptr);
+      for (EventHandle& e : list_up_) {
+        KVF_ASSIGN_OR_RETURN(e, device_->CreateEvent());
+      }
+    }
+    // Host lists need no selection scratch.
     select_ld_ = z.select_ld;
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.select_ws, false));
-    select_ws_ = static_cast<float*>(p);
+    if (z.select_ws > 0) {
+      KVF_ASSIGN_OR_RETURN(p, Alloc(z.select_ws, false));
+      select_ws_ = static_cast<float*>(p);
+    }
     if (z.topk_ws > 0) {
       KVF_ASSIGN_OR_RETURN(p, Alloc(z.topk_ws, false));
       topk_ws_ = static_cast<unsigned long long*>(p);
@@ -200,7 +218,7 @@ Status RuntimeImpl::PlanDecode(std::span<const SequenceId> seqs, StreamHandle st
   const int layers = config_.model.num_layers;
   for (int l = 0; l < layers; ++l) KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, l));
   // Policies that select on the host without a planned step plan inside each Decode.
-  if (!fast_path_ && !cpu_step_) return Status::Ok();
+  if (!fast_path_ && !cpu_step_ && !host_lists_) return Status::Ok();
   const auto t0 = Clock::now();
   RetirePlan();
   for (int l = 0; l < layers; ++l) KVF_RETURN_IF_ERROR(ReserveNextToken(slot_of, l));
@@ -237,6 +255,9 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
                                 v.where == MemoryKind::kDevice && out.where == MemoryKind::kDevice),
                  StatusCode::kFailedPrecondition,
                  "a Decode captured in a CUDA graph takes q, k, v and out in device memory");
+  KVF_CHECK_CODE(!capturing || (!cpu_step_ && !host_lists_), StatusCode::kFailedPrecondition,
+                 "policy '", policy_->name(), "' selects on the host inside the decode step, which "
+                 "a CUDA graph cannot hold (Runtime::decode_is_capture_safe() is false)");
   const bool planned = plan_.active && plan_.layer_run[layer] == 0 &&
                        std::equal(seqs.begin(), seqs.end(), plan_.seqs.begin(), plan_.seqs.end());
   std::vector<int64_t>& pos = step_pos_scratch_;  // new token's position per b at this layer
@@ -285,7 +306,8 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   a.layer = layer;
   a.sink = config_.tiers.sink_tokens;
   a.window = config_.tiers.window_tokens;
-  a.mode = scoring_ != SelectScoring::kNone ? StepRowMode::kList : StepRowMode::kSinksAndRecent;
+  a.mode = scoring_ != SelectScoring::kNone || host_lists_ ? StepRowMode::kList
+                                                           : StepRowMode::kSinksAndRecent;
   if (policy_->is_dense()) {
     a.budget_tokens = config_.capacity.max_tokens_per_sequence;
     a.budget_cap = config_.capacity.max_tokens_per_sequence;
@@ -315,7 +337,9 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   a.ws = step_ws_;
   a.ws_floats = step_ws_floats_;
   a.counters = step_counters_;
-  if (scoring_ != SelectScoring::kNone) {
+  // The host writes the new token's store rows before its Select reads them (SelectOnHost).
+  a.host_writes_store = host_lists_;
+  if (scoring_ != SelectScoring::kNone || host_lists_) {
     const size_t lists = static_cast<size_t>(layer) * batch_cap * m.num_kv_heads;
     a.scoring = scoring_;
     a.list = step_list_ + lists * list_cap_;
@@ -362,10 +386,11 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = pos[b] + 1;
     const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
-    if (cpu_step_) {  // counted by SelectAndAttendOnCpu
+    if (cpu_step_) {  // counted by SelectOnHost
       max_rows = std::max(max_rows, std::min(budget, n));
       continue;
     }
+    if (host_lists_) continue;  // counted by SelectOnHost, the hint set after it
     if (scoring_ != SelectScoring::kNone) {
       const int64_t count = std::min(budget, n);
       max_rows = std::max(max_rows, count);
@@ -390,7 +415,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   const bool inputs_on_host = device_->backend() == Backend::kHost ||
                               (q.where == MemoryKind::kHost && k.where == MemoryKind::kHost &&
                                v.where == MemoryKind::kHost);
-  if (cpu_step_ && !inputs_on_host) {
+  if ((cpu_step_ || host_lists_) && !inputs_on_host) {
     char* dst = static_cast<char*>(q_raw_host_);
     for (TensorView* t : {&q_host, &k_host, &v_host}) {
       const size_t bytes = static_cast<size_t>(t->numel()) * DTypeSize(t->dtype);
@@ -402,10 +427,26 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       dst += AlignUp(bytes, 64);
     }
     if (st.ok()) st = device_->RecordEvent(q_ready_, stream);
+  } else if (host_lists_ && st.ok()) {
+    // Select reads the store rows that earlier work on the stream may still be writing (an Append
+    // does not wait): the host waits for the stream's work up to here all the same.
+    st = device_->RecordEvent(q_ready_, stream);
   }
   if (st.ok() && scoring_ != SelectScoring::kNone) {
     st = device_->DecodeSelect(a, stream);
     list_slots_[layer].assign(slot_of.begin(), slot_of.end());
+  }
+  if (st.ok() && host_lists_) {
+    // The lists the step attends come from the host's Select (instead of DecodeSelect).
+    const auto ts = Clock::now();
+    Result<int64_t> most = UploadHostLists(slot_of, layer, pos, q_host, k_host, v_host,
+                                           inputs_on_host, stream);
+    Stage(stats_.ms_select, "select", ts);
+    if (most.ok()) {
+      a.max_rows_hint = most.value();
+    } else {
+      st = most.status();
+    }
   }
   if (st.ok()) st = device_->DecodeStep(a, stream);
   // The bank admits the layer's misses right after the step that read them, on its stream.
@@ -422,7 +463,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     // (it has, unless the caller switched streams).
     if (st.ok() && !device_->EventDone(cpu_part_up_)) st = HostWaitEvent(cpu_part_up_);
     // A policy failure rolls back below like any other (the window rewritten from the store).
-    if (st.ok()) st = SelectAndAttendOnCpu(slot_of, layer, pos, q_host, k_host, v_host);
+    if (st.ok()) st = SelectOnHost(slot_of, layer, pos, q_host, k_host, v_host);
     Stage(stats_.ms_select, "select", t2);
     const int64_t rows = batch * m.num_q_heads;
     const bool host = device_->backend() == Backend::kHost;
@@ -457,7 +498,11 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     // DecodeStep may have appended the token to the ring before the failure: put the rows back
     // (not while capturing, where a failure ends the capture anyway).
     if (capturing) return st;
-    return WithRestore(std::move(st), RestoreWindow(slot_of, layer, stream));
+    Status restored = RestoreWindow(slot_of, layer, stream);
+    // A step kernel that ran before the failure listed misses that no admission consumed: the
+    // next layer's admission would read those list indices against its own list.
+    if (restored.ok() && a.bank.rows != nullptr) restored = ClearBankMisses(stream);
+    return WithRestore(std::move(st), restored);
   }
   if (planned) {
     plan_.layer_run[layer] = 1;
@@ -469,12 +514,60 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   stats_.rows_resident += resident * hkv;
   stats_.rows_fetched += fetched * hkv;
   stats_.rows_selected += selected * hkv;
+  // A device selection read through the device bank: its rows split into resident, bank hits and
+  // misses on the device; Stats takes the resident share from the bank's counters.
+  if (a.bank.rows != nullptr && scoring_ != SelectScoring::kNone) {
+    bank_step_selected_ += selected * hkv;
+  }
   stats_.bytes_h2d += fetched * hkv * 2 * static_cast<int64_t>(row_bytes_);
   stats_.bytes_d2h += batch * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
   stats_.decode_steps += 1;
   stats_.decode_tokens += batch;
   stats_.decode_planned += planned ? 1 : 0;
   return Status::Ok();
+}
+
+Route RuntimeImpl::PlannedRoute() const {
+  return config_.route == Route::kAuto && policy_->placement() == Placement::kCpu ? Route::kCpu
+                                                                                  : config_.route;
+}
+
+Result<int64_t> RuntimeImpl::UploadHostLists(std::span<const int> slot_of, int layer,
+                                             std::span<const int64_t> positions,
+                                             const TensorView& q, const TensorView& k,
+                                             const TensorView& v, bool inputs_on_host,
+                                             StreamHandle stream) {
+  const int64_t items = static_cast<int64_t>(slot_of.size()) * config_.model.num_kv_heads;
+  const int64_t layer_items = int64_t{config_.capacity.max_batch} * config_.model.num_kv_heads;
+  int32_t* lists = list_stage_ + layer * layer_items * list_cap_;
+  int32_t* counts = list_stage_ + config_.model.num_layers * layer_items * list_cap_ +
+                    layer * layer_items;
+  KVF_RETURN_IF_ERROR(HostWaitEvent(q_ready_));
+  // The layer's staging is rewritten only once its last upload (the step before) has run: it has,
+  // unless the caller switched streams.
+  EventHandle up = list_up_[static_cast<size_t>(layer)];
+  if (!device_->EventDone(up)) KVF_RETURN_IF_ERROR(HostWaitEvent(up));
+  KVF_RETURN_IF_ERROR(SelectOnHost(slot_of, layer, positions, q, k, v, lists, counts));
+  const size_t region = static_cast<size_t>(layer * layer_items);
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(step_list_ + region * list_cap_, lists,
+                                         static_cast<size_t>(items * list_cap_) * sizeof(int32_t),
+                                         stream));
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(step_list_count_ + region, counts,
+                                         static_cast<size_t>(items) * sizeof(int32_t), stream));
+  KVF_RETURN_IF_ERROR(device_->RecordEvent(up, stream));
+  stats_.bytes_h2d += items * (list_cap_ + 1) * static_cast<int64_t>(sizeof(int32_t));
+  if (!inputs_on_host) {
+    stats_.bytes_d2h += static_cast<int64_t>(q.numel()) * static_cast<int64_t>(DTypeSize(q.dtype));
+  }
+  return *std::max_element(counts, counts + items);
+}
+
+Status RuntimeImpl::ClearBankMisses(StreamHandle stream) {
+  const size_t ints = static_cast<size_t>(config_.capacity.max_batch) *
+                      config_.model.num_kv_heads * (1 + static_cast<size_t>(bank_miss_cap_));
+  const std::vector<int32_t> zeros(ints, 0);
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(bank_miss_, zeros.data(), ints * sizeof(int32_t), stream));
+  return device_->SynchronizeStream(stream);
 }
 
 Status RuntimeImpl::ResetSelectState(int slot) {

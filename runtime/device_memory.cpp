@@ -142,12 +142,22 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
   const HostStoreShape store = StoreShape();
   z.store_table = static_cast<size_t>(HostStore::DeviceTableBytes(store));
 
-  // Token bank: in device memory and managed there for a device-selecting policy on CUDA, else
-  // host-managed (rows in device memory, maps on the host) with a side stream for admissions.
+  // Which token bank a configuration with bank_slots > 0 gets. The host backend: the host-managed
+  // TokenBank (rows in device memory, maps on the host, a side stream for admissions), always.
+  // CUDA: none where a bank would never be read or filled (dense reads the store by pages; route
+  // cpu, and auto for a CPU-placed policy, move no row over PCIe, and only fetched rows are
+  // admitted), so the runtime is the one without a bank; the device bank where the planned step
+  // reads it: a policy that selects on the device with route gpu or auto, or one that selects on
+  // the host (Policy::Select) with route gpu (host_lists); the host-managed bank only for route
+  // auto with a GPU-placed policy that selects on the host, whose misses the host path splits
+  // between the routes row by row.
   const SelectScoring scoring = policy_->device_scoring();
-  z.device_bank = bank_slots > 0 && cuda && scoring != SelectScoring::kNone &&
-                  config_.route != Route::kCpu;
-  z.host_bank = bank_slots > 0 && !z.device_bank;
+  const bool bank_used =
+      bank_slots > 0 && !(cuda && (policy_->is_dense() || PlannedRoute() == Route::kCpu));
+  const bool selects_on_device = scoring != SelectScoring::kNone;
+  z.host_lists = cuda && bank_used && !selects_on_device && config_.route == Route::kGpu;
+  z.device_bank = cuda && bank_used && (selects_on_device || z.host_lists);
+  z.host_bank = bank_used && !z.device_bank;
   if (z.device_bank) {
     KVF_ASSIGN_OR_RETURN(const StepBankSizes b,
                          device_->StepBankSizesFor(StepBankConfigFor(bank_slots)));
@@ -199,28 +209,29 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
 
   // The planned decode step (runtime/decode_plan.cpp).
   z.scoring = scoring;
+  // host_lists: a policy that selects on the host runs the planned step because its bank is on
+  // the device.
   z.fast_path = (policy_->selects_sinks_and_recent() || scoring != SelectScoring::kNone) &&
-                !z.host_bank && config_.route != Route::kCpu;
-  // A device selection may pick any position: its rows are all resident only when every
+                !z.host_bank && !z.host_lists && config_.route != Route::kCpu;
+  // A device or host selection may pick any position: its rows are all resident only when every
   // position is.
-  z.step_all_resident = policy_->is_dense() || scoring != SelectScoring::kNone
+  z.step_all_resident = policy_->is_dense() || scoring != SelectScoring::kNone || z.host_lists
                             ? slot_rows >= cap.max_tokens_per_sequence
                             : budget_max_ <= slot_rows;
-  const Route route = config_.route == Route::kAuto && policy_->placement() == Placement::kCpu
-                          ? Route::kCpu
-                          : config_.route;
-  z.cpu_step = !z.fast_path && policy_->placement() == Placement::kCpu &&
+  z.cpu_step = !z.fast_path && !z.host_lists && policy_->placement() == Placement::kCpu &&
                policy_->selection_covers_resident() && !policy_->is_dense() && !z.host_bank &&
-               route == Route::kCpu;
-  if (z.fast_path || z.cpu_step) {
+               PlannedRoute() == Route::kCpu;
+  if (z.fast_path || z.cpu_step || z.host_lists) {
     const int64_t items = int64_t{cap.max_batch} * hkv;
-    if (scoring != SelectScoring::kNone) {
+    if (scoring != SelectScoring::kNone || z.host_lists) {
       // Per layer a list region, so that any layer's last selection can be read back and no
       // layer rewrites a list an earlier launch of the step may still read.
       z.list_cap = std::max<int64_t>(item_cap_, 1);
       const size_t lists = static_cast<size_t>(m.num_layers) * items;
       z.step_list = AllocBytes(lists * static_cast<size_t>(z.list_cap) * sizeof(int32_t));
       z.step_list_count = AllocBytes(lists * sizeof(int32_t));
+    }
+    if (scoring != SelectScoring::kNone) {  // host lists need no selection scratch
       z.select_ld = cap.max_tokens_per_sequence;
       z.select_ws = AllocBytes(static_cast<size_t>(items) * group_ * z.select_ld * sizeof(float));
       int64_t sort_cap = 1;
@@ -251,6 +262,8 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
         z.sparcas_state = AllocBytes(items_all * sizeof(SparcasState));
         z.sparcas_dims = AllocBytes(items_all * m.head_dim * sizeof(int32_t));
       }
+    }
+    if (scoring != SelectScoring::kNone || z.host_lists) {
       if (z.device_bank && !z.step_all_resident) {
         // The step's misses: staged at their list index, listed for the admission after the
         // step (one layer at a time: the admission runs before the next layer's step).

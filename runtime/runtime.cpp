@@ -102,6 +102,9 @@ RuntimeImpl::~RuntimeImpl() {
   device_->SynchronizeStream(stream_).IgnoreError();
   if (call_done_ != nullptr) device_->DestroyEvent(call_done_);
   for (EventHandle e : plan_events_) device_->DestroyEvent(e);
+  for (EventHandle e : list_up_) {
+    if (e != nullptr) device_->DestroyEvent(e);
+  }
   for (EventHandle e : {q_ready_, cpu_part_up_, prefill_items_done_[0], prefill_items_done_[1]}) {
     if (e != nullptr) device_->DestroyEvent(e);
   }
@@ -249,6 +252,9 @@ Status RuntimeImpl::Init() {
     *dst = static_cast<const void**>(p);
   }
 
+  // Which bank (SizeDeviceBuffers says why): the device bank read by the planned step, the
+  // host-managed one, or none.
+  host_lists_ = z.host_lists;
   if (z.device_bank) {
     KVF_ASSIGN_OR_RETURN(step_bank_,
                          device_->CreateStepBank(StepBankConfigFor(config_.tiers.bank_slots)));
@@ -961,8 +967,11 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   KVF_RETURN_IF_ERROR(CheckTensor(out, "out", batch, m.num_q_heads));
   std::vector<int>& slot_of = batch_slots_;  // thread_local would not reach the worker threads
   KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
-  // Policies that select on the device run the planned step (runtime/decode_plan.cpp).
-  if (fast_path_ || cpu_step_) return RunDecodeStep(seqs, layer, q, k, v, out, stream);
+  // Policies that select on the device, CPU-placed ones on route cpu and host-selecting ones with
+  // the device bank run the planned step (runtime/decode_plan.cpp).
+  if (fast_path_ || cpu_step_ || host_lists_) {
+    return RunDecodeStep(seqs, layer, q, k, v, out, stream);
+  }
   KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, layer));
   KVF_RETURN_IF_ERROR(ReserveNextToken(slot_of, layer));
   if (stream == nullptr) stream = stream_;
@@ -1011,9 +1020,7 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
   const int64_t items = batch * hkv;
   // A policy that selects on the CPU has q there already: in auto its misses stay on the CPU
   // (only q went down; only (o, lse) comes back), as LFPS prescribes.
-  const Route route = config_.route == Route::kAuto && policy_->placement() == Placement::kCpu
-                          ? Route::kCpu
-                          : config_.route;
+  const Route route = PlannedRoute();
 
   if (policy_->is_dense()) {
     // Dense: every position read from the host store (full streaming), on the chosen route.
@@ -1280,6 +1287,11 @@ Stats RuntimeImpl::stats() const {
       const StepBankTotals& z = bank_totals_at_reset_;
       s.rows_bank_hit += t.value().hits - z.hits;
       s.rows_fetched += t.value().misses - z.misses;
+      // (Host lists count their resident rows on the host.)
+      if (scoring_ != SelectScoring::kNone) {
+        s.rows_resident +=
+            bank_step_selected_ - (t.value().hits - z.hits) - (t.value().misses - z.misses);
+      }
       s.bytes_h2d += (t.value().misses - z.misses) * 2 * static_cast<int64_t>(row_bytes_);
       s.bank_admitted += t.value().admitted - z.admitted;
       s.bank_evicted += t.value().evicted - z.evicted;

@@ -41,6 +41,7 @@ struct DeviceBufferSizes {
   int bank_slots = 0;
   bool device_bank = false;  // StepBank in device memory (CUDA, device-selecting policy)
   bool host_bank = false;    // host-managed TokenBank (rows in device memory, maps on the host)
+  bool host_lists = false;   // host-selected lists uploaded into the planned step (device bank)
   size_t bank_admit_item_bytes = 0;
   int bank_max_admit = 0;
   // The planned step (see the members of RuntimeImpl of the same names).
@@ -133,6 +134,7 @@ class RuntimeImpl {
   cpu::CpuPool& pool() { return *pool_; }
   void ResetStats() {
     stats_ = Stats{};
+    bank_step_selected_ = 0;
     if (bank_ != nullptr) bank_->ResetCounters();
     if (step_bank_ != nullptr) {
       Result<StepBankTotals> t = step_bank_->Totals();
@@ -250,9 +252,26 @@ class RuntimeImpl {
   int SelectThreads(int64_t items) const;
   // First writes the new tokens' K/V rows to the host store (the step's kernels write only their
   // resident rows: DecodeStepArgs::host_writes_store). q/k/v: the caller's inputs in host memory.
-  Status SelectAndAttendOnCpu(std::span<const int> slot_of, int layer,
-                              std::span<const int64_t> positions, const TensorView& q,
-                              const TensorView& k, const TensorView& v);
+  // With \p lists (host_lists_), the selections are not attended here: item i's positions go to
+  // lists[i * list_cap_ ..] and its count to counts[i] (pinned memory the step's list is copied
+  // from), and the device step attends them all.
+  Status SelectOnHost(std::span<const int> slot_of, int layer, std::span<const int64_t> positions,
+                      const TensorView& q, const TensorView& k, const TensorView& v,
+                      int32_t* lists = nullptr, int32_t* counts = nullptr);
+  // host_lists_: waits for q_ready_ (q on the host, unless \p inputs_on_host: the caller's
+  // tensors are there already; and the store rows Select reads written), runs SelectOnHost into
+  // layer \p layer's pinned list staging and copies the lists into the layer's device list region
+  // on \p stream. Returns the most positions an item got.
+  Result<int64_t> UploadHostLists(std::span<const int> slot_of, int layer,
+                                  std::span<const int64_t> positions, const TensorView& q,
+                                  const TensorView& k, const TensorView& v, bool inputs_on_host,
+                                  StreamHandle stream);
+  // Zeroes the step bank's miss lists (a step that failed after its kernel listed misses that no
+  // admission consumed) and waits for \p stream.
+  Status ClearBankMisses(StreamHandle stream);
+  // The route the step plans with: auto is cpu for a CPU-placed policy (its q is on the host
+  // already), else as configured.
+  Route PlannedRoute() const;
   // Recomputes the device page bounds of positions [pos0, new_len) of (slot, layer) when the
   // policy keeps them (kQuestPages); a no-op otherwise.
   Status ExtendPageBounds(int slot, int layer, int64_t pos0, int64_t new_len, StreamHandle stream);
@@ -291,9 +310,13 @@ class RuntimeImpl {
     trace_.Span(name, "stage", t0, t1);
   }
   TraceRecorder trace_;
-  std::unique_ptr<TokenBank> bank_;     // null without bank_slots
-  // CUDA, a policy that selects on the device, bank_slots > 0: the bank lives in device memory and
-  // the planned step reads and admits it (bank_ stays null). Staging of the step's misses (list
+  // The host-managed bank: the host backend's, and on CUDA only for route auto with a GPU-placed
+  // policy that selects on the host (its misses are split between the routes per row on the
+  // host). Null without bank_slots (see Init for the rule).
+  std::unique_ptr<TokenBank> bank_;
+  // CUDA, bank_slots > 0, a policy that selects on the device (route gpu or auto) or on the host
+  // (route gpu: host_lists_): the bank lives in device memory and the planned step reads and admits
+  // it (bank_ stays null). Staging of the step's misses (list
   // index j of item i at bank_stage_ + (i * list_cap_ + j) * 2 * row_bytes_), the miss lists
   // ([items][1 + bank_miss_cap_]) and the admission items the step kernel writes.
   std::unique_ptr<StepBank> step_bank_;
@@ -302,6 +325,7 @@ class RuntimeImpl {
   void* bank_admit_ = nullptr;
   int32_t bank_miss_cap_ = 0;
   StepBankTotals bank_totals_at_reset_;
+  int64_t bank_step_selected_ = 0;  // rows of device selections read through the device bank
   StreamHandle side_stream_ = nullptr;  // bank admissions
   EventHandle bank_step_done_ = nullptr;  // CPU route and host-side selection
   CostModel cost_;
@@ -390,14 +414,25 @@ class RuntimeImpl {
   PolicyCounters policy_counters_at_reset_;  // the policy's counters at the last ResetStats
 
   // Planned decode step state.
-  bool fast_path_ = false;         // policy selects on the device, no bank, route gpu/auto
+  bool fast_path_ = false;  // policy selects on the device, no host-managed bank, route gpu/auto
   // A CPU-placed policy whose selections cover the resident rows, route cpu (auto), no bank: the
   // planned step attends the resident rows on the device while the host selects, and merges the
-  // CPU's part after (SelectAndAttendOnCpu). Not capture-safe (the host is inside the step).
+  // CPU's part after (SelectOnHost). Not capture-safe (the host is inside the step).
   bool cpu_step_ = false;
   void* q_raw_host_ = nullptr;       // pinned: q, k, v of a step as the caller gave them
   EventHandle q_ready_ = nullptr;    // q_raw_host_ holds this call's q, k, v
   EventHandle cpu_part_up_ = nullptr;  // the last CPU part left o_cpu_host_ / lse_cpu_host_
+  // CUDA, bank_slots > 0, a policy that selects on the host (Select: hip, kvpop, lfps, streaming,
+  // the PrHS wrappers), route gpu: the planned step with the device bank. Per layer q, k and v go
+  // to the host (q_raw_host_, q_ready_), the host writes the new token's store rows and selects
+  // per (sequence, KV head) on the pool (SelectOnHost) into list_stage_, the lists go up into the
+  // layer's step_list_ region and the step kernel attends them in kList mode with the bank as a
+  // row source, then StepBank::Admit. One host wait per layer: not capture-safe.
+  bool host_lists_ = false;
+  // pinned: [layer][max_batch * Hkv][list_cap_] positions, then [layer][max_batch * Hkv] counts;
+  // a layer's part is rewritten only after list_up_[layer] (its last upload) completed.
+  int32_t* list_stage_ = nullptr;
+  std::vector<EventHandle> list_up_;
   bool step_all_resident_ = false; // every row such a step attends is resident
   StepPlan plan_;
   int32_t* step_slots_dev_ = nullptr;  // device: [2 regions][max_batch]

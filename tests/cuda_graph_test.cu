@@ -376,5 +376,77 @@ INSTANTIATE_TEST_SUITE_P(Policies, CudaPrefill,
                                                               std::string("lfps")),
                                             ::testing::Values(DType::kF32, DType::kBF16)));
 
+
+// A policy that selects on the host runs its planned step with the device bank (route gpu), but
+// the step waits for q on the host: Decode refuses a capture with kFailedPrecondition before
+// enqueuing anything, and the same step then runs outside the capture.
+TEST(CudaGraphHostLists, HostSelectingPolicyWithBankRefusesCapture) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  for (const char* policy : {"hip:bank", "lfps:bank"}) {
+    SCOPED_TRACE(policy);
+    const RuntimeConfig c = GraphConfig(policy, 64);
+    const ModelShape& m = c.model;
+    auto made = Runtime::Create(c);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    std::unique_ptr<Runtime> rt = std::move(made).value();
+    EXPECT_FALSE(rt->decode_is_capture_safe());
+    const std::vector<SequenceId> seqs = {3};
+    const int64_t prompt = 500;
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    auto random = [&](int64_t n) {
+      std::vector<float> x(static_cast<size_t>(n));
+      for (float& e : x) e = nd(rng);
+      return x;
+    };
+    auto host_view = [&](std::vector<float>& x, int64_t rows, int heads) {
+      return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {rows, heads, m.head_dim});
+    };
+    ASSERT_TRUE(rt->AddSequence(seqs[0]).ok());
+    for (int l = 0; l < m.num_layers; ++l) {
+      auto q = random(prompt * m.num_q_heads * m.head_dim), k = random(prompt * m.num_kv_heads * m.head_dim),
+           v = random(prompt * m.num_kv_heads * m.head_dim);
+      std::vector<float> out(q.size());
+      ASSERT_TRUE(rt->Prefill(seqs[0], l, host_view(q, prompt, m.num_q_heads), host_view(k, prompt, m.num_kv_heads),
+                              host_view(v, prompt, m.num_kv_heads), host_view(out, prompt, m.num_q_heads))
+                      .ok());
+    }
+    const size_t nq = static_cast<size_t>(m.num_q_heads) * m.head_dim;
+    const size_t nkv = static_cast<size_t>(m.num_kv_heads) * m.head_dim;
+    DeviceBuf dq(nq * 4), dk(nkv * 4), dv(nkv * 4), dout(nq * 4);
+    const std::vector<float> q = random(static_cast<int64_t>(nq)), k = random(static_cast<int64_t>(nkv)),
+                             v = random(static_cast<int64_t>(nkv));
+    CUDA_OK(cudaMemcpy(dq.p, q.data(), nq * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dk.p, k.data(), nkv * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dv.p, v.data(), nkv * 4, cudaMemcpyHostToDevice));
+    auto dev_view = [&](void* p, int heads) {
+      return TensorView::Contiguous(p, DType::kF32, MemoryKind::kDevice, {1, heads, m.head_dim});
+    };
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    ASSERT_TRUE(rt->PlanDecode(seqs, stream).ok());
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status st = rt->Decode(seqs, 0, dev_view(dq.p, m.num_q_heads), dev_view(dk.p, m.num_kv_heads),
+                                 dev_view(dv.p, m.num_kv_heads), dev_view(dout.p, m.num_q_heads), stream);
+    cudaGraph_t graph = nullptr;
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    if (graph != nullptr) CUDA_OK(cudaGraphDestroy(graph));
+    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
+    EXPECT_NE(st.message().find("selects on the host"), std::string::npos) << st.ToString();
+    // Outside the capture the planned step runs every layer.
+    for (int l = 0; l < m.num_layers; ++l) {
+      const Status run = rt->Decode(seqs, l, dev_view(dq.p, m.num_q_heads), dev_view(dk.p, m.num_kv_heads),
+                                    dev_view(dv.p, m.num_kv_heads), dev_view(dout.p, m.num_q_heads), stream);
+      ASSERT_TRUE(run.ok()) << run.ToString();
+    }
+    CUDA_OK(cudaStreamSynchronize(stream));
+    for (int l = 0; l < m.num_layers; ++l) EXPECT_EQ(*rt->SequenceLength(seqs[0], l), prompt + 1);
+    const Stats s = rt->GetStats();
+    EXPECT_EQ(s.decode_planned, m.num_layers);
+    EXPECT_GT(s.rows_fetched + s.rows_bank_hit, 0);
+    CUDA_OK(cudaStreamDestroy(stream));
+  }
+}
+
 }  // namespace
 }  // namespace kvferry

@@ -5,7 +5,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <tuple>
@@ -13,6 +16,8 @@
 
 #include "gpu/device.h"
 #include "kvferry/runtime.h"
+#include "policies/basic.h"
+#include "policies/policy.h"
 
 namespace kvferry {
 namespace {
@@ -44,6 +49,8 @@ RuntimeConfig MakeConfig(const Case& c, Backend backend) {
   cfg.tiers.bank_map = c.bank_map;
   cfg.policy.name = c.policy;
   cfg.policy.budget_tokens = 96;
+  // HiP's first layers take the exact top-k (dense_layers, default 3): from layer 1 on, its masks.
+  if (c.policy == "hip") cfg.policy.params["dense_layers"] = 1;
   cfg.route = c.route;
   cfg.backend = backend;
   cfg.cpu_threads = 2;
@@ -178,12 +185,22 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
   }
   const Stats s0 = rt[0]->GetStats(), s1 = rt[1]->GetStats();
   EXPECT_EQ(s0.rows_selected, s1.rows_selected);
-  if (c.bank_slots > 0 && s0.bank_admitted > 0 && c.policy != "lfps" && c.route != Route::kCpu &&
-      c.policy != "streaming" && c.policy != "dense") {
-    // CUDA keeps a device-selecting policy's bank in device memory (its own admission limits),
-    // the host backend its host-managed one: both serve hits, not necessarily the same ones.
-    EXPECT_GT(s0.rows_bank_hit, 0);
-    EXPECT_GT(s1.rows_bank_hit, 0);
+  // Route gpu with a bank: CUDA keeps it in device memory for every policy but dense (its own
+  // admission limits), the host backend its host-managed one: both serve hits, not necessarily
+  // the same ones. Hits and misses are offloaded selected rows.
+  if (c.bank_slots > 0 && c.route == Route::kGpu && c.policy != "dense") {
+    EXPECT_LE(s0.rows_bank_hit + s0.rows_fetched, s0.rows_selected);
+    EXPECT_GT(s0.bank_admitted, 0);
+    // lfps on fresh random queries may pick other rows every step (hits: CudaStepBank tests).
+    if (c.policy != "lfps") {
+      EXPECT_GT(s0.rows_bank_hit, 0);
+      EXPECT_GT(s1.rows_bank_hit, 0);
+    }
+    // A host-selecting policy waits for its q once per layer (and the steps are not capturable).
+    if (c.policy != "oracle" && c.policy != "quest" && c.policy != "sparcas") {
+      EXPECT_FALSE(rt[0]->decode_is_capture_safe());
+      EXPECT_GT(s0.host_syncs, 0);
+    }
   } else {
     EXPECT_EQ(s0.rows_bank_hit, s1.rows_bank_hit);
   }
@@ -214,10 +231,22 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"lfps", Route::kAuto, 0, "vector"},
                       Case{"lfps", Route::kAuto, 0, "vector", true},
                       Case{"lfps", Route::kGpu, 0, "vector"},
-                      Case{"streaming", Route::kGpu, 0, "vector", true}),
+                      Case{"streaming", Route::kGpu, 0, "vector", true},
+                      // Host-selecting policies with the device bank (route gpu): the host's
+                      // lists, the device's step and bank.
+                      Case{"hip", Route::kGpu, 64, "vector"},
+                      Case{"hip", Route::kGpu, 64, "hash", true},
+                      Case{"kvpop", Route::kGpu, 64, "vector"},
+                      Case{"kvpop", Route::kGpu, 64, "hash"},
+                      Case{"lfps", Route::kGpu, 64, "vector"},
+                      Case{"lfps", Route::kGpu, 64, "hash", true},
+                      Case{"streaming", Route::kGpu, 64, "vector"},
+                      Case{"cis+oracle", Route::kGpu, 64, "hash"}),
     [](const auto& info) {
       const Case& c = info.param;
-      return c.policy + "_" + RouteName(c.route) + "_bank" + std::to_string(c.bank_slots) +
+      std::string policy = c.policy;
+      std::replace(policy.begin(), policy.end(), '+', '_');
+      return policy + "_" + RouteName(c.route) + "_bank" + std::to_string(c.bank_slots) +
              (c.bank_slots ? "_" + c.bank_map : "") + (c.device_io ? "_device_io" : "");
     });
 
@@ -299,6 +328,233 @@ TEST(CudaStepBank, SameOutputsAsWithoutTheBankAndServesHits) {
         }
       }
     }
+  }
+}
+
+
+// Policies that select on the host (Policy::Select) with a bank on route gpu run the planned step
+// with the device bank (runtime/decode_plan.cpp UploadHostLists): the host's lists go up, the step
+// kernel reads each row from the resident tier, the bank or the host store. Against two twins on
+// the same inputs, for hip, kvpop and lfps x vector and hash maps, over 12 steps x 3 layers, with
+// the sequences removed and added again:
+//   * a runtime with a 2-slot bank (other rows from the bank, the same kernels, and self-planned
+//     Decodes instead of PlanDecode) gives the same outputs bit for bit;
+//   * a runtime without a bank (the host path: AttendRows over the host's row addresses) gives the
+//     same selections exactly and the same outputs to 1e-4: the same rows in the same fp32
+//     arithmetic, summed in another order (the step kernel's splits and their log-sum-exp
+//     combine); 1e-4 is the CUDA-vs-host bound of CudaRuntimeTest for the same reason;
+//   * the bank serves hits once the queries repeat (the same q every step, new keys), and hits
+//     and misses never exceed the offloaded part of the selection.
+TEST(CudaStepBank, HostSelectingPoliciesUseTheDeviceBank) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  for (const char* policy : {"hip", "kvpop", "lfps"}) {
+    for (const char* map : {"vector", "hash"}) {
+      SCOPED_TRACE(std::string(policy) + " " + map);
+      constexpr int kRuntimes = 3;  // 0: bank, planned; 1: 2-slot bank, self-planned; 2: none
+      const int slots[kRuntimes] = {128, 2, 0};
+      std::unique_ptr<Runtime> rt[kRuntimes];
+      for (int b = 0; b < kRuntimes; ++b) {
+        RuntimeConfig cfg = MakeConfig(Case{policy, Route::kGpu, slots[b], map}, Backend::kCuda);
+        cfg.model.num_layers = 3;
+        auto r = Runtime::Create(cfg);
+        ASSERT_TRUE(r.ok()) << r.status().ToString();
+        rt[b] = std::move(r).value();
+        ASSERT_EQ(rt[b]->backend(), Backend::kCuda);
+        EXPECT_FALSE(rt[b]->decode_is_capture_safe());
+      }
+      const auto& m = rt[0]->config().model;
+      std::mt19937 rng(91);
+      std::normal_distribution<float> nd(0.f, 1.f);
+      auto random = [&](int64_t n) {
+        std::vector<float> x(static_cast<size_t>(n));
+        for (float& e : x) e = nd(rng);
+        return x;
+      };
+      const std::vector<SequenceId> seqs = {5, 6};
+      const int64_t batch = 2;
+      auto view = [&](std::vector<float>& x, int64_t rows, int heads) {
+        return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {rows, heads, m.head_dim});
+      };
+      constexpr int kSteps = 12;
+      for (int round = 0; round < 2; ++round) {
+        for (auto& r : rt) {
+          for (SequenceId s : seqs) ASSERT_TRUE(r->AddSequence(s).ok());
+        }
+        // Prefill (lfps primes its tables from the prompt's queries), 600 tokens a sequence.
+        const int64_t prompt = 300;
+        for (SequenceId s : seqs) {
+          for (int l = 0; l < m.num_layers; ++l) {
+            for (int chunk = 0; chunk < 2; ++chunk) {
+              auto q = random(prompt * m.num_q_heads * m.head_dim);
+              auto k = random(prompt * m.num_kv_heads * m.head_dim), v = random(prompt * m.num_kv_heads * m.head_dim);
+              for (auto& r : rt) {
+                std::vector<float> out(q.size());
+                const Status st = r->Prefill(s, l, view(q, prompt, m.num_q_heads), view(k, prompt, m.num_kv_heads),
+                                             view(v, prompt, m.num_kv_heads), view(out, prompt, m.num_q_heads));
+                ASSERT_TRUE(st.ok()) << st.ToString();
+              }
+            }
+          }
+        }
+        std::vector<std::vector<float>> q(static_cast<size_t>(m.num_layers));
+        for (auto& x : q) x = random(batch * m.num_q_heads * m.head_dim);
+        for (auto& r : rt) r->ResetStats();
+        for (int step = 0; step < kSteps; ++step) {
+          ASSERT_TRUE(rt[0]->PlanDecode(seqs).ok());
+          for (int l = 0; l < m.num_layers; ++l) {
+            auto k = random(batch * m.num_kv_heads * m.head_dim), v = random(batch * m.num_kv_heads * m.head_dim);
+            std::vector<float> out[kRuntimes];
+            for (int b = 0; b < kRuntimes; ++b) {
+              out[b].assign(q[l].size(), std::nanf(""));
+              const Status st = rt[b]->Decode(seqs, l, view(q[l], batch, m.num_q_heads), view(k, batch, m.num_kv_heads),
+                                              view(v, batch, m.num_kv_heads), view(out[b], batch, m.num_q_heads));
+              ASSERT_TRUE(st.ok()) << st.ToString();
+            }
+            double err = 0, norm = 0;
+            for (size_t i = 0; i < out[0].size(); ++i) {
+              ASSERT_EQ(0, std::memcmp(&out[0][i], &out[1][i], sizeof(float)))
+                  << "round " << round << " step " << step << " layer " << l << " element " << i
+                  << ": " << out[0][i] << " vs " << out[1][i];
+              ASSERT_FALSE(std::isnan(out[2][i]));
+              err = std::max(err, static_cast<double>(std::abs(out[0][i] - out[2][i])));
+              norm += static_cast<double>(out[0][i]) * out[0][i];
+            }
+            EXPECT_LT(err, 1e-4) << "round " << round << " step " << step << " layer " << l;
+            EXPECT_GT(norm, 0.0);
+            for (SequenceId sq : seqs) {
+              for (int h = 0; h < m.num_kv_heads; ++h) {
+                auto a = rt[0]->LastSelection(sq, l, h), c = rt[2]->LastSelection(sq, l, h);
+                ASSERT_TRUE(a.ok() && c.ok());
+                ASSERT_FALSE(a.value().empty());
+                EXPECT_EQ(a.value(), c.value()) << "round " << round << " step " << step << " layer " << l;
+              }
+            }
+          }
+        }
+        const Stats s = rt[0]->GetStats(), none = rt[2]->GetStats();
+        // The planned step ran every layer (PlanDecode validates only, on the host path).
+        EXPECT_EQ(s.decode_planned, kSteps * m.num_layers) << "round " << round;
+        EXPECT_EQ(none.decode_planned, 0) << "round " << round;
+        EXPECT_EQ(s.rows_selected, none.rows_selected) << "round " << round;
+        EXPECT_EQ(s.rows_resident, none.rows_resident) << "round " << round;
+        EXPECT_GE(s.host_syncs, kSteps * m.num_layers) << "round " << round;  // q, once a layer
+        EXPECT_GT(s.bank_admitted, 0) << "round " << round;
+        EXPECT_GT(s.rows_fetched, 0) << "round " << round;  // the first steps miss
+        EXPECT_GT(s.rows_bank_hit, 0) << "round " << round;
+        // Hits and misses are the offloaded selected rows, each read once.
+        EXPECT_EQ(s.rows_bank_hit + s.rows_fetched + s.rows_resident, s.rows_selected) << "round " << round;
+        EXPECT_EQ(none.rows_bank_hit, 0);
+        for (auto& r : rt) {
+          for (SequenceId sq : seqs) ASSERT_TRUE(r->RemoveSequence(sq).ok());
+        }
+      }
+    }
+  }
+}
+
+// A GPU-placed policy that selects on the host like streaming, and fails while the switch is on.
+std::atomic<bool> g_fail_select{false};
+
+class FailingHostSelect final : public Policy {
+ public:
+  std::string_view name() const override { return "test_failing_host_select"; }
+  Placement placement() const override { return Placement::kGpu; }
+  Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
+    if (g_fail_select.load() && ctx.kv_head == 1) return Internal("test_failing_host_select: injected");
+    StreamingSelect(ctx.n, ctx.sink, ctx.budget, out);
+    return Status::Ok();
+  }
+};
+
+// A Select that fails inside the device-bank step rolls the layer back like any failed call: the
+// sequences keep their lengths, the ring row the step would have taken is intact, and every later
+// step equals a twin's that never saw the call, bit for bit (both with the device bank; whatever
+// the failed step left in the bank changes where rows are read from, never what).
+TEST(CudaStepBank, FailingHostSelectLeavesEverySequenceAsBefore) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  static const bool registered = RegisterPolicy("test_failing_host_select", [](const RuntimeConfig&) {
+    return Result<std::unique_ptr<Policy>>(std::unique_ptr<Policy>(new FailingHostSelect));
+  });
+  ASSERT_TRUE(registered);
+  for (const bool planned : {false, true}) {
+    SCOPED_TRACE(planned ? "planned" : "self-planned");
+    RuntimeConfig cfg = MakeConfig(Case{"test_failing_host_select", Route::kGpu, 128, "vector"}, Backend::kCuda);
+    cfg.model.num_layers = 1;  // a failed planned layer is the step's only one: nothing left half-run
+    std::unique_ptr<Runtime> rt[2];  // 0 sees the failure, 1 is its twin
+    for (auto& r : rt) {
+      auto made = Runtime::Create(cfg);
+      ASSERT_TRUE(made.ok()) << made.status().ToString();
+      r = std::move(made).value();
+    }
+    const auto& m = cfg.model;
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    auto random = [&](int64_t n) {
+      std::vector<float> x(static_cast<size_t>(n));
+      for (float& e : x) e = nd(rng);
+      return x;
+    };
+    auto view = [&](std::vector<float>& x, int64_t rows, int heads) {
+      return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {rows, heads, m.head_dim});
+    };
+    const std::vector<SequenceId> seqs = {1, 2};
+    const int64_t batch = 2;
+    const int64_t prompt[2] = {200, 150};
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      auto q = random(prompt[i] * m.num_q_heads * m.head_dim);
+      auto k = random(prompt[i] * m.num_kv_heads * m.head_dim), v = random(prompt[i] * m.num_kv_heads * m.head_dim);
+      for (auto& r : rt) {
+        ASSERT_TRUE(r->AddSequence(seqs[i]).ok());
+        std::vector<float> out(q.size());
+        ASSERT_TRUE(r->Prefill(seqs[i], 0, view(q, prompt[i], m.num_q_heads), view(k, prompt[i], m.num_kv_heads),
+                               view(v, prompt[i], m.num_kv_heads), view(out, prompt[i], m.num_q_heads))
+                        .ok());
+      }
+    }
+    auto step = [&](std::vector<float>& q, std::vector<float>& k, std::vector<float>& v, Runtime& r,
+                    std::vector<float>& out) {
+      if (planned) {
+        const Status p = r.PlanDecode(seqs);
+        if (!p.ok()) return p;
+      }
+      out.assign(q.size(), std::nanf(""));
+      return r.Decode(seqs, 0, view(q, batch, m.num_q_heads), view(k, batch, m.num_kv_heads),
+                      view(v, batch, m.num_kv_heads), view(out, batch, m.num_q_heads));
+    };
+    auto same_step = [&](const std::string& where) {
+      auto q = random(batch * m.num_q_heads * m.head_dim);
+      auto k = random(batch * m.num_kv_heads * m.head_dim), v = random(batch * m.num_kv_heads * m.head_dim);
+      std::vector<float> out[2];
+      for (int b = 0; b < 2; ++b) {
+        const Status st = step(q, k, v, *rt[b], out[b]);
+        ASSERT_TRUE(st.ok()) << where << ": " << st.ToString();
+      }
+      for (size_t i = 0; i < out[0].size(); ++i) {
+        ASSERT_EQ(0, std::memcmp(&out[0][i], &out[1][i], sizeof(float))) << where << " element " << i;
+      }
+    };
+    for (int t = 0; t < 3; ++t) same_step("before, step " + std::to_string(t));
+    // The failing call, on runtime 0 only: its k/v would take a ring row of each sequence.
+    {
+      auto q = random(batch * m.num_q_heads * m.head_dim);
+      auto k = random(batch * m.num_kv_heads * m.head_dim), v = random(batch * m.num_kv_heads * m.head_dim);
+      std::vector<float> out;
+      g_fail_select = true;
+      const Status st = step(q, k, v, *rt[0], out);
+      g_fail_select = false;
+      EXPECT_EQ(st.code(), StatusCode::kInternal) << st.ToString();
+      EXPECT_NE(st.message().find("injected"), std::string::npos) << st.ToString();
+      EXPECT_EQ(st.message().find("unspecified state"), std::string::npos) << st.ToString();
+    }
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      EXPECT_EQ(*rt[0]->SequenceLength(seqs[i], 0), prompt[i] + 3);
+      EXPECT_EQ(*rt[1]->SequenceLength(seqs[i], 0), prompt[i] + 3);
+    }
+    // 40 steps pass the ring (32 rows) round once: every ring row the failed call could have
+    // written is read back.
+    for (int t = 0; t < 40; ++t) same_step("after, step " + std::to_string(t));
+    const Stats s = rt[0]->GetStats();
+    EXPECT_GT(s.rows_bank_hit, 0);  // the recent offloaded rows repeat from step to step
   }
 }
 

@@ -185,9 +185,13 @@ class FaultyDevice final : public Device {
   Status PrimeAttention(const PrimeArgs &args, StreamHandle stream) override {
     return Run(FaultPoint::kPrimeAttention, [&] { return inner_->PrimeAttention(args, stream); });
   }
-  // The device-managed bank (CUDA) is the inner device's: its admission is a kernel on the
-  // runtime's stream, so the faults reach it through that stream's calls, not through its own.
+  // The device bank allocates on the inner device (its own calls, Admit and ResetTables, are not
+  // wrapped: its admission is a kernel on the runtime's stream, so faults reach it through that
+  // stream's calls): creating it counts as one device allocation that can fail.
   Result<std::unique_ptr<StepBank>> CreateStepBank(const StepBankConfig &config) override {
+    if (faults_->Hit(FaultPoint::kAllocDevice)) {
+      return FaultInjector::Error(FaultPoint::kAllocDevice);
+    }
     return inner_->CreateStepBank(config);
   }
   Result<StepBankSizes> StepBankSizesFor(const StepBankConfig &config) const override {

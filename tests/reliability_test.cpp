@@ -395,6 +395,18 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(Backend::kHost, Backend::kCuda)),
     FaultName);
 
+// A policy that selects on the host (streaming's Select here) with a bank on route gpu: on CUDA
+// the planned step with the host's lists and the device bank (every fault of the list upload,
+// the step and the q copy fails the call and rolls it back), on the host backend the host path
+// with the host-managed bank.
+INSTANTIATE_TEST_SUITE_P(
+    FaultsHostListBank, FaultMatrix,
+    ::testing::Combine(::testing::Values("streaming"), ::testing::Values(Route::kGpu),
+                       ::testing::Values(256), ::testing::Values("decode", "plan"),
+                       ::testing::Values(FaultMode::kBefore, FaultMode::kAfter),
+                       ::testing::Values(Backend::kHost, Backend::kCuda)),
+    FaultName);
+
 // ---- allocation failures
 // ----------------------------------------------------------------------
 

@@ -98,8 +98,8 @@ struct RuntimeConfig {
   Route route = Route::kAuto;
   Backend backend = Backend::kAuto;
   int device_id = 0;
-  /// CPU worker threads for the CPU route (0 = the cores of the GPU's NUMA node, or all cores, but
-  /// one: that core is left to the calling thread, which enqueues the GPU's work).
+  /// CPU worker threads for the CPU route (0 = the cores of the GPU's NUMA node, or all cores; above
+  /// two cores one of them is left to the calling thread, which enqueues the GPU's work).
   int cpu_threads = 0;
   /// Measure the CPU-route and PCIe gather rates at Create for the auto route's split (a few ms on
   /// the host, ~0.1 s with CUDA); false keeps the defaults (52 and 20 GB/s).

@@ -115,7 +115,9 @@ class Runtime {
                 StreamHandle stream = nullptr);
 
   /// Whether this runtime's decode step runs without the host (device-side selection: see
-  /// PlanDecode), so that it can be captured in a CUDA graph.
+  /// PlanDecode), so that it can be captured in a CUDA graph. False for every policy that selects
+  /// on the host, with or without a token bank: its step waits once per layer for q to reach the
+  /// host (counted in Stats::host_syncs).
   [[nodiscard]] bool decode_is_capture_safe() const;
 
   /// Plans one decode token step of \p seqs (FlashInfer's plan/run split): checks the batch,
@@ -132,9 +134,13 @@ class Runtime {
   /// every key, "quest" and "sparcas" from metadata in device memory) with route gpu or auto; with
   /// a token bank (bank_slots > 0) the device selecting policies keep it in device memory
   /// (cuda::DeviceBank: hits read from the bank, misses staged and admitted by a kernel after each
-  /// layer's step), so the step stays capture-safe. The others (host-selecting policies, and
-  /// "streaming" with a bank, which keeps the host-managed bank) need the host inside the step and
-  /// return kFailedPrecondition while capturing. A layer of a planned
+  /// layer's step), so the step stays capture-safe. The others need the host inside the step and
+  /// return kFailedPrecondition while capturing: policies that select on the host ("hip",
+  /// "kvpop", "lfps", the PrHS wrappers, and "streaming" with a bank). With a bank on route gpu
+  /// they run this planned step too (the device bank, their lists from the host's Select, one
+  /// host synchronisation per layer for q), so PlanDecode serves them as well; otherwise "lfps"
+  /// on route cpu or auto runs the CPU-placed planned step and the rest plan inside each Decode.
+  /// A layer of a planned
   /// step whose Decode fails, or that is not run before the next PlanDecode while other layers
   /// were, is rolled back (its token uncommitted). Synchronise before RemoveSequence after replays.
   Status PlanDecode(std::span<const SequenceId> seqs, StreamHandle stream = nullptr);
