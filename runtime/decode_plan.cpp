@@ -80,6 +80,18 @@ Status RuntimeImpl::InitStepBuffers() {
     if (scoring_ == SelectScoring::kQuestPages) {
       meta_page_ = policy_->device_select_params(m.head_dim).page_tokens;
       KVF_CHECK_ARG(meta_page_ >= 1, "policy '", policy_->name(), "': page of ", meta_page_, " tokens");
+    }
+    // The multi-CTA top-k's scratch, when an item can rank enough scores (positions, or Quest's
+    // pages) to take it.
+    const int64_t ranked_cap = scoring_ == SelectScoring::kQuestPages
+                                   ? (select_ld_ + meta_page_ - 1) / meta_page_ + 1
+                                   : select_ld_;
+    const size_t mcta_bytes = SelectMctaWorkspaceBytes(items, group_, ranked_cap);
+    if (device_->backend() == Backend::kCuda && mcta_bytes > 0) {
+      KVF_ASSIGN_OR_RETURN(p, Alloc(mcta_bytes, false));
+      select_mcta_ws_ = static_cast<uint32_t*>(p);
+    }
+    if (scoring_ == SelectScoring::kQuestPages) {
       meta_pages_ = (cap.max_tokens_per_sequence + meta_page_ - 1) / meta_page_;
       const size_t bytes = static_cast<size_t>(cap.max_sequences) * m.num_layers * m.num_kv_heads *
                            static_cast<size_t>(meta_pages_) * 2 * row_bytes_;
@@ -354,6 +366,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.select_ws = select_ws_;
     a.select_ld = select_ld_;
     a.topk_ws = topk_ws_;
+    a.select_mcta_ws = select_mcta_ws_;
     a.meta = meta_;
     a.meta_pages = meta_pages_;
     a.meta_page = meta_page_;

@@ -331,6 +331,7 @@ class RuntimeImpl {
   float* select_ws_ = nullptr;          // device: [max_batch * Hkv][group][select_ld_]
   int64_t select_ld_ = 0;
   unsigned long long* topk_ws_ = nullptr;  // device, when the list capacity exceeds 4096
+  uint32_t* select_mcta_ws_ = nullptr;     // device (CUDA), the multi-CTA top-k's scratch
   std::vector<std::vector<int>> list_slots_;  // [layer]: slots of the last step's batch
   char* meta_ = nullptr;  // device: page bounds (kQuestPages), see PageBoundsArgs
   int64_t meta_pages_ = 0;
