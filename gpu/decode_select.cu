@@ -719,6 +719,9 @@ __global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs
 // the k-th place (as the host backend's lists already may).
 
 constexpr int kMctaThreads = 512;
+// Dynamic shared memory above which a Quest list kernel opts in to more (static + dynamic must
+// stay under 48 KiB otherwise).
+constexpr size_t kQuestSmemOptIn = 40 * 1024;
 
 // An item's multi-CTA scratch (SelectMctaItemWords words).
 struct MctaScratch {
@@ -1058,6 +1061,11 @@ Status LaunchMctaTopK(const DecodeStepArgs& a, int64_t mcta_min, unsigned ctas, 
   }
   MctaWriteKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
   KVF_CUDA_CHECK_LAUNCH(MctaWriteKernel);
+  if (quest_smem > kQuestSmemOptIn) {
+    KVF_CUDA_CHECK(cudaFuncSetAttribute(MctaQuestListKernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(quest_smem)));
+  }
   MctaQuestListKernel<<<items, kTopKThreads, quest_smem, stream>>>(a, mcta_min);
   KVF_CUDA_CHECK_LAUNCH(MctaQuestListKernel);
   return Status::Ok();
@@ -1126,6 +1134,11 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
                      : sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long)
                                                   : 0;
   if (a.scoring == SelectScoring::kQuestPages) {
+    if (smem > kQuestSmemOptIn) {  // 4096 pages: 48 KiB besides the kernel's static shared memory
+      KVF_CUDA_CHECK(cudaFuncSetAttribute(QuestTopKKernel,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+    }
     QuestTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(a, mcta_min);
     KVF_CUDA_CHECK_LAUNCH(QuestTopKKernel);
   } else if (a.scoring == SelectScoring::kSparcas) {

@@ -4,8 +4,9 @@
 //   oracle    top 2% of every position's group-summed softmax weight (n = the context);
 //   sparcas   the same over the offloaded range (4 sinks, 64-token window);
 //   quest     the best pages of 16 tokens (n = context / 16).
-// Each timed launch starts from the same logits (a device copy, not timed). The lists of the two
-// paths are compared (they should be equal: the logits are random normals, far from ties).
+// Each timed launch starts from the same logits (a device copy, not timed). The lists of the
+// paths are compared: equal unless two weights at the k-th place are within fp32 rounding (the
+// two paths add the softmax sums in different orders; the logits are random normals).
 // Prints one JSON object (also written to argv[1] when given).
 // Usage: select_topk_bench [out.json] [--reps N (default 20)]
 
