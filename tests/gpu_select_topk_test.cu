@@ -148,7 +148,9 @@ TEST_P(GpuSelectTopKTest, BothPathsEqualTheHostReference) {
   if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU";
   const TopKCase c = GetParam();
   const int64_t items = int64_t{c.batch} * kHeads;
-  const int64_t ld = c.n + 5;  // select_ld: capacity past every n
+  // select_ld, the capacity: past every n, and at least 16K so that a short item's CTAs (sized by
+  // the capacity) include empty chunks.
+  const int64_t ld = std::max<int64_t>(c.n + 5, 16384);
   std::vector<int64_t> ns(static_cast<size_t>(c.batch));
   for (int b = 0; b < c.batch; ++b) ns[b] = std::max<int64_t>(1, c.n - 1013 * b);
   // The budget in tokens: the picks plus what the sinks and the window take of the longest item.
