@@ -254,6 +254,11 @@ struct DecodeStepArgs {
   /// CUDA: the most rows an item attends in this call (sizes the split count; the kernels read
   /// the true counts on the device). 0: unknown.
   int64_t max_rows_hint = 0;
+  /// CUDA: the longest item's length (positions[...] + 1) in this call when the caller knows it,
+  /// else 0. Outside CUDA-graph capture, a selection none of whose items can reach the multi-CTA
+  /// threshold skips those launches; a captured one launches them (they return at once for short
+  /// items), so that the graph serves any later length.
+  int64_t max_len_hint = 0;
 };
 
 #if defined(__CUDACC__)

@@ -136,7 +136,8 @@ Status LaunchDecodeSelect(const DecodeStepArgs& args, const LaunchInfo& info, cu
 /// Which top-k a device selection's ranking stage runs (LaunchSelectTopK).
 enum class SelectTopKPath : int32_t {
   kAuto = 0,      ///< multi-CTA for items ranking >= kSelectMctaMinKeys scores (when
-                  ///< select_mcta_ws is set), one CTA per item for the others
+                  ///< select_mcta_ws is set), one CTA per item for the others; outside graph
+                  ///< capture with max_len_hint below the threshold, one CTA for all
   kOneCta = 1,    ///< one CTA per item (the kernels before the multi-CTA top-k)
   kMultiCta = 2,  ///< multi-CTA for every item that ranks (needs select_mcta_ws)
 };

@@ -1126,6 +1126,16 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
   } else if (path == SelectTopKPath::kAuto && a.select_mcta_ws != nullptr &&
              keys_cap >= kSelectMctaMinKeys) {
     mcta_min = kSelectMctaMinKeys;
+    // Called eagerly with every item short: the multi-CTA launches would all return at once, so
+    // leave them out (their launch cost is the one-CTA path's at these lengths). Inside a capture
+    // they stay: the graph is replayed at later lengths.
+    const int64_t hint = a.max_len_hint;
+    const int64_t hint_keys = quest ? (hint + a.meta_page - 1) / a.meta_page + 1 : hint;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    KVF_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (hint > 0 && hint_keys < kSelectMctaMinKeys && capture == cudaStreamCaptureStatusNone) {
+      mcta_min = std::numeric_limits<int64_t>::max();
+    }
   }
   // The one-CTA kernel always runs: it takes the items below the threshold (chosen on the device
   // from this step's lengths, so one launch sequence serves every step of a captured graph) and

@@ -404,6 +404,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   int64_t max_rows = 0, resident = 0, fetched = 0, selected = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = pos[b] + 1;
+    a.max_len_hint = std::max(a.max_len_hint, n);
     const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
     if (cpu_step_) {  // counted by SelectAndAttendOnCpu
       max_rows = std::max(max_rows, std::min(budget, n));

@@ -241,8 +241,13 @@ TEST_P(GpuSelectTopKTest, BothPathsEqualTheHostReference) {
                             scores.begin() + (i + 1) * c.group * ld);
     want[i] = ReferenceList(c, rows, ld, n, StepBudget(budget, 0.0, budget, n));
   }
-  for (cuda::SelectTopKPath path :
-       {cuda::SelectTopKPath::kOneCta, cuda::SelectTopKPath::kMultiCta, cuda::SelectTopKPath::kAuto}) {
+  // Paths 0-2 as named; 3: kAuto with a length hint below the threshold (too low for the long
+  // items: every item then takes the one-CTA kernel, whatever its true length).
+  for (int variant = 0; variant < 4; ++variant) {
+    const cuda::SelectTopKPath path = variant == 0   ? cuda::SelectTopKPath::kOneCta
+                                      : variant == 1 ? cuda::SelectTopKPath::kMultiCta
+                                                     : cuda::SelectTopKPath::kAuto;
+    a.max_len_hint = variant == 3 ? 100 : 0;
     ASSERT_EQ(cudaMemcpy(d_ws, scores.data(), scores.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
     ASSERT_EQ(cudaMemset(d_list, 0x7f, static_cast<size_t>(items * list_cap) * 4), cudaSuccess);
     ASSERT_EQ(cudaMemset(d_count, 0xff, static_cast<size_t>(items) * 4), cudaSuccess);
@@ -256,17 +261,17 @@ TEST_P(GpuSelectTopKTest, BothPathsEqualTheHostReference) {
               cudaSuccess);
     for (int64_t i = 0; i < items; ++i) {
       ASSERT_EQ(count[i], static_cast<int32_t>(want[i].size()))
-          << "path " << static_cast<int>(path) << " item " << i;
+          << "path " << variant << " item " << i;
       ASSERT_GT(count[i], 0);
       int bad = 0;
       for (size_t j = 0; j < want[i].size(); ++j) {
         const int32_t got = list[i * list_cap + static_cast<int64_t>(j)];
         if (got != want[i][j] && bad++ < 5) {
-          ADD_FAILURE() << "path " << static_cast<int>(path) << " item " << i << " index " << j
+          ADD_FAILURE() << "path " << variant << " item " << i << " index " << j
                         << ": got " << got << " want " << want[i][j];
         }
       }
-      EXPECT_EQ(bad, 0) << "path " << static_cast<int>(path) << " item " << i;
+      EXPECT_EQ(bad, 0) << "path " << variant << " item " << i;
     }
   }
   cudaFree(d_ws);
