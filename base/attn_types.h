@@ -283,6 +283,10 @@ struct DecodeStepArgs {
   float* select_ws = nullptr;
   int64_t select_ld = 0;
   unsigned long long* topk_ws = nullptr;
+  /// CUDA: the multi-CTA top-k's scratch, SelectMctaWorkspaceBytes(batch * num_kv_heads, group,
+  /// select_ld) bytes (device memory; null when that is 0: every item then takes the one-CTA
+  /// top-k). Unused on the host.
+  uint32_t* select_mcta_ws = nullptr;
 
   float* q_f32 = nullptr;  ///< host scratch [batch, num_q_heads, head_dim]
   float* lse = nullptr;    ///< [batch, num_q_heads] natural-log lse of the result (may be null)
@@ -301,6 +305,11 @@ struct DecodeStepArgs {
   /// CUDA: the most rows an item attends in this call (sizes the split count; the kernels read
   /// the true counts on the device). 0: unknown.
   int64_t max_rows_hint = 0;
+  /// CUDA: the longest item's length (positions[...] + 1) in this call when the caller knows it,
+  /// else 0. Outside CUDA-graph capture, a selection none of whose items can reach the multi-CTA
+  /// threshold skips those launches; a captured one launches them (they return at once for short
+  /// items), so that the graph serves any later length.
+  int64_t max_len_hint = 0;
 };
 
 #if defined(__CUDACC__)
@@ -376,6 +385,41 @@ KVF_HOST_DEVICE inline int64_t SparcasCompactOffset(int64_t slot, int32_t layer,
   if (layer < dl) return off + (static_cast<int64_t>(layer) * num_kv_heads + h) * item * head_dim;
   off += static_cast<int64_t>(dl) * num_kv_heads * item * head_dim;
   return off + (static_cast<int64_t>(layer - dl) * num_kv_heads + h) * item * k;
+}
+
+/// The multi-CTA top-k of a device selection (gpu/decode_select.cu): an item whose top-k runs over
+/// at least kSelectMctaMinKeys scores splits them over up to kSelectMctaMaxCtas CTAs (a radix
+/// select with global histograms) instead of one CTA. The threshold is an estimate from the
+/// one-CTA kernels' H100 times (755 us at 128K keys, 81 us at 8K pages: about 4096 scores cost what
+/// the multi-CTA path's eight launches cost); bench/micro/select_topk_bench measures both paths.
+constexpr int64_t kSelectMctaMinKeys = 4096;
+constexpr int32_t kSelectMctaMaxCtas = 64;
+/// Fewest scores a CTA of the multi-CTA top-k handles (fewer CTAs for shorter capacities).
+constexpr int64_t kSelectMctaMinChunk = 2048;
+/// Most pages the multi-CTA Quest top-k keeps per item (its winners are sorted in one CTA).
+constexpr int64_t kSelectMctaMaxPicks = 4096;
+/// 32-bit words of one item's multi-CTA scratch: 4 radix histograms of 256 bins, per CTA the
+/// (greater, equal) counts, per query head and CTA a (max, sum) pair, and the Quest picks.
+KVF_HOST_DEVICE inline int64_t SelectMctaItemWords(int32_t group) {
+  return 4 * 256 + 2 * int64_t{kSelectMctaMaxCtas} + 2 * int64_t{group} * kSelectMctaMaxCtas +
+         kSelectMctaMaxPicks;
+}
+/// Bytes of DecodeStepArgs::select_mcta_ws for \p items items: 0 when no item can reach the
+/// threshold (select_ld < kSelectMctaMinKeys).
+inline size_t SelectMctaWorkspaceBytes(int64_t items, int32_t group, int64_t select_ld) {
+  if (items <= 0 || group <= 0 || select_ld < kSelectMctaMinKeys) return 0;
+  return static_cast<size_t>(items) * static_cast<size_t>(SelectMctaItemWords(group)) * 4;
+}
+/// CTAs per item of the multi-CTA top-k for \p items items of up to \p select_ld scores on a GPU
+/// of \p num_sms SMs: about four 512-thread CTAs per SM in all (enough resident warps to hide the
+/// L2 latency of the passes), at least kSelectMctaMinChunk scores each, in [1, kSelectMctaMaxCtas].
+inline int32_t SelectMctaCtas(int64_t items, int64_t select_ld, int32_t num_sms) {
+  if (items <= 0) return 1;
+  const int64_t fill = (int64_t{num_sms > 0 ? num_sms : 1} * 4 + items - 1) / items;
+  const int64_t by_len = (select_ld + kSelectMctaMinChunk - 1) / kSelectMctaMinChunk;
+  int64_t c = fill < by_len ? fill : by_len;
+  if (c > kSelectMctaMaxCtas) c = kSelectMctaMaxCtas;
+  return static_cast<int32_t>(c < 1 ? 1 : c);
 }
 
 /// One prefill chunk of one (sequence, layer): what LaunchPrefillStage reads and writes.

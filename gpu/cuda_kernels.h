@@ -133,6 +133,22 @@ Status LaunchDecodeStep(const DecodeStepArgs& args, const LaunchInfo& info, cuda
 /// position), ascending. Everything per step is read on the device: graph-capturable.
 Status LaunchDecodeSelect(const DecodeStepArgs& args, const LaunchInfo& info, cudaStream_t stream);
 
+/// Which top-k a device selection's ranking stage runs (LaunchSelectTopK).
+enum class SelectTopKPath : int32_t {
+  kAuto = 0,      ///< multi-CTA for items ranking >= kSelectMctaMinKeys scores (when
+                  ///< select_mcta_ws is set), one CTA per item for the others; outside graph
+                  ///< capture with max_len_hint below the threshold, one CTA for all
+  kOneCta = 1,    ///< one CTA per item (the kernels before the multi-CTA top-k)
+  kMultiCta = 2,  ///< multi-CTA for every item that ranks (needs select_mcta_ws)
+};
+
+/// The ranking stage of LaunchDecodeSelect alone: the logits (kExactTopK, kSparcas: log2 domain)
+/// or page upper bounds (kQuestPages) are already in args.select_ws ([item][group][select_ld]);
+/// writes args.list/list_count exactly as LaunchDecodeSelect does (row 0 of each item's scratch is
+/// overwritten). For tests and benchmarks of the two top-k paths; graph-capturable.
+Status LaunchSelectTopK(const DecodeStepArgs& args, const LaunchInfo& info, SelectTopKPath path,
+                        cudaStream_t stream);
+
 /// Quest page bounds of a prefill chunk's pages (see PageBoundsArgs), from the host store.
 Status LaunchPageBounds(const PageBoundsArgs& args, cudaStream_t stream);
 

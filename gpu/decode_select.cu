@@ -9,9 +9,15 @@
 //      position (written over row g = 0), the exact top-k (topk.cuh), then the winners re-sorted
 //      by position into the item's list.
 // Grid shapes come from capacities and every per-step value (slots, lengths, budgets) is read on
-// the device, so the launches can be captured in a CUDA graph.
+// the device, so the launches can be captured in a CUDA graph. Items that rank many scores
+// (kSelectMctaMinKeys) take the multi-CTA top-k below instead of step 2's one CTA (see "Multi-CTA
+// top-k" and docs/cuda.md).
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 
 #include <algorithm>
+#include <limits>
 
 #include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
@@ -187,6 +193,48 @@ __device__ __forceinline__ QuestSplit QuestSplitOf(const DecodeStepArgs& a, int6
   return s;
 }
 
+// Pages a Quest item ranks (enough to fill k_off even when the first and last are cut).
+__device__ __forceinline__ int64_t QuestWant(const DecodeStepArgs& a, const QuestSplit& s) {
+  return min(s.np, s.k_off / a.meta_page + 3);
+}
+
+// What an item's top-k stage ranks this step, and whether the multi-CTA path takes it (count >=
+// mcta_min; the one-CTA kernels take every other item, trivial lists included).
+struct TopKItem {
+  int64_t n = 0;      // scores of the softmax (max) reduction: row positions [0, n)
+  int64_t lo = 0;     // the top k of row positions [lo, lo + count)
+  int64_t count = 0;
+  int64_t k = 0;
+  bool mcta = false;
+};
+
+__device__ __forceinline__ TopKItem TopKItemOf(const DecodeStepArgs& a, int32_t item,
+                                               int64_t mcta_min) {
+  const int32_t b = item / a.num_kv_heads;
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  TopKItem t;
+  if (a.scoring == SelectScoring::kExactTopK) {
+    t.n = n;
+    t.count = n;
+    t.k = min(StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n), n);
+  } else {
+    const QuestSplit s = QuestSplitOf(a, n);
+    if (s.all || s.k_off <= 0) return t;  // no ranking: the one-CTA kernel writes the list
+    if (a.scoring == SelectScoring::kQuestPages) {
+      t.n = s.np;
+      t.count = s.np;
+      t.k = QuestWant(a, s);
+    } else {
+      t.n = n;
+      t.lo = s.off_lo;
+      t.count = s.off_hi - s.off_lo;
+      t.k = s.k_off;
+    }
+  }
+  t.mcta = t.k >= 1 && t.count >= mcta_min;
+  return t;
+}
+
 // Grid (items, y), a warp per page of the offloaded range: ub[item][g][p - p_lo].
 template <int HD, typename T>
 __global__ void __launch_bounds__(kScoreWarps * 32) QuestScoreKernel(DecodeStepArgs a) {
@@ -228,7 +276,8 @@ __global__ void __launch_bounds__(kScoreWarps * 32) QuestScoreKernel(DecodeStepA
   }
 }
 
-// Reduces x over the CTA (kTopKThreads threads) with op; every thread gets the result.
+// Reduces x over the CTA (a multiple of 32 threads, at most kTopKThreads) with op; every thread
+// gets the result.
 template <typename Op>
 __device__ __forceinline__ float BlockReduce(float x, Op op, float* red) {
 #pragma unroll
@@ -237,7 +286,8 @@ __device__ __forceinline__ float BlockReduce(float x, Op op, float* red) {
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
   __syncthreads();
   float r = red[0];
-  for (int i = 1; i < kTopKThreads / 32; ++i) r = op(r, red[i]);
+  const int warps = static_cast<int>(blockDim.x >> 5);
+  for (int i = 1; i < warps; ++i) r = op(r, red[i]);
   return r;
 }
 
@@ -279,9 +329,11 @@ __device__ void GroupWeightsTopK(float* l, int64_t ld, int group, int64_t n, int
 }
 
 // A CTA per item: the oracle's list (top k of every position).
-__global__ void __launch_bounds__(kTopKThreads) SelectTopKKernel(DecodeStepArgs a, int sort_cap) {
+__global__ void __launch_bounds__(kTopKThreads) SelectTopKKernel(DecodeStepArgs a, int sort_cap,
+                                                                  int64_t mcta_min) {
   extern __shared__ unsigned long long sort_smem[];
   const int32_t item = blockIdx.x;
+  if (TopKItemOf(a, item, mcta_min).mcta) return;
   const int32_t b = item / a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   int64_t k = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
@@ -298,13 +350,62 @@ __global__ void __launch_bounds__(kTopKThreads) SelectTopKKernel(DecodeStepArgs 
 }
 
 
+// The pages of sel[0, want) (ranked: (~key << 32 | page - p_lo), best first; sel has sort_n
+// entries, sort_n a power of two >= want, at most kTopKThreads * 2) walked by score until k_off
+// positions are taken, their positions written to out[s.sinks, ...) ascending. Returns the count
+// taken (every thread). sel and offs (sort_n ints) in shared memory; every thread of the CTA calls.
+__device__ int64_t QuestTakePages(const DecodeStepArgs& a, const QuestSplit& s,
+                                  unsigned long long* sel, int32_t* offs, int sort_n, int64_t want,
+                                  int32_t* out) {
+  __shared__ int64_t s_total;
+  // Walk the pages by score until k_off positions are taken; key them by page for the sort.
+  if (threadIdx.x == 0) {
+    int64_t left = s.k_off;
+    for (int i = 0; i < sort_n; ++i) {
+      unsigned long long key = ~0ull;
+      if (i < want && left > 0) {
+        const int64_t pg = s.p_lo + static_cast<int64_t>(sel[i] & 0xffffffffu);
+        const int64_t lo = max(pg * a.meta_page, s.off_lo);
+        const int64_t take = min(min((pg + 1) * a.meta_page, s.off_hi) - lo, left);
+        left -= take;
+        key = (static_cast<unsigned long long>(pg) << 32) | static_cast<unsigned long long>(take);
+      }
+      sel[i] = key;
+    }
+    s_total = s.k_off - left;
+  }
+  __syncthreads();
+  BitonicSortBlock(sel, sort_n);
+  // Prefix offsets of the pages' positions (serial: at most k_off / page + 3 entries).
+  if (threadIdx.x == 0) {
+    int32_t off = 0;
+    for (int i = 0; i < sort_n && sel[i] != ~0ull; ++i) {
+      offs[i] = off;
+      off += static_cast<int32_t>(sel[i] & 0xffffffffu);
+    }
+  }
+  __syncthreads();
+  // One warp per page writes its positions.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int i = warp; i < sort_n; i += static_cast<int>(blockDim.x >> 5)) {
+    const unsigned long long key = sel[i];
+    if (key == ~0ull) break;
+    const int64_t pg = static_cast<int64_t>(key >> 32);
+    const int64_t off = offs[i];
+    const int64_t take = static_cast<int64_t>(key & 0xffffffffu);
+    const int64_t lo = max(pg * a.meta_page, s.off_lo);
+    for (int64_t j = lane; j < take; j += 32) out[s.sinks + off + j] = static_cast<int32_t>(lo + j);
+  }
+  return s_total;
+}
+
 // A CTA per item: group page scores over row g = 0, the best pages, the list (sinks, pages'
 // positions ascending, window).
-__global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a) {
+__global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a, int64_t mcta_min) {
   extern __shared__ unsigned long long sort_smem[];
   __shared__ float red[kTopKThreads / 32];
-  __shared__ int64_t s_total;
   const int32_t item = blockIdx.x;
+  if (TopKItemOf(a, item, mcta_min).mcta) return;
   const int32_t b = item / a.num_kv_heads;
   const int group = a.params.group;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
@@ -333,51 +434,13 @@ __global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a
       l[p] = sc;
     }
     __syncthreads();
-    const int64_t want = min(s.np, s.k_off / a.meta_page + 3);
+    const int64_t want = QuestWant(a, s);
     int sort_n = 1;
     while (sort_n < want) sort_n <<= 1;
     unsigned long long* sel = sort_smem;
     TopKSelect(l, s.np, static_cast<int>(want), sort_n, sel);
-    // Walk the pages by score until k_off positions are taken; key them by page for the sort.
-    if (threadIdx.x == 0) {
-      int64_t left = s.k_off;
-      for (int i = 0; i < sort_n; ++i) {
-        unsigned long long key = ~0ull;
-        if (i < want && left > 0) {
-          const int64_t pg = s.p_lo + static_cast<int64_t>(sel[i] & 0xffffffffu);
-          const int64_t lo = max(pg * a.meta_page, s.off_lo);
-          const int64_t take = min(min((pg + 1) * a.meta_page, s.off_hi) - lo, left);
-          left -= take;
-          key = (static_cast<unsigned long long>(pg) << 32) | static_cast<unsigned long long>(take);
-        }
-        sel[i] = key;
-      }
-      s_total = s.k_off - left;
-    }
-    __syncthreads();
-    BitonicSortBlock(sel, sort_n);
-    // Prefix offsets of the pages' positions (serial: at most k_off / page + 3 entries).
-    int32_t* offs = reinterpret_cast<int32_t*>(sort_smem + sort_n);
-    if (threadIdx.x == 0) {
-      int32_t off = 0;
-      for (int i = 0; i < sort_n && sel[i] != ~0ull; ++i) {
-        offs[i] = off;
-        off += static_cast<int32_t>(sel[i] & 0xffffffffu);
-      }
-    }
-    __syncthreads();
-    // One warp per page writes its positions.
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int i = warp; i < sort_n; i += kTopKThreads / 32) {
-      const unsigned long long key = sel[i];
-      if (key == ~0ull) break;
-      const int64_t pg = static_cast<int64_t>(key >> 32);
-      const int64_t off = offs[i];
-      const int64_t take = static_cast<int64_t>(key & 0xffffffffu);
-      const int64_t lo = max(pg * a.meta_page, s.off_lo);
-      for (int64_t j = lane; j < take; j += 32) out[s.sinks + off + j] = static_cast<int32_t>(lo + j);
-    }
-    taken = s_total;
+    taken = QuestTakePages(a, s, sel, reinterpret_cast<int32_t*>(sort_smem + sort_n), sort_n, want,
+                           out);
   }
   const int64_t w0 = s.sinks + taken;
   for (int64_t i = s.off_hi + threadIdx.x; i < n; i += blockDim.x) out[w0 + (i - s.off_hi)] = static_cast<int32_t>(i);
@@ -532,11 +595,76 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasScoreKernel(DecodeSte
   }
 }
 
+// Grid (items, y), a thread per position in [0, n): SparcasScoreKernel's logits for d_b <=
+// kSparcasThreadMaxDb (the default 16 of 128). A warp per position leaves half its lanes idle at
+// d_b = 16 and spends five shuffles per query head on a 16-term sum; here a thread reads its whole
+// compact row (16-byte loads when rows are 16-byte aligned: a warp reads 32 consecutive rows), sums
+// each head's terms in registers against q in shared memory (broadcast reads) and the writes of a
+// warp are consecutive.
+constexpr int kSparcasThreadMaxDb = 32;
+constexpr int kSparcasThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kSparcasThreads) SparcasScoreThreadKernel(DecodeStepArgs a) {
+  extern __shared__ float q_s[];  // [group][d_b], the chosen dimensions of q, scaled
+  constexpr int kVec = 16 / sizeof(T);  // elements of a 16-byte load
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const int64_t t = ItemT(a, b, h);
+  const SparcasState st = a.sparcas_state[t];
+  if (st.ranked == 0) return;
+  const int hd = a.params.head_dim, group = a.params.group;
+  const int d_b = min(st.d_b, kSparcasThreadMaxDb);  // == st.d_b: the launcher checked SparcasDimsOf
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const int32_t* dims = a.sparcas_dims + t * hd;
+  const float qscale = a.params.scale * kLog2e;
+  const int64_t q0 = static_cast<int64_t>(item) * group * hd;
+  for (int i = threadIdx.x; i < group * d_b; i += blockDim.x) {
+    q_s[i] = LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(i / d_b) * hd + dims[i % d_b]) * qscale;
+  }
+  __syncthreads();
+  const T* compact = CompactOf<T>(a, b, h);
+  const bool vec = (d_b % kVec) == 0 && (reinterpret_cast<uintptr_t>(compact) & 15u) == 0;
+  float* out = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
+  for (int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.y) * blockDim.x) {
+    const T* row = compact + j * d_b;
+    float c[kSparcasThreadMaxDb];
+    if (vec) {
+#pragma unroll
+      for (int v = 0; v < kSparcasThreadMaxDb / kVec; ++v) {
+        if (v * kVec < d_b) {
+          const uint4 raw = reinterpret_cast<const uint4*>(row)[v];
+          const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) c[v * kVec + e] = ToF32(x[e]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kSparcasThreadMaxDb; ++i) {
+        if (i < d_b) c[i] = ToF32(row[i]);
+      }
+    }
+    for (int g = 0; g < group; ++g) {
+      const float* qg = q_s + g * d_b;
+      float acc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kSparcasThreadMaxDb; ++i) {
+        if (i < d_b) acc = fmaf(qg[i], c[i], acc);
+      }
+      out[static_cast<size_t>(g) * a.select_ld + j] = acc;
+    }
+  }
+}
+
 // A CTA per item: SparCas's list (sinks, top k_off of the offloaded range, window). Layers below
 // dense_layers score with SelectScoreKernel (every dimension of the keys where they lie).
-__global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs a, int sort_cap) {
+__global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs a, int sort_cap,
+                                                                   int64_t mcta_min) {
   extern __shared__ unsigned long long sort_smem[];
   const int32_t item = blockIdx.x;
+  if (TopKItemOf(a, item, mcta_min).mcta) return;
   const int32_t b = item / a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const QuestSplit sp = QuestSplitOf(a, n);
@@ -566,29 +694,487 @@ __global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs
   if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - sp.off_hi));
 }
 
+// ---- Multi-CTA top-k ----------------------------------------------------------------------------
+// The one-CTA kernels above rank an item's n scores with one CTA: 8 CTAs for a batch-1 step of
+// 8 KV heads, the rest of the GPU idle (755 us at 128K keys on an H100). These split each item's
+// scores over gridDim.y CTAs. Written here rather than with CUB: cub::DeviceTopK gives no tie
+// order and a segmented radix sort would sort all n keys (and size its temporary storage per
+// call); a radix select needs only histograms. Block-level CUB (scan, reduce) does the in-CTA work.
+// Launches, each grid (items, ctas), every per-step value read on the device (capture-safe):
+//   1. MctaStats: per CTA and query head the max and sum of exp2(l - max) of its chunk of [0, n)
+//      (Quest: the max); CTA 0 zeroes the item's histograms.
+//   2. MctaWeights: combines the partials (online softmax), writes the group's summed weight
+//      (Quest: max_g (ub_g - max ub_g)) over row 0 for the ranked range, and adds the top byte of
+//      each weight's OrderedKey to histogram 0 (global atomics, once per bin per CTA).
+//   3. MctaRadix x 3: each CTA re-derives the prefix from the histograms so far (a 256-bin scan)
+//      and adds the next byte of the keys under it to the next histogram.
+//   4. MctaCount: the k-th largest key T is known; per CTA the keys > T and == T of its chunk.
+//   5. MctaWrite: per CTA its offset from the counts of the chunks before it; an ordered pass writes
+//      every key > T and the first (by position) keys == T, so the list comes out ascending with
+//      the ties of TopKSelect (value descending, lower position first, NaN as -inf). Quest writes
+//      its winning pages to the scratch and MctaQuestList (a CTA per item, at most
+//      kSelectMctaMaxPicks pages) sorts them by score and walks them as QuestTopKKernel does.
+// The softmax sum is added in another order than the one-CTA kernel's, so the weights can differ
+// from it in the last bit: lists differ only where two weights are within that of each other at
+// the k-th place (as the host backend's lists already may).
+
+constexpr int kMctaThreads = 512;
+// Dynamic shared memory above which a Quest list kernel opts in to more (static + dynamic must
+// stay under 48 KiB otherwise).
+constexpr size_t kQuestSmemOptIn = 40 * 1024;
+
+// An item's multi-CTA scratch (SelectMctaItemWords words).
+struct MctaScratch {
+  uint32_t* hist;  // [4][256]
+  int32_t* counts;  // [kSelectMctaMaxCtas][2]: keys > T, keys == T
+  float2* stats;   // [group][kSelectMctaMaxCtas]: (max, sum of exp2(l - max))
+  int32_t* picks;  // [kSelectMctaMaxPicks] Quest's winning pages, ascending
+};
+
+__device__ __forceinline__ MctaScratch MctaScratchOf(const DecodeStepArgs& a, int32_t item) {
+  uint32_t* w = a.select_mcta_ws + static_cast<size_t>(item) * SelectMctaItemWords(a.params.group);
+  MctaScratch s;
+  s.hist = w;
+  s.counts = reinterpret_cast<int32_t*>(w + 4 * 256);
+  s.stats = reinterpret_cast<float2*>(w + 4 * 256 + 2 * kSelectMctaMaxCtas);
+  s.picks = reinterpret_cast<int32_t*>(w + 4 * 256 + 2 * kSelectMctaMaxCtas +
+                                       2 * a.params.group * kSelectMctaMaxCtas);
+  return s;
+}
+
+// This CTA's chunk [begin, end) of [0, count): whole CTAs of positions, so that every warp of a
+// tile loop runs the same iterations (the warp-aggregated histograms need full warps).
+struct Chunk {
+  int64_t begin, end, tiles_end;  // tiles_end: begin + whole tiles covering [begin, end)
+};
+
+__device__ __forceinline__ Chunk ChunkOf(int64_t count) {
+  const int64_t per = (count + gridDim.y - 1) / gridDim.y;
+  const int64_t chunk = (per + blockDim.x - 1) / blockDim.x * blockDim.x;
+  Chunk c;
+  c.begin = min(static_cast<int64_t>(blockIdx.y) * chunk, count);
+  c.end = min(c.begin + chunk, count);
+  c.tiles_end = c.begin + (c.end - c.begin + blockDim.x - 1) / blockDim.x * blockDim.x;
+  return c;
+}
+
+// The radix state after `passes` histograms of an item ranking its k largest keys: the key bits
+// found so far (prefix, under mask) and how many keys equal to the prefix there remain to take.
+// Every thread of a kMctaThreads CTA calls it; as TopKSelect's digit search, in parallel.
+struct RadixState {
+  uint32_t prefix = 0, mask = 0, remaining = 0;
+};
+
+__device__ RadixState MctaPrefix(const uint32_t* hist, int passes, int64_t k) {
+  using Scan = cub::BlockScan<uint32_t, kMctaThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ uint32_t s_prefix, s_remaining;
+  RadixState r;
+  r.remaining = static_cast<uint32_t>(k);
+  const int t = threadIdx.x;
+  for (int p = 0; p < passes; ++p) {
+    const int shift = 24 - 8 * p;
+    // Thread t holds digit 255 - t: its inclusive sum counts the keys of digits >= 255 - t.
+    const uint32_t h = t < 256 ? hist[p * 256 + 255 - t] : 0u;
+    uint32_t incl = 0;
+    Scan(scan_tmp).InclusiveSum(h, incl);
+    const uint32_t above = incl - h;
+    // The digit where the count from the top first reaches `remaining` (digit 0 when none does
+    // before it, as TopKSelect's loop ends).
+    if (t < 256 && above < r.remaining && (incl >= r.remaining || t == 255)) {
+      s_prefix = r.prefix | (static_cast<uint32_t>(255 - t) << shift);
+      s_remaining = r.remaining - above;
+    }
+    __syncthreads();
+    r.prefix = s_prefix;
+    r.remaining = s_remaining;
+    r.mask |= 0xffu << shift;
+    __syncthreads();  // s_prefix and scan_tmp are rewritten by the next pass
+  }
+  return r;
+}
+
+// Adds bins[0, 256) of the CTA to the item's histogram (the bins this CTA saw only).
+__device__ __forceinline__ void FlushHistogram(const unsigned int* bins, uint32_t* global) {
+  __syncthreads();
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+    if (bins[i] != 0) atomicAdd(global + i, bins[i]);
+  }
+}
+
+// Counts key's bin (key >> shift & 0xff) into bins when `in`, one atomic per bin per warp (keys
+// of one row share their high bits). Every lane of the warp calls.
+__device__ __forceinline__ void CountBin(unsigned int* bins, uint32_t key, int shift, bool in) {
+  const uint32_t bin = in ? (key >> shift) & 0xffu : 0x100u;
+  const unsigned peers = __match_any_sync(0xffffffffu, bin);
+  if (in && static_cast<int>(threadIdx.x & 31) == __ffs(peers) - 1) {
+    atomicAdd(&bins[bin], static_cast<unsigned>(__popc(peers)));
+  }
+}
+
+template <bool kQuest>
+__global__ void __launch_bounds__(kMctaThreads) MctaStatsKernel(DecodeStepArgs a, int64_t mcta_min) {
+  __shared__ float red[kMctaThreads / 32];
+  const int32_t item = blockIdx.x;
+  const TopKItem it = TopKItemOf(a, item, mcta_min);
+  if (!it.mcta) return;
+  const MctaScratch ws = MctaScratchOf(a, item);
+  if (blockIdx.y == 0) {
+    for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) ws.hist[i] = 0;
+  }
+  const Chunk c = ChunkOf(it.n);
+  const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
+  for (int g = 0; g < a.params.group; ++g) {
+    const float* lg = l + static_cast<size_t>(g) * a.select_ld;
+    float m = -INFINITY;
+    for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) m = fmaxf(m, lg[j]);
+    m = BlockReduce(m, [](float x, float y) { return fmaxf(x, y); }, red);
+    float s = 0.0f;
+    if (!kQuest && m != -INFINITY) {  // an empty (or all -inf) chunk adds nothing
+      for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) s += exp2f(lg[j] - m);
+      s = BlockReduce(s, [](float x, float y) { return x + y; }, red);
+    }
+    if (threadIdx.x == 0) ws.stats[g * kSelectMctaMaxCtas + blockIdx.y] = make_float2(m, s);
+  }
+}
+
+template <bool kQuest>
+__global__ void __launch_bounds__(kMctaThreads) MctaWeightsKernel(DecodeStepArgs a, int64_t mcta_min) {
+  __shared__ float m_s[64], inv_s[64];
+  __shared__ unsigned int bins[256];
+  const int32_t item = blockIdx.x;
+  const TopKItem it = TopKItemOf(a, item, mcta_min);
+  if (!it.mcta) return;
+  const MctaScratch ws = MctaScratchOf(a, item);
+  const int group = a.params.group;
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
+  for (int g = threadIdx.x; g < group; g += blockDim.x) {
+    const float2* st = ws.stats + g * kSelectMctaMaxCtas;
+    float m = -INFINITY;
+    for (unsigned y = 0; y < gridDim.y; ++y) m = fmaxf(m, st[y].x);
+    float s = 0.0f;
+    if (!kQuest) {
+      for (unsigned y = 0; y < gridDim.y; ++y) {
+        if (st[y].x != -INFINITY) s += st[y].y * exp2f(st[y].x - m);
+      }
+    }
+    m_s[g] = m;
+    inv_s[g] = 1.0f / s;
+  }
+  __syncthreads();
+  const Chunk c = ChunkOf(it.count);
+  float* l = a.select_ws + static_cast<size_t>(item) * group * a.select_ld + it.lo;
+  for (int64_t j = c.begin + threadIdx.x; j < c.tiles_end; j += blockDim.x) {
+    uint32_t key = 0;
+    if (j < c.end) {
+      float w;
+      if (kQuest) {
+        w = -INFINITY;
+        for (int g = 0; g < group; ++g) w = fmaxf(w, l[static_cast<size_t>(g) * a.select_ld + j] - m_s[g]);
+      } else {
+        w = 0.0f;
+        for (int g = 0; g < group; ++g) {
+          w += exp2f(l[static_cast<size_t>(g) * a.select_ld + j] - m_s[g]) * inv_s[g];
+        }
+      }
+      l[j] = w;  // row 0: only this thread reads position j of any row in this launch
+      key = OrderedKey(w);
+    }
+    CountBin(bins, key, 24, j < c.end);
+  }
+  FlushHistogram(bins, ws.hist);
+}
+
+__global__ void __launch_bounds__(kMctaThreads) MctaRadixKernel(DecodeStepArgs a, int64_t mcta_min,
+                                                                int pass) {
+  __shared__ unsigned int bins[256];
+  const int32_t item = blockIdx.x;
+  const TopKItem it = TopKItemOf(a, item, mcta_min);
+  if (!it.mcta) return;
+  const MctaScratch ws = MctaScratchOf(a, item);
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
+  const RadixState r = MctaPrefix(ws.hist, pass, it.k);  // synchronises: bins are zero
+  const int shift = 24 - 8 * pass;
+  const Chunk c = ChunkOf(it.count);
+  const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld + it.lo;
+  for (int64_t j = c.begin + threadIdx.x; j < c.tiles_end; j += blockDim.x) {
+    const uint32_t key = j < c.end ? OrderedKey(l[j]) : 0u;
+    CountBin(bins, key, shift, j < c.end && (key & r.mask) == r.prefix);
+  }
+  FlushHistogram(bins, ws.hist + pass * 256);
+}
+
+__global__ void __launch_bounds__(kMctaThreads) MctaCountKernel(DecodeStepArgs a, int64_t mcta_min) {
+  using Reduce = cub::BlockReduce<int, kMctaThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const int32_t item = blockIdx.x;
+  const TopKItem it = TopKItemOf(a, item, mcta_min);
+  if (!it.mcta) return;
+  const MctaScratch ws = MctaScratchOf(a, item);
+  const RadixState r = MctaPrefix(ws.hist, 4, it.k);
+  const Chunk c = ChunkOf(it.count);
+  const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld + it.lo;
+  int gt = 0, eq = 0;
+  for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
+    const uint32_t key = OrderedKey(l[j]);
+    gt += key > r.prefix;
+    eq += key == r.prefix;
+  }
+  gt = Reduce(tmp).Sum(gt);
+  __syncthreads();
+  eq = Reduce(tmp).Sum(eq);
+  if (threadIdx.x == 0) {
+    ws.counts[2 * blockIdx.y] = gt;
+    ws.counts[2 * blockIdx.y + 1] = eq;
+  }
+}
+
+template <bool kQuest>
+__global__ void __launch_bounds__(kMctaThreads) MctaWriteKernel(DecodeStepArgs a, int64_t mcta_min) {
+  using Scan = cub::BlockScan<int, kMctaThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int64_t s_out, s_eq;
+  const int32_t item = blockIdx.x;
+  const TopKItem it = TopKItemOf(a, item, mcta_min);
+  if (!it.mcta) return;
+  const MctaScratch ws = MctaScratchOf(a, item);
+  const RadixState r = MctaPrefix(ws.hist, 4, it.k);
+  const int64_t remaining = r.remaining;
+  // Selected before this chunk: every key > T of the chunks before it, and of their keys == T
+  // the first `remaining` in position order.
+  if (threadIdx.x == 0) {
+    int64_t out = 0, eq = 0;
+    for (unsigned y = 0; y < blockIdx.y; ++y) {
+      const int64_t e = ws.counts[2 * y + 1];
+      out += ws.counts[2 * y] + max(int64_t{0}, min(e, remaining - eq));
+      eq += e;
+    }
+    s_out = out;
+    s_eq = eq;
+  }
+  __syncthreads();
+  int64_t out_base = s_out, eq_base = s_eq;
+  const int32_t b = item / a.num_kv_heads;
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  int64_t sinks = 0, off_hi = n;
+  if (!kQuest && a.scoring == SelectScoring::kSparcas) {
+    const QuestSplit sp = QuestSplitOf(a, n);
+    sinks = sp.sinks;
+    off_hi = sp.off_hi;
+  }
+  int32_t* list = a.list + static_cast<size_t>(item) * a.list_cap;
+  const Chunk c = ChunkOf(it.count);
+  const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld + it.lo;
+  for (int64_t j0 = c.begin; j0 < c.end; j0 += blockDim.x) {
+    const int64_t j = j0 + threadIdx.x;
+    const uint32_t key = j < c.end ? OrderedKey(l[j]) : 0u;
+    const int eq = j < c.end && key == r.prefix;
+    int eq_rank = 0, eq_total = 0;
+    Scan(scan_tmp).ExclusiveSum(eq, eq_rank, eq_total);
+    const int sel = (j < c.end && key > r.prefix) || (eq && eq_base + eq_rank < remaining);
+    int rank = 0, sel_total = 0;
+    __syncthreads();
+    Scan(scan_tmp).ExclusiveSum(sel, rank, sel_total);
+    if (sel) {
+      if (kQuest) {
+        ws.picks[out_base + rank] = static_cast<int32_t>(j);
+      } else {
+        list[sinks + out_base + rank] = static_cast<int32_t>(it.lo + j);
+      }
+    }
+    out_base += sel_total;
+    eq_base += eq_total;
+    __syncthreads();
+  }
+  if constexpr (!kQuest) {
+    if (blockIdx.y != 0) return;
+    // CTA 0 writes the rest of the list: SparCas's sinks and window, and the count.
+    for (int64_t i = threadIdx.x; i < sinks; i += blockDim.x) list[i] = static_cast<int32_t>(i);
+    const int64_t w0 = sinks + it.k;
+    for (int64_t i = off_hi + threadIdx.x; i < n; i += blockDim.x) {
+      list[w0 + (i - off_hi)] = static_cast<int32_t>(i);
+    }
+    if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - off_hi));
+  }
+}
+
+// A CTA per item: the multi-CTA Quest winners (ascending pages in the scratch) ranked by score,
+// then walked into the list as QuestTopKKernel does.
+__global__ void __launch_bounds__(kTopKThreads) MctaQuestListKernel(DecodeStepArgs a, int64_t mcta_min) {
+  extern __shared__ unsigned long long sort_smem[];
+  const int32_t item = blockIdx.x;
+  const TopKItem it = TopKItemOf(a, item, mcta_min);
+  if (!it.mcta) return;
+  const MctaScratch ws = MctaScratchOf(a, item);
+  const int32_t b = item / a.num_kv_heads;
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const QuestSplit s = QuestSplitOf(a, n);
+  const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
+  int sort_n = 1;
+  while (sort_n < it.k) sort_n <<= 1;
+  unsigned long long* sel = sort_smem;
+  for (int i = threadIdx.x; i < sort_n; i += blockDim.x) {
+    unsigned long long key = ~0ull;
+    if (i < it.k) {
+      const int32_t p = ws.picks[i];
+      key = (static_cast<unsigned long long>(~OrderedKey(l[p])) << 32) | static_cast<uint32_t>(p);
+    }
+    sel[i] = key;
+  }
+  BitonicSortBlock(sel, sort_n);
+  int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
+  for (int64_t i = threadIdx.x; i < s.sinks; i += blockDim.x) out[i] = static_cast<int32_t>(i);
+  const int64_t taken = QuestTakePages(a, s, sel, reinterpret_cast<int32_t*>(sort_smem + sort_n),
+                                       sort_n, it.k, out);
+  const int64_t w0 = s.sinks + taken;
+  for (int64_t i = s.off_hi + threadIdx.x; i < n; i += blockDim.x) out[w0 + (i - s.off_hi)] = static_cast<int32_t>(i);
+  if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - s.off_hi));
+}
+
+// The multi-CTA launches of an item set (see above); ctas CTAs per item.
+Status LaunchMctaTopK(const DecodeStepArgs& a, int64_t mcta_min, unsigned ctas, size_t quest_smem,
+                      cudaStream_t stream) {
+  const unsigned items = static_cast<unsigned>(int64_t{a.batch} * a.num_kv_heads);
+  const dim3 grid(items, ctas);
+  const bool quest = a.scoring == SelectScoring::kQuestPages;
+  if (quest) {
+    MctaStatsKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(MctaStatsKernel);
+    MctaWeightsKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(MctaWeightsKernel);
+  } else {
+    MctaStatsKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(MctaStatsKernel);
+    MctaWeightsKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(MctaWeightsKernel);
+  }
+  for (int pass = 1; pass < 4; ++pass) {
+    MctaRadixKernel<<<grid, kMctaThreads, 0, stream>>>(a, mcta_min, pass);
+    KVF_CUDA_CHECK_LAUNCH(MctaRadixKernel);
+  }
+  MctaCountKernel<<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+  KVF_CUDA_CHECK_LAUNCH(MctaCountKernel);
+  if (!quest) {
+    MctaWriteKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(MctaWriteKernel);
+    return Status::Ok();
+  }
+  MctaWriteKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+  KVF_CUDA_CHECK_LAUNCH(MctaWriteKernel);
+  if (quest_smem > kQuestSmemOptIn) {
+    KVF_CUDA_CHECK(cudaFuncSetAttribute(MctaQuestListKernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(quest_smem)));
+  }
+  MctaQuestListKernel<<<items, kTopKThreads, quest_smem, stream>>>(a, mcta_min);
+  KVF_CUDA_CHECK_LAUNCH(MctaQuestListKernel);
+  return Status::Ok();
+}
+
 }  // namespace
 
-Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
-  if (a.batch == 0 || a.scoring == SelectScoring::kNone) return Status::Ok();
+namespace {
+
+Status CheckSelectArgs(const DecodeStepArgs& a) {
   KVF_RETURN_IF_ERROR(CheckAttnShape(a.params));
   KVF_CHECK_ARG(a.scoring == SelectScoring::kExactTopK || a.scoring == SelectScoring::kQuestPages ||
                     a.scoring == SelectScoring::kSparcas,
                 "DecodeSelect: unknown scoring ", static_cast<int>(a.scoring));
   KVF_CHECK_ARG(a.list != nullptr && a.list_count != nullptr && a.select_ws != nullptr &&
-                    a.slots != nullptr && a.positions != nullptr && a.pages != nullptr,
-                "DecodeSelect: null list, workspace, slots, positions or page table");
-  KVF_CHECK_ARG(a.params.group <= 64, "DecodeSelect: group ", a.params.group, " > 64");
+                    a.slots != nullptr && a.positions != nullptr,
+                "DecodeSelect: null list, workspace, slots or positions");
+  KVF_CHECK_ARG(a.params.group >= 1 && a.params.group <= 64, "DecodeSelect: group ",
+                a.params.group, " not in [1, 64]");
   KVF_CHECK_ARG(a.budget_cap >= 1 && a.list_cap >= a.budget_cap && a.budget_cap < (int64_t{1} << 30),
                 "DecodeSelect: list_cap ", a.list_cap, " < budget_cap ", a.budget_cap);
+  KVF_CHECK_ARG(a.scoring != SelectScoring::kQuestPages || a.meta_page >= 1,
+                "DecodeSelect: quest page of ", a.meta_page, " tokens");
+  return Status::Ok();
+}
+
+// Power-of-two sort capacity of the one-CTA top-k (Quest: pages).
+int64_t SortCapOf(const DecodeStepArgs& a) {
+  const int64_t want = a.scoring == SelectScoring::kQuestPages ? a.budget_cap / a.meta_page + 3
+                                                               : a.budget_cap;
+  int64_t sort_cap = 1;
+  while (sort_cap < want) sort_cap <<= 1;
+  return sort_cap;
+}
+
+}  // namespace
+
+Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectTopKPath path,
+                        cudaStream_t stream) {
+  if (a.batch == 0 || a.scoring == SelectScoring::kNone) return Status::Ok();
+  KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
+  const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
+  const bool quest = a.scoring == SelectScoring::kQuestPages;
+  const int64_t sort_cap = SortCapOf(a);
+  if (quest) {
+    KVF_CHECK_ARG(sort_cap <= kTopKSmemItems, "DecodeSelect: quest budget ", a.budget_cap,
+                  " over ", kTopKSmemItems, " pages of ", a.meta_page);
+  } else {
+    KVF_CHECK_ARG(sort_cap <= kTopKSmemItems || a.topk_ws != nullptr,
+                  "DecodeSelect: budget_cap ", a.budget_cap, " needs a top-k workspace");
+  }
+  // Scores an item ranks at most: positions, or Quest's pages.
+  const int64_t keys_cap = quest ? (a.select_ld + a.meta_page - 1) / a.meta_page + 1 : a.select_ld;
+  int64_t mcta_min = std::numeric_limits<int64_t>::max();  // no item takes the multi-CTA path
+  if (path == SelectTopKPath::kMultiCta) {
+    KVF_CHECK_ARG(a.select_mcta_ws != nullptr, "DecodeSelect: multi-CTA top-k without its scratch");
+    mcta_min = 1;
+  } else if (path == SelectTopKPath::kAuto && a.select_mcta_ws != nullptr &&
+             keys_cap >= kSelectMctaMinKeys) {
+    mcta_min = kSelectMctaMinKeys;
+    // Called eagerly with every item short: the multi-CTA launches would all return at once, so
+    // leave them out (their launch cost is the one-CTA path's at these lengths). Inside a capture
+    // they stay: the graph is replayed at later lengths.
+    const int64_t hint = a.max_len_hint;
+    const int64_t hint_keys = quest ? (hint + a.meta_page - 1) / a.meta_page + 1 : hint;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    KVF_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (hint > 0 && hint_keys < kSelectMctaMinKeys && capture == cudaStreamCaptureStatusNone) {
+      mcta_min = std::numeric_limits<int64_t>::max();
+    }
+  }
+  // The one-CTA kernel always runs: it takes the items below the threshold (chosen on the device
+  // from this step's lengths, so one launch sequence serves every step of a captured graph) and
+  // the items with nothing to rank; it returns at once for the others.
+  const size_t smem = quest ? static_cast<size_t>(sort_cap) * (sizeof(unsigned long long) + sizeof(int32_t))
+                     : sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long)
+                                                  : 0;
+  if (a.scoring == SelectScoring::kQuestPages) {
+    if (smem > kQuestSmemOptIn) {  // 4096 pages: 48 KiB besides the kernel's static shared memory
+      KVF_CUDA_CHECK(cudaFuncSetAttribute(QuestTopKKernel,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+    }
+    QuestTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(a, mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(QuestTopKKernel);
+  } else if (a.scoring == SelectScoring::kSparcas) {
+    SparcasTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(
+        a, static_cast<int>(sort_cap), mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(SparcasTopKKernel);
+  } else {
+    SelectTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(
+        a, static_cast<int>(sort_cap), mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(SelectTopKKernel);
+  }
+  if (mcta_min == std::numeric_limits<int64_t>::max()) return Status::Ok();
+  const int32_t ctas = SelectMctaCtas(items, keys_cap, info.num_sms);
+  return LaunchMctaTopK(a, mcta_min, static_cast<unsigned>(ctas), smem, stream);
+}
+
+Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
+  if (a.batch == 0 || a.scoring == SelectScoring::kNone) return Status::Ok();
+  KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
+  KVF_CHECK_ARG(a.pages != nullptr, "DecodeSelect: null page table");
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
   const size_t q_smem = static_cast<size_t>(a.params.group) * a.params.head_dim * sizeof(float);
   const int64_t fill = std::max<int64_t>(1, int64_t{info.num_sms} * 8 / items);
   if (a.scoring == SelectScoring::kQuestPages) {
-    KVF_CHECK_ARG(a.meta != nullptr && a.meta_page >= 1 && a.meta_pages >= 1,
-                  "DecodeSelect: quest without page bounds");
-    int64_t sort_cap = 1;
-    while (sort_cap < a.budget_cap / a.meta_page + 3) sort_cap <<= 1;
-    KVF_CHECK_ARG(sort_cap <= kTopKSmemItems, "DecodeSelect: quest budget ", a.budget_cap,
+    KVF_CHECK_ARG(a.meta != nullptr && a.meta_pages >= 1, "DecodeSelect: quest without page bounds");
+    KVF_CHECK_ARG(SortCapOf(a) <= kTopKSmemItems, "DecodeSelect: quest budget ", a.budget_cap,
                   " over ", kTopKSmemItems, " pages of ", a.meta_page);
     const int64_t pages = (a.select_ld + a.meta_page - 1) / a.meta_page;
     const unsigned gy = static_cast<unsigned>(
@@ -608,18 +1194,12 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
         return Status::Ok();
       });
     }));
-    const size_t smem = static_cast<size_t>(sort_cap) * (sizeof(unsigned long long) + sizeof(int32_t));
-    QuestTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(a);
-    KVF_CUDA_CHECK_LAUNCH(QuestTopKKernel);
-    return Status::Ok();
+    return LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream);
   }
-  int64_t sort_cap = 1;
-  while (sort_cap < a.budget_cap) sort_cap <<= 1;
-  KVF_CHECK_ARG(sort_cap <= kTopKSmemItems || a.topk_ws != nullptr,
+  KVF_CHECK_ARG(SortCapOf(a) <= kTopKSmemItems || a.topk_ws != nullptr,
                 "DecodeSelect: budget_cap ", a.budget_cap, " needs a top-k workspace");
   const int64_t want = (a.select_ld + kScoreWarps * 8 - 1) / (kScoreWarps * 8);
   const unsigned gy = static_cast<unsigned>(std::clamp<int64_t>(std::min(want, fill), 1, 65535));
-  const size_t topk_smem = sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long) : 0;
   if (a.scoring == SelectScoring::kSparcas) {
     KVF_CHECK_ARG(a.meta != nullptr && a.sparcas_state != nullptr && a.sparcas_dims != nullptr &&
                       a.params.head_dim <= 256,
@@ -639,16 +1219,24 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
                                  stream>>>(a);
         KVF_CUDA_CHECK_LAUNCH(SparcasGatherKernel);
         const size_t qs = static_cast<size_t>(a.params.group) * HD * sizeof(float);
+        const int d_b = SparcasDimsOf(a.layer, a.sparcas_dense_layers, a.sparcas_db, HD);
+        if (d_b <= kSparcasThreadMaxDb) {  // what the prep kernel sets for every ranked item
+          const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * 16 / items);
+          const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(
+              std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1, 65535));
+          const size_t qs_db = static_cast<size_t>(a.params.group) * d_b * sizeof(float);
+          SparcasScoreThreadKernel<T><<<dim3(static_cast<unsigned>(items), ty), kSparcasThreads,
+                                        qs_db, stream>>>(a);
+          KVF_CUDA_CHECK_LAUNCH(SparcasScoreThreadKernel);
+          return Status::Ok();
+        }
         SparcasScoreKernel<T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, qs,
                                 stream>>>(a);
         KVF_CUDA_CHECK_LAUNCH(SparcasScoreKernel);
         return Status::Ok();
       });
     }));
-    SparcasTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, topk_smem, stream>>>(
-        a, static_cast<int>(sort_cap));
-    KVF_CUDA_CHECK_LAUNCH(SparcasTopKKernel);
-    return Status::Ok();
+    return LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream);
   }
   KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
     return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
@@ -663,11 +1251,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
       return Status::Ok();
     });
   }));
-  const size_t smem = topk_smem;
-  SelectTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(
-      a, static_cast<int>(sort_cap));
-  KVF_CUDA_CHECK_LAUNCH(SelectTopKKernel);
-  return Status::Ok();
+  return LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream);
 }
 
 Status LaunchPageBounds(const PageBoundsArgs& a, cudaStream_t stream) {

@@ -82,6 +82,11 @@ Status RuntimeImpl::InitStepBuffers() {
     }
     meta_page_ = z.meta_page;
     meta_pages_ = z.meta_pages;
+    // The multi-CTA top-k's scratch, when an item can rank enough scores to take it.
+    if (z.select_mcta > 0) {
+      KVF_ASSIGN_OR_RETURN(p, Alloc(z.select_mcta, false));
+      select_mcta_ws_ = static_cast<uint32_t*>(p);
+    }
     if (z.meta > 0) {
       KVF_ASSIGN_OR_RETURN(p, Alloc(z.meta, false));
       meta_ = static_cast<char*>(p);
@@ -348,6 +353,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.select_ws = select_ws_;
     a.select_ld = select_ld_;
     a.topk_ws = topk_ws_;
+    a.select_mcta_ws = select_mcta_ws_;
     a.meta = meta_;
     a.meta_pages = meta_pages_;
     a.meta_page = meta_page_;
@@ -385,6 +391,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   int64_t max_rows = 0, resident = 0, fetched = 0, selected = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = pos[b] + 1;
+    a.max_len_hint = std::max(a.max_len_hint, n);
     const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
     if (cpu_step_) {  // counted by SelectOnHost
       max_rows = std::max(max_rows, std::min(budget, n));

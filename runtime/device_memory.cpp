@@ -53,7 +53,7 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
   part(scoring == SelectScoring::kSparcas ? "sparcas compact keys" : "quest page bounds", {meta});
   part("sparcas selection state", {sparcas_state, sparcas_dims});
   part("selection lists", {step_list, step_list_count});
-  part("selection scores", {select_ws, topk_ws});
+  part("selection scores", {select_ws, topk_ws, select_mcta});
   part("input staging (q, k, v, out)", {q_in, k_in, v_in, out_stage});
   part("attention partials (q, o, lse)", {q_f32, o_gpu, lse_gpu, o_cpu, lse_cpu});
   part("step plan (slots, positions)", {step_slots, step_pos});
@@ -245,6 +245,13 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
         z.meta = AllocBytes(static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv *
                             static_cast<size_t>(z.meta_pages) * 2 * row_bytes_);
       }
+      // The multi-CTA top-k's scratch (CUDA), when an item can rank enough scores (positions, or
+      // Quest's pages) to take it.
+      const int64_t ranked_cap = scoring == SelectScoring::kQuestPages
+                                     ? (z.select_ld + z.meta_page - 1) / z.meta_page + 1
+                                     : z.select_ld;
+      const size_t mcta_bytes = SelectMctaWorkspaceBytes(items, group_, ranked_cap);
+      if (cuda && mcta_bytes > 0) z.select_mcta = AllocBytes(mcta_bytes);
       if (scoring == SelectScoring::kSparcas) {
         const Policy::DeviceSelectParams dp = policy_->device_select_params(m.head_dim);
         KVF_CHECK_ARG(dp.d_b >= 1 && dp.u >= 1 && dp.dense_layers >= 0, "policy '",

@@ -76,7 +76,7 @@ struct DeviceBufferSizes {
   size_t bank_rows = 0, bank_page_tables = 0, bank_slot_state = 0;
   size_t bank_stage = 0, bank_miss = 0, bank_admit = 0;
   size_t prefill_scratch = 0, prefill_pages = 0;
-  size_t step_list = 0, step_list_count = 0, select_ws = 0, topk_ws = 0;
+  size_t step_list = 0, step_list_count = 0, select_ws = 0, topk_ws = 0, select_mcta = 0;
   size_t meta = 0, sparcas_state = 0, sparcas_dims = 0;
   size_t step_slots = 0, step_pos = 0, step_ws = 0, step_counters = 0;
   size_t prime_tables = 0, prime_stats = 0, prime_scratch = 0;
@@ -455,6 +455,7 @@ class RuntimeImpl {
   float* select_ws_ = nullptr;          // device: [max_batch * Hkv][group][select_ld_]
   int64_t select_ld_ = 0;
   unsigned long long* topk_ws_ = nullptr;  // device, when the list capacity exceeds 4096
+  uint32_t* select_mcta_ws_ = nullptr;     // device (CUDA), the multi-CTA top-k's scratch
   std::vector<std::vector<int>> list_slots_;  // [layer]: slots of the last step's batch
   char* meta_ = nullptr;  // device: page bounds (kQuestPages), see PageBoundsArgs
   int64_t meta_pages_ = 0;

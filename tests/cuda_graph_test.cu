@@ -23,18 +23,23 @@ namespace {
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
 // "name:bank" is policy name with a device token bank of 128 slots per (sequence, layer, head).
+// "name:long": capacity 8192 tokens, so that the selection's multi-CTA top-k is captured too.
 RuntimeConfig GraphConfig(std::string policy, int window) {
   RuntimeConfig c;
+  bool long_ctx = false;
   if (const size_t colon = policy.find(":bank"); colon != std::string::npos) {
     policy.resize(colon);
     c.tiers.bank_slots = 128;
+  } else if (const size_t at = policy.find(":long"); at != std::string::npos) {
+    policy.resize(at);
+    long_ctx = true;
   }
   c.model = {.num_layers = 4, .num_q_heads = 8, .num_kv_heads = 2, .head_dim = 128,
              .kv_dtype = DType::kBF16};
   c.capacity.max_sequences = 2;
-  c.capacity.max_tokens_per_sequence = 2048;
+  c.capacity.max_tokens_per_sequence = long_ctx ? 8192 : 2048;
   c.capacity.max_batch = 2;
-  c.capacity.max_prefill_chunk = 1024;
+  c.capacity.max_prefill_chunk = long_ctx ? 8192 : 1024;
   c.tiers.sink_tokens = 4;
   c.tiers.window_tokens = window;
   c.policy.name = policy;
@@ -68,7 +73,10 @@ TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
   }
   ASSERT_TRUE(rt[0]->decode_is_capture_safe());
   const std::vector<SequenceId> seqs = {3, 4};
-  const int64_t batch = 2, prompt[2] = {700, 301};
+  // Long: one sequence past the multi-CTA threshold (kSelectMctaMinKeys) for every policy, the
+  // other below it for sparcas (its ranked range leaves out the sinks and the window).
+  const bool long_ctx = c.capacity.max_tokens_per_sequence > 2048;
+  const int64_t batch = 2, prompt[2] = {long_ctx ? 4300 : 700, long_ctx ? 4150 : 301};
   std::mt19937 rng(99);
   std::normal_distribution<float> nd(0.f, 1.f);
   auto random = [&](int64_t n) {
@@ -211,6 +219,17 @@ INSTANTIATE_TEST_SUITE_P(
     Bank, CudaGraph,
     ::testing::Combine(::testing::Values(std::string("oracle:bank"), std::string("quest:bank"),
                                          std::string("sparcas:bank")),
+                       ::testing::Values(64), ::testing::Values(DType::kBF16)),
+    [](const auto& info) {
+      std::string name = std::get<0>(info.param);
+      name.replace(name.find(':'), 1, "_");
+      return name;
+    });
+
+// The device-selecting policies past the multi-CTA top-k threshold: its launches are captured.
+INSTANTIATE_TEST_SUITE_P(
+    Long, CudaGraph,
+    ::testing::Combine(::testing::Values(std::string("oracle:long"), std::string("sparcas:long")),
                        ::testing::Values(64), ::testing::Values(DType::kBF16)),
     [](const auto& info) {
       std::string name = std::get<0>(info.param);

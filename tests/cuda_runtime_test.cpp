@@ -1,7 +1,8 @@
 // Copyright kvferry authors. Apache-2.0.
 // The decode step on CUDA equals the host-emulated backend: two Runtimes (Backend::kCuda and
 // Backend::kHost) fed the same prefill and decode inputs produce the same outputs to fp32
-// rounding, for several policies, both routes and with/without a token bank. Skips without a GPU.
+// rounding, for several policies, both routes and with/without a token bank, and past the
+// multi-CTA top-k threshold (CudaRuntimeLong). Skips without a GPU.
 
 #include <gtest/gtest.h>
 
@@ -9,6 +10,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <tuple>
@@ -557,6 +559,114 @@ TEST(CudaStepBank, FailingHostSelectLeavesEverySequenceAsBefore) {
     EXPECT_GT(s.rows_bank_hit, 0);  // the recent offloaded rows repeat from step to step
   }
 }
+
+// Past kSelectMctaMinKeys ranked keys the CUDA runtime's device selection takes the multi-CTA
+// top-k (its scratch allocated at Create): selections and outputs still equal the host backend's.
+// Two sequences of different lengths (one above, one near the threshold), GQA 4, the prompt
+// stored with Append; sparcas's layer 1 ranks over its compact keys, layer 0 over every dimension.
+class CudaRuntimeLong : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  std::unique_ptr<Runtime> rt[2];
+  for (int b = 0; b < 2; ++b) {
+    RuntimeConfig cfg;
+    cfg.model.num_layers = 2;
+    cfg.model.num_q_heads = 8;
+    cfg.model.num_kv_heads = 2;
+    cfg.model.head_dim = 64;
+    cfg.model.kv_dtype = DType::kBF16;
+    cfg.capacity.max_sequences = 2;
+    cfg.capacity.max_tokens_per_sequence = 6144;
+    cfg.capacity.max_batch = 2;
+    cfg.capacity.max_prefill_chunk = 1024;
+    cfg.tiers.sink_tokens = 4;
+    cfg.tiers.window_tokens = 32;
+    cfg.policy.name = GetParam();
+    cfg.policy.budget_tokens = 160;
+    if (GetParam() == "sparcas") cfg.policy.params["dense_layers"] = 1;
+    cfg.route = Route::kGpu;
+    cfg.backend = b == 0 ? Backend::kCuda : Backend::kHost;
+    cfg.cpu_threads = 2;
+    auto r = Runtime::Create(cfg);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    rt[b] = std::move(r).value();
+  }
+  const auto& m = rt[0]->config().model;
+  const std::vector<SequenceId> seqs = {21, 22};
+  const int64_t prompt[2] = {5000, 4100};
+  std::mt19937 rng(77);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto fill = [&](std::vector<float>& v) {
+    for (auto& x : v) x = nd(rng);
+  };
+  for (int b = 0; b < 2; ++b) {
+    for (SequenceId s : seqs) ASSERT_TRUE(rt[b]->AddSequence(s).ok());
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int64_t c0 = 0; c0 < prompt[i]; c0 += 1024) {
+      const int64_t t = std::min<int64_t>(1024, prompt[i] - c0);
+      for (int layer = 0; layer < m.num_layers; ++layer) {
+        std::vector<float> k(t * m.num_kv_heads * m.head_dim), v(k.size());
+        fill(k);
+        fill(v);
+        for (int b = 0; b < 2; ++b) {
+          auto tv = [&](std::vector<float>& x) {
+            return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost,
+                                          {t, m.num_kv_heads, m.head_dim});
+          };
+          const Status st = rt[b]->Append(seqs[i], layer, tv(k), tv(v));
+          ASSERT_TRUE(st.ok()) << st.ToString();
+        }
+      }
+    }
+  }
+  for (int b = 0; b < 2; ++b) ASSERT_TRUE(rt[b]->Synchronize().ok());
+  const int64_t batch = 2;
+  for (int step = 0; step < 6; ++step) {
+    for (int layer = 0; layer < m.num_layers; ++layer) {
+      std::vector<float> q(batch * m.num_q_heads * m.head_dim), k(batch * m.num_kv_heads * m.head_dim),
+          v(k.size());
+      fill(q);
+      fill(k);
+      fill(v);
+      // Sharpen the queries so that the selection matters (a few keys dominate).
+      for (auto& x : q) x *= 3.0f;
+      std::vector<float> out[2];
+      for (int b = 0; b < 2; ++b) {
+        out[b].assign(q.size(), std::nanf(""));
+        auto tv = [&](std::vector<float>& x, int heads) {
+          return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost,
+                                        {batch, heads, m.head_dim});
+        };
+        const Status st = rt[b]->Decode(seqs, layer, tv(q, m.num_q_heads), tv(k, m.num_kv_heads),
+                                        tv(v, m.num_kv_heads), tv(out[b], m.num_q_heads));
+        ASSERT_TRUE(st.ok()) << st.ToString();
+        ASSERT_TRUE(rt[b]->Synchronize().ok());
+      }
+      double err = 0, norm = 0;
+      for (size_t i = 0; i < q.size(); ++i) {
+        ASSERT_FALSE(std::isnan(out[0][i])) << "unwritten output " << i;
+        err = std::max(err, static_cast<double>(std::abs(out[0][i] - out[1][i])));
+        norm += out[1][i] * out[1][i];
+      }
+      EXPECT_LT(err, 1e-4) << "decode step " << step << " layer " << layer;
+      EXPECT_GT(norm, 0.0);
+      for (SequenceId s : seqs) {
+        for (int h = 0; h < m.num_kv_heads; ++h) {
+          auto a = rt[0]->LastSelection(s, layer, h);
+          auto b = rt[1]->LastSelection(s, layer, h);
+          ASSERT_TRUE(a.ok() && b.ok());
+          EXPECT_EQ(a.value().size(), 160u);
+          EXPECT_EQ(a.value(), b.value()) << "selection differs, seq " << s << " step " << step
+                                          << " layer " << layer << " head " << h;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda, CudaRuntimeLong, ::testing::Values("oracle", "sparcas"));
 
 }  // namespace
 }  // namespace kvferry
