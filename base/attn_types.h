@@ -393,6 +393,10 @@ KVF_HOST_DEVICE inline int64_t SparcasCompactOffset(int64_t slot, int32_t layer,
 /// one-CTA kernels' H100 times (755 us at 128K keys, 81 us at 8K pages: about 4096 scores cost what
 /// the multi-CTA path's eight launches cost); bench/micro/select_topk_bench measures both paths.
 constexpr int64_t kSelectMctaMinKeys = 4096;
+/// Quest ranks pages, and its one-CTA kernel stays ahead longer: measured with select_topk_bench on
+/// the H100 (8 KV heads, GQA 4, 2% budget), one CTA 58 / 85 us against 74 / 92 us for the multi-CTA
+/// path at 4092 / 8188 pages (batch 1), equal at 8188 pages batch 4.
+constexpr int64_t kSelectMctaMinPages = 16384;
 constexpr int32_t kSelectMctaMaxCtas = 64;
 /// Fewest scores a CTA of the multi-CTA top-k handles (fewer CTAs for shorter capacities).
 constexpr int64_t kSelectMctaMinChunk = 2048;
@@ -406,8 +410,9 @@ KVF_HOST_DEVICE inline int64_t SelectMctaItemWords(int32_t group) {
 }
 /// Bytes of DecodeStepArgs::select_mcta_ws for \p items items: 0 when no item can reach the
 /// threshold (select_ld < kSelectMctaMinKeys).
-inline size_t SelectMctaWorkspaceBytes(int64_t items, int32_t group, int64_t select_ld) {
-  if (items <= 0 || group <= 0 || select_ld < kSelectMctaMinKeys) return 0;
+inline size_t SelectMctaWorkspaceBytes(int64_t items, int32_t group, int64_t select_ld,
+                                       int64_t min_keys = kSelectMctaMinKeys) {
+  if (items <= 0 || group <= 0 || select_ld < min_keys) return 0;
   return static_cast<size_t>(items) * static_cast<size_t>(SelectMctaItemWords(group)) * 4;
 }
 /// CTAs per item of the multi-CTA top-k for \p items items of up to \p select_ld scores on a GPU

@@ -1119,13 +1119,14 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
   }
   // Scores an item ranks at most: positions, or Quest's pages.
   const int64_t keys_cap = quest ? (a.select_ld + a.meta_page - 1) / a.meta_page + 1 : a.select_ld;
+  const int64_t min_keys = quest ? kSelectMctaMinPages : kSelectMctaMinKeys;
   int64_t mcta_min = std::numeric_limits<int64_t>::max();  // no item takes the multi-CTA path
   if (path == SelectTopKPath::kMultiCta) {
     KVF_CHECK_ARG(a.select_mcta_ws != nullptr, "DecodeSelect: multi-CTA top-k without its scratch");
     mcta_min = 1;
   } else if (path == SelectTopKPath::kAuto && a.select_mcta_ws != nullptr &&
-             keys_cap >= kSelectMctaMinKeys) {
-    mcta_min = kSelectMctaMinKeys;
+             keys_cap >= min_keys) {
+    mcta_min = min_keys;
     // Called eagerly with every item short: the multi-CTA launches would all return at once, so
     // leave them out (their launch cost is the one-CTA path's at these lengths). Inside a capture
     // they stay: the graph is replayed at later lengths.
@@ -1133,7 +1134,7 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
     const int64_t hint_keys = quest ? (hint + a.meta_page - 1) / a.meta_page + 1 : hint;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     KVF_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (hint > 0 && hint_keys < kSelectMctaMinKeys && capture == cudaStreamCaptureStatusNone) {
+    if (hint > 0 && hint_keys < min_keys && capture == cudaStreamCaptureStatusNone) {
       mcta_min = std::numeric_limits<int64_t>::max();
     }
   }

@@ -33,6 +33,10 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxCount = 3;
+// A slot chosen as a victim in this admission: neither a candidate again nor decremented by the
+// later passes of the hand (a victim's count of 1 fell to 0 one pass later and the slot was chosen
+// twice: two positions mapped to one slot, the second one's hits then read the first one's row).
+constexpr uint8_t kChosen = 255;
 constexpr unsigned long long kEmpty = kBankHashEmpty;
 constexpr unsigned long long kTomb = kBankHashTomb;  // pos field -2: matches no position
 constexpr uint16_t kNoSlot = 0xffff;
@@ -224,8 +228,8 @@ __global__ void __launch_bounds__(kThreads) AdmitKernel(AdmitArgs a) {
     const int stop = sh_stop;
     if (cand && rank < need) {
       victims[found + rank] = s;
-      cnt[s] = 1;
-    } else if (tid < B && tid <= stop && c > 0) {
+      cnt[s] = kChosen;  // step 4 sets its count
+    } else if (tid < B && tid <= stop && c > 0 && c != kChosen) {
       cnt[s] = static_cast<uint8_t>(c - 1);
     }
     hand = static_cast<int32_t>((static_cast<int64_t>(hand) + stop + 1) % S);

@@ -250,7 +250,9 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
       const int64_t ranked_cap = scoring == SelectScoring::kQuestPages
                                      ? (z.select_ld + z.meta_page - 1) / z.meta_page + 1
                                      : z.select_ld;
-      const size_t mcta_bytes = SelectMctaWorkspaceBytes(items, group_, ranked_cap);
+      const size_t mcta_bytes = SelectMctaWorkspaceBytes(
+          items, group_, ranked_cap,
+          scoring == SelectScoring::kQuestPages ? kSelectMctaMinPages : kSelectMctaMinKeys);
       if (cuda && mcta_bytes > 0) z.select_mcta = AllocBytes(mcta_bytes);
       if (scoring == SelectScoring::kSparcas) {
         const Policy::DeviceSelectParams dp = policy_->device_select_params(m.head_dim);

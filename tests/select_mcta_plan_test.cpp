@@ -14,6 +14,9 @@ namespace {
 TEST(SelectMctaPlan, ScratchOnlyWhenAnItemCanReachTheThreshold) {
   EXPECT_EQ(SelectMctaWorkspaceBytes(8, 4, kSelectMctaMinKeys - 1), 0u);
   EXPECT_EQ(SelectMctaWorkspaceBytes(0, 4, 1 << 17), 0u);
+  // Quest ranks pages against its own threshold.
+  EXPECT_EQ(SelectMctaWorkspaceBytes(8, 4, kSelectMctaMinPages - 1, kSelectMctaMinPages), 0u);
+  EXPECT_GT(SelectMctaWorkspaceBytes(8, 4, kSelectMctaMinPages, kSelectMctaMinPages), 0u);
   EXPECT_EQ(SelectMctaWorkspaceBytes(8, 0, 1 << 17), 0u);
   const size_t one = SelectMctaWorkspaceBytes(1, 4, kSelectMctaMinKeys);
   // Histograms, per-CTA counts, per-head per-CTA (max, sum) pairs and Quest's picks.
