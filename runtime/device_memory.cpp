@@ -146,16 +146,18 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
   // TokenBank (rows in device memory, maps on the host, a side stream for admissions), always.
   // CUDA: none where a bank would never be read or filled (dense reads the store by pages; route
   // cpu, and auto for a CPU-placed policy, move no row over PCIe, and only fetched rows are
-  // admitted), so the runtime is the one without a bank; the device bank where the planned step
-  // reads it: a policy that selects on the device with route gpu or auto, or one that selects on
-  // the host (Policy::Select) with route gpu (host_lists); the host-managed bank only for route
-  // auto with a GPU-placed policy that selects on the host, whose misses the host path splits
-  // between the routes row by row.
+  // admitted), so the runtime is the one without a bank; else the device bank, read by the
+  // planned step: a policy that selects on the device, or one that selects on the host
+  // (Policy::Select; host_lists) with route gpu or auto. With auto such a GPU-placed policy's
+  // misses are read over PCIe by the step (zero-copy, then admitted), not split row by row with
+  // the CPU as the host path did: the planned step has no CPU branch for them, and a bank the
+  // step reads is what the auto route's PCIe side needs (issue 14's scheduler brings the split
+  // back inside the step).
   const SelectScoring scoring = policy_->device_scoring();
   const bool bank_used =
       bank_slots > 0 && !(cuda && (policy_->is_dense() || PlannedRoute() == Route::kCpu));
   const bool selects_on_device = scoring != SelectScoring::kNone;
-  z.host_lists = cuda && bank_used && !selects_on_device && config_.route == Route::kGpu;
+  z.host_lists = cuda && bank_used && !selects_on_device;
   z.device_bank = cuda && bank_used && (selects_on_device || z.host_lists);
   z.host_bank = bank_used && !z.device_bank;
   if (z.device_bank) {

@@ -202,7 +202,7 @@ TEST(HostListBank, WhichConfigurationsTakeIt) {
       {"cis+oracle", 64, Route::kGpu, false, true},  // a wrapper selects on the host
       {"lfps", 64, Route::kGpu, false, true},
       {"hip", 0, Route::kGpu, false, false},         // no bank: the host path
-      {"hip", 64, Route::kAuto, false, false},       // auto: host path, host-managed bank
+      {"hip", 64, Route::kAuto, false, true},        // auto, GPU-placed: host lists too
       {"oracle", 64, Route::kGpu, true, true},       // device selection, device bank
       {"oracle", 64, Route::kCpu, false, false},     // cpu route: no bank, host path
       {"streaming", 0, Route::kGpu, true, true},     // fast path
@@ -234,7 +234,7 @@ TEST(HostListBank, WhichConfigurationsTakeIt) {
     }
     EXPECT_EQ(rt->GetStats().decode_planned, e.plans ? c.model.num_layers : 0);
     // The device bank's admission follows each layer's step wherever there is one.
-    const bool device_bank = e.bank > 0 && e.route == Route::kGpu && e.policy != "dense";
+    const bool device_bank = e.bank > 0 && e.route != Route::kCpu && e.policy != "dense";
     EXPECT_EQ(seen->admits.load(), device_bank ? c.model.num_layers : 0);
     const bool device_selects = e.policy == "oracle" && e.route == Route::kGpu;
     EXPECT_EQ(seen->selects.load(), device_selects ? c.model.num_layers : 0);
