@@ -458,6 +458,9 @@ struct PrefillStageArgs {
   /// Earlier positions [history_begin, pos0) are read into the staging from the host store
   /// (zero-copy); [0, history_begin) are the caller's (PrefillChunkArgs copies them by page).
   int64_t history_begin = 0;
+  /// [0, pos0) are in the staging already (the previous chunk of the same sequence and layer left
+  /// them there): PrefillChunk copies no history.
+  bool history_staged = false;
 };
 
 /// Most history segments one PrefillChunk call copies and attends one after another.

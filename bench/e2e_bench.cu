@@ -77,6 +77,9 @@ struct Options {
   std::vector<int64_t> prefill_chunks = {2048, 8192};  // prefill_* modes
   int prefill_layers = 3;                              // the first is a warm-up
   int cpu_threads = 0;  // RuntimeConfig::cpu_threads (0: the cores near the GPU)
+  // One more token step after the timed ones, recorded by Runtime::StartTrace/WriteTrace into
+  // <trace_prefix>_<mode>_<context>_b<batch>.json (host timeline, Chrome trace format).
+  std::string trace_prefix;
 };
 
 template <typename T>
@@ -116,6 +119,7 @@ Options Parse(int argc, char** argv) {
     else if (a == "--prefill-chunks") o.prefill_chunks = SplitList<int64_t>(next());
     else if (a == "--prefill-layers") o.prefill_layers = std::stoi(next());
     else if (a == "--cpu-threads") o.cpu_threads = std::stoi(next());
+    else if (a == "--trace") o.trace_prefix = next();
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       std::exit(2);
@@ -290,6 +294,14 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   CHECK_CUDA(cudaStreamSynchronize(stream));
   const double ms_plain = (Now() - t0) / o.steps;
   const Stats sp = rt->GetStats();
+  if (!o.trace_prefix.empty()) {
+    const std::string path = o.trace_prefix + "_" + mode + "_" + std::to_string(ctx) + "_b" +
+                             std::to_string(batch) + ".json";
+    Check(rt->StartTrace(), "StartTrace");
+    step_plain(graph_ok);
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    Check(rt->WriteTrace(path), "WriteTrace");
+  }
   double ms_graph = -1;
   Stats sg{};
   if (graph_ok) {
@@ -362,7 +374,7 @@ std::string RunPrefill(const Options& o, int64_t ctx, int64_t chunk, const std::
              .head_dim = kD, .kv_dtype = DType::kBF16};
   c.capacity.max_sequences = 1;
   c.capacity.max_batch = 1;
-  c.capacity.max_tokens_per_sequence = ctx;
+  c.capacity.max_tokens_per_sequence = ctx + 8;  // and two decode steps after the prompt
   c.capacity.max_prefill_chunk = chunk;
   c.tiers.sink_tokens = 4;
   c.tiers.window_tokens = 256;
@@ -426,11 +438,38 @@ std::string RunPrefill(const Options& o, int64_t ctx, int64_t chunk, const std::
     if (pass == 0) Check(rt->RemoveSequence(s), "RemoveSequence");
   }
   const kvferry::Stats st = rt->GetStats();
+  // Two decode steps after the second prompt, every layer: the first primes a policy that learns
+  // from the prompt (deferred to it, Runtime::Prefill), the second is a plain step. The priming's
+  // own time (Stats::ms_prime) is added to the prefill's in ms_per_layer_with_prime; the first
+  // step also pays one-time costs of any policy (dense too), so the two steps are reported apart.
+  double ms_decode[2] = {0, 0};
+  const SequenceId last = 7 + 1;
+  for (int step = 0; step < 2; ++step) {
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    const double td = Now();
+    for (int l = 0; l < o.prefill_layers; ++l) {
+      const kvferry::Status sd = rt->Decode({&last, 1}, l, view(q, 1, kHq), view(k, 1, kHkv),
+                                            view(v, 1, kHkv), view(out, 1, kHq), stream);
+      if (!sd.ok()) {
+        row << ",\"skipped\":\"decode after prefill: " << sd.ToString() << "\"}";
+        return row.str();
+      }
+    }
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    ms_decode[step] = (Now() - td) / o.prefill_layers;
+  }
+  const double ms_prime = rt->GetStats().ms_prime - st.ms_prime;
+
   const double flops = 2.0 * kHq * kD * static_cast<double>(ctx) * static_cast<double>(ctx);
   row << ",\"ms_per_layer\":" << ms << ",\"ms_per_layer_cold\":" << ms_cold
       << ",\"tokens_per_s\":" << ctx / (ms * 1e-3)
       << ",\"tflops\":" << flops / (ms * 1e-3) * 1e-12
       << ",\"host_syncs_per_layer\":" << static_cast<double>(st.host_syncs) / std::max(1, o.prefill_layers - 1)
+      << ",\"ms_prime_in_prefill_per_layer\":" << st.ms_prime / std::max(1, o.prefill_layers - 1)
+      << ",\"ms_first_decode_per_layer\":" << ms_decode[0]
+      << ",\"ms_second_decode_per_layer\":" << ms_decode[1]
+      << ",\"ms_prime_at_decode_per_layer\":" << ms_prime / o.prefill_layers
+      << ",\"ms_per_layer_with_prime\":" << ms + ms_prime / o.prefill_layers
       << "}";
   for (void* p : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(out)}) {
     CHECK_CUDA(cudaFree(p));

@@ -400,7 +400,7 @@ Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) 
   const int64_t history_pages = st.pos0 / pt;
   int64_t seg_begin[kPrefillMaxSegments + 1];
   int num_segs = 0;
-  if (a.copy_stream != nullptr && history_pages >= kPrefillSegmentMinPages) {
+  if (a.copy_stream != nullptr && history_pages >= kPrefillSegmentMinPages && !st.history_staged) {
     KVF_CHECK_ARG(a.fork_done != nullptr && a.segment_done != nullptr && a.host_pages != nullptr &&
                       a.copy_scratch != nullptr && a.o_acc != nullptr && a.lse_acc != nullptr,
                   "PrefillChunk: overlapped history without its events or scratch");
@@ -408,7 +408,7 @@ Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) 
   }
   KVF_CHECK_ARG(item_cap >= (1 + num_segs) * hkv, "PrefillChunk: room for ", item_cap, " items, ",
                 (1 + num_segs) * hkv, " needed");
-  st.history_begin = num_segs > 0 ? history_pages * pt : 0;
+  st.history_begin = st.history_staged ? st.pos0 : num_segs > 0 ? history_pages * pt : 0;
 
   // The copies of segment j + 1 are enqueued before the attention of segment j, so that the GPU
   // starts early and the host's enqueueing hides behind it; every wait is on an event (nothing

@@ -36,7 +36,10 @@
 #include "policies/lfps.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -110,6 +113,28 @@ void PowerSums(const std::vector<float>& u, double* pw) {
 
 constexpr int kMaxShadowDim = 512;  // head_dim bound of the scan's shadow (runtime: <= 256)
 constexpr int64_t kShadowTile = 64;  // rows quantised per transposition tile
+// A prompt's shadow (PrimeShadow) is made in up to kShadowRanges ranges of rows in parallel.
+constexpr int kShadowRanges = 4;
+constexpr int64_t kShadowRangeMin = 4096;
+
+// fn(b, e, i) over rows [begin, end) in `ranges` tile-aligned ranges, as TBB tasks of the calling
+// thread's arena (the runtime's pool when a prefill's priming runs in its task), isolated.
+template <typename F>
+void ForShadowRanges(int64_t begin, int64_t end, int ranges, const F& fn) {
+  auto bound = [&](int i) {
+    if (i >= ranges) return end;
+    return std::max(begin, begin + ((end - begin) * i / ranges) / kShadowTile * kShadowTile);
+  };
+  if (ranges <= 1) {
+    fn(begin, end, 0);
+    return;
+  }
+  tbb::this_task_arena::isolate(
+      [&] { tbb::parallel_for(0, ranges, [&](int i) { fn(bound(i), bound(i + 1), i); }); });
+}
+int ShadowRangeCount(int64_t rows) {
+  return static_cast<int>(std::clamp<int64_t>(rows / kShadowRangeMin, 1, kShadowRanges));
+}
 
 // One K row as fp32 (the dtype switch outside the loop, so the bf16 case vectorises).
 void LoadRowF32(const void* src, DType dtype, int hd, float* dst) {
@@ -193,7 +218,17 @@ struct LfpsPolicy::HeadState {
       if (n > k8_cap) GrowShadow(n);
       mx = k8_seen;
     }
-    ShadowChannelMax(p, kv, std::min(k8_n, n), n, mx.data());
+    // Both passes over the rows split into ranges (a 32K prompt: 8 MB of K per head, twice), their
+    // per-channel maxima merged: max is exact in any order, so the shadow is the serial one.
+    const int64_t first = std::min(k8_n, n);
+    int ranges = ShadowRangeCount(n - first);
+    std::vector<float> part(static_cast<size_t>(ranges * hd), 0.0f);
+    ForShadowRanges(first, n, ranges, [&](int64_t b, int64_t e, int i) {
+      ShadowChannelMax(p, kv, b, e, part.data() + i * hd);
+    });
+    for (int i = 0; i < ranges; ++i) {
+      for (int64_t c = 0; c < hd; ++c) mx[c] = std::max(mx[c], part[i * hd + c]);
+    }
     for (float& x : mx) x = x > 0.0f && std::isfinite(x) ? x : 1.0f;
     if (mx != k8_scale) {
       k8_scale = mx;
@@ -201,7 +236,15 @@ struct LfpsPolicy::HeadState {
     }
     if (k8_n == 0) k8_seen.assign(static_cast<size_t>(hd), 0.0f);
     const int64_t from = k8_n;
-    QuantizeShadowRows(p, kv, k8_n, n);
+    ranges = ShadowRangeCount(n - from);
+    part.assign(static_cast<size_t>(ranges * hd), 0.0f);
+    ForShadowRanges(from, n, ranges, [&](int64_t b, int64_t e, int i) {
+      QuantizeShadowRange(p, kv, b, e, part.data() + i * hd);
+    });
+    for (int i = 0; i < ranges; ++i) {
+      for (int64_t c = 0; c < hd; ++c) k8_seen[c] = std::max(k8_seen[c], part[i * hd + c]);
+    }
+    k8_n = n;
     return n - from;
   }
 
@@ -228,6 +271,13 @@ struct LfpsPolicy::HeadState {
   // Quantises rows [begin, end) (begin == k8_n) into the channel rows, kShadowTile rows at a time
   // through a row-major tile, and raises k8_seen.
   void QuantizeShadowRows(const AttnParams& p, const KvPages& kv, int64_t begin, int64_t end) {
+    QuantizeShadowRange(p, kv, begin, end, k8_seen.data());
+    k8_n = end;
+  }
+  // Rows [begin, end) into the channel rows, raising seen[c] (max |K| per channel). Disjoint ranges
+  // may run at once (begin a multiple of kShadowTile, except the first).
+  void QuantizeShadowRange(const AttnParams& p, const KvPages& kv, int64_t begin, int64_t end,
+                           float* seen) {
     const int hd = p.head_dim;
     const size_t elem = DTypeSize(p.kv_dtype);
     float mul[kMaxShadowDim], row[kMaxShadowDim];
@@ -237,14 +287,13 @@ struct LfpsPolicy::HeadState {
       const int64_t cnt = std::min<int64_t>(kShadowTile, end - i0);
       for (int64_t r = 0; r < cnt; ++r) {
         LoadRowF32(PagedKRow(kv, i0 + r, hd, elem), p.kv_dtype, hd, row);
-        QuantizeRow(row, mul, hd, tile + r * hd, k8_seen.data());
+        QuantizeRow(row, mul, hd, tile + r * hd, seen);
       }
       for (int c = 0; c < hd; ++c) {
         int8_t* dst = k8.get() + static_cast<int64_t>(c) * k8_cap + i0;
         for (int64_t r = 0; r < cnt; ++r) dst[r] = tile[r * hd + c];
       }
     }
-    k8_n = end;
   }
 
   void Reserve(int64_t max_tokens) {
@@ -684,6 +733,9 @@ LfpsPolicy::LfpsPolicy(const LfpsParams& params, int max_sequences, int num_laye
       num_kv_heads_(num_kv_heads),
       max_tokens_(max_tokens) {
   states_.resize(static_cast<size_t>(max_sequences) * num_layers * num_kv_heads);
+  if (const char* env = std::getenv("KVFERRY_LFPS_PROFILE"); env != nullptr && env[0] == '1') {
+    profile_ = true;
+  }
   need_.reset(new std::atomic<float>[states_.size()]);
   for (size_t i = 0; i < states_.size(); ++i) need_[i].store(-1.0f, std::memory_order_relaxed);
 }
@@ -722,7 +774,17 @@ int64_t LfpsPolicy::PerHeadK(int slot, int layer, int kv_head, int64_t k_avg, in
   return std::clamp<int64_t>(std::llround(left * need[kv_head] / w), 1, k_cap);
 }
 
-LfpsPolicy::~LfpsPolicy() = default;
+LfpsPolicy::~LfpsPolicy() {
+  if (!profile_) return;
+  static constexpr const char* kNames[kPhases] = {"state+bypass", "tables", "scan", "fill",
+                                                   "score", "rank", "update"};
+  const int64_t steps = std::max<int64_t>(1, steps_.load());
+  std::fprintf(stderr, "lfps profile: %lld selects, us per select:", static_cast<long long>(steps));
+  for (int i = 0; i < kPhases; ++i) {
+    std::fprintf(stderr, " %s %.1f", kNames[i], phase_ns_[i].load() * 1e-3 / steps);
+  }
+  std::fprintf(stderr, "\n");
+}
 
 Result<LfpsPolicy::HeadState*> LfpsPolicy::State(int slot, int layer, int kv_head, bool create) {
   KVF_CHECK_ARG(slot >= 0 && slot < max_sequences_, "lfps slot ", slot, " out of range [0, ",
@@ -914,6 +976,15 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   }
   steps_.fetch_add(1, std::memory_order_relaxed);
   offloaded_.fetch_add(n_off, std::memory_order_relaxed);
+  using PhaseClock = std::chrono::steady_clock;
+  PhaseClock::time_point phase_t = profile_ ? PhaseClock::now() : PhaseClock::time_point{};
+  auto phase = [&](int i) {
+    if (!profile_) return;
+    const PhaseClock::time_point now = PhaseClock::now();
+    phase_ns_[i].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(now - phase_t).count(),
+                           std::memory_order_relaxed);
+    phase_t = now;
+  };
   auto finish = [&](const int32_t* chosen, int64_t count) {
     AppendRange(out, 0, sink);
     out.insert(out.end(), chosen, chosen + count);
@@ -985,6 +1056,7 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
     }
   }
 
+  phase(0);
   // Per-head budget: this head's share of the layer's offloaded picks, by measured need.
   int64_t k_sel = k_off;
   if (params_.per_head_budget > 0) {
@@ -1061,6 +1133,7 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
       }
     }
   }
+  phase(1);
   // (3a) Scan: approximate logits of every offloaded key from the int8 shadow over the r channels
   // with the largest |q| * scale (summed over the group), max over the group's heads of the logit
   // minus the head's max; the best ceil(scan_factor k) positions outside C1 join C1.
@@ -1138,6 +1211,7 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
       m = o;
     }
   }
+  phase(2);
   // (3b) Fill: when the tables nominate fewer than ceil(fill k) candidates, add the offloaded
   // positions with the best table evidence max(Phi_ver[i], Phi_sla[t - i]) (ties: the most recent
   // first), so that the exact scoring, and through it the selection, uses the budget.
@@ -1175,6 +1249,7 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
     info.filled = got;
     m = o;
   }
+  phase(3);
   if (m == 0) {
     if (!params_.fallback) return finish(nullptr, 0);
     info.fallback = true;
@@ -1215,6 +1290,7 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
     const int64_t b = ld * i / score_ranges, e = ld * (i + 1) / score_ranges;
     cpu::ScorePositions(p, ctx.q, ctx.kv, c1 + b, static_cast<int32_t>(e - b), logits + b, ld);
   });
+  phase(4);
   if (glob_row) {
     const int64_t n_glob = std::max<int64_t>(0, n - sink - n_loc_rank - m);
     for (int g = 0; g < group; ++g) {
@@ -1266,6 +1342,7 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
                std::memory_order_relaxed);
   }
 
+  phase(5);
   // (5) Table update (Eq. 10) with p = the group's mean softmax over C2:
   // Phi <- r Phi + p - 1/(2|C2|) on C2, r Phi elsewhere (a global scale).
   std::fill(weights, weights + k2, 0.0f);
@@ -1302,6 +1379,7 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
     HeadState::Add(st->sla, st->sla_pow, st->sla_bound, t - pos, delta);
   }
   if (st->scale < kRenormBelow) st->Renormalise();
+  phase(6);
   return finish(c2, k2);
 }
 

@@ -157,6 +157,11 @@ class LfpsPolicy final : public Policy {
   std::unique_ptr<std::atomic<float>[]> need_;  ///< per head: offloaded attention share (EMA), -1 unknown
   std::atomic<int64_t> steps_{0}, bypassed_{0}, fallbacks_{0}, all_{0}, scored_{0},
       offloaded_{0}, shadow_rows_{0};
+  // KVFERRY_LFPS_PROFILE=1: nanoseconds of Select by phase, printed to stderr by the destructor
+  // (a diagnostic for where a step's select time goes; off by default, one branch a phase).
+  static constexpr int kPhases = 7;
+  bool profile_ = false;
+  std::atomic<int64_t> phase_ns_[kPhases] = {};
 };
 
 namespace lfps_internal {

@@ -158,7 +158,11 @@ Status RuntimeImpl::HostWaitStream(StreamHandle stream) {
 
 Status RuntimeImpl::HostWaitEvent(EventHandle event) {
   ++stats_.host_syncs;
-  return device_->SynchronizeEvent(event);
+  if (!trace_.on()) return device_->SynchronizeEvent(event);
+  const auto t0 = TraceRecorder::Clock::now();
+  Status st = device_->SynchronizeEvent(event);
+  trace_.Span("host_wait", "sync", t0, TraceRecorder::Clock::now());
+  return st;
 }
 
 Status RuntimeImpl::CheckBatch(std::span<const SequenceId> seqs, std::vector<int>& slot_of) const {

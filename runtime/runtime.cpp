@@ -323,6 +323,19 @@ Status RuntimeImpl::Init() {
       KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
     }
   }
+  // Priming deferred to the first Decode (DeferPrime): the kept rows are pinned per slot, made at
+  // the slot's first primed prefill.
+  if (policy_->prime_rows() > 0 && (prime_rows_ > 0 || policy_->wants_prefill_queries())) {
+    pending_rows_ = static_cast<int>(
+        std::min<int64_t>(policy_->prime_rows(), config_.capacity.max_prefill_chunk));
+    pending_prime_.assign(static_cast<size_t>(config_.capacity.max_sequences) * m.num_layers, {});
+    pending_q_.assign(static_cast<size_t>(config_.capacity.max_sequences), nullptr);
+    const char* eager = std::getenv("KVFERRY_PRIME_EAGER");
+    prime_eager_ = eager != nullptr && std::string_view(eager) == "1";
+  }
+  if (const char* restage = std::getenv("KVFERRY_PREFILL_RESTAGE"); restage != nullptr && restage[0] == '1') {
+    restage_ = true;
+  }
   KVF_RETURN_IF_ERROR(InitStepBuffers());
   // The cap again, against the device's own count of what it holds now: a buffer allocated
   // outside the plan would show here (the tests hold the count equal to the plan's total).
@@ -430,6 +443,11 @@ Status RuntimeImpl::AddSequence(SequenceId seq) {
   slots_.emplace(seq, slot);
   std::fill_n(lengths_.begin() + static_cast<int64_t>(slot) * config_.model.num_layers,
               config_.model.num_layers, 0);
+  if (pending_rows_ > 0) {
+    std::fill_n(pending_prime_.begin() + static_cast<int64_t>(slot) * config_.model.num_layers,
+                config_.model.num_layers, PendingPrime{});
+  }
+  if (staged_.slot == slot) staged_ = {};
   return Status::Ok();
 }
 
@@ -579,8 +597,15 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   // The chunk's rows may have reached the ring before a failure: restore it for the old length,
   // which a failed call leaves unchanged.
   Status st = PrefillReserved(slot, layer, q, k, v, out, stream, pos0, new_len);
-  if (!st.ok()) return WithRestore(std::move(st), RestoreWindow({&slot, 1}, layer, stream));
+  if (!st.ok()) {
+    // The kept query rows may have been overwritten by this chunk's: nothing stays pending (the
+    // layer is primed again by its next successful chunk).
+    if (pending_rows_ > 0) pending_prime_[static_cast<size_t>(slot) * m.num_layers + layer] = {};
+    staged_ = {};
+    return WithRestore(std::move(st), RestoreWindow({&slot, 1}, layer, stream));
+  }
   len = new_len;
+  if (prime_eager_) KVF_RETURN_IF_ERROR(FlushPrime(slot, layer, stream, true));
   stats_.prefill_tokens += tokens;
   Stage(stats_.ms_prefill, "prefill", t0);
   return Status::Ok();
@@ -597,7 +622,7 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
   // ordered by the stream, its descriptors double-buffered.
   const bool chained = prefill_items_ != nullptr && prefill_items_done_[0] != nullptr &&
                        stream == last_call_stream_ && out.where == MemoryKind::kDevice &&
-                       !policy_->wants_prefill_queries();
+                       (!policy_->wants_prefill_queries() || pending_rows_ > 0) && !prime_eager_;
   if (chained) {
     const EventHandle read = prefill_items_done_[prefill_parity_];
     if (!device_->EventDone(read)) KVF_RETURN_IF_ERROR(HostWaitEvent(read));
@@ -648,6 +673,12 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
     st.window = config_.tiers.window_tokens;
     st.staging = prefill_scratch_;
     st.staging_cap = max_pages_ * store_->shape().page_tokens;
+    // A chunk that continues the one before it (same sequence and layer, nothing appended since)
+    // finds the history in the staging: no PCIe pass over it (the prompt's chunks of one layer in
+    // a row, as a layer-by-layer prefill issues them). Invalid until this chunk succeeds.
+    st.history_staged = !restage_ && pos0 > 0 && staged_.slot == slot && staged_.layer == layer &&
+                        staged_.rows == pos0;
+    staged_ = {};
     a.params = params;
     a.num_q_heads = hq;
     a.q = q_src;
@@ -669,6 +700,7 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
       a.lse_acc = lse_gpu_;
     }
     KVF_RETURN_IF_ERROR(device_->PrefillChunk(a, stream));
+    staged_ = {slot, layer, new_len};
     KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_items_done_[prefill_parity_], stream));
     prefill_parity_ ^= 1;
     tensor_cores = true;
@@ -676,7 +708,9 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
       KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
     }
     stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
-    stats_.bytes_h2d += pos0 * hkv * 2 * static_cast<int64_t>(row_bytes_);    // earlier rows staged
+    if (!st.history_staged) {
+      stats_.bytes_h2d += pos0 * hkv * 2 * static_cast<int64_t>(row_bytes_);  // earlier rows staged
+    }
   }
   if (!tensor_cores) {
     const int64_t n_copies = PlanAppend(slot, layer, pos0, tokens, new_len, k_src, DTypeSize(k.dtype),
@@ -690,21 +724,7 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
     // On a GPU, prefill reads every stored row once per query: stage this layer's pages in device
     // memory first (one PCIe pass per chunk) instead of reading them over PCIe for every query.
     const bool stage_pages = prefill_pages_dev_ != nullptr;
-    const int64_t num_pages = (new_len + store_->shape().page_tokens - 1) / store_->shape().page_tokens;
-    if (stage_pages) {
-      const int64_t page_bytes = store_->page_bytes();
-      for (int h = 0; h < hkv; ++h) {
-        const KvPages src = store_->pages(slot, layer, h);
-        for (int64_t pg = 0; pg < num_pages; ++pg) {
-          char* dst = prefill_scratch_ + (h * max_pages_ + pg) * page_bytes;
-          KVF_RETURN_IF_ERROR(device_->CopyAsync(dst, src.pages[pg], static_cast<size_t>(page_bytes), stream));
-          prefill_pages_host_[h * max_pages_ + pg] = dst;
-        }
-      }
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(prefill_pages_dev_, prefill_pages_host_,
-                                             static_cast<size_t>(hkv * max_pages_) * sizeof(void*), stream));
-      stats_.bytes_h2d += num_pages * page_bytes * hkv;
-    }
+    if (stage_pages) KVF_RETURN_IF_ERROR(StageLayerPages(slot, layer, new_len, stream));
     for (int h = 0; h < hkv; ++h) {
       PagedAttnItem& it = paged_items_[h];
       it.q = q_f32_ + h * tokens * gd;
@@ -750,47 +770,144 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
     }
   }
 
-  KVF_RETURN_IF_ERROR(PrimePolicy(slot, layer, pos0, new_len, !tensor_cores, transpose_q, stream));
+  if (pending_rows_ > 0) {
+    KVF_RETURN_IF_ERROR(DeferPrime(slot, layer, new_len, tokens, q_src, q.dtype, stream));
+  } else if (prime_rows_ > 0 || policy_->wants_prefill_queries()) {
+    // A policy that reads every query row of the chunk (no prime_rows): primed now.
+    if (tensor_cores) KVF_RETURN_IF_ERROR(transpose_q());  // q_f32_: [Hkv, T, G, D]
+    const auto tp = Clock::now();
+    KVF_RETURN_IF_ERROR(PrimePolicy(slot, layer, new_len, static_cast<int>(tokens), stream));
+    Stage(stats_.ms_prime, "prime", tp);
+  }
   KVF_RETURN_IF_ERROR(ExtendPageBounds(slot, layer, pos0, new_len, stream));
   KVF_RETURN_IF_ERROR(EndCall(stream));
   if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
   return Status::Ok();
 }
 
-Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t pos0, int64_t new_len,
-                                bool q_transposed, const std::function<Status()>& transpose_q,
+Status RuntimeImpl::StageLayerPages(int slot, int layer, int64_t n, StreamHandle stream) {
+  const int hkv = config_.model.num_kv_heads;
+  const int64_t num_pages = (n + store_->shape().page_tokens - 1) / store_->shape().page_tokens;
+  const int64_t page_bytes = store_->page_bytes();
+  for (int h = 0; h < hkv; ++h) {
+    const KvPages src = store_->pages(slot, layer, h);
+    // Pages adjacent in the host store (and in the staging) go in one copy.
+    for (int64_t pg = 0; pg < num_pages;) {
+      char* dst = prefill_scratch_ + (h * max_pages_ + pg) * page_bytes;
+      int64_t run = 1;
+      while (pg + run < num_pages &&
+             static_cast<const char*>(src.pages[pg + run]) ==
+                 static_cast<const char*>(src.pages[pg]) + run * page_bytes) {
+        ++run;
+      }
+      KVF_RETURN_IF_ERROR(
+          device_->CopyAsync(dst, src.pages[pg], static_cast<size_t>(run * page_bytes), stream));
+      for (int64_t i = 0; i < run; ++i) prefill_pages_host_[h * max_pages_ + pg + i] = dst + i * page_bytes;
+      pg += run;
+    }
+  }
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(prefill_pages_dev_, prefill_pages_host_,
+                                         static_cast<size_t>(hkv * max_pages_) * sizeof(void*), stream));
+  stats_.bytes_h2d += num_pages * page_bytes * hkv;
+  staged_ = {slot, layer, n};
+  return Status::Ok();
+}
+
+Status RuntimeImpl::DeferPrime(int slot, int layer, int64_t new_len, int64_t tokens,
+                               const void* q_src, DType q_dtype, StreamHandle stream) {
+  const ModelShape& m = config_.model;
+  const int rows = static_cast<int>(std::min<int64_t>(pending_rows_, tokens));
+  const size_t row_bytes = static_cast<size_t>(m.num_q_heads) * m.head_dim * DTypeSize(q_dtype);
+  const size_t layer_bytes = static_cast<size_t>(pending_rows_) * m.num_q_heads * m.head_dim * 4;
+  char*& buf = pending_q_[static_cast<size_t>(slot)];
+  if (buf == nullptr) {  // the slot's first primed prefill: its pinned rows for every layer
+    KVF_ASSIGN_OR_RETURN(void* p, Alloc(layer_bytes * static_cast<size_t>(m.num_layers), true));
+    buf = static_cast<char*>(p);
+  }
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(
+      buf + static_cast<size_t>(layer) * layer_bytes,
+      static_cast<const char*>(q_src) + static_cast<size_t>(tokens - rows) * row_bytes,
+      static_cast<size_t>(rows) * row_bytes, stream));
+  if (device_->backend() != Backend::kHost) stats_.bytes_d2h += rows * static_cast<int64_t>(row_bytes);
+  pending_prime_[static_cast<size_t>(slot) * m.num_layers + layer] = {new_len, rows, q_dtype};
+  return Status::Ok();
+}
+
+Status RuntimeImpl::FlushPrime(int slot, int layer, StreamHandle stream, bool same_call) {
+  const ModelShape& m = config_.model;
+  PendingPrime& pp = pending_prime_[static_cast<size_t>(slot) * m.num_layers + layer];
+  if (pp.n == 0) return Status::Ok();
+  const auto t0 = Clock::now();
+  // The rows were copied on their Prefill's stream. Every call waits for its predecessor or
+  // follows it on the same stream (a chained prefill), so once the last call is done, so is the
+  // copy.
+  if (same_call) {
+    KVF_RETURN_IF_ERROR(HostWaitStream(stream));
+  } else if (!device_->EventDone(call_done_)) {
+    KVF_RETURN_IF_ERROR(HostWaitEvent(call_done_));
+  }
+  const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  const int rows = pp.rows;
+  const size_t elem = DTypeSize(pp.dtype);
+  const size_t layer_bytes = static_cast<size_t>(pending_rows_) * hq * d * 4;
+  const char* src = pending_q_[static_cast<size_t>(slot)] + static_cast<size_t>(layer) * layer_bytes;
+  if (device_->backend() != Backend::kHost) {
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(q_in_, src, static_cast<size_t>(rows) * hq * d * elem, stream));
+    stats_.bytes_h2d += static_cast<int64_t>(rows) * hq * d * static_cast<int64_t>(elem);
+    src = static_cast<const char*>(q_in_);
+  }
+  // q to f32 [Hkv][rows][G][D] in q_f32_.
+  const int64_t gd = static_cast<int64_t>(group_) * d;
+  for (int t = 0; t < rows; ++t) {
+    for (int h = 0; h < hkv; ++h) {
+      q_copies_[t * hkv + h] =
+          RowCopy{q_f32_ + (static_cast<int64_t>(h) * rows + t) * gd,
+                  src + (static_cast<size_t>(t) * hq + static_cast<size_t>(h) * group_) * d * elem};
+    }
+  }
+  KVF_RETURN_IF_ERROR(CopyRowsWide(q_copies_, static_cast<int64_t>(rows) * hkv,
+                                   static_cast<int>(gd), pp.dtype, DType::kF32, stream));
+  KVF_RETURN_IF_ERROR(PrimePolicy(slot, layer, pp.n, rows, stream));
+  pp = {};
+  Stage(stats_.ms_prime, "prime", t0);
+  return Status::Ok();
+}
+
+Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t new_len, int rows,
                                 StreamHandle stream) {
   // Policies that learn from the prompt (LFPS primes its tables) get its f32 queries on the host,
-  // or the statistics the device computed from them; the others cost no copy and no
-  // synchronisation here.
-  if (prime_rows_ == 0 && !policy_->wants_prefill_queries()) return Status::Ok();
-  const auto t0 = Clock::now();
+  // or the statistics the device computed from them.
   const int hkv = config_.model.num_kv_heads, d = config_.model.head_dim;
-  const int64_t tokens = new_len - pos0, gd = static_cast<int64_t>(group_) * d;
-  if (!q_transposed) KVF_RETURN_IF_ERROR(transpose_q());  // q_f32_: [Hkv, T, G, D]
+  const int64_t gd = static_cast<int64_t>(group_) * d;
   PrefillContext ctx;
   ctx.slot = slot;
   ctx.layer = layer;
-  ctx.q_pos0 = pos0;
-  ctx.num_q = static_cast<int32_t>(tokens);
+  ctx.q_pos0 = new_len - rows;
+  ctx.num_q = rows;
   ctx.n = new_len;
   ctx.sink = config_.tiers.sink_tokens;
   ctx.window = config_.tiers.window_tokens;
   ctx.params = AttnParams{group_, d, config_.model.kv_dtype, scale_};
   if (prime_rows_ > 0) {
-    const int rows = static_cast<int>(std::min<int64_t>(prime_rows_, tokens));
+    const int prime = std::min(prime_rows_, rows);
     PrimeArgs a;
     a.params = ctx.params;
     a.num_kv_heads = hkv;
-    a.q = q_f32_ + (tokens - rows) * gd;
-    a.q_head_stride = tokens * gd;
-    a.rows = rows;
-    a.t_first = new_len - rows;
+    a.q = q_f32_ + static_cast<int64_t>(rows - prime) * gd;
+    a.q_head_stride = rows * gd;
+    a.rows = prime;
+    a.t_first = new_len - prime;
     a.n = new_len;
     a.sink = std::min<int64_t>(ctx.sink, new_len);
     a.off_hi = std::max<int64_t>(a.sink, new_len - ctx.window);
     if (device_->backend() == Backend::kCuda) {
-      // The prefill left every row of [0, new_len) in the staging, on this stream.
+      // The kernel reads every row two or three times: stage the layer's rows in device memory
+      // first (one PCIe pass; the staging belongs to whichever chunk ran last). Read through the
+      // host store's page table instead, over PCIe, it took 46 ms a layer at 32K on the H100.
+      // (Unless the chunk that just ran left them there.)
+      if (!(staged_.slot == slot && staged_.layer == layer && staged_.rows == new_len)) {
+        KVF_RETURN_IF_ERROR(StageLayerPages(slot, layer, new_len, stream));
+      }
       a.pages = prefill_pages_dev_;
       a.max_pages = max_pages_;
     } else {
@@ -813,7 +930,7 @@ Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t pos0, int64_t new_l
     KVF_RETURN_IF_ERROR(device_->CopyAsync(prime_stats_host_, prime_stats_dev_,
                                            static_cast<size_t>(hkv * stats_count) * sizeof(double),
                                            stream));
-    KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+    KVF_RETURN_IF_ERROR(HostWaitStream(stream));
     stats_.bytes_d2h += hkv * (2 * new_len * 4 + stats_count * 8);
     // The heads' O(n) finishing (and LFPS's O(n d) scan shadow) on the pool: their states are
     // independent.
@@ -826,23 +943,22 @@ Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t pos0, int64_t new_l
       primed.ver = prime_tables_host_ + h * prime_table_stride_;
       primed.sla = primed.ver + new_len;
       primed.stats = prime_stats_host_ + h * stats_count;
-      primed.rows = rows;
+      primed.rows = prime;
       head_status[static_cast<size_t>(h)] = policy_->OnPrefillPrimed(head_ctx, primed);
     });
     for (Status& st : head_status) KVF_RETURN_IF_ERROR(std::move(st));
   } else {
-    const int64_t nq = tokens * config_.model.num_q_heads * d;
+    const int64_t nq = static_cast<int64_t>(rows) * config_.model.num_q_heads * d;
     KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, static_cast<size_t>(nq) * 4, stream));
-    KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
-    stats_.bytes_d2h += nq * 4;
+    KVF_RETURN_IF_ERROR(HostWaitStream(stream));
+    if (device_->backend() != Backend::kHost) stats_.bytes_d2h += nq * 4;
     for (int h = 0; h < hkv; ++h) {
       ctx.kv_head = h;
-      ctx.q = q_host_ + h * tokens * gd;
+      ctx.q = q_host_ + h * rows * gd;
       ctx.kv = store_->pages(slot, layer, h);
       KVF_RETURN_IF_ERROR(policy_->OnPrefill(ctx));
     }
   }
-  Stage(stats_.ms_prime, "prime", t0);
   return Status::Ok();
 }
 
@@ -967,6 +1083,14 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   KVF_RETURN_IF_ERROR(CheckTensor(out, "out", batch, m.num_q_heads));
   std::vector<int>& slot_of = batch_slots_;  // thread_local would not reach the worker threads
   KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
+  // The first Decode after a prefill primes the policy (DeferPrime). Never inside a CUDA graph
+  // capture (it waits for the device): the priming policies select on the host, and the planned
+  // step refuses the capture below with its own message.
+  if (pending_rows_ > 0 && !device_->IsCapturing(stream == nullptr ? stream_ : stream)) {
+    for (const int slot : slot_of) {
+      KVF_RETURN_IF_ERROR(FlushPrime(slot, layer, stream == nullptr ? stream_ : stream, false));
+    }
+  }
   // Policies that select on the device, CPU-placed ones on route cpu and host-selecting ones with
   // the device bank run the planned step (runtime/decode_plan.cpp).
   if (fast_path_ || cpu_step_ || host_lists_) {

@@ -217,10 +217,25 @@ class RuntimeImpl {
   };
   Status InitStepBuffers();
   // Checks that a chunk ending at new_len fits, retires a pending plan and reserves its pages.
-  // The policy's priming after a prefill chunk is stored (OnPrefill or, with prime_rows_,
-  // Device::PrimeAttention then OnPrefillPrimed); Stats::ms_prime.
-  Status PrimePolicy(int slot, int layer, int64_t pos0, int64_t new_len, bool q_transposed,
-                     const std::function<Status()>& transpose_q, StreamHandle stream);
+  // Priming a policy that learns from the prompt (Policy::prime_rows > 0) is deferred: a prefill
+  // chunk only keeps its last rows of q (DeferPrime, one asynchronous copy, no wait), and the first
+  // Decode of that (sequence, layer) primes from them (FlushPrime: OnPrefill, or with prime_rows_
+  // Device::PrimeAttention over the store then OnPrefillPrimed; Stats::ms_prime). A policy primes
+  // from the prompt's last chunk only (each chunk re-primes from scratch), so priming once from
+  // the last chunk's rows gives what priming after every chunk gave, at one pass over the
+  // history per layer instead of one per chunk. KVFERRY_PRIME_EAGER=1 primes at each chunk (the
+  // earlier behaviour, for comparison).
+  Status DeferPrime(int slot, int layer, int64_t new_len, int64_t tokens, const void* q_src,
+                    DType q_dtype, StreamHandle stream);
+  // \p same_call: the rows were copied by the call still under way (KVFERRY_PRIME_EAGER): wait
+  // for \p stream instead of the last call.
+  Status FlushPrime(int slot, int layer, StreamHandle stream, bool same_call);
+  // Primes (slot, layer) at length new_len from the f32 queries in q_f32_, [Hkv][rows][G][D]: the
+  // last `rows` query rows of the prompt.
+  Status PrimePolicy(int slot, int layer, int64_t new_len, int rows, StreamHandle stream);
+  // CUDA: copies the layer's rows [0, n) of one sequence into the prefill staging (one PCIe pass)
+  // and points prefill_pages_dev_ at them.
+  Status StageLayerPages(int slot, int layer, int64_t n, StreamHandle stream);
   Status ReserveChunk(SequenceId seq, int slot, int layer, int64_t new_len);
   // Checks that every sequence of a batch can take one more token at \p layer (prefilled, not
   // full), and reserves its page.
@@ -374,6 +389,22 @@ class RuntimeImpl {
   // KVFERRY_PRIME=host) and on the host backend with KVFERRY_PRIME=device, Device::PrimeAttention
   // computes them after each prefill chunk and OnPrefillPrimed finishes on the host. 0: off.
   int prime_rows_ = 0;
+  struct PendingPrime {
+    int64_t n = 0;     // the (sequence, layer)'s length after the chunk; 0: nothing pending
+    int32_t rows = 0;  // query rows kept: the chunk's last min(prime rows, chunk tokens)
+    DType dtype = DType::kF32;
+  };
+  std::vector<PendingPrime> pending_prime_;  // [slot * num_layers + layer]
+  std::vector<char*> pending_q_;             // per slot, pinned: [layer][rows][Hq][D] in q's dtype
+  int pending_rows_ = 0;                     // rows kept at most (Policy::prime_rows)
+  bool prime_eager_ = false;                 // KVFERRY_PRIME_EAGER=1
+  // What the prefill staging holds: rows [0, rows) of (slot, layer), or nothing (slot -1).
+  struct Staged {
+    int slot = -1, layer = -1;
+    int64_t rows = 0;
+  };
+  Staged staged_;
+  bool restage_ = false;  // KVFERRY_PREFILL_RESTAGE=1: every chunk copies its history again
   int64_t prime_table_stride_ = 0;      // floats per head: ver [n] then sla [n]
   float* prime_tables_dev_ = nullptr;   // device: [Hkv][prime_table_stride_]
   float* prime_tables_host_ = nullptr;  // pinned copy the policy reads

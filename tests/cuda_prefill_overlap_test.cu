@@ -6,7 +6,8 @@
 // tensors (f32) and device tensors (the KV dtype) from chunk to chunk; two layers share the
 // staging, chunk c of every layer before chunk c + 1 as an engine calls it. The decode steps after
 // the prompt read the rows the prefill stored. And the one-pass staging (KVFERRY_PREFILL_OVERLAP=
-// off) gives the overlapped outputs. Skips without a GPU.
+// off) gives the overlapped outputs. Layer-by-layer chunks reuse the staged history. Skips
+// without a GPU.
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -19,6 +20,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu/dtype.h"
@@ -226,6 +228,98 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaPrefillOverlap,
                          ::testing::Combine(::testing::Values(64, 128), ::testing::Values(1, 4, 8),
                                             ::testing::Values(DType::kBF16, DType::kF16)),
                          CaseName);
+
+// Layer by layer (every chunk of a layer before the next layer), a chunk finds its history in the
+// staging the chunk before it left (no copy); any other call in between (another layer's chunk,
+// another sequence's, a decode) makes the next chunk copy it again. Both equal the host backend,
+// and so does the decode after. Two sequences: the first layer by layer, the second interleaved.
+TEST(CudaPrefillStaged, LayerByLayerReusesTheStagedHistory) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  for (const auto& [head_dim, group, kv_dtype] :
+       {std::tuple{128, 4, DType::kBF16}, std::tuple{64, 8, DType::kF16}}) {
+    SCOPED_TRACE(std::to_string(head_dim) + " " + std::to_string(group));
+    RuntimeConfig c = OverlapConfig(head_dim, group, kv_dtype, Backend::kCuda);
+    c.capacity.max_sequences = 2;
+    c.capacity.max_batch = 2;
+    std::unique_ptr<Runtime> cuda_rt = MakeRuntime(c);
+    c.backend = Backend::kHost;
+    std::unique_ptr<Runtime> host_rt = MakeRuntime(c);
+    ASSERT_TRUE(cuda_rt && host_rt);
+    const ModelShape& m = cuda_rt->config().model;
+    for (Runtime* r : {cuda_rt.get(), host_rt.get()}) {
+      ASSERT_TRUE(r->AddSequence(5).ok());
+      ASSERT_TRUE(r->AddSequence(6).ok());
+    }
+    std::mt19937 rng(static_cast<uint32_t>(head_dim + group));
+    const double tol = kv_dtype == DType::kBF16 ? 3e-2 : 1e-2;
+    // (sequence, layer, chunk index into kChunks)
+    std::vector<std::tuple<SequenceId, int, int>> order;
+    for (int l = 0; l < m.num_layers; ++l) {
+      for (int ci = 0; ci < 6; ++ci) order.emplace_back(5, l, ci);
+    }
+    for (const auto& [l, ci] : std::vector<std::pair<int, int>>{
+             {0, 0}, {0, 1}, {1, 0}, {0, 2}, {0, 3}, {1, 1}, {1, 2}, {1, 3}, {0, 4}, {1, 4}}) {
+      order.emplace_back(6, l, ci);
+    }
+    int call = 0;
+    for (const auto& [seq, l, ci] : order) {
+      const int64_t t = kChunks[ci];
+      Input q(t, m.num_q_heads, head_dim, kv_dtype, rng), k(t, m.num_kv_heads, head_dim, kv_dtype, rng),
+          v(t, m.num_kv_heads, head_dim, kv_dtype, rng);
+      const bool device = call++ % 2 == 1;
+      Runtime* cr = cuda_rt.get();
+      const SequenceId s = seq;
+      const int layer = l;
+      const std::vector<float> got =
+          RunCuda([&](const TensorView& qv, const TensorView& kv, const TensorView& vv,
+                      const TensorView& ov) { return cr->Prefill(s, layer, qv, kv, vv, ov); },
+                  q, k, v, kv_dtype, device);
+      std::vector<float> want(got.size(), std::nanf(""));
+      ASSERT_TRUE(host_rt
+                      ->Prefill(s, layer, q.Host(), k.Host(), v.Host(),
+                                TensorView::Contiguous(want.data(), DType::kF32, MemoryKind::kHost,
+                                                       {t, m.num_q_heads, head_dim}))
+                      .ok());
+      const std::string what = "sequence " + std::to_string(s) + " layer " + std::to_string(layer) +
+                               " chunk " + std::to_string(ci);
+      EXPECT_LT(RelErr(got, want, what), tol) << what;
+    }
+    // One decode step of sequence 5 (every layer), then sequence 6's last chunk of layer 0: its
+    // staged history is stale (sequence 5 decoded in between).
+    const std::vector<SequenceId> one = {5};
+    for (int l = 0; l < m.num_layers; ++l) {
+      Input q(1, m.num_q_heads, head_dim, kv_dtype, rng), k(1, m.num_kv_heads, head_dim, kv_dtype, rng),
+          v(1, m.num_kv_heads, head_dim, kv_dtype, rng);
+      const std::vector<float> got = RunCuda(
+          [&](const TensorView& qv, const TensorView& kv, const TensorView& vv,
+              const TensorView& ov) { return cuda_rt->Decode(one, l, qv, kv, vv, ov); },
+          q, k, v, kv_dtype, false);
+      std::vector<float> want(got.size(), std::nanf(""));
+      ASSERT_TRUE(host_rt
+                      ->Decode(one, l, q.Host(), k.Host(), v.Host(),
+                               TensorView::Contiguous(want.data(), DType::kF32, MemoryKind::kHost,
+                                                      {1, m.num_q_heads, head_dim}))
+                      .ok());
+      EXPECT_LT(RelErr(got, want, "decode"), 2e-3) << "decode layer " << l;
+    }
+    for (int l = 0; l < m.num_layers; ++l) {
+      const int64_t t = kChunks[5];
+      Input q(t, m.num_q_heads, head_dim, kv_dtype, rng), k(t, m.num_kv_heads, head_dim, kv_dtype, rng),
+          v(t, m.num_kv_heads, head_dim, kv_dtype, rng);
+      const std::vector<float> got = RunCuda(
+          [&](const TensorView& qv, const TensorView& kv, const TensorView& vv,
+              const TensorView& ov) { return cuda_rt->Prefill(6, l, qv, kv, vv, ov); },
+          q, k, v, kv_dtype, true);
+      std::vector<float> want(got.size(), std::nanf(""));
+      ASSERT_TRUE(host_rt
+                      ->Prefill(6, l, q.Host(), k.Host(), v.Host(),
+                                TensorView::Contiguous(want.data(), DType::kF32, MemoryKind::kHost,
+                                                       {t, m.num_q_heads, head_dim}))
+                      .ok());
+      EXPECT_LT(RelErr(got, want, "last chunk"), tol) << "sequence 6 last chunk, layer " << l;
+    }
+  }
+}
 
 // The overlapped history and the one-pass staging (KVFERRY_PREFILL_OVERLAP=off) attend the same
 // rows: the same outputs up to the order of the softmax sums, chunk by chunk.

@@ -484,9 +484,50 @@ TEST(LfpsPrimeRuntime, HostDevicePathEqualsHostLoop) {
   }
 }
 
+// Priming is deferred to the first Decode after the prompt (the last chunk's rows kept): it selects
+// and attends exactly as priming after every chunk (KVFERRY_PRIME_EAGER=1), on the host loop and on
+// the host backend's copy of the device path; a prefill alone primes nothing until then.
+TEST(LfpsPrimeRuntime, DeferredToFirstDecodeEqualsEager) {
+  for (const char* prime : {"", "device"}) {
+    SCOPED_TRACE(*prime == '\0' ? "host loop" : "device path");
+    std::vector<std::unique_ptr<Runtime>> rts;
+    rts.push_back(MakeRuntime(PrimeConfig(Backend::kHost, DType::kBF16), prime));
+    rts.push_back(
+        MakeRuntime(PrimeConfig(Backend::kHost, DType::kBF16), prime, "KVFERRY_PRIME_EAGER=1"));
+    ASSERT_TRUE(rts[0] != nullptr && rts[1] != nullptr);
+    RunAndCompare(rts, {300, 21}, {0.0, 0.0}, {true, true});
+  }
+  // Deferred: nothing primed by the prefill itself; the eager runtime primed every chunk.
+  std::vector<std::unique_ptr<Runtime>> rts;
+  rts.push_back(MakeRuntime(PrimeConfig(Backend::kHost, DType::kBF16), ""));
+  rts.push_back(MakeRuntime(PrimeConfig(Backend::kHost, DType::kBF16), "", "KVFERRY_PRIME_EAGER=1"));
+  ASSERT_TRUE(rts[0] != nullptr && rts[1] != nullptr);
+  const ModelShape& m = rts[0]->config().model;
+  std::vector<float> q(64 * m.num_q_heads * m.head_dim, 0.5f), k(64 * m.num_kv_heads * m.head_dim, 0.25f),
+      v(k.size(), 1.0f), out(q.size());
+  auto tv = [&](std::vector<float>& x, int64_t t, int heads) {
+    return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {t, heads, m.head_dim});
+  };
+  for (auto& rt : rts) {
+    ASSERT_TRUE(rt->AddSequence(9).ok());
+    for (int c = 0; c < 2; ++c) {
+      ASSERT_TRUE(rt->Prefill(9, 0, tv(q, 64, m.num_q_heads), tv(k, 64, m.num_kv_heads),
+                              tv(v, 64, m.num_kv_heads), tv(out, 64, m.num_q_heads))
+                      .ok());
+    }
+  }
+  EXPECT_EQ(rts[0]->GetStats().ms_prime, 0.0);
+  EXPECT_GT(rts[1]->GetStats().ms_prime, 0.0);
+  const SequenceId seq = 9;
+  ASSERT_TRUE(rts[0]->Decode({&seq, 1}, 0, tv(q, 1, m.num_q_heads), tv(k, 1, m.num_kv_heads),
+                             tv(v, 1, m.num_kv_heads), tv(out, 1, m.num_q_heads))
+                  .ok());
+  EXPECT_GT(rts[0]->GetStats().ms_prime, 0.0);
+}
+
 // On CUDA, LFPS primes on the GPU by default: its selections equal those of a CUDA runtime primed
-// by the host loop (KVFERRY_PRIME=host), of one primed on the GPU from the CUDA-core prefill's
-// staging (KVFERRY_CUDA_PREFILL=paged) and of the host backend; outputs within 1e-5 of the first
+// by the host loop (KVFERRY_PRIME=host), of one with the CUDA-core prefill
+// (KVFERRY_CUDA_PREFILL=paged), of the host backend and of one primed after every chunk; outputs within 1e-5 of the first
 // and within the CUDA-vs-host decode tolerance (1e-4, tests/cuda_runtime_test.cpp) of the others.
 TEST(LfpsPrimeRuntime, CudaGpuPrimedEqualsHostPrimed) {
   if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
@@ -497,10 +538,13 @@ TEST(LfpsPrimeRuntime, CudaGpuPrimedEqualsHostPrimed) {
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "host"));
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "KVFERRY_CUDA_PREFILL=paged"));
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kHost, dt), ""));
+    rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "KVFERRY_PRIME_EAGER=1"));
     for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
     // Chunks after the first read their history through the overlapped page copies (segments
-    // from 2 pages of 256 tokens on); the priming reads the staging they filled.
-    RunAndCompare(rts, {512, 512, 512, 21}, {0.0, 1e-5, 1e-4, 1e-4}, {true, true, true, true});
+    // from 2 pages of 256 tokens on); the deferred priming reads the host store over PCIe, the
+    // eager one (the last runtime) after each chunk.
+    RunAndCompare(rts, {512, 512, 512, 21}, {0.0, 1e-5, 1e-4, 1e-4, 0.0},
+                  {true, true, true, true, true});
   }
 }
 

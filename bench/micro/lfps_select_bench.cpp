@@ -20,7 +20,7 @@
 //   lfps_select_bench [--contexts 8192,32768,131072] [--steps 20] [--warmup 2]
 //   [--repeats 3]
 //                     [--variant name:k=v,k=v ...] [--json OUT]
-//                     [--select-threads N]
+//                     [--select-threads N] [--prefetch ROWS]
 // --select-threads N: each LFPS Select gets SelectContext::threads = N and runs
 // inside a TBB arena of N threads (one head at a time, its scan split over the
 // arena); the selections are the same for every N.
@@ -41,6 +41,7 @@
 
 #include <oneapi/tbb/task_arena.h>
 
+#include "cpu/attention.h"
 #include "cpu/dtype.h"
 #include "kvferry/kvferry.h"
 #include "policies/basic.h"
@@ -290,6 +291,9 @@ int Main(int argc, char **argv) {
       select_threads = std::max(1, std::stoi(next()));
     } else if (a == "--trace") {
       g_trace_path = next();
+    } else if (a == "--prefetch") {
+      // Rows the gather kernels (the exact scoring of C1) prefetch ahead (cpu::SetGatherPrefetch).
+      cpu::SetGatherPrefetch(std::stoi(next()), 0);
     } else if (a == "--no-recall") {
       recall = false;
     } else if (a == "--verbose") {

@@ -97,6 +97,10 @@ class Runtime {
   /// of the chunk over everything stored before it plus itself (dense).
   /// q, out: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim].
   /// q/k/v/out may be f32, bf16 or f16, on host or device memory (device only with CUDA).
+  /// A policy that learns from the prompt's last queries (lfps) keeps the chunk's last rows of q
+  /// (one asynchronous copy) and is primed by the first Decode of (seq, layer) after it, from
+  /// the last chunk: once per prompt and layer, however many chunks (KVFERRY_PRIME_EAGER=1 primes
+  /// after every chunk instead, with the same result). That first Decode waits for the device.
   Status Prefill(SequenceId seq, int layer, const TensorView& q, const TensorView& k,
                  const TensorView& v, const TensorView& out, StreamHandle stream = nullptr);
 

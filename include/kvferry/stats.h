@@ -47,8 +47,9 @@ struct Stats {
   double ms_merge = 0;
   double ms_admit = 0;           ///< planning token-bank admissions (copies run on a side stream)
   double ms_prefill = 0;
-  /// Part of ms_prefill: the policy learning from the prompt (LFPS's tables), from the queries'
-  /// copy to the host (or the device's priming statistics) to the end of the policy's update.
+  /// The policy learning from the prompt (LFPS's tables), from the kept queries' upload (or the
+  /// device's priming statistics) to the end of the policy's update; part of the first Decode
+  /// after a prompt (part of ms_prefill with KVFERRY_PRIME_EAGER=1), see Runtime::Prefill.
   double ms_prime = 0;
 
   double cost_pcie_gbps = 0;     ///< scheduler's GPU-route rate: zero-copy gather GB/s (probed on CUDA)

@@ -96,9 +96,11 @@ def main():
             r["sdpa_flash_ms_per_layer"] = ms
             r["sdpa_flash_tflops"] = 2.0 * 32 * 128 * r["context"] ** 2 / (ms * 1e-3) * 1e-12
             r["ratio"] = r["ms_per_layer"] / ms
+            if "ms_per_layer_with_prime" in r:  # the deferred priming's cost at the first decode
+                r["ratio_with_prime"] = r["ms_per_layer_with_prime"] / ms
             print(f"{r['mode']:15s} ctx={r['context']:<7} chunk={r['chunk']:<5} kvferry {r['ms_per_layer']:9.2f} ms"
                   f" ({r['tflops']:.0f} TFLOP/s)  sdpa flash {ms:9.2f} ms ({r['sdpa_flash_tflops']:.0f} TFLOP/s)"
-                  f"  ratio {r['ratio']:.3f}")
+                  f"  ratio {r['ratio']:.3f}  with priming {r.get('ratio_with_prime', float('nan')):.3f}")
             continue
         key = (r["context"], r["batch"], r["layers"])
         if key not in cache:
