@@ -27,6 +27,7 @@ except ImportError:  # the benchmark scripts call this at their end; plotting is
     sys.exit("plot.py: matplotlib is not installed; no plots rendered")
 
 E2E_MODES = ["dense_resident", "streaming_resident", "streaming", "quest", "sparcas", "oracle",
+             "quest_bank", "sparcas_bank", "oracle_bank",
              "lfps", "lfps_gpu", "full_streaming"]
 
 
@@ -36,6 +37,13 @@ def plot_e2e(results):
         return print(f"plot.py: {src} absent; e2e plot skipped")
     d = json.load(open(src))
     rows = [r for r in d["rows"] if "skipped" not in r and r.get("name", "decode") == "decode"]
+    # The file keeps every stop's rows: plot the newest of each (mode, context, batch).
+    latest = {}
+    for r in rows:  # by "run" ("YYYY-MM-DD stop N"; rows without one are the oldest), then order
+        k = (r["mode"], r["context"], r["batch"])
+        if k not in latest or (r.get("run") or "") >= (latest[k].get("run") or ""):
+            latest[k] = r
+    rows = list(latest.values())
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 5), squeeze=False)
     for ax, batch in zip(axes[0], batches):
