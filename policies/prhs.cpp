@@ -28,6 +28,10 @@ class WrapperBase : public Policy {
   Placement placement() const override { return inner_->placement(); }
   bool wants_prefill_queries() const override { return inner_->wants_prefill_queries(); }
   Status OnPrefill(const PrefillContext& ctx) override { return inner_->OnPrefill(ctx); }
+  int prime_rows() const override { return inner_->prime_rows(); }
+  Status OnPrefillPrimed(const PrefillContext& ctx, const PrimedStats& primed) override {
+    return inner_->OnPrefillPrimed(ctx, primed);
+  }
   void OnSequenceRemoved(int slot) override {
     DropSlot(slot);
     inner_->OnSequenceRemoved(slot);

@@ -525,6 +525,22 @@ TEST(LfpsPrimeRuntime, DeferredToFirstDecodeEqualsEager) {
   EXPECT_GT(rts[0]->GetStats().ms_prime, 0.0);
 }
 
+// The PrHS wrappers forward the priming (prime_rows, OnPrefillPrimed): a wrapped LFPS primes once
+// at the first decode like LFPS, and its device path equals its host loop.
+TEST(LfpsPrimeRuntime, WrappedLfpsPrimesLikeLfps) {
+  for (const char* name : {"cis+lfps", "psaw+lfps", "xl+lfps"}) {
+    SCOPED_TRACE(name);
+    RuntimeConfig c = PrimeConfig(Backend::kHost, DType::kBF16);
+    c.policy.name = name;
+    std::vector<std::unique_ptr<Runtime>> rts;
+    rts.push_back(MakeRuntime(c, ""));
+    rts.push_back(MakeRuntime(c, "device"));
+    rts.push_back(MakeRuntime(c, "", "KVFERRY_PRIME_EAGER=1"));
+    for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
+    RunAndCompare(rts, {300, 21}, {0.0, 1e-5, 0.0}, {true, true, true});
+  }
+}
+
 // On CUDA, LFPS primes on the GPU by default: its selections equal those of a CUDA runtime primed
 // by the host loop (KVFERRY_PRIME=host), of one with the CUDA-core prefill
 // (KVFERRY_CUDA_PREFILL=paged), of the host backend and of one primed after every chunk; outputs within 1e-5 of the first
