@@ -117,20 +117,28 @@ constexpr int64_t kShadowTile = 64;  // rows quantised per transposition tile
 constexpr int kShadowRanges = 4;
 constexpr int64_t kShadowRangeMin = 4096;
 
-// fn(b, e, i) over rows [begin, end) in `ranges` tile-aligned ranges, as TBB tasks of the calling
-// thread's arena (the runtime's pool when a prefill's priming runs in its task), isolated.
+// fn(i) for i in [0, count): inline for one range, else as TBB tasks in the calling thread's arena
+// (the runtime's pool, when Select runs in a pool task: no extra threads). Isolated, so that a
+// thread waiting here takes no outer task (another head's Select would reuse its thread-local
+// Scratch); the tasks use only the caller's buffers.
+template <typename F>
+void ForRanges(int count, const F& fn) {
+  if (count <= 1) {
+    fn(0);
+    return;
+  }
+  tbb::this_task_arena::isolate([&] { tbb::parallel_for(0, count, [&](int i) { fn(i); }); });
+}
+
+// fn(b, e, i) over rows [begin, end) in `ranges` tile-aligned ranges (ForRanges: the runtime's
+// pool when a prefill's priming runs in its task).
 template <typename F>
 void ForShadowRanges(int64_t begin, int64_t end, int ranges, const F& fn) {
   auto bound = [&](int i) {
     if (i >= ranges) return end;
     return std::max(begin, begin + ((end - begin) * i / ranges) / kShadowTile * kShadowTile);
   };
-  if (ranges <= 1) {
-    fn(begin, end, 0);
-    return;
-  }
-  tbb::this_task_arena::isolate(
-      [&] { tbb::parallel_for(0, ranges, [&](int i) { fn(bound(i), bound(i + 1), i); }); });
+  ForRanges(ranges, [&](int i) { fn(bound(i), bound(i + 1), i); });
 }
 int ShadowRangeCount(int64_t rows) {
   return static_cast<int>(std::clamp<int64_t>(rows / kShadowRangeMin, 1, kShadowRanges));
@@ -452,19 +460,6 @@ int ScanRanges(int64_t len, int threads) {
 // Range i of `ranges` over [0, len): boundaries on multiples of 64 tokens.
 int64_t RangeBegin(int64_t len, int ranges, int i) {
   return i >= ranges ? len : (len * i / ranges) & ~int64_t{63};
-}
-
-// fn(i) for i in [0, count): inline for one range, else as TBB tasks in the calling thread's arena
-// (the runtime's pool, when Select runs in a pool task: no extra threads). Isolated, so that a
-// thread waiting here takes no outer task (another head's Select would reuse its thread-local
-// Scratch); the tasks use only the caller's buffers.
-template <typename F>
-void ForRanges(int count, const F& fn) {
-  if (count <= 1) {
-    fn(0);
-    return;
-  }
-  tbb::this_task_arena::isolate([&] { tbb::parallel_for(0, count, [&](int i) { fn(i); }); });
 }
 
 // acc[g * len + j] for j in [0, len) and mx[g] = the max over j (args.begin / end / head_max are

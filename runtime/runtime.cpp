@@ -818,14 +818,13 @@ Status RuntimeImpl::DeferPrime(int slot, int layer, int64_t new_len, int64_t tok
   const ModelShape& m = config_.model;
   const int rows = static_cast<int>(std::min<int64_t>(pending_rows_, tokens));
   const size_t row_bytes = static_cast<size_t>(m.num_q_heads) * m.head_dim * DTypeSize(q_dtype);
-  const size_t layer_bytes = static_cast<size_t>(pending_rows_) * m.num_q_heads * m.head_dim * 4;
   char*& buf = pending_q_[static_cast<size_t>(slot)];
   if (buf == nullptr) {  // the slot's first primed prefill: its pinned rows for every layer
-    KVF_ASSIGN_OR_RETURN(void* p, Alloc(layer_bytes * static_cast<size_t>(m.num_layers), true));
+    KVF_ASSIGN_OR_RETURN(void* p, Alloc(PendingQBytes() * static_cast<size_t>(m.num_layers), true));
     buf = static_cast<char*>(p);
   }
   KVF_RETURN_IF_ERROR(device_->CopyAsync(
-      buf + static_cast<size_t>(layer) * layer_bytes,
+      PendingQ(slot, layer),
       static_cast<const char*>(q_src) + static_cast<size_t>(tokens - rows) * row_bytes,
       static_cast<size_t>(rows) * row_bytes, stream));
   if (device_->backend() != Backend::kHost) stats_.bytes_d2h += rows * static_cast<int64_t>(row_bytes);
@@ -849,8 +848,7 @@ Status RuntimeImpl::FlushPrime(int slot, int layer, StreamHandle stream, bool sa
   const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
   const int rows = pp.rows;
   const size_t elem = DTypeSize(pp.dtype);
-  const size_t layer_bytes = static_cast<size_t>(pending_rows_) * hq * d * 4;
-  const char* src = pending_q_[static_cast<size_t>(slot)] + static_cast<size_t>(layer) * layer_bytes;
+  const char* src = PendingQ(slot, layer);
   if (device_->backend() != Backend::kHost) {
     KVF_RETURN_IF_ERROR(device_->CopyAsync(q_in_, src, static_cast<size_t>(rows) * hq * d * elem, stream));
     stats_.bytes_h2d += static_cast<int64_t>(rows) * hq * d * static_cast<int64_t>(elem);
@@ -1086,9 +1084,15 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   // The first Decode after a prefill primes the policy (DeferPrime). Never inside a CUDA graph
   // capture (it waits for the device): the priming policies select on the host, and the planned
   // step refuses the capture below with its own message.
-  if (pending_rows_ > 0 && !device_->IsCapturing(stream == nullptr ? stream_ : stream)) {
+  // Only a step with something pending asks whether the stream is capturing.
+  if (pending_rows_ > 0) {
+    const StreamHandle s = stream == nullptr ? stream_ : stream;
+    int8_t capturing = -1;  // not asked yet
     for (const int slot : slot_of) {
-      KVF_RETURN_IF_ERROR(FlushPrime(slot, layer, stream == nullptr ? stream_ : stream, false));
+      if (pending_prime_[static_cast<size_t>(slot) * m.num_layers + layer].n == 0) continue;
+      if (capturing < 0) capturing = device_->IsCapturing(s) ? 1 : 0;
+      if (capturing == 1) break;
+      KVF_RETURN_IF_ERROR(FlushPrime(slot, layer, s, false));
     }
   }
   // Policies that select on the device, CPU-placed ones on route cpu and host-selecting ones with

@@ -397,6 +397,13 @@ class RuntimeImpl {
   std::vector<PendingPrime> pending_prime_;  // [slot * num_layers + layer]
   std::vector<char*> pending_q_;             // per slot, pinned: [layer][rows][Hq][D] in q's dtype
   int pending_rows_ = 0;                     // rows kept at most (Policy::prime_rows)
+  // Room for one layer's kept rows (f32, the widest q dtype) and where (slot, layer)'s start.
+  size_t PendingQBytes() const {
+    return static_cast<size_t>(pending_rows_) * config_.model.num_q_heads * config_.model.head_dim * 4;
+  }
+  char* PendingQ(int slot, int layer) const {
+    return pending_q_[static_cast<size_t>(slot)] + static_cast<size_t>(layer) * PendingQBytes();
+  }
   bool prime_eager_ = false;                 // KVFERRY_PRIME_EAGER=1
   // What the prefill staging holds: rows [0, rows) of (slot, layer), or nothing (slot -1).
   struct Staged {
