@@ -9,6 +9,7 @@
 //
 //   kvferry-e2e --json out.json [--contexts 32768,131072] [--batches 1,4] [--modes a,b,..]
 //               [--steps 20] [--layers 32] [--host-gib 100] [--device-gib 70]
+//               [--prefill-chunks 2048,8192] [--prefill-layers 3] [--prefill-order layer|chunk]
 // Modes: dense_resident (window covers the context), streaming (budget 1024, window 256: 768 rows
 // per KV head read over PCIe each step), streaming_resident (budget 1024 = sinks + window: nothing
 // read over PCIe), oracle (2%),
@@ -76,6 +77,9 @@ struct Options {
   std::string json;
   std::vector<int64_t> prefill_chunks = {2048, 8192};  // prefill_* modes
   int prefill_layers = 3;                              // the first is a warm-up
+  // "layer": every chunk of a layer, then the next layer; "chunk": chunk c of every layer, then
+  // chunk c + 1 (how an engine runs a model over a long prompt); every layer timed.
+  std::string prefill_order = "layer";
   int cpu_threads = 0;  // RuntimeConfig::cpu_threads (0: the cores near the GPU)
   // One more token step after the timed ones, recorded by Runtime::StartTrace/WriteTrace into
   // <trace_prefix>_<mode>_<context>_b<batch>.json (host timeline, Chrome trace format).
@@ -118,6 +122,7 @@ Options Parse(int argc, char** argv) {
     else if (a == "--device-gib") o.device_gib = std::stod(next());
     else if (a == "--prefill-chunks") o.prefill_chunks = SplitList<int64_t>(next());
     else if (a == "--prefill-layers") o.prefill_layers = std::stoi(next());
+    else if (a == "--prefill-order") o.prefill_order = next();
     else if (a == "--cpu-threads") o.cpu_threads = std::stoi(next());
     else if (a == "--trace") o.trace_prefix = next();
     else {
@@ -366,9 +371,11 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
 // Modes: prefill_dense (dense policy) and prefill_lfps (LFPS primes its tables from the queries).
 std::string RunPrefill(const Options& o, int64_t ctx, int64_t chunk, const std::string& mode) {
   constexpr int kHq = 32, kHkv = 8, kD = 128;
+  const bool chunk_major = o.prefill_order == "chunk";
   std::ostringstream row;
   row << "{\"name\":\"prefill\",\"mode\":\"" << mode << "\",\"context\":" << ctx
-      << ",\"batch\":1,\"chunk\":" << chunk << ",\"layers_timed\":" << o.prefill_layers - 1;
+      << ",\"batch\":1,\"chunk\":" << chunk << ",\"order\":\"" << o.prefill_order << "\""
+      << ",\"layers_timed\":" << (chunk_major ? o.prefill_layers : o.prefill_layers - 1);
   RuntimeConfig c;
   c.model = {.num_layers = o.prefill_layers, .num_q_heads = kHq, .num_kv_heads = kHkv,
              .head_dim = kD, .kv_dtype = DType::kBF16};
@@ -417,24 +424,37 @@ std::string RunPrefill(const Options& o, int64_t ctx, int64_t chunk, const std::
     const SequenceId s = 7 + pass;
     Check(rt->AddSequence(s), "AddSequence");
     double t0 = 0;
-    for (int l = 0; l < o.prefill_layers; ++l) {
-      if (l == 1) {
-        CHECK_CUDA(cudaStreamSynchronize(stream));
-        rt->ResetStats();
-        t0 = Now();
-      }
+    auto prefill = [&](int l, int64_t pos) {
+      const int64_t n = std::min<int64_t>(chunk, ctx - pos);
+      const kvferry::Status st = rt->Prefill(s, l, view(q, n, kHq), view(k, n, kHkv), view(v, n, kHkv),
+                                             view(out, n, kHq), stream);
+      if (!st.ok()) row << ",\"skipped\":\"prefill: " << st.ToString() << "\"}";
+      return st.ok();
+    };
+    if (chunk_major) {
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      rt->ResetStats();
+      t0 = Now();
       for (int64_t pos = 0; pos < ctx; pos += chunk) {
-        const int64_t n = std::min<int64_t>(chunk, ctx - pos);
-        const kvferry::Status st = rt->Prefill(s, l, view(q, n, kHq), view(k, n, kHkv), view(v, n, kHkv),
-                                               view(out, n, kHq), stream);
-        if (!st.ok()) {
-          row << ",\"skipped\":\"prefill: " << st.ToString() << "\"}";
-          return row.str();
+        for (int l = 0; l < o.prefill_layers; ++l) {
+          if (!prefill(l, pos)) return row.str();
+        }
+      }
+    } else {
+      for (int l = 0; l < o.prefill_layers; ++l) {
+        if (l == 1) {
+          CHECK_CUDA(cudaStreamSynchronize(stream));
+          rt->ResetStats();
+          t0 = Now();
+        }
+        for (int64_t pos = 0; pos < ctx; pos += chunk) {
+          if (!prefill(l, pos)) return row.str();
         }
       }
     }
     CHECK_CUDA(cudaStreamSynchronize(stream));
-    (pass == 0 ? ms_cold : ms) = (Now() - t0) / std::max(1, o.prefill_layers - 1);
+    (pass == 0 ? ms_cold : ms) =
+        (Now() - t0) / std::max(1, chunk_major ? o.prefill_layers : o.prefill_layers - 1);
     if (pass == 0) Check(rt->RemoveSequence(s), "RemoveSequence");
   }
   const kvferry::Stats st = rt->GetStats();
@@ -461,11 +481,14 @@ std::string RunPrefill(const Options& o, int64_t ctx, int64_t chunk, const std::
   const double ms_prime = rt->GetStats().ms_prime - st.ms_prime;
 
   const double flops = 2.0 * kHq * kD * static_cast<double>(ctx) * static_cast<double>(ctx);
+  const double layers_timed = std::max(1, chunk_major ? o.prefill_layers : o.prefill_layers - 1);
   row << ",\"ms_per_layer\":" << ms << ",\"ms_per_layer_cold\":" << ms_cold
       << ",\"tokens_per_s\":" << ctx / (ms * 1e-3)
       << ",\"tflops\":" << flops / (ms * 1e-3) * 1e-12
-      << ",\"host_syncs_per_layer\":" << static_cast<double>(st.host_syncs) / std::max(1, o.prefill_layers - 1)
-      << ",\"ms_prime_in_prefill_per_layer\":" << st.ms_prime / std::max(1, o.prefill_layers - 1)
+      << ",\"host_syncs_per_layer\":" << static_cast<double>(st.host_syncs) / layers_timed
+      << ",\"chunks_prefetched\":" << st.prefill_chunks_prefetched
+      << ",\"bytes_h2d_per_layer\":" << static_cast<double>(st.bytes_h2d) / layers_timed
+      << ",\"ms_prime_in_prefill_per_layer\":" << st.ms_prime / layers_timed
       << ",\"ms_first_decode_per_layer\":" << ms_decode[0]
       << ",\"ms_second_decode_per_layer\":" << ms_decode[1]
       << ",\"ms_prime_at_decode_per_layer\":" << ms_prime / o.prefill_layers

@@ -344,6 +344,12 @@ Status CudaDevice::PrimeAttention(const PrimeArgs& args, StreamHandle stream) {
   return LaunchPrimeAttention(args, info_.num_sms, Resolve(stream));
 }
 
+Status CudaDevice::CopyBatchAsync(void** dst, const void** src, size_t* bytes, int64_t count,
+                                  StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  return EnqueuePageCopies(dst, src, bytes, count, Resolve(stream));
+}
+
 Status CudaDevice::EnqueuePageCopies(void** dst, const void** src, size_t* bytes, int64_t count,
                                      cudaStream_t stream) {
   if (count == 0) return Status::Ok();

@@ -51,6 +51,8 @@ class CudaDevice final : public Device {
   Status SynchronizeStream(StreamHandle stream) override;
 
   Status CopyAsync(void* dst, const void* src, size_t bytes, StreamHandle stream) override;
+  Status CopyBatchAsync(void** dst, const void** src, size_t* bytes, int64_t count,
+                        StreamHandle stream) override;
   Status CopyRows(const RowCopy* rows, int64_t num_rows, int elems, DType src_dtype,
                   DType dst_dtype, StreamHandle stream) override;
 

@@ -94,7 +94,9 @@ bool TensorView::is_contiguous() const {
 
 std::string Stats::ToJson() const {
   std::ostringstream os;
-  os << "{\"prefill_tokens\":" << prefill_tokens << ",\"decode_steps\":" << decode_steps
+  os << "{\"prefill_tokens\":" << prefill_tokens
+     << ",\"prefill_chunks_prefetched\":" << prefill_chunks_prefetched
+     << ",\"decode_steps\":" << decode_steps
      << ",\"decode_tokens\":" << decode_tokens << ",\"decode_planned\":" << decode_planned
      << ",\"decode_plans\":" << decode_plans << ",\"host_syncs\":" << host_syncs
      << ",\"bytes_h2d\":" << bytes_h2d

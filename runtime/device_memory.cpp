@@ -59,6 +59,7 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
   part("step plan (slots, positions)", {step_slots, step_pos});
   part("step workspace", {step_ws, step_counters});
   part("prefill staging", {prefill_scratch, prefill_pages});
+  part("prefill prefetch staging", {prefill_next, prefill_next_pages});
   part("priming tables and partials", {prime_tables, prime_stats, prime_scratch});
   part("host-store page table", {store_table});
   part("stream workspaces", {stream_scratch});
@@ -187,6 +188,14 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     z.prefill_tensor_cores = !EnvIs("KVFERRY_CUDA_PREFILL", "paged");
     z.prefill_copy_stream = z.prefill_tensor_cores && !EnvIs("KVFERRY_PREFILL_OVERLAP", "off");
     if (z.prefill_copy_stream) ++z.streams;
+    // The chunk-major prefetch doubles the staging: on unless KVFERRY_PREFILL_PREFETCH=0 or a GPU
+    // memory cap is set (the cap's bytes go to the bank and the resident tier first).
+    z.prefill_prefetch = z.prefill_copy_stream && !EnvIs("KVFERRY_PREFILL_PREFETCH", "0") &&
+                         cap.gpu_bytes == 0;
+    if (z.prefill_prefetch) {
+      z.prefill_next = z.prefill_scratch;
+      z.prefill_next_pages = z.prefill_pages;
+    }
   }
 
   // Priming on the device: on CUDA unless KVFERRY_PRIME=host (the host loop, for comparison); on

@@ -277,6 +277,31 @@ Status RuntimeImpl::Init() {
     prefill_pages_host_ = static_cast<void**>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_pages, false));
     prefill_pages_dev_ = static_cast<void**>(p);
+    page_copy_dst_.reserve(static_cast<size_t>(hkv * max_pages_));
+    page_copy_src_.reserve(static_cast<size_t>(hkv * max_pages_));
+    page_copy_bytes_.reserve(static_cast<size_t>(hkv * max_pages_));
+    if (z.prefill_prefetch) {
+      KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_next, false));
+      prefill_next_ = static_cast<char*>(p);
+      KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_next_pages, false));
+      prefill_next_pages_dev_ = static_cast<void**>(p);
+      KVF_ASSIGN_OR_RETURN(prefill_next_ready_, device_->CreateEvent());
+      KVF_ASSIGN_OR_RETURN(prefill_call_start_, device_->CreateEvent());
+    }
+    // Each staging's page table maps head h's page p to its fixed place in it (the kernels that
+    // read a staging through a page table: priming, the CUDA-core prefill).
+    {
+      const int64_t page_bytes = store_->page_bytes();
+      for (auto [table, staging] : {std::pair{prefill_pages_dev_, prefill_scratch_},
+                                    std::pair{prefill_next_pages_dev_, prefill_next_}}) {
+        if (table == nullptr) continue;
+        for (int64_t i = 0; i < hkv * max_pages_; ++i) prefill_pages_host_[i] = staging + i * page_bytes;
+        KVF_RETURN_IF_ERROR(device_->CopyAsync(table, prefill_pages_host_,
+                                               static_cast<size_t>(hkv * max_pages_) * sizeof(void*),
+                                               stream_));
+        KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
+      }
+    }
     if (z.prefill_tensor_cores) {
       prefill_items_bytes_ =
           static_cast<size_t>((1 + kPrefillMaxSegments) * hkv) * kPrefillItemBytes;
@@ -311,16 +336,8 @@ Status RuntimeImpl::Init() {
     if (z.prime_scratch > 0) {
       prime_scratch_bytes_ = z.prime_scratch;
       KVF_ASSIGN_OR_RETURN(prime_scratch_, Alloc(prime_scratch_bytes_, false));
-      // The tensor-core prefill stages pages at fixed places; the kernel reads them through the
-      // page table the CUDA-core path builds (the same addresses).
-      const int64_t page_bytes = store_->page_bytes();
-      for (int64_t i = 0; i < hkv * max_pages_; ++i) {
-        prefill_pages_host_[i] = prefill_scratch_ + i * page_bytes;
-      }
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(prefill_pages_dev_, prefill_pages_host_,
-                                             static_cast<size_t>(hkv * max_pages_) * sizeof(void*),
-                                             stream_));
-      KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
+      // The tensor-core prefill stages pages at fixed places; the priming kernel reads them
+      // through the staging's page table (made above).
     }
   }
   // Priming deferred to the first Decode (DeferPrime): the kept rows are pinned per slot, made at
@@ -448,6 +465,8 @@ Status RuntimeImpl::AddSequence(SequenceId seq) {
                 config_.model.num_layers, PendingPrime{});
   }
   if (staged_.slot == slot) staged_ = {};
+  if (next_staged_.slot == slot) next_staged_ = {};
+  if (last_prefill_.slot == slot) last_prefill_ = {};
   return Status::Ok();
 }
 
@@ -602,6 +621,7 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
     // layer is primed again by its next successful chunk).
     if (pending_rows_ > 0) pending_prime_[static_cast<size_t>(slot) * m.num_layers + layer] = {};
     staged_ = {};
+    last_prefill_ = {};
     return WithRestore(std::move(st), RestoreWindow({&slot, 1}, layer, stream));
   }
   len = new_len;
@@ -671,6 +691,20 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
     st.resident = resident_ + static_cast<size_t>(t0_index * 2 * rows_per_slot) * row_bytes_;
     st.sink = config_.tiers.sink_tokens;
     st.window = config_.tiers.window_tokens;
+    // Chunk-major: the call before this one copied this call's history into the second staging
+    // (PrefetchNextHistory); it becomes the staging, the copies ordered before this chunk.
+    const bool prefetched = prefill_next_ != nullptr && !restage_ && pos0 > 0 &&
+                            next_staged_.slot == slot && next_staged_.layer == layer &&
+                            next_staged_.rows == pos0;
+    next_staged_ = {};
+    if (prefetched) {
+      std::swap(prefill_scratch_, prefill_next_);
+      std::swap(prefill_pages_dev_, prefill_next_pages_dev_);
+      staged_ = {slot, layer, pos0};
+      KVF_RETURN_IF_ERROR(device_->WaitEvent(stream, prefill_next_ready_));
+      ++stats_.prefill_chunks_prefetched;
+    }
+    if (prefill_next_ != nullptr) KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_call_start_, stream));
     st.staging = prefill_scratch_;
     st.staging_cap = max_pages_ * store_->shape().page_tokens;
     // A chunk that continues the one before it (same sequence and layer, nothing appended since)
@@ -701,6 +735,9 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
     }
     KVF_RETURN_IF_ERROR(device_->PrefillChunk(a, stream));
     staged_ = {slot, layer, new_len};
+    if (prefill_next_ != nullptr && !restage_) {
+      KVF_RETURN_IF_ERROR(PrefetchNextHistory(slot, layer, pos0, new_len));
+    }
     KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_items_done_[prefill_parity_], stream));
     prefill_parity_ ^= 1;
     tensor_cores = true;
@@ -786,30 +823,65 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
 }
 
 Status RuntimeImpl::StageLayerPages(int slot, int layer, int64_t n, StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(CopyLayerPages(slot, layer, n, prefill_scratch_, stream));
+  staged_ = {slot, layer, n};
+  return Status::Ok();
+}
+
+Status RuntimeImpl::PrefetchNextHistory(int slot, int layer, int64_t pos0, int64_t new_len) {
+  const int layers = config_.model.num_layers;
+  const LastPrefill prev = last_prefill_;
+  last_prefill_ = {slot, layer, pos0, new_len};
+  // Chunk-major: the call before was this chunk's previous layer, or (layer 0) the previous
+  // chunk's last layer. The next call is then the next layer's chunk, or the next chunk's layer 0.
+  const bool chunk_major =
+      prev.slot == slot && layers > 1 &&
+      ((layer > 0 && prev.layer == layer - 1 && prev.pos0 == pos0) ||
+       (layer == 0 && prev.layer == layers - 1 && prev.new_len == pos0));
+  if (!chunk_major) return Status::Ok();
+  const int next_layer = layer + 1 < layers ? layer + 1 : 0;
+  const int64_t rows = layer + 1 < layers ? pos0 : new_len;
+  if (rows <= 0 || lengths_[static_cast<size_t>(slot) * layers + next_layer] < rows) {
+    return Status::Ok();
+  }
+  // After the work before this call (the rows' write-through, the last reader of this staging).
+  KVF_RETURN_IF_ERROR(device_->WaitEvent(prefill_copy_stream_, prefill_call_start_));
+  KVF_RETURN_IF_ERROR(CopyLayerPages(slot, next_layer, rows, prefill_next_, prefill_copy_stream_));
+  KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_next_ready_, prefill_copy_stream_));
+  next_staged_ = {slot, next_layer, rows};
+  return Status::Ok();
+}
+
+Status RuntimeImpl::CopyLayerPages(int slot, int layer, int64_t n, char* staging,
+                                   StreamHandle stream) {
   const int hkv = config_.model.num_kv_heads;
   const int64_t num_pages = (n + store_->shape().page_tokens - 1) / store_->shape().page_tokens;
   const int64_t page_bytes = store_->page_bytes();
+  // One batched enqueue: a copy per page run costs the host microseconds each, thousands of them
+  // per layer at 128K, which a chunk-major prefill would pay on its critical path.
+  page_copy_dst_.clear();
+  page_copy_src_.clear();
+  page_copy_bytes_.clear();
   for (int h = 0; h < hkv; ++h) {
     const KvPages src = store_->pages(slot, layer, h);
     // Pages adjacent in the host store (and in the staging) go in one copy.
     for (int64_t pg = 0; pg < num_pages;) {
-      char* dst = prefill_scratch_ + (h * max_pages_ + pg) * page_bytes;
       int64_t run = 1;
       while (pg + run < num_pages &&
              static_cast<const char*>(src.pages[pg + run]) ==
                  static_cast<const char*>(src.pages[pg]) + run * page_bytes) {
         ++run;
       }
-      KVF_RETURN_IF_ERROR(
-          device_->CopyAsync(dst, src.pages[pg], static_cast<size_t>(run * page_bytes), stream));
-      for (int64_t i = 0; i < run; ++i) prefill_pages_host_[h * max_pages_ + pg + i] = dst + i * page_bytes;
+      page_copy_dst_.push_back(staging + (h * max_pages_ + pg) * page_bytes);
+      page_copy_src_.push_back(src.pages[pg]);
+      page_copy_bytes_.push_back(static_cast<size_t>(run * page_bytes));
       pg += run;
     }
   }
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(prefill_pages_dev_, prefill_pages_host_,
-                                         static_cast<size_t>(hkv * max_pages_) * sizeof(void*), stream));
+  KVF_RETURN_IF_ERROR(device_->CopyBatchAsync(page_copy_dst_.data(), page_copy_src_.data(),
+                                              page_copy_bytes_.data(),
+                                              static_cast<int64_t>(page_copy_dst_.size()), stream));
   stats_.bytes_h2d += num_pages * page_bytes * hkv;
-  staged_ = {slot, layer, n};
   return Status::Ok();
 }
 

@@ -62,6 +62,9 @@ struct DeviceBufferSizes {
   int64_t max_pages = 0;
   bool prefill_tensor_cores = false;
   bool prefill_copy_stream = false;
+  /// A second staging (and its page table) that a chunk-major prefill fills with the next call's
+  /// history while the current call computes (PrefetchNextHistory).
+  bool prefill_prefetch = false;
   int streams = 0;  // streams the device keeps scratch for: its default one and those Init creates
   // LFPS-style priming on the device (Policy::prime_rows() > 0; on CUDA unless KVFERRY_PRIME=host,
   // on the host backend with KVFERRY_PRIME=device): rows primed per chunk, table stride per head.
@@ -76,6 +79,7 @@ struct DeviceBufferSizes {
   size_t bank_rows = 0, bank_page_tables = 0, bank_slot_state = 0;
   size_t bank_stage = 0, bank_miss = 0, bank_admit = 0;
   size_t prefill_scratch = 0, prefill_pages = 0;
+  size_t prefill_next = 0, prefill_next_pages = 0;
   size_t step_list = 0, step_list_count = 0, select_ws = 0, topk_ws = 0, select_mcta = 0;
   size_t meta = 0, sparcas_state = 0, sparcas_dims = 0;
   size_t step_slots = 0, step_pos = 0, step_ws = 0, step_counters = 0;
@@ -411,6 +415,28 @@ class RuntimeImpl {
     int64_t rows = 0;
   };
   Staged staged_;
+  // Chunk-major prefill (chunk c of every layer before chunk c + 1, as an engine runs a model):
+  // each call copies the history of the call it predicts next into the second staging on the copy
+  // stream while it computes (PrefetchNextHistory); the next call swaps the stagings when it is
+  // that call. prefill_next_ / prefill_next_pages_dev_ are the second staging and its page table,
+  // next_staged_ what it holds or is being filled with, prefill_next_ready_ the copies' event.
+  Status PrefetchNextHistory(int slot, int layer, int64_t pos0, int64_t new_len);
+  // Copies the layer's rows [0, n) of one sequence into \p staging on \p stream (one copy per run
+  // of pages adjacent in the host store).
+  Status CopyLayerPages(int slot, int layer, int64_t n, char* staging, StreamHandle stream);
+  std::vector<void*> page_copy_dst_;  // CopyLayerPages' copy lists (reserved at Create)
+  std::vector<const void*> page_copy_src_;
+  std::vector<size_t> page_copy_bytes_;
+  char* prefill_next_ = nullptr;
+  void** prefill_next_pages_dev_ = nullptr;
+  Staged next_staged_;
+  EventHandle prefill_next_ready_ = nullptr;
+  EventHandle prefill_call_start_ = nullptr;
+  struct LastPrefill {
+    int slot = -1, layer = -1;
+    int64_t pos0 = -1, new_len = -1;
+  };
+  LastPrefill last_prefill_;
   bool restage_ = false;  // KVFERRY_PREFILL_RESTAGE=1: every chunk copies its history again
   int64_t prime_table_stride_ = 0;      // floats per head: ver [n] then sla [n]
   float* prime_tables_dev_ = nullptr;   // device: [Hkv][prime_table_stride_]

@@ -148,6 +148,26 @@ double RelErr(const std::vector<float>& got, const std::vector<float>& want,
   return ref_max > 0 ? err / ref_max : err;
 }
 
+// One prefill chunk of t fresh random tokens of (seq, layer) on both runtimes (device tensors on
+// the CUDA one when \p device); the relative error of the CUDA output against the host backend's.
+double PrefillBoth(Runtime* cuda_rt, Runtime* host_rt, SequenceId seq, int layer, int64_t t,
+                   DType kv_dtype, bool device, std::mt19937& rng) {
+  const ModelShape& m = cuda_rt->config().model;
+  const int hd = m.head_dim;
+  Input q(t, m.num_q_heads, hd, kv_dtype, rng), k(t, m.num_kv_heads, hd, kv_dtype, rng),
+      v(t, m.num_kv_heads, hd, kv_dtype, rng);
+  const std::vector<float> got =
+      RunCuda([&](const TensorView& qv, const TensorView& kv, const TensorView& vv,
+                  const TensorView& ov) { return cuda_rt->Prefill(seq, layer, qv, kv, vv, ov); },
+              q, k, v, kv_dtype, device);
+  std::vector<float> want(got.size(), std::nanf(""));
+  const Status st = host_rt->Prefill(
+      seq, layer, q.Host(), k.Host(), v.Host(),
+      TensorView::Contiguous(want.data(), DType::kF32, MemoryKind::kHost, {t, m.num_q_heads, hd}));
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  return RelErr(got, want, "sequence " + std::to_string(seq) + " layer " + std::to_string(layer));
+}
+
 // Chunk sizes of the prompt (4170 tokens, 16 whole pages before the last chunk): the second starts
 // mid-page (1000), later ones are no multiple of a page; the last chunks' histories split into
 // 3 to 4 segments.
@@ -263,26 +283,10 @@ TEST(CudaPrefillStaged, LayerByLayerReusesTheStagedHistory) {
     }
     int call = 0;
     for (const auto& [seq, l, ci] : order) {
-      const int64_t t = kChunks[ci];
-      Input q(t, m.num_q_heads, head_dim, kv_dtype, rng), k(t, m.num_kv_heads, head_dim, kv_dtype, rng),
-          v(t, m.num_kv_heads, head_dim, kv_dtype, rng);
-      const bool device = call++ % 2 == 1;
-      Runtime* cr = cuda_rt.get();
-      const SequenceId s = seq;
-      const int layer = l;
-      const std::vector<float> got =
-          RunCuda([&](const TensorView& qv, const TensorView& kv, const TensorView& vv,
-                      const TensorView& ov) { return cr->Prefill(s, layer, qv, kv, vv, ov); },
-                  q, k, v, kv_dtype, device);
-      std::vector<float> want(got.size(), std::nanf(""));
-      ASSERT_TRUE(host_rt
-                      ->Prefill(s, layer, q.Host(), k.Host(), v.Host(),
-                                TensorView::Contiguous(want.data(), DType::kF32, MemoryKind::kHost,
-                                                       {t, m.num_q_heads, head_dim}))
-                      .ok());
-      const std::string what = "sequence " + std::to_string(s) + " layer " + std::to_string(layer) +
-                               " chunk " + std::to_string(ci);
-      EXPECT_LT(RelErr(got, want, what), tol) << what;
+      EXPECT_LT(PrefillBoth(cuda_rt.get(), host_rt.get(), seq, l, kChunks[ci], kv_dtype,
+                            call++ % 2 == 1, rng),
+                tol)
+          << "sequence " << seq << " layer " << l << " chunk " << ci;
     }
     // One decode step of sequence 5 (every layer), then sequence 6's last chunk of layer 0: its
     // staged history is stale (sequence 5 decoded in between).
@@ -303,21 +307,77 @@ TEST(CudaPrefillStaged, LayerByLayerReusesTheStagedHistory) {
       EXPECT_LT(RelErr(got, want, "decode"), 2e-3) << "decode layer " << l;
     }
     for (int l = 0; l < m.num_layers; ++l) {
-      const int64_t t = kChunks[5];
-      Input q(t, m.num_q_heads, head_dim, kv_dtype, rng), k(t, m.num_kv_heads, head_dim, kv_dtype, rng),
-          v(t, m.num_kv_heads, head_dim, kv_dtype, rng);
-      const std::vector<float> got = RunCuda(
-          [&](const TensorView& qv, const TensorView& kv, const TensorView& vv,
-              const TensorView& ov) { return cuda_rt->Prefill(6, l, qv, kv, vv, ov); },
-          q, k, v, kv_dtype, true);
-      std::vector<float> want(got.size(), std::nanf(""));
-      ASSERT_TRUE(host_rt
-                      ->Prefill(6, l, q.Host(), k.Host(), v.Host(),
-                                TensorView::Contiguous(want.data(), DType::kF32, MemoryKind::kHost,
-                                                       {t, m.num_q_heads, head_dim}))
-                      .ok());
-      EXPECT_LT(RelErr(got, want, "last chunk"), tol) << "sequence 6 last chunk, layer " << l;
+      EXPECT_LT(PrefillBoth(cuda_rt.get(), host_rt.get(), 6, l, kChunks[5], kv_dtype, true, rng), tol)
+          << "sequence 6 last chunk, layer " << l;
     }
+  }
+}
+
+// Chunk-major (chunk c of every layer, then chunk c + 1, as an engine runs a model over a prompt):
+// each call copies the history of the call it predicts next into the second staging while it
+// computes. Every chunk equals the host backend. Sequence 5: every chunk after the first finds its
+// history prefetched (5 chunks x 3 layers). Sequence 6, 4 chunks: after (6, layer 0, chunk 2) a
+// 100-token chunk of sequence 5 on every layer is not the call predicted (that prefetch is
+// dropped; its own layer 2 is prefetched by its layer 1), so (6, 1, 2) and (6, 2, 2) copy their
+// history themselves and the pattern restarts; a decode of sequence 5 after (6, 1, 3) leaves
+// sequence 6's rows as they were, so (6, 2, 3) still takes its prefetch: 3 + 1 + 1 + 3 hits.
+TEST(CudaPrefillStaged, ChunkMajorPrefetchesTheNextCallsHistory) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  for (const auto& [head_dim, group, kv_dtype] :
+       {std::tuple{128, 4, DType::kBF16}, std::tuple{64, 8, DType::kF16}}) {
+    SCOPED_TRACE(std::to_string(head_dim) + " " + std::to_string(group));
+    RuntimeConfig c = OverlapConfig(head_dim, group, kv_dtype, Backend::kCuda);
+    c.model.num_layers = 3;
+    c.capacity.max_sequences = 2;
+    c.capacity.max_batch = 2;
+    std::unique_ptr<Runtime> cuda_rt = MakeRuntime(c);
+    c.backend = Backend::kHost;
+    std::unique_ptr<Runtime> host_rt = MakeRuntime(c);
+    ASSERT_TRUE(cuda_rt && host_rt);
+    const ModelShape& m = cuda_rt->config().model;
+    for (Runtime* r : {cuda_rt.get(), host_rt.get()}) {
+      ASSERT_TRUE(r->AddSequence(5).ok());
+      ASSERT_TRUE(r->AddSequence(6).ok());
+    }
+    std::mt19937 rng(static_cast<uint32_t>(7 * head_dim + group));
+    const double tol = kv_dtype == DType::kBF16 ? 3e-2 : 1e-2;
+    int call = 0;
+    auto both = [&](SequenceId seq, int l, int64_t t) {
+      EXPECT_LT(PrefillBoth(cuda_rt.get(), host_rt.get(), seq, l, t, kv_dtype, call++ % 2 == 1, rng),
+                tol)
+          << "sequence " << seq << " layer " << l << " tokens " << t;
+    };
+    for (int ci = 0; ci < 6; ++ci) {
+      for (int l = 0; l < m.num_layers; ++l) both(5, l, kChunks[ci]);
+    }
+    EXPECT_EQ(cuda_rt->GetStats().prefill_chunks_prefetched, 5 * m.num_layers);
+    for (int ci = 0; ci < 4; ++ci) {
+      for (int l = 0; l < m.num_layers; ++l) {
+        both(6, l, kChunks[ci]);
+        if (ci == 2 && l == 0) {
+          for (int l5 = 0; l5 < m.num_layers; ++l5) both(5, l5, 100);
+        }
+        if (ci == 3 && l == 1) {
+          const std::vector<SequenceId> one = {5};
+          for (int dl = 0; dl < m.num_layers; ++dl) {
+            Input q(1, m.num_q_heads, head_dim, kv_dtype, rng), k(1, m.num_kv_heads, head_dim, kv_dtype, rng),
+                v(1, m.num_kv_heads, head_dim, kv_dtype, rng);
+            const std::vector<float> got = RunCuda(
+                [&](const TensorView& qv, const TensorView& kv, const TensorView& vv,
+                    const TensorView& ov) { return cuda_rt->Decode(one, dl, qv, kv, vv, ov); },
+                q, k, v, kv_dtype, false);
+            std::vector<float> want(got.size(), std::nanf(""));
+            ASSERT_TRUE(host_rt
+                            ->Decode(one, dl, q.Host(), k.Host(), v.Host(),
+                                     TensorView::Contiguous(want.data(), DType::kF32, MemoryKind::kHost,
+                                                            {1, m.num_q_heads, head_dim}))
+                            .ok());
+            EXPECT_LT(RelErr(got, want, "decode"), 2e-3) << "decode layer " << dl;
+          }
+        }
+      }
+    }
+    EXPECT_EQ(cuda_rt->GetStats().prefill_chunks_prefetched, 5 * m.num_layers + 8);
   }
 }
 

@@ -12,6 +12,9 @@ namespace kvferry {
 /// \brief Cumulative counters since Create (or the last ResetStats).
 struct Stats {
   int64_t prefill_tokens = 0;    ///< tokens prefilled, summed over layers
+  /// Prefill chunks (CUDA) whose history the call before them had copied to the GPU while it
+  /// computed: chunk-major order, chunk c of every layer before chunk c + 1 (Runtime::Prefill).
+  int64_t prefill_chunks_prefetched = 0;
   int64_t decode_steps = 0;      ///< Decode calls (one layer of a batch each)
   int64_t decode_tokens = 0;     ///< sequence-layer decodes (batch size summed)
   int64_t decode_planned = 0;    ///< Decode calls that ran a planned step (no host work but launches)

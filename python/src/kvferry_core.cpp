@@ -199,6 +199,7 @@ nb::dict StatsDict(const Stats& s) {
   nb::dict d;
 #define KVF_STAT(f) d[#f] = s.f
   KVF_STAT(prefill_tokens);
+  KVF_STAT(prefill_chunks_prefetched);
   KVF_STAT(decode_steps);
   KVF_STAT(decode_tokens);
   KVF_STAT(decode_planned);
