@@ -168,6 +168,27 @@ double PrefillBoth(Runtime* cuda_rt, Runtime* host_rt, SequenceId seq, int layer
   return RelErr(got, want, "sequence " + std::to_string(seq) + " layer " + std::to_string(layer));
 }
 
+// One decode step of sequence \p seq at \p layer on both runtimes (host tensors); the relative
+// error of the CUDA output against the host backend's.
+double DecodeBoth(Runtime* cuda_rt, Runtime* host_rt, SequenceId seq, int layer, DType kv_dtype,
+                  std::mt19937& rng) {
+  const ModelShape& m = cuda_rt->config().model;
+  const int hd = m.head_dim;
+  const std::vector<SequenceId> one = {seq};
+  Input q(1, m.num_q_heads, hd, kv_dtype, rng), k(1, m.num_kv_heads, hd, kv_dtype, rng),
+      v(1, m.num_kv_heads, hd, kv_dtype, rng);
+  const std::vector<float> got =
+      RunCuda([&](const TensorView& qv, const TensorView& kv, const TensorView& vv,
+                  const TensorView& ov) { return cuda_rt->Decode(one, layer, qv, kv, vv, ov); },
+              q, k, v, kv_dtype, false);
+  std::vector<float> want(got.size(), std::nanf(""));
+  const Status st = host_rt->Decode(
+      one, layer, q.Host(), k.Host(), v.Host(),
+      TensorView::Contiguous(want.data(), DType::kF32, MemoryKind::kHost, {1, m.num_q_heads, hd}));
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  return RelErr(got, want, "decode of sequence " + std::to_string(seq));
+}
+
 // Chunk sizes of the prompt (4170 tokens, 16 whole pages before the last chunk): the second starts
 // mid-page (1000), later ones are no multiple of a page; the last chunks' histories split into
 // 3 to 4 segments.
@@ -249,6 +270,28 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaPrefillOverlap,
                                             ::testing::Values(DType::kBF16, DType::kF16)),
                          CaseName);
 
+// A CUDA runtime and a host-backend one of the same configuration (two sequences, \p layers
+// layers), each holding sequences 5 and 6.
+struct RuntimePair {
+  std::unique_ptr<Runtime> cuda, host;
+};
+RuntimePair MakeStagedPair(int head_dim, int group, DType kv_dtype, int layers) {
+  RuntimeConfig c = OverlapConfig(head_dim, group, kv_dtype, Backend::kCuda);
+  c.model.num_layers = layers;
+  c.capacity.max_sequences = 2;
+  c.capacity.max_batch = 2;
+  RuntimePair p;
+  p.cuda = MakeRuntime(c);
+  c.backend = Backend::kHost;
+  p.host = MakeRuntime(c);
+  for (Runtime* r : {p.cuda.get(), p.host.get()}) {
+    if (r == nullptr) continue;
+    EXPECT_TRUE(r->AddSequence(5).ok());
+    EXPECT_TRUE(r->AddSequence(6).ok());
+  }
+  return p;
+}
+
 // Layer by layer (every chunk of a layer before the next layer), a chunk finds its history in the
 // staging the chunk before it left (no copy); any other call in between (another layer's chunk,
 // another sequence's, a decode) makes the next chunk copy it again. Both equal the host backend,
@@ -258,18 +301,11 @@ TEST(CudaPrefillStaged, LayerByLayerReusesTheStagedHistory) {
   for (const auto& [head_dim, group, kv_dtype] :
        {std::tuple{128, 4, DType::kBF16}, std::tuple{64, 8, DType::kF16}}) {
     SCOPED_TRACE(std::to_string(head_dim) + " " + std::to_string(group));
-    RuntimeConfig c = OverlapConfig(head_dim, group, kv_dtype, Backend::kCuda);
-    c.capacity.max_sequences = 2;
-    c.capacity.max_batch = 2;
-    std::unique_ptr<Runtime> cuda_rt = MakeRuntime(c);
-    c.backend = Backend::kHost;
-    std::unique_ptr<Runtime> host_rt = MakeRuntime(c);
-    ASSERT_TRUE(cuda_rt && host_rt);
+    RuntimePair rp = MakeStagedPair(head_dim, group, kv_dtype, 2);
+    ASSERT_TRUE(rp.cuda && rp.host);
+    Runtime* cuda_rt = rp.cuda.get();
+    Runtime* host_rt = rp.host.get();
     const ModelShape& m = cuda_rt->config().model;
-    for (Runtime* r : {cuda_rt.get(), host_rt.get()}) {
-      ASSERT_TRUE(r->AddSequence(5).ok());
-      ASSERT_TRUE(r->AddSequence(6).ok());
-    }
     std::mt19937 rng(static_cast<uint32_t>(head_dim + group));
     const double tol = kv_dtype == DType::kBF16 ? 3e-2 : 1e-2;
     // (sequence, layer, chunk index into kChunks)
@@ -283,31 +319,19 @@ TEST(CudaPrefillStaged, LayerByLayerReusesTheStagedHistory) {
     }
     int call = 0;
     for (const auto& [seq, l, ci] : order) {
-      EXPECT_LT(PrefillBoth(cuda_rt.get(), host_rt.get(), seq, l, kChunks[ci], kv_dtype,
+      EXPECT_LT(PrefillBoth(cuda_rt, host_rt, seq, l, kChunks[ci], kv_dtype,
                             call++ % 2 == 1, rng),
                 tol)
           << "sequence " << seq << " layer " << l << " chunk " << ci;
     }
     // One decode step of sequence 5 (every layer), then sequence 6's last chunk of layer 0: its
     // staged history is stale (sequence 5 decoded in between).
-    const std::vector<SequenceId> one = {5};
     for (int l = 0; l < m.num_layers; ++l) {
-      Input q(1, m.num_q_heads, head_dim, kv_dtype, rng), k(1, m.num_kv_heads, head_dim, kv_dtype, rng),
-          v(1, m.num_kv_heads, head_dim, kv_dtype, rng);
-      const std::vector<float> got = RunCuda(
-          [&](const TensorView& qv, const TensorView& kv, const TensorView& vv,
-              const TensorView& ov) { return cuda_rt->Decode(one, l, qv, kv, vv, ov); },
-          q, k, v, kv_dtype, false);
-      std::vector<float> want(got.size(), std::nanf(""));
-      ASSERT_TRUE(host_rt
-                      ->Decode(one, l, q.Host(), k.Host(), v.Host(),
-                               TensorView::Contiguous(want.data(), DType::kF32, MemoryKind::kHost,
-                                                      {1, m.num_q_heads, head_dim}))
-                      .ok());
-      EXPECT_LT(RelErr(got, want, "decode"), 2e-3) << "decode layer " << l;
+      EXPECT_LT(DecodeBoth(cuda_rt, host_rt, 5, l, kv_dtype, rng), 2e-3)
+          << "decode layer " << l;
     }
     for (int l = 0; l < m.num_layers; ++l) {
-      EXPECT_LT(PrefillBoth(cuda_rt.get(), host_rt.get(), 6, l, kChunks[5], kv_dtype, true, rng), tol)
+      EXPECT_LT(PrefillBoth(cuda_rt, host_rt, 6, l, kChunks[5], kv_dtype, true, rng), tol)
           << "sequence 6 last chunk, layer " << l;
     }
   }
@@ -326,24 +350,16 @@ TEST(CudaPrefillStaged, ChunkMajorPrefetchesTheNextCallsHistory) {
   for (const auto& [head_dim, group, kv_dtype] :
        {std::tuple{128, 4, DType::kBF16}, std::tuple{64, 8, DType::kF16}}) {
     SCOPED_TRACE(std::to_string(head_dim) + " " + std::to_string(group));
-    RuntimeConfig c = OverlapConfig(head_dim, group, kv_dtype, Backend::kCuda);
-    c.model.num_layers = 3;
-    c.capacity.max_sequences = 2;
-    c.capacity.max_batch = 2;
-    std::unique_ptr<Runtime> cuda_rt = MakeRuntime(c);
-    c.backend = Backend::kHost;
-    std::unique_ptr<Runtime> host_rt = MakeRuntime(c);
-    ASSERT_TRUE(cuda_rt && host_rt);
+    RuntimePair rp = MakeStagedPair(head_dim, group, kv_dtype, 3);
+    ASSERT_TRUE(rp.cuda && rp.host);
+    Runtime* cuda_rt = rp.cuda.get();
+    Runtime* host_rt = rp.host.get();
     const ModelShape& m = cuda_rt->config().model;
-    for (Runtime* r : {cuda_rt.get(), host_rt.get()}) {
-      ASSERT_TRUE(r->AddSequence(5).ok());
-      ASSERT_TRUE(r->AddSequence(6).ok());
-    }
     std::mt19937 rng(static_cast<uint32_t>(7 * head_dim + group));
     const double tol = kv_dtype == DType::kBF16 ? 3e-2 : 1e-2;
     int call = 0;
     auto both = [&](SequenceId seq, int l, int64_t t) {
-      EXPECT_LT(PrefillBoth(cuda_rt.get(), host_rt.get(), seq, l, t, kv_dtype, call++ % 2 == 1, rng),
+      EXPECT_LT(PrefillBoth(cuda_rt, host_rt, seq, l, t, kv_dtype, call++ % 2 == 1, rng),
                 tol)
           << "sequence " << seq << " layer " << l << " tokens " << t;
     };
@@ -358,21 +374,9 @@ TEST(CudaPrefillStaged, ChunkMajorPrefetchesTheNextCallsHistory) {
           for (int l5 = 0; l5 < m.num_layers; ++l5) both(5, l5, 100);
         }
         if (ci == 3 && l == 1) {
-          const std::vector<SequenceId> one = {5};
           for (int dl = 0; dl < m.num_layers; ++dl) {
-            Input q(1, m.num_q_heads, head_dim, kv_dtype, rng), k(1, m.num_kv_heads, head_dim, kv_dtype, rng),
-                v(1, m.num_kv_heads, head_dim, kv_dtype, rng);
-            const std::vector<float> got = RunCuda(
-                [&](const TensorView& qv, const TensorView& kv, const TensorView& vv,
-                    const TensorView& ov) { return cuda_rt->Decode(one, dl, qv, kv, vv, ov); },
-                q, k, v, kv_dtype, false);
-            std::vector<float> want(got.size(), std::nanf(""));
-            ASSERT_TRUE(host_rt
-                            ->Decode(one, dl, q.Host(), k.Host(), v.Host(),
-                                     TensorView::Contiguous(want.data(), DType::kF32, MemoryKind::kHost,
-                                                            {1, m.num_q_heads, head_dim}))
-                            .ok());
-            EXPECT_LT(RelErr(got, want, "decode"), 2e-3) << "decode layer " << dl;
+            EXPECT_LT(DecodeBoth(cuda_rt, host_rt, 5, dl, kv_dtype, rng), 2e-3)
+                << "decode layer " << dl;
           }
         }
       }

@@ -4,11 +4,8 @@
 # all-resident decode rows with the step kernel's PDL and L2 warm-up and without
 # (KVFERRY_STEP_PDL=0); all next to torch SDPA in the same run.
 set -u
-B=/tmp/b; D=/tmp/r; mkdir -p $D
-t0=$(date +%s)
-cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVFERRY_CUDA_ARCHS=90 -DKVFERRY_BUILD_EXAMPLES=OFF > $D/cmake.log 2>&1 || { tail -30 $D/cmake.log; exit 1; }
-cmake --build $B -j16 --target kvferry_tests kvferry-e2e > $D/build.log 2>&1 || { grep -E "error|FAILED" $D/build.log | head -40; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
+source scripts/device/build.sh
+kvf_build kvferry_tests kvferry-e2e
 E=$B/bench/kvferry-e2e
 rm -f $D/rows.jsonl
 P="--modes prefill_dense,prefill_lfps --contexts ${PCTX:-8192,32768,131072} --prefill-chunks 2048,8192"

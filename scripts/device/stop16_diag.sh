@@ -3,12 +3,8 @@
 # durations and the gaps between them, ncu of one step kernel); racecheck of the LFPS prime kernel;
 # the prime / prefill / graph tests (the PrHS wrappers' priming had not run on the GPU).
 set -u
-B=/tmp/b; D=/tmp/r; mkdir -p $D
-t0=$(date +%s)
-{ command -v nsys ncu compute-sanitizer; ls /usr/local/cuda/bin; nvidia-smi --query-gpu=name,clocks.max.mem,memory.total --format=csv; } > $D/tools.txt 2>&1
-cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVFERRY_CUDA_ARCHS=90 -DKVFERRY_BUILD_EXAMPLES=OFF > $D/cmake.log 2>&1 || { tail -30 $D/cmake.log; exit 1; }
-cmake --build $B -j16 --target kvferry_tests kvferry-e2e > $D/build.log 2>&1 || { grep -E "error|FAILED" $D/build.log | head -40; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
+source scripts/device/build.sh
+kvf_build kvferry_tests kvferry-e2e
 E=$B/bench/kvferry-e2e
 PATH=$PATH:/usr/local/cuda/bin
 if command -v nsys > /dev/null; then

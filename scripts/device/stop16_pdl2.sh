@@ -4,11 +4,8 @@
 # in the same run (dense all-resident, next to torch SDPA); the prefill rows of issue 11 at 8K,
 # 32K and 128K (chunks 2K / 8K, dense and lfps), layer by layer.
 set -u
-B=/tmp/b; D=/tmp/r; mkdir -p $D
-t0=$(date +%s)
-cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVFERRY_CUDA_ARCHS=90 -DKVFERRY_BUILD_EXAMPLES=OFF > $D/cmake.log 2>&1 || { tail -30 $D/cmake.log; exit 1; }
-cmake --build $B -j16 --target kvferry-e2e > $D/build.log 2>&1 || { grep -E "error|FAILED" $D/build.log | head -40; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
+source scripts/device/build.sh
+kvf_build kvferry-e2e
 E=$B/bench/kvferry-e2e
 rm -f $D/rows.jsonl
 run() {  # tag pdl prefetch contexts batches
