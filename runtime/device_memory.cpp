@@ -188,10 +188,10 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     z.prefill_tensor_cores = !EnvIs("KVFERRY_CUDA_PREFILL", "paged");
     z.prefill_copy_stream = z.prefill_tensor_cores && !EnvIs("KVFERRY_PREFILL_OVERLAP", "off");
     if (z.prefill_copy_stream) ++z.streams;
-    // The chunk-major prefetch doubles the staging: on unless KVFERRY_PREFILL_PREFETCH=0 or a GPU
-    // memory cap is set (the cap's bytes go to the bank and the resident tier first).
-    z.prefill_prefetch = z.prefill_copy_stream && !EnvIs("KVFERRY_PREFILL_PREFETCH", "0") &&
-                         cap.gpu_bytes == 0;
+    // The chunk-major prefetch's second staging (Capacity::prefill_prefetch; the environment's
+    // KVFERRY_PREFILL_PREFETCH=0 turns it off too, to compare).
+    z.prefill_prefetch = z.prefill_copy_stream && cap.prefill_prefetch &&
+                         !EnvIs("KVFERRY_PREFILL_PREFETCH", "0");
     if (z.prefill_prefetch) {
       z.prefill_next = z.prefill_scratch;
       z.prefill_next_pages = z.prefill_pages;

@@ -45,6 +45,12 @@ struct Capacity {
   /// context and what the engine allocates. On the host backend the same buffers live in host
   /// memory and are counted alike, so a configuration can be sized on a machine without a GPU.
   int64_t gpu_bytes = 0;
+  /// CUDA: a second prefill staging, the size of the first (one layer's prompt of one sequence,
+  /// max_tokens_per_sequence rows of every KV head), so that a prompt prefilled chunk-major (chunk
+  /// c of every layer before chunk c + 1, as an engine runs a model) has each call's history
+  /// copied to the GPU while the call before it computes. false saves its device memory; chunks
+  /// then copy their history during their own attention. Layer-by-layer prefill never needs it.
+  bool prefill_prefetch = true;
 };
 
 /// \brief GPU-resident tiers, per (sequence, layer, KV head).

@@ -50,7 +50,8 @@ class RuntimeConfig:
     ``softmax_scale`` (0: 1/sqrt(head_dim)). Capacity: ``max_sequences``,
     ``max_tokens_per_sequence``, ``max_batch`` (sequences per decode), ``max_prefill_chunk``,
     ``max_host_bytes`` (0: unlimited), ``host_bytes_at_create``, ``gpu_bytes`` (cap on the device
-    memory reserved at creation; 0: none). Tiers: ``sink_tokens``, ``window_tokens`` (resident on
+    memory reserved at creation; 0: none), ``prefill_prefetch`` (CUDA: a second prefill staging
+    that a chunk-major prompt's calls fill for each other; False saves its memory). Tiers: ``sink_tokens``, ``window_tokens`` (resident on
     the GPU), ``bank_slots`` (-1: the largest bank that fits ``gpu_bytes``), ``bank_map``. Policy:
     ``policy`` (see :func:`policy_names`), ``budget`` (tokens attended per sequence and KV head,
     resident ones included; 0: use ``budget_fraction``), ``params`` (policy parameters by name).
@@ -70,6 +71,7 @@ class RuntimeConfig:
     max_host_bytes: int = 0
     host_bytes_at_create: int = 0
     gpu_bytes: int = 0
+    prefill_prefetch: bool = True
     sink_tokens: int = 4
     window_tokens: int = 256
     bank_slots: int = 0

@@ -141,7 +141,7 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   static const char* const kKnown[] = {
       "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "kv_dtype", "softmax_scale",
       "max_sequences", "max_tokens_per_sequence", "max_batch", "max_prefill_chunk",
-      "max_host_bytes", "host_bytes_at_create", "gpu_bytes", "sink_tokens", "window_tokens",
+      "max_host_bytes", "host_bytes_at_create", "gpu_bytes", "prefill_prefetch", "sink_tokens", "window_tokens",
       "bank_slots", "bank_map", "policy", "budget", "budget_fraction", "params", "route",
       "backend", "device_id", "cpu_threads", "probe_at_start"};
   for (auto [key, value] : d) {
@@ -163,6 +163,7 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   get_int("max_host_bytes", c.capacity.max_host_bytes);
   get_int("host_bytes_at_create", c.capacity.host_bytes_at_create);
   get_int("gpu_bytes", c.capacity.gpu_bytes);
+  if (d.contains("prefill_prefetch")) c.capacity.prefill_prefetch = nb::cast<bool>(d["prefill_prefetch"]);
   get_int("sink_tokens", c.tiers.sink_tokens);
   get_int("window_tokens", c.tiers.window_tokens);
   get_int("bank_slots", c.tiers.bank_slots);
