@@ -101,6 +101,11 @@ class Runtime {
   /// (one asynchronous copy) and is primed by the first Decode of (seq, layer) after it, from
   /// the last chunk: once per prompt and layer, however many chunks (KVFERRY_PRIME_EAGER=1 primes
   /// after every chunk instead, with the same result). That first Decode waits for the device.
+  /// CUDA, where the earlier positions are read from: a chunk continuing the call before it (same
+  /// sequence and layer) finds them on the GPU; a prompt issued chunk-major (chunk c of every
+  /// layer, then chunk c + 1) has each call's copied while the call before it computes
+  /// (Capacity::prefill_prefetch, Stats::prefill_chunks_prefetched); any other order copies them
+  /// during the chunk's own attention. Every order gives the same outputs.
   Status Prefill(SequenceId seq, int layer, const TensorView& q, const TensorView& k,
                  const TensorView& v, const TensorView& out, StreamHandle stream = nullptr);
 
