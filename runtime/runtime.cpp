@@ -113,6 +113,9 @@ RuntimeImpl::~RuntimeImpl() {
     device_->SynchronizeStream(prefill_copy_stream_).IgnoreError();
     device_->DestroyEvent(prefill_fork_);
     for (EventHandle e : prefill_segment_done_) device_->DestroyEvent(e);
+    for (EventHandle e : {prefill_next_ready_, prefill_call_start_}) {
+      if (e != nullptr) device_->DestroyEvent(e);
+    }
     device_->DestroyStream(prefill_copy_stream_);
   }
   if (bank_ != nullptr) {
