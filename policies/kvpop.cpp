@@ -295,8 +295,18 @@ float KvpopPolicy::LogGamma(int layer, int kv_head) const {
 
 Status KvpopPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
   KVF_CHECK_ARG(ctx.n >= 1 && ctx.params.group >= 1, "kvpop select needs n >= 1");
-  KVF_ASSIGN_OR_RETURN(HeadState * st, states_.Get("kvpop", ctx.slot, ctx.layer, ctx.kv_head, true));
   const AttnParams& p = ctx.params;
+  // The weights' shape first: before any state changes, and before LogGamma reads the (layer,
+  // KV head) entry of alpha (a model of another shape read past it).
+  const KvpopScorerWeights* w = use_mlp_ ? weights_.get() : nullptr;
+  if (w != nullptr) {
+    KVF_CHECK_ARG(ctx.layer < w->num_layers && ctx.kv_head < w->num_kv_heads &&
+                      w->in_dim == 2 * p.head_dim,
+                  "kvpop weights are for ", w->num_layers, " layers x ", w->num_kv_heads,
+                  " KV heads x input ", w->in_dim, "; asked for layer ", ctx.layer, ", KV head ",
+                  ctx.kv_head, " with input ", 2 * p.head_dim);
+  }
+  KVF_ASSIGN_OR_RETURN(HeadState * st, states_.Get("kvpop", ctx.slot, ctx.layer, ctx.kv_head, true));
   const OffloadSplit s = SplitPositions(ctx.n, ctx.sink, ctx.window, ctx.budget);
   if (ctx.n < st->next_u) *st = HeadState{};  // a new sequence in this slot
   const int64_t k = std::max<int64_t>(s.k_off, 0);
@@ -322,14 +332,6 @@ Status KvpopPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) 
   const float log_gamma = LogGamma(ctx.layer, ctx.kv_head);
   thread_local std::vector<float> x;
   x.resize(static_cast<size_t>(2 * p.head_dim));
-  const KvpopScorerWeights* w = use_mlp_ ? weights_.get() : nullptr;
-  if (w != nullptr) {
-    KVF_CHECK_ARG(ctx.layer < w->num_layers && ctx.kv_head < w->num_kv_heads &&
-                      w->in_dim == 2 * p.head_dim,
-                  "kvpop weights are for ", w->num_layers, " layers x ", w->num_kv_heads,
-                  " KV heads x input ", w->in_dim, "; asked for layer ", ctx.layer, ", KV head ",
-                  ctx.kv_head, " with input ", 2 * p.head_dim);
-  }
   const size_t head = static_cast<size_t>(ctx.layer) * (w ? w->num_kv_heads : 0) + ctx.kv_head;
   for (int64_t u = std::max<int64_t>(st->next_u, s.sink); u < s.off_hi; ++u) {
     float r = 0.0f;
