@@ -11,6 +11,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <typeinfo>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -124,12 +125,35 @@ StreamHandle StreamOf(uintptr_t stream) { return reinterpret_cast<StreamHandle>(
 // RuntimeConfig from the package's RuntimeConfig dataclass (as a dict of its fields).
 RuntimeConfig ConfigFromDict(const nb::dict& d) {
   RuntimeConfig c;
+  // A field of the wrong Python type is a TypeError naming it and the type wanted (nanobind's own
+  // failure is a bare std::bad_cast).
+  auto wrong_type = [&](const char* k, const char* want) {
+    const std::string got = nb::cast<std::string>(nb::type_name(d[k].type()));
+    throw nb::type_error((std::string(k) + ": want " + want + ", got " + got).c_str());
+  };
   auto get_int = [&](const char* k, auto& field) {
-    if (d.contains(k)) field = static_cast<std::remove_reference_t<decltype(field)>>(nb::cast<int64_t>(d[k]));
+    if (!d.contains(k)) return;
+    int64_t x = 0;
+    try {
+      x = nb::cast<int64_t>(d[k]);
+    } catch (const std::bad_cast&) {
+      wrong_type(k, "an int");
+    }
+    field = static_cast<std::remove_reference_t<decltype(field)>>(x);
+  };
+  // A float, bool or string field (want names the type).
+  auto get_as = [&](const char* k, auto& field, const char* want) {
+    if (!d.contains(k)) return false;
+    try {
+      field = nb::cast<std::remove_reference_t<decltype(field)>>(d[k]);
+    } catch (const std::bad_cast&) {
+      wrong_type(k, want);
+    }
+    return true;
   };
   auto get_dtype = [&](const char* k, DType& field) {
-    if (!d.contains(k)) return;
-    const std::string s = nb::cast<std::string>(d[k]);
+    std::string s;
+    if (!get_as(k, s, "a str")) return;
     if (s == "bf16" || s == "bfloat16") {
       field = DType::kBF16;
     } else if (s == "f16" || s == "float16") {
@@ -155,7 +179,7 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   get_int("num_kv_heads", c.model.num_kv_heads);
   get_int("head_dim", c.model.head_dim);
   get_dtype("kv_dtype", c.model.kv_dtype);
-  if (d.contains("softmax_scale")) c.model.softmax_scale = nb::cast<float>(d["softmax_scale"]);
+  get_as("softmax_scale", c.model.softmax_scale, "a float");
   get_int("max_sequences", c.capacity.max_sequences);
   get_int("max_tokens_per_sequence", c.capacity.max_tokens_per_sequence);
   get_int("max_batch", c.capacity.max_batch);
@@ -163,28 +187,26 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   get_int("max_host_bytes", c.capacity.max_host_bytes);
   get_int("host_bytes_at_create", c.capacity.host_bytes_at_create);
   get_int("gpu_bytes", c.capacity.gpu_bytes);
-  if (d.contains("prefill_prefetch")) c.capacity.prefill_prefetch = nb::cast<bool>(d["prefill_prefetch"]);
+  get_as("prefill_prefetch", c.capacity.prefill_prefetch, "a bool");
   get_int("sink_tokens", c.tiers.sink_tokens);
   get_int("window_tokens", c.tiers.window_tokens);
   get_int("bank_slots", c.tiers.bank_slots);
-  if (d.contains("bank_map")) c.tiers.bank_map = nb::cast<std::string>(d["bank_map"]);
-  if (d.contains("policy")) c.policy.name = nb::cast<std::string>(d["policy"]);
+  get_as("bank_map", c.tiers.bank_map, "a str");
+  get_as("policy", c.policy.name, "a str");
   get_int("budget", c.policy.budget_tokens);
-  if (d.contains("budget_fraction")) c.policy.budget_fraction = nb::cast<double>(d["budget_fraction"]);
+  get_as("budget_fraction", c.policy.budget_fraction, "a float");
   if (d.contains("params") && !d["params"].is_none()) {
     for (auto [pk, pv] : nb::cast<nb::dict>(d["params"])) {
       c.policy.params[nb::cast<std::string>(pk)] = nb::cast<double>(pv);
     }
   }
-  if (d.contains("route")) {
-    const std::string s = nb::cast<std::string>(d["route"]);
+  if (std::string s; get_as("route", s, "a str")) {
     if (s == "auto") c.route = Route::kAuto;
     else if (s == "gpu") c.route = Route::kGpu;
     else if (s == "cpu") c.route = Route::kCpu;
     else throw nb::value_error(("route: want 'auto', 'gpu' or 'cpu', got '" + s + "'").c_str());
   }
-  if (d.contains("backend")) {
-    const std::string s = nb::cast<std::string>(d["backend"]);
+  if (std::string s; get_as("backend", s, "a str")) {
     if (s == "auto") c.backend = Backend::kAuto;
     else if (s == "cuda") c.backend = Backend::kCuda;
     else if (s == "host") c.backend = Backend::kHost;
@@ -192,7 +214,7 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   }
   get_int("device_id", c.device_id);
   get_int("cpu_threads", c.cpu_threads);
-  if (d.contains("probe_at_start")) c.probe_at_start = nb::cast<bool>(d["probe_at_start"]);
+  get_as("probe_at_start", c.probe_at_start, "a bool");
   return c;
 }
 

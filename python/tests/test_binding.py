@@ -228,6 +228,27 @@ def test_host_capacity_is_a_memory_error_and_leaves_other_sequences_intact():
     assert torch.allclose(o1[0].double(), ref, atol=2e-5, rtol=1e-4)
 
 
+def test_prefill_prefetch_is_a_field_and_its_count_a_stat():
+    """Capacity.prefill_prefetch reaches the runtime (the host backend has no staging, so no chunk
+    is ever prefetched there, in any order), and a value of the wrong type is refused."""
+    for on in (True, False):
+        rt = make_rt(prefill_prefetch=on)
+        rt.add_sequence(1)
+        for _chunk in range(2):
+            for layer in (0, 1):  # chunk-major
+                q, k, v = rnd(100, HQ, D), rnd(100, HKV, D), rnd(100, HKV, D)
+                rt.prefill(1, layer, q, k, v)
+        s = rt.stats()
+        assert s["prefill_tokens"] == 400
+        assert s["prefill_chunks_prefetched"] == 0
+    with pytest.raises(TypeError, match="prefill_prefetch: want a bool, got str"):
+        make_rt(prefill_prefetch="yes")
+    with pytest.raises(TypeError, match="max_batch: want an int, got str"):
+        make_rt(max_batch="4")
+    with pytest.raises(TypeError, match="route: want a str, got int"):
+        make_rt(route=1)
+
+
 def test_gpu_bytes_cap_refuses_what_does_not_fit_and_sizes_the_auto_bank():
     with pytest.raises(MemoryError, match="capacity.gpu_bytes 4096 is below"):
         make_rt(gpu_bytes=4096)
