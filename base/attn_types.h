@@ -461,6 +461,10 @@ struct PrefillStageArgs {
   /// [0, pos0) are in the staging already (the previous chunk of the same sequence and layer left
   /// them there): PrefillChunk copies no history.
   bool history_staged = false;
+  /// The chunk's rows go to the host store from this kernel (zero-copy); false: only to the
+  /// resident tier and the staging, and the caller copies them to the host store
+  /// (PrefillChunkArgs::write_stream).
+  bool write_through = true;
 };
 
 /// Most history segments one PrefillChunk call copies and attends one after another.
@@ -509,6 +513,17 @@ struct PrefillChunkArgs {
   /// f32 device scratch: tokens * num_q_heads * head_dim elements, and tokens * num_q_heads.
   float* o_acc = nullptr;
   float* lse_acc = nullptr;
+
+  /// Write-through on the copy engines (all set, or write_stream null for the stage kernel's
+  /// zero-copy stores): after the stage kernel put the chunk's rows in the staging (write_ready,
+  /// recorded on the caller's stream), write_stream copies them page by page to the host store
+  /// while the chunk is attended, and the caller's stream waits for write_done after the call's
+  /// last launch. write_scratch: host memory for the copy lists, 2 * PrefillCopyScratchBytes
+  /// bytes.
+  StreamHandle write_stream = nullptr;
+  void* write_ready = nullptr;  ///< event
+  void* write_done = nullptr;   ///< event
+  void* write_scratch = nullptr;
 };
 
 }  // namespace kvferry

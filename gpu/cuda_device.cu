@@ -378,7 +378,7 @@ Status CudaDevice::EnqueuePageCopies(void** dst, const void** src, size_t* bytes
   }
 #endif
   for (int64_t i = 0; i < count; ++i) {
-    KVF_CUDA_CHECK(cudaMemcpyAsync(dst[i], src[i], bytes[i], cudaMemcpyHostToDevice, stream));
+    KVF_CUDA_CHECK(cudaMemcpyAsync(dst[i], src[i], bytes[i], cudaMemcpyDefault, stream));
   }
   return Status::Ok();
 }
@@ -455,15 +455,63 @@ Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) 
     KVF_RETURN_IF_ERROR(fail(enqueue_segment(0)));
   }
 
+  // Write-through on the copy engines: the stage kernel leaves the host store alone, and the
+  // chunk's rows go from the staging to it page by page on write_stream while the chunk is
+  // attended (the zero-copy stores were 8 MB over PCIe before every 2K chunk's attention).
+  const bool async_write = a.write_stream != nullptr && st.staging != nullptr && tokens > 0;
+  st.write_through = !async_write;
+  KVF_CHECK_ARG(!async_write || (a.write_ready != nullptr && a.write_done != nullptr &&
+                                 a.write_scratch != nullptr && a.host_pages != nullptr),
+                "PrefillChunk: write-through on write_stream without its events, lists or pages");
+  const auto wstream = static_cast<cudaStream_t>(a.write_stream);
+  bool write_forked = false;
+  auto fail_all = [&](Status status) {
+    if (!status.ok() && write_forked) {
+      (void)cudaGetLastError();
+      const auto done = static_cast<cudaEvent_t>(a.write_done);
+      if (cudaEventRecord(done, wstream) == cudaSuccess) (void)cudaStreamWaitEvent(s, done, 0);
+    }
+    return fail(std::move(status));
+  };
   KVF_RETURN_IF_ERROR(fail(LaunchPrefillStage(st, s)));
+  if (async_write) {
+    KVF_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(a.write_ready), s));
+    KVF_CUDA_CHECK(cudaStreamWaitEvent(wstream, static_cast<cudaEvent_t>(a.write_ready), 0));
+    write_forked = true;
+    // Two copies (K rows, V rows) per head and page the chunk touches: write_scratch holds
+    // 2 * num_kv_heads * max_pages entries of each list.
+    const int64_t wcap = 2 * static_cast<int64_t>(hkv) * st.max_pages;
+    auto** wdst = static_cast<void**>(a.write_scratch);
+    auto** wsrc = const_cast<const void**>(wdst + wcap);
+    auto* wbytes = reinterpret_cast<size_t*>(wdst + 2 * wcap);
+    const size_t row_b = static_cast<size_t>(d) * elem;
+    int64_t n = 0;
+    for (int h = 0; h < hkv; ++h) {
+      for (int64_t p = st.pos0 / pt; p * pt < st.new_len; ++p) {
+        const int64_t r0 = std::max(st.pos0, p * pt) - p * pt;
+        const int64_t r1 = std::min(st.new_len, (p + 1) * pt) - p * pt;
+        char* host = static_cast<char*>(a.host_pages[h * st.max_pages + p]);
+        const char* dev = st.staging + static_cast<size_t>((h * staging_pages + p) * 2 * pt) * row_b;
+        for (int kv = 0; kv < 2; ++kv) {  // the page's K rows, then its V rows
+          wdst[n] = host + static_cast<size_t>(kv * pt + r0) * row_b;
+          wsrc[n] = dev + static_cast<size_t>(kv * pt + r0) * row_b;
+          wbytes[n] = static_cast<size_t>(r1 - r0) * row_b;
+          ++n;
+        }
+      }
+    }
+    KVF_RETURN_IF_ERROR(fail_all(EnqueuePageCopies(wdst, wsrc, wbytes, n, wstream)));
+    const cudaError_t err = cudaEventRecord(static_cast<cudaEvent_t>(a.write_done), wstream);
+    if (err != cudaSuccess) return fail_all(CudaStatus(err, "cudaEventRecord(write_done)", __FILE__, __LINE__));
+  }
   const void* q = a.q;
   if (a.q_dtype != st.kv_dtype) {
     if (a.q_scratch == nullptr) {
-      return fail(InvalidArgument(
+      return fail_all(InvalidArgument(
           detail::StrCat("PrefillChunk: q in ", DTypeName(a.q_dtype), " needs q_scratch")));
     }
     KVF_RETURN_IF_ERROR(
-        fail(LaunchConvert(a.q, a.q_dtype, a.q_scratch, st.kv_dtype, tokens * hq * d, s)));
+        fail_all(LaunchConvert(a.q, a.q_dtype, a.q_scratch, st.kv_dtype, tokens * hq * d, s)));
     q = a.q_scratch;
   }
   // Launch 0: the chunk's own causal block (with the history before it when nothing is
@@ -500,23 +548,27 @@ Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) 
   };
   fill(items, first_page, st.pos0 - first_page * pt, 0, false, num_segs == 0);
   KVF_RETURN_IF_ERROR(
-      fail(LaunchPrefillAttention(a.params, st.kv_dtype, num_segs == 0 ? a.out_dtype : DType::kF32,
+      fail_all(LaunchPrefillAttention(a.params, st.kv_dtype, num_segs == 0 ? a.out_dtype : DType::kF32,
                                   items, hkv, static_cast<int32_t>(tokens), s)));
   for (int j = 0; j < num_segs; ++j) {
-    if (j + 1 < num_segs) KVF_RETURN_IF_ERROR(fail(enqueue_segment(j + 1)));
+    if (j + 1 < num_segs) KVF_RETURN_IF_ERROR(fail_all(enqueue_segment(j + 1)));
     const bool last = j == num_segs - 1;
     const int64_t len = (seg_begin[j + 1] - seg_begin[j]) * pt;
     PrefillAttnItem* its = items + (1 + j) * hkv;
     fill(its, seg_begin[j], len - 1, len, true, last);
     const cudaError_t err = cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(a.segment_done[j]), 0);
     if (err != cudaSuccess) {
-      return fail(CudaStatus(err, "cudaStreamWaitEvent(segment_done)", __FILE__, __LINE__));
+      return fail_all(CudaStatus(err, "cudaStreamWaitEvent(segment_done)", __FILE__, __LINE__));
     }
     KVF_RETURN_IF_ERROR(
-        fail(LaunchPrefillAttention(a.params, st.kv_dtype, last ? a.out_dtype : DType::kF32, its,
+        fail_all(LaunchPrefillAttention(a.params, st.kv_dtype, last ? a.out_dtype : DType::kF32, its,
                                     hkv, static_cast<int32_t>(tokens), s)));
   }
-  // The last launch waited for the last segment's copies, hence for everything on copy_stream.
+  // The last launch waited for the last segment's copies, hence for everything on copy_stream;
+  // the caller's stream then waits for the write-through.
+  if (async_write) {
+    KVF_CUDA_CHECK(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(a.write_done), 0));
+  }
   return Status::Ok();
 }
 

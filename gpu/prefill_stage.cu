@@ -42,12 +42,14 @@ __global__ void __launch_bounds__(kStageThreads) StageChunkKernel(PrefillStageAr
     for (int i = 0; i < 8; ++i) StoreElem(packed, a.kv_dtype, i, LoadElem(src, src_dtype, src_off + i));
     const uint4 val = *reinterpret_cast<const uint4*>(packed);
     const size_t col = static_cast<size_t>(c) * 8 * elem;
-    // Host store (write-through).
+    // Host store (write-through), unless the caller's copy engines take it from the staging.
     const uint32_t pt = static_cast<uint32_t>(a.page_tokens);
     const size_t page_row = static_cast<size_t>(which) * pt + pos % pt;
-    const char* page = reinterpret_cast<const char*>(
-        reinterpret_cast<const unsigned long long*>(a.pages)[h * a.max_pages + pos / pt]);
-    *reinterpret_cast<uint4*>(const_cast<char*>(page) + page_row * row_bytes + col) = val;
+    if (a.write_through) {
+      const char* page = reinterpret_cast<const char*>(
+          reinterpret_cast<const unsigned long long*>(a.pages)[h * a.max_pages + pos / pt]);
+      *reinterpret_cast<uint4*>(const_cast<char*>(page) + page_row * row_bytes + col) = val;
+    }
     // Resident tier: the sinks and the rows that end in the window.
     const int64_t row = ResidentRowOf(pos, a.new_len, a.sink, a.window);
     if (row >= 0) {
@@ -164,6 +166,8 @@ Status LaunchPrefillStage(const PrefillStageArgs& a, cudaStream_t stream) {
                 "prefill stage: staging of ", a.staging_cap, " rows is not whole pages of ",
                 a.page_tokens);
   KVF_CHECK_ARG(a.pages != nullptr && a.resident != nullptr, "prefill stage: null page table or tier");
+  KVF_CHECK_ARG(a.write_through || a.staging != nullptr,
+                "prefill stage: the write-through left to the caller needs the staging");
   if (a.tokens > 0) {
     const int64_t units = a.tokens * a.num_kv_heads * 2 * (a.head_dim / 8);
     StageChunkKernel<<<GridFor(units), kStageThreads, 0, stream>>>(a);

@@ -188,6 +188,10 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     z.prefill_tensor_cores = !EnvIs("KVFERRY_CUDA_PREFILL", "paged");
     z.prefill_copy_stream = z.prefill_tensor_cores && !EnvIs("KVFERRY_PREFILL_OVERLAP", "off");
     if (z.prefill_copy_stream) ++z.streams;
+    // The chunk's write-through on a stream of its own, from the staging, while the chunk is
+    // attended, unless KVFERRY_PREFILL_WRITE=zero-copy (the stage kernel's stores, to compare).
+    z.prefill_write_stream = z.prefill_copy_stream && !EnvIs("KVFERRY_PREFILL_WRITE", "zero-copy");
+    if (z.prefill_write_stream) ++z.streams;
     // The chunk-major prefetch's second staging (Capacity::prefill_prefetch; the environment's
     // KVFERRY_PREFILL_PREFETCH=0 turns it off too, to compare).
     z.prefill_prefetch = z.prefill_copy_stream && cap.prefill_prefetch &&

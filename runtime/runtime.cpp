@@ -118,6 +118,12 @@ RuntimeImpl::~RuntimeImpl() {
     }
     device_->DestroyStream(prefill_copy_stream_);
   }
+  if (prefill_write_stream_ != nullptr) {
+    device_->SynchronizeStream(prefill_write_stream_).IgnoreError();
+    device_->DestroyEvent(prefill_write_ready_);
+    device_->DestroyEvent(prefill_write_done_);
+    device_->DestroyStream(prefill_write_stream_);
+  }
   if (bank_ != nullptr) {
     device_->SynchronizeStream(side_stream_).IgnoreError();
     bank_.reset();
@@ -321,6 +327,13 @@ Status RuntimeImpl::Init() {
         }
         prefill_copy_scratch_.assign(
             PrefillCopyScratchBytes(hkv, store_->max_pages()) / sizeof(void*), nullptr);
+      }
+      if (z.prefill_write_stream) {
+        KVF_ASSIGN_OR_RETURN(prefill_write_stream_, device_->CreateStream());
+        KVF_ASSIGN_OR_RETURN(prefill_write_ready_, device_->CreateEvent());
+        KVF_ASSIGN_OR_RETURN(prefill_write_done_, device_->CreateEvent());
+        prefill_write_scratch_.assign(
+            2 * PrefillCopyScratchBytes(hkv, store_->max_pages()) / sizeof(void*), nullptr);
       }
     }
   }
@@ -735,6 +748,13 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
       a.copy_scratch = prefill_copy_scratch_.data();
       a.o_acc = o_gpu_;
       a.lse_acc = lse_gpu_;
+    }
+    if (prefill_write_stream_ != nullptr) {
+      a.host_pages = store_->pages(slot, layer, 0).pages;
+      a.write_stream = prefill_write_stream_;
+      a.write_ready = prefill_write_ready_;
+      a.write_done = prefill_write_done_;
+      a.write_scratch = prefill_write_scratch_.data();
     }
     KVF_RETURN_IF_ERROR(device_->PrefillChunk(a, stream));
     staged_ = {slot, layer, new_len};

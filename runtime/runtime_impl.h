@@ -62,6 +62,7 @@ struct DeviceBufferSizes {
   int64_t max_pages = 0;
   bool prefill_tensor_cores = false;
   bool prefill_copy_stream = false;
+  bool prefill_write_stream = false;
   /// A second staging (and its page table) that a chunk-major prefill fills with the next call's
   /// history while the current call computes (PrefetchNextHistory).
   bool prefill_prefetch = false;
@@ -460,6 +461,10 @@ class RuntimeImpl {
   EventHandle prefill_fork_ = nullptr;
   std::vector<EventHandle> prefill_segment_done_;
   std::vector<void*> prefill_copy_scratch_;  // host: the copy lists
+  // The chunk's write-through from the staging on the copy engines (PrefillChunkArgs::write_stream).
+  StreamHandle prefill_write_stream_ = nullptr;
+  EventHandle prefill_write_ready_ = nullptr, prefill_write_done_ = nullptr;
+  std::vector<void*> prefill_write_scratch_;  // host: its copy lists
   RowAttnItem* gpu_items_ = nullptr;
   RowAttnItem* cpu_items_ = nullptr;
   PagedAttnItem* paged_items_ = nullptr;
