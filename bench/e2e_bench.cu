@@ -10,6 +10,7 @@
 //   kvferry-e2e --json out.json [--contexts 32768,131072] [--batches 1,4] [--modes a,b,..]
 //               [--steps 20] [--layers 32] [--host-gib 100] [--device-gib 70]
 //               [--prefill-chunks 2048,8192] [--prefill-layers 3] [--prefill-order layer|chunk]
+//               [--cpu-threads N] [--trace PREFIX] [--param key=value ...]
 // Modes: dense_resident (window covers the context), streaming (budget 1024, window 256: 768 rows
 // per KV head read over PCIe each step), streaming_resident (budget 1024 = sinks + window: nothing
 // read over PCIe), oracle (2%),
@@ -84,6 +85,9 @@ struct Options {
   // One more token step after the timed ones, recorded by Runtime::StartTrace/WriteTrace into
   // <trace_prefix>_<mode>_<context>_b<batch>.json (host timeline, Chrome trace format).
   std::string trace_prefix;
+  // --param k=v (repeatable): config.policy.params of every decode and prefill mode (unknown keys
+  // are the policy's error); written into each row as "params".
+  std::vector<std::pair<std::string, double>> params;
 };
 
 template <typename T>
@@ -99,6 +103,17 @@ std::vector<T> SplitList(const std::string& s) {
     }
   }
   return out;
+}
+
+// Puts --param's pairs into the policy's parameters and the row ("params":{"k":v,...}).
+void AddParams(const Options& o, RuntimeConfig& c, std::ostringstream& row) {
+  if (o.params.empty()) return;
+  row << ",\"params\":{";
+  for (size_t i = 0; i < o.params.size(); ++i) {
+    c.policy.params[o.params[i].first] = o.params[i].second;
+    row << (i ? "," : "") << "\"" << o.params[i].first << "\":" << o.params[i].second;
+  }
+  row << "}";
 }
 
 Options Parse(int argc, char** argv) {
@@ -125,6 +140,15 @@ Options Parse(int argc, char** argv) {
     else if (a == "--prefill-order") o.prefill_order = next();
     else if (a == "--cpu-threads") o.cpu_threads = std::stoi(next());
     else if (a == "--trace") o.trace_prefix = next();
+    else if (a == "--param") {
+      const std::string kv = next();
+      const size_t eq = kv.find('=');
+      if (eq == std::string::npos || eq == 0) {
+        std::fprintf(stderr, "--param wants key=value, got '%s'\n", kv.c_str());
+        std::exit(2);
+      }
+      o.params.emplace_back(kv.substr(0, eq), std::stod(kv.substr(eq + 1)));
+    }
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
       std::exit(2);
@@ -216,6 +240,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   }
   row << ",\"policy\":\"" << c.policy.name << "\",\"route\":\"" << kvferry::RouteName(c.route) << "\""
       << ",\"bank_slots\":" << c.tiers.bank_slots;
+  AddParams(o, c, row);
   auto made = Runtime::Create(c);
   if (!made.ok()) {
     row << ",\"skipped\":\"" << made.status().ToString() << "\"}";
@@ -392,6 +417,7 @@ std::string RunPrefill(const Options& o, int64_t ctx, int64_t chunk, const std::
   c.policy.budget_tokens = mode == "prefill_lfps" ? 0 : ctx;
   c.policy.budget_fraction = mode == "prefill_lfps" ? 0.02 : 0.0;
   row << ",\"policy\":\"" << c.policy.name << "\"";
+  AddParams(o, c, row);
   // Chunks after the first overlap the history copy with the attention unless
   // KVFERRY_PREFILL_OVERLAP=off (the one-pass staging; compare both in one run).
   const char* overlap = std::getenv("KVFERRY_PREFILL_OVERLAP");
