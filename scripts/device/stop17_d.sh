@@ -15,6 +15,6 @@ run() {  # name, extra args...
 run default
 run scan0 --param scan=0
 run threads8 --cpu-threads 8
-run period8 --param scan_max_period=1
+run scan_every_step --param scan_max_period=1
 run default2
 tar czf $OUT/r.tgz -C $D . ; echo "total: $(( $(date +%s) - t0 )) s"
