@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <mutex>
 #include <thread>
 
@@ -14,7 +13,6 @@
 #include <oneapi/tbb/global_control.h>
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/task_arena.h>
-#include <oneapi/tbb/task_group.h>
 #include <oneapi/tbb/task_scheduler_observer.h>
 
 #include "cpu/cpu_features.h"
@@ -309,33 +307,8 @@ Status CpuPool::Run(std::span<const CpuJob> jobs) {
   return Status::Ok();
 }
 
-namespace {
-bool SpawnEachTask() {
-  static const bool on = [] {
-    const char* env = std::getenv("KVFERRY_POOL_SPAWN");
-    return env == nullptr || env[0] != '0';
-  }();
-  return on;
-}
-}  // namespace
-
 void CpuPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
   impl_->arena->execute([&] {
-    if (n <= 1) {
-      if (n == 1) fn(0);
-      return;
-    }
-    // Few items (a decode step's (sequence, KV head) tasks): each is spawned at once, so idle
-    // workers wake and take one each, where parallel_for's halving hands them out through a
-    // chain of steals (its last of 8 items started about 50 us after the first, a tenth of the
-    // step, on the GPU machine). KVFERRY_POOL_SPAWN=0: parallel_for, to compare.
-    if (n <= kSpawnEachMax && SpawnEachTask()) {
-      tbb::task_group tg;
-      for (int64_t i = n - 1; i >= 1; --i) tg.run([&fn, i] { fn(i); });
-      fn(0);
-      tg.wait();
-      return;
-    }
     tbb::parallel_for(int64_t{0}, n, [&](int64_t i) { fn(i); });
   });
 }

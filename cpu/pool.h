@@ -88,10 +88,7 @@ class CpuPool {
 
   /// Runs fn(i), i in [0, n), on the pool's pinned threads; returns when all are done. For work
   /// that is not a CpuJob (dense attention, scoring); do not call from inside a pool task.
-  /// Up to kSpawnEachMax items are spawned as one task each (see pool.cpp), more go through
-  /// tbb::parallel_for.
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
-  static constexpr int64_t kSpawnEachMax = 256;
 
   /// Jobs submitted and not yet popped as completions.
   [[nodiscard]] int64_t in_flight() const { return in_flight_.load(std::memory_order_acquire); }

@@ -46,7 +46,6 @@
 #include <numeric>
 
 #include <oneapi/tbb/parallel_for.h>
-#include <oneapi/tbb/task_group.h>
 #include <oneapi/tbb/task_arena.h>
 
 #include "base/check.h"
@@ -128,22 +127,7 @@ void ForRanges(int count, const F& fn) {
     fn(0);
     return;
   }
-  // Every range spawned at once (idle pool threads take one each at once; parallel_for's halving
-  // hands them out through a chain of steals), unless KVFERRY_POOL_SPAWN=0.
-  static const bool spawn = [] {
-    const char* env = std::getenv("KVFERRY_POOL_SPAWN");
-    return env == nullptr || env[0] != '0';
-  }();
-  tbb::this_task_arena::isolate([&] {
-    if (!spawn) {
-      tbb::parallel_for(0, count, [&](int i) { fn(i); });
-      return;
-    }
-    tbb::task_group tg;
-    for (int i = count - 1; i >= 1; --i) tg.run([&fn, i] { fn(i); });
-    fn(0);
-    tg.wait();
-  });
+  tbb::this_task_arena::isolate([&] { tbb::parallel_for(0, count, [&](int i) { fn(i); }); });
 }
 
 // fn(b, e, i) over rows [begin, end) in `ranges` tile-aligned ranges (ForRanges: the runtime's

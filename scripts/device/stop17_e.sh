@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (The spawn change it measured, commit b88d3ba, was reverted: no gain in start latency or step time.)
 # Stop 17, call E: lfps@2% auto at 32K and 64K with the pool's items and LFPS's scan ranges spawned
 # one task each, against tbb::parallel_for (KVFERRY_POOL_SPAWN=0), and with the scan every step
 # (scan_max_period=1), each twice, interleaved; LFPS's phase profile and a host timeline.
