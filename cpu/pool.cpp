@@ -101,8 +101,12 @@ struct CpuPool::Impl {
   std::unique_ptr<PinningObserver> observer;
   std::unique_ptr<boost::lockfree::queue<CpuJob>> jobs;
   std::unique_ptr<boost::lockfree::queue<CpuCompletion>> done;
+  // KeepWarm's spinners stop when this changes (every ParallelFor and the destructor bump it);
+  // shared with them, so that one still queued when the pool goes reads live memory.
+  std::shared_ptr<std::atomic<uint64_t>> warm_epoch = std::make_shared<std::atomic<uint64_t>>(0);
 
   ~Impl() {
+    warm_epoch->fetch_add(1, std::memory_order_release);
     observer.reset();
     arena.reset();
     for (hwloc_bitmap_t s : core_sets) hwloc_bitmap_free(s);
@@ -307,7 +311,23 @@ Status CpuPool::Run(std::span<const CpuJob> jobs) {
   return Status::Ok();
 }
 
+void CpuPool::KeepWarm(int threads, int64_t max_us) {
+  if (threads <= 0 || max_us <= 0) return;
+  std::shared_ptr<std::atomic<uint64_t>> epoch = impl_->warm_epoch;
+  const uint64_t e = epoch->load(std::memory_order_acquire);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(max_us);
+  for (int i = 0; i < std::min(threads, num_threads()); ++i) {
+    impl_->arena->enqueue([epoch, e, until] {
+      for (int spins = 0; epoch->load(std::memory_order_acquire) == e; ++spins) {
+        _mm_pause();
+        if ((spins & 63) == 63 && std::chrono::steady_clock::now() >= until) return;
+      }
+    });
+  }
+}
+
 void CpuPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
+  impl_->warm_epoch->fetch_add(1, std::memory_order_release);
   impl_->arena->execute([&] {
     tbb::parallel_for(int64_t{0}, n, [&](int64_t i) { fn(i); });
   });

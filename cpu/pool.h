@@ -90,6 +90,12 @@ class CpuPool {
   /// that is not a CpuJob (dense attention, scoring); do not call from inside a pool task.
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
+  /// Keeps up to \p threads workers spinning (pause loop) until the next ParallelFor starts or
+  /// \p max_us microseconds pass, whichever comes first, so that its items start on threads that
+  /// are awake (a sleeping TBB worker takes tens of microseconds to wake). For a caller about to
+  /// wait briefly (a decode step waiting for q) and then fork; returns at once.
+  void KeepWarm(int threads, int64_t max_us);
+
   /// Jobs submitted and not yet popped as completions.
   [[nodiscard]] int64_t in_flight() const { return in_flight_.load(std::memory_order_acquire); }
 

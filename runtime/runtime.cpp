@@ -366,6 +366,13 @@ Status RuntimeImpl::Init() {
     const char* eager = std::getenv("KVFERRY_PRIME_EAGER");
     prime_eager_ = eager != nullptr && std::string_view(eager) == "1";
   }
+  // Spinning workers between layers only where the CPU has nothing else to do meanwhile: a GPU
+  // backend (the host backend's caller computes between layers, and would share cores with them)
+  // with a pool of at least 4 threads.
+  pool_warm_us_ = device_->backend() != Backend::kHost && pool_->num_threads() >= 4 ? 500 : 0;
+  if (const char* warm = std::getenv("KVFERRY_POOL_WARM_US"); warm != nullptr && warm[0] != '\0') {
+    pool_warm_us_ = std::max<int64_t>(0, std::atoll(warm));
+  }
   if (const char* restage = std::getenv("KVFERRY_PREFILL_RESTAGE"); restage != nullptr && restage[0] == '1') {
     restage_ = true;
   }

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -166,6 +167,29 @@ TEST(CpuPoolTest, ParallelForRunsEveryIndexOnce) {
   std::vector<std::atomic<int>> hits(1000);
   (*pool)->ParallelFor(1000, [&](int64_t i) { hits[i].fetch_add(1); });
   for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+}
+
+// KeepWarm's spinners leave at the next ParallelFor (every index still runs once, and the fork
+// does not wait for their deadline), at their deadline with no fork, and when the pool goes while
+// some are still queued or spinning.
+TEST(CpuPoolTest, KeepWarmSpinnersYieldToTheNextForkAndThePool) {
+  CpuPoolOptions opt;
+  opt.threads = 4;
+  opt.pin = false;
+  auto pool = CpuPool::Create(opt);
+  ASSERT_TRUE(pool.ok());
+  for (int round = 0; round < 20; ++round) {
+    (*pool)->KeepWarm((*pool)->num_threads(), 10'000'000);  // 10 s: only the fork ends them
+    std::vector<std::atomic<int>> hits(64);
+    const auto t0 = std::chrono::steady_clock::now();
+    (*pool)->ParallelFor(64, [&](int64_t i) { hits[i].fetch_add(1); });
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << round;
+    for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+  }
+  (*pool)->KeepWarm((*pool)->num_threads(), 1000);  // ends by its deadline
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  (*pool)->KeepWarm((*pool)->num_threads(), 10'000'000);
+  pool->reset();  // spinners see the epoch move and leave; the arena joins them
 }
 
 // GatherRowsHost (offload/host_gather.h): random rows of a store into a compact block, on the pool
