@@ -107,8 +107,8 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
     cpu_items_[i].count = n_cpu;  // the stats below read the split back
   });
   // The next layer's items usually come within tens of microseconds (merge, append, the GPU's
-  // launch, the wait for its q): keep the workers spinning until then, so that they start at once
-  // instead of waking one after another (the last of 8 started 50-75 us after the first).
+  // launch, the wait for its q): KVFERRY_POOL_WARM_US keeps the workers spinning until then, so
+  // that they start at once instead of waking one after another (off by default: runtime.cpp).
   pool_->KeepWarm(pool_->num_threads(), pool_warm_us_);
 
   for (int64_t i = 0; i < items; ++i) {

@@ -271,8 +271,7 @@ class RuntimeImpl {
   /// Pool threads per item when \p items run at once (SelectContext::threads).
   int SelectThreads(int64_t items) const;
   // How long the pool's workers spin after a step's CPU items for the next layer's
-  // (CpuPool::KeepWarm): 500 us on a GPU backend with 4 or more pool threads, else 0 (off);
-  // KVFERRY_POOL_WARM_US overrides.
+  // (CpuPool::KeepWarm): 0 (off) unless KVFERRY_POOL_WARM_US sets it (runtime.cpp says why).
   int64_t pool_warm_us_ = 0;
   // First writes the new tokens' K/V rows to the host store (the step's kernels write only their
   // resident rows: DecodeStepArgs::host_writes_store). q/k/v: the caller's inputs in host memory.
