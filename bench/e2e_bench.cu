@@ -11,7 +11,9 @@
 //               [--steps 20] [--layers 32] [--host-gib 100] [--device-gib 70]
 //               [--prefill-chunks 2048,8192] [--prefill-layers 3] [--prefill-order layer|chunk]
 //               [--cpu-threads N] [--trace PREFIX] [--param key=value ...]
-// Modes: dense_resident (window covers the context), streaming (budget 1024, window 256: 768 rows
+// --gpu-gib G caps the runtime's device memory (Capacity::gpu_bytes; the _bank modes take the
+// largest bank that fits). A mode may be prefixed by PrHS wrappers: "cis+lfps", "psaw+cis+oracle".
+// Modes: dense_cpu (dense, every row attended on the CPU cores), dense_resident (window covers the context), streaming (budget 1024, window 256: 768 rows
 // per KV head read over PCIe each step), streaming_resident (budget 1024 = sinks + window: nothing
 // read over PCIe), oracle (2%),
 // quest (2%, page bounds on the GPU), sparcas (2%, compact keys on the GPU), lfps (2%, route auto), lfps_gpu (2%, route gpu), full_streaming (dense, every row read over PCIe); any of oracle, quest, sparcas with "_bank" appended runs
@@ -28,6 +30,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "examples/llama/progress.h"
@@ -75,6 +78,9 @@ struct Options {
   int layers = 32;
   double host_gib = 100;
   double device_gib = 70;
+  // --gpu-gib G: Capacity::gpu_bytes = G GiB for every decode mode (0: no cap); the "_bank" modes
+  // then take the largest bank that fits (Tiers::bank_slots = -1).
+  double gpu_gib = 0;
   std::string json;
   std::vector<int64_t> prefill_chunks = {2048, 8192};  // prefill_* modes
   int prefill_layers = 3;                              // the first is a warm-up
@@ -135,6 +141,7 @@ Options Parse(int argc, char** argv) {
     else if (a == "--layers") o.layers = std::stoi(next());
     else if (a == "--host-gib") o.host_gib = std::stod(next());
     else if (a == "--device-gib") o.device_gib = std::stod(next());
+    else if (a == "--gpu-gib") o.gpu_gib = std::stod(next());
     else if (a == "--prefill-chunks") o.prefill_chunks = SplitList<int64_t>(next());
     else if (a == "--prefill-layers") o.prefill_layers = std::stoi(next());
     else if (a == "--prefill-order") o.prefill_order = next();
@@ -181,7 +188,20 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   const bool resident = mode == "dense_resident";
   // "<mode>_bank": the same policy with the device token bank (slots for twice the offloaded picks).
   const bool bank = mode.size() > 5 && mode.compare(mode.size() - 5, 5, "_bank") == 0;
-  const std::string base = bank ? mode.substr(0, mode.size() - 5) : mode;
+  // PrHS wrappers in front of a mode ("cis+lfps", "psaw+cis+quest_bank"): the mode's policy
+  // wrapped by them (policies/prhs.h).
+  std::string wrappers, inner = mode;
+  for (bool more = true; more;) {
+    more = false;
+    for (const char* w : {"cis+", "psaw+", "xl+"}) {
+      if (inner.rfind(w, 0) == 0) {
+        wrappers += w;
+        inner = inner.substr(std::string_view(w).size());
+        more = true;
+      }
+    }
+  }
+  const std::string base = bank ? inner.substr(0, inner.size() - 5) : inner;
   if (kv_gib * 1.05 > o.host_gib || (resident && kv_gib * 1.05 > o.device_gib)) {
     row << ",\"skipped\":\"KV of " << kv_gib << " GiB exceeds the memory allowed\"}";
     return row.str();
@@ -199,7 +219,10 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   c.probe_at_start = base == "lfps";
   c.cpu_threads = o.cpu_threads;
   c.route = kvferry::Route::kGpu;
-  if (base == "dense_resident" || base == "full_streaming") {
+  if (base == "dense_cpu") {  // every row attended by the CPU cores next to the host store
+    c.policy.name = "dense";
+    c.route = kvferry::Route::kCpu;
+  } else if (base == "dense_resident" || base == "full_streaming") {
     c.policy.name = "dense";
   } else if (base == "streaming") {
     c.policy.name = "streaming";
@@ -234,7 +257,11 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     row << ",\"skipped\":\"unknown mode\"}";
     return row.str();
   }
-  if (bank) {
+  c.policy.name = wrappers + c.policy.name;
+  if (o.gpu_gib > 0) c.capacity.gpu_bytes = static_cast<int64_t>(o.gpu_gib * (1 << 30));
+  if (bank && o.gpu_gib > 0) {
+    c.tiers.bank_slots = -1;  // the largest bank the cap leaves room for
+  } else if (bank) {
     const int64_t picks = static_cast<int64_t>(std::ceil(c.policy.budget_fraction * ctx)) - kSink - kWindow;
     c.tiers.bank_slots = static_cast<int>(std::clamp<int64_t>(2 * picks, 64, 65534));
   }
@@ -247,6 +274,8 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     return row.str();
   }
   std::unique_ptr<Runtime> rt = std::move(made).value();
+  if (c.tiers.bank_slots < 0) row << ",\"bank_slots_chosen\":" << rt->config().tiers.bank_slots;
+  if (c.capacity.gpu_bytes > 0) row << ",\"gpu_bytes_cap\":" << c.capacity.gpu_bytes;
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   // Inputs made on the GPU: one chunk of K/V reused for every Append, per-step q/k/v/out.
