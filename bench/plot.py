@@ -8,9 +8,11 @@
                        from quality_smollm2.json
   bank_h100.png        token-bank decode speed (vs all KV on the GPU) against its hit rate, from
                        bank_h100*.json
+  scale_h100.png       time per token step of each (context, batch) point under the GPU memory
+                       cap, per policy and selectors, with the baselines, from scale_h100.json
 
 A plot whose JSON is absent is skipped with a message. Usage: plot.py [--results bench/results]
-[--only e2e,quality,bank]
+[--only e2e,quality,bank,scale]
 """
 import argparse
 import glob
@@ -147,12 +149,53 @@ def plot_bank(results):
     print(dst)
 
 
+def plot_scale(results):
+    src = os.path.join(results, "scale_h100.json")
+    if not os.path.exists(src):
+        return print(f"plot.py: {src} absent; scale plot skipped")
+    d = json.load(open(src))
+    rows = [r for r in d["rows"] if "skipped" not in r]
+    points = sorted({(r["context"], r["batch"]) for r in rows})
+    fig, axes = plt.subplots(1, len(points), figsize=(3.2 * len(points) + 1, 4.5), squeeze=False)
+    for ax, (ctx, batch) in zip(axes[0], points):
+        here = sorted((r for r in rows if (r["context"], r["batch"]) == (ctx, batch)),
+                      key=lambda r: r["ms_per_token_step"])
+        names = [r["mode"] for r in here]
+        ms = [r["ms_per_token_step"] for r in here]
+        colors = ["0.6" if m in ("full_streaming", "dense_cpu") else f"C{i}" for i, m in enumerate(names)]
+        ax.barh(range(len(here)), ms, color=colors)
+        ax.set_yticks(range(len(here)))
+        ax.set_yticklabels(names, fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlim(1, 2000)
+        sdpa = next((r["sdpa_uncapped_ms_per_token_step"] for r in here
+                     if r.get("sdpa_uncapped_ms_per_token_step")), None)
+        if sdpa:
+            ax.axvline(sdpa, color="k", lw=1.5, ls="--", label="SDPA, all KV on an uncapped H100")
+        for i, r in enumerate(here):
+            ratio = r.get("ratio_vs_sdpa_uncapped")
+            ax.annotate(f"{r['ms_per_token_step']:.3g} ms" + (f" ({ratio:.2g}x)" if ratio else ""),
+                        (r["ms_per_token_step"], i), textcoords="offset points", xytext=(3, -3),
+                        fontsize=6)
+        ax.set_title(f"{ctx // 1024}K x {batch}", fontsize=9)
+        ax.set_xlabel("ms per token step (32 layers)", fontsize=8)
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=6, loc="lower right")
+    fig.suptitle("kvferry under an 8 GiB GPU memory cap (H100, Llama-3.1-8B attention shape, 2% "
+                 "budget); labels: kvferry / uncapped SDPA time, same run", fontsize=9)
+    fig.tight_layout()
+    dst = src[:-5] + ".png"
+    fig.savefig(dst, dpi=110)
+    plt.close(fig)
+    print(dst)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--only", default="e2e,quality,bank")
+    ap.add_argument("--only", default="e2e,quality,bank,scale")
     a = ap.parse_args()
-    plots = {"e2e": plot_e2e, "quality": plot_quality, "bank": plot_bank}
+    plots = {"e2e": plot_e2e, "quality": plot_quality, "bank": plot_bank, "scale": plot_scale}
     for name in a.only.split(","):
         if name not in plots:
             sys.exit(f"plot.py: unknown plot '{name}' (known: {', '.join(plots)})")
