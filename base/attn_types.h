@@ -268,6 +268,9 @@ struct DecodeStepArgs {
   /// (select_ld >= every n), topk_ws [batch * num_kv_heads, pow2 >= budget_cap] 8-byte keys when
   /// budget_cap > 4096 (else unused). Nothing the host computes per step is read: capture-safe.
   SelectScoring scoring = SelectScoring::kNone;
+  /// After the scoring: positions [sink, floor(hide_fraction * n)) are dropped from each item's
+  /// list and the list refilled (PrHS's depth window; base/psaw.h's PsawFilterList); 0: none.
+  double hide_fraction = 0.0;
   /// kQuestPages: the page bounds (see PageBoundsArgs) and tokens per page.
   /// kSparcas: item (slot, layer, h)'s compact keys (KV dtype) at element SparcasCompactOffset of
   /// meta, meta_pages positions of SparcasDimsOf elements each (row j holds key j's chosen

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/psaw.h"
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
 #include "cpu/reference.h"
@@ -369,6 +370,10 @@ void DecodeSelect(const DecodeStepArgs& a) {
         case SelectScoring::kNone:
           a.list_count[item] = 0;
           break;
+      }
+      if (a.hide_fraction > 0.0 && a.scoring != SelectScoring::kNone) {
+        a.list_count[item] = static_cast<int32_t>(PsawFilterList(
+            out, a.list_count[item], n, a.sink, k, PsawHiddenEndOf(a.hide_fraction, n)));
       }
     }
   }

@@ -1101,6 +1101,89 @@ int64_t SortCapOf(const DecodeStepArgs& a) {
   return sort_cap;
 }
 
+
+// PrHS's depth window on the finished lists (DecodeStepArgs::hide_fraction): the parallel form of
+// base/psaw.h's PsawFilterList, one CTA per item. The list is ascending, so each binary search of
+// the host version is a count of a monotone predicate here (__syncthreads_count over the list);
+// the refill's cut p* = n - take - s + c, c = #{i : u_i >= take}, u_i = (n - 1 - S[i]) - (s - 1 -
+// i) the unselected positions above the i-th kept entry S[i] >= hide_end (u_i is non-increasing).
+constexpr int kPsawThreads = 256;
+
+__global__ void __launch_bounds__(kPsawThreads) PsawFilterKernel(DecodeStepArgs a) {
+  const int64_t item = blockIdx.x;
+  const int b = static_cast<int>(item / a.num_kv_heads);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const int64_t sink = min(max(static_cast<int64_t>(a.sink), int64_t{0}), n);
+  const int64_t hide_end = static_cast<int64_t>(floor(a.hide_fraction * static_cast<double>(n)));
+  if (hide_end <= sink) return;
+  int32_t* list = a.list + item * a.list_cap;
+  const int64_t count = a.list_count[item];
+  const int tid = threadIdx.x;
+  // i0 = #{list < sink}, i1 = #{list < hide_end}.
+  int64_t i0 = 0, i1 = 0;
+  for (int64_t base = 0; base < count; base += kPsawThreads) {
+    const int64_t j = base + tid;
+    const int32_t v = j < count ? list[j] : INT32_MAX;
+    i0 += __syncthreads_count(v < sink);
+    i1 += __syncthreads_count(v < hide_end);
+  }
+  // Compact the suffix [i1, count) down to i0 (chunks: every read before any write of a chunk).
+  for (int64_t base = 0; base < count - i1; base += kPsawThreads) {
+    const int64_t j = base + tid;
+    const int32_t v = j < count - i1 ? list[i1 + j] : 0;
+    __syncthreads();
+    if (j < count - i1) list[i0 + j] = v;
+    __syncthreads();
+  }
+  const int64_t kept = i0 + (count - i1);
+  const int64_t budget = min(StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n), n);
+  const int64_t target = min(budget, sink + (n - hide_end));
+  int64_t out = kept;
+  if (kept < target) {
+    const int64_t s = kept - i0;
+    const int64_t take = min(target - kept, (n - hide_end) - s);
+    if (take > 0) {
+      int64_t c = 0;
+      for (int64_t base = 0; base < s; base += kPsawThreads) {
+        const int64_t i = base + tid;
+        const bool pred = i < s && (n - 1 - list[i0 + i]) - (s - 1 - i) >= take;
+        c += __syncthreads_count(pred);
+      }
+      const int64_t p_star = n - take - s + c;
+      const int64_t j0 = i0 + c;
+      for (int64_t t = tid; t < n - p_star; t += kPsawThreads) {
+        list[j0 + t] = static_cast<int32_t>(p_star + t);
+      }
+      out = j0 + (n - p_star);
+      __syncthreads();
+    }
+    if (out < target && tid == 0) {  // the sinks not selected, ascending (as the host version)
+      int64_t add = 0, p_add = -1;
+      for (int64_t p = 0, j = 0; p < sink && out + add < target; ++p) {
+        while (j < i0 && list[j] < p) ++j;
+        if (!(j < i0 && list[j] == p)) ++add, p_add = p;
+      }
+      for (int64_t j = out - 1; j >= i0; --j) list[j + add] = list[j];
+      int64_t w = i0 + add, j = i0 - 1;
+      for (int64_t p = sink - 1; p >= 0 && w > 0; --p) {
+        const bool sel = j >= 0 && list[j] == p;
+        if (sel) --j;
+        if (sel || p <= p_add) list[--w] = static_cast<int32_t>(p);
+      }
+      out += add;
+    }
+  }
+  if (tid == 0) a.list_count[item] = static_cast<int32_t>(out);
+}
+
+Status LaunchPsawFilter(const DecodeStepArgs& a, cudaStream_t stream) {
+  if (a.hide_fraction <= 0.0) return Status::Ok();
+  const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
+  PsawFilterKernel<<<static_cast<unsigned>(items), kPsawThreads, 0, stream>>>(a);
+  KVF_CUDA_CHECK_LAUNCH(PsawFilterKernel);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectTopKPath path,
@@ -1195,7 +1278,8 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
         return Status::Ok();
       });
     }));
-    return LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream);
+    KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream));
+    return LaunchPsawFilter(a, stream);
   }
   KVF_CHECK_ARG(SortCapOf(a) <= kTopKSmemItems || a.topk_ws != nullptr,
                 "DecodeSelect: budget_cap ", a.budget_cap, " needs a top-k workspace");
@@ -1237,7 +1321,8 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
         return Status::Ok();
       });
     }));
-    return LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream);
+    KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream));
+    return LaunchPsawFilter(a, stream);
   }
   KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
     return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
@@ -1252,7 +1337,8 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
       return Status::Ok();
     });
   }));
-  return LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream);
+  KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream));
+  return LaunchPsawFilter(a, stream);
 }
 
 Status LaunchPageBounds(const PageBoundsArgs& a, cudaStream_t stream) {

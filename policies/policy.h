@@ -101,6 +101,13 @@ class Policy {
     (void)head_dim;
     return {};
   }
+  /// With a device scoring: the fraction f of positions hidden at \p layer (PrHS's depth window,
+  /// psaw+): the device drops [sink, floor(f n)) from its selection and refills it as
+  /// base/psaw.h's PsawFilterList does. 0: nothing hidden.
+  [[nodiscard]] virtual double device_hide_fraction(int layer) const {
+    (void)layer;
+    return 0.0;
+  }
 
   /// True if OnPrefill reads the prompt's queries; only then does the runtime bring them to the
   /// host (a copy and a stream synchronisation per prefill chunk).

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "base/check.h"
+#include "base/psaw.h"
 #include "policies/select_util.h"
 
 namespace kvferry {
@@ -48,6 +49,7 @@ class WrapperBase : public Policy {
   void CountCall() { calls_.fetch_add(1, std::memory_order_relaxed); }
   void CountReuse() { reused_.fetch_add(1, std::memory_order_relaxed); }
   Policy& inner() { return *inner_; }
+  const Policy& inner_policy() const { return *inner_; }
 
  private:
   std::string name_;
@@ -187,38 +189,26 @@ class PsawPolicy final : public WrapperBase {
         num_layers_(num_layers) {}
 
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
-    const int64_t sink = std::clamp<int64_t>(ctx.sink, 0, ctx.n);
     const int64_t hide_end = PsawHiddenEnd(ctx.layer, num_layers_, l_s_, phi_, ctx.n);
     KVF_RETURN_IF_ERROR(inner().Select(ctx, out));
-    if (hide_end <= sink) return Status::Ok();  // identity below l_s (and for short heads)
     // Filter the inner's set, then refill the budget from the visible positions, most recent
-    // first (the inner cannot be run on a restricted view: positions are absolute).
-    size_t w = 0;
-    for (int32_t p : out) {
-      if (p < sink || p >= hide_end) out[w++] = p;
-    }
-    out.resize(w);
-    const int64_t visible = sink + (ctx.n - hide_end);
-    const int64_t target = std::min(ctx.budget, visible);
-    if (static_cast<int64_t>(out.size()) < target) {
-      thread_local std::vector<int32_t> add;
-      add.clear();
-      size_t j = out.size();  // walk the selection backwards alongside
-      for (int64_t p = ctx.n - 1;
-           p >= hide_end && static_cast<int64_t>(out.size() + add.size()) < target; --p) {
-        while (j > 0 && out[j - 1] > p) --j;
-        if (j > 0 && out[j - 1] == p) continue;
-        add.push_back(static_cast<int32_t>(p));
-      }
-      for (int64_t p = 0; p < sink && static_cast<int64_t>(out.size() + add.size()) < target; ++p) {
-        if (!std::binary_search(out.begin(), out.end(), static_cast<int32_t>(p))) {
-          add.push_back(static_cast<int32_t>(p));
-        }
-      }
-      out.insert(out.end(), add.begin(), add.end());
-      std::sort(out.begin(), out.end());
-    }
+    // first, then the sinks (the inner cannot be run on a restricted view: positions are
+    // absolute). base/psaw.h, shared with the device's selection.
+    const int64_t count = static_cast<int64_t>(out.size());
+    out.resize(static_cast<size_t>(std::max<int64_t>(count, std::min(ctx.budget, ctx.n))));
+    out.resize(static_cast<size_t>(
+        PsawFilterList(out.data(), count, ctx.n, ctx.sink, ctx.budget, hide_end)));
     return Status::Ok();
+  }
+
+  // A device-selecting inner policy keeps its device selection: the device filters its list the
+  // same way (DecodeStepArgs::hide_fraction), so the step stays on the GPU (and capture-safe).
+  SelectScoring device_scoring() const override { return inner_policy().device_scoring(); }
+  DeviceSelectParams device_select_params(int head_dim) const override {
+    return inner_policy().device_select_params(head_dim);
+  }
+  double device_hide_fraction(int layer) const override {
+    return PsawHiddenFraction(layer, num_layers_, l_s_, phi_);
   }
 
  private:
@@ -391,9 +381,7 @@ const std::vector<std::string>& PrhsWrapperPrefixes() {
 }
 
 int64_t PsawHiddenEnd(int layer, int num_layers, int l_s, double phi, int64_t n) {
-  if (layer < l_s || num_layers <= l_s) return 0;
-  const double e = static_cast<double>(layer - l_s) / static_cast<double>(num_layers - l_s);
-  return static_cast<int64_t>(std::floor((1.0 - std::pow(phi, e)) * static_cast<double>(n)));
+  return PsawHiddenEndOf(PsawHiddenFraction(layer, num_layers, l_s, phi), n);
 }
 
 void CisShareSet(int64_t n, int sink, int window, int64_t budget,

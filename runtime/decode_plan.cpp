@@ -351,6 +351,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   if (scoring_ != SelectScoring::kNone || host_lists_) {
     const size_t lists = static_cast<size_t>(layer) * batch_cap * m.num_kv_heads;
     a.scoring = scoring_;
+    if (scoring_ != SelectScoring::kNone) a.hide_fraction = policy_->device_hide_fraction(layer);
     a.list = step_list_ + lists * list_cap_;
     a.list_count = step_list_count_ + lists;
     a.list_cap = list_cap_;

@@ -53,6 +53,9 @@ RuntimeConfig MakeConfig(const Case& c, Backend backend) {
   cfg.policy.budget_tokens = 96;
   // HiP's first layers take the exact top-k (dense_layers, default 3): from layer 1 on, its masks.
   if (c.policy == "hip") cfg.policy.params["dense_layers"] = 1;
+  // PrHS's depth window from layer 0 on: layer 1 hides [sink, 0.16 n) (the device filters its own
+  // selection for the device-selecting inner policies).
+  if (c.policy.rfind("psaw+", 0) == 0) cfg.policy.params["psaw.start"] = 0;
   cfg.route = c.route;
   cfg.backend = backend;
   cfg.cpu_threads = 2;
@@ -243,7 +246,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"lfps", Route::kGpu, 64, "vector"},
                       Case{"lfps", Route::kGpu, 64, "hash", true},
                       Case{"streaming", Route::kGpu, 64, "vector"},
-                      Case{"cis+oracle", Route::kGpu, 64, "hash"}),
+                      Case{"cis+oracle", Route::kGpu, 64, "hash"},
+                      // PrHS's depth window around the device-selecting policies: the device
+                      // filters and refills its lists (base/psaw.h), no host selection.
+                      Case{"psaw+oracle", Route::kGpu, 0, "vector"},
+                      Case{"psaw+quest", Route::kGpu, 64, "vector"},
+                      Case{"psaw+sparcas", Route::kGpu, 0, "vector", true}),
     [](const auto& info) {
       const Case& c = info.param;
       std::string policy = c.policy;

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "base/psaw.h"
 #include "kvferry/kvferry.h"
 #include "policies/basic.h"
 #include "policies/policy.h"
@@ -263,6 +264,49 @@ TEST(PrhsPsaw, IdentityBelowStartAndHidesTheFormulasRange) {
       for (int64_t i = hide; i < n; ++i) expect.push_back(static_cast<int32_t>(i));
       EXPECT_EQ(p, expect);
     }
+  }
+}
+
+// base/psaw.h's PsawFilterList (the host Select, the host reference of the device selection and,
+// in parallel form, the CUDA kernel use it) against the plain definition: drop [sink, hide_end),
+// add the most recent unselected visible positions, then the unselected sinks, sort. Random
+// ascending lists of every density, with and without the sinks, budgets below and above what is
+// visible, hide_end at the edges.
+TEST(PrhsPsaw, FilterListEqualsThePlainDefinition) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 4000; ++trial) {
+    const int64_t n = std::uniform_int_distribution<int64_t>(1, 600)(rng);
+    const int64_t sink = std::uniform_int_distribution<int64_t>(0, 8)(rng);
+    const int64_t budget = std::uniform_int_distribution<int64_t>(1, n + 5)(rng);
+    const int64_t hide_end = std::uniform_int_distribution<int64_t>(0, n)(rng);
+    const double density = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
+    std::vector<int32_t> in;
+    for (int64_t p = 0; p < n && static_cast<int64_t>(in.size()) < budget; ++p) {
+      if (std::uniform_real_distribution<double>(0.0, 1.0)(rng) < density) in.push_back(static_cast<int32_t>(p));
+    }
+    // The plain definition.
+    const int64_t s = std::min(sink, n);
+    std::vector<int32_t> want;
+    for (int32_t p : in) {
+      if (hide_end <= s || p < s || p >= hide_end) want.push_back(p);
+    }
+    if (hide_end > s) {
+      const int64_t target = std::min(budget, s + (n - hide_end));
+      std::set<int32_t> have(want.begin(), want.end());
+      for (int64_t p = n - 1; p >= hide_end && static_cast<int64_t>(have.size()) < target; --p) {
+        have.insert(static_cast<int32_t>(p));
+      }
+      for (int64_t p = 0; p < s && static_cast<int64_t>(have.size()) < target; ++p) {
+        have.insert(static_cast<int32_t>(p));
+      }
+      want.assign(have.begin(), have.end());
+    }
+    std::vector<int32_t> got = in;
+    got.resize(static_cast<size_t>(std::max<int64_t>(static_cast<int64_t>(in.size()), budget)) + 8, -1);
+    got.resize(static_cast<size_t>(
+        PsawFilterList(got.data(), static_cast<int64_t>(in.size()), n, sink, budget, hide_end)));
+    ASSERT_EQ(got, want) << "trial " << trial << " n " << n << " sink " << sink << " budget "
+                         << budget << " hide_end " << hide_end << " selected " << in.size();
   }
 }
 

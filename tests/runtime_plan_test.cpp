@@ -364,8 +364,11 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   // the device): the same positions as the policy's host Select (taken when a token bank is
   // configured) and the same outputs.
   RuntimeConfig c = PlanConfig(GetParam(), 2);
-  if (GetParam() == "quest") c.policy.params["page"] = 4;  // several pages, some cut
-  if (GetParam() == "sparcas") {
+  // "psaw+X": PrHS's depth window hides [sink, 0.16 n) at layer 1; the device filters its list.
+  const std::string base = GetParam().substr(GetParam().rfind('+') + 1);
+  if (base != GetParam()) c.policy.params["psaw.start"] = 0;
+  if (base == "quest") c.policy.params["page"] = 4;  // several pages, some cut
+  if (base == "sparcas") {
     c.policy.params["u"] = 3;  // dimensions re-chosen (and keys re-gathered) within the test
     c.policy.params["dense_layers"] = 1;
   }
@@ -402,6 +405,10 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
           const int64_t n = *dev->SequenceLength(sq, l);
           EXPECT_EQ(static_cast<int64_t>(x->size()), std::min<int64_t>(n, c.policy.budget_tokens));
           EXPECT_TRUE(std::is_sorted(x->begin(), x->end()));
+          if (base != GetParam() && l == 1) {  // nothing of [sink, floor((1 - 0.7^0.5) n))
+            const auto hide = static_cast<int64_t>(std::floor((1.0 - std::pow(0.7, 0.5)) * n));
+            for (int32_t p : *x) EXPECT_TRUE(p < c.tiers.sink_tokens || p >= hide) << p;
+          }
         }
       }
     }
@@ -412,7 +419,14 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   EXPECT_EQ(st.rows_selected, ref->GetStats().rows_selected);
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, DeviceSelected, ::testing::Values("oracle", "quest", "sparcas"));
+INSTANTIATE_TEST_SUITE_P(Policies, DeviceSelected,
+                         ::testing::Values("oracle", "quest", "sparcas", "psaw+oracle", "psaw+quest",
+                                           "psaw+sparcas"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '+', '_');
+                           return name;
+                         });
 
 TEST(HostStore, BytesAtCreateAreReservedUpFrontAndServeThePrompt) {
   RuntimeConfig c = PlanConfig("dense", 2);
