@@ -154,7 +154,12 @@ def plot_scale(results):
     if not os.path.exists(src):
         return print(f"plot.py: {src} absent; scale plot skipped")
     d = json.load(open(src))
-    rows = [r for r in d["rows"] if "skipped" not in r]
+    # Rows come from several calls, later ones after earlier ones: the newest of each point.
+    latest = {}
+    for r in d["rows"]:
+        if "skipped" not in r:
+            latest[(r["mode"], r["context"], r["batch"])] = r
+    rows = list(latest.values())
     points = sorted({(r["context"], r["batch"]) for r in rows})
     fig, axes = plt.subplots(1, len(points), figsize=(3.2 * len(points) + 1, 4.5), squeeze=False)
     for ax, (ctx, batch) in zip(axes[0], points):
@@ -182,7 +187,8 @@ def plot_scale(results):
         ax.grid(True, axis="x", which="both", alpha=0.3)
     axes[0][0].legend(fontsize=6, loc="lower right")
     fig.suptitle("kvferry under an 8 GiB GPU memory cap (H100, Llama-3.1-8B attention shape, 2% "
-                 "budget); labels: kvferry / uncapped SDPA time, same run", fontsize=9)
+                 "budget; 32K x 1 uncapped); labels: kvferry / uncapped SDPA time measured in the "
+                 "same call", fontsize=9)
     fig.tight_layout()
     dst = src[:-5] + ".png"
     fig.savefig(dst, dpi=110)
