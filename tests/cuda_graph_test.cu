@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <random>
@@ -44,6 +45,8 @@ RuntimeConfig GraphConfig(std::string policy, int window) {
   c.tiers.window_tokens = window;
   c.policy.name = policy;
   c.policy.budget_tokens = 200;
+  // PrHS's depth window from layer 1 on (layers 2 and 3 hide [sink, f n)): filtered on the device.
+  if (policy.rfind("psaw+", 0) == 0) c.policy.params["psaw.start"] = 0.25;
   c.route = Route::kGpu;
   c.backend = Backend::kCuda;
   c.cpu_threads = 1;
@@ -214,15 +217,17 @@ TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
 // top-k selected inside the captured step), quest (page bounds kept and scored on the device) and
 // sparcas (compact keys kept, re-gathered and scored on the device).
 // The device-selecting policies again with the device token bank: the step reads hits from the
-// bank, stages misses and queues their admission inside the graph.
+// bank, stages misses and queues their admission inside the graph; and quest inside PrHS's depth
+// window (psaw+), whose lists the device filters inside the graph.
 INSTANTIATE_TEST_SUITE_P(
     Bank, CudaGraph,
     ::testing::Combine(::testing::Values(std::string("oracle:bank"), std::string("quest:bank"),
-                                         std::string("sparcas:bank")),
+                                         std::string("sparcas:bank"), std::string("psaw+quest:bank")),
                        ::testing::Values(64), ::testing::Values(DType::kBF16)),
     [](const auto& info) {
       std::string name = std::get<0>(info.param);
       name.replace(name.find(':'), 1, "_");
+      std::replace(name.begin(), name.end(), '+', '_');
       return name;
     });
 
