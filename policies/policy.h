@@ -108,6 +108,13 @@ class Policy {
     (void)layer;
     return 0.0;
   }
+  /// With a device scoring: true if \p layer takes the previous layer's device list of the same
+  /// step (cross-layer sharing, xl+) instead of its own selection, when the same sequences
+  /// selected there at the same length.
+  [[nodiscard]] virtual bool device_reuses_previous_layer(int layer) const {
+    (void)layer;
+    return false;
+  }
 
   /// True if OnPrefill reads the prompt's queries; only then does the runtime bring them to the
   /// host (a copy and a stream synchronisation per prefill chunk).

@@ -203,7 +203,14 @@ class PsawPolicy final : public WrapperBase {
 
   // A device-selecting inner policy keeps its device selection: the device filters its list the
   // same way (DecodeStepArgs::hide_fraction), so the step stays on the GPU (and capture-safe).
-  SelectScoring device_scoring() const override { return inner_policy().device_scoring(); }
+  // Not around an inner that reuses the previous layer's list (psaw+xl+...): the device's list
+  // of that layer would be the filtered one, where the host's xl+ keeps its own unfiltered set.
+  SelectScoring device_scoring() const override {
+    for (int l = 0; l < num_layers_; ++l) {
+      if (inner_policy().device_reuses_previous_layer(l)) return SelectScoring::kNone;
+    }
+    return inner_policy().device_scoring();
+  }
   DeviceSelectParams device_select_params(int head_dim) const override {
     return inner_policy().device_select_params(head_dim);
   }
@@ -248,6 +255,20 @@ class XlPolicy final : public WrapperBase, public XlPredictor {
     st->n = ctx.n;
     st->set.assign(out.begin(), out.end());
     return Status::Ok();
+  }
+
+  // Around a device-selecting policy the device shares the list itself (RuntimeImpl's decode
+  // step copies layer l - 1's list of the same step), so the step stays on the GPU.
+  SelectScoring device_scoring() const override { return inner_policy().device_scoring(); }
+  DeviceSelectParams device_select_params(int head_dim) const override {
+    return inner_policy().device_select_params(head_dim);
+  }
+  double device_hide_fraction(int layer) const override {
+    return inner_policy().device_hide_fraction(layer);
+  }
+  bool device_reuses_previous_layer(int layer) const override {
+    return (layer >= start_ && layer >= 1 && layer < num_layers_) ||
+           inner_policy().device_reuses_previous_layer(layer);
   }
 
   std::vector<int32_t> PredictNext(int slot, int layer, int kv_head) const override {

@@ -116,6 +116,8 @@ Status RuntimeImpl::InitStepBuffers() {
     }
     list_slots_.assign(static_cast<size_t>(m.num_layers), {});
     for (auto& v : list_slots_) v.reserve(static_cast<size_t>(cap.max_batch));
+    list_n_.assign(static_cast<size_t>(m.num_layers), {});
+    for (auto& v : list_n_) v.reserve(static_cast<size_t>(cap.max_batch));
   }
   KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_slots, false));
   step_slots_dev_ = static_cast<int32_t*>(p);
@@ -446,7 +448,30 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   }
   if (st.ok() && scoring_ != SelectScoring::kNone) {
     st = device_->DecodeSelect(a, stream);
+    // Cross-layer sharing (xl+): the previous layer's list replaces this one's when the same
+    // sequences selected there at the same length (this step's layer before). The selection ran
+    // all the same, so that the inner policy's device metadata (page bounds, compact keys) stays
+    // what it would be without the wrapper.
+    const size_t prev = static_cast<size_t>(layer) - 1;
+    if (st.ok() && layer > 0 && policy_->device_reuses_previous_layer(layer) &&
+        std::equal(slot_of.begin(), slot_of.end(), list_slots_[prev].begin(),
+                   list_slots_[prev].end())) {
+      bool same_n = list_n_[prev].size() == static_cast<size_t>(batch);
+      for (int64_t b = 0; same_n && b < batch; ++b) same_n = list_n_[prev][b] == pos[b] + 1;
+      if (same_n) {
+        const int64_t region = static_cast<int64_t>(batch_cap) * m.num_kv_heads;
+        const int64_t items = batch * m.num_kv_heads;
+        st = device_->CopyAsync(a.list, a.list - region * list_cap_,
+                                static_cast<size_t>(items * list_cap_) * sizeof(int32_t), stream);
+        if (st.ok()) {
+          st = device_->CopyAsync(a.list_count, a.list_count - region,
+                                  static_cast<size_t>(items) * sizeof(int32_t), stream);
+        }
+      }
+    }
     list_slots_[layer].assign(slot_of.begin(), slot_of.end());
+    list_n_[layer].resize(static_cast<size_t>(batch));
+    for (int64_t b = 0; b < batch; ++b) list_n_[layer][b] = pos[b] + 1;
   }
   if (st.ok() && host_lists_) {
     // The lists the step attends come from the host's Select (instead of DecodeSelect).

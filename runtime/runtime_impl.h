@@ -529,6 +529,9 @@ class RuntimeImpl {
   unsigned long long* topk_ws_ = nullptr;  // device, when the list capacity exceeds 4096
   uint32_t* select_mcta_ws_ = nullptr;     // device (CUDA), the multi-CTA top-k's scratch
   std::vector<std::vector<int>> list_slots_;  // [layer]: slots of the last step's batch
+  // [layer]: each batch item's n at that layer's last selection (xl+ reuses the previous layer's
+  // list only when the same slots selected there at the same n)
+  std::vector<std::vector<int64_t>> list_n_;
   char* meta_ = nullptr;  // device: page bounds (kQuestPages), see PageBoundsArgs
   int64_t meta_pages_ = 0;
   int32_t meta_page_ = 16;

@@ -218,11 +218,13 @@ TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
 // sparcas (compact keys kept, re-gathered and scored on the device).
 // The device-selecting policies again with the device token bank: the step reads hits from the
 // bank, stages misses and queues their admission inside the graph; and quest inside PrHS's depth
-// window (psaw+), whose lists the device filters inside the graph.
+// window (psaw+), whose lists the device filters inside the graph, and with cross-layer sharing
+// (xl+: layers 2 and 3 take layer 1's list, copied inside the graph).
 INSTANTIATE_TEST_SUITE_P(
     Bank, CudaGraph,
     ::testing::Combine(::testing::Values(std::string("oracle:bank"), std::string("quest:bank"),
-                                         std::string("sparcas:bank"), std::string("psaw+quest:bank")),
+                                         std::string("sparcas:bank"), std::string("psaw+quest:bank"),
+                                         std::string("xl+quest:bank")),
                        ::testing::Values(64), ::testing::Values(DType::kBF16)),
     [](const auto& info) {
       std::string name = std::get<0>(info.param);

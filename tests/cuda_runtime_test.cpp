@@ -55,7 +55,7 @@ RuntimeConfig MakeConfig(const Case& c, Backend backend) {
   if (c.policy == "hip") cfg.policy.params["dense_layers"] = 1;
   // PrHS's depth window from layer 0 on: layer 1 hides [sink, 0.16 n) (the device filters its own
   // selection for the device-selecting inner policies).
-  if (c.policy.rfind("psaw+", 0) == 0) cfg.policy.params["psaw.start"] = 0;
+  if (c.policy.find("psaw+") != std::string::npos) cfg.policy.params["psaw.start"] = 0;
   cfg.route = c.route;
   cfg.backend = backend;
   cfg.cpu_threads = 2;
@@ -205,7 +205,12 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
     // The device-selecting ones: oracle, quest, sparcas, also inside psaw+ (which the device
     // applies to their lists); cis+ and xl+ select on the host.
     std::string inner = c.policy;
-    while (inner.rfind("psaw+", 0) == 0) inner = inner.substr(5);
+    for (bool more = true; more;) {  // psaw+ and xl+ keep a device selection
+      more = false;
+      for (const std::string w : {"psaw+", "xl+"}) {
+        if (inner.rfind(w, 0) == 0) inner = inner.substr(w.size()), more = true;
+      }
+    }
     if (inner != "oracle" && inner != "quest" && inner != "sparcas") {
       EXPECT_FALSE(rt[0]->decode_is_capture_safe());
       EXPECT_GT(s0.host_syncs, 0);
@@ -257,7 +262,10 @@ INSTANTIATE_TEST_SUITE_P(
                       // filters and refills its lists (base/psaw.h), no host selection.
                       Case{"psaw+oracle", Route::kGpu, 0, "vector"},
                       Case{"psaw+quest", Route::kGpu, 64, "vector"},
-                      Case{"psaw+sparcas", Route::kGpu, 0, "vector", true}),
+                      Case{"psaw+sparcas", Route::kGpu, 0, "vector", true},
+                      // Cross-layer sharing around them: the device copies layer 0's list.
+                      Case{"xl+quest", Route::kGpu, 64, "vector"},
+                      Case{"xl+psaw+oracle", Route::kGpu, 0, "vector"}),
     [](const auto& info) {
       const Case& c = info.param;
       std::string policy = c.policy;

@@ -365,8 +365,10 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   // configured) and the same outputs.
   RuntimeConfig c = PlanConfig(GetParam(), 2);
   // "psaw+X": PrHS's depth window hides [sink, 0.16 n) at layer 1; the device filters its list.
+  // "xl+X": layer 1 takes layer 0's list (xl.start 0.5 of 2 layers); the device copies it.
   const std::string base = GetParam().substr(GetParam().rfind('+') + 1);
-  if (base != GetParam()) c.policy.params["psaw.start"] = 0;
+  const bool psaw = GetParam().rfind("psaw+", 0) == 0, xl = GetParam().rfind("xl+", 0) == 0;
+  if (psaw) c.policy.params["psaw.start"] = 0;
   if (base == "quest") c.policy.params["page"] = 4;  // several pages, some cut
   if (base == "sparcas") {
     c.policy.params["u"] = 3;  // dimensions re-chosen (and keys re-gathered) within the test
@@ -405,7 +407,10 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
           const int64_t n = *dev->SequenceLength(sq, l);
           EXPECT_EQ(static_cast<int64_t>(x->size()), std::min<int64_t>(n, c.policy.budget_tokens));
           EXPECT_TRUE(std::is_sorted(x->begin(), x->end()));
-          if (base != GetParam() && l == 1) {  // nothing of [sink, floor((1 - 0.7^0.5) n))
+          if (xl && l == 1) {
+            EXPECT_EQ(*x, *dev->LastSelection(sq, 0, h)) << "layer 1 shares layer 0's list";
+          }
+          if (psaw && l == 1) {  // nothing of [sink, floor((1 - 0.7^0.5) n))
             const auto hide = static_cast<int64_t>(std::floor((1.0 - std::pow(0.7, 0.5)) * n));
             for (int32_t p : *x) EXPECT_TRUE(p < c.tiers.sink_tokens || p >= hide) << p;
           }
@@ -421,7 +426,7 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
 
 INSTANTIATE_TEST_SUITE_P(Policies, DeviceSelected,
                          ::testing::Values("oracle", "quest", "sparcas", "psaw+oracle", "psaw+quest",
-                                           "psaw+sparcas"),
+                                           "psaw+sparcas", "xl+oracle", "xl+quest", "xl+sparcas"),
                          [](const auto& info) {
                            std::string name = info.param;
                            std::replace(name.begin(), name.end(), '+', '_');
