@@ -8,8 +8,6 @@
 #include <cmath>
 #include <cstdint>
 
-#include "base/attn_types.h"  // KVF_HOST_DEVICE
-
 namespace kvferry {
 
 /// The fraction f of a head's positions that PSAW hides at \p layer: positions [sink, floor(f *
@@ -23,29 +21,6 @@ inline double PsawHiddenFraction(int layer, int num_layers, int l_s, double phi)
 /// floor(f * n): the end of the hidden range (one double multiply, the same on every backend).
 inline int64_t PsawHiddenEndOf(double fraction, int64_t n) {
   return fraction > 0.0 ? static_cast<int64_t>(std::floor(fraction * static_cast<double>(n))) : 0;
-}
-
-/// The last step of PsawFilterList (and of the CUDA kernel's, gpu/decode_select.cu): list[0, out)
-/// is ascending with its entries below \p sink in [0, i0); adds the sinks not in it, ascending from
-/// 0, until out reaches \p target, keeping the list ascending. Returns the new count.
-KVF_HOST_DEVICE inline int64_t PsawAddSinks(int32_t* list, int64_t i0, int64_t out, int64_t sink,
-                                            int64_t target) {
-  if (out >= target) return out;
-  int64_t add = 0, p_add = -1;  // how many, and the last one added
-  for (int64_t p = 0, j = 0; p < sink && out + add < target; ++p) {
-    while (j < i0 && list[j] < p) ++j;
-    if (!(j < i0 && list[j] == p)) ++add, p_add = p;
-  }
-  if (add == 0) return out;
-  for (int64_t j = out - 1; j >= i0; --j) list[j + add] = list[j];
-  // The new prefix, filled from its end: selected sinks and the unselected ones <= p_add.
-  int64_t w = i0 + add, j = i0 - 1;
-  for (int64_t p = sink - 1; p >= 0 && w > 0; --p) {
-    const bool sel = j >= 0 && list[j] == p;
-    if (sel) --j;
-    if (sel || p <= p_add) list[--w] = static_cast<int32_t>(p);
-  }
-  return out + add;
 }
 
 /// Filters the ascending selection list[0, count) of a head of n positions: drops the hidden
@@ -88,7 +63,25 @@ inline int64_t PsawFilterList(int32_t* list, int64_t count, int64_t n, int64_t s
     out = j0 + (n - p_star);
   }
   // Then the sinks not selected, ascending, while short (the prefix [0, i0) holds those that are).
-  return PsawAddSinks(list, i0, out, sink, target);
+  if (out < target) {
+    int64_t add = 0, p_add = -1;  // how many, and the last one added
+    for (int64_t p = 0, j = 0; p < sink && out + add < target; ++p) {
+      while (j < i0 && list[j] < p) ++j;
+      if (!(j < i0 && list[j] == p)) ++add, p_add = p;
+    }
+    if (add > 0) {
+      std::copy_backward(list + i0, list + out, list + out + add);
+      // The new prefix, filled from its end: selected sinks and the unselected ones <= p_add.
+      int64_t w = i0 + add, j = i0 - 1;
+      for (int64_t p = sink - 1; p >= 0 && w > 0; --p) {
+        const bool sel = j >= 0 && list[j] == p;
+        if (sel) --j;
+        if (sel || p <= p_add) list[--w] = static_cast<int32_t>(p);
+      }
+      out += add;
+    }
+  }
+  return out;
 }
 
 }  // namespace kvferry

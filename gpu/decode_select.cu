@@ -25,7 +25,6 @@
 #include "gpu/dispatch.cuh"
 #include "gpu/topk.cuh"
 #include "base/check.h"
-#include "base/psaw.h"
 
 namespace kvferry::cuda {
 namespace {
@@ -1158,8 +1157,21 @@ __global__ void __launch_bounds__(kPsawThreads) PsawFilterKernel(DecodeStepArgs 
       out = j0 + (n - p_star);
       __syncthreads();
     }
-    // The sinks not selected, ascending (one thread; only when the visible range ran out).
-    if (tid == 0) out = PsawAddSinks(list, i0, out, sink, target);
+    if (out < target && tid == 0) {  // the sinks not selected, ascending (as the host version)
+      int64_t add = 0, p_add = -1;
+      for (int64_t p = 0, j = 0; p < sink && out + add < target; ++p) {
+        while (j < i0 && list[j] < p) ++j;
+        if (!(j < i0 && list[j] == p)) ++add, p_add = p;
+      }
+      for (int64_t j = out - 1; j >= i0; --j) list[j + add] = list[j];
+      int64_t w = i0 + add, j = i0 - 1;
+      for (int64_t p = sink - 1; p >= 0 && w > 0; --p) {
+        const bool sel = j >= 0 && list[j] == p;
+        if (sel) --j;
+        if (sel || p <= p_add) list[--w] = static_cast<int32_t>(p);
+      }
+      out += add;
+    }
   }
   if (tid == 0) a.list_count[item] = static_cast<int32_t>(out);
 }
