@@ -33,6 +33,14 @@ E2E_MODES = ["dense_resident", "streaming_resident", "streaming", "quest", "spar
              "lfps", "lfps_gpu", "full_streaming"]
 
 
+def save(fig, dst):
+    """Lays out, writes and closes a figure; prints where it went."""
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+    plt.close(fig)
+    print(dst)
+
+
 def plot_e2e(results):
     src = os.path.join(results, "e2e_h100.json")
     if not os.path.exists(src):
@@ -77,11 +85,7 @@ def plot_e2e(results):
     axes[0][0].legend(fontsize=7)
     fig.suptitle("kvferry Runtime end to end vs torch SDPA (H100, Llama-3.1-8B attention shape); "
                  "labels: kvferry / SDPA time, same run", fontsize=10)
-    fig.tight_layout()
-    dst = src[:-5] + ".png"
-    fig.savefig(dst, dpi=110)
-    plt.close(fig)
-    print(dst)
+    save(fig, src[:-5] + ".png")
 
 
 def plot_quality(results):
@@ -112,11 +116,7 @@ def plot_quality(results):
     for a in (a1, a2):
         a.grid(True, which="both", alpha=0.3)
         a.legend(fontsize=7)
-    fig.tight_layout()
-    dst = src[:-5] + ".png"
-    fig.savefig(dst, dpi=110)
-    plt.close(fig)
-    print(dst)
+    save(fig, src[:-5] + ".png")
 
 
 def plot_bank(results):
@@ -142,11 +142,7 @@ def plot_bank(results):
     ax.set_title("token bank (H100, 128K context, 32 layers); one point per run")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    dst = os.path.join(results, "bank_h100.png")
-    fig.savefig(dst, dpi=110)
-    plt.close(fig)
-    print(dst)
+    save(fig, os.path.join(results, "bank_h100.png"))
 
 
 def plot_scale(results):
@@ -189,11 +185,7 @@ def plot_scale(results):
     fig.suptitle("kvferry under an 8 GiB GPU memory cap (H100, Llama-3.1-8B attention shape, 2% "
                  "budget; 32K x 1 uncapped); labels: kvferry / uncapped SDPA time measured in the "
                  "same call", fontsize=9)
-    fig.tight_layout()
-    dst = src[:-5] + ".png"
-    fig.savefig(dst, dpi=110)
-    plt.close(fig)
-    print(dst)
+    save(fig, src[:-5] + ".png")
 
 
 def main():
