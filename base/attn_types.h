@@ -529,4 +529,51 @@ struct PrefillChunkArgs {
   void* write_scratch = nullptr;
 };
 
+/// One (sequence, KV head) item of LFPS's approximate scan on a device (LfpsScanArgs).
+struct LfpsScanItem {
+  int64_t shadow = 0;    ///< offset of the item's int8 shadow [head_dim][cap] in LfpsScanArgs::shadow
+  int64_t scale = 0;     ///< offset of its head_dim channel scales in LfpsScanArgs::scale
+  int64_t off_lo = 0;    ///< the ranked positions are [off_lo, off_lo + len)
+  int64_t len = 0;       ///< 0: the item only writes its new row
+  int64_t new_pos = -1;  ///< shadow row written from the item's k (the new token); -1: none
+  int64_t picks = 0;     ///< how many of the best to return, <= len and <= max_picks
+};
+
+/// LFPS's scan (policies/lfps.cpp, step 3a) for a batch of items, on the device that holds a copy
+/// of the policy's int8 channel-major shadow of K. Per item, in this order:
+///  1. row new_pos of the shadow = quantised k: x = (float) (k rounded to kv_dtype), c-th byte
+///     nearbyint(clamp(x * (127 / scale[c]), -127, 127)) (NaN -> 0), as the host quantises;
+///  2. the `channels` channels with the largest sum_g |q_g,c| * scale[c] (ties: lower c), weights
+///     w[g][c] = lrint(q_g,c * scale[c] * 16384 / wmax), wmax = max |q_g,c * scale[c]| over them;
+///  3. logits acc_g(j) = sum_c w[g][c] * shadow[c][off_lo + j] (exact int32), score_j = (float)
+///     max_g (acc_g(j) - max_j acc_g(j)), key_j = its order-preserving uint32 (cpu::ScanKey);
+///  4. out[item * max_picks + i], i < picks: (key_j << 32 | j) of the `picks` best j by (key desc,
+///     j asc), in ascending j.
+/// The host reference is cpu::LfpsScanRef; CUDA runs gpu/lfps_scan.cu. group <= kLfpsScanMaxGroup,
+/// head_dim <= 256.
+struct LfpsScanArgs {
+  int64_t items = 0;
+  const LfpsScanItem* item = nullptr;  ///< [items], device-readable
+  int32_t group = 1, head_dim = 128, channels = 16;
+  int64_t cap = 0;  ///< rows of each shadow channel
+  int8_t* shadow = nullptr;
+  const float* scale = nullptr;
+  const void* q = nullptr;  ///< [items, group, head_dim]
+  DType q_dtype = DType::kF32;
+  const void* k = nullptr;  ///< [items, head_dim], the new token's keys
+  DType k_dtype = DType::kF32;
+  DType kv_dtype = DType::kBF16;  ///< the store's dtype (k is rounded to it first)
+  int64_t max_len = 0;    ///< >= every item's len: row stride of scores
+  int64_t max_picks = 0;  ///< >= every item's picks: row stride of out
+  float* scores = nullptr;  ///< workspace [items, max_len]
+  int32_t* ints = nullptr;  ///< workspace LfpsScanInts(items, group, channels)
+  uint64_t* out = nullptr;
+};
+
+constexpr int kLfpsScanMaxGroup = 8;
+/// int32 of LfpsScanArgs::ints: per item the group's maxima, the channels, the weights.
+constexpr int64_t LfpsScanInts(int64_t items, int group, int channels) {
+  return items * (group + channels + int64_t{group} * channels);
+}
+
 }  // namespace kvferry

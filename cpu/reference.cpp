@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -118,6 +119,83 @@ void TopKRef(const float* scores, int64_t n, int64_t k, int32_t* out_indices) {
     return a < b;
   });
   std::copy(idx.begin(), idx.begin() + k, out_indices);
+}
+
+void LfpsScanRef(const LfpsScanArgs& a) {
+  const int hd = a.head_dim, group = a.group;
+  for (int64_t it = 0; it < a.items; ++it) {
+    const LfpsScanItem& item = a.item[it];
+    int8_t* shadow = a.shadow + item.shadow;
+    const float* scale = a.scale + item.scale;
+    if (item.new_pos >= 0) {  // 1. the new row, quantised as the host's shadow rows are
+      for (int c = 0; c < hd; ++c) {
+        float x = LoadAsF32(a.k, a.k_dtype, it * hd + c);
+        if (a.kv_dtype == DType::kBF16) x = Bf16ToF32(F32ToBf16(x));
+        if (a.kv_dtype == DType::kF16) x = F16ToF32(F32ToF16(x));
+        float v = x * (127.0f / scale[c]);
+        v = v == v ? v : 0.0f;
+        v = std::min(std::max(v, -127.0f), 127.0f);
+        shadow[c * a.cap + item.new_pos] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(v)));
+      }
+    }
+    if (item.len <= 0 || item.picks <= 0) continue;
+    // 2. channels and integer weights.
+    std::vector<float> q(static_cast<size_t>(group * hd)), imp(static_cast<size_t>(hd));
+    for (int64_t i = 0; i < group * hd; ++i) q[i] = LoadAsF32(a.q, a.q_dtype, it * group * hd + i);
+    for (int c = 0; c < hd; ++c) {
+      float s = 0.0f;
+      for (int g = 0; g < group; ++g) s += std::fabs(q[g * hd + c]);
+      imp[c] = s * scale[c];
+    }
+    const int r = std::min(a.channels, hd);
+    std::vector<int32_t> ch(static_cast<size_t>(hd));
+    std::iota(ch.begin(), ch.end(), 0);
+    std::partial_sort(ch.begin(), ch.begin() + r, ch.end(), [&](int32_t x, int32_t y) {
+      return imp[x] > imp[y] || (imp[x] == imp[y] && x < y);
+    });
+    float wmax = 0.0f;
+    for (int c = 0; c < r; ++c) {
+      for (int g = 0; g < group; ++g) wmax = std::max(wmax, std::fabs(q[g * hd + ch[c]] * scale[ch[c]]));
+    }
+    const float wscale = wmax > 0.0f && std::isfinite(wmax) ? 16384.0f / wmax : 0.0f;
+    std::vector<int32_t> w(static_cast<size_t>(group * r));
+    for (int c = 0; c < r; ++c) {
+      for (int g = 0; g < group; ++g) {
+        const float v = q[g * hd + ch[c]] * scale[ch[c]] * wscale;
+        w[g * r + c] = static_cast<int32_t>(std::lrint(v == v ? v : 0.0f));
+      }
+    }
+    // 3. logits, maxima, scores.
+    const int64_t len = item.len;
+    std::vector<int32_t> acc(static_cast<size_t>(group * len), 0);
+    std::vector<int32_t> mx(static_cast<size_t>(group), std::numeric_limits<int32_t>::min());
+    for (int g = 0; g < group; ++g) {
+      for (int64_t j = 0; j < len; ++j) {
+        int32_t s = 0;
+        for (int c = 0; c < r; ++c) s += w[g * r + c] * shadow[ch[c] * a.cap + item.off_lo + j];
+        acc[g * len + j] = s;
+        mx[g] = std::max(mx[g], s);
+      }
+    }
+    std::vector<float> score(static_cast<size_t>(len));
+    for (int64_t j = 0; j < len; ++j) {
+      int32_t s = acc[j] - mx[0];
+      for (int g = 1; g < group; ++g) s = std::max(s, acc[g * len + j] - mx[g]);
+      score[j] = static_cast<float>(s);
+    }
+    // 4. the best picks, ascending j.
+    const int64_t picks = std::min(item.picks, len);
+    std::vector<int32_t> best(static_cast<size_t>(picks));
+    TopKRef(score.data(), len, picks, best.data());
+    std::sort(best.begin(), best.end());
+    uint64_t* out = a.out + it * a.max_picks;
+    for (int64_t i = 0; i < picks; ++i) {
+      uint32_t b;
+      std::memcpy(&b, &score[best[i]], sizeof(b));
+      const uint32_t key = b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+      out[i] = (static_cast<uint64_t>(key) << 32) | static_cast<uint32_t>(best[i]);
+    }
+  }
 }
 
 void PrimeAttentionRef(const PrimeArgs& a) {

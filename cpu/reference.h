@@ -30,6 +30,10 @@ void ScoreRowsRef(const AttnParams& p, const float* q, const void* const* k_rows
 /// stats in double. The host device's Device::PrimeAttention.
 void PrimeAttentionRef(const PrimeArgs& a);
 
+/// LFPS's scan on a device copy of its int8 shadow (see LfpsScanArgs): the host device's
+/// Device::LfpsScan and the specification gpu/lfps_scan.cu is tested against.
+void LfpsScanRef(const LfpsScanArgs& a);
+
 /// Indices of the k largest scores, ordered by score descending, ties broken by lower index.
 /// k is clamped to n. NaN scores rank lowest.
 void TopKRef(const float* scores, int64_t n, int64_t k, int32_t* out_indices);

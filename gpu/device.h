@@ -168,6 +168,14 @@ class Device {
     (void)stream;
     return Unimplemented("this device cannot compute the prefill priming statistics");
   }
+  /// LFPS's scan over the device's copy of the policy's int8 shadow of K (see LfpsScanArgs), on
+  /// \p stream after the work that wrote q and k; never allocates. The host device runs
+  /// cpu::LfpsScanRef, CUDA gpu/lfps_scan.cu.
+  virtual Status LfpsScan(const LfpsScanArgs& args, StreamHandle stream) {
+    (void)args;
+    (void)stream;
+    return Unimplemented("this device cannot run LFPS's scan");
+  }
   /// A token bank in device memory for the planned step, or kUnimplemented where the device has
   /// none (the host device: the runtime keeps its host-managed TokenBank there).
   virtual Result<std::unique_ptr<StepBank>> CreateStepBank(const StepBankConfig& config) {

@@ -118,6 +118,13 @@ class HostDevice final : public Device {
     return Status::Ok();
   }
 
+  Status LfpsScan(const LfpsScanArgs& args, StreamHandle) override {
+    KVF_CHECK_ARG(args.group >= 1 && args.head_dim >= 1 && args.channels >= 1 && args.items >= 0,
+                  "LfpsScan: group ", args.group, ", head_dim ", args.head_dim, ", channels ",
+                  args.channels, ", items ", args.items);
+    cpu::LfpsScanRef(args);
+    return Status::Ok();
+  }
   Status PrimeAttention(const PrimeArgs& args, StreamHandle) override {
     KVF_RETURN_IF_ERROR(CheckPrimeArgs(args));
     cpu::PrimeAttentionRef(args);

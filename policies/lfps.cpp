@@ -635,6 +635,45 @@ int64_t ScanPicksImpl(const cpu::CpuKernels* kern, cpu::ScanInt8Args args, int64
                   retried);
 }
 
+// The scan's picks from a device's ranking (SelectContext::scan): ScanTopK's picks (the need best
+// j outside the ascending list excl[0, m), ascending j; need <= len - m unless need >= len) taken
+// from the device's best dp.count. They are the same whenever at least need of those lie outside
+// excl (the device's list is a prefix of the order by (key desc, j asc), so the first need outside
+// excl in that order are in it); returns -1 when fewer do (the caller then scans on the host).
+int64_t DevicePicks(const DeviceScanPicks& dp, const int32_t* excl, int64_t m, int64_t off_lo,
+                    int64_t need, Scratch& sc, int32_t* out) {
+  if (need >= dp.len) {
+    std::iota(out, out + dp.len, 0);
+    return dp.len;
+  }
+  int32_t* idx = Room(sc.scan_idx, dp.count);
+  uint32_t* key = Room(sc.scan_key, dp.count);
+  uint32_t lo = UINT32_MAX;
+  int64_t c = 0, e = 0;
+  for (int64_t i = 0; i < dp.count; ++i) {
+    const auto j = static_cast<int32_t>(dp.picks[i] & 0xffffffffu);
+    const int64_t pos = off_lo + j;
+    while (e < m && excl[e] < pos) ++e;
+    if (e < m && excl[e] == pos) continue;
+    idx[c] = j;
+    key[c] = static_cast<uint32_t>(dp.picks[i] >> 32);
+    lo = std::min(lo, key[c++]);
+  }
+  if (c < need) return -1;
+  uint32_t v = 0;
+  const int64_t greater = NthLargestKey(key, c, need, lo, sc, &v);
+  int64_t ties = need - greater;
+  int64_t o = 0;
+  for (int64_t i = 0; i < c; ++i) {
+    const bool eq = key[i] == v;
+    const bool take = key[i] > v || (eq && ties > 0);
+    out[o] = idx[i];
+    o += take;
+    ties -= eq && take;
+  }
+  return o;
+}
+
 // Softmax of logits[0..count) written to probs (fp32), returns nothing; count > 0.
 void Softmax(const float* logits, int64_t count, float* probs) {
   float m = -std::numeric_limits<float>::infinity();
@@ -1142,10 +1181,20 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
     st->since_scan = 0;
     const int64_t want_scan = std::min<int64_t>(
         n_off - m, static_cast<int64_t>(std::ceil(params_.scan_factor * static_cast<double>(k_sel))));
-    if (want_scan > 0) {
+    const int r = std::min<int>(params_.scan, static_cast<int>(hd));
+    int32_t* pick = Room(sc.fill, want_scan + 1);
+    int64_t got = -1;
+    // The device's ranking (SelectContext::scan) gives the same picks when enough of it lies
+    // outside C1; otherwise the host scans.
+    const DeviceScanPicks* dp = ctx.scan;
+    if (want_scan > 0 && dp != nullptr && dp->off_lo == off_lo && dp->len == n_off &&
+        dp->channels == r) {
+      got = DevicePicks(*dp, c1, m, off_lo, want_scan, sc, pick);
+      (got >= 0 ? device_scans_ : device_scans_short_).fetch_add(1, std::memory_order_relaxed);
+    }
+    if (want_scan > 0 && got < 0) {
       shadow_rows_.fetch_add(st->SyncShadow(ctx.params, ctx.kv, n, max_tokens_),
                              std::memory_order_relaxed);
-      const int r = std::min<int>(params_.scan, static_cast<int>(hd));
       float* imp = Room(sc.chan_imp, hd);
       for (int64_t c = 0; c < hd; ++c) {
         float a = 0.0f;
@@ -1183,10 +1232,10 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
       args.group = group;
       lfps_internal::ScanPicksOptions opt;
       opt.threads = ctx.threads;
-      int32_t* pick = Room(sc.fill, want_scan + 1);
       bool retried = false;
-      const int64_t got =
-          ScanPicksImpl(nullptr, args, n_off, c1, m, off_lo, want_scan, opt, sc, pick, &retried);
+      got = ScanPicksImpl(nullptr, args, n_off, c1, m, off_lo, want_scan, opt, sc, pick, &retried);
+    }
+    if (want_scan > 0) {
       int32_t* merged = Room(sc.merged, m + got);
       int64_t a = 0, b = 0, o = 0;
       while (a < m || b < got) {
@@ -1382,12 +1431,34 @@ LfpsStats LfpsPolicy::stats() const {
   LfpsStats s;
   s.steps = steps_.load(std::memory_order_relaxed);
   s.bypassed = bypassed_.load(std::memory_order_relaxed);
+  s.device_scans = device_scans_.load(std::memory_order_relaxed);
+  s.device_scans_short = device_scans_short_.load(std::memory_order_relaxed);
   s.fallbacks = fallbacks_.load(std::memory_order_relaxed);
   s.all = all_.load(std::memory_order_relaxed);
   s.scored_keys = scored_.load(std::memory_order_relaxed);
   s.offloaded_keys = offloaded_.load(std::memory_order_relaxed);
   s.shadow_rows_in_select = shadow_rows_.load(std::memory_order_relaxed);
   return s;
+}
+
+int64_t LfpsPolicy::device_scan_picks(int64_t k) const {
+  if (device_scan_channels() == 0 || k <= 0) return 0;
+  return 3 * static_cast<int64_t>(std::ceil(params_.scan_factor * static_cast<double>(k))) + 64;
+}
+
+bool LfpsPolicy::ScanShadow(int slot, int layer, int kv_head, ScanShadowView* out) const {
+  if (slot < 0 || slot >= max_sequences_ || layer < 0 || layer >= num_layers_ || kv_head < 0 ||
+      kv_head >= num_kv_heads_) {
+    return false;
+  }
+  const auto& st =
+      states_[(static_cast<size_t>(slot) * num_layers_ + layer) * num_kv_heads_ + kv_head];
+  if (st == nullptr || st->k8 == nullptr) return false;
+  out->k8 = st->k8.get();
+  out->cap = st->k8_cap;
+  out->n = st->k8_n;
+  out->scale = st->k8_scale.data();
+  return true;
 }
 
 bool LfpsPolicy::TableSums(int slot, int layer, int kv_head, double* ver, double* sla) const {

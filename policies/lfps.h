@@ -99,6 +99,9 @@ struct LfpsStats {
   /// K rows quantised into the scan's shadow inside Select: one per new token once OnPrefill has
   /// made the shadow (it is made at the first scan only for heads that were never primed).
   int64_t shadow_rows_in_select = 0;
+  /// Scans answered from the device's ranking (SelectContext::scan), and those where too few of
+  /// its picks lay outside C1 (the host scanned instead).
+  int64_t device_scans = 0, device_scans_short = 0;
 };
 
 class LfpsPolicy final : public Policy {
@@ -120,6 +123,20 @@ class LfpsPolicy final : public Policy {
   Status OnPrefillPrimed(const PrefillContext& ctx, const PrimedStats& primed) override;
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
   void OnSequenceRemoved(int slot) override;
+  /// The scan's channels (0 when it is off or every key is scored).
+  int device_scan_channels() const override {
+    return params_.score_all ? 0 : params_.scan;
+  }
+  /// The scan asks for ceil(scan_factor k) positions outside C1; the device returns three times
+  /// as many plus 64 (C1 from the tables is 2-6% of the keys against the scan's 4% at 2% budgets).
+  int64_t device_scan_picks(int64_t k) const override;
+  bool ScanShadow(int slot, int layer, int kv_head, ScanShadowView* out) const override;
+  PolicyCounters counters() const override {
+    PolicyCounters c;
+    c.scans_device = device_scans_.load(std::memory_order_relaxed);
+    c.scans_device_short = device_scans_short_.load(std::memory_order_relaxed);
+    return c;
+  }
 
   /// Select, also reporting what it did in \p info and \p detail (each may be null).
   Status SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>& out, LfpsStepInfo* info,
@@ -156,7 +173,7 @@ class LfpsPolicy final : public Policy {
   std::vector<std::unique_ptr<HeadState>> states_;
   std::unique_ptr<std::atomic<float>[]> need_;  ///< per head: offloaded attention share (EMA), -1 unknown
   std::atomic<int64_t> steps_{0}, bypassed_{0}, fallbacks_{0}, all_{0}, scored_{0},
-      offloaded_{0}, shadow_rows_{0};
+      offloaded_{0}, shadow_rows_{0}, device_scans_{0}, device_scans_short_{0};
   // KVFERRY_LFPS_PROFILE=1: nanoseconds of Select by phase, printed to stderr by the destructor
   // (a diagnostic for where a step's select time goes; off by default, one branch a phase).
   static constexpr int kPhases = 7;

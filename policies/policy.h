@@ -23,6 +23,26 @@ enum class Placement : uint8_t { kGpu = 0, kCpu = 1 };
 struct PolicyCounters {
   int64_t select_calls = 0;   ///< Select calls that ran a (costly) base selection
   int64_t select_reused = 0;  ///< Select calls answered from a kept set
+  int64_t scans_device = 0;        ///< scans answered from the device's ranking (SelectContext::scan)
+  int64_t scans_device_short = 0;  ///< ... where it held too few picks outside the candidates
+};
+
+/// An approximate scan's ranking a device computed for one Select (LFPS's scan, Device::LfpsScan):
+/// the best `count` positions of [off_lo, off_lo + len) by the scan's score, as (key << 32 | j)
+/// with j relative to off_lo, ascending j; key is the score's order-preserving uint32. Ties at
+/// the last place went to the lower j. Host memory.
+struct DeviceScanPicks {
+  const uint64_t* picks = nullptr;
+  int64_t count = 0;
+  int64_t off_lo = 0, len = 0;
+  int channels = 0;  ///< channels the scan used
+};
+
+/// The int8 channel-major shadow of K a policy's scan reads, for a device copy (host memory).
+struct ScanShadowView {
+  const int8_t* k8 = nullptr;    ///< k8[c * cap + i]: row i of channel c, rows [0, n)
+  int64_t cap = 0, n = 0;
+  const float* scale = nullptr;  ///< [head_dim] per-channel scales
 };
 
 /// What a policy sees of one (sequence, layer, KV head) at a decode step. Host memory throughout.
@@ -41,6 +61,8 @@ struct SelectContext {
   /// the calling thread's arena (the runtime's CPU pool inside a pool task). The selection never
   /// depends on it.
   int threads = 1;
+  /// The scan's ranking from the device for this step, or null (the policy scans on the host).
+  const DeviceScanPicks* scan = nullptr;
 };
 
 /// The prompt chunk a policy may learn from at Prefill (e.g. LFPS primes its tables from the
@@ -113,6 +135,24 @@ class Policy {
   /// selected there at the same length.
   [[nodiscard]] virtual bool device_reuses_previous_layer(int layer) const {
     (void)layer;
+    return false;
+  }
+
+  /// Channels of an approximate scan over an int8 shadow of K that a device may run for this
+  /// policy's Select (Device::LfpsScan, SelectContext::scan); 0: none.
+  [[nodiscard]] virtual int device_scan_channels() const { return 0; }
+  /// How many of the scan's best positions the device should return when a Select may pick k
+  /// offloaded positions (the policy falls back to its own scan when they are too few).
+  [[nodiscard]] virtual int64_t device_scan_picks(int64_t k) const {
+    (void)k;
+    return 0;
+  }
+  /// The shadow of (slot, layer, kv_head) as it is now; false if there is none.
+  virtual bool ScanShadow(int slot, int layer, int kv_head, ScanShadowView* out) const {
+    (void)slot;
+    (void)layer;
+    (void)kv_head;
+    (void)out;
     return false;
   }
 

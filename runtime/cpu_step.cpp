@@ -23,6 +23,133 @@
 
 namespace kvferry::detail {
 
+Status RuntimeImpl::CopyScanShadow(int slot, int layer, StreamHandle stream) {
+  if (!device_scan_) return Status::Ok();
+  const ModelShape& m = config_.model;
+  const int hkv = m.num_kv_heads, d = m.head_dim;
+  const int64_t len = config_.capacity.max_tokens_per_sequence;
+  int64_t& rows = scan_rows_[static_cast<size_t>(slot) * m.num_layers + layer];
+  rows = 0;
+  std::vector<void*> dst;
+  std::vector<const void*> src;
+  std::vector<size_t> bytes;
+  int64_t n = -1;
+  for (int h = 0; h < hkv; ++h) {
+    ScanShadowView view;
+    // A head without a shadow (or heads of different lengths): the host scans this layer.
+    if (!policy_->ScanShadow(slot, layer, h, &view) || view.n > len || (n >= 0 && view.n != n)) {
+      return Status::Ok();
+    }
+    n = view.n;
+    const int64_t head = (static_cast<int64_t>(slot) * m.num_layers + layer) * hkv + h;
+    int8_t* shadow = scan_shadow_ + head * d * len;
+    for (int c = 0; c < d; ++c) {
+      dst.push_back(shadow + c * len);
+      src.push_back(view.k8 + c * view.cap);
+      bytes.push_back(static_cast<size_t>(view.n));
+    }
+    dst.push_back(scan_scale_ + head * d);
+    src.push_back(view.scale);
+    bytes.push_back(static_cast<size_t>(d) * sizeof(float));
+  }
+  if (n <= 0) return Status::Ok();
+  KVF_RETURN_IF_ERROR(device_->CopyBatchAsync(dst.data(), src.data(), bytes.data(),
+                                              static_cast<int64_t>(dst.size()), stream));
+  // The sources are the policy's pageable memory, which its next Select may grow (reallocate).
+  KVF_RETURN_IF_ERROR(HostWaitStream(stream));
+  if (device_->backend() != Backend::kHost) stats_.bytes_h2d += hkv * (n * d + d * 4);
+  rows = n;
+  return Status::Ok();
+}
+
+Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
+                                     std::span<const int64_t> positions, const void* q,
+                                     DType q_dtype, const void* k, DType k_dtype,
+                                     StreamHandle stream) {
+  scan_live_ = false;
+  if (!device_scan_) return Status::Ok();
+  const ModelShape& m = config_.model;
+  const int hkv = m.num_kv_heads, d = m.head_dim;
+  const int64_t len_cap = config_.capacity.max_tokens_per_sequence;
+  const int64_t batch = static_cast<int64_t>(slot_of.size());
+  const int64_t sink = config_.tiers.sink_tokens, window = config_.tiers.window_tokens;
+  int64_t max_len = 0, max_picks = 0;
+  bool any = false;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = positions[b] + 1;
+    int64_t& rows = scan_rows_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
+    // The device's shadow has rows [0, n - 1) (or [0, n): this token's row again, after a failed
+    // step): this step adds row n - 1. Otherwise it has none, or a gap: the host scans.
+    const bool live = rows == n - 1 || rows == n;
+    const int64_t off_lo = std::min(sink, n);
+    const int64_t off_hi = std::max(off_lo, n - window);
+    const int64_t len = off_hi - off_lo;
+    const int64_t k_off = BudgetFor(n) - (off_lo + (n - off_hi));
+    const int64_t picks =
+        live && len > 0 && k_off > 0
+            ? std::min({len, policy_->device_scan_picks(k_off), scan_picks_cap_})
+            : 0;
+    for (int h = 0; h < hkv; ++h) {
+      const int64_t i = b * hkv + h;
+      const int64_t head = (static_cast<int64_t>(slot_of[b]) * m.num_layers + layer) * hkv + h;
+      LfpsScanItem& it = scan_items_host_[i];
+      it = LfpsScanItem{};
+      it.shadow = head * d * len_cap;
+      it.scale = head * d;
+      it.off_lo = off_lo;
+      it.len = picks > 0 ? len : 0;
+      it.new_pos = live ? n - 1 : -1;
+      it.picks = picks;
+      scan_view_[i] = DeviceScanPicks{};
+      if (picks > 0) {
+        scan_view_[i].count = picks;
+        scan_view_[i].off_lo = off_lo;
+        scan_view_[i].len = len;
+        scan_view_[i].channels = scan_channels_;
+      }
+    }
+    if (live) rows = n;
+    any = any || live;
+    if (picks > 0) max_len = std::max(max_len, len), max_picks = std::max(max_picks, picks);
+  }
+  if (!any) return Status::Ok();
+  const int64_t items = batch * hkv;
+  for (int64_t i = 0; i < items; ++i) {
+    if (scan_view_[i].count > 0) scan_view_[i].picks = scan_out_host_ + i * max_picks;
+  }
+  const bool host = device_->backend() == Backend::kHost;
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(scan_items_dev_, scan_items_host_,
+                                         static_cast<size_t>(items) * sizeof(LfpsScanItem), stream));
+  LfpsScanArgs a;
+  a.items = items;
+  a.item = scan_items_dev_;
+  a.group = group_;
+  a.head_dim = d;
+  a.channels = scan_channels_;
+  a.cap = len_cap;
+  a.shadow = scan_shadow_;
+  a.scale = scan_scale_;
+  a.q = q;
+  a.q_dtype = q_dtype;
+  a.k = k;
+  a.k_dtype = k_dtype;
+  a.kv_dtype = m.kv_dtype;
+  a.max_len = max_len;
+  a.max_picks = max_picks;
+  a.scores = scan_scores_;
+  a.ints = scan_ints_;
+  a.out = host ? scan_out_host_ : scan_out_dev_;
+  KVF_RETURN_IF_ERROR(device_->LfpsScan(a, stream));
+  if (!host && max_picks > 0) {
+    const size_t out_bytes = static_cast<size_t>(items * max_picks) * sizeof(uint64_t);
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(scan_out_host_, scan_out_dev_, out_bytes, stream));
+    stats_.bytes_d2h += static_cast<int64_t>(out_bytes);
+  }
+  KVF_RETURN_IF_ERROR(device_->RecordEvent(scan_ready_, stream));
+  scan_live_ = max_picks > 0;
+  return Status::Ok();
+}
+
 Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
                                  std::span<const int64_t> positions, const TensorView& q,
                                  const TensorView& k, const TensorView& v, int32_t* lists,
@@ -38,6 +165,10 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   const auto* k_src = static_cast<const char*>(k.data);
   const auto* v_src = static_cast<const char*>(v.data);
 
+  // The device's ranking for the scans (LaunchDeviceScan) must have arrived.
+  const bool scan = scan_live_;
+  scan_live_ = false;
+  if (scan && !device_->EventDone(scan_ready_)) KVF_RETURN_IF_ERROR(HostWaitEvent(scan_ready_));
   // Fewer items than pool threads: each Select may split its O(n) scan over the idle ones.
   const int select_threads = SelectThreads(items);
   pool_->ParallelFor(items, [&](int64_t i) {
@@ -62,7 +193,8 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
     float* q32 = q_host_ + b * hq * d + h * gd;
     cpu::ConvertSpan(q32, DType::kF32, q_src + (b * hq * d + h * gd) * q_elem, q.dtype, gd);
     // 2 select.
-    item_status_[i] = SelectItem(i, slot, layer, h, n, q32, select_threads);
+    item_status_[i] = SelectItem(i, slot, layer, h, n, q32, select_threads,
+                                 scan && scan_view_[i].count > 0 ? &scan_view_[i] : nullptr);
     const std::vector<int32_t>& sel = selections_[i];
     if (!item_status_[i].ok()) return;
     if (lists != nullptr) {

@@ -446,6 +446,11 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     // does not wait): the host waits for the stream's work up to here all the same.
     st = device_->RecordEvent(q_ready_, stream);
   }
+  // LFPS's scan ranks the offloaded keys on the device, ahead of the host's Select.
+  if (st.ok() && (cpu_step_ || host_lists_) && device_scan_) {
+    st = LaunchDeviceScan(slot_of, layer, pos, q_src.value(), q.dtype, k_src.value(), k.dtype,
+                          stream);
+  }
   if (st.ok() && scoring_ != SelectScoring::kNone) {
     st = device_->DecodeSelect(a, stream);
     // Cross-layer sharing (xl+): the previous layer's list replaces this one's when the same

@@ -61,6 +61,8 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
   part("prefill staging", {prefill_scratch, prefill_pages});
   part("prefill prefetch staging", {prefill_next, prefill_next_pages});
   part("priming tables and partials", {prime_tables, prime_stats, prime_scratch});
+  part("lfps scan (int8 shadow of K, scores, picks)",
+       {scan_shadow, scan_scale, scan_scores, scan_ints, scan_items, scan_out});
   part("host-store page table", {store_table});
   part("stream workspaces", {stream_scratch});
   std::stable_sort(plan.parts.begin(), plan.parts.end(),
@@ -310,6 +312,31 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     }
   }
   z.stream_scratch = static_cast<size_t>(z.streams) * device_->stream_scratch_bytes();
+
+  // LFPS's scan on the device: a copy of the policy's int8 shadow of K (head_dim bytes per token
+  // and KV head, a quarter of a bf16 K + V row pair) and its scales, the scan's scores and picks.
+  const int channels = policy_->device_scan_channels();
+  const bool scan_env = cuda ? !EnvIs("KVFERRY_LFPS_SCAN", "host") : EnvIs("KVFERRY_LFPS_SCAN", "device");
+  if ((z.cpu_step || z.host_lists) && channels > 0 && scan_env && group_ <= kLfpsScanMaxGroup &&
+      d <= 256) {
+    const int64_t items = int64_t{cap.max_batch} * hkv;
+    const int64_t heads = int64_t{cap.max_sequences} * m.num_layers * hkv;
+    const int64_t len = cap.max_tokens_per_sequence;
+    z.device_scan = true;
+    z.scan_picks = std::clamp<int64_t>(policy_->device_scan_picks(budget_max_), 1, len);
+    z.scan_shadow = AllocBytes(static_cast<size_t>(heads * d * len));
+    z.scan_scale = AllocBytes(static_cast<size_t>(heads * d) * sizeof(float));
+    z.scan_scores = AllocBytes(static_cast<size_t>(items * len) * sizeof(float));
+    z.scan_ints = AllocBytes(static_cast<size_t>(LfpsScanInts(items, group_, channels)) * 4);
+    z.scan_items = AllocBytes(static_cast<size_t>(items) * sizeof(LfpsScanItem));
+    z.scan_out = AllocBytes(static_cast<size_t>(items * z.scan_picks) * sizeof(uint64_t));
+    // Under a cap the scan is what gives way (the policy then scans on the host).
+    if (cap.gpu_bytes > 0 && z.Plan(cap.gpu_bytes).total_bytes > cap.gpu_bytes) {
+      z.device_scan = false;
+      z.scan_picks = 0;
+      z.scan_shadow = z.scan_scale = z.scan_scores = z.scan_ints = z.scan_items = z.scan_out = 0;
+    }
+  }
   return Status::Ok();
 }
 

@@ -105,7 +105,8 @@ RuntimeImpl::~RuntimeImpl() {
   for (EventHandle e : list_up_) {
     if (e != nullptr) device_->DestroyEvent(e);
   }
-  for (EventHandle e : {q_ready_, cpu_part_up_, prefill_items_done_[0], prefill_items_done_[1]}) {
+  for (EventHandle e : {q_ready_, cpu_part_up_, scan_ready_, prefill_items_done_[0],
+                        prefill_items_done_[1]}) {
     if (e != nullptr) device_->DestroyEvent(e);
   }
   step_bank_.reset();
@@ -356,6 +357,31 @@ Status RuntimeImpl::Init() {
       // through the staging's page table (made above).
     }
   }
+  // LFPS's scan on the device (sizes and the choice: SizeDeviceBuffers).
+  if (z.device_scan) {
+    device_scan_ = true;
+    scan_picks_cap_ = z.scan_picks;
+    scan_channels_ = static_cast<int>(std::min<int64_t>(policy_->device_scan_channels(), m.head_dim));
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_shadow, false));
+    scan_shadow_ = static_cast<int8_t*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_scale, false));
+    scan_scale_ = static_cast<float*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_scores, false));
+    scan_scores_ = static_cast<float*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_ints, false));
+    scan_ints_ = static_cast<int32_t*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_items, false));
+    scan_items_dev_ = static_cast<LfpsScanItem*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_items, true));
+    scan_items_host_ = static_cast<LfpsScanItem*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_out, false));
+    scan_out_dev_ = static_cast<uint64_t*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_out, true));
+    scan_out_host_ = static_cast<uint64_t*>(p);
+    KVF_ASSIGN_OR_RETURN(scan_ready_, device_->CreateEvent());
+    scan_rows_.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
+    scan_view_.assign(static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv), {});
+  }
   // Priming deferred to the first Decode (DeferPrime): the kept rows are pinned per slot, made at
   // the slot's first primed prefill.
   if (policy_->prime_rows() > 0 && (prime_rows_ > 0 || policy_->wants_prefill_queries())) {
@@ -487,6 +513,10 @@ Status RuntimeImpl::AddSequence(SequenceId seq) {
   if (pending_rows_ > 0) {
     std::fill_n(pending_prime_.begin() + static_cast<int64_t>(slot) * config_.model.num_layers,
                 config_.model.num_layers, PendingPrime{});
+  }
+  if (device_scan_) {
+    std::fill_n(scan_rows_.begin() + static_cast<int64_t>(slot) * config_.model.num_layers,
+                config_.model.num_layers, 0);
   }
   if (staged_.slot == slot) staged_ = {};
   if (next_staged_.slot == slot) next_staged_ = {};
@@ -639,6 +669,8 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   if (stream == nullptr) stream = stream_;
   // The chunk's rows may have reached the ring before a failure: restore it for the old length,
   // which a failed call leaves unchanged.
+  // The device's copy of LFPS's shadow lacks the chunk's rows: made again at the next priming.
+  if (device_scan_) scan_rows_[static_cast<size_t>(slot) * m.num_layers + layer] = 0;
   Status st = PrefillReserved(slot, layer, q, k, v, out, stream, pos0, new_len);
   if (!st.ok()) {
     // The kept query rows may have been overwritten by this chunk's: nothing stays pending (the
@@ -1048,6 +1080,7 @@ Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t new_len, int rows,
       head_status[static_cast<size_t>(h)] = policy_->OnPrefillPrimed(head_ctx, primed);
     });
     for (Status& st : head_status) KVF_RETURN_IF_ERROR(std::move(st));
+    KVF_RETURN_IF_ERROR(CopyScanShadow(slot, layer, stream));
   } else {
     const int64_t nq = static_cast<int64_t>(rows) * config_.model.num_q_heads * d;
     KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, static_cast<size_t>(nq) * 4, stream));
@@ -1059,6 +1092,7 @@ Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t new_len, int rows,
       ctx.kv = store_->pages(slot, layer, h);
       KVF_RETURN_IF_ERROR(policy_->OnPrefill(ctx));
     }
+    KVF_RETURN_IF_ERROR(CopyScanShadow(slot, layer, stream));
   }
   return Status::Ok();
 }
@@ -1147,7 +1181,7 @@ int RuntimeImpl::SelectThreads(int64_t items) const {
 }
 
 Status RuntimeImpl::SelectItem(int64_t item, int slot, int layer, int kv_head, int64_t n,
-                               const float* q, int threads) {
+                               const float* q, int threads, const DeviceScanPicks* scan) {
   SelectContext ctx;
   ctx.slot = slot;
   ctx.layer = layer;
@@ -1160,6 +1194,7 @@ Status RuntimeImpl::SelectItem(int64_t item, int slot, int layer, int kv_head, i
   ctx.params = AttnParams{group_, config_.model.head_dim, config_.model.kv_dtype, scale_};
   ctx.kv = store_->pages(slot, layer, kv_head);
   ctx.threads = threads;
+  ctx.scan = scan;
   std::vector<int32_t>& sel = selections_[item];
   sel.clear();
   KVF_RETURN_IF_ERROR(policy_->Select(ctx, sel));
@@ -1510,6 +1545,8 @@ Stats RuntimeImpl::stats() const {
   const PolicyCounters pc = policy_->counters();
   s.prhs_select_calls = pc.select_calls - policy_counters_at_reset_.select_calls;
   s.prhs_select_reused = pc.select_reused - policy_counters_at_reset_.select_reused;
+  s.lfps_scans_device = pc.scans_device - policy_counters_at_reset_.scans_device;
+  s.lfps_scans_device_short = pc.scans_device_short - policy_counters_at_reset_.scans_device_short;
   if (step_bank_ != nullptr) {
     // The device bank's counters (a read-back that waits for the device). Its misses are the rows
     // the step read from the host store.

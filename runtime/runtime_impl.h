@@ -71,6 +71,11 @@ struct DeviceBufferSizes {
   // on the host backend with KVFERRY_PRIME=device): rows primed per chunk, table stride per head.
   int prime_rows = 0;
   int64_t prime_table_stride = 0;
+  // LFPS's scan on the device (Policy::device_scan_channels() > 0, a host-selecting planned step;
+  // on CUDA unless KVFERRY_LFPS_SCAN=host, on the host backend with KVFERRY_LFPS_SCAN=device;
+  // dropped when a GPU cap leaves no room for it): picks per item (the row stride of scan_out).
+  bool device_scan = false;
+  int64_t scan_picks = 0;
 
   // ---- bytes ----
   size_t resident = 0;
@@ -85,6 +90,8 @@ struct DeviceBufferSizes {
   size_t meta = 0, sparcas_state = 0, sparcas_dims = 0;
   size_t step_slots = 0, step_pos = 0, step_ws = 0, step_counters = 0;
   size_t prime_tables = 0, prime_stats = 0, prime_scratch = 0;
+  size_t scan_shadow = 0, scan_scale = 0, scan_scores = 0, scan_ints = 0, scan_items = 0,
+         scan_out = 0;
   size_t stream_scratch = 0;
 
   /// The parts (named groups of the buffers above), largest first, and their total.
@@ -265,9 +272,10 @@ class RuntimeImpl {
   // a policy failure returns its Status with nothing on the device changed by this function.
   // Runs the policy's Select for (slot, layer, kv_head) with n positions and the group's fp32
   // queries q into selections_[item]; a selection over item_cap_ is kInternal.
-  /// \p threads: SelectContext::threads (pool threads per item of the step, at least 1).
+  /// \p threads: SelectContext::threads (pool threads per item of the step, at least 1);
+  /// \p scan: SelectContext::scan (the device's scan ranking for this item, or null).
   Status SelectItem(int64_t item, int slot, int layer, int kv_head, int64_t n, const float* q,
-                    int threads);
+                    int threads, const DeviceScanPicks* scan = nullptr);
   /// Pool threads per item when \p items run at once (SelectContext::threads).
   int SelectThreads(int64_t items) const;
   // How long the pool's workers spin after a step's CPU items for the next layer's
@@ -505,6 +513,33 @@ class RuntimeImpl {
   // a layer's part is rewritten only after list_up_[layer] (its last upload) completed.
   int32_t* list_stage_ = nullptr;
   std::vector<EventHandle> list_up_;
+  // LFPS's scan on the device (DeviceBufferSizes::device_scan; runtime/cpu_step.cpp): a copy of
+  // the policy's int8 shadow of K per (slot, layer, KV head), [head_dim][max_tokens] channel-major,
+  // made from the policy's at priming (CopyScanShadow) and extended by each step's new row on the
+  // device; the step ranks the offloaded keys there (Device::LfpsScan) and the host's Select takes
+  // the ranking (SelectContext::scan) instead of scanning.
+  bool device_scan_ = false;
+  int64_t scan_picks_cap_ = 0;
+  int scan_channels_ = 0;
+  int8_t* scan_shadow_ = nullptr;
+  float* scan_scale_ = nullptr;
+  float* scan_scores_ = nullptr;
+  int32_t* scan_ints_ = nullptr;
+  LfpsScanItem* scan_items_dev_ = nullptr;
+  LfpsScanItem* scan_items_host_ = nullptr;  // pinned
+  uint64_t* scan_out_dev_ = nullptr;
+  uint64_t* scan_out_host_ = nullptr;  // pinned
+  EventHandle scan_ready_ = nullptr;   // this step's ranking reached scan_out_host_
+  bool scan_live_ = false;             // scan_view_ belongs to the step being selected
+  std::vector<int64_t> scan_rows_;     // per (slot, layer): shadow rows on the device, 0: none
+  std::vector<DeviceScanPicks> scan_view_;  // per item of the step; count 0: host scan
+  // The policy's shadow of (slot, layer) copied to the device (after priming), or marked absent.
+  Status CopyScanShadow(int slot, int layer, StreamHandle stream);
+  // Enqueues the step's scan on \p stream (q, k: the staged inputs, device-readable) and the copy
+  // of its ranking to the host; records scan_ready_. Items without a device shadow only skip it.
+  Status LaunchDeviceScan(std::span<const int> slot_of, int layer,
+                          std::span<const int64_t> positions, const void* q, DType q_dtype,
+                          const void* k, DType k_dtype, StreamHandle stream);
   bool step_all_resident_ = false; // every row such a step attends is resident
   StepPlan plan_;
   int32_t* step_slots_dev_ = nullptr;  // device: [2 regions][max_batch]

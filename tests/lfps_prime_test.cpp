@@ -555,12 +555,37 @@ TEST(LfpsPrimeRuntime, CudaGpuPrimedEqualsHostPrimed) {
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "KVFERRY_CUDA_PREFILL=paged"));
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kHost, dt), ""));
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "KVFERRY_PRIME_EAGER=1"));
+    rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "KVFERRY_LFPS_SCAN=host"));
     for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
     // Chunks after the first read their history through the overlapped page copies (segments
     // from 2 pages of 256 tokens on); the deferred priming reads the host store over PCIe, the
-    // eager one (the last runtime) after each chunk.
-    RunAndCompare(rts, {512, 512, 512, 21}, {0.0, 1e-5, 1e-4, 1e-4, 0.0},
-                  {true, true, true, true, true});
+    // eager one (the fifth runtime) after each chunk. The last scans on the host.
+    RunAndCompare(rts, {512, 512, 512, 21}, {0.0, 1e-5, 1e-4, 1e-4, 0.0, 1e-5},
+                  {true, true, true, true, true, true});
+    // The CUDA runtimes rank the scan's keys on the GPU (gpu/lfps_scan.cu) unless told not to.
+    EXPECT_GT(rts[0]->GetStats().lfps_scans_device, 0);
+    EXPECT_EQ(rts[3]->GetStats().lfps_scans_device, 0);
+    EXPECT_EQ(rts[5]->GetStats().lfps_scans_device, 0);
+  }
+}
+
+// LFPS's scan on the device, on the host backend's copy of the path (KVFERRY_LFPS_SCAN=device:
+// the policy's shadow copied at priming, each step's new row written by the "device", the keys
+// ranked by cpu::LfpsScanRef, the host's Select taking the ranking): the same selections and
+// outputs as the host's own scan, with either priming path. The window is shorter than the steps,
+// so rows the device wrote get ranked too.
+TEST(LfpsDeviceScanRuntime, HostDevicePathEqualsHostScan) {
+  for (const char* prime : {"", "device"}) {
+    SCOPED_TRACE(*prime == '\0' ? "host priming" : "device priming");
+    RuntimeConfig c = PrimeConfig(Backend::kHost, DType::kBF16);
+    c.tiers.window_tokens = 8;
+    std::vector<std::unique_ptr<Runtime>> rts;
+    rts.push_back(MakeRuntime(c, prime, "KVFERRY_LFPS_SCAN=device"));
+    rts.push_back(MakeRuntime(c, prime));
+    for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
+    RunAndCompare(rts, {512, 512, 512, 21}, {0.0, 0.0}, {true, true});
+    EXPECT_GT(rts[0]->GetStats().lfps_scans_device, 0);
+    EXPECT_EQ(rts[1]->GetStats().lfps_scans_device, 0);
   }
 }
 

@@ -25,6 +25,7 @@
 
 #include "cpu/dtype.h"
 #include "cpu/kernels.h"
+#include "cpu/reference.h"
 #include "kvferry/kvferry.h"
 #include "policies/lfps.h"
 #include "tests/policy_test_util.h"
@@ -557,6 +558,152 @@ TEST(LfpsScanTest, SelectDoesNotDependOnThreads) {
       ASSERT_TRUE(pols[s]->TableSums(0, 0, h, &vs, &ss));
       EXPECT_EQ(vs, v0);
       EXPECT_EQ(ss, s0);
+    }
+  }
+}
+
+// ---- the scan's ranking from a device (Device::LfpsScan, SelectContext::scan) --------------------
+// A policy that takes its scan's picks from cpu::LfpsScanRef, run over a copy of its shadow that is
+// extended by each step's new row (as the runtime's device copy is), selects what a policy that
+// scans on the host selects, every step: with the usual number of picks, and with so few that they
+// run short of C1's overlap (the policy then scans on the host, its own shadow rows behind).
+TEST(LfpsScanTest, DeviceRankingGivesTheHostPicks) {
+  // A window shorter than the steps: rows the "device" wrote (new_pos) get ranked too.
+  constexpr int kSteps = 14, kSink = 4, kWindow = 6;
+  for (const int group : {4, 3}) {
+    for (const int64_t n0 : {int64_t{3000}, int64_t{20000}}) {
+      SCOPED_TRACE(testing::Message() << "group " << group << " n0 " << n0);
+      const int hd = group == 4 ? 128 : 64, heads = 2;
+      std::mt19937 rng(static_cast<uint32_t>(31 + group + n0));
+      std::normal_distribution<float> nd(0.0f, 1.0f);
+      const int64_t total = n0 + kSteps;
+      std::vector<PagedHead> kv;
+      std::vector<std::vector<float>> dirs;
+      std::vector<float> k(static_cast<size_t>(hd)), v(static_cast<size_t>(hd));
+      for (int h = 0; h < heads; ++h) {
+        kv.emplace_back(hd, DType::kBF16, kPage);
+        std::vector<float> dir(static_cast<size_t>(hd));
+        for (float& x : dir) x = nd(rng);
+        for (int64_t i = 0; i < total; ++i) {
+          const bool hot = rng() % 40 == 0;
+          for (int d = 0; d < hd; ++d) k[d] = nd(rng) + (hot ? 2.0f * dir[d] : 0.0f), v[d] = nd(rng);
+          kv.back().Append(k.data(), v.data());
+        }
+        dirs.push_back(dir);
+      }
+      const AttnParams p = testing_util::Params(group, hd, DType::kBF16);
+      LfpsParams lp;
+      lp.eps = 2.0;
+      // 0: scans on the host; 1: the device's usual picks; 2: 8 picks (short when C1 takes any).
+      std::vector<std::unique_ptr<LfpsPolicy>> pols;
+      for (int i = 0; i < 3; ++i) pols.emplace_back(new LfpsPolicy(lp, 1, 1, heads, total));
+      const int rows = 16;
+      for (int h = 0; h < heads; ++h) {
+        std::vector<float> q(static_cast<size_t>(rows) * group * hd);
+        for (size_t i = 0; i < q.size(); ++i) q[i] = nd(rng) + 1.5f * dirs[h][i % hd];
+        PrefillContext pc;
+        pc.kv_head = h;
+        pc.q_pos0 = n0 - 1 - rows;
+        pc.num_q = rows;
+        pc.n = n0 - 1;
+        pc.sink = kSink;
+        pc.window = kWindow;
+        pc.q = q.data();
+        pc.params = p;
+        pc.kv = kv[h].pages();
+        for (auto& pol : pols) ASSERT_TRUE(pol->OnPrefill(pc).ok());
+      }
+      // The "device" copies of policies 1 and 2: [head][channel][total] and the scales.
+      std::vector<std::vector<int8_t>> shadow(3, std::vector<int8_t>(static_cast<size_t>(heads * hd * total)));
+      std::vector<std::vector<float>> scale(3, std::vector<float>(static_cast<size_t>(heads * hd)));
+      for (int i = 1; i < 3; ++i) {
+        for (int h = 0; h < heads; ++h) {
+          ScanShadowView view;
+          ASSERT_TRUE(pols[i]->ScanShadow(0, 0, h, &view));
+          ASSERT_EQ(view.n, n0 - 1);
+          for (int c = 0; c < hd; ++c) {
+            std::memcpy(&shadow[i][(h * hd + c) * total], view.k8 + c * view.cap, view.n);
+          }
+          std::memcpy(&scale[i][h * hd], view.scale, hd * sizeof(float));
+        }
+      }
+      int64_t scanned = 0;
+      for (int step = 0; step < kSteps; ++step) {
+        const int64_t n = n0 + step;
+        std::vector<float> q(static_cast<size_t>(heads) * group * hd), knew(static_cast<size_t>(heads) * hd);
+        for (int h = 0; h < heads; ++h) {
+          for (int64_t i = 0; i < group * hd; ++i) {
+            q[h * group * hd + i] = 1.5f * nd(rng) + (step % 3 == 0 ? 0.0f : 2.0f) * dirs[h][i % hd];
+          }
+          const std::vector<float> key = kv[h].Key(n - 1);
+          std::copy(key.begin(), key.end(), knew.begin() + h * hd);
+        }
+        SelectContext base;
+        base.n = n;
+        base.sink = kSink;
+        base.window = kWindow;
+        base.budget = static_cast<int64_t>(std::ceil(0.02 * n)) + 100;
+        base.params = p;
+        const int64_t len = n - kWindow - kSink;
+        const int64_t k_off = base.budget - kSink - kWindow;
+        std::vector<std::vector<int32_t>> out(3);
+        for (int h = 0; h < heads; ++h) {
+          SelectContext ctx = base;
+          ctx.kv_head = h;
+          ctx.q = q.data() + h * group * hd;
+          ctx.kv = kv[h].pages();
+          LfpsStepInfo info;
+          ASSERT_TRUE(pols[0]->SelectWithInfo(ctx, out[0], &info).ok());
+          scanned += info.scanned > 0;
+          for (int i = 1; i < 3; ++i) {
+            const int64_t picks = i == 1 ? pols[i]->device_scan_picks(k_off) : 8;
+            ASSERT_GT(picks, 0);
+            LfpsScanItem item;
+            item.shadow = static_cast<int64_t>(h) * hd * total;
+            item.scale = static_cast<int64_t>(h) * hd;
+            item.off_lo = kSink;
+            item.len = len;
+            item.new_pos = n - 1;
+            item.picks = std::min(picks, len);
+            std::vector<float> scores(static_cast<size_t>(len));
+            std::vector<int32_t> ints(static_cast<size_t>(LfpsScanInts(1, group, lp.scan)));
+            std::vector<uint64_t> ranked(static_cast<size_t>(item.picks));
+            LfpsScanArgs a;
+            a.items = 1;
+            a.item = &item;
+            a.group = group;
+            a.head_dim = hd;
+            a.channels = lp.scan;
+            a.cap = total;
+            a.shadow = shadow[i].data();
+            a.scale = scale[i].data();
+            a.q = ctx.q;
+            a.k = knew.data() + h * hd;
+            a.kv_dtype = DType::kBF16;
+            a.max_len = len;
+            a.max_picks = item.picks;
+            a.scores = scores.data();
+            a.ints = ints.data();
+            a.out = ranked.data();
+            cpu::LfpsScanRef(a);
+            DeviceScanPicks dp;
+            dp.picks = ranked.data();
+            dp.count = item.picks;
+            dp.off_lo = kSink;
+            dp.len = len;
+            dp.channels = lp.scan;
+            ctx.scan = &dp;
+            ASSERT_TRUE(pols[i]->Select(ctx, out[i]).ok());
+            ASSERT_EQ(out[i], out[0]) << "step " << step << " head " << h << " policy " << i
+                                      << ": " << FirstDiff(out[i], out[0]);
+          }
+        }
+      }
+      EXPECT_GT(scanned, 0);
+      EXPECT_GT(pols[1]->stats().device_scans, 0);
+      EXPECT_EQ(pols[1]->stats().device_scans_short, 0);
+      EXPECT_GT(pols[2]->stats().device_scans_short, 0);
+      EXPECT_EQ(pols[0]->stats().device_scans + pols[0]->stats().device_scans_short, 0);
     }
   }
 }

@@ -41,6 +41,11 @@ struct Stats {
   /// answered from a kept set; rho = prhs_select_calls / (prhs_select_calls + prhs_select_reused).
   int64_t prhs_select_calls = 0;
   int64_t prhs_select_reused = 0;
+  /// LFPS's scan (policy param "scan"): scans answered from the ranking the device computed over
+  /// its copy of the int8 shadow of K (CUDA; KVFERRY_LFPS_SCAN=host turns it off), and those
+  /// where too few of its picks lay outside the tables' candidates, so the host scanned.
+  int64_t lfps_scans_device = 0;
+  int64_t lfps_scans_device_short = 0;
 
   double ms_append = 0;          ///< time per stage, summed (wall clock on the host)
   double ms_select = 0;

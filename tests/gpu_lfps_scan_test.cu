@@ -1,0 +1,140 @@
+// Copyright kvferry authors. Apache-2.0.
+// LFPS's scan on the GPU (cuda::LaunchLfpsScan, gpu/lfps_scan.cu) against cpu::LfpsScanRef, bit
+// for bit: the new rows it quantises into the shadow and the ranked picks (keys and positions), on
+// random shadows made to tie (few key values), every activation dtype, GQA groups 1-8, head_dim 64
+// and 128, channel counts 1-128, items of different lengths in one launch (one with nothing to
+// rank, one only writing its row), picks from 1 to the whole range.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "cpu/dtype.h"
+#include "cpu/reference.h"
+#include "gpu/cuda_device.h"
+#include "gpu/cuda_kernels.h"
+
+namespace kvferry {
+namespace {
+
+struct ScanCase {
+  int group, head_dim, channels;
+  DType act, kv;
+  int64_t len;  // the longest item's range
+  bool ties;
+};
+
+class GpuLfpsScanTest : public ::testing::TestWithParam<ScanCase> {};
+
+template <typename T>
+T* DeviceCopy(const std::vector<T>& v) {
+  T* d = nullptr;
+  EXPECT_EQ(cudaMalloc(&d, std::max<size_t>(v.size(), 1) * sizeof(T)), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  return d;
+}
+
+TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU";
+  const ScanCase c = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(c.group * 7 + c.head_dim + c.channels * 3 + c.len));
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int hd = c.head_dim, group = c.group;
+  const int64_t items = 5, cap = c.len + 64;
+  // Items: full length, two shorter ones, one that only writes its row, one with few picks.
+  std::vector<LfpsScanItem> item(items);
+  const int64_t lens[] = {c.len, c.len / 2 + 3, c.len / 3 + 1, 0, c.len};
+  for (int64_t i = 0; i < items; ++i) {
+    item[i].shadow = i * hd * cap;
+    item[i].scale = i * hd;
+    item[i].off_lo = static_cast<int64_t>(rng() % 7);
+    item[i].len = lens[i];
+    item[i].new_pos = item[i].off_lo + lens[i] + static_cast<int64_t>(rng() % 5);
+    item[i].picks = i == 4 ? 1 : i == 2 ? lens[i] : std::max<int64_t>(1, lens[i] / 9);
+  }
+  std::vector<int8_t> shadow(static_cast<size_t>(items * hd * cap));
+  for (auto& x : shadow) x = static_cast<int8_t>(c.ties ? static_cast<int>(rng() % 5) - 2 : static_cast<int>(rng() % 255) - 127);
+  std::vector<float> scale(static_cast<size_t>(items * hd));
+  for (auto& x : scale) x = 0.25f + std::fabs(nd(rng));
+  const size_t act = DTypeSize(c.act);
+  std::vector<char> q(static_cast<size_t>(items * group * hd) * act), k(static_cast<size_t>(items * hd) * act);
+  for (int64_t i = 0; i < items * group * hd; ++i) cpu::StoreFromF32(q.data(), c.act, i, nd(rng));
+  for (int64_t i = 0; i < items * hd; ++i) cpu::StoreFromF32(k.data(), c.act, i, 3.0f * nd(rng));
+  const int64_t max_len = *std::max_element(lens, lens + items);
+  const int64_t max_picks = 1 + max_len;
+
+  LfpsScanArgs a;
+  a.items = items;
+  a.group = group;
+  a.head_dim = hd;
+  a.channels = c.channels;
+  a.cap = cap;
+  a.q_dtype = c.act;
+  a.k_dtype = c.act;
+  a.kv_dtype = c.kv;
+  a.max_len = max_len;
+  a.max_picks = max_picks;
+  // The reference on host copies.
+  std::vector<int8_t> want_shadow = shadow;
+  std::vector<float> scores(static_cast<size_t>(items * max_len));
+  std::vector<int32_t> ints(static_cast<size_t>(LfpsScanInts(items, group, c.channels)));
+  std::vector<uint64_t> want(static_cast<size_t>(items * max_picks), ~0ull);
+  LfpsScanArgs h = a;
+  h.item = item.data();
+  h.shadow = want_shadow.data();
+  h.scale = scale.data();
+  h.q = q.data();
+  h.k = k.data();
+  h.scores = scores.data();
+  h.ints = ints.data();
+  h.out = want.data();
+  cpu::LfpsScanRef(h);
+  // The device.
+  LfpsScanArgs g = a;
+  g.item = DeviceCopy(item);
+  g.shadow = DeviceCopy(shadow);
+  g.scale = DeviceCopy(scale);
+  g.q = DeviceCopy(q);
+  g.k = DeviceCopy(k);
+  g.scores = DeviceCopy(scores);
+  g.ints = DeviceCopy(ints);
+  std::vector<uint64_t> got(want.size(), ~0ull);
+  g.out = DeviceCopy(got);
+  const Status st = cuda::LaunchLfpsScan(g, nullptr);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<int8_t> got_shadow(shadow.size());
+  ASSERT_EQ(cudaMemcpy(got_shadow.data(), g.shadow, shadow.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(got.data(), g.out, got.size() * 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(got_shadow, want_shadow) << "the new rows differ";
+  for (int64_t i = 0; i < items; ++i) {
+    for (int64_t p = 0; p < std::min(item[i].picks, item[i].len); ++p) {
+      ASSERT_EQ(got[i * max_picks + p], want[i * max_picks + p])
+          << "item " << i << " pick " << p << " of " << item[i].picks << " (len " << item[i].len
+          << "): position " << (got[i * max_picks + p] & 0xffffffffu) << " vs "
+          << (want[i * max_picks + p] & 0xffffffffu);
+    }
+  }
+  for (void* p : {static_cast<void*>(const_cast<LfpsScanItem*>(g.item)), static_cast<void*>(g.shadow),
+                  static_cast<void*>(const_cast<float*>(g.scale)), const_cast<void*>(g.q),
+                  const_cast<void*>(g.k), static_cast<void*>(g.scores), static_cast<void*>(g.ints),
+                  static_cast<void*>(g.out)}) {
+    cudaFree(p);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GpuLfpsScanTest,
+    ::testing::Values(ScanCase{4, 128, 16, DType::kBF16, DType::kBF16, 40000, false},
+                      ScanCase{4, 128, 16, DType::kF32, DType::kBF16, 5000, true},
+                      ScanCase{3, 64, 16, DType::kF16, DType::kF16, 4099, false},
+                      ScanCase{1, 64, 1, DType::kF32, DType::kF32, 3000, true},
+                      ScanCase{8, 128, 128, DType::kBF16, DType::kBF16, 9000, false},
+                      ScanCase{5, 128, 8, DType::kF32, DType::kF16, 777, true},
+                      ScanCase{2, 64, 64, DType::kBF16, DType::kBF16, 1, false}));
+
+}  // namespace
+}  // namespace kvferry
