@@ -400,7 +400,10 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
       << ",\"rows_fetched_per_step\":" << sp.rows_fetched / steps
       << ",\"rows_bank_hit_per_step\":" << sp.rows_bank_hit / steps
       << ",\"bank_admitted_per_step\":" << sp.bank_admitted / steps
-      << ",\"rows_cpu_per_step\":" << sp.rows_cpu / steps << ",\"stages_ms_per_step\":{"
+      << ",\"rows_cpu_per_step\":" << sp.rows_cpu / steps
+      << ",\"lfps_scans_device_per_step\":" << sp.lfps_scans_device / steps
+      << ",\"lfps_scans_device_short_per_step\":" << sp.lfps_scans_device_short / steps
+      << ",\"stages_ms_per_step\":{"
       << "\"append\":" << sp.ms_append / steps << ",\"select\":" << sp.ms_select / steps
       << ",\"resolve\":" << sp.ms_resolve / steps << ",\"attend_gpu\":" << sp.ms_attend_gpu / steps
       << ",\"attend_cpu\":" << sp.ms_attend_cpu / steps << ",\"merge\":" << sp.ms_merge / steps

@@ -1189,6 +1189,7 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
     const DeviceScanPicks* dp = ctx.scan;
     if (want_scan > 0 && dp != nullptr && dp->off_lo == off_lo && dp->len == n_off &&
         dp->channels == r) {
+      if (dp->wait != nullptr) KVF_RETURN_IF_ERROR(dp->wait(dp->wait_arg));
       got = DevicePicks(*dp, c1, m, off_lo, want_scan, sc, pick);
       (got >= 0 ? device_scans_ : device_scans_short_).fetch_add(1, std::memory_order_relaxed);
     }

@@ -36,6 +36,10 @@ struct DeviceScanPicks {
   int64_t count = 0;
   int64_t off_lo = 0, len = 0;
   int channels = 0;  ///< channels the scan used
+  /// Called (when set) before picks is first read: the ranking may still be on its way from the
+  /// device while the policy does its other work. Thread-safe; an error fails the Select.
+  Status (*wait)(void* arg) = nullptr;
+  void* wait_arg = nullptr;
 };
 
 /// The int8 channel-major shadow of K a policy's scan reads, for a device copy (host memory).

@@ -147,6 +147,22 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
   }
   KVF_RETURN_IF_ERROR(device_->RecordEvent(scan_ready_, stream));
   scan_live_ = max_picks > 0;
+  scan_arrived_.store(host, std::memory_order_release);
+  if (!host) {
+    for (int64_t i = 0; i < items; ++i) {
+      scan_view_[i].wait = [](void* self) { return static_cast<RuntimeImpl*>(self)->WaitScanRanking(); };
+      scan_view_[i].wait_arg = this;
+    }
+  }
+  return Status::Ok();
+}
+
+Status RuntimeImpl::WaitScanRanking() {
+  if (scan_arrived_.load(std::memory_order_acquire)) return Status::Ok();
+  std::lock_guard<std::mutex> lock(scan_wait_mu_);  // one thread waits, the others then find it done
+  if (scan_arrived_.load(std::memory_order_acquire)) return Status::Ok();
+  KVF_RETURN_IF_ERROR(HostWaitEvent(scan_ready_));
+  scan_arrived_.store(true, std::memory_order_release);
   return Status::Ok();
 }
 
@@ -168,7 +184,7 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   // The device's ranking for the scans (LaunchDeviceScan) must have arrived.
   const bool scan = scan_live_;
   scan_live_ = false;
-  if (scan && !device_->EventDone(scan_ready_)) KVF_RETURN_IF_ERROR(HostWaitEvent(scan_ready_));
+  if (scan && scan_wait_early_) KVF_RETURN_IF_ERROR(WaitScanRanking());
   // Fewer items than pool threads: each Select may split its O(n) scan over the idle ones.
   const int select_threads = SelectThreads(items);
   pool_->ParallelFor(items, [&](int64_t i) {
@@ -242,6 +258,8 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   // launch, the wait for its q): KVFERRY_POOL_WARM_US keeps the workers spinning until then, so
   // that they start at once instead of waking one after another (off by default: runtime.cpp).
   pool_->KeepWarm(pool_->num_threads(), pool_warm_us_);
+  // The ranking's buffers are rewritten by the next step: its copies must be done.
+  if (scan) KVF_RETURN_IF_ERROR(WaitScanRanking());
 
   for (int64_t i = 0; i < items; ++i) {
     if (!item_status_[i].ok()) return item_status_[i];

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -531,6 +532,12 @@ class RuntimeImpl {
   uint64_t* scan_out_host_ = nullptr;  // pinned
   EventHandle scan_ready_ = nullptr;   // this step's ranking reached scan_out_host_
   bool scan_live_ = false;             // scan_view_ belongs to the step being selected
+  // The first Select that needs the ranking waits for scan_ready_ (WaitScanRanking, under
+  // scan_wait_mu_); KVFERRY_LFPS_SCAN_WAIT=early waits before the step's Selects start instead.
+  std::atomic<bool> scan_arrived_{false};
+  std::mutex scan_wait_mu_;
+  bool scan_wait_early_ = false;
+  Status WaitScanRanking();
   std::vector<int64_t> scan_rows_;     // per (slot, layer): shadow rows on the device, 0: none
   std::vector<DeviceScanPicks> scan_view_;  // per item of the step; count 0: host scan
   // The policy's shadow of (slot, layer) copied to the device (after priming), or marked absent.
