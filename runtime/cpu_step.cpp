@@ -13,12 +13,16 @@
 // after the select stage, writing each selection into the pinned list the device step reads
 // (UploadHostLists copies it up), and the device attends every selected row.
 
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/task_arena.h>
+
 #include <algorithm>
 #include <limits>
 
 #include "base/check.h"
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
+#include "cpu/reference.h"
 #include "runtime/runtime_impl.h"
 
 namespace kvferry::detail {
@@ -209,8 +213,10 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
     float* q32 = q_host_ + b * hq * d + h * gd;
     cpu::ConvertSpan(q32, DType::kF32, q_src + (b * hq * d + h * gd) * q_elem, q.dtype, gd);
     // 2 select.
+    const auto ts = trace_.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
     item_status_[i] = SelectItem(i, slot, layer, h, n, q32, select_threads,
                                  scan && scan_view_[i].count > 0 ? &scan_view_[i] : nullptr);
+    if (trace_.on()) trace_.Span("cpu_select", "cpu", ts, TraceRecorder::Clock::now(), i);
     const std::vector<int32_t>& sel = selections_[i];
     if (!item_status_[i].ok()) return;
     if (lists != nullptr) {
@@ -249,8 +255,32 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
       cv[n_cpu++] = store_->v_row(slot, layer, h, p);
     }
     if (n_cpu > 0) {
-      const RowAttnItem it{q32, o, lse, ck, cv, n_cpu};
-      cpu::AttendRows(params, &it, 1);
+      const auto ta = trace_.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
+      // Over the item's share of the pool when the picks are many: each range its own (o, lse),
+      // merged exactly in range order (the picks are scattered rows: DRAM-latency bound).
+      const int parts = attend_split_ ? std::clamp<int>(std::min<int>(select_threads, n_cpu / kAttendMinRows),
+                                                        1, kAttendMaxParts)
+                                      : 1;
+      const int64_t part_floats = static_cast<int64_t>(group_) * (d + 1);
+      float* spill = attend_parts_.data() + i * (kAttendMaxParts - 1) * part_floats;
+      auto attend = [&](int part) {
+        const int32_t lo = static_cast<int32_t>(int64_t{n_cpu} * part / parts);
+        const int32_t hi = static_cast<int32_t>(int64_t{n_cpu} * (part + 1) / parts);
+        float* po = part == 0 ? o : spill + (part - 1) * part_floats;
+        float* pl = part == 0 ? lse : po + gd;
+        const RowAttnItem it{q32, po, pl, ck + lo, cv + lo, hi - lo};
+        cpu::AttendRows(params, &it, 1);
+      };
+      if (parts == 1) {
+        attend(0);
+      } else {
+        tbb::this_task_arena::isolate([&] { tbb::parallel_for(0, parts, attend); });
+        for (int part = 1; part < parts; ++part) {
+          const float* po = spill + (part - 1) * part_floats;
+          cpu::MergeLseRef(o, lse, po, po + gd, group_, d);
+        }
+      }
+      if (trace_.on()) trace_.Span("cpu_attend", "cpu", ta, TraceRecorder::Clock::now(), i);
     }
     cpu_items_[i].count = n_cpu;  // the stats below read the split back
   });

@@ -4,6 +4,8 @@
 // combine (Device::DecodeStep) and nothing else. Policies whose selection is a function of the
 // length (dense, streaming) run here; the others take the host path in runtime.cpp.
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 #include <chrono>
 #include <cstring>
 
@@ -49,6 +51,13 @@ Status RuntimeImpl::InitStepBuffers() {
                          Alloc(static_cast<size_t>(cap.max_batch) * per_token * sizeof(float) + 256, true));
     KVF_ASSIGN_OR_RETURN(q_ready_, device_->CreateEvent());
     KVF_ASSIGN_OR_RETURN(cpu_part_up_, device_->CreateEvent());
+    // The CPU attention's partial results when an item's picks are split over pool threads
+    // (SelectOnHost); KVFERRY_CPU_ATTEND_SPLIT=0 attends each item's picks on its own thread.
+    const char* split = std::getenv("KVFERRY_CPU_ATTEND_SPLIT");
+    attend_split_ = split == nullptr || std::string_view(split) != "0";
+    attend_parts_.assign(static_cast<size_t>(cap.max_batch) * m.num_kv_heads * (kAttendMaxParts - 1) *
+                             static_cast<size_t>(group_) * (m.head_dim + 1),
+                         0.0f);
   }
   if (scoring_ != SelectScoring::kNone || host_lists_) {
     // Per layer a list region, so that any layer's last selection can be read back and no layer

@@ -537,6 +537,13 @@ class RuntimeImpl {
   std::atomic<bool> scan_arrived_{false};
   std::mutex scan_wait_mu_;
   bool scan_wait_early_ = false;
+  // An item's CPU attention split into up to kAttendMaxParts ranges of >= kAttendMinRows picks
+  // (runtime/cpu_step.cpp): parts 1.. write [item][part - 1] of attend_parts_ (o: group x
+  // head_dim, then lse: group), merged into part 0's in order.
+  static constexpr int kAttendMaxParts = 4;
+  static constexpr int32_t kAttendMinRows = 128;
+  bool attend_split_ = true;
+  std::vector<float> attend_parts_;
   Status WaitScanRanking();
   std::vector<int64_t> scan_rows_;     // per (slot, layer): shadow rows on the device, 0: none
   std::vector<DeviceScanPicks> scan_view_;  // per item of the step; count 0: host scan

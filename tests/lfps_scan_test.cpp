@@ -710,7 +710,7 @@ TEST(LfpsScanTest, DeviceRankingGivesTheHostPicks) {
 
 // The runtime's decode step with one KV head (so each Select gets every pool thread,
 // SelectContext::threads > 1, and its scan splits into tasks of the pool's arena) selects what a
-// one-thread runtime selects.
+// one-thread runtime selects, and its CPU attention split over the threads gives its output.
 TEST(LfpsScanTest, RuntimeSelectsTheSameWithMorePoolThreads) {
   constexpr int kHd = 64, kGroup = 4, kPrime = 32, kSteps = 8;
   constexpr int64_t kCtx = 24000;
@@ -780,6 +780,11 @@ TEST(LfpsScanTest, RuntimeSelectsTheSameWithMorePoolThreads) {
     double norm = 0.0;
     for (float x : out[1]) norm += x * double{x};
     EXPECT_GT(norm, 0.0);
+    // The two-thread runtime splits the CPU attention over the ~412 picks in two ranges whose
+    // (o, lse) it merges: the same output up to fp32 rounding.
+    for (size_t j = 0; j < q.size(); ++j) {
+      ASSERT_NEAR(out[1][j], out[0][j], 1e-5) << "step " << step << " element " << j;
+    }
   }
 }
 
