@@ -547,10 +547,13 @@ struct LfpsScanItem {
 ///     w[g][c] = lrint(q_g,c * scale[c] * 16384 / wmax), wmax = max |q_g,c * scale[c]| over them;
 ///  3. logits acc_g(j) = sum_c w[g][c] * shadow[c][off_lo + j] (exact int32), score_j = (float)
 ///     max_g (acc_g(j) - max_j acc_g(j)), key_j = its order-preserving uint32 (cpu::ScanKey);
-///  4. out[item * max_picks + i], i < picks: (key_j << 32 | j) of the `picks` best j by (key desc,
-///     j asc), in ascending j.
-/// The host reference is cpu::LfpsScanRef; CUDA runs gpu/lfps_scan.cu. group <= kLfpsScanMaxGroup,
-/// head_dim <= 256.
+///  4. T = the picks-th largest key with its low 16 bits cleared (the 16-bit bin that holds it);
+///     counts[item] = #{j : key_j >= T} (>= picks), and out[item * max_picks + i] for i below it
+///     the (key_j << 32 | j) of those j in ascending j; counts[item] = -1 when they are more than
+///     max_picks (nothing written). Every key >= T is there, so the list is a prefix of the order
+///     by (key desc, j asc) (what a Select needs to take its best picks from it exactly).
+/// The host reference is cpu::LfpsScanRef; CUDA runs gpu/lfps_scan.cu (a histogram of the keys'
+/// top 16 bits finds T without sorting). group <= kLfpsScanMaxGroup, head_dim <= 256.
 struct LfpsScanArgs {
   int64_t items = 0;
   const LfpsScanItem* item = nullptr;  ///< [items], device-readable
@@ -564,10 +567,15 @@ struct LfpsScanArgs {
   DType k_dtype = DType::kF32;
   DType kv_dtype = DType::kBF16;  ///< the store's dtype (k is rounded to it first)
   int64_t max_len = 0;    ///< >= every item's len: row stride of scores
-  int64_t max_picks = 0;  ///< >= every item's picks: row stride of out
-  float* scores = nullptr;  ///< workspace [items, max_len]
-  int32_t* ints = nullptr;  ///< workspace LfpsScanInts(items, group, channels)
+  int64_t max_picks = 0;  ///< > every item's picks: row stride of out, the most it takes
+  uint32_t* keys = nullptr;  ///< workspace [items, max_len]
+  int32_t* ints = nullptr;   ///< workspace LfpsScanInts(items, group, channels)
+  /// Workspace of LfpsScanHistWords(items) words, all zero before the first launch (each launch
+  /// leaves it zero again).
+  uint32_t* hist = nullptr;
+  int32_t* block_counts = nullptr;  ///< workspace [items, ceil(max_len / kLfpsScanBlockKeys)]
   uint64_t* out = nullptr;
+  int32_t* counts = nullptr;  ///< [items]
 };
 
 constexpr int kLfpsScanMaxGroup = 8;
@@ -575,5 +583,10 @@ constexpr int kLfpsScanMaxGroup = 8;
 constexpr int64_t LfpsScanInts(int64_t items, int group, int channels) {
   return items * (group + channels + int64_t{group} * channels);
 }
+/// Keys a CUDA block of the scan's passes covers (LfpsScanArgs::block_counts).
+constexpr int64_t kLfpsScanBlockKeys = 1024;
+/// uint32 of LfpsScanArgs::hist: per item 65536 bins of the keys' top 16 bits, then 256 of the top 8.
+constexpr int64_t kLfpsScanHistStride = 65536 + 256;
+constexpr int64_t LfpsScanHistWords(int64_t items) { return items * kLfpsScanHistStride; }
 
 }  // namespace kvferry

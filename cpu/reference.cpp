@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -138,7 +139,10 @@ void LfpsScanRef(const LfpsScanArgs& a) {
         shadow[c * a.cap + item.new_pos] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(v)));
       }
     }
-    if (item.len <= 0 || item.picks <= 0) continue;
+    if (item.len <= 0 || item.picks <= 0) {
+      a.counts[it] = 0;
+      continue;
+    }
     // 2. channels and integer weights.
     std::vector<float> q(static_cast<size_t>(group * hd)), imp(static_cast<size_t>(hd));
     for (int64_t i = 0; i < group * hd; ++i) q[i] = LoadAsF32(a.q, a.q_dtype, it * group * hd + i);
@@ -177,23 +181,27 @@ void LfpsScanRef(const LfpsScanArgs& a) {
         mx[g] = std::max(mx[g], s);
       }
     }
-    std::vector<float> score(static_cast<size_t>(len));
+    std::vector<uint32_t> key(static_cast<size_t>(len));
     for (int64_t j = 0; j < len; ++j) {
       int32_t s = acc[j] - mx[0];
       for (int g = 1; g < group; ++g) s = std::max(s, acc[g * len + j] - mx[g]);
-      score[j] = static_cast<float>(s);
-    }
-    // 4. the best picks, ascending j.
-    const int64_t picks = std::min(item.picks, len);
-    std::vector<int32_t> best(static_cast<size_t>(picks));
-    TopKRef(score.data(), len, picks, best.data());
-    std::sort(best.begin(), best.end());
-    uint64_t* out = a.out + it * a.max_picks;
-    for (int64_t i = 0; i < picks; ++i) {
+      const float f = static_cast<float>(s);
       uint32_t b;
-      std::memcpy(&b, &score[best[i]], sizeof(b));
-      const uint32_t key = b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
-      out[i] = (static_cast<uint64_t>(key) << 32) | static_cast<uint32_t>(best[i]);
+      std::memcpy(&b, &f, sizeof(b));
+      key[j] = b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+    }
+    // 4. every key at or above the 16-bit bin of the picks-th largest, ascending j.
+    const int64_t picks = std::min(item.picks, len);
+    std::vector<uint32_t> sorted = key;
+    std::nth_element(sorted.begin(), sorted.begin() + (picks - 1), sorted.end(), std::greater<uint32_t>());
+    const uint32_t thr = sorted[picks - 1] & 0xffff0000u;
+    int64_t count = 0;
+    for (int64_t j = 0; j < len; ++j) count += key[j] >= thr;
+    a.counts[it] = count <= a.max_picks ? static_cast<int32_t>(count) : -1;
+    if (count > a.max_picks) continue;
+    uint64_t* out = a.out + it * a.max_picks;
+    for (int64_t j = 0; j < len; ++j) {
+      if (key[j] >= thr) *out++ = (static_cast<uint64_t>(key[j]) << 32) | static_cast<uint32_t>(j);
     }
   }
 }

@@ -1,17 +1,21 @@
 // Copyright kvferry authors. Apache-2.0.
 // LFPS's approximate scan (policies/lfps.cpp, step 3a) on the GPU, over the device's copy of the
 // policy's int8 channel-major shadow of K (LfpsScanArgs has the definition; cpu::LfpsScanRef is
-// the specification). Four launches per batch of (sequence, KV head) items:
+// the specification). Per batch of (sequence, KV head) items:
 //   1. ScanPrepKernel, a CTA per item: the new token's shadow row, the channel choice and the
 //      integer weights, the head maxima reset;
 //   2. ScanMaxKernel: the exact int32 logits of 4 keys a thread over the chosen channels, each
 //      head's max by warp reduction and one atomicMax per warp;
 //   3. ScanScoreKernel: the logits again (16 bytes a key: cheaper to re-read than to store), the
-//      score max_g (acc_g - max_g) as a float;
-//   4. ScanPickKernel, a CTA per item: the picks-th largest key by radix select (TopKThreshold),
-//      then the winners in ascending position, each thread over a contiguous chunk of keys.
-// Every value is computed with the host's operations in the host's order (IEEE products and
-// quotients, round-to-nearest-even conversions, exact integer sums), so the picks are the host's.
+//      key of max_g (acc_g - max_g), histograms of the keys' top 16 and top 8 bits;
+//   4. ScanThresholdKernel, a warp per item: the 16-bit bin that holds the picks-th largest key
+//      (the threshold), from the coarse histogram down to the fine one;
+//   5. ScanCountKernel / ScanWriteKernel: the keys at or above it per block of 1024, then written
+//      in ascending position after the blocks before them; the histograms zeroed again.
+// Every pass is spread over the GPU (no CTA per item over all its keys) and nothing is sorted:
+// the host takes its best picks from the list (it holds every key >= the threshold, a prefix of
+// the order). Every value is computed with the host's operations in the host's order (IEEE
+// products and quotients, round-to-nearest-even conversions, exact integer sums).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -19,12 +23,12 @@
 #include <climits>
 #include <cstdint>
 
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include "base/check.h"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
-#include "gpu/topk.cuh"
 
 namespace kvferry::cuda {
 namespace {
@@ -157,59 +161,176 @@ __global__ void __launch_bounds__(kScanThreads) ScanMaxKernel(LfpsScanArgs a) {
   }
 }
 
+// Adds 1 to bins[bin] for every lane of the warp (the lanes with the same bin add once).
+__device__ __forceinline__ void WarpCount(uint32_t* bins, uint32_t bin, bool in) {
+  const unsigned peers = __match_any_sync(0xffffffffu, in ? bin : 0xffffffffu);
+  if (in && static_cast<int>(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(bins + bin, __popc(peers));
+}
+
+__device__ __forceinline__ uint32_t ScoreKey(int32_t s) {
+  const uint32_t b = __float_as_uint(static_cast<float>(s));
+  return b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+}
+
+// Keys, and the histograms of their top 16 bits (global) and top 8 bits (per block, then global).
 __global__ void __launch_bounds__(kScanThreads) ScanScoreKernel(LfpsScanArgs a) {
   const int64_t it = blockIdx.y;
   const LfpsScanItem item = a.item[it];
   __shared__ int32_t ch[kMaxDim];
   __shared__ int32_t w[kLfpsScanMaxGroup * kMaxDim];
   __shared__ int32_t mx[kLfpsScanMaxGroup];
+  __shared__ uint32_t coarse[256];
   const int64_t j0 = (static_cast<int64_t>(blockIdx.x) * kScanThreads + threadIdx.x) * kKeysPerThread;
-  if (static_cast<int64_t>(blockIdx.x) * kScanThreads * kKeysPerThread >= item.len) return;
+  if (static_cast<int64_t>(blockIdx.x) * kLfpsScanBlockKeys >= item.len) return;
   if (threadIdx.x < a.group) mx[threadIdx.x] = ItemInts(a, it)[threadIdx.x];
+  coarse[threadIdx.x] = 0;  // kScanThreads == 256
   if (!LoadWeights(a, it, item, ch, w)) return;
   int32_t acc[kLfpsScanMaxGroup][kKeysPerThread];
   Logits(a, item, ch, w, min(a.channels, a.head_dim), j0, acc);
-  float* score = a.scores + it * a.max_len;
+  uint32_t* keys = a.keys + it * a.max_len;
+  uint32_t* fine = a.hist + it * kLfpsScanHistStride;
   for (int u = 0; u < kKeysPerThread; ++u) {
-    if (j0 + u >= item.len) break;
-    int32_t s = acc[0][u] - mx[0];
-    for (int g = 1; g < a.group; ++g) s = max(s, acc[g][u] - mx[g]);
-    score[j0 + u] = static_cast<float>(s);
+    const bool in = j0 + u < item.len;
+    uint32_t key = 0;
+    if (in) {
+      int32_t s = acc[0][u] - mx[0];
+      for (int g = 1; g < a.group; ++g) s = max(s, acc[g][u] - mx[g]);
+      key = ScoreKey(s);
+      keys[j0 + u] = key;
+    }
+    WarpCount(fine, key >> 16, in);
+    WarpCount(coarse, key >> 24, in);
+  }
+  __syncthreads();
+  if (coarse[threadIdx.x] != 0) atomicAdd(fine + 65536 + threadIdx.x, coarse[threadIdx.x]);
+}
+
+// In a warp: the highest bin b of bins[0, 32 * 8) (8 per lane) with above + #{bins >= b} >= need
+// (need <= above + the sum of all of them); returns b, and the count in the bins above b in *at.
+__device__ __forceinline__ int WarpCrossing(const uint32_t* bins, uint32_t above, uint32_t need,
+                                            uint32_t* at) {
+  const int lane = threadIdx.x & 31;
+  uint32_t v[8], total = 0;
+  for (int i = 0; i < 8; ++i) total += v[i] = bins[lane * 8 + i];
+  uint32_t incl = total;  // the bins of this lane and the lanes above it
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t t = __shfl_down_sync(0xffffffffu, incl, o);
+    if (lane + o < 32) incl += t;
+  }
+  const unsigned ok = __ballot_sync(0xffffffffu, above + incl >= need);
+  const int top = ok == 0 ? 0 : 31 - __clz(ok);
+  int bin = top * 8;
+  uint32_t acc = above + (incl - total);
+  if (lane == top) {
+    for (int i = 7; i > 0; --i) {
+      if (acc + v[i] >= need) {
+        bin = top * 8 + i;
+        break;
+      }
+      acc += v[i];
+    }
+  }
+  bin = __shfl_sync(0xffffffffu, bin, top);
+  *at = __shfl_sync(0xffffffffu, acc, top);
+  return bin;
+}
+
+// Per item: the 16-bit bin of the picks-th largest key, from the top-8-bit bins down to the
+// 16-bit ones inside the bin that holds it; counts[item] = the keys at or above it (before the
+// capacity check of ScanWriteKernel). One warp per item.
+__global__ void ScanThresholdKernel(LfpsScanArgs a, uint32_t* thr) {
+  const int64_t it = blockIdx.x;
+  const LfpsScanItem item = a.item[it];
+  if (item.len <= 0 || item.picks <= 0) {
+    if (threadIdx.x == 0) a.counts[it] = 0;
+    return;
+  }
+  const uint32_t* fine = a.hist + it * kLfpsScanHistStride;
+  const uint32_t picks = static_cast<uint32_t>(min(item.picks, item.len));
+  uint32_t above = 0;
+  const int c = WarpCrossing(fine + 65536, 0, picks, &above);
+  const int f = WarpCrossing(fine + (c << 8), above, picks, &above);
+  if (threadIdx.x == 0) {
+    thr[it] = static_cast<uint32_t>((c << 8) + f) << 16;
+    a.counts[it] = static_cast<int32_t>(above + fine[(c << 8) + f]);
   }
 }
 
-__global__ void __launch_bounds__(kTopKThreads) ScanPickKernel(LfpsScanArgs a) {
-  const int64_t it = blockIdx.x;
+// Keys at or above the threshold in each block of kLfpsScanBlockKeys.
+__global__ void __launch_bounds__(kScanThreads) ScanCountKernel(LfpsScanArgs a, const uint32_t* thr) {
+  const int64_t it = blockIdx.y;
   const LfpsScanItem item = a.item[it];
-  if (item.len <= 0 || item.picks <= 0) return;
-  const int64_t len = item.len;
-  const int picks = static_cast<int>(min(item.picks, len));
-  const float* score = a.scores + it * a.max_len;
-  uint32_t kth = 0, take_eq = 0;
-  TopKThreshold(score, len, picks, &kth, &take_eq);
-  // Each thread owns the contiguous keys [lo, hi): count, two scans, then write in order.
-  const int64_t chunk = (len + blockDim.x - 1) / blockDim.x;
-  const int64_t lo = min(len, chunk * threadIdx.x), hi = min(len, lo + chunk);
-  int gt = 0, eq = 0;
-  for (int64_t j = lo; j < hi; ++j) {
-    const uint32_t key = OrderedKey(score[j]);
-    gt += key > kth;
-    eq += key == kth;
+  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * kLfpsScanBlockKeys;
+  if (b0 >= item.len || item.picks <= 0) return;
+  const uint32_t t = thr[it];
+  const uint32_t* keys = a.keys + it * a.max_len;
+  int n = 0;
+  for (int u = 0; u < kKeysPerThread; ++u) {
+    const int64_t j = b0 + threadIdx.x * kKeysPerThread + u;
+    n += j < item.len && keys[j] >= t;
   }
-  using Scan = cub::BlockScan<int, kTopKThreads>;
-  __shared__ typename Scan::TempStorage tmp;
-  int eq_before = 0, cnt_before = 0;
-  Scan(tmp).ExclusiveSum(eq, eq_before);
-  const int take = max(0, min(eq, static_cast<int>(take_eq) - eq_before));
-  __syncthreads();
-  Scan(tmp).ExclusiveSum(gt + take, cnt_before);
-  uint64_t* out = a.out + it * a.max_picks + cnt_before;
-  int taken = 0;
-  for (int64_t j = lo; j < hi; ++j) {
-    const uint32_t key = OrderedKey(score[j]);
-    const bool tie = key == kth && taken < take;
-    if (key > kth || tie) *out++ = (static_cast<uint64_t>(key) << 32) | static_cast<uint32_t>(j);
-    taken += tie;
+  using Reduce = cub::BlockReduce<int, kScanThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const int total = Reduce(tmp).Sum(n);
+  const int64_t blocks = (a.max_len + kLfpsScanBlockKeys - 1) / kLfpsScanBlockKeys;
+  if (threadIdx.x == 0) a.block_counts[it * blocks + blockIdx.x] = total;
+}
+
+// The keys at or above the threshold in ascending j (each block after the blocks before it), or
+// counts[item] = -1 when they exceed max_picks; then the block's share of the histograms zeroed
+// for the next launch.
+__global__ void __launch_bounds__(kScanThreads) ScanWriteKernel(LfpsScanArgs a, const uint32_t* thr) {
+  const int64_t it = blockIdx.y;
+  const LfpsScanItem item = a.item[it];
+  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * kLfpsScanBlockKeys;
+  const int64_t blocks = (a.max_len + kLfpsScanBlockKeys - 1) / kLfpsScanBlockKeys;
+  const int64_t item_blocks = (item.len + kLfpsScanBlockKeys - 1) / kLfpsScanBlockKeys;
+  if (b0 < item.len && item.picks > 0) {
+    __shared__ int s_before, s_total;
+    if (threadIdx.x < 32) {
+      const int32_t* bc = a.block_counts + it * blocks;
+      int before = 0, total = 0;
+      for (int64_t b = threadIdx.x; b < item_blocks; b += 32) {
+        total += bc[b];
+        before += b < blockIdx.x ? bc[b] : 0;
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        total += __shfl_xor_sync(0xffffffffu, total, o);
+        before += __shfl_xor_sync(0xffffffffu, before, o);
+      }
+      if (threadIdx.x == 0) s_before = before, s_total = total;
+    }
+    __syncthreads();
+    const bool fits = s_total <= a.max_picks;
+    if (!fits && blockIdx.x == 0 && threadIdx.x == 0) a.counts[it] = -1;
+    if (fits) {
+      const uint32_t t = thr[it];
+      const uint32_t* keys = a.keys + it * a.max_len;
+      uint32_t k[kKeysPerThread];
+      int n = 0;
+      for (int u = 0; u < kKeysPerThread; ++u) {
+        const int64_t j = b0 + threadIdx.x * kKeysPerThread + u;
+        k[u] = j < item.len ? keys[j] : 0u;
+        n += j < item.len && k[u] >= t;
+      }
+      using Scan = cub::BlockScan<int, kScanThreads>;
+      __shared__ typename Scan::TempStorage tmp;
+      int at = 0;
+      Scan(tmp).ExclusiveSum(n, at);
+      uint64_t* out = a.out + it * a.max_picks + s_before + at;
+      for (int u = 0; u < kKeysPerThread; ++u) {
+        const int64_t j = b0 + threadIdx.x * kKeysPerThread + u;
+        if (j < item.len && k[u] >= t) *out++ = (static_cast<uint64_t>(k[u]) << 32) | static_cast<uint32_t>(j);
+      }
+    }
+  }
+  // Zero the item's histograms: its blocks split the 65536 + 256 words.
+  if (item.len > 0 && item.picks > 0 && blockIdx.x < item_blocks) {
+    uint32_t* h = a.hist + it * kLfpsScanHistStride;
+    const int64_t per = (kLfpsScanHistStride + item_blocks - 1) / item_blocks;
+    const int64_t lo = blockIdx.x * per;
+    const int64_t hi = lo + per < kLfpsScanHistStride ? lo + per : kLfpsScanHistStride;
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) h[i] = 0;
   }
 }
 
@@ -225,21 +346,30 @@ Status LaunchLfpsScan(const LfpsScanArgs& a, cudaStream_t stream) {
   KVF_CHECK_ARG(a.items >= 0 && a.items <= 65535, "LfpsScan: ", a.items, " items");
   if (a.items == 0) return Status::Ok();
   KVF_CHECK_ARG(a.item != nullptr && a.shadow != nullptr && a.scale != nullptr && a.q != nullptr &&
-                    a.k != nullptr && a.ints != nullptr && (a.max_len == 0 || a.scores != nullptr) &&
-                    (a.max_picks == 0 || a.out != nullptr),
+                    a.k != nullptr && a.ints != nullptr && (a.max_picks == 0 || a.out != nullptr),
                 "LfpsScan: null pointer");
   const auto items = static_cast<unsigned>(a.items);
   ScanPrepKernel<<<items, kPrepThreads, 0, stream>>>(a);
   KVF_CUDA_CHECK_LAUNCH(ScanPrepKernel);
   if (a.max_len == 0 || a.max_picks == 0) return Status::Ok();
-  const int64_t per_block = int64_t{kScanThreads} * kKeysPerThread;
-  const dim3 grid(static_cast<unsigned>((a.max_len + per_block - 1) / per_block), items);
+  static_assert(int64_t{kScanThreads} * kKeysPerThread == kLfpsScanBlockKeys);
+  KVF_CHECK_ARG(a.keys != nullptr && a.hist != nullptr && a.block_counts != nullptr &&
+                    a.counts != nullptr,
+                "LfpsScan: null workspace");
+  const int64_t blocks = (a.max_len + kLfpsScanBlockKeys - 1) / kLfpsScanBlockKeys;
+  const dim3 grid(static_cast<unsigned>(blocks), items);
   ScanMaxKernel<<<grid, kScanThreads, 0, stream>>>(a);
   KVF_CUDA_CHECK_LAUNCH(ScanMaxKernel);
   ScanScoreKernel<<<grid, kScanThreads, 0, stream>>>(a);
   KVF_CUDA_CHECK_LAUNCH(ScanScoreKernel);
-  ScanPickKernel<<<items, kTopKThreads, 0, stream>>>(a);
-  KVF_CUDA_CHECK_LAUNCH(ScanPickKernel);
+  // The thresholds live in the block counts' spare room: [items] words after them.
+  uint32_t* thr = reinterpret_cast<uint32_t*>(a.block_counts + a.items * blocks);
+  ScanThresholdKernel<<<items, 32, 0, stream>>>(a, thr);
+  KVF_CUDA_CHECK_LAUNCH(ScanThresholdKernel);
+  ScanCountKernel<<<grid, kScanThreads, 0, stream>>>(a, thr);
+  KVF_CUDA_CHECK_LAUNCH(ScanCountKernel);
+  ScanWriteKernel<<<grid, kScanThreads, 0, stream>>>(a, thr);
+  KVF_CUDA_CHECK_LAUNCH(ScanWriteKernel);
   return Status::Ok();
 }
 

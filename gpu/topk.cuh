@@ -45,13 +45,19 @@ __device__ inline void BitonicSortBlock(unsigned long long* v, int n) {
   __syncthreads();
 }
 
-/// The k-th largest OrderedKey of row[0, n) (1 <= k <= n) into *kth, and into *take_eq how many
-/// keys equal to it are among the k largest (the first ones in index order): radix select, 8 bits
-/// per pass. Called by every thread of the CTA; each gets both values.
-__device__ inline void TopKThreshold(const float* __restrict__ row, int64_t n, int k, uint32_t* kth,
-                                     uint32_t* take_eq) {
+/// The k largest of row[0, n) (OrderedKey order, ties to the lower index) into sel[0, k) as
+/// (~key << 32 | index), sorted by (score desc, index asc); sel[k, sort_n) = ~0. sort_n = pow2 >= k,
+/// 1 <= k <= n. Called by every thread of a kTopKThreads-thread CTA (a multiple of 32); sel in
+/// shared or global memory.
+__device__ inline void TopKSelect(const float* __restrict__ row, int64_t n, int k, int sort_n,
+                           unsigned long long* sel) {
+  using Scan = cub::BlockScan<int, kTopKThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ unsigned int hist[256];
   __shared__ uint32_t s_prefix, s_remaining;
+  __shared__ int s_gt, s_eq_base;
+  __shared__ bool s_done;
+
   uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(k);
   const int64_t n_round = (n + blockDim.x - 1) / blockDim.x * blockDim.x;  // whole warps loop
   for (int shift = 24; shift >= 0; shift -= 8) {
@@ -84,22 +90,6 @@ __device__ inline void TopKThreshold(const float* __restrict__ row, int64_t n, i
     remaining = s_remaining;
     mask |= 0xffu << shift;
   }
-  *kth = prefix;
-  *take_eq = remaining;
-}
-
-/// The k largest of row[0, n) (OrderedKey order, ties to the lower index) into sel[0, k) as
-/// (~key << 32 | index), sorted by (score desc, index asc); sel[k, sort_n) = ~0. sort_n = pow2 >= k,
-/// 1 <= k <= n. Called by every thread of a kTopKThreads-thread CTA (a multiple of 32); sel in
-/// shared or global memory.
-__device__ inline void TopKSelect(const float* __restrict__ row, int64_t n, int k, int sort_n,
-                           unsigned long long* sel) {
-  using Scan = cub::BlockScan<int, kTopKThreads>;
-  __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ int s_gt, s_eq_base;
-  __shared__ bool s_done;
-  uint32_t prefix = 0, remaining = 0;
-  TopKThreshold(row, n, k, &prefix, &remaining);
   // prefix is the k-th largest key; take every key > prefix and the first `remaining` equal ones.
   if (threadIdx.x == 0) {
     s_gt = 0;

@@ -118,8 +118,11 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
   }
   if (!any) return Status::Ok();
   const int64_t items = batch * hkv;
+  // Each list holds every key of the threshold's bin: room for more than the picks.
+  const int64_t stride = std::min(scan_list_cap_, ScanListCap(max_picks));
+  scan_step_items_ = items;
   for (int64_t i = 0; i < items; ++i) {
-    if (scan_view_[i].count > 0) scan_view_[i].picks = scan_out_host_ + i * max_picks;
+    if (scan_view_[i].count > 0) scan_view_[i].picks = scan_out_host_ + i * stride;
   }
   const bool host = device_->backend() == Backend::kHost;
   KVF_RETURN_IF_ERROR(device_->CopyAsync(scan_items_dev_, scan_items_host_,
@@ -139,19 +142,25 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
   a.k_dtype = k_dtype;
   a.kv_dtype = m.kv_dtype;
   a.max_len = max_len;
-  a.max_picks = max_picks;
-  a.scores = scan_scores_;
+  a.max_picks = stride;
+  a.keys = scan_keys_;
   a.ints = scan_ints_;
+  a.hist = scan_hist_;
+  a.block_counts = scan_blocks_;
   a.out = host ? scan_out_host_ : scan_out_dev_;
+  a.counts = host ? scan_counts_host_ : scan_counts_dev_;
   KVF_RETURN_IF_ERROR(device_->LfpsScan(a, stream));
   if (!host && max_picks > 0) {
-    const size_t out_bytes = static_cast<size_t>(items * max_picks) * sizeof(uint64_t);
+    const size_t out_bytes = static_cast<size_t>(items * stride) * sizeof(uint64_t);
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(scan_counts_host_, scan_counts_dev_,
+                                           static_cast<size_t>(items) * sizeof(int32_t), stream));
     KVF_RETURN_IF_ERROR(device_->CopyAsync(scan_out_host_, scan_out_dev_, out_bytes, stream));
-    stats_.bytes_d2h += static_cast<int64_t>(out_bytes);
+    stats_.bytes_d2h += static_cast<int64_t>(out_bytes) + items * 4;
   }
   KVF_RETURN_IF_ERROR(device_->RecordEvent(scan_ready_, stream));
   scan_live_ = max_picks > 0;
   scan_arrived_.store(host, std::memory_order_release);
+  if (host) TakeScanCounts();
   if (!host) {
     for (int64_t i = 0; i < items; ++i) {
       scan_view_[i].wait = [](void* self) { return static_cast<RuntimeImpl*>(self)->WaitScanRanking(); };
@@ -166,8 +175,16 @@ Status RuntimeImpl::WaitScanRanking() {
   std::lock_guard<std::mutex> lock(scan_wait_mu_);  // one thread waits, the others then find it done
   if (scan_arrived_.load(std::memory_order_acquire)) return Status::Ok();
   KVF_RETURN_IF_ERROR(HostWaitEvent(scan_ready_));
+  TakeScanCounts();
   scan_arrived_.store(true, std::memory_order_release);
   return Status::Ok();
+}
+
+void RuntimeImpl::TakeScanCounts() {
+  for (int64_t i = 0; i < scan_step_items_; ++i) {
+    // -1: more keys than the list holds (the policy then scans on the host).
+    if (scan_view_[i].picks != nullptr) scan_view_[i].count = std::max(scan_counts_host_[i], 0);
+  }
 }
 
 Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
@@ -215,7 +232,7 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
     // 2 select.
     const auto ts = trace_.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
     item_status_[i] = SelectItem(i, slot, layer, h, n, q32, select_threads,
-                                 scan && scan_view_[i].count > 0 ? &scan_view_[i] : nullptr);
+                                 scan && scan_view_[i].picks != nullptr ? &scan_view_[i] : nullptr);
     if (trace_.on()) trace_.Span("cpu_select", "cpu", ts, TraceRecorder::Clock::now(), i);
     const std::vector<int32_t>& sel = selections_[i];
     if (!item_status_[i].ok()) return;

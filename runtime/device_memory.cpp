@@ -62,7 +62,8 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
   part("prefill prefetch staging", {prefill_next, prefill_next_pages});
   part("priming tables and partials", {prime_tables, prime_stats, prime_scratch});
   part("lfps scan (int8 shadow of K, scores, picks)",
-       {scan_shadow, scan_scale, scan_scores, scan_ints, scan_items, scan_out});
+       {scan_shadow, scan_scale, scan_keys, scan_ints, scan_hist, scan_blocks, scan_items, scan_out,
+        scan_counts});
   part("host-store page table", {store_table});
   part("stream workspaces", {stream_scratch});
   std::stable_sort(plan.parts.begin(), plan.parts.end(),
@@ -324,17 +325,24 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     const int64_t len = cap.max_tokens_per_sequence;
     z.device_scan = true;
     z.scan_picks = std::clamp<int64_t>(policy_->device_scan_picks(budget_max_), 1, len);
+    z.scan_list_cap = ScanListCap(z.scan_picks);
     z.scan_shadow = AllocBytes(static_cast<size_t>(heads * d * len));
     z.scan_scale = AllocBytes(static_cast<size_t>(heads * d) * sizeof(float));
-    z.scan_scores = AllocBytes(static_cast<size_t>(items * len) * sizeof(float));
+    z.scan_keys = AllocBytes(static_cast<size_t>(items * len) * sizeof(uint32_t));
     z.scan_ints = AllocBytes(static_cast<size_t>(LfpsScanInts(items, group_, channels)) * 4);
+    z.scan_hist = AllocBytes(static_cast<size_t>(LfpsScanHistWords(items)) * sizeof(uint32_t));
+    // Per item a count per block of keys, then the items' thresholds.
+    z.scan_blocks = AllocBytes(static_cast<size_t>(
+        items * ((len + kLfpsScanBlockKeys - 1) / kLfpsScanBlockKeys + 1)) * sizeof(int32_t));
     z.scan_items = AllocBytes(static_cast<size_t>(items) * sizeof(LfpsScanItem));
-    z.scan_out = AllocBytes(static_cast<size_t>(items * z.scan_picks) * sizeof(uint64_t));
+    z.scan_out = AllocBytes(static_cast<size_t>(items * z.scan_list_cap) * sizeof(uint64_t));
+    z.scan_counts = AllocBytes(static_cast<size_t>(items) * sizeof(int32_t));
     // Under a cap the scan is what gives way (the policy then scans on the host).
     if (cap.gpu_bytes > 0 && z.Plan(cap.gpu_bytes).total_bytes > cap.gpu_bytes) {
       z.device_scan = false;
-      z.scan_picks = 0;
-      z.scan_shadow = z.scan_scale = z.scan_scores = z.scan_ints = z.scan_items = z.scan_out = 0;
+      z.scan_picks = z.scan_list_cap = 0;
+      z.scan_shadow = z.scan_scale = z.scan_keys = z.scan_ints = z.scan_hist = z.scan_blocks = 0;
+      z.scan_items = z.scan_out = z.scan_counts = 0;
     }
   }
   return Status::Ok();

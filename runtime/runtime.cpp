@@ -361,15 +361,29 @@ Status RuntimeImpl::Init() {
   if (z.device_scan) {
     device_scan_ = true;
     scan_picks_cap_ = z.scan_picks;
+    scan_list_cap_ = z.scan_list_cap;
     scan_channels_ = static_cast<int>(std::min<int64_t>(policy_->device_scan_channels(), m.head_dim));
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_shadow, false));
     scan_shadow_ = static_cast<int8_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_scale, false));
     scan_scale_ = static_cast<float*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_scores, false));
-    scan_scores_ = static_cast<float*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_keys, false));
+    scan_keys_ = static_cast<uint32_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_ints, false));
     scan_ints_ = static_cast<int32_t*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_hist, false));
+    scan_hist_ = static_cast<uint32_t*>(p);
+    {  // the histograms start at zero (each scan leaves them so)
+      const std::vector<uint32_t> zeros(z.scan_hist / sizeof(uint32_t), 0u);
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(scan_hist_, zeros.data(), z.scan_hist, stream_));
+      KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
+    }
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_blocks, false));
+    scan_blocks_ = static_cast<int32_t*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_counts, false));
+    scan_counts_dev_ = static_cast<int32_t*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_counts, true));
+    scan_counts_host_ = static_cast<int32_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_items, false));
     scan_items_dev_ = static_cast<LfpsScanItem*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_items, true));

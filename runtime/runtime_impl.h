@@ -37,6 +37,10 @@ struct DeviceBuffer {
 /// exactly these sizes and Runtime::device_memory reports them, so the plan the GPU memory cap is
 /// checked against and the allocations cannot drift apart (the tests compare the plan with the
 /// device's own count, Stats::device_bytes_reserved).
+/// The positions the device's scan list of an item may hold when it asks for \p picks: every key
+/// in the threshold's 16-bit bin comes too (LfpsScanArgs), so twice the picks and some.
+constexpr int64_t ScanListCap(int64_t picks) { return 2 * picks + 512; }
+
 struct DeviceBufferSizes {
   // ---- layout ----
   int bank_slots = 0;
@@ -76,7 +80,8 @@ struct DeviceBufferSizes {
   // on CUDA unless KVFERRY_LFPS_SCAN=host, on the host backend with KVFERRY_LFPS_SCAN=device;
   // dropped when a GPU cap leaves no room for it): picks per item (the row stride of scan_out).
   bool device_scan = false;
-  int64_t scan_picks = 0;
+  int64_t scan_picks = 0;  // the most picks an item asks for
+  int64_t scan_list_cap = 0;  // the most positions an item's list holds (row stride of scan_out)
 
   // ---- bytes ----
   size_t resident = 0;
@@ -91,8 +96,8 @@ struct DeviceBufferSizes {
   size_t meta = 0, sparcas_state = 0, sparcas_dims = 0;
   size_t step_slots = 0, step_pos = 0, step_ws = 0, step_counters = 0;
   size_t prime_tables = 0, prime_stats = 0, prime_scratch = 0;
-  size_t scan_shadow = 0, scan_scale = 0, scan_scores = 0, scan_ints = 0, scan_items = 0,
-         scan_out = 0;
+  size_t scan_shadow = 0, scan_scale = 0, scan_keys = 0, scan_ints = 0, scan_hist = 0,
+         scan_blocks = 0, scan_items = 0, scan_out = 0, scan_counts = 0;
   size_t stream_scratch = 0;
 
   /// The parts (named groups of the buffers above), largest first, and their total.
@@ -521,11 +526,16 @@ class RuntimeImpl {
   // the ranking (SelectContext::scan) instead of scanning.
   bool device_scan_ = false;
   int64_t scan_picks_cap_ = 0;
+  int64_t scan_list_cap_ = 0;
   int scan_channels_ = 0;
   int8_t* scan_shadow_ = nullptr;
   float* scan_scale_ = nullptr;
-  float* scan_scores_ = nullptr;
+  uint32_t* scan_keys_ = nullptr;
   int32_t* scan_ints_ = nullptr;
+  uint32_t* scan_hist_ = nullptr;
+  int32_t* scan_blocks_ = nullptr;
+  int32_t* scan_counts_dev_ = nullptr;
+  int32_t* scan_counts_host_ = nullptr;  // pinned
   LfpsScanItem* scan_items_dev_ = nullptr;
   LfpsScanItem* scan_items_host_ = nullptr;  // pinned
   uint64_t* scan_out_dev_ = nullptr;
@@ -545,6 +555,9 @@ class RuntimeImpl {
   bool attend_split_ = true;
   std::vector<float> attend_parts_;
   Status WaitScanRanking();
+  // The lists' lengths from the device's counts, into scan_view_ (once they arrived).
+  void TakeScanCounts();
+  int64_t scan_step_items_ = 0;
   std::vector<int64_t> scan_rows_;     // per (slot, layer): shadow rows on the device, 0: none
   std::vector<DeviceScanPicks> scan_view_;  // per item of the step; count 0: host scan
   // The policy's shadow of (slot, layer) copied to the device (after priming), or marked absent.

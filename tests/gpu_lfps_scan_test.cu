@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -53,7 +54,7 @@ TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
     item[i].off_lo = static_cast<int64_t>(rng() % 7);
     item[i].len = lens[i];
     item[i].new_pos = item[i].off_lo + lens[i] + static_cast<int64_t>(rng() % 5);
-    item[i].picks = i == 4 ? 1 : i == 2 ? lens[i] : std::max<int64_t>(1, lens[i] / 9);
+    item[i].picks = i == 4 ? 1 : i == 2 ? (c.ties ? lens[i] / 4 + 1 : lens[i]) : std::max<int64_t>(1, lens[i] / 9);
   }
   std::vector<int8_t> shadow(static_cast<size_t>(items * hd * cap));
   for (auto& x : shadow) x = static_cast<int8_t>(c.ties ? static_cast<int>(rng() % 5) - 2 : static_cast<int>(rng() % 255) - 127);
@@ -64,7 +65,9 @@ TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
   for (int64_t i = 0; i < items * group * hd; ++i) cpu::StoreFromF32(q.data(), c.act, i, nd(rng));
   for (int64_t i = 0; i < items * hd; ++i) cpu::StoreFromF32(k.data(), c.act, i, 3.0f * nd(rng));
   const int64_t max_len = *std::max_element(lens, lens + items);
-  const int64_t max_picks = 1 + max_len;
+  // Room for every key; with ties, for an eighth of them (lists of a crowded threshold bin may
+  // overflow: count -1).
+  const int64_t max_picks = c.ties ? 1 + max_len / 8 : 1 + max_len;
 
   LfpsScanArgs a;
   a.items = items;
@@ -79,18 +82,23 @@ TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
   a.max_picks = max_picks;
   // The reference on host copies.
   std::vector<int8_t> want_shadow = shadow;
-  std::vector<float> scores(static_cast<size_t>(items * max_len));
+  std::vector<uint32_t> keys(static_cast<size_t>(items * max_len));
   std::vector<int32_t> ints(static_cast<size_t>(LfpsScanInts(items, group, c.channels)));
   std::vector<uint64_t> want(static_cast<size_t>(items * max_picks), ~0ull);
+  std::vector<int32_t> want_counts(static_cast<size_t>(items), -7);
+  std::vector<uint32_t> hist(static_cast<size_t>(LfpsScanHistWords(items)), 0u);
+  const int64_t blocks = (max_len + kLfpsScanBlockKeys - 1) / kLfpsScanBlockKeys;
+  std::vector<int32_t> block_counts(static_cast<size_t>(items * (blocks + 1)), 0);
   LfpsScanArgs h = a;
   h.item = item.data();
   h.shadow = want_shadow.data();
   h.scale = scale.data();
   h.q = q.data();
   h.k = k.data();
-  h.scores = scores.data();
+  h.keys = keys.data();
   h.ints = ints.data();
   h.out = want.data();
+  h.counts = want_counts.data();
   cpu::LfpsScanRef(h);
   // The device.
   LfpsScanArgs g = a;
@@ -99,29 +107,44 @@ TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
   g.scale = DeviceCopy(scale);
   g.q = DeviceCopy(q);
   g.k = DeviceCopy(k);
-  g.scores = DeviceCopy(scores);
+  g.keys = DeviceCopy(keys);
   g.ints = DeviceCopy(ints);
+  g.hist = DeviceCopy(hist);
+  g.block_counts = DeviceCopy(block_counts);
   std::vector<uint64_t> got(want.size(), ~0ull);
   g.out = DeviceCopy(got);
+  std::vector<int32_t> got_counts(static_cast<size_t>(items), -7);
+  g.counts = DeviceCopy(got_counts);
   const Status st = cuda::LaunchLfpsScan(g, nullptr);
   ASSERT_TRUE(st.ok()) << st.ToString();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<int8_t> got_shadow(shadow.size());
   ASSERT_EQ(cudaMemcpy(got_shadow.data(), g.shadow, shadow.size(), cudaMemcpyDeviceToHost), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(got.data(), g.out, got.size() * 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(got_counts.data(), g.counts, items * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  std::vector<uint32_t> hist_after(hist.size(), 1u);
+  ASSERT_EQ(cudaMemcpy(hist_after.data(), g.hist, hist.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(hist_after, hist) << "the histograms are not left at zero";
   EXPECT_EQ(got_shadow, want_shadow) << "the new rows differ";
+  EXPECT_EQ(got_counts, want_counts);
+  int overflow = 0, listed = 0;
   for (int64_t i = 0; i < items; ++i) {
-    for (int64_t p = 0; p < std::min(item[i].picks, item[i].len); ++p) {
+    overflow += want_counts[i] == -1;
+    listed += want_counts[i] > 0;
+    for (int64_t p = 0; p < std::max(want_counts[i], 0); ++p) {
       ASSERT_EQ(got[i * max_picks + p], want[i * max_picks + p])
           << "item " << i << " pick " << p << " of " << item[i].picks << " (len " << item[i].len
           << "): position " << (got[i * max_picks + p] & 0xffffffffu) << " vs "
           << (want[i * max_picks + p] & 0xffffffffu);
     }
   }
+  EXPECT_GT(listed, 0);
+  std::printf("[          ] %d items listed, %d overflowed\n", listed, overflow);
   for (void* p : {static_cast<void*>(const_cast<LfpsScanItem*>(g.item)), static_cast<void*>(g.shadow),
                   static_cast<void*>(const_cast<float*>(g.scale)), const_cast<void*>(g.q),
-                  const_cast<void*>(g.k), static_cast<void*>(g.scores), static_cast<void*>(g.ints),
-                  static_cast<void*>(g.out)}) {
+                  const_cast<void*>(g.k), static_cast<void*>(g.keys), static_cast<void*>(g.ints),
+                  static_cast<void*>(g.hist), static_cast<void*>(g.block_counts),
+                  static_cast<void*>(g.out), static_cast<void*>(g.counts)}) {
     cudaFree(p);
   }
 }
