@@ -12,6 +12,7 @@
 #include <boost/lockfree/queue.hpp>
 #include <oneapi/tbb/global_control.h>
 #include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/task_group.h>
 #include <oneapi/tbb/task_arena.h>
 #include <oneapi/tbb/task_scheduler_observer.h>
 
@@ -330,6 +331,17 @@ void CpuPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
   impl_->warm_epoch->fetch_add(1, std::memory_order_release);
   impl_->arena->execute([&] {
     tbb::parallel_for(int64_t{0}, n, [&](int64_t i) { fn(i); });
+  });
+}
+
+void CpuPool::ParallelForBeside(int64_t n, const std::function<void(int64_t)>& fn,
+                                const std::function<void()>& first) {
+  impl_->warm_epoch->fetch_add(1, std::memory_order_release);
+  impl_->arena->execute([&] {
+    tbb::task_group items;
+    items.run([&] { tbb::parallel_for(int64_t{0}, n, [&](int64_t i) { fn(i); }); });
+    first();
+    items.wait();
   });
 }
 

@@ -89,6 +89,11 @@ class CpuPool {
   /// Runs fn(i), i in [0, n), on the pool's pinned threads; returns when all are done. For work
   /// that is not a CpuJob (dense attention, scoring); do not call from inside a pool task.
   void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
+  /// ParallelFor, with the calling thread running \p first while the pool's threads start on fn,
+  /// then joining them: for work the items may wait on that must not wait behind them (a decode
+  /// step's device launches). With no other thread the items run after \p first.
+  void ParallelForBeside(int64_t n, const std::function<void(int64_t)>& fn,
+                         const std::function<void()>& first);
 
   /// Keeps up to \p threads workers spinning (pause loop) until the next ParallelFor starts or
   /// \p max_us microseconds pass, whichever comes first, so that its items start on threads that

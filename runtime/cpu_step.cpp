@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <thread>
 
 #include "base/check.h"
 #include "cpu/attention.h"
@@ -69,8 +70,9 @@ Status RuntimeImpl::CopyScanShadow(int slot, int layer, StreamHandle stream) {
 Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
                                      std::span<const int64_t> positions, const void* q,
                                      DType q_dtype, const void* k, DType k_dtype,
-                                     StreamHandle stream) {
+                                     StreamHandle stream, bool defer) {
   scan_live_ = false;
+  scan_pending_ = false;
   if (!device_scan_) return Status::Ok();
   const ModelShape& m = config_.model;
   const int hkv = m.num_kv_heads, d = m.head_dim;
@@ -125,9 +127,8 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
     if (scan_view_[i].count > 0) scan_view_[i].picks = scan_out_host_ + i * stride;
   }
   const bool host = device_->backend() == Backend::kHost;
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(scan_items_dev_, scan_items_host_,
-                                         static_cast<size_t>(items) * sizeof(LfpsScanItem), stream));
-  LfpsScanArgs a;
+  LfpsScanArgs& a = scan_args_;
+  a = LfpsScanArgs{};
   a.items = items;
   a.item = scan_items_dev_;
   a.group = group_;
@@ -149,29 +150,53 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
   a.block_counts = scan_blocks_;
   a.out = host ? scan_out_host_ : scan_out_dev_;
   a.counts = host ? scan_counts_host_ : scan_counts_dev_;
-  KVF_RETURN_IF_ERROR(device_->LfpsScan(a, stream));
-  if (!host && max_picks > 0) {
-    const size_t out_bytes = static_cast<size_t>(items * stride) * sizeof(uint64_t);
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(scan_counts_host_, scan_counts_dev_,
-                                           static_cast<size_t>(items) * sizeof(int32_t), stream));
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(scan_out_host_, scan_out_dev_, out_bytes, stream));
-    stats_.bytes_d2h += static_cast<int64_t>(out_bytes) + items * 4;
-  }
-  KVF_RETURN_IF_ERROR(device_->RecordEvent(scan_ready_, stream));
   scan_live_ = max_picks > 0;
-  scan_arrived_.store(host, std::memory_order_release);
-  if (host) TakeScanCounts();
+  scan_arrived_.store(false, std::memory_order_release);
+  scan_launched_.store(0, std::memory_order_release);
+  scan_stream_ = stream;
   if (!host) {
     for (int64_t i = 0; i < items; ++i) {
       scan_view_[i].wait = [](void* self) { return static_cast<RuntimeImpl*>(self)->WaitScanRanking(); };
       scan_view_[i].wait_arg = this;
     }
   }
-  return Status::Ok();
+  scan_pending_ = true;
+  // The host backend ranks at once (its "device" is this thread).
+  return defer && !host ? Status::Ok() : EnqueueDeviceScan();
+}
+
+Status RuntimeImpl::EnqueueDeviceScan() {
+  if (!scan_pending_) return Status::Ok();
+  scan_pending_ = false;
+  const LfpsScanArgs& a = scan_args_;
+  const bool host = device_->backend() == Backend::kHost;
+  Status st = device_->CopyAsync(scan_items_dev_, scan_items_host_,
+                                 static_cast<size_t>(a.items) * sizeof(LfpsScanItem), scan_stream_);
+  if (st.ok()) st = device_->LfpsScan(a, scan_stream_);
+  if (st.ok() && !host && a.max_len > 0) {
+    const size_t out_bytes = static_cast<size_t>(a.items * a.max_picks) * sizeof(uint64_t);
+    st = device_->CopyAsync(scan_counts_host_, scan_counts_dev_,
+                            static_cast<size_t>(a.items) * sizeof(int32_t), scan_stream_);
+    if (st.ok()) st = device_->CopyAsync(scan_out_host_, scan_out_dev_, out_bytes, scan_stream_);
+    scan_bytes_d2h_ = static_cast<int64_t>(out_bytes) + a.items * 4;
+  }
+  if (st.ok()) st = device_->RecordEvent(scan_ready_, scan_stream_);
+  if (st.ok() && host) {
+    TakeScanCounts();
+    scan_arrived_.store(true, std::memory_order_release);
+  }
+  if (!st.ok()) scan_launch_status_ = st;
+  // Selects waiting for the ranking (WaitScanRanking) go on from here.
+  scan_launched_.store(st.ok() ? 1 : 2, std::memory_order_release);
+  return st;
 }
 
 Status RuntimeImpl::WaitScanRanking() {
   if (scan_arrived_.load(std::memory_order_acquire)) return Status::Ok();
+  // Enqueued by the calling thread beside the Selects (SelectOnHost's launch), or before them.
+  int launched = 0;
+  while ((launched = scan_launched_.load(std::memory_order_acquire)) == 0) std::this_thread::yield();
+  if (launched == 2) return scan_launch_status_;
   std::lock_guard<std::mutex> lock(scan_wait_mu_);  // one thread waits, the others then find it done
   if (scan_arrived_.load(std::memory_order_acquire)) return Status::Ok();
   KVF_RETURN_IF_ERROR(HostWaitEvent(scan_ready_));
@@ -190,7 +215,7 @@ void RuntimeImpl::TakeScanCounts() {
 Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
                                  std::span<const int64_t> positions, const TensorView& q,
                                  const TensorView& k, const TensorView& v, int32_t* lists,
-                                 int32_t* counts) {
+                                 int32_t* counts, const std::function<Status()>* launch) {
   const ModelShape& m = config_.model;
   const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
   const int64_t batch = static_cast<int64_t>(slot_of.size());
@@ -205,10 +230,11 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   // The device's ranking for the scans (LaunchDeviceScan) must have arrived.
   const bool scan = scan_live_;
   scan_live_ = false;
-  if (scan && scan_wait_early_) KVF_RETURN_IF_ERROR(WaitScanRanking());
+  if (scan && scan_wait_early_ && launch == nullptr) KVF_RETURN_IF_ERROR(WaitScanRanking());
   // Fewer items than pool threads: each Select may split its O(n) scan over the idle ones.
   const int select_threads = SelectThreads(items);
-  pool_->ParallelFor(items, [&](int64_t i) {
+  Status launch_status = Status::Ok();
+  auto item_fn = [&](int64_t i) {
     // One span per (sequence, KV head) task on its pool thread: append, select, CPU attention.
     struct ItemSpan {
       TraceRecorder& trace;
@@ -300,11 +326,19 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
       if (trace_.on()) trace_.Span("cpu_attend", "cpu", ta, TraceRecorder::Clock::now(), i);
     }
     cpu_items_[i].count = n_cpu;  // the stats below read the split back
-  });
+  };
+  if (launch != nullptr) {
+    pool_->ParallelForBeside(items, item_fn, [&] { launch_status = (*launch)(); });
+  } else {
+    pool_->ParallelFor(items, item_fn);
+  }
+  stats_.bytes_d2h += scan_bytes_d2h_;
+  scan_bytes_d2h_ = 0;
   // The next layer's items usually come within tens of microseconds (merge, append, the GPU's
   // launch, the wait for its q): KVFERRY_POOL_WARM_US keeps the workers spinning until then, so
   // that they start at once instead of waking one after another (off by default: runtime.cpp).
   pool_->KeepWarm(pool_->num_threads(), pool_warm_us_);
+  KVF_RETURN_IF_ERROR(launch_status);
   // The ranking's buffers are rewritten by the next step: its copies must be done.
   if (scan) KVF_RETURN_IF_ERROR(WaitScanRanking());
 

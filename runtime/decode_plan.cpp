@@ -455,10 +455,15 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     // does not wait): the host waits for the stream's work up to here all the same.
     st = device_->RecordEvent(q_ready_, stream);
   }
-  // LFPS's scan ranks the offloaded keys on the device, ahead of the host's Select.
+  // LFPS's scan ranks the offloaded keys on the device, ahead of the host's Select. On CUDA the
+  // CPU step enqueues it, and its own kernel after it, beside the Selects (SelectOnHost's
+  // launch): those calls take the host tens of microseconds a layer (KVFERRY_LFPS_SCAN_OVERLAP=0
+  // enqueues them here instead).
+  const bool beside = cpu_step_ && device_scan_ && scan_overlap_ &&
+                      device_->backend() == Backend::kCuda;
   if (st.ok() && (cpu_step_ || host_lists_) && device_scan_) {
     st = LaunchDeviceScan(slot_of, layer, pos, q_src.value(), q.dtype, k_src.value(), k.dtype,
-                          stream);
+                          stream, beside);
   }
   if (st.ok() && scoring_ != SelectScoring::kNone) {
     st = device_->DecodeSelect(a, stream);
@@ -499,7 +504,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       st = most.status();
     }
   }
-  if (st.ok()) st = device_->DecodeStep(a, stream);
+  if (st.ok() && !beside) st = device_->DecodeStep(a, stream);
   // The bank admits the layer's misses right after the step that read them, on its stream.
   if (st.ok() && a.bank.rows != nullptr) {
     const auto ta = Clock::now();
@@ -514,7 +519,14 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     // (it has, unless the caller switched streams).
     if (st.ok() && !device_->EventDone(cpu_part_up_)) st = HostWaitEvent(cpu_part_up_);
     // A policy failure rolls back below like any other (the window rewritten from the store).
-    if (st.ok()) st = SelectOnHost(slot_of, layer, pos, q_host, k_host, v_host);
+    const std::function<Status()> launch = [&] {
+      Status s = EnqueueDeviceScan();
+      return s.ok() ? device_->DecodeStep(a, stream) : s;
+    };
+    if (st.ok()) {
+      st = SelectOnHost(slot_of, layer, pos, q_host, k_host, v_host, nullptr, nullptr,
+                        beside ? &launch : nullptr);
+    }
     Stage(stats_.ms_select, "select", t2);
     const int64_t rows = batch * m.num_q_heads;
     const bool host = device_->backend() == Backend::kHost;

@@ -291,10 +291,13 @@ class RuntimeImpl {
   // resident rows: DecodeStepArgs::host_writes_store). q/k/v: the caller's inputs in host memory.
   // With \p lists (host_lists_), the selections are not attended here: item i's positions go to
   // lists[i * list_cap_ ..] and its count to counts[i] (pinned memory the step's list is copied
-  // from), and the device step attends them all.
+  // from), and the device step attends them all. \p launch (when set) runs on the calling thread
+  // while the pool's threads start on the items (CpuPool::ParallelForBeside): device launches the
+  // items need not wait behind (the deferred scan, the step kernel), their host time hidden.
   Status SelectOnHost(std::span<const int> slot_of, int layer, std::span<const int64_t> positions,
                       const TensorView& q, const TensorView& k, const TensorView& v,
-                      int32_t* lists = nullptr, int32_t* counts = nullptr);
+                      int32_t* lists = nullptr, int32_t* counts = nullptr,
+                      const std::function<Status()>* launch = nullptr);
   // host_lists_: waits for q_ready_ (q on the host, unless \p inputs_on_host: the caller's
   // tensors are there already; and the store rows Select reads written), runs SelectOnHost into
   // layer \p layer's pinned list staging and copies the lists into the layer's device list region
@@ -547,6 +550,7 @@ class RuntimeImpl {
   std::atomic<bool> scan_arrived_{false};
   std::mutex scan_wait_mu_;
   bool scan_wait_early_ = false;
+  bool scan_overlap_ = true;  // KVFERRY_LFPS_SCAN_OVERLAP=0: enqueue before the Selects
   // An item's CPU attention split into up to kAttendMaxParts ranges of >= kAttendMinRows picks
   // (runtime/cpu_step.cpp): parts 1.. write [item][part - 1] of attend_parts_ (o: group x
   // head_dim, then lse: group), merged into part 0's in order.
@@ -562,11 +566,20 @@ class RuntimeImpl {
   std::vector<DeviceScanPicks> scan_view_;  // per item of the step; count 0: host scan
   // The policy's shadow of (slot, layer) copied to the device (after priming), or marked absent.
   Status CopyScanShadow(int slot, int layer, StreamHandle stream);
-  // Enqueues the step's scan on \p stream (q, k: the staged inputs, device-readable) and the copy
-  // of its ranking to the host; records scan_ready_. Items without a device shadow only skip it.
+  // Prepares the step's scan (q, k: the staged inputs, device-readable) and, unless \p defer
+  // (CUDA: SelectOnHost's launch enqueues it beside the Selects), enqueues it on \p stream with
+  // the copy of its ranking to the host (EnqueueDeviceScan); records scan_ready_. Items without a
+  // device shadow only skip it.
   Status LaunchDeviceScan(std::span<const int> slot_of, int layer,
                           std::span<const int64_t> positions, const void* q, DType q_dtype,
-                          const void* k, DType k_dtype, StreamHandle stream);
+                          const void* k, DType k_dtype, StreamHandle stream, bool defer = false);
+  Status EnqueueDeviceScan();
+  LfpsScanArgs scan_args_;
+  StreamHandle scan_stream_ = nullptr;
+  bool scan_pending_ = false;           // prepared, not enqueued
+  std::atomic<int> scan_launched_{1};  // 0: being enqueued, 1: enqueued, 2: failed
+  Status scan_launch_status_ = Status::Ok();
+  int64_t scan_bytes_d2h_ = 0;
   bool step_all_resident_ = false; // every row such a step attends is resident
   StepPlan plan_;
   int32_t* step_slots_dev_ = nullptr;  // device: [2 regions][max_batch]

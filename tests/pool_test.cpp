@@ -169,6 +169,35 @@ TEST(CpuPoolTest, ParallelForRunsEveryIndexOnce) {
   for (auto& h : hits) EXPECT_EQ(h.load(), 1);
 }
 
+// ParallelForBeside: every index once, and items that wait for what the calling thread's `first`
+// does finish, with one thread (the items then run after it) or several (beside it).
+TEST(CpuPoolTest, ParallelForBesideRunsFirstBesideTheItems) {
+  for (const int threads : {1, 4}) {
+    CpuPoolOptions opt;
+    opt.threads = threads;
+    opt.pin = false;
+    auto pool = CpuPool::Create(opt);
+    ASSERT_TRUE(pool.ok());
+    for (int round = 0; round < 10; ++round) {
+      std::vector<std::atomic<int>> hits(32);
+      std::atomic<bool> launched{false};
+      std::atomic<int> firsts{0};
+      (*pool)->ParallelForBeside(
+          32,
+          [&](int64_t i) {
+            while (!launched.load(std::memory_order_acquire)) std::this_thread::yield();
+            hits[i].fetch_add(1);
+          },
+          [&] {
+            firsts.fetch_add(1);
+            launched.store(true, std::memory_order_release);
+          });
+      EXPECT_EQ(firsts.load(), 1);
+      for (auto& h : hits) EXPECT_EQ(h.load(), 1) << "threads " << threads;
+    }
+  }
+}
+
 // KeepWarm's spinners leave at the next ParallelFor (every index still runs once, and the fork
 // does not wait for their deadline), at their deadline with no fork, and when the pool goes while
 // some are still queued or spinning.
