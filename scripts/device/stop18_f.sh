@@ -10,13 +10,11 @@ source scripts/device/build.sh
 kvf_build kvferry_tests kvferry-e2e
 T=$B/tests/kvferry_tests
 E=$B/bench/kvferry-e2e
-timeout 240 $T --gtest_filter='*GpuLfpsScan*:Lfps*:*CudaRuntime*:*CudaGraph*:CpuPool*:*Concurrency*:*Reliab*' > $D/tests.log 2>&1
+timeout 240 $T --gtest_filter='*GpuLfpsScan*:Lfps*:*CudaRuntime*:*CudaGraph*:CpuPool*:*Concurrency*' > $D/tests.log 2>&1
 echo "tests rc=$? $(grep -E '^\[  (PASSED|FAILED) ' $D/tests.log | tr '\n' ' ')"
 grep -E '^\[  FAILED  \]|overflowed' $D/tests.log | head -20
 timeout 100 /usr/local/cuda/bin/compute-sanitizer --tool memcheck $T --gtest_filter='*GpuLfpsScan*:LfpsPrimeRuntime.Cuda*' > $D/memcheck.log 2>&1
 echo "memcheck rc=$? $(grep -E 'ERROR SUMMARY|PASSED|FAILED' $D/memcheck.log | tr '\n' ' ')"
-timeout 100 /usr/local/cuda/bin/compute-sanitizer --tool racecheck $T --gtest_filter='*GpuLfpsScan*' > $D/racecheck.log 2>&1
-echo "racecheck rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' $D/racecheck.log | tr '\n' ' ')"
 rm -f $D/rows.jsonl
 run() {  # name, trace(0/1), env...
   local name=$1 tr=$2; shift 2
