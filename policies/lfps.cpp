@@ -552,6 +552,25 @@ int64_t NthLargestKey(const uint32_t* key, int64_t c, int64_t need, uint32_t lo,
   return greater;
 }
 
+// The need best of the ascending idx[0, c) by key (all >= lo; 0 < need <= c), ties to the lower
+// index, written ascending to out: v = the need-th largest key, then every key > v and the first
+// (need - #{> v}) keys == v. Returns need.
+int64_t TakeBest(const int32_t* idx, const uint32_t* key, int64_t c, int64_t need, uint32_t lo,
+                 Scratch& sc, int32_t* out) {
+  uint32_t v = 0;
+  const int64_t greater = NthLargestKey(key, c, need, lo, sc, &v);
+  int64_t ties = need - greater;
+  int64_t o = 0;
+  for (int64_t i = 0; i < c; ++i) {
+    const bool eq = key[i] == v;
+    const bool take = key[i] > v || (eq && ties > 0);
+    out[o] = idx[i];
+    o += take;
+    ties -= eq && take;
+  }
+  return o;
+}
+
 // The scan's picks: the `need` best j in [0, len) by score_j = (float) max_g (acc[g len + j] -
 // mx[g]) with off_lo + j not in the ascending list excl[0, m), written as ascending j, in
 // TopKAscending's order (value descending, lower index first on ties); 0 < need <= len - m. This is
@@ -597,19 +616,7 @@ int64_t ScanTopK(const cpu::CpuKernels& kern, const int32_t* acc, int64_t len, i
   if (*retried) {
     c = ScanCollectAll(kern, acc, len, group, mx, 0, excl, m, off_lo, ranges, idx, key);
   }
-  // v = the need-th largest key; take every key > v and the first (need - #{> v}) keys == v.
-  uint32_t v = 0;
-  const int64_t greater = NthLargestKey(key, c, need, *retried ? 0 : thr, sc, &v);
-  int64_t ties = need - greater;
-  int64_t o = 0;
-  for (int64_t i = 0; i < c; ++i) {
-    const bool eq = key[i] == v;
-    const bool take = key[i] > v || (eq && ties > 0);
-    out[o] = idx[i];
-    o += take;
-    ties -= eq && take;
-  }
-  return o;
+  return TakeBest(idx, key, c, need, *retried ? 0 : thr, sc, out);
 }
 
 // Scan and picks (ScanAll + ScanTopK) with scratch from sc; args: rows, w, r, group.
@@ -660,18 +667,7 @@ int64_t DevicePicks(const DeviceScanPicks& dp, const int32_t* excl, int64_t m, i
     lo = std::min(lo, key[c++]);
   }
   if (c < need) return -1;
-  uint32_t v = 0;
-  const int64_t greater = NthLargestKey(key, c, need, lo, sc, &v);
-  int64_t ties = need - greater;
-  int64_t o = 0;
-  for (int64_t i = 0; i < c; ++i) {
-    const bool eq = key[i] == v;
-    const bool take = key[i] > v || (eq && ties > 0);
-    out[o] = idx[i];
-    o += take;
-    ties -= eq && take;
-  }
-  return o;
+  return TakeBest(idx, key, c, need, lo, sc, out);
 }
 
 // Softmax of logits[0..count) written to probs (fp32), returns nothing; count > 0.
