@@ -88,6 +88,9 @@ class CudaDevice final : public Device {
   [[nodiscard]] int device_id() const { return device_id_; }
   [[nodiscard]] const cudaDeviceProp& props() const { return props_; }
   [[nodiscard]] const LaunchInfo& launch_info() const { return info_; }
+  [[nodiscard]] int64_t total_device_bytes() const override {
+    return static_cast<int64_t>(props_.totalGlobalMem);
+  }
   /// NUMA node host memory is bound to, or -1 (single node, or unknown).
   [[nodiscard]] int numa_node() const { return numa_node_; }
 

@@ -100,6 +100,8 @@ class Device {
   /// per-stream scratch (stream_scratch_bytes() per stream it holds one for). What
   /// Stats::device_bytes_reserved reports, and what the GPU memory cap is checked against.
   [[nodiscard]] virtual int64_t device_bytes_held() const = 0;
+  /// The device's whole memory in bytes (0 where it has none of its own: the host device).
+  [[nodiscard]] virtual int64_t total_device_bytes() const { return 0; }
   /// Device memory the device holds for each of its streams: the default stream's from creation,
   /// CreateStream's at once, a caller's stream's on its first use (CUDA: the split-KV workspace;
   /// 0 on the host).

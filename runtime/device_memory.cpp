@@ -337,13 +337,18 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     z.scan_items = AllocBytes(static_cast<size_t>(items) * sizeof(LfpsScanItem));
     z.scan_out = AllocBytes(static_cast<size_t>(items * z.scan_list_cap) * sizeof(uint64_t));
     z.scan_counts = AllocBytes(static_cast<size_t>(items) * sizeof(int32_t));
-    // Under a cap the scan is what gives way (the policy then scans on the host).
-    if (cap.gpu_bytes > 0 && z.Plan(cap.gpu_bytes).total_bytes > cap.gpu_bytes) {
-      z.device_scan = false;
-      z.scan_picks = z.scan_list_cap = 0;
-      z.scan_shadow = z.scan_scale = z.scan_keys = z.scan_ints = z.scan_hist = z.scan_blocks = 0;
-      z.scan_items = z.scan_out = z.scan_counts = 0;
-    }
+    // Under a cap the scan is what gives way (the policy then scans on the host); with no cap it
+    // takes at most a quarter of the GPU (an engine's weights and activations share it), unless
+    // KVFERRY_LFPS_SCAN=device asks for it.
+    const int64_t scan_bytes = static_cast<int64_t>(z.scan_shadow + z.scan_scale + z.scan_keys +
+                                                    z.scan_ints + z.scan_hist + z.scan_blocks +
+                                                    z.scan_items + z.scan_out + z.scan_counts);
+    const int64_t total = device_->total_device_bytes();
+    const bool too_big = cap.gpu_bytes > 0
+                             ? z.Plan(cap.gpu_bytes).total_bytes > cap.gpu_bytes
+                             : total > 0 && scan_bytes > total / 4 &&
+                                   !EnvIs("KVFERRY_LFPS_SCAN", "device");
+    if (too_big) z.DropScan();
   }
   return Status::Ok();
 }

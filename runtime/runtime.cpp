@@ -357,14 +357,22 @@ Status RuntimeImpl::Init() {
       // through the staging's page table (made above).
     }
   }
-  // LFPS's scan on the device (sizes and the choice: SizeDeviceBuffers).
+  // LFPS's scan on the device (sizes and the choice: SizeDeviceBuffers). A GPU that cannot hold
+  // its shadow now (other work on it) leaves it out: the policy scans on the host.
+  if (z.device_scan) {
+    Result<void*> shadow = Alloc(z.scan_shadow, false);
+    if (!shadow.ok()) {
+      sizes_.DropScan();
+      device_plan_ = sizes_.Plan(cap.gpu_bytes);
+    } else {
+      scan_shadow_ = static_cast<int8_t*>(shadow.value());
+    }
+  }
   if (z.device_scan) {
     device_scan_ = true;
     scan_picks_cap_ = z.scan_picks;
     scan_list_cap_ = z.scan_list_cap;
     scan_channels_ = static_cast<int>(std::min<int64_t>(policy_->device_scan_channels(), m.head_dim));
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_shadow, false));
-    scan_shadow_ = static_cast<int8_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_scale, false));
     scan_scale_ = static_cast<float*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_keys, false));

@@ -102,6 +102,13 @@ struct DeviceBufferSizes {
 
   /// The parts (named groups of the buffers above), largest first, and their total.
   [[nodiscard]] DeviceMemoryPlan Plan(int64_t cap_bytes) const;
+  /// Leaves LFPS's device scan out (the policy scans on the host).
+  void DropScan() {
+    device_scan = false;
+    scan_picks = scan_list_cap = 0;
+    scan_shadow = scan_scale = scan_keys = scan_ints = scan_hist = scan_blocks = 0;
+    scan_items = scan_out = scan_counts = 0;
+  }
 };
 
 /// Test seam: while one is alive on a thread, every Runtime::Create on that thread hands the Device
