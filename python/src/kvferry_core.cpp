@@ -239,6 +239,8 @@ nb::dict StatsDict(const Stats& s) {
   KVF_STAT(bank_evicted);
   KVF_STAT(prhs_select_calls);
   KVF_STAT(prhs_select_reused);
+  KVF_STAT(lfps_scans_device);
+  KVF_STAT(lfps_scans_device_short);
   KVF_STAT(ms_append);
   KVF_STAT(ms_select);
   KVF_STAT(ms_resolve);
