@@ -391,8 +391,12 @@ std::unique_ptr<Runtime> MakeRuntime(const RuntimeConfig& c, const char* prime,
 // Feeds the same chunked prompt (the last chunk shorter than s) and decode steps to every
 // runtime; runtime 0 is compared with each other one: decode outputs within tol[i] and
 // (same_selection[i]) the same positions every step.
+// Optionally (\p skew > 0) the second sequence gets one more chunk of skew tokens (the batch then
+// decodes different lengths), and (\p mid_chunk > 0) the first one a chunk of that many tokens
+// after step 5 (a prompt continued after decoding; the next decode primes again).
 void RunAndCompare(std::vector<std::unique_ptr<Runtime>>& rts, const std::vector<int64_t>& chunks,
-                   const std::vector<double>& tol, const std::vector<bool>& same_selection) {
+                   const std::vector<double>& tol, const std::vector<bool>& same_selection,
+                   int64_t skew = 0, int64_t mid_chunk = 0) {
   const ModelShape& m = rts[0]->config().model;
   const std::vector<SequenceId> seqs = {3, 4};
   for (auto& rt : rts) {
@@ -406,26 +410,29 @@ void RunAndCompare(std::vector<std::unique_ptr<Runtime>>& rts, const std::vector
   auto tv = [&](std::vector<float>& x, int64_t t, int heads) {
     return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {t, heads, m.head_dim});
   };
-  for (const int64_t chunk : chunks) {
-    for (SequenceId s : seqs) {
-      for (int layer = 0; layer < m.num_layers; ++layer) {
-        std::vector<float> q(chunk * m.num_q_heads * m.head_dim),
-            k(chunk * m.num_kv_heads * m.head_dim), v(k.size()), out(q.size());
-        fill(q, 2.0f);
-        fill(k, 1.0f);
-        fill(v, 1.0f);
-        for (auto& rt : rts) {
-          const Status st =
-              rt->Prefill(s, layer, tv(q, chunk, m.num_q_heads), tv(k, chunk, m.num_kv_heads),
-                          tv(v, chunk, m.num_kv_heads), tv(out, chunk, m.num_q_heads));
-          ASSERT_TRUE(st.ok()) << st.ToString();
-          ASSERT_TRUE(rt->Synchronize().ok());
-        }
+  auto prefill = [&](SequenceId s, int64_t chunk) {
+    for (int layer = 0; layer < m.num_layers; ++layer) {
+      std::vector<float> q(chunk * m.num_q_heads * m.head_dim),
+          k(chunk * m.num_kv_heads * m.head_dim), v(k.size()), out(q.size());
+      fill(q, 2.0f);
+      fill(k, 1.0f);
+      fill(v, 1.0f);
+      for (auto& rt : rts) {
+        const Status st =
+            rt->Prefill(s, layer, tv(q, chunk, m.num_q_heads), tv(k, chunk, m.num_kv_heads),
+                        tv(v, chunk, m.num_kv_heads), tv(out, chunk, m.num_q_heads));
+        ASSERT_TRUE(st.ok()) << st.ToString();
+        ASSERT_TRUE(rt->Synchronize().ok());
       }
     }
+  };
+  for (const int64_t chunk : chunks) {
+    for (SequenceId s : seqs) prefill(s, chunk);
   }
+  if (skew > 0) prefill(seqs[1], skew);
   const int64_t batch = static_cast<int64_t>(seqs.size());
   for (int step = 0; step < 12; ++step) {
+    if (step == 6 && mid_chunk > 0) prefill(seqs[0], mid_chunk);
     for (int layer = 0; layer < m.num_layers; ++layer) {
       std::vector<float> q(batch * m.num_q_heads * m.head_dim),
           k(batch * m.num_kv_heads * m.head_dim), v(k.size());
@@ -587,6 +594,21 @@ TEST(LfpsDeviceScanRuntime, HostDevicePathEqualsHostScan) {
     EXPECT_GT(rts[0]->GetStats().lfps_scans_device, 0);
     EXPECT_EQ(rts[1]->GetStats().lfps_scans_device, 0);
   }
+}
+
+// The same with a batch of different lengths (one sequence 300 tokens longer) and a prompt
+// continued after six decode steps (the device's copy of that sequence's shadow is dropped with
+// the new chunk and made again at the next priming).
+TEST(LfpsDeviceScanRuntime, MixedLengthsAndContinuedPromptsEqualHostScan) {
+  RuntimeConfig c = PrimeConfig(Backend::kHost, DType::kBF16);
+  c.tiers.window_tokens = 8;
+  std::vector<std::unique_ptr<Runtime>> rts;
+  rts.push_back(MakeRuntime(c, "device", "KVFERRY_LFPS_SCAN=device"));
+  rts.push_back(MakeRuntime(c, "device"));
+  for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
+  RunAndCompare(rts, {512, 512}, {0.0, 0.0}, {true, true}, /*skew=*/300, /*mid_chunk=*/40);
+  EXPECT_GT(rts[0]->GetStats().lfps_scans_device, 0);
+  EXPECT_EQ(rts[1]->GetStats().lfps_scans_device, 0);
 }
 
 }  // namespace
