@@ -537,5 +537,42 @@ TEST(TokenBankRuntime, HitsServeRowsAndOutputsStayExact) {
   }
 }
 
+// The PCIe-aware split of a step's misses on the host path (runtime/scheduler.h CpuShare; hip
+// selects on the host, so route auto splits its misses between the GPU branch, read over PCIe,
+// and the CPU branch): with route auto both branches get rows, every selected row is attended
+// exactly once (the output equals attention over exactly the reported selection: a lost or
+// doubled row would show) and the counters add up; routes gpu and cpu give one branch each.
+TEST(SchedulerSplit, BranchesPartitionTheSelection) {
+  for (Route route : {Route::kAuto, Route::kGpu, Route::kCpu}) {
+    RuntimeConfig c = SmallConfig(64, 4, 1, "hip");
+    c.policy.budget_tokens = 64;
+    c.tiers.window_tokens = 8;
+    c.route = route;
+    c.probe_at_start = false;  // the cost model's defaults: 20 GB/s on the CPU, 52 over PCIe
+    Harness h(c, 33);
+    h.Add(1);
+    h.Add(2);
+    h.Prefill(1, 600);
+    h.Prefill(2, 333);
+    for (int step = 0; step < 6; ++step) {
+      EXPECT_LT(h.DecodeStep({1, 2}, true), 1e-5) << "route " << static_cast<int>(route) << " step " << step;
+    }
+    const Stats s = h.rt().GetStats();
+    EXPECT_EQ(s.rows_selected, s.rows_resident + s.rows_bank_hit + s.rows_fetched + s.rows_cpu);
+    EXPECT_GT(s.rows_selected, s.rows_resident);
+    if (route == Route::kAuto) {
+      EXPECT_GT(s.rows_cpu, 0);
+      EXPECT_GT(s.rows_fetched, 0);
+      // The model's share: cpu / (cpu + pcie) of the misses, per item rounded.
+      const double share = static_cast<double>(s.rows_cpu) / static_cast<double>(s.rows_cpu + s.rows_fetched);
+      EXPECT_NEAR(share, 20.0 / 72.0, 0.05);
+    } else if (route == Route::kGpu) {
+      EXPECT_EQ(s.rows_cpu, 0);
+    } else {
+      EXPECT_EQ(s.rows_fetched, 0);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvferry
