@@ -74,6 +74,9 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
   scan_live_ = false;
   scan_pending_ = false;
   if (!device_scan_) return Status::Ok();
+  // The last scan's copy of the item table (pinned) must have left before it is rewritten (a
+  // scan that only wrote rows was not waited for by its Selects).
+  if (!device_->EventDone(scan_ready_)) KVF_RETURN_IF_ERROR(HostWaitEvent(scan_ready_));
   const ModelShape& m = config_.model;
   const int hkv = m.num_kv_heads, d = m.head_dim;
   const int64_t len_cap = config_.capacity.max_tokens_per_sequence;
