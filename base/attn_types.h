@@ -536,7 +536,7 @@ struct LfpsScanItem {
   int64_t off_lo = 0;    ///< the ranked positions are [off_lo, off_lo + len)
   int64_t len = 0;       ///< 0: the item only writes its new row
   int64_t new_pos = -1;  ///< shadow row written from the item's k (the new token); -1: none
-  int64_t picks = 0;     ///< how many of the best to return, <= len and <= max_picks
+  int64_t picks = 0;     ///< the threshold's rank (step 4), <= len and < max_picks
 };
 
 /// LFPS's scan (policies/lfps.cpp, step 3a) for a batch of items, on the device that holds a copy

@@ -3,13 +3,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <numeric>
 #include <vector>
 
 #include "cpu/dtype.h"
+#include "cpu/kernels.h"
 
 namespace kvferry::cpu {
 namespace {
@@ -122,6 +122,31 @@ void TopKRef(const float* scores, int64_t n, int64_t k, int32_t* out_indices) {
   std::copy(idx.begin(), idx.begin() + k, out_indices);
 }
 
+void LfpsScanWeights(const float* q, const float* scale, int group, int head_dim, int r,
+                     float* imp, int32_t* ch, int32_t* w) {
+  const int hd = head_dim;
+  for (int c = 0; c < hd; ++c) {
+    float s = 0.0f;
+    for (int g = 0; g < group; ++g) s += std::fabs(q[g * hd + c]);
+    imp[c] = s * scale[c];
+  }
+  std::iota(ch, ch + hd, 0);
+  std::partial_sort(ch, ch + r, ch + hd, [imp](int32_t x, int32_t y) {
+    return imp[x] > imp[y] || (imp[x] == imp[y] && x < y);
+  });
+  float wmax = 0.0f;
+  for (int c = 0; c < r; ++c) {
+    for (int g = 0; g < group; ++g) wmax = std::max(wmax, std::fabs(q[g * hd + ch[c]] * scale[ch[c]]));
+  }
+  const float wscale = wmax > 0.0f && std::isfinite(wmax) ? 16384.0f / wmax : 0.0f;
+  for (int c = 0; c < r; ++c) {
+    for (int g = 0; g < group; ++g) {
+      const float v = q[g * hd + ch[c]] * scale[ch[c]] * wscale;
+      w[g * r + c] = static_cast<int32_t>(std::lrint(v == v ? v : 0.0f));
+    }
+  }
+}
+
 void LfpsScanRef(const LfpsScanArgs& a) {
   const int hd = a.head_dim, group = a.group;
   for (int64_t it = 0; it < a.items; ++it) {
@@ -146,29 +171,9 @@ void LfpsScanRef(const LfpsScanArgs& a) {
     // 2. channels and integer weights.
     std::vector<float> q(static_cast<size_t>(group * hd)), imp(static_cast<size_t>(hd));
     for (int64_t i = 0; i < group * hd; ++i) q[i] = LoadAsF32(a.q, a.q_dtype, it * group * hd + i);
-    for (int c = 0; c < hd; ++c) {
-      float s = 0.0f;
-      for (int g = 0; g < group; ++g) s += std::fabs(q[g * hd + c]);
-      imp[c] = s * scale[c];
-    }
     const int r = std::min(a.channels, hd);
-    std::vector<int32_t> ch(static_cast<size_t>(hd));
-    std::iota(ch.begin(), ch.end(), 0);
-    std::partial_sort(ch.begin(), ch.begin() + r, ch.end(), [&](int32_t x, int32_t y) {
-      return imp[x] > imp[y] || (imp[x] == imp[y] && x < y);
-    });
-    float wmax = 0.0f;
-    for (int c = 0; c < r; ++c) {
-      for (int g = 0; g < group; ++g) wmax = std::max(wmax, std::fabs(q[g * hd + ch[c]] * scale[ch[c]]));
-    }
-    const float wscale = wmax > 0.0f && std::isfinite(wmax) ? 16384.0f / wmax : 0.0f;
-    std::vector<int32_t> w(static_cast<size_t>(group * r));
-    for (int c = 0; c < r; ++c) {
-      for (int g = 0; g < group; ++g) {
-        const float v = q[g * hd + ch[c]] * scale[ch[c]] * wscale;
-        w[g * r + c] = static_cast<int32_t>(std::lrint(v == v ? v : 0.0f));
-      }
-    }
+    std::vector<int32_t> ch(static_cast<size_t>(hd)), w(static_cast<size_t>(group * r));
+    LfpsScanWeights(q.data(), scale, group, hd, r, imp.data(), ch.data(), w.data());
     // 3. logits, maxima, scores.
     const int64_t len = item.len;
     std::vector<int32_t> acc(static_cast<size_t>(group * len), 0);
@@ -185,10 +190,7 @@ void LfpsScanRef(const LfpsScanArgs& a) {
     for (int64_t j = 0; j < len; ++j) {
       int32_t s = acc[j] - mx[0];
       for (int g = 1; g < group; ++g) s = std::max(s, acc[g * len + j] - mx[g]);
-      const float f = static_cast<float>(s);
-      uint32_t b;
-      std::memcpy(&b, &f, sizeof(b));
-      key[j] = b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+      key[j] = ScanKey(s);
     }
     // 4. every key at or above the 16-bit bin of the picks-th largest, ascending j.
     const int64_t picks = std::min(item.picks, len);

@@ -30,6 +30,14 @@ void ScoreRowsRef(const AttnParams& p, const float* q, const void* const* k_rows
 /// stats in double. The host device's Device::PrimeAttention.
 void PrimeAttentionRef(const PrimeArgs& a);
 
+/// LFPS's scan weights (policies/lfps.cpp, step 3a; the GPU's ScanPrepKernel computes the same):
+/// the r channels with the largest sum_g |q[g][c]| * scale[c] (ties: lower c) into ch[0, r) (ch
+/// has room for head_dim: it is sorted in place, imp is head_dim floats of scratch), and
+/// w[g * r + c] = lrint(q[g][ch[c]] * scale[ch[c]] * 16384 / wmax) with wmax the largest
+/// |q[g][ch[c]] * scale[ch[c]]| (0 when wmax is 0 or not finite; NaN products give 0).
+void LfpsScanWeights(const float* q, const float* scale, int group, int head_dim, int r,
+                     float* imp, int32_t* ch, int32_t* w);
+
 /// LFPS's scan on a device copy of its int8 shadow (see LfpsScanArgs): the host device's
 /// Device::LfpsScan and the specification gpu/lfps_scan.cu is tested against.
 void LfpsScanRef(const LfpsScanArgs& a);

@@ -29,6 +29,7 @@
 #include "base/check.h"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
+#include "gpu/topk.cuh"
 
 namespace kvferry::cuda {
 namespace {
@@ -167,11 +168,6 @@ __device__ __forceinline__ void WarpCount(uint32_t* bins, uint32_t bin, bool in)
   if (in && static_cast<int>(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(bins + bin, __popc(peers));
 }
 
-__device__ __forceinline__ uint32_t ScoreKey(int32_t s) {
-  const uint32_t b = __float_as_uint(static_cast<float>(s));
-  return b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
-}
-
 // Keys, and the histograms of their top 16 bits (global) and top 8 bits (per block, then global).
 __global__ void __launch_bounds__(kScanThreads) ScanScoreKernel(LfpsScanArgs a) {
   const int64_t it = blockIdx.y;
@@ -195,7 +191,7 @@ __global__ void __launch_bounds__(kScanThreads) ScanScoreKernel(LfpsScanArgs a) 
     if (in) {
       int32_t s = acc[0][u] - mx[0];
       for (int g = 1; g < a.group; ++g) s = max(s, acc[g][u] - mx[g]);
-      key = ScoreKey(s);
+      key = OrderedKey(static_cast<float>(s));  // cpu::ScanKey: (float) s is finite, never -0
       keys[j0 + u] = key;
     }
     WarpCount(fine, key >> 16, in);

@@ -52,6 +52,7 @@
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
 #include "cpu/kernels.h"
+#include "cpu/reference.h"
 
 namespace kvferry {
 namespace {
@@ -1192,34 +1193,14 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
     if (want_scan > 0 && got < 0) {
       shadow_rows_.fetch_add(st->SyncShadow(ctx.params, ctx.kv, n, max_tokens_),
                              std::memory_order_relaxed);
+      // The r channels with the largest |q| * scale (summed over the group) and one integer
+      // scale for the whole group (so heads compare): |w| <= 2^14.
       float* imp = Room(sc.chan_imp, hd);
-      for (int64_t c = 0; c < hd; ++c) {
-        float a = 0.0f;
-        for (int g = 0; g < group; ++g) a += std::fabs(ctx.q[g * hd + c]);
-        imp[c] = a * st->k8_scale[c];
-      }
       int32_t* ch = Room(sc.chans, hd);
-      std::iota(ch, ch + hd, 0);
-      std::partial_sort(ch, ch + r, ch + hd, [imp](int32_t x, int32_t y) {
-        return imp[x] > imp[y] || (imp[x] == imp[y] && x < y);
-      });
-      // One integer scale for the whole group (so heads compare): |w| <= 2^14.
       int32_t* wq = Room(sc.scan_w, static_cast<int64_t>(group) * r);
+      cpu::LfpsScanWeights(ctx.q, st->k8_scale.data(), group, static_cast<int>(hd), r, imp, ch, wq);
       const int8_t* rows[256];
-      float wmax = 0.0f;
-      for (int c = 0; c < r; ++c) {
-        for (int g = 0; g < group; ++g) {
-          wmax = std::max(wmax, std::fabs(ctx.q[g * hd + ch[c]] * st->k8_scale[ch[c]]));
-        }
-      }
-      const float wscale = wmax > 0.0f && std::isfinite(wmax) ? 16384.0f / wmax : 0.0f;
-      for (int c = 0; c < r; ++c) {
-        rows[c] = st->k8.get() + static_cast<int64_t>(ch[c]) * st->k8_cap + off_lo;
-        for (int g = 0; g < group; ++g) {
-          const float v = ctx.q[g * hd + ch[c]] * st->k8_scale[ch[c]] * wscale;
-          wq[g * r + c] = static_cast<int32_t>(std::lrint(v == v ? v : 0.0f));
-        }
-      }
+      for (int c = 0; c < r; ++c) rows[c] = st->k8.get() + static_cast<int64_t>(ch[c]) * st->k8_cap + off_lo;
       // Approximate logits (exact integers: every kernel table agrees bit for bit), then the
       // best positions outside C1 by max_g (logit_g - max logit_g).
       cpu::ScanInt8Args args;
@@ -1443,13 +1424,16 @@ int64_t LfpsPolicy::device_scan_picks(int64_t k) const {
   return 3 * static_cast<int64_t>(std::ceil(params_.scan_factor * static_cast<double>(k))) + 64;
 }
 
-bool LfpsPolicy::ScanShadow(int slot, int layer, int kv_head, ScanShadowView* out) const {
+const LfpsPolicy::HeadState* LfpsPolicy::Peek(int slot, int layer, int kv_head) const {
   if (slot < 0 || slot >= max_sequences_ || layer < 0 || layer >= num_layers_ || kv_head < 0 ||
       kv_head >= num_kv_heads_) {
-    return false;
+    return nullptr;
   }
-  const auto& st =
-      states_[(static_cast<size_t>(slot) * num_layers_ + layer) * num_kv_heads_ + kv_head];
+  return states_[NeedIndex(slot, layer, kv_head)].get();
+}
+
+bool LfpsPolicy::ScanShadow(int slot, int layer, int kv_head, ScanShadowView* out) const {
+  const HeadState* st = Peek(slot, layer, kv_head);
   if (st == nullptr || st->k8 == nullptr) return false;
   out->k8 = st->k8.get();
   out->cap = st->k8_cap;
@@ -1459,12 +1443,7 @@ bool LfpsPolicy::ScanShadow(int slot, int layer, int kv_head, ScanShadowView* ou
 }
 
 bool LfpsPolicy::TableSums(int slot, int layer, int kv_head, double* ver, double* sla) const {
-  if (slot < 0 || slot >= max_sequences_ || layer < 0 || layer >= num_layers_ || kv_head < 0 ||
-      kv_head >= num_kv_heads_) {
-    return false;
-  }
-  const auto& st =
-      states_[(static_cast<size_t>(slot) * num_layers_ + layer) * num_kv_heads_ + kv_head];
+  const HeadState* st = Peek(slot, layer, kv_head);
   if (st == nullptr) return false;
   double sv = 0.0, ss = 0.0;
   for (float x : st->ver) sv += x;
@@ -1475,11 +1454,7 @@ bool LfpsPolicy::TableSums(int slot, int layer, int kv_head, double* ver, double
 }
 
 bool LfpsPolicy::GetPrimedState(int slot, int layer, int kv_head, PrimedState* out) const {
-  if (slot < 0 || slot >= max_sequences_ || layer < 0 || layer >= num_layers_ || kv_head < 0 ||
-      kv_head >= num_kv_heads_) {
-    return false;
-  }
-  const auto& st = states_[NeedIndex(slot, layer, kv_head)];
+  const HeadState* st = Peek(slot, layer, kv_head);
   if (st == nullptr) return false;
   out->ver.resize(st->ver.size());
   out->sla.resize(st->sla.size());

@@ -157,6 +157,8 @@ class LfpsPolicy final : public Policy {
  private:
   struct HeadState;
   Result<HeadState*> State(int slot, int layer, int kv_head, bool create);
+  // The state of (slot, layer, kv_head) for the const accessors: null if out of range or none.
+  const HeadState* Peek(int slot, int layer, int kv_head) const;
   // OnPrefill's first and last steps, shared with OnPrefillPrimed: empty tables over [0, n), and
   // the sums, bounds and scan shadow of the filled ones.
   void BeginPrime(HeadState* st, int64_t n);

@@ -28,9 +28,9 @@ struct PolicyCounters {
 };
 
 /// An approximate scan's ranking a device computed for one Select (LFPS's scan, Device::LfpsScan):
-/// the best `count` positions of [off_lo, off_lo + len) by the scan's score, as (key << 32 | j)
-/// with j relative to off_lo, ascending j; key is the score's order-preserving uint32. Ties at
-/// the last place went to the lower j. Host memory.
+/// `count` positions of [off_lo, off_lo + len), every one whose key is at or above a threshold
+/// (so a prefix of the order by (key desc, j asc)), as (key << 32 | j) with j relative to
+/// off_lo, ascending j; key is the score's order-preserving uint32. Host memory.
 struct DeviceScanPicks {
   const uint64_t* picks = nullptr;
   int64_t count = 0;

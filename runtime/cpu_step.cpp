@@ -38,6 +38,10 @@ Status RuntimeImpl::CopyScanShadow(int slot, int layer, StreamHandle stream) {
   std::vector<void*> dst;
   std::vector<const void*> src;
   std::vector<size_t> bytes;
+  const size_t copies = static_cast<size_t>(hkv) * (d + 1);
+  dst.reserve(copies);
+  src.reserve(copies);
+  bytes.reserve(copies);
   int64_t n = -1;
   for (int h = 0; h < hkv; ++h) {
     ScanShadowView view;
@@ -74,9 +78,11 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
   scan_live_ = false;
   scan_pending_ = false;
   if (!device_scan_) return Status::Ok();
-  // The last scan's copy of the item table (pinned) must have left before it is rewritten (a
-  // scan that only wrote rows was not waited for by its Selects).
-  if (!device_->EventDone(scan_ready_)) KVF_RETURN_IF_ERROR(HostWaitEvent(scan_ready_));
+  // The last scan's copy of the item table (pinned) must have left before it is rewritten.
+  if (scan_unwaited_) {
+    if (!device_->EventDone(scan_ready_)) KVF_RETURN_IF_ERROR(HostWaitEvent(scan_ready_));
+    scan_unwaited_ = false;
+  }
   const ModelShape& m = config_.model;
   const int hkv = m.num_kv_heads, d = m.head_dim;
   const int64_t len_cap = config_.capacity.max_tokens_per_sequence;
@@ -184,6 +190,7 @@ Status RuntimeImpl::EnqueueDeviceScan() {
     scan_bytes_d2h_ = static_cast<int64_t>(out_bytes) + a.items * 4;
   }
   if (st.ok()) st = device_->RecordEvent(scan_ready_, scan_stream_);
+  scan_unwaited_ = !host;
   if (st.ok() && host) {
     TakeScanCounts();
     scan_arrived_.store(true, std::memory_order_release);
@@ -233,7 +240,6 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   // The device's ranking for the scans (LaunchDeviceScan) must have arrived.
   const bool scan = scan_live_;
   scan_live_ = false;
-  if (scan && scan_wait_early_ && launch == nullptr) KVF_RETURN_IF_ERROR(WaitScanRanking());
   // Fewer items than pool threads: each Select may split its O(n) scan over the idle ones.
   const int select_threads = SelectThreads(items);
   Status launch_status = Status::Ok();
@@ -331,7 +337,11 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
     cpu_items_[i].count = n_cpu;  // the stats below read the split back
   };
   if (launch != nullptr) {
-    pool_->ParallelForBeside(items, item_fn, [&] { launch_status = (*launch)(); });
+    struct Beside {
+      const std::function<Status()>* launch;
+      Status* status;
+    } beside{launch, &launch_status};
+    pool_->ParallelForBeside(items, item_fn, [b = &beside] { *b->status = (*b->launch)(); });
   } else {
     pool_->ParallelFor(items, item_fn);
   }
@@ -343,7 +353,10 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   pool_->KeepWarm(pool_->num_threads(), pool_warm_us_);
   KVF_RETURN_IF_ERROR(launch_status);
   // The ranking's buffers are rewritten by the next step: its copies must be done.
-  if (scan) KVF_RETURN_IF_ERROR(WaitScanRanking());
+  if (scan) {
+    KVF_RETURN_IF_ERROR(WaitScanRanking());
+    scan_unwaited_ = false;
+  }
 
   for (int64_t i = 0; i < items; ++i) {
     if (!item_status_[i].ok()) return item_status_[i];

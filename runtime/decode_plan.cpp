@@ -4,8 +4,6 @@
 // combine (Device::DecodeStep) and nothing else. Policies whose selection is a function of the
 // length (dense, streaming) run here; the others take the host path in runtime.cpp.
 #include <algorithm>
-#include <cstdlib>
-#include <string_view>
 #include <chrono>
 #include <cstring>
 
@@ -53,8 +51,7 @@ Status RuntimeImpl::InitStepBuffers() {
     KVF_ASSIGN_OR_RETURN(cpu_part_up_, device_->CreateEvent());
     // The CPU attention's partial results when an item's picks are split over pool threads
     // (SelectOnHost); KVFERRY_CPU_ATTEND_SPLIT=0 attends each item's picks on its own thread.
-    const char* split = std::getenv("KVFERRY_CPU_ATTEND_SPLIT");
-    attend_split_ = split == nullptr || std::string_view(split) != "0";
+    attend_split_ = !EnvIs("KVFERRY_CPU_ATTEND_SPLIT", "0");
     attend_parts_.assign(static_cast<size_t>(cap.max_batch) * m.num_kv_heads * (kAttendMaxParts - 1) *
                              static_cast<size_t>(group_) * (m.head_dim + 1),
                          0.0f);
@@ -519,10 +516,19 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     // (it has, unless the caller switched streams).
     if (st.ok() && !device_->EventDone(cpu_part_up_)) st = HostWaitEvent(cpu_part_up_);
     // A policy failure rolls back below like any other (the window rewritten from the store).
-    const std::function<Status()> launch = [&] {
-      Status s = EnqueueDeviceScan();
-      return s.ok() ? device_->DecodeStep(a, stream) : s;
-    };
+    // The launch captures one pointer (no allocation on the step's path).
+    struct Launch {
+      RuntimeImpl* rt;
+      const DecodeStepArgs* args;
+      StreamHandle stream;
+    } lc{this, &a, stream};
+    std::function<Status()> launch;
+    if (beside) {
+      launch = [p = &lc] {
+        Status s = p->rt->EnqueueDeviceScan();
+        return s.ok() ? p->rt->device_->DecodeStep(*p->args, p->stream) : s;
+      };
+    }
     if (st.ok()) {
       st = SelectOnHost(slot_of, layer, pos, q_host, k_host, v_host, nullptr, nullptr,
                         beside ? &launch : nullptr);

@@ -28,11 +28,6 @@ constexpr int kStepMaxSplits = 127;  // split partials per item the step workspa
 // Slot ids are uint16 with 0xffff for "none" in both bank forms (TokenBank, cuda::DeviceBank).
 constexpr int kMaxBankSlots = 65534;
 
-bool EnvIs(const char* name, std::string_view value) {
-  const char* v = std::getenv(name);
-  return v != nullptr && std::string_view(v) == value;
-}
-
 }  // namespace
 
 DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
@@ -74,6 +69,11 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
 }
 
 size_t RuntimeImpl::AllocBytes(size_t bytes) { return std::max<size_t>(bytes, 64); }
+
+bool RuntimeImpl::EnvIs(const char* name, std::string_view value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::string_view(v) == value;
+}
 
 HostStoreShape RuntimeImpl::StoreShape() const {
   const ModelShape& m = config_.model;

@@ -402,10 +402,7 @@ Status RuntimeImpl::Init() {
     scan_out_host_ = static_cast<uint64_t*>(p);
     KVF_ASSIGN_OR_RETURN(scan_ready_, device_->CreateEvent());
     scan_rows_.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
-    const char* wait = std::getenv("KVFERRY_LFPS_SCAN_WAIT");
-    scan_wait_early_ = wait != nullptr && std::string_view(wait) == "early";
-    const char* overlap = std::getenv("KVFERRY_LFPS_SCAN_OVERLAP");
-    scan_overlap_ = overlap == nullptr || std::string_view(overlap) != "0";
+    scan_overlap_ = !EnvIs("KVFERRY_LFPS_SCAN_OVERLAP", "0");
     scan_view_.assign(static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv), {});
   }
   // Priming deferred to the first Decode (DeferPrime): the kept rows are pinned per slot, made at

@@ -182,6 +182,9 @@ class RuntimeImpl {
   // ---- device memory (runtime/device_memory.cpp) ----
   // Bytes Alloc takes for a request of \p bytes (the one rounding rule the sizing shares).
   static size_t AllocBytes(size_t bytes);
+  /// True if the environment variable \p name is set to exactly \p value (the runtime's switches,
+  /// read at Create).
+  static bool EnvIs(const char* name, std::string_view value);
   // The host store's shape, and the banks' configurations for \p bank_slots.
   HostStoreShape StoreShape() const;
   StepBankConfig StepBankConfigFor(int bank_slots) const;
@@ -553,10 +556,12 @@ class RuntimeImpl {
   EventHandle scan_ready_ = nullptr;   // this step's ranking reached scan_out_host_
   bool scan_live_ = false;             // scan_view_ belongs to the step being selected
   // The first Select that needs the ranking waits for scan_ready_ (WaitScanRanking, under
-  // scan_wait_mu_); KVFERRY_LFPS_SCAN_WAIT=early waits before the step's Selects start instead.
+  // scan_wait_mu_), after its own table work.
   std::atomic<bool> scan_arrived_{false};
   std::mutex scan_wait_mu_;
-  bool scan_wait_early_ = false;
+  // A scan was enqueued and nobody waited for it (it only wrote rows, or the step failed): the
+  // next one waits before it rewrites the pinned item table.
+  bool scan_unwaited_ = false;
   bool scan_overlap_ = true;  // KVFERRY_LFPS_SCAN_OVERLAP=0: enqueue before the Selects
   // An item's CPU attention split into up to kAttendMaxParts ranges of >= kAttendMinRows picks
   // (runtime/cpu_step.cpp): parts 1.. write [item][part - 1] of attend_parts_ (o: group x

@@ -118,6 +118,11 @@ class CudaPosingDevice final : public Device {
     return sizes;
   }
   int64_t device_bytes_held() const override { return inner_->device_bytes_held(); }
+  int64_t total_device_bytes() const override { return inner_->total_device_bytes(); }
+  Status PrimeAttention(const PrimeArgs& a, StreamHandle s) override {
+    return inner_->PrimeAttention(a, s);
+  }
+  Status LfpsScan(const LfpsScanArgs& a, StreamHandle s) override { return inner_->LfpsScan(a, s); }
   size_t stream_scratch_bytes() const override { return inner_->stream_scratch_bytes(); }
   Status MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t rows,
                   int head_dim, void* out, DType out_dtype, StreamHandle s) override {
