@@ -28,6 +28,15 @@
 
 namespace kvferry::detail {
 
+int64_t WarmMicros(int64_t fixed_us, int64_t last_gap_us) {
+  if (fixed_us >= 0) return fixed_us;
+  // Twice the last gap plus a margin, when the calls come back to back (a gap of at most
+  // kWarmGapMaxUs); an engine that computes between layers pays no spinning.
+  constexpr int64_t kWarmGapMaxUs = 150;
+  if (last_gap_us < 0 || last_gap_us > kWarmGapMaxUs) return 0;
+  return 2 * last_gap_us + 20;
+}
+
 Status RuntimeImpl::CopyScanShadow(int slot, int layer, StreamHandle stream) {
   if (!device_scan_) return Status::Ok();
   const ModelShape& m = config_.model;
@@ -240,6 +249,12 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   // The device's ranking for the scans (LaunchDeviceScan) must have arrived.
   const bool scan = scan_live_;
   scan_live_ = false;
+  // The host's gap since the last layer's items ended (merge, append, launches, the wait for q).
+  const auto items_begin = TraceRecorder::Clock::now();
+  if (items_end_ != TraceRecorder::Clock::time_point{}) {
+    items_gap_us_ =
+        std::chrono::duration_cast<std::chrono::microseconds>(items_begin - items_end_).count();
+  }
   // Fewer items than pool threads: each Select may split its O(n) scan over the idle ones.
   const int select_threads = SelectThreads(items);
   Status launch_status = Status::Ok();
@@ -348,9 +363,10 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   stats_.bytes_d2h += scan_bytes_d2h_;
   scan_bytes_d2h_ = 0;
   // The next layer's items usually come within tens of microseconds (merge, append, the GPU's
-  // launch, the wait for its q): KVFERRY_POOL_WARM_US keeps the workers spinning until then, so
-  // that they start at once instead of waking one after another (off by default: runtime.cpp).
-  pool_->KeepWarm(pool_->num_threads(), pool_warm_us_);
+  // launch, the wait for its q): the workers keep spinning until then, so that they start at once
+  // instead of waking one after another (a sleeping TBB worker takes tens of microseconds).
+  pool_->KeepWarm(pool_->num_threads(), WarmMicros(pool_warm_us_, items_gap_us_));
+  items_end_ = TraceRecorder::Clock::now();
   KVF_RETURN_IF_ERROR(launch_status);
   // The ranking's buffers are rewritten by the next step: its copies must be done.
   if (scan) {

@@ -525,8 +525,16 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     std::function<Status()> launch;
     if (beside) {
       launch = [p = &lc] {
+        TraceRecorder& tr = p->rt->trace_;
+        const auto t0 = tr.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
         Status s = p->rt->EnqueueDeviceScan();
-        return s.ok() ? p->rt->device_->DecodeStep(*p->args, p->stream) : s;
+        const auto t1 = tr.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
+        if (s.ok()) s = p->rt->device_->DecodeStep(*p->args, p->stream);
+        if (tr.on()) {
+          tr.Span("launch_scan", "launch", t0, t1);
+          tr.Span("launch_step", "launch", t1, TraceRecorder::Clock::now());
+        }
+        return s;
       };
     }
     if (st.ok()) {

@@ -415,11 +415,11 @@ Status RuntimeImpl::Init() {
     const char* eager = std::getenv("KVFERRY_PRIME_EAGER");
     prime_eager_ = eager != nullptr && std::string_view(eager) == "1";
   }
-  // Off by default: on the GPU machine (lfps@2%, stop17_f.sh, three runs each) 500 us of spinning
-  // started the last of a layer's 8 items 25 us after the first instead of 67-82 us and took 32K
-  // from 19.4 to 17.2 ms a step, but 64K from 29.1 to 30.8 ms (its longer items ran slower beside
-  // the spinners). Only the environment turns it on (KVFERRY_POOL_WARM_US=microseconds).
-  pool_warm_us_ = 0;
+  // Adaptive by default (SelectOnHost, WarmMicros): at stop 17 a fixed 500 us of spinning started
+  // the last of a layer's 8 items 25 us after the first instead of 67-82 us and took 32K from 19.4
+  // to 17.2 ms a step, but 64K from 29.1 to 30.8 ms; the adaptive spin covers only the gap the
+  // host measured between two layers' items. KVFERRY_POOL_WARM_US=microseconds fixes it (0: off).
+  pool_warm_us_ = -1;
   if (const char* warm = std::getenv("KVFERRY_POOL_WARM_US"); warm != nullptr && warm[0] != '\0') {
     pool_warm_us_ = std::max<int64_t>(0, std::atoll(warm));
   }
