@@ -556,7 +556,10 @@ struct LfpsScanItem {
 /// top 16 bits finds T without sorting). group <= kLfpsScanMaxGroup, head_dim <= 256.
 struct LfpsScanArgs {
   int64_t items = 0;
-  const LfpsScanItem* item = nullptr;  ///< [items], device-readable
+  /// [items], device-readable. With item_host set, the first pass copies item_host there first
+  /// (the table then needs no copy of its own before the launch).
+  LfpsScanItem* item = nullptr;
+  const LfpsScanItem* item_host = nullptr;  ///< [items] in mapped host memory (AllocHost), or null
   int32_t group = 1, head_dim = 128, channels = 16;
   int64_t cap = 0;  ///< rows of each shadow channel
   int8_t* shadow = nullptr;
@@ -574,8 +577,10 @@ struct LfpsScanArgs {
   /// leaves it zero again).
   uint32_t* hist = nullptr;
   int32_t* block_counts = nullptr;  ///< workspace [items, ceil(max_len / kLfpsScanBlockKeys)]
+  /// [items, max_picks] and [items]: device memory, or mapped host memory (AllocHost), which the
+  /// passes write straight into (coalesced), so that the host reads the ranking with no copy.
   uint64_t* out = nullptr;
-  int32_t* counts = nullptr;  ///< [items]
+  int32_t* counts = nullptr;
 };
 
 constexpr int kLfpsScanMaxGroup = 8;

@@ -149,6 +149,9 @@ void LfpsScanWeights(const float* q, const float* scale, int group, int head_dim
 
 void LfpsScanRef(const LfpsScanArgs& a) {
   const int hd = a.head_dim, group = a.group;
+  if (a.item_host != nullptr && a.item_host != a.item) {
+    std::copy_n(a.item_host, a.items, a.item);
+  }
   for (int64_t it = 0; it < a.items; ++it) {
     const LfpsScanItem& item = a.item[it];
     int8_t* shadow = a.shadow + item.shadow;

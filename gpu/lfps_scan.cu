@@ -12,6 +12,8 @@
 //      (the threshold), from the coarse histogram down to the fine one;
 //   5. ScanCountKernel / ScanWriteKernel: the keys at or above it per block of 1024, then written
 //      in ascending position after the blocks before them; the histograms zeroed again.
+// The item table may come from mapped host memory (the first pass copies it) and the list and its
+// counts may go straight to mapped host memory: the launch then needs no copies of its own.
 // Every pass is spread over the GPU (no CTA per item over all its keys) and nothing is sorted:
 // the host takes its best picks from the list (it holds every key >= the threshold, a prefix of
 // the order). Every value is computed with the host's operations in the host's order (IEEE
@@ -60,7 +62,9 @@ __device__ __forceinline__ int32_t* ItemInts(const LfpsScanArgs& a, int64_t item
 
 __global__ void __launch_bounds__(kPrepThreads) ScanPrepKernel(LfpsScanArgs a) {
   const int64_t it = blockIdx.x;
-  const LfpsScanItem item = a.item[it];
+  // The table from mapped host memory, once, into the device copy the later passes read.
+  const LfpsScanItem item = a.item_host != nullptr ? a.item_host[it] : a.item[it];
+  if (a.item_host != nullptr && threadIdx.x == 0) a.item[it] = item;
   const int hd = a.head_dim, group = a.group, tid = threadIdx.x;
   const float* scale = a.scale + item.scale;
   if (item.new_pos >= 0 && item.new_pos < a.cap && tid < hd) {
@@ -311,13 +315,18 @@ __global__ void __launch_bounds__(kScanThreads) ScanWriteKernel(LfpsScanArgs a, 
       }
       using Scan = cub::BlockScan<int, kScanThreads>;
       __shared__ typename Scan::TempStorage tmp;
-      int at = 0;
-      Scan(tmp).ExclusiveSum(n, at);
-      uint64_t* out = a.out + it * a.max_picks + s_before + at;
+      // The block's entries in order in shared memory, then stored by consecutive threads: whole
+      // lines, also when out is mapped host memory (each store a PCIe write).
+      __shared__ uint64_t stage[kLfpsScanBlockKeys];
+      int at = 0, block_n = 0;
+      Scan(tmp).ExclusiveSum(n, at, block_n);
       for (int u = 0; u < kKeysPerThread; ++u) {
         const int64_t j = b0 + threadIdx.x * kKeysPerThread + u;
-        if (j < item.len && k[u] >= t) *out++ = (static_cast<uint64_t>(k[u]) << 32) | static_cast<uint32_t>(j);
+        if (j < item.len && k[u] >= t) stage[at++] = (static_cast<uint64_t>(k[u]) << 32) | static_cast<uint32_t>(j);
       }
+      __syncthreads();
+      uint64_t* out = a.out + it * a.max_picks + s_before;
+      for (int i = threadIdx.x; i < block_n; i += kScanThreads) out[i] = stage[i];
     }
   }
   // Zero the item's histograms: its blocks split the 65536 + 256 words.

@@ -28,14 +28,6 @@
 
 namespace kvferry::detail {
 
-int64_t WarmMicros(int64_t fixed_us, int64_t last_gap_us) {
-  if (fixed_us >= 0) return fixed_us;
-  // Twice the last gap plus a margin, when the calls come back to back (a gap of at most
-  // kWarmGapMaxUs); an engine that computes between layers pays no spinning.
-  constexpr int64_t kWarmGapMaxUs = 150;
-  if (last_gap_us < 0 || last_gap_us > kWarmGapMaxUs) return 0;
-  return 2 * last_gap_us + 20;
-}
 
 Status RuntimeImpl::CopyScanShadow(int slot, int layer, StreamHandle stream) {
   if (!device_scan_) return Status::Ok();
@@ -166,8 +158,12 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
   a.ints = scan_ints_;
   a.hist = scan_hist_;
   a.block_counts = scan_blocks_;
-  a.out = host ? scan_out_host_ : scan_out_dev_;
-  a.counts = host ? scan_counts_host_ : scan_counts_dev_;
+  // On CUDA the passes read the item table from, and write the ranking into, mapped host memory:
+  // no copies to enqueue (KVFERRY_LFPS_SCAN_MAPPED=0 copies both ways instead).
+  const bool mapped = host || scan_mapped_;
+  a.item_host = !host && scan_mapped_ ? scan_items_host_ : nullptr;
+  a.out = mapped ? scan_out_host_ : scan_out_dev_;
+  a.counts = mapped ? scan_counts_host_ : scan_counts_dev_;
   scan_live_ = max_picks > 0;
   scan_arrived_.store(false, std::memory_order_release);
   scan_launched_.store(0, std::memory_order_release);
@@ -188,10 +184,14 @@ Status RuntimeImpl::EnqueueDeviceScan() {
   scan_pending_ = false;
   const LfpsScanArgs& a = scan_args_;
   const bool host = device_->backend() == Backend::kHost;
-  Status st = device_->CopyAsync(scan_items_dev_, scan_items_host_,
-                                 static_cast<size_t>(a.items) * sizeof(LfpsScanItem), scan_stream_);
+  Status st = Status::Ok();
+  if (a.item_host == nullptr) {
+    st = device_->CopyAsync(scan_items_dev_, scan_items_host_,
+                            static_cast<size_t>(a.items) * sizeof(LfpsScanItem), scan_stream_);
+  }
   if (st.ok()) st = device_->LfpsScan(a, scan_stream_);
-  if (st.ok() && !host && a.max_len > 0) {
+  scan_bytes_d2h_ = 0;
+  if (st.ok() && !host && a.max_len > 0 && a.out == scan_out_dev_) {
     const size_t out_bytes = static_cast<size_t>(a.items * a.max_picks) * sizeof(uint64_t);
     st = device_->CopyAsync(scan_counts_host_, scan_counts_dev_,
                             static_cast<size_t>(a.items) * sizeof(int32_t), scan_stream_);
@@ -225,9 +225,13 @@ Status RuntimeImpl::WaitScanRanking() {
 }
 
 void RuntimeImpl::TakeScanCounts() {
+  const bool mapped = scan_args_.out == scan_out_host_ && device_->backend() != Backend::kHost;
   for (int64_t i = 0; i < scan_step_items_; ++i) {
     // -1: more keys than the list holds (the policy then scans on the host).
-    if (scan_view_[i].picks != nullptr) scan_view_[i].count = std::max(scan_counts_host_[i], 0);
+    if (scan_view_[i].picks == nullptr) continue;
+    scan_view_[i].count = std::max(scan_counts_host_[i], 0);
+    // Written into mapped memory: what crossed PCIe is the listed entries and the count.
+    if (mapped) scan_bytes_d2h_ += scan_view_[i].count * int64_t{8} + 4;
   }
 }
 
@@ -249,12 +253,6 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   // The device's ranking for the scans (LaunchDeviceScan) must have arrived.
   const bool scan = scan_live_;
   scan_live_ = false;
-  // The host's gap since the last layer's items ended (merge, append, launches, the wait for q).
-  const auto items_begin = TraceRecorder::Clock::now();
-  if (items_end_ != TraceRecorder::Clock::time_point{}) {
-    items_gap_us_ =
-        std::chrono::duration_cast<std::chrono::microseconds>(items_begin - items_end_).count();
-  }
   // Fewer items than pool threads: each Select may split its O(n) scan over the idle ones.
   const int select_threads = SelectThreads(items);
   Status launch_status = Status::Ok();
@@ -360,19 +358,18 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   } else {
     pool_->ParallelFor(items, item_fn);
   }
-  stats_.bytes_d2h += scan_bytes_d2h_;
-  scan_bytes_d2h_ = 0;
   // The next layer's items usually come within tens of microseconds (merge, append, the GPU's
-  // launch, the wait for its q): the workers keep spinning until then, so that they start at once
-  // instead of waking one after another (a sleeping TBB worker takes tens of microseconds).
-  pool_->KeepWarm(pool_->num_threads(), WarmMicros(pool_warm_us_, items_gap_us_));
-  items_end_ = TraceRecorder::Clock::now();
+  // launch, the wait for its q): KVFERRY_POOL_WARM_US keeps the workers spinning until then, so
+  // that they start at once instead of waking one after another (off by default: runtime.cpp).
+  pool_->KeepWarm(pool_->num_threads(), pool_warm_us_);
   KVF_RETURN_IF_ERROR(launch_status);
   // The ranking's buffers are rewritten by the next step: its copies must be done.
   if (scan) {
     KVF_RETURN_IF_ERROR(WaitScanRanking());
     scan_unwaited_ = false;
   }
+  stats_.bytes_d2h += scan_bytes_d2h_;  // counted at the ranking's arrival when it was mapped
+  scan_bytes_d2h_ = 0;
 
   for (int64_t i = 0; i < items; ++i) {
     if (!item_status_[i].ok()) return item_status_[i];

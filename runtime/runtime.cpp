@@ -403,6 +403,7 @@ Status RuntimeImpl::Init() {
     KVF_ASSIGN_OR_RETURN(scan_ready_, device_->CreateEvent());
     scan_rows_.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
     scan_overlap_ = !EnvIs("KVFERRY_LFPS_SCAN_OVERLAP", "0");
+    scan_mapped_ = !EnvIs("KVFERRY_LFPS_SCAN_MAPPED", "0");
     scan_view_.assign(static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv), {});
   }
   // Priming deferred to the first Decode (DeferPrime): the kept rows are pinned per slot, made at
@@ -415,11 +416,14 @@ Status RuntimeImpl::Init() {
     const char* eager = std::getenv("KVFERRY_PRIME_EAGER");
     prime_eager_ = eager != nullptr && std::string_view(eager) == "1";
   }
-  // Adaptive by default (SelectOnHost, WarmMicros): at stop 17 a fixed 500 us of spinning started
-  // the last of a layer's 8 items 25 us after the first instead of 67-82 us and took 32K from 19.4
-  // to 17.2 ms a step, but 64K from 29.1 to 30.8 ms; the adaptive spin covers only the gap the
-  // host measured between two layers' items. KVFERRY_POOL_WARM_US=microseconds fixes it (0: off).
-  pool_warm_us_ = -1;
+  // Off by default: on the GPU machine (lfps@2%, stop17_f.sh, three runs each) 500 us of spinning
+  // started the last of a layer's 8 items 25 us after the first instead of 67-82 us and took 32K
+  // from 19.4 to 17.2 ms a step, but 64K from 29.1 to 30.8 ms (its longer items ran slower beside
+  // the spinners). With the scan on the GPU (stop19_b.sh) the items wait for its ranking anyway,
+  // and spinning slowed the launches beside them (43 -> 45-72 us a layer): 32K 13.7-15.0 ms
+  // (spinning twice the last gap between layers) and 12.6-14.4 (300 us) against 11.9-13.3 without.
+  // Only the environment turns it on (KVFERRY_POOL_WARM_US=microseconds).
+  pool_warm_us_ = 0;
   if (const char* warm = std::getenv("KVFERRY_POOL_WARM_US"); warm != nullptr && warm[0] != '\0') {
     pool_warm_us_ = std::max<int64_t>(0, std::atoll(warm));
   }

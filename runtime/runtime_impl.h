@@ -41,11 +41,6 @@ struct DeviceBuffer {
 /// in the threshold's 16-bit bin comes too (LfpsScanArgs), so twice the picks and some.
 constexpr int64_t ScanListCap(int64_t picks) { return 2 * picks + 512; }
 
-// How long the CPU pool's workers spin after a layer's items (CpuPool::KeepWarm): fixed_us when
-// set (>= 0, KVFERRY_POOL_WARM_US), else about twice the host's last gap between two layers' items
-// when that gap was short, and 0 after a long one or none.
-int64_t WarmMicros(int64_t fixed_us, int64_t last_gap_us);
-
 struct DeviceBufferSizes {
   // ---- layout ----
   int bank_slots = 0;
@@ -302,11 +297,7 @@ class RuntimeImpl {
   // How long the pool's workers spin after a step's CPU items for the next layer's
   // (CpuPool::KeepWarm): 0 (off) unless KVFERRY_POOL_WARM_US sets it (runtime.cpp says why).
   int64_t pool_warm_us_ = 0;
-  // Adaptive (pool_warm_us_ < 0, the default): the workers spin after a layer's items for about
-  // twice the host's last gap between two layers' items, when that gap was short (back-to-back
-  // layer calls), and not at all otherwise (SelectOnHost).
-  TraceRecorder::Clock::time_point items_end_{};
-  int64_t items_gap_us_ = -1;
+
   // First writes the new tokens' K/V rows to the host store (the step's kernels write only their
   // resident rows: DecodeStepArgs::host_writes_store). q/k/v: the caller's inputs in host memory.
   // With \p lists (host_lists_), the selections are not attended here: item i's positions go to
@@ -573,6 +564,7 @@ class RuntimeImpl {
   // next one waits before it rewrites the pinned item table.
   bool scan_unwaited_ = false;
   bool scan_overlap_ = true;  // KVFERRY_LFPS_SCAN_OVERLAP=0: enqueue before the Selects
+  bool scan_mapped_ = true;  // the scan reads its items and writes its ranking in mapped memory
   // An item's CPU attention split into up to kAttendMaxParts ranges of >= kAttendMinRows picks
   // (runtime/cpu_step.cpp): parts 1.. write [item][part - 1] of attend_parts_ (o: group x
   // head_dim, then lse: group), merged into part 0's in order.

@@ -3,7 +3,8 @@
 // for bit: the new rows it quantises into the shadow and the ranked picks (keys and positions), on
 // random shadows made to tie (few key values), every activation dtype, GQA groups 1-8, head_dim 64
 // and 128, channel counts 1-128, items of different lengths in one launch (one with nothing to
-// rank, one only writing its row), picks from 1 to the whole range.
+// rank, one only writing its row), picks from 1 to the whole range; the table, list and counts in
+// device memory and in mapped host memory.
 
 #include <gtest/gtest.h>
 
@@ -100,52 +101,86 @@ TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
   h.out = want.data();
   h.counts = want_counts.data();
   cpu::LfpsScanRef(h);
-  // The device.
-  LfpsScanArgs g = a;
-  g.item = DeviceCopy(item);
-  g.shadow = DeviceCopy(shadow);
-  g.scale = DeviceCopy(scale);
-  g.q = DeviceCopy(q);
-  g.k = DeviceCopy(k);
-  g.keys = DeviceCopy(keys);
-  g.ints = DeviceCopy(ints);
-  g.hist = DeviceCopy(hist);
-  g.block_counts = DeviceCopy(block_counts);
-  std::vector<uint64_t> got(want.size(), ~0ull);
-  g.out = DeviceCopy(got);
-  std::vector<int32_t> got_counts(static_cast<size_t>(items), -7);
-  g.counts = DeviceCopy(got_counts);
-  const Status st = cuda::LaunchLfpsScan(g, nullptr);
-  ASSERT_TRUE(st.ok()) << st.ToString();
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  std::vector<int8_t> got_shadow(shadow.size());
-  ASSERT_EQ(cudaMemcpy(got_shadow.data(), g.shadow, shadow.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(got.data(), g.out, got.size() * 8, cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(got_counts.data(), g.counts, items * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-  std::vector<uint32_t> hist_after(hist.size(), 1u);
-  ASSERT_EQ(cudaMemcpy(hist_after.data(), g.hist, hist.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-  EXPECT_EQ(hist_after, hist) << "the histograms are not left at zero";
-  EXPECT_EQ(got_shadow, want_shadow) << "the new rows differ";
-  EXPECT_EQ(got_counts, want_counts);
-  int overflow = 0, listed = 0;
-  for (int64_t i = 0; i < items; ++i) {
-    overflow += want_counts[i] == -1;
-    listed += want_counts[i] > 0;
-    for (int64_t p = 0; p < std::max(want_counts[i], 0); ++p) {
-      ASSERT_EQ(got[i * max_picks + p], want[i * max_picks + p])
-          << "item " << i << " pick " << p << " of " << item[i].picks << " (len " << item[i].len
-          << "): position " << (got[i * max_picks + p] & 0xffffffffu) << " vs "
-          << (want[i * max_picks + p] & 0xffffffffu);
+  // The device, twice: the table, the list and its counts in device memory; then the table read
+  // from and the ranking written straight into mapped host memory (the runtime's way on CUDA).
+  for (const bool mapped : {false, true}) {
+    SCOPED_TRACE(mapped ? "mapped host memory" : "device memory");
+    LfpsScanArgs g = a;
+    std::vector<LfpsScanItem> junk(item.size());
+    for (auto& j : junk) j.len = j.picks = 12345;  // the first pass must overwrite it
+    g.item = DeviceCopy(mapped ? junk : item);
+    g.shadow = DeviceCopy(shadow);
+    g.scale = DeviceCopy(scale);
+    g.q = DeviceCopy(q);
+    g.k = DeviceCopy(k);
+    g.keys = DeviceCopy(keys);
+    g.ints = DeviceCopy(ints);
+    g.hist = DeviceCopy(hist);
+    g.block_counts = DeviceCopy(block_counts);
+    std::vector<uint64_t> got(want.size(), ~0ull);
+    std::vector<int32_t> got_counts(static_cast<size_t>(items), -7);
+    LfpsScanItem* item_host = nullptr;
+    if (mapped) {
+      void* p = nullptr;
+      ASSERT_EQ(cudaHostAlloc(&p, item.size() * sizeof(LfpsScanItem), cudaHostAllocMapped), cudaSuccess);
+      item_host = static_cast<LfpsScanItem*>(p);
+      std::copy(item.begin(), item.end(), item_host);
+      g.item_host = item_host;
+      ASSERT_EQ(cudaHostAlloc(&p, got.size() * 8, cudaHostAllocMapped), cudaSuccess);
+      g.out = static_cast<uint64_t*>(p);
+      std::fill_n(g.out, got.size(), ~0ull);
+      ASSERT_EQ(cudaHostAlloc(&p, got_counts.size() * 4, cudaHostAllocMapped), cudaSuccess);
+      g.counts = static_cast<int32_t*>(p);
+      std::fill_n(g.counts, got_counts.size(), -7);
+    } else {
+      g.out = DeviceCopy(got);
+      g.counts = DeviceCopy(got_counts);
     }
-  }
-  EXPECT_GT(listed, 0);
-  std::printf("[          ] %d items listed, %d overflowed\n", listed, overflow);
-  for (void* p : {static_cast<void*>(const_cast<LfpsScanItem*>(g.item)), static_cast<void*>(g.shadow),
-                  static_cast<void*>(const_cast<float*>(g.scale)), const_cast<void*>(g.q),
-                  const_cast<void*>(g.k), static_cast<void*>(g.keys), static_cast<void*>(g.ints),
-                  static_cast<void*>(g.hist), static_cast<void*>(g.block_counts),
-                  static_cast<void*>(g.out), static_cast<void*>(g.counts)}) {
-    cudaFree(p);
+    const Status st = cuda::LaunchLfpsScan(g, nullptr);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<int8_t> got_shadow(shadow.size());
+    ASSERT_EQ(cudaMemcpy(got_shadow.data(), g.shadow, shadow.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got.data(), g.out, got.size() * 8, cudaMemcpyDefault), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got_counts.data(), g.counts, items * 4, cudaMemcpyDefault), cudaSuccess);
+    std::vector<uint32_t> hist_after(hist.size(), 1u);
+    ASSERT_EQ(cudaMemcpy(hist_after.data(), g.hist, hist.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    std::vector<LfpsScanItem> item_after(item.size());
+    ASSERT_EQ(cudaMemcpy(item_after.data(), g.item, item.size() * sizeof(LfpsScanItem),
+                         cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(std::memcmp(item_after.data(), item.data(), item.size() * sizeof(LfpsScanItem)), 0)
+        << "the device table is not the host's";
+    EXPECT_EQ(hist_after, hist) << "the histograms are not left at zero";
+    EXPECT_EQ(got_shadow, want_shadow) << "the new rows differ";
+    EXPECT_EQ(got_counts, want_counts);
+    int overflow = 0, listed = 0;
+    for (int64_t i = 0; i < items; ++i) {
+      overflow += want_counts[i] == -1;
+      listed += want_counts[i] > 0;
+      for (int64_t p = 0; p < std::max(want_counts[i], 0); ++p) {
+        ASSERT_EQ(got[i * max_picks + p], want[i * max_picks + p])
+            << "item " << i << " pick " << p << " of " << item[i].picks << " (len " << item[i].len
+            << "): position " << (got[i * max_picks + p] & 0xffffffffu) << " vs "
+            << (want[i * max_picks + p] & 0xffffffffu);
+      }
+    }
+    EXPECT_GT(listed, 0);
+    std::printf("[          ] %s: %d items listed, %d overflowed\n", mapped ? "mapped" : "device",
+                listed, overflow);
+    for (void* p : {static_cast<void*>(g.item), static_cast<void*>(g.shadow),
+                    static_cast<void*>(const_cast<float*>(g.scale)), const_cast<void*>(g.q),
+                    const_cast<void*>(g.k), static_cast<void*>(g.keys), static_cast<void*>(g.ints),
+                    static_cast<void*>(g.hist), static_cast<void*>(g.block_counts)}) {
+      cudaFree(p);
+    }
+    if (mapped) {
+      cudaFreeHost(item_host);
+      cudaFreeHost(g.out);
+      cudaFreeHost(g.counts);
+    } else {
+      cudaFree(g.out);
+      cudaFree(g.counts);
+    }
   }
 }
 

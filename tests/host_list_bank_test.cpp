@@ -426,19 +426,5 @@ TEST(HostListBank, FailingSelectLeavesEverySequenceAsBefore) {
   }
 }
 
-// The CPU pool's spin between two layers' items (runtime/cpu_step.cpp): a fixed setting wins; the
-// adaptive one spins about twice a short last gap and never after a long gap or before any.
-TEST(PoolWarm, AdaptiveSpinFollowsTheLastGap) {
-  using detail::WarmMicros;
-  EXPECT_EQ(WarmMicros(0, 40), 0);
-  EXPECT_EQ(WarmMicros(500, -1), 500);
-  EXPECT_EQ(WarmMicros(-1, -1), 0);
-  EXPECT_EQ(WarmMicros(-1, 0), 20);
-  EXPECT_EQ(WarmMicros(-1, 40), 100);
-  EXPECT_EQ(WarmMicros(-1, 150), 320);
-  EXPECT_EQ(WarmMicros(-1, 151), 0);
-  EXPECT_EQ(WarmMicros(-1, 100000), 0);
-}
-
 }  // namespace
 }  // namespace kvferry
