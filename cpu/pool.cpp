@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <mutex>
+#include <string_view>
 #include <thread>
 
 #include <boost/lockfree/queue.hpp>
@@ -52,25 +54,28 @@ int64_t NowNs() {
 // binding when it leaves (TBB workers are shared between arenas).
 class PinningObserver final : public tbb::task_scheduler_observer {
  public:
+  // master_slots: the arena's slots reserved for callers (before the workers' slots); a caller
+  // that enters through one stays where it runs.
   PinningObserver(tbb::task_arena& arena, hwloc_topology_t topo,
-                  const std::vector<hwloc_bitmap_t>& core_sets, bool pin)
-      : tbb::task_scheduler_observer(arena), topo_(topo), core_sets_(core_sets), pin_(pin) {
+                  const std::vector<hwloc_bitmap_t>& core_sets, bool pin, int master_slots)
+      : tbb::task_scheduler_observer(arena), topo_(topo), core_sets_(core_sets), pin_(pin),
+        master_slots_(master_slots) {
     observe(true);
   }
   ~PinningObserver() override { observe(false); }
 
-  void on_scheduler_entry(bool /*is_worker*/) override {
+  void on_scheduler_entry(bool is_worker) override {
     LimitOneDnnThreadsOnThisThread();
-    if (!pin_) return;
-    const int idx = tbb::this_task_arena::current_thread_index();
+    if (!pin_ || (!is_worker && master_slots_ > 0)) return;
+    const int idx = tbb::this_task_arena::current_thread_index() - (is_worker ? master_slots_ : 0);
     if (idx < 0 || idx >= static_cast<int>(core_sets_.size())) return;
     Saved& saved = SavedBinding();
     if (saved.set == nullptr) saved.set = hwloc_bitmap_alloc();
     saved.valid = hwloc_get_cpubind(topo_, saved.set, HWLOC_CPUBIND_THREAD) == 0;
     hwloc_set_cpubind(topo_, core_sets_[idx], HWLOC_CPUBIND_THREAD);
   }
-  void on_scheduler_exit(bool /*is_worker*/) override {
-    if (!pin_) return;
+  void on_scheduler_exit(bool is_worker) override {
+    if (!pin_ || (!is_worker && master_slots_ > 0)) return;
     Saved& saved = SavedBinding();
     if (saved.valid) hwloc_set_cpubind(topo_, saved.set, HWLOC_CPUBIND_THREAD);
     saved.valid = false;
@@ -92,6 +97,7 @@ class PinningObserver final : public tbb::task_scheduler_observer {
   hwloc_topology_t topo_;
   const std::vector<hwloc_bitmap_t>& core_sets_;
   bool pin_;
+  int master_slots_ = 0;
 };
 
 struct CpuPool::Impl {
@@ -99,6 +105,7 @@ struct CpuPool::Impl {
   std::vector<hwloc_bitmap_t> core_sets;
   std::unique_ptr<tbb::global_control> parallelism;
   std::unique_ptr<tbb::task_arena> arena;
+  int master_slots = 0;  // the arena's slots kept for callers, before the workers'
   std::unique_ptr<PinningObserver> observer;
   std::unique_ptr<boost::lockfree::queue<CpuJob>> jobs;
   std::unique_ptr<boost::lockfree::queue<CpuCompletion>> done;
@@ -203,10 +210,21 @@ Result<std::unique_ptr<CpuPool>> CpuPool::Create(const CpuPoolOptions& options) 
     impl.parallelism = std::make_unique<tbb::global_control>(
         tbb::global_control::max_allowed_parallelism, want);
   }
-  impl.arena = std::make_unique<tbb::task_arena>(threads, 0);
+  // When a core is left to the caller, so is a slot of its own: it enters the arena at once (with
+  // every slot taken by a worker it would hand its work to one, which may be asleep) and is never
+  // re-pinned (moving the thread that enqueues the GPU's work to a worker's core on each entry
+  // cost it a migration and cold caches). KVFERRY_POOL_MASTER_SLOT=0: the arena of `threads`
+  // slots, a caller taking one and its core.
+  const char* master_env = std::getenv("KVFERRY_POOL_MASTER_SLOT");
+  const int master_slots =
+      threads < cores_available && !(master_env != nullptr && std::string_view(master_env) == "0")
+          ? 1
+          : 0;
+  impl.master_slots = master_slots;
+  impl.arena = std::make_unique<tbb::task_arena>(threads + master_slots, master_slots);
   impl.arena->initialize();
-  impl.observer =
-      std::make_unique<PinningObserver>(*impl.arena, impl.topo, impl.core_sets, options.pin);
+  impl.observer = std::make_unique<PinningObserver>(*impl.arena, impl.topo, impl.core_sets,
+                                                    options.pin, master_slots);
   impl.jobs = std::make_unique<boost::lockfree::queue<CpuJob>>(options.queue_capacity);
   impl.done = std::make_unique<boost::lockfree::queue<CpuCompletion>>(options.queue_capacity);
 
@@ -258,7 +276,7 @@ void CpuPool::RunOneJob() {
   c.slot = job.slot;
   c.layer = job.layer;
   c.kv_head = job.kv_head;
-  c.worker = tbb::this_task_arena::current_thread_index();
+  c.worker = tbb::this_task_arena::current_thread_index() - impl_->master_slots;
   c.rows = job.item.count;
   c.ns = NowNs() - t0;
   Backoff backoff;

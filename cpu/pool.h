@@ -56,7 +56,7 @@ struct CpuCompletion {
   int32_t slot = 0;
   int32_t layer = 0;
   int32_t kv_head = 0;
-  int32_t worker = -1;  ///< arena slot that ran it
+  int32_t worker = -1;  ///< the worker that ran it, in [0, num_threads()) (below: a caller)
   int64_t rows = 0;     ///< K/V rows read
   int64_t ns = 0;       ///< time in the kernel
 };

@@ -57,8 +57,7 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
   part("prefill prefetch staging", {prefill_next, prefill_next_pages});
   part("priming tables and partials", {prime_tables, prime_stats, prime_scratch});
   part("lfps scan (int8 shadow of K, scores, picks)",
-       {scan_shadow, scan_scale, scan_keys, scan_ints, scan_hist, scan_blocks, scan_items, scan_out,
-        scan_counts});
+       {scan_shadow, scan_scale, scan_keys, scan_ints, scan_hist, scan_blocks, scan_items});
   part("host-store page table", {store_table});
   part("stream workspaces", {stream_scratch});
   std::stable_sort(plan.parts.begin(), plan.parts.end(),
@@ -335,6 +334,7 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     z.scan_blocks = AllocBytes(static_cast<size_t>(
         items * ((len + kLfpsScanBlockKeys - 1) / kLfpsScanBlockKeys + 1)) * sizeof(int32_t));
     z.scan_items = AllocBytes(static_cast<size_t>(items) * sizeof(LfpsScanItem));
+    // The ranking and its counts go straight to mapped host memory: not the device's.
     z.scan_out = AllocBytes(static_cast<size_t>(items * z.scan_list_cap) * sizeof(uint64_t));
     z.scan_counts = AllocBytes(static_cast<size_t>(items) * sizeof(int32_t));
     // Under a cap the scan is what gives way (the policy then scans on the host); with no cap it
@@ -342,7 +342,7 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     // KVFERRY_LFPS_SCAN=device asks for it.
     const int64_t scan_bytes = static_cast<int64_t>(z.scan_shadow + z.scan_scale + z.scan_keys +
                                                     z.scan_ints + z.scan_hist + z.scan_blocks +
-                                                    z.scan_items + z.scan_out + z.scan_counts);
+                                                    z.scan_items);
     const int64_t total = device_->total_device_bytes();
     const bool too_big = cap.gpu_bytes > 0
                              ? z.Plan(cap.gpu_bytes).total_bytes > cap.gpu_bytes

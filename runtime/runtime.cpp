@@ -388,22 +388,17 @@ Status RuntimeImpl::Init() {
     }
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_blocks, false));
     scan_blocks_ = static_cast<int32_t*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_counts, false));
-    scan_counts_dev_ = static_cast<int32_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_counts, true));
     scan_counts_host_ = static_cast<int32_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_items, false));
     scan_items_dev_ = static_cast<LfpsScanItem*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_items, true));
     scan_items_host_ = static_cast<LfpsScanItem*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_out, false));
-    scan_out_dev_ = static_cast<uint64_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_out, true));
     scan_out_host_ = static_cast<uint64_t*>(p);
     KVF_ASSIGN_OR_RETURN(scan_ready_, device_->CreateEvent());
     scan_rows_.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
     scan_overlap_ = !EnvIs("KVFERRY_LFPS_SCAN_OVERLAP", "0");
-    scan_mapped_ = !EnvIs("KVFERRY_LFPS_SCAN_MAPPED", "0");
     scan_view_.assign(static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv), {});
   }
   // Priming deferred to the first Decode (DeferPrime): the kept rows are pinned per slot, made at

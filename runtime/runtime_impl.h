@@ -97,7 +97,8 @@ struct DeviceBufferSizes {
   size_t step_slots = 0, step_pos = 0, step_ws = 0, step_counters = 0;
   size_t prime_tables = 0, prime_stats = 0, prime_scratch = 0;
   size_t scan_shadow = 0, scan_scale = 0, scan_keys = 0, scan_ints = 0, scan_hist = 0,
-         scan_blocks = 0, scan_items = 0, scan_out = 0, scan_counts = 0;
+         scan_blocks = 0, scan_items = 0;
+  size_t scan_out = 0, scan_counts = 0;  // mapped host memory (the scan writes its ranking there)
   size_t stream_scratch = 0;
 
   /// The parts (named groups of the buffers above), largest first, and their total.
@@ -548,12 +549,10 @@ class RuntimeImpl {
   int32_t* scan_ints_ = nullptr;
   uint32_t* scan_hist_ = nullptr;
   int32_t* scan_blocks_ = nullptr;
-  int32_t* scan_counts_dev_ = nullptr;
-  int32_t* scan_counts_host_ = nullptr;  // pinned
+  int32_t* scan_counts_host_ = nullptr;  // pinned, mapped: the scan writes it
   LfpsScanItem* scan_items_dev_ = nullptr;
-  LfpsScanItem* scan_items_host_ = nullptr;  // pinned
-  uint64_t* scan_out_dev_ = nullptr;
-  uint64_t* scan_out_host_ = nullptr;  // pinned
+  LfpsScanItem* scan_items_host_ = nullptr;  // pinned, mapped: the scan's first pass reads it
+  uint64_t* scan_out_host_ = nullptr;  // pinned, mapped: the scan writes it
   EventHandle scan_ready_ = nullptr;   // this step's ranking reached scan_out_host_
   bool scan_live_ = false;             // scan_view_ belongs to the step being selected
   // The first Select that needs the ranking waits for scan_ready_ (WaitScanRanking, under
@@ -564,7 +563,6 @@ class RuntimeImpl {
   // next one waits before it rewrites the pinned item table.
   bool scan_unwaited_ = false;
   bool scan_overlap_ = true;  // KVFERRY_LFPS_SCAN_OVERLAP=0: enqueue before the Selects
-  bool scan_mapped_ = true;  // the scan reads its items and writes its ranking in mapped memory
   // An item's CPU attention split into up to kAttendMaxParts ranges of >= kAttendMinRows picks
   // (runtime/cpu_step.cpp): parts 1.. write [item][part - 1] of attend_parts_ (o: group x
   // head_dim, then lse: group), merged into part 0's in order.
