@@ -148,6 +148,9 @@ TEST_P(DeviceBankTest, DecodeStreamKeepsInvariantsAndMatchesReference) {
     ASSERT_EQ(cudaMemcpy(dq, q.data(), qn * 4, cudaMemcpyHostToDevice), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(dpos, flat.data(), flat.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
     ASSERT_EQ(cudaMemset(doo, 0xff, qn * 4), cudaSuccess);  // poison
+    // A copy from pageable memory may return before its DMA lands, and the device's calls below
+    // run on its own non-blocking stream (nullptr): wait for the copies first.
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<std::vector<int32_t>> before(kTables);
     for (int t = 0; t < kTables; ++t) before[t] = bank->FindAll(t, sel[t]).value();
     const int flow = step % 3;
@@ -183,6 +186,7 @@ TEST_P(DeviceBankTest, DecodeStreamKeepsInvariantsAndMatchesReference) {
                 cudaSuccess);
       ASSERT_EQ(cudaMemcpy(compact, block.data(), block.size(), cudaMemcpyHostToDevice),
                 cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the DMA has landed (see above)
       ASSERT_TRUE(
           dev->AttendBank(p, items_r, kTables, cuda::BankPass::kResolved, nullptr, sel_n).ok());
     } else {  // gather the misses, hits + staged misses, merged
@@ -391,6 +395,7 @@ TEST(DeviceBankResolve, MissesPastTheListReadFromStore) {
     ASSERT_EQ(cudaMemcpy(dq, q.data(), qn * 4, cudaMemcpyHostToDevice), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(dpos, flat.data(), flat.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
     ASSERT_EQ(cudaMemset(doo, 0xff, qn * 4), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the pageable copies' DMA has landed
     ASSERT_TRUE(dev->ResolveBank(items, kTables, kSel, nullptr).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<int32_t> ml(kTables * (kCap + 1)), res(kTables * kSel);
@@ -417,6 +422,8 @@ TEST(DeviceBankResolve, MissesPastTheListReadFromStore) {
     if (step == 1) EXPECT_GT(hits, 0) << "the first step's admissions must hit";
     ASSERT_EQ(cudaMemcpy(first_d, first.data(), kTables * 4, cudaMemcpyHostToDevice), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(compact, block.data(), block.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    // A pageable copy may return before its DMA lands; the device's stream does not wait for it.
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     ASSERT_TRUE(dev->AttendBank(p, items, kTables, cuda::BankPass::kResolved, nullptr, kSel).ok());
     ASSERT_TRUE(bank->Admit(admit, kTables, nullptr).ok());
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
