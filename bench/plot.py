@@ -47,13 +47,24 @@ def plot_e2e(results):
         return print(f"plot.py: {src} absent; e2e plot skipped")
     d = json.load(open(src))
     rows = [r for r in d["rows"] if "skipped" not in r and r.get("name", "decode") == "decode"]
-    # The file keeps every stop's rows: plot the newest of each (mode, context, batch).
-    latest = {}
-    for r in rows:  # by "run" ("YYYY-MM-DD stop N"; rows without one are the oldest), then order
+    # The file keeps every stop's rows: plot the newest of each (mode, context, batch), by "run"
+    # ("YYYY-MM-DD stop N"; rows without one are the oldest). Rows of an experiment carry a
+    # "variant": only the defaults' ("default_*", stop 18's "gpu_beside_*") are plotted, the
+    # median of a run's repetitions.
+    def plotted(r):
+        v = r.get("variant")
+        return v is None or v.startswith("default_") or v.startswith("gpu_beside_")
+
+    newest = {}
+    for r in filter(plotted, rows):
         k = (r["mode"], r["context"], r["batch"])
-        if k not in latest or (r.get("run") or "") >= (latest[k].get("run") or ""):
-            latest[k] = r
-    rows = list(latest.values())
+        run = r.get("run") or ""
+        if k not in newest or run > newest[k][0]:
+            newest[k] = (run, [r])
+        elif run == newest[k][0]:
+            newest[k][1].append(r)
+    rows = [sorted(reps, key=lambda r: r["ms_per_token_step"])[len(reps) // 2]
+            for _, reps in newest.values()]
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 5), squeeze=False)
     for ax, batch in zip(axes[0], batches):
