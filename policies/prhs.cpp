@@ -37,6 +37,17 @@ class WrapperBase : public Policy {
     DropSlot(slot);
     inner_->OnSequenceRemoved(slot);
   }
+  // The inner policy's device scan (LFPS): the wrappers pass their SelectContext, with the
+  // device's ranking in it, to the inner Select whenever they run it.
+  int device_scan_channels() const override { return inner_->device_scan_channels(); }
+  // Each wrapper keeps every resident position when its inner policy does (the planned CPU step
+  // attends them on the device whatever the list says): CIS's shared set takes them all whatever
+  // the budget, PSAW never hides them, XL reuses a set the inner chose at the same length.
+  bool selection_covers_resident() const override { return inner_->selection_covers_resident(); }
+  int64_t device_scan_picks(int64_t k) const override { return inner_->device_scan_picks(k); }
+  bool ScanShadow(int slot, int layer, int kv_head, ScanShadowView* out) const override {
+    return inner_->ScanShadow(slot, layer, kv_head, out);
+  }
   PolicyCounters counters() const override {
     PolicyCounters c = inner_->counters();
     c.select_calls += calls_.load(std::memory_order_relaxed);
@@ -124,7 +135,8 @@ class CisPolicy final : public WrapperBase {
       CountReuse();
       const int64_t k = split.k_off;
       const int64_t m = std::max<int64_t>(1, static_cast<int64_t>(std::floor(p_.m_frac * k)));
-      CisShareSet(ctx.n, ctx.sink, ctx.window, ctx.budget, share->ranked, m, p_.r, out);
+      CisShareSet(ctx.n, ctx.sink, ctx.window, ctx.budget, share->ranked, m, p_.r, out,
+                  inner_policy().selection_covers_resident());
       return Status::Ok();
     }
     CountCall();
@@ -189,7 +201,12 @@ class PsawPolicy final : public WrapperBase {
         num_layers_(num_layers) {}
 
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
-    const int64_t hide_end = PsawHiddenEnd(ctx.layer, num_layers_, l_s_, phi_, ctx.n);
+    int64_t hide_end = PsawHiddenEnd(ctx.layer, num_layers_, l_s_, phi_, ctx.n);
+    // Around an inner that keeps the resident rows, the window is never hidden (those rows are on
+    // the GPU: hiding them would save no transfer, and the planned step attends them anyway).
+    if (inner_policy().selection_covers_resident()) {
+      hide_end = std::min<int64_t>(hide_end, std::max<int64_t>(ctx.sink, ctx.n - ctx.window));
+    }
     KVF_RETURN_IF_ERROR(inner().Select(ctx, out));
     // Filter the inner's set, then refill the budget from the visible positions, most recent
     // first, then the sinks (the inner cannot be run on a restricted view: positions are
@@ -246,7 +263,9 @@ class XlPolicy final : public WrapperBase, public XlPredictor {
     if (Reuses(*st, ctx.layer, ctx.n)) {
       CountReuse();
       out.assign(st->set.begin(), st->set.end());
-      ClipToBudget(ctx, out);
+      // A set the inner chose at this length is within its budget, but for the resident rows an
+      // inner that keeps them all adds past a budget too small for them.
+      if (!inner_policy().selection_covers_resident()) ClipToBudget(ctx, out);
     } else {
       CountCall();
       KVF_RETURN_IF_ERROR(inner().Select(ctx, out));
@@ -406,19 +425,23 @@ int64_t PsawHiddenEnd(int layer, int num_layers, int l_s, double phi, int64_t n)
 }
 
 void CisShareSet(int64_t n, int sink, int window, int64_t budget,
-                 const std::vector<int32_t>& ranked, int64_t m, int r, std::vector<int32_t>& out) {
+                 const std::vector<int32_t>& ranked, int64_t m, int r, std::vector<int32_t>& out,
+                 bool all_resident) {
   out.clear();
   const int64_t s = std::clamp<int64_t>(sink, 0, n);
   const int64_t w_lo = std::max(s, n - std::max(window, 0));
   thread_local std::vector<uint8_t> mark;
   mark.assign(static_cast<size_t>(n), 0);
-  auto add = [&](int64_t p) {
-    if (p < 0 || p >= n || mark[p] || static_cast<int64_t>(out.size()) >= budget) return;
+  auto add_within = [&](int64_t p, int64_t cap) {
+    if (p < 0 || p >= n || mark[p] || static_cast<int64_t>(out.size()) >= cap) return;
     mark[p] = 1;
     out.push_back(static_cast<int32_t>(p));
   };
-  for (int64_t p = 0; p < s; ++p) add(p);
-  for (int64_t p = n - 1; p >= w_lo; --p) add(p);  // newest first when the budget is short
+  auto add = [&](int64_t p) { add_within(p, budget); };
+  // The resident positions: all of them (all_resident), or newest first when the budget is short.
+  const int64_t resident_cap = all_resident ? n : budget;
+  for (int64_t p = 0; p < s; ++p) add_within(p, resident_cap);
+  for (int64_t p = n - 1; p >= w_lo; --p) add_within(p, resident_cap);
   const int64_t top = std::min<int64_t>(m, static_cast<int64_t>(ranked.size()));
   for (int64_t i = 0; i < top; ++i) add(ranked[i]);
   for (int64_t i = 0; i < top; ++i) {

@@ -36,9 +36,13 @@ int64_t PsawHiddenEnd(int layer, int num_layers, int l_s, double phi, int64_t n)
 /// CIS's shared set at a step that reuses a retrieval: the sinks [0, sink) and window
 /// [n - window, n) re-anchored at n, then, up to \p budget positions in all: the kept positions'
 /// top m (\p ranked is the kept non-resident positions, best first), the +-r neighbours of those m,
-/// then the rest of \p ranked in rank order. Out of range positions are skipped. Ascending.
+/// then the rest of \p ranked in rank order. Out of range positions are skipped. Ascending. With
+/// \p all_resident every sink and window position is in the set even past the budget (for an
+/// inner policy that keeps them all, Policy::selection_covers_resident); otherwise they count
+/// against it, the newest first.
 void CisShareSet(int64_t n, int sink, int window, int64_t budget,
-                 const std::vector<int32_t>& ranked, int64_t m, int r, std::vector<int32_t>& out);
+                 const std::vector<int32_t>& ranked, int64_t m, int r, std::vector<int32_t>& out,
+                 bool all_resident = false);
 
 /// The cross-layer wrapper's public face: what layer+1 will select.
 class XlPredictor {

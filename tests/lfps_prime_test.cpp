@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -609,6 +610,39 @@ TEST(LfpsDeviceScanRuntime, MixedLengthsAndContinuedPromptsEqualHostScan) {
   RunAndCompare(rts, {512, 512}, {0.0, 0.0}, {true, true}, /*skew=*/300, /*mid_chunk=*/40);
   EXPECT_GT(rts[0]->GetStats().lfps_scans_device, 0);
   EXPECT_EQ(rts[1]->GetStats().lfps_scans_device, 0);
+}
+
+// PrHS's wrappers around lfps run the planned CPU step (they keep every resident position, as
+// lfps does) and take the device's ranking (they forward the scan's channels, picks and shadow,
+// and pass their SelectContext to the inner Select): the same outputs and selections as the same
+// wrapper scanning on the host, and as the unplanned host path (route gpu: the picks read by the
+// device), and scans answered by the ranking.
+TEST(LfpsDeviceScanRuntime, PrhsWrappersTakeTheDeviceRanking) {
+  // Each wrapper made to act on these random queries and two layers: CIS shares on every step of
+  // a block, PSAW hides most of layer 1's history, XL reuses layer 0's set in layer 1.
+  const std::vector<std::pair<const char*, std::map<std::string, double>>> cases = {
+      {"cis+lfps", {{"cis.tau", -1.0}}},
+      {"psaw+lfps", {{"psaw.start", 0.0}, {"psaw.phi", 0.1}}},
+      {"xl+lfps", {}}};
+  for (const auto& [name, params] : cases) {
+    SCOPED_TRACE(name);
+    RuntimeConfig c = PrimeConfig(Backend::kHost, DType::kBF16);
+    c.tiers.window_tokens = 8;
+    c.policy.name = name;
+    c.policy.params = params;
+    std::vector<std::unique_ptr<Runtime>> rts;
+    rts.push_back(MakeRuntime(c, "device", "KVFERRY_LFPS_SCAN=device"));
+    rts.push_back(MakeRuntime(c, "device"));
+    RuntimeConfig unplanned = c;
+    unplanned.route = Route::kGpu;
+    rts.push_back(MakeRuntime(unplanned, "device"));
+    for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
+    RunAndCompare(rts, {512, 512, 21}, {0.0, 0.0, 2e-5}, {true, true, true});
+    EXPECT_GT(rts[0]->GetStats().lfps_scans_device, 0);
+    EXPECT_EQ(rts[0]->GetStats().lfps_scans_device_short, 0);
+    EXPECT_EQ(rts[1]->GetStats().lfps_scans_device, 0);
+    if (std::string_view(name) != "psaw+lfps") EXPECT_GT(rts[0]->GetStats().prhs_select_reused, 0);
+  }
 }
 
 }  // namespace

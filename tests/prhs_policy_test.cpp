@@ -221,6 +221,14 @@ TEST(PrhsCis, DilatedSetContainsTheBaseSet) {
   // Clipped to [0, n): a kept position at the edge.
   CisShareSet(50, 0, 0, 10, {0, 49}, 2, 1, out);
   EXPECT_EQ(out, (std::vector<int32_t>{0, 1, 48, 49}));
+  // A budget below the resident rows: the sinks and the newest window rows fill it, or (for an
+  // inner policy that keeps them all) every resident row and nothing else.
+  CisShareSet(250, 4, 8, 6, ranked, 3, 1, out);
+  EXPECT_EQ(out, (std::vector<int32_t>{0, 1, 2, 3, 248, 249}));
+  CisShareSet(250, 4, 8, 6, ranked, 3, 1, out, /*all_resident=*/true);
+  EXPECT_EQ(out, (std::vector<int32_t>{0, 1, 2, 3, 242, 243, 244, 245, 246, 247, 248, 249}));
+  CisShareSet(250, 4, 8, 4 + 8 + 2, ranked, 3, 1, out, /*all_resident=*/true);
+  EXPECT_EQ(out, (std::vector<int32_t>{0, 1, 2, 3, 40, 100, 242, 243, 244, 245, 246, 247, 248, 249}));
 }
 
 TEST(PrhsWrappers, FullBudgetEqualsDense) {
