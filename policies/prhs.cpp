@@ -37,13 +37,13 @@ class WrapperBase : public Policy {
     DropSlot(slot);
     inner_->OnSequenceRemoved(slot);
   }
-  // The inner policy's device scan (LFPS): the wrappers pass their SelectContext, with the
-  // device's ranking in it, to the inner Select whenever they run it.
-  int device_scan_channels() const override { return inner_->device_scan_channels(); }
   // Each wrapper keeps every resident position when its inner policy does (the planned CPU step
   // attends them on the device whatever the list says): CIS's shared set takes them all whatever
   // the budget, PSAW never hides them, XL reuses a set the inner chose at the same length.
   bool selection_covers_resident() const override { return inner_->selection_covers_resident(); }
+  // The inner policy's device scan (LFPS): the wrappers pass their SelectContext, with the
+  // device's ranking in it, to the inner Select whenever they run it.
+  int device_scan_channels() const override { return inner_->device_scan_channels(); }
   int64_t device_scan_picks(int64_t k) const override { return inner_->device_scan_picks(k); }
   bool ScanShadow(int slot, int layer, int kv_head, ScanShadowView* out) const override {
     return inner_->ScanShadow(slot, layer, kv_head, out);

@@ -28,7 +28,6 @@
 
 namespace kvferry::detail {
 
-
 Status RuntimeImpl::CopyScanShadow(int slot, int layer, StreamHandle stream) {
   if (!device_scan_) return Status::Ok();
   const ModelShape& m = config_.model;
