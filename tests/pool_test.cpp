@@ -4,6 +4,7 @@
 #include "cpu/pool.h"
 
 #include <gtest/gtest.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
@@ -196,6 +197,42 @@ TEST(CpuPoolTest, ParallelForBesideRunsFirstBesideTheItems) {
       for (auto& h : hits) EXPECT_EQ(h.load(), 1) << "threads " << threads;
     }
   }
+}
+
+// With a core left to the caller the arena keeps a slot for it: the calling thread runs
+// ParallelForBeside's `first` itself (it enters at once, no hand-off to a worker) and keeps its
+// own CPU binding there (the observer pins workers only); completions still number the workers
+// from 0.
+TEST(CpuPoolTest, TheCallerKeepsItsSlotAndItsBinding) {
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "needs two cores";
+  CpuPoolOptions opt;
+  opt.threads = 1;  // fewer than the cores: a slot is kept for the caller
+  opt.pin = true;
+  auto pool = CpuPool::Create(opt);
+  ASSERT_TRUE(pool.ok());
+  cpu_set_t before;
+  CPU_ZERO(&before);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(before), &before), 0);
+  const std::thread::id caller = std::this_thread::get_id();
+  for (int round = 0; round < 5; ++round) {
+    std::thread::id ran_first;
+    cpu_set_t inside;
+    CPU_ZERO(&inside);
+    std::vector<std::atomic<int>> hits(16);
+    (*pool)->ParallelForBeside(
+        16, [&](int64_t i) { hits[i].fetch_add(1); },
+        [&] {
+          ran_first = std::this_thread::get_id();
+          sched_getaffinity(0, sizeof(inside), &inside);
+        });
+    EXPECT_EQ(ran_first, caller) << "round " << round;
+    EXPECT_TRUE(CPU_EQUAL(&inside, &before)) << "the caller was re-pinned, round " << round;
+    for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+  }
+  cpu_set_t after;
+  CPU_ZERO(&after);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(after), &after), 0);
+  EXPECT_TRUE(CPU_EQUAL(&after, &before));
 }
 
 // KeepWarm's spinners leave at the next ParallelFor (every index still runs once, and the fork
