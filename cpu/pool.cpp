@@ -6,9 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <mutex>
-#include <string_view>
 #include <thread>
 
 #include <boost/lockfree/queue.hpp>
@@ -213,13 +211,8 @@ Result<std::unique_ptr<CpuPool>> CpuPool::Create(const CpuPoolOptions& options) 
   // When a core is left to the caller, so is a slot of its own: it enters the arena at once (with
   // every slot taken by a worker it would hand its work to one, which may be asleep) and is never
   // re-pinned (moving the thread that enqueues the GPU's work to a worker's core on each entry
-  // cost it a migration and cold caches). KVFERRY_POOL_MASTER_SLOT=0: the arena of `threads`
-  // slots, a caller taking one and its core.
-  const char* master_env = std::getenv("KVFERRY_POOL_MASTER_SLOT");
-  const int master_slots =
-      threads < cores_available && !(master_env != nullptr && std::string_view(master_env) == "0")
-          ? 1
-          : 0;
+  // cost it a migration and cold caches; docs/cpu.md has the measurement).
+  const int master_slots = threads < cores_available ? 1 : 0;
   impl.master_slots = master_slots;
   impl.arena = std::make_unique<tbb::task_arena>(threads + master_slots, master_slots);
   impl.arena->initialize();

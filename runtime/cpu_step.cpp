@@ -78,7 +78,7 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
   scan_live_ = false;
   scan_pending_ = false;
   if (!device_scan_) return Status::Ok();
-  // The last scan's copy of the item table (pinned) must have left before it is rewritten.
+  // The last scan's first pass must have read the pinned item table before it is rewritten.
   if (scan_unwaited_) {
     if (!device_->EventDone(scan_ready_)) KVF_RETURN_IF_ERROR(HostWaitEvent(scan_ready_));
     scan_unwaited_ = false;
@@ -350,7 +350,7 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   // that they start at once instead of waking one after another (off by default: runtime.cpp).
   pool_->KeepWarm(pool_->num_threads(), pool_warm_us_);
   KVF_RETURN_IF_ERROR(launch_status);
-  // The ranking's buffers are rewritten by the next step: its copies must be done.
+  // The ranking's buffers are rewritten by the next step's scan: this one's writes must be done.
   if (scan) {
     KVF_RETURN_IF_ERROR(WaitScanRanking());
     scan_unwaited_ = false;

@@ -56,7 +56,7 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
   part("prefill staging", {prefill_scratch, prefill_pages});
   part("prefill prefetch staging", {prefill_next, prefill_next_pages});
   part("priming tables and partials", {prime_tables, prime_stats, prime_scratch});
-  part("lfps scan (int8 shadow of K, scores, picks)",
+  part("lfps scan (int8 shadow of K, scores)",
        {scan_shadow, scan_scale, scan_keys, scan_ints, scan_hist, scan_blocks, scan_items});
   part("host-store page table", {store_table});
   part("stream workspaces", {stream_scratch});
@@ -314,7 +314,8 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
   z.stream_scratch = static_cast<size_t>(z.streams) * device_->stream_scratch_bytes();
 
   // LFPS's scan on the device: a copy of the policy's int8 shadow of K (head_dim bytes per token
-  // and KV head, a quarter of a bf16 K + V row pair) and its scales, the scan's scores and picks.
+  // and KV head, a quarter of a bf16 K + V row pair) and its scales, the scan's scores and
+  // workspace (its ranking and counts: mapped host memory, scan_out / scan_counts).
   const int channels = policy_->device_scan_channels();
   const bool scan_env = cuda ? !EnvIs("KVFERRY_LFPS_SCAN", "host") : EnvIs("KVFERRY_LFPS_SCAN", "device");
   if ((z.cpu_step || z.host_lists) && channels > 0 && scan_env && group_ <= kLfpsScanMaxGroup &&

@@ -560,7 +560,7 @@ class RuntimeImpl {
   std::atomic<bool> scan_arrived_{false};
   std::mutex scan_wait_mu_;
   // A scan was enqueued and nobody waited for it (it only wrote rows, or the step failed): the
-  // next one waits before it rewrites the pinned item table.
+  // next one waits before it rewrites the pinned item table the scan reads.
   bool scan_unwaited_ = false;
   bool scan_overlap_ = true;  // KVFERRY_LFPS_SCAN_OVERLAP=0: enqueue before the Selects
   // An item's CPU attention split into up to kAttendMaxParts ranges of >= kAttendMinRows picks
@@ -578,10 +578,10 @@ class RuntimeImpl {
   std::vector<DeviceScanPicks> scan_view_;  // per item of the step; count 0: host scan
   // The policy's shadow of (slot, layer) copied to the device (after priming), or marked absent.
   Status CopyScanShadow(int slot, int layer, StreamHandle stream);
-  // Prepares the step's scan (q, k: the staged inputs, device-readable) and, unless \p defer
-  // (CUDA: SelectOnHost's launch enqueues it beside the Selects), enqueues it on \p stream with
-  // the copy of its ranking to the host (EnqueueDeviceScan); records scan_ready_. Items without a
-  // device shadow only skip it.
+  // Prepares the step's scan (q, k: the staged inputs, device-readable; the item table, the
+  // ranking and its counts in mapped host memory) and, unless \p defer (CUDA: SelectOnHost's
+  // launch enqueues it beside the Selects), enqueues it on \p stream (EnqueueDeviceScan) and
+  // records scan_ready_. Items without a device shadow only skip it.
   Status LaunchDeviceScan(std::span<const int> slot_of, int layer,
                           std::span<const int64_t> positions, const void* q, DType q_dtype,
                           const void* k, DType k_dtype, StreamHandle stream, bool defer = false);
