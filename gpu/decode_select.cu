@@ -46,9 +46,23 @@ __device__ __forceinline__ __nv_bfloat16 FromF32(float x) { return __float2bfloa
 template <>
 __device__ __forceinline__ __half FromF32(float x) { return __float2half_rn(x); }
 
+__device__ __forceinline__ int64_t ItemT(const DecodeStepArgs& a, int32_t b, int32_t h) {
+  return (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
+}
+
+template <typename T>
+__device__ __forceinline__ T* CompactOf(const DecodeStepArgs& a, int32_t b, int32_t h) {
+  return reinterpret_cast<T*>(a.meta) +
+         SparcasCompactOffset(a.slots[b], a.layer, h, a.num_layers, a.num_kv_heads, a.meta_pages,
+                              a.params.head_dim, a.sparcas_db, a.sparcas_dense_layers);
+}
+
 // Grid (items, y), kScoreWarps warps: warp w of CTA y scores positions y * warps + w, striding by
-// gridDim.y * warps. Each lane holds HD / 32 consecutive elements of the key.
-template <int HD, typename T>
+// gridDim.y * warps. Each lane holds HD / 32 consecutive elements of the key. kCompact (SparCas's
+// dense layers): the keys other than the new token's come from the item's compact rows in device
+// memory, which hold every dimension there (SparcasGatherKernel keeps them current), instead of
+// the host store read over PCIe.
+template <int HD, typename T, bool kCompact = false>
 __global__ void __launch_bounds__(kScoreWarps * 32) SelectScoreKernel(DecodeStepArgs a) {
   constexpr int kE = HD / 32;
   extern __shared__ float q_s[];  // [group][HD] fp32
@@ -79,9 +93,11 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SelectScoreKernel(DecodeStep
 #pragma unroll
       for (int e = 0; e < kE; ++e) kx[e] = ToF32(FromF32<T>(LoadElem(a.k, a.k_dtype, src + e)));
     } else {
-      const int64_t row = ResidentRowOf(j, n, a.sink, a.window);
+      const int64_t row = kCompact ? -1 : ResidentRowOf(j, n, a.sink, a.window);
       const T* kp;
-      if (row >= 0) {
+      if constexpr (kCompact) {
+        kp = CompactOf<T>(a, b, h) + j * HD;
+      } else if (row >= 0) {
         kp = reinterpret_cast<const T*>(res_k + static_cast<size_t>(row) * row_bytes);
       } else {
         const uint32_t p = static_cast<uint32_t>(j);
@@ -450,17 +466,6 @@ __global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a
 
 // ---- kSparcas -----------------------------------------------------------------------------------
 
-__device__ __forceinline__ int64_t ItemT(const DecodeStepArgs& a, int32_t b, int32_t h) {
-  return (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
-}
-
-template <typename T>
-__device__ __forceinline__ T* CompactOf(const DecodeStepArgs& a, int32_t b, int32_t h) {
-  return reinterpret_cast<T*>(a.meta) +
-         SparcasCompactOffset(a.slots[b], a.layer, h, a.num_layers, a.num_kv_heads, a.meta_pages,
-                              a.params.head_dim, a.sparcas_db, a.sparcas_dense_layers);
-}
-
 // Grid (items), 256 threads: whether the step ranks, the dimensions (every u ranked steps), and
 // the compact rows to (re)gather, into the item's SparcasState.
 __global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a) {
@@ -659,7 +664,7 @@ __global__ void __launch_bounds__(kSparcasThreads) SparcasScoreThreadKernel(Deco
 }
 
 // A CTA per item: SparCas's list (sinks, top k_off of the offloaded range, window). Layers below
-// dense_layers score with SelectScoreKernel (every dimension of the keys where they lie).
+// dense_layers score with SelectScoreKernel<.., kCompact> (every dimension, from the compact rows).
 __global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs a, int sort_cap,
                                                                    int64_t mcta_min) {
   extern __shared__ unsigned long long sort_smem[];
@@ -1294,15 +1299,23 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
     const bool dense_layer = a.layer < a.sparcas_dense_layers;
     KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
       return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
-        if (dense_layer) {  // every dimension: the keys where they lie, as the oracle
-          SelectScoreKernel<HD, T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32,
-                                     q_smem, stream>>>(a);
-          KVF_CUDA_CHECK_LAUNCH(SelectScoreKernel);
-          return Status::Ok();
-        }
         SparcasGatherKernel<T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, 0,
                                  stream>>>(a);
         KVF_CUDA_CHECK_LAUNCH(SparcasGatherKernel);
+        if (dense_layer) {
+          // Every dimension, as the oracle, but from the compact rows on the device (they hold
+          // every dimension at these layers): at 128K the host store's keys took 5.4 ms a layer
+          // over PCIe, the compact rows are HBM reads.
+          if (q_smem > 48 * 1024) {
+            KVF_CUDA_CHECK(cudaFuncSetAttribute(SelectScoreKernel<HD, T, true>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(q_smem)));
+          }
+          SelectScoreKernel<HD, T, true><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32,
+                                           q_smem, stream>>>(a);
+          KVF_CUDA_CHECK_LAUNCH(SelectScoreKernel);
+          return Status::Ok();
+        }
         const size_t qs = static_cast<size_t>(a.params.group) * HD * sizeof(float);
         const int d_b = SparcasDimsOf(a.layer, a.sparcas_dense_layers, a.sparcas_db, HD);
         if (d_b <= kSparcasThreadMaxDb) {  // what the prep kernel sets for every ranked item

@@ -502,7 +502,13 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
   const int64_t slots = static_cast<int64_t>(info.num_sms) * (kPipe ? std::min(per_sm, 2) : 8);
   StepLaunch l;
   // Short resident lists get more, shorter splits: the step is latency-bound there.
-  l.min_chunk = kPipe ? 2 * kPipeTileRows<HD> : info.min_chunk;
+  // KVFERRY_STEP_MIN_CHUNK: rows a split takes at least when rows are found one by one (list mode,
+  // bank or host store), for measuring; else info.min_chunk.
+  static const int list_min_chunk = [] {
+    const char* e = std::getenv("KVFERRY_STEP_MIN_CHUNK");
+    return e == nullptr ? 0 : std::max(0, std::atoi(e));
+  }();
+  l.min_chunk = kPipe ? 2 * kPipeTileRows<HD> : (list_min_chunk > 0 ? list_min_chunk : info.min_chunk);
   l.fused_append = a.k_dtype == a.params.kv_dtype && a.v_dtype == a.params.kv_dtype &&
                    reinterpret_cast<uintptr_t>(a.k) % 16 == 0 && reinterpret_cast<uintptr_t>(a.v) % 16 == 0;
   int64_t splits = kPipe ? std::max<int64_t>(slots / ctas, 1) : (slots + ctas - 1) / ctas;
