@@ -419,11 +419,12 @@ inline size_t SelectMctaWorkspaceBytes(int64_t items, int32_t group, int64_t sel
   return static_cast<size_t>(items) * static_cast<size_t>(SelectMctaItemWords(group)) * 4;
 }
 /// CTAs per item of the multi-CTA top-k for \p items items of up to \p select_ld scores on a GPU
-/// of \p num_sms SMs: about four 512-thread CTAs per SM in all (enough resident warps to hide the
-/// L2 latency of the passes), at least kSelectMctaMinChunk scores each, in [1, kSelectMctaMaxCtas].
-inline int32_t SelectMctaCtas(int64_t items, int64_t select_ld, int32_t num_sms) {
+/// of \p num_sms SMs: about \p per_sm 512-thread CTAs per SM in all (enough resident warps to hide
+/// the L2 latency of the passes), at least kSelectMctaMinChunk scores each, in [1,
+/// kSelectMctaMaxCtas].
+inline int32_t SelectMctaCtas(int64_t items, int64_t select_ld, int32_t num_sms, int32_t per_sm = 4) {
   if (items <= 0) return 1;
-  const int64_t fill = (int64_t{num_sms > 0 ? num_sms : 1} * 4 + items - 1) / items;
+  const int64_t fill = (int64_t{num_sms > 0 ? num_sms : 1} * (per_sm > 0 ? per_sm : 1) + items - 1) / items;
   const int64_t by_len = (select_ld + kSelectMctaMinChunk - 1) / kSelectMctaMinChunk;
   int64_t c = fill < by_len ? fill : by_len;
   if (c > kSelectMctaMaxCtas) c = kSelectMctaMaxCtas;

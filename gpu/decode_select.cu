@@ -17,6 +17,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
 
 #include "gpu/convert.cuh"
@@ -747,20 +748,31 @@ __device__ __forceinline__ MctaScratch MctaScratchOf(const DecodeStepArgs& a, in
   return s;
 }
 
-// This CTA's chunk [begin, end) of [0, count): whole CTAs of positions, so that every warp of a
-// tile loop runs the same iterations (the warp-aggregated histograms need full warps).
+// This CTA's chunk [begin, end) of [0, count): whole tiles of positions, so that every warp of a
+// tile loop runs the same iterations (the warp-aggregated histograms need full warps). A tile is
+// kMctaVec consecutive positions a thread, kMctaVec * blockDim.x in all: a thread issues its
+// kMctaVec loads together (the passes are latency-bound, each CTA reads a few KiB) and the ordered
+// write needs one pair of block scans a tile, not one a key.
+constexpr int kMctaVec = 4;
 struct Chunk {
   int64_t begin, end, tiles_end;  // tiles_end: begin + whole tiles covering [begin, end)
 };
 
 __device__ __forceinline__ Chunk ChunkOf(int64_t count) {
   const int64_t per = (count + gridDim.y - 1) / gridDim.y;
-  const int64_t chunk = (per + blockDim.x - 1) / blockDim.x * blockDim.x;
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
+  const int64_t chunk = (per + tile - 1) / tile * tile;
   Chunk c;
   c.begin = min(static_cast<int64_t>(blockIdx.y) * chunk, count);
   c.end = min(c.begin + chunk, count);
-  c.tiles_end = c.begin + (c.end - c.begin + blockDim.x - 1) / blockDim.x * blockDim.x;
+  c.tiles_end = c.begin + (c.end - c.begin + tile - 1) / tile * tile;
   return c;
+}
+
+// Thread t's positions of the tile at j0: j0 + kMctaVec t + u, u < kMctaVec (consecutive threads
+// hold consecutive positions, so position order is thread order).
+__device__ __forceinline__ int64_t TileFirst(int64_t j0) {
+  return j0 + static_cast<int64_t>(threadIdx.x) * kMctaVec;
 }
 
 // The radix state after `passes` histograms of an item ranking its k largest keys: the key bits
@@ -829,14 +841,29 @@ __global__ void __launch_bounds__(kMctaThreads) MctaStatsKernel(DecodeStepArgs a
   }
   const Chunk c = ChunkOf(it.n);
   const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
   for (int g = 0; g < a.params.group; ++g) {
     const float* lg = l + static_cast<size_t>(g) * a.select_ld;
     float m = -INFINITY;
-    for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) m = fmaxf(m, lg[j]);
+    for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
+      const int64_t jt = TileFirst(j0);
+      float v[kMctaVec];
+#pragma unroll
+      for (int u = 0; u < kMctaVec; ++u) v[u] = jt + u < c.end ? lg[jt + u] : -INFINITY;
+#pragma unroll
+      for (int u = 0; u < kMctaVec; ++u) m = fmaxf(m, v[u]);
+    }
     m = BlockReduce(m, [](float x, float y) { return fmaxf(x, y); }, red);
     float s = 0.0f;
     if (!kQuest && m != -INFINITY) {  // an empty (or all -inf) chunk adds nothing
-      for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) s += exp2f(lg[j] - m);
+      for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
+        const int64_t jt = TileFirst(j0);
+        float v[kMctaVec];
+#pragma unroll
+        for (int u = 0; u < kMctaVec; ++u) v[u] = jt + u < c.end ? lg[jt + u] : -INFINITY;
+#pragma unroll
+        for (int u = 0; u < kMctaVec; ++u) s += exp2f(v[u] - m);
+      }
       s = BlockReduce(s, [](float x, float y) { return x + y; }, red);
     }
     if (threadIdx.x == 0) ws.stats[g * kSelectMctaMaxCtas + blockIdx.y] = make_float2(m, s);
@@ -869,23 +896,32 @@ __global__ void __launch_bounds__(kMctaThreads) MctaWeightsKernel(DecodeStepArgs
   __syncthreads();
   const Chunk c = ChunkOf(it.count);
   float* l = a.select_ws + static_cast<size_t>(item) * group * a.select_ld + it.lo;
-  for (int64_t j = c.begin + threadIdx.x; j < c.tiles_end; j += blockDim.x) {
-    uint32_t key = 0;
-    if (j < c.end) {
-      float w;
-      if (kQuest) {
-        w = -INFINITY;
-        for (int g = 0; g < group; ++g) w = fmaxf(w, l[static_cast<size_t>(g) * a.select_ld + j] - m_s[g]);
-      } else {
-        w = 0.0f;
-        for (int g = 0; g < group; ++g) {
-          w += exp2f(l[static_cast<size_t>(g) * a.select_ld + j] - m_s[g]) * inv_s[g];
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
+  for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
+    const int64_t jt = TileFirst(j0);
+    float w[kMctaVec];
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) w[u] = kQuest ? -INFINITY : 0.0f;
+    for (int g = 0; g < group; ++g) {
+      const float* lg = l + static_cast<size_t>(g) * a.select_ld;
+      float x[kMctaVec];
+#pragma unroll
+      for (int u = 0; u < kMctaVec; ++u) x[u] = jt + u < c.end ? lg[jt + u] : 0.0f;
+#pragma unroll
+      for (int u = 0; u < kMctaVec; ++u) {
+        if (kQuest) {
+          w[u] = fmaxf(w[u], x[u] - m_s[g]);
+        } else {
+          w[u] += exp2f(x[u] - m_s[g]) * inv_s[g];
         }
       }
-      l[j] = w;  // row 0: only this thread reads position j of any row in this launch
-      key = OrderedKey(w);
     }
-    CountBin(bins, key, 24, j < c.end);
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      const bool in = jt + u < c.end;
+      if (in) l[jt + u] = w[u];  // row 0: only this thread reads position j of any row in this launch
+      CountBin(bins, in ? OrderedKey(w[u]) : 0u, 24, in);
+    }
   }
   FlushHistogram(bins, ws.hist);
 }
@@ -902,9 +938,17 @@ __global__ void __launch_bounds__(kMctaThreads) MctaRadixKernel(DecodeStepArgs a
   const int shift = 24 - 8 * pass;
   const Chunk c = ChunkOf(it.count);
   const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld + it.lo;
-  for (int64_t j = c.begin + threadIdx.x; j < c.tiles_end; j += blockDim.x) {
-    const uint32_t key = j < c.end ? OrderedKey(l[j]) : 0u;
-    CountBin(bins, key, shift, j < c.end && (key & r.mask) == r.prefix);
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
+  for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
+    const int64_t jt = TileFirst(j0);
+    float x[kMctaVec];
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) x[u] = jt + u < c.end ? l[jt + u] : 0.0f;
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      const uint32_t key = OrderedKey(x[u]);
+      CountBin(bins, key, shift, jt + u < c.end && (key & r.mask) == r.prefix);
+    }
   }
   FlushHistogram(bins, ws.hist + pass * 256);
 }
@@ -920,10 +964,18 @@ __global__ void __launch_bounds__(kMctaThreads) MctaCountKernel(DecodeStepArgs a
   const Chunk c = ChunkOf(it.count);
   const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld + it.lo;
   int gt = 0, eq = 0;
-  for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
-    const uint32_t key = OrderedKey(l[j]);
-    gt += key > r.prefix;
-    eq += key == r.prefix;
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
+  for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
+    const int64_t jt = TileFirst(j0);
+    float x[kMctaVec];
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) x[u] = jt + u < c.end ? l[jt + u] : 0.0f;
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      const uint32_t key = OrderedKey(x[u]);
+      gt += jt + u < c.end && key > r.prefix;
+      eq += jt + u < c.end && key == r.prefix;
+    }
   }
   gt = Reduce(tmp).Sum(gt);
   __syncthreads();
@@ -970,21 +1022,43 @@ __global__ void __launch_bounds__(kMctaThreads) MctaWriteKernel(DecodeStepArgs a
   int32_t* list = a.list + static_cast<size_t>(item) * a.list_cap;
   const Chunk c = ChunkOf(it.count);
   const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld + it.lo;
-  for (int64_t j0 = c.begin; j0 < c.end; j0 += blockDim.x) {
-    const int64_t j = j0 + threadIdx.x;
-    const uint32_t key = j < c.end ? OrderedKey(l[j]) : 0u;
-    const int eq = j < c.end && key == r.prefix;
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
+  for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
+    const int64_t jt = TileFirst(j0);
+    uint32_t key[kMctaVec];
+    int eq = 0;
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      key[u] = jt + u < c.end ? OrderedKey(l[jt + u]) : 0u;
+      eq += jt + u < c.end && key[u] == r.prefix;
+    }
     int eq_rank = 0, eq_total = 0;
     Scan(scan_tmp).ExclusiveSum(eq, eq_rank, eq_total);
-    const int sel = (j < c.end && key > r.prefix) || (eq && eq_base + eq_rank < remaining);
+    // Position order is (thread, u) order: this thread's keys == T come after eq_rank others.
+    unsigned sel_mask = 0;
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      const bool in = jt + u < c.end;
+      if (in && key[u] > r.prefix) {
+        sel_mask |= 1u << u;
+      } else if (in && key[u] == r.prefix) {
+        if (eq_base + eq_rank < remaining) sel_mask |= 1u << u;
+        ++eq_rank;
+      }
+    }
     int rank = 0, sel_total = 0;
     __syncthreads();
-    Scan(scan_tmp).ExclusiveSum(sel, rank, sel_total);
-    if (sel) {
-      if (kQuest) {
-        ws.picks[out_base + rank] = static_cast<int32_t>(j);
-      } else {
-        list[sinks + out_base + rank] = static_cast<int32_t>(it.lo + j);
+    Scan(scan_tmp).ExclusiveSum(__popc(sel_mask), rank, sel_total);
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      if (sel_mask & (1u << u)) {
+        const int64_t j = jt + u;
+        if (kQuest) {
+          ws.picks[out_base + rank] = static_cast<int32_t>(j);
+        } else {
+          list[sinks + out_base + rank] = static_cast<int32_t>(it.lo + j);
+        }
+        ++rank;
       }
     }
     out_base += sel_total;
@@ -1250,7 +1324,12 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
     KVF_CUDA_CHECK_LAUNCH(SelectTopKKernel);
   }
   if (mcta_min == std::numeric_limits<int64_t>::max()) return Status::Ok();
-  const int32_t ctas = SelectMctaCtas(items, keys_cap, info.num_sms);
+  // KVFERRY_MCTA_PER_SM: the multi-CTA top-k's CTAs per SM in all (default 4), for measuring.
+  static const int per_sm = [] {
+    const char* e = std::getenv("KVFERRY_MCTA_PER_SM");
+    return e == nullptr ? 4 : std::max(1, std::atoi(e));
+  }();
+  const int32_t ctas = SelectMctaCtas(items, keys_cap, info.num_sms, per_sm);
   return LaunchMctaTopK(a, mcta_min, static_cast<unsigned>(ctas), smem, stream);
 }
 

@@ -502,13 +502,17 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
   const int64_t slots = static_cast<int64_t>(info.num_sms) * (kPipe ? std::min(per_sm, 2) : 8);
   StepLaunch l;
   // Short resident lists get more, shorter splits: the step is latency-bound there.
-  // KVFERRY_STEP_MIN_CHUNK: rows a split takes at least when rows are found one by one (list mode,
-  // bank or host store), for measuring; else info.min_chunk.
+  // Rows found one by one (a list through the bank, or the host store) take at least
+  // KVFERRY_STEP_MIN_CHUNK (default 128) rows a split. The loop is latency-bound there (ncu at
+  // 128K, 2% of 32 layers through the bank: one warp a scheduler, an instruction every 9 cycles),
+  // so more CTAs help until a second wave (246 registers a thread: two CTAs an SM). Measured
+  // (stop 20, sparcas_bank / quest_bank at 128K, ms per token step): 256 rows 6.99 / 5.63, 128
+  // 6.40 / 5.19, 64 6.83 / 5.56, 32 7.23 / 5.93.
   static const int list_min_chunk = [] {
     const char* e = std::getenv("KVFERRY_STEP_MIN_CHUNK");
-    return e == nullptr ? 0 : std::max(0, std::atoi(e));
+    return e == nullptr ? 128 : std::max(1, std::atoi(e));
   }();
-  l.min_chunk = kPipe ? 2 * kPipeTileRows<HD> : (list_min_chunk > 0 ? list_min_chunk : info.min_chunk);
+  l.min_chunk = kPipe ? 2 * kPipeTileRows<HD> : list_min_chunk;
   l.fused_append = a.k_dtype == a.params.kv_dtype && a.v_dtype == a.params.kv_dtype &&
                    reinterpret_cast<uintptr_t>(a.k) % 16 == 0 && reinterpret_cast<uintptr_t>(a.v) % 16 == 0;
   int64_t splits = kPipe ? std::max<int64_t>(slots / ctas, 1) : (slots + ctas - 1) / ctas;
