@@ -396,10 +396,12 @@ KVF_HOST_DEVICE inline int64_t SparcasCompactOffset(int64_t slot, int32_t layer,
 /// one-CTA kernels' H100 times (755 us at 128K keys, 81 us at 8K pages: about 4096 scores cost what
 /// the multi-CTA path's eight launches cost); bench/micro/select_topk_bench measures both paths.
 constexpr int64_t kSelectMctaMinKeys = 4096;
-/// Quest ranks pages, and its one-CTA kernel stays ahead longer: measured with select_topk_bench on
-/// the H100 (8 KV heads, GQA 4, 2% budget), one CTA 58 / 85 us against 74 / 92 us for the multi-CTA
-/// path at 4092 / 8188 pages (batch 1), equal at 8188 pages batch 4.
-constexpr int64_t kSelectMctaMinPages = 16384;
+/// Quest ranks pages. With the first multi-CTA kernels its one-CTA kernel stayed ahead up to 8K
+/// pages (select_topk_bench on the H100, 8 KV heads, GQA 4, 2%: one CTA 58 / 85 us against 74 / 92
+/// us at 4092 / 8188 pages, batch 1), so the threshold was 16384 pages. Stop 20's passes (four keys
+/// a thread, two CTAs per SM) are measured through the Runtime at 128K (8K pages) below
+/// (KVFERRY_MCTA_MIN_PAGES raises the threshold again for comparison).
+constexpr int64_t kSelectMctaMinPages = 4096;
 constexpr int32_t kSelectMctaMaxCtas = 64;
 /// Fewest scores a CTA of the multi-CTA top-k handles (fewer CTAs for shorter capacities).
 constexpr int64_t kSelectMctaMinChunk = 2048;
@@ -419,10 +421,11 @@ inline size_t SelectMctaWorkspaceBytes(int64_t items, int32_t group, int64_t sel
   return static_cast<size_t>(items) * static_cast<size_t>(SelectMctaItemWords(group)) * 4;
 }
 /// CTAs per item of the multi-CTA top-k for \p items items of up to \p select_ld scores on a GPU
-/// of \p num_sms SMs: about \p per_sm 512-thread CTAs per SM in all (enough resident warps to hide
-/// the L2 latency of the passes), at least kSelectMctaMinChunk scores each, in [1,
-/// kSelectMctaMaxCtas].
-inline int32_t SelectMctaCtas(int64_t items, int64_t select_ld, int32_t num_sms, int32_t per_sm = 4) {
+/// of \p num_sms SMs: about \p per_sm 512-thread CTAs per SM in all, at least kSelectMctaMinChunk
+/// scores each, in [1, kSelectMctaMaxCtas]. Two per SM: the passes use up to 64 registers a thread,
+/// so more than two 512-thread CTAs an SM run in two waves; measured through the Runtime (stop 20,
+/// sparcas_bank at 128K, 32 layers): 4 per SM 6.15 ms per token step, 3 5.95, 2 5.24.
+inline int32_t SelectMctaCtas(int64_t items, int64_t select_ld, int32_t num_sms, int32_t per_sm = 2) {
   if (items <= 0) return 1;
   const int64_t fill = (int64_t{num_sms > 0 ? num_sms : 1} * (per_sm > 0 ? per_sm : 1) + items - 1) / items;
   const int64_t by_len = (select_ld + kSelectMctaMinChunk - 1) / kSelectMctaMinChunk;

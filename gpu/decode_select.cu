@@ -1281,7 +1281,13 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
   }
   // Scores an item ranks at most: positions, or Quest's pages.
   const int64_t keys_cap = quest ? (a.select_ld + a.meta_page - 1) / a.meta_page + 1 : a.select_ld;
-  const int64_t min_keys = quest ? kSelectMctaMinPages : kSelectMctaMinKeys;
+  // KVFERRY_MCTA_MIN_PAGES: a higher Quest threshold than kSelectMctaMinPages, for measuring (the
+  // workspace is sized for kSelectMctaMinPages).
+  static const int64_t quest_min = [] {
+    const char* e = std::getenv("KVFERRY_MCTA_MIN_PAGES");
+    return e == nullptr ? kSelectMctaMinPages : std::max<int64_t>(kSelectMctaMinPages, std::atoll(e));
+  }();
+  const int64_t min_keys = quest ? quest_min : kSelectMctaMinKeys;
   int64_t mcta_min = std::numeric_limits<int64_t>::max();  // no item takes the multi-CTA path
   if (path == SelectTopKPath::kMultiCta) {
     KVF_CHECK_ARG(a.select_mcta_ws != nullptr, "DecodeSelect: multi-CTA top-k without its scratch");
@@ -1324,10 +1330,10 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
     KVF_CUDA_CHECK_LAUNCH(SelectTopKKernel);
   }
   if (mcta_min == std::numeric_limits<int64_t>::max()) return Status::Ok();
-  // KVFERRY_MCTA_PER_SM: the multi-CTA top-k's CTAs per SM in all (default 4), for measuring.
+  // KVFERRY_MCTA_PER_SM: the multi-CTA top-k's CTAs per SM in all (default 2), for measuring.
   static const int per_sm = [] {
     const char* e = std::getenv("KVFERRY_MCTA_PER_SM");
-    return e == nullptr ? 4 : std::max(1, std::atoi(e));
+    return e == nullptr ? 2 : std::max(1, std::atoi(e));
   }();
   const int32_t ctas = SelectMctaCtas(items, keys_cap, info.num_sms, per_sm);
   return LaunchMctaTopK(a, mcta_min, static_cast<unsigned>(ctas), smem, stream);

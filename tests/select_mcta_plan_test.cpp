@@ -29,10 +29,11 @@ TEST(SelectMctaPlan, ScratchOnlyWhenAnItemCanReachTheThreshold) {
 }
 
 TEST(SelectMctaPlan, CtasFillTheGpuWithinBounds) {
-  // Batch 1 of the Llama-3.1-8B shape at 128K on an H100: 8 items, about 4 CTAs per SM in all.
-  EXPECT_EQ(SelectMctaCtas(8, 131072, 132), 64);
+  // Batch 1 of the Llama-3.1-8B shape at 128K on an H100: 8 items, about 2 CTAs per SM in all.
+  EXPECT_EQ(SelectMctaCtas(8, 131072, 132), 33);
+  EXPECT_EQ(SelectMctaCtas(8, 131072, 132, 4), 64);  // 4 per SM: 66, at most kSelectMctaMaxCtas
   // Batch 4: 32 items share the SMs.
-  EXPECT_EQ(SelectMctaCtas(32, 131072, 132), 17);
+  EXPECT_EQ(SelectMctaCtas(32, 131072, 132), 9);
   // Short capacities: at least kSelectMctaMinChunk scores a CTA.
   EXPECT_EQ(SelectMctaCtas(8, 4096, 132), 2);
   EXPECT_EQ(SelectMctaCtas(8, 4097, 132), 3);
