@@ -396,12 +396,13 @@ KVF_HOST_DEVICE inline int64_t SparcasCompactOffset(int64_t slot, int32_t layer,
 /// one-CTA kernels' H100 times (755 us at 128K keys, 81 us at 8K pages: about 4096 scores cost what
 /// the multi-CTA path's eight launches cost); bench/micro/select_topk_bench measures both paths.
 constexpr int64_t kSelectMctaMinKeys = 4096;
-/// Quest ranks pages. With the first multi-CTA kernels its one-CTA kernel stayed ahead up to 8K
-/// pages (select_topk_bench on the H100, 8 KV heads, GQA 4, 2%: one CTA 58 / 85 us against 74 / 92
-/// us at 4092 / 8188 pages, batch 1), so the threshold was 16384 pages. Stop 20's passes (four keys
-/// a thread, two CTAs per SM) are measured through the Runtime at 128K (8K pages) below
-/// (KVFERRY_MCTA_MIN_PAGES raises the threshold again for comparison).
-constexpr int64_t kSelectMctaMinPages = 4096;
+/// Quest ranks pages, and its one-CTA kernel stays ahead longer: measured with select_topk_bench on
+/// the H100 (8 KV heads, GQA 4, 2% budget), one CTA 58 / 85 us against 74 / 92 us for the multi-CTA
+/// path at 4092 / 8188 pages (batch 1), equal at 8188 pages batch 4. Measured again through the
+/// Runtime after stop 20's faster passes (quest_bank at 128K, 8K pages, 32 layers): the multi-CTA
+/// path from 4096 pages 5.15-5.17 ms per token step, from 16384 pages 5.10 (its last kernel, the
+/// winners' sort and walk in one CTA, takes 38 us a layer).
+constexpr int64_t kSelectMctaMinPages = 16384;
 constexpr int32_t kSelectMctaMaxCtas = 64;
 /// Fewest scores a CTA of the multi-CTA top-k handles (fewer CTAs for shorter capacities).
 constexpr int64_t kSelectMctaMinChunk = 2048;

@@ -664,6 +664,55 @@ __global__ void __launch_bounds__(kSparcasThreads) SparcasScoreThreadKernel(Deco
   }
 }
 
+// Grid (items, y), a thread per position in [0, n): SparCas's dense layers (every dimension, from
+// the compact rows, which hold whole keys there) for GQA groups of at most kDenseThreadMaxGroup.
+// SelectScoreKernel's warp per key spends 20 shuffles a key on four heads' sums (299 us a layer at
+// 128K, 0.86 TB/s); here a thread reads its row with 16-byte loads (a warp: 32 consecutive rows)
+// and keeps every head's sum in registers against q in shared memory (broadcast reads).
+constexpr int kDenseThreadMaxGroup = 8;
+
+template <int HD, typename T>
+__global__ void __launch_bounds__(kSparcasThreads) DenseCompactScoreKernel(DecodeStepArgs a) {
+  extern __shared__ float q_s[];  // [group][HD], scaled
+  constexpr int kVec = 16 / sizeof(T);
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const int64_t t = ItemT(a, b, h);
+  if (a.sparcas_state[t].ranked == 0) return;
+  const int group = a.params.group;
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const float qscale = a.params.scale * kLog2e;
+  const int64_t q0 = static_cast<int64_t>(item) * group * HD;
+  for (int i = threadIdx.x; i < group * HD; i += blockDim.x) q_s[i] = LoadElem(a.q, a.q_dtype, q0 + i) * qscale;
+  __syncthreads();
+  const T* compact = CompactOf<T>(a, b, h);
+  float* out = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
+  for (int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.y) * blockDim.x) {
+    const uint4* row = reinterpret_cast<const uint4*>(compact + j * HD);
+    float acc[kDenseThreadMaxGroup];
+#pragma unroll
+    for (int g = 0; g < kDenseThreadMaxGroup; ++g) acc[g] = 0.0f;
+#pragma unroll 4
+    for (int v = 0; v < HD / kVec; ++v) {
+      const uint4 raw = row[v];
+      const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float c = ToF32(x[e]);
+#pragma unroll
+        for (int g = 0; g < kDenseThreadMaxGroup; ++g) {
+          if (g < group) acc[g] = fmaf(q_s[g * HD + v * kVec + e], c, acc[g]);
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kDenseThreadMaxGroup; ++g) {
+      if (g < group) out[static_cast<size_t>(g) * a.select_ld + j] = acc[g];
+    }
+  }
+}
+
 // A CTA per item: SparCas's list (sinks, top k_off of the offloaded range, window). Layers below
 // dense_layers score with SelectScoreKernel<.., kCompact> (every dimension, from the compact rows).
 __global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs a, int sort_cap,
@@ -829,9 +878,30 @@ __device__ __forceinline__ void CountBin(unsigned int* bins, uint32_t key, int s
   }
 }
 
+// Folds (v, 1) into the running (max, sum of exp2(x - max)) pair (m, s).
+__device__ __forceinline__ void SoftmaxAdd(float& m, float& s, float v) {
+  const float nm = fmaxf(m, v);
+  if (nm == -INFINITY) return;  // nothing but -inf so far
+  s = s * exp2f(m - nm) + exp2f(v - nm);
+  m = nm;
+}
+// Merges the pair (m2, s2) into (m, s).
+__device__ __forceinline__ void SoftmaxMerge(float& m, float& s, float m2, float s2) {
+  const float nm = fmaxf(m, m2);
+  if (nm == -INFINITY) return;
+  s = (m == -INFINITY ? 0.0f : s * exp2f(m - nm)) + (m2 == -INFINITY ? 0.0f : s2 * exp2f(m2 - nm));
+  m = nm;
+}
+
+// One read of the chunk for up to kStatsHeads query heads at a time: each thread keeps a running
+// (max, sum) per head (Quest: the max), then one reduction for those heads (warp shuffles, a row
+// of shared memory per warp). The sum is the online softmax's, so it may differ from a two-pass
+// sum in its last bits (as the one-CTA kernel's order already does).
+constexpr int kStatsHeads = 4;
+
 template <bool kQuest>
 __global__ void __launch_bounds__(kMctaThreads) MctaStatsKernel(DecodeStepArgs a, int64_t mcta_min) {
-  __shared__ float red[kMctaThreads / 32];
+  __shared__ float red_m[kMctaThreads / 32][kStatsHeads], red_s[kMctaThreads / 32][kStatsHeads];
   const int32_t item = blockIdx.x;
   const TopKItem it = TopKItemOf(a, item, mcta_min);
   if (!it.mcta) return;
@@ -840,33 +910,70 @@ __global__ void __launch_bounds__(kMctaThreads) MctaStatsKernel(DecodeStepArgs a
     for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) ws.hist[i] = 0;
   }
   const Chunk c = ChunkOf(it.n);
-  const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
+  const int group = a.params.group;
+  const float* l = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
   const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
-  for (int g = 0; g < a.params.group; ++g) {
-    const float* lg = l + static_cast<size_t>(g) * a.select_ld;
-    float m = -INFINITY;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int g0 = 0; g0 < group; g0 += kStatsHeads) {
+    float m[kStatsHeads], s[kStatsHeads];
+#pragma unroll
+    for (int gg = 0; gg < kStatsHeads; ++gg) {
+      m[gg] = -INFINITY;
+      s[gg] = 0.0f;
+    }
     for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
       const int64_t jt = TileFirst(j0);
-      float v[kMctaVec];
+      float v[kStatsHeads][kMctaVec];
 #pragma unroll
-      for (int u = 0; u < kMctaVec; ++u) v[u] = jt + u < c.end ? lg[jt + u] : -INFINITY;
+      for (int gg = 0; gg < kStatsHeads; ++gg) {
+        const float* lg = l + static_cast<size_t>(g0 + gg) * a.select_ld;
 #pragma unroll
-      for (int u = 0; u < kMctaVec; ++u) m = fmaxf(m, v[u]);
-    }
-    m = BlockReduce(m, [](float x, float y) { return fmaxf(x, y); }, red);
-    float s = 0.0f;
-    if (!kQuest && m != -INFINITY) {  // an empty (or all -inf) chunk adds nothing
-      for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
-        const int64_t jt = TileFirst(j0);
-        float v[kMctaVec];
-#pragma unroll
-        for (int u = 0; u < kMctaVec; ++u) v[u] = jt + u < c.end ? lg[jt + u] : -INFINITY;
-#pragma unroll
-        for (int u = 0; u < kMctaVec; ++u) s += exp2f(v[u] - m);
+        for (int u = 0; u < kMctaVec; ++u) {
+          v[gg][u] = g0 + gg < group && jt + u < c.end ? lg[jt + u] : -INFINITY;
+        }
       }
-      s = BlockReduce(s, [](float x, float y) { return x + y; }, red);
+#pragma unroll
+      for (int gg = 0; gg < kStatsHeads; ++gg) {
+#pragma unroll
+        for (int u = 0; u < kMctaVec; ++u) {
+          if (kQuest) {
+            m[gg] = fmaxf(m[gg], v[gg][u]);
+          } else {
+            SoftmaxAdd(m[gg], s[gg], v[gg][u]);
+          }
+        }
+      }
     }
-    if (threadIdx.x == 0) ws.stats[g * kSelectMctaMaxCtas + blockIdx.y] = make_float2(m, s);
+#pragma unroll
+    for (int gg = 0; gg < kStatsHeads; ++gg) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m[gg], off);
+        const float s2 = __shfl_xor_sync(0xffffffffu, s[gg], off);
+        if (kQuest) {
+          m[gg] = fmaxf(m[gg], m2);
+        } else {
+          SoftmaxMerge(m[gg], s[gg], m2, s2);
+        }
+      }
+      if (lane == 0) {
+        red_m[warp][gg] = m[gg];
+        red_s[warp][gg] = s[gg];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < kStatsHeads && g0 + static_cast<int>(threadIdx.x) < group) {
+      float mm = -INFINITY, ss = 0.0f;
+      for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) {
+        if (kQuest) {
+          mm = fmaxf(mm, red_m[w][threadIdx.x]);
+        } else {
+          SoftmaxMerge(mm, ss, red_m[w][threadIdx.x], red_s[w][threadIdx.x]);
+        }
+      }
+      ws.stats[(g0 + threadIdx.x) * kSelectMctaMaxCtas + blockIdx.y] = make_float2(mm, kQuest ? 0.0f : ss);
+    }
+    __syncthreads();  // red_* are rewritten by the next heads
   }
 }
 
@@ -902,6 +1009,7 @@ __global__ void __launch_bounds__(kMctaThreads) MctaWeightsKernel(DecodeStepArgs
     float w[kMctaVec];
 #pragma unroll
     for (int u = 0; u < kMctaVec; ++u) w[u] = kQuest ? -INFINITY : 0.0f;
+#pragma unroll 4
     for (int g = 0; g < group; ++g) {
       const float* lg = l + static_cast<size_t>(g) * a.select_ld;
       float x[kMctaVec];
@@ -1281,13 +1389,7 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
   }
   // Scores an item ranks at most: positions, or Quest's pages.
   const int64_t keys_cap = quest ? (a.select_ld + a.meta_page - 1) / a.meta_page + 1 : a.select_ld;
-  // KVFERRY_MCTA_MIN_PAGES: a higher Quest threshold than kSelectMctaMinPages, for measuring (the
-  // workspace is sized for kSelectMctaMinPages).
-  static const int64_t quest_min = [] {
-    const char* e = std::getenv("KVFERRY_MCTA_MIN_PAGES");
-    return e == nullptr ? kSelectMctaMinPages : std::max<int64_t>(kSelectMctaMinPages, std::atoll(e));
-  }();
-  const int64_t min_keys = quest ? quest_min : kSelectMctaMinKeys;
+  const int64_t min_keys = quest ? kSelectMctaMinPages : kSelectMctaMinKeys;
   int64_t mcta_min = std::numeric_limits<int64_t>::max();  // no item takes the multi-CTA path
   if (path == SelectTopKPath::kMultiCta) {
     KVF_CHECK_ARG(a.select_mcta_ws != nullptr, "DecodeSelect: multi-CTA top-k without its scratch");
@@ -1391,6 +1493,15 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
           // Every dimension, as the oracle, but from the compact rows on the device (they hold
           // every dimension at these layers): at 128K the host store's keys took 5.4 ms a layer
           // over PCIe, the compact rows are HBM reads.
+          if (a.params.group <= kDenseThreadMaxGroup) {  // the compact rows are 16-byte aligned
+            const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * 16 / items);
+            const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(
+                std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1, 65535));
+            DenseCompactScoreKernel<HD, T><<<dim3(static_cast<unsigned>(items), ty), kSparcasThreads,
+                                             q_smem, stream>>>(a);
+            KVF_CUDA_CHECK_LAUNCH(DenseCompactScoreKernel);
+            return Status::Ok();
+          }
           if (q_smem > 48 * 1024) {
             KVF_CUDA_CHECK(cudaFuncSetAttribute(SelectScoreKernel<HD, T, true>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
