@@ -428,7 +428,8 @@ inline size_t SelectMctaWorkspaceBytes(int64_t items, int32_t group, int64_t sel
 /// sparcas_bank at 128K, 32 layers): 4 per SM 6.15 ms per token step, 3 5.95, 2 5.24.
 inline int32_t SelectMctaCtas(int64_t items, int64_t select_ld, int32_t num_sms, int32_t per_sm = 2) {
   if (items <= 0) return 1;
-  const int64_t fill = (int64_t{num_sms > 0 ? num_sms : 1} * (per_sm > 0 ? per_sm : 1) + items - 1) / items;
+  // Rounded down: the CTAs of all items fit one wave.
+  const int64_t fill = int64_t{num_sms > 0 ? num_sms : 1} * (per_sm > 0 ? per_sm : 1) / items;
   const int64_t by_len = (select_ld + kSelectMctaMinChunk - 1) / kSelectMctaMinChunk;
   int64_t c = fill < by_len ? fill : by_len;
   if (c > kSelectMctaMaxCtas) c = kSelectMctaMaxCtas;

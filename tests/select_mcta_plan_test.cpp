@@ -32,8 +32,8 @@ TEST(SelectMctaPlan, CtasFillTheGpuWithinBounds) {
   // Batch 1 of the Llama-3.1-8B shape at 128K on an H100: 8 items, about 2 CTAs per SM in all.
   EXPECT_EQ(SelectMctaCtas(8, 131072, 132), 33);
   EXPECT_EQ(SelectMctaCtas(8, 131072, 132, 4), 64);  // 4 per SM: 66, at most kSelectMctaMaxCtas
-  // Batch 4: 32 items share the SMs.
-  EXPECT_EQ(SelectMctaCtas(32, 131072, 132), 9);
+  // Batch 4: 32 items share the SMs (rounded down: one wave of 256 CTAs).
+  EXPECT_EQ(SelectMctaCtas(32, 131072, 132), 8);
   // Short capacities: at least kSelectMctaMinChunk scores a CTA.
   EXPECT_EQ(SelectMctaCtas(8, 4096, 132), 2);
   EXPECT_EQ(SelectMctaCtas(8, 4097, 132), 3);
