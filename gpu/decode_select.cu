@@ -24,7 +24,6 @@
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
 #include "gpu/dispatch.cuh"
-#include "gpu/pdl.cuh"
 #include "gpu/topk.cuh"
 #include "base/check.h"
 
@@ -66,7 +65,6 @@ __device__ __forceinline__ T* CompactOf(const DecodeStepArgs& a, int32_t b, int3
 // the host store read over PCIe.
 template <int HD, typename T, bool kCompact = false>
 __global__ void __launch_bounds__(kScoreWarps * 32) SelectScoreKernel(DecodeStepArgs a) {
-  PdlWait();
   constexpr int kE = HD / 32;
   extern __shared__ float q_s[];  // [group][HD] fp32
   const int32_t item = blockIdx.x;
@@ -181,8 +179,6 @@ __global__ void PageBoundsKernel(PageBoundsArgs a) {
 // Grid (items): the new token's page of every item, before the step scores pages.
 template <typename T>
 __global__ void QuestAppendKernel(DecodeStepArgs a) {
-  PdlWait();
-  PdlTrigger();
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t slot = a.slots[b];
@@ -259,7 +255,6 @@ __device__ __forceinline__ TopKItem TopKItemOf(const DecodeStepArgs& a, int32_t 
 // Grid (items, y), a warp per page of the offloaded range: ub[item][g][p - p_lo].
 template <int HD, typename T>
 __global__ void __launch_bounds__(kScoreWarps * 32) QuestScoreKernel(DecodeStepArgs a) {
-  PdlWait();
   constexpr int kE = HD / 32;
   extern __shared__ float q_s[];  // [group][HD]
   const int32_t item = blockIdx.x;
@@ -353,8 +348,6 @@ __device__ void GroupWeightsTopK(float* l, int64_t ld, int group, int64_t n, int
 // A CTA per item: the oracle's list (top k of every position).
 __global__ void __launch_bounds__(kTopKThreads) SelectTopKKernel(DecodeStepArgs a, int sort_cap,
                                                                   int64_t mcta_min) {
-  PdlWait();
-  PdlTrigger();
   extern __shared__ unsigned long long sort_smem[];
   const int32_t item = blockIdx.x;
   if (TopKItemOf(a, item, mcta_min).mcta) return;
@@ -426,8 +419,6 @@ __device__ int64_t QuestTakePages(const DecodeStepArgs& a, const QuestSplit& s,
 // A CTA per item: group page scores over row g = 0, the best pages, the list (sinks, pages'
 // positions ascending, window).
 __global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a, int64_t mcta_min) {
-  PdlWait();
-  PdlTrigger();
   extern __shared__ unsigned long long sort_smem[];
   __shared__ float red[kTopKThreads / 32];
   const int32_t item = blockIdx.x;
@@ -479,8 +470,6 @@ __global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a
 // Grid (items), 256 threads: whether the step ranks, the dimensions (every u ranked steps), and
 // the compact rows to (re)gather, into the item's SparcasState.
 __global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a) {
-  PdlWait();
-  PdlTrigger();
   __shared__ float imp[256];
   __shared__ int32_t chosen[256];
   __shared__ int32_t picked[256];
@@ -547,7 +536,6 @@ __global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a) {
 // Grid (items, y), a warp per position in [from, n): the chosen dimensions of its key.
 template <typename T>
 __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeStepArgs a) {
-  PdlWait();
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t t = ItemT(a, b, h);
@@ -582,7 +570,6 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
 // domain) into select_ws[item][g][j].
 template <typename T>
 __global__ void __launch_bounds__(kScoreWarps * 32) SparcasScoreKernel(DecodeStepArgs a) {
-  PdlWait();
   extern __shared__ float q_s[];  // [group][d_b], the chosen dimensions of q, scaled
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
@@ -625,7 +612,6 @@ constexpr int kSparcasThreads = 256;
 
 template <typename T>
 __global__ void __launch_bounds__(kSparcasThreads) SparcasScoreThreadKernel(DecodeStepArgs a) {
-  PdlWait();
   extern __shared__ float q_s[];  // [group][d_b], the chosen dimensions of q, scaled
   constexpr int kVec = 16 / sizeof(T);  // elements of a 16-byte load
   const int32_t item = blockIdx.x;
@@ -687,7 +673,6 @@ constexpr int kDenseThreadMaxGroup = 8;
 
 template <int HD, typename T>
 __global__ void __launch_bounds__(kSparcasThreads) DenseCompactScoreKernel(DecodeStepArgs a) {
-  PdlWait();
   extern __shared__ float q_s[];  // [group][HD], scaled
   constexpr int kVec = 16 / sizeof(T);
   const int32_t item = blockIdx.x;
@@ -732,8 +717,6 @@ __global__ void __launch_bounds__(kSparcasThreads) DenseCompactScoreKernel(Decod
 // dense_layers score with SelectScoreKernel<.., kCompact> (every dimension, from the compact rows).
 __global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs a, int sort_cap,
                                                                    int64_t mcta_min) {
-  PdlWait();
-  PdlTrigger();
   extern __shared__ unsigned long long sort_smem[];
   const int32_t item = blockIdx.x;
   if (TopKItemOf(a, item, mcta_min).mcta) return;
@@ -918,8 +901,6 @@ constexpr int kStatsHeads = 4;
 
 template <bool kQuest>
 __global__ void __launch_bounds__(kMctaThreads) MctaStatsKernel(DecodeStepArgs a, int64_t mcta_min) {
-  PdlWait();
-  PdlTrigger();
   __shared__ float red_m[kMctaThreads / 32][kStatsHeads], red_s[kMctaThreads / 32][kStatsHeads];
   const int32_t item = blockIdx.x;
   const TopKItem it = TopKItemOf(a, item, mcta_min);
@@ -998,8 +979,6 @@ __global__ void __launch_bounds__(kMctaThreads) MctaStatsKernel(DecodeStepArgs a
 
 template <bool kQuest>
 __global__ void __launch_bounds__(kMctaThreads) MctaWeightsKernel(DecodeStepArgs a, int64_t mcta_min) {
-  PdlWait();
-  PdlTrigger();
   __shared__ float m_s[64], inv_s[64];
   __shared__ unsigned int bins[256];
   const int32_t item = blockIdx.x;
@@ -1057,8 +1036,6 @@ __global__ void __launch_bounds__(kMctaThreads) MctaWeightsKernel(DecodeStepArgs
 
 __global__ void __launch_bounds__(kMctaThreads) MctaRadixKernel(DecodeStepArgs a, int64_t mcta_min,
                                                                 int pass) {
-  PdlWait();
-  PdlTrigger();
   __shared__ unsigned int bins[256];
   const int32_t item = blockIdx.x;
   const TopKItem it = TopKItemOf(a, item, mcta_min);
@@ -1085,8 +1062,6 @@ __global__ void __launch_bounds__(kMctaThreads) MctaRadixKernel(DecodeStepArgs a
 }
 
 __global__ void __launch_bounds__(kMctaThreads) MctaCountKernel(DecodeStepArgs a, int64_t mcta_min) {
-  PdlWait();
-  PdlTrigger();
   using Reduce = cub::BlockReduce<int, kMctaThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   const int32_t item = blockIdx.x;
@@ -1121,8 +1096,6 @@ __global__ void __launch_bounds__(kMctaThreads) MctaCountKernel(DecodeStepArgs a
 
 template <bool kQuest>
 __global__ void __launch_bounds__(kMctaThreads) MctaWriteKernel(DecodeStepArgs a, int64_t mcta_min) {
-  PdlWait();
-  PdlTrigger();
   using Scan = cub::BlockScan<int, kMctaThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int64_t s_out, s_eq;
@@ -1215,8 +1188,6 @@ __global__ void __launch_bounds__(kMctaThreads) MctaWriteKernel(DecodeStepArgs a
 // A CTA per item: the multi-CTA Quest winners (ascending pages in the scratch) ranked by score,
 // then walked into the list as QuestTopKKernel does.
 __global__ void __launch_bounds__(kTopKThreads) MctaQuestListKernel(DecodeStepArgs a, int64_t mcta_min) {
-  PdlWait();
-  PdlTrigger();
   extern __shared__ unsigned long long sort_smem[];
   const int32_t item = blockIdx.x;
   const TopKItem it = TopKItemOf(a, item, mcta_min);
@@ -1254,35 +1225,35 @@ Status LaunchMctaTopK(const DecodeStepArgs& a, int64_t mcta_min, unsigned ctas, 
   const dim3 grid(items, ctas);
   const bool quest = a.scoring == SelectScoring::kQuestPages;
   if (quest) {
-    KVF_CUDA_CHECK(LaunchPdl(MctaStatsKernel<true>, grid, kMctaThreads, 0, stream, a, mcta_min));
+    MctaStatsKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
     KVF_CUDA_CHECK_LAUNCH(MctaStatsKernel);
-    KVF_CUDA_CHECK(LaunchPdl(MctaWeightsKernel<true>, grid, kMctaThreads, 0, stream, a, mcta_min));
+    MctaWeightsKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
     KVF_CUDA_CHECK_LAUNCH(MctaWeightsKernel);
   } else {
-    KVF_CUDA_CHECK(LaunchPdl(MctaStatsKernel<false>, grid, kMctaThreads, 0, stream, a, mcta_min));
+    MctaStatsKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
     KVF_CUDA_CHECK_LAUNCH(MctaStatsKernel);
-    KVF_CUDA_CHECK(LaunchPdl(MctaWeightsKernel<false>, grid, kMctaThreads, 0, stream, a, mcta_min));
+    MctaWeightsKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
     KVF_CUDA_CHECK_LAUNCH(MctaWeightsKernel);
   }
   for (int pass = 1; pass < 4; ++pass) {
-    KVF_CUDA_CHECK(LaunchPdl(MctaRadixKernel, grid, kMctaThreads, 0, stream, a, mcta_min, pass));
+    MctaRadixKernel<<<grid, kMctaThreads, 0, stream>>>(a, mcta_min, pass);
     KVF_CUDA_CHECK_LAUNCH(MctaRadixKernel);
   }
-  KVF_CUDA_CHECK(LaunchPdl(MctaCountKernel, grid, kMctaThreads, 0, stream, a, mcta_min));
+  MctaCountKernel<<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
   KVF_CUDA_CHECK_LAUNCH(MctaCountKernel);
   if (!quest) {
-    KVF_CUDA_CHECK(LaunchPdl(MctaWriteKernel<false>, grid, kMctaThreads, 0, stream, a, mcta_min));
+    MctaWriteKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
     KVF_CUDA_CHECK_LAUNCH(MctaWriteKernel);
     return Status::Ok();
   }
-  KVF_CUDA_CHECK(LaunchPdl(MctaWriteKernel<true>, grid, kMctaThreads, 0, stream, a, mcta_min));
+  MctaWriteKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
   KVF_CUDA_CHECK_LAUNCH(MctaWriteKernel);
   if (quest_smem > kQuestSmemOptIn) {
     KVF_CUDA_CHECK(cudaFuncSetAttribute(MctaQuestListKernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(quest_smem)));
   }
-  KVF_CUDA_CHECK(LaunchPdl(MctaQuestListKernel, items, kTopKThreads, quest_smem, stream, a, mcta_min));
+  MctaQuestListKernel<<<items, kTopKThreads, quest_smem, stream>>>(a, mcta_min);
   KVF_CUDA_CHECK_LAUNCH(MctaQuestListKernel);
   return Status::Ok();
 }
@@ -1326,8 +1297,6 @@ int64_t SortCapOf(const DecodeStepArgs& a) {
 constexpr int kPsawThreads = 256;
 
 __global__ void __launch_bounds__(kPsawThreads) PsawFilterKernel(DecodeStepArgs a) {
-  PdlWait();
-  PdlTrigger();
   const int64_t item = blockIdx.x;
   const int b = static_cast<int>(item / a.num_kv_heads);
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
@@ -1397,7 +1366,7 @@ __global__ void __launch_bounds__(kPsawThreads) PsawFilterKernel(DecodeStepArgs 
 Status LaunchPsawFilter(const DecodeStepArgs& a, cudaStream_t stream) {
   if (a.hide_fraction <= 0.0) return Status::Ok();
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
-  KVF_CUDA_CHECK(LaunchPdl(PsawFilterKernel, static_cast<unsigned>(items), kPsawThreads, 0, stream, a));
+  PsawFilterKernel<<<static_cast<unsigned>(items), kPsawThreads, 0, stream>>>(a);
   KVF_CUDA_CHECK_LAUNCH(PsawFilterKernel);
   return Status::Ok();
 }
@@ -1451,15 +1420,15 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
     }
-    KVF_CUDA_CHECK(LaunchPdl(QuestTopKKernel, static_cast<unsigned>(items), kTopKThreads, smem, stream, a, mcta_min));
+    QuestTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(a, mcta_min);
     KVF_CUDA_CHECK_LAUNCH(QuestTopKKernel);
   } else if (a.scoring == SelectScoring::kSparcas) {
-    KVF_CUDA_CHECK(LaunchPdl(SparcasTopKKernel, static_cast<unsigned>(items), kTopKThreads, smem, stream, 
-        a, static_cast<int>(sort_cap), mcta_min));
+    SparcasTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(
+        a, static_cast<int>(sort_cap), mcta_min);
     KVF_CUDA_CHECK_LAUNCH(SparcasTopKKernel);
   } else {
-    KVF_CUDA_CHECK(LaunchPdl(SelectTopKKernel, static_cast<unsigned>(items), kTopKThreads, smem, stream, 
-        a, static_cast<int>(sort_cap), mcta_min));
+    SelectTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(
+        a, static_cast<int>(sort_cap), mcta_min);
     KVF_CUDA_CHECK_LAUNCH(SelectTopKKernel);
   }
   if (mcta_min == std::numeric_limits<int64_t>::max()) return Status::Ok();
@@ -1488,14 +1457,15 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
         std::clamp<int64_t>(std::min((pages + kScoreWarps * 4 - 1) / (kScoreWarps * 4), fill), 1, 65535));
     KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
       return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
-        KVF_CUDA_CHECK(LaunchPdl(QuestAppendKernel<T>, static_cast<unsigned>(items), 128, 0, stream, a));
+        QuestAppendKernel<T><<<static_cast<unsigned>(items), 128, 0, stream>>>(a);
         KVF_CUDA_CHECK_LAUNCH(QuestAppendKernel);
         if (q_smem > 48 * 1024) {
           KVF_CUDA_CHECK(cudaFuncSetAttribute(QuestScoreKernel<HD, T>,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(q_smem)));
         }
-        KVF_CUDA_CHECK(LaunchPdl(QuestScoreKernel<HD, T>, dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, q_smem, stream, a));
+        QuestScoreKernel<HD, T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, q_smem,
+                                  stream>>>(a);
         KVF_CUDA_CHECK_LAUNCH(QuestScoreKernel);
         return Status::Ok();
       });
@@ -1511,12 +1481,13 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
     KVF_CHECK_ARG(a.meta != nullptr && a.sparcas_state != nullptr && a.sparcas_dims != nullptr &&
                       a.params.head_dim <= 256,
                   "DecodeSelect: sparcas without its compact keys or state");
-    KVF_CUDA_CHECK(LaunchPdl(SparcasPrepKernel, static_cast<unsigned>(items), 256, 0, stream, a));
+    SparcasPrepKernel<<<static_cast<unsigned>(items), 256, 0, stream>>>(a);
     KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
     const bool dense_layer = a.layer < a.sparcas_dense_layers;
     KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
       return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
-        KVF_CUDA_CHECK(LaunchPdl(SparcasGatherKernel<T>, dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, 0, stream, a));
+        SparcasGatherKernel<T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, 0,
+                                 stream>>>(a);
         KVF_CUDA_CHECK_LAUNCH(SparcasGatherKernel);
         if (dense_layer) {
           // Every dimension, as the oracle, but from the compact rows on the device (they hold
@@ -1526,7 +1497,8 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
             const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * 16 / items);
             const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(
                 std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1, 65535));
-            KVF_CUDA_CHECK(LaunchPdl(DenseCompactScoreKernel<HD, T>, dim3(static_cast<unsigned>(items), ty), kSparcasThreads, q_smem, stream, a));
+            DenseCompactScoreKernel<HD, T><<<dim3(static_cast<unsigned>(items), ty), kSparcasThreads,
+                                             q_smem, stream>>>(a);
             KVF_CUDA_CHECK_LAUNCH(DenseCompactScoreKernel);
             return Status::Ok();
           }
@@ -1535,7 +1507,8 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 static_cast<int>(q_smem)));
           }
-          KVF_CUDA_CHECK(LaunchPdl(SelectScoreKernel<HD, T, true>, dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, q_smem, stream, a));
+          SelectScoreKernel<HD, T, true><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32,
+                                           q_smem, stream>>>(a);
           KVF_CUDA_CHECK_LAUNCH(SelectScoreKernel);
           return Status::Ok();
         }
@@ -1546,11 +1519,13 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
           const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(
               std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1, 65535));
           const size_t qs_db = static_cast<size_t>(a.params.group) * d_b * sizeof(float);
-          KVF_CUDA_CHECK(LaunchPdl(SparcasScoreThreadKernel<T>, dim3(static_cast<unsigned>(items), ty), kSparcasThreads, qs_db, stream, a));
+          SparcasScoreThreadKernel<T><<<dim3(static_cast<unsigned>(items), ty), kSparcasThreads,
+                                        qs_db, stream>>>(a);
           KVF_CUDA_CHECK_LAUNCH(SparcasScoreThreadKernel);
           return Status::Ok();
         }
-        KVF_CUDA_CHECK(LaunchPdl(SparcasScoreKernel<T>, dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, qs, stream, a));
+        SparcasScoreKernel<T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, qs,
+                                stream>>>(a);
         KVF_CUDA_CHECK_LAUNCH(SparcasScoreKernel);
         return Status::Ok();
       });
@@ -1565,7 +1540,8 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
             SelectScoreKernel<HD, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
             static_cast<int>(q_smem)));
       }
-      KVF_CUDA_CHECK(LaunchPdl(SelectScoreKernel<HD, T>, dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, q_smem, stream, a));
+      SelectScoreKernel<HD, T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, q_smem,
+                                 stream>>>(a);
       KVF_CUDA_CHECK_LAUNCH(SelectScoreKernel);
       return Status::Ok();
     });

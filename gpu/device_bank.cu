@@ -25,7 +25,6 @@
 
 #include "gpu/bank_map.cuh"
 #include "gpu/cuda_check.h"
-#include "gpu/pdl.cuh"
 #include "base/check.h"
 
 namespace kvferry::cuda {
@@ -115,8 +114,6 @@ __device__ int BlockScan(int v, int* total, int* smem) {
 }
 
 __global__ void __launch_bounds__(kThreads) AdmitKernel(AdmitArgs a) {
-  PdlWait();  // launched with LaunchPdl: right after the step kernel, which lets it be scheduled early
-  PdlTrigger();
   __shared__ int32_t keys[DeviceBank::kMaxAdmit], vals[DeviceBank::kMaxAdmit];
   __shared__ int32_t new_pos[DeviceBank::kMaxAdmit], new_row[DeviceBank::kMaxAdmit];
   __shared__ int32_t victims[DeviceBank::kMaxAdmit];
@@ -484,7 +481,7 @@ Status DeviceBank::Admit(const BankAdmitItem* items, int num_items, StreamHandle
   const cudaStream_t s = stream == nullptr
                              ? static_cast<cudaStream_t>(device_->default_stream())
                              : static_cast<cudaStream_t>(stream);
-  KVF_CUDA_CHECK(LaunchPdl(AdmitKernel, dim3(num_items), dim3(kThreads), 0, s, a));
+  AdmitKernel<<<num_items, kThreads, 0, s>>>(a);
   KVF_CUDA_CHECK_LAUNCH(AdmitKernel);
   return Status::Ok();
 }
