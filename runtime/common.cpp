@@ -109,6 +109,7 @@ std::string Stats::ToJson() const {
      << ",\"prhs_select_reused\":" << prhs_select_reused
      << ",\"lfps_scans_device\":" << lfps_scans_device
      << ",\"lfps_scans_device_short\":" << lfps_scans_device_short
+     << ",\"select_key_bytes\":" << select_key_bytes
      << ",\"ms_append\":" << ms_append << ",\"ms_select\":" << ms_select
      << ",\"ms_resolve\":" << ms_resolve << ",\"ms_attend_gpu\":" << ms_attend_gpu
      << ",\"ms_attend_cpu\":" << ms_attend_cpu << ",\"ms_merge\":" << ms_merge << ",\"ms_admit\":" << ms_admit

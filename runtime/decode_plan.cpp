@@ -258,6 +258,31 @@ Status RuntimeImpl::PlanDecode(std::span<const SequenceId> seqs, StreamHandle st
   return Status::Ok();
 }
 
+int64_t RuntimeImpl::SelectKeyBytes(int64_t n, int64_t budget, int layer) const {
+  // The offloaded range [off_lo, off_hi) and the picks it gets, as the kernels split them
+  // (QuestSplitOf in gpu/decode_select.cu, cpu/decode_step.cpp).
+  const int64_t off_lo = std::min<int64_t>(std::max(config_.tiers.sink_tokens, 0), n);
+  const int64_t off_hi = std::max(off_lo, n - std::max(config_.tiers.window_tokens, 0));
+  const int64_t k_off = budget - (off_lo + (n - off_hi));
+  const bool ranks = k_off > 0 && k_off < off_hi - off_lo;
+  const int64_t head_dim = config_.model.head_dim;
+  switch (scoring_) {
+    case SelectScoring::kExactTopK: return n * static_cast<int64_t>(row_bytes_);  // every key
+    case SelectScoring::kQuestPages: {
+      if (!ranks) return 0;
+      const int64_t p_lo = off_lo / meta_page_;
+      const int64_t pages = (off_hi - 1) / meta_page_ + 1 - p_lo;
+      return pages * 2 * static_cast<int64_t>(row_bytes_);  // min and max rows
+    }
+    case SelectScoring::kSparcas: {
+      if (!ranks) return 0;
+      const int64_t dims = SparcasDimsOf(layer, sparcas_dense_, sparcas_db_, static_cast<int32_t>(head_dim));
+      return n * dims * static_cast<int64_t>(kv_elem_);  // compact rows [0, n)
+    }
+    default: return 0;
+  }
+}
+
 Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                                   const TensorView& k, const TensorView& v, const TensorView& out,
                                   StreamHandle stream) {
@@ -401,7 +426,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   // device selection's split between resident and fetched rows is not known on the host: its
   // rows count as selected only.
   const int64_t window = config_.tiers.window_tokens;
-  int64_t max_rows = 0, resident = 0, fetched = 0, selected = 0;
+  int64_t max_rows = 0, resident = 0, fetched = 0, selected = 0, key_bytes = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = pos[b] + 1;
     a.max_len_hint = std::max(a.max_len_hint, n);
@@ -415,6 +440,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       const int64_t count = std::min(budget, n);
       max_rows = std::max(max_rows, count);
       selected += count;
+      key_bytes += SelectKeyBytes(n, budget, layer);
       continue;
     }
     const StepRange r = SinksAndRecent(n, a.sink, budget);
@@ -591,6 +617,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   stats_.rows_resident += resident * hkv;
   stats_.rows_fetched += fetched * hkv;
   stats_.rows_selected += selected * hkv;
+  stats_.select_key_bytes += key_bytes * hkv;
   // A device selection read through the device bank: its rows split into resident, bank hits and
   // misses on the device; Stats takes the resident share from the bank's counters.
   if (a.bank.rows != nullptr && scoring_ != SelectScoring::kNone) {

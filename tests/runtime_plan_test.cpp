@@ -13,6 +13,7 @@
 #include <fstream>
 #include <regex>
 #include <sstream>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -474,6 +475,51 @@ TEST(PlannedStep, BudgetSmallerThanTheResidentTiersStillDecodes) {
     ASSERT_TRUE(st.ok()) << st.ToString();
     EXPECT_GT(NormOf(out), 0.0);
   }
+}
+
+TEST(PlannedStep, SelectKeyBytesAreWhatTheDeviceSelectionReads) {
+  // One layer of 2 KV heads, head_dim 32 in bf16 (a K row is 64 bytes), sinks 3, window 8; one
+  // decode step after a 200-token prompt: n = 201, offloaded range [3, 193).
+  struct Case {
+    const char* policy;
+    std::map<std::string, double> params;
+    int64_t budget;
+    int64_t want;  // bytes over both KV heads
+  };
+  constexpr int64_t kRow = 32 * 2, kHeads = 2, kN = 201;
+  const std::vector<Case> cases = {
+      {"oracle", {}, 24, kN * kRow * kHeads},                       // every key
+      {"oracle", {}, 1000, kN * kRow * kHeads},                     // ranks even when all fit
+      {"quest", {}, 24, 13 * 2 * kRow * kHeads},                    // pages 0..12: min and max rows
+      {"quest", {{"page", 32}}, 24, 7 * 2 * kRow * kHeads},         // pages 0..6
+      {"quest", {}, 1000, 0},                                       // nothing to rank
+      {"sparcas", {{"d_b", 4}, {"dense_layers", 0}}, 24, kN * 4 * 2 * kHeads},
+      {"sparcas", {{"d_b", 4}, {"dense_layers", 1}}, 24, kN * 32 * 2 * kHeads},  // every dimension
+      {"sparcas", {{"d_b", 4}, {"dense_layers", 0}}, 1000, 0},
+      {"streaming", {}, 24, 0},                                     // no device selection
+      {"dense", {}, 24, 0},
+  };
+  std::map<std::string, int64_t> got;  // policy -> bytes, budget 24, first case of each
+  for (const Case& cs : cases) {
+    RuntimeConfig c = PlanConfig(cs.policy, 1);
+    c.policy.params = cs.params;
+    c.policy.budget_tokens = cs.budget;
+    auto rt = Make(c);
+    ASSERT_TRUE(rt) << cs.policy;
+    Feeder f(c, 3);
+    ASSERT_TRUE(rt->AddSequence(2).ok());
+    f.Prefill({rt.get()}, 2, kN - 1);
+    const int64_t before = rt->GetStats().select_key_bytes;
+    Feeder::Step s = f.Make(1);
+    std::vector<float> out;
+    ASSERT_TRUE(f.Decode(*rt, {2}, 0, s, out).ok()) << cs.policy;
+    const int64_t bytes = rt->GetStats().select_key_bytes - before;
+    EXPECT_EQ(bytes, cs.want) << cs.policy << " budget " << cs.budget << " params " << cs.params.size();
+    if (cs.budget == 24) got.emplace(cs.policy, bytes);
+  }
+  // SparCas's paper check: its key scan reads head_dim / d_b = 32 / 4 times fewer bytes than the
+  // oracle's full-key scan.
+  EXPECT_EQ(got["oracle"], 8 * got["sparcas"]);
 }
 
 TEST(Append, StoresWhatPrefillStoresWithoutAttention) {

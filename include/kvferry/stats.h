@@ -46,6 +46,12 @@ struct Stats {
   /// where too few of its picks lay outside the tables' candidates, so the host scanned.
   int64_t lfps_scans_device = 0;
   int64_t lfps_scans_device_short = 0;
+  /// Bytes a device selection (policies whose device_scoring is not kNone, in the planned step)
+  /// read to rank positions, summed over KV heads and layers: the oracle's keys (every position's
+  /// K row), Quest's page bounds (two rows a page of the offloaded range), SparCas's compact keys
+  /// (d_b elements a position; every dimension at its first dense_layers layers). Computed from
+  /// the lengths as the kernels read them; host selections count 0.
+  int64_t select_key_bytes = 0;
 
   double ms_append = 0;          ///< time per stage, summed (wall clock on the host)
   double ms_select = 0;

@@ -241,6 +241,7 @@ nb::dict StatsDict(const Stats& s) {
   KVF_STAT(prhs_select_reused);
   KVF_STAT(lfps_scans_device);
   KVF_STAT(lfps_scans_device_short);
+  KVF_STAT(select_key_bytes);
   KVF_STAT(ms_append);
   KVF_STAT(ms_select);
   KVF_STAT(ms_resolve);
