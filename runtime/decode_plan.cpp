@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "base/check.h"
+#include "policies/select_util.h"
 #include "runtime/runtime_impl.h"
 
 namespace kvferry::detail {
@@ -259,19 +260,18 @@ Status RuntimeImpl::PlanDecode(std::span<const SequenceId> seqs, StreamHandle st
 }
 
 int64_t RuntimeImpl::SelectKeyBytes(int64_t n, int64_t budget, int layer) const {
-  // The offloaded range [off_lo, off_hi) and the picks it gets, as the kernels split them
-  // (QuestSplitOf in gpu/decode_select.cu, cpu/decode_step.cpp).
-  const int64_t off_lo = std::min<int64_t>(std::max(config_.tiers.sink_tokens, 0), n);
-  const int64_t off_hi = std::max(off_lo, n - std::max(config_.tiers.window_tokens, 0));
-  const int64_t k_off = budget - (off_lo + (n - off_hi));
-  const bool ranks = k_off > 0 && k_off < off_hi - off_lo;
+  // The offloaded range and its picks, as the policies and the kernels split them (QuestSplitOf in
+  // gpu/decode_select.cu is the same split).
+  const OffloadSplit s =
+      SplitPositions(n, config_.tiers.sink_tokens, config_.tiers.window_tokens, budget);
+  const bool ranks = s.k_off > 0 && !s.all;
   const int64_t head_dim = config_.model.head_dim;
   switch (scoring_) {
     case SelectScoring::kExactTopK: return n * static_cast<int64_t>(row_bytes_);  // every key
     case SelectScoring::kQuestPages: {
       if (!ranks) return 0;
-      const int64_t p_lo = off_lo / meta_page_;
-      const int64_t pages = (off_hi - 1) / meta_page_ + 1 - p_lo;
+      const int64_t p_lo = s.off_lo / meta_page_;
+      const int64_t pages = (s.off_hi - 1) / meta_page_ + 1 - p_lo;
       return pages * 2 * static_cast<int64_t>(row_bytes_);  // min and max rows
     }
     case SelectScoring::kSparcas: {

@@ -279,11 +279,11 @@ class RuntimeImpl {
                     StreamHandle stream);
   // Rolls back the layers of plan_ that did not run, when some did (see PlanDecode).
   void RetirePlan();
-  // The run: one layer of the step on the device.
   // Bytes the device selection (scoring_) reads to rank one KV head of a sequence of n positions
   // at \p layer with item budget \p budget (Stats::select_key_bytes), as DecodeSelect's kernels
   // read them.
   int64_t SelectKeyBytes(int64_t n, int64_t budget, int layer) const;
+  // The run: one layer of the step on the device.
   Status RunDecodeStep(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                        const TensorView& k, const TensorView& v, const TensorView& out,
                        StreamHandle stream);
