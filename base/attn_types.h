@@ -401,7 +401,8 @@ constexpr int64_t kSelectMctaMinKeys = 4096;
 /// path at 4092 / 8188 pages (batch 1), equal at 8188 pages batch 4. Measured again through the
 /// Runtime after stop 20's faster passes (quest_bank at 128K, 8K pages, 32 layers): the multi-CTA
 /// path from 4096 pages 5.15-5.17 ms per token step, from 16384 pages 5.10 (its last kernel, the
-/// winners' sort and walk in one CTA, takes 38 us a layer).
+/// winners' sort and walk in one CTA, took 38 us a layer; measured before the walk became a block
+/// scan, so worth measuring again).
 constexpr int64_t kSelectMctaMinPages = 16384;
 constexpr int32_t kSelectMctaMaxCtas = 64;
 /// Fewest scores a CTA of the multi-CTA top-k handles (fewer CTAs for shorter capacities).

@@ -739,7 +739,8 @@ __global__ void __launch_bounds__(kSparcasThreads) DenseCompactScoreKernel(Decod
 }
 
 // A CTA per item: SparCas's list (sinks, top k_off of the offloaded range, window). Layers below
-// dense_layers score with SelectScoreKernel<.., kCompact> (every dimension, from the compact rows).
+// dense_layers score every dimension from the compact rows (DenseCompactScoreKernel; GQA groups over
+// kDenseThreadMaxGroup: SelectScoreKernel<.., kCompact>).
 __global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs a, int sort_cap,
                                                                    int64_t mcta_min) {
   extern __shared__ unsigned long long sort_smem[];
