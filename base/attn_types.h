@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #include "kvferry/tensor.h"
 
@@ -396,24 +397,33 @@ KVF_HOST_DEVICE inline int64_t SparcasCompactOffset(int64_t slot, int32_t layer,
 /// one-CTA kernels' H100 times (755 us at 128K keys, 81 us at 8K pages: about 4096 scores cost what
 /// the multi-CTA path's eight launches cost); bench/micro/select_topk_bench measures both paths.
 constexpr int64_t kSelectMctaMinKeys = 4096;
-/// Quest ranks pages, and its one-CTA kernel stays ahead longer: measured with select_topk_bench on
-/// the H100 (8 KV heads, GQA 4, 2% budget), one CTA 58 / 85 us against 74 / 92 us for the multi-CTA
-/// path at 4092 / 8188 pages (batch 1), equal at 8188 pages batch 4. Measured again through the
-/// Runtime after stop 20's faster passes (quest_bank at 128K, 8K pages, 32 layers): the multi-CTA
-/// path from 4096 pages 5.15-5.17 ms per token step, from 16384 pages 5.10 (its last kernel, the
-/// winners' sort and walk in one CTA, took 38 us a layer; measured before the walk became a block
-/// scan, so worth measuring again).
-constexpr int64_t kSelectMctaMinPages = 16384;
+/// Quest ranks pages, and its one-CTA kernel stays ahead longer. Measured through the Runtime
+/// (quest_bank, 2%, 32 layers, batch 1, H100) once the multi-CTA passes became one fused launch
+/// (stop 21): from 2048 pages, 3.30 ms per token step at 32K (2048 pages) against 3.16 with one
+/// CTA, and 4.01-4.10 at 128K (8192 pages) against 4.56-4.63; from 4096 pages, 4.07 at 128K.
+constexpr int64_t kSelectMctaMinPages = 4096;
+/// The pages from which a Quest item takes the multi-CTA top-k: kSelectMctaMinPages, or
+/// KVFERRY_MCTA_MIN_PAGES when set (for measuring; read once). The runtime sizes the scratch and
+/// LaunchSelectTopK picks the path with it.
+inline int64_t SelectMctaMinPages() {
+  static const int64_t pages = [] {
+    const char* e = std::getenv("KVFERRY_MCTA_MIN_PAGES");
+    const long long v = e == nullptr ? 0 : std::atoll(e);
+    return v >= 1 ? static_cast<int64_t>(v) : kSelectMctaMinPages;
+  }();
+  return pages;
+}
 constexpr int32_t kSelectMctaMaxCtas = 64;
 /// Fewest scores a CTA of the multi-CTA top-k handles (fewer CTAs for shorter capacities).
 constexpr int64_t kSelectMctaMinChunk = 2048;
 /// Most pages the multi-CTA Quest top-k keeps per item (its winners are sorted in one CTA).
 constexpr int64_t kSelectMctaMaxPicks = 4096;
 /// 32-bit words of one item's multi-CTA scratch: 4 radix histograms of 256 bins, per CTA the
-/// (greater, equal) counts, per query head and CTA a (max, sum) pair, and the Quest picks.
+/// (greater, equal) counts, per query head and CTA a (max, sum) pair, the Quest picks, and the
+/// fused kernel's barrier counter (and a word of padding: items stay 8-byte aligned).
 KVF_HOST_DEVICE inline int64_t SelectMctaItemWords(int32_t group) {
   return 4 * 256 + 2 * int64_t{kSelectMctaMaxCtas} + 2 * int64_t{group} * kSelectMctaMaxCtas +
-         kSelectMctaMaxPicks;
+         kSelectMctaMaxPicks + 2;
 }
 /// Bytes of DecodeStepArgs::select_mcta_ws for \p items items: 0 when no item can reach the
 /// threshold (select_ld < kSelectMctaMinKeys).

@@ -139,7 +139,9 @@ enum class SelectTopKPath : int32_t {
                   ///< select_mcta_ws is set), one CTA per item for the others; outside graph
                   ///< capture with max_len_hint below the threshold, one CTA for all
   kOneCta = 1,    ///< one CTA per item (the kernels before the multi-CTA top-k)
-  kMultiCta = 2,  ///< multi-CTA for every item that ranks (needs select_mcta_ws)
+  kMultiCta = 2,  ///< multi-CTA for every item that ranks (needs select_mcta_ws): the fused
+                  ///< cooperative kernel where its grid fits the GPU at once, else a launch a pass
+  kMultiCtaPerPass = 3,  ///< as kMultiCta, always a launch a pass (never the fused kernel)
 };
 
 /// The ranking stage of LaunchDecodeSelect alone: the logits (kExactTopK, kSparcas: log2 domain)

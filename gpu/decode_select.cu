@@ -13,6 +13,7 @@
 // (kSelectMctaMinKeys) take the multi-CTA top-k below instead of step 2's one CTA (see "Multi-CTA
 // top-k" and docs/cuda.md).
 
+#include <cuda/atomic>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -252,6 +253,20 @@ __device__ __forceinline__ TopKItem TopKItemOf(const DecodeStepArgs& a, int32_t 
   return t;
 }
 
+// The fused multi-CTA top-k's barrier counter of an item (the second-to-last word of its scratch).
+__device__ __forceinline__ unsigned* MctaBarrierOf(const DecodeStepArgs& a, int32_t item) {
+  const int64_t words = SelectMctaItemWords(a.params.group);
+  return reinterpret_cast<unsigned*>(a.select_mcta_ws + static_cast<size_t>(item) * words + words - 2);
+}
+
+// Whether the multi-CTA top-k takes the item (the one-CTA kernel then leaves it to it). Every
+// one-CTA kernel runs before the multi-CTA launches on the stream and zeroes here the item's
+// barrier counter, which the fused kernel counts up from.
+__device__ __forceinline__ bool MctaTakes(const DecodeStepArgs& a, int32_t item, int64_t mcta_min) {
+  if (a.select_mcta_ws != nullptr && threadIdx.x == 0) *MctaBarrierOf(a, item) = 0;
+  return TopKItemOf(a, item, mcta_min).mcta;
+}
+
 // Grid (items, y), a warp per page of the offloaded range: ub[item][g][p - p_lo].
 template <int HD, typename T>
 __global__ void __launch_bounds__(kScoreWarps * 32) QuestScoreKernel(DecodeStepArgs a) {
@@ -350,7 +365,7 @@ __global__ void __launch_bounds__(kTopKThreads) SelectTopKKernel(DecodeStepArgs 
                                                                   int64_t mcta_min) {
   extern __shared__ unsigned long long sort_smem[];
   const int32_t item = blockIdx.x;
-  if (TopKItemOf(a, item, mcta_min).mcta) return;
+  if (MctaTakes(a, item, mcta_min)) return;
   const int32_t b = item / a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   int64_t k = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
@@ -447,7 +462,7 @@ __global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a
   extern __shared__ unsigned long long sort_smem[];
   __shared__ float red[kTopKThreads / 32];
   const int32_t item = blockIdx.x;
-  if (TopKItemOf(a, item, mcta_min).mcta) return;
+  if (MctaTakes(a, item, mcta_min)) return;
   const int32_t b = item / a.num_kv_heads;
   const int group = a.params.group;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
@@ -745,7 +760,7 @@ __global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs
                                                                    int64_t mcta_min) {
   extern __shared__ unsigned long long sort_smem[];
   const int32_t item = blockIdx.x;
-  if (TopKItemOf(a, item, mcta_min).mcta) return;
+  if (MctaTakes(a, item, mcta_min)) return;
   const int32_t b = item / a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const QuestSplit sp = QuestSplitOf(a, n);
@@ -925,13 +940,24 @@ __device__ __forceinline__ void SoftmaxMerge(float& m, float& s, float m2, float
 // sum in its last bits (as the one-CTA kernel's order already does).
 constexpr int kStatsHeads = 4;
 
+// An item's row of weights as a pass reads it: position j (of the ranked range, 0 at it.lo) at
+// p[j - base]. The per-pass kernels read row 0 of the item's workspace (base 0); the fused kernel
+// reads its chunk from shared memory (base = the chunk's first position).
+struct WeightRow {
+  float* p;
+  int64_t base;
+  __device__ __forceinline__ float& operator[](int64_t j) const { return p[j - base]; }
+};
+
+// The passes' bodies: every thread of a kMctaThreads CTA of an item with it.mcta calls them, the
+// per-pass kernels below once each, the fused kernel all of them between grid barriers.
+
+// 1. Per query head the (max, sum of exp2(l - max)) of this CTA's chunk of [0, it.n) (Quest: the
+// max) into ws.stats; CTA 0 zeroes the item's histograms.
 template <bool kQuest>
-__global__ void __launch_bounds__(kMctaThreads) MctaStatsKernel(DecodeStepArgs a, int64_t mcta_min) {
+__device__ void MctaStatsPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws) {
   __shared__ float red_m[kMctaThreads / 32][kStatsHeads], red_s[kMctaThreads / 32][kStatsHeads];
   const int32_t item = blockIdx.x;
-  const TopKItem it = TopKItemOf(a, item, mcta_min);
-  if (!it.mcta) return;
-  const MctaScratch ws = MctaScratchOf(a, item);
   if (blockIdx.y == 0) {
     for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) ws.hist[i] = 0;
   }
@@ -1003,14 +1029,15 @@ __global__ void __launch_bounds__(kMctaThreads) MctaStatsKernel(DecodeStepArgs a
   }
 }
 
+// 2. Combines the partials (online softmax), writes the group's summed weight (Quest: max_g (ub_g
+// - max ub_g)) of this CTA's chunk of the ranked range into w (and into `also` when not null),
+// and adds the top byte of each weight's OrderedKey to histogram 0.
 template <bool kQuest>
-__global__ void __launch_bounds__(kMctaThreads) MctaWeightsKernel(DecodeStepArgs a, int64_t mcta_min) {
+__device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
+                                WeightRow w, float* also) {
   __shared__ float m_s[64], inv_s[64];
   __shared__ unsigned int bins[256];
   const int32_t item = blockIdx.x;
-  const TopKItem it = TopKItemOf(a, item, mcta_min);
-  if (!it.mcta) return;
-  const MctaScratch ws = MctaScratchOf(a, item);
   const int group = a.params.group;
   for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
   for (int g = threadIdx.x; g < group; g += blockDim.x) {
@@ -1028,13 +1055,13 @@ __global__ void __launch_bounds__(kMctaThreads) MctaWeightsKernel(DecodeStepArgs
   }
   __syncthreads();
   const Chunk c = ChunkOf(it.count);
-  float* l = a.select_ws + static_cast<size_t>(item) * group * a.select_ld + it.lo;
+  const float* l = a.select_ws + static_cast<size_t>(item) * group * a.select_ld + it.lo;
   const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
   for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
     const int64_t jt = TileFirst(j0);
-    float w[kMctaVec];
+    float wt[kMctaVec];
 #pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) w[u] = kQuest ? -INFINITY : 0.0f;
+    for (int u = 0; u < kMctaVec; ++u) wt[u] = kQuest ? -INFINITY : 0.0f;
 #pragma unroll 4
     for (int g = 0; g < group; ++g) {
       const float* lg = l + static_cast<size_t>(g) * a.select_ld;
@@ -1044,40 +1071,41 @@ __global__ void __launch_bounds__(kMctaThreads) MctaWeightsKernel(DecodeStepArgs
 #pragma unroll
       for (int u = 0; u < kMctaVec; ++u) {
         if (kQuest) {
-          w[u] = fmaxf(w[u], x[u] - m_s[g]);
+          wt[u] = fmaxf(wt[u], x[u] - m_s[g]);
         } else {
-          w[u] += exp2f(x[u] - m_s[g]) * inv_s[g];
+          wt[u] += exp2f(x[u] - m_s[g]) * inv_s[g];
         }
       }
     }
 #pragma unroll
     for (int u = 0; u < kMctaVec; ++u) {
       const bool in = jt + u < c.end;
-      if (in) l[jt + u] = w[u];  // row 0: only this thread reads position j of any row in this launch
-      CountBin(bins, in ? OrderedKey(w[u]) : 0u, 24, in);
+      // Row 0 of the workspace: only this thread reads position j of any row in this pass.
+      if (in) {
+        w[jt + u] = wt[u];
+        if (also != nullptr) also[jt + u] = wt[u];
+      }
+      CountBin(bins, in ? OrderedKey(wt[u]) : 0u, 24, in);
     }
   }
   FlushHistogram(bins, ws.hist);
 }
 
-__global__ void __launch_bounds__(kMctaThreads) MctaRadixKernel(DecodeStepArgs a, int64_t mcta_min,
-                                                                int pass) {
+// 3. Re-derives the prefix from histograms [0, pass) (a 256-bin scan) and adds the next byte of
+// the keys under it to histogram `pass`.
+__device__ void MctaRadixPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
+                              WeightRow w, int pass) {
   __shared__ unsigned int bins[256];
-  const int32_t item = blockIdx.x;
-  const TopKItem it = TopKItemOf(a, item, mcta_min);
-  if (!it.mcta) return;
-  const MctaScratch ws = MctaScratchOf(a, item);
   for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
   const RadixState r = MctaPrefix(ws.hist, pass, it.k);  // synchronises: bins are zero
   const int shift = 24 - 8 * pass;
   const Chunk c = ChunkOf(it.count);
-  const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld + it.lo;
   const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
   for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
     const int64_t jt = TileFirst(j0);
     float x[kMctaVec];
 #pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) x[u] = jt + u < c.end ? l[jt + u] : 0.0f;
+    for (int u = 0; u < kMctaVec; ++u) x[u] = jt + u < c.end ? w[jt + u] : 0.0f;
 #pragma unroll
     for (int u = 0; u < kMctaVec; ++u) {
       const uint32_t key = OrderedKey(x[u]);
@@ -1087,23 +1115,20 @@ __global__ void __launch_bounds__(kMctaThreads) MctaRadixKernel(DecodeStepArgs a
   FlushHistogram(bins, ws.hist + pass * 256);
 }
 
-__global__ void __launch_bounds__(kMctaThreads) MctaCountKernel(DecodeStepArgs a, int64_t mcta_min) {
+// 4. The k-th largest key T is known: this CTA's keys > T and == T into ws.counts.
+__device__ void MctaCountPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
+                              WeightRow w) {
   using Reduce = cub::BlockReduce<int, kMctaThreads>;
   __shared__ typename Reduce::TempStorage tmp;
-  const int32_t item = blockIdx.x;
-  const TopKItem it = TopKItemOf(a, item, mcta_min);
-  if (!it.mcta) return;
-  const MctaScratch ws = MctaScratchOf(a, item);
   const RadixState r = MctaPrefix(ws.hist, 4, it.k);
   const Chunk c = ChunkOf(it.count);
-  const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld + it.lo;
   int gt = 0, eq = 0;
   const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
   for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
     const int64_t jt = TileFirst(j0);
     float x[kMctaVec];
 #pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) x[u] = jt + u < c.end ? l[jt + u] : 0.0f;
+    for (int u = 0; u < kMctaVec; ++u) x[u] = jt + u < c.end ? w[jt + u] : 0.0f;
 #pragma unroll
     for (int u = 0; u < kMctaVec; ++u) {
       const uint32_t key = OrderedKey(x[u]);
@@ -1120,15 +1145,15 @@ __global__ void __launch_bounds__(kMctaThreads) MctaCountKernel(DecodeStepArgs a
   }
 }
 
+// 5. This CTA's offset from the counts of the chunks before it, then an ordered pass that writes
+// every key > T and the first (by position) keys == T.
 template <bool kQuest>
-__global__ void __launch_bounds__(kMctaThreads) MctaWriteKernel(DecodeStepArgs a, int64_t mcta_min) {
+__device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
+                              WeightRow w) {
   using Scan = cub::BlockScan<int, kMctaThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int64_t s_out, s_eq;
   const int32_t item = blockIdx.x;
-  const TopKItem it = TopKItemOf(a, item, mcta_min);
-  if (!it.mcta) return;
-  const MctaScratch ws = MctaScratchOf(a, item);
   const RadixState r = MctaPrefix(ws.hist, 4, it.k);
   const int64_t remaining = r.remaining;
   // Selected before this chunk: every key > T of the chunks before it, and of their keys == T
@@ -1155,7 +1180,6 @@ __global__ void __launch_bounds__(kMctaThreads) MctaWriteKernel(DecodeStepArgs a
   }
   int32_t* list = a.list + static_cast<size_t>(item) * a.list_cap;
   const Chunk c = ChunkOf(it.count);
-  const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld + it.lo;
   const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
   for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
     const int64_t jt = TileFirst(j0);
@@ -1163,7 +1187,7 @@ __global__ void __launch_bounds__(kMctaThreads) MctaWriteKernel(DecodeStepArgs a
     int eq = 0;
 #pragma unroll
     for (int u = 0; u < kMctaVec; ++u) {
-      key[u] = jt + u < c.end ? OrderedKey(l[jt + u]) : 0u;
+      key[u] = jt + u < c.end ? OrderedKey(w[jt + u]) : 0u;
       eq += jt + u < c.end && key[u] == r.prefix;
     }
     int eq_rank = 0, eq_total = 0;
@@ -1211,6 +1235,83 @@ __global__ void __launch_bounds__(kMctaThreads) MctaWriteKernel(DecodeStepArgs a
   }
 }
 
+__device__ __forceinline__ WeightRow Row0Of(const DecodeStepArgs& a, const TopKItem& it) {
+  return WeightRow{a.select_ws + static_cast<size_t>(blockIdx.x) * a.params.group * a.select_ld + it.lo, 0};
+}
+
+// The per-pass kernels: one launch a pass, the weights in row 0 of the workspace.
+template <bool kQuest>
+__global__ void __launch_bounds__(kMctaThreads) MctaStatsKernel(DecodeStepArgs a, int64_t mcta_min) {
+  const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
+  if (it.mcta) MctaStatsPass<kQuest>(a, it, MctaScratchOf(a, blockIdx.x));
+}
+
+template <bool kQuest>
+__global__ void __launch_bounds__(kMctaThreads) MctaWeightsKernel(DecodeStepArgs a, int64_t mcta_min) {
+  const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
+  if (it.mcta) MctaWeightsPass<kQuest>(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it), nullptr);
+}
+
+__global__ void __launch_bounds__(kMctaThreads) MctaRadixKernel(DecodeStepArgs a, int64_t mcta_min,
+                                                                int pass) {
+  const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
+  if (it.mcta) MctaRadixPass(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it), pass);
+}
+
+__global__ void __launch_bounds__(kMctaThreads) MctaCountKernel(DecodeStepArgs a, int64_t mcta_min) {
+  const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
+  if (it.mcta) MctaCountPass(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it));
+}
+
+template <bool kQuest>
+__global__ void __launch_bounds__(kMctaThreads) MctaWriteKernel(DecodeStepArgs a, int64_t mcta_min) {
+  const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
+  if (it.mcta) MctaWritePass<kQuest>(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it));
+}
+
+// The fused kernel's barrier among an item's CTAs: barrier i (from 1) of a launch waits until
+// the counter, zeroed by the one-CTA kernel before this launch, reaches i * gridDim.y. Thread 0
+// of each CTA arrives (release, after the CTA's writes) and spins (acquire); the CTA's other
+// threads wait at __syncthreads. Spinning is safe because the launch is cooperative: every CTA of
+// the grid is resident.
+__device__ __forceinline__ void ItemBarrier(unsigned* counter, unsigned target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ::cuda::atomic_ref<unsigned, ::cuda::thread_scope_device> c(*counter);
+    c.fetch_add(1u, ::cuda::memory_order_release);
+    while (c.load(::cuda::memory_order_acquire) < target) {
+    }
+  }
+  __syncthreads();
+}
+
+// The fused top-k: the five passes in one cooperative launch, a barrier among the item's CTAs
+// between them (items do not wait for each other), each CTA's chunk of weights kept in shared
+// memory from the weights pass on (the later passes read no global memory but the histograms and
+// counts). CTAs of items the one-CTA kernel takes return at once. Quest also writes its weights to
+// row 0, where MctaQuestList reads its winners' scores.
+template <bool kQuest>
+__global__ void __launch_bounds__(kMctaThreads, 2) MctaFusedKernel(DecodeStepArgs a, int64_t mcta_min) {
+  extern __shared__ float fused_w[];
+  const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
+  if (!it.mcta) return;
+  const MctaScratch ws = MctaScratchOf(a, blockIdx.x);
+  unsigned* bar = MctaBarrierOf(a, blockIdx.x);
+  unsigned arrivals = 0;
+  const WeightRow w{fused_w, ChunkOf(it.count).begin};
+  MctaStatsPass<kQuest>(a, it, ws);
+  ItemBarrier(bar, arrivals += gridDim.y);
+  MctaWeightsPass<kQuest>(a, it, ws, w, kQuest ? Row0Of(a, it).p : nullptr);
+  ItemBarrier(bar, arrivals += gridDim.y);
+  for (int pass = 1; pass < 4; ++pass) {
+    MctaRadixPass(a, it, ws, w, pass);
+    ItemBarrier(bar, arrivals += gridDim.y);
+  }
+  MctaCountPass(a, it, ws, w);
+  ItemBarrier(bar, arrivals += gridDim.y);
+  MctaWritePass<kQuest>(a, it, ws, w);
+}
+
 // A CTA per item: the multi-CTA Quest winners (ascending pages in the scratch) ranked by score,
 // then walked into the list as QuestTopKKernel does.
 __global__ void __launch_bounds__(kTopKThreads) MctaQuestListKernel(DecodeStepArgs a, int64_t mcta_min) {
@@ -1244,36 +1345,109 @@ __global__ void __launch_bounds__(kTopKThreads) MctaQuestListKernel(DecodeStepAr
   if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - s.off_hi));
 }
 
-// The multi-CTA launches of an item set (see above); ctas CTAs per item.
-Status LaunchMctaTopK(const DecodeStepArgs& a, int64_t mcta_min, unsigned ctas, size_t quest_smem,
-                      cudaStream_t stream) {
+// Most dynamic shared memory a fused CTA takes for its chunk of weights (two CTAs an SM).
+constexpr size_t kMctaFusedMaxSmem = 96 * 1024;
+
+// Bytes of the fused kernel's chunk for items of up to keys_cap scores over ctas CTAs each (the
+// largest chunk ChunkOf can give).
+size_t MctaFusedSmem(int64_t keys_cap, unsigned ctas) {
+  const int64_t tile = int64_t{kMctaThreads} * kMctaVec;
+  const int64_t per = (keys_cap + ctas - 1) / ctas;
+  return static_cast<size_t>((per + tile - 1) / tile * tile) * sizeof(float);
+}
+
+// Launches the fused top-k when its grid can be co-resident on this device (cooperative launch,
+// capturable in a CUDA graph); *launched says whether it did. KVFERRY_MCTA_FUSED=0 turns it off
+// (the per-pass launches then run), for measuring.
+template <bool kQuest>
+Status LaunchMctaFused(const DecodeStepArgs& a, int64_t mcta_min, dim3 grid, int64_t keys_cap,
+                       cudaStream_t stream, bool* launched) {
+  *launched = false;
+  static const bool enabled = [] {
+    const char* e = std::getenv("KVFERRY_MCTA_FUSED");
+    return e == nullptr || std::atoi(e) != 0;
+  }();
+  const size_t smem = MctaFusedSmem(keys_cap, grid.y);
+  if (!enabled || smem > kMctaFusedMaxSmem) return Status::Ok();
+  // Co-residency of this grid on the current device, cached for the last (device, smem) asked.
+  struct Fit {
+    int device = -1;
+    size_t smem = 0;
+    int64_t blocks = 0;  // CTAs the device holds at once, 0 without cooperative launch
+  };
+  thread_local Fit fit[2];
+  Fit& f = fit[kQuest ? 1 : 0];
+  int device = 0;
+  KVF_CUDA_CHECK(cudaGetDevice(&device));
+  if (f.device != device || f.smem != smem) {
+    int coop = 0, sms = 0, per_sm = 0;
+    KVF_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+    KVF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    KVF_CUDA_CHECK(cudaFuncSetAttribute(MctaFusedKernel<kQuest>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kMctaFusedMaxSmem)));
+    KVF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, MctaFusedKernel<kQuest>,
+                                                                 kMctaThreads, smem));
+    f.device = device;
+    f.smem = smem;
+    f.blocks = coop != 0 ? int64_t{per_sm} * sms : 0;
+  }
+  if (int64_t{grid.x} * grid.y > f.blocks) return Status::Ok();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kMctaThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  KVF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, MctaFusedKernel<kQuest>, a, mcta_min));
+  *launched = true;
+  return Status::Ok();
+}
+
+// The multi-CTA launches of an item set (see above); ctas CTAs per item of up to keys_cap scores:
+// the fused kernel when it fits, else one launch a pass.
+Status LaunchMctaTopK(const DecodeStepArgs& a, int64_t mcta_min, unsigned ctas, int64_t keys_cap,
+                      size_t quest_smem, bool allow_fused, cudaStream_t stream) {
   const unsigned items = static_cast<unsigned>(int64_t{a.batch} * a.num_kv_heads);
   const dim3 grid(items, ctas);
   const bool quest = a.scoring == SelectScoring::kQuestPages;
-  if (quest) {
-    MctaStatsKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
-    KVF_CUDA_CHECK_LAUNCH(MctaStatsKernel);
-    MctaWeightsKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
-    KVF_CUDA_CHECK_LAUNCH(MctaWeightsKernel);
-  } else {
-    MctaStatsKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
-    KVF_CUDA_CHECK_LAUNCH(MctaStatsKernel);
-    MctaWeightsKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
-    KVF_CUDA_CHECK_LAUNCH(MctaWeightsKernel);
+  bool fused = false;
+  if (allow_fused && quest) {
+    KVF_RETURN_IF_ERROR(LaunchMctaFused<true>(a, mcta_min, grid, keys_cap, stream, &fused));
+  } else if (allow_fused) {
+    KVF_RETURN_IF_ERROR(LaunchMctaFused<false>(a, mcta_min, grid, keys_cap, stream, &fused));
   }
-  for (int pass = 1; pass < 4; ++pass) {
-    MctaRadixKernel<<<grid, kMctaThreads, 0, stream>>>(a, mcta_min, pass);
-    KVF_CUDA_CHECK_LAUNCH(MctaRadixKernel);
+  if (!fused) {
+    if (quest) {
+      MctaStatsKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+      KVF_CUDA_CHECK_LAUNCH(MctaStatsKernel);
+      MctaWeightsKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+      KVF_CUDA_CHECK_LAUNCH(MctaWeightsKernel);
+    } else {
+      MctaStatsKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+      KVF_CUDA_CHECK_LAUNCH(MctaStatsKernel);
+      MctaWeightsKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+      KVF_CUDA_CHECK_LAUNCH(MctaWeightsKernel);
+    }
+    for (int pass = 1; pass < 4; ++pass) {
+      MctaRadixKernel<<<grid, kMctaThreads, 0, stream>>>(a, mcta_min, pass);
+      KVF_CUDA_CHECK_LAUNCH(MctaRadixKernel);
+    }
+    MctaCountKernel<<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(MctaCountKernel);
+    if (quest) {
+      MctaWriteKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+      KVF_CUDA_CHECK_LAUNCH(MctaWriteKernel);
+    } else {
+      MctaWriteKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+      KVF_CUDA_CHECK_LAUNCH(MctaWriteKernel);
+    }
   }
-  MctaCountKernel<<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
-  KVF_CUDA_CHECK_LAUNCH(MctaCountKernel);
-  if (!quest) {
-    MctaWriteKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
-    KVF_CUDA_CHECK_LAUNCH(MctaWriteKernel);
-    return Status::Ok();
-  }
-  MctaWriteKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
-  KVF_CUDA_CHECK_LAUNCH(MctaWriteKernel);
+  if (!quest) return Status::Ok();
   if (quest_smem > kQuestSmemOptIn) {
     KVF_CUDA_CHECK(cudaFuncSetAttribute(MctaQuestListKernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1415,9 +1589,9 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
   }
   // Scores an item ranks at most: positions, or Quest's pages.
   const int64_t keys_cap = quest ? (a.select_ld + a.meta_page - 1) / a.meta_page + 1 : a.select_ld;
-  const int64_t min_keys = quest ? kSelectMctaMinPages : kSelectMctaMinKeys;
+  const int64_t min_keys = quest ? SelectMctaMinPages() : kSelectMctaMinKeys;
   int64_t mcta_min = std::numeric_limits<int64_t>::max();  // no item takes the multi-CTA path
-  if (path == SelectTopKPath::kMultiCta) {
+  if (path == SelectTopKPath::kMultiCta || path == SelectTopKPath::kMultiCtaPerPass) {
     KVF_CHECK_ARG(a.select_mcta_ws != nullptr, "DecodeSelect: multi-CTA top-k without its scratch");
     mcta_min = 1;
   } else if (path == SelectTopKPath::kAuto && a.select_mcta_ws != nullptr &&
@@ -1464,7 +1638,8 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
     return e == nullptr ? 2 : std::max(1, std::atoi(e));
   }();
   const int32_t ctas = SelectMctaCtas(items, keys_cap, info.num_sms, per_sm);
-  return LaunchMctaTopK(a, mcta_min, static_cast<unsigned>(ctas), smem, stream);
+  return LaunchMctaTopK(a, mcta_min, static_cast<unsigned>(ctas), keys_cap, smem,
+                        path != SelectTopKPath::kMultiCtaPerPass, stream);
 }
 
 Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {

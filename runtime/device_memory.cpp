@@ -269,7 +269,7 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
                                      : z.select_ld;
       const size_t mcta_bytes = SelectMctaWorkspaceBytes(
           items, group_, ranked_cap,
-          scoring == SelectScoring::kQuestPages ? kSelectMctaMinPages : kSelectMctaMinKeys);
+          scoring == SelectScoring::kQuestPages ? SelectMctaMinPages() : kSelectMctaMinKeys);
       if (cuda && mcta_bytes > 0) z.select_mcta = AllocBytes(mcta_bytes);
       if (scoring == SelectScoring::kSparcas) {
         const Policy::DeviceSelectParams dp = policy_->device_select_params(m.head_dim);

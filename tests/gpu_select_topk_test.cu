@@ -242,10 +242,12 @@ TEST_P(GpuSelectTopKTest, BothPathsEqualTheHostReference) {
     want[i] = ReferenceList(c, rows, ld, n, StepBudget(budget, 0.0, budget, n));
   }
   // Paths 0-2 as named; 3: kAuto with a length hint below the threshold (too low for the long
-  // items: every item then takes the one-CTA kernel, whatever its true length).
-  for (int variant = 0; variant < 4; ++variant) {
+  // items: every item then takes the one-CTA kernel, whatever its true length); 4: the multi-CTA
+  // top-k a launch a pass (1 and 2 take the fused kernel wherever its grid fits).
+  for (int variant = 0; variant < 5; ++variant) {
     const cuda::SelectTopKPath path = variant == 0   ? cuda::SelectTopKPath::kOneCta
                                       : variant == 1 ? cuda::SelectTopKPath::kMultiCta
+                                      : variant == 4 ? cuda::SelectTopKPath::kMultiCtaPerPass
                                                      : cuda::SelectTopKPath::kAuto;
     a.max_len_hint = variant == 3 ? 100 : 0;
     ASSERT_EQ(cudaMemcpy(d_ws, scores.data(), scores.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);

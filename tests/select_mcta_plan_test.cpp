@@ -19,9 +19,11 @@ TEST(SelectMctaPlan, ScratchOnlyWhenAnItemCanReachTheThreshold) {
   EXPECT_GT(SelectMctaWorkspaceBytes(8, 4, kSelectMctaMinPages, kSelectMctaMinPages), 0u);
   EXPECT_EQ(SelectMctaWorkspaceBytes(8, 0, 1 << 17), 0u);
   const size_t one = SelectMctaWorkspaceBytes(1, 4, kSelectMctaMinKeys);
-  // Histograms, per-CTA counts, per-head per-CTA (max, sum) pairs and Quest's picks.
+  // Histograms, per-CTA counts, per-head per-CTA (max, sum) pairs, Quest's picks and the fused
+  // kernel's barrier counter with a word of padding.
   EXPECT_EQ(one, static_cast<size_t>(4 * 256 + 2 * kSelectMctaMaxCtas + 2 * 4 * kSelectMctaMaxCtas +
-                                     kSelectMctaMaxPicks) * 4);
+                                     kSelectMctaMaxPicks + 2) * 4);
+  EXPECT_EQ(one % 8, 0u);  // every item's (max, sum) pairs stay 8-byte aligned
   EXPECT_EQ(SelectMctaWorkspaceBytes(32, 4, 1 << 20), 32 * one);  // independent of the length
   EXPECT_GT(SelectMctaWorkspaceBytes(1, 8, 1 << 17), one);        // grows with the group
   // The Quest picks hold every page a one-CTA Quest top-k could sort.
