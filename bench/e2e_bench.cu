@@ -389,6 +389,14 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     CHECK_CUDA(cudaGraphExecDestroy(exec));
     CHECK_CUDA(cudaGraphDestroy(graph));
   }
+  // The device selection alone: call by call again with its launches timed on the stream
+  // (Runtime::TimeDeviceSelect; 0 for policies that select on the host).
+  Check(rt->TimeDeviceSelect(true), "TimeDeviceSelect");
+  rt->ResetStats();
+  for (int i = 0; i < o.steps; ++i) step_plain(graph_ok);
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  const double ms_select_device = rt->GetStats().ms_select_device / o.steps;
+  Check(rt->TimeDeviceSelect(false), "TimeDeviceSelect");
   const double steps = o.steps;
   const double ms = graph_ok ? ms_graph : ms_plain;
   row << ",\"capture_safe\":" << (graph_ok ? "true" : "false") << ",\"ms_per_token_step\":" << ms
@@ -403,6 +411,8 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
       << ",\"rows_cpu_per_step\":" << sp.rows_cpu / steps
       << ",\"lfps_scans_device_per_step\":" << sp.lfps_scans_device / steps
       << ",\"lfps_scans_device_short_per_step\":" << sp.lfps_scans_device_short / steps
+      << ",\"ms_select_device_per_step\":" << ms_select_device
+      << ",\"select_key_bytes_per_step\":" << sp.select_key_bytes / steps
       << ",\"stages_ms_per_step\":{"
       << "\"append\":" << sp.ms_append / steps << ",\"select\":" << sp.ms_select / steps
       << ",\"resolve\":" << sp.ms_resolve / steps << ",\"attend_gpu\":" << sp.ms_attend_gpu / steps

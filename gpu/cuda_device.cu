@@ -247,6 +247,21 @@ Result<EventHandle> CudaDevice::CreateEvent() {
   return static_cast<EventHandle>(e);
 }
 
+Result<EventHandle> CudaDevice::CreateTimingEvent() {
+  KVF_RETURN_IF_ERROR(Activate());
+  cudaEvent_t e = nullptr;
+  KVF_CUDA_CHECK(cudaEventCreate(&e));
+  return static_cast<EventHandle>(e);
+}
+
+Result<double> CudaDevice::ElapsedMs(EventHandle start, EventHandle end) {
+  KVF_CHECK_ARG(start != nullptr && end != nullptr, "ElapsedMs: null event");
+  float ms = 0;
+  KVF_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start),
+                                      static_cast<cudaEvent_t>(end)));
+  return static_cast<double>(ms);
+}
+
 void CudaDevice::DestroyEvent(EventHandle event) {
   if (event == nullptr) return;
   KVF_CUDA_WARN(cudaEventDestroy(static_cast<cudaEvent_t>(event)));

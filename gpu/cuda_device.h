@@ -44,6 +44,8 @@ class CudaDevice final : public Device {
   Result<StreamHandle> CreateStream() override;
   void DestroyStream(StreamHandle stream) override;
   Result<EventHandle> CreateEvent() override;
+  Result<EventHandle> CreateTimingEvent() override;
+  Result<double> ElapsedMs(EventHandle start, EventHandle end) override;
   void DestroyEvent(EventHandle event) override;
   Status RecordEvent(EventHandle event, StreamHandle stream) override;
   Status WaitEvent(StreamHandle stream, EventHandle event) override;

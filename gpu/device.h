@@ -118,6 +118,16 @@ class Device {
   virtual Status WaitEvent(StreamHandle stream, EventHandle event) = 0;  ///< stream waits, host doesn't
   virtual Status SynchronizeEvent(EventHandle event) = 0;                 ///< host waits
   virtual Status SynchronizeStream(StreamHandle stream) = 0;
+  /// An event that also records when the device reached it, for ElapsedMs (CUDA: an event with
+  /// timing; devices whose events carry no time: CreateEvent's).
+  virtual Result<EventHandle> CreateTimingEvent() { return CreateEvent(); }
+  /// Milliseconds on the device from \p start to \p end, two timing events recorded on one
+  /// stream and complete; kUnimplemented where events carry no time (the host device).
+  virtual Result<double> ElapsedMs(EventHandle start, EventHandle end) {
+    (void)start;
+    (void)end;
+    return Unimplemented("ElapsedMs: this device's events carry no time");
+  }
 
   // ---- data movement ----
   /// Any-direction copy (unified addressing).

@@ -111,6 +111,7 @@ std::string Stats::ToJson() const {
      << ",\"lfps_scans_device_short\":" << lfps_scans_device_short
      << ",\"select_key_bytes\":" << select_key_bytes
      << ",\"ms_append\":" << ms_append << ",\"ms_select\":" << ms_select
+     << ",\"ms_select_device\":" << ms_select_device
      << ",\"ms_resolve\":" << ms_resolve << ",\"ms_attend_gpu\":" << ms_attend_gpu
      << ",\"ms_attend_cpu\":" << ms_attend_cpu << ",\"ms_merge\":" << ms_merge << ",\"ms_admit\":" << ms_admit
      << ",\"ms_prefill\":" << ms_prefill << ",\"ms_prime\":" << ms_prime

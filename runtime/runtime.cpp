@@ -105,6 +105,10 @@ RuntimeImpl::~RuntimeImpl() {
   for (EventHandle e : list_up_) {
     if (e != nullptr) device_->DestroyEvent(e);
   }
+  for (const SelectTiming& t : select_timing_) {
+    if (t.start != nullptr) device_->DestroyEvent(t.start);
+    if (t.end != nullptr) device_->DestroyEvent(t.end);
+  }
   for (EventHandle e : {q_ready_, cpu_part_up_, scan_ready_, prefill_items_done_[0],
                         prefill_items_done_[1]}) {
     if (e != nullptr) device_->DestroyEvent(e);
@@ -1569,6 +1573,11 @@ Stats RuntimeImpl::stats() const {
   s.prhs_select_reused = pc.select_reused - policy_counters_at_reset_.select_reused;
   s.lfps_scans_device = pc.scans_device - policy_counters_at_reset_.scans_device;
   s.lfps_scans_device_short = pc.scans_device_short - policy_counters_at_reset_.scans_device_short;
+  for (const SelectTiming& t : select_timing_) {  // selections timed but not yet read back
+    if (!t.pending || !device_->SynchronizeEvent(t.end).ok()) continue;
+    const Result<double> ms = device_->ElapsedMs(t.start, t.end);
+    if (ms.ok()) s.ms_select_device += ms.value();
+  }
   if (step_bank_ != nullptr) {
     // The device bank's counters (a read-back that waits for the device). Its misses are the rows
     // the step read from the host store.
@@ -1644,6 +1653,10 @@ Result<std::vector<int32_t>> Runtime::LastSelection(SequenceId seq, int layer, i
 Status Runtime::Synchronize() {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
   return impl_->Synchronize();
+}
+Status Runtime::TimeDeviceSelect(bool on) {
+  const std::lock_guard<std::mutex> lock(impl_->mutex());
+  return impl_->TimeDeviceSelect(on);
 }
 Status Runtime::StartTrace(int64_t max_events) {
   const std::lock_guard<std::mutex> lock(impl_->mutex());

@@ -156,6 +156,7 @@ class RuntimeImpl {
 
   Stats stats() const;
   Status StartTrace(int64_t max_events) { return trace_.Start(max_events); }
+  Status TimeDeviceSelect(bool on);
   Status WriteTrace(const std::string& path) { return trace_.Write(path); }
   cpu::CpuPool& pool() { return *pool_; }
   void ResetStats() {
@@ -167,6 +168,7 @@ class RuntimeImpl {
       if (t.ok()) bank_totals_at_reset_ = t.value();
     }
     if (policy_ != nullptr) policy_counters_at_reset_ = policy_->counters();
+    for (SelectTiming& t : select_timing_) t.pending = false;
   }
   const RuntimeConfig& config() const { return config_; }
   const DeviceMemoryPlan& device_memory() const { return device_plan_; }
@@ -526,6 +528,20 @@ class RuntimeImpl {
   bool cpu_step_ = false;
   void* q_raw_host_ = nullptr;       // pinned: q, k, v of a step as the caller gave them
   EventHandle q_ready_ = nullptr;    // q_raw_host_ holds this call's q, k, v
+  // Runtime::TimeDeviceSelect: kSelectTimingRing (start, end) timing-event pairs a layer, used in
+  // turn. A pair is pending from its end's record until its time is added to
+  // stats_.ms_select_device, when the pair comes round again (stats() adds the pending ones to
+  // its copy), so no step waits for its own selection.
+  static constexpr int kSelectTimingRing = 4;
+  struct SelectTiming {
+    EventHandle start = nullptr, end = nullptr;
+    bool pending = false;
+  };
+  bool time_select_ = false;
+  std::vector<SelectTiming> select_timing_;  // [layer][kSelectTimingRing], created when turned on
+  std::vector<int> select_timing_next_;      // per layer: the pair it takes next
+  // The layer's next pair, its previous time added to stats_ first.
+  SelectTiming* NextSelectTiming(int layer);
   EventHandle cpu_part_up_ = nullptr;  // the last CPU part left o_cpu_host_ / lse_cpu_host_
   // CUDA, bank_slots > 0, a policy that selects on the host (Select: hip, kvpop, lfps, streaming,
   // the PrHS wrappers), route gpu: the planned step with the device bank. Per layer q, k and v go

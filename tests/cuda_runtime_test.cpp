@@ -646,6 +646,9 @@ TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
   for (int b = 0; b < 2; ++b) ASSERT_TRUE(rt[b]->Synchronize().ok());
   const int64_t batch = 2;
   for (int step = 0; step < 6; ++step) {
+    // The last three steps time the device selection (Runtime::TimeDeviceSelect): the same
+    // selections and outputs, and a time in Stats.
+    if (step == 3) ASSERT_TRUE(rt[0]->TimeDeviceSelect(true).ok());
     for (int layer = 0; layer < m.num_layers; ++layer) {
       std::vector<float> q(batch * m.num_q_heads * m.head_dim), k(batch * m.num_kv_heads * m.head_dim),
           v(k.size());
@@ -686,6 +689,8 @@ TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
       }
     }
   }
+  EXPECT_GT(rt[0]->GetStats().ms_select_device, 0.0);
+  EXPECT_EQ(rt[1]->GetStats().ms_select_device, 0.0);  // not turned on there
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda, CudaRuntimeLong, ::testing::Values("oracle", "sparcas"));

@@ -522,6 +522,45 @@ TEST(PlannedStep, SelectKeyBytesAreWhatTheDeviceSelectionReads) {
   EXPECT_EQ(got["oracle"], 8 * got["sparcas"]);
 }
 
+TEST(PlannedStep, TimeDeviceSelectTimesOnlyDeviceSelections) {
+  // Off at Create: nothing timed. On: every Decode of a device-selecting policy adds its
+  // selection's time, a host-selecting one adds none; ResetStats clears it; off stops it.
+  for (const char* policy : {"quest", "sparcas", "oracle", "streaming"}) {
+    const bool device_selects = std::string(policy) != "streaming";
+    RuntimeConfig c = PlanConfig(policy, 2);
+    c.policy.budget_tokens = 24;
+    auto rt = Make(c);
+    ASSERT_TRUE(rt) << policy;
+    Feeder f(c, 5);
+    ASSERT_TRUE(rt->AddSequence(3).ok());
+    f.Prefill({rt.get()}, 3, 150);
+    auto step = [&] {
+      ASSERT_TRUE(rt->PlanDecode(std::vector<SequenceId>{3}).ok());
+      for (int l = 0; l < c.model.num_layers; ++l) {
+        Feeder::Step s = f.Make(1);
+        std::vector<float> out;
+        ASSERT_TRUE(f.Decode(*rt, {3}, l, s, out).ok()) << policy;
+      }
+    };
+    step();
+    EXPECT_EQ(rt->GetStats().ms_select_device, 0.0) << policy;
+    ASSERT_TRUE(rt->TimeDeviceSelect(true).ok());
+    for (int i = 0; i < 3; ++i) step();
+    const double timed = rt->GetStats().ms_select_device;
+    if (device_selects) {
+      EXPECT_GT(timed, 0.0) << policy;
+    } else {
+      EXPECT_EQ(timed, 0.0) << policy;
+    }
+    EXPECT_NE(rt->GetStats().ToJson().find("\"ms_select_device\":"), std::string::npos);
+    rt->ResetStats();
+    EXPECT_EQ(rt->GetStats().ms_select_device, 0.0) << policy;
+    ASSERT_TRUE(rt->TimeDeviceSelect(false).ok());
+    step();
+    EXPECT_EQ(rt->GetStats().ms_select_device, 0.0) << policy;
+  }
+}
+
 TEST(Append, StoresWhatPrefillStoresWithoutAttention) {
   for (const char* policy : {"dense", "streaming", "oracle"}) {
     const RuntimeConfig c = PlanConfig(policy, 2);

@@ -176,6 +176,10 @@ class Runtime {
   /// On CUDA the kernels run later on the stream: their time is not in this host timeline.
   Status WriteTrace(const std::string& path);
   void ResetStats();
+  /// While on, every eager planned Decode of a policy that selects on the device times its
+  /// selection into Stats::ms_select_device (CUDA: two timing events a layer on the stream, read
+  /// back a few steps later, without a host wait on the step's path). For measuring; off at Create.
+  Status TimeDeviceSelect(bool on);
   /// The configuration, as given to Create except Tiers::bank_slots = -1, replaced by the slots
   /// chosen.
   [[nodiscard]] const RuntimeConfig& config() const;

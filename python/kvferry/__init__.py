@@ -205,6 +205,10 @@ class Runtime:
         """Zeroes the counters."""
         self._rt.reset_stats()
 
+    def time_device_select(self, on: bool) -> None:
+        """Times each eager decode's device selection into stats()["ms_select_device"] while on."""
+        self._rt.time_device_select(on)
+
     def __repr__(self) -> str:
         c = self._config
         return (f"kvferry.Runtime(policy={c.policy!r}, budget={c.budget}, backend={self.backend!r}, "

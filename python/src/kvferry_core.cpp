@@ -244,6 +244,7 @@ nb::dict StatsDict(const Stats& s) {
   KVF_STAT(select_key_bytes);
   KVF_STAT(ms_append);
   KVF_STAT(ms_select);
+  KVF_STAT(ms_select_device);
   KVF_STAT(ms_resolve);
   KVF_STAT(ms_attend_gpu);
   KVF_STAT(ms_attend_cpu);
@@ -367,6 +368,7 @@ class PyRuntime {
   nb::dict GetStats() const { return StatsDict(rt_->GetStats()); }
   std::string StatsJson() const { return rt_->GetStats().ToJson(); }
   void ResetStats() { rt_->ResetStats(); }
+  void TimeDeviceSelect(bool on) { Check(rt_->TimeDeviceSelect(on)); }
   std::string BackendName() const { return kvferry::BackendName(rt_->backend()); }
   bool CaptureSafe() const { return rt_->decode_is_capture_safe(); }
 
@@ -402,6 +404,7 @@ NB_MODULE(_core, m) {
       .def("stats", &PyRuntime::GetStats)
       .def("stats_json", &PyRuntime::StatsJson)
       .def("reset_stats", &PyRuntime::ResetStats)
+      .def("time_device_select", &PyRuntime::TimeDeviceSelect, nb::arg("on"))
       .def_prop_ro("backend", &PyRuntime::BackendName)
       .def_prop_ro("decode_is_capture_safe", &PyRuntime::CaptureSafe);
 }

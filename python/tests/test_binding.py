@@ -86,6 +86,18 @@ def test_prefill_then_decode_dense_equals_reference():
     assert set(s) >= {"bytes_h2d", "rows_resident", "rows_fetched", "ms_select", "host_bytes_reserved"}
 
 
+def test_time_device_select():
+    rt = make_rt(policy="quest", budget=40)
+    rt.add_sequence(1)
+    t = 300
+    rt.prefill(1, 0, rnd(t, HQ, D), rnd(t, HKV, D), rnd(t, HKV, D))
+    rt.decode([1], 0, rnd(1, HQ, D), rnd(1, HKV, D), rnd(1, HKV, D))
+    assert rt.stats()["ms_select_device"] == 0  # off until asked
+    rt.time_device_select(True)
+    rt.decode([1], 0, rnd(1, HQ, D), rnd(1, HKV, D), rnd(1, HKV, D))
+    assert rt.stats()["ms_select_device"] > 0
+
+
 def test_streaming_attends_sinks_and_recent():
     budget = 40
     rt = make_rt(policy="streaming", budget=budget)
