@@ -6,8 +6,8 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 
+#include "base/env.h"
 #include "kvferry/tensor.h"
 
 namespace kvferry {
@@ -406,11 +406,7 @@ constexpr int64_t kSelectMctaMinPages = 4096;
 /// KVFERRY_MCTA_MIN_PAGES when set (for measuring; read once). The runtime sizes the scratch and
 /// LaunchSelectTopK picks the path with it.
 inline int64_t SelectMctaMinPages() {
-  static const int64_t pages = [] {
-    const char* e = std::getenv("KVFERRY_MCTA_MIN_PAGES");
-    const long long v = e == nullptr ? 0 : std::atoll(e);
-    return v >= 1 ? static_cast<int64_t>(v) : kSelectMctaMinPages;
-  }();
+  static const int64_t pages = EnvInt("KVFERRY_MCTA_MIN_PAGES", kSelectMctaMinPages, 1);
   return pages;
 }
 constexpr int32_t kSelectMctaMaxCtas = 64;

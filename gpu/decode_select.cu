@@ -18,9 +18,9 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
-#include <cstdlib>
 #include <limits>
 
+#include "base/env.h"
 #include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
@@ -865,6 +865,15 @@ __device__ __forceinline__ int64_t TileFirst(int64_t j0) {
   return j0 + static_cast<int64_t>(threadIdx.x) * kMctaVec;
 }
 
+// Thread's kMctaVec values of the tile at jt = TileFirst(j0): row[jt + u], or `fill` past `end`
+// (the loads issued together). Row: a pointer or a WeightRow.
+template <typename Row>
+__device__ __forceinline__ void LoadTile(const Row& row, int64_t jt, int64_t end, float fill,
+                                         float (&x)[kMctaVec]) {
+#pragma unroll
+  for (int u = 0; u < kMctaVec; ++u) x[u] = jt + u < end ? row[jt + u] : fill;
+}
+
 // The radix state after `passes` histograms of an item ranking its k largest keys: the key bits
 // found so far (prefix, under mask) and how many keys equal to the prefix there remain to take.
 // Every thread of a kMctaThreads CTA calls it; as TopKSelect's digit search, in parallel.
@@ -978,11 +987,9 @@ __device__ void MctaStatsPass(const DecodeStepArgs& a, const TopKItem& it, const
       float v[kStatsHeads][kMctaVec];
 #pragma unroll
       for (int gg = 0; gg < kStatsHeads; ++gg) {
-        const float* lg = l + static_cast<size_t>(g0 + gg) * a.select_ld;
-#pragma unroll
-        for (int u = 0; u < kMctaVec; ++u) {
-          v[gg][u] = g0 + gg < group && jt + u < c.end ? lg[jt + u] : -INFINITY;
-        }
+        // Heads past the group read nothing (an end of 0).
+        LoadTile(l + static_cast<size_t>(g0 + gg) * a.select_ld, jt, g0 + gg < group ? c.end : 0,
+                 -INFINITY, v[gg]);
       }
 #pragma unroll
       for (int gg = 0; gg < kStatsHeads; ++gg) {
@@ -1066,8 +1073,7 @@ __device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, con
     for (int g = 0; g < group; ++g) {
       const float* lg = l + static_cast<size_t>(g) * a.select_ld;
       float x[kMctaVec];
-#pragma unroll
-      for (int u = 0; u < kMctaVec; ++u) x[u] = jt + u < c.end ? lg[jt + u] : 0.0f;
+      LoadTile(lg, jt, c.end, 0.0f, x);
 #pragma unroll
       for (int u = 0; u < kMctaVec; ++u) {
         if (kQuest) {
@@ -1104,8 +1110,7 @@ __device__ void MctaRadixPass(const DecodeStepArgs& a, const TopKItem& it, const
   for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
     const int64_t jt = TileFirst(j0);
     float x[kMctaVec];
-#pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) x[u] = jt + u < c.end ? w[jt + u] : 0.0f;
+    LoadTile(w, jt, c.end, 0.0f, x);
 #pragma unroll
     for (int u = 0; u < kMctaVec; ++u) {
       const uint32_t key = OrderedKey(x[u]);
@@ -1127,8 +1132,7 @@ __device__ void MctaCountPass(const DecodeStepArgs& a, const TopKItem& it, const
   for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
     const int64_t jt = TileFirst(j0);
     float x[kMctaVec];
-#pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) x[u] = jt + u < c.end ? w[jt + u] : 0.0f;
+    LoadTile(w, jt, c.end, 0.0f, x);
 #pragma unroll
     for (int u = 0; u < kMctaVec; ++u) {
       const uint32_t key = OrderedKey(x[u]);
@@ -1183,11 +1187,13 @@ __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const
   const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
   for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
     const int64_t jt = TileFirst(j0);
+    float x[kMctaVec];
+    LoadTile(w, jt, c.end, 0.0f, x);
     uint32_t key[kMctaVec];
     int eq = 0;
 #pragma unroll
     for (int u = 0; u < kMctaVec; ++u) {
-      key[u] = jt + u < c.end ? OrderedKey(w[jt + u]) : 0u;
+      key[u] = jt + u < c.end ? OrderedKey(x[u]) : 0u;
       eq += jt + u < c.end && key[u] == r.prefix;
     }
     int eq_rank = 0, eq_total = 0;
@@ -1363,10 +1369,7 @@ template <bool kQuest>
 Status LaunchMctaFused(const DecodeStepArgs& a, int64_t mcta_min, dim3 grid, int64_t keys_cap,
                        cudaStream_t stream, bool* launched) {
   *launched = false;
-  static const bool enabled = [] {
-    const char* e = std::getenv("KVFERRY_MCTA_FUSED");
-    return e == nullptr || std::atoi(e) != 0;
-  }();
+  static const bool enabled = EnvInt("KVFERRY_MCTA_FUSED", 1, 0) != 0;
   const size_t smem = MctaFusedSmem(keys_cap, grid.y);
   if (!enabled || smem > kMctaFusedMaxSmem) return Status::Ok();
   // Co-residency of this grid on the current device, cached for the last (device, smem) asked.
@@ -1633,10 +1636,7 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
   }
   if (mcta_min == std::numeric_limits<int64_t>::max()) return Status::Ok();
   // KVFERRY_MCTA_PER_SM: the multi-CTA top-k's CTAs per SM in all (default 2), for measuring.
-  static const int per_sm = [] {
-    const char* e = std::getenv("KVFERRY_MCTA_PER_SM");
-    return e == nullptr ? 2 : std::max(1, std::atoi(e));
-  }();
+  static const int per_sm = static_cast<int>(EnvInt("KVFERRY_MCTA_PER_SM", 2, 1));
   const int32_t ctas = SelectMctaCtas(items, keys_cap, info.num_sms, per_sm);
   return LaunchMctaTopK(a, mcta_min, static_cast<unsigned>(ctas), keys_cap, smem,
                         path != SelectTopKPath::kMultiCtaPerPass, stream);

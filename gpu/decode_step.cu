@@ -7,9 +7,8 @@
 // and the CPU part when there is one, into the caller's output in its dtype.
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
+#include "base/env.h"
 #include "gpu/attention.cuh"
 #include "gpu/bank_map.cuh"
 #include "gpu/device_bank.h"
@@ -475,19 +474,15 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
   static_assert(kRed >= static_cast<size_t>(G) * kAttnThreads * sizeof(float),
                 "the combine's weights fit in the reduction buffers");
   static const bool pdl = [] {
-    const char* e = std::getenv("KVFERRY_STEP_PDL");
     int dev = 0, major = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    return major >= 9 && (e == nullptr || std::strcmp(e, "0") != 0);
+    return major >= 9 && EnvInt("KVFERRY_STEP_PDL", 1, 0) != 0;
   }();
   // Tiles of its range each CTA warms in L2 before the wait (KVFERRY_STEP_PREFETCH). Measured on
   // the H100 (dense all-resident, 32K, batch 1, 32 layers; 1.827 ms without PDL): 0 tiles 1.831,
   // 3 tiles 1.792, 8 tiles 1.771 ms. 8 tiles of 264 CTAs are 34 MB, within the 50 MB L2.
-  static const int prefetch_tiles = [] {
-    const char* e = std::getenv("KVFERRY_STEP_PREFETCH");
-    return e == nullptr ? 8 : std::max(0, std::atoi(e));
-  }();
+  static const int prefetch_tiles = static_cast<int>(EnvInt("KVFERRY_STEP_PREFETCH", 8, 0));
   // With PDL the kernel asks for enough shared memory that two CTAs fill an SM: a third would be
   // the next layer's, waiting, and the SMs that free first would then take three of it.
   const size_t smem_launch = pdl && kPipe ? std::max<size_t>(smem, 80 * 1024) : smem;
@@ -508,10 +503,7 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
   // so more CTAs help until a second wave (246 registers a thread: two CTAs an SM). Measured
   // (stop 20, sparcas_bank / quest_bank at 128K, ms per token step): 256 rows 6.99 / 5.63, 128
   // 6.40 / 5.19, 64 6.83 / 5.56, 32 7.23 / 5.93.
-  static const int list_min_chunk = [] {
-    const char* e = std::getenv("KVFERRY_STEP_MIN_CHUNK");
-    return e == nullptr ? 128 : std::max(1, std::atoi(e));
-  }();
+  static const int list_min_chunk = static_cast<int>(EnvInt("KVFERRY_STEP_MIN_CHUNK", 128, 1));
   l.min_chunk = kPipe ? 2 * kPipeTileRows<HD> : list_min_chunk;
   l.fused_append = a.k_dtype == a.params.kv_dtype && a.v_dtype == a.params.kv_dtype &&
                    reinterpret_cast<uintptr_t>(a.k) % 16 == 0 && reinterpret_cast<uintptr_t>(a.v) % 16 == 0;
