@@ -10,7 +10,10 @@
 //   kvferry-e2e --json out.json [--contexts 32768,131072] [--batches 1,4] [--modes a,b,..]
 //               [--steps 20] [--layers 32] [--host-gib 100] [--device-gib 70]
 //               [--prefill-chunks 2048,8192] [--prefill-layers 3] [--prefill-order layer|chunk]
-//               [--cpu-threads N] [--trace PREFIX] [--param key=value ...]
+//               [--cpu-threads N] [--trace PREFIX] [--param key=value ...] [--query-drift E]
+// --query-drift E: the decode query moves from step to step, q = q0 + E * noise_s, 16 noises in
+// turn (0, the default: one query for every step, as a repeated prompt token). A moving query
+// changes SparCas's dimensions at its refreshes and what the bank must hold; the row says "query_drift".
 // --gpu-gib G caps the runtime's device memory (Capacity::gpu_bytes; the _bank modes take the
 // largest bank that fits). A mode may be prefixed by PrHS wrappers: "cis+lfps", "psaw+cis+oracle".
 // Modes: dense_cpu (dense, every row attended on the CPU cores), dense_resident (window covers the context), streaming (budget 1024, window 256: 768 rows
@@ -55,6 +58,17 @@ using kvferry::TensorView;
     }                                                                                   \
   } while (0)
 
+// out = base + e * noise, bf16 (round to nearest even).
+__global__ void DriftBf16(uint16_t* out, const uint16_t* base, const uint16_t* noise, int64_t n, float e) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float x = __uint_as_float(static_cast<uint32_t>(base[i]) << 16) +
+                    e * __uint_as_float(static_cast<uint32_t>(noise[i]) << 16);
+    const uint32_t bits = __float_as_uint(x);
+    out[i] = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  }
+}
+
 __global__ void FillBf16(uint16_t* x, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -94,6 +108,7 @@ struct Options {
   // --param k=v (repeatable): config.policy.params of every decode and prefill mode (unknown keys
   // are the policy's error); written into each row as "params".
   std::vector<std::pair<std::string, double>> params;
+  double query_drift = 0;  // --query-drift
 };
 
 template <typename T>
@@ -147,6 +162,7 @@ Options Parse(int argc, char** argv) {
     else if (a == "--prefill-order") o.prefill_order = next();
     else if (a == "--cpu-threads") o.cpu_threads = std::stoi(next());
     else if (a == "--trace") o.trace_prefix = next();
+    else if (a == "--query-drift") o.query_drift = std::stod(next());
     else if (a == "--param") {
       const std::string kv = next();
       const size_t eq = kv.find('=');
@@ -267,6 +283,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   }
   row << ",\"policy\":\"" << c.policy.name << "\",\"route\":\"" << kvferry::RouteName(c.route) << "\""
       << ",\"bank_slots\":" << c.tiers.bank_slots;
+  if (o.query_drift != 0) row << ",\"query_drift\":" << o.query_drift;
   AddParams(o, c, row);
   auto made = Runtime::Create(c);
   if (!made.ok()) {
@@ -295,6 +312,29 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   FillBf16<<<64, 256, 0, stream>>>(q, batch * kHq * kD, 4);
   FillBf16<<<64, 256, 0, stream>>>(k, batch * kHkv * kD, 5);
   FillBf16<<<64, 256, 0, stream>>>(v, batch * kHkv * kD, 6);
+  // --query-drift: kDriftQueries queries around q, one per step in turn (copied into q before the
+  // step: a CUDA graph reads q where it was captured).
+  constexpr int kDriftQueries = 16;
+  const int64_t q_elems = batch * kHq * kD;
+  uint16_t* q_drift = nullptr;
+  if (o.query_drift != 0) {
+    uint16_t* noise = nullptr;
+    CHECK_CUDA(cudaMalloc(&q_drift, kDriftQueries * q_elems * 2));
+    CHECK_CUDA(cudaMalloc(&noise, q_elems * 2));
+    for (int i = 0; i < kDriftQueries; ++i) {
+      FillBf16<<<64, 256, 0, stream>>>(noise, q_elems, 1000 + i);
+      DriftBf16<<<64, 256, 0, stream>>>(q_drift + i * q_elems, q, noise, q_elems,
+                                        static_cast<float>(o.query_drift));
+    }
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    CHECK_CUDA(cudaFree(noise));
+  }
+  int drift_step = 0;
+  auto next_query = [&] {
+    if (q_drift == nullptr) return;
+    CHECK_CUDA(cudaMemcpyAsync(q, q_drift + (drift_step++ % kDriftQueries) * q_elems, q_elems * 2,
+                               cudaMemcpyDeviceToDevice, stream));
+  };
   CHECK_CUDA(cudaStreamSynchronize(stream));
   auto view = [](void* p, int64_t rows, int heads) {
     return TensorView::Contiguous(p, DType::kBF16, MemoryKind::kDevice, {rows, heads, kD});
@@ -330,7 +370,9 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   CHECK_CUDA(cudaStreamSynchronize(stream));
   const double fill_s = (Now() - t_fill0) * 1e-3;
 
-  auto step_plain = [&](bool plan) {
+  // capturing: the step goes into the graph, which reads whatever q holds at each replay.
+  auto step_plain = [&](bool plan, bool capturing = false) {
+    if (!capturing) next_query();
     if (plan) Check(rt->PlanDecode(seqs, stream), "PlanDecode");
     for (int l = 0; l < o.layers; ++l) {
       const kvferry::Status st =
@@ -368,11 +410,12 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     cudaGraphExec_t exec;
     Check(rt->PlanDecode(seqs, stream), "PlanDecode");
     CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    step_plain(false);
+    step_plain(false, true);
     CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
     CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
     CHECK_CUDA(cudaGraphLaunch(exec, stream));
     for (int i = 0; i < 2; ++i) {
+      next_query();
       Check(rt->PlanDecode(seqs, stream), "PlanDecode");
       CHECK_CUDA(cudaGraphLaunch(exec, stream));
     }
@@ -380,6 +423,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     rt->ResetStats();
     t0 = Now();
     for (int i = 0; i < o.steps; ++i) {
+      next_query();
       Check(rt->PlanDecode(seqs, stream), "PlanDecode");
       CHECK_CUDA(cudaGraphLaunch(exec, stream));
     }
@@ -422,7 +466,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
       << ",\"fill_s\":" << fill_s << "}";
   for (void* p : {static_cast<void*>(ck), static_cast<void*>(cv), static_cast<void*>(pq),
                   static_cast<void*>(pout), static_cast<void*>(q), static_cast<void*>(k),
-                  static_cast<void*>(v), static_cast<void*>(out)}) {
+                  static_cast<void*>(v), static_cast<void*>(out), static_cast<void*>(q_drift)}) {
     CHECK_CUDA(cudaFree(p));
   }
   rt.reset();
