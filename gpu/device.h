@@ -119,15 +119,11 @@ class Device {
   virtual Status SynchronizeEvent(EventHandle event) = 0;                 ///< host waits
   virtual Status SynchronizeStream(StreamHandle stream) = 0;
   /// An event that also records when the device reached it, for ElapsedMs (CUDA: an event with
-  /// timing; devices whose events carry no time: CreateEvent's).
-  virtual Result<EventHandle> CreateTimingEvent() { return CreateEvent(); }
+  /// timing; the host device: the host clock at RecordEvent, where its work runs).
+  virtual Result<EventHandle> CreateTimingEvent() = 0;
   /// Milliseconds on the device from \p start to \p end, two timing events recorded on one
-  /// stream and complete; kUnimplemented where events carry no time (the host device).
-  virtual Result<double> ElapsedMs(EventHandle start, EventHandle end) {
-    (void)start;
-    (void)end;
-    return Unimplemented("ElapsedMs: this device's events carry no time");
-  }
+  /// stream and complete.
+  virtual Result<double> ElapsedMs(EventHandle start, EventHandle end) = 0;
 
   // ---- data movement ----
   /// Any-direction copy (unified addressing).

@@ -2,6 +2,7 @@
 // The host-emulated Device: "device" memory is host memory, streams are synchronous, and kernels
 // are the CPU implementations. It runs exactly the plan the CUDA backend runs, so the runtime,
 // scheduler and policies are tested on machines without a GPU.
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -71,9 +72,26 @@ class HostDevice final : public Device {
   StreamHandle default_stream() const override { return nullptr; }
   Result<StreamHandle> CreateStream() override { return StreamHandle{nullptr}; }
   void DestroyStream(StreamHandle) override {}
+  // Work on the host "stream" is done when the call returns, so an event is reached when it is
+  // recorded: plain events are null, a timing event holds the host clock of its last record.
   Result<EventHandle> CreateEvent() override { return EventHandle{nullptr}; }
-  void DestroyEvent(EventHandle) override {}
-  Status RecordEvent(EventHandle, StreamHandle) override { return Status::Ok(); }
+  Result<EventHandle> CreateTimingEvent() override {
+    return static_cast<EventHandle>(new std::chrono::steady_clock::time_point());
+  }
+  void DestroyEvent(EventHandle event) override {
+    delete static_cast<std::chrono::steady_clock::time_point*>(event);
+  }
+  Status RecordEvent(EventHandle event, StreamHandle) override {
+    if (event != nullptr) *static_cast<std::chrono::steady_clock::time_point*>(event) = std::chrono::steady_clock::now();
+    return Status::Ok();
+  }
+  Result<double> ElapsedMs(EventHandle start, EventHandle end) override {
+    KVF_CHECK_ARG(start != nullptr && end != nullptr, "ElapsedMs: not timing events");
+    return std::chrono::duration<double, std::milli>(
+               *static_cast<std::chrono::steady_clock::time_point*>(end) -
+               *static_cast<std::chrono::steady_clock::time_point*>(start))
+        .count();
+  }
   Status WaitEvent(StreamHandle, EventHandle) override { return Status::Ok(); }
   Status SynchronizeEvent(EventHandle) override { return Status::Ok(); }
   Status SynchronizeStream(StreamHandle) override { return Status::Ok(); }

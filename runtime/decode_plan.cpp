@@ -260,51 +260,45 @@ Status RuntimeImpl::PlanDecode(std::span<const SequenceId> seqs, StreamHandle st
 }
 
 Status RuntimeImpl::TimeDeviceSelect(bool on) {
-  if (on && select_timing_.empty() && device_->backend() == Backend::kCuda) {
-    const int layers = config_.model.num_layers;
-    std::vector<SelectTiming> pairs(static_cast<size_t>(layers) * kSelectTimingRing);
-    Status st = Status::Ok();
-    for (SelectTiming& t : pairs) {
-      Result<EventHandle> a = device_->CreateTimingEvent();
-      if (!a.ok()) {
-        st = a.status();
-        break;
+  if (on && select_timing_.empty()) {
+    select_timing_.resize(static_cast<size_t>(config_.model.num_layers) * kSelectTimingRing);
+    for (SelectTiming& t : select_timing_) {
+      for (EventHandle* e : {&t.start, &t.end}) {
+        Result<EventHandle> made = device_->CreateTimingEvent();
+        if (!made.ok()) {
+          DestroySelectTiming();
+          return made.status();
+        }
+        *e = made.value();
       }
-      t.start = a.value();
-      Result<EventHandle> b = device_->CreateTimingEvent();
-      if (!b.ok()) {
-        st = b.status();
-        break;
-      }
-      t.end = b.value();
     }
-    if (!st.ok()) {
-      for (const SelectTiming& t : pairs) {
-        if (t.start != nullptr) device_->DestroyEvent(t.start);
-        if (t.end != nullptr) device_->DestroyEvent(t.end);
-      }
-      return st;
-    }
-    select_timing_ = std::move(pairs);
-    select_timing_next_.assign(static_cast<size_t>(layers), 0);
+    select_timing_next_.assign(static_cast<size_t>(config_.model.num_layers), 0);
   }
   time_select_ = on;
   return Status::Ok();
+}
+
+void RuntimeImpl::DestroySelectTiming() {
+  for (const SelectTiming& t : select_timing_) {
+    if (t.start != nullptr) device_->DestroyEvent(t.start);
+    if (t.end != nullptr) device_->DestroyEvent(t.end);
+  }
+  select_timing_.clear();
+}
+
+double RuntimeImpl::SelectTimingMs(const SelectTiming& t) const {
+  // A measurement aid never fails a call: a time that cannot be read is left out.
+  if (!t.pending || !device_->SynchronizeEvent(t.end).ok()) return 0.0;
+  const Result<double> ms = device_->ElapsedMs(t.start, t.end);
+  return ms.ok() ? ms.value() : 0.0;
 }
 
 RuntimeImpl::SelectTiming* RuntimeImpl::NextSelectTiming(int layer) {
   int& next = select_timing_next_[static_cast<size_t>(layer)];
   SelectTiming& t = select_timing_[static_cast<size_t>(layer) * kSelectTimingRing + next];
   next = (next + 1) % kSelectTimingRing;
-  if (t.pending) {
-    // Recorded a few steps back, so done; a measurement aid never fails the Decode (a time that
-    // cannot be read is left out).
-    if (device_->SynchronizeEvent(t.end).ok()) {
-      const Result<double> ms = device_->ElapsedMs(t.start, t.end);
-      if (ms.ok()) stats_.ms_select_device += ms.value();
-    }
-    t.pending = false;
-  }
+  stats_.ms_select_device += SelectTimingMs(t);  // recorded a few steps back, so done
+  t.pending = false;
   return &t;
 }
 
@@ -538,20 +532,16 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
                           stream, beside);
   }
   if (st.ok() && scoring_ != SelectScoring::kNone) {
-    // Runtime::TimeDeviceSelect: events around the launches on CUDA (not while capturing); the
-    // host backend's selection runs inside the call.
+    // Runtime::TimeDeviceSelect: timing events around the launches (not while capturing).
     SelectTiming* timing = nullptr;
-    if (time_select_ && !select_timing_.empty() && !capturing) {
+    if (time_select_ && !capturing) {
       timing = NextSelectTiming(layer);
       st = device_->RecordEvent(timing->start, stream);
     }
-    const auto tsel = Clock::now();
     if (st.ok()) st = device_->DecodeSelect(a, stream);
     if (st.ok() && timing != nullptr) {
       st = device_->RecordEvent(timing->end, stream);
       timing->pending = st.ok();
-    } else if (st.ok() && time_select_ && device_->backend() != Backend::kCuda) {
-      stats_.ms_select_device += std::chrono::duration<double, std::milli>(Clock::now() - tsel).count();
     }
     // Cross-layer sharing (xl+): the previous layer's list replaces this one's when the same
     // sequences selected there at the same length (this step's layer before). The selection ran

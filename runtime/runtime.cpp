@@ -105,10 +105,7 @@ RuntimeImpl::~RuntimeImpl() {
   for (EventHandle e : list_up_) {
     if (e != nullptr) device_->DestroyEvent(e);
   }
-  for (const SelectTiming& t : select_timing_) {
-    if (t.start != nullptr) device_->DestroyEvent(t.start);
-    if (t.end != nullptr) device_->DestroyEvent(t.end);
-  }
+  DestroySelectTiming();
   for (EventHandle e : {q_ready_, cpu_part_up_, scan_ready_, prefill_items_done_[0],
                         prefill_items_done_[1]}) {
     if (e != nullptr) device_->DestroyEvent(e);
@@ -1573,11 +1570,8 @@ Stats RuntimeImpl::stats() const {
   s.prhs_select_reused = pc.select_reused - policy_counters_at_reset_.select_reused;
   s.lfps_scans_device = pc.scans_device - policy_counters_at_reset_.scans_device;
   s.lfps_scans_device_short = pc.scans_device_short - policy_counters_at_reset_.scans_device_short;
-  for (const SelectTiming& t : select_timing_) {  // selections timed but not yet read back
-    if (!t.pending || !device_->SynchronizeEvent(t.end).ok()) continue;
-    const Result<double> ms = device_->ElapsedMs(t.start, t.end);
-    if (ms.ok()) s.ms_select_device += ms.value();
-  }
+  // Selections timed but not yet read back (their pairs stay pending: stats_ adds them later).
+  for (const SelectTiming& t : select_timing_) s.ms_select_device += SelectTimingMs(t);
   if (step_bank_ != nullptr) {
     // The device bank's counters (a read-back that waits for the device). Its misses are the rows
     // the step read from the host store.

@@ -542,6 +542,9 @@ class RuntimeImpl {
   std::vector<int> select_timing_next_;      // per layer: the pair it takes next
   // The layer's next pair, its previous time added to stats_ first.
   SelectTiming* NextSelectTiming(int layer);
+  // The time of a pending pair (0 when not pending or not readable).
+  double SelectTimingMs(const SelectTiming& t) const;
+  void DestroySelectTiming();
   EventHandle cpu_part_up_ = nullptr;  // the last CPU part left o_cpu_host_ / lse_cpu_host_
   // CUDA, bank_slots > 0, a policy that selects on the host (Select: hip, kvpop, lfps, streaming,
   // the PrHS wrappers), route gpu: the planned step with the device bank. Per layer q, k and v go

@@ -138,6 +138,14 @@ class FaultyDevice final : public Device {
       return FaultInjector::Error(FaultPoint::kCreateEvent);
     return inner_->CreateEvent();
   }
+  Result<EventHandle> CreateTimingEvent() override {
+    if (faults_->Hit(FaultPoint::kCreateEvent))
+      return FaultInjector::Error(FaultPoint::kCreateEvent);
+    return inner_->CreateTimingEvent();
+  }
+  Result<double> ElapsedMs(EventHandle start, EventHandle end) override {
+    return inner_->ElapsedMs(start, end);
+  }
   void DestroyEvent(EventHandle event) override { inner_->DestroyEvent(event); }
   Status RecordEvent(EventHandle event, StreamHandle stream) override {
     return Run(FaultPoint::kRecordEvent, [&] { return inner_->RecordEvent(event, stream); });

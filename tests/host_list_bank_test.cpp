@@ -75,6 +75,8 @@ class CudaPosingDevice final : public Device {
   Result<StreamHandle> CreateStream() override { return inner_->CreateStream(); }
   void DestroyStream(StreamHandle s) override { inner_->DestroyStream(s); }
   Result<EventHandle> CreateEvent() override { return inner_->CreateEvent(); }
+  Result<EventHandle> CreateTimingEvent() override { return inner_->CreateTimingEvent(); }
+  Result<double> ElapsedMs(EventHandle a, EventHandle b) override { return inner_->ElapsedMs(a, b); }
   void DestroyEvent(EventHandle e) override { inner_->DestroyEvent(e); }
   Status RecordEvent(EventHandle e, StreamHandle s) override { return inner_->RecordEvent(e, s); }
   Status WaitEvent(StreamHandle s, EventHandle e) override { return inner_->WaitEvent(s, e); }

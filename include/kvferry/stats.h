@@ -63,8 +63,8 @@ struct Stats {
   double ms_prefill = 0;
   /// A device selection's own time (Runtime::TimeDeviceSelect on): per planned Decode of a policy
   /// that selects on the device, from before its selection launches to after them on the stream
-  /// (CUDA: timing events, the device's clock; the host backend: the host's time of the call,
-  /// which runs there). Captured Decodes, and graph replays, are not timed.
+  /// (timing events: the device's clock on CUDA, the host's on the host backend, where the
+  /// selection runs inside the call). Captured Decodes, and graph replays, are not timed.
   double ms_select_device = 0;
   /// The policy learning from the prompt (LFPS's tables), from the kept queries' upload (or the
   /// device's priming statistics) to the end of the policy's update; part of the first Decode
