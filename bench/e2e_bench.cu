@@ -227,7 +227,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
              .kv_dtype = DType::kBF16};
   c.capacity.max_sequences = batch;
   c.capacity.max_batch = batch;
-  c.capacity.max_tokens_per_sequence = ctx + 2 * o.steps + 64;  // warm-ups, plain and graph runs
+  c.capacity.max_tokens_per_sequence = ctx + 3 * o.steps + 64;  // warm-ups, plain, graph, timed runs
   c.capacity.max_prefill_chunk = 4096;
   c.tiers.sink_tokens = kSink;
   c.tiers.window_tokens = resident ? static_cast<int>(c.capacity.max_tokens_per_sequence) - kSink : kWindow;

@@ -210,8 +210,115 @@ struct ResidentRows {
   }
 };
 
+// The pipelined list step (kList kernels, bank on): the rows of a CTA's range, resolved to device
+// addresses once (ResolveListRange) and read from shared memory by the cp.async loop.
+struct TableRows {
+  const char* const* k;
+  const char* const* v;
+  int64_t begin;
+  __device__ __forceinline__ void Rows(int64_t j, const char*& kp, const char*& vp) const {
+    kp = k[j - begin];
+    vp = v[j - begin];
+  }
+};
+
+// Most rows one CTA of the pipelined list step takes (its address table's size).
+constexpr int kListChunkMax = 256;
+// Bytes of that table: K and V addresses and the misses' list indices.
+constexpr size_t kListTableBytes = kListChunkMax * (2 * sizeof(const char*) + sizeof(int32_t));
+
+// Resolves list rows [begin, end) of an item through the bank, every thread a row at a time, so the
+// CTA's list reads, map lookups and misses' host reads are each one round of loads in flight
+// together (the register loop did the three one after the other for every row step):
+// - resident rows and the new token: their device rows;
+// - bank hits: their slots (reference bit set, counted);
+// - misses: read from the host store zero-copy into the item's stage at their list index (where
+//   the admission after the step finds them), listed, and read from there.
+// Leaves K / V addresses in tk / tv (index j - begin); the caller syncs before the table is read.
+template <int HD>
+__device__ void ResolveListRange(const BankStepRows& bs, int64_t begin, int64_t end,
+                                 const char** tk, const char** tv, int32_t* mj) {
+  constexpr int kLpr = HD / 8;
+  __shared__ int32_t s_miss, s_base;
+  __shared__ uint32_t s_hits;
+  if (threadIdx.x == 0) {
+    s_miss = 0;
+    s_hits = 0;
+  }
+  __syncthreads();
+  uint32_t hits = 0;
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+    const int64_t pos = bs.PositionOf(j);
+    const char* k;
+    const char* v;
+    const int64_t row = ResidentRowOf(pos, bs.n, bs.sink, bs.window);
+    if (bs.new_k != nullptr && pos == bs.n - 1) {
+      k = bs.new_k;
+      v = bs.new_v;
+    } else if (row >= 0) {
+      k = bs.res_k + static_cast<size_t>(row) * bs.row_bytes;
+      v = k + bs.res_v_off;
+    } else {
+      const int32_t slot = bs.SlotOf(pos);
+      if (slot >= 0) {
+        k = bs.SlotK(slot);
+        v = k + bs.row_bytes;
+        atomicOr(bs.bank.refs + bs.table * bs.bank.ref_words + (slot >> 5), 1u << (slot & 31));
+        ++hits;
+      } else {
+        k = bs.stage + static_cast<size_t>(j) * 2 * bs.row_bytes;
+        v = k + bs.row_bytes;
+        mj[atomicAdd(&s_miss, 1)] = static_cast<int32_t>(j);
+      }
+    }
+    tk[j - begin] = k;
+    tv[j - begin] = v;
+  }
+  hits = __reduce_add_sync(0xffffffffu, hits);
+  if ((threadIdx.x & 31) == 0 && hits != 0) atomicAdd(&s_hits, hits);
+  __syncthreads();
+  const int nm = s_miss;
+  if (threadIdx.x == 0) {
+    if (s_hits != 0) atomicAdd(bs.bank.hits, static_cast<unsigned long long>(s_hits));
+    if (nm > 0) s_base = atomicAdd(bs.miss, nm);
+  }
+  if (nm == 0) return;
+  __syncthreads();
+  // The misses' rows, K then V, 16 bytes a thread, four loads in flight before their stores.
+  const int chunks = nm * 2 * kLpr;
+  for (int c0 = threadIdx.x; c0 < chunks; c0 += 4 * blockDim.x) {
+    uint4 raw[4];
+    char* dst[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int c = c0 + u * blockDim.x;
+      dst[u] = nullptr;
+      if (c < chunks) {
+        const int i = c / (2 * kLpr), part = c % (2 * kLpr);
+        const int64_t j = mj[i];
+        const char* hk;
+        const char* hv;
+        bs.HostRow(bs.PositionOf(j), hk, hv);
+        const int off = (part % kLpr) * 16;
+        raw[u] = Load16((part < kLpr ? hk : hv) + off);
+        dst[u] = bs.stage + static_cast<size_t>(j) * 2 * bs.row_bytes + (part < kLpr ? 0 : bs.row_bytes) + off;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (dst[u] != nullptr) *reinterpret_cast<uint4*>(dst[u]) = raw[u];
+    }
+  }
+  for (int i = threadIdx.x; i < nm; i += blockDim.x) {
+    if (s_base + i < bs.bank.miss_cap) bs.miss[1 + s_base + i] = mj[i];
+  }
+  // The cp.async loop reads the staged rows through L2.
+  __threadfence();
+}
+
 struct StepLaunch {
   int32_t prefetch_rows;  // rows of the split's range warmed in L2 before griddepcontrol.wait
+  int32_t table_off;      // kList kernels: bytes into the dynamic shared memory of the row table
   bool fused_append;  // the attention kernel appends (k/v already in the KV dtype)
   int32_t num_splits;
   int32_t min_chunk;
@@ -302,9 +409,12 @@ __device__ void CombineHeads(const DecodeStepArgs& a, int32_t item, int g0, int 
 // (2) attend + (3) combine: grid (items, splits, head chunks). Each CTA writes its partial result
 // to ws; the last CTA of an (item, head chunk) to finish (a counter per pair, reset by it) merges
 // them into out, so a layer costs two launches.
-template <int HD, typename T, int G, bool kPipe>
+// kPipe: rows stream through the cp.async pipeline: all-resident rows, or (kList) a list through
+// the token bank whose rows each CTA first resolves to device addresses (ResolveListRange).
+template <int HD, typename T, int G, bool kPipe, bool kList = false>
 __global__ void __launch_bounds__(kAttnThreads, kPipeMinBlocks<HD, G, kPipe>)
     StepAttnKernel(DecodeStepArgs a, StepLaunch l) {
+  static_assert(kPipe || !kList);
   extern __shared__ __align__(16) float smem[];
   float* warp_buf = smem;
   float* red_o = warp_buf + kAttnWarps * G * (HD + 2);
@@ -418,7 +528,23 @@ __global__ void __launch_bounds__(kAttnThreads, kPipeMinBlocks<HD, G, kPipe>)
         AttendRange<HD, T, G>(rows, q, gcount, l.scale_log2, begin, end, red_m, red_l, red_o, warp_buf);
       }
     };
-    if (contiguous) {
+    if constexpr (kList) {
+      // One head chunk (the launcher's condition), so this CTA records its rows' hits and misses.
+      BankStepRows bs;
+      static_cast<StepRows&>(bs) = src;
+      bs.bank = a.bank;
+      bs.table = (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
+      bs.stage = a.bank.stage + static_cast<size_t>(item) * a.list_cap * 2 * src.row_bytes;
+      bs.miss = a.bank.miss + static_cast<int64_t>(item) * (1 + a.bank.miss_cap);
+      char* table = reinterpret_cast<char*>(smem) + l.table_off;
+      const char** tk = reinterpret_cast<const char**>(table);
+      const char** tv = tk + kListChunkMax;
+      int32_t* mj = reinterpret_cast<int32_t*>(tv + kListChunkMax);
+      if (end - begin > kListChunkMax) __trap();  // the launcher sizes the splits for the table
+      ResolveListRange<HD>(bs, begin, end, tk, tv, mj);
+      __syncthreads();
+      attend(TableRows{tk, tv, begin});
+    } else if (contiguous) {
       attend(ResidentRows{pl.res_k, new_k, new_v,
                           new_k != nullptr ? ResidentRowOf(pl.n - 1, pl.n, a.sink, a.window) : -1,
                           src.res_v_off, src.row_bytes});
@@ -467,10 +593,12 @@ __global__ void __launch_bounds__(kAttnThreads, kPipeMinBlocks<HD, G, kPipe>)
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or graph replay)
 }
 
-template <int HD, typename T, int G, bool kPipe>
+template <int HD, typename T, int G, bool kPipe, bool kList = false>
 Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
   constexpr size_t kRed = (static_cast<size_t>(kAttnWarps) * G * (HD + 2) + G * HD + 2 * G) * sizeof(float);
-  const size_t smem = kPipe ? std::max(kRed, kPipeSmemBytes<HD, T>) : kRed;
+  const size_t smem_attn = kPipe ? std::max(kRed, kPipeSmemBytes<HD, T>) : kRed;
+  // kList: the CTA's row table follows the stages.
+  const size_t smem = kList ? (smem_attn + 15) / 16 * 16 + kListTableBytes : smem_attn;
   static_assert(kRed >= static_cast<size_t>(G) * kAttnThreads * sizeof(float),
                 "the combine's weights fit in the reduction buffers");
   static const bool pdl = [] {
@@ -485,16 +613,17 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
   static const int prefetch_tiles = static_cast<int>(EnvInt("KVFERRY_STEP_PREFETCH", 8, 0));
   // With PDL the kernel asks for enough shared memory that two CTAs fill an SM: a third would be
   // the next layer's, waiting, and the SMs that free first would then take three of it.
-  const size_t smem_launch = pdl && kPipe ? std::max<size_t>(smem, 80 * 1024) : smem;
+  // (Lists: three CTAs an SM, which resolve their rows while others compute.)
+  const size_t smem_launch = pdl && kPipe && !kList ? std::max<size_t>(smem, 80 * 1024) : smem;
   KVF_ASSIGN_OR_RETURN(const int per_sm,
-                       (PrepareAttnKernel<StepAttnKernel<HD, T, G, kPipe>>(smem_launch, "StepAttnKernel")));
+                       (PrepareAttnKernel<StepAttnKernel<HD, T, G, kPipe, kList>>(smem_launch, "StepAttnKernel")));
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
   const int gz = (a.params.group + G - 1) / G;
   const int64_t ctas = items * gz;
   // All-resident rows: at most two CTAs per SM. Measured on the H100 (32 layers of the Llama
   // shape): the third CTA's splits cost more in prologue and combine than they add in bandwidth
   // (32K b1 2.04 -> 1.92 ms per token step, 128K b1 6.65 -> 6.19, 32K b4 6.52 -> 6.21).
-  const int64_t slots = static_cast<int64_t>(info.num_sms) * (kPipe ? std::min(per_sm, 2) : 8);
+  const int64_t slots = static_cast<int64_t>(info.num_sms) * (kList ? per_sm : kPipe ? std::min(per_sm, 2) : 8);
   StepLaunch l;
   // Short resident lists get more, shorter splits: the step is latency-bound there.
   // Rows found one by one (a list through the bank, or the host store) take at least
@@ -504,17 +633,25 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
   // (stop 20, sparcas_bank / quest_bank at 128K, ms per token step): 256 rows 6.99 / 5.63, 128
   // 6.40 / 5.19, 64 6.83 / 5.56, 32 7.23 / 5.93.
   static const int list_min_chunk = static_cast<int>(EnvInt("KVFERRY_STEP_MIN_CHUNK", 128, 1));
-  l.min_chunk = kPipe ? 2 * kPipeTileRows<HD> : list_min_chunk;
+  // Pipelined lists: KVFERRY_STEP_LIST_CHUNK rows a split at least (default 64, two tiles).
+  static const int list_pipe_chunk = static_cast<int>(
+      std::min<int64_t>(EnvInt("KVFERRY_STEP_LIST_CHUNK", 2 * kPipeTileRows<HD>, kPipeTileRows<HD>), kListChunkMax));
+  l.min_chunk = kList ? list_pipe_chunk : kPipe ? 2 * kPipeTileRows<HD> : list_min_chunk;
+  l.table_off = static_cast<int32_t>((smem_attn + 15) / 16 * 16);
   l.fused_append = a.k_dtype == a.params.kv_dtype && a.v_dtype == a.params.kv_dtype &&
                    reinterpret_cast<uintptr_t>(a.k) % 16 == 0 && reinterpret_cast<uintptr_t>(a.v) % 16 == 0;
   int64_t splits = kPipe ? std::max<int64_t>(slots / ctas, 1) : (slots + ctas - 1) / ctas;
   if (a.max_rows_hint > 0) splits = std::min<int64_t>(splits, (a.max_rows_hint + l.min_chunk - 1) / l.min_chunk);
+  // A pipelined list's split holds at most kListChunkMax rows (its table).
+  if constexpr (kList) splits = std::max<int64_t>(splits, (a.list_cap + kListChunkMax - 1) / kListChunkMax);
   // The combine kernel keeps one split per thread, plus the CPU part.
   splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(info.max_splits, kAttnThreads - 1));
   const int64_t per_split = items * a.params.group * (HD + 1);
   splits = std::max<int64_t>(1, std::min<int64_t>(splits, a.ws_floats / per_split));
   KVF_CHECK_CODE(a.ws_floats >= per_split * splits, StatusCode::kInternal,
                  "decode step workspace of ", a.ws_floats, " floats is too small");
+  KVF_CHECK_CODE(!kList || splits * kListChunkMax >= a.list_cap, StatusCode::kInternal,
+                 "decode step: ", splits, " splits cannot hold a list of ", a.list_cap, " rows");
   l.num_splits = static_cast<int32_t>(splits);
   l.scale_log2 = a.params.scale * kLog2e;
   l.prefetch_rows = pdl ? prefetch_tiles * kPipeTileRows<HD> : 0;
@@ -540,9 +677,22 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  KVF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, StepAttnKernel<HD, T, G, kPipe>, a, l));
+  KVF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, StepAttnKernel<HD, T, G, kPipe, kList>, a, l));
   KVF_CUDA_CHECK_LAUNCH(StepAttnKernel);
   return Status::Ok();
+}
+
+// Whether a layer takes the pipelined list step: a list through the token bank, one
+// head chunk an item (its CTA records the rows), and a list the splits' tables hold.
+// KVFERRY_STEP_LIST_PIPE=0 keeps the register loop (StepRows through BankStepRows).
+bool PipelinedList(const DecodeStepArgs& a, const LaunchInfo& info) {
+  static const bool on = EnvInt("KVFERRY_STEP_LIST_PIPE", 1, 0) != 0;
+  const int64_t max_splits = std::min<int64_t>(info.max_splits, kAttnThreads - 1);
+  return on && a.mode == StepRowMode::kList && a.bank.rows != nullptr && !a.all_resident &&
+         a.params.group <= 8 &&
+         (a.list_cap + kListChunkMax - 1) / kListChunkMax <= max_splits &&
+         a.ws_floats >= static_cast<int64_t>(a.batch) * a.num_kv_heads * a.params.group *
+                            (a.params.head_dim + 1) * ((a.list_cap + kListChunkMax - 1) / kListChunkMax);
 }
 
 }  // namespace
@@ -564,10 +714,13 @@ Status LaunchDecodeStep(const DecodeStepArgs& a, const LaunchInfo& info, cudaStr
                 " or batch ", a.batch, " too large");
   return DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
     return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
+      const bool list = PipelinedList(a, info);
       if (a.params.group <= 4) {
+        if (list) return LaunchStepG<HD, T, 4, true, true>(a, info, stream);
         return a.all_resident ? LaunchStepG<HD, T, 4, true>(a, info, stream)
                               : LaunchStepG<HD, T, 4, false>(a, info, stream);
       }
+      if (list) return LaunchStepG<HD, T, 8, true, true>(a, info, stream);
       return a.all_resident ? LaunchStepG<HD, T, 8, true>(a, info, stream)
                             : LaunchStepG<HD, T, 8, false>(a, info, stream);
     });

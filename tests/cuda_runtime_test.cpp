@@ -276,7 +276,9 @@ INSTANTIATE_TEST_SUITE_P(
 
 
 // The device token bank changes where a selected row is read from, never what is read: a CUDA
-// runtime with the bank gives bit for bit the outputs of one without it, the bank serves hits once
+// runtime with the bank gives the outputs of one without it to 1e-4 (the same rows in fp32; with
+// the bank the step streams them through the pipelined tensor-core loop, without it through the
+// register loop, which sum in another order, as CudaRuntimeTest's CUDA-vs-host bound), the bank serves hits once
 // the selection repeats (the same queries every step here, new keys), and a sequence removed and
 // added again starts with empty tables.
 TEST(CudaStepBank, SameOutputsAsWithoutTheBankAndServesHits) {
@@ -335,7 +337,7 @@ TEST(CudaStepBank, SameOutputsAsWithoutTheBankAndServesHits) {
               ASSERT_TRUE(st.ok()) << st.ToString();
             }
             for (size_t i = 0; i < out[0].size(); ++i) {
-              ASSERT_EQ(out[0][i], out[1][i]) << "round " << round << " step " << step << " layer " << l << " element " << i;
+              ASSERT_NEAR(out[0][i], out[1][i], 1e-4) << "round " << round << " step " << step << " layer " << l << " element " << i;
             }
           }
         }
