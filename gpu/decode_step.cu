@@ -528,14 +528,21 @@ __global__ void __launch_bounds__(kAttnThreads, kPipeMinBlocks<HD, G, kPipe>)
         AttendRange<HD, T, G>(rows, q, gcount, l.scale_log2, begin, end, red_m, red_l, red_o, warp_buf);
       }
     };
-    if constexpr (kList) {
-      // One head chunk (the launcher's condition), so this CTA records its rows' hits and misses.
+    // The item's rows through the token bank (its table, stage and miss list).
+    auto bank_rows = [&] {
       BankStepRows bs;
       static_cast<StepRows&>(bs) = src;
       bs.bank = a.bank;
       bs.table = (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
       bs.stage = a.bank.stage + static_cast<size_t>(item) * a.list_cap * 2 * src.row_bytes;
       bs.miss = a.bank.miss + static_cast<int64_t>(item) * (1 + a.bank.miss_cap);
+      bs.record = blockIdx.z == 0;
+      bs.hits = 0;
+      return bs;
+    };
+    if constexpr (kList) {
+      // One head chunk (the launcher's condition), so this CTA records its rows' hits and misses.
+      const BankStepRows bs = bank_rows();
       char* table = reinterpret_cast<char*>(smem) + l.table_off;
       const char** tk = reinterpret_cast<const char**>(table);
       const char** tv = tk + kListChunkMax;
@@ -549,14 +556,7 @@ __global__ void __launch_bounds__(kAttnThreads, kPipeMinBlocks<HD, G, kPipe>)
                           new_k != nullptr ? ResidentRowOf(pl.n - 1, pl.n, a.sink, a.window) : -1,
                           src.res_v_off, src.row_bytes});
     } else if (!kPipe && a.bank.rows != nullptr) {
-      BankStepRows bs;
-      static_cast<StepRows&>(bs) = src;
-      bs.bank = a.bank;
-      bs.table = (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
-      bs.stage = a.bank.stage + static_cast<size_t>(item) * a.list_cap * 2 * src.row_bytes;
-      bs.miss = a.bank.miss + static_cast<int64_t>(item) * (1 + a.bank.miss_cap);
-      bs.record = blockIdx.z == 0;
-      bs.hits = 0;
+      const BankStepRows bs = bank_rows();
       attend(bs);
       // One atomic per warp for the hits its lanes recorded.
       const uint32_t warp_hits = __reduce_add_sync(0xffffffffu, bs.hits);
