@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Ready for the next GPU call (written in stop 21, not yet run): sparcas_bank and quest_bank at 128K
+# The moving-query measurement (written in stop 21; run as stop22_b.sh's first part, rows in
+# e2e_h100.json run '2026-11-28 stop 22 moving query'): sparcas_bank and quest_bank at 128K
 # (2%, 32 layers, batch 1) with the decode query fixed (--query-drift 0, as every earlier row) and
 # moving (0.5, 1.0), 128 timed steps so that SparCas's every-64-steps refresh falls inside them;
 # the selection timed alone and the bank's hits per step in each row; SDPA in the same call.
