@@ -451,6 +451,11 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
       << ",\"rows_selected_per_step\":" << sp.rows_selected / steps
       << ",\"rows_fetched_per_step\":" << sp.rows_fetched / steps
       << ",\"rows_bank_hit_per_step\":" << sp.rows_bank_hit / steps
+      // Of the offloaded selected rows, the share the bank served (-1 without a bank or misses).
+      << ",\"bank_hit_rate\":"
+      << (sp.rows_bank_hit + sp.rows_fetched > 0 && rt->config().tiers.bank_slots > 0
+              ? static_cast<double>(sp.rows_bank_hit) / static_cast<double>(sp.rows_bank_hit + sp.rows_fetched)
+              : -1.0)
       << ",\"bank_admitted_per_step\":" << sp.bank_admitted / steps
       << ",\"rows_cpu_per_step\":" << sp.rows_cpu / steps
       << ",\"lfps_scans_device_per_step\":" << sp.lfps_scans_device / steps
