@@ -108,10 +108,7 @@ struct SparcasState {
   int32_t since_refresh = 0;  ///< ranked steps since the dimensions were chosen
   int64_t from = 0;           ///< this step: first compact row to (re)gather
   int32_t ranked = 0;         ///< this step ranks positions (else all, or sinks + window only)
-  /// CUDA, this step: the dimensions changed and rows [0, from) are re-mapped (the dimensions they
-  /// share with the old set, kept at dims + head_dim / 2, move within the row; only the new ones
-  /// are read from the keys); rows [from, n) are gathered whole.
-  int32_t remap = 0;
+  int32_t pad = 0;
 };
 
 /// Page bounds of a KV head (SelectScoring::kQuestPages): page p's element-wise min row then max

@@ -508,9 +508,8 @@ __global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a
 // ---- kSparcas -----------------------------------------------------------------------------------
 
 // Grid (items), 256 threads: whether the step ranks, the dimensions (every u ranked steps), and
-// the compact rows to (re)gather, into the item's SparcasState (remap_ok: a changed set of the
-// same size re-maps the rows, SparcasState::remap).
-__global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a, bool remap_ok) {
+// the compact rows to (re)gather, into the item's SparcasState.
+__global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a) {
   __shared__ float imp[256];
   __shared__ int32_t chosen[256];
   __shared__ int32_t picked[256];
@@ -532,7 +531,7 @@ __global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a, bool 
   if (seen > n) seen = 0;
   __syncthreads();  // every thread has read the state before thread 0 rewrites it
   int32_t* dims = a.sparcas_dims + t * hd;
-  bool regather = false, remap = false;
+  bool regather = false;
   const bool choose = cur_db != d_b || since >= a.sparcas_u;
   if (choose) {
     const int64_t q0 = static_cast<int64_t>(item) * group * hd;
@@ -559,13 +558,7 @@ __global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a, bool 
     int changed = cur_db != d_b;
     for (int i = threadIdx.x; i < d_b; i += blockDim.x) changed |= dims[i] != chosen[i];
     regather = __syncthreads_or(changed) != 0;
-    // Same count, new set: the compact rows keep the shared dimensions (SparcasGatherKernel moves
-    // them and reads only the new ones), which needs the old set, kept in the second half.
-    remap = remap_ok && regather && cur_db == d_b && d_b <= min(hd / 2, 32) && seen > 0;
-    for (int i = threadIdx.x; i < d_b; i += blockDim.x) {
-      if (remap) dims[hd / 2 + i] = dims[i];
-      dims[i] = chosen[i];
-    }
+    for (int i = threadIdx.x; i < d_b; i += blockDim.x) dims[i] = chosen[i];
   }
   if (threadIdx.x == 0) {
     if (choose) {
@@ -574,17 +567,13 @@ __global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a, bool 
     } else {
       st->since_refresh = since + 1;
     }
-    st->from = regather && !remap ? 0 : seen;
-    st->remap = remap ? 1 : 0;
+    st->from = regather ? 0 : seen;
     st->seen = n;
     st->ranked = 1;
   }
 }
 
-// Grid (items, y), a warp per position in [from, n): the chosen dimensions of its key. With
-// SparcasState::remap, also rows [0, from): lane i moves new dimension i from where the old set
-// had it in the row, or (a new dimension) reads it from the key, so a refresh that changes 3 of 16
-// dimensions reads 3 elements of each offloaded key over PCIe instead of 16.
+// Grid (items, y), a warp per position in [from, n): the chosen dimensions of its key.
 template <typename T>
 __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeStepArgs a) {
   const int32_t item = blockIdx.x;
@@ -602,31 +591,12 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
   const char* res_k =
       a.resident + static_cast<size_t>(t * 2 * (static_cast<int64_t>(a.sink) + a.window)) * row_bytes;
   const unsigned long long* pages = reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages;
-  const bool remap = st.remap != 0;  // the prep kernel set it only for d_b <= 32: a lane a dimension
-  int old_at = -1;  // where the old set had this lane's dimension
-  if (remap && lane < d_b) {
-    for (int e = 0; e < d_b; ++e) old_at = dims[hd / 2 + e] == dims[lane] ? e : old_at;
-  }
-  for (int64_t j = (remap ? 0 : st.from) + static_cast<int64_t>(blockIdx.y) * kScoreWarps + warp; j < n;
+  for (int64_t j = st.from + static_cast<int64_t>(blockIdx.y) * kScoreWarps + warp; j < n;
        j += static_cast<int64_t>(gridDim.y) * kScoreWarps) {
     T* dst = compact + j * d_b;
     if (j == n - 1) {
       const int64_t src = static_cast<int64_t>(item) * hd;
       for (int i = lane; i < d_b; i += 32) dst[i] = FromF32<T>(LoadElem(a.k, a.k_dtype, src + dims[i]));
-    } else if (remap && j < st.from) {  // remap (from = the rows holding the old set; n - 1 is past them)
-      T x{};
-      if (lane < d_b) {
-        if (old_at >= 0) {
-          x = dst[old_at];
-        } else {
-          const int64_t row = ResidentRowOf(j, n, a.sink, a.window);
-          const T* kp = row >= 0 ? reinterpret_cast<const T*>(res_k + static_cast<size_t>(row) * row_bytes)
-                                 : reinterpret_cast<const T*>(StoreKRow(pages, j, static_cast<uint32_t>(a.page_tokens), row_bytes));
-          x = kp[dims[lane]];
-        }
-      }
-      __syncwarp();  // every lane has read the row before any writes it
-      if (lane < d_b) dst[lane] = x;
     } else {
       const int64_t row = ResidentRowOf(j, n, a.sink, a.window);
       const T* kp = row >= 0 ? reinterpret_cast<const T*>(res_k + static_cast<size_t>(row) * row_bytes)
@@ -1712,9 +1682,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
     KVF_CHECK_ARG(a.meta != nullptr && a.sparcas_state != nullptr && a.sparcas_dims != nullptr &&
                       a.params.head_dim <= 256,
                   "DecodeSelect: sparcas without its compact keys or state");
-    // KVFERRY_SPARCAS_REMAP=0: a changed set re-gathers every compact row whole.
-    static const bool remap_ok = EnvInt("KVFERRY_SPARCAS_REMAP", 1, 0) != 0;
-    SparcasPrepKernel<<<static_cast<unsigned>(items), 256, 0, stream>>>(a, remap_ok);
+    SparcasPrepKernel<<<static_cast<unsigned>(items), 256, 0, stream>>>(a);
     KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
     const bool dense_layer = a.layer < a.sparcas_dense_layers;
     KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {

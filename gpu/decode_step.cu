@@ -142,6 +142,14 @@ struct BankStepRows : StepRows {
   __device__ __forceinline__ const char* SlotK(int32_t slot) const {
     return bank.rows + (static_cast<size_t>(table) * bank.slots + slot) * 2 * row_bytes;
   }
+  // Sets the reference bit of a slot this step read.
+  __device__ __forceinline__ void MarkHit(int32_t slot) const {
+    atomicOr(bank.refs + table * bank.ref_words + (slot >> 5), 1u << (slot & 31));
+  }
+  // Where a miss at list index j is staged: its K row (the V row follows).
+  __device__ __forceinline__ char* StageK(int64_t j) const {
+    return stage + static_cast<size_t>(j) * 2 * row_bytes;
+  }
   // A bank slot for offloaded positions (>= 0), -1 for an offloaded miss, -2 for a resident row.
   __device__ __forceinline__ int32_t Classify(int64_t pos) const {
     if ((new_k != nullptr && pos == n - 1) || ResidentRowOf(pos, n, sink, window) >= 0) return -2;
@@ -174,11 +182,11 @@ struct BankStepRows : StepRows {
     const int32_t slot = Classify(PositionOf(j));  // the same answer Rows had: the map is fixed
     if (slot >= 0) {
       if (dl == 0) {
-        atomicOr(bank.refs + table * bank.ref_words + (slot >> 5), 1u << (slot & 31));
+        MarkHit(slot);
         ++hits;
       }
     } else if (slot == -1) {
-      char* dst = stage + static_cast<size_t>(j) * 2 * row_bytes + dl * 16;
+      char* dst = StageK(j) + dl * 16;
       *reinterpret_cast<uint4*>(dst) = kraw;
       *reinterpret_cast<uint4*>(dst + row_bytes) = vraw;
       if (dl == 0) {
@@ -224,6 +232,8 @@ struct TableRows {
 
 // Most rows one CTA of the pipelined list step takes (its address table's size).
 constexpr int kListChunkMax = 256;
+// The fewest splits whose tables hold a list of list_cap rows.
+inline int64_t ListMinSplits(int64_t list_cap) { return (list_cap + kListChunkMax - 1) / kListChunkMax; }
 // Bytes of that table: K and V addresses and the misses' list indices.
 constexpr size_t kListTableBytes = kListChunkMax * (2 * sizeof(const char*) + sizeof(int32_t));
 
@@ -248,28 +258,20 @@ __device__ void ResolveListRange(const BankStepRows& bs, int64_t begin, int64_t 
   __syncthreads();
   uint32_t hits = 0;
   for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    const int64_t pos = bs.PositionOf(j);
     const char* k;
     const char* v;
-    const int64_t row = ResidentRowOf(pos, bs.n, bs.sink, bs.window);
-    if (bs.new_k != nullptr && pos == bs.n - 1) {
-      k = bs.new_k;
-      v = bs.new_v;
-    } else if (row >= 0) {
-      k = bs.res_k + static_cast<size_t>(row) * bs.row_bytes;
-      v = k + bs.res_v_off;
+    const int32_t slot = bs.Classify(bs.PositionOf(j));
+    if (slot == -2) {  // resident, or the new token: the plain row source's address
+      bs.StepRows::Rows(j, k, v);
+    } else if (slot >= 0) {
+      k = bs.SlotK(slot);
+      v = k + bs.row_bytes;
+      bs.MarkHit(slot);
+      ++hits;
     } else {
-      const int32_t slot = bs.SlotOf(pos);
-      if (slot >= 0) {
-        k = bs.SlotK(slot);
-        v = k + bs.row_bytes;
-        atomicOr(bs.bank.refs + bs.table * bs.bank.ref_words + (slot >> 5), 1u << (slot & 31));
-        ++hits;
-      } else {
-        k = bs.stage + static_cast<size_t>(j) * 2 * bs.row_bytes;
-        v = k + bs.row_bytes;
-        mj[atomicAdd(&s_miss, 1)] = static_cast<int32_t>(j);
-      }
+      k = bs.StageK(j);
+      v = k + bs.row_bytes;
+      mj[atomicAdd(&s_miss, 1)] = static_cast<int32_t>(j);
     }
     tk[j - begin] = k;
     tv[j - begin] = v;
@@ -301,7 +303,7 @@ __device__ void ResolveListRange(const BankStepRows& bs, int64_t begin, int64_t 
         bs.HostRow(bs.PositionOf(j), hk, hv);
         const int off = (part % kLpr) * 16;
         raw[u] = Load16((part < kLpr ? hk : hv) + off);
-        dst[u] = bs.stage + static_cast<size_t>(j) * 2 * bs.row_bytes + (part < kLpr ? 0 : bs.row_bytes) + off;
+        dst[u] = bs.StageK(j) + (part < kLpr ? 0 : bs.row_bytes) + off;
       }
     }
 #pragma unroll
@@ -645,7 +647,7 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
   int64_t splits = kPipe ? std::max<int64_t>(slots / ctas, 1) : (slots + ctas - 1) / ctas;
   if (a.max_rows_hint > 0) splits = std::min<int64_t>(splits, (a.max_rows_hint + l.min_chunk - 1) / l.min_chunk);
   // A pipelined list's split holds at most kListChunkMax rows (its table).
-  if constexpr (kList) splits = std::max<int64_t>(splits, (a.list_cap + kListChunkMax - 1) / kListChunkMax);
+  if constexpr (kList) splits = std::max<int64_t>(splits, ListMinSplits(a.list_cap));
   // The combine kernel keeps one split per thread, plus the CPU part.
   splits = std::clamp<int64_t>(splits, 1, std::min<int64_t>(info.max_splits, kAttnThreads - 1));
   const int64_t per_split = items * a.params.group * (HD + 1);
@@ -689,12 +691,11 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
 // KVFERRY_STEP_LIST_PIPE=0 keeps the register loop (StepRows through BankStepRows).
 bool PipelinedList(const DecodeStepArgs& a, const LaunchInfo& info) {
   static const bool on = EnvInt("KVFERRY_STEP_LIST_PIPE", 1, 0) != 0;
-  const int64_t max_splits = std::min<int64_t>(info.max_splits, kAttnThreads - 1);
+  const int64_t splits = ListMinSplits(a.list_cap);
   return on && a.mode == StepRowMode::kList && a.bank.rows != nullptr && !a.all_resident &&
-         a.params.group <= 8 &&
-         (a.list_cap + kListChunkMax - 1) / kListChunkMax <= max_splits &&
+         a.params.group <= 8 && splits <= std::min<int64_t>(info.max_splits, kAttnThreads - 1) &&
          a.ws_floats >= static_cast<int64_t>(a.batch) * a.num_kv_heads * a.params.group *
-                            (a.params.head_dim + 1) * ((a.list_cap + kListChunkMax - 1) / kListChunkMax);
+                            (a.params.head_dim + 1) * splits;
 }
 
 }  // namespace

@@ -57,8 +57,7 @@ RuntimeConfig MakeConfig(const Case& c, Backend backend) {
   // selection for the device-selecting inner policies).
   if (c.policy.find("psaw+") != std::string::npos) cfg.policy.params["psaw.start"] = 0;
   // SparCas re-chooses its dimensions every 4 ranked steps: with a new random q each step the set
-  // changes, and the CUDA path re-maps its compact rows (SparcasState::remap) where the host
-  // re-gathers them whole; the selections must still agree.
+  // changes and both backends re-gather the compact rows; the selections must still agree.
   // Layer 1 ranks over the compact keys (dense_layers 1 of 2).
   if (c.policy.find("sparcas") != std::string::npos) {
     cfg.policy.params["u"] = 4;
