@@ -4,6 +4,7 @@
 // Every pointer is valid for the memory space of whoever executes the work (host pointers for the
 // CPU, device or mapped pinned-host pointers for CUDA). Nothing here owns memory.
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -96,7 +97,10 @@ enum class SelectScoring : int32_t {
   /// the positions stored since the last ranked step); partial logits of all n positions over
   /// them, the group's summed softmax, its top k of the offloaded range [sink, n - window) with
   /// k = budget - resident positions; plus sinks and window. Layers below sparcas_dense_layers use
-  /// every dimension (the exact top-k). Equals policies/sparcas's host Select.
+  /// every dimension (the exact top-k). With sparcas_bits 4 the other layers' compact rows hold
+  /// the d_b dimensions as 4-bit integers with a per-row scale (SparcasQuantizeRow) and the partial
+  /// logit is that row's scale times sum_i q[dims[i]] * n_i. Equals policies/sparcas's host
+  /// Select.
   kSparcas = 3,
 };
 
@@ -284,6 +288,7 @@ struct DecodeStepArgs {
   int32_t sparcas_db = 16;
   int32_t sparcas_u = 64;
   int32_t sparcas_dense_layers = 2;
+  int32_t sparcas_bits = 16;  ///< 16: the KV dtype; 4: SparcasQuantizeRow's rows (sparse layers)
   float* select_ws = nullptr;
   int64_t select_ld = 0;
   unsigned long long* topk_ws = nullptr;
@@ -370,18 +375,48 @@ KVF_HOST_DEVICE inline int64_t ResidentRowOf(int64_t pos, int64_t n, int32_t sin
 
 /// SparCas: dimensions kept by layer \p layer, and the element offset of item (slot, layer, h)'s
 /// compact keys in DecodeStepArgs::meta: per slot, the dense layers' rows (head_dim elements)
-/// then the others' (d_b elements), meta_pages positions per item.
+/// then the others' (SparcasRowElems elements), meta_pages positions per item. Elements are the KV
+/// dtype's (2 bytes).
 KVF_HOST_DEVICE inline int32_t SparcasDimsOf(int32_t layer, int32_t dense_layers, int32_t d_b,
                                              int32_t head_dim) {
   const int32_t k = d_b < 1 ? 1 : (d_b > head_dim ? head_dim : d_b);
   return layer < dense_layers ? head_dim : k;
 }
+/// SparCas 4-bit rows: d_b / 8 32-bit words (dimension i in bits [4 (i % 8), 4 (i % 8) + 4) of
+/// word i / 8, two's complement in [-7, 7]) then the row's scale as an f32.
+constexpr int32_t kSparcasQ4Levels = 7;
+KVF_HOST_DEVICE inline int32_t SparcasQ4Words(int32_t d_b) { return d_b / 8; }
+/// A sparse layer's compact row in 2-byte elements: d_b at 16 bits, (d_b / 8 + 1) words at 4.
+KVF_HOST_DEVICE inline int32_t SparcasRowElems(int32_t d_b, int32_t bits) {
+  return bits == 4 ? 2 * (SparcasQ4Words(d_b) + 1) : d_b;
+}
+/// The 4-bit code of x given the row's max |x| (fmaxf over the row, which skips NaN): inv =
+/// 7 / amax (0 when amax is 0 or not finite: every code 0), n = rint(clamp(x * inv, -7, 7))
+/// (NaN: -7), as a nibble. The row's scale is amax / 7 (0 likewise). Host and device quantize with these.
+KVF_HOST_DEVICE inline float SparcasQ4Inv(float amax) {
+  return amax > 0.0f && amax <= 3.0e38f ? static_cast<float>(kSparcasQ4Levels) / amax : 0.0f;
+}
+KVF_HOST_DEVICE inline float SparcasQ4Scale(float amax) {
+  return amax > 0.0f && amax <= 3.0e38f ? amax / static_cast<float>(kSparcasQ4Levels) : 0.0f;
+}
+KVF_HOST_DEVICE inline uint32_t SparcasQ4Code(float x, float inv) {
+  const float lv = static_cast<float>(kSparcasQ4Levels);
+  if (inv == 0.0f) return 0u;  // a zero or non-finite row: every code 0
+  const float r = rintf(fminf(fmaxf(x * inv, -lv), lv));
+  return static_cast<uint32_t>(static_cast<int32_t>(r)) & 0xFu;
+}
+/// Dimension e (0..7) of a word: the sign-extended nibble.
+KVF_HOST_DEVICE inline int32_t SparcasQ4Value(uint32_t word, int e) {
+  return static_cast<int32_t>(word << (28 - 4 * e)) >> 28;
+}
 KVF_HOST_DEVICE inline int64_t SparcasCompactOffset(int64_t slot, int32_t layer, int32_t h,
                                                     int32_t num_layers, int32_t num_kv_heads,
                                                     int64_t positions, int32_t head_dim,
-                                                    int32_t d_b, int32_t dense_layers) {
+                                                    int32_t d_b, int32_t dense_layers,
+                                                    int32_t bits) {
   const int32_t dl = dense_layers < 0 ? 0 : (dense_layers > num_layers ? num_layers : dense_layers);
-  const int32_t k = SparcasDimsOf(num_layers, dl, d_b, head_dim);  // the sparse layers' dims
+  // the sparse layers' row elements
+  const int32_t k = SparcasRowElems(SparcasDimsOf(num_layers, dl, d_b, head_dim), bits);
   const int64_t item = positions;
   const int64_t per_slot = (static_cast<int64_t>(dl) * head_dim + static_cast<int64_t>(num_layers - dl) * k) *
                            num_kv_heads * item;

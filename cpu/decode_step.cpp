@@ -3,11 +3,13 @@
 // device runs, stage by stage as the CUDA kernels do, so both backends execute the same plan.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
 
 #include "base/psaw.h"
+#include "base/sparcas_q4.h"
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
 #include "cpu/reference.h"
@@ -273,13 +275,25 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
     const int64_t slot = t / (static_cast<int64_t>(a.num_layers) * a.num_kv_heads);
     char* compact = a.meta + SparcasCompactOffset(slot, a.layer, static_cast<int32_t>(t % a.num_kv_heads),
                                                   a.num_layers, a.num_kv_heads, a.meta_pages, d,
-                                                  a.sparcas_db, a.sparcas_dense_layers) * elem;
+                                                  a.sparcas_db, a.sparcas_dense_layers,
+                                                  a.sparcas_bits) * elem;
     thread_local std::vector<float> row;
     row.resize(static_cast<size_t>(d));
+    const bool q4 = a.sparcas_bits == 4 && a.layer >= a.sparcas_dense_layers;
+    const int words = SparcasQ4Words(d_b);
+    thread_local std::vector<float> kept;
+    kept.resize(static_cast<size_t>(d_b));
     for (int64_t pos = regather ? 0 : st.seen; pos < n; ++pos) {
       ConvertSpan(row.data(), DType::kF32, PagedKRow(kv, pos, d, elem), p.kv_dtype, d);
-      char* dst = compact + static_cast<size_t>(pos) * d_b * elem;
-      for (int i = 0; i < d_b; ++i) ConvertSpan(dst + i * elem, p.kv_dtype, &row[dims[i]], DType::kF32, 1);
+      if (q4) {  // d_b / 8 words then the f32 scale (base/sparcas_q4.h)
+        auto* dst = reinterpret_cast<uint32_t*>(compact + static_cast<size_t>(pos) * (words + 1) * 4);
+        for (int i = 0; i < d_b; ++i) kept[i] = row[dims[i]];
+        const float scale = SparcasQuantizeRow(kept.data(), d_b, dst);
+        std::memcpy(dst + words, &scale, sizeof(float));
+      } else {
+        char* dst = compact + static_cast<size_t>(pos) * d_b * elem;
+        for (int i = 0; i < d_b; ++i) ConvertSpan(dst + i * elem, p.kv_dtype, &row[dims[i]], DType::kF32, 1);
+      }
     }
     st.seen = n;
     // Partial logits of every position, the group's softmax sum, top k_off of the offloaded range.
@@ -292,6 +306,15 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
     cf.resize(static_cast<size_t>(d_b));
     logits.resize(static_cast<size_t>(p.group) * n);
     for (int64_t j = 0; j < n; ++j) {
+      if (q4) {
+        const auto* w = reinterpret_cast<const uint32_t*>(compact + static_cast<size_t>(j) * (words + 1) * 4);
+        float scale;
+        std::memcpy(&scale, w + words, sizeof(float));
+        for (int g = 0; g < p.group; ++g) {
+          logits[g * n + j] = p.scale * SparcasQ4Dot(qs.data() + g * d_b, w, d_b, scale);
+        }
+        continue;
+      }
       ConvertSpan(cf.data(), DType::kF32, compact + static_cast<size_t>(j) * d_b * elem, p.kv_dtype, d_b);
       for (int g = 0; g < p.group; ++g) {
         float acc = 0.0f;

@@ -56,7 +56,7 @@ template <typename T>
 __device__ __forceinline__ T* CompactOf(const DecodeStepArgs& a, int32_t b, int32_t h) {
   return reinterpret_cast<T*>(a.meta) +
          SparcasCompactOffset(a.slots[b], a.layer, h, a.num_layers, a.num_kv_heads, a.meta_pages,
-                              a.params.head_dim, a.sparcas_db, a.sparcas_dense_layers);
+                              a.params.head_dim, a.sparcas_db, a.sparcas_dense_layers, a.sparcas_bits);
 }
 
 // Grid (items, y), kScoreWarps warps: warp w of CTA y scores positions y * warps + w, striding by
@@ -591,6 +591,42 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
   const char* res_k =
       a.resident + static_cast<size_t>(t * 2 * (static_cast<int64_t>(a.sink) + a.window)) * row_bytes;
   const unsigned long long* pages = reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages;
+  if (a.sparcas_bits == 4 && a.layer >= a.sparcas_dense_layers) {
+    // 4-bit rows (base/sparcas_q4.h): the warp's max |x|, then each group of 8 lanes ORs its
+    // nibbles into one word; the row's scale after its words.
+    const int words = SparcasQ4Words(d_b);
+    uint32_t* rows = reinterpret_cast<uint32_t*>(compact);
+    for (int64_t j = st.from + static_cast<int64_t>(blockIdx.y) * kScoreWarps + warp; j < n;
+         j += static_cast<int64_t>(gridDim.y) * kScoreWarps) {
+      const T* kp = nullptr;
+      if (j != n - 1) {
+        const int64_t row = ResidentRowOf(j, n, a.sink, a.window);
+        kp = row >= 0 ? reinterpret_cast<const T*>(res_k + static_cast<size_t>(row) * row_bytes)
+                      : reinterpret_cast<const T*>(StoreKRow(pages, j, static_cast<uint32_t>(a.page_tokens), row_bytes));
+      }
+      // The new token as stored (rounded to the KV dtype), as the host twin reads it.
+      const auto value = [&](int i) {
+        return kp != nullptr ? ToF32(kp[dims[i]])
+                             : ToF32(FromF32<T>(LoadElem(a.k, a.k_dtype, static_cast<int64_t>(item) * hd + dims[i])));
+      };
+      float amax = 0.0f;
+      for (int i = lane; i < d_b; i += 32) amax = fmaxf(amax, fabsf(value(i)));
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      const float inv = SparcasQ4Inv(amax);
+      uint32_t* dst = rows + j * (words + 1);
+      for (int base = 0; base < d_b; base += 32) {  // d_b % 8 == 0: a group of 8 lanes is all in or out
+        const int i = base + lane;
+        uint32_t code = i < d_b ? SparcasQ4Code(value(i), inv) << (4 * (i & 7)) : 0u;
+        code |= __shfl_xor_sync(0xffffffffu, code, 1);
+        code |= __shfl_xor_sync(0xffffffffu, code, 2);
+        code |= __shfl_xor_sync(0xffffffffu, code, 4);
+        if (i < d_b && (lane & 7) == 0) dst[i >> 3] = code;
+      }
+      if (lane == 0) dst[words] = __float_as_uint(SparcasQ4Scale(amax));
+    }
+    return;
+  }
   for (int64_t j = st.from + static_cast<int64_t>(blockIdx.y) * kScoreWarps + warp; j < n;
        j += static_cast<int64_t>(gridDim.y) * kScoreWarps) {
     T* dst = compact + j * d_b;
@@ -700,6 +736,68 @@ __global__ void __launch_bounds__(kSparcasThreads) SparcasScoreThreadKernel(Deco
         if (i < d_b) acc = fmaf(qg[i], c[i], acc);
       }
       out[static_cast<size_t>(g) * a.select_ld + j] = acc;
+    }
+  }
+}
+
+// Grid (items, y), a thread per position in [0, n): partial logits over 4-bit rows
+// (base/sparcas_q4.h; the sparse layers at sparcas_bits 4). A thread reads its row's words (a
+// warp: 32 consecutive rows, 4 (d_b / 8 + 1) bytes each), sums up to kSparcasQ4Heads query heads
+// in registers against q in shared memory (broadcast reads), and scales by the row's scale.
+constexpr int kSparcasQ4Heads = 8;
+
+__global__ void __launch_bounds__(kSparcasThreads) SparcasScoreQ4Kernel(DecodeStepArgs a) {
+  extern __shared__ float4 q_s4[];  // [group][d_b / 4], the chosen dimensions of q, scaled
+  float* q_s = reinterpret_cast<float*>(q_s4);
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const int64_t t = ItemT(a, b, h);
+  const SparcasState st = a.sparcas_state[t];
+  if (st.ranked == 0) return;
+  const int hd = a.params.head_dim, group = a.params.group, d_b = st.d_b;
+  const int words = SparcasQ4Words(d_b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const int32_t* dims = a.sparcas_dims + t * hd;
+  const float qscale = a.params.scale * kLog2e;
+  const int64_t q0 = static_cast<int64_t>(item) * group * hd;
+  for (int i = threadIdx.x; i < group * d_b; i += blockDim.x) {
+    q_s[i] = LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(i / d_b) * hd + dims[i % d_b]) * qscale;
+  }
+  __syncthreads();
+  const uint32_t* rows = reinterpret_cast<const uint32_t*>(CompactOf<__half>(a, b, h));
+  float* out = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
+  for (int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.y) * blockDim.x) {
+    const uint32_t* row = rows + j * (words + 1);
+    const float row_scale = __uint_as_float(row[words]);
+    for (int g0 = 0; g0 < group; g0 += kSparcasQ4Heads) {
+      float acc[kSparcasQ4Heads];
+#pragma unroll
+      for (int g = 0; g < kSparcasQ4Heads; ++g) acc[g] = 0.0f;
+      for (int w = 0; w < words; ++w) {
+        const uint32_t word = row[w];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // four dimensions a 16-byte shared load
+          const float c0 = static_cast<float>(SparcasQ4Value(word, 4 * half));
+          const float c1 = static_cast<float>(SparcasQ4Value(word, 4 * half + 1));
+          const float c2 = static_cast<float>(SparcasQ4Value(word, 4 * half + 2));
+          const float c3 = static_cast<float>(SparcasQ4Value(word, 4 * half + 3));
+#pragma unroll
+          for (int g = 0; g < kSparcasQ4Heads; ++g) {
+            if (g0 + g < group) {
+              const float4 qv = q_s4[((g0 + g) * d_b + w * 8) / 4 + half];
+              acc[g] = fmaf(qv.x, c0, acc[g]);  // ascending dimensions, as the host sums
+              acc[g] = fmaf(qv.y, c1, acc[g]);
+              acc[g] = fmaf(qv.z, c2, acc[g]);
+              acc[g] = fmaf(qv.w, c3, acc[g]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < kSparcasQ4Heads; ++g) {
+        if (g0 + g < group) out[static_cast<size_t>(g0 + g) * a.select_ld + j] = acc[g] * row_scale;
+      }
     }
   }
 }
@@ -1715,6 +1813,22 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
         }
         const size_t qs = static_cast<size_t>(a.params.group) * HD * sizeof(float);
         const int d_b = SparcasDimsOf(a.layer, a.sparcas_dense_layers, a.sparcas_db, HD);
+        if (a.sparcas_bits == 4) {
+          KVF_CHECK_ARG(d_b % 8 == 0, "DecodeSelect: sparcas 4-bit rows need d_b % 8 == 0, not ", d_b);
+          const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * 16 / items);
+          const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(
+              std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1, 65535));
+          const size_t qs_db = static_cast<size_t>(a.params.group) * d_b * sizeof(float);
+          if (qs_db > 48 * 1024) {
+            KVF_CUDA_CHECK(cudaFuncSetAttribute(SparcasScoreQ4Kernel,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(qs_db)));
+          }
+          SparcasScoreQ4Kernel<<<dim3(static_cast<unsigned>(items), ty), kSparcasThreads, qs_db,
+                                  stream>>>(a);
+          KVF_CUDA_CHECK_LAUNCH(SparcasScoreQ4Kernel);
+          return Status::Ok();
+        }
         if (d_b <= kSparcasThreadMaxDb) {  // what the prep kernel sets for every ranked item
           const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * 16 / items);
           const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(

@@ -122,6 +122,7 @@ class Policy {
     int d_b = 16;          ///< kSparcas: dimensions kept
     int u = 64;            ///< kSparcas: refresh interval in ranked steps
     int dense_layers = 2;  ///< kSparcas: first layers ranked over every dimension
+    int sparcas_bits = 16; ///< kSparcas: 16 (KV dtype) or 4 (base/sparcas_q4.h) per dimension
   };
   [[nodiscard]] virtual DeviceSelectParams device_select_params(int head_dim) const {
     (void)head_dim;

@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "base/check.h"
+#include "base/sparcas_q4.h"
 
 namespace kvferry {
 
@@ -58,6 +59,22 @@ void SparcasApproxScores(const float* q, int group, int head_dim, const int32_t*
   }
 }
 
+void SparcasApproxScoresQ4(const float* q, int group, int head_dim, const int32_t* dims, int d_b,
+                           const uint32_t* words, const float* row_scale, int64_t n, float scale,
+                           float* out, int64_t ld) {
+  thread_local std::vector<float> qs;
+  qs.resize(static_cast<size_t>(group) * d_b);
+  for (int g = 0; g < group; ++g) {
+    for (int i = 0; i < d_b; ++i) qs[g * d_b + i] = q[g * head_dim + dims[i]];
+  }
+  const int w = SparcasQ4Words(d_b);
+  for (int g = 0; g < group; ++g) {
+    for (int64_t j = 0; j < n; ++j) {
+      out[g * ld + j] = scale * SparcasQ4Dot(qs.data() + g * d_b, words + j * w, d_b, row_scale[j]);
+    }
+  }
+}
+
 Result<SparcasParams> ParseSparcasParams(const std::map<std::string, double>& params) {
   SparcasParams sp;
   for (const auto& [key, value] : params) {
@@ -70,16 +87,28 @@ Result<SparcasParams> ParseSparcasParams(const std::map<std::string, double>& pa
     } else if (key == "dense_layers") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("sparcas", key, value, 0, 4096));
       sp.dense_layers = static_cast<int>(v);
+    } else if (key == "bits") {
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("sparcas", key, value, 4, 16));
+      KVF_CHECK_ARG(v == 4 || v == 16, "sparcas parameter 'bits' = ", v, " (want 4 or 16)");
+      sp.bits = static_cast<int>(v);
     } else {
       return InvalidArgument(detail::StrCat("unknown sparcas parameter '", key,
-                                            "' (known: d_b, u, dense_layers)"));
+                                            "' (known: d_b, u, dense_layers, bits)"));
     }
   }
   return sp;
 }
 
+int SparcasBits(const SparcasParams& params, int head_dim) {
+  if (params.bits != 0) return params.bits;
+  return head_dim % 8 == 0 ? 4 : 16;
+}
+
 int SparcasDb(const SparcasParams& params, int head_dim) {
-  const int d_b = params.d_b > 0 ? params.d_b : (16 * head_dim + 127) / 128;
+  int d_b = params.d_b;
+  if (d_b <= 0) {
+    d_b = SparcasBits(params, head_dim) == 4 ? (head_dim / 2 + 7) / 8 * 8 : (16 * head_dim + 127) / 128;
+  }
   return std::clamp(d_b, 1, head_dim);
 }
 
@@ -107,28 +136,45 @@ Status SparcasPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out
     }
     return Status::Ok();
   }
-  const int d_b = ctx.layer < params_.dense_layers ? hd : SparcasDb(params_, hd);
+  const bool dense_layer = ctx.layer < params_.dense_layers;
+  const int d_b = dense_layer ? hd : SparcasDb(params_, hd);
+  const int bits = dense_layer ? 16 : SparcasBits(params_, hd);
   if (st->seen > n) st->seen = 0;
   thread_local std::vector<float> row;
   row.resize(static_cast<size_t>(hd));
   // Stage 1 (query only): dimensions, every u steps; a change re-gathers every compact row.
   bool regather = false;
-  if (st->d_b != d_b || st->dims.empty() || st->since_refresh >= params_.u) {
+  if (st->d_b != d_b || st->bits != bits || st->dims.empty() || st->since_refresh >= params_.u) {
     std::vector<int32_t> dims(static_cast<size_t>(d_b));
     SparcasChooseDims(ctx.q, p.group, hd, d_b, dims.data());
-    regather = st->d_b != d_b || dims != st->dims;
+    regather = st->d_b != d_b || st->bits != bits || dims != st->dims;
     st->dims = std::move(dims);
     st->d_b = d_b;
+    st->bits = bits;
     st->since_refresh = 0;
   }
   ++st->since_refresh;
   const int64_t from = regather ? 0 : st->seen;
-  if (static_cast<int64_t>(st->compact.size()) < n * d_b) {
+  const int words = SparcasQ4Words(d_b);
+  if (bits == 4) {
+    if (static_cast<int64_t>(st->q4_scale.size()) < n) {
+      const size_t rows = static_cast<size_t>(std::max<int64_t>(n, 2 * st->q4_scale.size()));
+      st->q4.resize(rows * words);
+      st->q4_scale.resize(rows);
+    }
+  } else if (static_cast<int64_t>(st->compact.size()) < n * d_b) {
     st->compact.resize(static_cast<size_t>(std::max<int64_t>(n * d_b, 2 * st->compact.size())));
   }
+  thread_local std::vector<float> kept;
+  kept.resize(static_cast<size_t>(d_b));
   for (int64_t pos = from; pos < n; ++pos) {
     LoadRowF32(ctx.kv, p, pos, false, row.data());
-    SparcasGatherCompact(row.data(), st->dims.data(), d_b, st->compact.data() + pos * d_b);
+    if (bits == 4) {
+      SparcasGatherCompact(row.data(), st->dims.data(), d_b, kept.data());
+      st->q4_scale[pos] = SparcasQuantizeRow(kept.data(), d_b, st->q4.data() + pos * words);
+    } else {
+      SparcasGatherCompact(row.data(), st->dims.data(), d_b, st->compact.data() + pos * d_b);
+    }
   }
   st->seen = n;
   // Stage 2: partial scores of every position, group softmax sum, top-k of the offloaded range.
@@ -136,8 +182,13 @@ Status SparcasPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out
   thread_local std::vector<int32_t> chosen;
   logits.resize(static_cast<size_t>(p.group) * n);
   weights.resize(static_cast<size_t>(n));
-  SparcasApproxScores(ctx.q, p.group, hd, st->dims.data(), d_b, st->compact.data(), n, p.scale,
-                      logits.data(), n);
+  if (bits == 4) {
+    SparcasApproxScoresQ4(ctx.q, p.group, hd, st->dims.data(), d_b, st->q4.data(),
+                          st->q4_scale.data(), n, p.scale, logits.data(), n);
+  } else {
+    SparcasApproxScores(ctx.q, p.group, hd, st->dims.data(), d_b, st->compact.data(), n, p.scale,
+                        logits.data(), n);
+  }
   GroupSoftmaxSum(logits.data(), p.group, n, n, weights.data());
   chosen.resize(static_cast<size_t>(s.k_off));
   const int64_t got = TopKAscendingIndices(weights.data() + s.off_lo, s.n_off(), s.k_off,
@@ -151,6 +202,11 @@ Result<std::unique_ptr<Policy>> MakeSparcasPolicy(const RuntimeConfig& config) {
   KVF_RETURN_IF_ERROR(CheckPolicyShape("sparcas", config));
   KVF_CHECK_ARG(params.d_b <= config.model.head_dim, "sparcas parameter 'd_b' = ", params.d_b,
                 " exceeds head_dim ", config.model.head_dim);
+  if (SparcasBits(params, config.model.head_dim) == 4) {
+    const int d_b = SparcasDb(params, config.model.head_dim);
+    KVF_CHECK_ARG(d_b % 8 == 0, "sparcas parameter 'd_b' = ", d_b,
+                  " at 'bits' 4 must be a multiple of 8 (head_dim ", config.model.head_dim, ")");
+  }
   return std::unique_ptr<Policy>(new SparcasPolicy(params, config.capacity.max_sequences,
                                                    config.model.num_layers,
                                                    config.model.num_kv_heads));

@@ -19,7 +19,16 @@
 //    every dimension (d_b = head_dim), i.e. the exact top-k. The interface change that allows real
 //    dense layers (a per-layer "dense" answer the runtime routes to its paged dense path) belongs
 //    to runtime/.
-//  - d_b defaults to 16 of 128 scaled to head_dim (8 at head_dim 64); "d_b" sets it directly.
+//  - Compact rows (kvferry's extension, docs/cuda.md "Stop 23"): "bits" 16 keeps the chosen key
+//    dimensions in the KV dtype, as the paper; "bits" 4 keeps them as 4-bit integers with a scale
+//    per row (base/sparcas_q4.h), so four times the dimensions fit the same bytes. The default is
+//    4 (when head_dim is a multiple of 8): on SmolLM2 / KJV 4K at budget 256, d_b 32 of 64 at 4
+//    bits gave perplexity 13.94 against 14.82 for the paper's 8 of 64 at 16 bits (dense 13.39,
+//    oracle 13.82), for 20 bytes a row instead of 16. The dense layers keep every dimension in
+//    the KV dtype (the exact top-k).
+//  - d_b defaults to 16 of 128 scaled to head_dim at 16 bits (8 at head_dim 64) and to half of
+//    head_dim (rounded up to a multiple of 8) at 4 bits; "d_b" sets it directly (a multiple of 8
+//    at 4 bits).
 
 #include <cstdint>
 #include <map>
@@ -48,17 +57,28 @@ void SparcasGatherCompact(const float* key, const int32_t* dims, int d_b, float*
 void SparcasApproxScores(const float* q, int group, int head_dim, const int32_t* dims, int d_b,
                          const float* compact, int64_t n, float scale, float* out, int64_t ld);
 
+/// SparcasApproxScores over 4-bit rows (base/sparcas_q4.h): words [n][d_b / 8], row_scale [n];
+/// out[g * ld + j] = scale * SparcasQ4Dot(q[g][dims], row j).
+void SparcasApproxScoresQ4(const float* q, int group, int head_dim, const int32_t* dims, int d_b,
+                           const uint32_t* words, const float* row_scale, int64_t n, float scale,
+                           float* out, int64_t ld);
+
 // ---- policy -------------------------------------------------------------------------------------
 
 struct SparcasParams {
   int d_b = 0;           ///< "d_b": dimensions kept (0 = 16/128 of head_dim, at least 1)
   int u = 64;            ///< "u": dimension refresh interval in steps
   int dense_layers = 2;  ///< "dense_layers": first layers that use every dimension (exact top-k)
+  int bits = 0;          ///< "bits": 4 or 16 per kept dimension (0 = 4 when head_dim % 8 == 0)
 };
 
 Result<SparcasParams> ParseSparcasParams(const std::map<std::string, double>& params);
 
-/// d_b in effect for \p head_dim (16/128 scaled when params.d_b == 0), clamped to [1, head_dim].
+/// Bits per kept dimension in effect for \p head_dim (params.bits, or 4 when head_dim % 8 == 0).
+int SparcasBits(const SparcasParams& params, int head_dim);
+
+/// d_b in effect for \p head_dim (when params.d_b == 0: 16/128 of head_dim at 16 bits, half of it
+/// rounded up to a multiple of 8 at 4 bits), clamped to [1, head_dim].
 int SparcasDb(const SparcasParams& params, int head_dim);
 
 class SparcasPolicy final : public Policy {
@@ -73,6 +93,7 @@ class SparcasPolicy final : public Policy {
     d.d_b = SparcasDb(params_, head_dim);
     d.u = params_.u;
     d.dense_layers = params_.dense_layers;
+    d.sparcas_bits = SparcasBits(params_, head_dim);
     return d;
   }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
@@ -84,8 +105,11 @@ class SparcasPolicy final : public Policy {
     int64_t seen = 0;             ///< compact rows [0, seen) are valid
     int64_t since_refresh = 0;
     int d_b = 0;
+    int bits = 16;
     std::vector<int32_t> dims;    ///< [d_b] ascending
-    std::vector<float> compact;   ///< [seen][d_b]
+    std::vector<float> compact;   ///< bits 16: [seen][d_b]
+    std::vector<uint32_t> q4;     ///< bits 4: [seen][d_b / 8] words
+    std::vector<float> q4_scale;  ///< bits 4: [seen]
   };
   SparcasParams params_;
   HeadStateTable<HeadState> states_;

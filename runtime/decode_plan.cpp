@@ -102,6 +102,7 @@ Status RuntimeImpl::InitStepBuffers() {
       sparcas_db_ = z.sparcas_db;
       sparcas_u_ = z.sparcas_u;
       sparcas_dense_ = z.sparcas_dense;
+      sparcas_bits_ = z.sparcas_bits;
       KVF_ASSIGN_OR_RETURN(p, Alloc(z.sparcas_state, false));
       sparcas_state_ = static_cast<SparcasState*>(p);
       KVF_ASSIGN_OR_RETURN(p, Alloc(z.sparcas_dims, false));
@@ -319,8 +320,9 @@ int64_t RuntimeImpl::SelectKeyBytes(int64_t n, int64_t budget, int layer) const 
     }
     case SelectScoring::kSparcas: {
       if (!ranks) return 0;
-      const int64_t dims = SparcasDimsOf(layer, sparcas_dense_, sparcas_db_, static_cast<int32_t>(head_dim));
-      return n * dims * static_cast<int64_t>(kv_elem_);  // compact rows [0, n)
+      const int32_t dims = SparcasDimsOf(layer, sparcas_dense_, sparcas_db_, static_cast<int32_t>(head_dim));
+      const int64_t row = layer < sparcas_dense_ ? dims : SparcasRowElems(dims, sparcas_bits_);
+      return n * row * static_cast<int64_t>(kv_elem_);  // compact rows [0, n)
     }
     default: return 0;
   }
@@ -443,6 +445,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.sparcas_db = sparcas_db_;
     a.sparcas_u = sparcas_u_;
     a.sparcas_dense_layers = sparcas_dense_;
+    a.sparcas_bits = sparcas_bits_;
     if (bank_stage_ != nullptr) {
       step_bank_->View(&a.bank);
       a.bank.stage = bank_stage_;

@@ -273,16 +273,19 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
       if (cuda && mcta_bytes > 0) z.select_mcta = AllocBytes(mcta_bytes);
       if (scoring == SelectScoring::kSparcas) {
         const Policy::DeviceSelectParams dp = policy_->device_select_params(m.head_dim);
-        KVF_CHECK_ARG(dp.d_b >= 1 && dp.u >= 1 && dp.dense_layers >= 0, "policy '",
-                      policy_->name(), "': d_b ", dp.d_b, ", u ", dp.u, ", dense_layers ",
-                      dp.dense_layers);
+        KVF_CHECK_ARG(dp.d_b >= 1 && dp.u >= 1 && dp.dense_layers >= 0 &&
+                          (dp.sparcas_bits == 16 || (dp.sparcas_bits == 4 && dp.d_b % 8 == 0)),
+                      "policy '", policy_->name(), "': d_b ", dp.d_b, ", u ", dp.u,
+                      ", dense_layers ", dp.dense_layers, ", bits ", dp.sparcas_bits);
         z.sparcas_db = dp.d_b;
         z.sparcas_u = dp.u;
         z.sparcas_dense = dp.dense_layers;
+        z.sparcas_bits = dp.sparcas_bits;
         z.meta_pages = cap.max_tokens_per_sequence;
         const int64_t elems =
             SparcasCompactOffset(cap.max_sequences, 0, 0, m.num_layers, m.num_kv_heads,
-                                 z.meta_pages, m.head_dim, z.sparcas_db, z.sparcas_dense);
+                                 z.meta_pages, m.head_dim, z.sparcas_db, z.sparcas_dense,
+                                 z.sparcas_bits);
         z.meta = AllocBytes(static_cast<size_t>(elems) * kv_elem_);
         const size_t items_all = static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv;
         z.sparcas_state = AllocBytes(items_all * sizeof(SparcasState));

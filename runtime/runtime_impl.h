@@ -58,7 +58,7 @@ struct DeviceBufferSizes {
   int64_t select_ld = 0;
   int32_t meta_page = 16;
   int64_t meta_pages = 0;
-  int32_t sparcas_db = 16, sparcas_u = 64, sparcas_dense = 2;
+  int32_t sparcas_db = 16, sparcas_u = 64, sparcas_dense = 2, sparcas_bits = 16;
   int32_t bank_miss_cap = 0;
   int64_t step_ws_floats = 0;
   // CUDA prefill: pages of one layer staged in device memory; the tensor-core kernel and its
@@ -647,7 +647,7 @@ class RuntimeImpl {
   int32_t meta_page_ = 16;
   SparcasState* sparcas_state_ = nullptr;  // device: [slot][layer][kv_head]
   int32_t* sparcas_dims_ = nullptr;        // device: [slot][layer][kv_head][head_dim]
-  int32_t sparcas_db_ = 16, sparcas_u_ = 64, sparcas_dense_ = 2;
+  int32_t sparcas_db_ = 16, sparcas_u_ = 64, sparcas_dense_ = 2, sparcas_bits_ = 16;
 };
 
 }  // namespace kvferry::detail

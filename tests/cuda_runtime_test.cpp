@@ -30,6 +30,7 @@ struct Case {
   int bank_slots;
   std::string bank_map;
   bool device_io = false;  // the CUDA runtime's decode q/k/v/out in device memory
+  int sparcas_bits = 0;    // sparcas's "bits" (0: its default, 4-bit rows)
 };
 
 class CudaRuntimeTest : public ::testing::TestWithParam<Case> {};
@@ -62,6 +63,7 @@ RuntimeConfig MakeConfig(const Case& c, Backend backend) {
   if (c.policy.find("sparcas") != std::string::npos) {
     cfg.policy.params["u"] = 4;
     cfg.policy.params["dense_layers"] = 1;
+    if (c.sparcas_bits != 0) cfg.policy.params["bits"] = c.sparcas_bits;
   }
   cfg.route = c.route;
   cfg.backend = backend;
@@ -249,6 +251,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"quest", Route::kGpu, 64, "hash", true},
                       Case{"sparcas", Route::kGpu, 64, "vector"},
                       Case{"sparcas", Route::kGpu, 64, "hash"},
+                      // The paper's compact rows (the KV dtype) next to the default 4-bit ones.
+                      Case{"sparcas", Route::kGpu, 0, "vector", false, 16},
+                      Case{"sparcas", Route::kGpu, 64, "hash", true, 16},
                       // lfps: the planned step (resident rows on the device, offloaded picks on
                       // the CPU), with host and device tensors; and the host-selected gpu route.
                       Case{"lfps", Route::kAuto, 0, "vector"},
@@ -278,7 +283,8 @@ INSTANTIATE_TEST_SUITE_P(
       std::string policy = c.policy;
       std::replace(policy.begin(), policy.end(), '+', '_');
       return policy + "_" + RouteName(c.route) + "_bank" + std::to_string(c.bank_slots) +
-             (c.bank_slots ? "_" + c.bank_map : "") + (c.device_io ? "_device_io" : "");
+             (c.bank_slots ? "_" + c.bank_map : "") + (c.device_io ? "_device_io" : "") +
+             (c.sparcas_bits ? "_bits" + std::to_string(c.sparcas_bits) : "");
     });
 
 

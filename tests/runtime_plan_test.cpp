@@ -493,9 +493,12 @@ TEST(PlannedStep, SelectKeyBytesAreWhatTheDeviceSelectionReads) {
       {"quest", {}, 24, 13 * 2 * kRow * kHeads},                    // pages 0..12: min and max rows
       {"quest", {{"page", 32}}, 24, 7 * 2 * kRow * kHeads},         // pages 0..6
       {"quest", {}, 1000, 0},                                       // nothing to rank
-      {"sparcas", {{"d_b", 4}, {"dense_layers", 0}}, 24, kN * 4 * 2 * kHeads},
-      {"sparcas", {{"d_b", 4}, {"dense_layers", 1}}, 24, kN * 32 * 2 * kHeads},  // every dimension
-      {"sparcas", {{"d_b", 4}, {"dense_layers", 0}}, 1000, 0},
+      {"sparcas", {{"d_b", 4}, {"dense_layers", 0}, {"bits", 16}}, 24, kN * 4 * 2 * kHeads},
+      {"sparcas", {{"d_b", 4}, {"dense_layers", 1}, {"bits", 16}}, 24, kN * 32 * 2 * kHeads},  // every dimension
+      {"sparcas", {{"d_b", 4}, {"dense_layers", 0}, {"bits", 16}}, 1000, 0},
+      // 4-bit rows: d_b 16 is 2 words and the f32 scale, 12 bytes; the dense layer keeps the KV dtype.
+      {"sparcas", {{"d_b", 16}, {"dense_layers", 0}}, 24, kN * 12 * kHeads},
+      {"sparcas", {{"dense_layers", 1}}, 24, kN * 32 * 2 * kHeads},
       {"streaming", {}, 24, 0},                                     // no device selection
       {"dense", {}, 24, 0},
   };

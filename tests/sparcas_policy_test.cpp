@@ -1,14 +1,17 @@
 // Copyright kvferry authors. Apache-2.0.
 // SparCas: dimension choice, partial scores, d_b = head_dim gives exactly the oracle's ranking,
-// recall of the exact top-k monotone in d_b, refresh every u steps, parameters.
+// recall of the exact top-k monotone in d_b, refresh every u steps, parameters; the 4-bit compact
+// rows (quantization bounds, scores against the dequantized dot product, recall).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include "base/sparcas_q4.h"
 #include "policies/sparcas.h"
 #include "tests/policy_test_util.h"
 
@@ -81,6 +84,7 @@ TEST(SparcasPolicy, FullDimsGiveTheOracleMask) {
         Synthetic syn(n, group, hd, static_cast<uint32_t>(hd + group * 7 + n));
         SparcasParams sp;
         sp.d_b = hd;
+        sp.bits = 16;  // the paper's rows: exact
         SparcasPolicy policy(sp, 1, 1, 1);
         sp.dense_layers = 0;
         SelectContext ctx = Context(syn.kv, syn.q.data(), group, 4, 8, 4 + 8 + n / 5);
@@ -109,6 +113,7 @@ TEST(SparcasPolicy, RecallMonotoneInDb) {
       SparcasParams sp;
       sp.d_b = dbs[i];
       sp.dense_layers = 0;
+      sp.bits = 16;
       SparcasPolicy policy(sp, 1, 1, 1);
       SelectContext ctx = Context(syn.kv, syn.q.data(), 3, 4, 32, 4 + 32 + 128);
       std::vector<int32_t> sel;
@@ -169,8 +174,149 @@ TEST(SparcasPolicy, BadParametersNameTheParameter) {
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(r.status().message().find(key), std::string::npos) << r.status().message();
   }
-  EXPECT_EQ(SparcasDb(SparcasParams{}, 128), 16);
-  EXPECT_EQ(SparcasDb(SparcasParams{}, 64), 8);
+  for (double bits : {0.0, 8.0, 2.0}) {
+    auto r = ParseSparcasParams({{"bits", bits}});
+    ASSERT_FALSE(r.ok()) << bits;
+    EXPECT_NE(r.status().message().find("bits"), std::string::npos) << r.status().message();
+  }
+  // Defaults: 4-bit rows of half the dimensions; the paper's 16 of 128 at 16 bits.
+  EXPECT_EQ(SparcasBits(SparcasParams{}, 128), 4);
+  EXPECT_EQ(SparcasDb(SparcasParams{}, 128), 64);
+  EXPECT_EQ(SparcasDb(SparcasParams{}, 64), 32);
+  EXPECT_EQ(SparcasDb(SparcasParams{}, 24), 16);  // 12 rounded up to a multiple of 8
+  EXPECT_EQ(SparcasBits(SparcasParams{}, 17), 16);
+  SparcasParams paper;
+  paper.bits = 16;
+  EXPECT_EQ(SparcasDb(paper, 128), 16);
+  EXPECT_EQ(SparcasDb(paper, 64), 8);
+}
+
+TEST(SparcasQ4, CodesAreRoundedWithinHalfAStepAndOddRowsGiveZero) {
+  std::mt19937 rng(21);
+  std::normal_distribution<float> nd;
+  for (int d_b : {8, 16, 32, 64, 128}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<float> x(d_b);
+      for (float& v : x) v = nd(rng) * (trial + 1);
+      if (trial % 5 == 0) x[trial % d_b] *= 30.0f;  // an outlier channel
+      std::vector<uint32_t> w(d_b / 8);
+      const float scale = SparcasQuantizeRow(x.data(), d_b, w.data());
+      float amax = 0.0f;
+      for (float v : x) amax = std::max(amax, std::fabs(v));
+      EXPECT_FLOAT_EQ(scale, amax / 7.0f);
+      for (int i = 0; i < d_b; ++i) {
+        const int code = SparcasQ4Value(w[i / 8], i % 8);
+        ASSERT_GE(code, -7);
+        ASSERT_LE(code, 7);
+        EXPECT_EQ(code, static_cast<int>(std::nearbyint(x[i] / amax * 7.0f)))
+            << "d_b " << d_b << " i " << i;
+        EXPECT_LE(std::fabs(code * scale - x[i]), 0.5f * scale * (1.0f + 1e-5f));
+      }
+    }
+  }
+  // Zero, infinite and NaN rows: scale 0 (the row scores 0); a NaN among finite values codes -7.
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (float bad : {0.0f, inf}) {
+    std::vector<float> x(8, 1.0f);
+    if (bad == 0.0f) std::fill(x.begin(), x.end(), 0.0f);
+    x[3] = bad;
+    uint32_t w = 0xFFFFFFFFu;
+    EXPECT_EQ(SparcasQuantizeRow(x.data(), 8, &w), 0.0f);
+    EXPECT_EQ(w, 0u);
+  }
+  std::vector<float> x = {1, 2, nan, -4, 0, 0, 0, 7};
+  uint32_t w = 0;
+  EXPECT_FLOAT_EQ(SparcasQuantizeRow(x.data(), 8, &w), 1.0f);
+  EXPECT_EQ(SparcasQ4Value(w, 2), -7);
+  EXPECT_EQ(SparcasQ4Value(w, 3), -4);
+  EXPECT_EQ(SparcasQ4Value(w, 7), 7);
+}
+
+TEST(SparcasQ4, ScoresAreTheDequantizedDotProducts) {
+  const int hd = 64, group = 3, d_b = 24;
+  const int64_t n = 131;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> q(group * hd), keys(n * hd);
+  for (float& v : q) v = nd(rng);
+  for (float& v : keys) v = nd(rng);
+  std::vector<int32_t> dims(d_b);
+  SparcasChooseDims(q.data(), group, hd, d_b, dims.data());
+  std::vector<uint32_t> words(n * (d_b / 8));
+  std::vector<float> scales(n), kept(d_b), out(group * n);
+  for (int64_t j = 0; j < n; ++j) {
+    SparcasGatherCompact(keys.data() + j * hd, dims.data(), d_b, kept.data());
+    scales[j] = SparcasQuantizeRow(kept.data(), d_b, words.data() + j * (d_b / 8));
+  }
+  SparcasApproxScoresQ4(q.data(), group, hd, dims.data(), d_b, words.data(), scales.data(), n,
+                        0.25f, out.data(), n);
+  for (int g = 0; g < group; ++g) {
+    for (int64_t j = 0; j < n; ++j) {
+      double ref = 0.0, exact = 0.0;
+      for (int i = 0; i < d_b; ++i) {
+        const int code = SparcasQ4Value(words[j * (d_b / 8) + i / 8], i % 8);
+        ref += static_cast<double>(q[g * hd + dims[i]]) * code * scales[j];
+        exact += static_cast<double>(q[g * hd + dims[i]]) * keys[j * hd + dims[i]];
+      }
+      EXPECT_NEAR(out[g * n + j], 0.25 * ref, 1e-4);
+      // Within half a step per dimension of the 16-bit partial logit.
+      double bound = 0.0;
+      for (int i = 0; i < d_b; ++i) bound += std::fabs(q[g * hd + dims[i]]) * 0.5 * scales[j];
+      EXPECT_LE(std::fabs(ref - exact), bound + 1e-4);
+    }
+  }
+}
+
+// The 4-bit rows rank nearly as the 16-bit ones of the same dimensions, and more dimensions at 4
+// bits beat fewer at 16 in the same bytes (d_b 32 at 4 bits is 20 bytes a row, d_b 8 at 16 is 16).
+TEST(SparcasQ4, RecallNearTheSixteenBitRowsAndMonotoneInDb) {
+  const int hd = 64;
+  const int trials = 12;
+  const auto recall_of = [&](int d_b, int bits) {
+    double r = 0.0;
+    for (int t = 0; t < trials; ++t) {
+      Synthetic syn(2049, 3, hd, 900 + t);
+      SparcasParams sp;
+      sp.d_b = d_b;
+      sp.bits = bits;
+      sp.dense_layers = 0;
+      SparcasPolicy policy(sp, 1, 1, 1);
+      SelectContext ctx = Context(syn.kv, syn.q.data(), 3, 4, 32, 4 + 32 + 128);
+      std::vector<int32_t> sel;
+      EXPECT_TRUE(policy.Select(ctx, sel).ok());
+      ExpectValidSelection(ctx, sel);
+      r += OffloadedRecall(ctx, sel) / trials;
+    }
+    return r;
+  };
+  std::vector<double> q4;
+  for (int d_b : {8, 16, 32, 64}) {
+    q4.push_back(recall_of(d_b, 4));
+    const double full = recall_of(d_b, 16);
+    std::printf("d_b %d recall 4-bit %.4f 16-bit %.4f\n", d_b, q4.back(), full);
+    EXPECT_GT(q4.back(), full - 0.08) << "d_b " << d_b;
+  }
+  for (size_t i = 0; i + 1 < q4.size(); ++i) EXPECT_GE(q4[i + 1], q4[i] - 0.005) << i;
+  EXPECT_GT(q4[2], recall_of(8, 16)) << "d_b 32 at 4 bits vs d_b 8 at 16 bits";
+}
+
+TEST(SparcasQ4, FourBitsNeedDbAMultipleOfEight) {
+  RuntimeConfig c;
+  c.model.num_layers = 2;
+  c.model.num_q_heads = 4;
+  c.model.num_kv_heads = 2;
+  c.model.head_dim = 64;
+  c.policy.name = "sparcas";
+  c.policy.params["d_b"] = 12;
+  auto r = MakeSparcasPolicy(c);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("d_b"), std::string::npos) << r.status().message();
+  c.policy.params["bits"] = 16;
+  EXPECT_TRUE(MakeSparcasPolicy(c).ok());
+  c.policy.params["d_b"] = 16;
+  c.policy.params.erase("bits");
+  EXPECT_TRUE(MakeSparcasPolicy(c).ok());
 }
 
 }  // namespace
