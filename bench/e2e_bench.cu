@@ -257,7 +257,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     c.policy.budget_tokens = 0;
     c.policy.budget_fraction = 0.02;
   } else if (base == "sparcas") {
-    c.policy.name = "sparcas";  // 16 of 128 key dimensions kept on the GPU, first 2 layers exact
+    c.policy.name = "sparcas";  // 64 of 128 key dimensions at 4 bits on the GPU (--param bits=16: the paper's 16 in bf16), first 2 layers exact
     c.policy.budget_tokens = 0;
     c.policy.budget_fraction = 0.02;
   } else if (base == "lfps_gpu") {
