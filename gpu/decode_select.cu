@@ -642,26 +642,48 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
   }
 }
 
+// The SparCas scoring kernels' common start (a CTA per item in blockIdx.x): the item's state and
+// length, and q's chosen dimensions scaled to the log2 domain in q_s[g * d_b + i] (synced). d_b is
+// the state's, at most max_db; nothing is loaded when the item does not rank (ranked false, the
+// same for the whole CTA).
+struct SparcasScoreItem {
+  int64_t t = 0, n = 0;
+  int d_b = 0;
+  bool ranked = false;
+};
+__device__ __forceinline__ SparcasScoreItem LoadSparcasQuery(const DecodeStepArgs& a, float* q_s,
+                                                             int max_db) {
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  SparcasScoreItem it;
+  it.t = ItemT(a, b, h);
+  const SparcasState st = a.sparcas_state[it.t];
+  it.ranked = st.ranked != 0;
+  if (!it.ranked) return it;
+  const int hd = a.params.head_dim, group = a.params.group;
+  it.d_b = min(st.d_b, max_db);
+  it.n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const int32_t* dims = a.sparcas_dims + it.t * hd;
+  const float qscale = a.params.scale * kLog2e;
+  const int64_t q0 = static_cast<int64_t>(item) * group * hd;
+  for (int i = threadIdx.x; i < group * it.d_b; i += blockDim.x) {
+    q_s[i] = LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(i / it.d_b) * hd + dims[i % it.d_b]) * qscale;
+  }
+  __syncthreads();
+  return it;
+}
+
 // Grid (items, y), a warp per position in [0, n): partial logits over the compact keys (log2
 // domain) into select_ws[item][g][j].
 template <typename T>
 __global__ void __launch_bounds__(kScoreWarps * 32) SparcasScoreKernel(DecodeStepArgs a) {
   extern __shared__ float q_s[];  // [group][d_b], the chosen dimensions of q, scaled
+  const SparcasScoreItem it = LoadSparcasQuery(a, q_s, a.params.head_dim);
+  if (!it.ranked) return;
   const int32_t item = blockIdx.x;
-  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
-  const int64_t t = ItemT(a, b, h);
-  const SparcasState st = a.sparcas_state[t];
-  if (st.ranked == 0) return;
-  const int hd = a.params.head_dim, group = a.params.group, d_b = st.d_b;
-  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const int32_t* dims = a.sparcas_dims + t * hd;
-  const float qscale = a.params.scale * kLog2e;
-  const int64_t q0 = static_cast<int64_t>(item) * group * hd;
-  for (int i = threadIdx.x; i < group * d_b; i += blockDim.x) {
-    q_s[i] = LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(i / d_b) * hd + dims[i % d_b]) * qscale;
-  }
-  __syncthreads();
-  const T* compact = CompactOf<T>(a, b, h);
+  const int group = a.params.group, d_b = it.d_b;
+  const int64_t n = it.n;
+  const T* compact = CompactOf<T>(a, item / a.num_kv_heads, item % a.num_kv_heads);
   float* out = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int64_t j = static_cast<int64_t>(blockIdx.y) * kScoreWarps + warp; j < n;
@@ -690,22 +712,13 @@ template <typename T>
 __global__ void __launch_bounds__(kSparcasThreads) SparcasScoreThreadKernel(DecodeStepArgs a) {
   extern __shared__ float q_s[];  // [group][d_b], the chosen dimensions of q, scaled
   constexpr int kVec = 16 / sizeof(T);  // elements of a 16-byte load
+  // d_b == the state's: the launcher checked SparcasDimsOf <= kSparcasThreadMaxDb
+  const SparcasScoreItem it = LoadSparcasQuery(a, q_s, kSparcasThreadMaxDb);
+  if (!it.ranked) return;
   const int32_t item = blockIdx.x;
-  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
-  const int64_t t = ItemT(a, b, h);
-  const SparcasState st = a.sparcas_state[t];
-  if (st.ranked == 0) return;
-  const int hd = a.params.head_dim, group = a.params.group;
-  const int d_b = min(st.d_b, kSparcasThreadMaxDb);  // == st.d_b: the launcher checked SparcasDimsOf
-  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const int32_t* dims = a.sparcas_dims + t * hd;
-  const float qscale = a.params.scale * kLog2e;
-  const int64_t q0 = static_cast<int64_t>(item) * group * hd;
-  for (int i = threadIdx.x; i < group * d_b; i += blockDim.x) {
-    q_s[i] = LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(i / d_b) * hd + dims[i % d_b]) * qscale;
-  }
-  __syncthreads();
-  const T* compact = CompactOf<T>(a, b, h);
+  const int group = a.params.group, d_b = it.d_b;
+  const int64_t n = it.n;
+  const T* compact = CompactOf<T>(a, item / a.num_kv_heads, item % a.num_kv_heads);
   const bool vec = (d_b % kVec) == 0 && (reinterpret_cast<uintptr_t>(compact) & 15u) == 0;
   float* out = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
   for (int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; j < n;
@@ -748,23 +761,14 @@ constexpr int kSparcasQ4Heads = 8;
 
 __global__ void __launch_bounds__(kSparcasThreads) SparcasScoreQ4Kernel(DecodeStepArgs a) {
   extern __shared__ float4 q_s4[];  // [group][d_b / 4], the chosen dimensions of q, scaled
-  float* q_s = reinterpret_cast<float*>(q_s4);
+  const SparcasScoreItem it = LoadSparcasQuery(a, reinterpret_cast<float*>(q_s4), a.params.head_dim);
+  if (!it.ranked) return;
   const int32_t item = blockIdx.x;
-  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
-  const int64_t t = ItemT(a, b, h);
-  const SparcasState st = a.sparcas_state[t];
-  if (st.ranked == 0) return;
-  const int hd = a.params.head_dim, group = a.params.group, d_b = st.d_b;
+  const int group = a.params.group, d_b = it.d_b;
   const int words = SparcasQ4Words(d_b);
-  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const int32_t* dims = a.sparcas_dims + t * hd;
-  const float qscale = a.params.scale * kLog2e;
-  const int64_t q0 = static_cast<int64_t>(item) * group * hd;
-  for (int i = threadIdx.x; i < group * d_b; i += blockDim.x) {
-    q_s[i] = LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(i / d_b) * hd + dims[i % d_b]) * qscale;
-  }
-  __syncthreads();
-  const uint32_t* rows = reinterpret_cast<const uint32_t*>(CompactOf<__half>(a, b, h));
+  const int64_t n = it.n;
+  const uint32_t* rows = reinterpret_cast<const uint32_t*>(
+      CompactOf<__half>(a, item / a.num_kv_heads, item % a.num_kv_heads));
   float* out = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
   for (int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.y) * blockDim.x) {
