@@ -604,20 +604,31 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
         kp = row >= 0 ? reinterpret_cast<const T*>(res_k + static_cast<size_t>(row) * row_bytes)
                       : reinterpret_cast<const T*>(StoreKRow(pages, j, static_cast<uint32_t>(a.page_tokens), row_bytes));
       }
-      // The new token as stored (rounded to the KV dtype), as the host twin reads it.
-      const auto value = [&](int i) {
-        return kp != nullptr ? ToF32(kp[dims[i]])
-                             : ToF32(FromF32<T>(LoadElem(a.k, a.k_dtype, static_cast<int64_t>(item) * hd + dims[i])));
-      };
+      // Each element read once (a row of the host store is read over PCIe): lane + 32 c for
+      // c < 8 covers d_b <= 256 (head_dim <= 256). The new token as stored (rounded to the KV
+      // dtype), as the host twin reads it.
+      float x[8];
       float amax = 0.0f;
-      for (int i = lane; i < d_b; i += 32) amax = fmaxf(amax, fabsf(value(i)));
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const int i = c * 32 + lane;
+        x[c] = 0.0f;
+        if (i < d_b) {
+          x[c] = kp != nullptr
+                     ? ToF32(kp[dims[i]])
+                     : ToF32(FromF32<T>(LoadElem(a.k, a.k_dtype, static_cast<int64_t>(item) * hd + dims[i])));
+          amax = fmaxf(amax, fabsf(x[c]));
+        }
+      }
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
       const float inv = SparcasQ4Inv(amax);
       uint32_t* dst = rows + j * (words + 1);
-      for (int base = 0; base < d_b; base += 32) {  // d_b % 8 == 0: a group of 8 lanes is all in or out
-        const int i = base + lane;
-        uint32_t code = i < d_b ? SparcasQ4Code(value(i), inv) << (4 * (i & 7)) : 0u;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {  // d_b % 8 == 0: a group of 8 lanes is all in or out
+        const int i = c * 32 + lane;
+        if (c * 32 >= d_b) break;  // warp-uniform
+        uint32_t code = i < d_b ? SparcasQ4Code(x[c], inv) << (4 * (i & 7)) : 0u;
         code |= __shfl_xor_sync(0xffffffffu, code, 1);
         code |= __shfl_xor_sync(0xffffffffu, code, 2);
         code |= __shfl_xor_sync(0xffffffffu, code, 4);
