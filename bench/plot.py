@@ -105,14 +105,18 @@ def plot_quality(results):
         return print(f"plot.py: {src} absent; quality plot skipped")
     d = json.load(open(src))
     rows = [r for r in d["rows"] if r.get("budget")]
-    policies = sorted({r["policy"] for r in rows if r.get("gap_pct") is not None})
+    # A row's line: its policy, with its parameters when it has any (sparcas bits=4,d_b=32).
+    def label(r):
+        ps = r.get("params") or {}
+        return r["policy"] + (" " + ",".join(f"{k}={v}" for k, v in ps.items()) if ps else "")
+    policies = sorted({label(r) for r in rows if r.get("gap_pct") is not None})
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for j, p in enumerate(policies):
         pts = sorted((r["budget"], r["gap_pct"]) for r in rows
-                     if r["policy"] == p and r.get("gap_pct") is not None)
+                     if label(r) == p and r.get("gap_pct") is not None)
         a1.plot([b for b, _ in pts], [g for _, g in pts], "-o", color=f"C{j}", label=p)
         rec = sorted((r["budget"], r["trace_replay"]["mass_recall"]) for r in rows
-                     if r["policy"] == p and r.get("trace_replay"))
+                     if label(r) == p and r.get("trace_replay"))
         if rec:
             a2.plot([b for b, _ in rec], [m for _, m in rec], "-o", color=f"C{j}", label=p)
     a1.set_xscale("log", base=2)
