@@ -383,7 +383,8 @@ KVF_HOST_DEVICE inline int32_t SparcasDimsOf(int32_t layer, int32_t dense_layers
   return layer < dense_layers ? head_dim : k;
 }
 /// SparCas 4-bit rows: d_b / 8 32-bit words (dimension i in bits [4 (i % 8), 4 (i % 8) + 4) of
-/// word i / 8, two's complement in [-7, 7]) then the row's scale as an f32.
+/// word i / 8 as n + 8, n in [-7, 7]: offset binary, so the GPU turns a nibble into a float with
+/// an OR and a subtraction instead of an integer conversion) then the row's scale as an f32.
 constexpr int32_t kSparcasQ4Levels = 7;
 KVF_HOST_DEVICE inline int32_t SparcasQ4Words(int32_t d_b) { return d_b / 8; }
 /// A sparse layer's compact row in 2-byte elements: d_b at 16 bits, (d_b / 8 + 1) words at 4.
@@ -391,8 +392,8 @@ KVF_HOST_DEVICE inline int32_t SparcasRowElems(int32_t d_b, int32_t bits) {
   return bits == 4 ? 2 * (SparcasQ4Words(d_b) + 1) : d_b;
 }
 /// The 4-bit code of x given the row's max |x| (fmaxf over the row, which skips NaN): inv =
-/// 7 / amax (0 when amax is 0 or not finite: every code 0), n = rint(clamp(x * inv, -7, 7))
-/// (NaN: -7), as a nibble. The row's scale is amax / 7 (0 likewise). Host and device quantize with these.
+/// 7 / amax (0 when amax is 0 or not finite: every n 0), n = rint(clamp(x * inv, -7, 7))
+/// (NaN: -7), as the nibble n + 8. The row's scale is amax / 7 (0 likewise). Host and device quantize with these.
 KVF_HOST_DEVICE inline float SparcasQ4Inv(float amax) {
   return amax > 0.0f && amax <= 3.0e38f ? static_cast<float>(kSparcasQ4Levels) / amax : 0.0f;
 }
@@ -401,13 +402,13 @@ KVF_HOST_DEVICE inline float SparcasQ4Scale(float amax) {
 }
 KVF_HOST_DEVICE inline uint32_t SparcasQ4Code(float x, float inv) {
   const float lv = static_cast<float>(kSparcasQ4Levels);
-  if (inv == 0.0f) return 0u;  // a zero or non-finite row: every code 0
+  if (inv == 0.0f) return 8u;  // a zero or non-finite row: every n 0
   const float r = rintf(fminf(fmaxf(x * inv, -lv), lv));
-  return static_cast<uint32_t>(static_cast<int32_t>(r)) & 0xFu;
+  return static_cast<uint32_t>(static_cast<int32_t>(r) + 8);
 }
-/// Dimension e (0..7) of a word: the sign-extended nibble.
+/// Dimension e (0..7) of a word: n.
 KVF_HOST_DEVICE inline int32_t SparcasQ4Value(uint32_t word, int e) {
-  return static_cast<int32_t>(word << (28 - 4 * e)) >> 28;
+  return static_cast<int32_t>((word >> (4 * e)) & 0xFu) - 8;
 }
 KVF_HOST_DEVICE inline int64_t SparcasCompactOffset(int64_t slot, int32_t layer, int32_t h,
                                                     int32_t num_layers, int32_t num_kv_heads,
