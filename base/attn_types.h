@@ -382,6 +382,11 @@ KVF_HOST_DEVICE inline int32_t SparcasDimsOf(int32_t layer, int32_t dense_layers
   const int32_t k = d_b < 1 ? 1 : (d_b > head_dim ? head_dim : d_b);
   return layer < dense_layers ? head_dim : k;
 }
+/// Bits a dimension of layer \p layer's compact rows: the dense layers keep the KV dtype (16),
+/// the others \p bits.
+KVF_HOST_DEVICE inline int32_t SparcasBitsOf(int32_t layer, int32_t dense_layers, int32_t bits) {
+  return layer < dense_layers ? 16 : bits;
+}
 /// SparCas 4-bit rows: d_b / 8 32-bit words (dimension i in bits [4 (i % 8), 4 (i % 8) + 4) of
 /// word i / 8 as n + 8, n in [-7, 7]: offset binary, so the GPU turns a nibble into a float with
 /// an OR and a subtraction instead of an integer conversion) then the row's scale as an f32.

@@ -279,7 +279,7 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
                                                   a.sparcas_bits) * elem;
     thread_local std::vector<float> row;
     row.resize(static_cast<size_t>(d));
-    const bool q4 = a.sparcas_bits == 4 && a.layer >= a.sparcas_dense_layers;
+    const bool q4 = SparcasBitsOf(a.layer, a.sparcas_dense_layers, a.sparcas_bits) == 4;
     const int words = SparcasQ4Words(d_b);
     thread_local std::vector<float> kept;
     kept.resize(static_cast<size_t>(d_b));

@@ -591,19 +591,21 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
   const char* res_k =
       a.resident + static_cast<size_t>(t * 2 * (static_cast<int64_t>(a.sink) + a.window)) * row_bytes;
   const unsigned long long* pages = reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages;
-  if (a.sparcas_bits == 4 && a.layer >= a.sparcas_dense_layers) {
+  // Key j's row in the resident tier or the host store; null for the new token (read from a.k).
+  const auto source_row = [&](int64_t j) -> const T* {
+    if (j == n - 1) return nullptr;
+    const int64_t row = ResidentRowOf(j, n, a.sink, a.window);
+    return row >= 0 ? reinterpret_cast<const T*>(res_k + static_cast<size_t>(row) * row_bytes)
+                    : reinterpret_cast<const T*>(StoreKRow(pages, j, static_cast<uint32_t>(a.page_tokens), row_bytes));
+  };
+  if (SparcasBitsOf(a.layer, a.sparcas_dense_layers, a.sparcas_bits) == 4) {
     // 4-bit rows (base/sparcas_q4.h): the warp's max |x|, then each group of 8 lanes ORs its
     // nibbles into one word; the row's scale after its words.
     const int words = SparcasQ4Words(d_b);
     uint32_t* rows = reinterpret_cast<uint32_t*>(compact);
     for (int64_t j = st.from + static_cast<int64_t>(blockIdx.y) * kScoreWarps + warp; j < n;
          j += static_cast<int64_t>(gridDim.y) * kScoreWarps) {
-      const T* kp = nullptr;
-      if (j != n - 1) {
-        const int64_t row = ResidentRowOf(j, n, a.sink, a.window);
-        kp = row >= 0 ? reinterpret_cast<const T*>(res_k + static_cast<size_t>(row) * row_bytes)
-                      : reinterpret_cast<const T*>(StoreKRow(pages, j, static_cast<uint32_t>(a.page_tokens), row_bytes));
-      }
+      const T* kp = source_row(j);
       // Each element read once (a row of the host store is read over PCIe): lane + 32 c for
       // c < 8 covers d_b <= 256 (head_dim <= 256). The new token as stored (rounded to the KV
       // dtype), as the host twin reads it.
@@ -641,13 +643,11 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
   for (int64_t j = st.from + static_cast<int64_t>(blockIdx.y) * kScoreWarps + warp; j < n;
        j += static_cast<int64_t>(gridDim.y) * kScoreWarps) {
     T* dst = compact + j * d_b;
-    if (j == n - 1) {
+    const T* kp = source_row(j);
+    if (kp == nullptr) {
       const int64_t src = static_cast<int64_t>(item) * hd;
       for (int i = lane; i < d_b; i += 32) dst[i] = FromF32<T>(LoadElem(a.k, a.k_dtype, src + dims[i]));
     } else {
-      const int64_t row = ResidentRowOf(j, n, a.sink, a.window);
-      const T* kp = row >= 0 ? reinterpret_cast<const T*>(res_k + static_cast<size_t>(row) * row_bytes)
-                             : reinterpret_cast<const T*>(StoreKRow(pages, j, static_cast<uint32_t>(a.page_tokens), row_bytes));
       for (int i = lane; i < d_b; i += 32) dst[i] = kp[dims[i]];
     }
   }
@@ -1834,7 +1834,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
         }
         const size_t qs = static_cast<size_t>(a.params.group) * HD * sizeof(float);
         const int d_b = SparcasDimsOf(a.layer, a.sparcas_dense_layers, a.sparcas_db, HD);
-        if (a.sparcas_bits == 4) {
+        if (SparcasBitsOf(a.layer, a.sparcas_dense_layers, a.sparcas_bits) == 4) {
           KVF_CHECK_ARG(d_b % 8 == 0, "DecodeSelect: sparcas 4-bit rows need d_b % 8 == 0, not ", d_b);
           const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * 16 / items);
           const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(

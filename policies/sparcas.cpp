@@ -136,9 +136,8 @@ Status SparcasPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out
     }
     return Status::Ok();
   }
-  const bool dense_layer = ctx.layer < params_.dense_layers;
-  const int d_b = dense_layer ? hd : SparcasDb(params_, hd);
-  const int bits = dense_layer ? 16 : SparcasBits(params_, hd);
+  const int d_b = SparcasDimsOf(ctx.layer, params_.dense_layers, SparcasDb(params_, hd), hd);
+  const int bits = SparcasBitsOf(ctx.layer, params_.dense_layers, SparcasBits(params_, hd));
   if (st->seen > n) st->seen = 0;
   thread_local std::vector<float> row;
   row.resize(static_cast<size_t>(hd));

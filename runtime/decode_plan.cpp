@@ -321,7 +321,7 @@ int64_t RuntimeImpl::SelectKeyBytes(int64_t n, int64_t budget, int layer) const 
     case SelectScoring::kSparcas: {
       if (!ranks) return 0;
       const int32_t dims = SparcasDimsOf(layer, sparcas_dense_, sparcas_db_, static_cast<int32_t>(head_dim));
-      const int64_t row = layer < sparcas_dense_ ? dims : SparcasRowElems(dims, sparcas_bits_);
+      const int64_t row = SparcasRowElems(dims, SparcasBitsOf(layer, sparcas_dense_, sparcas_bits_));
       return n * row * static_cast<int64_t>(kv_elem_);  // compact rows [0, n)
     }
     default: return 0;

@@ -102,25 +102,31 @@ TEST(SparcasPolicy, FullDimsGiveTheOracleMask) {
   }
 }
 
+// Mean recall of the exact top-k over 12 synthetic workloads (2049 keys, head_dim 64, GQA 3,
+// seeds seed0 + t; sinks 4, window 32, 128 picks), SparCas ranking every layer with d_b at bits.
+double MeanRecall(int d_b, int bits, uint32_t seed0) {
+  const int trials = 12;
+  double r = 0.0;
+  for (int t = 0; t < trials; ++t) {
+    Synthetic syn(2049, 3, 64, seed0 + t);
+    SparcasParams sp;
+    sp.d_b = d_b;
+    sp.bits = bits;
+    sp.dense_layers = 0;
+    SparcasPolicy policy(sp, 1, 1, 1);
+    SelectContext ctx = Context(syn.kv, syn.q.data(), 3, 4, 32, 4 + 32 + 128);
+    std::vector<int32_t> sel;
+    EXPECT_TRUE(policy.Select(ctx, sel).ok());
+    ExpectValidSelection(ctx, sel);
+    r += OffloadedRecall(ctx, sel) / trials;
+  }
+  return r;
+}
+
 TEST(SparcasPolicy, RecallMonotoneInDb) {
-  const int hd = 64;
   std::vector<int> dbs = {1, 2, 4, 8, 16, 32, 64};
   std::vector<double> recall(dbs.size(), 0.0);
-  const int trials = 12;
-  for (int t = 0; t < trials; ++t) {
-    Synthetic syn(2049, 3, hd, 500 + t);
-    for (size_t i = 0; i < dbs.size(); ++i) {
-      SparcasParams sp;
-      sp.d_b = dbs[i];
-      sp.dense_layers = 0;
-      sp.bits = 16;
-      SparcasPolicy policy(sp, 1, 1, 1);
-      SelectContext ctx = Context(syn.kv, syn.q.data(), 3, 4, 32, 4 + 32 + 128);
-      std::vector<int32_t> sel;
-      ASSERT_TRUE(policy.Select(ctx, sel).ok());
-      recall[i] += OffloadedRecall(ctx, sel) / trials;
-    }
-  }
+  for (size_t i = 0; i < dbs.size(); ++i) recall[i] = MeanRecall(dbs[i], 16, 500);
   for (size_t i = 0; i + 1 < dbs.size(); ++i) {
     EXPECT_GE(recall[i + 1], recall[i] - 0.005) << "d_b " << dbs[i] << " -> " << dbs[i + 1];
   }
@@ -271,25 +277,7 @@ TEST(SparcasQ4, ScoresAreTheDequantizedDotProducts) {
 // The 4-bit rows rank nearly as the 16-bit ones of the same dimensions, and more dimensions at 4
 // bits beat fewer at 16 in the same bytes (d_b 32 at 4 bits is 20 bytes a row, d_b 8 at 16 is 16).
 TEST(SparcasQ4, RecallNearTheSixteenBitRowsAndMonotoneInDb) {
-  const int hd = 64;
-  const int trials = 12;
-  const auto recall_of = [&](int d_b, int bits) {
-    double r = 0.0;
-    for (int t = 0; t < trials; ++t) {
-      Synthetic syn(2049, 3, hd, 900 + t);
-      SparcasParams sp;
-      sp.d_b = d_b;
-      sp.bits = bits;
-      sp.dense_layers = 0;
-      SparcasPolicy policy(sp, 1, 1, 1);
-      SelectContext ctx = Context(syn.kv, syn.q.data(), 3, 4, 32, 4 + 32 + 128);
-      std::vector<int32_t> sel;
-      EXPECT_TRUE(policy.Select(ctx, sel).ok());
-      ExpectValidSelection(ctx, sel);
-      r += OffloadedRecall(ctx, sel) / trials;
-    }
-    return r;
-  };
+  const auto recall_of = [](int d_b, int bits) { return MeanRecall(d_b, bits, 900); };
   std::vector<double> q4;
   for (int d_b : {8, 16, 32, 64}) {
     q4.push_back(recall_of(d_b, 4));

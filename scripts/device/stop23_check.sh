@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Ready for the next GPU call (written in stop 23, which had no device time). Owed checks:
+# Ready for the next GPU call (written in stop 23, which had no device time; it replaces
+# review22_check.sh, which never ran). Owed checks:
 #  - stop 22's review mends (1024ace: ResolveListRange through BankStepRows::Classify, MarkHit /
 #    StageK; SparCas's re-map removed) and stop 23's 4-bit SparCas rows (SparcasGatherKernel's
 #    4-bit branch, SparcasScoreQ4Kernel; the default now) have never run on a GPU: the whole suite
