@@ -415,6 +415,24 @@ KVF_HOST_DEVICE inline uint32_t SparcasQ4Code(float x, float inv) {
 KVF_HOST_DEVICE inline int32_t SparcasQ4Value(uint32_t word, int e) {
   return static_cast<int32_t>((word >> (4 * e)) & 0xFu) - 8;
 }
+/// The query side of the 4-bit scores: one head's chosen dimensions of q as int8 codes c_i =
+/// rint(clamp(x_i * inv, -127, 127)), inv = 127 / amax over the head's d_b values (NaN: -127),
+/// with step amax / 127 (inv and step 0 when amax is 0 or not finite: the head scores 0). A row's
+/// partial logit is then (float(sum_i c_i n_i) * step) * row scale: the sum is an exact integer
+/// (__dp4a on the GPU, on the offset nibbles n_i + 8 less 8 sum_i c_i), so host and device agree
+/// to the bit. Quantized from q as given, before the softmax scale.
+constexpr int32_t kSparcasQ8Levels = 127;
+KVF_HOST_DEVICE inline float SparcasQ8Inv(float amax) {
+  return amax > 0.0f && amax <= 3.0e38f ? static_cast<float>(kSparcasQ8Levels) / amax : 0.0f;
+}
+KVF_HOST_DEVICE inline float SparcasQ8Step(float amax) {
+  return amax > 0.0f && amax <= 3.0e38f ? amax / static_cast<float>(kSparcasQ8Levels) : 0.0f;
+}
+KVF_HOST_DEVICE inline int32_t SparcasQ8Code(float x, float inv) {
+  const float lv = static_cast<float>(kSparcasQ8Levels);
+  if (inv == 0.0f) return 0;
+  return static_cast<int32_t>(rintf(fminf(fmaxf(x * inv, -lv), lv)));
+}
 KVF_HOST_DEVICE inline int64_t SparcasCompactOffset(int64_t slot, int32_t layer, int32_t h,
                                                     int32_t num_layers, int32_t num_kv_heads,
                                                     int64_t positions, int32_t head_dim,

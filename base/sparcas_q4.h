@@ -25,16 +25,31 @@ inline float SparcasQuantizeRow(const float* x, int d_b, uint32_t* words) {
   return SparcasQ4Scale(amax);
 }
 
-/// The row's scale times sum_i qd[i] * n_i (qd: the query's chosen dimensions), summed in
-/// ascending i in fp32.
-inline float SparcasQ4Dot(const float* qd, const uint32_t* words, int d_b, float row_scale) {
-  float acc = 0.0f;
-  for (int w = 0; w < SparcasQ4Words(d_b); ++w) {
-    for (int e = 0; e < 8; ++e) {
-      acc += qd[w * 8 + e] * static_cast<float>(SparcasQ4Value(words[w], e));
-    }
+/// Quantizes one head's chosen query dimensions qd[0, d_b) into codes[0, d_b) (base/attn_types.h's
+/// SparcasQ8*); returns the step and sets *code_sum to the sum of the codes.
+inline float SparcasQuantizeQuery(const float* qd, int d_b, int8_t* codes, int32_t* code_sum) {
+  float amax = 0.0f;
+  for (int i = 0; i < d_b; ++i) amax = fmaxf(amax, fabsf(qd[i]));  // fmaxf skips NaN
+  const float inv = SparcasQ8Inv(amax);
+  int32_t sum = 0;
+  for (int i = 0; i < d_b; ++i) {
+    codes[i] = static_cast<int8_t>(SparcasQ8Code(qd[i], inv));
+    sum += codes[i];
   }
-  return acc * row_scale;
+  *code_sum = sum;
+  return SparcasQ8Step(amax);
+}
+
+/// A row's partial logit: (float(sum_i codes[i] * n_i) * q_step) * row_scale, the sum exact in
+/// int32 (taken over the offset nibbles n_i + 8, less 8 * code_sum, as the GPU's __dp4a does).
+inline float SparcasQ4Dot(const int8_t* codes, int32_t code_sum, float q_step, const uint32_t* words,
+                          int d_b, float row_scale) {
+  int32_t acc = 0;
+  for (int w = 0; w < SparcasQ4Words(d_b); ++w) {
+    for (int e = 0; e < 8; ++e) acc += codes[w * 8 + e] * static_cast<int32_t>((words[w] >> (4 * e)) & 0xFu);
+  }
+  const float dot = static_cast<float>(acc - 8 * code_sum) * q_step;
+  return dot * row_scale;
 }
 
 }  // namespace kvferry

@@ -305,13 +305,24 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
     }
     cf.resize(static_cast<size_t>(d_b));
     logits.resize(static_cast<size_t>(p.group) * n);
+    thread_local std::vector<int8_t> qcodes;  // 4-bit rows: each head's int8 query (base/sparcas_q4.h)
+    thread_local std::vector<int32_t> qsum;
+    thread_local std::vector<float> qstep;
+    if (q4) {
+      qcodes.resize(static_cast<size_t>(p.group) * d_b);
+      qsum.resize(static_cast<size_t>(p.group));
+      qstep.resize(static_cast<size_t>(p.group));
+      for (int g = 0; g < p.group; ++g) {
+        qstep[g] = SparcasQuantizeQuery(qs.data() + g * d_b, d_b, qcodes.data() + g * d_b, &qsum[g]);
+      }
+    }
     for (int64_t j = 0; j < n; ++j) {
       if (q4) {
         const auto* w = reinterpret_cast<const uint32_t*>(compact + static_cast<size_t>(j) * (words + 1) * 4);
         float scale;
         std::memcpy(&scale, w + words, sizeof(float));
         for (int g = 0; g < p.group; ++g) {
-          logits[g * n + j] = p.scale * SparcasQ4Dot(qs.data() + g * d_b, w, d_b, scale);
+          logits[g * n + j] = p.scale * SparcasQ4Dot(qcodes.data() + g * d_b, qsum[g], qstep[g], w, d_b, scale);
         }
         continue;
       }

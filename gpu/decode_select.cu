@@ -654,16 +654,16 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
 }
 
 // The SparCas scoring kernels' common start (a CTA per item in blockIdx.x): the item's state and
-// length, and q's chosen dimensions scaled to the log2 domain in q_s[g * d_b + i] (synced). d_b is
-// the state's, at most max_db; nothing is loaded when the item does not rank (ranked false, the
-// same for the whole CTA).
+// length, and q's chosen dimensions scaled to the log2 domain in q_s[g * d_b + i] (synced; as
+// given when scaled is false). d_b is the state's, at most max_db; nothing is loaded when the item
+// does not rank (ranked false, the same for the whole CTA).
 struct SparcasScoreItem {
   int64_t t = 0, n = 0;
   int d_b = 0;
   bool ranked = false;
 };
 __device__ __forceinline__ SparcasScoreItem LoadSparcasQuery(const DecodeStepArgs& a, float* q_s,
-                                                             int max_db) {
+                                                             int max_db, bool scaled = true) {
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   SparcasScoreItem it;
@@ -675,7 +675,7 @@ __device__ __forceinline__ SparcasScoreItem LoadSparcasQuery(const DecodeStepArg
   it.d_b = min(st.d_b, max_db);
   it.n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const int32_t* dims = a.sparcas_dims + it.t * hd;
-  const float qscale = a.params.scale * kLog2e;
+  const float qscale = scaled ? a.params.scale * kLog2e : 1.0f;
   const int64_t q0 = static_cast<int64_t>(item) * group * hd;
   for (int i = threadIdx.x; i < group * it.d_b; i += blockDim.x) {
     q_s[i] = LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(i / it.d_b) * hd + dims[i % it.d_b]) * qscale;
@@ -765,24 +765,62 @@ __global__ void __launch_bounds__(kSparcasThreads) SparcasScoreThreadKernel(Deco
 }
 
 // Grid (items, y), a thread per position in [0, n): partial logits over 4-bit rows
-// (base/sparcas_q4.h; the sparse layers at sparcas_bits 4). A thread reads its row's words (a
-// warp: 32 consecutive rows, 4 (d_b / 8 + 1) bytes each), sums up to kSparcasQ4Heads query heads
-// in registers against q in shared memory (broadcast reads), and scales by the row's scale.
+// (base/sparcas_q4.h; the sparse layers at sparcas_bits 4) in integer arithmetic. The CTA first
+// quantizes each query head's chosen dimensions to int8 (SparcasQuantizeQuery's codes, a warp a
+// head) and packs word w of head g as two ints for __dp4a: the codes of dimensions 8w, 8w+2, 8w+4,
+// 8w+6 and of 8w+1, 8w+3, 8w+5, 8w+7, which line up with a row word's nibbles masked (word &
+// 0x0F0F0F0F) and shifted ((word >> 4) & 0x0F0F0F0F). A thread then reads its row's words (a
+// warp: 32 consecutive rows, 4 (d_b / 8 + 1) bytes each, kQ4Chunk words in flight) and takes two
+// __dp4a a word a head: the exact integer sum over the offset nibbles n + 8, less 8 times the code
+// sum, times the step, times the row's scale (SparcasQ4Dot's products, in its order), times the
+// softmax scale in the log2 domain. Two integer ops and eight __dp4a per word for four heads,
+// where decoding nibbles to floats took 36 ops and 32 FMAs.
 constexpr int kSparcasQ4Heads = 8;
-
-// SparcasQ4Value(word, e) as a float without an integer conversion (a quarter-rate instruction):
-// 2^23 + nibble as a float's bits, less 2^23 + 8; exact, every term an integer below 2^24.
-__device__ __forceinline__ float Q4ToF32(uint32_t word, int e) {
-  return __uint_as_float(0x4B000000u | ((word >> (4 * e)) & 0xFu)) - 8388616.0f;
-}
+constexpr int kQ4Chunk = 8;  // row words loaded before they are used
 
 __global__ void __launch_bounds__(kSparcasThreads) SparcasScoreQ4Kernel(DecodeStepArgs a) {
-  extern __shared__ float4 q_s4[];  // [group][d_b / 4], the chosen dimensions of q, scaled
-  const SparcasScoreItem it = LoadSparcasQuery(a, reinterpret_cast<float*>(q_s4), a.params.head_dim);
+  extern __shared__ float q_raw[];  // [group][d_b] q as given, then int2 [group][words], steps, sums
+  const SparcasScoreItem it = LoadSparcasQuery(a, q_raw, a.params.head_dim, /*scaled=*/false);
   if (!it.ranked) return;
   const int32_t item = blockIdx.x;
   const int group = a.params.group, d_b = it.d_b;
   const int words = SparcasQ4Words(d_b);
+  int2* q_pack = reinterpret_cast<int2*>(q_raw + group * d_b);  // d_b % 8 == 0: 8-byte aligned
+  float* q_step = reinterpret_cast<float*>(q_pack + group * words);
+  int32_t* q_sum8 = reinterpret_cast<int32_t*>(q_step + group);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int g = warp; g < group; g += kSparcasThreads / 32) {
+    const float* qg = q_raw + g * d_b;
+    float amax = 0.0f;
+    for (int i = lane; i < d_b; i += 32) amax = fmaxf(amax, fabsf(qg[i]));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float inv = SparcasQ8Inv(amax);
+    int32_t sum = 0;
+    for (int w = lane; w < words; w += 32) {
+      uint32_t even = 0, odd = 0;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int32_t c = SparcasQ8Code(qg[w * 8 + e], inv);
+        sum += c;
+        const uint32_t byte = static_cast<uint32_t>(c) & 0xFFu;
+        if (e % 2 == 0) {
+          even |= byte << (8 * (e / 2));
+        } else {
+          odd |= byte << (8 * (e / 2));
+        }
+      }
+      q_pack[g * words + w] = make_int2(static_cast<int>(even), static_cast<int>(odd));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) {
+      q_step[g] = SparcasQ8Step(amax);
+      q_sum8[g] = 8 * sum;
+    }
+  }
+  __syncthreads();
+  const float log2_scale = a.params.scale * kLog2e;
   const int64_t n = it.n;
   const uint32_t* rows = reinterpret_cast<const uint32_t*>(
       CompactOf<__half>(a, item / a.num_kv_heads, item % a.num_kv_heads));
@@ -792,32 +830,35 @@ __global__ void __launch_bounds__(kSparcasThreads) SparcasScoreQ4Kernel(DecodeSt
     const uint32_t* row = rows + j * (words + 1);
     const float row_scale = __uint_as_float(row[words]);
     for (int g0 = 0; g0 < group; g0 += kSparcasQ4Heads) {
-      float acc[kSparcasQ4Heads];
+      int acc[kSparcasQ4Heads];
 #pragma unroll
-      for (int g = 0; g < kSparcasQ4Heads; ++g) acc[g] = 0.0f;
-      for (int w = 0; w < words; ++w) {
-        const uint32_t word = row[w];
+      for (int g = 0; g < kSparcasQ4Heads; ++g) acc[g] = 0;
+      for (int w0 = 0; w0 < words; w0 += kQ4Chunk) {
+        uint32_t rw[kQ4Chunk];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {  // four dimensions a 16-byte shared load
-          const float c0 = Q4ToF32(word, 4 * half);
-          const float c1 = Q4ToF32(word, 4 * half + 1);
-          const float c2 = Q4ToF32(word, 4 * half + 2);
-          const float c3 = Q4ToF32(word, 4 * half + 3);
+        for (int c = 0; c < kQ4Chunk; ++c) rw[c] = w0 + c < words ? row[w0 + c] : 0u;
 #pragma unroll
-          for (int g = 0; g < kSparcasQ4Heads; ++g) {
-            if (g0 + g < group) {
-              const float4 qv = q_s4[((g0 + g) * d_b + w * 8) / 4 + half];
-              acc[g] = fmaf(qv.x, c0, acc[g]);  // ascending dimensions, as the host sums
-              acc[g] = fmaf(qv.y, c1, acc[g]);
-              acc[g] = fmaf(qv.z, c2, acc[g]);
-              acc[g] = fmaf(qv.w, c3, acc[g]);
+        for (int c = 0; c < kQ4Chunk; ++c) {
+          if (w0 + c < words) {
+            const int lo = static_cast<int>(rw[c] & 0x0F0F0F0Fu);
+            const int hi = static_cast<int>((rw[c] >> 4) & 0x0F0F0F0Fu);
+#pragma unroll
+            for (int g = 0; g < kSparcasQ4Heads; ++g) {
+              if (g0 + g < group) {
+                const int2 qw = q_pack[(g0 + g) * words + w0 + c];  // broadcast
+                acc[g] = __dp4a(lo, qw.x, acc[g]);
+                acc[g] = __dp4a(hi, qw.y, acc[g]);
+              }
             }
           }
         }
       }
 #pragma unroll
       for (int g = 0; g < kSparcasQ4Heads; ++g) {
-        if (g0 + g < group) out[static_cast<size_t>(g0 + g) * a.select_ld + j] = acc[g] * row_scale;
+        if (g0 + g < group) {
+          const float dot = __fmul_rn(__int2float_rn(acc[g] - q_sum8[g0 + g]), q_step[g0 + g]);
+          out[static_cast<size_t>(g0 + g) * a.select_ld + j] = __fmul_rn(__fmul_rn(dot, row_scale), log2_scale);
+        }
       }
     }
   }
@@ -1839,7 +1880,9 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
           const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * 16 / items);
           const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(
               std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1, 65535));
-          const size_t qs_db = static_cast<size_t>(a.params.group) * d_b * sizeof(float);
+          // q as given, its packed codes (an int2 a word), each head's step and 8 x code sum
+          const size_t qs_db = static_cast<size_t>(a.params.group) *
+                               (d_b * sizeof(float) + SparcasQ4Words(d_b) * sizeof(int2) + 8);
           if (qs_db > 48 * 1024) {
             KVF_CUDA_CHECK(cudaFuncSetAttribute(SparcasScoreQ4Kernel,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize,

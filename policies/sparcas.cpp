@@ -63,14 +63,16 @@ void SparcasApproxScoresQ4(const float* q, int group, int head_dim, const int32_
                            const uint32_t* words, const float* row_scale, int64_t n, float scale,
                            float* out, int64_t ld) {
   thread_local std::vector<float> qs;
-  qs.resize(static_cast<size_t>(group) * d_b);
-  for (int g = 0; g < group; ++g) {
-    for (int i = 0; i < d_b; ++i) qs[g * d_b + i] = q[g * head_dim + dims[i]];
-  }
+  thread_local std::vector<int8_t> codes;
+  qs.resize(static_cast<size_t>(d_b));
+  codes.resize(static_cast<size_t>(d_b));
   const int w = SparcasQ4Words(d_b);
   for (int g = 0; g < group; ++g) {
+    for (int i = 0; i < d_b; ++i) qs[i] = q[g * head_dim + dims[i]];
+    int32_t code_sum = 0;
+    const float step = SparcasQuantizeQuery(qs.data(), d_b, codes.data(), &code_sum);
     for (int64_t j = 0; j < n; ++j) {
-      out[g * ld + j] = scale * SparcasQ4Dot(qs.data() + g * d_b, words + j * w, d_b, row_scale[j]);
+      out[g * ld + j] = scale * SparcasQ4Dot(codes.data(), code_sum, step, words + j * w, d_b, row_scale[j]);
     }
   }
 }

@@ -58,7 +58,8 @@ void SparcasApproxScores(const float* q, int group, int head_dim, const int32_t*
                          const float* compact, int64_t n, float scale, float* out, int64_t ld);
 
 /// SparcasApproxScores over 4-bit rows (base/sparcas_q4.h): words [n][d_b / 8], row_scale [n];
-/// out[g * ld + j] = scale * SparcasQ4Dot(q[g][dims], row j).
+/// out[g * ld + j] = scale * SparcasQ4Dot(SparcasQuantizeQuery(q[g][dims]), row j): head g's
+/// chosen dimensions as int8 codes, an exact integer dot with the row's nibbles.
 void SparcasApproxScoresQ4(const float* q, int group, int head_dim, const int32_t* dims, int d_b,
                            const uint32_t* words, const float* row_scale, int64_t n, float scale,
                            float* out, int64_t ld);

@@ -258,20 +258,50 @@ TEST(SparcasQ4, ScoresAreTheDequantizedDotProducts) {
   SparcasApproxScoresQ4(q.data(), group, hd, dims.data(), d_b, words.data(), scales.data(), n,
                         0.25f, out.data(), n);
   for (int g = 0; g < group; ++g) {
+    // The query's int8 codes: within half a step of q, step = max |q| / 127.
+    std::vector<float> qd(d_b);
+    std::vector<int8_t> codes(d_b);
+    float amax = 0.0f;
+    for (int i = 0; i < d_b; ++i) {
+      qd[i] = q[g * hd + dims[i]];
+      amax = std::max(amax, std::fabs(qd[i]));
+    }
+    int32_t code_sum = 0;
+    const float step = SparcasQuantizeQuery(qd.data(), d_b, codes.data(), &code_sum);
+    EXPECT_FLOAT_EQ(step, amax / 127.0f);
+    int32_t sum = 0;
+    for (int i = 0; i < d_b; ++i) {
+      EXPECT_EQ(codes[i], static_cast<int>(std::nearbyint(qd[i] / amax * 127.0f))) << i;
+      EXPECT_LE(std::fabs(codes[i] * step - qd[i]), 0.5f * step * (1.0f + 1e-5f));
+      sum += codes[i];
+    }
+    EXPECT_EQ(code_sum, sum);
     for (int64_t j = 0; j < n; ++j) {
-      double ref = 0.0, exact = 0.0;
+      int64_t idot = 0;
+      double exact = 0.0, bound = 0.0;
       for (int i = 0; i < d_b; ++i) {
         const int code = SparcasQ4Value(words[j * (d_b / 8) + i / 8], i % 8);
-        ref += static_cast<double>(q[g * hd + dims[i]]) * code * scales[j];
-        exact += static_cast<double>(q[g * hd + dims[i]]) * keys[j * hd + dims[i]];
+        idot += int64_t{codes[i]} * code;
+        exact += static_cast<double>(qd[i]) * keys[j * hd + dims[i]];
+        // half a key step against |q|, half a query step against the dequantized key
+        bound += std::fabs(qd[i]) * 0.5 * scales[j] + 0.5 * step * std::abs(code) * scales[j];
       }
-      EXPECT_NEAR(out[g * n + j], 0.25 * ref, 1e-4);
-      // Within half a step per dimension of the 16-bit partial logit.
-      double bound = 0.0;
-      for (int i = 0; i < d_b; ++i) bound += std::fabs(q[g * hd + dims[i]]) * 0.5 * scales[j];
-      EXPECT_LE(std::fabs(ref - exact), bound + 1e-4);
+      // The integer dot is exact; then two fp32 products in a fixed order.
+      const float want = static_cast<float>(idot) * step * scales[j];
+      EXPECT_EQ(out[g * n + j], 0.25f * want) << "g " << g << " j " << j;
+      EXPECT_LE(std::fabs(static_cast<double>(want) - exact), bound + 1e-4);
     }
   }
+  // A zero or non-finite query head scores 0.
+  std::vector<float> zq(8, 0.0f);
+  std::vector<int8_t> zc(8, 1);
+  int32_t zs = -1;
+  EXPECT_EQ(SparcasQuantizeQuery(zq.data(), 8, zc.data(), &zs), 0.0f);
+  EXPECT_EQ(zs, 0);
+  for (int8_t c : zc) EXPECT_EQ(c, 0);
+  zq[3] = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(SparcasQuantizeQuery(zq.data(), 8, zc.data(), &zs), 0.0f);
+  EXPECT_EQ(SparcasQ4Dot(zc.data(), zs, 0.0f, words.data(), 8, scales[0]), 0.0f);
 }
 
 // The 4-bit rows rank nearly as the 16-bit ones of the same dimensions, and more dimensions at 4
