@@ -1877,7 +1877,10 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
         const int d_b = SparcasDimsOf(a.layer, a.sparcas_dense_layers, a.sparcas_db, HD);
         if (SparcasBitsOf(a.layer, a.sparcas_dense_layers, a.sparcas_bits) == 4) {
           KVF_CHECK_ARG(d_b % 8 == 0, "DecodeSelect: sparcas 4-bit rows need d_b % 8 == 0, not ", d_b);
-          const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * 16 / items);
+          // CTAs an SM over all items (KVFERRY_SPARCAS_Q4_CTAS_PER_SM): each CTA first quantizes
+          // and packs the query, so fewer CTAs with more rows a thread amortize that.
+          static const int64_t q4_per_sm = EnvInt("KVFERRY_SPARCAS_Q4_CTAS_PER_SM", 16, 1);
+          const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * q4_per_sm / items);
           const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(
               std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1, 65535));
           // q as given, its packed codes (an int2 a word), each head's step and 8 x code sum
