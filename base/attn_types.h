@@ -473,11 +473,16 @@ constexpr int32_t kSelectMctaMaxCtas = 64;
 constexpr int64_t kSelectMctaMinChunk = 2048;
 /// Most pages the multi-CTA Quest top-k keeps per item (its winners are sorted in one CTA).
 constexpr int64_t kSelectMctaMaxPicks = 4096;
+/// Partial softmax statistics an item's scratch holds per query head: one (max, sum) pair per
+/// multi-CTA top-k CTA, or per CTA of a scoring kernel that folds them in (SparCas's 4-bit
+/// scoring: then the top-k skips its statistics pass), whichever wrote them.
+constexpr int32_t kSelectMctaStatsSlots = 512;
 /// 32-bit words of one item's multi-CTA scratch: 4 radix histograms of 256 bins, per CTA the
-/// (greater, equal) counts, per query head and CTA a (max, sum) pair, the Quest picks, and the
-/// fused kernel's barrier counter (and a word of padding: items stay 8-byte aligned).
+/// (greater, equal) counts, per query head kSelectMctaStatsSlots (max, sum) pairs, the Quest
+/// picks, and the fused kernel's barrier counter (and a word of padding: items stay 8-byte
+/// aligned).
 KVF_HOST_DEVICE inline int64_t SelectMctaItemWords(int32_t group) {
-  return 4 * 256 + 2 * int64_t{kSelectMctaMaxCtas} + 2 * int64_t{group} * kSelectMctaMaxCtas +
+  return 4 * 256 + 2 * int64_t{kSelectMctaMaxCtas} + 2 * int64_t{group} * kSelectMctaStatsSlots +
          kSelectMctaMaxPicks + 2;
 }
 /// Bytes of DecodeStepArgs::select_mcta_ws for \p items items: 0 when no item can reach the

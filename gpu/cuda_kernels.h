@@ -147,9 +147,12 @@ enum class SelectTopKPath : int32_t {
 /// The ranking stage of LaunchDecodeSelect alone: the logits (kExactTopK, kSparcas: log2 domain)
 /// or page upper bounds (kQuestPages) are already in args.select_ws ([item][group][select_ld]);
 /// writes args.list/list_count exactly as LaunchDecodeSelect does (row 0 of each item's scratch is
-/// overwritten). For tests and benchmarks of the two top-k paths; graph-capturable.
+/// overwritten). For tests and benchmarks of the two top-k paths; graph-capturable. stats_parts >
+/// 0: the scoring already wrote that many partial (max, sum) pairs a query head into each item's
+/// multi-CTA scratch and zeroed its histograms (SparCas's 4-bit scoring does), so the multi-CTA
+/// path skips its statistics pass.
 Status LaunchSelectTopK(const DecodeStepArgs& args, const LaunchInfo& info, SelectTopKPath path,
-                        cudaStream_t stream);
+                        cudaStream_t stream, int32_t stats_parts = 0);
 
 /// Quest page bounds of a prefill chunk's pages (see PageBoundsArgs), from the host store.
 Status LaunchPageBounds(const PageBoundsArgs& args, cudaStream_t stream);

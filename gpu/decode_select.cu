@@ -653,6 +653,46 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
   }
 }
 
+// The multi-CTA top-k's per-item scratch and the online softmax's folds, used by the SparCas
+// 4-bit scoring (its partial statistics) and the top-k passes below.
+struct MctaScratch {
+  uint32_t* hist;  // [4][256]
+  int32_t* counts;  // [kSelectMctaMaxCtas][2]: keys > T, keys == T
+  float2* stats;   // [group][kSelectMctaStatsSlots]: (max, sum of exp2(l - max)) a CTA
+  int32_t* picks;  // [kSelectMctaMaxPicks] Quest's winning pages, ascending
+};
+
+__device__ __forceinline__ MctaScratch MctaScratchOf(const DecodeStepArgs& a, int32_t item) {
+  uint32_t* w = a.select_mcta_ws + static_cast<size_t>(item) * SelectMctaItemWords(a.params.group);
+  MctaScratch s;
+  s.hist = w;
+  s.counts = reinterpret_cast<int32_t*>(w + 4 * 256);
+  s.stats = reinterpret_cast<float2*>(w + 4 * 256 + 2 * kSelectMctaMaxCtas);
+  s.picks = reinterpret_cast<int32_t*>(w + 4 * 256 + 2 * kSelectMctaMaxCtas +
+                                       2 * a.params.group * kSelectMctaStatsSlots);
+  return s;
+}
+
+// fmaxf as a reduction operator.
+struct FMaxOp {
+  __device__ __forceinline__ float operator()(float x, float y) const { return fmaxf(x, y); }
+};
+
+// Folds (v, 1) into the running (max, sum of exp2(x - max)) pair (m, s).
+__device__ __forceinline__ void SoftmaxAdd(float& m, float& s, float v) {
+  const float nm = fmaxf(m, v);
+  if (nm == -INFINITY) return;  // nothing but -inf so far
+  s = s * exp2f(m - nm) + exp2f(v - nm);
+  m = nm;
+}
+// Merges the pair (m2, s2) into (m, s).
+__device__ __forceinline__ void SoftmaxMerge(float& m, float& s, float m2, float s2) {
+  const float nm = fmaxf(m, m2);
+  if (nm == -INFINITY) return;
+  s = (m == -INFINITY ? 0.0f : s * exp2f(m - nm)) + (m2 == -INFINITY ? 0.0f : s2 * exp2f(m2 - nm));
+  m = nm;
+}
+
 // The SparCas scoring kernels' common start (a CTA per item in blockIdx.x): the item's state and
 // length, and q's chosen dimensions scaled to the log2 domain in q_s[g * d_b + i] (synced; as
 // given when scaled is false). d_b is the state's, at most max_db; nothing is loaded when the item
@@ -779,7 +819,7 @@ constexpr int kSparcasQ4Heads = 8;
 constexpr int kQ4Chunk = 8;  // row words loaded before they are used
 
 template <int kHeads>  // query heads a pass over the row (kSparcasQ4Heads, or 4 for groups of 4 or fewer)
-__global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1) SparcasScoreQ4Kernel(DecodeStepArgs a) {
+__global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1) SparcasScoreQ4Kernel(DecodeStepArgs a, int write_stats) {
   extern __shared__ float q_raw[];  // [group][d_b] q as given, then int2 [group][words], steps, sums
   const SparcasScoreItem it = LoadSparcasQuery(a, q_raw, a.params.head_dim, /*scaled=*/false);
   if (!it.ranked) return;
@@ -826,6 +866,12 @@ __global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1) SparcasS
   const uint32_t* rows = reinterpret_cast<const uint32_t*>(
       CompactOf<__half>(a, item / a.num_kv_heads, item % a.num_kv_heads));
   float* out = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
+  float st_m[kHeads], st_s[kHeads];  // write_stats: this thread's running softmax
+#pragma unroll
+  for (int g = 0; g < kHeads; ++g) {
+    st_m[g] = -INFINITY;
+    st_s[g] = 0.0f;
+  }
   for (int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.y) * blockDim.x) {
     const uint32_t* row = rows + j * (words + 1);
@@ -858,10 +904,39 @@ __global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1) SparcasS
       for (int g = 0; g < kHeads; ++g) {
         if (g0 + g < group) {
           const float dot = __fmul_rn(__int2float_rn(acc[g] - q_sum8[g0 + g]), q_step[g0 + g]);
-          out[static_cast<size_t>(g0 + g) * a.select_ld + j] = __fmul_rn(__fmul_rn(dot, row_scale), log2_scale);
+          const float logit = __fmul_rn(__fmul_rn(dot, row_scale), log2_scale);
+          out[static_cast<size_t>(g0 + g) * a.select_ld + j] = logit;
+          if (write_stats) SoftmaxAdd(st_m[g], st_s[g], logit);  // group <= kHeads: g0 is 0
         }
       }
     }
+  }
+  if (!write_stats) return;
+  // The CTA's (max, sum) a head into slot blockIdx.y of the item's multi-CTA scratch, where the
+  // top-k's weights pass merges them (its statistics pass skipped); CTA 0 zeroes the histograms.
+  __shared__ float red_m[kSparcasThreads / 32][kHeads], red_s[kSparcasThreads / 32][kHeads];
+  const MctaScratch ws = MctaScratchOf(a, item);
+  if (blockIdx.y == 0) {
+    for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) ws.hist[i] = 0;
+  }
+#pragma unroll
+  for (int g = 0; g < kHeads; ++g) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, st_m[g], off);
+      const float s2 = __shfl_xor_sync(0xffffffffu, st_s[g], off);
+      SoftmaxMerge(st_m[g], st_s[g], m2, s2);
+    }
+    if (lane == 0) {
+      red_m[warp][g] = st_m[g];
+      red_s[warp][g] = st_s[g];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < group) {
+    float mm = -INFINITY, ss = 0.0f;
+    for (int w = 0; w < kSparcasThreads / 32; ++w) SoftmaxMerge(mm, ss, red_m[w][threadIdx.x], red_s[w][threadIdx.x]);
+    ws.stats[threadIdx.x * kSelectMctaStatsSlots + blockIdx.y] = make_float2(mm, ss);
   }
 }
 
@@ -981,24 +1056,6 @@ constexpr int kMctaThreads = 512;
 constexpr size_t kQuestSmemOptIn = 40 * 1024;
 
 // An item's multi-CTA scratch (SelectMctaItemWords words).
-struct MctaScratch {
-  uint32_t* hist;  // [4][256]
-  int32_t* counts;  // [kSelectMctaMaxCtas][2]: keys > T, keys == T
-  float2* stats;   // [group][kSelectMctaMaxCtas]: (max, sum of exp2(l - max))
-  int32_t* picks;  // [kSelectMctaMaxPicks] Quest's winning pages, ascending
-};
-
-__device__ __forceinline__ MctaScratch MctaScratchOf(const DecodeStepArgs& a, int32_t item) {
-  uint32_t* w = a.select_mcta_ws + static_cast<size_t>(item) * SelectMctaItemWords(a.params.group);
-  MctaScratch s;
-  s.hist = w;
-  s.counts = reinterpret_cast<int32_t*>(w + 4 * 256);
-  s.stats = reinterpret_cast<float2*>(w + 4 * 256 + 2 * kSelectMctaMaxCtas);
-  s.picks = reinterpret_cast<int32_t*>(w + 4 * 256 + 2 * kSelectMctaMaxCtas +
-                                       2 * a.params.group * kSelectMctaMaxCtas);
-  return s;
-}
-
 // This CTA's chunk [begin, end) of [0, count): whole tiles of positions, so that every warp of a
 // tile loop runs the same iterations (the warp-aggregated histograms need full warps). A tile is
 // kMctaVec consecutive positions a thread, kMctaVec * blockDim.x in all: a thread issues its
@@ -1089,26 +1146,6 @@ __device__ __forceinline__ void CountBin(unsigned int* bins, uint32_t key, int s
   }
 }
 
-// fmaxf as a reduction operator.
-struct FMaxOp {
-  __device__ __forceinline__ float operator()(float x, float y) const { return fmaxf(x, y); }
-};
-
-// Folds (v, 1) into the running (max, sum of exp2(x - max)) pair (m, s).
-__device__ __forceinline__ void SoftmaxAdd(float& m, float& s, float v) {
-  const float nm = fmaxf(m, v);
-  if (nm == -INFINITY) return;  // nothing but -inf so far
-  s = s * exp2f(m - nm) + exp2f(v - nm);
-  m = nm;
-}
-// Merges the pair (m2, s2) into (m, s).
-__device__ __forceinline__ void SoftmaxMerge(float& m, float& s, float m2, float s2) {
-  const float nm = fmaxf(m, m2);
-  if (nm == -INFINITY) return;
-  s = (m == -INFINITY ? 0.0f : s * exp2f(m - nm)) + (m2 == -INFINITY ? 0.0f : s2 * exp2f(m2 - nm));
-  m = nm;
-}
-
 // One read of the chunk for up to kStatsHeads query heads at a time: each thread keeps a running
 // (max, sum) per head (Quest: the max), then one reduction for those heads (warp shuffles, a row
 // of shared memory per warp). The sum is the online softmax's, so it may differ from a two-pass
@@ -1196,18 +1233,19 @@ __device__ void MctaStatsPass(const DecodeStepArgs& a, const TopKItem& it, const
           SoftmaxMerge(mm, ss, red_m[w][threadIdx.x], red_s[w][threadIdx.x]);
         }
       }
-      ws.stats[(g0 + threadIdx.x) * kSelectMctaMaxCtas + blockIdx.y] = make_float2(mm, kQuest ? 0.0f : ss);
+      ws.stats[(g0 + threadIdx.x) * kSelectMctaStatsSlots + blockIdx.y] = make_float2(mm, kQuest ? 0.0f : ss);
     }
     __syncthreads();  // red_* are rewritten by the next heads
   }
 }
 
-// 2. Combines the partials (online softmax), writes the group's summed weight (Quest: max_g (ub_g
-// - max ub_g)) of this CTA's chunk of the ranked range into w (and into `also` when not null),
-// and adds the top byte of each weight's OrderedKey to histogram 0.
+// 2. Combines the `parts` partials of each head (the statistics pass's, one a CTA, or the scoring
+// kernel's), writes the group's summed weight (Quest: max_g (ub_g - max ub_g)) of this CTA's
+// chunk of the ranked range into w (and into `also` when not null), and adds the top byte of each
+// weight's OrderedKey to histogram 0.
 template <bool kQuest>
 __device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
-                                WeightRow w, float* also) {
+                                WeightRow w, float* also, int parts) {
   using Reduce = cub::BlockReduce<float, kMctaThreads>;
   __shared__ typename Reduce::TempStorage red_tmp;
   __shared__ float m_s[64], inv_s[64];
@@ -1215,20 +1253,19 @@ __device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, con
   const int32_t item = blockIdx.x;
   const int group = a.params.group;
   for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
-  // Per head, the max of the CTAs' maxima, then the sum of their sums rescaled to it: a thread a
-  // CTA's pair, two block reductions (one thread's serial loop over the pairs waited on a load a
-  // pair).
+  // Per head, the max of the partial maxima, then the sum of the partial sums rescaled to it: a
+  // thread a partial (up to kSelectMctaStatsSlots of them), two block reductions.
   for (int g = 0; g < group; ++g) {
-    const float2* st = ws.stats + g * kSelectMctaMaxCtas;
+    const float2* st = ws.stats + g * kSelectMctaStatsSlots;
     float m = -INFINITY;
-    for (int y = threadIdx.x; y < static_cast<int>(gridDim.y); y += blockDim.x) m = fmaxf(m, st[y].x);
+    for (int y = threadIdx.x; y < parts; y += blockDim.x) m = fmaxf(m, st[y].x);
     m = Reduce(red_tmp).Reduce(m, FMaxOp{});
     if (threadIdx.x == 0) m_s[g] = m;
     __syncthreads();  // m_s[g] visible; red_tmp free again
     float s = 0.0f;
     if (!kQuest) {
       m = m_s[g];
-      for (int y = threadIdx.x; y < static_cast<int>(gridDim.y); y += blockDim.x) {
+      for (int y = threadIdx.x; y < parts; y += blockDim.x) {
         if (st[y].x != -INFINITY) s += st[y].y * exp2f(st[y].x - m);
       }
       s = Reduce(red_tmp).Sum(s);
@@ -1428,9 +1465,10 @@ __global__ void __launch_bounds__(kMctaThreads) MctaStatsKernel(DecodeStepArgs a
 }
 
 template <bool kQuest>
-__global__ void __launch_bounds__(kMctaThreads) MctaWeightsKernel(DecodeStepArgs a, int64_t mcta_min) {
+__global__ void __launch_bounds__(kMctaThreads) MctaWeightsKernel(DecodeStepArgs a, int64_t mcta_min,
+                                                                  int parts) {
   const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
-  if (it.mcta) MctaWeightsPass<kQuest>(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it), nullptr);
+  if (it.mcta) MctaWeightsPass<kQuest>(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it), nullptr, parts);
 }
 
 __global__ void __launch_bounds__(kMctaThreads) MctaRadixKernel(DecodeStepArgs a, int64_t mcta_min,
@@ -1470,9 +1508,12 @@ __device__ __forceinline__ void ItemBarrier(unsigned* counter, unsigned target) 
 // between them (items do not wait for each other), each CTA's chunk of weights kept in shared
 // memory from the weights pass on (the later passes read no global memory but the histograms and
 // counts). CTAs of items the one-CTA kernel takes return at once. Quest also writes its weights to
-// row 0, where MctaQuestList reads its winners' scores.
+// row 0, where MctaQuestList reads its winners' scores. stats_parts > 0: the scoring kernel left
+// that many partial statistics a head and zeroed the histograms, so the statistics pass and its
+// barrier are skipped.
 template <bool kQuest>
-__global__ void __launch_bounds__(kMctaThreads, 2) MctaFusedKernel(DecodeStepArgs a, int64_t mcta_min) {
+__global__ void __launch_bounds__(kMctaThreads, 2) MctaFusedKernel(DecodeStepArgs a, int64_t mcta_min,
+                                                                   int stats_parts) {
   extern __shared__ float fused_w[];
   const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
   if (!it.mcta) return;
@@ -1480,9 +1521,13 @@ __global__ void __launch_bounds__(kMctaThreads, 2) MctaFusedKernel(DecodeStepArg
   unsigned* bar = MctaBarrierOf(a, blockIdx.x);
   unsigned arrivals = 0;
   const WeightRow w{fused_w, ChunkOf(it.count).begin};
-  MctaStatsPass<kQuest>(a, it, ws);
-  ItemBarrier(bar, arrivals += gridDim.y);
-  MctaWeightsPass<kQuest>(a, it, ws, w, kQuest ? Row0Of(a, it).p : nullptr);
+  if (kQuest) stats_parts = 0;  // Quest's bounds have no statistics from their scoring
+  if (stats_parts == 0) {
+    MctaStatsPass<kQuest>(a, it, ws);
+    ItemBarrier(bar, arrivals += gridDim.y);
+  }
+  MctaWeightsPass<kQuest>(a, it, ws, w, kQuest ? Row0Of(a, it).p : nullptr,
+                          stats_parts == 0 ? static_cast<int>(gridDim.y) : stats_parts);
   ItemBarrier(bar, arrivals += gridDim.y);
   for (int pass = 1; pass < 4; ++pass) {
     MctaRadixPass(a, it, ws, w, pass);
@@ -1542,7 +1587,7 @@ size_t MctaFusedSmem(int64_t keys_cap, unsigned ctas) {
 // (the per-pass launches then run), for measuring.
 template <bool kQuest>
 Status LaunchMctaFused(const DecodeStepArgs& a, int64_t mcta_min, dim3 grid, int64_t keys_cap,
-                       cudaStream_t stream, bool* launched) {
+                       int stats_parts, cudaStream_t stream, bool* launched) {
   *launched = false;
   static const bool enabled = EnvInt("KVFERRY_MCTA_FUSED", 1, 0) != 0;
   const size_t smem = MctaFusedSmem(keys_cap, grid.y);
@@ -1581,34 +1626,38 @@ Status LaunchMctaFused(const DecodeStepArgs& a, int64_t mcta_min, dim3 grid, int
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  KVF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, MctaFusedKernel<kQuest>, a, mcta_min));
+  KVF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, MctaFusedKernel<kQuest>, a, mcta_min, stats_parts));
   *launched = true;
   return Status::Ok();
 }
 
 // The multi-CTA launches of an item set (see above); ctas CTAs per item of up to keys_cap scores:
-// the fused kernel when it fits, else one launch a pass.
+// the fused kernel when it fits, else one launch a pass. stats_parts > 0 (not Quest): the scoring
+// kernel wrote the statistics and zeroed the histograms (no statistics pass).
 Status LaunchMctaTopK(const DecodeStepArgs& a, int64_t mcta_min, unsigned ctas, int64_t keys_cap,
-                      size_t quest_smem, bool allow_fused, cudaStream_t stream) {
+                      size_t quest_smem, bool allow_fused, int stats_parts, cudaStream_t stream) {
   const unsigned items = static_cast<unsigned>(int64_t{a.batch} * a.num_kv_heads);
   const dim3 grid(items, ctas);
   const bool quest = a.scoring == SelectScoring::kQuestPages;
   bool fused = false;
   if (allow_fused && quest) {
-    KVF_RETURN_IF_ERROR(LaunchMctaFused<true>(a, mcta_min, grid, keys_cap, stream, &fused));
+    KVF_RETURN_IF_ERROR(LaunchMctaFused<true>(a, mcta_min, grid, keys_cap, 0, stream, &fused));
   } else if (allow_fused) {
-    KVF_RETURN_IF_ERROR(LaunchMctaFused<false>(a, mcta_min, grid, keys_cap, stream, &fused));
+    KVF_RETURN_IF_ERROR(LaunchMctaFused<false>(a, mcta_min, grid, keys_cap, stats_parts, stream, &fused));
   }
   if (!fused) {
     if (quest) {
       MctaStatsKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
       KVF_CUDA_CHECK_LAUNCH(MctaStatsKernel);
-      MctaWeightsKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+      MctaWeightsKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min, static_cast<int>(ctas));
       KVF_CUDA_CHECK_LAUNCH(MctaWeightsKernel);
     } else {
-      MctaStatsKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
-      KVF_CUDA_CHECK_LAUNCH(MctaStatsKernel);
-      MctaWeightsKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+      if (stats_parts == 0) {
+        MctaStatsKernel<false><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
+        KVF_CUDA_CHECK_LAUNCH(MctaStatsKernel);
+      }
+      MctaWeightsKernel<false><<<grid, kMctaThreads, 0, stream>>>(
+          a, mcta_min, stats_parts == 0 ? static_cast<int>(ctas) : stats_parts);
       KVF_CUDA_CHECK_LAUNCH(MctaWeightsKernel);
     }
     for (int pass = 1; pass < 4; ++pass) {
@@ -1752,7 +1801,7 @@ Status LaunchPsawFilter(const DecodeStepArgs& a, cudaStream_t stream) {
 }  // namespace
 
 Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectTopKPath path,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, int32_t stats_parts) {
   if (a.batch == 0 || a.scoring == SelectScoring::kNone) return Status::Ok();
   KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
@@ -1814,7 +1863,7 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
   static const int per_sm = static_cast<int>(EnvInt("KVFERRY_MCTA_PER_SM", 2, 1));
   const int32_t ctas = SelectMctaCtas(items, keys_cap, info.num_sms, per_sm);
   return LaunchMctaTopK(a, mcta_min, static_cast<unsigned>(ctas), keys_cap, smem,
-                        path != SelectTopKPath::kMultiCtaPerPass, stream);
+                        path != SelectTopKPath::kMultiCtaPerPass, quest ? 0 : stats_parts, stream);
 }
 
 Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
@@ -1860,6 +1909,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
     SparcasPrepKernel<<<static_cast<unsigned>(items), 256, 0, stream>>>(a);
     KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
     const bool dense_layer = a.layer < a.sparcas_dense_layers;
+    int32_t stats_parts = 0;  // > 0: the scoring wrote the top-k's statistics
     KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
       return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
         SparcasGatherKernel<T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, 0,
@@ -1897,7 +1947,15 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
           static const int64_t q4_per_sm = EnvInt("KVFERRY_SPARCAS_Q4_CTAS_PER_SM", 16, 1);
           const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * q4_per_sm / items);
           const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(
-              std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1, 65535));
+              std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1,
+              kSelectMctaStatsSlots));
+          // Each CTA's softmax statistics into the multi-CTA scratch, so that the top-k skips
+          // its statistics pass (a read of every logit); KVFERRY_SPARCAS_SCORE_STATS=0 leaves
+          // them to it, for measuring.
+          static const bool fold = EnvInt("KVFERRY_SPARCAS_SCORE_STATS", 1, 0) != 0;
+          if (fold && a.select_mcta_ws != nullptr && a.params.group <= kSparcasQ4Heads) {
+            stats_parts = static_cast<int32_t>(ty);
+          }
           // q as given, its packed codes (an int2 a word), each head's step and 8 x code sum
           const size_t qs_db = static_cast<size_t>(a.params.group) *
                                (d_b * sizeof(float) + SparcasQ4Words(d_b) * sizeof(int2) + 8);
@@ -1906,7 +1964,8 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
             KVF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                 static_cast<int>(qs_db)));
           }
-          kernel<<<dim3(static_cast<unsigned>(items), ty), kSparcasThreads, qs_db, stream>>>(a);
+          kernel<<<dim3(static_cast<unsigned>(items), ty), kSparcasThreads, qs_db, stream>>>(
+              a, stats_parts > 0 ? 1 : 0);
           KVF_CUDA_CHECK_LAUNCH(SparcasScoreQ4Kernel);
           return Status::Ok();
         }
@@ -1926,7 +1985,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
         return Status::Ok();
       });
     }));
-    KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream));
+    KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream, stats_parts));
     return LaunchPsawFilter(a, stream);
   }
   KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {

@@ -21,7 +21,7 @@ TEST(SelectMctaPlan, ScratchOnlyWhenAnItemCanReachTheThreshold) {
   const size_t one = SelectMctaWorkspaceBytes(1, 4, kSelectMctaMinKeys);
   // Histograms, per-CTA counts, per-head per-CTA (max, sum) pairs, Quest's picks and the fused
   // kernel's barrier counter with a word of padding.
-  EXPECT_EQ(one, static_cast<size_t>(4 * 256 + 2 * kSelectMctaMaxCtas + 2 * 4 * kSelectMctaMaxCtas +
+  EXPECT_EQ(one, static_cast<size_t>(4 * 256 + 2 * kSelectMctaMaxCtas + 2 * 4 * kSelectMctaStatsSlots +
                                      kSelectMctaMaxPicks + 2) * 4);
   EXPECT_EQ(one % 8, 0u);  // every item's (max, sum) pairs stay 8-byte aligned
   EXPECT_EQ(SelectMctaWorkspaceBytes(32, 4, 1 << 20), 32 * one);  // independent of the length
