@@ -474,7 +474,7 @@ constexpr int64_t kSelectMctaMinChunk = 2048;
 /// Most pages the multi-CTA Quest top-k keeps per item (its winners are sorted in one CTA).
 constexpr int64_t kSelectMctaMaxPicks = 4096;
 /// Partial softmax statistics an item's scratch holds per query head: one (max, sum) pair per
-/// multi-CTA top-k CTA, or per CTA of a scoring kernel that folds them in (SparCas's 4-bit
+/// multi-CTA top-k CTA, or per CTA of a scoring kernel that folds them in (opt-in: SparCas's 4-bit
 /// scoring: then the top-k skips its statistics pass), whichever wrote them.
 constexpr int32_t kSelectMctaStatsSlots = 512;
 /// 32-bit words of one item's multi-CTA scratch: 4 radix histograms of 256 bins, per CTA the

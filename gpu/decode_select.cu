@@ -1949,10 +1949,12 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
           const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(
               std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1,
               kSelectMctaStatsSlots));
-          // Each CTA's softmax statistics into the multi-CTA scratch, so that the top-k skips
-          // its statistics pass (a read of every logit); KVFERRY_SPARCAS_SCORE_STATS=0 leaves
-          // them to it, for measuring.
-          static const bool fold = EnvInt("KVFERRY_SPARCAS_SCORE_STATS", 1, 0) != 0;
+          // KVFERRY_SPARCAS_SCORE_STATS=1: each CTA's softmax statistics into the multi-CTA
+          // scratch, so that the top-k skips its statistics pass (a read of every logit). Off by
+          // default: measured through the Runtime (stop 24, H200, sparcas_bank 128K) it cost 3.6%
+          // at batch 1 (4.14 vs 3.99 ms a token step: the exp2 work in the scoring, 264 partials
+          // a head to merge) and gained 0.9% at batch 4 (9.47 vs 9.56).
+          static const bool fold = EnvInt("KVFERRY_SPARCAS_SCORE_STATS", 0, 0) != 0;
           if (fold && a.select_mcta_ws != nullptr && a.params.group <= kSparcasQ4Heads) {
             stats_parts = static_cast<int32_t>(ty);
           }
