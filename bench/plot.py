@@ -51,9 +51,12 @@ def plot_e2e(results):
     # ("YYYY-MM-DD stop N"; rows without one are the oldest). Rows of an experiment carry a
     # "variant": only the defaults' ("default_*", stop 18's "gpu_beside_*") are plotted, the
     # median of a run's repetitions.
+    # Rows taken on another card (stop 24's H200 rows carry "device") are left out: SDPA's time,
+    # the ratios' base, differs by card.
     def plotted(r):
         v = r.get("variant")
-        return v is None or v.startswith("default_") or v.startswith("gpu_beside_")
+        on_h100 = "H100" in r.get("device", "H100")
+        return on_h100 and (v is None or v.startswith("default_") or v.startswith("gpu_beside_"))
 
     newest = {}
     for r in filter(plotted, rows):
