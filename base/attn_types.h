@@ -399,17 +399,24 @@ KVF_HOST_DEVICE inline int32_t SparcasRowElems(int32_t d_b, int32_t bits) {
 /// The 4-bit code of x given the row's max |x| (fmaxf over the row, which skips NaN): inv =
 /// 7 / amax (0 when amax is 0 or not finite: every n 0), n = rint(clamp(x * inv, -7, 7))
 /// (NaN: -7), as the nibble n + 8. The row's scale is amax / 7 (0 likewise). Host and device quantize with these.
-KVF_HOST_DEVICE inline float SparcasQ4Inv(float amax) {
-  return amax > 0.0f && amax <= 3.0e38f ? static_cast<float>(kSparcasQ4Levels) / amax : 0.0f;
+/// Symmetric quantization to integers in [-levels, levels] given the max |x| of the values
+/// (SparCas's 4-bit rows: 7; its int8 query: 127): inv = levels / amax and step = amax / levels,
+/// both 0 when amax is 0 or not finite; a value's code rint(clamp(x * inv, -levels, levels)).
+KVF_HOST_DEVICE inline float SymQuantInv(float amax, int32_t levels) {
+  return amax > 0.0f && amax <= 3.0e38f ? static_cast<float>(levels) / amax : 0.0f;
 }
-KVF_HOST_DEVICE inline float SparcasQ4Scale(float amax) {
-  return amax > 0.0f && amax <= 3.0e38f ? amax / static_cast<float>(kSparcasQ4Levels) : 0.0f;
+KVF_HOST_DEVICE inline float SymQuantStep(float amax, int32_t levels) {
+  return amax > 0.0f && amax <= 3.0e38f ? amax / static_cast<float>(levels) : 0.0f;
 }
+KVF_HOST_DEVICE inline int32_t SymQuantCode(float x, float inv, int32_t levels) {
+  const float lv = static_cast<float>(levels);
+  return static_cast<int32_t>(rintf(fminf(fmaxf(x * inv, -lv), lv)));
+}
+KVF_HOST_DEVICE inline float SparcasQ4Inv(float amax) { return SymQuantInv(amax, kSparcasQ4Levels); }
+KVF_HOST_DEVICE inline float SparcasQ4Scale(float amax) { return SymQuantStep(amax, kSparcasQ4Levels); }
 KVF_HOST_DEVICE inline uint32_t SparcasQ4Code(float x, float inv) {
-  const float lv = static_cast<float>(kSparcasQ4Levels);
   if (inv == 0.0f) return 8u;  // a zero or non-finite row: every n 0
-  const float r = rintf(fminf(fmaxf(x * inv, -lv), lv));
-  return static_cast<uint32_t>(static_cast<int32_t>(r) + 8);
+  return static_cast<uint32_t>(SymQuantCode(x, inv, kSparcasQ4Levels) + 8);
 }
 /// Dimension e (0..7) of a word: n.
 KVF_HOST_DEVICE inline int32_t SparcasQ4Value(uint32_t word, int e) {
@@ -422,16 +429,10 @@ KVF_HOST_DEVICE inline int32_t SparcasQ4Value(uint32_t word, int e) {
 /// (__dp4a on the GPU, on the offset nibbles n_i + 8 less 8 sum_i c_i), so host and device agree
 /// to the bit. Quantized from q as given, before the softmax scale.
 constexpr int32_t kSparcasQ8Levels = 127;
-KVF_HOST_DEVICE inline float SparcasQ8Inv(float amax) {
-  return amax > 0.0f && amax <= 3.0e38f ? static_cast<float>(kSparcasQ8Levels) / amax : 0.0f;
-}
-KVF_HOST_DEVICE inline float SparcasQ8Step(float amax) {
-  return amax > 0.0f && amax <= 3.0e38f ? amax / static_cast<float>(kSparcasQ8Levels) : 0.0f;
-}
+KVF_HOST_DEVICE inline float SparcasQ8Inv(float amax) { return SymQuantInv(amax, kSparcasQ8Levels); }
+KVF_HOST_DEVICE inline float SparcasQ8Step(float amax) { return SymQuantStep(amax, kSparcasQ8Levels); }
 KVF_HOST_DEVICE inline int32_t SparcasQ8Code(float x, float inv) {
-  const float lv = static_cast<float>(kSparcasQ8Levels);
-  if (inv == 0.0f) return 0;
-  return static_cast<int32_t>(rintf(fminf(fmaxf(x * inv, -lv), lv)));
+  return inv == 0.0f ? 0 : SymQuantCode(x, inv, kSparcasQ8Levels);
 }
 KVF_HOST_DEVICE inline int64_t SparcasCompactOffset(int64_t slot, int32_t layer, int32_t h,
                                                     int32_t num_layers, int32_t num_kv_heads,
