@@ -396,9 +396,6 @@ KVF_HOST_DEVICE inline int32_t SparcasQ4Words(int32_t d_b) { return d_b / 8; }
 KVF_HOST_DEVICE inline int32_t SparcasRowElems(int32_t d_b, int32_t bits) {
   return bits == 4 ? 2 * (SparcasQ4Words(d_b) + 1) : d_b;
 }
-/// The 4-bit code of x given the row's max |x| (fmaxf over the row, which skips NaN): inv =
-/// 7 / amax (0 when amax is 0 or not finite: every n 0), n = rint(clamp(x * inv, -7, 7))
-/// (NaN: -7), as the nibble n + 8. The row's scale is amax / 7 (0 likewise). Host and device quantize with these.
 /// Symmetric quantization to integers in [-levels, levels] given the max |x| of the values
 /// (SparCas's 4-bit rows: 7; its int8 query: 127): inv = levels / amax and step = amax / levels,
 /// both 0 when amax is 0 or not finite; a value's code rint(clamp(x * inv, -levels, levels)).
@@ -412,16 +409,22 @@ KVF_HOST_DEVICE inline int32_t SymQuantCode(float x, float inv, int32_t levels) 
   const float lv = static_cast<float>(levels);
   return static_cast<int32_t>(rintf(fminf(fmaxf(x * inv, -lv), lv)));
 }
+/// The 4-bit code of x given the row's max |x| (fmaxf over the row, which skips NaN): inv =
+/// 7 / amax (0 when amax is 0 or not finite: every n 0), n = rint(clamp(x * inv, -7, 7))
+/// (NaN: -7), as the nibble n + 8. The row's scale is amax / 7 (0 likewise). Host and device
+/// quantize with these.
 KVF_HOST_DEVICE inline float SparcasQ4Inv(float amax) { return SymQuantInv(amax, kSparcasQ4Levels); }
 KVF_HOST_DEVICE inline float SparcasQ4Scale(float amax) { return SymQuantStep(amax, kSparcasQ4Levels); }
 KVF_HOST_DEVICE inline uint32_t SparcasQ4Code(float x, float inv) {
   if (inv == 0.0f) return 8u;  // a zero or non-finite row: every n 0
   return static_cast<uint32_t>(SymQuantCode(x, inv, kSparcasQ4Levels) + 8);
 }
-/// Dimension e (0..7) of a word: n.
-KVF_HOST_DEVICE inline int32_t SparcasQ4Value(uint32_t word, int e) {
-  return static_cast<int32_t>((word >> (4 * e)) & 0xFu) - 8;
+/// Dimension e (0..7) of a word as stored: the nibble n + 8 (what the integer dot sums).
+KVF_HOST_DEVICE inline int32_t SparcasQ4Nibble(uint32_t word, int e) {
+  return static_cast<int32_t>((word >> (4 * e)) & 0xFu);
 }
+/// Dimension e (0..7) of a word: n.
+KVF_HOST_DEVICE inline int32_t SparcasQ4Value(uint32_t word, int e) { return SparcasQ4Nibble(word, e) - 8; }
 /// The query side of the 4-bit scores: one head's chosen dimensions of q as int8 codes c_i =
 /// rint(clamp(x_i * inv, -127, 127)), inv = 127 / amax over the head's d_b values (NaN: -127),
 /// with step amax / 127 (inv and step 0 when amax is 0 or not finite: the head scores 0). A row's

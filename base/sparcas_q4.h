@@ -46,7 +46,7 @@ inline float SparcasQ4Dot(const int8_t* codes, int32_t code_sum, float q_step, c
                           int d_b, float row_scale) {
   int32_t acc = 0;
   for (int w = 0; w < SparcasQ4Words(d_b); ++w) {
-    for (int e = 0; e < 8; ++e) acc += codes[w * 8 + e] * static_cast<int32_t>((words[w] >> (4 * e)) & 0xFu);
+    for (int e = 0; e < 8; ++e) acc += codes[w * 8 + e] * SparcasQ4Nibble(words[w], e);
   }
   const float dot = static_cast<float>(acc - 8 * code_sum) * q_step;
   return dot * row_scale;

@@ -16,8 +16,7 @@ namespace kvferry {
 namespace {
 
 using testing_util::Context;
-using testing_util::ExpectValidSelection;
-using testing_util::OffloadedRecall;
+using testing_util::SelectedRecall;
 using testing_util::Synthetic;
 
 TEST(HipCore, MaskShape) {
@@ -91,11 +90,7 @@ TEST(HipPolicy, CentreBeatsRandomAndFirstLastOnRecall) {
       hp.rep = rep;
       hp.dense_layers = 0;
       HipPolicy policy(hp, 1, 1, 1);
-      SelectContext ctx = Context(syn.kv, syn.q.data(), 3, 4, 64, 4 + 64 + 256);
-      std::vector<int32_t> sel;
-      ASSERT_TRUE(policy.Select(ctx, sel).ok());
-      ExpectValidSelection(ctx, sel);
-      recall[rep] += OffloadedRecall(ctx, sel) / trials;
+      recall[rep] += SelectedRecall(policy, Context(syn.kv, syn.q.data(), 3, 4, 64, 4 + 64 + 256)) / trials;
     }
   }
   std::printf("recall centre %.4f first %.4f last %.4f random %.4f\n", recall[0], recall[1],

@@ -162,4 +162,13 @@ inline void ExpectValidSelection(const SelectContext& ctx, const std::vector<int
   for (int64_t i = s.off_hi; i < s.n; ++i) EXPECT_TRUE(set.count(static_cast<int32_t>(i))) << "window " << i;
 }
 
+/// One Select of \p policy on \p ctx, checked (ok, ExpectValidSelection); its OffloadedRecall.
+inline double SelectedRecall(Policy& policy, const SelectContext& ctx) {
+  std::vector<int32_t> sel;
+  const Status st = policy.Select(ctx, sel);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  ExpectValidSelection(ctx, sel);
+  return OffloadedRecall(ctx, sel);
+}
+
 }  // namespace kvferry::testing_util

@@ -20,7 +20,7 @@ namespace {
 
 using testing_util::Context;
 using testing_util::ExpectValidSelection;
-using testing_util::OffloadedRecall;
+using testing_util::SelectedRecall;
 using testing_util::Synthetic;
 
 TEST(SparcasCore, ChooseDimsIsArgsortOfGroupAbsSumTiesLowerDim) {
@@ -114,11 +114,7 @@ double MeanRecall(int d_b, int bits, uint32_t seed0) {
     sp.bits = bits;
     sp.dense_layers = 0;
     SparcasPolicy policy(sp, 1, 1, 1);
-    SelectContext ctx = Context(syn.kv, syn.q.data(), 3, 4, 32, 4 + 32 + 128);
-    std::vector<int32_t> sel;
-    EXPECT_TRUE(policy.Select(ctx, sel).ok());
-    ExpectValidSelection(ctx, sel);
-    r += OffloadedRecall(ctx, sel) / trials;
+    r += SelectedRecall(policy, Context(syn.kv, syn.q.data(), 3, 4, 32, 4 + 32 + 128)) / trials;
   }
   return r;
 }
