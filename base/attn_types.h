@@ -102,6 +102,25 @@ enum class SelectScoring : int32_t {
   /// logit is that row's scale times sum_i q[dims[i]] * n_i. Equals policies/sparcas's host
   /// Select.
   kSparcas = 3,
+  /// HiP (policies/hip.h): the compact rows of kSparcas with every dimension (sparcas_db =
+  /// head_dim, sparcas_u past any run: the dimensions never change) at 4 bits, so that a
+  /// representative block is scored as an exact integer dot with the int8 query (base/hip_mask.h);
+  /// per item a hierarchical mask of k_off / hip_bk blocks of the offloaded range, kept in
+  /// hip_blocks and rebuilt every hip_r_m ranked steps (or when k_off or n changes as
+  /// base/hip_mask.h's HipMaskStale says); the list is the sinks, the mask's positions below the
+  /// offloaded end it was built at, and the window. Layers below sparcas_dense_layers take
+  /// kSparcas's exact path. Equals policies/hip's host Select.
+  kHip = 4,
+};
+
+/// Per-item HiP mask state in device memory (DecodeStepArgs::hip_state, one per t; all zero for a
+/// new sequence).
+struct HipState {
+  int64_t n = 0;      ///< n at the last ranked step
+  int64_t k_off = 0;  ///< k_off the mask was built for
+  int64_t hi = 0;     ///< the offloaded range's end when it was built: its positions lie below
+  int32_t since_refresh = 0;  ///< ranked steps since it was built
+  int32_t count = 0;          ///< blocks in the mask (0: none: the next ranked step builds one)
 };
 
 /// Per-item SparCas state in device memory (DecodeStepArgs::sparcas_state, one per
@@ -289,6 +308,15 @@ struct DecodeStepArgs {
   int32_t sparcas_u = 64;
   int32_t sparcas_dense_layers = 2;
   int32_t sparcas_bits = 16;  ///< 16: the KV dtype; 4: SparcasQuantizeRow's rows (sparse layers)
+  /// kHip: the mask state and blocks of item t at hip_state + t and hip_blocks + t *
+  /// hip_max_nodes (hip_max_nodes >= budget_cap / hip_bk); tokens per block, refresh interval,
+  /// representative (HipRepresentative).
+  HipState* hip_state = nullptr;
+  int32_t* hip_blocks = nullptr;
+  int32_t hip_max_nodes = 0;
+  int32_t hip_bk = 2;
+  int32_t hip_r_m = 8;
+  int32_t hip_rep = 0;
   float* select_ws = nullptr;
   int64_t select_ld = 0;
   unsigned long long* topk_ws = nullptr;

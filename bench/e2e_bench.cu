@@ -19,7 +19,7 @@
 // Modes: dense_cpu (dense, every row attended on the CPU cores), dense_resident (window covers the context), streaming (budget 1024, window 256: 768 rows
 // per KV head read over PCIe each step), streaming_resident (budget 1024 = sinks + window: nothing
 // read over PCIe), oracle (2%),
-// quest (2%, page bounds on the GPU), sparcas (2%, compact keys on the GPU), lfps (2%, route auto), lfps_gpu (2%, route gpu), full_streaming (dense, every row read over PCIe); any of oracle, quest, sparcas with "_bank" appended runs
+// quest (2%, page bounds on the GPU), sparcas (2%, compact keys on the GPU), lfps (2%, route auto), lfps_gpu (2%, route gpu), full_streaming (dense, every row read over PCIe); hip (2%, masks on the GPU); any of oracle, quest, sparcas, hip with "_bank" appended runs
 // with the device token bank (slots for twice the offloaded picks per sequence, layer and KV head).
 
 #include <cuda_runtime.h>
@@ -258,6 +258,10 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     c.policy.budget_fraction = 0.02;
   } else if (base == "sparcas") {
     c.policy.name = "sparcas";  // 64 of 128 key dimensions at 4 bits on the GPU (--param bits=16: the paper's 16 in bf16), first 2 layers exact
+    c.policy.budget_tokens = 0;
+    c.policy.budget_fraction = 0.02;
+  } else if (base == "hip") {
+    c.policy.name = "hip";  // HiP's masks from 4-bit rows of every dimension on the GPU, rebuilt every 8 steps, first 3 layers exact
     c.policy.budget_tokens = 0;
     c.policy.budget_fraction = 0.02;
   } else if (base == "lfps_gpu") {

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/hip_mask.h"
 #include "base/psaw.h"
 #include "base/sparcas_q4.h"
 #include "cpu/attention.h"
@@ -228,12 +229,91 @@ int64_t QuestSelect(const AttnParams& p, const float* q, const char* meta_t, int
   return c;
 }
 
+// SparCas's compact rows of item t (kSparcas, and kHip's every-dimension rows) brought up to n
+// positions: the dimensions chosen at the first ranked step and every sparcas_u ranked steps (a
+// change re-gathers every row), then the rows stored since the last ranked step.
+struct CompactRows {
+  char* base = nullptr;
+  const int32_t* dims = nullptr;
+  int d_b = 0;
+  bool q4 = false;
+  int words = 0;
+  const uint32_t* Q4Row(int64_t j) const {
+    return reinterpret_cast<const uint32_t*>(base + static_cast<size_t>(j) * (words + 1) * 4);
+  }
+  static float Q4Scale(const uint32_t* row, int words) {
+    float scale;
+    std::memcpy(&scale, row + words, sizeof(float));
+    return scale;
+  }
+};
+
+CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv,
+                              int64_t n) {
+  const AttnParams& p = a.params;
+  const int d = p.head_dim;
+  const size_t elem = DTypeSize(p.kv_dtype);
+  SparcasState& st = a.sparcas_state[t];
+  int32_t* dims = a.sparcas_dims + t * d;
+  const int d_b = SparcasDimsOf(a.layer, a.sparcas_dense_layers, a.sparcas_db, d);
+  if (st.seen > n) st.seen = 0;
+  bool regather = false;
+  if (st.d_b != d_b || st.since_refresh >= a.sparcas_u) {
+    thread_local std::vector<float> imp;
+    thread_local std::vector<int32_t> idx;
+    imp.assign(static_cast<size_t>(d), 0.0f);
+    for (int g = 0; g < p.group; ++g) {
+      for (int i = 0; i < d; ++i) imp[i] += std::fabs(q[g * d + i]);
+    }
+    idx.resize(static_cast<size_t>(d));
+    for (int i = 0; i < d; ++i) idx[i] = i;
+    const auto better = [&](int32_t x, int32_t y) {
+      const float ix = imp[x] == imp[x] ? imp[x] : -1.0f;  // NaN ranks last
+      const float iy = imp[y] == imp[y] ? imp[y] : -1.0f;
+      return ix > iy || (ix == iy && x < y);
+    };
+    std::partial_sort(idx.begin(), idx.begin() + d_b, idx.end(), better);
+    std::sort(idx.begin(), idx.begin() + d_b);
+    regather = st.d_b != d_b || !std::equal(idx.begin(), idx.begin() + d_b, dims);
+    std::copy_n(idx.begin(), d_b, dims);
+    st.d_b = d_b;
+    st.since_refresh = 0;
+  }
+  ++st.since_refresh;
+  const int64_t slot = t / (static_cast<int64_t>(a.num_layers) * a.num_kv_heads);
+  CompactRows r;
+  r.base = a.meta + SparcasCompactOffset(slot, a.layer, static_cast<int32_t>(t % a.num_kv_heads),
+                                         a.num_layers, a.num_kv_heads, a.meta_pages, d,
+                                         a.sparcas_db, a.sparcas_dense_layers, a.sparcas_bits) *
+                        elem;
+  r.dims = dims;
+  r.d_b = d_b;
+  r.q4 = SparcasBitsOf(a.layer, a.sparcas_dense_layers, a.sparcas_bits) == 4;
+  r.words = SparcasQ4Words(d_b);
+  thread_local std::vector<float> row, kept;
+  row.resize(static_cast<size_t>(d));
+  kept.resize(static_cast<size_t>(d_b));
+  for (int64_t pos = regather ? 0 : st.seen; pos < n; ++pos) {
+    ConvertSpan(row.data(), DType::kF32, PagedKRow(kv, pos, d, elem), p.kv_dtype, d);
+    if (r.q4) {  // d_b / 8 words then the f32 scale (base/sparcas_q4.h)
+      auto* dst = reinterpret_cast<uint32_t*>(r.base + static_cast<size_t>(pos) * (r.words + 1) * 4);
+      for (int i = 0; i < d_b; ++i) kept[i] = row[dims[i]];
+      const float scale = SparcasQuantizeRow(kept.data(), d_b, dst);
+      std::memcpy(dst + r.words, &scale, sizeof(float));
+    } else {
+      char* dst = r.base + static_cast<size_t>(pos) * d_b * elem;
+      for (int i = 0; i < d_b; ++i) ConvertSpan(dst + i * elem, p.kv_dtype, &row[dims[i]], DType::kF32, 1);
+    }
+  }
+  st.seen = n;
+  return r;
+}
+
 // SelectScoring::kSparcas for one item (see DecodeStepArgs); returns the count written to out.
 int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv,
                       int64_t n, int32_t* out) {
   const AttnParams& p = a.params;
   const int d = p.head_dim;
-  const size_t elem = DTypeSize(p.kv_dtype);
   const int64_t sinks = std::clamp<int64_t>(a.sink, 0, n);
   const int64_t off_lo = sinks, off_hi = std::max(sinks, n - std::max(a.window, 0));
   const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
@@ -245,57 +325,10 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
   }
   for (int64_t i = 0; i < sinks; ++i) out[c++] = static_cast<int32_t>(i);
   if (k_off > 0) {
-    SparcasState& st = a.sparcas_state[t];
-    int32_t* dims = a.sparcas_dims + t * d;
-    const int d_b = SparcasDimsOf(a.layer, a.sparcas_dense_layers, a.sparcas_db, d);
-    if (st.seen > n) st.seen = 0;
-    bool regather = false;
-    if (st.d_b != d_b || st.since_refresh >= a.sparcas_u) {
-      thread_local std::vector<float> imp;
-      thread_local std::vector<int32_t> idx;
-      imp.assign(static_cast<size_t>(d), 0.0f);
-      for (int g = 0; g < p.group; ++g) {
-        for (int i = 0; i < d; ++i) imp[i] += std::fabs(q[g * d + i]);
-      }
-      idx.resize(static_cast<size_t>(d));
-      for (int i = 0; i < d; ++i) idx[i] = i;
-      const auto better = [&](int32_t x, int32_t y) {
-        const float ix = imp[x] == imp[x] ? imp[x] : -1.0f;  // NaN ranks last
-        const float iy = imp[y] == imp[y] ? imp[y] : -1.0f;
-        return ix > iy || (ix == iy && x < y);
-      };
-      std::partial_sort(idx.begin(), idx.begin() + d_b, idx.end(), better);
-      std::sort(idx.begin(), idx.begin() + d_b);
-      regather = st.d_b != d_b || !std::equal(idx.begin(), idx.begin() + d_b, dims);
-      std::copy_n(idx.begin(), d_b, dims);
-      st.d_b = d_b;
-      st.since_refresh = 0;
-    }
-    ++st.since_refresh;
-    const int64_t slot = t / (static_cast<int64_t>(a.num_layers) * a.num_kv_heads);
-    char* compact = a.meta + SparcasCompactOffset(slot, a.layer, static_cast<int32_t>(t % a.num_kv_heads),
-                                                  a.num_layers, a.num_kv_heads, a.meta_pages, d,
-                                                  a.sparcas_db, a.sparcas_dense_layers,
-                                                  a.sparcas_bits) * elem;
-    thread_local std::vector<float> row;
-    row.resize(static_cast<size_t>(d));
-    const bool q4 = SparcasBitsOf(a.layer, a.sparcas_dense_layers, a.sparcas_bits) == 4;
-    const int words = SparcasQ4Words(d_b);
-    thread_local std::vector<float> kept;
-    kept.resize(static_cast<size_t>(d_b));
-    for (int64_t pos = regather ? 0 : st.seen; pos < n; ++pos) {
-      ConvertSpan(row.data(), DType::kF32, PagedKRow(kv, pos, d, elem), p.kv_dtype, d);
-      if (q4) {  // d_b / 8 words then the f32 scale (base/sparcas_q4.h)
-        auto* dst = reinterpret_cast<uint32_t*>(compact + static_cast<size_t>(pos) * (words + 1) * 4);
-        for (int i = 0; i < d_b; ++i) kept[i] = row[dims[i]];
-        const float scale = SparcasQuantizeRow(kept.data(), d_b, dst);
-        std::memcpy(dst + words, &scale, sizeof(float));
-      } else {
-        char* dst = compact + static_cast<size_t>(pos) * d_b * elem;
-        for (int i = 0; i < d_b; ++i) ConvertSpan(dst + i * elem, p.kv_dtype, &row[dims[i]], DType::kF32, 1);
-      }
-    }
-    st.seen = n;
+    const CompactRows rows = UpdateCompactRows(a, t, q, kv, n);
+    const int d_b = rows.d_b;
+    const int32_t* dims = rows.dims;
+    const size_t elem = DTypeSize(p.kv_dtype);
     // Partial logits of every position, the group's softmax sum, top k_off of the offloaded range.
     thread_local std::vector<float> qs, cf, logits, weights;
     thread_local std::vector<int32_t> chosen;
@@ -308,7 +341,7 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
     thread_local std::vector<int8_t> qcodes;  // 4-bit rows: each head's int8 query (base/sparcas_q4.h)
     thread_local std::vector<int32_t> qsum;
     thread_local std::vector<float> qstep;
-    if (q4) {
+    if (rows.q4) {
       qcodes.resize(static_cast<size_t>(p.group) * d_b);
       qsum.resize(static_cast<size_t>(p.group));
       qstep.resize(static_cast<size_t>(p.group));
@@ -317,16 +350,15 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
       }
     }
     for (int64_t j = 0; j < n; ++j) {
-      if (q4) {
-        const auto* w = reinterpret_cast<const uint32_t*>(compact + static_cast<size_t>(j) * (words + 1) * 4);
-        float scale;
-        std::memcpy(&scale, w + words, sizeof(float));
+      if (rows.q4) {
+        const uint32_t* w = rows.Q4Row(j);
+        const float scale = CompactRows::Q4Scale(w, rows.words);
         for (int g = 0; g < p.group; ++g) {
           logits[g * n + j] = p.scale * SparcasQ4Dot(qcodes.data() + g * d_b, qsum[g], qstep[g], w, d_b, scale);
         }
         continue;
       }
-      ConvertSpan(cf.data(), DType::kF32, compact + static_cast<size_t>(j) * d_b * elem, p.kv_dtype, d_b);
+      ConvertSpan(cf.data(), DType::kF32, rows.base + static_cast<size_t>(j) * d_b * elem, p.kv_dtype, d_b);
       for (int g = 0; g < p.group; ++g) {
         float acc = 0.0f;
         for (int i = 0; i < d_b; ++i) acc += qs[g * d_b + i] * cf[i];
@@ -339,6 +371,73 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
     TopK(weights.data() + off_lo, off_hi - off_lo, k_off, chosen.data());
     std::sort(chosen.begin(), chosen.end());
     for (int64_t i = 0; i < k_off; ++i) out[c++] = static_cast<int32_t>(off_lo + chosen[i]);
+  }
+  for (int64_t i = off_hi; i < n; ++i) out[c++] = static_cast<int32_t>(i);
+  return c;
+}
+
+// SelectScoring::kHip for one item (see DecodeStepArgs and base/hip_mask.h); returns the count
+// written to out.
+int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv, int64_t n,
+                  int32_t* out) {
+  if (a.layer < a.sparcas_dense_layers) return SparcasSelect(a, t, q, kv, n, out);
+  const AttnParams& p = a.params;
+  const int d = p.head_dim;
+  const int64_t sinks = std::clamp<int64_t>(a.sink, 0, n);
+  const int64_t off_lo = sinks, off_hi = std::max(sinks, n - std::max(a.window, 0));
+  const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
+  const int64_t k_off = budget - (sinks + (n - off_hi));
+  int64_t c = 0;
+  if (k_off >= off_hi - off_lo) {
+    for (int64_t i = 0; i < n; ++i) out[c++] = static_cast<int32_t>(i);
+    return c;
+  }
+  for (int64_t i = 0; i < sinks; ++i) out[c++] = static_cast<int32_t>(i);
+  if (k_off > 0) {
+    const CompactRows rows = UpdateCompactRows(a, t, q, kv, n);  // every dimension, 4 bits
+    HipState& st = a.hip_state[t];
+    int32_t* blocks = a.hip_blocks + t * a.hip_max_nodes;
+    const int64_t bk = std::max(a.hip_bk, 1);
+    if (HipMaskStale(st.count, st.k_off, st.n, st.since_refresh, k_off, n, a.hip_r_m)) {
+      thread_local std::vector<int8_t> codes;
+      thread_local std::vector<int32_t> sums, mask;
+      thread_local std::vector<float> steps;
+      codes.resize(static_cast<size_t>(p.group) * d);
+      sums.resize(static_cast<size_t>(p.group));
+      steps.resize(static_cast<size_t>(p.group));
+      for (int g = 0; g < p.group; ++g) {
+        steps[g] = SparcasQuantizeQuery(q + g * d, d, codes.data() + g * d, &sums[g]);
+      }
+      const auto score_of = [&](int64_t block) {
+        float best = -std::numeric_limits<float>::infinity();
+        const int64_t t0 = off_lo + block * bk, t1 = std::min(t0 + bk, off_hi);
+        for (int64_t j = t0; j < t1; ++j) {
+          const uint32_t* w = rows.Q4Row(j);
+          const float scale = CompactRows::Q4Scale(w, rows.words);
+          for (int g = 0; g < p.group; ++g) {
+            best = std::max(best, p.scale * SparcasQ4Dot(codes.data() + g * d, sums[g], steps[g],
+                                                         w, d, scale));
+          }
+        }
+        return best;
+      };
+      mask.clear();
+      if (k_off >= bk) {
+        HipMaskBlocks((off_hi - off_lo + bk - 1) / bk, k_off / bk, a.hip_rep,
+                      HipSeed(n, a.layer, static_cast<int32_t>(t % a.num_kv_heads)), score_of, mask);
+      }
+      std::copy(mask.begin(), mask.end(), blocks);
+      st.count = static_cast<int32_t>(mask.size());
+      st.k_off = k_off;
+      st.hi = off_hi;
+      st.since_refresh = 0;
+    }
+    ++st.since_refresh;
+    st.n = n;
+    for (int32_t j = 0; j < st.count; ++j) {
+      const int64_t t0 = off_lo + blocks[j] * bk, t1 = std::min(t0 + bk, st.hi);
+      for (int64_t i = t0; i < t1; ++i) out[c++] = static_cast<int32_t>(i);
+    }
   }
   for (int64_t i = off_hi; i < n; ++i) out[c++] = static_cast<int32_t>(i);
   return c;
@@ -400,6 +499,9 @@ void DecodeSelect(const DecodeStepArgs& a) {
         }
         case SelectScoring::kSparcas:
           a.list_count[item] = static_cast<int32_t>(SparcasSelect(a, t, q.data(), kv, n, out));
+          break;
+        case SelectScoring::kHip:
+          a.list_count[item] = static_cast<int32_t>(HipSelect(a, t, q.data(), kv, n, out));
           break;
         case SelectScoring::kNone:
           a.list_count[item] = 0;

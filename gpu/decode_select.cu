@@ -21,6 +21,7 @@
 #include <limits>
 
 #include "base/env.h"
+#include "base/hip_mask.h"
 #include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
@@ -651,6 +652,287 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
       for (int i = lane; i < d_b; i += 32) dst[i] = kp[dims[i]];
     }
   }
+}
+
+// ---- kHip ---------------------------------------------------------------------------------------
+
+// HiP's mask (base/hip_mask.h) for one item, a CTA of kHipThreads: the nodes stay sorted by their
+// first block, so each iteration's branches are too; the kn best branches are found by a radix
+// select over their OrderedKey scores (4 passes of 8 bits), the ties at the threshold taken in
+// branch order (= first block ascending, the host's tie rule) and compacted in that order with two
+// block scans. Shared memory: br[2 kn_cap] branches (first, end block), keys[2 kn_cap] scores,
+// whose bytes hold the nodes[kn_cap] between iterations, then the packed int8 query.
+constexpr int kHipThreads = 1024;
+using HipScan = cub::BlockScan<int32_t, kHipThreads>;
+
+struct HipShared {
+  HipScan::TempStorage scan;
+  uint32_t hist[256];
+  uint32_t prefix;
+  int32_t want;
+};
+
+__device__ int32_t HipBuildMask(const DecodeStepArgs& a, const QuestSplit& sp, int64_t n,
+                                int32_t item, int32_t kn_cap, unsigned char* smem, HipShared& sh,
+                                int32_t* blocks) {
+  const int64_t bk = max(a.hip_bk, 1);
+  const int64_t len = sp.off_hi - sp.off_lo;
+  const int64_t nb = (len + bk - 1) / bk;
+  const int32_t kn = static_cast<int32_t>(min(sp.k_off / bk, static_cast<int64_t>(kn_cap)));
+  if (sp.k_off < bk || len <= 0) return 0;
+  if (nb <= kn) {
+    for (int32_t j = threadIdx.x; j < nb; j += blockDim.x) blocks[j] = j;
+    return static_cast<int32_t>(nb);
+  }
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = a.params.group, hd = a.params.head_dim, words = SparcasQ4Words(hd);
+  int2* br = reinterpret_cast<int2*>(smem);
+  uint32_t* keys = reinterpret_cast<uint32_t*>(br + 2 * static_cast<int64_t>(kn_cap));
+  int2* nodes = reinterpret_cast<int2*>(keys);
+  int2* q_pack = reinterpret_cast<int2*>(keys + 2 * static_cast<int64_t>(kn_cap));
+  float* q_step = reinterpret_cast<float*>(q_pack + group * words);
+  int32_t* q_sum8 = reinterpret_cast<int32_t*>(q_step + group);
+  // Each head's int8 codes of every dimension (SparcasQuantizeQuery), packed for __dp4a as the
+  // SparCas 4-bit scoring packs them.
+  const int64_t q0 = static_cast<int64_t>(item) * group * hd;
+  for (int g = warp; g < group; g += kHipThreads / 32) {
+    float amax = 0.0f;
+    for (int i = lane; i < hd; i += 32) {
+      amax = fmaxf(amax, fabsf(LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(g) * hd + i)));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float inv = SparcasQ8Inv(amax);
+    int32_t sum = 0;
+    for (int w = lane; w < words; w += 32) {
+      uint32_t even = 0, odd = 0;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int32_t c =
+            SparcasQ8Code(LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(g) * hd + w * 8 + e), inv);
+        sum += c;
+        const uint32_t byte = static_cast<uint32_t>(c) & 0xFFu;
+        if (e % 2 == 0) {
+          even |= byte << (8 * (e / 2));
+        } else {
+          odd |= byte << (8 * (e / 2));
+        }
+      }
+      q_pack[g * words + w] = make_int2(static_cast<int>(even), static_cast<int>(odd));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (lane == 0) {
+      q_step[g] = SparcasQ8Step(amax);
+      q_sum8[g] = 8 * sum;
+    }
+  }
+  for (int32_t j = tid; j < kn; j += blockDim.x) {
+    nodes[j] = make_int2(static_cast<int>(j * nb / kn), static_cast<int>((j + 1) * nb / kn));
+  }
+  __syncthreads();
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const uint32_t* rows = reinterpret_cast<const uint32_t*>(CompactOf<__half>(a, b, h));
+  const uint64_t seed = HipSeed(n, a.layer, h);
+  const float scale = a.params.scale;
+  const int32_t cnt = kn;
+  for (;;) {
+    // Split: a node of more than one block into its halves, in order.
+    const int32_t per = (cnt + kHipThreads - 1) / kHipThreads;
+    const int32_t n0 = min(tid * per, cnt), n1 = min(n0 + per, cnt);
+    int32_t c = 0;
+    bool any = false;
+    for (int32_t i = n0; i < n1; ++i) {
+      const bool s = nodes[i].y - nodes[i].x > 1;
+      c += s ? 2 : 1;
+      any |= s;
+    }
+    int32_t base = 0, total = 0;
+    HipScan(sh.scan).ExclusiveSum(c, base, total);
+    if (__syncthreads_or(any) == 0) break;  // every node one block: the mask
+    for (int32_t i = n0; i < n1; ++i) {
+      const int2 nd = nodes[i];
+      if (nd.y - nd.x > 1) {
+        const int m = static_cast<int>((static_cast<int64_t>(nd.x) + nd.y) / 2);
+        br[base++] = make_int2(nd.x, m);
+        br[base++] = make_int2(m, nd.y);
+      } else {
+        br[base++] = nd;
+      }
+    }
+    const int32_t branches = total;
+    __syncthreads();  // the nodes (the keys' bytes) are read
+    for (int32_t i = tid; i < branches; i += blockDim.x) keys[i] = OrderedKey(-INFINITY);
+    __syncthreads();
+    // Score: a thread per (branch, token of its representative block); the block's max by atomicMax
+    // on the order-preserving keys.
+    for (int64_t x = tid; x < static_cast<int64_t>(branches) * bk; x += blockDim.x) {
+      const int32_t i = static_cast<int32_t>(x / bk);
+      const int2 r = br[i];
+      const int64_t pos = sp.off_lo + HipRepBlock(r.x, r.y, a.hip_rep, seed) * bk + x % bk;
+      if (pos >= sp.off_hi) continue;
+      const uint32_t* row = rows + pos * (words + 1);
+      const float row_scale = __uint_as_float(row[words]);
+      float best = -INFINITY;
+      for (int g = 0; g < group; ++g) {
+        int acc = 0;
+        for (int w = 0; w < words; ++w) {
+          const uint32_t rw = row[w];
+          const int2 qw = q_pack[g * words + w];
+          acc = __dp4a(static_cast<int>(rw & 0x0F0F0F0Fu), qw.x, acc);
+          acc = __dp4a(static_cast<int>((rw >> 4) & 0x0F0F0F0Fu), qw.y, acc);
+        }
+        const float dot = __fmul_rn(__int2float_rn(acc - q_sum8[g]), q_step[g]);
+        best = fmaxf(best, __fmul_rn(scale, __fmul_rn(dot, row_scale)));
+      }
+      atomicMax(&keys[i], OrderedKey(best));
+    }
+    __syncthreads();
+    // The kn-th largest key: its bits 8 at a time, the count still wanted among its ties.
+    uint32_t prefix = 0, mask = 0;
+    int32_t want = kn;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (int i = tid; i < 256; i += blockDim.x) sh.hist[i] = 0;
+      __syncthreads();
+      for (int32_t i = tid; i < branches; i += blockDim.x) {
+        const uint32_t k = keys[i];
+        if ((k & mask) == prefix) atomicAdd(&sh.hist[(k >> shift) & 0xFFu], 1u);
+      }
+      __syncthreads();
+      if (warp == 0) {  // lane: bins [8 lane, 8 lane + 8); the bin where the count from the top reaches want
+        uint32_t cb[8];
+        int32_t s = 0;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          cb[e] = sh.hist[lane * 8 + e];
+          s += static_cast<int32_t>(cb[e]);
+        }
+        int32_t incl = s;  // bins of lanes >= lane
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const int32_t v = __shfl_down_sync(0xffffffffu, incl, off);
+          if (lane + off < 32) incl += v;
+        }
+        const int32_t above = incl - s;
+        if (above < want && want <= incl) {
+          int32_t r = want - above;
+          int bin = lane * 8;
+          for (int e = 7; e >= 0; --e) {
+            if (r <= static_cast<int32_t>(cb[e])) {
+              bin = lane * 8 + e;
+              break;
+            }
+            r -= static_cast<int32_t>(cb[e]);
+          }
+          sh.prefix = prefix | (static_cast<uint32_t>(bin) << shift);
+          sh.want = r;
+        }
+      }
+      __syncthreads();
+      prefix = sh.prefix;
+      want = sh.want;
+      mask |= 0xFFu << shift;
+    }
+    // Keep every branch above the threshold and the first `want` at it, in order.
+    const int32_t per2 = (branches + kHipThreads - 1) / kHipThreads;  // <= 16: 2 kn_cap branches
+    const int32_t i0 = min(tid * per2, branches), i1 = min(i0 + per2, branches);
+    int32_t ties = 0;
+    for (int32_t i = i0; i < i1; ++i) ties += keys[i] == prefix;
+    int32_t tie_base = 0;
+    HipScan(sh.scan).ExclusiveSum(ties, tie_base);
+    __syncthreads();  // the scan's storage is used again
+    uint32_t flags = 0;
+    int32_t kept = 0;
+    for (int32_t i = i0; i < i1; ++i) {
+      const uint32_t k = keys[i];
+      const bool keep = k > prefix || (k == prefix && tie_base < want);
+      tie_base += k == prefix;
+      if (keep) {
+        flags |= 1u << (i - i0);
+        ++kept;
+      }
+    }
+    int32_t at = 0;
+    HipScan(sh.scan).ExclusiveSum(kept, at);
+    __syncthreads();  // every key is read before the nodes overwrite them
+    for (int32_t i = i0; i < i1; ++i) {
+      if ((flags >> (i - i0)) & 1u) nodes[at++] = br[i];
+    }
+    __syncthreads();
+  }
+  for (int32_t j = tid; j < cnt; j += blockDim.x) blocks[j] = nodes[j].x;
+  return cnt;
+}
+
+// Grid (items), kHipThreads: a kHip layer past the dense ones. The item's mask is rebuilt when
+// HipMaskStale says so (else kept), then its list written: sinks, the mask's positions below the
+// offloaded end it was built at, window. The compact rows are current (SparcasGatherKernel).
+__global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, int32_t kn_cap) {
+  extern __shared__ __align__(16) unsigned char hip_smem[];
+  __shared__ HipShared sh;
+  __shared__ int s_stale;
+  __shared__ int32_t s_count, s_since;
+  __shared__ int64_t s_hi, s_kf;
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const QuestSplit sp = QuestSplitOf(a, n);
+  int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
+  if (sp.all) {
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = static_cast<int32_t>(i);
+    if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(n);
+    return;
+  }
+  for (int64_t i = threadIdx.x; i < sp.sinks; i += blockDim.x) out[i] = static_cast<int32_t>(i);
+  int64_t taken = 0;
+  if (sp.k_off > 0) {
+    const int64_t t = ItemT(a, b, h);
+    int32_t* blocks = a.hip_blocks + t * a.hip_max_nodes;
+    const int64_t bk = max(a.hip_bk, 1);
+    if (threadIdx.x == 0) {
+      const HipState st = a.hip_state[t];
+      s_count = st.count;
+      s_since = st.since_refresh;
+      s_hi = st.hi;
+      s_kf = st.k_off;
+      s_stale = HipMaskStale(st.count, st.k_off, st.n, st.since_refresh, sp.k_off, n, a.hip_r_m);
+    }
+    __syncthreads();
+    const bool stale = s_stale != 0;
+    int32_t count = s_count;
+    int64_t hi = s_hi;
+    if (stale) {
+      hi = sp.off_hi;
+      count = HipBuildMask(a, sp, n, item, kn_cap, hip_smem, sh, blocks);
+    }
+    __syncthreads();  // the mask's blocks (global memory) are written
+    for (int32_t j = threadIdx.x; j < count; j += blockDim.x) {
+      const int64_t p0 = sp.off_lo + static_cast<int64_t>(blocks[j]) * bk, p1 = min(p0 + bk, hi);
+      for (int64_t p = p0; p < p1; ++p) out[sp.sinks + static_cast<int64_t>(j) * bk + (p - p0)] = static_cast<int32_t>(p);
+    }
+    if (count > 0) {
+      const int64_t last = sp.off_lo + static_cast<int64_t>(blocks[count - 1]) * bk;
+      taken = static_cast<int64_t>(count - 1) * bk + (min(last + bk, hi) - last);
+    }
+    if (threadIdx.x == 0) {
+      HipState s;
+      s.count = count;
+      s.k_off = stale ? sp.k_off : s_kf;
+      s.hi = hi;
+      s.since_refresh = (stale ? 0 : s_since) + 1;
+      s.n = n;
+      a.hip_state[t] = s;
+    }
+  }
+  const int64_t w0 = sp.sinks + taken;
+  for (int64_t i = sp.off_hi + threadIdx.x; i < n; i += blockDim.x) out[w0 + (i - sp.off_hi)] = static_cast<int32_t>(i);
+  if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - sp.off_hi));
+}
+
+// Dynamic shared memory of HipMaskKernel.
+size_t HipMaskSmem(int32_t kn_cap, int group, int head_dim) {
+  return static_cast<size_t>(kn_cap) * 2 * (sizeof(int2) + sizeof(uint32_t)) +
+         static_cast<size_t>(group) * (SparcasQ4Words(head_dim) * sizeof(int2) + 8);
 }
 
 // The multi-CTA top-k's per-item scratch and the online softmax's folds, used by the SparCas
@@ -1693,7 +1975,7 @@ namespace {
 Status CheckSelectArgs(const DecodeStepArgs& a) {
   KVF_RETURN_IF_ERROR(CheckAttnShape(a.params));
   KVF_CHECK_ARG(a.scoring == SelectScoring::kExactTopK || a.scoring == SelectScoring::kQuestPages ||
-                    a.scoring == SelectScoring::kSparcas,
+                    a.scoring == SelectScoring::kSparcas || a.scoring == SelectScoring::kHip,
                 "DecodeSelect: unknown scoring ", static_cast<int>(a.scoring));
   KVF_CHECK_ARG(a.list != nullptr && a.list_count != nullptr && a.select_ws != nullptr &&
                     a.slots != nullptr && a.positions != nullptr,
@@ -1903,6 +2185,38 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
                 "DecodeSelect: budget_cap ", a.budget_cap, " needs a top-k workspace");
   const int64_t want = (a.select_ld + kScoreWarps * 8 - 1) / (kScoreWarps * 8);
   const unsigned gy = static_cast<unsigned>(std::clamp<int64_t>(std::min(want, fill), 1, 65535));
+  if (a.scoring == SelectScoring::kHip) {
+    // SparCas's machinery with every dimension: its exact path at the dense layers; past them
+    // its prep and gather keep the 4-bit rows current, and the mask kernel writes the list.
+    DecodeStepArgs s = a;
+    s.scoring = SelectScoring::kSparcas;
+    if (a.layer < a.sparcas_dense_layers) return LaunchDecodeSelect(s, info, stream);
+    const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / std::max(a.hip_bk, 1), kHipMaxNodes));
+    KVF_CHECK_ARG(a.meta != nullptr && a.sparcas_state != nullptr && a.sparcas_dims != nullptr &&
+                      a.hip_state != nullptr && a.hip_blocks != nullptr && a.hip_bk >= 1 &&
+                      a.hip_r_m >= 1 && a.sparcas_db == a.params.head_dim &&
+                      a.params.head_dim % 8 == 0 && a.params.head_dim <= 256 &&
+                      SparcasBitsOf(a.layer, a.sparcas_dense_layers, a.sparcas_bits) == 4 &&
+                      a.budget_cap / a.hip_bk <= std::min<int64_t>(kHipMaxNodes, a.hip_max_nodes),
+                  "DecodeSelect: hip without its 4-bit rows and mask state, or a budget_cap of ",
+                  a.budget_cap, " at bk ", a.hip_bk, " over ", std::min<int64_t>(kHipMaxNodes, a.hip_max_nodes),
+                  " nodes");
+    SparcasPrepKernel<<<static_cast<unsigned>(items), 256, 0, stream>>>(s);
+    KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
+    KVF_RETURN_IF_ERROR(DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
+      SparcasGatherKernel<T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, 0, stream>>>(s);
+      KVF_CUDA_CHECK_LAUNCH(SparcasGatherKernel);
+      return Status::Ok();
+    }));
+    const size_t smem = HipMaskSmem(std::max(kn_cap, 1), a.params.group, a.params.head_dim);
+    if (smem > 48 * 1024) {
+      KVF_CUDA_CHECK(cudaFuncSetAttribute(HipMaskKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+    }
+    HipMaskKernel<<<static_cast<unsigned>(items), kHipThreads, smem, stream>>>(a, std::max(kn_cap, 1));
+    KVF_CUDA_CHECK_LAUNCH(HipMaskKernel);
+    return LaunchPsawFilter(a, stream);
+  }
   if (a.scoring == SelectScoring::kSparcas) {
     KVF_CHECK_ARG(a.meta != nullptr && a.sparcas_state != nullptr && a.sparcas_dims != nullptr &&
                       a.params.head_dim <= 256,

@@ -6,36 +6,12 @@
 #include <limits>
 
 #include "base/check.h"
+#include "base/sparcas_q4.h"
 
 namespace kvferry {
-namespace {
-
-uint64_t Mix(uint64_t x) {  // splitmix64 finaliser
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-struct Branch {
-  int64_t f, l;  // blocks [f, l)
-  float score;
-};
-
-}  // namespace
 
 int64_t HipRepresentativeBlock(int64_t f, int64_t l, const HipMaskOptions& opt) {
-  const int64_t len = l - f;
-  switch (opt.rep) {
-    case HipRepresentative::kFirst: return f;
-    case HipRepresentative::kLast: return l - 1;
-    case HipRepresentative::kRandom:
-      return f + static_cast<int64_t>(Mix(opt.seed ^ Mix(static_cast<uint64_t>(f) * 1000003u +
-                                                         static_cast<uint64_t>(l))) %
-                                      static_cast<uint64_t>(len));
-    case HipRepresentative::kCentre:
-    default: return f + (len - 1) / 2;
-  }
+  return HipRepBlock(f, l, static_cast<int32_t>(opt.rep), opt.seed);
 }
 
 float HipBlockScore(const AttnParams& p, const float* q, const KvPages& kv, int64_t begin,
@@ -55,6 +31,33 @@ float HipBlockScore(const AttnParams& p, const float* q, const KvPages& kv, int6
   return best;
 }
 
+void HipQuantizeQuery(const float* q, int group, int head_dim, HipQ4Query* out) {
+  out->codes.resize(static_cast<size_t>(group) * head_dim);
+  out->sums.resize(static_cast<size_t>(group));
+  out->steps.resize(static_cast<size_t>(group));
+  for (int g = 0; g < group; ++g) {
+    out->steps[g] = SparcasQuantizeQuery(q + g * head_dim, head_dim,
+                                         out->codes.data() + g * head_dim, &out->sums[g]);
+  }
+}
+
+float HipBlockScoreQ4(const AttnParams& p, const HipQ4Query& q, const KvPages& kv, int64_t begin,
+                      int64_t end, int64_t block, int bk) {
+  float best = -std::numeric_limits<float>::infinity();
+  float row[256];
+  uint32_t words[32];
+  const int64_t t0 = begin + block * bk, t1 = std::min<int64_t>(t0 + bk, end);
+  for (int64_t t = t0; t < t1; ++t) {
+    LoadRowF32(kv, p, t, false, row);
+    const float scale = SparcasQuantizeRow(row, p.head_dim, words);
+    for (int g = 0; g < p.group; ++g) {
+      best = std::max(best, p.scale * SparcasQ4Dot(q.codes.data() + g * p.head_dim, q.sums[g],
+                                                   q.steps[g], words, p.head_dim, scale));
+    }
+  }
+  return best;
+}
+
 int64_t HipMask(const AttnParams& p, const float* q, const KvPages& kv, int64_t begin,
                 int64_t end, int64_t k, const HipMaskOptions& opt, std::vector<int32_t>& out_blocks) {
   out_blocks.clear();
@@ -62,41 +65,12 @@ int64_t HipMask(const AttnParams& p, const float* q, const KvPages& kv, int64_t 
   const int64_t len = end - begin;
   if (len <= 0 || k < bk) return 0;
   const int64_t nb = (len + bk - 1) / bk;
-  const int64_t kn = k / bk;  // K'
-  if (nb <= kn) {
-    for (int64_t b = 0; b < nb; ++b) out_blocks.push_back(static_cast<int32_t>(b));
-    return nb;
-  }
-  std::vector<Branch> nodes, branches;
-  nodes.reserve(static_cast<size_t>(kn));
-  for (int64_t j = 0; j < kn; ++j) nodes.push_back({j * nb / kn, (j + 1) * nb / kn, 0.0f});
-  const auto score_of = [&](int64_t f, int64_t l) {
-    return HipBlockScore(p, q, kv, begin, end, HipRepresentativeBlock(f, l, opt), static_cast<int>(bk));
-  };
-  const auto better = [](const Branch& a, const Branch& b) {
-    const float sa = a.score == a.score ? a.score : -std::numeric_limits<float>::infinity();
-    const float sb = b.score == b.score ? b.score : -std::numeric_limits<float>::infinity();
-    return sa > sb || (sa == sb && a.f < b.f);
-  };
-  for (;;) {
-    bool split = false;
-    branches.clear();
-    for (const Branch& nd : nodes) {
-      if (nd.l - nd.f > 1) {
-        const int64_t m = (nd.f + nd.l) / 2;
-        branches.push_back({nd.f, m, score_of(nd.f, m)});
-        branches.push_back({m, nd.l, score_of(m, nd.l)});
-        split = true;
-      } else {
-        branches.push_back({nd.f, nd.l, score_of(nd.f, nd.l)});
-      }
-    }
-    if (!split) break;
-    std::partial_sort(branches.begin(), branches.begin() + kn, branches.end(), better);
-    nodes.assign(branches.begin(), branches.begin() + kn);
-  }
-  for (const Branch& nd : nodes) out_blocks.push_back(static_cast<int32_t>(nd.f));
-  std::sort(out_blocks.begin(), out_blocks.end());
+  thread_local HipQ4Query q4;
+  if (opt.bits == 4) HipQuantizeQuery(q, p.group, p.head_dim, &q4);
+  HipMaskBlocks(nb, k / bk, static_cast<int32_t>(opt.rep), opt.seed, [&](int64_t block) {
+    return opt.bits == 4 ? HipBlockScoreQ4(p, q4, kv, begin, end, block, static_cast<int>(bk))
+                         : HipBlockScore(p, q, kv, begin, end, block, static_cast<int>(bk));
+  }, out_blocks);
   return static_cast<int64_t>(out_blocks.size());
 }
 
@@ -115,17 +89,39 @@ Result<HipParams> ParseHipParams(const std::map<std::string, double>& params) {
     } else if (key == "rep") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 0, 3));
       hp.rep = static_cast<int>(v);
+    } else if (key == "bits") {
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 4, 16));
+      KVF_CHECK_ARG(v == 4 || v == 16, "hip parameter 'bits' = ", v, " must be 4 or 16");
+      hp.bits = static_cast<int>(v);
     } else {
       return InvalidArgument(detail::StrCat("unknown hip parameter '", key,
-                                            "' (known: bk, r_m, dense_layers, rep)"));
+                                            "' (known: bk, r_m, dense_layers, rep, bits)"));
     }
   }
   return hp;
 }
 
-HipPolicy::HipPolicy(const HipParams& params, int max_sequences, int num_layers, int num_kv_heads)
-    : params_(params) {
+int HipBits(const HipParams& params, int head_dim) {
+  if (params.bits != 0) return params.bits;
+  return head_dim % 8 == 0 ? 4 : 16;
+}
+
+HipPolicy::HipPolicy(const HipParams& params, int max_sequences, int num_layers, int num_kv_heads,
+                     bool device)
+    : params_(params), device_(device) {
   states_.Init(max_sequences, num_layers, num_kv_heads);
+}
+
+Policy::DeviceSelectParams HipPolicy::device_select_params(int head_dim) const {
+  DeviceSelectParams d;
+  d.d_b = head_dim;
+  d.u = 1 << 30;  // every dimension: never re-chosen
+  d.dense_layers = params_.dense_layers;
+  d.sparcas_bits = 4;
+  d.hip_bk = params_.bk;
+  d.hip_r_m = params_.r_m;
+  d.hip_rep = params_.rep;
+  return d;
 }
 
 Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
@@ -148,14 +144,14 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
     FinishSelection(s, chosen.data(), got, out);
     return Status::Ok();
   }
-  const bool stale = st->mask.empty() || st->k_off != s.k_off || ctx.n < st->n ||
-                     st->since_refresh >= params_.r_m;
+  const bool stale = HipMaskStale(static_cast<int64_t>(st->mask.size()), st->k_off, st->n,
+                                  st->since_refresh, s.k_off, ctx.n, params_.r_m);
   if (stale) {
     HipMaskOptions opt;
     opt.bk = params_.bk;
     opt.rep = static_cast<HipRepresentative>(params_.rep);
-    opt.seed = static_cast<uint64_t>(ctx.n) * 131 + static_cast<uint64_t>(ctx.layer) * 7 +
-               static_cast<uint64_t>(ctx.kv_head);
+    opt.seed = HipSeed(ctx.n, ctx.layer, ctx.kv_head);
+    opt.bits = HipBits(params_, ctx.params.head_dim);
     thread_local std::vector<int32_t> blocks;
     HipMask(ctx.params, ctx.q, ctx.kv, s.off_lo, s.off_hi, s.k_off, opt, blocks);
     st->mask.clear();
@@ -177,10 +173,20 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
 Result<std::unique_ptr<Policy>> MakeHipPolicy(const RuntimeConfig& config) {
   KVF_ASSIGN_OR_RETURN(HipParams params, ParseHipParams(config.policy.params));
   KVF_RETURN_IF_ERROR(CheckPolicyShape("hip", config));
-  KVF_CHECK_ARG(config.model.head_dim <= 256, "hip: head_dim ", config.model.head_dim, " > 256");
-  return std::unique_ptr<Policy>(new HipPolicy(params, config.capacity.max_sequences,
-                                               config.model.num_layers,
-                                               config.model.num_kv_heads));
+  const int hd = config.model.head_dim;
+  KVF_CHECK_ARG(hd <= 256, "hip: head_dim ", hd, " > 256");
+  KVF_CHECK_ARG(HipBits(params, hd) == 16 || hd % 8 == 0, "hip parameter 'bits' = 4 needs a head_dim",
+                " that is a multiple of 8, not ", hd);
+  // The device mask when the scores are 4-bit and the largest budget's nodes fit its CTA (the
+  // runtime's item budget: runtime.cpp's budget_max_); else the host selects.
+  const Capacity& cap = config.capacity;
+  const auto by_fraction = static_cast<int64_t>(
+      std::ceil(config.policy.budget_fraction * static_cast<double>(cap.max_tokens_per_sequence)));
+  const int64_t budget_max =
+      std::min(cap.max_tokens_per_sequence, std::max(config.policy.budget_tokens, by_fraction));
+  const bool device = HipBits(params, hd) == 4 && budget_max / params.bk <= kHipMaxNodes;
+  return std::unique_ptr<Policy>(new HipPolicy(params, cap.max_sequences, config.model.num_layers,
+                                               config.model.num_kv_heads, device));
 }
 
 }  // namespace kvferry

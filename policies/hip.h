@@ -8,6 +8,11 @@
 // window between rebuilds wait for the next one (as in the paper's decode).
 //
 // Host reference. Decisions on the notes' open questions (section 8):
+//  - Scores (`bits`): 4 (the default for head_dim % 8 == 0) scores a representative token from
+//    its key as SparCas's 4-bit row over every dimension and the int8 query (base/hip_mask.h):
+//    exact integer dots, so the GPU computes the same mask from compact rows it keeps in device
+//    memory (SelectScoring::kHip, 68 bytes a token and KV head at head_dim 128) and the step
+//    stays on the device; 16 scores from the stored keys in fp32 (the paper's; host selection).
 //  - Iterations: until every node is one block (about log2(NB / K')); a one-block node is one
 //    branch and competes unsplit. Split of [f, l) at m = floor((f + l) / 2).
 //  - Branch score: the largest scaled q_g . k over the group's query heads and the representative
@@ -24,18 +29,17 @@
 #include <string>
 #include <vector>
 
+#include "base/hip_mask.h"
 #include "policies/policy.h"
 #include "policies/select_util.h"
 
 namespace kvferry {
 
-/// Which token block represents a branch [f, l) of blocks when it is scored.
-enum class HipRepresentative : int { kCentre = 0, kFirst = 1, kLast = 2, kRandom = 3 };
-
 struct HipMaskOptions {
   int bk = 2;  ///< tokens per block
   HipRepresentative rep = HipRepresentative::kCentre;
   uint64_t seed = 0;  ///< kRandom: the pseudo-random choice is a hash of (seed, f, l)
+  int bits = 16;      ///< 16: fp32 scores of the stored keys; 4: base/hip_mask.h's 4-bit scores
 };
 
 // ---- numeric core (pure functions; the CUDA port is tested against these) ----------------------
@@ -48,6 +52,20 @@ int64_t HipRepresentativeBlock(int64_t f, int64_t l, const HipMaskOptions& opt);
 /// rows of \p kv in p.kv_dtype; q is [group][head_dim] fp32.
 float HipBlockScore(const AttnParams& p, const float* q, const KvPages& kv, int64_t begin,
                     int64_t end, int64_t block, int bk);
+
+/// The group's query as base/hip_mask.h's 4-bit scores take it: per head the int8 codes of every
+/// dimension, their sum and the step (SparcasQuantizeQuery).
+struct HipQ4Query {
+  std::vector<int8_t> codes;  ///< [group][head_dim]
+  std::vector<int32_t> sums;
+  std::vector<float> steps;
+};
+void HipQuantizeQuery(const float* q, int group, int head_dim, HipQ4Query* out);
+
+/// HipBlockScore at 4 bits: each token's key quantized as a 4-bit row over every dimension,
+/// scale * SparcasQ4Dot against each head's codes (head_dim % 8 == 0).
+float HipBlockScoreQ4(const AttnParams& p, const HipQ4Query& q, const KvPages& kv, int64_t begin,
+                      int64_t end, int64_t block, int bk);
 
 /// The mask over positions [begin, end) for k tokens: writes the chosen block indices (block b
 /// = positions [begin + b bk, min(begin + (b + 1) bk, end))) ascending to out_blocks, at most
@@ -63,15 +81,28 @@ struct HipParams {
   int r_m = 8;           ///< "r_m": mask refresh interval in steps
   int dense_layers = 3;  ///< "dense_layers": first layers with the exact top-k
   int rep = 0;           ///< "rep": representative, 0 centre, 1 first, 2 last, 3 random
+  int bits = 0;          ///< "bits": 4 or 16 (see above); 0: 4 when head_dim % 8 == 0, else 16
 };
+
+/// The bits HiP scores with at \p head_dim.
+int HipBits(const HipParams& params, int head_dim);
 
 Result<HipParams> ParseHipParams(const std::map<std::string, double>& params);
 
 class HipPolicy final : public Policy {
  public:
-  HipPolicy(const HipParams& params, int max_sequences, int num_layers, int num_kv_heads);
+  /// \p device: the runtime's planned step may select on the device (SelectScoring::kHip): the
+  /// scores are 4-bit and the budget's nodes fit kHipMaxNodes (MakeHipPolicy decides).
+  HipPolicy(const HipParams& params, int max_sequences, int num_layers, int num_kv_heads,
+            bool device = false);
   [[nodiscard]] std::string_view name() const override { return "hip"; }
   [[nodiscard]] Placement placement() const override { return Placement::kGpu; }
+  [[nodiscard]] SelectScoring device_scoring() const override {
+    return device_ ? SelectScoring::kHip : SelectScoring::kNone;
+  }
+  /// SparCas's compact rows with every dimension at 4 bits (the dense layers': the KV dtype),
+  /// dimensions never re-chosen; the mask's block size, interval and representative.
+  [[nodiscard]] DeviceSelectParams device_select_params(int head_dim) const override;
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
   void OnSequenceRemoved(int slot) override { states_.RemoveSlot(slot); }
   [[nodiscard]] const HipParams& params() const { return params_; }
@@ -84,6 +115,7 @@ class HipPolicy final : public Policy {
     int since_refresh = 0;
   };
   HipParams params_;
+  bool device_ = false;
   HeadStateTable<HeadState> states_;
 };
 

@@ -123,6 +123,9 @@ class Policy {
     int u = 64;            ///< kSparcas: refresh interval in ranked steps
     int dense_layers = 2;  ///< kSparcas: first layers ranked over every dimension
     int sparcas_bits = 16; ///< kSparcas: 16 (KV dtype) or 4 (base/sparcas_q4.h) per dimension
+    int hip_bk = 2;        ///< kHip (which also takes d_b, u, dense_layers and sparcas_bits)
+    int hip_r_m = 8;
+    int hip_rep = 0;
   };
   [[nodiscard]] virtual DeviceSelectParams device_select_params(int head_dim) const {
     (void)head_dim;

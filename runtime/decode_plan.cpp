@@ -8,6 +8,8 @@
 #include <cstring>
 
 #include "base/check.h"
+#include "base/hip_mask.h"
+#include "base/psaw.h"
 #include "policies/select_util.h"
 #include "runtime/runtime_impl.h"
 
@@ -98,7 +100,7 @@ Status RuntimeImpl::InitStepBuffers() {
       KVF_ASSIGN_OR_RETURN(p, Alloc(z.meta, false));
       meta_ = static_cast<char*>(p);
     }
-    if (scoring_ == SelectScoring::kSparcas) {
+    if (scoring_ == SelectScoring::kSparcas || scoring_ == SelectScoring::kHip) {
       sparcas_db_ = z.sparcas_db;
       sparcas_u_ = z.sparcas_u;
       sparcas_dense_ = z.sparcas_dense;
@@ -107,6 +109,16 @@ Status RuntimeImpl::InitStepBuffers() {
       sparcas_state_ = static_cast<SparcasState*>(p);
       KVF_ASSIGN_OR_RETURN(p, Alloc(z.sparcas_dims, false));
       sparcas_dims_ = static_cast<int32_t*>(p);
+      if (scoring_ == SelectScoring::kHip) {
+        hip_bk_ = z.hip_bk;
+        hip_r_m_ = z.hip_r_m;
+        hip_rep_ = z.hip_rep;
+        hip_max_nodes_ = z.hip_max_nodes;
+        KVF_ASSIGN_OR_RETURN(p, Alloc(z.hip_state, false));
+        hip_state_ = static_cast<HipState*>(p);
+        KVF_ASSIGN_OR_RETURN(p, Alloc(z.hip_blocks, false));
+        hip_blocks_ = static_cast<int32_t*>(p);
+      }
       KVF_RETURN_IF_ERROR(ResetSelectState(-1));
     }
     if (z.bank_stage > 0) {
@@ -303,6 +315,26 @@ RuntimeImpl::SelectTiming* RuntimeImpl::NextSelectTiming(int layer) {
   return &t;
 }
 
+int64_t RuntimeImpl::DeviceListRows(int64_t n, int64_t budget, int layer) const {
+  // xl+ copies the previous layer's list; psaw+'s filter refills up to the budget where it hides
+  // anything (base/psaw.h); HiP's lists take whole blocks.
+  if (layer > 0 && policy_->device_reuses_previous_layer(layer)) {
+    return DeviceListRows(n, budget, layer - 1);
+  }
+  const int64_t hide_end = PsawHiddenEndOf(policy_->device_hide_fraction(layer), n);
+  if (scoring_ != SelectScoring::kHip || layer < sparcas_dense_ || hide_end > config_.tiers.sink_tokens) {
+    return std::min(budget, n);
+  }
+  return HipListRows(n, config_.tiers.sink_tokens, config_.tiers.window_tokens, budget, hip_bk_);
+}
+
+int64_t RuntimeImpl::SparcasKeyBytes(int64_t n, int layer, bool ranks) const {
+  if (!ranks) return 0;
+  const int32_t dims = SparcasDimsOf(layer, sparcas_dense_, sparcas_db_, config_.model.head_dim);
+  const int64_t row = SparcasRowElems(dims, SparcasBitsOf(layer, sparcas_dense_, sparcas_bits_));
+  return n * row * static_cast<int64_t>(kv_elem_);  // compact rows [0, n)
+}
+
 int64_t RuntimeImpl::SelectKeyBytes(int64_t n, int64_t budget, int layer) const {
   // The offloaded range and its picks, as the policies and the kernels split them (QuestSplitOf in
   // gpu/decode_select.cu is the same split).
@@ -318,12 +350,19 @@ int64_t RuntimeImpl::SelectKeyBytes(int64_t n, int64_t budget, int layer) const 
       const int64_t pages = (s.off_hi - 1) / meta_page_ + 1 - p_lo;
       return pages * 2 * static_cast<int64_t>(row_bytes_);  // min and max rows
     }
-    case SelectScoring::kSparcas: {
-      if (!ranks) return 0;
-      const int32_t dims = SparcasDimsOf(layer, sparcas_dense_, sparcas_db_, static_cast<int32_t>(head_dim));
-      const int64_t row = SparcasRowElems(dims, SparcasBitsOf(layer, sparcas_dense_, sparcas_bits_));
-      return n * row * static_cast<int64_t>(kv_elem_);  // compact rows [0, n)
+    case SelectScoring::kHip: {
+      if (layer < sparcas_dense_) return SparcasKeyBytes(n, layer, ranks);  // every key, exactly
+      // The mask's representative rows when it is rebuilt, averaged over its r_m steps: an
+      // iteration scores at most 2 K' branches of bk rows, until the nodes of about nb / K'
+      // blocks are one block each.
+      if (!ranks || s.k_off < hip_bk_) return 0;
+      const int64_t nb = (s.n_off() + hip_bk_ - 1) / hip_bk_, kn = s.k_off / hip_bk_;
+      int64_t iters = 0;
+      for (int64_t len = (nb + kn - 1) / kn; len > 1; len = (len + 1) / 2) ++iters;
+      const int64_t row = SparcasRowElems(static_cast<int32_t>(head_dim), 4) * static_cast<int64_t>(kv_elem_);
+      return iters * 2 * kn * hip_bk_ * row / std::max(hip_r_m_, 1);
     }
+    case SelectScoring::kSparcas: return SparcasKeyBytes(n, layer, ranks);
     default: return 0;
   }
 }
@@ -446,6 +485,12 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.sparcas_u = sparcas_u_;
     a.sparcas_dense_layers = sparcas_dense_;
     a.sparcas_bits = sparcas_bits_;
+    a.hip_state = hip_state_;
+    a.hip_blocks = hip_blocks_;
+    a.hip_max_nodes = hip_max_nodes_;
+    a.hip_bk = hip_bk_;
+    a.hip_r_m = hip_r_m_;
+    a.hip_rep = hip_rep_;
     if (bank_stage_ != nullptr) {
       step_bank_->View(&a.bank);
       a.bank.stage = bank_stage_;
@@ -483,7 +528,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     }
     if (host_lists_) continue;  // counted by SelectOnHost, the hint set after it
     if (scoring_ != SelectScoring::kNone) {
-      const int64_t count = std::min(budget, n);
+      const int64_t count = DeviceListRows(n, budget, layer);
       max_rows = std::max(max_rows, count);
       selected += count;
       key_bytes += SelectKeyBytes(n, budget, layer);
@@ -739,6 +784,11 @@ Status RuntimeImpl::ResetSelectState(int slot) {
   const std::vector<SparcasState> zeros(count);
   KVF_RETURN_IF_ERROR(device_->CopyAsync(sparcas_state_ + first, zeros.data(),
                                          count * sizeof(SparcasState), stream_));
+  if (hip_state_ != nullptr) {  // a zero count: the next ranked step builds the mask
+    const std::vector<HipState> hip_zeros(count);
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(hip_state_ + first, hip_zeros.data(),
+                                           count * sizeof(HipState), stream_));
+  }
   return device_->SynchronizeStream(stream_);
 }
 

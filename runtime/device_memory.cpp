@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "base/check.h"
+#include "base/hip_mask.h"
 #include "runtime/runtime_impl.h"
 
 namespace kvferry {
@@ -45,8 +46,12 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
   part("bank page tables", {bank_page_tables});
   part("bank slot state", {bank_slot_state});
   part("bank miss staging", {bank_stage, bank_miss, bank_admit});
-  part(scoring == SelectScoring::kSparcas ? "sparcas compact keys" : "quest page bounds", {meta});
-  part("sparcas selection state", {sparcas_state, sparcas_dims});
+  part(scoring == SelectScoring::kSparcas ? "sparcas compact keys"
+       : scoring == SelectScoring::kHip   ? "hip compact keys"
+                                          : "quest page bounds",
+       {meta});
+  part(scoring == SelectScoring::kHip ? "hip selection state" : "sparcas selection state",
+       {sparcas_state, sparcas_dims, hip_state, hip_blocks});
   part("selection lists", {step_list, step_list_count});
   part("selection scores", {select_ws, topk_ws, select_mcta});
   part("input staging (q, k, v, out)", {q_in, k_in, v_in, out_stage});
@@ -271,7 +276,7 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
           items, group_, ranked_cap,
           scoring == SelectScoring::kQuestPages ? SelectMctaMinPages() : kSelectMctaMinKeys);
       if (cuda && mcta_bytes > 0) z.select_mcta = AllocBytes(mcta_bytes);
-      if (scoring == SelectScoring::kSparcas) {
+      if (scoring == SelectScoring::kSparcas || scoring == SelectScoring::kHip) {
         const Policy::DeviceSelectParams dp = policy_->device_select_params(m.head_dim);
         KVF_CHECK_ARG(dp.d_b >= 1 && dp.u >= 1 && dp.dense_layers >= 0 &&
                           (dp.sparcas_bits == 16 || (dp.sparcas_bits == 4 && dp.d_b % 8 == 0)),
@@ -290,6 +295,21 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
         const size_t items_all = static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv;
         z.sparcas_state = AllocBytes(items_all * sizeof(SparcasState));
         z.sparcas_dims = AllocBytes(items_all * m.head_dim * sizeof(int32_t));
+        if (scoring == SelectScoring::kHip) {
+          // The cached masks: k_off / bk blocks at most (k_off <= the item budget).
+          KVF_CHECK_ARG(dp.hip_bk >= 1 && dp.hip_r_m >= 1 && dp.hip_rep >= 0 && dp.hip_rep <= 3 &&
+                            dp.d_b == m.head_dim && dp.sparcas_bits == 4 &&
+                            item_cap_ / dp.hip_bk <= kHipMaxNodes,
+                        "policy '", policy_->name(), "': bk ", dp.hip_bk, ", r_m ", dp.hip_r_m,
+                        ", rep ", dp.hip_rep, ", a budget of ", item_cap_, " tokens over ",
+                        kHipMaxNodes, " nodes");
+          z.hip_bk = dp.hip_bk;
+          z.hip_r_m = dp.hip_r_m;
+          z.hip_rep = dp.hip_rep;
+          z.hip_max_nodes = static_cast<int32_t>(std::max<int64_t>(item_cap_ / dp.hip_bk, 1));
+          z.hip_state = AllocBytes(items_all * sizeof(HipState));
+          z.hip_blocks = AllocBytes(items_all * static_cast<size_t>(z.hip_max_nodes) * sizeof(int32_t));
+        }
       }
     }
     if (scoring != SelectScoring::kNone || z.host_lists) {

@@ -59,6 +59,7 @@ struct DeviceBufferSizes {
   int32_t meta_page = 16;
   int64_t meta_pages = 0;
   int32_t sparcas_db = 16, sparcas_u = 64, sparcas_dense = 2, sparcas_bits = 16;
+  int32_t hip_bk = 2, hip_r_m = 8, hip_rep = 0, hip_max_nodes = 0;  // kHip
   int32_t bank_miss_cap = 0;
   int64_t step_ws_floats = 0;
   // CUDA prefill: pages of one layer staged in device memory; the tensor-core kernel and its
@@ -93,7 +94,7 @@ struct DeviceBufferSizes {
   size_t prefill_scratch = 0, prefill_pages = 0;
   size_t prefill_next = 0, prefill_next_pages = 0;
   size_t step_list = 0, step_list_count = 0, select_ws = 0, topk_ws = 0, select_mcta = 0;
-  size_t meta = 0, sparcas_state = 0, sparcas_dims = 0;
+  size_t meta = 0, sparcas_state = 0, sparcas_dims = 0, hip_state = 0, hip_blocks = 0;
   size_t step_slots = 0, step_pos = 0, step_ws = 0, step_counters = 0;
   size_t prime_tables = 0, prime_stats = 0, prime_scratch = 0;
   size_t scan_shadow = 0, scan_scale = 0, scan_keys = 0, scan_ints = 0, scan_hist = 0,
@@ -285,6 +286,11 @@ class RuntimeImpl {
   // at \p layer with item budget \p budget (Stats::select_key_bytes), as DecodeSelect's kernels
   // read them.
   int64_t SelectKeyBytes(int64_t n, int64_t budget, int layer) const;
+  // Rows a device selection's list holds for a sequence of n positions at \p layer, as the host
+  // can tell (HiP's may hold fewer: base/hip_mask.h's HipListRows).
+  int64_t DeviceListRows(int64_t n, int64_t budget, int layer) const;
+  // SparCas's compact rows [0, n) at \p layer (kSparcas, and kHip's dense layers); 0 unless ranks.
+  int64_t SparcasKeyBytes(int64_t n, int layer, bool ranks) const;
   // The run: one layer of the step on the device.
   Status RunDecodeStep(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                        const TensorView& k, const TensorView& v, const TensorView& out,
@@ -648,6 +654,9 @@ class RuntimeImpl {
   SparcasState* sparcas_state_ = nullptr;  // device: [slot][layer][kv_head]
   int32_t* sparcas_dims_ = nullptr;        // device: [slot][layer][kv_head][head_dim]
   int32_t sparcas_db_ = 16, sparcas_u_ = 64, sparcas_dense_ = 2, sparcas_bits_ = 16;
+  HipState* hip_state_ = nullptr;  // device (kHip): [slot][layer][kv_head]
+  int32_t* hip_blocks_ = nullptr;  // device (kHip): [slot][layer][kv_head][hip_max_nodes_]
+  int32_t hip_bk_ = 2, hip_r_m_ = 8, hip_rep_ = 0, hip_max_nodes_ = 0;
 };
 
 }  // namespace kvferry::detail

@@ -215,7 +215,8 @@ TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
 // streaming (rows beyond the window read zero-copy), dense over everything (rows from host memory
 // past the window), dense with every row resident (the cp.async path) and the oracle (its
 // top-k selected inside the captured step), quest (page bounds kept and scored on the device) and
-// sparcas (compact keys kept, re-gathered and scored on the device).
+// sparcas (compact keys kept, re-gathered and scored on the device), hip (its masks kept and
+// rebuilt on the device every 8 steps, inside the replays).
 // The device-selecting policies again with the device token bank: the step reads hits from the
 // bank, stages misses and queues their admission inside the graph; and quest inside PrHS's depth
 // window (psaw+), whose lists the device filters inside the graph, and with cross-layer sharing
@@ -223,8 +224,8 @@ TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
 INSTANTIATE_TEST_SUITE_P(
     Bank, CudaGraph,
     ::testing::Combine(::testing::Values(std::string("oracle:bank"), std::string("quest:bank"),
-                                         std::string("sparcas:bank"), std::string("psaw+quest:bank"),
-                                         std::string("xl+quest:bank")),
+                                         std::string("sparcas:bank"), std::string("hip:bank"),
+                                         std::string("psaw+quest:bank"), std::string("xl+quest:bank")),
                        ::testing::Values(64), ::testing::Values(DType::kBF16)),
     [](const auto& info) {
       std::string name = std::get<0>(info.param);
@@ -236,7 +237,8 @@ INSTANTIATE_TEST_SUITE_P(
 // The device-selecting policies past the multi-CTA top-k threshold: its launches are captured.
 INSTANTIATE_TEST_SUITE_P(
     Long, CudaGraph,
-    ::testing::Combine(::testing::Values(std::string("oracle:long"), std::string("sparcas:long")),
+    ::testing::Combine(::testing::Values(std::string("oracle:long"), std::string("sparcas:long"),
+                                         std::string("hip:long")),
                        ::testing::Values(64), ::testing::Values(DType::kBF16)),
     [](const auto& info) {
       std::string name = std::get<0>(info.param);

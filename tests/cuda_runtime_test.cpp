@@ -30,7 +30,7 @@ struct Case {
   int bank_slots;
   std::string bank_map;
   bool device_io = false;  // the CUDA runtime's decode q/k/v/out in device memory
-  int sparcas_bits = 0;    // sparcas's "bits" (0: its default, 4-bit rows)
+  int sparcas_bits = 0;    // sparcas's or hip's "bits" (0: the default, 4-bit rows)
 };
 
 class CudaRuntimeTest : public ::testing::TestWithParam<Case> {};
@@ -52,8 +52,13 @@ RuntimeConfig MakeConfig(const Case& c, Backend backend) {
   cfg.tiers.bank_map = c.bank_map;
   cfg.policy.name = c.policy;
   cfg.policy.budget_tokens = 96;
-  // HiP's first layers take the exact top-k (dense_layers, default 3): from layer 1 on, its masks.
-  if (c.policy == "hip") cfg.policy.params["dense_layers"] = 1;
+  // HiP's first layers take the exact top-k (dense_layers, default 3): from layer 1 on, its masks,
+  // rebuilt every 3 steps. bits 16: the host selects (its lists uploaded); 4: the device.
+  if (c.policy.find("hip") != std::string::npos) {
+    cfg.policy.params["dense_layers"] = 1;
+    cfg.policy.params["r_m"] = 3;
+    if (c.sparcas_bits != 0) cfg.policy.params["bits"] = c.sparcas_bits;
+  }
   // PrHS's depth window from layer 0 on: layer 1 hides [sink, 0.16 n) (the device filters its own
   // selection for the device-selecting inner policies).
   if (c.policy.find("psaw+") != std::string::npos) cfg.policy.params["psaw.start"] = 0;
@@ -211,8 +216,8 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
       EXPECT_GT(s1.rows_bank_hit, 0);
     }
     // A host-selecting policy waits for its q once per layer (and the steps are not capturable).
-    // The device-selecting ones: oracle, quest, sparcas, also inside psaw+ (which the device
-    // applies to their lists); cis+ and xl+ select on the host.
+    // The device-selecting ones: oracle, quest, sparcas, hip at 4 bits, also inside psaw+ (which
+    // the device applies to their lists); cis+ and xl+ select on the host.
     std::string inner = c.policy;
     for (bool more = true; more;) {  // psaw+ and xl+ keep a device selection
       more = false;
@@ -220,7 +225,8 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
         if (inner.rfind(w, 0) == 0) inner = inner.substr(w.size()), more = true;
       }
     }
-    if (inner != "oracle" && inner != "quest" && inner != "sparcas") {
+    const bool device_hip = inner == "hip" && c.sparcas_bits != 16;
+    if (inner != "oracle" && inner != "quest" && inner != "sparcas" && !device_hip) {
       EXPECT_FALSE(rt[0]->decode_is_capture_safe());
       EXPECT_GT(s0.host_syncs, 0);
     } else {
@@ -254,6 +260,10 @@ INSTANTIATE_TEST_SUITE_P(
                       // The paper's compact rows (the KV dtype) next to the default 4-bit ones.
                       Case{"sparcas", Route::kGpu, 0, "vector", false, 16},
                       Case{"sparcas", Route::kGpu, 64, "hash", true, 16},
+                      // HiP's masks on the device (its 4-bit scores), with and without the bank.
+                      Case{"hip", Route::kGpu, 0, "vector"},
+                      Case{"hip", Route::kGpu, 64, "vector", true},
+                      Case{"psaw+hip", Route::kGpu, 64, "hash"},
                       // lfps: the planned step (resident rows on the device, offloaded picks on
                       // the CPU), with host and device tensors; and the host-selected gpu route.
                       Case{"lfps", Route::kAuto, 0, "vector"},
@@ -262,8 +272,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"streaming", Route::kGpu, 0, "vector", true},
                       // Host-selecting policies with the device bank (route gpu): the host's
                       // lists, the device's step and bank.
-                      Case{"hip", Route::kGpu, 64, "vector"},
-                      Case{"hip", Route::kGpu, 64, "hash", true},
+                      Case{"hip", Route::kGpu, 64, "vector", false, 16},
+                      Case{"hip", Route::kGpu, 64, "hash", true, 16},
                       Case{"kvpop", Route::kGpu, 64, "vector"},
                       Case{"kvpop", Route::kGpu, 64, "hash"},
                       Case{"lfps", Route::kGpu, 64, "vector"},
@@ -605,6 +615,7 @@ class CudaRuntimeLong : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
   if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  const int64_t budget = GetParam() == "hip" ? 3000 : 160;
   std::unique_ptr<Runtime> rt[2];
   for (int b = 0; b < 2; ++b) {
     RuntimeConfig cfg;
@@ -620,8 +631,13 @@ TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
     cfg.tiers.sink_tokens = 4;
     cfg.tiers.window_tokens = 32;
     cfg.policy.name = GetParam();
-    cfg.policy.budget_tokens = 160;
+    cfg.policy.budget_tokens = budget;
     if (GetParam() == "sparcas") cfg.policy.params["dense_layers"] = 1;
+    if (GetParam() == "hip") {  // one-token blocks: 2964 nodes, 5928 branches an iteration
+      cfg.policy.params["dense_layers"] = 1;
+      cfg.policy.params["bk"] = 1;
+      cfg.policy.params["r_m"] = 2;
+    }
     cfg.route = Route::kGpu;
     cfg.backend = b == 0 ? Backend::kCuda : Backend::kHost;
     cfg.cpu_threads = 2;
@@ -697,7 +713,7 @@ TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
           auto a = rt[0]->LastSelection(s, layer, h);
           auto b = rt[1]->LastSelection(s, layer, h);
           ASSERT_TRUE(a.ok() && b.ok());
-          EXPECT_EQ(a.value().size(), 160u);
+          EXPECT_EQ(static_cast<int64_t>(a.value().size()), budget);
           EXPECT_EQ(a.value(), b.value()) << "selection differs, seq " << s << " step " << step
                                           << " layer " << layer << " head " << h;
         }
@@ -708,7 +724,7 @@ TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
   EXPECT_EQ(rt[1]->GetStats().ms_select_device, 0.0);  // not turned on there
 }
 
-INSTANTIATE_TEST_SUITE_P(Cuda, CudaRuntimeLong, ::testing::Values("oracle", "sparcas"));
+INSTANTIATE_TEST_SUITE_P(Cuda, CudaRuntimeLong, ::testing::Values("oracle", "sparcas", "hip"));
 
 }  // namespace
 }  // namespace kvferry

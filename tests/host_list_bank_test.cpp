@@ -162,7 +162,10 @@ RuntimeConfig Config(const std::string& policy, int bank_slots, Route route = Ro
   c.tiers.bank_slots = bank_slots;
   c.policy.name = policy;
   c.policy.budget_tokens = 96;
-  if (policy == "hip") c.policy.params["dense_layers"] = 1;
+  if (policy == "hip") {  // bits 16: the host selects (its lists uploaded)
+    c.policy.params["dense_layers"] = 1;
+    c.policy.params["bits"] = 16;
+  }
   c.route = route;
   c.backend = Backend::kHost;  // the decorator makes it pose as CUDA
   c.cpu_threads = 2;

@@ -537,14 +537,15 @@ TEST(TokenBankRuntime, HitsServeRowsAndOutputsStayExact) {
   }
 }
 
-// The PCIe-aware split of a step's misses on the host path (runtime/scheduler.h CpuShare; hip
-// selects on the host, so route auto splits its misses between the GPU branch, read over PCIe,
+// The PCIe-aware split of a step's misses on the host path (runtime/scheduler.h CpuShare; hip at
+// 16 bits selects on the host, so route auto splits its misses between the GPU branch, read over PCIe,
 // and the CPU branch): with route auto both branches get rows, every selected row is attended
 // exactly once (the output equals attention over exactly the reported selection: a lost or
 // doubled row would show) and the counters add up; routes gpu and cpu give one branch each.
 TEST(SchedulerSplit, BranchesPartitionTheSelection) {
   for (Route route : {Route::kAuto, Route::kGpu, Route::kCpu}) {
     RuntimeConfig c = SmallConfig(64, 4, 1, "hip");
+    c.policy.params["bits"] = 16;  // fp32 scores: the host selects (at 4 bits the device would)
     c.policy.budget_tokens = 64;
     c.tiers.window_tokens = 8;
     c.route = route;

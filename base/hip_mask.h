@@ -1,0 +1,129 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// HiP's hierarchical mask (seed 003, notes/hip.md), the parts its three implementations share:
+// policies/hip's host Select, the host backend's device-selection twin (cpu/decode_step.cpp) and
+// the CUDA kernel (gpu/decode_select.cu, HipMaskKernel). The host two run HipMaskBlocks below;
+// the kernel runs the same iteration with a block-wide radix select, and is tested equal to it.
+//
+// The mask over nb blocks for K' = kn nodes: nodes j < kn start as blocks [j nb / kn, (j + 1) nb /
+// kn); each iteration splits every node of more than one block at m = floor((f + l) / 2) (a
+// one-block node is one branch, unsplit), scores each branch by one representative block and
+// keeps the kn best branches, by (score desc, first block asc; a NaN score ranks as -inf), until
+// no node splits. The result is the kn nodes' first blocks, ascending.
+//
+// Scores at 4 bits (HiP's `bits` 4, the default): a token's key as SparCas's 4-bit row over every
+// dimension (base/sparcas_q4.h, SparcasQuantizeRow) and each query head as its int8 codes
+// (SparcasQuantizeQuery), the logit scale * SparcasQ4Dot; the block's score is the max over its
+// tokens and the group's heads. Integer dots, so the host and the GPU agree to the bit.
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "base/attn_types.h"
+
+namespace kvferry {
+
+/// Which token block represents a branch [f, l) of blocks when it is scored.
+enum class HipRepresentative : int { kCentre = 0, kFirst = 1, kLast = 2, kRandom = 3 };
+
+/// The most nodes (K' = k_off / bk) the device mask holds: its CTA keeps 2 K' branches in shared
+/// memory (24 bytes a node). Past it HiP selects on the host.
+constexpr int64_t kHipMaxNodes = 8192;
+
+KVF_HOST_DEVICE inline uint64_t HipMix(uint64_t x) {  // splitmix64 finaliser
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+/// The kRandom representative's seed for an item's mask built at length n.
+KVF_HOST_DEVICE inline uint64_t HipSeed(int64_t n, int32_t layer, int32_t kv_head) {
+  return static_cast<uint64_t>(n) * 131 + static_cast<uint64_t>(layer) * 7 +
+         static_cast<uint64_t>(kv_head);
+}
+
+/// The representative block of branch [f, l) (l > f).
+KVF_HOST_DEVICE inline int64_t HipRepBlock(int64_t f, int64_t l, int32_t rep, uint64_t seed) {
+  const int64_t len = l - f;
+  switch (rep) {
+    case static_cast<int32_t>(HipRepresentative::kFirst): return f;
+    case static_cast<int32_t>(HipRepresentative::kLast): return l - 1;
+    case static_cast<int32_t>(HipRepresentative::kRandom):
+      return f + static_cast<int64_t>(HipMix(seed ^ HipMix(static_cast<uint64_t>(f) * 1000003u +
+                                                           static_cast<uint64_t>(l))) %
+                                      static_cast<uint64_t>(len));
+    default: return f + (len - 1) / 2;  // kCentre
+  }
+}
+
+/// Whether an item's cached mask must be rebuilt at a ranked step (n positions, k_off picks).
+KVF_HOST_DEVICE inline bool HipMaskStale(int64_t count, int64_t k_off_built, int64_t n_last,
+                                         int32_t since_refresh, int64_t k_off, int64_t n,
+                                         int32_t r_m) {
+  return count == 0 || k_off_built != k_off || n < n_last || since_refresh >= r_m;
+}
+
+/// Rows a kHip item of n positions attends at a ranked layer, as the host can tell without the
+/// device's mask: the sinks, floor(k_off / bk) blocks and the window, or every position. Exact
+/// unless the mask holds the offloaded range's last block, cut short (then up to bk - 1 fewer).
+KVF_HOST_DEVICE inline int64_t HipListRows(int64_t n, int64_t sink, int64_t window, int64_t budget,
+                                           int64_t bk) {
+  const int64_t sinks = sink < 0 ? 0 : (sink > n ? n : sink);
+  const int64_t w = window < 0 ? 0 : window;
+  const int64_t off_hi = n - w > sinks ? n - w : sinks;
+  const int64_t k_off = budget - (sinks + (n - off_hi));
+  if (k_off >= off_hi - sinks) return n;
+  return sinks + (k_off >= bk && bk >= 1 ? k_off / bk * bk : 0) + (n - off_hi);
+}
+
+/// The mask (above) over nb blocks for kn nodes, each branch scored by score_of(representative
+/// block); the chosen first blocks ascending into out (every block when nb <= kn; none when kn
+/// < 1). Host.
+template <typename ScoreOf>
+void HipMaskBlocks(int64_t nb, int64_t kn, int32_t rep, uint64_t seed, ScoreOf&& score_of,
+                   std::vector<int32_t>& out) {
+  out.clear();
+  if (nb <= 0 || kn < 1) return;
+  if (nb <= kn) {
+    for (int64_t b = 0; b < nb; ++b) out.push_back(static_cast<int32_t>(b));
+    return;
+  }
+  struct Branch {
+    int64_t f, l;
+    float score;
+  };
+  thread_local std::vector<Branch> nodes, branches;
+  nodes.clear();
+  for (int64_t j = 0; j < kn; ++j) nodes.push_back({j * nb / kn, (j + 1) * nb / kn, 0.0f});
+  const auto scored = [&](int64_t f, int64_t l) {
+    const float s = score_of(HipRepBlock(f, l, rep, seed));
+    return Branch{f, l, s == s ? s : -std::numeric_limits<float>::infinity()};
+  };
+  const auto better = [](const Branch& a, const Branch& b) {
+    return a.score > b.score || (a.score == b.score && a.f < b.f);
+  };
+  for (;;) {
+    bool split = false;
+    branches.clear();
+    for (const Branch& nd : nodes) {
+      if (nd.l - nd.f > 1) {
+        const int64_t m = (nd.f + nd.l) / 2;
+        branches.push_back(scored(nd.f, m));
+        branches.push_back(scored(m, nd.l));
+        split = true;
+      } else {
+        branches.push_back(scored(nd.f, nd.l));
+      }
+    }
+    if (!split) break;
+    std::partial_sort(branches.begin(), branches.begin() + kn, branches.end(), better);
+    nodes.assign(branches.begin(), branches.begin() + kn);
+  }
+  for (const Branch& nd : nodes) out.push_back(static_cast<int32_t>(nd.f));
+  std::sort(out.begin(), out.end());
+}
+
+}  // namespace kvferry
