@@ -672,6 +672,43 @@ struct HipShared {
   int32_t want;
 };
 
+// A token's score: the max over the group's heads of scale * SparcasQ4Dot (the host's operations).
+// kWords > 0 (head_dim 128: 16): the row's words loaded once into registers, all in flight.
+template <int kWords>
+__device__ __forceinline__ float HipRowScore(const uint32_t* row, int words, const int2* q_pack,
+                                             const float* q_step, const int32_t* q_sum8, int group,
+                                             float scale) {
+  constexpr int kRegs = kWords > 0 ? kWords : 1;
+  uint32_t rw[kRegs];
+  if constexpr (kWords > 0) {
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) rw[w] = row[w];
+  }
+  const float row_scale = __uint_as_float(row[words]);
+  float best = -INFINITY;
+  for (int g = 0; g < group; ++g) {
+    int acc = 0;
+#pragma unroll
+    for (int w = 0; w < (kWords > 0 ? kWords : 1); ++w) {
+      if constexpr (kWords == 0) {
+        for (int v = 0; v < words; ++v) {
+          const uint32_t x = row[v];
+          const int2 qw = q_pack[g * words + v];
+          acc = __dp4a(static_cast<int>(x & 0x0F0F0F0Fu), qw.x, acc);
+          acc = __dp4a(static_cast<int>((x >> 4) & 0x0F0F0F0Fu), qw.y, acc);
+        }
+      } else {
+        const int2 qw = q_pack[g * kWords + w];
+        acc = __dp4a(static_cast<int>(rw[w] & 0x0F0F0F0Fu), qw.x, acc);
+        acc = __dp4a(static_cast<int>((rw[w] >> 4) & 0x0F0F0F0Fu), qw.y, acc);
+      }
+    }
+    const float dot = __fmul_rn(__int2float_rn(acc - q_sum8[g]), q_step[g]);
+    best = fmaxf(best, __fmul_rn(scale, __fmul_rn(dot, row_scale)));
+  }
+  return best;
+}
+
 __device__ int32_t HipBuildMask(const DecodeStepArgs& a, const QuestSplit& sp, int64_t n,
                                 int32_t item, int32_t kn_cap, unsigned char* smem, HipShared& sh,
                                 int32_t* blocks) {
@@ -772,20 +809,8 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, const QuestSplit& sp, i
       const int64_t pos = sp.off_lo + HipRepBlock(r.x, r.y, a.hip_rep, seed) * bk + x % bk;
       if (pos >= sp.off_hi) continue;
       const uint32_t* row = rows + pos * (words + 1);
-      const float row_scale = __uint_as_float(row[words]);
-      float best = -INFINITY;
-      for (int g = 0; g < group; ++g) {
-        int acc = 0;
-        for (int w = 0; w < words; ++w) {
-          const uint32_t rw = row[w];
-          const int2 qw = q_pack[g * words + w];
-          acc = __dp4a(static_cast<int>(rw & 0x0F0F0F0Fu), qw.x, acc);
-          acc = __dp4a(static_cast<int>((rw >> 4) & 0x0F0F0F0Fu), qw.y, acc);
-        }
-        const float dot = __fmul_rn(__int2float_rn(acc - q_sum8[g]), q_step[g]);
-        best = fmaxf(best, __fmul_rn(scale, __fmul_rn(dot, row_scale)));
-      }
-      atomicMax(&keys[i], OrderedKey(best));
+      atomicMax(&keys[i], OrderedKey(words == 16 ? HipRowScore<16>(row, 16, q_pack, q_step, q_sum8, group, scale)
+                                                 : HipRowScore<0>(row, words, q_pack, q_step, q_sum8, group, scale)));
     }
     __syncthreads();
     // The kn-th largest key: its bits 8 at a time, the count still wanted among its ties.
@@ -794,9 +819,15 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, const QuestSplit& sp, i
     for (int shift = 24; shift >= 0; shift -= 8) {
       for (int i = tid; i < 256; i += blockDim.x) sh.hist[i] = 0;
       __syncthreads();
-      for (int32_t i = tid; i < branches; i += blockDim.x) {
-        const uint32_t k = keys[i];
-        if ((k & mask) == prefix) atomicAdd(&sh.hist[(k >> shift) & 0xFFu], 1u);
+      // Warp-aggregated: the scores of a step cluster in a few bins (the high bytes above all),
+      // where one atomic a key serialized the CTA (stop 25: about 50 us an iteration).
+      for (int32_t w0 = warp * 32; w0 < branches; w0 += blockDim.x) {
+        const int32_t i = w0 + lane;
+        const uint32_t k = i < branches ? keys[i] : 0u;
+        const bool in = i < branches && (k & mask) == prefix;
+        const uint32_t bin = in ? (k >> shift) & 0xFFu : 256u + lane;
+        const unsigned peers = __match_any_sync(0xffffffffu, bin);
+        if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], static_cast<uint32_t>(__popc(peers)));
       }
       __syncthreads();
       if (warp == 0) {  // lane: bins [8 lane, 8 lane + 8); the bin where the count from the top reaches want
