@@ -10,7 +10,7 @@
 //   kvferry-e2e --json out.json [--contexts 32768,131072] [--batches 1,4] [--modes a,b,..]
 //               [--steps 20] [--layers 32] [--host-gib 100] [--device-gib 70]
 //               [--prefill-chunks 2048,8192] [--prefill-layers 3] [--prefill-order layer|chunk]
-//               [--cpu-threads N] [--trace PREFIX] [--param key=value ...] [--query-drift E]
+//               [--cpu-threads N] [--trace PREFIX] [--param key=value ...] [--query-drift E] [--unique-kv]
 // --query-drift E: the decode query moves from step to step, q = q0 + E * noise_s, 16 noises in
 // turn (0, the default: one query for every step, as a repeated prompt token). A moving query
 // changes SparCas's dimensions at its refreshes and what the bank must hold; the row says "query_drift".
@@ -109,6 +109,10 @@ struct Options {
   // are the policy's error); written into each row as "params".
   std::vector<std::pair<std::string, double>> params;
   double query_drift = 0;  // --query-drift
+  // --unique-kv: every prompt chunk's keys drawn afresh (else one 4096-token chunk repeats: keys
+  // recur every 4096 positions, which leaves a hierarchical search such as HiP's choosing among
+  // identical copies).
+  bool unique_kv = false;
 };
 
 template <typename T>
@@ -163,6 +167,7 @@ Options Parse(int argc, char** argv) {
     else if (a == "--cpu-threads") o.cpu_threads = std::stoi(next());
     else if (a == "--trace") o.trace_prefix = next();
     else if (a == "--query-drift") o.query_drift = std::stod(next());
+    else if (a == "--unique-kv") o.unique_kv = true;
     else if (a == "--param") {
       const std::string kv = next();
       const size_t eq = kv.find('=');
@@ -288,6 +293,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   row << ",\"policy\":\"" << c.policy.name << "\",\"route\":\"" << kvferry::RouteName(c.route) << "\""
       << ",\"bank_slots\":" << c.tiers.bank_slots;
   if (o.query_drift != 0) row << ",\"query_drift\":" << o.query_drift;
+  if (o.unique_kv) row << ",\"unique_kv\":true";
   AddParams(o, c, row);
   auto made = Runtime::Create(c);
   if (!made.ok()) {
@@ -355,6 +361,10 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     for (int l = 0; l < o.layers; ++l) {
       for (int64_t pos = 0; pos < ctx - kPrime; pos += chunk) {
         const int64_t n = std::min<int64_t>(chunk, ctx - kPrime - pos);
+        if (o.unique_kv) {  // this chunk's keys drawn afresh (the stream orders it after the last Append)
+          FillBf16<<<256, 256, 0, stream>>>(ck, n * kHkv * kD,
+                                            static_cast<uint32_t>(7919 + (b * o.layers + l) * 1031 + pos / chunk));
+        }
         const kvferry::Status st = rt->Append(s, l, view(ck, n, kHkv), view(cv, n, kHkv), stream);
         if (!st.ok()) {
           row << ",\"skipped\":\"append: " << st.ToString() << "\"}";
