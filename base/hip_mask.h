@@ -66,6 +66,17 @@ KVF_HOST_DEVICE inline bool HipMaskStale(int64_t count, int64_t k_off_built, int
   return count == 0 || k_off_built != k_off || n < n_last || since_refresh >= r_m;
 }
 
+/// since_refresh right after a rebuild (the step then counts itself): 0 when the interval was
+/// due; else (a first mask, or k_off or n changed) layer % r_m, so that the layers' later
+/// rebuilds spread over the r_m steps (each step rebuilds about 1 / r_m of the layers instead of
+/// every layer at once every r_m steps: the same mean step time, a flat one).
+KVF_HOST_DEVICE inline int32_t HipSinceAfterBuild(int64_t count, int64_t k_off_built, int64_t n_last,
+                                                  int32_t since_refresh, int64_t k_off, int64_t n,
+                                                  int32_t r_m, int32_t layer) {
+  const bool interval = count != 0 && k_off_built == k_off && n >= n_last && since_refresh >= r_m;
+  return interval || r_m <= 1 ? 0 : layer % r_m;
+}
+
 /// Rows a kHip item of n positions attends at a ranked layer, as the host can tell without the
 /// device's mask: the sinks, floor(k_off / bk) blocks and the window, or every position. Exact
 /// unless the mask holds the offloaded range's last block, cut short (then up to bk - 1 fewer).

@@ -427,10 +427,11 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
                       HipSeed(n, a.layer, static_cast<int32_t>(t % a.num_kv_heads)), score_of, mask);
       }
       std::copy(mask.begin(), mask.end(), blocks);
+      st.since_refresh = HipSinceAfterBuild(st.count, st.k_off, st.n, st.since_refresh, k_off, n,
+                                            a.hip_r_m, a.layer);
       st.count = static_cast<int32_t>(mask.size());
       st.k_off = k_off;
       st.hi = off_hi;
-      st.since_refresh = 0;
     }
     ++st.since_refresh;
     st.n = n;

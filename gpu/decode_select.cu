@@ -903,7 +903,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
   __shared__ HipShared sh;
   __shared__ int s_stale;
   __shared__ int32_t s_count, s_since;
-  __shared__ int64_t s_hi, s_kf;
+  __shared__ int64_t s_hi, s_kf, s_n;
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
@@ -926,6 +926,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
       s_since = st.since_refresh;
       s_hi = st.hi;
       s_kf = st.k_off;
+      s_n = st.n;
       s_stale = HipMaskStale(st.count, st.k_off, st.n, st.since_refresh, sp.k_off, n, a.hip_r_m);
     }
     __syncthreads();
@@ -950,7 +951,9 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
       s.count = count;
       s.k_off = stale ? sp.k_off : s_kf;
       s.hi = hi;
-      s.since_refresh = (stale ? 0 : s_since) + 1;
+      s.since_refresh = (stale ? HipSinceAfterBuild(s_count, s_kf, s_n, s_since, sp.k_off, n,
+                                                    a.hip_r_m, a.layer)
+                               : s_since) + 1;
       s.n = n;
       a.hip_state[t] = s;
     }

@@ -154,14 +154,16 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
     opt.bits = HipBits(params_, ctx.params.head_dim);
     thread_local std::vector<int32_t> blocks;
     HipMask(ctx.params, ctx.q, ctx.kv, s.off_lo, s.off_hi, s.k_off, opt, blocks);
+    const int32_t since = HipSinceAfterBuild(static_cast<int64_t>(st->mask.size()), st->k_off, st->n,
+                                             st->since_refresh, s.k_off, ctx.n, params_.r_m, ctx.layer);
     st->mask.clear();
     for (const int32_t b : blocks) {
       const int64_t t0 = s.off_lo + static_cast<int64_t>(b) * params_.bk;
       const int64_t t1 = std::min<int64_t>(t0 + params_.bk, s.off_hi);
       for (int64_t t = t0; t < t1; ++t) st->mask.push_back(static_cast<int32_t>(t));
     }
+    st->since_refresh = since;
     st->k_off = s.k_off;
-    st->since_refresh = 0;
   }
   ++st->since_refresh;
   st->n = ctx.n;

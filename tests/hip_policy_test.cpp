@@ -125,9 +125,40 @@ TEST(HipPolicy, MaskCachedForRmStepsThenRebuilt) {
   EXPECT_EQ(sel, fresh_sel);
 }
 
+// The first mask of layer l lives r_m - l % r_m steps (base/hip_mask.h's HipSinceAfterBuild), so
+// that the layers' rebuilds spread over the interval; every later one r_m steps.
+TEST(HipPolicy, LayersRebuildOnStaggeredSteps) {
+  Synthetic syn(700, 1, 64, 12);
+  HipParams hp;
+  hp.r_m = 4;
+  hp.dense_layers = 0;
+  HipPolicy policy(hp, 1, 4, 1);
+  std::vector<float> q2(64);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  for (float& x : q2) x = nd(rng);
+  SelectContext c1 = Context(syn.kv, syn.q.data(), 1, 4, 32, 4 + 32 + 64);
+  SelectContext c2 = Context(syn.kv, q2.data(), 1, 4, 32, 4 + 32 + 64);
+  c1.layer = c2.layer = 3;
+  std::vector<int32_t> first, sel, fresh_sel;
+  ASSERT_TRUE(policy.Select(c1, first).ok());  // step 1: built, since = 3 + 1
+  HipPolicy fresh(hp, 1, 4, 1);
+  ASSERT_TRUE(fresh.Select(c2, fresh_sel).ok());
+  ASSERT_NE(fresh_sel, first);
+  ASSERT_TRUE(policy.Select(c2, sel).ok());  // step 2: due (since 4 >= r_m): rebuilt from q2
+  EXPECT_EQ(sel, fresh_sel);
+  for (int step = 3; step <= 5; ++step) {  // then kept for r_m = 4 steps
+    ASSERT_TRUE(policy.Select(c1, sel).ok());
+    EXPECT_EQ(sel, fresh_sel) << "step " << step;
+  }
+  EXPECT_EQ(HipSinceAfterBuild(0, 0, 0, 0, 10, 100, 8, 13), 5);   // a first mask: layer % r_m
+  EXPECT_EQ(HipSinceAfterBuild(7, 10, 99, 8, 10, 100, 8, 13), 0);  // the interval was due
+  EXPECT_EQ(HipSinceAfterBuild(7, 9, 99, 3, 10, 100, 8, 13), 5);   // k_off moved
+}
+
 TEST(HipPolicy, BadParametersNameTheParameter) {
   for (const auto& [key, value] : std::vector<std::pair<std::string, double>>{
-           {"bk", 0}, {"r_m", 0}, {"r_m", 1.5}, {"dense_layers", -2}, {"rep", 4}, {"k", 5}}) {
+           {"bk", 0}, {"r_m", 0}, {"r_m", 1.5}, {"dense_layers", -2}, {"rep", 4}, {"bits", 8}, {"k", 5}}) {
     auto r = ParseHipParams({{key, value}});
     ASSERT_FALSE(r.ok()) << key << "=" << value;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
