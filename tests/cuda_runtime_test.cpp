@@ -411,7 +411,8 @@ TEST(CudaStepBank, HostSelectingPoliciesUseTheDeviceBank) {
       const int slots[kRuntimes] = {128, 2, 0};
       std::unique_ptr<Runtime> rt[kRuntimes];
       for (int b = 0; b < kRuntimes; ++b) {
-        RuntimeConfig cfg = MakeConfig(Case{policy, Route::kGpu, slots[b], map}, Backend::kCuda);
+        // hip at 16 bits: the host selects (at 4 bits the device would).
+        RuntimeConfig cfg = MakeConfig(Case{policy, Route::kGpu, slots[b], map, false, 16}, Backend::kCuda);
         cfg.model.num_layers = 3;
         auto r = Runtime::Create(cfg);
         ASSERT_TRUE(r.ok()) << r.status().ToString();
