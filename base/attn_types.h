@@ -317,6 +317,7 @@ struct DecodeStepArgs {
   int32_t hip_bk = 2;
   int32_t hip_r_m = 8;
   int32_t hip_rep = 0;
+  int32_t hip_align = 1;  ///< the first nodes aligned to a power of two blocks (base/hip_mask.h)
   float* select_ws = nullptr;
   int64_t select_ld = 0;
   unsigned long long* topk_ws = nullptr;

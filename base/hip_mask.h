@@ -5,8 +5,8 @@
 // the CUDA kernel (gpu/decode_select.cu, HipMaskKernel). The host two run HipMaskBlocks below;
 // the kernel runs the same iteration with a block-wide radix select, and is tested equal to it.
 //
-// The mask over nb blocks for K' = kn nodes: nodes j < kn start as blocks [j nb / kn, (j + 1) nb /
-// kn); each iteration splits every node of more than one block at m = floor((f + l) / 2) (a
+// The mask over nb blocks for K' = kn nodes: the first nodes (HipFirstNodes: by default aligned
+// runs of a power of two blocks, else the paper's kn even ones); each iteration splits every node of more than one block at m = floor((f + l) / 2) (a
 // one-block node is one branch, unsplit), scores each branch by one representative block and
 // keeps the kn best branches, by (score desc, first block asc; a NaN score ranks as -inf), until
 // no node splits. The result is the kn nodes' first blocks, ascending.
@@ -90,12 +90,42 @@ KVF_HOST_DEVICE inline int64_t HipListRows(int64_t n, int64_t sink, int64_t wind
   return sinks + (k_off >= bk && bk >= 1 ? k_off / bk * bk : 0) + (n - off_hi);
 }
 
+/// The first nodes of a mask over nb > kn blocks. Aligned (HiP's `align` 1, the default, as the
+/// public code aligns them): nodes of L blocks, L the least power of two >= ceil(nb / kn), at
+/// multiples of L (the last cut at nb), ceil(nb / L) <= kn of them; every later split point is
+/// then a multiple of a power of two, so the tree stays put while n grows and a rebuilt mask
+/// differs from the last one only where the scores do. Else the paper's kn nodes [j nb / kn,
+/// (j + 1) nb / kn), whose bounds all move as nb grows.
+KVF_HOST_DEVICE inline int64_t HipNodeLen(int64_t nb, int64_t kn) {
+  const int64_t need = (nb + kn - 1) / kn;
+  int64_t len = 1;
+  while (len < need) len <<= 1;
+  return len;
+}
+KVF_HOST_DEVICE inline int64_t HipFirstNodes(int64_t nb, int64_t kn, bool align) {
+  if (!align) return kn;
+  const int64_t len = HipNodeLen(nb, kn);
+  return (nb + len - 1) / len;
+}
+/// Node j of the first HipFirstNodes: blocks [*f, *l).
+KVF_HOST_DEVICE inline void HipFirstNode(int64_t j, int64_t nb, int64_t kn, bool align, int64_t* f,
+                                         int64_t* l) {
+  if (align) {
+    const int64_t len = HipNodeLen(nb, kn);
+    *f = j * len;
+    *l = (j + 1) * len < nb ? (j + 1) * len : nb;
+  } else {
+    *f = j * nb / kn;
+    *l = (j + 1) * nb / kn;
+  }
+}
+
 /// The mask (above) over nb blocks for kn nodes, each branch scored by score_of(representative
 /// block); the chosen first blocks ascending into out (every block when nb <= kn; none when kn
 /// < 1). Host.
 template <typename ScoreOf>
-void HipMaskBlocks(int64_t nb, int64_t kn, int32_t rep, uint64_t seed, ScoreOf&& score_of,
-                   std::vector<int32_t>& out) {
+void HipMaskBlocks(int64_t nb, int64_t kn, int32_t rep, uint64_t seed, bool align,
+                   ScoreOf&& score_of, std::vector<int32_t>& out) {
   out.clear();
   if (nb <= 0 || kn < 1) return;
   if (nb <= kn) {
@@ -108,7 +138,11 @@ void HipMaskBlocks(int64_t nb, int64_t kn, int32_t rep, uint64_t seed, ScoreOf&&
   };
   thread_local std::vector<Branch> nodes, branches;
   nodes.clear();
-  for (int64_t j = 0; j < kn; ++j) nodes.push_back({j * nb / kn, (j + 1) * nb / kn, 0.0f});
+  for (int64_t j = 0; j < HipFirstNodes(nb, kn, align); ++j) {
+    Branch b{0, 0, 0.0f};
+    HipFirstNode(j, nb, kn, align, &b.f, &b.l);
+    nodes.push_back(b);
+  }
   const auto scored = [&](int64_t f, int64_t l) {
     const float s = score_of(HipRepBlock(f, l, rep, seed));
     return Branch{f, l, s == s ? s : -std::numeric_limits<float>::infinity()};
@@ -130,8 +164,9 @@ void HipMaskBlocks(int64_t nb, int64_t kn, int32_t rep, uint64_t seed, ScoreOf&&
       }
     }
     if (!split) break;
-    std::partial_sort(branches.begin(), branches.begin() + kn, branches.end(), better);
-    nodes.assign(branches.begin(), branches.begin() + kn);
+    const auto keep = static_cast<std::ptrdiff_t>(std::min<int64_t>(kn, static_cast<int64_t>(branches.size())));
+    std::partial_sort(branches.begin(), branches.begin() + keep, branches.end(), better);
+    nodes.assign(branches.begin(), branches.begin() + keep);
   }
   for (const Branch& nd : nodes) out.push_back(static_cast<int32_t>(nd.f));
   std::sort(out.begin(), out.end());

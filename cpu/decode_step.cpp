@@ -424,7 +424,8 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
       mask.clear();
       if (k_off >= bk) {
         HipMaskBlocks((off_hi - off_lo + bk - 1) / bk, k_off / bk, a.hip_rep,
-                      HipSeed(n, a.layer, static_cast<int32_t>(t % a.num_kv_heads)), score_of, mask);
+                      HipSeed(n, a.layer, static_cast<int32_t>(t % a.num_kv_heads)), a.hip_align != 0,
+                      score_of, mask);
       }
       std::copy(mask.begin(), mask.end(), blocks);
       st.since_refresh = HipSinceAfterBuild(st.count, st.k_off, st.n, st.since_refresh, k_off, n,

@@ -764,15 +764,18 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, const QuestSplit& sp, i
       q_sum8[g] = 8 * sum;
     }
   }
-  for (int32_t j = tid; j < kn; j += blockDim.x) {
-    nodes[j] = make_int2(static_cast<int>(j * nb / kn), static_cast<int>((j + 1) * nb / kn));
+  const bool align = a.hip_align != 0;
+  int32_t cnt = static_cast<int32_t>(HipFirstNodes(nb, kn, align));
+  for (int32_t j = tid; j < cnt; j += blockDim.x) {
+    int64_t f = 0, l = 0;
+    HipFirstNode(j, nb, kn, align, &f, &l);
+    nodes[j] = make_int2(static_cast<int>(f), static_cast<int>(l));
   }
   __syncthreads();
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const uint32_t* rows = reinterpret_cast<const uint32_t*>(CompactOf<__half>(a, b, h));
   const uint64_t seed = HipSeed(n, a.layer, h);
   const float scale = a.params.scale;
-  const int32_t cnt = kn;
   for (;;) {
     // Split: a node of more than one block into its halves, in order.
     const int32_t per = (cnt + kHipThreads - 1) / kHipThreads;
@@ -814,8 +817,9 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, const QuestSplit& sp, i
     }
     __syncthreads();
     // The kn-th largest key: its bits 8 at a time, the count still wanted among its ties.
+    const int32_t keep = min(kn, branches);
     uint32_t prefix = 0, mask = 0;
-    int32_t want = kn;
+    int32_t want = keep;
     for (int shift = 24; shift >= 0; shift -= 8) {
       for (int i = tid; i < 256; i += blockDim.x) sh.hist[i] = 0;
       __syncthreads();
@@ -890,6 +894,7 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, const QuestSplit& sp, i
       if ((flags >> (i - i0)) & 1u) nodes[at++] = br[i];
     }
     __syncthreads();
+    cnt = keep;
   }
   for (int32_t j = tid; j < cnt; j += blockDim.x) blocks[j] = nodes[j].x;
   return cnt;

@@ -67,7 +67,7 @@ int64_t HipMask(const AttnParams& p, const float* q, const KvPages& kv, int64_t 
   const int64_t nb = (len + bk - 1) / bk;
   thread_local HipQ4Query q4;
   if (opt.bits == 4) HipQuantizeQuery(q, p.group, p.head_dim, &q4);
-  HipMaskBlocks(nb, k / bk, static_cast<int32_t>(opt.rep), opt.seed, [&](int64_t block) {
+  HipMaskBlocks(nb, k / bk, static_cast<int32_t>(opt.rep), opt.seed, opt.align, [&](int64_t block) {
     return opt.bits == 4 ? HipBlockScoreQ4(p, q4, kv, begin, end, block, static_cast<int>(bk))
                          : HipBlockScore(p, q, kv, begin, end, block, static_cast<int>(bk));
   }, out_blocks);
@@ -89,13 +89,16 @@ Result<HipParams> ParseHipParams(const std::map<std::string, double>& params) {
     } else if (key == "rep") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 0, 3));
       hp.rep = static_cast<int>(v);
+    } else if (key == "align") {
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 0, 1));
+      hp.align = static_cast<int>(v);
     } else if (key == "bits") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 4, 16));
       KVF_CHECK_ARG(v == 4 || v == 16, "hip parameter 'bits' = ", v, " must be 4 or 16");
       hp.bits = static_cast<int>(v);
     } else {
       return InvalidArgument(detail::StrCat("unknown hip parameter '", key,
-                                            "' (known: bk, r_m, dense_layers, rep, bits)"));
+                                            "' (known: bk, r_m, dense_layers, rep, bits, align)"));
     }
   }
   return hp;
@@ -121,6 +124,7 @@ Policy::DeviceSelectParams HipPolicy::device_select_params(int head_dim) const {
   d.hip_bk = params_.bk;
   d.hip_r_m = params_.r_m;
   d.hip_rep = params_.rep;
+  d.hip_align = params_.align;
   return d;
 }
 
@@ -152,6 +156,7 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
     opt.rep = static_cast<HipRepresentative>(params_.rep);
     opt.seed = HipSeed(ctx.n, ctx.layer, ctx.kv_head);
     opt.bits = HipBits(params_, ctx.params.head_dim);
+    opt.align = params_.align != 0;
     thread_local std::vector<int32_t> blocks;
     HipMask(ctx.params, ctx.q, ctx.kv, s.off_lo, s.off_hi, s.k_off, opt, blocks);
     const int32_t since = HipSinceAfterBuild(static_cast<int64_t>(st->mask.size()), st->k_off, st->n,

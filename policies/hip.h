@@ -13,6 +13,10 @@
 //    exact integer dots, so the GPU computes the same mask from compact rows it keeps in device
 //    memory (SelectScoring::kHip, 68 bytes a token and KV head at head_dim 128) and the step
 //    stays on the device; 16 scores from the stored keys in fp32 (the paper's; host selection).
+//  - First nodes (`align`): 1 (the default) runs of a power of two blocks at its multiples, as
+//    the public code aligns them: the tree stays put as n grows, so a rebuilt mask changes only
+//    where the scores do (the bank keeps serving it); 0 the paper's K' even nodes, whose bounds
+//    all shift with n (base/hip_mask.h).
 //  - Iterations: until every node is one block (about log2(NB / K')); a one-block node is one
 //    branch and competes unsplit. Split of [f, l) at m = floor((f + l) / 2).
 //  - Branch score: the largest scaled q_g . k over the group's query heads and the representative
@@ -40,6 +44,7 @@ struct HipMaskOptions {
   HipRepresentative rep = HipRepresentative::kCentre;
   uint64_t seed = 0;  ///< kRandom: the pseudo-random choice is a hash of (seed, f, l)
   int bits = 16;      ///< 16: fp32 scores of the stored keys; 4: base/hip_mask.h's 4-bit scores
+  bool align = true;  ///< the first nodes aligned (base/hip_mask.h's HipFirstNodes)
 };
 
 // ---- numeric core (pure functions; the CUDA port is tested against these) ----------------------
@@ -82,6 +87,7 @@ struct HipParams {
   int dense_layers = 3;  ///< "dense_layers": first layers with the exact top-k
   int rep = 0;           ///< "rep": representative, 0 centre, 1 first, 2 last, 3 random
   int bits = 0;          ///< "bits": 4 or 16 (see above); 0: 4 when head_dim % 8 == 0, else 16
+  int align = 1;         ///< "align": 1 the first nodes aligned to a power of two blocks, 0 the paper's even ones
 };
 
 /// The bits HiP scores with at \p head_dim.

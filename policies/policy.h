@@ -126,6 +126,7 @@ class Policy {
     int hip_bk = 2;        ///< kHip (which also takes d_b, u, dense_layers and sparcas_bits)
     int hip_r_m = 8;
     int hip_rep = 0;
+    int hip_align = 1;
   };
   [[nodiscard]] virtual DeviceSelectParams device_select_params(int head_dim) const {
     (void)head_dim;

@@ -113,6 +113,7 @@ Status RuntimeImpl::InitStepBuffers() {
         hip_bk_ = z.hip_bk;
         hip_r_m_ = z.hip_r_m;
         hip_rep_ = z.hip_rep;
+        hip_align_ = z.hip_align;
         hip_max_nodes_ = z.hip_max_nodes;
         KVF_ASSIGN_OR_RETURN(p, Alloc(z.hip_state, false));
         hip_state_ = static_cast<HipState*>(p);
@@ -491,6 +492,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.hip_bk = hip_bk_;
     a.hip_r_m = hip_r_m_;
     a.hip_rep = hip_rep_;
+    a.hip_align = hip_align_;
     if (bank_stage_ != nullptr) {
       step_bank_->View(&a.bank);
       a.bank.stage = bank_stage_;

@@ -306,6 +306,7 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
           z.hip_bk = dp.hip_bk;
           z.hip_r_m = dp.hip_r_m;
           z.hip_rep = dp.hip_rep;
+          z.hip_align = dp.hip_align;
           z.hip_max_nodes = static_cast<int32_t>(std::max<int64_t>(item_cap_ / dp.hip_bk, 1));
           z.hip_state = AllocBytes(items_all * sizeof(HipState));
           z.hip_blocks = AllocBytes(items_all * static_cast<size_t>(z.hip_max_nodes) * sizeof(int32_t));

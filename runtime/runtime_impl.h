@@ -59,7 +59,7 @@ struct DeviceBufferSizes {
   int32_t meta_page = 16;
   int64_t meta_pages = 0;
   int32_t sparcas_db = 16, sparcas_u = 64, sparcas_dense = 2, sparcas_bits = 16;
-  int32_t hip_bk = 2, hip_r_m = 8, hip_rep = 0, hip_max_nodes = 0;  // kHip
+  int32_t hip_bk = 2, hip_r_m = 8, hip_rep = 0, hip_align = 1, hip_max_nodes = 0;  // kHip
   int32_t bank_miss_cap = 0;
   int64_t step_ws_floats = 0;
   // CUDA prefill: pages of one layer staged in device memory; the tensor-core kernel and its
@@ -656,7 +656,7 @@ class RuntimeImpl {
   int32_t sparcas_db_ = 16, sparcas_u_ = 64, sparcas_dense_ = 2, sparcas_bits_ = 16;
   HipState* hip_state_ = nullptr;  // device (kHip): [slot][layer][kv_head]
   int32_t* hip_blocks_ = nullptr;  // device (kHip): [slot][layer][kv_head][hip_max_nodes_]
-  int32_t hip_bk_ = 2, hip_r_m_ = 8, hip_rep_ = 0, hip_max_nodes_ = 0;
+  int32_t hip_bk_ = 2, hip_r_m_ = 8, hip_rep_ = 0, hip_align_ = 1, hip_max_nodes_ = 0;
 };
 
 }  // namespace kvferry::detail

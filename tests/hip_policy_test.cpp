@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <iterator>
 #include <random>
 #include <set>
 #include <vector>
@@ -23,9 +24,11 @@ TEST(HipCore, MaskShape) {
   for (int bk : {1, 2, 3}) {
     for (int64_t len : {1, 17, 97, 1001}) {
       for (int64_t k : {0, 1, 5, 64, 2000}) {
+       for (bool align : {true, false}) {
         Synthetic syn(len + 7, 2, 64, static_cast<uint32_t>(bk * 1000 + len + k));
         HipMaskOptions opt;
         opt.bk = bk;
+        opt.align = align;
         std::vector<int32_t> blocks;
         const int64_t got = HipMask(testing_util::Params(2, 64, DType::kBF16), syn.q.data(),
                                     syn.kv.pages(), 7, 7 + len, k, opt, blocks);
@@ -38,9 +41,35 @@ TEST(HipCore, MaskShape) {
           EXPECT_GE(b, 0);
           EXPECT_LT(b, nb);
         }
+       }
       }
     }
   }
+}
+
+// The aligned first nodes keep the tree in place as the sequence grows: with the same query, the
+// mask rebuilt 16 tokens later keeps nearly every block of the last one (only new blocks at the
+// end may displace a few), where the paper's even nodes, whose bounds all move, change more.
+TEST(HipCore, AlignedNodesKeepTheMaskAsTheSequenceGrows) {
+  double kept[2] = {0, 0};
+  const int trials = 8;
+  for (int t = 0; t < trials; ++t) {
+    Synthetic syn(4100, 2, 64, 500 + t, DType::kBF16, 0.97, 8, 24);
+    const AttnParams p = testing_util::Params(2, 64, DType::kBF16);
+    for (int align = 0; align < 2; ++align) {
+      HipMaskOptions opt;
+      opt.align = align != 0;
+      std::vector<int32_t> a, b;
+      HipMask(p, syn.q.data(), syn.kv.pages(), 4, 4000, 256, opt, a);
+      HipMask(p, syn.q.data(), syn.kv.pages(), 4, 4016, 256, opt, b);
+      std::vector<int32_t> common;
+      std::set_intersection(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(common));
+      kept[align] += static_cast<double>(common.size()) / static_cast<double>(a.size()) / trials;
+    }
+  }
+  std::printf("blocks kept after 16 tokens: even nodes %.3f, aligned %.3f\n", kept[0], kept[1]);
+  EXPECT_GE(kept[1], 0.95);
+  EXPECT_GT(kept[1], kept[0]);
 }
 
 TEST(HipCore, RepresentativeBlocks) {
