@@ -118,6 +118,7 @@ TEST(HipPolicy, CentreBeatsRandomAndFirstLastOnRecall) {
       HipParams hp;
       hp.rep = rep;
       hp.dense_layers = 0;
+      hp.align = 0;  // the paper's even nodes (the aligned runs leave centre and first about even here)
       HipPolicy policy(hp, 1, 1, 1);
       recall[rep] += SelectedRecall(policy, Context(syn.kv, syn.q.data(), 3, 4, 64, 4 + 64 + 256)) / trials;
     }
