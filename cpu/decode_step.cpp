@@ -229,6 +229,28 @@ int64_t QuestSelect(const AttnParams& p, const float* q, const char* meta_t, int
   return c;
 }
 
+// An item's positions at a ranked step (QuestSplitOf on the GPU): resident sinks [0, sinks),
+// offloaded [sinks, off_hi), window [off_hi, n); k_off picks of the offloaded range, or every
+// position when they cover it.
+struct ItemSplit {
+  int64_t sinks = 0, off_hi = 0, k_off = 0;
+  bool all = false;
+};
+ItemSplit ItemSplitOf(const DecodeStepArgs& a, int64_t n) {
+  ItemSplit sp;
+  sp.sinks = std::clamp<int64_t>(a.sink, 0, n);
+  sp.off_hi = std::max(sp.sinks, n - std::max(a.window, 0));
+  sp.k_off = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n) - (sp.sinks + (n - sp.off_hi));
+  sp.all = sp.k_off >= sp.off_hi - sp.sinks;
+  return sp;
+}
+// The list's head: every position when the split takes all, else the sinks; returns the count.
+int64_t WriteListHead(const ItemSplit& sp, int64_t n, int32_t* out) {
+  const int64_t count = sp.all ? n : sp.sinks;
+  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<int32_t>(i);
+  return count;
+}
+
 // SparCas's compact rows of item t (kSparcas, and kHip's every-dimension rows) brought up to n
 // positions: the dimensions chosen at the first ranked step and every sparcas_u ranked steps (a
 // change re-gathers every row), then the rows stored since the last ranked step.
@@ -314,16 +336,10 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
                       int64_t n, int32_t* out) {
   const AttnParams& p = a.params;
   const int d = p.head_dim;
-  const int64_t sinks = std::clamp<int64_t>(a.sink, 0, n);
-  const int64_t off_lo = sinks, off_hi = std::max(sinks, n - std::max(a.window, 0));
-  const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
-  const int64_t k_off = budget - (sinks + (n - off_hi));
-  int64_t c = 0;
-  if (k_off >= off_hi - off_lo) {
-    for (int64_t i = 0; i < n; ++i) out[c++] = static_cast<int32_t>(i);
-    return c;
-  }
-  for (int64_t i = 0; i < sinks; ++i) out[c++] = static_cast<int32_t>(i);
+  const ItemSplit sp = ItemSplitOf(a, n);
+  const int64_t off_lo = sp.sinks, off_hi = sp.off_hi, k_off = sp.k_off;
+  int64_t c = WriteListHead(sp, n, out);
+  if (sp.all) return c;
   if (k_off > 0) {
     const CompactRows rows = UpdateCompactRows(a, t, q, kv, n);
     const int d_b = rows.d_b;
@@ -383,16 +399,10 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
   if (a.layer < a.sparcas_dense_layers) return SparcasSelect(a, t, q, kv, n, out);
   const AttnParams& p = a.params;
   const int d = p.head_dim;
-  const int64_t sinks = std::clamp<int64_t>(a.sink, 0, n);
-  const int64_t off_lo = sinks, off_hi = std::max(sinks, n - std::max(a.window, 0));
-  const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
-  const int64_t k_off = budget - (sinks + (n - off_hi));
-  int64_t c = 0;
-  if (k_off >= off_hi - off_lo) {
-    for (int64_t i = 0; i < n; ++i) out[c++] = static_cast<int32_t>(i);
-    return c;
-  }
-  for (int64_t i = 0; i < sinks; ++i) out[c++] = static_cast<int32_t>(i);
+  const ItemSplit sp = ItemSplitOf(a, n);
+  const int64_t off_lo = sp.sinks, off_hi = sp.off_hi, k_off = sp.k_off;
+  int64_t c = WriteListHead(sp, n, out);
+  if (sp.all) return c;
   if (k_off > 0) {
     const CompactRows rows = UpdateCompactRows(a, t, q, kv, n);  // every dimension, 4 bits
     HipState& st = a.hip_state[t];
