@@ -17,6 +17,9 @@
 //    the public code aligns them: the tree stays put as n grows, so a rebuilt mask changes only
 //    where the scores do (the bank keeps serving it); 0 the paper's K' even nodes, whose bounds
 //    all shift with n (base/hip_mask.h).
+//  - Rebuilds: every r_m ranked steps, and whenever k_off or n changes; a layer's first (or
+//    forced) mask lives r_m - layer % r_m steps (base/hip_mask.h's HipSinceAfterBuild), so that
+//    each step rebuilds about 1 / r_m of the layers instead of all of them every r_m steps.
 //  - Iterations: until every node is one block (about log2(NB / K')); a one-block node is one
 //    branch and competes unsplit. Split of [f, l) at m = floor((f + l) / 2).
 //  - Branch score: the largest scaled q_g . k over the group's query heads and the representative
