@@ -77,19 +77,6 @@ KVF_HOST_DEVICE inline int32_t HipSinceAfterBuild(int64_t count, int64_t k_off_b
   return interval || r_m <= 1 ? 0 : layer % r_m;
 }
 
-/// Rows a kHip item of n positions attends at a ranked layer, as the host can tell without the
-/// device's mask: the sinks, floor(k_off / bk) blocks and the window, or every position. Exact
-/// unless the mask holds the offloaded range's last block, cut short (then up to bk - 1 fewer).
-KVF_HOST_DEVICE inline int64_t HipListRows(int64_t n, int64_t sink, int64_t window, int64_t budget,
-                                           int64_t bk) {
-  const int64_t sinks = sink < 0 ? 0 : (sink > n ? n : sink);
-  const int64_t w = window < 0 ? 0 : window;
-  const int64_t off_hi = n - w > sinks ? n - w : sinks;
-  const int64_t k_off = budget - (sinks + (n - off_hi));
-  if (k_off >= off_hi - sinks) return n;
-  return sinks + (k_off >= bk && bk >= 1 ? k_off / bk * bk : 0) + (n - off_hi);
-}
-
 /// The first nodes of a mask over nb > kn blocks. Aligned (HiP's `align` 1, the default, as the
 /// public code aligns them): nodes of L blocks, L the least power of two >= ceil(nb / kn), at
 /// multiples of L (the last cut at nb), ceil(nb / L) <= kn of them; every later split point is
@@ -143,10 +130,6 @@ void HipMaskBlocks(int64_t nb, int64_t kn, int32_t rep, uint64_t seed, bool alig
     HipFirstNode(j, nb, kn, align, &b.f, &b.l);
     nodes.push_back(b);
   }
-  const auto scored = [&](int64_t f, int64_t l) {
-    const float s = score_of(HipRepBlock(f, l, rep, seed));
-    return Branch{f, l, s == s ? s : -std::numeric_limits<float>::infinity()};
-  };
   const auto better = [](const Branch& a, const Branch& b) {
     return a.score > b.score || (a.score == b.score && a.f < b.f);
   };
@@ -156,14 +139,18 @@ void HipMaskBlocks(int64_t nb, int64_t kn, int32_t rep, uint64_t seed, bool alig
     for (const Branch& nd : nodes) {
       if (nd.l - nd.f > 1) {
         const int64_t m = (nd.f + nd.l) / 2;
-        branches.push_back(scored(nd.f, m));
-        branches.push_back(scored(m, nd.l));
+        branches.push_back({nd.f, m, 0.0f});
+        branches.push_back({m, nd.l, 0.0f});
         split = true;
       } else {
-        branches.push_back(scored(nd.f, nd.l));
+        branches.push_back(nd);
       }
     }
-    if (!split) break;
+    if (!split) break;  // every node one block: the mask (the kernel scores no more either)
+    for (Branch& b : branches) {
+      const float s = score_of(HipRepBlock(b.f, b.l, rep, seed));
+      b.score = s == s ? s : -std::numeric_limits<float>::infinity();
+    }
     const auto keep = static_cast<std::ptrdiff_t>(std::min<int64_t>(kn, static_cast<int64_t>(branches.size())));
     std::partial_sort(branches.begin(), branches.begin() + keep, branches.end(), better);
     nodes.assign(branches.begin(), branches.begin() + keep);

@@ -4,8 +4,10 @@
 // device-selection twin (cpu/decode_step.cpp) share these; gpu/decode_select.cu is their CUDA
 // port. The codes and the row layout are base/attn_types.h's (SparcasQ4*).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "base/attn_types.h"
 
@@ -50,6 +52,40 @@ inline float SparcasQ4Dot(const int8_t* codes, int32_t code_sum, float q_step, c
   }
   const float dot = static_cast<float>(acc - 8 * code_sum) * q_step;
   return dot * row_scale;
+}
+
+/// Every head of a group's query as SparcasQuantizeQuery takes one: head g's values q[g * q_stride
+/// + dims[i]] (q[g * q_stride + i] when dims is null) for i < d, as codes[g * d, (g + 1) * d),
+/// sums[g] and steps[g].
+struct Q8Query {
+  std::vector<int8_t> codes;
+  std::vector<int32_t> sums;
+  std::vector<float> steps;
+  int d = 0;
+};
+inline void QuantizeQueryHeads(const float* q, int group, int q_stride, const int32_t* dims, int d,
+                               Q8Query* out) {
+  thread_local std::vector<float> qd;
+  qd.resize(static_cast<size_t>(d));
+  out->d = d;
+  out->codes.resize(static_cast<size_t>(group) * d);
+  out->sums.resize(static_cast<size_t>(group));
+  out->steps.resize(static_cast<size_t>(group));
+  for (int g = 0; g < group; ++g) {
+    for (int i = 0; i < d; ++i) qd[i] = q[static_cast<int64_t>(g) * q_stride + (dims ? dims[i] : i)];
+    out->steps[g] = SparcasQuantizeQuery(qd.data(), d, out->codes.data() + g * d, &out->sums[g]);
+  }
+}
+/// Head g's logit of one 4-bit row: scale * SparcasQ4Dot.
+inline float SparcasQ4Logit(const Q8Query& q, int g, const uint32_t* words, float row_scale, float scale) {
+  return scale * SparcasQ4Dot(q.codes.data() + g * q.d, q.sums[g], q.steps[g], words, q.d, row_scale);
+}
+/// The max over heads g < group of SparcasQ4Logit (std::max from -inf: HiP's token score).
+inline float SparcasQ4MaxLogit(const Q8Query& q, int group, const uint32_t* words, float row_scale,
+                               float scale) {
+  float best = -INFINITY;
+  for (int g = 0; g < group; ++g) best = std::max(best, SparcasQ4Logit(q, g, words, row_scale, scale));
+  return best;
 }
 
 }  // namespace kvferry

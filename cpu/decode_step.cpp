@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "base/hip_mask.h"
+#include "base/offload_split.h"
 #include "base/psaw.h"
 #include "base/sparcas_q4.h"
 #include "cpu/attention.h"
@@ -229,24 +230,13 @@ int64_t QuestSelect(const AttnParams& p, const float* q, const char* meta_t, int
   return c;
 }
 
-// An item's positions at a ranked step (QuestSplitOf on the GPU): resident sinks [0, sinks),
-// offloaded [sinks, off_hi), window [off_hi, n); k_off picks of the offloaded range, or every
-// position when they cover it.
-struct ItemSplit {
-  int64_t sinks = 0, off_hi = 0, k_off = 0;
-  bool all = false;
-};
-ItemSplit ItemSplitOf(const DecodeStepArgs& a, int64_t n) {
-  ItemSplit sp;
-  sp.sinks = std::clamp<int64_t>(a.sink, 0, n);
-  sp.off_hi = std::max(sp.sinks, n - std::max(a.window, 0));
-  sp.k_off = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n) - (sp.sinks + (n - sp.off_hi));
-  sp.all = sp.k_off >= sp.off_hi - sp.sinks;
-  return sp;
+// An item's split at this step (base/offload_split.h; QuestSplitOf on the GPU).
+OffloadSplit ItemSplitOf(const DecodeStepArgs& a, int64_t n) {
+  return SplitPositions(n, a.sink, a.window, StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n));
 }
 // The list's head: every position when the split takes all, else the sinks; returns the count.
-int64_t WriteListHead(const ItemSplit& sp, int64_t n, int32_t* out) {
-  const int64_t count = sp.all ? n : sp.sinks;
+int64_t WriteListHead(const OffloadSplit& sp, int64_t n, int32_t* out) {
+  const int64_t count = sp.all ? n : sp.sink;
   for (int64_t i = 0; i < count; ++i) out[i] = static_cast<int32_t>(i);
   return count;
 }
@@ -336,8 +326,8 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
                       int64_t n, int32_t* out) {
   const AttnParams& p = a.params;
   const int d = p.head_dim;
-  const ItemSplit sp = ItemSplitOf(a, n);
-  const int64_t off_lo = sp.sinks, off_hi = sp.off_hi, k_off = sp.k_off;
+  const OffloadSplit sp = ItemSplitOf(a, n);
+  const int64_t off_lo = sp.off_lo, off_hi = sp.off_hi, k_off = sp.k_off;
   int64_t c = WriteListHead(sp, n, out);
   if (sp.all) return c;
   if (k_off > 0) {
@@ -354,24 +344,13 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
     }
     cf.resize(static_cast<size_t>(d_b));
     logits.resize(static_cast<size_t>(p.group) * n);
-    thread_local std::vector<int8_t> qcodes;  // 4-bit rows: each head's int8 query (base/sparcas_q4.h)
-    thread_local std::vector<int32_t> qsum;
-    thread_local std::vector<float> qstep;
-    if (rows.q4) {
-      qcodes.resize(static_cast<size_t>(p.group) * d_b);
-      qsum.resize(static_cast<size_t>(p.group));
-      qstep.resize(static_cast<size_t>(p.group));
-      for (int g = 0; g < p.group; ++g) {
-        qstep[g] = SparcasQuantizeQuery(qs.data() + g * d_b, d_b, qcodes.data() + g * d_b, &qsum[g]);
-      }
-    }
+    thread_local Q8Query q8;  // 4-bit rows: each head's int8 query (base/sparcas_q4.h)
+    if (rows.q4) QuantizeQueryHeads(qs.data(), p.group, d_b, nullptr, d_b, &q8);
     for (int64_t j = 0; j < n; ++j) {
       if (rows.q4) {
         const uint32_t* w = rows.Q4Row(j);
         const float scale = CompactRows::Q4Scale(w, rows.words);
-        for (int g = 0; g < p.group; ++g) {
-          logits[g * n + j] = p.scale * SparcasQ4Dot(qcodes.data() + g * d_b, qsum[g], qstep[g], w, d_b, scale);
-        }
+        for (int g = 0; g < p.group; ++g) logits[g * n + j] = SparcasQ4Logit(q8, g, w, scale, p.scale);
         continue;
       }
       ConvertSpan(cf.data(), DType::kF32, rows.base + static_cast<size_t>(j) * d_b * elem, p.kv_dtype, d_b);
@@ -399,8 +378,8 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
   if (a.layer < a.sparcas_dense_layers) return SparcasSelect(a, t, q, kv, n, out);
   const AttnParams& p = a.params;
   const int d = p.head_dim;
-  const ItemSplit sp = ItemSplitOf(a, n);
-  const int64_t off_lo = sp.sinks, off_hi = sp.off_hi, k_off = sp.k_off;
+  const OffloadSplit sp = ItemSplitOf(a, n);
+  const int64_t off_lo = sp.off_lo, off_hi = sp.off_hi, k_off = sp.k_off;
   int64_t c = WriteListHead(sp, n, out);
   if (sp.all) return c;
   if (k_off > 0) {
@@ -409,25 +388,15 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
     int32_t* blocks = a.hip_blocks + t * a.hip_max_nodes;
     const int64_t bk = std::max(a.hip_bk, 1);
     if (HipMaskStale(st.count, st.k_off, st.n, st.since_refresh, k_off, n, a.hip_r_m)) {
-      thread_local std::vector<int8_t> codes;
-      thread_local std::vector<int32_t> sums, mask;
-      thread_local std::vector<float> steps;
-      codes.resize(static_cast<size_t>(p.group) * d);
-      sums.resize(static_cast<size_t>(p.group));
-      steps.resize(static_cast<size_t>(p.group));
-      for (int g = 0; g < p.group; ++g) {
-        steps[g] = SparcasQuantizeQuery(q + g * d, d, codes.data() + g * d, &sums[g]);
-      }
+      thread_local Q8Query q8;
+      thread_local std::vector<int32_t> mask;
+      QuantizeQueryHeads(q, p.group, d, nullptr, d, &q8);
       const auto score_of = [&](int64_t block) {
         float best = -std::numeric_limits<float>::infinity();
         const int64_t t0 = off_lo + block * bk, t1 = std::min(t0 + bk, off_hi);
         for (int64_t j = t0; j < t1; ++j) {
           const uint32_t* w = rows.Q4Row(j);
-          const float scale = CompactRows::Q4Scale(w, rows.words);
-          for (int g = 0; g < p.group; ++g) {
-            best = std::max(best, p.scale * SparcasQ4Dot(codes.data() + g * d, sums[g], steps[g],
-                                                         w, d, scale));
-          }
+          best = std::max(best, SparcasQ4MaxLogit(q8, p.group, w, CompactRows::Q4Scale(w, rows.words), p.scale));
         }
         return best;
       };

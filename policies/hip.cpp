@@ -31,17 +31,7 @@ float HipBlockScore(const AttnParams& p, const float* q, const KvPages& kv, int6
   return best;
 }
 
-void HipQuantizeQuery(const float* q, int group, int head_dim, HipQ4Query* out) {
-  out->codes.resize(static_cast<size_t>(group) * head_dim);
-  out->sums.resize(static_cast<size_t>(group));
-  out->steps.resize(static_cast<size_t>(group));
-  for (int g = 0; g < group; ++g) {
-    out->steps[g] = SparcasQuantizeQuery(q + g * head_dim, head_dim,
-                                         out->codes.data() + g * head_dim, &out->sums[g]);
-  }
-}
-
-float HipBlockScoreQ4(const AttnParams& p, const HipQ4Query& q, const KvPages& kv, int64_t begin,
+float HipBlockScoreQ4(const AttnParams& p, const Q8Query& q, const KvPages& kv, int64_t begin,
                       int64_t end, int64_t block, int bk) {
   float best = -std::numeric_limits<float>::infinity();
   float row[256];
@@ -50,10 +40,7 @@ float HipBlockScoreQ4(const AttnParams& p, const HipQ4Query& q, const KvPages& k
   for (int64_t t = t0; t < t1; ++t) {
     LoadRowF32(kv, p, t, false, row);
     const float scale = SparcasQuantizeRow(row, p.head_dim, words);
-    for (int g = 0; g < p.group; ++g) {
-      best = std::max(best, p.scale * SparcasQ4Dot(q.codes.data() + g * p.head_dim, q.sums[g],
-                                                   q.steps[g], words, p.head_dim, scale));
-    }
+    best = std::max(best, SparcasQ4MaxLogit(q, p.group, words, scale, p.scale));
   }
   return best;
 }
@@ -65,8 +52,8 @@ int64_t HipMask(const AttnParams& p, const float* q, const KvPages& kv, int64_t 
   const int64_t len = end - begin;
   if (len <= 0 || k < bk) return 0;
   const int64_t nb = (len + bk - 1) / bk;
-  thread_local HipQ4Query q4;
-  if (opt.bits == 4) HipQuantizeQuery(q, p.group, p.head_dim, &q4);
+  thread_local Q8Query q4;
+  if (opt.bits == 4) QuantizeQueryHeads(q, p.group, p.head_dim, nullptr, p.head_dim, &q4);
   HipMaskBlocks(nb, k / bk, static_cast<int32_t>(opt.rep), opt.seed, opt.align, [&](int64_t block) {
     return opt.bits == 4 ? HipBlockScoreQ4(p, q4, kv, begin, end, block, static_cast<int>(bk))
                          : HipBlockScore(p, q, kv, begin, end, block, static_cast<int>(bk));
@@ -184,15 +171,10 @@ Result<std::unique_ptr<Policy>> MakeHipPolicy(const RuntimeConfig& config) {
   KVF_CHECK_ARG(hd <= 256, "hip: head_dim ", hd, " > 256");
   KVF_CHECK_ARG(HipBits(params, hd) == 16 || hd % 8 == 0, "hip parameter 'bits' = 4 needs a head_dim",
                 " that is a multiple of 8, not ", hd);
-  // The device mask when the scores are 4-bit and the largest budget's nodes fit its CTA (the
-  // runtime's item budget: runtime.cpp's budget_max_); else the host selects.
-  const Capacity& cap = config.capacity;
-  const auto by_fraction = static_cast<int64_t>(
-      std::ceil(config.policy.budget_fraction * static_cast<double>(cap.max_tokens_per_sequence)));
-  const int64_t budget_max =
-      std::min(cap.max_tokens_per_sequence, std::max(config.policy.budget_tokens, by_fraction));
-  const bool device = HipBits(params, hd) == 4 && budget_max / params.bk <= kHipMaxNodes;
-  return std::unique_ptr<Policy>(new HipPolicy(params, cap.max_sequences, config.model.num_layers,
+  // The device mask when the scores are 4-bit and the nodes of the runtime's largest list fit its
+  // CTA (the bound its launch checks: DecodeStepArgs::budget_cap / bk); else the host selects.
+  const bool device = HipBits(params, hd) == 4 && ItemListCap(config) / params.bk <= kHipMaxNodes;
+  return std::unique_ptr<Policy>(new HipPolicy(params, config.capacity.max_sequences, config.model.num_layers,
                                                config.model.num_kv_heads, device));
 }
 

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "base/hip_mask.h"
+#include "base/sparcas_q4.h"
 #include "policies/policy.h"
 #include "policies/select_util.h"
 
@@ -61,18 +62,10 @@ int64_t HipRepresentativeBlock(int64_t f, int64_t l, const HipMaskOptions& opt);
 float HipBlockScore(const AttnParams& p, const float* q, const KvPages& kv, int64_t begin,
                     int64_t end, int64_t block, int bk);
 
-/// The group's query as base/hip_mask.h's 4-bit scores take it: per head the int8 codes of every
-/// dimension, their sum and the step (SparcasQuantizeQuery).
-struct HipQ4Query {
-  std::vector<int8_t> codes;  ///< [group][head_dim]
-  std::vector<int32_t> sums;
-  std::vector<float> steps;
-};
-void HipQuantizeQuery(const float* q, int group, int head_dim, HipQ4Query* out);
-
 /// HipBlockScore at 4 bits: each token's key quantized as a 4-bit row over every dimension,
-/// scale * SparcasQ4Dot against each head's codes (head_dim % 8 == 0).
-float HipBlockScoreQ4(const AttnParams& p, const HipQ4Query& q, const KvPages& kv, int64_t begin,
+/// SparcasQ4MaxLogit against the group's query of every dimension (QuantizeQueryHeads;
+/// head_dim % 8 == 0).
+float HipBlockScoreQ4(const AttnParams& p, const Q8Query& q, const KvPages& kv, int64_t begin,
                       int64_t end, int64_t block, int bk);
 
 /// The mask over positions [begin, end) for k tokens: writes the chosen block indices (block b

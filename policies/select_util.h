@@ -16,34 +16,13 @@
 #include <vector>
 
 #include "base/attn_types.h"
+#include "base/offload_split.h"
 #include "cpu/dtype.h"
 #include "kvferry/config.h"
 #include "kvferry/status.h"
 #include "policies/policy.h"
 
 namespace kvferry {
-
-/// Where a head's positions lie at one step.
-struct OffloadSplit {
-  int64_t n = 0;
-  int64_t sink = 0;    ///< resident sinks [0, sink)
-  int64_t off_lo = 0;  ///< offloaded range [off_lo, off_hi)
-  int64_t off_hi = 0;
-  int64_t k_off = 0;   ///< offloaded positions to pick (may be <= 0)
-  bool all = false;    ///< the budget covers every offloaded position: select [0, n)
-  int64_t n_off() const { return off_hi - off_lo; }
-};
-
-inline OffloadSplit SplitPositions(int64_t n, int sink, int window, int64_t budget) {
-  OffloadSplit s;
-  s.n = n;
-  s.sink = std::clamp<int64_t>(sink, 0, n);
-  s.off_lo = s.sink;
-  s.off_hi = std::max(s.sink, n - std::max(window, 0));
-  s.k_off = budget - (s.sink + (n - s.off_hi));
-  s.all = s.k_off >= s.n_off();
-  return s;
-}
 
 /// out = sinks, then \p chosen (ascending, inside the offloaded range), then the window.
 inline void FinishSelection(const OffloadSplit& s, const int32_t* chosen, int64_t count,

@@ -62,18 +62,11 @@ void SparcasApproxScores(const float* q, int group, int head_dim, const int32_t*
 void SparcasApproxScoresQ4(const float* q, int group, int head_dim, const int32_t* dims, int d_b,
                            const uint32_t* words, const float* row_scale, int64_t n, float scale,
                            float* out, int64_t ld) {
-  thread_local std::vector<float> qs;
-  thread_local std::vector<int8_t> codes;
-  qs.resize(static_cast<size_t>(d_b));
-  codes.resize(static_cast<size_t>(d_b));
+  thread_local Q8Query q8;
+  QuantizeQueryHeads(q, group, head_dim, dims, d_b, &q8);
   const int w = SparcasQ4Words(d_b);
   for (int g = 0; g < group; ++g) {
-    for (int i = 0; i < d_b; ++i) qs[i] = q[g * head_dim + dims[i]];
-    int32_t code_sum = 0;
-    const float step = SparcasQuantizeQuery(qs.data(), d_b, codes.data(), &code_sum);
-    for (int64_t j = 0; j < n; ++j) {
-      out[g * ld + j] = scale * SparcasQ4Dot(codes.data(), code_sum, step, words + j * w, d_b, row_scale[j]);
-    }
+    for (int64_t j = 0; j < n; ++j) out[g * ld + j] = SparcasQ4Logit(q8, g, words + j * w, row_scale[j], scale);
   }
 }
 

@@ -8,7 +8,6 @@
 #include <cstring>
 
 #include "base/check.h"
-#include "base/hip_mask.h"
 #include "base/psaw.h"
 #include "policies/select_util.h"
 #include "runtime/runtime_impl.h"
@@ -316,17 +315,25 @@ RuntimeImpl::SelectTiming* RuntimeImpl::NextSelectTiming(int layer) {
   return &t;
 }
 
-int64_t RuntimeImpl::DeviceListRows(int64_t n, int64_t budget, int layer) const {
+RuntimeImpl::ListRowsRule RuntimeImpl::DeviceListRowsRule(int layer) const {
   // xl+ copies the previous layer's list; psaw+'s filter refills up to the budget where it hides
-  // anything (base/psaw.h); HiP's lists take whole blocks.
-  if (layer > 0 && policy_->device_reuses_previous_layer(layer)) {
-    return DeviceListRows(n, budget, layer - 1);
-  }
-  const int64_t hide_end = PsawHiddenEndOf(policy_->device_hide_fraction(layer), n);
-  if (scoring_ != SelectScoring::kHip || layer < sparcas_dense_ || hide_end > config_.tiers.sink_tokens) {
-    return std::min(budget, n);
-  }
-  return HipListRows(n, config_.tiers.sink_tokens, config_.tiers.window_tokens, budget, hip_bk_);
+  // anything (base/psaw.h); HiP's ranked layers take whole blocks.
+  while (layer > 0 && policy_->device_reuses_previous_layer(layer)) --layer;
+  ListRowsRule r;
+  r.hip_blocks = scoring_ == SelectScoring::kHip && layer >= sparcas_dense_ ? hip_bk_ : 0;
+  r.hide_fraction = r.hip_blocks > 0 ? policy_->device_hide_fraction(layer) : 0.0;
+  return r;
+}
+
+int64_t RuntimeImpl::DeviceListRows(const ListRowsRule& rule, int64_t n, int64_t budget) const {
+  const int sink = config_.tiers.sink_tokens;
+  if (rule.hip_blocks == 0 || PsawHiddenEndOf(rule.hide_fraction, n) > sink) return std::min(budget, n);
+  // The sinks, floor(k_off / bk) blocks and the window. The host does not read the device's mask:
+  // one that holds the offloaded range's last block, cut short, has up to bk - 1 rows fewer.
+  const OffloadSplit s = SplitPositions(n, sink, config_.tiers.window_tokens, budget);
+  if (s.all) return n;
+  return s.sink + (s.k_off >= rule.hip_blocks ? s.k_off / rule.hip_blocks * rule.hip_blocks : 0) +
+         (n - s.off_hi);
 }
 
 int64_t RuntimeImpl::SparcasKeyBytes(int64_t n, int layer, bool ranks) const {
@@ -520,6 +527,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   // rows count as selected only.
   const int64_t window = config_.tiers.window_tokens;
   int64_t max_rows = 0, resident = 0, fetched = 0, selected = 0, key_bytes = 0;
+  const ListRowsRule list_rule = DeviceListRowsRule(layer);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = pos[b] + 1;
     a.max_len_hint = std::max(a.max_len_hint, n);
@@ -530,7 +538,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     }
     if (host_lists_) continue;  // counted by SelectOnHost, the hint set after it
     if (scoring_ != SelectScoring::kNone) {
-      const int64_t count = DeviceListRows(n, budget, layer);
+      const int64_t count = DeviceListRows(list_rule, n, budget);
       max_rows = std::max(max_rows, count);
       selected += count;
       key_bytes += SelectKeyBytes(n, budget, layer);

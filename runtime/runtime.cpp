@@ -12,6 +12,7 @@
 #include "offload/transfer.h"
 #include "policies/basic.h"
 #include "base/check.h"
+#include "base/offload_split.h"
 #include "runtime/runtime_impl.h"
 
 namespace kvferry {
@@ -187,14 +188,10 @@ Status RuntimeImpl::Init() {
   const Capacity& cap = config_.capacity;
   max_rows_ = std::max<int64_t>(cap.max_prefill_chunk, cap.max_batch);
   if (!policy_->is_dense()) {
-    const int64_t by_fraction = static_cast<int64_t>(
-        std::ceil(config_.policy.budget_fraction * static_cast<double>(cap.max_tokens_per_sequence)));
     // Room for the resident rows on top of the budget: a policy that always attends the sinks
     // and the window (lfps) may return more than a budget smaller than they are.
-    const int64_t resident = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
-    budget_max_ = std::min(cap.max_tokens_per_sequence,
-                           std::max(config_.policy.budget_tokens, by_fraction));
-    item_cap_ = std::min(cap.max_tokens_per_sequence, budget_max_ + resident);
+    budget_max_ = ItemBudgetMax(config_);
+    item_cap_ = ItemListCap(config_);
   }
 
   // Every device buffer's size, once (runtime/device_memory.cpp): the plan the cap is checked

@@ -286,9 +286,14 @@ class RuntimeImpl {
   // at \p layer with item budget \p budget (Stats::select_key_bytes), as DecodeSelect's kernels
   // read them.
   int64_t SelectKeyBytes(int64_t n, int64_t budget, int layer) const;
-  // Rows a device selection's list holds for a sequence of n positions at \p layer, as the host
-  // can tell (HiP's may hold fewer: base/hip_mask.h's HipListRows).
-  int64_t DeviceListRows(int64_t n, int64_t budget, int layer) const;
+  // Rows a device selection's list holds for a sequence of n positions, as the host can tell: how
+  // a layer's lists are counted (once a layer), then each item's (HiP's may hold fewer).
+  struct ListRowsRule {
+    int64_t hip_blocks = 0;     // > 0: whole blocks of this many tokens (HiP's ranked layers)
+    double hide_fraction = 0;   // psaw+'s hidden fraction there
+  };
+  ListRowsRule DeviceListRowsRule(int layer) const;
+  int64_t DeviceListRows(const ListRowsRule& rule, int64_t n, int64_t budget) const;
   // SparCas's compact rows [0, n) at \p layer (kSparcas, and kHip's dense layers); 0 unless ranks.
   int64_t SparcasKeyBytes(int64_t n, int layer, bool ranks) const;
   // The run: one layer of the step on the device.

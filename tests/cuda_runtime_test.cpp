@@ -205,7 +205,7 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
   const Stats s0 = rt[0]->GetStats(), s1 = rt[1]->GetStats();
   if (c.policy == "hip" && c.sparcas_bits != 16 && c.bank_slots > 0) {
     // The host backend with a bank selects on the host and counts its lists; CUDA counts HiP's
-    // device lists without reading them (base/hip_mask.h's HipListRows: up to bk - 1 = 1 row
+    // device lists without reading them (RuntimeImpl::DeviceListRows: up to bk - 1 = 1 row
     // more a list, where a mask holds the offloaded range's last block cut short).
     EXPECT_GE(s0.rows_selected, s1.rows_selected);
     EXPECT_LE(s0.rows_selected, s1.rows_selected + s0.decode_steps * 2 * m.num_kv_heads);

@@ -10,6 +10,7 @@
 #include <set>
 #include <vector>
 
+#include "kvferry/kvferry.h"
 #include "policies/hip.h"
 #include "tests/policy_test_util.h"
 
@@ -184,6 +185,40 @@ TEST(HipPolicy, LayersRebuildOnStaggeredSteps) {
   EXPECT_EQ(HipSinceAfterBuild(0, 0, 0, 0, 10, 100, 8, 13), 5);   // a first mask: layer % r_m
   EXPECT_EQ(HipSinceAfterBuild(7, 10, 99, 8, 10, 100, 8, 13), 0);  // the interval was due
   EXPECT_EQ(HipSinceAfterBuild(7, 9, 99, 3, 10, 100, 8, 13), 5);   // k_off moved
+}
+
+// HiP selects on the device when the runtime's largest list (the budget plus the resident sinks
+// and window: the bound the mask kernel's launch checks) fits kHipMaxNodes nodes, else on the
+// host; either way the runtime is made. A budget whose nodes fit while its list does not once
+// made the policy ask for the device and the runtime refuse it.
+TEST(HipPolicy, DeviceMaskOnlyWhereTheListFitsAndTheRuntimeIsMade) {
+  RuntimeConfig c;
+  c.model = {.num_layers = 4, .num_q_heads = 4, .num_kv_heads = 2, .head_dim = 64,
+             .kv_dtype = DType::kBF16};
+  c.capacity.max_sequences = 1;
+  c.capacity.max_batch = 1;
+  c.capacity.max_tokens_per_sequence = 32768;
+  c.capacity.max_prefill_chunk = 256;
+  c.tiers.sink_tokens = 4;
+  c.tiers.window_tokens = 64;
+  c.policy.name = "hip";
+  c.backend = Backend::kHost;
+  c.probe_at_start = false;
+  const auto scoring = [&](int64_t budget) {
+    c.policy.budget_tokens = budget;
+    auto p = MakeHipPolicy(c);
+    EXPECT_TRUE(p.ok());
+    return p.ok() ? (*p)->device_scoring() : SelectScoring::kNone;
+  };
+  EXPECT_EQ(scoring(2 * kHipMaxNodes - 68), SelectScoring::kHip);   // list 2 * kHipMaxNodes
+  EXPECT_EQ(scoring(2 * kHipMaxNodes - 4), SelectScoring::kNone);   // the budget's nodes fit, the list's not
+  for (int64_t budget : {2 * kHipMaxNodes - 68, 2 * kHipMaxNodes - 4}) {
+    c.policy.budget_tokens = budget;
+    auto rt = Runtime::Create(c);
+    EXPECT_TRUE(rt.ok()) << "budget " << budget << ": " << rt.status().ToString();
+  }
+  c.policy.params["bits"] = 16;  // fp32 scores: the host
+  EXPECT_EQ(scoring(64), SelectScoring::kNone);
 }
 
 TEST(HipPolicy, BadParametersNameTheParameter) {
