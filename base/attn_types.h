@@ -121,6 +121,15 @@ struct HipState {
   int64_t hi = 0;     ///< the offloaded range's end when it was built: its positions lie below
   int32_t since_refresh = 0;  ///< ranked steps since it was built
   int32_t count = 0;          ///< blocks in the mask (0: none: the next ranked step builds one)
+  /// HiP's `lag` 1 (base/hip_mask.h's HipStepAction): the mask in use is blocks buffer `cur` of
+  /// the item's two; a due rebuild is requested (pending 1, with the split and n it is built
+  /// for), built from that step's query into the other buffer (pending 2: p_count blocks), and
+  /// takes over at the item's next ranked step.
+  int32_t cur = 0;
+  int32_t pending = 0;  ///< 0 none, 1 requested, 2 built
+  int64_t p_n = 0, p_lo = 0, p_hi = 0, p_k_off = 0;
+  int32_t p_count = 0;
+  int32_t p_since = 0;  ///< since_refresh when it takes over
 };
 
 /// Per-item SparCas state in device memory (DecodeStepArgs::sparcas_state, one per
@@ -308,8 +317,9 @@ struct DecodeStepArgs {
   int32_t sparcas_u = 64;
   int32_t sparcas_dense_layers = 2;
   int32_t sparcas_bits = 16;  ///< 16: the KV dtype; 4: SparcasQuantizeRow's rows (sparse layers)
-  /// kHip: the mask state and blocks of item t at hip_state + t and hip_blocks + t *
-  /// hip_max_nodes (hip_max_nodes >= budget_cap / hip_bk); tokens per block, refresh interval,
+  /// kHip: the mask state and blocks of item t at hip_state + t and its two blocks buffers at
+  /// hip_blocks + (2 t + i) * hip_max_nodes, i = 0, 1 (HipState::cur; hip_max_nodes >= budget_cap /
+  /// hip_bk); tokens per block, refresh interval,
   /// representative (HipRepresentative).
   HipState* hip_state = nullptr;
   int32_t* hip_blocks = nullptr;
@@ -318,6 +328,12 @@ struct DecodeStepArgs {
   int32_t hip_r_m = 8;
   int32_t hip_rep = 0;
   int32_t hip_align = 1;  ///< the first nodes aligned to a power of two blocks (base/hip_mask.h)
+  /// 1: a due rebuild is built beside the step (CUDA: DecodeSelectDeferred on a side stream) and
+  /// used from the item's next ranked step; 0: built in the step that finds it due.
+  int32_t hip_lag = 0;
+  /// CUDA, hip_lag 1: item t's packed int8 query for its requested rebuild at hip_query + t *
+  /// HipQueryWords(group, head_dim) (device memory).
+  uint32_t* hip_query = nullptr;
   float* select_ws = nullptr;
   int64_t select_ld = 0;
   unsigned long long* topk_ws = nullptr;

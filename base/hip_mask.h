@@ -32,6 +32,13 @@ enum class HipRepresentative : int { kCentre = 0, kFirst = 1, kLast = 2, kRandom
 /// memory (24 bytes a node). Past it HiP selects on the host.
 constexpr int64_t kHipMaxNodes = 8192;
 
+/// 32-bit words of an item's packed int8 query (CUDA, `lag` 1: built in the step, read by the
+/// side stream's rebuild): per head head_dim / 8 __dp4a pairs (int2), then each head's step
+/// (float) and 8 * its code sum (int32).
+KVF_HOST_DEVICE inline int64_t HipQueryWords(int32_t group, int32_t head_dim) {
+  return int64_t{group} * (head_dim / 8) * 2 + 2 * int64_t{group};
+}
+
 KVF_HOST_DEVICE inline uint64_t HipMix(uint64_t x) {  // splitmix64 finaliser
   x += 0x9e3779b97f4a7c15ULL;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -64,6 +71,36 @@ KVF_HOST_DEVICE inline bool HipMaskStale(int64_t count, int64_t k_off_built, int
                                          int32_t since_refresh, int64_t k_off, int64_t n,
                                          int32_t r_m) {
   return count == 0 || k_off_built != k_off || n < n_last || since_refresh >= r_m;
+}
+
+/// What a ranked step does with an item's mask.
+enum class HipAction : int32_t { kKeep = 0, kBuild = 1, kRequest = 2 };
+
+/// HiP's `lag`. With 0 a stale mask (HipMaskStale) is rebuilt in the step that finds it: kBuild.
+/// With 1 only a step without a usable mask builds one (none yet, k_off shrank, n fell); a due
+/// rebuild (the interval passed, or k_off grew) is requested: kRequest. The requested mask is
+/// built from this step's query beside the step (CUDA: on a side stream, off the step's critical
+/// path) and used from the item's next ranked step on (HipPromote); this step keeps the old one.
+KVF_HOST_DEVICE inline HipAction HipStepAction(int64_t count, int64_t k_off_built, int64_t n_last,
+                                               int32_t since_refresh, int64_t k_off, int64_t n,
+                                               int32_t r_m, int32_t lag) {
+  if (!HipMaskStale(count, k_off_built, n_last, since_refresh, k_off, n, r_m)) return HipAction::kKeep;
+  if (lag == 0 || count == 0 || k_off < k_off_built || n < n_last) return HipAction::kBuild;
+  return HipAction::kRequest;
+}
+
+/// At an item's ranked step, before HipStepAction: a built request (HipState::pending 2) takes
+/// over; a request never built (pending 1: its side launch did not run) is dropped, and the
+/// interval asks again.
+KVF_HOST_DEVICE inline void HipPromote(HipState& s) {
+  if (s.pending == 2) {
+    s.cur ^= 1;
+    s.count = s.p_count;
+    s.k_off = s.p_k_off;
+    s.hi = s.p_hi;
+    s.since_refresh = s.p_since;
+  }
+  s.pending = 0;
 }
 
 /// since_refresh right after a rebuild (the step then counts itself): 0 when the interval was

@@ -385,9 +385,13 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
   if (k_off > 0) {
     const CompactRows rows = UpdateCompactRows(a, t, q, kv, n);  // every dimension, 4 bits
     HipState& st = a.hip_state[t];
-    int32_t* blocks = a.hip_blocks + t * a.hip_max_nodes;
     const int64_t bk = std::max(a.hip_bk, 1);
-    if (HipMaskStale(st.count, st.k_off, st.n, st.since_refresh, k_off, n, a.hip_r_m)) {
+    HipPromote(st);
+    const HipAction action = HipStepAction(st.count, st.k_off, st.n, st.since_refresh, k_off, n,
+                                           a.hip_r_m, a.hip_lag);
+    if (action != HipAction::kKeep) {
+      // kRequest: CUDA builds it on a side stream from this step's query (DecodeSelectDeferred);
+      // here it is built at once into the other buffer and takes over at the next ranked step.
       thread_local Q8Query q8;
       thread_local std::vector<int32_t> mask;
       QuantizeQueryHeads(q, p.group, d, nullptr, d, &q8);
@@ -406,13 +410,26 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
                       HipSeed(n, a.layer, static_cast<int32_t>(t % a.num_kv_heads)), a.hip_align != 0,
                       score_of, mask);
       }
-      std::copy(mask.begin(), mask.end(), blocks);
-      st.since_refresh = HipSinceAfterBuild(st.count, st.k_off, st.n, st.since_refresh, k_off, n,
-                                            a.hip_r_m, a.layer);
-      st.count = static_cast<int32_t>(mask.size());
-      st.k_off = k_off;
-      st.hi = off_hi;
+      const int32_t since = HipSinceAfterBuild(st.count, st.k_off, st.n, st.since_refresh, k_off, n,
+                                               a.hip_r_m, a.layer);
+      const int32_t buf = action == HipAction::kBuild ? st.cur : st.cur ^ 1;
+      std::copy(mask.begin(), mask.end(), a.hip_blocks + (2 * t + buf) * a.hip_max_nodes);
+      if (action == HipAction::kBuild) {
+        st.since_refresh = since;
+        st.count = static_cast<int32_t>(mask.size());
+        st.k_off = k_off;
+        st.hi = off_hi;
+      } else {
+        st.pending = 2;
+        st.p_n = n;
+        st.p_lo = off_lo;
+        st.p_hi = off_hi;
+        st.p_k_off = k_off;
+        st.p_count = static_cast<int32_t>(mask.size());
+        st.p_since = since + 1;
+      }
     }
+    const int32_t* blocks = a.hip_blocks + (2 * t + st.cur) * a.hip_max_nodes;
     ++st.since_refresh;
     st.n = n;
     for (int32_t j = 0; j < st.count; ++j) {

@@ -348,6 +348,11 @@ Status CudaDevice::DecodeSelect(const DecodeStepArgs& args, StreamHandle stream)
   return LaunchDecodeSelect(args, info_, Resolve(stream));
 }
 
+Status CudaDevice::DecodeSelectDeferred(const DecodeStepArgs& args, StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  return LaunchDecodeSelectDeferred(args, info_, Resolve(stream));
+}
+
 Status CudaDevice::PageBounds(const PageBoundsArgs& args, StreamHandle stream) {
   KVF_RETURN_IF_ERROR(Activate());
   return LaunchPageBounds(args, Resolve(stream));

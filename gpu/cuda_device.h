@@ -64,6 +64,7 @@ class CudaDevice final : public Device {
                      StreamHandle stream) override;
   Status DecodeStep(const DecodeStepArgs& args, StreamHandle stream) override;
   Status DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) override;
+  Status DecodeSelectDeferred(const DecodeStepArgs& args, StreamHandle stream) override;
   Status PageBounds(const PageBoundsArgs& args, StreamHandle stream) override;
   Status PrefillChunk(const PrefillChunkArgs& args, StreamHandle stream) override;
   Status PrimeAttention(const PrimeArgs& args, StreamHandle stream) override;

@@ -133,6 +133,13 @@ Status LaunchDecodeStep(const DecodeStepArgs& args, const LaunchInfo& info, cuda
 /// position), ascending. Everything per step is read on the device: graph-capturable.
 Status LaunchDecodeSelect(const DecodeStepArgs& args, const LaunchInfo& info, cudaStream_t stream);
 
+/// The work LaunchDecodeSelect leaves beside the step (kHip with hip_lag 1: the rebuilds it
+/// requested, HipStepAction's kRequest), for a side stream that waits for the selection; the
+/// caller joins it back before the items' next ranked step. A no-op for the other scorings.
+/// Graph-capturable.
+Status LaunchDecodeSelectDeferred(const DecodeStepArgs& args, const LaunchInfo& info,
+                                  cudaStream_t stream);
+
 /// Which top-k a device selection's ranking stage runs (LaunchSelectTopK).
 enum class SelectTopKPath : int32_t {
   kAuto = 0,      ///< multi-CTA for items ranking >= kSelectMctaMinKeys scores (when

@@ -663,10 +663,15 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
 // block scans. Shared memory: br[2 kn_cap] branches (first, end block), keys[2 kn_cap] scores,
 // whose bytes hold the nodes[kn_cap] between iterations, then the packed int8 query.
 constexpr int kHipThreads = 1024;
-using HipScan = cub::BlockScan<int32_t, kHipThreads>;
+// HipDeferredKernel's CTA (KVFERRY_HIP_SIDE_THREADS: 256, 512 or 1024). A smaller CTA would leave
+// room on its SM for the step's own kernels, but the rebuild then takes longer and the step waits
+// on it at its last layer: stop 26 measured 128K b1 2.98 / 2.92 / 2.68 ms a step at 256 / 512 /
+// 1024 threads, b4 5.45 / 5.38 / 5.18.
+constexpr int kHipSideThreads = 1024;
 
+template <int kThreads>
 struct HipShared {
-  HipScan::TempStorage scan;
+  typename cub::BlockScan<int32_t, kThreads>::TempStorage scan;
   uint32_t hist[256];
   uint32_t prefix;
   int32_t want;
@@ -709,30 +714,36 @@ __device__ __forceinline__ float HipRowScore(const uint32_t* row, int words, con
   return best;
 }
 
-__device__ int32_t HipBuildMask(const DecodeStepArgs& a, const QuestSplit& sp, int64_t n,
-                                int32_t item, int32_t kn_cap, unsigned char* smem, HipShared& sh,
-                                int32_t* blocks) {
-  const int64_t bk = max(a.hip_bk, 1);
-  const int64_t len = sp.off_hi - sp.off_lo;
-  const int64_t nb = (len + bk - 1) / bk;
-  const int32_t kn = static_cast<int32_t>(min(sp.k_off / bk, static_cast<int64_t>(kn_cap)));
-  if (sp.k_off < bk || len <= 0) return 0;
-  if (nb <= kn) {
-    for (int32_t j = threadIdx.x; j < nb; j += blockDim.x) blocks[j] = j;
-    return static_cast<int32_t>(nb);
-  }
+// The packed int8 query of HipBuildMask (SparcasQuantizeQuery of every dimension, packed for
+// __dp4a as the SparCas 4-bit scoring packs them): group heads of `words` int2, then each head's
+// step and 8 * its code sum. In shared memory after the branches and keys, or in global memory
+// at hip_query + t * HipQueryWords (a requested rebuild's, for the side stream).
+struct HipQueryPtrs {
+  int2* pack;
+  float* step;
+  int32_t* sum8;
+};
+
+__device__ __forceinline__ HipQueryPtrs HipQueryAt(uint32_t* base, int group, int words) {
+  HipQueryPtrs p;
+  p.pack = reinterpret_cast<int2*>(base);
+  p.step = reinterpret_cast<float*>(p.pack + group * words);
+  p.sum8 = reinterpret_cast<int32_t*>(p.step + group);
+  return p;
+}
+
+__device__ __forceinline__ HipQueryPtrs HipSmemQuery(unsigned char* smem, int32_t kn_cap, int group,
+                                                     int words) {
+  return HipQueryAt(reinterpret_cast<uint32_t*>(smem) + 4 * static_cast<int64_t>(kn_cap) + 2 * static_cast<int64_t>(kn_cap),
+                    group, words);
+}
+
+// The CTA packs item's query (a.q) into out: a warp a head.
+__device__ void HipPackQuery(const DecodeStepArgs& a, int32_t item, const HipQueryPtrs& out) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = a.params.group, hd = a.params.head_dim, words = SparcasQ4Words(hd);
-  int2* br = reinterpret_cast<int2*>(smem);
-  uint32_t* keys = reinterpret_cast<uint32_t*>(br + 2 * static_cast<int64_t>(kn_cap));
-  int2* nodes = reinterpret_cast<int2*>(keys);
-  int2* q_pack = reinterpret_cast<int2*>(keys + 2 * static_cast<int64_t>(kn_cap));
-  float* q_step = reinterpret_cast<float*>(q_pack + group * words);
-  int32_t* q_sum8 = reinterpret_cast<int32_t*>(q_step + group);
-  // Each head's int8 codes of every dimension (SparcasQuantizeQuery), packed for __dp4a as the
-  // SparCas 4-bit scoring packs them.
   const int64_t q0 = static_cast<int64_t>(item) * group * hd;
-  for (int g = warp; g < group; g += kHipThreads / 32) {
+  for (int g = warp; g < group; g += static_cast<int>(blockDim.x) / 32) {
     float amax = 0.0f;
     for (int i = lane; i < hd; i += 32) {
       amax = fmaxf(amax, fabsf(LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(g) * hd + i)));
@@ -755,15 +766,42 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, const QuestSplit& sp, i
           odd |= byte << (8 * (e / 2));
         }
       }
-      q_pack[g * words + w] = make_int2(static_cast<int>(even), static_cast<int>(odd));
+      out.pack[g * words + w] = make_int2(static_cast<int>(even), static_cast<int>(odd));
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (lane == 0) {
-      q_step[g] = SparcasQ8Step(amax);
-      q_sum8[g] = 8 * sum;
+      out.step[g] = SparcasQ8Step(amax);
+      out.sum8[g] = 8 * sum;
     }
   }
+}
+
+// The mask over the offloaded range [off_lo, off_hi) for k_off picks at length n, into blocks;
+// returns its count. The query is packed in shared memory (HipSmemQuery) and visible to the CTA.
+template <int kThreads>
+__device__ int32_t HipBuildMask(const DecodeStepArgs& a, int64_t off_lo, int64_t off_hi,
+                                int64_t k_off, int64_t n, int32_t item, int32_t kn_cap,
+                                unsigned char* smem, HipShared<kThreads>& sh, int32_t* blocks) {
+  using HipScan = cub::BlockScan<int32_t, kThreads>;
+  const int64_t bk = max(a.hip_bk, 1);
+  const int64_t len = off_hi - off_lo;
+  const int64_t nb = (len + bk - 1) / bk;
+  const int32_t kn = static_cast<int32_t>(min(k_off / bk, static_cast<int64_t>(kn_cap)));
+  if (k_off < bk || len <= 0) return 0;
+  if (nb <= kn) {
+    for (int32_t j = threadIdx.x; j < nb; j += blockDim.x) blocks[j] = j;
+    return static_cast<int32_t>(nb);
+  }
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = a.params.group, hd = a.params.head_dim, words = SparcasQ4Words(hd);
+  int2* br = reinterpret_cast<int2*>(smem);
+  uint32_t* keys = reinterpret_cast<uint32_t*>(br + 2 * static_cast<int64_t>(kn_cap));
+  int2* nodes = reinterpret_cast<int2*>(keys);
+  const HipQueryPtrs qp = HipSmemQuery(smem, kn_cap, group, words);
+  const int2* q_pack = qp.pack;
+  const float* q_step = qp.step;
+  const int32_t* q_sum8 = qp.sum8;
   const bool align = a.hip_align != 0;
   int32_t cnt = static_cast<int32_t>(HipFirstNodes(nb, kn, align));
   for (int32_t j = tid; j < cnt; j += blockDim.x) {
@@ -778,7 +816,7 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, const QuestSplit& sp, i
   const float scale = a.params.scale;
   for (;;) {
     // Split: a node of more than one block into its halves, in order.
-    const int32_t per = (cnt + kHipThreads - 1) / kHipThreads;
+    const int32_t per = (cnt + kThreads - 1) / kThreads;
     const int32_t n0 = min(tid * per, cnt), n1 = min(n0 + per, cnt);
     int32_t c = 0;
     bool any = false;
@@ -809,8 +847,8 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, const QuestSplit& sp, i
     for (int64_t x = tid; x < static_cast<int64_t>(branches) * bk; x += blockDim.x) {
       const int32_t i = static_cast<int32_t>(x / bk);
       const int2 r = br[i];
-      const int64_t pos = sp.off_lo + HipRepBlock(r.x, r.y, a.hip_rep, seed) * bk + x % bk;
-      if (pos >= sp.off_hi) continue;
+      const int64_t pos = off_lo + HipRepBlock(r.x, r.y, a.hip_rep, seed) * bk + x % bk;
+      if (pos >= off_hi) continue;
       const uint32_t* row = rows + pos * (words + 1);
       atomicMax(&keys[i], OrderedKey(words == 16 ? HipRowScore<16>(row, 16, q_pack, q_step, q_sum8, group, scale)
                                                  : HipRowScore<0>(row, words, q_pack, q_step, q_sum8, group, scale)));
@@ -869,21 +907,21 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, const QuestSplit& sp, i
       mask |= 0xFFu << shift;
     }
     // Keep every branch above the threshold and the first `want` at it, in order.
-    const int32_t per2 = (branches + kHipThreads - 1) / kHipThreads;  // <= 16: 2 kn_cap branches
+    const int32_t per2 = (branches + kThreads - 1) / kThreads;  // <= 64: 2 kn_cap branches
     const int32_t i0 = min(tid * per2, branches), i1 = min(i0 + per2, branches);
     int32_t ties = 0;
     for (int32_t i = i0; i < i1; ++i) ties += keys[i] == prefix;
     int32_t tie_base = 0;
     HipScan(sh.scan).ExclusiveSum(ties, tie_base);
     __syncthreads();  // the scan's storage is used again
-    uint32_t flags = 0;
+    uint64_t flags = 0;
     int32_t kept = 0;
     for (int32_t i = i0; i < i1; ++i) {
       const uint32_t k = keys[i];
       const bool keep = k > prefix || (k == prefix && tie_base < want);
       tie_base += k == prefix;
       if (keep) {
-        flags |= 1u << (i - i0);
+        flags |= uint64_t{1} << (i - i0);
         ++kept;
       }
     }
@@ -900,15 +938,16 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, const QuestSplit& sp, i
   return cnt;
 }
 
-// Grid (items), kHipThreads: a kHip layer past the dense ones. The item's mask is rebuilt when
-// HipMaskStale says so (else kept), then its list written: sinks, the mask's positions below the
-// offloaded end it was built at, window. The compact rows are current (SparcasGatherKernel).
+// Grid (items), kHipThreads: a kHip layer past the dense ones. A mask requested at the item's last
+// ranked step takes over (HipPromote); the mask is then kept, rebuilt here, or (hip_lag 1, due)
+// requested from this step's query for HipDeferredKernel (HipStepAction); then the list is
+// written: sinks, the mask's positions below the offloaded end it was built at, window. The
+// compact rows are current (SparcasGatherKernel).
 __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, int32_t kn_cap) {
   extern __shared__ __align__(16) unsigned char hip_smem[];
-  __shared__ HipShared sh;
-  __shared__ int s_stale;
-  __shared__ int32_t s_count, s_since;
-  __shared__ int64_t s_hi, s_kf, s_n;
+  __shared__ HipShared<kHipThreads> sh;
+  __shared__ __align__(8) unsigned char s_raw[sizeof(HipState)];
+  __shared__ int s_action;
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
@@ -923,24 +962,30 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
   int64_t taken = 0;
   if (sp.k_off > 0) {
     const int64_t t = ItemT(a, b, h);
-    int32_t* blocks = a.hip_blocks + t * a.hip_max_nodes;
     const int64_t bk = max(a.hip_bk, 1);
+    HipState& s_st = *reinterpret_cast<HipState*>(s_raw);
     if (threadIdx.x == 0) {
-      const HipState st = a.hip_state[t];
-      s_count = st.count;
-      s_since = st.since_refresh;
-      s_hi = st.hi;
-      s_kf = st.k_off;
-      s_n = st.n;
-      s_stale = HipMaskStale(st.count, st.k_off, st.n, st.since_refresh, sp.k_off, n, a.hip_r_m);
+      HipState st = a.hip_state[t];
+      HipPromote(st);
+      s_action = static_cast<int>(HipStepAction(st.count, st.k_off, st.n, st.since_refresh, sp.k_off, n,
+                                                a.hip_r_m, a.hip_lag));
+      s_st = st;
     }
     __syncthreads();
-    const bool stale = s_stale != 0;
-    int32_t count = s_count;
-    int64_t hi = s_hi;
-    if (stale) {
+    const HipAction action = static_cast<HipAction>(s_action);
+    const int32_t cur = s_st.cur;
+    int32_t* blocks = a.hip_blocks + (2 * t + cur) * a.hip_max_nodes;
+    int32_t count = s_st.count;
+    int64_t hi = s_st.hi;
+    if (action == HipAction::kBuild) {
+      HipPackQuery(a, item, HipSmemQuery(hip_smem, kn_cap, a.params.group, SparcasQ4Words(a.params.head_dim)));
+      __syncthreads();
       hi = sp.off_hi;
-      count = HipBuildMask(a, sp, n, item, kn_cap, hip_smem, sh, blocks);
+      count = HipBuildMask<kHipThreads>(a, sp.off_lo, sp.off_hi, sp.k_off, n, item, kn_cap, hip_smem, sh,
+                                        blocks);
+    } else if (action == HipAction::kRequest) {
+      HipPackQuery(a, item, HipQueryAt(a.hip_query + t * HipQueryWords(a.params.group, a.params.head_dim),
+                                       a.params.group, SparcasQ4Words(a.params.head_dim)));
     }
     __syncthreads();  // the mask's blocks (global memory) are written
     for (int32_t j = threadIdx.x; j < count; j += blockDim.x) {
@@ -952,13 +997,24 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
       taken = static_cast<int64_t>(count - 1) * bk + (min(last + bk, hi) - last);
     }
     if (threadIdx.x == 0) {
-      HipState s;
-      s.count = count;
-      s.k_off = stale ? sp.k_off : s_kf;
-      s.hi = hi;
-      s.since_refresh = (stale ? HipSinceAfterBuild(s_count, s_kf, s_n, s_since, sp.k_off, n,
-                                                    a.hip_r_m, a.layer)
-                               : s_since) + 1;
+      HipState s = s_st;
+      const int32_t since = HipSinceAfterBuild(s.count, s.k_off, s.n, s.since_refresh, sp.k_off, n,
+                                               a.hip_r_m, a.layer);
+      if (action == HipAction::kBuild) {
+        s.count = count;
+        s.k_off = sp.k_off;
+        s.hi = hi;
+        s.since_refresh = since;
+      } else if (action == HipAction::kRequest) {
+        s.pending = 1;
+        s.p_n = n;
+        s.p_lo = sp.off_lo;
+        s.p_hi = sp.off_hi;
+        s.p_k_off = sp.k_off;
+        s.p_count = 0;
+        s.p_since = since + 1;  // its age counts from this step
+      }
+      ++s.since_refresh;
       s.n = n;
       a.hip_state[t] = s;
     }
@@ -966,6 +1022,41 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
   const int64_t w0 = sp.sinks + taken;
   for (int64_t i = sp.off_hi + threadIdx.x; i < n; i += blockDim.x) out[w0 + (i - sp.off_hi)] = static_cast<int32_t>(i);
   if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - sp.off_hi));
+}
+
+// Grid (items), kThreads, on the runtime's side stream after HipMaskKernel (hip_lag 1): an
+// item whose rebuild was requested builds it from the packed query into its other blocks buffer
+// (pending 2); HipMaskKernel's next ranked step of the item promotes it. Nothing else reads or
+// writes those bytes until the runtime joins the side stream back.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads, 1024 / kThreads) HipDeferredKernel(DecodeStepArgs a, int32_t kn_cap) {
+  extern __shared__ __align__(16) unsigned char hip_smem[];
+  __shared__ HipShared<kThreads> sh;
+  __shared__ __align__(8) unsigned char s_raw[sizeof(HipState)];
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const int64_t t = ItemT(a, b, h);
+  HipState& s_st = *reinterpret_cast<HipState*>(s_raw);
+  if (threadIdx.x == 0) s_st = a.hip_state[t];
+  __syncthreads();
+  if (s_st.pending != 1) return;
+  const int group = a.params.group, words = SparcasQ4Words(a.params.head_dim);
+  const int64_t qw = HipQueryWords(group, a.params.head_dim);
+  const uint32_t* src = a.hip_query + t * qw;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(HipSmemQuery(hip_smem, kn_cap, group, words).pack);
+  for (int64_t i = threadIdx.x; i < qw; i += blockDim.x) dst[i] = src[i];
+  __syncthreads();
+  int32_t* blocks = a.hip_blocks + (2 * t + (s_st.cur ^ 1)) * a.hip_max_nodes;
+  const int32_t count =
+      HipBuildMask<kThreads>(a, s_st.p_lo, s_st.p_hi, s_st.p_k_off, s_st.p_n, item, kn_cap, hip_smem, sh,
+                             blocks);
+  __syncthreads();  // every thread is done with the state's copy and the blocks
+  if (threadIdx.x == 0) {
+    HipState s = s_st;
+    s.p_count = count;
+    s.pending = 2;
+    a.hip_state[t] = s;
+  }
 }
 
 // Dynamic shared memory of HipMaskKernel.
@@ -2236,8 +2327,10 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
                       a.hip_r_m >= 1 && a.sparcas_db == a.params.head_dim &&
                       a.params.head_dim % 8 == 0 && a.params.head_dim <= 256 &&
                       SparcasBitsOf(a.layer, a.sparcas_dense_layers, a.sparcas_bits) == 4 &&
-                      a.budget_cap / a.hip_bk <= std::min<int64_t>(kHipMaxNodes, a.hip_max_nodes),
-                  "DecodeSelect: hip without its 4-bit rows and mask state, or a budget_cap of ",
+                      a.budget_cap / a.hip_bk <= std::min<int64_t>(kHipMaxNodes, a.hip_max_nodes) &&
+                      (a.hip_lag == 0 || a.hip_query != nullptr),
+                  "DecodeSelect: hip without its 4-bit rows and mask state (or hip_lag without "
+                  "hip_query), or a budget_cap of ",
                   a.budget_cap, " at bk ", a.hip_bk, " over ", std::min<int64_t>(kHipMaxNodes, a.hip_max_nodes),
                   " nodes");
     SparcasPrepKernel<<<static_cast<unsigned>(items), 256, 0, stream>>>(s);
@@ -2359,6 +2452,37 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
   }));
   KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream));
   return LaunchPsawFilter(a, stream);
+}
+
+Status LaunchDecodeSelectDeferred(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
+  (void)info;
+  if (a.scoring != SelectScoring::kHip || a.hip_lag == 0 || a.layer < a.sparcas_dense_layers) {
+    return Status::Ok();
+  }
+  const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
+  if (items == 0) return Status::Ok();
+  KVF_CHECK_ARG(a.hip_state != nullptr && a.hip_blocks != nullptr && a.hip_query != nullptr &&
+                    a.hip_bk >= 1 && a.params.head_dim % 8 == 0 && a.params.head_dim <= 256 &&
+                    a.budget_cap / a.hip_bk <= std::min<int64_t>(kHipMaxNodes, a.hip_max_nodes),
+                "DecodeSelectDeferred: hip without its mask state, blocks or packed queries");
+  const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / a.hip_bk, kHipMaxNodes));
+  const size_t smem = HipMaskSmem(std::max(kn_cap, 1), a.params.group, a.params.head_dim);
+  static const int threads = [] {
+    const int64_t v = EnvInt("KVFERRY_HIP_SIDE_THREADS", kHipSideThreads, 256);
+    return v == 256 || v == 512 || v == 1024 ? static_cast<int>(v) : kHipSideThreads;
+  }();
+  const auto launch = [&](auto kernel, int block) -> Status {
+    if (smem > 48 * 1024) {
+      KVF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+    }
+    kernel<<<static_cast<unsigned>(items), block, smem, stream>>>(a, std::max(kn_cap, 1));
+    KVF_CUDA_CHECK_LAUNCH(HipDeferredKernel);
+    return Status::Ok();
+  };
+  if (threads == 256) return launch(HipDeferredKernel<256>, 256);
+  if (threads == 1024) return launch(HipDeferredKernel<1024>, 1024);
+  return launch(HipDeferredKernel<512>, 512);
 }
 
 Status LaunchPageBounds(const PageBoundsArgs& a, cudaStream_t stream) {

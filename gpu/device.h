@@ -156,6 +156,15 @@ class Device {
   /// and args.list_count for a DecodeStep in kList mode that follows on the same stream. Like
   /// DecodeStep, reads the step from device memory, never allocates, never synchronises.
   virtual Status DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) = 0;
+  /// The part of DecodeSelect that may run beside the step (kHip with hip_lag 1: the mask
+  /// rebuilds it requested), on a stream that waits for DecodeSelect's; the caller joins that
+  /// stream back before the same items' next DecodeSelect. The host backend builds them inside
+  /// DecodeSelect: nothing here.
+  virtual Status DecodeSelectDeferred(const DecodeStepArgs& args, StreamHandle stream) {
+    (void)args;
+    (void)stream;
+    return Status::Ok();
+  }
   /// Recomputes the page bounds (SelectScoring::kQuestPages) of a stored chunk's pages from the
   /// host store, on \p stream after the chunk's writes.
   virtual Status PageBounds(const PageBoundsArgs& args, StreamHandle stream) = 0;

@@ -79,13 +79,16 @@ Result<HipParams> ParseHipParams(const std::map<std::string, double>& params) {
     } else if (key == "align") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 0, 1));
       hp.align = static_cast<int>(v);
+    } else if (key == "lag") {
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 0, 1));
+      hp.lag = static_cast<int>(v);
     } else if (key == "bits") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 4, 16));
       KVF_CHECK_ARG(v == 4 || v == 16, "hip parameter 'bits' = ", v, " must be 4 or 16");
       hp.bits = static_cast<int>(v);
     } else {
       return InvalidArgument(detail::StrCat("unknown hip parameter '", key,
-                                            "' (known: bk, r_m, dense_layers, rep, bits, align)"));
+                                            "' (known: bk, r_m, dense_layers, rep, bits, align, lag)"));
     }
   }
   return hp;
@@ -112,6 +115,7 @@ Policy::DeviceSelectParams HipPolicy::device_select_params(int head_dim) const {
   d.hip_r_m = params_.r_m;
   d.hip_rep = params_.rep;
   d.hip_align = params_.align;
+  d.hip_lag = params_.lag;
   return d;
 }
 
@@ -135,9 +139,16 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
     FinishSelection(s, chosen.data(), got, out);
     return Status::Ok();
   }
-  const bool stale = HipMaskStale(static_cast<int64_t>(st->mask.size()), st->k_off, st->n,
-                                  st->since_refresh, s.k_off, ctx.n, params_.r_m);
-  if (stale) {
+  if (st->pending) {  // the mask requested at the last ranked step takes over (HipPromote)
+    st->mask.swap(st->next);
+    st->k_off = st->next_k_off;
+    st->since_refresh = st->next_since;
+    st->pending = false;
+  }
+  const HipAction action =
+      HipStepAction(static_cast<int64_t>(st->mask.size()), st->k_off, st->n, st->since_refresh, s.k_off,
+                    ctx.n, params_.r_m, params_.lag);
+  if (action != HipAction::kKeep) {
     HipMaskOptions opt;
     opt.bk = params_.bk;
     opt.rep = static_cast<HipRepresentative>(params_.rep);
@@ -148,14 +159,21 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
     HipMask(ctx.params, ctx.q, ctx.kv, s.off_lo, s.off_hi, s.k_off, opt, blocks);
     const int32_t since = HipSinceAfterBuild(static_cast<int64_t>(st->mask.size()), st->k_off, st->n,
                                              st->since_refresh, s.k_off, ctx.n, params_.r_m, ctx.layer);
-    st->mask.clear();
+    std::vector<int32_t>& dst = action == HipAction::kBuild ? st->mask : st->next;
+    dst.clear();
     for (const int32_t b : blocks) {
       const int64_t t0 = s.off_lo + static_cast<int64_t>(b) * params_.bk;
       const int64_t t1 = std::min<int64_t>(t0 + params_.bk, s.off_hi);
-      for (int64_t t = t0; t < t1; ++t) st->mask.push_back(static_cast<int32_t>(t));
+      for (int64_t t = t0; t < t1; ++t) dst.push_back(static_cast<int32_t>(t));
     }
-    st->since_refresh = since;
-    st->k_off = s.k_off;
+    if (action == HipAction::kBuild) {
+      st->since_refresh = since;
+      st->k_off = s.k_off;
+    } else {  // its age counts from this step, as a mask built and used here would
+      st->pending = true;
+      st->next_k_off = s.k_off;
+      st->next_since = since + 1;
+    }
   }
   ++st->since_refresh;
   st->n = ctx.n;

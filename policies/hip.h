@@ -20,6 +20,11 @@
 //  - Rebuilds: every r_m ranked steps, and whenever k_off or n changes; a layer's first (or
 //    forced) mask lives r_m - layer % r_m steps (base/hip_mask.h's HipSinceAfterBuild), so that
 //    each step rebuilds about 1 / r_m of the layers instead of all of them every r_m steps.
+//  - `lag` (1, the default): a due rebuild (the interval, or k_off grew) is built from the step's
+//    query but used from the next ranked step on; only a step without a usable mask (the first,
+//    k_off shrank, n fell) builds and uses its own (base/hip_mask.h's HipStepAction). On CUDA the
+//    rebuild then runs on a side stream beside the rest of the step instead of on its critical
+//    path (a rebuild is about 214 us a layer at 128K); 0 uses each mask from the step it is built.
 //  - Iterations: until every node is one block (about log2(NB / K')); a one-block node is one
 //    branch and competes unsplit. Split of [f, l) at m = floor((f + l) / 2).
 //  - Branch score: the largest scaled q_g . k over the group's query heads and the representative
@@ -84,6 +89,7 @@ struct HipParams {
   int rep = 0;           ///< "rep": representative, 0 centre, 1 first, 2 last, 3 random
   int bits = 0;          ///< "bits": 4 or 16 (see above); 0: 4 when head_dim % 8 == 0, else 16
   int align = 1;         ///< "align": 1 the first nodes aligned to a power of two blocks, 0 the paper's even ones
+  int lag = 1;           ///< "lag": 1 a due rebuild serves from the next step (built beside the step), 0 from its own
 };
 
 /// The bits HiP scores with at \p head_dim.
@@ -115,6 +121,11 @@ class HipPolicy final : public Policy {
     int64_t k_off = -1;         ///< k the mask was built for
     int64_t n = 0;              ///< n at the last call
     int since_refresh = 0;
+    // lag 1: a mask requested at the last ranked step (HipStepAction's kRequest), in use from this one
+    std::vector<int32_t> next;
+    bool pending = false;
+    int64_t next_k_off = 0;
+    int next_since = 0;
   };
   HipParams params_;
   bool device_ = false;

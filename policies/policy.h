@@ -127,6 +127,7 @@ class Policy {
     int hip_r_m = 8;
     int hip_rep = 0;
     int hip_align = 1;
+    int hip_lag = 0;
   };
   [[nodiscard]] virtual DeviceSelectParams device_select_params(int head_dim) const {
     (void)head_dim;

@@ -114,10 +114,20 @@ Status RuntimeImpl::InitStepBuffers() {
         hip_rep_ = z.hip_rep;
         hip_align_ = z.hip_align;
         hip_max_nodes_ = z.hip_max_nodes;
+        hip_lag_ = z.hip_lag;
         KVF_ASSIGN_OR_RETURN(p, Alloc(z.hip_state, false));
         hip_state_ = static_cast<HipState*>(p);
         KVF_ASSIGN_OR_RETURN(p, Alloc(z.hip_blocks, false));
         hip_blocks_ = static_cast<int32_t*>(p);
+        if (z.hip_query > 0) {
+          KVF_ASSIGN_OR_RETURN(p, Alloc(z.hip_query, false));
+          hip_query_ = static_cast<uint32_t*>(p);
+        }
+        if (hip_lag_ != 0 && device_->backend() == Backend::kCuda) {
+          KVF_ASSIGN_OR_RETURN(hip_stream_, device_->CreateStream());
+          KVF_ASSIGN_OR_RETURN(hip_fork_, device_->CreateEvent());
+          KVF_ASSIGN_OR_RETURN(hip_join_, device_->CreateEvent());
+        }
       }
       KVF_RETURN_IF_ERROR(ResetSelectState(-1));
     }
@@ -246,6 +256,7 @@ Status RuntimeImpl::PlanDecode(std::span<const SequenceId> seqs, StreamHandle st
                  "before each replay)");
   std::vector<int>& slot_of = plan_slots_scratch_;  // reserved at set-up: no allocation
   KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
+  KVF_RETURN_IF_ERROR(JoinHipSide(stream));  // a step left without its last layer
   const int layers = config_.model.num_layers;
   for (int l = 0; l < layers; ++l) KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, l));
   // Policies that select on the host without a planned step plan inside each Decode.
@@ -392,6 +403,9 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   KVF_CHECK_CODE(!capturing || (!cpu_step_ && !host_lists_), StatusCode::kFailedPrecondition,
                  "policy '", policy_->name(), "' selects on the host inside the decode step, which "
                  "a CUDA graph cannot hold (Runtime::decode_is_capture_safe() is false)");
+  // HiP's side rebuilds (hip_stream_) of this layer or a later one are a step behind: they join
+  // before this layer's selection reads the masks.
+  if (hip_side_busy_ && layer <= hip_side_layer_) KVF_RETURN_IF_ERROR(JoinHipSide(stream));
   const bool planned = plan_.active && plan_.layer_run[layer] == 0 &&
                        std::equal(seqs.begin(), seqs.end(), plan_.seqs.begin(), plan_.seqs.end());
   std::vector<int64_t>& pos = step_pos_scratch_;  // new token's position per b at this layer
@@ -500,6 +514,8 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.hip_r_m = hip_r_m_;
     a.hip_rep = hip_rep_;
     a.hip_align = hip_align_;
+    a.hip_lag = hip_lag_;
+    a.hip_query = hip_query_;
     if (bank_stage_ != nullptr) {
       step_bank_->View(&a.bank);
       a.bank.stage = bank_stage_;
@@ -600,6 +616,16 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     if (st.ok() && timing != nullptr) {
       st = device_->RecordEvent(timing->end, stream);
       timing->pending = st.ok();
+    }
+    // HiP with lag: the rebuilds this selection requested run beside the rest of the step.
+    if (st.ok() && hip_stream_ != nullptr && layer >= sparcas_dense_) {
+      st = device_->RecordEvent(hip_fork_, stream);
+      if (st.ok()) st = device_->WaitEvent(hip_stream_, hip_fork_);
+      if (st.ok()) st = device_->DecodeSelectDeferred(a, hip_stream_);
+      if (st.ok()) {
+        hip_side_busy_ = true;
+        hip_side_layer_ = std::max(hip_side_layer_, layer);
+      }
     }
     // Cross-layer sharing (xl+): the previous layer's list replaces this one's when the same
     // sequences selected there at the same length (this step's layer before). The selection ran
@@ -702,6 +728,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     const size_t bytes = static_cast<size_t>(out.numel()) * DTypeSize(out.dtype);
     st = device_->CopyAsync(out.data, out_stage_, bytes, stream);
   }
+  if (st.ok() && layer == layers - 1) st = JoinHipSide(stream);  // the step's side rebuilds
   if (st.ok() && !capturing) st = device_->RecordEvent(call_done_, stream);
   // Host-memory outputs are complete when Decode returns.
   if (st.ok() && out.where == MemoryKind::kHost && device_->backend() == Backend::kCuda) {
@@ -785,8 +812,18 @@ Status RuntimeImpl::ClearBankMisses(StreamHandle stream) {
   return device_->SynchronizeStream(stream);
 }
 
+Status RuntimeImpl::JoinHipSide(StreamHandle stream) {
+  if (!hip_side_busy_) return Status::Ok();
+  KVF_RETURN_IF_ERROR(device_->RecordEvent(hip_join_, hip_stream_));
+  KVF_RETURN_IF_ERROR(device_->WaitEvent(stream, hip_join_));
+  hip_side_busy_ = false;
+  hip_side_layer_ = -1;
+  return Status::Ok();
+}
+
 Status RuntimeImpl::ResetSelectState(int slot) {
   if (sparcas_state_ == nullptr) return Status::Ok();
+  KVF_RETURN_IF_ERROR(JoinHipSide(stream_));  // the masks' side rebuilds first
   const ModelShape& m = config_.model;
   const size_t per_slot = static_cast<size_t>(m.num_layers) * m.num_kv_heads;
   const size_t first = slot < 0 ? 0 : static_cast<size_t>(slot) * per_slot;

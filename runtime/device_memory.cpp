@@ -51,7 +51,7 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
                                           : "quest page bounds",
        {meta});
   part(scoring == SelectScoring::kHip ? "hip selection state" : "sparcas selection state",
-       {sparcas_state, sparcas_dims, hip_state, hip_blocks});
+       {sparcas_state, sparcas_dims, hip_state, hip_blocks, hip_query});
   part("selection lists", {step_list, step_list_count});
   part("selection scores", {select_ws, topk_ws, select_mcta});
   part("input staging (q, k, v, out)", {q_in, k_in, v_in, out_stage});
@@ -307,9 +307,15 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
           z.hip_r_m = dp.hip_r_m;
           z.hip_rep = dp.hip_rep;
           z.hip_align = dp.hip_align;
+          z.hip_lag = dp.hip_lag;
           z.hip_max_nodes = static_cast<int32_t>(std::max<int64_t>(item_cap_ / dp.hip_bk, 1));
           z.hip_state = AllocBytes(items_all * sizeof(HipState));
-          z.hip_blocks = AllocBytes(items_all * static_cast<size_t>(z.hip_max_nodes) * sizeof(int32_t));
+          z.hip_blocks = AllocBytes(items_all * 2 * static_cast<size_t>(z.hip_max_nodes) * sizeof(int32_t));
+          if (z.hip_lag != 0) {
+            z.hip_query = AllocBytes(items_all * static_cast<size_t>(HipQueryWords(group_, m.head_dim)) *
+                                     sizeof(uint32_t));
+            if (cuda) ++z.streams;  // the side rebuilds' stream
+          }
         }
       }
     }

@@ -112,6 +112,12 @@ RuntimeImpl::~RuntimeImpl() {
     if (e != nullptr) device_->DestroyEvent(e);
   }
   step_bank_.reset();
+  if (hip_stream_ != nullptr) {
+    device_->SynchronizeStream(hip_stream_).IgnoreError();
+    device_->DestroyEvent(hip_fork_);
+    device_->DestroyEvent(hip_join_);
+    device_->DestroyStream(hip_stream_);
+  }
   if (prefill_copy_stream_ != nullptr) {
     device_->SynchronizeStream(prefill_copy_stream_).IgnoreError();
     device_->DestroyEvent(prefill_fork_);

@@ -60,6 +60,7 @@ struct DeviceBufferSizes {
   int64_t meta_pages = 0;
   int32_t sparcas_db = 16, sparcas_u = 64, sparcas_dense = 2, sparcas_bits = 16;
   int32_t hip_bk = 2, hip_r_m = 8, hip_rep = 0, hip_align = 1, hip_max_nodes = 0;  // kHip
+  int32_t hip_lag = 0;
   int32_t bank_miss_cap = 0;
   int64_t step_ws_floats = 0;
   // CUDA prefill: pages of one layer staged in device memory; the tensor-core kernel and its
@@ -94,7 +95,7 @@ struct DeviceBufferSizes {
   size_t prefill_scratch = 0, prefill_pages = 0;
   size_t prefill_next = 0, prefill_next_pages = 0;
   size_t step_list = 0, step_list_count = 0, select_ws = 0, topk_ws = 0, select_mcta = 0;
-  size_t meta = 0, sparcas_state = 0, sparcas_dims = 0, hip_state = 0, hip_blocks = 0;
+  size_t meta = 0, sparcas_state = 0, sparcas_dims = 0, hip_state = 0, hip_blocks = 0, hip_query = 0;
   size_t step_slots = 0, step_pos = 0, step_ws = 0, step_counters = 0;
   size_t prime_tables = 0, prime_stats = 0, prime_scratch = 0;
   size_t scan_shadow = 0, scan_scale = 0, scan_keys = 0, scan_ints = 0, scan_hist = 0,
@@ -662,6 +663,18 @@ class RuntimeImpl {
   HipState* hip_state_ = nullptr;  // device (kHip): [slot][layer][kv_head]
   int32_t* hip_blocks_ = nullptr;  // device (kHip): [slot][layer][kv_head][hip_max_nodes_]
   int32_t hip_bk_ = 2, hip_r_m_ = 8, hip_rep_ = 0, hip_align_ = 1, hip_max_nodes_ = 0;
+  int32_t hip_lag_ = 0;
+  uint32_t* hip_query_ = nullptr;  // device (kHip, lag): [slot][layer][kv_head][HipQueryWords]
+  // CUDA, kHip with lag 1: the rebuilds a ranked layer requests run on hip_stream_
+  // (DecodeSelectDeferred), forked after its DecodeSelect; joined back into the caller's stream
+  // at the step's last layer, and before anything else reads or writes the masks (PlanDecode,
+  // ResetSelectState, a call for a layer at or below one still outstanding). A captured graph
+  // therefore holds whole steps (its side branch joins at the last layer).
+  StreamHandle hip_stream_ = nullptr;
+  EventHandle hip_fork_ = nullptr, hip_join_ = nullptr;
+  bool hip_side_busy_ = false;
+  int hip_side_layer_ = -1;  // the last layer with a rebuild beside the stream
+  Status JoinHipSide(StreamHandle stream);
 };
 
 }  // namespace kvferry::detail

@@ -136,6 +136,7 @@ TEST(HipPolicy, MaskCachedForRmStepsThenRebuilt) {
   HipParams hp;
   hp.r_m = 4;
   hp.dense_layers = 0;
+  hp.lag = 0;  // each mask from the step that builds it (LagServesADueMaskFromTheNextStep: 1)
   HipPolicy policy(hp, 1, 1, 1);
   std::vector<float> q2(64);
   std::mt19937 rng(2);
@@ -163,6 +164,7 @@ TEST(HipPolicy, LayersRebuildOnStaggeredSteps) {
   HipParams hp;
   hp.r_m = 4;
   hp.dense_layers = 0;
+  hp.lag = 0;
   HipPolicy policy(hp, 1, 4, 1);
   std::vector<float> q2(64);
   std::mt19937 rng(3);
@@ -185,6 +187,85 @@ TEST(HipPolicy, LayersRebuildOnStaggeredSteps) {
   EXPECT_EQ(HipSinceAfterBuild(0, 0, 0, 0, 10, 100, 8, 13), 5);   // a first mask: layer % r_m
   EXPECT_EQ(HipSinceAfterBuild(7, 10, 99, 8, 10, 100, 8, 13), 0);  // the interval was due
   EXPECT_EQ(HipSinceAfterBuild(7, 9, 99, 3, 10, 100, 8, 13), 5);   // k_off moved
+}
+
+// `lag` 1 (the default): a due rebuild is built from its step's query but serves from the next
+// ranked step; the step that finds it due keeps the old mask. A first mask serves at once.
+TEST(HipPolicy, LagServesADueMaskFromTheNextStep) {
+  Synthetic syn(700, 1, 64, 12);
+  HipParams hp;
+  hp.r_m = 4;
+  hp.dense_layers = 0;
+  ASSERT_EQ(hp.lag, 1);
+  HipPolicy policy(hp, 1, 1, 1);
+  std::vector<float> q2(64);
+  std::mt19937 rng(2);
+  std::normal_distribution<float> nd;
+  for (float& x : q2) x = nd(rng);
+  SelectContext c1 = Context(syn.kv, syn.q.data(), 1, 4, 32, 4 + 32 + 64);
+  SelectContext c2 = Context(syn.kv, q2.data(), 1, 4, 32, 4 + 32 + 64);
+  std::vector<int32_t> first, sel, fresh_sel;
+  ASSERT_TRUE(policy.Select(c1, first).ok());  // the first mask: built and used
+  HipPolicy fresh(hp, 1, 1, 1);
+  ASSERT_TRUE(fresh.Select(c2, fresh_sel).ok());
+  ASSERT_NE(fresh_sel, first);
+  for (int step = 2; step <= 5; ++step) {  // step 5 is due: it requests q2's mask, keeps the old
+    ASSERT_TRUE(policy.Select(c2, sel).ok());
+    EXPECT_EQ(sel, first) << "step " << step;
+  }
+  ASSERT_TRUE(policy.Select(c1, sel).ok());  // step 6: q2's mask of step 5, whatever this query
+  EXPECT_EQ(sel, fresh_sel);
+}
+
+// Over a growing sequence with a new query each step, lag 1 selects what lag 0 does except at the
+// steps where lag 0 rebuilt a due mask; there it keeps lag 0's previous mask (its offloaded
+// positions) with this step's sinks and window. Every layer's rebuild cadence is the same.
+TEST(HipPolicy, LagDiffersFromLagZeroOnlyAtDueSteps) {
+  Synthetic syn(900, 2, 64, 12);
+  for (int layer : {0, 1, 3}) {
+    HipParams h0, h1;
+    h0.r_m = h1.r_m = 4;
+    h0.dense_layers = h1.dense_layers = 0;
+    h0.lag = 0;
+    h1.lag = 1;
+    HipPolicy p0(h0, 1, 4, 1), p1(h1, 1, 4, 1);
+    std::mt19937 rng(17 + layer);
+    std::normal_distribution<float> nd;
+    std::vector<float> q(2 * 64);
+    std::vector<int32_t> prev0, s0, s1;
+    int64_t prev_hi = 0;
+    int due = 0;
+    const int sink = 4, window = 32;
+    for (int step = 0; step < 30; ++step) {
+      for (float& x : q) x = nd(rng);
+      SelectContext c = Context(syn.kv, q.data(), 2, sink, window, sink + window + 96, layer);
+      c.n = 600 + step;
+      ASSERT_TRUE(p0.Select(c, s0).ok());
+      ASSERT_TRUE(p1.Select(c, s1).ok());
+      const int64_t off_hi = c.n - window;
+      const auto offloaded = [&](const std::vector<int32_t>& s, int64_t hi) {
+        std::vector<int32_t> r;
+        for (int32_t x : s) {
+          if (x >= sink && x < hi) r.push_back(x);
+        }
+        return r;
+      };
+      const bool rebuilt = step > 0 && offloaded(s0, off_hi) != offloaded(prev0, prev_hi);
+      if (!rebuilt) {
+        EXPECT_EQ(s1, s0) << "layer " << layer << " step " << step;
+      } else {
+        ++due;
+        std::vector<int32_t> want;
+        for (int32_t i = 0; i < sink; ++i) want.push_back(i);
+        for (int32_t x : offloaded(prev0, prev_hi)) want.push_back(x);
+        for (int64_t i = off_hi; i < c.n; ++i) want.push_back(static_cast<int32_t>(i));
+        EXPECT_EQ(s1, want) << "layer " << layer << " step " << step;
+      }
+      prev0 = s0;
+      prev_hi = off_hi;
+    }
+    EXPECT_GE(due, 6) << "layer " << layer;  // 30 steps at r_m 4
+  }
 }
 
 // HiP selects on the device when the runtime's largest list (the budget plus the resident sinks
@@ -223,7 +304,7 @@ TEST(HipPolicy, DeviceMaskOnlyWhereTheListFitsAndTheRuntimeIsMade) {
 
 TEST(HipPolicy, BadParametersNameTheParameter) {
   for (const auto& [key, value] : std::vector<std::pair<std::string, double>>{
-           {"bk", 0}, {"r_m", 0}, {"r_m", 1.5}, {"dense_layers", -2}, {"rep", 4}, {"bits", 8}, {"k", 5}}) {
+           {"bk", 0}, {"r_m", 0}, {"r_m", 1.5}, {"dense_layers", -2}, {"rep", 4}, {"bits", 8}, {"lag", 2}, {"align", -1}, {"k", 5}}) {
     auto r = ParseHipParams({{key, value}});
     ASSERT_FALSE(r.ok()) << key << "=" << value;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);

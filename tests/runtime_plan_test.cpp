@@ -364,11 +364,17 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   // The selection runs inside the planned step (Device::DecodeSelect; quest's page bounds kept by
   // the device): the same positions as the policy's host Select (taken when a token bank is
   // configured) and the same outputs.
-  RuntimeConfig c = PlanConfig(GetParam(), 2);
+  // "X:lag0": HiP with each mask served from the step that builds it (the default lag 1 serves a
+  // due one from the next step).
+  const std::string param = GetParam();
+  const bool lag0 = param.size() > 5 && param.substr(param.size() - 5) == ":lag0";
+  const std::string name = lag0 ? param.substr(0, param.size() - 5) : param;
+  RuntimeConfig c = PlanConfig(name, 2);
+  if (lag0) c.policy.params["lag"] = 0;
   // "psaw+X": PrHS's depth window hides [sink, 0.16 n) at layer 1; the device filters its list.
   // "xl+X": layer 1 takes layer 0's list (xl.start 0.5 of 2 layers); the device copies it.
-  const std::string base = GetParam().substr(GetParam().rfind('+') + 1);
-  const bool psaw = GetParam().rfind("psaw+", 0) == 0, xl = GetParam().rfind("xl+", 0) == 0;
+  const std::string base = name.substr(name.rfind('+') + 1);
+  const bool psaw = name.rfind("psaw+", 0) == 0, xl = name.rfind("xl+", 0) == 0;
   if (psaw) c.policy.params["psaw.start"] = 0;
   if (base == "quest") c.policy.params["page"] = 4;  // several pages, some cut
   if (base == "sparcas") {
@@ -443,12 +449,13 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, DeviceSelected,
-                         ::testing::Values("oracle", "quest", "sparcas", "hip", "psaw+oracle",
-                                           "psaw+quest", "psaw+sparcas", "psaw+hip", "xl+oracle",
-                                           "xl+quest", "xl+sparcas", "xl+hip"),
+                         ::testing::Values("oracle", "quest", "sparcas", "hip", "hip:lag0",
+                                           "psaw+oracle", "psaw+quest", "psaw+sparcas", "psaw+hip",
+                                           "xl+oracle", "xl+quest", "xl+sparcas", "xl+hip"),
                          [](const auto& info) {
                            std::string name = info.param;
                            std::replace(name.begin(), name.end(), '+', '_');
+                           std::replace(name.begin(), name.end(), ':', '_');
                            return name;
                          });
 
