@@ -328,6 +328,10 @@ struct DecodeStepArgs {
   int32_t hip_r_m = 8;
   int32_t hip_rep = 0;
   int32_t hip_align = 1;  ///< the first nodes aligned to a power of two blocks (base/hip_mask.h)
+  /// kHip: layers below HipDenseOf (max(sparcas_dense_layers, hip_dense_layers)) take kSparcas's
+  /// path instead of the mask: its exact top-k below sparcas_dense_layers, its 4-bit top-k over
+  /// every dimension from there (HiP's `dense_bits` 4: sparcas_dense_layers 0).
+  int32_t hip_dense_layers = 0;
   /// 1: a due rebuild is built beside the step (CUDA: DecodeSelectDeferred on a side stream) and
   /// used from the item's next ranked step; 0: built in the step that finds it due.
   int32_t hip_lag = 0;

@@ -73,6 +73,11 @@ KVF_HOST_DEVICE inline bool HipMaskStale(int64_t count, int64_t k_off_built, int
   return count == 0 || k_off_built != k_off || n < n_last || since_refresh >= r_m;
 }
 
+/// kHip: the first layer its mask ranks (see DecodeStepArgs::hip_dense_layers).
+KVF_HOST_DEVICE inline int32_t HipDenseOf(const DecodeStepArgs& a) {
+  return a.sparcas_dense_layers > a.hip_dense_layers ? a.sparcas_dense_layers : a.hip_dense_layers;
+}
+
 /// What a ranked step does with an item's mask.
 enum class HipAction : int32_t { kKeep = 0, kBuild = 1, kRequest = 2 };
 

@@ -266,7 +266,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     c.policy.budget_tokens = 0;
     c.policy.budget_fraction = 0.02;
   } else if (base == "hip") {
-    c.policy.name = "hip";  // HiP's masks from 4-bit rows of every dimension on the GPU, rebuilt every 8 steps, first 3 layers exact
+    c.policy.name = "hip";  // HiP's masks from 4-bit rows of every dimension on the GPU, rebuilt every 8 steps beside the step (lag 1), first 3 layers SparCas's 4-bit top-k over every dimension (--param dense_bits=16: exact)
     c.policy.budget_tokens = 0;
     c.policy.budget_fraction = 0.02;
   } else if (base == "lfps_gpu") {

@@ -375,7 +375,7 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
 // written to out.
 int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv, int64_t n,
                   int32_t* out) {
-  if (a.layer < a.sparcas_dense_layers) return SparcasSelect(a, t, q, kv, n, out);
+  if (a.layer < HipDenseOf(a)) return SparcasSelect(a, t, q, kv, n, out);
   const AttnParams& p = a.params;
   const int d = p.head_dim;
   const OffloadSplit sp = ItemSplitOf(a, n);

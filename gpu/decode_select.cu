@@ -2320,7 +2320,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
     // its prep and gather keep the 4-bit rows current, and the mask kernel writes the list.
     DecodeStepArgs s = a;
     s.scoring = SelectScoring::kSparcas;
-    if (a.layer < a.sparcas_dense_layers) return LaunchDecodeSelect(s, info, stream);
+    if (a.layer < HipDenseOf(a)) return LaunchDecodeSelect(s, info, stream);
     const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / std::max(a.hip_bk, 1), kHipMaxNodes));
     KVF_CHECK_ARG(a.meta != nullptr && a.sparcas_state != nullptr && a.sparcas_dims != nullptr &&
                       a.hip_state != nullptr && a.hip_blocks != nullptr && a.hip_bk >= 1 &&
@@ -2456,7 +2456,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
 
 Status LaunchDecodeSelectDeferred(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
   (void)info;
-  if (a.scoring != SelectScoring::kHip || a.hip_lag == 0 || a.layer < a.sparcas_dense_layers) {
+  if (a.scoring != SelectScoring::kHip || a.hip_lag == 0 || a.layer < HipDenseOf(a)) {
     return Status::Ok();
   }
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;

@@ -79,6 +79,10 @@ Result<HipParams> ParseHipParams(const std::map<std::string, double>& params) {
     } else if (key == "align") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 0, 1));
       hp.align = static_cast<int>(v);
+    } else if (key == "dense_bits") {
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 4, 16));
+      KVF_CHECK_ARG(v == 4 || v == 16, "hip parameter 'dense_bits' = ", v, " must be 4 or 16");
+      hp.dense_bits = static_cast<int>(v);
     } else if (key == "lag") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 0, 1));
       hp.lag = static_cast<int>(v);
@@ -88,7 +92,7 @@ Result<HipParams> ParseHipParams(const std::map<std::string, double>& params) {
       hp.bits = static_cast<int>(v);
     } else {
       return InvalidArgument(detail::StrCat("unknown hip parameter '", key,
-                                            "' (known: bk, r_m, dense_layers, rep, bits, align, lag)"));
+                                            "' (known: bk, r_m, dense_layers, rep, bits, align, lag, dense_bits)"));
     }
   }
   return hp;
@@ -103,13 +107,29 @@ HipPolicy::HipPolicy(const HipParams& params, int max_sequences, int num_layers,
                      bool device)
     : params_(params), device_(device) {
   states_.Init(max_sequences, num_layers, num_kv_heads);
+  if (params_.dense_bits == 4 && params_.dense_layers > 0) {
+    SparcasParams sp;
+    sp.d_b = 1 << 20;  // clamped to head_dim: every dimension
+    sp.u = 1 << 30;    // never re-chosen
+    sp.dense_layers = 0;
+    sp.bits = 4;
+    dense_ = std::make_unique<SparcasPolicy>(sp, max_sequences, num_layers, num_kv_heads);
+  }
+}
+
+bool HipPolicy::DenseQ4(int head_dim) const {
+  return dense_ != nullptr && HipBits(params_, head_dim) == 4;
 }
 
 Policy::DeviceSelectParams HipPolicy::device_select_params(int head_dim) const {
   DeviceSelectParams d;
   d.d_b = head_dim;
   d.u = 1 << 30;  // every dimension: never re-chosen
-  d.dense_layers = params_.dense_layers;
+  // Dense layers at 4 bits: the SparCas machinery ranks every layer over the 4-bit rows, and the
+  // mask starts at hip_dense_layers; else its exact path below dense_layers.
+  const bool q4 = DenseQ4(head_dim);
+  d.dense_layers = q4 ? 0 : params_.dense_layers;
+  d.hip_dense_layers = q4 ? params_.dense_layers : 0;
   d.sparcas_bits = 4;
   d.hip_bk = params_.bk;
   d.hip_r_m = params_.r_m;
@@ -133,6 +153,7 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
     FinishSelection(s, nullptr, 0, out);
     return Status::Ok();
   }
+  if (ctx.layer < params_.dense_layers && DenseQ4(ctx.params.head_dim)) return dense_->Select(ctx, out);
   if (ctx.layer < params_.dense_layers) {
     thread_local std::vector<int32_t> chosen;
     const int64_t got = ExactOffloadedTopK(ctx, s, chosen);

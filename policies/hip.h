@@ -31,7 +31,10 @@
 //    block's tokens (the paper's max over the query block, bsk = 1).
 //  - GQA: one mask per KV head for the group. Sinks and the window are resident and excluded
 //    from the search (as the public code). Ties: the lower block.
-//  - First `dense_layers` (default 3, the notes' l_d for 7B models): the per-item capacity of the
+//  - First `dense_layers` (default 3, the notes' l_d for 7B models), at `dense_bits` 4 (the default
+//    when the scores are 4-bit): SparCas's 4-bit top-k over every dimension (policies/sparcas.h
+//    with d_b = head_dim, the same compact rows the mask scores; the device's SparCas kernels),
+//    a quarter of the exact path's key bytes; 16: the exact top-k. Either way the per-item capacity of the
 //    runtime forbids dense, so those layers take the exact top-k (see sparcas.h).
 //  - k = budget - sink - window tokens; K' = floor(k / bk) blocks (the remainder is unused).
 
@@ -45,6 +48,7 @@
 #include "base/sparcas_q4.h"
 #include "policies/policy.h"
 #include "policies/select_util.h"
+#include "policies/sparcas.h"
 
 namespace kvferry {
 
@@ -90,6 +94,7 @@ struct HipParams {
   int bits = 0;          ///< "bits": 4 or 16 (see above); 0: 4 when head_dim % 8 == 0, else 16
   int align = 1;         ///< "align": 1 the first nodes aligned to a power of two blocks, 0 the paper's even ones
   int lag = 1;           ///< "lag": 1 a due rebuild serves from the next step (built beside the step), 0 from its own
+  int dense_bits = 4;    ///< "dense_bits": the dense layers' top-k over 4-bit keys of every dimension (4) or exact (16)
 };
 
 /// The bits HiP scores with at \p head_dim.
@@ -112,8 +117,14 @@ class HipPolicy final : public Policy {
   /// dimensions never re-chosen; the mask's block size, interval and representative.
   [[nodiscard]] DeviceSelectParams device_select_params(int head_dim) const override;
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
-  void OnSequenceRemoved(int slot) override { states_.RemoveSlot(slot); }
+  void OnSequenceRemoved(int slot) override {
+    states_.RemoveSlot(slot);
+    if (dense_ != nullptr) dense_->OnSequenceRemoved(slot);
+  }
   [[nodiscard]] const HipParams& params() const { return params_; }
+  /// Whether the dense layers take SparCas's 4-bit top-k at \p head_dim (dense_bits 4 and 4-bit
+  /// scores).
+  [[nodiscard]] bool DenseQ4(int head_dim) const;
 
  private:
   struct HeadState {
@@ -130,6 +141,7 @@ class HipPolicy final : public Policy {
   HipParams params_;
   bool device_ = false;
   HeadStateTable<HeadState> states_;
+  std::unique_ptr<SparcasPolicy> dense_;  ///< dense_bits 4: the dense layers' selection
 };
 
 Result<std::unique_ptr<Policy>> MakeHipPolicy(const RuntimeConfig& config);

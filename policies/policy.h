@@ -128,6 +128,7 @@ class Policy {
     int hip_rep = 0;
     int hip_align = 1;
     int hip_lag = 0;
+    int hip_dense_layers = 0;  ///< kHip: DecodeStepArgs::hip_dense_layers
   };
   [[nodiscard]] virtual DeviceSelectParams device_select_params(int head_dim) const {
     (void)head_dim;

@@ -115,6 +115,7 @@ Status RuntimeImpl::InitStepBuffers() {
         hip_align_ = z.hip_align;
         hip_max_nodes_ = z.hip_max_nodes;
         hip_lag_ = z.hip_lag;
+        hip_dense_ = z.hip_dense;
         KVF_ASSIGN_OR_RETURN(p, Alloc(z.hip_state, false));
         hip_state_ = static_cast<HipState*>(p);
         KVF_ASSIGN_OR_RETURN(p, Alloc(z.hip_blocks, false));
@@ -331,7 +332,7 @@ RuntimeImpl::ListRowsRule RuntimeImpl::DeviceListRowsRule(int layer) const {
   // anything (base/psaw.h); HiP's ranked layers take whole blocks.
   while (layer > 0 && policy_->device_reuses_previous_layer(layer)) --layer;
   ListRowsRule r;
-  r.hip_blocks = scoring_ == SelectScoring::kHip && layer >= sparcas_dense_ ? hip_bk_ : 0;
+  r.hip_blocks = scoring_ == SelectScoring::kHip && layer >= HipDense() ? hip_bk_ : 0;
   r.hide_fraction = r.hip_blocks > 0 ? policy_->device_hide_fraction(layer) : 0.0;
   return r;
 }
@@ -370,7 +371,7 @@ int64_t RuntimeImpl::SelectKeyBytes(int64_t n, int64_t budget, int layer) const 
       return pages * 2 * static_cast<int64_t>(row_bytes_);  // min and max rows
     }
     case SelectScoring::kHip: {
-      if (layer < sparcas_dense_) return SparcasKeyBytes(n, layer, ranks);  // every key, exactly
+      if (layer < HipDense()) return SparcasKeyBytes(n, layer, ranks);  // SparCas's path, every key
       // The mask's representative rows when it is rebuilt, averaged over its r_m steps: an
       // iteration scores at most 2 K' branches of bk rows, until the nodes of about nb / K'
       // blocks are one block each.
@@ -515,6 +516,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.hip_rep = hip_rep_;
     a.hip_align = hip_align_;
     a.hip_lag = hip_lag_;
+    a.hip_dense_layers = hip_dense_;
     a.hip_query = hip_query_;
     if (bank_stage_ != nullptr) {
       step_bank_->View(&a.bank);
@@ -618,7 +620,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       timing->pending = st.ok();
     }
     // HiP with lag: the rebuilds this selection requested run beside the rest of the step.
-    if (st.ok() && hip_stream_ != nullptr && layer >= sparcas_dense_) {
+    if (st.ok() && hip_stream_ != nullptr && layer >= HipDense()) {
       st = device_->RecordEvent(hip_fork_, stream);
       if (st.ok()) st = device_->WaitEvent(hip_stream_, hip_fork_);
       if (st.ok()) st = device_->DecodeSelectDeferred(a, hip_stream_);

@@ -308,6 +308,7 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
           z.hip_rep = dp.hip_rep;
           z.hip_align = dp.hip_align;
           z.hip_lag = dp.hip_lag;
+          z.hip_dense = dp.hip_dense_layers;
           z.hip_max_nodes = static_cast<int32_t>(std::max<int64_t>(item_cap_ / dp.hip_bk, 1));
           z.hip_state = AllocBytes(items_all * sizeof(HipState));
           z.hip_blocks = AllocBytes(items_all * 2 * static_cast<size_t>(z.hip_max_nodes) * sizeof(int32_t));

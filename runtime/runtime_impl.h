@@ -2,6 +2,7 @@
 #pragma once
 // Runtime internals: sequence slots, tiers, plan buffers and the decode step of DESIGN.md.
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -60,7 +61,7 @@ struct DeviceBufferSizes {
   int64_t meta_pages = 0;
   int32_t sparcas_db = 16, sparcas_u = 64, sparcas_dense = 2, sparcas_bits = 16;
   int32_t hip_bk = 2, hip_r_m = 8, hip_rep = 0, hip_align = 1, hip_max_nodes = 0;  // kHip
-  int32_t hip_lag = 0;
+  int32_t hip_lag = 0, hip_dense = 0;
   int32_t bank_miss_cap = 0;
   int64_t step_ws_floats = 0;
   // CUDA prefill: pages of one layer staged in device memory; the tensor-core kernel and its
@@ -664,6 +665,9 @@ class RuntimeImpl {
   int32_t* hip_blocks_ = nullptr;  // device (kHip): [slot][layer][kv_head][hip_max_nodes_]
   int32_t hip_bk_ = 2, hip_r_m_ = 8, hip_rep_ = 0, hip_align_ = 1, hip_max_nodes_ = 0;
   int32_t hip_lag_ = 0;
+  int32_t hip_dense_ = 0;  // kHip: DecodeStepArgs::hip_dense_layers
+  /// kHip: the first layer its mask ranks (below it, SparCas's path).
+  [[nodiscard]] int HipDense() const { return std::max(sparcas_dense_, hip_dense_); }
   uint32_t* hip_query_ = nullptr;  // device (kHip, lag): [slot][layer][kv_head][HipQueryWords]
   // CUDA, kHip with lag 1: the rebuilds a ranked layer requests run on hip_stream_
   // (DecodeSelectDeferred), forked after its DecodeSelect; joined back into the caller's stream

@@ -32,6 +32,7 @@ struct Case {
   bool device_io = false;  // the CUDA runtime's decode q/k/v/out in device memory
   int sparcas_bits = 0;    // sparcas's or hip's "bits" (0: the default, 4-bit rows)
   int lag = -1;            // >= 0: hip's "lag" (the default 1: due rebuilds on a side stream)
+  int dense_bits = 0;      // > 0: hip's "dense_bits" (the default 4: SparCas's 4-bit top-k)
 };
 
 class CudaRuntimeTest : public ::testing::TestWithParam<Case> {};
@@ -60,6 +61,7 @@ RuntimeConfig MakeConfig(const Case& c, Backend backend) {
     cfg.policy.params["r_m"] = 3;
     if (c.sparcas_bits != 0) cfg.policy.params["bits"] = c.sparcas_bits;
     if (c.lag >= 0) cfg.policy.params["lag"] = c.lag;
+    if (c.dense_bits > 0) cfg.policy.params["dense_bits"] = c.dense_bits;
   }
   // PrHS's depth window from layer 0 on: layer 1 hides [sink, 0.16 n) (the device filters its own
   // selection for the device-selecting inner policies).
@@ -275,6 +277,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"hip", Route::kGpu, 64, "vector", true},
                       Case{"psaw+hip", Route::kGpu, 64, "hash"},
                       Case{"hip", Route::kGpu, 64, "hash", true, 0, 0},  // every mask in its step
+                      Case{"hip", Route::kGpu, 64, "vector", true, 0, -1, 16},  // exact dense layers
                       // lfps: the planned step (resident rows on the device, offloaded picks on
                       // the CPU), with host and device tensors; and the host-selected gpu route.
                       Case{"lfps", Route::kAuto, 0, "vector"},
@@ -306,7 +309,8 @@ INSTANTIATE_TEST_SUITE_P(
       return policy + "_" + RouteName(c.route) + "_bank" + std::to_string(c.bank_slots) +
              (c.bank_slots ? "_" + c.bank_map : "") + (c.device_io ? "_device_io" : "") +
              (c.sparcas_bits ? "_bits" + std::to_string(c.sparcas_bits) : "") +
-             (c.lag >= 0 ? "_lag" + std::to_string(c.lag) : "");
+             (c.lag >= 0 ? "_lag" + std::to_string(c.lag) : "") +
+             (c.dense_bits > 0 ? "_dense" + std::to_string(c.dense_bits) : "");
     });
 
 

@@ -268,6 +268,44 @@ TEST(HipPolicy, LagDiffersFromLagZeroOnlyAtDueSteps) {
   }
 }
 
+// The dense layers: at dense_bits 4 (the default) SparCas's 4-bit top-k over every dimension (the
+// rows the mask scores), at 16 the exact top-k (the oracle's); past them the mask either way.
+TEST(HipPolicy, DenseLayersTakeTheFourBitTopKOrTheExactOne) {
+  Synthetic syn(900, 4, 64, 12);
+  const SelectContext c = Context(syn.kv, syn.q.data(), 4, 4, 32, 4 + 32 + 96, 0);
+  HipParams h4, h16;
+  h4.dense_layers = h16.dense_layers = 2;
+  h16.dense_bits = 16;
+  ASSERT_EQ(h4.dense_bits, 4);
+  HipPolicy p4(h4, 1, 4, 1), p16(h16, 1, 4, 1);
+  EXPECT_TRUE(p4.DenseQ4(64));
+  EXPECT_FALSE(p16.DenseQ4(64));
+  SparcasParams sp;
+  sp.d_b = 64;
+  sp.u = 1 << 30;
+  sp.dense_layers = 0;
+  sp.bits = 4;
+  SparcasPolicy sparcas(sp, 1, 4, 1);
+  std::vector<int32_t> a, b, want_q4, want_exact, chosen;
+  for (int layer = 0; layer < 3; ++layer) {
+    SelectContext cl = c;
+    cl.layer = layer;
+    ASSERT_TRUE(p4.Select(cl, a).ok());
+    ASSERT_TRUE(p16.Select(cl, b).ok());
+    ASSERT_TRUE(sparcas.Select(cl, want_q4).ok());
+    const OffloadSplit sp_exact = SplitPositions(cl.n, cl.sink, cl.window, cl.budget);
+    const int64_t got = ExactOffloadedTopK(cl, sp_exact, chosen);  // the exact top-k
+    FinishSelection(sp_exact, chosen.data(), got, want_exact);
+    if (layer < 2) {
+      EXPECT_EQ(a, want_q4) << "layer " << layer;
+      EXPECT_EQ(b, want_exact) << "layer " << layer;
+    } else {  // the mask: both the same
+      EXPECT_EQ(a, b);
+    }
+  }
+  EXPECT_NE(want_q4, want_exact);  // the two dense paths differ here (else the test shows nothing)
+}
+
 // HiP selects on the device when the runtime's largest list (the budget plus the resident sinks
 // and window: the bound the mask kernel's launch checks) fits kHipMaxNodes nodes, else on the
 // host; either way the runtime is made. A budget whose nodes fit while its list does not once
@@ -304,7 +342,7 @@ TEST(HipPolicy, DeviceMaskOnlyWhereTheListFitsAndTheRuntimeIsMade) {
 
 TEST(HipPolicy, BadParametersNameTheParameter) {
   for (const auto& [key, value] : std::vector<std::pair<std::string, double>>{
-           {"bk", 0}, {"r_m", 0}, {"r_m", 1.5}, {"dense_layers", -2}, {"rep", 4}, {"bits", 8}, {"lag", 2}, {"align", -1}, {"k", 5}}) {
+           {"bk", 0}, {"r_m", 0}, {"r_m", 1.5}, {"dense_layers", -2}, {"rep", 4}, {"bits", 8}, {"lag", 2}, {"dense_bits", 8}, {"align", -1}, {"k", 5}}) {
     auto r = ParseHipParams({{key, value}});
     ASSERT_FALSE(r.ok()) << key << "=" << value;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);

@@ -365,12 +365,14 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   // the device): the same positions as the policy's host Select (taken when a token bank is
   // configured) and the same outputs.
   // "X:lag0": HiP with each mask served from the step that builds it (the default lag 1 serves a
-  // due one from the next step).
+  // due one from the next step); "X:dense16": HiP's dense layers exact (the default: 4-bit).
   const std::string param = GetParam();
-  const bool lag0 = param.size() > 5 && param.substr(param.size() - 5) == ":lag0";
-  const std::string name = lag0 ? param.substr(0, param.size() - 5) : param;
+  const size_t colon = param.find(':');
+  const std::string name = param.substr(0, colon);
+  const std::string variant = colon == std::string::npos ? "" : param.substr(colon + 1);
   RuntimeConfig c = PlanConfig(name, 2);
-  if (lag0) c.policy.params["lag"] = 0;
+  if (variant == "lag0") c.policy.params["lag"] = 0;
+  if (variant == "dense16") c.policy.params["dense_bits"] = 16;
   // "psaw+X": PrHS's depth window hides [sink, 0.16 n) at layer 1; the device filters its list.
   // "xl+X": layer 1 takes layer 0's list (xl.start 0.5 of 2 layers); the device copies it.
   const std::string base = name.substr(name.rfind('+') + 1);
@@ -449,7 +451,7 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, DeviceSelected,
-                         ::testing::Values("oracle", "quest", "sparcas", "hip", "hip:lag0",
+                         ::testing::Values("oracle", "quest", "sparcas", "hip", "hip:lag0", "hip:dense16",
                                            "psaw+oracle", "psaw+quest", "psaw+sparcas", "psaw+hip",
                                            "xl+oracle", "xl+quest", "xl+sparcas", "xl+hip"),
                          [](const auto& info) {
