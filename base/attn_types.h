@@ -106,7 +106,7 @@ enum class SelectScoring : int32_t {
   /// head_dim, sparcas_u past any run: the dimensions never change) at 4 bits, so that a
   /// representative block is scored as an exact integer dot with the int8 query (base/hip_mask.h);
   /// per item a hierarchical mask of k_off / hip_bk blocks of the offloaded range, kept in
-  /// hip_blocks and rebuilt every hip_r_m ranked steps (or when k_off or n changes as
+  /// hip_blocks and rebuilt every hip_r_m ranked steps (or when k_off shrinks or n falls as
   /// base/hip_mask.h's HipMaskStale says); the list is the sinks, the mask's positions below the
   /// offloaded end it was built at, and the window. Layers below sparcas_dense_layers take
   /// kSparcas's exact path. Equals policies/hip's host Select.

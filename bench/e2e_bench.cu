@@ -10,7 +10,7 @@
 //   kvferry-e2e --json out.json [--contexts 32768,131072] [--batches 1,4] [--modes a,b,..]
 //               [--steps 20] [--layers 32] [--host-gib 100] [--device-gib 70]
 //               [--prefill-chunks 2048,8192] [--prefill-layers 3] [--prefill-order layer|chunk]
-//               [--cpu-threads N] [--trace PREFIX] [--param key=value ...] [--query-drift E] [--unique-kv]
+//               [--cpu-threads N] [--trace PREFIX] [--param key=value ...] [--query-drift E] [--unique-kv] [--budget-tokens N]
 // --query-drift E: the decode query moves from step to step, q = q0 + E * noise_s, 16 noises in
 // turn (0, the default: one query for every step, as a repeated prompt token). A moving query
 // changes SparCas's dimensions at its refreshes and what the bank must hold; the row says "query_drift".
@@ -109,6 +109,9 @@ struct Options {
   // are the policy's error); written into each row as "params".
   std::vector<std::pair<std::string, double>> params;
   double query_drift = 0;  // --query-drift
+  // --budget-tokens N: the 2% modes select N tokens at every context instead (the flat check: a
+  // fixed budget past it, 2% of 128K at 512K).
+  int64_t budget_tokens = 0;
   // --unique-kv: every prompt chunk's keys drawn afresh (else one 4096-token chunk repeats: keys
   // recur every 4096 positions, which leaves a hierarchical search such as HiP's choosing among
   // identical copies).
@@ -159,6 +162,7 @@ Options Parse(int argc, char** argv) {
     else if (a == "--steps") o.steps = std::stoi(next());
     else if (a == "--layers") o.layers = std::stoi(next());
     else if (a == "--host-gib") o.host_gib = std::stod(next());
+    else if (a == "--budget-tokens") o.budget_tokens = std::stoll(next());
     else if (a == "--device-gib") o.device_gib = std::stod(next());
     else if (a == "--gpu-gib") o.gpu_gib = std::stod(next());
     else if (a == "--prefill-chunks") o.prefill_chunks = SplitList<int64_t>(next());
@@ -283,17 +287,25 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     return row.str();
   }
   c.policy.name = wrappers + c.policy.name;
+  if (o.budget_tokens > 0 && c.policy.budget_fraction > 0) {
+    c.policy.budget_tokens = o.budget_tokens;
+    c.policy.budget_fraction = 0;
+  }
   if (o.gpu_gib > 0) c.capacity.gpu_bytes = static_cast<int64_t>(o.gpu_gib * (1 << 30));
   if (bank && o.gpu_gib > 0) {
     c.tiers.bank_slots = -1;  // the largest bank the cap leaves room for
   } else if (bank) {
-    const int64_t picks = static_cast<int64_t>(std::ceil(c.policy.budget_fraction * ctx)) - kSink - kWindow;
+    const int64_t budget = c.policy.budget_fraction > 0
+                               ? static_cast<int64_t>(std::ceil(c.policy.budget_fraction * ctx))
+                               : c.policy.budget_tokens;
+    const int64_t picks = budget - kSink - kWindow;
     c.tiers.bank_slots = static_cast<int>(std::clamp<int64_t>(2 * picks, 64, 65534));
   }
   row << ",\"policy\":\"" << c.policy.name << "\",\"route\":\"" << kvferry::RouteName(c.route) << "\""
       << ",\"bank_slots\":" << c.tiers.bank_slots;
   if (o.query_drift != 0) row << ",\"query_drift\":" << o.query_drift;
   if (o.unique_kv) row << ",\"unique_kv\":true";
+  if (o.budget_tokens > 0) row << ",\"budget_tokens\":" << c.policy.budget_tokens;
   AddParams(o, c, row);
   auto made = Runtime::Create(c);
   if (!made.ok()) {

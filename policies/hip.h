@@ -17,10 +17,11 @@
 //    the public code aligns them: the tree stays put as n grows, so a rebuilt mask changes only
 //    where the scores do (the bank keeps serving it); 0 the paper's K' even nodes, whose bounds
 //    all shift with n (base/hip_mask.h).
-//  - Rebuilds: every r_m ranked steps, and whenever k_off or n changes; a layer's first (or
-//    forced) mask lives r_m - layer % r_m steps (base/hip_mask.h's HipSinceAfterBuild), so that
-//    each step rebuilds about 1 / r_m of the layers instead of all of them every r_m steps.
-//  - `lag` (1, the default): a due rebuild (the interval, or k_off grew) is built from the step's
+//  - Rebuilds: every r_m ranked steps, and whenever k_off shrinks or n falls (a k_off that grows
+//    waits for the interval); a layer's first (or forced) mask lives r_m - layer % r_m steps
+//    (base/hip_mask.h's HipSinceAfterBuild), so that each step rebuilds about 1 / r_m of the
+//    layers instead of all of them every r_m steps.
+//  - `lag` (1, the default): a due rebuild (the interval) is built from the step's
 //    query but used from the next ranked step on; only a step without a usable mask (the first,
 //    k_off shrank, n fell) builds and uses its own (base/hip_mask.h's HipStepAction). On CUDA the
 //    rebuild then runs on a side stream beside the rest of the step instead of on its critical

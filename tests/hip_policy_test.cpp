@@ -268,6 +268,48 @@ TEST(HipPolicy, LagDiffersFromLagZeroOnlyAtDueSteps) {
   }
 }
 
+// A budget that grows (a fraction of a growing n) keeps the mask until its interval; one that
+// shrinks rebuilds it at once (the kept blocks would overrun the list).
+TEST(HipPolicy, AGrowingBudgetWaitsForTheIntervalAShrinkingOneRebuilds) {
+  Synthetic syn(700, 1, 64, 12);
+  for (int lag : {0, 1}) {
+    HipParams hp;
+    hp.r_m = 4;
+    hp.dense_layers = 0;
+    hp.lag = lag;
+    HipPolicy policy(hp, 1, 1, 1);
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd;
+    std::vector<float> q(64);
+    const auto offloaded = [](const std::vector<int32_t>& s, int64_t lo, int64_t hi) {
+      std::vector<int32_t> r;
+      for (int32_t x : s) {
+        if (x >= lo && x < hi) r.push_back(x);
+      }
+      return r;
+    };
+    std::vector<int32_t> first, sel;
+    SelectContext c = Context(syn.kv, syn.q.data(), 1, 4, 32, 4 + 32 + 64);
+    c.n = 600;
+    ASSERT_TRUE(policy.Select(c, first).ok());
+    for (int step = 1; step < 4; ++step) {  // new queries, budget + 2 a step: the mask stays
+      for (float& x : q) x = nd(rng);
+      c.q = q.data();
+      c.budget += 2;
+      ASSERT_TRUE(policy.Select(c, sel).ok());
+      EXPECT_EQ(offloaded(sel, 4, 600 - 32), offloaded(first, 4, 600 - 32)) << "lag " << lag << " step " << step;
+    }
+    c.budget -= 8;  // below the one it was built for: rebuilt now, from this step's query
+    for (float& x : q) x = nd(rng);
+    ASSERT_TRUE(policy.Select(c, sel).ok());
+    HipPolicy fresh(hp, 1, 1, 1);
+    std::vector<int32_t> want;
+    ASSERT_TRUE(fresh.Select(c, want).ok());
+    EXPECT_EQ(sel, want) << "lag " << lag;
+    EXPECT_NE(offloaded(sel, 4, 600 - 32), offloaded(first, 4, 600 - 32));
+  }
+}
+
 // The dense layers: at dense_bits 4 (the default) SparCas's 4-bit top-k over every dimension (the
 // rows the mask scores), at 16 the exact top-k (the oracle's); past them the mask either way.
 TEST(HipPolicy, DenseLayersTakeTheFourBitTopKOrTheExactOne) {
