@@ -131,30 +131,35 @@ TEST(HipPolicy, CentreBeatsRandomAndFirstLastOnRecall) {
   EXPECT_GT(recall[0], recall[2]);
 }
 
+// The mask is kept r_m = 4 ranked steps, then rebuilt from the due step's query (step 5). With lag
+// 0 that step uses it; with lag 1 (the default) the due step keeps the old mask and the rebuilt
+// one serves from the next step (6), whatever that step's query. A first mask serves at once.
 TEST(HipPolicy, MaskCachedForRmStepsThenRebuilt) {
   Synthetic syn(700, 1, 64, 12);
-  HipParams hp;
-  hp.r_m = 4;
-  hp.dense_layers = 0;
-  hp.lag = 0;  // each mask from the step that builds it (LagServesADueMaskFromTheNextStep: 1)
-  HipPolicy policy(hp, 1, 1, 1);
   std::vector<float> q2(64);
   std::mt19937 rng(2);
   std::normal_distribution<float> nd;
   for (float& x : q2) x = nd(rng);
-  SelectContext c1 = Context(syn.kv, syn.q.data(), 1, 4, 32, 4 + 32 + 64);
-  SelectContext c2 = Context(syn.kv, q2.data(), 1, 4, 32, 4 + 32 + 64);
-  std::vector<int32_t> first, sel, fresh_sel;
-  ASSERT_TRUE(policy.Select(c1, first).ok());
-  for (int step = 1; step < 4; ++step) {
-    ASSERT_TRUE(policy.Select(c2, sel).ok());
-    EXPECT_EQ(sel, first) << "step " << step << " should reuse the cached mask";
+  const SelectContext c1 = Context(syn.kv, syn.q.data(), 1, 4, 32, 4 + 32 + 64);
+  const SelectContext c2 = Context(syn.kv, q2.data(), 1, 4, 32, 4 + 32 + 64);
+  ASSERT_EQ(HipParams{}.lag, 1);
+  for (int lag : {0, 1}) {
+    HipParams hp;
+    hp.r_m = 4;
+    hp.dense_layers = 0;
+    hp.lag = lag;
+    HipPolicy policy(hp, 1, 1, 1), fresh(hp, 1, 1, 1);
+    std::vector<int32_t> first, sel, fresh_sel;
+    ASSERT_TRUE(policy.Select(c1, first).ok());
+    ASSERT_TRUE(fresh.Select(c2, fresh_sel).ok());
+    ASSERT_NE(fresh_sel, first);
+    for (int step = 2; step <= 4 + lag; ++step) {
+      ASSERT_TRUE(policy.Select(c2, sel).ok());
+      EXPECT_EQ(sel, first) << "lag " << lag << " step " << step << " should reuse the cached mask";
+    }
+    ASSERT_TRUE(policy.Select(lag == 0 ? c2 : c1, sel).ok());  // rebuilt from q2 at step 5
+    EXPECT_EQ(sel, fresh_sel) << "lag " << lag;
   }
-  HipPolicy fresh(hp, 1, 1, 1);
-  ASSERT_TRUE(fresh.Select(c2, fresh_sel).ok());
-  ASSERT_NE(fresh_sel, first);
-  ASSERT_TRUE(policy.Select(c2, sel).ok());  // step 5: rebuilt from q2
-  EXPECT_EQ(sel, fresh_sel);
 }
 
 // The first mask of layer l lives r_m - l % r_m steps (base/hip_mask.h's HipSinceAfterBuild), so
@@ -189,33 +194,6 @@ TEST(HipPolicy, LayersRebuildOnStaggeredSteps) {
   EXPECT_EQ(HipSinceAfterBuild(7, 9, 99, 3, 10, 100, 8, 13), 5);   // k_off moved
 }
 
-// `lag` 1 (the default): a due rebuild is built from its step's query but serves from the next
-// ranked step; the step that finds it due keeps the old mask. A first mask serves at once.
-TEST(HipPolicy, LagServesADueMaskFromTheNextStep) {
-  Synthetic syn(700, 1, 64, 12);
-  HipParams hp;
-  hp.r_m = 4;
-  hp.dense_layers = 0;
-  ASSERT_EQ(hp.lag, 1);
-  HipPolicy policy(hp, 1, 1, 1);
-  std::vector<float> q2(64);
-  std::mt19937 rng(2);
-  std::normal_distribution<float> nd;
-  for (float& x : q2) x = nd(rng);
-  SelectContext c1 = Context(syn.kv, syn.q.data(), 1, 4, 32, 4 + 32 + 64);
-  SelectContext c2 = Context(syn.kv, q2.data(), 1, 4, 32, 4 + 32 + 64);
-  std::vector<int32_t> first, sel, fresh_sel;
-  ASSERT_TRUE(policy.Select(c1, first).ok());  // the first mask: built and used
-  HipPolicy fresh(hp, 1, 1, 1);
-  ASSERT_TRUE(fresh.Select(c2, fresh_sel).ok());
-  ASSERT_NE(fresh_sel, first);
-  for (int step = 2; step <= 5; ++step) {  // step 5 is due: it requests q2's mask, keeps the old
-    ASSERT_TRUE(policy.Select(c2, sel).ok());
-    EXPECT_EQ(sel, first) << "step " << step;
-  }
-  ASSERT_TRUE(policy.Select(c1, sel).ok());  // step 6: q2's mask of step 5, whatever this query
-  EXPECT_EQ(sel, fresh_sel);
-}
 
 // Over a growing sequence with a new query each step, lag 1 selects what lag 0 does except at the
 // steps where lag 0 rebuilt a due mask; there it keeps lag 0's previous mask (its offloaded
