@@ -461,6 +461,71 @@ INSTANTIATE_TEST_SUITE_P(Policies, DeviceSelected,
                            return name;
                          });
 
+// Sixteen sequences of mixed lengths (shorter than the resident tiers, about the budget, many
+// times it) share one planned step: every sequence's output and selection are what it gets
+// decoded alone in a batch of one, step after step, for each placement's policies.
+class Batch16 : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Batch16, MixedLengthsEqualEachSequenceAlone) {
+  RuntimeConfig c = PlanConfig(GetParam(), 2);
+  c.capacity.max_sequences = 16;
+  c.capacity.max_batch = 16;
+  c.capacity.max_prefill_chunk = 512;  // each prompt in one call
+  c.cpu_threads = 2;
+  if (GetParam() == "lfps") c.route = Route::kAuto;  // the CPU-placed planned step
+  if (GetParam() == "hip") c.policy.params["r_m"] = 2;  // masks rebuilt within the test
+  auto batched = Make(c), alone = Make(c);
+  ASSERT_TRUE(batched && alone);
+  Feeder f(c, 23);
+  std::vector<SequenceId> seqs;
+  for (int i = 0; i < 16; ++i) {
+    const SequenceId s = 100 + 7 * i;
+    seqs.push_back(s);
+    ASSERT_TRUE(batched->AddSequence(s).ok());
+    ASSERT_TRUE(alone->AddSequence(s).ok());
+    f.Prefill({batched.get(), alone.get()}, s, 3 + 29 * i);  // 3 .. 438 tokens
+  }
+  const ModelShape& m = c.model;
+  const int64_t qrow = int64_t{m.num_q_heads} * m.head_dim, kvrow = int64_t{m.num_kv_heads} * m.head_dim;
+  const auto row = [](const std::vector<float>& x, int64_t b, int64_t len) {
+    return std::vector<float>(x.begin() + b * len, x.begin() + (b + 1) * len);
+  };
+  for (int t = 0; t < 4; ++t) {
+    ASSERT_TRUE(batched->PlanDecode(seqs).ok());
+    std::vector<Feeder::Step> in;
+    std::vector<std::vector<float>> out(static_cast<size_t>(m.num_layers));
+    for (int l = 0; l < m.num_layers; ++l) {
+      in.push_back(f.Make(16));
+      ASSERT_TRUE(f.Decode(*batched, seqs, l, in.back(), out[l]).ok()) << "step " << t << " layer " << l;
+    }
+    for (int b = 0; b < 16; ++b) {
+      const std::vector<SequenceId> one = {seqs[b]};
+      ASSERT_TRUE(alone->PlanDecode(one).ok());
+      for (int l = 0; l < m.num_layers; ++l) {
+        SCOPED_TRACE("step " + std::to_string(t) + " sequence " + std::to_string(b) + " layer " +
+                     std::to_string(l));
+        Feeder::Step s1{row(in[l].q, b, qrow), row(in[l].k, b, kvrow), row(in[l].v, b, kvrow)};
+        std::vector<float> o1;
+        ASSERT_TRUE(f.Decode(*alone, one, l, s1, o1).ok());
+        const std::vector<float> want = row(out[l], b, qrow);
+        for (int64_t i = 0; i < qrow; ++i) ASSERT_NEAR(o1[i], want[i], 1e-5) << "at " << i;
+        EXPECT_GT(NormOf(o1), 0.0);
+        for (int h = 0; h < m.num_kv_heads; ++h) {
+          auto x = batched->LastSelection(seqs[b], l, h), y = alone->LastSelection(seqs[b], l, h);
+          ASSERT_TRUE(x.ok() && y.ok());
+          EXPECT_EQ(*x, *y) << "head " << h;
+        }
+      }
+    }
+  }
+  for (int b = 0; b < 16; ++b) EXPECT_EQ(*batched->SequenceLength(seqs[b], 0), 3 + 29 * b + 4);
+  EXPECT_EQ(batched->GetStats().decode_tokens, 4 * m.num_layers * 16);  // one call a layer and step
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, Batch16,
+                         ::testing::Values("dense", "streaming", "oracle", "quest", "sparcas", "hip",
+                                           "kvpop", "lfps"));
+
 TEST(HostStore, BytesAtCreateAreReservedUpFrontAndServeThePrompt) {
   RuntimeConfig c = PlanConfig("dense", 2);
   const int64_t page_bytes = int64_t{2} * 256 * c.model.head_dim * 2;  // 256-token pages, bf16
