@@ -124,6 +124,35 @@ KVF_HOST_DEVICE inline int32_t HipSinceAfterBuild(int64_t count, int64_t k_off_b
   return interval || r_m <= 1 ? 0 : layer % r_m;
 }
 
+/// The host's state update at a ranked step, after HipPromote and HipStepAction: a mask of
+/// \p count blocks built (kBuild, kRequest) at length n over [off_lo, off_hi) for k_off picks is
+/// put in use (kBuild: blocks buffer `cur`) or held as built for the next ranked step (kRequest:
+/// buffer cur ^ 1, pending 2, its age counted from this step); then the step counts itself. The
+/// host policy and the host backend's twin; HipMaskKernel and HipDeferredKernel do the same on
+/// the device.
+inline void HipRecordStep(HipState& st, HipAction action, int32_t count, int64_t off_lo,
+                          int64_t off_hi, int64_t k_off, int64_t n, int32_t r_m, int32_t layer) {
+  if (action != HipAction::kKeep) {
+    const int32_t since = HipSinceAfterBuild(st.count, st.k_off, st.n, st.since_refresh, k_off, n, r_m, layer);
+    if (action == HipAction::kBuild) {
+      st.since_refresh = since;
+      st.count = count;
+      st.k_off = k_off;
+      st.hi = off_hi;
+    } else {
+      st.pending = 2;
+      st.p_n = n;
+      st.p_lo = off_lo;
+      st.p_hi = off_hi;
+      st.p_k_off = k_off;
+      st.p_count = count;
+      st.p_since = since + 1;
+    }
+  }
+  ++st.since_refresh;
+  st.n = n;
+}
+
 /// The first nodes of a mask over nb > kn blocks. Aligned (HiP's `align` 1, the default, as the
 /// public code aligns them): nodes of L blocks, L the least power of two >= ceil(nb / kn), at
 /// multiples of L (the last cut at nb), ceil(nb / L) <= kn of them; every later split point is

@@ -389,6 +389,7 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
     HipPromote(st);
     const HipAction action = HipStepAction(st.count, st.k_off, st.n, st.since_refresh, k_off, n,
                                            a.hip_r_m, a.hip_lag);
+    int32_t built = 0;  // blocks of the mask built at this step
     if (action != HipAction::kKeep) {
       // kRequest: CUDA builds it on a side stream from this step's query (DecodeSelectDeferred);
       // here it is built at once into the other buffer and takes over at the next ranked step.
@@ -410,28 +411,12 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
                       HipSeed(n, a.layer, static_cast<int32_t>(t % a.num_kv_heads)), a.hip_align != 0,
                       score_of, mask);
       }
-      const int32_t since = HipSinceAfterBuild(st.count, st.k_off, st.n, st.since_refresh, k_off, n,
-                                               a.hip_r_m, a.layer);
       const int32_t buf = action == HipAction::kBuild ? st.cur : st.cur ^ 1;
       std::copy(mask.begin(), mask.end(), a.hip_blocks + (2 * t + buf) * a.hip_max_nodes);
-      if (action == HipAction::kBuild) {
-        st.since_refresh = since;
-        st.count = static_cast<int32_t>(mask.size());
-        st.k_off = k_off;
-        st.hi = off_hi;
-      } else {
-        st.pending = 2;
-        st.p_n = n;
-        st.p_lo = off_lo;
-        st.p_hi = off_hi;
-        st.p_k_off = k_off;
-        st.p_count = static_cast<int32_t>(mask.size());
-        st.p_since = since + 1;
-      }
+      built = static_cast<int32_t>(mask.size());
     }
+    HipRecordStep(st, action, built, off_lo, off_hi, k_off, n, a.hip_r_m, a.layer);
     const int32_t* blocks = a.hip_blocks + (2 * t + st.cur) * a.hip_max_nodes;
-    ++st.since_refresh;
-    st.n = n;
     for (int32_t j = 0; j < st.count; ++j) {
       const int64_t t0 = off_lo + blocks[j] * bk, t1 = std::min(t0 + bk, st.hi);
       for (int64_t i = t0; i < t1; ++i) out[c++] = static_cast<int32_t>(i);

@@ -160,15 +160,12 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
     FinishSelection(s, chosen.data(), got, out);
     return Status::Ok();
   }
-  if (st->pending) {  // the mask requested at the last ranked step takes over (HipPromote)
-    st->mask.swap(st->next);
-    st->k_off = st->next_k_off;
-    st->since_refresh = st->next_since;
-    st->pending = false;
-  }
+  HipState& hs = st->st;
+  HipPromote(hs);  // a mask requested at the last ranked step takes over
   const HipAction action =
-      HipStepAction(static_cast<int64_t>(st->mask.size()), st->k_off, st->n, st->since_refresh, s.k_off,
-                    ctx.n, params_.r_m, params_.lag);
+      HipStepAction(hs.count, hs.k_off, hs.n, hs.since_refresh, s.k_off, ctx.n, params_.r_m, params_.lag);
+  thread_local std::vector<int32_t> blocks;
+  blocks.clear();
   if (action != HipAction::kKeep) {
     HipMaskOptions opt;
     opt.bk = params_.bk;
@@ -176,30 +173,21 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
     opt.seed = HipSeed(ctx.n, ctx.layer, ctx.kv_head);
     opt.bits = HipBits(params_, ctx.params.head_dim);
     opt.align = params_.align != 0;
-    thread_local std::vector<int32_t> blocks;
     HipMask(ctx.params, ctx.q, ctx.kv, s.off_lo, s.off_hi, s.k_off, opt, blocks);
-    const int32_t since = HipSinceAfterBuild(static_cast<int64_t>(st->mask.size()), st->k_off, st->n,
-                                             st->since_refresh, s.k_off, ctx.n, params_.r_m, ctx.layer);
-    std::vector<int32_t>& dst = action == HipAction::kBuild ? st->mask : st->next;
+    // kBuild: in use from this step; kRequest (lag 1): from the next one (HipRecordStep).
+    std::vector<int32_t>& dst = st->masks[action == HipAction::kBuild ? hs.cur : hs.cur ^ 1];
     dst.clear();
     for (const int32_t b : blocks) {
       const int64_t t0 = s.off_lo + static_cast<int64_t>(b) * params_.bk;
       const int64_t t1 = std::min<int64_t>(t0 + params_.bk, s.off_hi);
       for (int64_t t = t0; t < t1; ++t) dst.push_back(static_cast<int32_t>(t));
     }
-    if (action == HipAction::kBuild) {
-      st->since_refresh = since;
-      st->k_off = s.k_off;
-    } else {  // its age counts from this step, as a mask built and used here would
-      st->pending = true;
-      st->next_k_off = s.k_off;
-      st->next_since = since + 1;
-    }
   }
-  ++st->since_refresh;
-  st->n = ctx.n;
+  HipRecordStep(hs, action, static_cast<int32_t>(blocks.size()), s.off_lo, s.off_hi, s.k_off, ctx.n,
+                params_.r_m, ctx.layer);
+  const std::vector<int32_t>& mask = st->masks[hs.cur];
   // The cached positions stay inside [sink, off_hi): off_hi only grows between refreshes.
-  FinishSelection(s, st->mask.data(), static_cast<int64_t>(st->mask.size()), out);
+  FinishSelection(s, mask.data(), static_cast<int64_t>(mask.size()), out);
   return Status::Ok();
 }
 

@@ -35,8 +35,8 @@
 //  - First `dense_layers` (default 3, the notes' l_d for 7B models), at `dense_bits` 4 (the default
 //    when the scores are 4-bit): SparCas's 4-bit top-k over every dimension (policies/sparcas.h
 //    with d_b = head_dim, the same compact rows the mask scores; the device's SparCas kernels),
-//    a quarter of the exact path's key bytes; 16: the exact top-k. Either way the per-item capacity of the
-//    runtime forbids dense, so those layers take the exact top-k (see sparcas.h).
+//    a quarter of the exact path's key bytes; 16: the exact top-k. Not dense attention either way:
+//    the runtime's per-item capacity forbids it (see sparcas.h).
 //  - k = budget - sink - window tokens; K' = floor(k / bk) blocks (the remainder is unused).
 
 #include <cstdint>
@@ -129,15 +129,8 @@ class HipPolicy final : public Policy {
 
  private:
   struct HeadState {
-    std::vector<int32_t> mask;  ///< cached offloaded positions, ascending
-    int64_t k_off = -1;         ///< k the mask was built for
-    int64_t n = 0;              ///< n at the last call
-    int since_refresh = 0;
-    // lag 1: a mask requested at the last ranked step (HipStepAction's kRequest), in use from this one
-    std::vector<int32_t> next;
-    bool pending = false;
-    int64_t next_k_off = 0;
-    int next_since = 0;
+    HipState st;  ///< the device's mask state (base/hip_mask.h's HipPromote / HipRecordStep)
+    std::vector<int32_t> masks[2];  ///< its two masks as offloaded positions, ascending (st.cur in use)
   };
   HipParams params_;
   bool device_ = false;

@@ -312,10 +312,10 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
           z.hip_max_nodes = static_cast<int32_t>(std::max<int64_t>(item_cap_ / dp.hip_bk, 1));
           z.hip_state = AllocBytes(items_all * sizeof(HipState));
           z.hip_blocks = AllocBytes(items_all * 2 * static_cast<size_t>(z.hip_max_nodes) * sizeof(int32_t));
-          if (z.hip_lag != 0) {
+          if (z.hip_lag != 0 && cuda) {  // the host backend's twin builds a requested mask at once
             z.hip_query = AllocBytes(items_all * static_cast<size_t>(HipQueryWords(group_, m.head_dim)) *
                                      sizeof(uint32_t));
-            if (cuda) ++z.streams;  // the side rebuilds' stream
+            ++z.streams;  // the side rebuilds' stream
           }
         }
       }
