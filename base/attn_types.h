@@ -111,7 +111,18 @@ enum class SelectScoring : int32_t {
   /// offloaded end it was built at, and the window. Layers below sparcas_dense_layers take
   /// kSparcas's exact path. Equals policies/hip's host Select.
   kHip = 4,
+  /// KVpop (policies/kvpop.h, base/kvpop_score.h): per item up to k = k_off long-range slots
+  /// (positions ascending, static priorities) in kvpop_pos / kvpop_prio. Each token that has left
+  /// the window since the item's last step ([max(next_u, sink), n - window)) is scored once by
+  /// the item's (layer, KV head) scorer in kvpop_scorer on [k; v] and ranked by p = r - u log
+  /// gamma; the slots keep the k best of slots and newcomers by (p desc, position asc); the
+  /// others are evicted for good (they stay in the host store). The list is the sinks, the slots
+  /// and the window. Reads no query: the selection is a function of the keys and values alone.
+  /// Equals policies/kvpop's host Select.
+  kKvpop = 5,
 };
+
+struct KvpopState;  // base/kvpop_score.h
 
 /// Per-item HiP mask state in device memory (DecodeStepArgs::hip_state, one per t; all zero for a
 /// new sequence).
@@ -338,6 +349,16 @@ struct DecodeStepArgs {
   /// CUDA, hip_lag 1: item t's packed int8 query for its requested rebuild at hip_query + t *
   /// HipQueryWords(group, head_dim) (device memory).
   uint32_t* hip_query = nullptr;
+  /// kKvpop: item t's state at kvpop_state + t and its slots at kvpop_pos / kvpop_prio + t *
+  /// kvpop_cap (kvpop_cap >= budget_cap); the scorers' table (KvpopScorerFloats(kvpop_hidden, 2
+  /// head_dim) floats a (layer, KV head), device memory). A catch-up of more than one newcomer
+  /// (the first step after a prompt) scores them into select_ws (item * group * select_ld).
+  KvpopState* kvpop_state = nullptr;
+  int32_t* kvpop_pos = nullptr;
+  float* kvpop_prio = nullptr;
+  int64_t kvpop_cap = 0;
+  const float* kvpop_scorer = nullptr;
+  int32_t kvpop_hidden = 0;
   float* select_ws = nullptr;
   int64_t select_ld = 0;
   unsigned long long* topk_ws = nullptr;

@@ -19,7 +19,7 @@
 // Modes: dense_cpu (dense, every row attended on the CPU cores), dense_resident (window covers the context), streaming (budget 1024, window 256: 768 rows
 // per KV head read over PCIe each step), streaming_resident (budget 1024 = sinks + window: nothing
 // read over PCIe), oracle (2%),
-// quest (2%, page bounds on the GPU), sparcas (2%, compact keys on the GPU), lfps (2%, route auto), lfps_gpu (2%, route gpu), full_streaming (dense, every row read over PCIe); hip (2%, masks on the GPU); any of oracle, quest, sparcas, hip with "_bank" appended runs
+// quest (2%, page bounds on the GPU), sparcas (2%, compact keys on the GPU), lfps (2%, route auto), lfps_gpu (2%, route gpu), full_streaming (dense, every row read over PCIe); hip (2%, masks on the GPU); kvpop (2%, slots on the GPU, a random width-16 MLP scorer); any of oracle, quest, sparcas, hip, kvpop with "_bank" appended runs
 // with the device token bank (slots for twice the offloaded picks per sequence, layer and KV head).
 
 #include <cuda_runtime.h>
@@ -204,6 +204,46 @@ struct Row {
   std::string json;
 };
 
+// The "kvpop" mode's scorer: an MLP of hidden width 16 (what scripts/kvpop_train.py trains for
+// SmolLM2) with random weights for this model shape, written once as the safetensors file that
+// KVFERRY_KVPOP_WEIGHTS names, so the step pays for a real scorer. Returns the path.
+std::string KvpopWeightsFile(int layers, int kv_heads, int head_dim) {
+  const int hidden = 16, in_dim = 2 * head_dim;
+  const std::string path = "/tmp/kvferry_e2e_kvpop_" + std::to_string(layers) + ".safetensors";
+  uint32_t state = 12345;
+  auto next = [&] {  // uniform in [-1, 1)
+    state = state * 1664525u + 1013904223u;
+    return static_cast<float>(state >> 8) / 8388608.0f - 1.0f;
+  };
+  struct T { const char* name; std::vector<int64_t> shape; std::vector<float> data; };
+  std::vector<T> ts = {{"alpha", {layers, kv_heads}, {}}, {"b1", {layers, kv_heads, hidden}, {}},
+                       {"b2", {layers, kv_heads}, {}}, {"w1", {layers, kv_heads, hidden, in_dim}, {}},
+                       {"w2", {layers, kv_heads, hidden}, {}}};
+  for (T& t : ts) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    t.data.resize(static_cast<size_t>(n));
+    const float scale = std::string_view(t.name) == "w1" ? 1.0f / std::sqrt(static_cast<float>(in_dim)) : 1.0f;
+    for (float& x : t.data) x = scale * next();
+  }
+  std::string header = "{";
+  size_t off = 0;
+  for (const T& t : ts) {
+    std::string shape;
+    for (int64_t d : t.shape) shape += (shape.empty() ? "" : ",") + std::to_string(d);
+    header += "\"" + std::string(t.name) + "\":{\"dtype\":\"F32\",\"shape\":[" + shape +
+              "],\"data_offsets\":[" + std::to_string(off) + "," + std::to_string(off + t.data.size() * 4) + "]},";
+    off += t.data.size() * 4;
+  }
+  header += "\"__metadata__\":{\"format\":\"kvferry-kvpop-mlp-v1\"}}";
+  std::ofstream f(path, std::ios::binary);
+  const uint64_t len = header.size();
+  f.write(reinterpret_cast<const char*>(&len), 8);
+  f << header;
+  for (const T& t : ts) f.write(reinterpret_cast<const char*>(t.data.data()), static_cast<std::streamsize>(t.data.size() * 4));
+  return path;
+}
+
 std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& mode) {
   constexpr int kHq = 32, kHkv = 8, kD = 128, kSink = 4, kWindow = 256, kPrime = 32;
   const double kv_gib = static_cast<double>(batch) * ctx * o.layers * kHkv * 2 * kD * 2 / (1 << 30);
@@ -273,6 +313,13 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     c.policy.name = "hip";  // HiP's masks from 4-bit rows of every dimension on the GPU, rebuilt every 8 steps beside the step (lag 1), first 3 layers SparCas's 4-bit top-k over every dimension (--param dense_bits=16: exact)
     c.policy.budget_tokens = 0;
     c.policy.budget_fraction = 0.02;
+  } else if (base == "kvpop") {
+    // KVpop's slots on the GPU, scored by a random MLP of width 16 (KvpopWeightsFile); the
+    // e2e's random keys make no trained scorer meaningful, only its cost.
+    c.policy.name = "kvpop";
+    c.policy.budget_tokens = 0;
+    c.policy.budget_fraction = 0.02;
+    setenv("KVFERRY_KVPOP_WEIGHTS", KvpopWeightsFile(o.layers, kHkv, kD).c_str(), 1);
   } else if (base == "lfps_gpu") {
     c.policy.name = "lfps";  // every selected offloaded row read by the GPU (zero-copy)
     c.policy.budget_tokens = 0;

@@ -133,6 +133,10 @@ Status LaunchDecodeStep(const DecodeStepArgs& args, const LaunchInfo& info, cuda
 /// position), ascending. Everything per step is read on the device: graph-capturable.
 Status LaunchDecodeSelect(const DecodeStepArgs& args, const LaunchInfo& info, cudaStream_t stream);
 
+/// LaunchDecodeSelect's kKvpop (gpu/kvpop_select.cu): a CTA per item updates its long-range
+/// slots with the tokens that left the window and writes the list (sinks, slots, window).
+Status LaunchKvpopSelect(const DecodeStepArgs& args, cudaStream_t stream);
+
 /// The work LaunchDecodeSelect leaves beside the step (kHip with hip_lag 1: the rebuilds it
 /// requested, HipStepAction's kRequest), for a side stream that waits for the selection; the
 /// caller joins it back before the items' next ranked step. A no-op for the other scorings.

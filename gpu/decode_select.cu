@@ -2105,7 +2105,8 @@ namespace {
 Status CheckSelectArgs(const DecodeStepArgs& a) {
   KVF_RETURN_IF_ERROR(CheckAttnShape(a.params));
   KVF_CHECK_ARG(a.scoring == SelectScoring::kExactTopK || a.scoring == SelectScoring::kQuestPages ||
-                    a.scoring == SelectScoring::kSparcas || a.scoring == SelectScoring::kHip,
+                    a.scoring == SelectScoring::kSparcas || a.scoring == SelectScoring::kHip ||
+                    a.scoring == SelectScoring::kKvpop,
                 "DecodeSelect: unknown scoring ", static_cast<int>(a.scoring));
   KVF_CHECK_ARG(a.list != nullptr && a.list_count != nullptr && a.select_ws != nullptr &&
                     a.slots != nullptr && a.positions != nullptr,
@@ -2283,6 +2284,10 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
   if (a.batch == 0 || a.scoring == SelectScoring::kNone) return Status::Ok();
   KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
   KVF_CHECK_ARG(a.pages != nullptr, "DecodeSelect: null page table");
+  if (a.scoring == SelectScoring::kKvpop) {  // gpu/kvpop_select.cu
+    KVF_RETURN_IF_ERROR(LaunchKvpopSelect(a, stream));
+    return LaunchPsawFilter(a, stream);
+  }
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
   const size_t q_smem = static_cast<size_t>(a.params.group) * a.params.head_dim * sizeof(float);
   const int64_t fill = std::max<int64_t>(1, int64_t{info.num_sms} * 8 / items);

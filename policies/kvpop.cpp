@@ -198,13 +198,10 @@ float KvpopMlpScore(const float* x, int in_dim, int hidden, const float* w1, con
                     const float* w2, float b2) {
   float r = b2;
   for (int i = 0; i < hidden; ++i) {
-    const float* row = w1 + static_cast<int64_t>(i) * in_dim;
-    float z = b1[i];
-    for (int j = 0; j < in_dim; ++j) z += row[j] * x[j];
-    const float h = z / (1.0f + std::exp(-z));
-    r += w2[i] * h;
+    const float z = KvpopDot(w1 + static_cast<int64_t>(i) * in_dim, x, in_dim) + b1[i];
+    r = std::fma(w2[i], KvpopSilu(z), r);
   }
-  return r;
+  return std::isnan(r) ? -std::numeric_limits<float>::infinity() : r;
 }
 
 float KvpopLogGamma(float alpha, float gamma_min, float gamma_max) {
@@ -245,6 +242,9 @@ Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params
     if (key == "scorer") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("kvpop", key, value, -1, 1));
       kp.scorer = static_cast<int>(v);
+    } else if (key == "device") {
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("kvpop", key, value, 0, 1));
+      kp.device = static_cast<int>(v);
     } else if (key == "gamma_min") {
       KVF_CHECK_ARG(value > 0 && value < 1, "kvpop parameter 'gamma_min' = ", value,
                     " must be in (0, 1)");
@@ -255,7 +255,7 @@ Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params
       kp.gamma_max = value;
     } else {
       return InvalidArgument(detail::StrCat("unknown kvpop parameter '", key,
-                                            "' (known: scorer, gamma_min, gamma_max)"));
+                                            "' (known: scorer, gamma_min, gamma_max, device)"));
     }
   }
   KVF_CHECK_ARG(kp.gamma_min <= kp.gamma_max, "kvpop parameter 'gamma_min' = ", kp.gamma_min,
@@ -291,6 +291,42 @@ float KvpopPolicy::LogGamma(int layer, int kv_head) const {
   }
   return KvpopLogGamma(0.0f, static_cast<float>(params_.gamma_min),
                        static_cast<float>(params_.gamma_max));
+}
+
+Policy::DeviceSelectParams KvpopPolicy::device_select_params(int head_dim) const {
+  (void)head_dim;
+  DeviceSelectParams p;
+  p.kvpop_hidden = use_mlp_ ? weights_->hidden : 0;
+  return p;
+}
+
+Result<std::vector<float>> KvpopPolicy::device_select_table(const ModelShape& model) const {
+  const KvpopScorerWeights* w = use_mlp_ ? weights_.get() : nullptr;
+  if (w != nullptr) {
+    KVF_CHECK_ARG(w->num_layers == model.num_layers && w->num_kv_heads == model.num_kv_heads &&
+                      w->in_dim == 2 * model.head_dim,
+                  "kvpop weights are for ", w->num_layers, " layers x ", w->num_kv_heads,
+                  " KV heads x input ", w->in_dim, "; the model has ", model.num_layers,
+                  " layers x ", model.num_kv_heads, " KV heads x input ", 2 * model.head_dim);
+  }
+  const int32_t hidden = w != nullptr ? w->hidden : 0;
+  const int32_t in_dim = 2 * model.head_dim;
+  const int64_t block = KvpopScorerFloats(hidden, in_dim);
+  std::vector<float> table(static_cast<size_t>(block) * model.num_layers * model.num_kv_heads, 0.0f);
+  for (int l = 0; l < model.num_layers; ++l) {
+    for (int h = 0; h < model.num_kv_heads; ++h) {
+      float* dst = table.data() + (static_cast<int64_t>(l) * model.num_kv_heads + h) * block;
+      dst[0] = LogGamma(l, h);
+      if (w == nullptr) continue;
+      const size_t head = static_cast<size_t>(l) * w->num_kv_heads + h;
+      const size_t hh = static_cast<size_t>(hidden);
+      dst[1] = w->b2[head];
+      std::copy_n(w->w1.data() + head * hh * in_dim, hh * in_dim, dst + 2);
+      std::copy_n(w->b1.data() + head * hh, hh, dst + 2 + hh * in_dim);
+      std::copy_n(w->w2.data() + head * hh, hh, dst + 2 + hh * in_dim + hh);
+    }
+  }
+  return table;
 }
 
 Status KvpopPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {

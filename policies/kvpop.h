@@ -24,6 +24,10 @@
 //  - Weights file: PolicyConfig::params holds numbers only, so the path comes from the
 //    environment variable KVFERRY_KVPOP_WEIGHTS (read at MakeKvpopPolicy) or from
 //    KvpopPolicy::Create with loaded weights (tests, embedders).
+//  - Where it selects: on the device by default ("device" = 1: SelectScoring::kKvpop; the slots,
+//    priorities and the scorer's table in device memory, updated by the planned step's kernels,
+//    no host work, capture-safe); "device" = 0 keeps this host Select in the step. Both compute
+//    base/kvpop_score.h's priorities, so they keep the same tokens.
 
 #include <cstdint>
 #include <map>
@@ -31,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "base/kvpop_score.h"
 #include "policies/policy.h"
 #include "policies/select_util.h"
 
@@ -81,6 +86,7 @@ struct KvpopParams {
   int scorer = -1;   ///< "scorer": 0 zero (recency), 1 MLP (needs weights), -1 MLP if weights
   double gamma_min = 0.999;     ///< "gamma_min" (used when the weights file sets none)
   double gamma_max = 0.999999;  ///< "gamma_max"
+  int device = 1;  ///< "device": 1 select on the device (SelectScoring::kKvpop), 0 on the host
 };
 
 Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params);
@@ -95,6 +101,13 @@ class KvpopPolicy final : public Policy {
 
   [[nodiscard]] std::string_view name() const override { return "kvpop"; }
   [[nodiscard]] Placement placement() const override { return Placement::kGpu; }
+  [[nodiscard]] SelectScoring device_scoring() const override {
+    return params_.device != 0 ? SelectScoring::kKvpop : SelectScoring::kNone;
+  }
+  [[nodiscard]] DeviceSelectParams device_select_params(int head_dim) const override;
+  /// The scorer of every (layer, KV head) in base/kvpop_score.h's table layout (hidden 0 for the
+  /// zero scorer); a model the weights do not fit is kInvalidArgument naming both shapes.
+  [[nodiscard]] Result<std::vector<float>> device_select_table(const ModelShape& model) const override;
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
   void OnSequenceRemoved(int slot) override { states_.RemoveSlot(slot); }
 

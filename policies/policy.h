@@ -129,10 +129,18 @@ class Policy {
     int hip_align = 1;
     int hip_lag = 0;
     int hip_dense_layers = 0;  ///< kHip: DecodeStepArgs::hip_dense_layers
+    int kvpop_hidden = 0;      ///< kKvpop: the scorer's hidden width (0: the zero scorer)
   };
   [[nodiscard]] virtual DeviceSelectParams device_select_params(int head_dim) const {
     (void)head_dim;
     return {};
+  }
+  /// With a device scoring that reads a table (kKvpop: every (layer, KV head)'s scorer in
+  /// base/kvpop_score.h's layout): the table for \p model, uploaded once at Create; empty: none.
+  /// A model it does not fit is kInvalidArgument.
+  [[nodiscard]] virtual Result<std::vector<float>> device_select_table(const ModelShape& model) const {
+    (void)model;
+    return std::vector<float>{};
   }
   /// With a device scoring: the fraction f of positions hidden at \p layer (PrHS's depth window,
   /// psaw+): the device drops [sink, floor(f n)) from its selection and refills it as

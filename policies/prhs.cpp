@@ -41,6 +41,9 @@ class WrapperBase : public Policy {
   // attends them on the device whatever the list says): CIS's shared set takes them all whatever
   // the budget, PSAW never hides them, XL reuses a set the inner chose at the same length.
   bool selection_covers_resident() const override { return inner_->selection_covers_resident(); }
+  Result<std::vector<float>> device_select_table(const ModelShape& model) const override {
+    return inner_->device_select_table(model);
+  }
   // The inner policy's device scan (LFPS): the wrappers pass their SelectContext, with the
   // device's ranking in it, to the inner Select whenever they run it.
   int device_scan_channels() const override { return inner_->device_scan_channels(); }

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "base/check.h"
+#include "base/kvpop_score.h"
 #include "base/psaw.h"
 #include "policies/select_util.h"
 #include "runtime/runtime_impl.h"
@@ -130,6 +131,27 @@ Status RuntimeImpl::InitStepBuffers() {
           KVF_ASSIGN_OR_RETURN(hip_join_, device_->CreateEvent());
         }
       }
+      KVF_RETURN_IF_ERROR(ResetSelectState(-1));
+    }
+    if (scoring_ == SelectScoring::kKvpop) {
+      kvpop_cap_ = z.kvpop_cap;
+      kvpop_hidden_ = z.kvpop_hidden;
+      KVF_ASSIGN_OR_RETURN(p, Alloc(z.kvpop_state, false));
+      kvpop_state_ = static_cast<KvpopState*>(p);
+      KVF_ASSIGN_OR_RETURN(p, Alloc(z.kvpop_slots, false));
+      kvpop_pos_ = static_cast<int32_t*>(p);
+      const size_t slots = static_cast<size_t>(config_.capacity.max_sequences) * m.num_layers *
+                           m.num_kv_heads * static_cast<size_t>(kvpop_cap_);
+      kvpop_prio_ = reinterpret_cast<float*>(kvpop_pos_ + slots);
+      KVF_ASSIGN_OR_RETURN(p, Alloc(z.kvpop_scorer, false));
+      kvpop_scorer_ = static_cast<float*>(p);
+      KVF_ASSIGN_OR_RETURN(std::vector<float> table, policy_->device_select_table(m));
+      KVF_CHECK_CODE(table.size() * sizeof(float) <= z.kvpop_scorer &&
+                         table.size() == static_cast<size_t>(m.num_layers) * m.num_kv_heads *
+                                             static_cast<size_t>(KvpopScorerFloats(kvpop_hidden_, 2 * m.head_dim)),
+                     StatusCode::kInternal, "policy '", policy_->name(), "': a scorer table of ",
+                     table.size(), " floats for hidden width ", kvpop_hidden_);
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(kvpop_scorer_, table.data(), table.size() * sizeof(float), stream_));
       KVF_RETURN_IF_ERROR(ResetSelectState(-1));
     }
     if (z.bank_stage > 0) {
@@ -383,6 +405,8 @@ int64_t RuntimeImpl::SelectKeyBytes(int64_t n, int64_t budget, int layer) const 
       return iters * 2 * kn * hip_bk_ * row / std::max(hip_r_m_, 1);
     }
     case SelectScoring::kSparcas: return SparcasKeyBytes(n, layer, ranks);
+    // The K and V rows of the token that left the window (no key is ranked against a query).
+    case SelectScoring::kKvpop: return s.off_hi > s.off_lo ? 2 * static_cast<int64_t>(row_bytes_) : 0;
     default: return 0;
   }
 }
@@ -518,6 +542,12 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.hip_lag = hip_lag_;
     a.hip_dense_layers = hip_dense_;
     a.hip_query = hip_query_;
+    a.kvpop_state = kvpop_state_;
+    a.kvpop_pos = kvpop_pos_;
+    a.kvpop_prio = kvpop_prio_;
+    a.kvpop_cap = kvpop_cap_;
+    a.kvpop_scorer = kvpop_scorer_;
+    a.kvpop_hidden = kvpop_hidden_;
     if (bank_stage_ != nullptr) {
       step_bank_->View(&a.bank);
       a.bank.stage = bank_stage_;
@@ -824,12 +854,18 @@ Status RuntimeImpl::JoinHipSide(StreamHandle stream) {
 }
 
 Status RuntimeImpl::ResetSelectState(int slot) {
-  if (sparcas_state_ == nullptr) return Status::Ok();
+  if (sparcas_state_ == nullptr && kvpop_state_ == nullptr) return Status::Ok();
   KVF_RETURN_IF_ERROR(JoinHipSide(stream_));  // the masks' side rebuilds first
   const ModelShape& m = config_.model;
   const size_t per_slot = static_cast<size_t>(m.num_layers) * m.num_kv_heads;
   const size_t first = slot < 0 ? 0 : static_cast<size_t>(slot) * per_slot;
   const size_t count = slot < 0 ? per_slot * config_.capacity.max_sequences : per_slot;
+  if (kvpop_state_ != nullptr) {  // no slots, nothing scored yet
+    const std::vector<KvpopState> zeros(count);
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(kvpop_state_ + first, zeros.data(),
+                                           count * sizeof(KvpopState), stream_));
+    return device_->SynchronizeStream(stream_);
+  }
   const std::vector<SparcasState> zeros(count);
   KVF_RETURN_IF_ERROR(device_->CopyAsync(sparcas_state_ + first, zeros.data(),
                                          count * sizeof(SparcasState), stream_));

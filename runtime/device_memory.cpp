@@ -10,6 +10,7 @@
 
 #include "base/check.h"
 #include "base/hip_mask.h"
+#include "base/kvpop_score.h"
 #include "runtime/runtime_impl.h"
 
 namespace kvferry {
@@ -52,6 +53,7 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
        {meta});
   part(scoring == SelectScoring::kHip ? "hip selection state" : "sparcas selection state",
        {sparcas_state, sparcas_dims, hip_state, hip_blocks, hip_query});
+  part("kvpop selection state (slots, priorities, scorers)", {kvpop_state, kvpop_slots, kvpop_scorer});
   part("selection lists", {step_list, step_list_count});
   part("selection scores", {select_ws, topk_ws, select_mcta});
   part("input staging (q, k, v, out)", {q_in, k_in, v_in, out_stage});
@@ -258,7 +260,7 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
       z.select_ws = AllocBytes(static_cast<size_t>(items) * group_ * z.select_ld * sizeof(float));
       int64_t sort_cap = 1;
       while (sort_cap < z.list_cap) sort_cap <<= 1;
-      if (sort_cap > 4096) z.topk_ws = AllocBytes(static_cast<size_t>(items * sort_cap) * 8);
+      if (sort_cap > 4096 && scoring != SelectScoring::kKvpop) z.topk_ws = AllocBytes(static_cast<size_t>(items * sort_cap) * 8);
       if (scoring == SelectScoring::kQuestPages) {
         z.meta_page = policy_->device_select_params(m.head_dim).page_tokens;
         KVF_CHECK_ARG(z.meta_page >= 1, "policy '", policy_->name(), "': page of ", z.meta_page,
@@ -275,7 +277,22 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
       const size_t mcta_bytes = SelectMctaWorkspaceBytes(
           items, group_, ranked_cap,
           scoring == SelectScoring::kQuestPages ? SelectMctaMinPages() : kSelectMctaMinKeys);
-      if (cuda && mcta_bytes > 0) z.select_mcta = AllocBytes(mcta_bytes);
+      if (cuda && mcta_bytes > 0 && scoring != SelectScoring::kKvpop) z.select_mcta = AllocBytes(mcta_bytes);
+      if (scoring == SelectScoring::kKvpop) {
+        // Per item the long-range slots (position, priority) for the largest budget, and every
+        // (layer, KV head)'s scorer.
+        const Policy::DeviceSelectParams dp = policy_->device_select_params(m.head_dim);
+        KVF_CHECK_ARG(dp.kvpop_hidden >= 0, "policy '", policy_->name(), "': hidden width ",
+                      dp.kvpop_hidden);
+        z.kvpop_cap = std::max<int64_t>(item_cap_, 1);
+        z.kvpop_hidden = dp.kvpop_hidden;
+        const size_t items_all = static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv;
+        z.kvpop_state = AllocBytes(items_all * sizeof(KvpopState));
+        z.kvpop_slots = AllocBytes(items_all * static_cast<size_t>(z.kvpop_cap) * (sizeof(int32_t) + sizeof(float)));
+        z.kvpop_scorer = AllocBytes(static_cast<size_t>(m.num_layers) * hkv *
+                                    static_cast<size_t>(KvpopScorerFloats(z.kvpop_hidden, 2 * m.head_dim)) *
+                                    sizeof(float));
+      }
       if (scoring == SelectScoring::kSparcas || scoring == SelectScoring::kHip) {
         const Policy::DeviceSelectParams dp = policy_->device_select_params(m.head_dim);
         KVF_CHECK_ARG(dp.d_b >= 1 && dp.u >= 1 && dp.dense_layers >= 0 &&

@@ -62,6 +62,8 @@ struct DeviceBufferSizes {
   int32_t sparcas_db = 16, sparcas_u = 64, sparcas_dense = 2, sparcas_bits = 16;
   int32_t hip_bk = 2, hip_r_m = 8, hip_rep = 0, hip_align = 1, hip_max_nodes = 0;  // kHip
   int32_t hip_lag = 0, hip_dense = 0;
+  int64_t kvpop_cap = 0;  // kKvpop: slots an item holds (the largest item budget)
+  int32_t kvpop_hidden = 0;
   int32_t bank_miss_cap = 0;
   int64_t step_ws_floats = 0;
   // CUDA prefill: pages of one layer staged in device memory; the tensor-core kernel and its
@@ -97,6 +99,7 @@ struct DeviceBufferSizes {
   size_t prefill_next = 0, prefill_next_pages = 0;
   size_t step_list = 0, step_list_count = 0, select_ws = 0, topk_ws = 0, select_mcta = 0;
   size_t meta = 0, sparcas_state = 0, sparcas_dims = 0, hip_state = 0, hip_blocks = 0, hip_query = 0;
+  size_t kvpop_state = 0, kvpop_slots = 0, kvpop_scorer = 0;
   size_t step_slots = 0, step_pos = 0, step_ws = 0, step_counters = 0;
   size_t prime_tables = 0, prime_stats = 0, prime_scratch = 0;
   size_t scan_shadow = 0, scan_scale = 0, scan_keys = 0, scan_ints = 0, scan_hist = 0,
@@ -661,6 +664,12 @@ class RuntimeImpl {
   SparcasState* sparcas_state_ = nullptr;  // device: [slot][layer][kv_head]
   int32_t* sparcas_dims_ = nullptr;        // device: [slot][layer][kv_head][head_dim]
   int32_t sparcas_db_ = 16, sparcas_u_ = 64, sparcas_dense_ = 2, sparcas_bits_ = 16;
+  KvpopState* kvpop_state_ = nullptr;  // device (kKvpop): [slot][layer][kv_head]
+  int32_t* kvpop_pos_ = nullptr;        // device (kKvpop): [slot][layer][kv_head][kvpop_cap_]
+  float* kvpop_prio_ = nullptr;         // likewise
+  float* kvpop_scorer_ = nullptr;       // device (kKvpop): [layer][kv_head] scorer blocks
+  int64_t kvpop_cap_ = 0;
+  int32_t kvpop_hidden_ = 0;
   HipState* hip_state_ = nullptr;  // device (kHip): [slot][layer][kv_head]
   int32_t* hip_blocks_ = nullptr;  // device (kHip): [slot][layer][kv_head][hip_max_nodes_]
   int32_t hip_bk_ = 2, hip_r_m_ = 8, hip_rep_ = 0, hip_align_ = 1, hip_max_nodes_ = 0;

@@ -19,6 +19,7 @@
 #include "gpu/device.h"
 #include "kvferry/runtime.h"
 #include "policies/basic.h"
+#include "tests/policy_test_util.h"
 #include "policies/policy.h"
 
 namespace kvferry {
@@ -73,6 +74,12 @@ RuntimeConfig MakeConfig(const Case& c, Backend backend) {
     cfg.policy.params["u"] = 4;
     cfg.policy.params["dense_layers"] = 1;
     if (c.sparcas_bits != 0) cfg.policy.params["bits"] = c.sparcas_bits;
+  }
+  // KVpop selects on the device unless asked (bits 16 stands for "the host selects" here too);
+  // "kvpop_mlp_test" scores with a random MLP (tests/policy_test_util.h).
+  if (c.policy.find("kvpop") != std::string::npos) {
+    if (c.policy.find("kvpop_mlp") != std::string::npos) testing_util::RegisterKvpopMlpTestPolicy();
+    if (c.sparcas_bits == 16) cfg.policy.params["device"] = 0;
   }
   cfg.route = c.route;
   cfg.backend = backend;
@@ -237,7 +244,7 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
         if (inner.rfind(w, 0) == 0) inner = inner.substr(w.size()), more = true;
       }
     }
-    const bool device_hip = inner == "hip" && c.sparcas_bits != 16;
+    const bool device_hip = (inner == "hip" || inner.rfind("kvpop", 0) == 0) && c.sparcas_bits != 16;
     if (inner != "oracle" && inner != "quest" && inner != "sparcas" && !device_hip) {
       EXPECT_FALSE(rt[0]->decode_is_capture_safe());
       EXPECT_GT(s0.host_syncs, 0);
@@ -278,6 +285,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"psaw+hip", Route::kGpu, 64, "hash"},
                       Case{"hip", Route::kGpu, 64, "hash", true, 0, 0},  // every mask in its step
                       Case{"hip", Route::kGpu, 64, "vector", true, 0, -1, 16},  // exact dense layers
+                      // KVpop's slots on the device: recency (no weights), and a random MLP
+                      // scorer computed on both backends to the bit.
+                      Case{"kvpop", Route::kGpu, 0, "vector"},
+                      Case{"kvpop", Route::kGpu, 64, "hash", true},
+                      Case{"kvpop_mlp_test", Route::kGpu, 0, "vector"},
+                      Case{"kvpop_mlp_test", Route::kGpu, 64, "vector", true},
+                      Case{"psaw+kvpop_mlp_test", Route::kGpu, 64, "hash"},
                       // lfps: the planned step (resident rows on the device, offloaded picks on
                       // the CPU), with host and device tensors; and the host-selected gpu route.
                       Case{"lfps", Route::kAuto, 0, "vector"},
@@ -288,8 +302,8 @@ INSTANTIATE_TEST_SUITE_P(
                       // lists, the device's step and bank.
                       Case{"hip", Route::kGpu, 64, "vector", false, 16},
                       Case{"hip", Route::kGpu, 64, "hash", true, 16},
-                      Case{"kvpop", Route::kGpu, 64, "vector"},
-                      Case{"kvpop", Route::kGpu, 64, "hash"},
+                      Case{"kvpop", Route::kGpu, 64, "vector", false, 16},
+                      Case{"kvpop", Route::kGpu, 64, "hash", false, 16},
                       Case{"lfps", Route::kGpu, 64, "vector"},
                       Case{"lfps", Route::kGpu, 64, "hash", true},
                       Case{"streaming", Route::kGpu, 64, "vector"},

@@ -166,6 +166,7 @@ RuntimeConfig Config(const std::string& policy, int bank_slots, Route route = Ro
     c.policy.params["dense_layers"] = 1;
     c.policy.params["bits"] = 16;
   }
+  if (policy == "kvpop") c.policy.params["device"] = 0;  // the host selects (default: the device)
   c.route = route;
   c.backend = Backend::kHost;  // the decorator makes it pose as CUDA
   c.cpu_threads = 2;

@@ -16,6 +16,7 @@
 #include "base/attn_types.h"
 #include "cpu/dtype.h"
 #include "kvferry/kvferry.h"
+#include "policies/kvpop.h"
 #include "policies/policy.h"
 #include "policies/select_util.h"
 
@@ -169,6 +170,38 @@ inline double SelectedRecall(Policy& policy, const SelectContext& ctx) {
   EXPECT_TRUE(st.ok()) << st.ToString();
   ExpectValidSelection(ctx, sel);
   return OffloadedRecall(ctx, sel);
+}
+
+/// Registers "kvpop_mlp_test": KVpop with a trained-looking MLP scorer (hidden 5, fixed random
+/// weights drawn for the configuration's model shape), so that runtime tests run the scorer on
+/// both backends without a weights file. Idempotent; returns the name.
+inline const char* RegisterKvpopMlpTestPolicy() {
+  static const bool done = RegisterPolicy("kvpop_mlp_test", [](const RuntimeConfig& c) -> Result<std::unique_ptr<Policy>> {
+    KVF_ASSIGN_OR_RETURN(KvpopParams params, ParseKvpopParams(c.policy.params));
+    auto w = std::make_shared<KvpopScorerWeights>();
+    const int layers = c.model.num_layers, heads = c.model.num_kv_heads, hidden = 5;
+    w->num_layers = layers;
+    w->num_kv_heads = heads;
+    w->in_dim = 2 * c.model.head_dim;
+    w->hidden = hidden;
+    const size_t lh = static_cast<size_t>(layers) * heads;
+    std::mt19937 rng(77);
+    std::normal_distribution<float> nd;
+    w->w1.resize(lh * hidden * w->in_dim);
+    w->b1.resize(lh * hidden);
+    w->w2.resize(lh * hidden);
+    w->b2.resize(lh);
+    w->alpha.resize(lh);
+    for (float& x : w->w1) x = 0.3f * nd(rng);
+    for (float& x : w->b1) x = 0.1f * nd(rng);
+    for (float& x : w->w2) x = nd(rng);
+    for (float& x : w->b2) x = nd(rng);
+    for (float& x : w->alpha) x = nd(rng);
+    KVF_ASSIGN_OR_RETURN(std::unique_ptr<KvpopPolicy> policy, KvpopPolicy::Create(params, std::move(w), c));
+    return std::unique_ptr<Policy>(std::move(policy));
+  });
+  (void)done;
+  return "kvpop_mlp_test";
 }
 
 }  // namespace kvferry::testing_util

@@ -22,6 +22,7 @@
 #include "kvferry/kvferry.h"
 #include "policies/basic.h"
 #include "policies/policy.h"
+#include "tests/policy_test_util.h"
 
 namespace kvferry {
 namespace {
@@ -371,6 +372,8 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   const std::string name = param.substr(0, colon);
   const std::string variant = colon == std::string::npos ? "" : param.substr(colon + 1);
   RuntimeConfig c = PlanConfig(name, 2);
+  // "kvpop:mlp": a scorer of random weights (the default kvpop has no weights file: recency).
+  if (variant == "mlp") c.policy.name = testing_util::RegisterKvpopMlpTestPolicy();
   if (variant == "lag0") c.policy.params["lag"] = 0;
   if (variant == "dense16") c.policy.params["dense_bits"] = 16;
   // "psaw+X": PrHS's depth window hides [sink, 0.16 n) at layer 1; the device filters its list.
@@ -452,8 +455,10 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
 
 INSTANTIATE_TEST_SUITE_P(Policies, DeviceSelected,
                          ::testing::Values("oracle", "quest", "sparcas", "hip", "hip:lag0", "hip:dense16",
+                                           "kvpop", "kvpop:mlp",
                                            "psaw+oracle", "psaw+quest", "psaw+sparcas", "psaw+hip",
-                                           "xl+oracle", "xl+quest", "xl+sparcas", "xl+hip"),
+                                           "psaw+kvpop", "xl+oracle", "xl+quest", "xl+sparcas",
+                                           "xl+hip", "xl+kvpop"),
                          [](const auto& info) {
                            std::string name = info.param;
                            std::replace(name.begin(), name.end(), '+', '_');
