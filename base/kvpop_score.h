@@ -27,6 +27,10 @@ struct KvpopState {
   int64_t count = 0;   ///< live slots
 };
 
+/// The device selection's limits (the runtime refuses more at Create).
+constexpr int32_t kKvpopMaxHidden = 256;
+constexpr int32_t kKvpopMaxHeadDim = 256;
+
 /// Floats of one (layer, KV head) scorer in the device table (DecodeStepArgs::kvpop_scorer, block
 /// (layer * num_kv_heads + h)): log gamma, b2, then w1 [hidden][in_dim], b1 [hidden], w2
 /// [hidden]. hidden 0: the zero scorer (r = 0: recency).

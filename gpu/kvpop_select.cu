@@ -26,7 +26,9 @@ namespace {
 
 constexpr int kKvpopThreads = 512;
 constexpr int kKvpopWarps = kKvpopThreads / 32;
-constexpr int kKvpopMaxHeadDim = 256;
+// Slots a thread holds in registers on the step path (kKvpopThreads * kKvpopRegs an item, 8192:
+// 2% of 400K tokens); more take the general path.
+constexpr int kKvpopRegs = 16;
 
 template <typename T>
 __device__ __forceinline__ float KvToF32(T x);
@@ -43,20 +45,23 @@ struct KvpopShared {
   uint32_t hist[256];
   uint32_t prefix;
   int32_t want;
-  int32_t worst;    // index of the worst slot
-  float new_prio;   // the one newcomer's priority
-  int64_t next_u, count;
-  float x[kKvpopWarps][2 * kKvpopMaxHeadDim];  // a warp's token [k; v]
+  int64_t worst;   // index of the slot the newcomer evicts, -1: none
+  float new_prio;  // the one newcomer's priority
+  float h[kKvpopMaxHidden];   // its SiLU(z_i)
+  float w2[kKvpopMaxHidden];
+  // The step path's shift: lane 0's slot of each warp, per register.
+  int32_t bnd_pos[kKvpopRegs][kKvpopWarps];
+  float bnd_prio[kKvpopRegs][kKvpopWarps];
+  float x[kKvpopWarps][2 * kKvpopMaxHeadDim];  // a token's [k; v], a warp's own
 };
 
-// The priority of token u of item t (the calling warp; every lane returns it). Its rows come from
+// Token u of item t as fp32 [k; v] into x, by `stride` threads from `first`. Its rows come from
 // the resident window while u was in the window of the last step (the step's append, which
 // overwrites that ring row, runs after the selection), else from the host store (zero-copy).
 template <typename T>
-__device__ float KvpopWarpPriority(const DecodeStepArgs& a, const float* block, int64_t t, int64_t u,
-                                   int64_t n, float* x) {
-  const int lane = threadIdx.x & 31;
-  const int d = a.params.head_dim, in_dim = 2 * d;
+__device__ void KvpopLoadRow(const DecodeStepArgs& a, int64_t t, int64_t u, int64_t n, int first,
+                             int stride, float* x) {
+  const int d = a.params.head_dim;
   const size_t row_bytes = static_cast<size_t>(d) * sizeof(T);
   const int64_t rows_per_slot = static_cast<int64_t>(a.sink) + a.window;
   const int64_t row = ResidentRowOf(u, n - 1, a.sink, a.window);
@@ -73,24 +78,36 @@ __device__ float KvpopWarpPriority(const DecodeStepArgs& a, const float* block, 
     kp = reinterpret_cast<const T*>(base + static_cast<size_t>(p % pt) * row_bytes);
     vp = reinterpret_cast<const T*>(base + static_cast<size_t>(pt + p % pt) * row_bytes);
   }
-  for (int j = lane; j < d; j += 32) {
-    x[j] = KvToF32(kp[j]);
-    x[d + j] = KvToF32(vp[j]);
-  }
+  for (int j = first; j < 2 * d; j += stride) x[j] = KvToF32(j < d ? kp[j] : vp[j - d]);
+}
+
+// z_i's dot product w1[i] . x in KvpopDot's order: lane l takes j = l, l + 32, ..., then the
+// butterfly. Every lane returns it.
+__device__ __forceinline__ float KvpopWarpDot(const float* w, const float* x, int in_dim, int lane) {
+  float s = 0.0f;
+  for (int j = lane; j < in_dim; j += 32) s = fmaf(w[j], x[j], s);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s = s + __shfl_xor_sync(0xffffffffu, s, off);
+  return s;
+}
+
+// The priority of token u of item t by the calling warp alone (the catch-up: a warp a token);
+// every lane returns it.
+template <typename T>
+__device__ float KvpopWarpPriority(const DecodeStepArgs& a, const float* block, int64_t t, int64_t u,
+                                   int64_t n, float* x) {
+  const int lane = threadIdx.x & 31;
+  const int in_dim = 2 * a.params.head_dim, hidden = a.kvpop_hidden;
+  KvpopLoadRow<T>(a, t, u, n, lane, 32, x);
   __syncwarp();
   float r = 0.0f;
-  const int hidden = a.kvpop_hidden;
-  if (hidden > 0) {  // KvpopScore's operations, a lane per j of the dot products
+  if (hidden > 0) {  // KvpopScore's operations
     const float* w1 = block + 2;
     const float* b1 = w1 + static_cast<int64_t>(hidden) * in_dim;
     const float* w2 = b1 + hidden;
     r = block[1];
     for (int i = 0; i < hidden; ++i) {
-      const float* w = w1 + static_cast<int64_t>(i) * in_dim;
-      float s = 0.0f;
-      for (int j = lane; j < in_dim; j += 32) s = fmaf(w[j], x[j], s);
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s = s + __shfl_xor_sync(0xffffffffu, s, off);
+      const float s = KvpopWarpDot(w1 + static_cast<int64_t>(i) * in_dim, x, in_dim, lane);
       r = fmaf(w2[i], KvpopSilu(s + b1[i]), r);
     }
     if (r != r) r = -INFINITY;
@@ -99,9 +116,44 @@ __device__ float KvpopWarpPriority(const DecodeStepArgs& a, const float* block, 
   return KvpopPriorityOf(r, u, block[0]);
 }
 
+// The priority of the step's one newcomer u by the whole CTA (a warp per hidden unit, then
+// thread 0 sums them in KvpopScore's order); every thread returns it.
+template <typename T>
+__device__ float KvpopBlockPriority(const DecodeStepArgs& a, const float* block, int64_t t, int64_t u,
+                                    int64_t n, KvpopShared& sh) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int in_dim = 2 * a.params.head_dim, hidden = a.kvpop_hidden;
+  if (hidden > 0) {
+    KvpopLoadRow<T>(a, t, u, n, tid, kKvpopThreads, sh.x[0]);
+    __syncthreads();
+    const float* w1 = block + 2;
+    const float* b1 = w1 + static_cast<int64_t>(hidden) * in_dim;
+    const float* w2 = b1 + hidden;
+    for (int i = warp; i < hidden; i += kKvpopWarps) {
+      const float s = KvpopWarpDot(w1 + static_cast<int64_t>(i) * in_dim, sh.x[0], in_dim, lane);
+      if (lane == 0) {
+        sh.h[i] = KvpopSilu(s + b1[i]);
+        sh.w2[i] = w2[i];
+      }
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    float r = 0.0f;
+    if (hidden > 0) {
+      r = block[1];
+      for (int i = 0; i < hidden; ++i) r = fmaf(sh.w2[i], sh.h[i], r);
+      if (r != r) r = -INFINITY;
+    }
+    sh.new_prio = KvpopPriorityOf(r, u, block[0]);
+  }
+  __syncthreads();
+  return sh.new_prio;
+}
+
 // Grid (items), kKvpopThreads. See the file's comment and SelectScoring::kKvpop.
 template <typename T>
-__global__ void __launch_bounds__(kKvpopThreads) KvpopSelectKernel(DecodeStepArgs a) {
+__global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStepArgs a) {
   __shared__ KvpopShared sh;
   using Scan = cub::BlockScan<int32_t, kKvpopThreads>;
   using Reduce = cub::BlockReduce<unsigned long long, kKvpopThreads>;
@@ -116,78 +168,95 @@ __global__ void __launch_bounds__(kKvpopThreads) KvpopSelectKernel(DecodeStepArg
   const int64_t k = max(budget - (sinks + (n - off_hi)), int64_t{0});
   int32_t* pos = a.kvpop_pos + t * a.kvpop_cap;
   float* prio = a.kvpop_prio + t * a.kvpop_cap;
+  int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
   const float* block =
       a.kvpop_scorer + (static_cast<int64_t>(a.layer) * a.num_kv_heads + h) *
                            KvpopScorerFloats(a.kvpop_hidden, 2 * a.params.head_dim);
-  if (tid == 0) {
-    KvpopState st = a.kvpop_state[t];
-    if (n < st.next_u) st = KvpopState{};  // a new sequence in this slot
-    sh.next_u = st.next_u;
-    sh.count = st.count;
-  }
-  __syncthreads();
-  const int64_t count = sh.count;
-  const int64_t lo = max(sh.next_u, sinks);
+  KvpopState st = a.kvpop_state[t];   // every thread reads it; thread 0 writes it at the end
+  if (n < st.next_u) st = KvpopState{};  // a new sequence in this slot
+  const int64_t count = st.count;
+  const int64_t lo = max(st.next_u, sinks);
   const int64_t m = max(off_hi - lo, int64_t{0});
   int64_t kept = 0;
-  if (count + m <= k) {  // room for every newcomer
-    for (int64_t j = warp; j < m; j += kKvpopWarps) {
-      const float p = KvpopWarpPriority<T>(a, block, t, lo + j, n, sh.x[warp]);
-      if (lane == 0) {
-        pos[count + j] = static_cast<int32_t>(lo + j);
-        prio[count + j] = p;
+  bool listed = false;  // the slots are in the list already
+  if (m == 1 && count == k && k > 0 && k <= int64_t{kKvpopThreads} * kKvpopRegs) {
+    // A step: the newcomer against the worst slot (lowest priority, then highest position, which
+    // is the highest index). Slot i = r * kKvpopThreads + tid in register r of thread tid.
+    const int64_t regs = (count + kKvpopThreads - 1) / kKvpopThreads;
+    int32_t vp[kKvpopRegs];
+    float vr[kKvpopRegs];
+    unsigned long long mine = ~0ull;
+#pragma unroll
+    for (int r = 0; r < kKvpopRegs; ++r) {
+      const int64_t i = static_cast<int64_t>(r) * kKvpopThreads + tid;
+      vp[r] = 0;
+      vr[r] = 0.0f;
+      if (r < regs && i < count) {
+        vp[r] = pos[i];
+        vr[r] = prio[i];
+        const unsigned long long key = (static_cast<unsigned long long>(OrderedKey(vr[r])) << 32) |
+                                       (0xFFFFFFFFu - static_cast<uint32_t>(i));
+        mine = key < mine ? key : mine;
+      }
+    }
+    const float np = KvpopBlockPriority<T>(a, block, t, lo, n, sh);
+    const unsigned long long worst = Reduce(sh.tmp.reduce).Reduce(mine, ::cuda::minimum<>{});
+    if (tid == 0) {
+      // It beats the worst by priority alone: its position is past every slot's.
+      sh.worst = OrderedKey(np) > static_cast<uint32_t>(worst >> 32)
+                     ? static_cast<int64_t>(0xFFFFFFFFu - static_cast<uint32_t>(worst & 0xFFFFFFFFu))
+                     : -1;
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < kKvpopRegs; ++r) {
+        sh.bnd_pos[r][warp] = vp[r];
+        sh.bnd_prio[r][warp] = vr[r];
+      }
+    }
+    __syncthreads();
+    const int64_t w = sh.worst;
+#pragma unroll
+    for (int r = 0; r < kKvpopRegs; ++r) {
+      const int64_t i = static_cast<int64_t>(r) * kKvpopThreads + tid;
+      int32_t np_pos = __shfl_down_sync(0xffffffffu, vp[r], 1);  // slot i + 1
+      float np_prio = __shfl_down_sync(0xffffffffu, vr[r], 1);
+      if (w >= 0 && r < regs && i >= w && i < count) {
+        if (i == count - 1) {
+          np_pos = static_cast<int32_t>(lo);
+          np_prio = np;
+        } else if (lane == 31) {
+          const int wn = warp + 1 < kKvpopWarps ? warp + 1 : 0;
+          const int rn = warp + 1 < kKvpopWarps ? r : r + 1;  // < regs: i + 1 < count
+          np_pos = sh.bnd_pos[rn][wn];
+          np_prio = sh.bnd_prio[rn][wn];
+        }
+        vp[r] = np_pos;
+        vr[r] = np_prio;
+        pos[i] = np_pos;
+        prio[i] = np_prio;
+      }
+      if (r < regs && i < count) out[sinks + i] = vp[r];
+    }
+    kept = count;
+    listed = true;
+  } else if (count + m <= k) {  // room for every newcomer
+    if (m == 1) {
+      const float p = KvpopBlockPriority<T>(a, block, t, lo, n, sh);
+      if (tid == 0) {
+        pos[count] = static_cast<int32_t>(lo);
+        prio[count] = p;
+      }
+    } else {
+      for (int64_t j = warp; j < m; j += kKvpopWarps) {
+        const float p = KvpopWarpPriority<T>(a, block, t, lo + j, n, sh.x[warp]);
+        if (lane == 0) {
+          pos[count + j] = static_cast<int32_t>(lo + j);
+          prio[count + j] = p;
+        }
       }
     }
     kept = count + m;
-  } else if (m == 1 && count == k && k > 0) {  // a step: the newcomer against the worst slot
-    if (warp == 0) {
-      const float p = KvpopWarpPriority<T>(a, block, t, lo, n, sh.x[0]);
-      if (lane == 0) sh.new_prio = p;
-    }
-    // The worst: lowest priority, then highest position.
-    unsigned long long mine = ~0ull;
-    for (int64_t i = tid; i < count; i += kKvpopThreads) {
-      const unsigned long long key = (static_cast<unsigned long long>(OrderedKey(prio[i])) << 32) |
-                                     (0xFFFFFFFFu - static_cast<uint32_t>(pos[i]));
-      mine = key < mine ? key : mine;
-    }
-    const unsigned long long worst = Reduce(sh.tmp.reduce).Reduce(mine, ::cuda::minimum<>{});
-    if (tid == 0) sh.worst = -1;
-    __syncthreads();
-    if (tid == 0) {
-      const int32_t wpos = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(worst & 0xFFFFFFFFu));
-      // Slots ascend: the worst's index by binary search.
-      int64_t l = 0, r = count - 1;
-      while (l < r) {
-        const int64_t mid = (l + r) / 2;
-        if (pos[mid] < wpos) l = mid + 1; else r = mid;
-      }
-      if (KvpopRanksAbove(sh.new_prio, lo, prio[l], pos[l])) sh.worst = static_cast<int32_t>(l);
-    }
-    __syncthreads();
-    const int32_t w = sh.worst;
-    if (w >= 0) {  // evict it: the slots after it move left by one, the newcomer goes last
-      for (int64_t c0 = w; c0 < count - 1; c0 += kKvpopThreads) {
-        const int64_t i = c0 + tid;
-        int32_t ps = 0;
-        float pr = 0.0f;
-        if (i < count - 1) {
-          ps = pos[i + 1];
-          pr = prio[i + 1];
-        }
-        __syncthreads();
-        if (i < count - 1) {
-          pos[i] = ps;
-          prio[i] = pr;
-        }
-        __syncthreads();
-      }
-      if (tid == 0) {
-        pos[count - 1] = static_cast<int32_t>(lo);
-        prio[count - 1] = sh.new_prio;
-      }
-    }
-    kept = count;
   } else {  // many newcomers (or a smaller budget): the k best of slots and newcomers
     float* ws = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
     for (int64_t j = warp; j < m; j += kKvpopWarps) {
@@ -253,14 +322,15 @@ __global__ void __launch_bounds__(kKvpopThreads) KvpopSelectKernel(DecodeStepArg
   }
   __syncthreads();  // the slots are written
   if (tid == 0) {
-    KvpopState st;
-    st.next_u = max(sh.next_u, off_hi);
-    st.count = kept;
-    a.kvpop_state[t] = st;
+    KvpopState s;
+    s.next_u = max(st.next_u, off_hi);
+    s.count = kept;
+    a.kvpop_state[t] = s;
   }
-  int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
   for (int64_t i = tid; i < sinks; i += kKvpopThreads) out[i] = static_cast<int32_t>(i);
-  for (int64_t i = tid; i < kept; i += kKvpopThreads) out[sinks + i] = pos[i];
+  if (!listed) {
+    for (int64_t i = tid; i < kept; i += kKvpopThreads) out[sinks + i] = pos[i];
+  }
   for (int64_t i = off_hi + tid; i < n; i += kKvpopThreads) {
     out[sinks + kept + (i - off_hi)] = static_cast<int32_t>(i);
   }
@@ -273,10 +343,11 @@ Status LaunchKvpopSelect(const DecodeStepArgs& a, cudaStream_t stream) {
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
   if (items == 0) return Status::Ok();
   KVF_CHECK_ARG(a.kvpop_state != nullptr && a.kvpop_pos != nullptr && a.kvpop_prio != nullptr &&
-                    a.kvpop_scorer != nullptr && a.kvpop_hidden >= 0 && a.kvpop_cap >= a.budget_cap &&
+                    a.kvpop_scorer != nullptr && a.kvpop_hidden >= 0 &&
+                    a.kvpop_hidden <= kKvpopMaxHidden && a.kvpop_cap >= a.budget_cap &&
                     a.params.head_dim <= kKvpopMaxHeadDim && a.pages != nullptr && a.resident != nullptr,
                 "DecodeSelect: kvpop without its slots, state or scorers, slots for ", a.kvpop_cap,
-                " tokens under a budget of ", a.budget_cap, ", or head_dim ", a.params.head_dim,
+                " tokens under a budget of ", a.budget_cap, ", a scorer of width ", a.kvpop_hidden, ", or head_dim ", a.params.head_dim,
                 " over ", kKvpopMaxHeadDim);
   return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
     KvpopSelectKernel<T><<<static_cast<unsigned>(items), kKvpopThreads, 0, stream>>>(a);

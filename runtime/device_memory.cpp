@@ -282,8 +282,11 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
         // Per item the long-range slots (position, priority) for the largest budget, and every
         // (layer, KV head)'s scorer.
         const Policy::DeviceSelectParams dp = policy_->device_select_params(m.head_dim);
-        KVF_CHECK_ARG(dp.kvpop_hidden >= 0, "policy '", policy_->name(), "': hidden width ",
-                      dp.kvpop_hidden);
+        KVF_CHECK_ARG(dp.kvpop_hidden >= 0 && dp.kvpop_hidden <= kKvpopMaxHidden &&
+                          m.head_dim <= kKvpopMaxHeadDim,
+                      "policy '", policy_->name(), "': a scorer of hidden width ", dp.kvpop_hidden,
+                      " (at most ", kKvpopMaxHidden, ") at head_dim ", m.head_dim, " (at most ",
+                      kKvpopMaxHeadDim, ") on the device; kvpop's 'device' = 0 selects on the host");
         z.kvpop_cap = std::max<int64_t>(item_cap_, 1);
         z.kvpop_hidden = dp.kvpop_hidden;
         const size_t items_all = static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv;

@@ -225,7 +225,8 @@ INSTANTIATE_TEST_SUITE_P(
     Bank, CudaGraph,
     ::testing::Combine(::testing::Values(std::string("oracle:bank"), std::string("quest:bank"),
                                          std::string("sparcas:bank"), std::string("hip:bank"),
-                                         std::string("psaw+quest:bank"), std::string("xl+quest:bank")),
+                                         std::string("kvpop:bank"), std::string("psaw+quest:bank"),
+                                         std::string("xl+quest:bank")),
                        ::testing::Values(64), ::testing::Values(DType::kBF16)),
     [](const auto& info) {
       std::string name = std::get<0>(info.param);
@@ -238,7 +239,7 @@ INSTANTIATE_TEST_SUITE_P(
 INSTANTIATE_TEST_SUITE_P(
     Long, CudaGraph,
     ::testing::Combine(::testing::Values(std::string("oracle:long"), std::string("sparcas:long"),
-                                         std::string("hip:long")),
+                                         std::string("hip:long"), std::string("kvpop:long")),
                        ::testing::Values(64), ::testing::Values(DType::kBF16)),
     [](const auto& info) {
       std::string name = std::get<0>(info.param);
