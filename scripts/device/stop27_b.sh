@@ -14,8 +14,8 @@ for i in 0 1; do
 done
 K='*CudaEqualsHost/*kvpop*:*CudaRuntimeLong*/3:*CudaGraph*kvpop*'
 timeout 300 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 9 $T --gtest_brief=1 --gtest_filter="$K" > $D/memcheck.log 2>&1 &
+timeout 300 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 9 $T --gtest_brief=1 --gtest_filter='*CudaRuntimeLong*/3' > $D/racecheck.log 2>&1 &
 wait
-timeout 120 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 9 $T --gtest_brief=1 --gtest_filter='*CudaRuntimeLong*/3' > $D/racecheck.log 2>&1
 for f in shard0 shard1 memcheck racecheck; do
   echo "== $f"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|FAILED|ERROR SUMMARY|RACECHECK SUMMARY" $D/$f.log | head -10
 done
