@@ -405,6 +405,8 @@ Status CheckBeforeLoad(const Options& o) {
     rc.policy.name = policy;
     rc.policy.budget_tokens = policy == "dense" ? max_tokens : budget;
     if (policy == "dense") rc.policy.params.clear();  // --param is for the sparse policies
+    // A trained KVpop scorer fits the real model only; the run's own Create checks its shape.
+    if (policy.find("kvpop") != std::string::npos) rc.policy.params["device"] = 0;
     rc.capacity.max_sequences = 1;
     rc.capacity.max_batch = 1;
     rc.capacity.max_tokens_per_sequence = max_tokens;
