@@ -76,6 +76,32 @@ TEST(LlamaCli, DefaultsAndAFullCommandLine) {
   EXPECT_TRUE(o->help);
 }
 
+TEST(LlamaCli, EtfFlags) {
+  auto o = Parse({"--model", "m", "--perplexity", "--text", "t"});
+  ASSERT_TRUE(o.ok());
+  EXPECT_FALSE(o->etf.on);
+  o = Parse({"--model", "m", "--perplexity", "--text", "t", "--etf"});
+  ASSERT_TRUE(o.ok());
+  EXPECT_TRUE(o->etf.on);
+  EXPECT_DOUBLE_EQ(o->etf.psi, 0.5);
+  EXPECT_DOUBLE_EQ(o->etf.gamma, 1.0);
+  EXPECT_EQ(o->etf.start, -1);
+  o = Parse({"--model", "m", "--perplexity", "--text", "t", "--etf-psi", "0.7", "--etf-gamma", "1.5",
+             "--etf-start", "20"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_TRUE(o->etf.on);  // any --etf-* turns it on
+  EXPECT_DOUBLE_EQ(o->etf.psi, 0.7);
+  EXPECT_DOUBLE_EQ(o->etf.gamma, 1.5);
+  EXPECT_EQ(o->etf.start, 20);
+  for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
+           {"--etf-psi", "0"}, {"--etf-psi", "1.5"}, {"--etf-gamma", "0"}, {"--etf-start", "-1"}}) {
+    auto bad = ParseWith(flag, value);
+    ASSERT_FALSE(bad.ok()) << flag << " " << value;
+    EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(bad.status().message().find(flag), std::string::npos) << bad.status().message();
+  }
+}
+
 // Every numeric flag, a value it must refuse, and a word its message must hold.
 struct BadNumber {
   std::string flag, value, why;

@@ -3,6 +3,7 @@
 // kvferry: greedy text, kvferry dense vs the f32 reference attention, sparse policies.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -142,6 +143,143 @@ TEST_F(LlamaStories, KvferryDenseMatchesReferenceAttention) {
     EXPECT_GT(norm, 1.0);
     EXPECT_EQ(agree, n) << DTypeName(kv);
     EXPECT_LT(max_err, kv == DType::kF16 ? 0.05 : 0.3) << DTypeName(kv);
+  }
+}
+
+// PrHS's early-token freezing at prefill (EtfOptions): E_l's shape; a frozen row's K and V at
+// layer l are its K and V at l - 1, its query is not computed, and neither are its later layers;
+// psi = 1 freezes nothing and leaves every logit as ETF off does, bit for bit; chunked and whole
+// prefills freeze the same rows (E depends on the prompt's end, not the chunk's); and through
+// kvferry's Runtime the stored rows serve the decode steps next to the reference attention.
+TEST(LlamaEtf, FrozenEndGrowsWithDepthFromTheStartLayer) {
+  EtfOptions e;
+  e.on = true;  // psi 0.5, gamma 1, start floor(3 N / 4)
+  EXPECT_EQ(EtfFrozenEnd(e, 30, 21, 8000), 0);
+  EXPECT_EQ(EtfFrozenEnd(e, 30, 22, 8000), 0);  // the start layer itself freezes nothing
+  int64_t last = 0;
+  for (int l = 23; l < 30; ++l) {
+    const int64_t end = EtfFrozenEnd(e, 30, l, 8000);
+    EXPECT_GT(end, last) << l;
+    EXPECT_EQ(end, static_cast<int64_t>(std::floor((1.0 - std::pow(0.5, (l - 22) / 8.0)) * 8000)));
+    last = end;
+  }
+  e.on = false;
+  EXPECT_EQ(EtfFrozenEnd(e, 30, 29, 8000), 0);
+  e.on = true;
+  e.start = 1;
+  e.psi = 0.25;
+  e.gamma = 2;
+  EXPECT_EQ(EtfFrozenEnd(e, 5, 3, 100), static_cast<int64_t>(std::floor((1.0 - std::pow(0.25, 2.0 * 2 / 4)) * 100)));
+  Model empty;  // set_etf's checks need no weights
+  Engine engine(empty);
+  EtfOptions bad = e;
+  bad.psi = 0;
+  EXPECT_EQ(engine.set_etf(bad).code(), StatusCode::kInvalidArgument);
+  bad = e;
+  bad.gamma = -1;
+  EXPECT_EQ(engine.set_etf(bad).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(engine.set_etf(e).ok());
+}
+
+TEST_F(LlamaStories, EtfFreezesEarlyRowsAtPrefill) {
+  std::vector<int32_t> tokens{tok_->bos_id()};
+  for (int32_t id : tok_->Encode("Once upon a time, there was a little girl named Lily. She loved to "
+                                 "play outside in the sun with her big red ball and her dog.",
+                                 false)) {
+    tokens.push_back(id);
+  }
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  const ModelConfig& c = model_->config;
+  const int64_t kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  const int64_t q_dim = static_cast<int64_t>(c.num_q_heads) * c.head_dim;
+  EtfOptions etf;
+  etf.on = true;
+  etf.start = 1;  // 5 layers: layers 2, 3 and 4 freeze
+  etf.psi = 0.3;
+  etf.sink = 2;
+  // Runs a prefill, recording each layer's q and K.
+  struct Seen {
+    std::vector<std::vector<float>> q, k;
+  };
+  const auto run = [&](const EtfOptions& e, int64_t chunk, std::vector<float>* logits, Seen* seen) {
+    auto ref = MakeReferenceAttention(c);
+    Engine engine(*model_);
+    EXPECT_TRUE(engine.set_etf(e).ok());
+    if (seen != nullptr) {
+      seen->q.assign(c.num_layers, {});
+      seen->k.assign(c.num_layers, {});
+      engine.set_observer([&](int l, int64_t, int64_t rows, const float* q, const float* k, const float*) {
+        seen->q[l].insert(seen->q[l].end(), q, q + rows * q_dim);
+        seen->k[l].insert(seen->k[l].end(), k, k + rows * kv_dim);
+      });
+    }
+    std::vector<Attention*> lane{ref.get()};
+    EXPECT_TRUE(engine.Prefill(tokens, 0, lane, logits, true, chunk).ok());
+    return std::make_pair(engine.etf_frozen_rows(), engine.prefill_rows());
+  };
+  std::vector<float> off_logits, one_logits, a_logits, b_logits;
+  EtfOptions off;
+  run(off, 512, &off_logits, nullptr);
+  EtfOptions psi1 = etf;
+  psi1.psi = 1.0;
+  const auto none = run(psi1, 512, &one_logits, nullptr);
+  EXPECT_EQ(none.first, 0);
+  EXPECT_EQ(one_logits, off_logits);  // nothing frozen: bit for bit
+  Seen sa, sb;
+  const auto fa = run(etf, 512, &a_logits, &sa);
+  const auto fb = run(etf, 7, &b_logits, &sb);
+  EXPECT_EQ(fa, fb);
+  int64_t want_frozen = 0;
+  for (int l = 0; l < c.num_layers; ++l) {
+    want_frozen += std::max<int64_t>(0, std::min(n, EtfFrozenEnd(etf, c.num_layers, l, n)) - etf.sink);
+  }
+  EXPECT_EQ(fa.first, want_frozen);
+  EXPECT_GT(fa.first, 0);
+  EXPECT_EQ(fa.second, n * c.num_layers);
+  // The same rows frozen in chunks of 7 (the matrix products may round otherwise for other row
+  // counts: the K rows agree to rounding).
+  for (int l = 0; l < c.num_layers; ++l) {
+    ASSERT_EQ(sa.k[l].size(), sb.k[l].size());
+    for (size_t i = 0; i < sa.k[l].size(); ++i) ASSERT_NEAR(sa.k[l][i], sb.k[l][i], 1e-3) << l << " " << i;
+  }
+  for (int l = 1; l < c.num_layers; ++l) {
+    const int64_t end = std::min(n, EtfFrozenEnd(etf, c.num_layers, l, n));
+    for (int64_t t = 0; t < n; ++t) {
+      const bool frozen = t >= etf.sink && t < end;
+      const float* k = &sa.k[l][t * kv_dim];
+      const float* k_below = &sa.k[l - 1][t * kv_dim];
+      const bool same = std::equal(k, k + kv_dim, k_below);
+      if (frozen) {
+        EXPECT_TRUE(same) << "layer " << l << " row " << t;
+        for (int64_t i = 0; i < q_dim; ++i) ASSERT_EQ(sa.q[l][t * q_dim + i], 0.0f);
+      } else {
+        EXPECT_FALSE(same) << "layer " << l << " row " << t;
+      }
+    }
+  }
+  // Frozen rows change the later rows' attention at the freezing layers: other logits.
+  const int vocab = c.vocab_size;
+  EXPECT_NE(std::vector<float>(a_logits.end() - vocab, a_logits.end()),
+            std::vector<float>(off_logits.end() - vocab, off_logits.end()));
+  // Through kvferry's Runtime (Append for the frozen rows): its decode steps follow the reference
+  // attention that was filled the same way.
+  auto rt = MakeRuntime("dense", 512);
+  ASSERT_NE(rt, nullptr);
+  auto ref = MakeReferenceAttention(c);
+  Engine engine(*model_);
+  ASSERT_TRUE(engine.set_etf(etf).ok());
+  std::vector<Attention*> lanes{rt.get(), ref.get()};
+  std::vector<float> logits;
+  ASSERT_TRUE(engine.Prefill(tokens, 0, lanes, &logits, false, 16).ok());
+  std::vector<float> x, y;
+  int32_t next = Argmax(logits);
+  for (int64_t p = n; p < n + 8; ++p) {
+    ASSERT_TRUE(engine.Decode(next, p, *rt, &x).ok());
+    ASSERT_TRUE(engine.Decode(next, p, *ref, &y).ok());
+    double err = 0;
+    for (int v = 0; v < vocab; ++v) err = std::max(err, static_cast<double>(std::abs(x[v] - y[v])));
+    EXPECT_LT(err, 0.05) << "step " << p;
+    next = Argmax(y);
   }
 }
 

@@ -12,7 +12,9 @@
 #include <cstring>
 #include <fstream>
 #include <regex>
+#include <set>
 #include <sstream>
+#include <tuple>
 #include <map>
 #include <memory>
 #include <random>
@@ -450,6 +452,64 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
     EXPECT_LE(st.rows_selected, ref->GetStats().rows_selected + 2 * 6 * 3 * 2);
   } else {
     EXPECT_EQ(st.rows_selected, ref->GetStats().rows_selected);
+  }
+}
+
+// KVpop's paper checks through the Runtime's device selection (host backend): the zero scorer
+// (no weights) keeps the most recent eligible tokens, so its lists and outputs are streaming's at
+// the same budget; with a scorer, every stored position is retained in the list or evicted for
+// good (it never comes back), the retained are at most k, and the store keeps the evicted rows.
+TEST(KvpopDevice, ZeroScorerIsStreamingAndEvictedNeverReturn) {
+  RuntimeConfig c = PlanConfig("kvpop", 2);
+  c.route = Route::kGpu;
+  RuntimeConfig s = c;
+  s.policy.name = "streaming";
+  RuntimeConfig m = c;
+  m.policy.name = testing_util::RegisterKvpopMlpTestPolicy();
+  auto kv = Make(c), st = Make(s), mlp = Make(m);
+  ASSERT_TRUE(kv && st && mlp);
+  EXPECT_TRUE(kv->decode_is_capture_safe());
+  Feeder f(c, 5);
+  const std::vector<SequenceId> seqs = {1, 2};
+  for (SequenceId q : seqs) {
+    for (Runtime* r : {kv.get(), st.get(), mlp.get()}) ASSERT_TRUE(r->AddSequence(q).ok());
+  }
+  f.Prefill({kv.get(), st.get(), mlp.get()}, 1, 130);
+  f.Prefill({kv.get(), st.get(), mlp.get()}, 2, 9);
+  const int64_t k = c.policy.budget_tokens - c.tiers.sink_tokens - c.tiers.window_tokens;
+  // Per (sequence, layer, head): every position that has ever left the window and is not retained.
+  std::map<std::tuple<SequenceId, int, int>, std::set<int32_t>> gone;
+  for (int t = 0; t < 40; ++t) {
+    ASSERT_TRUE(kv->PlanDecode(seqs).ok());
+    ASSERT_TRUE(mlp->PlanDecode(seqs).ok());
+    for (int l = 0; l < c.model.num_layers; ++l) {
+      Feeder::Step step = f.Make(2);
+      std::vector<float> a, b, x;
+      ASSERT_TRUE(f.Decode(*kv, seqs, l, step, a).ok());
+      ASSERT_TRUE(f.Decode(*st, seqs, l, step, b).ok());
+      ASSERT_TRUE(f.Decode(*mlp, seqs, l, step, x).ok());
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-5) << "step " << t;
+      for (SequenceId q : seqs) {
+        const int64_t n = *kv->SequenceLength(q, l);
+        for (int h = 0; h < c.model.num_kv_heads; ++h) {
+          EXPECT_EQ(*kv->LastSelection(q, l, h), *st->LastSelection(q, l, h)) << "step " << t;
+          const std::vector<int32_t> sel = *mlp->LastSelection(q, l, h);
+          const int64_t sink = c.tiers.sink_tokens, off_hi = std::max<int64_t>(sink, n - c.tiers.window_tokens);
+          std::set<int32_t> retained;
+          for (int32_t p : sel) {
+            if (p >= sink && p < off_hi) retained.insert(p);
+          }
+          EXPECT_LE(static_cast<int64_t>(retained.size()), k);
+          std::set<int32_t>& g = gone[{q, l, h}];
+          for (int32_t p : retained) EXPECT_EQ(g.count(p), 0u) << "position " << p << " came back";
+          for (int32_t p = static_cast<int32_t>(sink); p < off_hi; ++p) {
+            if (retained.count(p) == 0) g.insert(p);
+          }
+          // Retained and evicted are every eligible position, each once.
+          EXPECT_EQ(static_cast<int64_t>(retained.size() + g.size()), off_hi - sink);
+        }
+      }
+    }
   }
 }
 

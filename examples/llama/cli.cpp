@@ -192,6 +192,8 @@ std::string UsageText() {
          "runtime: --policy a[,b] (streaming) --budget n[,m] (256) --backend host|cuda|auto\n"
          "         --route auto|gpu|cpu --kv-dtype f16|bf16 --sinks N (4) --window N (64)\n"
          "         --bank-slots N (0) --cpu-threads N --param k=v --no-dense\n"
+         "prefill: --etf (PrHS's early-token freezing) --etf-psi P (0.5) --etf-gamma G (1)\n"
+         "         --etf-start L (3N/4)\n"
          "output:  --json FILE\n"
          "exit codes: 0 done, 1 the run failed, 2 usage error (reported before the model loads)\n";
 }
@@ -317,6 +319,10 @@ Result<Options> ParseArgs(int argc, const char* const* argv) {
                                                -1e300, 1e300));  // the runtime checks the range
       o.base.policy.params[name] = x;
     } else if (a == "--no-dense") { o.no_dense = true; }
+    else if (a == "--etf") { o.etf.on = true; }
+    else if (a == "--etf-psi") { KVF_ASSIGN_OR_RETURN(double v, real(0.0, 1.0, true)); o.etf.psi = v; o.etf.on = true; }
+    else if (a == "--etf-gamma") { KVF_ASSIGN_OR_RETURN(double v, real(0.0, 1e3, true)); o.etf.gamma = v; o.etf.on = true; }
+    else if (a == "--etf-start") { KVF_ASSIGN_OR_RETURN(int64_t v, whole(0, 4095)); o.etf.start = static_cast<int>(v); o.etf.on = true; }
     else if (a == "-h" || a == "--help") { o.help = true; return o; }
     else return InvalidArgument(StrCat("unknown option ", Shown(a)));
   }

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "examples/llama/engine.h"
 #include "examples/llama/model.h"
 #include "kvferry/config.h"
 #include "kvferry/stats.h"
@@ -49,6 +50,9 @@ struct Options {
   /// model's shape is filled in once it is loaded.
   RuntimeConfig base;
   bool no_dense = false;
+  /// PrHS's early-token freezing at prefill (--etf, --etf-psi, --etf-gamma, --etf-start; the
+  /// sink from --sinks).
+  EtfOptions etf;
 };
 
 /// Parses argv[1, argc). Reads no file. Every numeric flag must be a number of the right kind

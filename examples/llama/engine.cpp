@@ -33,6 +33,9 @@ class ReferenceAttention final : public Attention {
   Status Decode(int layer, const float* q, const float* k, const float* v, float* out) override {
     return Append(layer, 1, q, k, v, out);
   }
+  Status Append(int layer, int64_t n, const float* k, const float* v) override {
+    return Append(layer, n, nullptr, k, v, nullptr);
+  }
   Status Reset() override {
     for (auto& x : k_) x.clear();
     for (auto& x : v_) x.clear();
@@ -48,6 +51,7 @@ class ReferenceAttention final : public Attention {
     const int64_t past = static_cast<int64_t>(k_[layer].size()) / row;
     k_[layer].insert(k_[layer].end(), k, k + n * row);
     v_[layer].insert(v_[layer].end(), v, v + n * row);
+    if (q == nullptr) return Status::Ok();  // stored, not attended
     const float* kc = k_[layer].data();
     const float* vc = v_[layer].data();
     const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
@@ -135,7 +139,8 @@ Status Engine::Prefill(std::span<const int32_t> tokens, int64_t pos,
     } else if (logits != nullptr && start + len == n) {
       dst = logits->data();
     }
-    KVF_RETURN_IF_ERROR(Forward(tokens.subspan(start, len), pos + start, attns, false, dst, all));
+    KVF_RETURN_IF_ERROR(
+        Forward(tokens.subspan(start, len), pos + start, attns, false, dst, all, pos + n));
     progress.Update(start + len);
   }
   return Status::Ok();
@@ -150,7 +155,7 @@ Status Engine::Decode(int32_t token, int64_t pos, Attention& attn, std::vector<f
 
 Status Engine::Forward(std::span<const int32_t> tokens, int64_t pos,
                        std::span<Attention* const> attns, bool decode, float* logits,
-                       bool all_logits) {
+                       bool all_logits, int64_t prompt_end) {
   const ModelConfig& c = model_.config;
   const int64_t n = static_cast<int64_t>(tokens.size());
   const int64_t dim = c.dim;
@@ -189,34 +194,40 @@ Status Engine::Forward(std::span<const int32_t> tokens, int64_t pos,
     std::copy_n(&model_.token_embedding.data[static_cast<int64_t>(tokens[t]) * dim], dim,
                 &x_[t * dim]);
   }
+  const bool etf = !decode && etf_.on;
+  if (etf) {
+    prev_k_.resize(n * kv_dim);
+    prev_v_.resize(n * kv_dim);
+  }
   for (int l = 0; l < c.num_layers; ++l) {
-    const LayerWeights& w = model_.layers[l];
-    for (int64_t t = 0; t < n; ++t) RmsNorm(&x_[t * dim], w.attn_norm, dim, c.rms_eps, &xb_[t * dim]);
-    KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data(), n, w.wq, q_.data()));
-    KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data(), n, w.wk, k_.data()));
-    KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data(), n, w.wv, v_.data()));
-    ApplyRope(q_.data(), n, c.num_q_heads, pos);
-    ApplyRope(k_.data(), n, c.num_kv_heads, pos);
-    if (observer_) observer_(l, pos, n, q_.data(), k_.data(), v_.data());
-    if (decode) {
-      KVF_RETURN_IF_ERROR(attns[0]->Decode(l, q_.data(), k_.data(), v_.data(), att_.data()));
-    } else {
+    // ETF: rows [f0, f1) of this pass are frozen at layer l; the others run as usual.
+    int64_t f0 = 0, f1 = 0;
+    if (etf) {
+      f0 = std::clamp<int64_t>(etf_.sink - pos, 0, n);
+      f1 = std::clamp<int64_t>(EtfFrozenEnd(etf_, c.num_layers, l, prompt_end) - pos, f0, n);
+    }
+    if (!decode) {
+      prefill_rows_ += n;
+      etf_frozen_rows_ += f1 - f0;
+    }
+    if (f1 > f0) {
+      std::copy_n(prev_k_.data() + f0 * kv_dim, (f1 - f0) * kv_dim, k_.data() + f0 * kv_dim);
+      std::copy_n(prev_v_.data() + f0 * kv_dim, (f1 - f0) * kv_dim, v_.data() + f0 * kv_dim);
+      std::fill_n(q_.data() + f0 * q_dim, (f1 - f0) * q_dim, 0.0f);
+      std::fill_n(att_.data() + f0 * q_dim, (f1 - f0) * q_dim, 0.0f);
+    }
+    KVF_RETURN_IF_ERROR(LayerRows(l, 0, f0, pos, attns, decode));
+    if (f1 > f0) {
       for (size_t a = attns.size(); a-- > 0;) {
-        // Every cache gets the same rows; the first attention's output is the one kept.
-        KVF_RETURN_IF_ERROR(attns[a]->Prefill(l, n, q_.data(), k_.data(), v_.data(), att_.data()));
+        KVF_RETURN_IF_ERROR(attns[a]->Append(l, f1 - f0, k_.data() + f0 * kv_dim, v_.data() + f0 * kv_dim));
       }
     }
-    KVF_RETURN_IF_ERROR(matmul_.Run(att_.data(), n, w.wo, xb_.data()));
-    for (int64_t i = 0; i < n * dim; ++i) x_[i] += xb_[i];
-    for (int64_t t = 0; t < n; ++t) RmsNorm(&x_[t * dim], w.ffn_norm, dim, c.rms_eps, &xb_[t * dim]);
-    KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data(), n, w.w_gate, gate_.data()));
-    KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data(), n, w.w_up, up_.data()));
-    for (int64_t i = 0; i < n * c.hidden_dim; ++i) {
-      const float g = gate_[i];
-      gate_[i] = g / (1.0f + std::exp(-g)) * up_[i];
+    KVF_RETURN_IF_ERROR(LayerRows(l, f1, n, pos, attns, decode));
+    if (observer_) observer_(l, pos, n, q_.data(), k_.data(), v_.data());
+    if (etf) {
+      std::copy_n(k_.data(), n * kv_dim, prev_k_.data());
+      std::copy_n(v_.data(), n * kv_dim, prev_v_.data());
     }
-    KVF_RETURN_IF_ERROR(matmul_.Run(gate_.data(), n, w.w_down, xb_.data()));
-    for (int64_t i = 0; i < n * dim; ++i) x_[i] += xb_[i];
   }
   if (logits == nullptr) return Status::Ok();
   const int64_t first = all_logits ? 0 : n - 1;
@@ -225,6 +236,68 @@ Status Engine::Forward(std::span<const int32_t> tokens, int64_t pos,
     RmsNorm(&x_[t * dim], model_.final_norm, dim, c.rms_eps, &xb_[(t - first) * dim]);
   }
   return matmul_.Run(xb_.data(), rows, model_.classifier(), logits);
+}
+
+Status Engine::LayerRows(int l, int64_t r0, int64_t r1, int64_t pos,
+                         std::span<Attention* const> attns, bool decode) {
+  if (r1 <= r0) return Status::Ok();
+  const ModelConfig& c = model_.config;
+  const LayerWeights& w = model_.layers[l];
+  const int64_t n = r1 - r0;
+  const int64_t dim = c.dim;
+  const int64_t q_dim = static_cast<int64_t>(c.num_q_heads) * c.head_dim;
+  const int64_t kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  float* x = x_.data() + r0 * dim;
+  float* xb = xb_.data() + r0 * dim;
+  float* q = q_.data() + r0 * q_dim;
+  float* k = k_.data() + r0 * kv_dim;
+  float* v = v_.data() + r0 * kv_dim;
+  float* att = att_.data() + r0 * q_dim;
+  float* gate = gate_.data() + r0 * c.hidden_dim;
+  float* up = up_.data() + r0 * c.hidden_dim;
+  for (int64_t t = 0; t < n; ++t) RmsNorm(&x[t * dim], w.attn_norm, dim, c.rms_eps, &xb[t * dim]);
+  KVF_RETURN_IF_ERROR(matmul_.Run(xb, n, w.wq, q));
+  KVF_RETURN_IF_ERROR(matmul_.Run(xb, n, w.wk, k));
+  KVF_RETURN_IF_ERROR(matmul_.Run(xb, n, w.wv, v));
+  ApplyRope(q, n, c.num_q_heads, pos + r0);
+  ApplyRope(k, n, c.num_kv_heads, pos + r0);
+  if (decode) {
+    KVF_RETURN_IF_ERROR(attns[0]->Decode(l, q, k, v, att));
+  } else {
+    for (size_t a = attns.size(); a-- > 0;) {
+      // Every cache gets the same rows; the first attention's output is the one kept.
+      KVF_RETURN_IF_ERROR(attns[a]->Prefill(l, n, q, k, v, att));
+    }
+  }
+  KVF_RETURN_IF_ERROR(matmul_.Run(att, n, w.wo, xb));
+  for (int64_t i = 0; i < n * dim; ++i) x[i] += xb[i];
+  for (int64_t t = 0; t < n; ++t) RmsNorm(&x[t * dim], w.ffn_norm, dim, c.rms_eps, &xb[t * dim]);
+  KVF_RETURN_IF_ERROR(matmul_.Run(xb, n, w.w_gate, gate));
+  KVF_RETURN_IF_ERROR(matmul_.Run(xb, n, w.w_up, up));
+  for (int64_t i = 0; i < n * c.hidden_dim; ++i) {
+    const float g = gate[i];
+    gate[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+  KVF_RETURN_IF_ERROR(matmul_.Run(gate, n, w.w_down, xb));
+  for (int64_t i = 0; i < n * dim; ++i) x[i] += xb[i];
+  return Status::Ok();
+}
+
+int64_t EtfFrozenEnd(const EtfOptions& etf, int num_layers, int layer, int64_t prompt_end) {
+  if (!etf.on || num_layers <= 0) return 0;
+  const int start = etf.start >= 0 ? etf.start : 3 * num_layers / 4;
+  if (layer <= start || start >= num_layers) return 0;
+  const double x = etf.gamma * static_cast<double>(layer - start) / static_cast<double>(num_layers - start);
+  return static_cast<int64_t>(std::floor((1.0 - std::pow(etf.psi, x)) * static_cast<double>(prompt_end)));
+}
+
+Status Engine::set_etf(const EtfOptions& etf) {
+  KVF_CHECK_ARG(!etf.on || (etf.psi > 0 && etf.psi <= 1 && etf.gamma > 0 && etf.sink >= 0 &&
+                            etf.start >= -1),
+                "ETF: psi ", etf.psi, " must be in (0, 1], gamma ", etf.gamma, " > 0, sink ",
+                etf.sink, " >= 0, start ", etf.start, " >= -1");
+  etf_ = etf;
+  return Status::Ok();
 }
 
 int32_t Argmax(std::span<const float> v) {

@@ -32,6 +32,8 @@ class Attention {
   /// Appends one token at \p layer and writes its attention over the cache.
   virtual Status Decode(int layer, const float* q, const float* k, const float* v,
                         float* out) = 0;
+  /// Appends T tokens' K and V at \p layer with no attention (ETF's frozen prompt rows).
+  virtual Status Append(int layer, int64_t num_tokens, const float* k, const float* v) = 0;
   /// Forgets the sequence, ready for a new one.
   virtual Status Reset() = 0;
 };
@@ -47,6 +49,7 @@ class RuntimeAttention final : public Attention {
   Status Prefill(int layer, int64_t num_tokens, const float* q, const float* k, const float* v,
                  float* out) override;
   Status Decode(int layer, const float* q, const float* k, const float* v, float* out) override;
+  Status Append(int layer, int64_t num_tokens, const float* k, const float* v) override;
   Status Reset() override;
   [[nodiscard]] Runtime& runtime() { return *runtime_; }
 
@@ -61,6 +64,24 @@ class RuntimeAttention final : public Attention {
 
 /// The Runtime configuration for \p model: shape from the model, everything else from \p base.
 RuntimeConfig RuntimeConfigFor(const ModelConfig& model, RuntimeConfig base);
+
+/// \brief PrHS's early-token freezing at prefill (ETF, seed 000; notes/prhs.md, docs/prhs.md).
+/// From layer start on, prompt positions [sink, E_l) are frozen at layer l, with
+/// E_l = floor((1 - psi^(gamma (l - start) / (N - start))) T) and T the end of the prompt being
+/// prefilled: a frozen row's K and V are its K and V at layer l - 1 (stored with Attention::Append,
+/// no attention), its query is not computed and its hidden state passes layer l unchanged
+/// (attention and MLP skipped). E grows with l, so a row frozen at l stays frozen above. Decode
+/// is unchanged.
+struct EtfOptions {
+  bool on = false;
+  double psi = 0.5;
+  double gamma = 1.0;
+  int start = -1;  ///< l_s; -1: floor(3 N / 4)
+  int sink = 4;    ///< the first positions never frozen (the runtime's sink tokens)
+};
+
+/// E_l for a prompt ending at \p prompt_end (0 below the start layer or with ETF off).
+int64_t EtfFrozenEnd(const EtfOptions& etf, int num_layers, int layer, int64_t prompt_end);
 
 /// Called after RoPE with the layer's q [T, Hq, D], k and v [T, Hkv, D] of positions
 /// [pos, pos + T).
@@ -83,6 +104,13 @@ class Engine {
   Status Decode(int32_t token, int64_t pos, Attention& attn, std::vector<float>* logits);
 
   void set_observer(QkvObserver observer) { observer_ = std::move(observer); }
+  /// ETF for the prefills from now on (off by default). Invalid options are kInvalidArgument.
+  Status set_etf(const EtfOptions& etf);
+  [[nodiscard]] const EtfOptions& etf() const { return etf_; }
+  /// Rows of the prefills so far that ETF froze, summed over layers (their attention and MLP
+  /// skipped), and all rows summed over layers.
+  [[nodiscard]] int64_t etf_frozen_rows() const { return etf_frozen_rows_; }
+  [[nodiscard]] int64_t prefill_rows() const { return prefill_rows_; }
   /// Runs the matrix products on the GPU (cuBLAS) from now on; kUnimplemented without CUDA.
   Status UseGpuMatmul(int device_id = 0) { return matmul_.EnableCuda(device_id); }
   [[nodiscard]] bool gpu_matmul() const { return matmul_.on_gpu(); }
@@ -90,7 +118,10 @@ class Engine {
 
  private:
   Status Forward(std::span<const int32_t> tokens, int64_t pos, std::span<Attention* const> attns,
-                 bool decode, float* logits, bool all_logits);
+                 bool decode, float* logits, bool all_logits, int64_t prompt_end = 0);
+  // One layer's attention and MLP over rows [r0, r1) of the current pass (prefill or decode).
+  Status LayerRows(int layer, int64_t r0, int64_t r1, int64_t pos, std::span<Attention* const> attns,
+                   bool decode);
   void ApplyRope(float* x, int64_t num_tokens, int num_heads, int64_t pos) const;
 
   const Model& model_;
@@ -98,8 +129,11 @@ class Engine {
   std::vector<float> rope_cos_;  ///< [max_context, head_dim / 2]
   std::vector<float> rope_sin_;
   QkvObserver observer_;
+  EtfOptions etf_;
+  int64_t etf_frozen_rows_ = 0, prefill_rows_ = 0;
   // Scratch, grown on demand.
   std::vector<float> x_, xb_, q_, k_, v_, att_, gate_, up_, hb_;
+  std::vector<float> prev_k_, prev_v_;  // ETF: the layer below's K and V of the pass's rows
 };
 
 /// Index of the largest value.

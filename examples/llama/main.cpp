@@ -180,8 +180,18 @@ Result<PerplexityRun> RunPerplexity(const Options& o, Engine& engine, const Toke
               emulated ? "GPU KV (emul.)" : "GPU KV");
   json << "{\"mode\": \"perplexity\", \"context\": " << o.context << ", \"scored\": " << o.scored
        << ", \"prefill_tokens\": " << run.prefix_tokens
-       << ", \"prefill_seconds\": " << run.prefill_seconds
-       << ", \"emulated_gpu\": " << (emulated ? "true" : "false") << ", \"lanes\": [";
+       << ", \"prefill_seconds\": " << run.prefill_seconds;
+  if (engine.etf().on) {
+    const EtfOptions& e = engine.etf();
+    json << ", \"etf\": {\"psi\": " << e.psi << ", \"gamma\": " << e.gamma << ", \"start\": "
+         << (e.start >= 0 ? e.start : 3 * mc.num_layers / 4) << ", \"sink\": " << e.sink
+         << ", \"frozen_row_fraction\": "
+         << (engine.prefill_rows() > 0 ? static_cast<double>(engine.etf_frozen_rows()) /
+                                             static_cast<double>(engine.prefill_rows())
+                                       : 0.0)
+         << "}";
+  }
+  json << ", \"emulated_gpu\": " << (emulated ? "true" : "false") << ", \"lanes\": [";
   for (size_t i = 0; i < lanes.size(); ++i) {
     LaneFigures f;
     f.label = lanes[i].label;
@@ -524,6 +534,14 @@ Status Run(const Options& o) {
   }
   std::fprintf(stderr, "[kvferry-llama] matrix products on %s\n",
                engine.gpu_matmul() ? "the GPU (cuBLAS)" : "the CPU (oneDNN)");
+  if (o.etf.on) {
+    EtfOptions etf = o.etf;
+    etf.sink = o.base.tiers.sink_tokens;
+    KVF_RETURN_IF_ERROR(engine.set_etf(etf));
+    const int start = etf.start >= 0 ? etf.start : 3 * mc.num_layers / 4;
+    std::fprintf(stderr, "[kvferry-llama] ETF at prefill: psi %g, gamma %g, from layer %d, sinks %d\n",
+                 etf.psi, etf.gamma, start, etf.sink);
+  }
   std::ostringstream json;
   switch (o.mode) {
     case Mode::kGenerate: return RunGenerate(o, engine, *tok, mc);

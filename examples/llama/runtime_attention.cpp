@@ -45,6 +45,14 @@ Status RuntimeAttention::Decode(int layer, const float* q, const float* k, const
                           view(out, q_heads_));
 }
 
+Status RuntimeAttention::Append(int layer, int64_t n, const float* k, const float* v) {
+  const auto view = [this, n](const float* p) {
+    return TensorView::Contiguous(const_cast<float*>(p), DType::kF32, MemoryKind::kHost,
+                                  {n, kv_heads_, head_dim_});
+  };
+  return runtime_->Append(seq_, layer, view(k), view(v));
+}
+
 Status RuntimeAttention::Reset() {
   KVF_RETURN_IF_ERROR(runtime_->RemoveSequence(seq_));
   ++seq_;
