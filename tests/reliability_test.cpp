@@ -385,6 +385,16 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(FaultMode::kBefore, FaultMode::kAfter),
                        ::testing::Values(Backend::kHost, Backend::kCuda)),
     FaultName);
+// KVpop selected on the device: a failed step after its selection kernel ran has already taken
+// the newcomer into the slots; that admission is idempotent (the same token, the same score), so
+// the retried step and the twin that skipped the call keep the same slots.
+INSTANTIATE_TEST_SUITE_P(
+    FaultsKvpop, FaultMatrix,
+    ::testing::Combine(::testing::Values("kvpop"), ::testing::Values(Route::kGpu),
+                       ::testing::Values(0, 256), ::testing::Values("decode", "prefill"),
+                       ::testing::Values(FaultMode::kBefore, FaultMode::kAfter),
+                       ::testing::Values(Backend::kHost, Backend::kCuda)),
+    FaultName);
 // With a bank large enough never to evict, twins that admit alike hold the same
 // rows.
 INSTANTIATE_TEST_SUITE_P(
