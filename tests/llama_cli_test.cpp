@@ -86,6 +86,10 @@ TEST(LlamaCli, EtfFlags) {
   EXPECT_DOUBLE_EQ(o->etf.psi, 0.5);
   EXPECT_DOUBLE_EQ(o->etf.gamma, 1.0);
   EXPECT_EQ(o->etf.start, -1);
+  EXPECT_FALSE(o->etf.copy_kv);
+  o = Parse({"--model", "m", "--perplexity", "--text", "t", "--etf-copy-kv"});
+  ASSERT_TRUE(o.ok());
+  EXPECT_TRUE(o->etf.on && o->etf.copy_kv);
   o = Parse({"--model", "m", "--perplexity", "--text", "t", "--etf-psi", "0.7", "--etf-gamma", "1.5",
              "--etf-start", "20"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();

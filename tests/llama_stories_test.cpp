@@ -197,6 +197,7 @@ TEST_F(LlamaStories, EtfFreezesEarlyRowsAtPrefill) {
   etf.start = 1;  // 5 layers: layers 2, 3 and 4 freeze
   etf.psi = 0.3;
   etf.sink = 2;
+  etf.copy_kv = true;  // App. D's semantics first: a frozen row's K is the layer below's
   // Runs a prefill, recording each layer's q and K.
   struct Seen {
     std::vector<std::vector<float>> q, k;
@@ -255,6 +256,22 @@ TEST_F(LlamaStories, EtfFreezesEarlyRowsAtPrefill) {
       } else {
         EXPECT_FALSE(same) << "layer " << l << " row " << t;
       }
+    }
+  }
+  // The default semantics: a frozen row's K and V are projected by each layer from its frozen
+  // hidden state, so they are not the layer below's, and its query is still not computed.
+  EtfOptions proj = etf;
+  proj.copy_kv = false;
+  Seen sp;
+  std::vector<float> p_logits;
+  EXPECT_EQ(run(proj, 512, &p_logits, &sp), fa);
+  for (int l = 1; l < c.num_layers; ++l) {
+    const int64_t end = std::min(n, EtfFrozenEnd(proj, c.num_layers, l, n));
+    for (int64_t t = etf.sink; t < end; ++t) {
+      const float* k = &sp.k[l][t * kv_dim];
+      EXPECT_FALSE(std::equal(k, k + kv_dim, &sp.k[l - 1][t * kv_dim])) << "layer " << l << " row " << t;
+      EXPECT_FALSE(std::equal(k, k + kv_dim, &sa.k[l][t * kv_dim])) << "layer " << l << " row " << t;
+      for (int64_t i = 0; i < q_dim; ++i) ASSERT_EQ(sp.q[l][t * q_dim + i], 0.0f);
     }
   }
   // Frozen rows change the later rows' attention at the freezing layers: other logits.

@@ -193,7 +193,7 @@ std::string UsageText() {
          "         --route auto|gpu|cpu --kv-dtype f16|bf16 --sinks N (4) --window N (64)\n"
          "         --bank-slots N (0) --cpu-threads N --param k=v --no-dense\n"
          "prefill: --etf (PrHS's early-token freezing) --etf-psi P (0.5) --etf-gamma G (1)\n"
-         "         --etf-start L (3N/4)\n"
+         "         --etf-start L (3N/4) --etf-copy-kv (frozen rows keep the layer below's K/V)\n"
          "output:  --json FILE\n"
          "exit codes: 0 done, 1 the run failed, 2 usage error (reported before the model loads)\n";
 }
@@ -320,6 +320,7 @@ Result<Options> ParseArgs(int argc, const char* const* argv) {
       o.base.policy.params[name] = x;
     } else if (a == "--no-dense") { o.no_dense = true; }
     else if (a == "--etf") { o.etf.on = true; }
+    else if (a == "--etf-copy-kv") { o.etf.on = true; o.etf.copy_kv = true; }
     else if (a == "--etf-psi") { KVF_ASSIGN_OR_RETURN(double v, real(0.0, 1.0, true)); o.etf.psi = v; o.etf.on = true; }
     else if (a == "--etf-gamma") { KVF_ASSIGN_OR_RETURN(double v, real(0.0, 1e3, true)); o.etf.gamma = v; o.etf.on = true; }
     else if (a == "--etf-start") { KVF_ASSIGN_OR_RETURN(int64_t v, whole(0, 4095)); o.etf.start = static_cast<int>(v); o.etf.on = true; }

@@ -195,7 +195,7 @@ Status Engine::Forward(std::span<const int32_t> tokens, int64_t pos,
                 &x_[t * dim]);
   }
   const bool etf = !decode && etf_.on;
-  if (etf) {
+  if (etf && etf_.copy_kv) {
     prev_k_.resize(n * kv_dim);
     prev_v_.resize(n * kv_dim);
   }
@@ -211,10 +211,19 @@ Status Engine::Forward(std::span<const int32_t> tokens, int64_t pos,
       etf_frozen_rows_ += f1 - f0;
     }
     if (f1 > f0) {
-      std::copy_n(prev_k_.data() + f0 * kv_dim, (f1 - f0) * kv_dim, k_.data() + f0 * kv_dim);
-      std::copy_n(prev_v_.data() + f0 * kv_dim, (f1 - f0) * kv_dim, v_.data() + f0 * kv_dim);
-      std::fill_n(q_.data() + f0 * q_dim, (f1 - f0) * q_dim, 0.0f);
-      std::fill_n(att_.data() + f0 * q_dim, (f1 - f0) * q_dim, 0.0f);
+      const int64_t rows = f1 - f0;
+      if (etf_.copy_kv) {
+        std::copy_n(prev_k_.data() + f0 * kv_dim, rows * kv_dim, k_.data() + f0 * kv_dim);
+        std::copy_n(prev_v_.data() + f0 * kv_dim, rows * kv_dim, v_.data() + f0 * kv_dim);
+      } else {  // this layer's K and V of the frozen hidden states
+        const LayerWeights& w = model_.layers[l];
+        for (int64_t t = f0; t < f1; ++t) RmsNorm(&x_[t * dim], w.attn_norm, dim, c.rms_eps, &xb_[t * dim]);
+        KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data() + f0 * dim, rows, w.wk, k_.data() + f0 * kv_dim));
+        KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data() + f0 * dim, rows, w.wv, v_.data() + f0 * kv_dim));
+        ApplyRope(k_.data() + f0 * kv_dim, rows, c.num_kv_heads, pos + f0);
+      }
+      std::fill_n(q_.data() + f0 * q_dim, rows * q_dim, 0.0f);
+      std::fill_n(att_.data() + f0 * q_dim, rows * q_dim, 0.0f);
     }
     KVF_RETURN_IF_ERROR(LayerRows(l, 0, f0, pos, attns, decode));
     if (f1 > f0) {
@@ -224,7 +233,7 @@ Status Engine::Forward(std::span<const int32_t> tokens, int64_t pos,
     }
     KVF_RETURN_IF_ERROR(LayerRows(l, f1, n, pos, attns, decode));
     if (observer_) observer_(l, pos, n, q_.data(), k_.data(), v_.data());
-    if (etf) {
+    if (etf && etf_.copy_kv) {
       std::copy_n(k_.data(), n * kv_dim, prev_k_.data());
       std::copy_n(v_.data(), n * kv_dim, prev_v_.data());
     }

@@ -68,12 +68,14 @@ RuntimeConfig RuntimeConfigFor(const ModelConfig& model, RuntimeConfig base);
 /// \brief PrHS's early-token freezing at prefill (ETF, seed 000; notes/prhs.md, docs/prhs.md).
 /// From layer start on, prompt positions [sink, E_l) are frozen at layer l, with
 /// E_l = floor((1 - psi^(gamma (l - start) / (N - start))) T) and T the end of the prompt being
-/// prefilled: a frozen row's K and V are its K and V at layer l - 1 (stored with Attention::Append,
-/// no attention), its query is not computed and its hidden state passes layer l unchanged
-/// (attention and MLP skipped). E grows with l, so a row frozen at l stays frozen above. Decode
-/// is unchanged.
+/// prefilled: a frozen row's hidden state passes layer l unchanged (its query, attention and MLP
+/// skipped) and its K and V are stored with Attention::Append, no attention: by default projected
+/// by layer l from that frozen hidden state (Sec. IV's "reuse previous-layer hidden states"), or
+/// with copy_kv its K and V at layer l - 1 (App. D's k^l <- k^(l-1)). E grows with l, so a row
+/// frozen at l stays frozen above. Decode is unchanged.
 struct EtfOptions {
   bool on = false;
+  bool copy_kv = false;
   double psi = 0.5;
   double gamma = 1.0;
   int start = -1;  ///< l_s; -1: floor(3 N / 4)

@@ -183,7 +183,8 @@ Result<PerplexityRun> RunPerplexity(const Options& o, Engine& engine, const Toke
        << ", \"prefill_seconds\": " << run.prefill_seconds;
   if (engine.etf().on) {
     const EtfOptions& e = engine.etf();
-    json << ", \"etf\": {\"psi\": " << e.psi << ", \"gamma\": " << e.gamma << ", \"start\": "
+    json << ", \"etf\": {\"kv\": \"" << (e.copy_kv ? "copied from the layer below" : "projected from the frozen hidden state")
+         << "\", \"psi\": " << e.psi << ", \"gamma\": " << e.gamma << ", \"start\": "
          << (e.start >= 0 ? e.start : 3 * mc.num_layers / 4) << ", \"sink\": " << e.sink
          << ", \"frozen_row_fraction\": "
          << (engine.prefill_rows() > 0 ? static_cast<double>(engine.etf_frozen_rows()) /
@@ -539,8 +540,9 @@ Status Run(const Options& o) {
     etf.sink = o.base.tiers.sink_tokens;
     KVF_RETURN_IF_ERROR(engine.set_etf(etf));
     const int start = etf.start >= 0 ? etf.start : 3 * mc.num_layers / 4;
-    std::fprintf(stderr, "[kvferry-llama] ETF at prefill: psi %g, gamma %g, from layer %d, sinks %d\n",
-                 etf.psi, etf.gamma, start, etf.sink);
+    std::fprintf(stderr, "[kvferry-llama] ETF at prefill: psi %g, gamma %g, from layer %d, sinks %d, K/V %s\n",
+                 etf.psi, etf.gamma, start, etf.sink,
+                 etf.copy_kv ? "copied from the layer below" : "projected from the frozen hidden state");
   }
   std::ostringstream json;
   switch (o.mode) {
