@@ -359,6 +359,11 @@ struct DecodeStepArgs {
   int64_t kvpop_cap = 0;
   const float* kvpop_scorer = nullptr;
   int32_t kvpop_hidden = 0;
+  /// kKvpop, CUDA: 1 when the runtime saw a catch-up coming (a prompt stored since the item's last
+  /// step): a grid over the whole GPU scores the newcomers into select_ws first and the selection
+  /// kernel reads them there; 0: the selection kernel scores any newcomers itself (correct either
+  /// way; a captured graph keeps what it was captured with).
+  int32_t kvpop_catchup = 0;
   float* select_ws = nullptr;
   int64_t select_ld = 0;
   unsigned long long* topk_ws = nullptr;

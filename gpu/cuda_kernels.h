@@ -135,7 +135,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& args, const LaunchInfo& info, cu
 
 /// LaunchDecodeSelect's kKvpop (gpu/kvpop_select.cu): a CTA per item updates its long-range
 /// slots with the tokens that left the window and writes the list (sinks, slots, window).
-Status LaunchKvpopSelect(const DecodeStepArgs& args, cudaStream_t stream);
+Status LaunchKvpopSelect(const DecodeStepArgs& args, const LaunchInfo& info, cudaStream_t stream);
 
 /// The work LaunchDecodeSelect leaves beside the step (kHip with hip_lag 1: the rebuilds it
 /// requested, HipStepAction's kRequest), for a side stream that waits for the selection; the

@@ -2285,7 +2285,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
   KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
   KVF_CHECK_ARG(a.pages != nullptr, "DecodeSelect: null page table");
   if (a.scoring == SelectScoring::kKvpop) {  // gpu/kvpop_select.cu
-    KVF_RETURN_IF_ERROR(LaunchKvpopSelect(a, stream));
+    KVF_RETURN_IF_ERROR(LaunchKvpopSelect(a, info, stream));
     return LaunchPsawFilter(a, stream);
   }
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;

@@ -10,6 +10,8 @@
 // own: no library keeps a top-k set online. Nothing the host computes per step is read, so the
 // launch can be captured in a CUDA graph. The host twin is cpu/decode_step.cpp's KvpopSelect.
 
+#include <algorithm>
+
 #include <cub/block/block_reduce.cuh>
 #include <cuda/functional>
 #include <cub/block/block_scan.cuh>
@@ -151,6 +153,38 @@ __device__ float KvpopBlockPriority(const DecodeStepArgs& a, const float* block,
   return sh.new_prio;
 }
 
+// Grid (items, y), kKvpopScoreThreads (DecodeStepArgs::kvpop_catchup): the newcomers of an item
+// with more than one, a warp a token over the whole GPU, into its select_ws row (where
+// KvpopSelectKernel, next on the stream, reads them). The zero-copy reads of a prompt's rows are
+// latency-bound; one CTA an item (the selection kernel's own scoring) took 4.2 s for the first step
+// after a 128K prompt (32 layers x 8 KV heads, stop27_d).
+constexpr int kKvpopScoreThreads = 256;
+template <typename T>
+__global__ void __launch_bounds__(kKvpopScoreThreads) KvpopScoreKernel(DecodeStepArgs a) {
+  __shared__ float x[kKvpopScoreThreads / 32][2 * kKvpopMaxHeadDim];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const int64_t t = (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
+  const int64_t sinks = min(max(static_cast<int64_t>(a.sink), int64_t{0}), n);
+  const int64_t off_hi = max(sinks, n - max(a.window, 0));
+  KvpopState st = a.kvpop_state[t];
+  if (n < st.next_u) st = KvpopState{};
+  const int64_t lo = max(st.next_u, sinks);
+  const int64_t m = max(off_hi - lo, int64_t{0});
+  if (m <= 1) return;  // the selection kernel scores a lone newcomer itself
+  const float* block =
+      a.kvpop_scorer + (static_cast<int64_t>(a.layer) * a.num_kv_heads + h) *
+                           KvpopScorerFloats(a.kvpop_hidden, 2 * a.params.head_dim);
+  float* ws = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
+  const int64_t warps = static_cast<int64_t>(gridDim.y) * (kKvpopScoreThreads / 32);
+  for (int64_t j = static_cast<int64_t>(blockIdx.y) * (kKvpopScoreThreads / 32) + warp; j < m; j += warps) {
+    const float p = KvpopWarpPriority<T>(a, block, t, lo + j, n, x[warp]);
+    if (lane == 0) ws[j] = p;
+  }
+}
+
 // Grid (items), kKvpopThreads. See the file's comment and SelectScoring::kKvpop.
 template <typename T>
 __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStepArgs a) {
@@ -247,6 +281,12 @@ __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStep
         pos[count] = static_cast<int32_t>(lo);
         prio[count] = p;
       }
+    } else if (a.kvpop_catchup != 0) {  // scored by KvpopScoreKernel
+      const float* ws = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
+      for (int64_t j = tid; j < m; j += kKvpopThreads) {
+        pos[count + j] = static_cast<int32_t>(lo + j);
+        prio[count + j] = ws[j];
+      }
     } else {
       for (int64_t j = warp; j < m; j += kKvpopWarps) {
         const float p = KvpopWarpPriority<T>(a, block, t, lo + j, n, sh.x[warp]);
@@ -259,9 +299,11 @@ __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStep
     kept = count + m;
   } else {  // many newcomers (or a smaller budget): the k best of slots and newcomers
     float* ws = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
-    for (int64_t j = warp; j < m; j += kKvpopWarps) {
-      const float p = KvpopWarpPriority<T>(a, block, t, lo + j, n, sh.x[warp]);
-      if (lane == 0) ws[j] = p;
+    if (a.kvpop_catchup == 0 || m <= 1) {  // else KvpopScoreKernel wrote them
+      for (int64_t j = warp; j < m; j += kKvpopWarps) {
+        const float p = KvpopWarpPriority<T>(a, block, t, lo + j, n, sh.x[warp]);
+        if (lane == 0) ws[j] = p;
+      }
     }
     __syncthreads();
     const int64_t total = count + m;
@@ -339,7 +381,7 @@ __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStep
 
 }  // namespace
 
-Status LaunchKvpopSelect(const DecodeStepArgs& a, cudaStream_t stream) {
+Status LaunchKvpopSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
   if (items == 0) return Status::Ok();
   KVF_CHECK_ARG(a.kvpop_state != nullptr && a.kvpop_pos != nullptr && a.kvpop_prio != nullptr &&
@@ -349,7 +391,15 @@ Status LaunchKvpopSelect(const DecodeStepArgs& a, cudaStream_t stream) {
                 "DecodeSelect: kvpop without its slots, state or scorers, slots for ", a.kvpop_cap,
                 " tokens under a budget of ", a.budget_cap, ", a scorer of width ", a.kvpop_hidden, ", or head_dim ", a.params.head_dim,
                 " over ", kKvpopMaxHeadDim);
+  KVF_CHECK_ARG(a.kvpop_catchup == 0 || (a.select_ws != nullptr && a.select_ld >= 1),
+                "DecodeSelect: kvpop's catch-up without its scratch");
+  const unsigned gy = static_cast<unsigned>(
+      std::clamp<int64_t>(int64_t{info.num_sms} * 8 / items, 1, 65535));
   return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
+    if (a.kvpop_catchup != 0) {
+      KvpopScoreKernel<T><<<dim3(static_cast<unsigned>(items), gy), kKvpopScoreThreads, 0, stream>>>(a);
+      KVF_CUDA_CHECK_LAUNCH(KvpopScoreKernel);
+    }
     KvpopSelectKernel<T><<<static_cast<unsigned>(items), kKvpopThreads, 0, stream>>>(a);
     KVF_CUDA_CHECK_LAUNCH(KvpopSelectKernel);
     return Status::Ok();

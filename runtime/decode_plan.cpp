@@ -152,6 +152,7 @@ Status RuntimeImpl::InitStepBuffers() {
                      StatusCode::kInternal, "policy '", policy_->name(), "': a scorer table of ",
                      table.size(), " floats for hidden width ", kvpop_hidden_);
       KVF_RETURN_IF_ERROR(device_->CopyAsync(kvpop_scorer_, table.data(), table.size() * sizeof(float), stream_));
+      kvpop_seen_.assign(static_cast<size_t>(config_.capacity.max_sequences) * m.num_layers, 0);
       KVF_RETURN_IF_ERROR(ResetSelectState(-1));
     }
     if (z.bank_stage > 0) {
@@ -548,6 +549,16 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.kvpop_cap = kvpop_cap_;
     a.kvpop_scorer = kvpop_scorer_;
     a.kvpop_hidden = kvpop_hidden_;
+    if (scoring_ == SelectScoring::kKvpop && device_->backend() == Backend::kCuda) {
+      const int64_t sink = config_.tiers.sink_tokens;
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t n = pos[b] + 1;
+        const int64_t off_hi = std::max(std::min(sink, n), n - config_.tiers.window_tokens);
+        int64_t& seen = kvpop_seen_[static_cast<size_t>(slot_of[b]) * layers + layer];
+        if (off_hi - std::max(seen, std::min(sink, n)) > 1) a.kvpop_catchup = 1;
+        seen = off_hi;
+      }
+    }
     if (bank_stage_ != nullptr) {
       step_bank_->View(&a.bank);
       a.bank.stage = bank_stage_;
@@ -861,6 +872,10 @@ Status RuntimeImpl::ResetSelectState(int slot) {
   const size_t first = slot < 0 ? 0 : static_cast<size_t>(slot) * per_slot;
   const size_t count = slot < 0 ? per_slot * config_.capacity.max_sequences : per_slot;
   if (kvpop_state_ != nullptr) {  // no slots, nothing scored yet
+    const size_t layers = static_cast<size_t>(m.num_layers);
+    std::fill(kvpop_seen_.begin() + (slot < 0 ? 0 : static_cast<size_t>(slot) * layers),
+              slot < 0 ? kvpop_seen_.end() : kvpop_seen_.begin() + (static_cast<size_t>(slot) + 1) * layers,
+              int64_t{0});
     const std::vector<KvpopState> zeros(count);
     KVF_RETURN_IF_ERROR(device_->CopyAsync(kvpop_state_ + first, zeros.data(),
                                            count * sizeof(KvpopState), stream_));

@@ -670,6 +670,11 @@ class RuntimeImpl {
   float* kvpop_scorer_ = nullptr;       // device (kKvpop): [layer][kv_head] scorer blocks
   int64_t kvpop_cap_ = 0;
   int32_t kvpop_hidden_ = 0;
+  // kKvpop: per (slot, layer) the offloaded range's end at its last decode step, as the host saw
+  // it; a step that moves it by more than one token (a prompt stored since) scores its newcomers
+  // with a grid over the GPU first (DecodeStepArgs::kvpop_catchup). Speed only: the device state
+  // decides what is scored.
+  std::vector<int64_t> kvpop_seen_;
   HipState* hip_state_ = nullptr;  // device (kHip): [slot][layer][kv_head]
   int32_t* hip_blocks_ = nullptr;  // device (kHip): [slot][layer][kv_head][hip_max_nodes_]
   int32_t hip_bk_ = 2, hip_r_m_ = 8, hip_rep_ = 0, hip_align_ = 1, hip_max_nodes_ = 0;
