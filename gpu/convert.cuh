@@ -20,6 +20,21 @@ __device__ __forceinline__ float LoadElem(const void* p, DType t, int64_t i) {
   }
 }
 
+/// A KV-dtype element (bf16 or f16, a template parameter) to fp32 and back (round to nearest).
+template <typename T>
+__device__ __forceinline__ float ToF32(T x);
+template <>
+__device__ __forceinline__ float ToF32(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <>
+__device__ __forceinline__ float ToF32(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromF32(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF32(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half FromF32(float x) { return __float2half_rn(x); }
+
 __device__ __forceinline__ void StoreElem(void* p, DType t, int64_t i, float x) {
   switch (t) {
     case DType::kF32: static_cast<float*>(p)[i] = x; break;

@@ -35,20 +35,6 @@ namespace {
 constexpr int kScoreWarps = 8;
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <typename T>
-__device__ __forceinline__ float ToF32(T x);
-template <>
-__device__ __forceinline__ float ToF32(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <>
-__device__ __forceinline__ float ToF32(__half x) { return __half2float(x); }
-
-template <typename T>
-__device__ __forceinline__ T FromF32(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromF32(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half FromF32(float x) { return __float2half_rn(x); }
-
 __device__ __forceinline__ int64_t ItemT(const DecodeStepArgs& a, int32_t b, int32_t h) {
   return (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
 }

@@ -18,6 +18,7 @@
 
 #include "base/check.h"
 #include "base/kvpop_score.h"
+#include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
 #include "gpu/dispatch.cuh"
@@ -31,13 +32,6 @@ constexpr int kKvpopWarps = kKvpopThreads / 32;
 // Slots a thread holds in registers on the step path (kKvpopThreads * kKvpopRegs an item, 8192:
 // 2% of 400K tokens); more take the general path.
 constexpr int kKvpopRegs = 16;
-
-template <typename T>
-__device__ __forceinline__ float KvToF32(T x);
-template <>
-__device__ __forceinline__ float KvToF32(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <>
-__device__ __forceinline__ float KvToF32(__half x) { return __half2float(x); }
 
 struct KvpopShared {
   union {
@@ -80,7 +74,7 @@ __device__ void KvpopLoadRow(const DecodeStepArgs& a, int64_t t, int64_t u, int6
     kp = reinterpret_cast<const T*>(base + static_cast<size_t>(p % pt) * row_bytes);
     vp = reinterpret_cast<const T*>(base + static_cast<size_t>(pt + p % pt) * row_bytes);
   }
-  for (int j = first; j < 2 * d; j += stride) x[j] = KvToF32(j < d ? kp[j] : vp[j - d]);
+  for (int j = first; j < 2 * d; j += stride) x[j] = ToF32(j < d ? kp[j] : vp[j - d]);
 }
 
 // z_i's dot product w1[i] . x in KvpopDot's order: lane l takes j = l, l + 32, ..., then the

@@ -29,6 +29,7 @@
 #include <cmath>
 
 #include "base/check.h"
+#include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
 #include "gpu/dispatch.cuh"
@@ -45,17 +46,6 @@ constexpr int kPrimeMinSplitKeys = 256;  // fewest keys a split handles
 template <int HD>
 constexpr int PrimeChunk() {
   return 2048 / HD;
-}
-
-template <typename T>
-__device__ __forceinline__ float ToF32(T x);
-template <>
-__device__ __forceinline__ float ToF32(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ __forceinline__ float ToF32(__half x) {
-  return __half2float(x);
 }
 
 template <typename T>
