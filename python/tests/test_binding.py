@@ -116,6 +116,46 @@ def test_streaming_attends_sinks_and_recent():
     assert torch.allclose(o1[0].double(), ref, atol=2e-5, rtol=1e-4)
 
 
+def test_kvpop_trained_scorer_selects_on_the_device_as_on_the_host(monkeypatch):
+    # The committed SmolLM2 scorer (30 layers, 3 KV heads, head_dim 64): kvpop's device selection
+    # (the host backend runs its twin of the GPU kernel) keeps exactly the tokens of its host
+    # Select ("device" 0), step after step; the zero scorer's lists are streaming's.
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    weights = os.path.join(here, "..", "..", "policies", "weights", "kvpop_smollm2.safetensors")
+    if not os.path.exists(weights):
+        pytest.skip("the kvpop weights are not in this checkout")
+    monkeypatch.setenv("KVFERRY_KVPOP_WEIGHTS", weights)
+    shape = dict(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, sink_tokens=4,
+                 window_tokens=16, budget=48, max_tokens_per_sequence=1024)
+    dev = make_rt(policy="kvpop", **shape)
+    host = make_rt(policy="kvpop", params={"device": 0.0}, **shape)
+    monkeypatch.delenv("KVFERRY_KVPOP_WEIGHTS")
+    zero = make_rt(policy="kvpop", **shape)
+    stream = make_rt(policy="streaming", **shape)
+    rts = (dev, host, zero, stream)
+    for rt in rts:
+        rt.add_sequence(1)
+    t, layers = 150, (0, 17, 29)
+    for layer in layers:
+        q, k, v = rnd(t, 9, 64), rnd(t, 3, 64), rnd(t, 3, 64)
+        for rt in rts:
+            rt.prefill(1, layer, q, k, v)
+    differs = False
+    for _ in range(12):
+        for layer in layers:
+            q1, k1, v1 = rnd(1, 9, 64), rnd(1, 3, 64), rnd(1, 3, 64)
+            outs = [rt.decode([1], layer, q1, k1, v1) for rt in rts]
+            assert torch.allclose(outs[0], outs[1], atol=1e-6)
+            for h in range(3):
+                sel = [rt.last_selection(1, layer, h) for rt in rts]
+                assert sel[0] == sel[1]
+                assert sel[2] == sel[3]
+                assert len(sel[0]) == 48
+                differs |= sel[0] != sel[3]
+    assert differs  # the trained scorer keeps other tokens than recency
+
+
 def test_oracle_selects_the_exact_top_k_of_the_group_softmax():
     budget = 24
     rt = make_rt(policy="oracle", budget=budget, sink_tokens=2, window_tokens=8)
