@@ -119,7 +119,8 @@ KVF_HOST_DEVICE inline float KvpopPriorityOf(float r, int64_t pos, float log_gam
 }
 
 /// True if (prio_a, pos_a) ranks above (prio_b, pos_b): higher priority, then lower position.
-KVF_HOST_DEVICE inline bool KvpopRanksAbove(float prio_a, int64_t pos_a, float prio_b, int64_t pos_b) {
+KVF_HOST_DEVICE inline bool KvpopRanksAbove(float prio_a, int64_t pos_a, float prio_b,
+                                            int64_t pos_b) {
   return prio_a > prio_b || (prio_a == prio_b && pos_a < pos_b);
 }
 

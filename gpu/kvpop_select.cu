@@ -11,10 +11,9 @@
 // launch can be captured in a CUDA graph. The host twin is cpu/decode_step.cpp's KvpopSelect.
 
 #include <algorithm>
-
 #include <cub/block/block_reduce.cuh>
-#include <cuda/functional>
 #include <cub/block/block_scan.cuh>
+#include <cuda/functional>
 
 #include "base/check.h"
 #include "base/kvpop_score.h"
@@ -41,9 +40,9 @@ struct KvpopShared {
   uint32_t hist[256];
   uint32_t prefix;
   int32_t want;
-  int64_t worst;   // index of the slot the newcomer evicts, -1: none
-  float new_prio;  // the one newcomer's priority
-  float h[kKvpopMaxHidden];   // its SiLU(z_i)
+  int64_t worst;             // index of the slot the newcomer evicts, -1: none
+  float new_prio;            // the one newcomer's priority
+  float h[kKvpopMaxHidden];  // its SiLU(z_i)
   float w2[kKvpopMaxHidden];
   // The step path's shift: lane 0's slot of each warp, per register.
   int32_t bnd_pos[kKvpopRegs][kKvpopWarps];
@@ -68,7 +67,8 @@ __device__ void KvpopLoadRow(const DecodeStepArgs& a, int64_t t, int64_t u, int6
     kp = reinterpret_cast<const T*>(res + static_cast<size_t>(row) * row_bytes);
     vp = reinterpret_cast<const T*>(res + static_cast<size_t>(rows_per_slot + row) * row_bytes);
   } else {
-    const unsigned long long* pages = reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages;
+    const unsigned long long* pages =
+        reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages;
     const uint32_t pt = static_cast<uint32_t>(a.page_tokens), p = static_cast<uint32_t>(u);
     const char* base = reinterpret_cast<const char*>(__ldg(pages + p / pt));
     kp = reinterpret_cast<const T*>(base + static_cast<size_t>(p % pt) * row_bytes);
@@ -79,7 +79,8 @@ __device__ void KvpopLoadRow(const DecodeStepArgs& a, int64_t t, int64_t u, int6
 
 // z_i's dot product w1[i] . x in KvpopDot's order: lane l takes j = l, l + 32, ..., then the
 // butterfly. Every lane returns it.
-__device__ __forceinline__ float KvpopWarpDot(const float* w, const float* x, int in_dim, int lane) {
+__device__ __forceinline__ float KvpopWarpDot(const float* w, const float* x, int in_dim,
+                                              int lane) {
   float s = 0.0f;
   for (int j = lane; j < in_dim; j += 32) s = fmaf(w[j], x[j], s);
 #pragma unroll
@@ -90,8 +91,8 @@ __device__ __forceinline__ float KvpopWarpDot(const float* w, const float* x, in
 // The priority of token u of item t by the calling warp alone (the catch-up: a warp a token);
 // every lane returns it.
 template <typename T>
-__device__ float KvpopWarpPriority(const DecodeStepArgs& a, const float* block, int64_t t, int64_t u,
-                                   int64_t n, float* x) {
+__device__ float KvpopWarpPriority(const DecodeStepArgs& a, const float* block, int64_t t,
+                                   int64_t u, int64_t n, float* x) {
   const int lane = threadIdx.x & 31;
   const int in_dim = 2 * a.params.head_dim, hidden = a.kvpop_hidden;
   KvpopLoadRow<T>(a, t, u, n, lane, 32, x);
@@ -115,8 +116,8 @@ __device__ float KvpopWarpPriority(const DecodeStepArgs& a, const float* block, 
 // The priority of the step's one newcomer u by the whole CTA (a warp per hidden unit, then
 // thread 0 sums them in KvpopScore's order); every thread returns it.
 template <typename T>
-__device__ float KvpopBlockPriority(const DecodeStepArgs& a, const float* block, int64_t t, int64_t u,
-                                    int64_t n, KvpopShared& sh) {
+__device__ float KvpopBlockPriority(const DecodeStepArgs& a, const float* block, int64_t t,
+                                    int64_t u, int64_t n, KvpopShared& sh) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int in_dim = 2 * a.params.head_dim, hidden = a.kvpop_hidden;
   if (hidden > 0) {
@@ -152,7 +153,8 @@ __device__ float KvpopBlockPriority(const DecodeStepArgs& a, const float* block,
 // KvpopSelectKernel, next on the stream, reads them). The zero-copy reads of a prompt's rows are
 // latency-bound; one CTA an item (the selection kernel's own scoring) took 4.2 s for the first step
 // after a 128K prompt (32 layers x 8 KV heads, stop27_d). Compiled for sm_90 but not yet run on a
-// GPU: the runtime sets kvpop_catchup only with KVFERRY_KVPOP_CATCHUP=1 (scripts/device/stop27_e.sh).
+// GPU: the runtime sets kvpop_catchup only with KVFERRY_KVPOP_CATCHUP=1
+// (scripts/device/stop27_e.sh).
 constexpr int kKvpopScoreThreads = 256;
 template <typename T>
 __global__ void __launch_bounds__(kKvpopScoreThreads) KvpopScoreKernel(DecodeStepArgs a) {
@@ -161,7 +163,8 @@ __global__ void __launch_bounds__(kKvpopScoreThreads) KvpopScoreKernel(DecodeSte
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const int64_t t = (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
+  const int64_t t =
+      (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
   const int64_t sinks = min(max(static_cast<int64_t>(a.sink), int64_t{0}), n);
   const int64_t off_hi = max(sinks, n - max(a.window, 0));
   KvpopState st = a.kvpop_state[t];
@@ -174,7 +177,8 @@ __global__ void __launch_bounds__(kKvpopScoreThreads) KvpopScoreKernel(DecodeSte
                            KvpopScorerFloats(a.kvpop_hidden, 2 * a.params.head_dim);
   float* ws = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
   const int64_t warps = static_cast<int64_t>(gridDim.y) * (kKvpopScoreThreads / 32);
-  for (int64_t j = static_cast<int64_t>(blockIdx.y) * (kKvpopScoreThreads / 32) + warp; j < m; j += warps) {
+  for (int64_t j = static_cast<int64_t>(blockIdx.y) * (kKvpopScoreThreads / 32) + warp; j < m;
+       j += warps) {
     const float p = KvpopWarpPriority<T>(a, block, t, lo + j, n, x[warp]);
     if (lane == 0) ws[j] = p;
   }
@@ -190,7 +194,8 @@ __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStep
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const int64_t t = (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
+  const int64_t t =
+      (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
   const int64_t sinks = min(max(static_cast<int64_t>(a.sink), int64_t{0}), n);
   const int64_t off_hi = max(sinks, n - max(a.window, 0));
   const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
@@ -201,7 +206,7 @@ __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStep
   const float* block =
       a.kvpop_scorer + (static_cast<int64_t>(a.layer) * a.num_kv_heads + h) *
                            KvpopScorerFloats(a.kvpop_hidden, 2 * a.params.head_dim);
-  KvpopState st = a.kvpop_state[t];   // every thread reads it; thread 0 writes it at the end
+  KvpopState st = a.kvpop_state[t];      // every thread reads it; thread 0 writes it at the end
   if (n < st.next_u) st = KvpopState{};  // a new sequence in this slot
   const int64_t count = st.count;
   const int64_t lo = max(st.next_u, sinks);
@@ -232,9 +237,10 @@ __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStep
     const unsigned long long worst = Reduce(sh.tmp.reduce).Reduce(mine, ::cuda::minimum<>{});
     if (tid == 0) {
       // It beats the worst by priority alone: its position is past every slot's.
-      sh.worst = OrderedKey(np) > static_cast<uint32_t>(worst >> 32)
-                     ? static_cast<int64_t>(0xFFFFFFFFu - static_cast<uint32_t>(worst & 0xFFFFFFFFu))
-                     : -1;
+      sh.worst =
+          OrderedKey(np) > static_cast<uint32_t>(worst >> 32)
+              ? static_cast<int64_t>(0xFFFFFFFFu - static_cast<uint32_t>(worst & 0xFFFFFFFFu))
+              : -1;
     }
     if (lane == 0) {
 #pragma unroll
@@ -382,17 +388,19 @@ Status LaunchKvpopSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaSt
   KVF_CHECK_ARG(a.kvpop_state != nullptr && a.kvpop_pos != nullptr && a.kvpop_prio != nullptr &&
                     a.kvpop_scorer != nullptr && a.kvpop_hidden >= 0 &&
                     a.kvpop_hidden <= kKvpopMaxHidden && a.kvpop_cap >= a.budget_cap &&
-                    a.params.head_dim <= kKvpopMaxHeadDim && a.pages != nullptr && a.resident != nullptr,
+                    a.params.head_dim <= kKvpopMaxHeadDim && a.pages != nullptr &&
+                    a.resident != nullptr,
                 "DecodeSelect: kvpop without its slots, state or scorers, slots for ", a.kvpop_cap,
-                " tokens under a budget of ", a.budget_cap, ", a scorer of width ", a.kvpop_hidden, ", or head_dim ", a.params.head_dim,
-                " over ", kKvpopMaxHeadDim);
+                " tokens under a budget of ", a.budget_cap, ", a scorer of width ", a.kvpop_hidden,
+                ", or head_dim ", a.params.head_dim, " over ", kKvpopMaxHeadDim);
   KVF_CHECK_ARG(a.kvpop_catchup == 0 || (a.select_ws != nullptr && a.select_ld >= 1),
                 "DecodeSelect: kvpop's catch-up without its scratch");
-  const unsigned gy = static_cast<unsigned>(
-      std::clamp<int64_t>(int64_t{info.num_sms} * 8 / items, 1, 65535));
+  const unsigned gy =
+      static_cast<unsigned>(std::clamp<int64_t>(int64_t{info.num_sms} * 8 / items, 1, 65535));
   return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
     if (a.kvpop_catchup != 0) {
-      KvpopScoreKernel<T><<<dim3(static_cast<unsigned>(items), gy), kKvpopScoreThreads, 0, stream>>>(a);
+      KvpopScoreKernel<T>
+          <<<dim3(static_cast<unsigned>(items), gy), kKvpopScoreThreads, 0, stream>>>(a);
       KVF_CUDA_CHECK_LAUNCH(KvpopScoreKernel);
     }
     KvpopSelectKernel<T><<<static_cast<unsigned>(items), kKvpopThreads, 0, stream>>>(a);
