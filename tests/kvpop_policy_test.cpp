@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <numeric>
 #include <random>
@@ -205,6 +206,51 @@ void WriteSafetensors(const std::string& path,
   const uint64_t len = header.size();
   f.write(reinterpret_cast<const char*>(&len), 8);
   f << header << data;
+}
+
+// The device selection uploads every (layer, KV head)'s scorer at Create: weights of another
+// model shape are refused there with both shapes named, and nothing is left half made; with
+// "device" 0 the runtime is made and the host Select refuses them at its first call.
+TEST(KvpopWeights, DeviceSelectionRefusesWeightsOfAnotherModelAtCreate) {
+  const KvpopScorerWeights w = RandomWeights(3, 2, 8, 4, 9);
+  const std::string path = ::testing::TempDir() + "kvpop_weights_shape_test.safetensors";
+  WriteSafetensors(path,
+                   {{"w1", {{3, 2, 4, 16}, w.w1}},
+                    {"b1", {{3, 2, 4}, w.b1}},
+                    {"w2", {{3, 2, 4}, w.w2}},
+                    {"b2", {{3, 2}, w.b2}},
+                    {"alpha", {{3, 2}, w.alpha}}},
+                   "");
+  ASSERT_EQ(setenv("KVFERRY_KVPOP_WEIGHTS", path.c_str(), 1), 0);
+  struct Unset {
+    ~Unset() { unsetenv("KVFERRY_KVPOP_WEIGHTS"); }
+  } unset;  // also when an assertion returns early
+  RuntimeConfig c;
+  c.model = {.num_layers = 2, .num_q_heads = 4, .num_kv_heads = 2, .head_dim = 8,
+             .kv_dtype = DType::kBF16};
+  c.capacity.max_sequences = 1;
+  c.capacity.max_tokens_per_sequence = 256;
+  c.capacity.max_batch = 1;
+  c.capacity.max_prefill_chunk = 64;
+  c.tiers.sink_tokens = 2;
+  c.tiers.window_tokens = 8;
+  c.policy.name = "kvpop";
+  c.policy.budget_tokens = 20;
+  c.backend = Backend::kHost;
+  c.cpu_threads = 1;
+  c.probe_at_start = false;
+  auto rt = Runtime::Create(c);
+  ASSERT_FALSE(rt.ok());
+  EXPECT_EQ(rt.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(rt.status().message().find("3 layers x 2 KV heads"), std::string::npos) << rt.status().message();
+  EXPECT_NE(rt.status().message().find("the model has 2 layers"), std::string::npos) << rt.status().message();
+  c.model.num_layers = 3;  // the weights' shape: made
+  EXPECT_TRUE(Runtime::Create(c).ok());
+  c.model.num_layers = 2;
+  c.policy.params["device"] = 0;
+  auto host = Runtime::Create(c);
+  EXPECT_TRUE(host.ok()) << host.status().ToString();
+  std::remove(path.c_str());
 }
 
 TEST(KvpopWeights, LoadRoundTripAndErrors) {
