@@ -96,21 +96,27 @@ KVF_HOST_DEVICE inline float KvpopDot(const float* w, const float* x, int n) {
   return KvpopButterfly(p);
 }
 
-/// The MLP scorer of one (layer, KV head) on x = [k; v] (fp32, in_dim = 2 head_dim) given its
-/// block of the table (KvpopScorerFloats): r = b2 + sum_i w2[i] SiLU(b1[i] + w1[i] . x), the sum
-/// over i ascending by fmaf; a NaN result is -inf. The zero scorer (hidden 0) gives 0.
-KVF_HOST_DEVICE inline float KvpopScore(const float* block, int32_t hidden, int32_t in_dim,
-                                        const float* x) {
-  if (hidden <= 0) return 0.0f;
-  const float* w1 = block + 2;
-  const float* b1 = w1 + int64_t{hidden} * in_dim;
-  const float* w2 = b1 + hidden;
-  float r = block[1];
+/// The MLP scorer on x = [k; v] (fp32, in_dim = 2 head_dim): r = b2 + sum_i w2[i] SiLU(b1[i] +
+/// w1[i] . x), w1 [hidden][in_dim], the sum over i ascending by fmaf; a NaN result is -inf.
+KVF_HOST_DEVICE inline float KvpopMlp(const float* x, int32_t in_dim, int32_t hidden,
+                                      const float* w1, const float* b1, const float* w2,
+                                      float b2) {
+  float r = b2;
   for (int32_t i = 0; i < hidden; ++i) {
     const float z = KvpopDot(w1 + int64_t{i} * in_dim, x, in_dim) + b1[i];
     r = fmaf(w2[i], KvpopSilu(z), r);
   }
   return r != r ? -INFINITY : r;
+}
+
+/// KvpopMlp of one (layer, KV head) given its block of the table (KvpopScorerFloats); the zero
+/// scorer (hidden 0) gives 0.
+KVF_HOST_DEVICE inline float KvpopScore(const float* block, int32_t hidden, int32_t in_dim,
+                                        const float* x) {
+  if (hidden <= 0) return 0.0f;
+  const float* w1 = block + 2;
+  const float* b1 = w1 + int64_t{hidden} * in_dim;
+  return KvpopMlp(x, in_dim, hidden, w1, b1, b1 + hidden, block[1]);
 }
 
 /// Static priority p = r - pos * log_gamma (log_gamma < 0: newer tokens rank higher).

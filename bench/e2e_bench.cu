@@ -36,6 +36,7 @@
 #include <string_view>
 #include <vector>
 
+#include "bench/lib/safetensors.h"
 #include "examples/llama/progress.h"
 #include "kvferry/kvferry.h"
 
@@ -208,39 +209,27 @@ struct Row {
 // SmolLM2) with random weights for this model shape, written once as the safetensors file that
 // KVFERRY_KVPOP_WEIGHTS names, so the step pays for a real scorer. Returns the path.
 std::string KvpopWeightsFile(int layers, int kv_heads, int head_dim) {
-  const int hidden = 16, in_dim = 2 * head_dim;
+  const int64_t hidden = 16, in_dim = 2 * head_dim;
   const std::string path = "/tmp/kvferry_e2e_kvpop_" + std::to_string(layers) + ".safetensors";
   uint32_t state = 12345;
   auto next = [&] {  // uniform in [-1, 1)
     state = state * 1664525u + 1013904223u;
     return static_cast<float>(state >> 8) / 8388608.0f - 1.0f;
   };
-  struct T { const char* name; std::vector<int64_t> shape; std::vector<float> data; };
-  std::vector<T> ts = {{"alpha", {layers, kv_heads}, {}}, {"b1", {layers, kv_heads, hidden}, {}},
-                       {"b2", {layers, kv_heads}, {}}, {"w1", {layers, kv_heads, hidden, in_dim}, {}},
-                       {"w2", {layers, kv_heads, hidden}, {}}};
-  for (T& t : ts) {
+  kvferry::bench::SafetensorsFile file;
+  file.metadata["format"] = "kvferry-kvpop-mlp-v1";
+  const std::vector<std::pair<const char*, std::vector<int64_t>>> tensors = {
+      {"alpha", {layers, kv_heads}}, {"b1", {layers, kv_heads, hidden}}, {"b2", {layers, kv_heads}},
+      {"w1", {layers, kv_heads, hidden, in_dim}}, {"w2", {layers, kv_heads, hidden}}};
+  for (const auto& [name, shape] : tensors) {
     int64_t n = 1;
-    for (int64_t d : t.shape) n *= d;
-    t.data.resize(static_cast<size_t>(n));
-    const float scale = std::string_view(t.name) == "w1" ? 1.0f / std::sqrt(static_cast<float>(in_dim)) : 1.0f;
-    for (float& x : t.data) x = scale * next();
+    for (int64_t d : shape) n *= d;
+    const float scale = std::string_view(name) == "w1" ? 1.0f / std::sqrt(static_cast<float>(in_dim)) : 1.0f;
+    std::vector<float> data(static_cast<size_t>(n));
+    for (float& x : data) x = scale * next();
+    kvferry::bench::AddFloatTensor(file, name, shape, data.data(), false);
   }
-  std::string header = "{";
-  size_t off = 0;
-  for (const T& t : ts) {
-    std::string shape;
-    for (int64_t d : t.shape) shape += (shape.empty() ? "" : ",") + std::to_string(d);
-    header += "\"" + std::string(t.name) + "\":{\"dtype\":\"F32\",\"shape\":[" + shape +
-              "],\"data_offsets\":[" + std::to_string(off) + "," + std::to_string(off + t.data.size() * 4) + "]},";
-    off += t.data.size() * 4;
-  }
-  header += "\"__metadata__\":{\"format\":\"kvferry-kvpop-mlp-v1\"}}";
-  std::ofstream f(path, std::ios::binary);
-  const uint64_t len = header.size();
-  f.write(reinterpret_cast<const char*>(&len), 8);
-  f << header;
-  for (const T& t : ts) f.write(reinterpret_cast<const char*>(t.data.data()), static_cast<std::streamsize>(t.data.size() * 4));
+  Check(kvferry::bench::WriteSafetensors(path, file), "writing the kvpop scorer");
   return path;
 }
 

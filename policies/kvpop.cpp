@@ -152,6 +152,15 @@ int64_t Dim(const Json& header, const char* name, size_t i) {
   return static_cast<int64_t>(s->arr[i].num);
 }
 
+// The entry every other ranks above (lowest priority, then highest position) of count >= 1.
+int64_t WorstSlot(const int32_t* slot_pos, const float* slot_prio, int64_t count) {
+  int64_t w = 0;
+  for (int64_t i = 1; i < count; ++i) {
+    if (KvpopRanksAbove(slot_prio[w], slot_pos[w], slot_prio[i], slot_pos[i])) w = i;
+  }
+  return w;
+}
+
 }  // namespace
 
 Result<KvpopScorerWeights> LoadKvpopWeights(const std::string& path) {
@@ -194,24 +203,10 @@ Result<KvpopScorerWeights> LoadKvpopWeights(const std::string& path) {
   return w;
 }
 
-float KvpopMlpScore(const float* x, int in_dim, int hidden, const float* w1, const float* b1,
-                    const float* w2, float b2) {
-  float r = b2;
-  for (int i = 0; i < hidden; ++i) {
-    const float z = KvpopDot(w1 + static_cast<int64_t>(i) * in_dim, x, in_dim) + b1[i];
-    r = std::fma(w2[i], KvpopSilu(z), r);
-  }
-  return std::isnan(r) ? -std::numeric_limits<float>::infinity() : r;
-}
-
 float KvpopLogGamma(float alpha, float gamma_min, float gamma_max) {
   const float lo = std::log(gamma_min), hi = std::log(gamma_max);
   const float sig = 1.0f / (1.0f + std::exp(-alpha));
   return lo + sig * (hi - lo);
-}
-
-float KvpopPriority(float r, int64_t pos, float log_gamma) {
-  return std::fma(-static_cast<float>(pos), log_gamma, r);
 }
 
 int64_t KvpopAdmit(int32_t* slot_pos, float* slot_prio, int64_t* count, int64_t k, int32_t pos,
@@ -223,12 +218,8 @@ int64_t KvpopAdmit(int32_t* slot_pos, float* slot_prio, int64_t* count, int64_t 
     return -1;
   }
   if (k <= 0) return pos;
-  // Worst entry: lowest priority, then highest position.
-  int64_t w = 0;
-  for (int64_t i = 1; i < *count; ++i) {
-    if (slot_prio[i] < slot_prio[w] || (slot_prio[i] == slot_prio[w] && slot_pos[i] > slot_pos[w])) w = i;
-  }
-  const bool beats = prio > slot_prio[w] || (prio == slot_prio[w] && pos < slot_pos[w]);
+  const int64_t w = WorstSlot(slot_pos, slot_prio, *count);
+  const bool beats = KvpopRanksAbove(prio, pos, slot_prio[w], slot_pos[w]);
   if (!beats) return pos;
   const int32_t out = slot_pos[w];
   slot_pos[w] = pos;
@@ -352,13 +343,7 @@ Status KvpopPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) 
   }
   // A smaller budget evicts the lowest priorities first.
   while (st->count > k) {
-    int64_t w = 0;
-    for (int64_t i = 1; i < st->count; ++i) {
-      if (st->slot_prio[i] < st->slot_prio[w] ||
-          (st->slot_prio[i] == st->slot_prio[w] && st->slot_pos[i] > st->slot_pos[w])) {
-        w = i;
-      }
-    }
+    const int64_t w = WorstSlot(st->slot_pos.data(), st->slot_prio.data(), st->count);
     st->evicted.push_back(st->slot_pos[w]);
     --st->count;
     st->slot_pos[w] = st->slot_pos[st->count];
@@ -375,11 +360,11 @@ Status KvpopPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) 
       LoadRowF32(ctx.kv, p, u, false, x.data());
       LoadRowF32(ctx.kv, p, u, true, x.data() + p.head_dim);
       const size_t h = static_cast<size_t>(w->hidden);
-      r = KvpopMlpScore(x.data(), w->in_dim, w->hidden, w->w1.data() + head * h * w->in_dim,
-                        w->b1.data() + head * h, w->w2.data() + head * h, w->b2[head]);
+      r = KvpopMlp(x.data(), w->in_dim, w->hidden, w->w1.data() + head * h * w->in_dim,
+                   w->b1.data() + head * h, w->w2.data() + head * h, w->b2[head]);
     }
     const int64_t ev = KvpopAdmit(st->slot_pos.data(), st->slot_prio.data(), &st->count, k,
-                                  static_cast<int32_t>(u), KvpopPriority(r, u, log_gamma));
+                                  static_cast<int32_t>(u), KvpopPriorityOf(r, u, log_gamma));
     if (ev >= 0) st->evicted.push_back(static_cast<int32_t>(ev));
   }
   st->next_u = std::max(st->next_u, s.off_hi);

@@ -62,16 +62,11 @@ Result<KvpopScorerWeights> LoadKvpopWeights(const std::string& path);
 
 // ---- numeric core (pure functions; the CUDA port is tested against these) ----------------------
 
-/// r = b2 + sum_i w2[i] SiLU(b1[i] + sum_j w1[i][j] x[j]); sums ascending in fp32; SiLU(z) =
-/// z / (1 + exp(-z)). x [in_dim], w1 [hidden][in_dim].
-float KvpopMlpScore(const float* x, int in_dim, int hidden, const float* w1, const float* b1,
-                    const float* w2, float b2);
+// The scorer (KvpopMlp), the static priority (KvpopPriorityOf) and the ranking
+// (KvpopRanksAbove) are base/kvpop_score.h's, shared with the device selection.
 
 /// log gamma = log(gamma_min) + sigmoid(alpha) (log(gamma_max) - log(gamma_min)), fp32.
 float KvpopLogGamma(float alpha, float gamma_min, float gamma_max);
-
-/// Static priority p = r - pos * log_gamma, computed as fmaf(-(float)pos, log_gamma, r).
-float KvpopPriority(float r, int64_t pos, float log_gamma);
 
 /// One online admission into k slots: slot_pos / slot_prio [k] hold *count live entries. If
 /// *count < k the token is appended; else if (prio, -pos) beats the worst entry (lowest priority,

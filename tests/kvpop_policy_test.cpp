@@ -91,8 +91,8 @@ TEST(KvpopCore, PriorityDecayAndMlp) {
   EXPECT_NEAR(lg, 0.5 * (std::log(0.999) + std::log(0.999999)), 1e-7);
   EXPECT_NEAR(KvpopLogGamma(-50.0f, 0.999f, 0.999999f), std::log(0.999), 1e-7);
   EXPECT_LT(lg, 0.0f);
-  EXPECT_EQ(KvpopPriority(1.5f, 1000, lg), std::fma(-1000.0f, lg, 1.5f));
-  EXPECT_GT(KvpopPriority(0.0f, 11, lg), KvpopPriority(0.0f, 10, lg));  // newer wins at r = 0
+  EXPECT_EQ(KvpopPriorityOf(1.5f, 1000, lg), std::fma(-1000.0f, lg, 1.5f));
+  EXPECT_GT(KvpopPriorityOf(0.0f, 11, lg), KvpopPriorityOf(0.0f, 10, lg));  // newer wins at r = 0
   KvpopScorerWeights w = RandomWeights(1, 1, 8, 5, 3);
   std::vector<float> x(16);
   std::mt19937 rng(4);
@@ -104,7 +104,7 @@ TEST(KvpopCore, PriorityDecayAndMlp) {
     for (int j = 0; j < 16; ++j) z += static_cast<double>(w.w1[i * 16 + j]) * x[j];
     ref += w.w2[i] * z / (1 + std::exp(-z));
   }
-  EXPECT_NEAR(KvpopMlpScore(x.data(), 16, 5, w.w1.data(), w.b1.data(), w.w2.data(), w.b2[0]), ref,
+  EXPECT_NEAR(KvpopMlp(x.data(), 16, 5, w.w1.data(), w.b1.data(), w.w2.data(), w.b2[0]), ref,
               1e-4);
 }
 
@@ -208,19 +208,25 @@ void WriteSafetensors(const std::string& path,
   f << header << data;
 }
 
+// Writes weights \p w in the layout LoadKvpopWeights reads, with metadata \p meta.
+void WriteWeights(const std::string& path, const KvpopScorerWeights& w, const std::string& meta) {
+  const int64_t l = w.num_layers, h = w.num_kv_heads, hid = w.hidden;
+  WriteSafetensors(path,
+                   {{"w1", {{l, h, hid, w.in_dim}, w.w1}},
+                    {"b1", {{l, h, hid}, w.b1}},
+                    {"w2", {{l, h, hid}, w.w2}},
+                    {"b2", {{l, h}, w.b2}},
+                    {"alpha", {{l, h}, w.alpha}}},
+                   meta);
+}
+
 // The device selection uploads every (layer, KV head)'s scorer at Create: weights of another
 // model shape are refused there with both shapes named, and nothing is left half made; with
 // "device" 0 the runtime is made and the host Select refuses them at its first call.
 TEST(KvpopWeights, DeviceSelectionRefusesWeightsOfAnotherModelAtCreate) {
   const KvpopScorerWeights w = RandomWeights(3, 2, 8, 4, 9);
   const std::string path = ::testing::TempDir() + "kvpop_weights_shape_test.safetensors";
-  WriteSafetensors(path,
-                   {{"w1", {{3, 2, 4, 16}, w.w1}},
-                    {"b1", {{3, 2, 4}, w.b1}},
-                    {"w2", {{3, 2, 4}, w.w2}},
-                    {"b2", {{3, 2}, w.b2}},
-                    {"alpha", {{3, 2}, w.alpha}}},
-                   "");
+  WriteWeights(path, w, "");
   ASSERT_EQ(setenv("KVFERRY_KVPOP_WEIGHTS", path.c_str(), 1), 0);
   struct Unset {
     ~Unset() { unsetenv("KVFERRY_KVPOP_WEIGHTS"); }
@@ -256,13 +262,7 @@ TEST(KvpopWeights, DeviceSelectionRefusesWeightsOfAnotherModelAtCreate) {
 TEST(KvpopWeights, LoadRoundTripAndErrors) {
   const KvpopScorerWeights w = RandomWeights(3, 2, 8, 4, 9);
   const std::string path = ::testing::TempDir() + "kvpop_weights_test.safetensors";
-  WriteSafetensors(path,
-                   {{"w1", {{3, 2, 4, 16}, w.w1}},
-                    {"b1", {{3, 2, 4}, w.b1}},
-                    {"w2", {{3, 2, 4}, w.w2}},
-                    {"b2", {{3, 2}, w.b2}},
-                    {"alpha", {{3, 2}, w.alpha}}},
-                   "\"gamma_min\":\"0.99\",\"gamma_max\":\"0.9999\"");
+  WriteWeights(path, w, "\"gamma_min\":\"0.99\",\"gamma_max\":\"0.9999\"");
   auto r = LoadKvpopWeights(path);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(r.value().num_layers, 3);

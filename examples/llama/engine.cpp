@@ -222,8 +222,7 @@ Status Engine::Forward(std::span<const int32_t> tokens, int64_t pos,
         KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data() + f0 * dim, rows, w.wv, v_.data() + f0 * kv_dim));
         ApplyRope(k_.data() + f0 * kv_dim, rows, c.num_kv_heads, pos + f0);
       }
-      std::fill_n(q_.data() + f0 * q_dim, rows * q_dim, 0.0f);
-      std::fill_n(att_.data() + f0 * q_dim, rows * q_dim, 0.0f);
+      std::fill_n(q_.data() + f0 * q_dim, rows * q_dim, 0.0f);  // what the observer sees
     }
     KVF_RETURN_IF_ERROR(LayerRows(l, 0, f0, pos, attns, decode));
     if (f1 > f0) {
@@ -292,9 +291,13 @@ Status Engine::LayerRows(int l, int64_t r0, int64_t r1, int64_t pos,
   return Status::Ok();
 }
 
+int EtfStartLayer(const EtfOptions& etf, int num_layers) {
+  return etf.start >= 0 ? etf.start : 3 * num_layers / 4;
+}
+
 int64_t EtfFrozenEnd(const EtfOptions& etf, int num_layers, int layer, int64_t prompt_end) {
   if (!etf.on || num_layers <= 0) return 0;
-  const int start = etf.start >= 0 ? etf.start : 3 * num_layers / 4;
+  const int start = EtfStartLayer(etf, num_layers);
   if (layer <= start || start >= num_layers) return 0;
   const double x = etf.gamma * static_cast<double>(layer - start) / static_cast<double>(num_layers - start);
   return static_cast<int64_t>(std::floor((1.0 - std::pow(etf.psi, x)) * static_cast<double>(prompt_end)));

@@ -82,6 +82,8 @@ struct EtfOptions {
   int sink = 4;    ///< the first positions never frozen (the runtime's sink tokens)
 };
 
+/// l_s: EtfOptions::start, or floor(3 N / 4) when it is -1.
+int EtfStartLayer(const EtfOptions& etf, int num_layers);
 /// E_l for a prompt ending at \p prompt_end (0 below the start layer or with ETF off).
 int64_t EtfFrozenEnd(const EtfOptions& etf, int num_layers, int layer, int64_t prompt_end);
 

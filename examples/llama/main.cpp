@@ -154,6 +154,11 @@ struct PerplexityRun {
 
 bool Emulated(Backend b) { return b == Backend::kHost; }
 
+// Where ETF's frozen rows take their K and V from, for the report.
+const char* EtfKvName(const EtfOptions& e) {
+  return e.copy_kv ? "copied from the layer below" : "projected from the frozen hidden state";
+}
+
 Result<PerplexityRun> RunPerplexity(const Options& o, Engine& engine, const Tokenizer& tok,
                                     const ModelConfig& mc, std::ostream& json) {
   KVF_ASSIGN_OR_RETURN(std::string text, ReadText(o.text));
@@ -183,9 +188,9 @@ Result<PerplexityRun> RunPerplexity(const Options& o, Engine& engine, const Toke
        << ", \"prefill_seconds\": " << run.prefill_seconds;
   if (engine.etf().on) {
     const EtfOptions& e = engine.etf();
-    json << ", \"etf\": {\"kv\": \"" << (e.copy_kv ? "copied from the layer below" : "projected from the frozen hidden state")
+    json << ", \"etf\": {\"kv\": \"" << EtfKvName(e)
          << "\", \"psi\": " << e.psi << ", \"gamma\": " << e.gamma << ", \"start\": "
-         << (e.start >= 0 ? e.start : 3 * mc.num_layers / 4) << ", \"sink\": " << e.sink
+         << EtfStartLayer(e, mc.num_layers) << ", \"sink\": " << e.sink
          << ", \"frozen_row_fraction\": "
          << (engine.prefill_rows() > 0 ? static_cast<double>(engine.etf_frozen_rows()) /
                                              static_cast<double>(engine.prefill_rows())
@@ -539,10 +544,10 @@ Status Run(const Options& o) {
     EtfOptions etf = o.etf;
     etf.sink = o.base.tiers.sink_tokens;
     KVF_RETURN_IF_ERROR(engine.set_etf(etf));
-    const int start = etf.start >= 0 ? etf.start : 3 * mc.num_layers / 4;
+    const int start = EtfStartLayer(etf, mc.num_layers);
     std::fprintf(stderr, "[kvferry-llama] ETF at prefill: psi %g, gamma %g, from layer %d, sinks %d, K/V %s\n",
                  etf.psi, etf.gamma, start, etf.sink,
-                 etf.copy_kv ? "copied from the layer below" : "projected from the frozen hidden state");
+                 EtfKvName(etf));
   }
   std::ostringstream json;
   switch (o.mode) {
