@@ -550,9 +550,10 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.kvpop_cap = kvpop_cap_;
     a.kvpop_scorer = kvpop_scorer_;
     a.kvpop_hidden = kvpop_hidden_;
-    // KVFERRY_KVPOP_CATCHUP=1: written and compiled for sm_90 but not yet run on a GPU (stop 27
-    // ran out of device time), so off by default; scripts/device/stop27_e.sh checks it.
-    static const bool kvpop_grid = EnvInt("KVFERRY_KVPOP_CATCHUP", 0, 0) != 0;
+    // KVpop's catch-up scored by a grid over the GPU (KvpopScoreKernel): 473 ms for the first
+    // step after a 128K prompt against 4155 ms with the selection kernel's one CTA an item
+    // (stop28, H200). KVFERRY_KVPOP_CATCHUP=0 keeps the one-CTA path, for measuring.
+    static const bool kvpop_grid = EnvInt("KVFERRY_KVPOP_CATCHUP", 1, 0) != 0;
     if (kvpop_grid && scoring_ == SelectScoring::kKvpop && device_->backend() == Backend::kCuda) {
       const int64_t sink = config_.tiers.sink_tokens;
       for (int64_t b = 0; b < batch; ++b) {
