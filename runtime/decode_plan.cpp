@@ -157,17 +157,30 @@ Status RuntimeImpl::InitStepBuffers() {
       KVF_RETURN_IF_ERROR(ResetSelectState(-1));
     }
     if (z.bank_stage > 0) {
-      // The step's misses: staged at their list index, listed for the admission after the step.
+      // The step's misses: staged at their list index, listed for the admission after the step;
+      // one set a region (DeviceBufferSizes::bank_regions).
       bank_miss_cap_ = z.bank_miss_cap;
+      bank_regions_ = z.bank_regions;
+      const size_t regions = static_cast<size_t>(bank_regions_);
+      bank_stage_region_ = z.bank_stage / regions;
+      bank_miss_region_ = z.bank_miss / regions;
+      bank_admit_region_ = z.bank_admit / regions;
       KVF_ASSIGN_OR_RETURN(p, Alloc(z.bank_stage, false));
       bank_stage_ = static_cast<char*>(p);
-      const size_t miss_ints = static_cast<size_t>(items) * (1 + bank_miss_cap_);
       KVF_ASSIGN_OR_RETURN(p, Alloc(z.bank_miss, false));
       bank_miss_ = static_cast<int32_t*>(p);
-      const std::vector<int32_t> zeros(miss_ints, 0);
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(bank_miss_, zeros.data(), miss_ints * sizeof(int32_t), stream_));
+      const std::vector<int32_t> zeros(z.bank_miss / sizeof(int32_t), 0);
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(bank_miss_, zeros.data(), z.bank_miss, stream_));
       KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
       KVF_ASSIGN_OR_RETURN(bank_admit_, Alloc(z.bank_admit, false));
+      if (bank_regions_ > 1) {
+        KVF_ASSIGN_OR_RETURN(admit_stream_, device_->CreateStream());
+        for (int r = 0; r < 2; ++r) {
+          KVF_ASSIGN_OR_RETURN(admit_fork_[r], device_->CreateEvent());
+          KVF_ASSIGN_OR_RETURN(admit_done_[r], device_->CreateEvent());
+        }
+        KVF_ASSIGN_OR_RETURN(admit_join_, device_->CreateEvent());
+      }
     }
     list_slots_.assign(static_cast<size_t>(m.num_layers), {});
     for (auto& v : list_slots_) v.reserve(static_cast<size_t>(cap.max_batch));
@@ -282,6 +295,7 @@ Status RuntimeImpl::PlanDecode(std::span<const SequenceId> seqs, StreamHandle st
   std::vector<int>& slot_of = plan_slots_scratch_;  // reserved at set-up: no allocation
   KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
   KVF_RETURN_IF_ERROR(JoinHipSide(stream));  // a step left without its last layer
+  KVF_RETURN_IF_ERROR(JoinAdmitSide(stream));
   const int layers = config_.model.num_layers;
   for (int l = 0; l < layers; ++l) KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, l));
   // Policies that select on the host without a planned step plan inside each Decode.
@@ -433,6 +447,10 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   // HiP's side rebuilds (hip_stream_) of this layer or a later one are a step behind: they join
   // before this layer's selection reads the masks.
   if (hip_side_busy_ && layer <= hip_side_layer_) KVF_RETURN_IF_ERROR(JoinHipSide(stream));
+  // Likewise the bank's admissions beside the stream (a layer's tables are admitted to before
+  // its next step reads them).
+  if (admit_side_layer_ >= 0 && layer <= admit_side_layer_) KVF_RETURN_IF_ERROR(JoinAdmitSide(stream));
+  const int bank_region = layer % bank_regions_;
   const bool planned = plan_.active && plan_.layer_run[layer] == 0 &&
                        std::equal(seqs.begin(), seqs.end(), plan_.seqs.begin(), plan_.seqs.end());
   std::vector<int64_t>& pos = step_pos_scratch_;  // new token's position per b at this layer
@@ -566,10 +584,11 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     }
     if (bank_stage_ != nullptr) {
       step_bank_->View(&a.bank);
-      a.bank.stage = bank_stage_;
-      a.bank.miss = bank_miss_;
+      const size_t r = static_cast<size_t>(bank_region);
+      a.bank.stage = bank_stage_ + r * bank_stage_region_;
+      a.bank.miss = bank_miss_ + r * bank_miss_region_ / sizeof(int32_t);
       a.bank.miss_cap = bank_miss_cap_;
-      a.bank.admit = bank_admit_;
+      a.bank.admit = static_cast<char*>(bank_admit_) + r * bank_admit_region_;
     }
   }
 
@@ -712,11 +731,32 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       st = most.status();
     }
   }
+  // The step rewrites its region's staging and miss lists: the admission that last read them
+  // (layer - 2's) comes first.
+  const bool admit_beside = a.bank.rows != nullptr && bank_regions_ > 1;
+  if (st.ok() && admit_beside && admit_pending_[bank_region]) {
+    st = device_->WaitEvent(stream, admit_done_[bank_region]);
+    admit_pending_[bank_region] = false;
+  }
   if (st.ok() && !beside) st = device_->DecodeStep(a, stream);
-  // The bank admits the layer's misses right after the step that read them, on its stream.
+  // The bank admits the layer's misses right after the step that read them: beside the next
+  // layer's work on admit_stream_ (two regions), else on the caller's stream.
   if (st.ok() && a.bank.rows != nullptr) {
     const auto ta = Clock::now();
-    st = step_bank_->Admit(bank_admit_, static_cast<int>(batch * m.num_kv_heads), stream);
+    const int items = static_cast<int>(batch * m.num_kv_heads);
+    if (admit_beside) {
+      EventHandle fork = admit_fork_[bank_region];
+      st = device_->RecordEvent(fork, stream);
+      if (st.ok()) st = device_->WaitEvent(admit_stream_, fork);
+      if (st.ok()) st = step_bank_->Admit(a.bank.admit, items, admit_stream_);
+      if (st.ok()) st = device_->RecordEvent(admit_done_[bank_region], admit_stream_);
+      if (st.ok()) {
+        admit_pending_[bank_region] = true;
+        admit_side_layer_ = std::max(admit_side_layer_, layer);
+      }
+    } else {
+      st = step_bank_->Admit(a.bank.admit, items, stream);
+    }
     Stage(stats_.ms_admit, "admit", ta);
   }
   if (st.ok() && cpu_step_) {
@@ -777,6 +817,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     st = device_->CopyAsync(out.data, out_stage_, bytes, stream);
   }
   if (st.ok() && layer == layers - 1) st = JoinHipSide(stream);  // the step's side rebuilds
+  if (st.ok() && layer == layers - 1) st = JoinAdmitSide(stream);  // and its admissions
   if (st.ok() && !capturing) st = device_->RecordEvent(call_done_, stream);
   // Host-memory outputs are complete when Decode returns.
   if (st.ok() && out.where == MemoryKind::kHost && device_->backend() == Backend::kCuda) {
@@ -853,11 +894,20 @@ Result<int64_t> RuntimeImpl::UploadHostLists(std::span<const int> slot_of, int l
 }
 
 Status RuntimeImpl::ClearBankMisses(StreamHandle stream) {
-  const size_t ints = static_cast<size_t>(config_.capacity.max_batch) *
-                      config_.model.num_kv_heads * (1 + static_cast<size_t>(bank_miss_cap_));
-  const std::vector<int32_t> zeros(ints, 0);
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(bank_miss_, zeros.data(), ints * sizeof(int32_t), stream));
+  KVF_RETURN_IF_ERROR(JoinAdmitSide(stream));  // admissions in flight consume their own lists
+  const size_t bytes = bank_miss_region_ * static_cast<size_t>(bank_regions_);
+  const std::vector<int32_t> zeros(bytes / sizeof(int32_t), 0);
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(bank_miss_, zeros.data(), bytes, stream));
   return device_->SynchronizeStream(stream);
+}
+
+Status RuntimeImpl::JoinAdmitSide(StreamHandle stream) {
+  if (admit_side_layer_ < 0) return Status::Ok();
+  KVF_RETURN_IF_ERROR(device_->RecordEvent(admit_join_, admit_stream_));
+  KVF_RETURN_IF_ERROR(device_->WaitEvent(stream, admit_join_));
+  admit_pending_[0] = admit_pending_[1] = false;
+  admit_side_layer_ = -1;
+  return Status::Ok();
 }
 
 Status RuntimeImpl::JoinHipSide(StreamHandle stream) {

@@ -343,12 +343,16 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     if (scoring != SelectScoring::kNone || z.host_lists) {
       if (z.device_bank && !z.step_all_resident) {
         // The step's misses: staged at their list index, listed for the admission after the
-        // step (one layer at a time: the admission runs before the next layer's step).
+        // step. With two regions the admission of layer l runs on its own stream beside layer
+        // l + 1's step (which writes the other region); layer l + 2 waits for it.
+        z.bank_regions = cuda && !EnvIs("KVFERRY_BANK_ADMIT_SIDE", "0") ? 2 : 1;
+        if (z.bank_regions > 1) ++z.streams;  // the admissions' stream
+        const size_t regions = static_cast<size_t>(z.bank_regions);
         z.bank_miss_cap = static_cast<int32_t>(std::min<int64_t>(z.list_cap, z.bank_max_admit));
-        z.bank_stage = AllocBytes(static_cast<size_t>(items * z.list_cap) * 2 * row_bytes_);
-        z.bank_miss = AllocBytes(static_cast<size_t>(items) * (1 + z.bank_miss_cap) *
-                                 sizeof(int32_t));
-        z.bank_admit = AllocBytes(static_cast<size_t>(items) * z.bank_admit_item_bytes);
+        z.bank_stage = regions * AllocBytes(static_cast<size_t>(items * z.list_cap) * 2 * row_bytes_);
+        z.bank_miss = regions * AllocBytes(static_cast<size_t>(items) * (1 + z.bank_miss_cap) *
+                                           sizeof(int32_t));
+        z.bank_admit = regions * AllocBytes(static_cast<size_t>(items) * z.bank_admit_item_bytes);
       }
     }
     z.step_slots = AllocBytes(size_t{2} * cap.max_batch * sizeof(int32_t));

@@ -111,6 +111,13 @@ RuntimeImpl::~RuntimeImpl() {
                         prefill_items_done_[1]}) {
     if (e != nullptr) device_->DestroyEvent(e);
   }
+  if (admit_stream_ != nullptr) {  // admissions write the bank: done before it goes
+    device_->SynchronizeStream(admit_stream_).IgnoreError();
+    for (EventHandle e : {admit_fork_[0], admit_fork_[1], admit_done_[0], admit_done_[1], admit_join_}) {
+      device_->DestroyEvent(e);
+    }
+    device_->DestroyStream(admit_stream_);
+  }
   step_bank_.reset();
   if (hip_stream_ != nullptr) {
     device_->SynchronizeStream(hip_stream_).IgnoreError();
@@ -576,6 +583,7 @@ Status RuntimeImpl::RemoveSequence(SequenceId seq) {
   }
   if (step_bank_ != nullptr) {
     const int per_slot = config_.model.num_layers * config_.model.num_kv_heads;
+    KVF_RETURN_IF_ERROR(JoinAdmitSide(stream_));  // admissions of a step left unfinished
     KVF_RETURN_IF_ERROR(step_bank_->ResetTables(slot * per_slot, per_slot, stream_));
     KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
   }

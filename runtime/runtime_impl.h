@@ -65,6 +65,10 @@ struct DeviceBufferSizes {
   int64_t kvpop_cap = 0;  // kKvpop: slots an item holds (the largest item budget)
   int32_t kvpop_hidden = 0;
   int32_t bank_miss_cap = 0;
+  // The step's miss staging, miss lists and admission items, one set a region; layer l takes
+  // region l % bank_regions. Two (CUDA, unless KVFERRY_BANK_ADMIT_SIDE=0): layer l's admission
+  // runs on its own stream beside layer l + 1 (RuntimeImpl::admit_stream_).
+  int bank_regions = 1;
   int64_t step_ws_floats = 0;
   // CUDA prefill: pages of one layer staged in device memory; the tensor-core kernel and its
   // copy stream unless the environment asks otherwise (KVFERRY_CUDA_PREFILL,
@@ -398,6 +402,22 @@ class RuntimeImpl {
   int32_t* bank_miss_ = nullptr;
   void* bank_admit_ = nullptr;
   int32_t bank_miss_cap_ = 0;
+  // bank_regions_ sets of the three above (DeviceBufferSizes::bank_regions), region r at
+  // r * the *_region_ strides; layer l uses region l % bank_regions_.
+  int bank_regions_ = 1;
+  size_t bank_stage_region_ = 0, bank_miss_region_ = 0, bank_admit_region_ = 0;  // bytes
+  // Two regions: layer l's admission runs on admit_stream_, forked after its step
+  // (admit_fork_[r]); layer l + 2's step, which rewrites region r, waits for admit_done_[r]. The
+  // stream joins back into the caller's at the step's last layer and before anything else reads
+  // or writes the bank (JoinSide: PlanDecode, ResetSelectState, a call for a layer at or below
+  // one still outstanding, a sequence's removal, a failure). A captured graph holds whole steps,
+  // as with HiP's side rebuilds.
+  StreamHandle admit_stream_ = nullptr;
+  EventHandle admit_fork_[2] = {nullptr, nullptr}, admit_done_[2] = {nullptr, nullptr};
+  EventHandle admit_join_ = nullptr;
+  bool admit_pending_[2] = {false, false};
+  int admit_side_layer_ = -1;  // the last layer admitted beside the stream, -1 when joined
+  Status JoinAdmitSide(StreamHandle stream);
   StepBankTotals bank_totals_at_reset_;
   int64_t bank_step_selected_ = 0;  // rows of device selections read through the device bank
   StreamHandle side_stream_ = nullptr;  // bank admissions

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -410,6 +411,94 @@ TEST(CudaStepBank, SameOutputsAsWithoutTheBankAndServesHits) {
   }
 }
 
+
+// The device bank's admission of layer l runs on its own stream beside layer l + 1 (two regions of
+// miss staging, runtime/decode_plan.cpp). Against a twin created with KVFERRY_BANK_ADMIT_SIDE=0
+// (one region, each admission on the caller's stream before the next layer), on the same inputs:
+// the same outputs bit for bit and the same bank counters, for device-selecting policies over 4
+// layers (both regions taken, layer l + 2 waiting on layer l's admission) with a bank small enough
+// to evict, fresh queries every step (misses every step), planned and self-planned steps, and a
+// sequence removed mid-run and added again.
+TEST(CudaStepBank, AdmissionBesideTheStepEqualsTheSerialOne) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  for (const char* policy : {"oracle", "sparcas", "hip", "kvpop", "quest"}) {
+    SCOPED_TRACE(policy);
+    std::unique_ptr<Runtime> rt[2];  // 0: admission beside the step, 1: serial
+    for (int b = 0; b < 2; ++b) {
+      RuntimeConfig cfg = MakeConfig(Case{policy, Route::kGpu, 48, "vector"}, Backend::kCuda);
+      cfg.model.num_layers = 4;
+      if (b == 1) setenv("KVFERRY_BANK_ADMIT_SIDE", "0", 1);
+      auto r = Runtime::Create(cfg);
+      unsetenv("KVFERRY_BANK_ADMIT_SIDE");
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      rt[b] = std::move(r).value();
+    }
+    auto stage_bytes = [](const Runtime& r) {
+      for (const auto& part : r.device_memory().parts) {
+        if (part.name == "bank miss staging") return part.bytes;
+      }
+      return int64_t{0};
+    };
+    ASSERT_GT(stage_bytes(*rt[1]), 0);
+    EXPECT_EQ(stage_bytes(*rt[0]), 2 * stage_bytes(*rt[1]));
+    const auto& m = rt[0]->config().model;
+    std::mt19937 rng(91);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    auto random = [&](int64_t n) {
+      std::vector<float> x(static_cast<size_t>(n));
+      for (float& e : x) e = nd(rng);
+      return x;
+    };
+    auto view = [&](std::vector<float>& x, int64_t rows, int heads) {
+      return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {rows, heads, m.head_dim});
+    };
+    const std::vector<SequenceId> seqs = {3, 4};
+    const int64_t batch = 2;
+    auto add = [&](SequenceId s, int64_t prompt) {
+      for (auto& r : rt) ASSERT_TRUE(r->AddSequence(s).ok());
+      for (int l = 0; l < m.num_layers; ++l) {
+        auto k = random(prompt * m.num_kv_heads * m.head_dim), v = random(prompt * m.num_kv_heads * m.head_dim);
+        for (auto& r : rt) {
+          const Status st = r->Append(s, l, view(k, prompt, m.num_kv_heads), view(v, prompt, m.num_kv_heads));
+          ASSERT_TRUE(st.ok()) << st.ToString();
+        }
+      }
+    };
+    add(seqs[0], 400);
+    add(seqs[1], 300);
+    for (int step = 0; step < 14; ++step) {
+      const bool planned = step % 2 == 0;
+      if (step == 7) {  // out and in again: its tables emptied on both, after any admission
+        for (auto& r : rt) ASSERT_TRUE(r->RemoveSequence(seqs[1]).ok());
+        add(seqs[1], 250);
+      }
+      if (planned) {
+        for (auto& r : rt) ASSERT_TRUE(r->PlanDecode(seqs).ok());
+      }
+      for (int l = 0; l < m.num_layers; ++l) {
+        auto q = random(batch * m.num_q_heads * m.head_dim);
+        auto k = random(batch * m.num_kv_heads * m.head_dim), v = random(batch * m.num_kv_heads * m.head_dim);
+        std::vector<float> out[2];
+        for (int b = 0; b < 2; ++b) {
+          out[b].assign(q.size(), std::nanf(""));
+          const Status st = rt[b]->Decode(seqs, l, view(q, batch, m.num_q_heads), view(k, batch, m.num_kv_heads),
+                                          view(v, batch, m.num_kv_heads), view(out[b], batch, m.num_q_heads));
+          ASSERT_TRUE(st.ok()) << st.ToString();
+        }
+        ASSERT_EQ(0, std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)))
+            << "step " << step << " layer " << l;
+      }
+    }
+    const Stats s0 = rt[0]->GetStats(), s1 = rt[1]->GetStats();
+    EXPECT_GT(s1.bank_admitted, 0);
+    EXPECT_GT(s1.bank_evicted, 0);  // 48 slots against 60 offloaded picks a table
+    EXPECT_GT(s1.rows_bank_hit, 0);
+    EXPECT_EQ(s0.bank_admitted, s1.bank_admitted);
+    EXPECT_EQ(s0.bank_evicted, s1.bank_evicted);
+    EXPECT_EQ(s0.rows_bank_hit, s1.rows_bank_hit);
+    EXPECT_EQ(s0.rows_fetched, s1.rows_fetched);
+  }
+}
 
 // Policies that select on the host (Policy::Select) with a bank on route gpu run the planned step
 // with the device bank (runtime/decode_plan.cpp UploadHostLists): the host's lists go up, the step
