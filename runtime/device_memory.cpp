@@ -344,8 +344,15 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
       if (z.device_bank && !z.step_all_resident) {
         // The step's misses: staged at their list index, listed for the admission after the
         // step. With two regions the admission of layer l runs on its own stream beside layer
-        // l + 1's step (which writes the other region); layer l + 2 waits for it.
-        z.bank_regions = cuda && !EnvIs("KVFERRY_BANK_ADMIT_SIDE", "0") ? 2 : 1;
+        // l + 1's step (which writes the other region); layer l + 2 waits for it. Measured at
+        // 128K b1 (H200, stop28_b, against one region in the same call): kvpop_bank 0.939 vs
+        // 1.162 ms a token step, sparcas_bank 3.869 vs 4.051, hip_bank 1.861 vs 1.811 (its
+        // rebuilds already run beside the step, and its selection slowed from 0.86 to 0.97 ms):
+        // two regions unless HiP's side stream is there. KVFERRY_BANK_ADMIT_SIDE=0 / 1: one / two.
+        const bool hip_side = z.scoring == SelectScoring::kHip && z.hip_lag != 0;
+        const bool side = EnvIs("KVFERRY_BANK_ADMIT_SIDE", "1") ||
+                          (!hip_side && !EnvIs("KVFERRY_BANK_ADMIT_SIDE", "0"));
+        z.bank_regions = cuda && side ? 2 : 1;
         if (z.bank_regions > 1) ++z.streams;  // the admissions' stream
         const size_t regions = static_cast<size_t>(z.bank_regions);
         z.bank_miss_cap = static_cast<int32_t>(std::min<int64_t>(z.list_cap, z.bank_max_admit));

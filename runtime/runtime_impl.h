@@ -66,8 +66,9 @@ struct DeviceBufferSizes {
   int32_t kvpop_hidden = 0;
   int32_t bank_miss_cap = 0;
   // The step's miss staging, miss lists and admission items, one set a region; layer l takes
-  // region l % bank_regions. Two (CUDA, unless KVFERRY_BANK_ADMIT_SIDE=0): layer l's admission
-  // runs on its own stream beside layer l + 1 (RuntimeImpl::admit_stream_).
+  // region l % bank_regions. Two (CUDA; not with HiP's side rebuilds unless
+  // KVFERRY_BANK_ADMIT_SIDE=1; never with =0): layer l's admission runs on its own stream beside
+  // layer l + 1 (RuntimeImpl::admit_stream_).
   int bank_regions = 1;
   int64_t step_ws_floats = 0;
   // CUDA prefill: pages of one layer staged in device memory; the tensor-core kernel and its

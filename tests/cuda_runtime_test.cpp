@@ -413,8 +413,10 @@ TEST(CudaStepBank, SameOutputsAsWithoutTheBankAndServesHits) {
 
 
 // The device bank's admission of layer l runs on its own stream beside layer l + 1 (two regions of
-// miss staging, runtime/decode_plan.cpp). Against a twin created with KVFERRY_BANK_ADMIT_SIDE=0
-// (one region, each admission on the caller's stream before the next layer), on the same inputs:
+// miss staging, runtime/decode_plan.cpp; by default not for hip, whose rebuilds take a side stream
+// already: KVFERRY_BANK_ADMIT_SIDE=1 asks for it). Against a twin created with
+// KVFERRY_BANK_ADMIT_SIDE=0 (one region, each admission on the caller's stream before the next
+// layer), on the same inputs:
 // the same outputs bit for bit and the same bank counters, for device-selecting policies over 4
 // layers (both regions taken, layer l + 2 waiting on layer l's admission) with a bank small enough
 // to evict, fresh queries every step (misses every step), planned and self-planned steps, and a
@@ -427,7 +429,7 @@ TEST(CudaStepBank, AdmissionBesideTheStepEqualsTheSerialOne) {
     for (int b = 0; b < 2; ++b) {
       RuntimeConfig cfg = MakeConfig(Case{policy, Route::kGpu, 48, "vector"}, Backend::kCuda);
       cfg.model.num_layers = 4;
-      if (b == 1) setenv("KVFERRY_BANK_ADMIT_SIDE", "0", 1);
+      setenv("KVFERRY_BANK_ADMIT_SIDE", b == 0 ? "1" : "0", 1);
       auto r = Runtime::Create(cfg);
       unsetenv("KVFERRY_BANK_ADMIT_SIDE");
       ASSERT_TRUE(r.ok()) << r.status().ToString();
@@ -441,6 +443,12 @@ TEST(CudaStepBank, AdmissionBesideTheStepEqualsTheSerialOne) {
     };
     ASSERT_GT(stage_bytes(*rt[1]), 0);
     EXPECT_EQ(stage_bytes(*rt[0]), 2 * stage_bytes(*rt[1]));
+    {  // the default: beside the step, except for hip (lag 1)
+      auto r = Runtime::Create(MakeConfig(Case{policy, Route::kGpu, 48, "vector"}, Backend::kCuda));
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      // (2 layers here against 4: a region does not depend on the layers)
+      EXPECT_EQ(stage_bytes(*r.value()), std::string(policy) == "hip" ? stage_bytes(*rt[1]) : stage_bytes(*rt[0]));
+    }
     const auto& m = rt[0]->config().model;
     std::mt19937 rng(91);
     std::normal_distribution<float> nd(0.f, 1.f);
