@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stop 28, call C: the admission's default per policy (beside the step, except hip with its side
 # rebuilds). The bank, graph, cap and hip CUDA tests; e2e (keys unique, 2%): hip_bank, kvpop_bank
-# and sparcas_bank at 128K b1 and kvpop_bank, sparcas_bank at 128K b4 with the defaults; torch
+# and sparcas_bank at 128K b1, kvpop_bank and sparcas_bank at 128K b4 and 32K b1 with the defaults; torch
 # SDPA in the same call.
 set -u
 source scripts/device/build.sh
@@ -14,5 +14,6 @@ rm -f $D/rows.jsonl
 U=--unique-kv
 kvf_e2e c_128k -- --modes hip_bank,kvpop_bank,sparcas_bank --contexts 131072 --batches 1 --steps 16 $U
 kvf_e2e c_128k4 -- --modes kvpop_bank,sparcas_bank --contexts 131072 --batches 4 --steps 16 $U
+kvf_e2e c_32k -- --modes kvpop_bank,sparcas_bank --contexts 32768 --batches 1 --steps 16 $U
 timeout 120 python3 scripts/device/e2e_sdpa.py $D/rows.jsonl $D/e2e_stop28c.json > $D/sdpa.log 2>&1; echo "sdpa rc=$?"
 tail -6 $D/sdpa.log
