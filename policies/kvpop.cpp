@@ -231,7 +231,7 @@ Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params
   KvpopParams kp;
   for (const auto& [key, value] : params) {
     if (key == "scorer") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("kvpop", key, value, -1, 1));
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("kvpop", key, value, -1, 2));
       kp.scorer = static_cast<int>(v);
     } else if (key == "device") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("kvpop", key, value, 0, 1));
@@ -251,14 +251,94 @@ Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params
   }
   KVF_CHECK_ARG(kp.gamma_min <= kp.gamma_max, "kvpop parameter 'gamma_min' = ", kp.gamma_min,
                 " exceeds 'gamma_max' = ", kp.gamma_max);
+  KVF_CHECK_ARG(kp.scorer != 2 || kp.device != 1,
+                "kvpop parameter 'device' = 1 with 'scorer' = 2: the attention-mass scorer reads "
+                "each step's query on the host, so it selects on the host (device = 0)");
   return kp;
+}
+
+float KvpopMassScore(const float* mass, int group, int window) {
+  float m = 0.0f;
+  for (int g = 0; g < group; ++g) m = std::max(m, mass[g]);
+  return std::log(kKvpopMassEps + m / static_cast<float>(std::max(window, 1)));
+}
+
+void KvpopPolicy::CountQueries(HeadState* st, const KvPages& kv, const AttnParams& p, int sink,
+                               int window, int64_t d, const float* q_d) {
+  const int group = p.group, hd = p.head_dim;
+  const float floor_score = std::log(kKvpopMassEps);
+  const auto push = [&](int64_t pos, float r) {
+    if (st->scores.empty()) st->score_base = pos;
+    // Tokens leave the window in order, one a query: the scores stay contiguous.
+    if (pos == st->score_base + static_cast<int64_t>(st->scores.size())) st->scores.push_back(r);
+  };
+  if (window <= 0) {  // every token leaves at once, never attended as the window
+    for (int64_t e = st->mass_next; e <= d; ++e) {
+      if (e >= sink) push(e, floor_score);
+    }
+    st->mass_next = std::max(st->mass_next, d + 1);
+    return;
+  }
+  st->mass.resize(static_cast<size_t>(window) * group);
+  thread_local std::vector<float> kbuf, logits;
+  kbuf.resize(static_cast<size_t>(hd));
+  for (int64_t e = st->mass_next; e <= d; ++e) {
+    // Query e: token e - window has had its window's queries [e - window, e); token e enters.
+    const int64_t out = e - window;
+    if (out >= sink) push(out, KvpopMassScore(&st->mass[static_cast<size_t>(out % window) * group], group, window));
+    float* enter = &st->mass[static_cast<size_t>(e % window) * group];
+    std::fill(enter, enter + group, 0.0f);
+    if (e != d || q_d == nullptr) continue;  // a query not seen adds nothing
+    // Its softmax over the sinks and the window [max(sink, e - window + 1), e] (the rows every
+    // step attends), head by head; the window's tokens take their share.
+    const int64_t s_end = std::min<int64_t>(sink, e + 1);
+    const int64_t w_lo = std::max<int64_t>(sink, e - window + 1);
+    const int64_t rows = s_end + std::max<int64_t>(e + 1 - w_lo, 0);
+    logits.resize(static_cast<size_t>(rows) * group);
+    int64_t r = 0;
+    for (int64_t j = 0; j <= e; ++j) {
+      if (j == s_end) j = w_lo;
+      LoadRowF32(kv, p, j, false, kbuf.data());
+      for (int g = 0; g < group; ++g) {
+        const float* q = q_d + static_cast<size_t>(g) * hd;
+        float dot = 0.0f;
+        for (int i = 0; i < hd; ++i) dot += q[i] * kbuf[i];
+        logits[static_cast<size_t>(g) * rows + r] = dot * p.scale;
+      }
+      ++r;
+    }
+    for (int g = 0; g < group; ++g) {
+      float* l = logits.data() + static_cast<size_t>(g) * rows;
+      const float m = *std::max_element(l, l + rows);
+      float sum = 0.0f;
+      for (int64_t i = 0; i < rows; ++i) sum += l[i] = std::exp(l[i] - m);
+      const float inv = 1.0f / sum;
+      for (int64_t i = s_end; i < rows; ++i) {
+        const int64_t t = w_lo + (i - s_end);
+        st->mass[static_cast<size_t>(t % window) * group + g] += l[i] * inv;
+      }
+    }
+  }
+  st->mass_next = std::max(st->mass_next, d + 1);
+}
+
+Status KvpopPolicy::OnPrefill(const PrefillContext& ctx) {
+  if (params_.scorer != 2 || ctx.q == nullptr) return Status::Ok();
+  KVF_ASSIGN_OR_RETURN(HeadState * st, states_.Get("kvpop", ctx.slot, ctx.layer, ctx.kv_head, true));
+  if (ctx.q_pos0 < st->mass_next || ctx.q_pos0 < st->next_u) *st = HeadState{};  // a new sequence
+  const size_t row = static_cast<size_t>(ctx.params.group) * ctx.params.head_dim;
+  for (int32_t i = 0; i < ctx.num_q; ++i) {
+    CountQueries(st, ctx.kv, ctx.params, ctx.sink, ctx.window, ctx.q_pos0 + i, ctx.q + i * row);
+  }
+  return Status::Ok();
 }
 
 KvpopPolicy::KvpopPolicy(const KvpopParams& params,
                          std::shared_ptr<const KvpopScorerWeights> weights,
                          const RuntimeConfig& config)
     : params_(params), weights_(std::move(weights)) {
-  use_mlp_ = weights_ != nullptr && params_.scorer != 0;
+  use_mlp_ = weights_ != nullptr && (params_.scorer == 1 || params_.scorer == -1);
+  if (params_.device < 0) params_.device = params_.scorer == 2 ? 0 : 1;
   states_.Init(config.capacity.max_sequences, config.model.num_layers, config.model.num_kv_heads);
 }
 
@@ -269,6 +349,9 @@ Result<std::unique_ptr<KvpopPolicy>> KvpopPolicy::Create(
   KVF_CHECK_ARG(params.scorer != 1 || weights != nullptr,
                 "kvpop parameter 'scorer' = 1 needs trained weights (set KVFERRY_KVPOP_WEIGHTS "
                 "to a file written by scripts/kvpop_train.py)");
+  KVF_CHECK_ARG(params.scorer != 2 || params.device != 1,
+                "kvpop parameter 'device' = 1 with 'scorer' = 2: the attention-mass scorer reads "
+                "each step's query on the host, so it selects on the host (device = 0)");
   // The weights' shape is checked at Select, not here: callers validate a configuration with a
   // placeholder model (kvferry-llama checks its policies on a one-layer model before loading).
   return std::unique_ptr<KvpopPolicy>(new KvpopPolicy(params, std::move(weights), config));
@@ -335,7 +418,12 @@ Status KvpopPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) 
   }
   KVF_ASSIGN_OR_RETURN(HeadState * st, states_.Get("kvpop", ctx.slot, ctx.layer, ctx.kv_head, true));
   const OffloadSplit s = SplitPositions(ctx.n, ctx.sink, ctx.window, ctx.budget);
-  if (ctx.n < st->next_u) *st = HeadState{};  // a new sequence in this slot
+  if (ctx.n < st->next_u || ctx.n < st->mass_next) *st = HeadState{};  // a new sequence in this slot
+  const bool mass = params_.scorer == 2;
+  // Scorer 2: this step's query (a retried step's was counted already).
+  if (mass && st->mass_next < ctx.n) {
+    CountQueries(st, ctx.kv, p, ctx.sink, ctx.window, ctx.n - 1, ctx.q);
+  }
   const int64_t k = std::max<int64_t>(s.k_off, 0);
   if (static_cast<int64_t>(st->slot_pos.size()) < k) {
     st->slot_pos.resize(static_cast<size_t>(k));
@@ -356,7 +444,11 @@ Status KvpopPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) 
   const size_t head = static_cast<size_t>(ctx.layer) * (w ? w->num_kv_heads : 0) + ctx.kv_head;
   for (int64_t u = std::max<int64_t>(st->next_u, s.sink); u < s.off_hi; ++u) {
     float r = 0.0f;
-    if (w != nullptr) {
+    if (mass) {
+      const int64_t i = u - st->score_base;
+      r = i >= 0 && i < static_cast<int64_t>(st->scores.size()) ? st->scores[static_cast<size_t>(i)]
+                                                                  : std::log(kKvpopMassEps);
+    } else if (w != nullptr) {
       LoadRowF32(ctx.kv, p, u, false, x.data());
       LoadRowF32(ctx.kv, p, u, true, x.data() + p.head_dim);
       const size_t h = static_cast<size_t>(w->hidden);
@@ -368,6 +460,15 @@ Status KvpopPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) 
     if (ev >= 0) st->evicted.push_back(static_cast<int32_t>(ev));
   }
   st->next_u = std::max(st->next_u, s.off_hi);
+  if (mass && !st->scores.empty()) {  // drop the admitted scores (the buffer keeps its capacity)
+    const int64_t used = std::min<int64_t>(st->next_u - st->score_base, static_cast<int64_t>(st->scores.size()));
+    if (used >= static_cast<int64_t>(st->scores.size())) {
+      st->scores.clear();
+    } else if (used > 0) {
+      st->scores.erase(st->scores.begin(), st->scores.begin() + used);
+      st->score_base += used;
+    }
+  }
   if (s.all && st->count == s.n_off()) {
     SelectAll(ctx.n, out);
     return Status::Ok();

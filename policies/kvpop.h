@@ -19,6 +19,14 @@
 //    log gamma_h = log gamma_min + sigmoid(alpha_h) (log gamma_max - log gamma_min), weights from
 //    a safetensors file (scripts/kvpop_train.py writes it). The zero scorer ("scorer" = 0) uses
 //    alpha = 0. The mLSTM (delayed) variant is not implemented here.
+//  - The notes' untrained delayed scorer (section 9 (b), "scorer" = 2, KvpopMassScore): r_u is
+//    the attention u received while it was in the window, log(eps + max_g A_g(u) / window), where
+//    A_g(u) sums head g's softmax weight of u over the queries [u, u + window) and the softmax is
+//    taken over the sinks and the window (the rows every step attends; a query's full
+//    normaliser is not the policy's to see). Decode queries come from Select, prompt queries from
+//    OnPrefill (wants_prefill_queries); a position stored without its query (Runtime::Append)
+//    adds nothing. log gamma as for the zero scorer (alpha = 0). It reads the step's query, so it
+//    selects on the host ("device" = 0, its default).
 //  - Ties: a priority equal to the lowest retained one does not evict it (the lower position
 //    stays); among equal lowest priorities the highest position is evicted.
 //  - Weights file: PolicyConfig::params holds numbers only, so the path comes from the
@@ -78,11 +86,22 @@ int64_t KvpopAdmit(int32_t* slot_pos, float* slot_prio, int64_t* count, int64_t 
 // ---- policy -------------------------------------------------------------------------------------
 
 struct KvpopParams {
-  int scorer = -1;   ///< "scorer": 0 zero (recency), 1 MLP (needs weights), -1 MLP if weights
+  /// "scorer": 0 zero (recency), 1 MLP (needs weights), 2 attention mass while in the window
+  /// (delayed, untrained), -1 MLP if weights
+  int scorer = -1;
   double gamma_min = 0.999;     ///< "gamma_min" (used when the weights file sets none)
   double gamma_max = 0.999999;  ///< "gamma_max"
-  int device = 1;  ///< "device": 1 select on the device (SelectScoring::kKvpop), 0 on the host
+  /// "device": 1 select on the device (SelectScoring::kKvpop), 0 on the host; -1 (unset): 1,
+  /// except 0 for scorer 2 (which selects on the host only)
+  int device = -1;
 };
+
+/// Scorer 2's floor inside the log: r = log(kKvpopMassEps + mass).
+constexpr float kKvpopMassEps = 1e-6f;
+
+/// Scorer 2's score of a token from its summed window attention: log(eps + max_g mass[g] /
+/// window), fp32.
+float KvpopMassScore(const float* mass, int group, int window);
 
 Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params);
 
@@ -99,6 +118,8 @@ class KvpopPolicy final : public Policy {
   [[nodiscard]] SelectScoring device_scoring() const override {
     return params_.device != 0 ? SelectScoring::kKvpop : SelectScoring::kNone;
   }
+  [[nodiscard]] bool wants_prefill_queries() const override { return params_.scorer == 2; }
+  Status OnPrefill(const PrefillContext& ctx) override;
   [[nodiscard]] DeviceSelectParams device_select_params(int head_dim) const override;
   /// The scorer of every (layer, KV head) in base/kvpop_score.h's table layout (hidden 0 for the
   /// zero scorer); a model the weights do not fit is kInvalidArgument naming both shapes.
@@ -122,8 +143,19 @@ class KvpopPolicy final : public Policy {
     std::vector<int32_t> slot_pos;  ///< [count] (unordered)
     std::vector<float> slot_prio;
     std::vector<int32_t> evicted;   ///< in eviction order
+    // Scorer 2: queries [0, mass_next) are counted; mass[(t % window) * group + g] is A_g(t) of
+    // the window's tokens; scores[i] is r of position score_base + i (left the window, not yet
+    // admitted).
+    int64_t mass_next = 0;
+    std::vector<float> mass;
+    std::vector<float> scores;
+    int64_t score_base = 0;
   };
   float LogGamma(int layer, int kv_head) const;
+  // Scorer 2: counts the queries [st->mass_next, d] (q of query d at q_d, null for one not seen:
+  // it adds nothing), scoring every token that leaves the window on the way.
+  static void CountQueries(HeadState* st, const KvPages& kv, const AttnParams& p, int sink,
+                           int window, int64_t d, const float* q_d);
   KvpopParams params_;
   std::shared_ptr<const KvpopScorerWeights> weights_;
   bool use_mlp_ = false;

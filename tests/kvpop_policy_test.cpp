@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "kvferry/runtime.h"
 #include "policies/basic.h"
 #include "policies/kvpop.h"
 #include "tests/policy_test_util.h"
@@ -305,7 +306,7 @@ TEST(KvpopWeights, LoadRoundTripAndErrors) {
 
 TEST(KvpopPolicy, BadParametersNameTheParameter) {
   for (const auto& [key, value] : std::vector<std::pair<std::string, double>>{
-           {"scorer", 2}, {"scorer", 0.5}, {"gamma_min", 1.0}, {"gamma_max", 0}, {"gamma", 0.9}}) {
+           {"scorer", 3}, {"scorer", 0.5}, {"gamma_min", 1.0}, {"gamma_max", 0}, {"gamma", 0.9}}) {
     auto r = ParseKvpopParams({{key, value}});
     ASSERT_FALSE(r.ok()) << key << "=" << value;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
@@ -316,6 +317,244 @@ TEST(KvpopPolicy, BadParametersNameTheParameter) {
   auto r = KvpopPolicy::Create(kp, nullptr, OneHead());
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("scorer"), std::string::npos);
+}
+
+// Scorer 2 (notes section 9 (b)): each token's score is the attention it received while in the
+// window. Against a brute-force reference on fresh random keys and queries (the same fp32
+// operations in the same order: softmax over the sinks and window of each query, summed over the
+// token's window queries, max over the group, log(eps + mass / window), p = r - u log gamma, the
+// top k of the eligible tokens by (p desc, position asc)): the policy's retained slots are the
+// reference's at every step, the prompt's queries counted through OnPrefill in uneven chunks and
+// the decode steps' through Select; a second policy prefilled in one chunk selects the same.
+TEST(KvpopMass, RetainsTheTopKOfTheirWindowAttention) {
+  for (int group : {1, 3}) {
+    SCOPED_TRACE(group);
+    const int hd = 32, sink = 3, window = 8;
+    const int64_t budget = sink + window + 20, k = budget - sink - window;
+    const int64_t prompt = 157, total = 420;
+    std::mt19937 rng(40 + group);
+    std::normal_distribution<float> nd;
+    PagedHead kv(hd, DType::kBF16);
+    std::vector<float> qs(static_cast<size_t>(total) * group * hd);
+    for (float& x : qs) x = 1.5f * nd(rng);  // peaked softmaxes: the masses differ
+    std::vector<float> key(hd), val(hd);
+    for (int64_t t = 0; t < total; ++t) {
+      for (int d = 0; d < hd; ++d) key[d] = nd(rng), val[d] = nd(rng);
+      kv.Append(key.data(), val.data());
+    }
+    const AttnParams params = testing_util::Params(group, hd, DType::kBF16);
+    KvpopParams kp;
+    kp.scorer = 2;
+    const float log_gamma = KvpopLogGamma(0.0f, static_cast<float>(kp.gamma_min), static_cast<float>(kp.gamma_max));
+    // The reference's scores r_u of every token that has left the window by query total - 1.
+    std::vector<float> r(static_cast<size_t>(total), 0.0f);
+    {
+      std::vector<float> mass(static_cast<size_t>(total) * group, 0.0f);
+      for (int64_t d = 0; d < total; ++d) {
+        const int64_t s_end = std::min<int64_t>(sink, d + 1), w_lo = std::max<int64_t>(sink, d - window + 1);
+        std::vector<int64_t> rows;
+        for (int64_t j = 0; j < s_end; ++j) rows.push_back(j);
+        for (int64_t j = w_lo; j <= d; ++j) rows.push_back(j);
+        for (int g = 0; g < group; ++g) {
+          const float* q = qs.data() + (static_cast<size_t>(d) * group + g) * hd;
+          std::vector<float> l;
+          for (int64_t j : rows) {
+            const std::vector<float> kj = kv.Key(j);
+            float dot = 0.0f;
+            for (int i = 0; i < hd; ++i) dot += q[i] * kj[i];
+            l.push_back(dot * params.scale);
+          }
+          const float m = *std::max_element(l.begin(), l.end());
+          float sum = 0.0f;
+          for (float& x : l) sum += x = std::exp(x - m);
+          const float inv = 1.0f / sum;
+          for (size_t i = static_cast<size_t>(s_end); i < rows.size(); ++i) mass[rows[i] * group + g] += l[i] * inv;
+        }
+      }
+      for (int64_t u = sink; u < total; ++u) r[u] = KvpopMassScore(&mass[u * group], group, window);
+    }
+    auto expected = [&](int64_t n) {  // the slots after the step of n stored positions
+      std::vector<int32_t> eligible;
+      for (int64_t u = sink; u < n - window; ++u) eligible.push_back(static_cast<int32_t>(u));
+      std::stable_sort(eligible.begin(), eligible.end(), [&](int32_t a, int32_t b) {
+        return KvpopPriorityOf(r[a], a, log_gamma) > KvpopPriorityOf(r[b], b, log_gamma);
+      });
+      eligible.resize(std::min<size_t>(eligible.size(), static_cast<size_t>(k)));
+      std::sort(eligible.begin(), eligible.end());
+      return eligible;
+    };
+    std::unique_ptr<KvpopPolicy> pol[2];
+    for (auto& x : pol) {
+      auto made = KvpopPolicy::Create(kp, nullptr, OneHead(1, 1, hd));
+      ASSERT_TRUE(made.ok()) << made.status().ToString();
+      x = std::move(made).value();
+      EXPECT_TRUE(x->wants_prefill_queries());
+      EXPECT_EQ(x->device_scoring(), SelectScoring::kNone);  // the host selects
+    }
+    // The prompt's queries: policy 0 in chunks of 50, 7 and the rest; policy 1 in one.
+    const std::vector<std::vector<int64_t>> chunks = {{0, 50, 57, prompt}, {0, prompt}};
+    for (int which = 0; which < 2; ++which) {
+      const auto& c = chunks[which];
+      for (size_t i = 0; i + 1 < c.size(); ++i) {
+        PrefillContext pc;
+        pc.q_pos0 = c[i];
+        pc.num_q = static_cast<int32_t>(c[i + 1] - c[i]);
+        pc.n = c[i + 1];
+        pc.sink = sink;
+        pc.window = window;
+        pc.q = qs.data() + static_cast<size_t>(c[i]) * group * hd;
+        pc.params = params;
+        pc.kv = kv.pages();
+        ASSERT_TRUE(pol[which]->OnPrefill(pc).ok());
+      }
+    }
+    std::vector<int32_t> sel[2];
+    for (int64_t n = prompt + 1; n <= total; ++n) {
+      for (int which = 0; which < 2; ++which) {
+        SelectContext ctx = Context(kv, qs.data() + static_cast<size_t>(n - 1) * group * hd, group, sink, window, budget);
+        ctx.n = n;
+        ASSERT_TRUE(pol[which]->Select(ctx, sel[which]).ok());
+        ExpectValidSelection(ctx, sel[which]);
+      }
+      ASSERT_EQ(sel[0], sel[1]) << "n " << n;
+      ASSERT_EQ(pol[0]->Retained(0, 0, 0), expected(n)) << "n " << n;
+    }
+    std::vector<int32_t> ref;
+    StreamingSelect(total, sink, budget, ref);
+    EXPECT_NE(sel[0], ref) << "the window's attention should not be pure recency";
+  }
+}
+
+// Scorer 2 through the Runtime (host backend): the prompt's queries reach OnPrefill chunk by
+// chunk (max_prefill_chunk 64 of a 150-token prompt) and each decode step's reaches Select, so the
+// runtime's selections equal a policy fed the same queries and rows directly, at every step.
+// Values are multiples of 1/8 (exact in bf16, the store's dtype).
+TEST(KvpopMass, ThroughTheRuntimeEqualsThePolicyFedDirectly) {
+  const int hd = 32, group = 3, sink = 3, window = 8;
+  const int64_t budget = 31, prompt = 150;
+  RuntimeConfig rc;
+  rc.model.num_layers = 1;
+  rc.model.num_q_heads = group;
+  rc.model.num_kv_heads = 1;
+  rc.model.head_dim = hd;
+  rc.capacity.max_sequences = 1;
+  rc.capacity.max_tokens_per_sequence = 512;
+  rc.capacity.max_batch = 1;
+  rc.capacity.max_prefill_chunk = 64;
+  rc.tiers.sink_tokens = sink;
+  rc.tiers.window_tokens = window;
+  rc.policy.name = "kvpop";
+  rc.policy.budget_tokens = budget;
+  rc.policy.params["scorer"] = 2;
+  rc.backend = Backend::kHost;
+  rc.cpu_threads = 1;
+  rc.probe_at_start = false;
+  auto made = Runtime::Create(rc);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  std::unique_ptr<Runtime> rt = std::move(made).value();
+  KvpopParams kp;
+  kp.scorer = 2;
+  auto direct = KvpopPolicy::Create(kp, nullptr, OneHead(1, 1, hd));
+  ASSERT_TRUE(direct.ok());
+  std::mt19937 rng(3);
+  auto eighth = [&] { return static_cast<float>(static_cast<int>(rng() % 33) - 16) / 8.0f; };
+  const int64_t total = prompt + 60;
+  std::vector<float> q(static_cast<size_t>(total) * group * hd), k(static_cast<size_t>(total) * hd),
+      v(k.size());
+  for (float& x : q) x = eighth();
+  for (float& x : k) x = eighth();
+  for (float& x : v) x = eighth();
+  PagedHead kv(hd, DType::kBF16);
+  for (int64_t t = 0; t < total; ++t) kv.Append(k.data() + t * hd, v.data() + t * hd);
+  const AttnParams params = testing_util::Params(group, hd, DType::kBF16);
+  auto host = [&](float* p, int64_t rows, int heads) {
+    return TensorView::Contiguous(p, DType::kF32, MemoryKind::kHost, {rows, heads, hd});
+  };
+  ASSERT_TRUE(rt->AddSequence(7).ok());
+  for (int64_t c0 = 0; c0 < prompt; c0 += 64) {
+    const int64_t rows = std::min<int64_t>(64, prompt - c0);
+    std::vector<float> out(static_cast<size_t>(rows) * group * hd);
+    const Status st = rt->Prefill(7, 0, host(q.data() + c0 * group * hd, rows, group),
+                                  host(k.data() + c0 * hd, rows, 1), host(v.data() + c0 * hd, rows, 1),
+                                  host(out.data(), rows, group));
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    PrefillContext pc;
+    pc.q_pos0 = c0;
+    pc.num_q = static_cast<int32_t>(rows);
+    pc.n = c0 + rows;
+    pc.sink = sink;
+    pc.window = window;
+    pc.q = q.data() + c0 * group * hd;
+    pc.params = params;
+    pc.kv = kv.pages();
+    ASSERT_TRUE(direct.value()->OnPrefill(pc).ok());
+  }
+  const std::vector<SequenceId> seqs = {7};
+  std::vector<int32_t> sel;
+  for (int64_t t = prompt; t < total; ++t) {
+    std::vector<float> out(static_cast<size_t>(group) * hd);
+    const Status st = rt->Decode(seqs, 0, host(q.data() + t * group * hd, 1, group), host(k.data() + t * hd, 1, 1),
+                                 host(v.data() + t * hd, 1, 1), host(out.data(), 1, group));
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    SelectContext ctx = Context(kv, q.data() + t * group * hd, group, sink, window, budget);
+    ctx.n = t + 1;
+    ASSERT_TRUE(direct.value()->Select(ctx, sel).ok());
+    auto got = rt->LastSelection(7, 0, 0);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    ASSERT_EQ(got.value(), sel) << "step " << t;
+  }
+  std::vector<int32_t> ref;
+  StreamingSelect(total, sink, budget, ref);
+  EXPECT_NE(sel, ref);
+}
+
+// Scorer 2 with a position stored without its query (Runtime::Append, no OnPrefill): it adds no
+// mass (score log eps) and the step still selects; a retried step (the same n) counts its query
+// once; "device" 1 is refused naming both parameters.
+TEST(KvpopMass, QueriesNotSeenAddNothingAndDeviceIsRefused) {
+  const int hd = 16, sink = 2, window = 4;
+  KvpopParams kp;
+  kp.scorer = 2;
+  auto made = KvpopPolicy::Create(kp, nullptr, OneHead(1, 1, hd));
+  ASSERT_TRUE(made.ok());
+  std::unique_ptr<KvpopPolicy> policy = std::move(made).value();
+  PagedHead kv(hd, DType::kF32);
+  std::vector<float> key(hd, 0.0f), q(hd, 0.0f);
+  q[0] = 4.0f;
+  for (int64_t t = 0; t < 60; ++t) {
+    key.assign(hd, 0.0f);
+    key[0] = t == 30 ? 3.0f : 0.0f;  // only position 30's key meets the queries
+    kv.Append(key.data(), key.data());
+  }
+  // Positions [0, 59) were appended without queries; the step of n = 60 sees only its own.
+  std::vector<int32_t> sel, again;
+  const int64_t budget = sink + window + 5;
+  SelectContext ctx = Context(kv, q.data(), 1, sink, window, budget);
+  ASSERT_TRUE(policy->Select(ctx, sel).ok());
+  ExpectValidSelection(ctx, sel);
+  // Every eligible token scored log eps: the slots are the most recent ones (p's recency bonus).
+  std::vector<int32_t> ref;
+  StreamingSelect(60, sink, budget, ref);
+  EXPECT_EQ(sel, ref);
+  ASSERT_TRUE(policy->Select(ctx, again).ok());  // retried: the same step, the same selection
+  EXPECT_EQ(again, sel);
+  // From here every query is seen: a new token whose key meets them is kept after its window.
+  for (int64_t t = 60; t < 90; ++t) {
+    key.assign(hd, 0.0f);
+    key[0] = t == 70 ? 3.0f : 0.0f;
+    kv.Append(key.data(), key.data());
+    ctx = Context(kv, q.data(), 1, sink, window, budget);
+    ASSERT_TRUE(policy->Select(ctx, sel).ok());
+  }
+  const std::vector<int32_t> kept = policy->Retained(0, 0, 0);
+  EXPECT_NE(std::find(kept.begin(), kept.end(), 70), kept.end()) << "position 70 drew its window's attention";
+  EXPECT_EQ(std::find(kept.begin(), kept.end(), 30), kept.end()) << "position 30's queries were never seen";
+  auto bad = ParseKvpopParams({{"scorer", 2}, {"device", 1}});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("device"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("scorer"), std::string::npos);
+  auto good = ParseKvpopParams({{"scorer", 2}});
+  ASSERT_TRUE(good.ok());
 }
 
 }  // namespace
