@@ -236,6 +236,10 @@ Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params
     } else if (key == "device") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("kvpop", key, value, 0, 1));
       kp.device = static_cast<int>(v);
+    } else if (key == "gamma") {
+      KVF_CHECK_ARG(value > 0 && value < 1, "kvpop parameter 'gamma' = ", value,
+                    " must be in (0, 1)");
+      kp.gamma = value;
     } else if (key == "gamma_min") {
       KVF_CHECK_ARG(value > 0 && value < 1, "kvpop parameter 'gamma_min' = ", value,
                     " must be in (0, 1)");
@@ -246,7 +250,7 @@ Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params
       kp.gamma_max = value;
     } else {
       return InvalidArgument(detail::StrCat("unknown kvpop parameter '", key,
-                                            "' (known: scorer, gamma_min, gamma_max, device)"));
+                                            "' (known: scorer, gamma, gamma_min, gamma_max, device)"));
     }
   }
   KVF_CHECK_ARG(kp.gamma_min <= kp.gamma_max, "kvpop parameter 'gamma_min' = ", kp.gamma_min,
@@ -363,6 +367,7 @@ float KvpopPolicy::LogGamma(int layer, int kv_head) const {
     return KvpopLogGamma(w.alpha[static_cast<size_t>(layer) * w.num_kv_heads + kv_head],
                          w.gamma_min, w.gamma_max);
   }
+  if (params_.scorer == 2) return static_cast<float>(std::log(params_.gamma));
   return KvpopLogGamma(0.0f, static_cast<float>(params_.gamma_min),
                        static_cast<float>(params_.gamma_max));
 }

@@ -306,7 +306,7 @@ TEST(KvpopWeights, LoadRoundTripAndErrors) {
 
 TEST(KvpopPolicy, BadParametersNameTheParameter) {
   for (const auto& [key, value] : std::vector<std::pair<std::string, double>>{
-           {"scorer", 3}, {"scorer", 0.5}, {"gamma_min", 1.0}, {"gamma_max", 0}, {"gamma", 0.9}}) {
+           {"scorer", 3}, {"scorer", 0.5}, {"gamma_min", 1.0}, {"gamma_max", 0}, {"gamma", 1.0}}) {
     auto r = ParseKvpopParams({{key, value}});
     ASSERT_FALSE(r.ok()) << key << "=" << value;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
@@ -345,7 +345,7 @@ TEST(KvpopMass, RetainsTheTopKOfTheirWindowAttention) {
     const AttnParams params = testing_util::Params(group, hd, DType::kBF16);
     KvpopParams kp;
     kp.scorer = 2;
-    const float log_gamma = KvpopLogGamma(0.0f, static_cast<float>(kp.gamma_min), static_cast<float>(kp.gamma_max));
+    const float log_gamma = static_cast<float>(std::log(kp.gamma));  // scorer 2's decay
     // The reference's scores r_u of every token that has left the window by query total - 1.
     std::vector<float> r(static_cast<size_t>(total), 0.0f);
     {
