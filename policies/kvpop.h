@@ -25,10 +25,11 @@
 //    taken over the sinks and the window (the rows every step attends; a query's full
 //    normaliser is not the policy's to see). Decode queries come from Select, prompt queries from
 //    OnPrefill (wants_prefill_queries); a position stored without its query (Runtime::Append)
-//    adds nothing. Its decay is "gamma" (default 0.998: of 0.999999, 0.9999, 0.9995, 0.999,
-//    0.998 and 0.995 it gave SmolLM2 on KJV 8K the lowest perplexity at budget 256:
-//    bench/results/kvpop_mass_smollm2.json). It reads the step's query, so it selects on the host ("device" = 0, its
-//    default).
+//    adds nothing. A head keeps group floats a window token, plus one float a prompt token
+//    from its prefill until the first step admits it. Its decay is "gamma" (default 0.998: of
+//    0.999999, 0.9999, 0.9995, 0.999, 0.998 and 0.995 it gave SmolLM2 on KJV 8K the lowest
+//    perplexity at budget 256: bench/results/kvpop_mass_smollm2.json). It reads the step's
+//    query, so it selects on the host ("device" = 0, its default).
 //  - Ties: a priority equal to the lowest retained one does not evict it (the lower position
 //    stays); among equal lowest priorities the highest position is evicted.
 //  - Weights file: PolicyConfig::params holds numbers only, so the path comes from the
