@@ -28,7 +28,8 @@
 //    adds nothing. A head keeps group floats a window token, plus one float a prompt token
 //    from its prefill until the first step admits it. Its decay is "gamma" (default 0.998: of
 //    0.999999, 0.9999, 0.9995, 0.999, 0.998 and 0.995 it gave SmolLM2 on KJV 8K the lowest
-//    perplexity at budget 256: bench/results/kvpop_mass_smollm2.json). It reads the step's
+//    perplexity at budget 256; on a second text it loses to plain recency:
+//    bench/results/kvpop_mass_smollm2.json). It reads the step's
 //    query, so it selects on the host ("device" = 0, its default).
 //  - Ties: a priority equal to the lowest retained one does not evict it (the lower position
 //    stays); among equal lowest priorities the highest position is evicted.
