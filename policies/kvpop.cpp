@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "base/check.h"
+#include "cpu/attention.h"
 
 namespace kvferry {
 namespace {
@@ -227,6 +228,15 @@ int64_t KvpopAdmit(int32_t* slot_pos, float* slot_prio, int64_t* count, int64_t 
   return out;
 }
 
+namespace {
+Status CheckKvpopCombination(const KvpopParams& kp) {
+  KVF_CHECK_ARG(kp.scorer != 2 || kp.device != 1,
+                "kvpop parameter 'device' = 1 with 'scorer' = 2: the attention-mass scorer reads "
+                "each step's query on the host, so it selects on the host (device = 0)");
+  return Status::Ok();
+}
+}  // namespace
+
 Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params) {
   KvpopParams kp;
   for (const auto& [key, value] : params) {
@@ -255,9 +265,7 @@ Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params
   }
   KVF_CHECK_ARG(kp.gamma_min <= kp.gamma_max, "kvpop parameter 'gamma_min' = ", kp.gamma_min,
                 " exceeds 'gamma_max' = ", kp.gamma_max);
-  KVF_CHECK_ARG(kp.scorer != 2 || kp.device != 1,
-                "kvpop parameter 'device' = 1 with 'scorer' = 2: the attention-mass scorer reads "
-                "each step's query on the host, so it selects on the host (device = 0)");
+  KVF_RETURN_IF_ERROR(CheckKvpopCombination(kp));
   return kp;
 }
 
@@ -284,7 +292,7 @@ void KvpopPolicy::CountQueries(HeadState* st, const KvPages& kv, const AttnParam
     return;
   }
   st->mass.resize(static_cast<size_t>(window) * group);
-  thread_local std::vector<float> kbuf, logits;
+  thread_local std::vector<float> kbuf, logits, weights;
   kbuf.resize(static_cast<size_t>(hd));
   for (int64_t e = st->mass_next; e <= d; ++e) {
     // Query e: token e - window has had its window's queries [e - window, e); token e enters.
@@ -311,15 +319,13 @@ void KvpopPolicy::CountQueries(HeadState* st, const KvPages& kv, const AttnParam
       }
       ++r;
     }
+    weights.resize(static_cast<size_t>(rows));
     for (int g = 0; g < group; ++g) {
-      float* l = logits.data() + static_cast<size_t>(g) * rows;
-      const float m = *std::max_element(l, l + rows);
-      float sum = 0.0f;
-      for (int64_t i = 0; i < rows; ++i) sum += l[i] = std::exp(l[i] - m);
-      const float inv = 1.0f / sum;
+      std::fill(weights.begin(), weights.end(), 0.0f);
+      cpu::SoftmaxAccumulate(logits.data() + static_cast<size_t>(g) * rows, rows, 1.0f, weights.data());
       for (int64_t i = s_end; i < rows; ++i) {
         const int64_t t = w_lo + (i - s_end);
-        st->mass[static_cast<size_t>(t % window) * group + g] += l[i] * inv;
+        st->mass[static_cast<size_t>(t % window) * group + g] += weights[static_cast<size_t>(i)];
       }
     }
   }
@@ -353,9 +359,7 @@ Result<std::unique_ptr<KvpopPolicy>> KvpopPolicy::Create(
   KVF_CHECK_ARG(params.scorer != 1 || weights != nullptr,
                 "kvpop parameter 'scorer' = 1 needs trained weights (set KVFERRY_KVPOP_WEIGHTS "
                 "to a file written by scripts/kvpop_train.py)");
-  KVF_CHECK_ARG(params.scorer != 2 || params.device != 1,
-                "kvpop parameter 'device' = 1 with 'scorer' = 2: the attention-mass scorer reads "
-                "each step's query on the host, so it selects on the host (device = 0)");
+  KVF_RETURN_IF_ERROR(CheckKvpopCombination(params));
   // The weights' shape is checked at Select, not here: callers validate a configuration with a
   // placeholder model (kvferry-llama checks its policies on a one-layer model before loading).
   return std::unique_ptr<KvpopPolicy>(new KvpopPolicy(params, std::move(weights), config));

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/attention.h"
 #include "kvferry/runtime.h"
 #include "policies/basic.h"
 #include "policies/kvpop.h"
@@ -321,8 +322,8 @@ TEST(KvpopPolicy, BadParametersNameTheParameter) {
 
 // Scorer 2 (notes section 9 (b)): each token's score is the attention it received while in the
 // window. Against a brute-force reference on fresh random keys and queries (the same fp32
-// operations in the same order: softmax over the sinks and window of each query, summed over the
-// token's window queries, max over the group, log(eps + mass / window), p = r - u log gamma, the
+// operations in the same order: cpu::SoftmaxAccumulate over the sinks and window of each
+// query, summed over the token's window queries, max over the group, log(eps + mass / window), p = r - u log gamma, the
 // top k of the eligible tokens by (p desc, position asc)): the policy's retained slots are the
 // reference's at every step, the prompt's queries counted through OnPrefill in uneven chunks and
 // the decode steps' through Select; a second policy prefilled in one chunk selects the same.
@@ -364,11 +365,9 @@ TEST(KvpopMass, RetainsTheTopKOfTheirWindowAttention) {
             for (int i = 0; i < hd; ++i) dot += q[i] * kj[i];
             l.push_back(dot * params.scale);
           }
-          const float m = *std::max_element(l.begin(), l.end());
-          float sum = 0.0f;
-          for (float& x : l) sum += x = std::exp(x - m);
-          const float inv = 1.0f / sum;
-          for (size_t i = static_cast<size_t>(s_end); i < rows.size(); ++i) mass[rows[i] * group + g] += l[i] * inv;
+          std::vector<float> w(l.size(), 0.0f);
+          cpu::SoftmaxAccumulate(l.data(), static_cast<int64_t>(l.size()), 1.0f, w.data());
+          for (size_t i = static_cast<size_t>(s_end); i < rows.size(); ++i) mass[rows[i] * group + g] += w[i];
         }
       }
       for (int64_t u = sink; u < total; ++u) r[u] = KvpopMassScore(&mass[u * group], group, window);
