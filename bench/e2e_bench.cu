@@ -11,6 +11,7 @@
 //               [--steps 20] [--layers 32] [--host-gib 100] [--device-gib 70]
 //               [--prefill-chunks 2048,8192] [--prefill-layers 3] [--prefill-order layer|chunk]
 //               [--cpu-threads N] [--trace PREFIX] [--param key=value ...] [--query-drift E] [--unique-kv] [--budget-tokens N]
+//               [--async-cpu -1|0|1] [--engine-us U]
 // --query-drift E: the decode query moves from step to step, q = q0 + E * noise_s, 16 noises in
 // turn (0, the default: one query for every step, as a repeated prompt token). A moving query
 // changes SparCas's dimensions at its refreshes and what the bank must hold; the row says "query_drift".
@@ -117,6 +118,13 @@ struct Options {
   // recur every 4096 positions, which leaves a hierarchical search such as HiP's choosing among
   // identical copies).
   bool unique_kv = false;
+  // --async-cpu N: RuntimeConfig::async_cpu (-1, the default: on with CUDA; 0: the CPU part of a
+  // CPU-placed policy's step on the calling thread).
+  int async_cpu = -1;
+  // --engine-us U: after each Decode the caller spins U microseconds on the host, standing for the
+  // engine's own host work of the layer (launching its projections and MLP); the rows add the
+  // time the caller spent inside Decode ("ms_in_decode_per_step", call by call).
+  double engine_us = 0;
 };
 
 template <typename T>
@@ -173,6 +181,8 @@ Options Parse(int argc, char** argv) {
     else if (a == "--trace") o.trace_prefix = next();
     else if (a == "--query-drift") o.query_drift = std::stod(next());
     else if (a == "--unique-kv") o.unique_kv = true;
+    else if (a == "--async-cpu") o.async_cpu = std::stoi(next());
+    else if (a == "--engine-us") o.engine_us = std::stod(next());
     else if (a == "--param") {
       const std::string kv = next();
       const size_t eq = kv.find('=');
@@ -272,6 +282,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   c.backend = kvferry::Backend::kCuda;
   c.probe_at_start = base == "lfps";
   c.cpu_threads = o.cpu_threads;
+  c.async_cpu = o.async_cpu;
   c.route = kvferry::Route::kGpu;
   if (base == "dense_cpu") {  // every row attended by the CPU cores next to the host store
     c.policy.name = "dense";
@@ -341,6 +352,8 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
       << ",\"bank_slots\":" << c.tiers.bank_slots;
   if (o.query_drift != 0) row << ",\"query_drift\":" << o.query_drift;
   if (o.unique_kv) row << ",\"unique_kv\":true";
+  if (o.async_cpu >= 0) row << ",\"async_cpu\":" << o.async_cpu;
+  if (o.engine_us > 0) row << ",\"engine_us\":" << o.engine_us;
   if (o.budget_tokens > 0) row << ",\"budget_tokens\":" << c.policy.budget_tokens;
   AddParams(o, c, row);
   auto made = Runtime::Create(c);
@@ -433,16 +446,24 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   const double fill_s = (Now() - t_fill0) * 1e-3;
 
   // capturing: the step goes into the graph, which reads whatever q holds at each replay.
+  double ms_in_decode = 0;  // host time inside Decode, summed
   auto step_plain = [&](bool plan, bool capturing = false) {
     if (!capturing) next_query();
     if (plan) Check(rt->PlanDecode(seqs, stream), "PlanDecode");
     for (int l = 0; l < o.layers; ++l) {
+      const double td = Now();
       const kvferry::Status st =
           rt->Decode(seqs, l, view(q, batch, kHq), view(k, batch, kHkv), view(v, batch, kHkv),
                      view(out, batch, kHq), stream);
+      ms_in_decode += Now() - td;
       if (!st.ok()) {
         std::fprintf(stderr, "decode: %s\n", st.ToString().c_str());
         std::exit(1);
+      }
+      if (o.engine_us > 0 && !capturing) {  // the engine's own host work of the layer
+        const double until = Now() + o.engine_us * 1e-3;
+        while (Now() < until) {
+        }
       }
     }
   };
@@ -461,10 +482,12 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   CHECK_CUDA(cudaStreamSynchronize(stream));
   // Call by call.
   rt->ResetStats();
+  ms_in_decode = 0;
   double t0 = Now();
   for (int i = 0; i < o.steps; ++i) step_plain(graph_ok);
   CHECK_CUDA(cudaStreamSynchronize(stream));
   const double ms_plain = (Now() - t0) / o.steps;
+  const double ms_in_decode_plain = ms_in_decode / o.steps;
   const Stats sp = rt->GetStats();
   if (!o.trace_prefix.empty()) {
     const std::string path = o.trace_prefix + "_" + mode + "_" + std::to_string(ctx) + "_b" +
@@ -516,6 +539,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   const double ms = graph_ok ? ms_graph : ms_plain;
   row << ",\"capture_safe\":" << (graph_ok ? "true" : "false") << ",\"ms_per_token_step\":" << ms
       << ",\"ms_per_token_step_no_graph\":" << ms_plain
+      << ",\"ms_in_decode_per_step\":" << ms_in_decode_plain
       << ",\"host_syncs_per_step\":" << (graph_ok ? sg.host_syncs : sp.host_syncs) / steps
       << ",\"host_syncs_per_step_no_graph\":" << sp.host_syncs / steps
       << ",\"bytes_h2d_per_step\":" << sp.bytes_h2d / steps

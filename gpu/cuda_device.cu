@@ -631,6 +631,11 @@ Status CudaDevice::MergeLse(float* o_a, float* lse_a, const float* o_b, const fl
   return LaunchMergeLse(o_a, lse_a, o_b, lse_b, rows, head_dim, out, out_dtype, Resolve(stream));
 }
 
+Status CudaDevice::WaitHostValue(const uint32_t* word, uint32_t value, StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  return LaunchWaitHostValue(word, value, kHostValueTimeoutS, Resolve(stream));
+}
+
 }  // namespace cuda
 
 bool CudaAvailable() {

@@ -75,6 +75,7 @@ class CudaDevice final : public Device {
   [[nodiscard]] bool EventDone(EventHandle event) const override;
   Status MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t rows,
                   int head_dim, void* out, DType out_dtype, StreamHandle stream) override;
+  Status WaitHostValue(const uint32_t* word, uint32_t value, StreamHandle stream) override;
 
   /// CUDA-only: position-list attention of the token bank (see LaunchAttendBank), with the
   /// stream's split workspace.

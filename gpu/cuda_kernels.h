@@ -217,6 +217,10 @@ Status LaunchCopyRows(const RowCopy* rows, int64_t num_rows, int elems, DType sr
 Status LaunchMergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b,
                       int64_t rows, int head_dim, void* out, DType out_dtype, cudaStream_t stream);
 
+/// The stream waits until the mapped host word reaches \p value (Device::WaitHostValue): one
+/// thread polls it; after \p timeout_s seconds it stops and sets word[1] = 1.
+Status LaunchWaitHostValue(const uint32_t* word, uint32_t value, int timeout_s, cudaStream_t stream);
+
 /// Scratch bytes LaunchTopK needs for \p rows rows of top-\p k (0 for k <= 4096).
 size_t TopKWorkspaceBytes(int64_t rows, int64_t k);
 

@@ -216,6 +216,14 @@ class Device {
     return true;
   }
 
+  /// The stream waits, the host does not, until the 32-bit word at \p word (pinned host memory,
+  /// which another host thread writes) reaches \p value: until (int32_t)(*word - value) >= 0, so a
+  /// ticket that wraps around still compares. Work enqueued after it runs once the word is
+  /// written. On the host backend (synchronous streams) the calling thread spins until then. A
+  /// wait that lasts kHostValueTimeoutS gives up and sets word[1] to 1 (the writer is gone).
+  virtual Status WaitHostValue(const uint32_t* word, uint32_t value, StreamHandle stream);
+  static constexpr int kHostValueTimeoutS = 60;
+
   /// In-place exact merge (see cpu::MergeLseRef); o_b/lse_b may be null (nothing to merge), then
   /// writes out only. Finally converts o_a to \p out (rows x head_dim, out_dtype) if out != null.
   virtual Status MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b,

@@ -2,10 +2,12 @@
 // The host-emulated Device: "device" memory is host memory, streams are synchronous, and kernels
 // are the CPU implementations. It runs exactly the plan the CUDA backend runs, so the runtime,
 // scheduler and policies are tested on machines without a GPU.
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <thread>
 #include <new>
 #include <unordered_map>
 
@@ -193,6 +195,22 @@ Status CheckPrimeArgs(const PrimeArgs& a) {
                 " below rows * group * head_dim");
   KVF_CHECK_ARG(a.q != nullptr && a.pages != nullptr && a.tables != nullptr && a.stats != nullptr,
                 "PrimeAttention: null q, pages, tables or stats");
+  return Status::Ok();
+}
+
+Status Device::WaitHostValue(const uint32_t* word, uint32_t value, StreamHandle stream) {
+  (void)stream;
+  KVF_CHECK_ARG(word != nullptr, "WaitHostValue: null word");
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::atomic_ref<const uint32_t> w(*word);
+  while (static_cast<int32_t>(w.load(std::memory_order_acquire) - value) < 0) {
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(kHostValueTimeoutS)) {
+      std::atomic_ref<uint32_t>(const_cast<uint32_t*>(word)[1]).store(1, std::memory_order_release);
+      return Internal(detail::StrCat("WaitHostValue: the word stayed below ", value, " for ",
+                                     kHostValueTimeoutS, " s"));
+    }
+    std::this_thread::yield();
+  }
   return Status::Ok();
 }
 

@@ -52,6 +52,35 @@ Status LaunchMergeLse(float* o_a, float* lse_a, const float* o_b, const float* l
 
 namespace {
 
+// One thread polls the word over PCIe (a volatile load each time, a microsecond apart) until it
+// reaches value, or the timeout passes (globaltimer, ns): then word[1] = 1 for the host to find.
+__global__ void WaitHostValueKernel(volatile uint32_t* word, uint32_t value, uint64_t timeout_ns) {
+  uint64_t t0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  while (static_cast<int32_t>(word[0] - value) < 0) {
+    __nanosleep(1000);
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - t0 > timeout_ns) {
+      word[1] = 1;
+      return;
+    }
+  }
+  __threadfence_system();
+}
+
+}  // namespace
+
+Status LaunchWaitHostValue(const uint32_t* word, uint32_t value, int timeout_s, cudaStream_t stream) {
+  KVF_CHECK_ARG(word != nullptr, "WaitHostValue: null word");
+  WaitHostValueKernel<<<1, 1, 0, stream>>>(const_cast<uint32_t*>(word), value,
+                                           static_cast<uint64_t>(timeout_s) * 1000000000ull);
+  KVF_CUDA_CHECK_LAUNCH(WaitHostValueKernel);
+  return Status::Ok();
+}
+
+namespace {
+
 /// scores row r at scores + r * ld (n valid); out row r at out + r * k; ws: [rows, sort_n] when
 /// sort_n > kTopKSmemItems. sort_n = pow2 >= k.
 __global__ void __launch_bounds__(kTopKThreads) TopKKernel(const float* __restrict__ scores,

@@ -17,7 +17,10 @@
 #include <oneapi/tbb/task_arena.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <limits>
+#include <mutex>
 #include <thread>
 
 #include "base/check.h"
@@ -376,6 +379,125 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   // The device's bank counters tell its offloaded rows apart (hits, fetched: RuntimeImpl::stats).
   if (lists == nullptr) stats_.rows_cpu += on_cpu;
   return Status::Ok();
+}
+
+// ---- the CPU part on the runtime's own thread (RuntimeConfig::async_cpu) ----------------------
+
+namespace {
+// How long either side spins for the other before it sleeps on the condition variable: a layer's
+// next job (or its end) usually comes within tens of microseconds.
+constexpr auto kCpuPartSpin = std::chrono::microseconds(50);
+inline void Relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+}  // namespace
+
+void RuntimeImpl::CpuThreadMain() {
+  uint64_t seen = 0;
+  for (;;) {
+    const auto t0 = std::chrono::steady_clock::now();
+    while (cpu_go_.load(std::memory_order_acquire) == seen &&
+           std::chrono::steady_clock::now() - t0 < kCpuPartSpin) {
+      Relax();
+    }
+    if (cpu_go_.load(std::memory_order_acquire) == seen) {
+      std::unique_lock<std::mutex> lock(cpu_mu_);
+      cpu_sleeping_ = true;
+      cpu_cv_.wait(lock, [&] { return cpu_go_.load(std::memory_order_acquire) != seen || cpu_quit_; });
+      cpu_sleeping_ = false;
+      if (cpu_go_.load(std::memory_order_acquire) == seen) return;  // quit, nothing handed over
+    }
+    seen = cpu_go_.load(std::memory_order_acquire);
+    Status st = RunCpuPart(cpu_job_);
+    // The device's wait ends here: the part's (o, lse) are in the pinned buffers (or it failed,
+    // and the caller's next call rolls the layer back). Never left unwritten, or the stream
+    // would wait until its timeout.
+    std::atomic_ref<uint32_t>(cpu_word_[0]).store(cpu_job_.ticket, std::memory_order_release);
+    cpu_job_status_ = std::move(st);
+    {
+      const std::lock_guard<std::mutex> lock(cpu_mu_);
+      cpu_done_.store(seen, std::memory_order_release);
+    }
+    cpu_cv_.notify_all();
+  }
+}
+
+void RuntimeImpl::HandOverCpuPart(const CpuPartJob& job) {
+  cpu_job_ = job;
+  cpu_job_out_ = true;
+  bool wake = false;
+  {
+    const std::lock_guard<std::mutex> lock(cpu_mu_);
+    cpu_go_.fetch_add(1, std::memory_order_acq_rel);
+    wake = cpu_sleeping_;
+  }
+  if (wake) cpu_cv_.notify_all();
+}
+
+Status RuntimeImpl::RunCpuPart(const CpuPartJob& job) {
+  const auto t0 = TraceRecorder::Clock::now();
+  Status st = job.inputs_on_host ? Status::Ok() : HostWaitEvent(q_ready_);
+  if (st.ok()) {
+    st = SelectOnHost(batch_slots_, job.layer, step_pos_scratch_, job.q, job.k, job.v);
+  }
+  if (trace_.on()) trace_.Span("cpu_part", "cpu", t0, TraceRecorder::Clock::now(), job.layer);
+  Stage(stats_.ms_select, "select", t0);
+  return st;
+}
+
+void RuntimeImpl::WaitCpuPart() {
+  if (!cpu_job_out_) return;
+  const uint64_t want = cpu_go_.load(std::memory_order_acquire);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (cpu_done_.load(std::memory_order_acquire) != want &&
+         std::chrono::steady_clock::now() - t0 < kCpuPartSpin) {
+    Relax();
+  }
+  if (cpu_done_.load(std::memory_order_acquire) != want) {
+    std::unique_lock<std::mutex> lock(cpu_mu_);
+    cpu_cv_.wait(lock, [&] { return cpu_done_.load(std::memory_order_acquire) == want; });
+  }
+}
+
+Status RuntimeImpl::CollectCpuPart() {
+  if (!cpu_job_out_) return Status::Ok();
+  WaitCpuPart();
+  cpu_job_out_ = false;
+  Status st = std::move(cpu_job_status_);
+  cpu_job_status_ = Status::Ok();
+  if (st.ok() && cpu_word_[1] != 0) {
+    st = Internal("the device stopped waiting for the CPU part of a decode step after " +
+                  std::to_string(Device::kHostValueTimeoutS) + " s");
+  }
+  if (st.ok()) return st;
+  return RollBackCpuPart(cpu_job_, std::move(st));
+}
+
+Status RuntimeImpl::RollBackCpuPart(const CpuPartJob& job, Status failure) {
+  const int layers = config_.model.num_layers;
+  // The hand-over counted the layer as done (a planned layer stays run, as a failed one does).
+  for (const int slot : batch_slots_) --lengths_[static_cast<size_t>(slot) * layers + job.layer];
+  stats_.decode_steps -= 1;
+  stats_.decode_tokens -= job.batch;
+  stats_.decode_planned -= job.planned ? 1 : 0;
+  Status restored = RestoreWindow(batch_slots_, job.layer, job.stream);
+  if (restored.ok() && job.bank) restored = ClearBankMisses(job.stream);
+  return WithRestore(std::move(failure), restored);
+}
+
+void RuntimeImpl::StopCpuThread() {
+  if (!cpu_thread_.joinable()) return;
+  WaitCpuPart();
+  {
+    const std::lock_guard<std::mutex> lock(cpu_mu_);
+    cpu_quit_ = true;
+  }
+  cpu_cv_.notify_all();
+  cpu_thread_.join();
 }
 
 }  // namespace kvferry::detail

@@ -60,6 +60,17 @@ Status RuntimeImpl::InitStepBuffers() {
                              static_cast<size_t>(group_) * (m.head_dim + 1),
                          0.0f);
   }
+  if (cpu_step_) {
+    // The CPU part on its own thread (RuntimeConfig::async_cpu; -1: with CUDA).
+    const int want = config_.async_cpu;
+    cpu_async_ = want > 0 || (want < 0 && device_->backend() == Backend::kCuda);
+    if (cpu_async_) {
+      KVF_ASSIGN_OR_RETURN(p, Alloc(2 * sizeof(uint32_t), true));
+      cpu_word_ = static_cast<uint32_t*>(p);
+      cpu_word_[0] = cpu_word_[1] = 0;
+      cpu_thread_ = std::thread([this] { CpuThreadMain(); });
+    }
+  }
   if (scoring_ != SelectScoring::kNone || host_lists_) {
     // Per layer a list region, so that any layer's last selection can be read back and no layer
     // rewrites a list an earlier launch of the step may still read.
@@ -666,7 +677,13 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   // CPU step enqueues it, and its own kernel after it, beside the Selects (SelectOnHost's
   // launch): those calls take the host tens of microseconds a layer (KVFERRY_LFPS_SCAN_OVERLAP=0
   // enqueues them here instead).
-  const bool beside = cpu_step_ && device_scan_ && scan_overlap_ &&
+  // The CPU part on the runtime's thread (RuntimeConfig::async_cpu): on CUDA only with device
+  // tensors (host ones are read and written before Decode returns). Its caller enqueues the
+  // scan and the step itself.
+  const bool host_backend = device_->backend() == Backend::kHost;
+  const bool async_part = cpu_step_ && cpu_async_ &&
+                          (host_backend || (!inputs_on_host && out.where == MemoryKind::kDevice));
+  const bool beside = cpu_step_ && !async_part && device_scan_ && scan_overlap_ &&
                       device_->backend() == Backend::kCuda;
   if (st.ok() && (cpu_step_ || host_lists_) && device_scan_) {
     st = LaunchDeviceScan(slot_of, layer, pos, q_src.value(), q.dtype, k_src.value(), k.dtype,
@@ -758,6 +775,11 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       st = step_bank_->Admit(a.bank.admit, items, stream);
     }
     Stage(stats_.ms_admit, "admit", ta);
+  }
+  if (st.ok() && async_part) {
+    Stage(stats_.ms_attend_gpu, "attend_gpu", t1);
+    return HandOverDecodeCpuPart(layer, planned, inputs_on_host, a.bank.rows != nullptr, q_host,
+                                 k_host, v_host, out, out_direct, stream);
   }
   if (st.ok() && cpu_step_) {
     Stage(stats_.ms_attend_gpu, "attend_gpu", t1);
@@ -856,6 +878,89 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   stats_.decode_tokens += batch;
   stats_.decode_planned += planned ? 1 : 0;
   return Status::Ok();
+}
+
+Status RuntimeImpl::HandOverDecodeCpuPart(int layer, bool planned, bool inputs_on_host, bool bank,
+                                          const TensorView& q_host, const TensorView& k_host,
+                                          const TensorView& v_host, const TensorView& out,
+                                          bool out_direct, StreamHandle stream) {
+  const ModelShape& m = config_.model;
+  const int layers = m.num_layers;
+  const std::vector<int>& slot_of = batch_slots_;
+  const int64_t batch = static_cast<int64_t>(slot_of.size());
+  const int64_t rows = batch * m.num_q_heads;
+  const bool host = device_->backend() == Backend::kHost;
+  // The last part's (o, lse) must have reached the device before this part rewrites them: the
+  // stream's order says so on the same stream (this layer's q, which the part waits for, follows
+  // that upload); on another, the host waits here, before the hand-over.
+  if (!host && cpu_last_stream_ != nullptr && stream != cpu_last_stream_ &&
+      !device_->EventDone(cpu_part_up_)) {
+    Status st = HostWaitEvent(cpu_part_up_);
+    if (!st.ok()) {
+      if (planned) {
+        plan_.layer_run[layer] = 1;
+        for (int slot : slot_of) --lengths_[static_cast<size_t>(slot) * layers + layer];
+      }
+      Status restored = RestoreWindow(slot_of, layer, stream);
+      if (restored.ok() && bank) restored = ClearBankMisses(stream);
+      return WithRestore(std::move(st), restored);
+    }
+  }
+  // The step counted before the hand-over (the part then owns stats_ until it is collected);
+  // RollBackCpuPart takes it back on a failure.
+  if (planned) {
+    plan_.layer_run[layer] = 1;
+  } else {
+    for (int slot : slot_of) ++lengths_[static_cast<size_t>(slot) * layers + layer];
+  }
+  if (!host) {
+    stats_.bytes_h2d += rows * (m.head_dim + 1) * 4;
+    stats_.bytes_d2h += rows * m.head_dim * static_cast<int64_t>(DTypeSize(q_host.dtype));
+  }
+  stats_.bytes_d2h += batch * m.num_kv_heads * 2 * static_cast<int64_t>(row_bytes_);  // write-through
+  stats_.decode_steps += 1;
+  stats_.decode_tokens += batch;
+  stats_.decode_planned += planned ? 1 : 0;
+  CpuPartJob job;
+  job.layer = layer;
+  job.inputs_on_host = inputs_on_host;
+  job.bank = bank;
+  job.stream = stream;
+  job.q = q_host;
+  job.k = k_host;
+  job.v = v_host;
+  job.batch = batch;
+  job.planned = planned;
+  job.ticket = ++cpu_ticket_;
+  HandOverCpuPart(job);
+  // From here this thread touches only the device and its own events. The stream waits for the
+  // part's ticket, then takes its (o, lse) up and merges them with the resident rows' part.
+  cpu_last_stream_ = stream;
+  const float* o_cpu = host ? o_cpu_host_ : o_cpu_dev_;
+  const float* lse_cpu = host ? lse_cpu_host_ : lse_cpu_dev_;
+  Status st = device_->WaitHostValue(cpu_word_, job.ticket, stream);
+  if (st.ok() && !host) {
+    st = device_->CopyAsync(o_cpu_dev_, o_cpu_host_, static_cast<size_t>(rows) * m.head_dim * 4, stream);
+    if (st.ok()) st = device_->CopyAsync(lse_cpu_dev_, lse_cpu_host_, rows * 4, stream);
+    if (st.ok()) st = device_->RecordEvent(cpu_part_up_, stream);
+  }
+  if (st.ok()) {
+    st = device_->MergeLse(o_gpu_, lse_gpu_, o_cpu, lse_cpu, rows, m.head_dim,
+                           out_direct ? out.data : out_stage_, out.dtype, stream);
+  }
+  if (st.ok() && !out_direct) {
+    st = device_->CopyAsync(out.data, out_stage_, static_cast<size_t>(out.numel()) * DTypeSize(out.dtype),
+                            stream);
+  }
+  if (st.ok()) st = device_->RecordEvent(call_done_, stream);
+  if (!st.ok()) {
+    WaitCpuPart();
+    cpu_job_out_ = false;
+    cpu_job_status_ = Status::Ok();
+    return RollBackCpuPart(cpu_job_, std::move(st));
+  }
+  // On the host backend the wait above returned with the part done: its status is this call's.
+  return host ? CollectCpuPart() : Status::Ok();
 }
 
 Route RuntimeImpl::PlannedRoute() const {

@@ -99,6 +99,7 @@ Result<std::unique_ptr<RuntimeImpl>> RuntimeImpl::Create(const RuntimeConfig& co
 }
 
 RuntimeImpl::~RuntimeImpl() {
+  StopCpuThread();  // an outstanding CPU part ends first: the device may be waiting for it
   if (device_ == nullptr) return;
   device_->SynchronizeStream(stream_).IgnoreError();
   if (call_done_ != nullptr) device_->DestroyEvent(call_done_);
@@ -1620,63 +1621,77 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& config) {
 
 Status Runtime::AddSequence(SequenceId seq) {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
+  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
   return impl_->AddSequence(seq);
 }
 Status Runtime::RemoveSequence(SequenceId seq) {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
+  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
   return impl_->RemoveSequence(seq);
 }
 Result<int64_t> Runtime::SequenceLength(SequenceId seq, int layer) const {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
+  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
   return impl_->SequenceLength(seq, layer);
 }
 Status Runtime::Prefill(SequenceId seq, int layer, const TensorView& q, const TensorView& k,
                         const TensorView& v, const TensorView& out, StreamHandle stream) {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
+  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
   return impl_->Prefill(seq, layer, q, k, v, out, stream);
 }
 Status Runtime::Decode(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                        const TensorView& k, const TensorView& v, const TensorView& out,
                        StreamHandle stream) {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
+  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
   return impl_->Decode(seqs, layer, q, k, v, out, stream);
 }
 Status Runtime::Append(SequenceId seq, int layer, const TensorView& k, const TensorView& v,
                        StreamHandle stream) {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
+  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
   return impl_->Append(seq, layer, k, v, stream);
 }
 Status Runtime::PlanDecode(std::span<const SequenceId> seqs, StreamHandle stream) {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
+  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
   return impl_->PlanDecode(seqs, stream);
 }
 bool Runtime::decode_is_capture_safe() const { return impl_->decode_is_capture_safe(); }
 Result<std::vector<int32_t>> Runtime::LastSelection(SequenceId seq, int layer, int kv_head) const {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
+  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
   return impl_->LastSelection(seq, layer, kv_head);
 }
 Status Runtime::Synchronize() {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
+  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
   return impl_->Synchronize();
 }
 Status Runtime::TimeDeviceSelect(bool on) {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
+  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
   return impl_->TimeDeviceSelect(on);
 }
 Status Runtime::StartTrace(int64_t max_events) {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
+  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
   return impl_->StartTrace(max_events);
 }
 Status Runtime::WriteTrace(const std::string& path) {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
+  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
   return impl_->WriteTrace(path);
 }
 Stats Runtime::GetStats() const {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
+  impl_->WaitCpuPart();
   return impl_->stats();
 }
 void Runtime::ResetStats() {
   const std::lock_guard<std::mutex> lock(impl_->mutex());
+  impl_->WaitCpuPart();
   impl_->ResetStats();
 }
 const RuntimeConfig& Runtime::config() const { return impl_->config(); }

@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <atomic>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -186,6 +188,12 @@ class RuntimeImpl {
   Backend backend() const { return device_->backend(); }
   /// Serialises the public calls (see the contract on Runtime): each takes it once.
   std::mutex& mutex() const { return mu_; }
+  /// Every public call first collects the CPU part an asynchronous Decode left running
+  /// (RuntimeConfig::async_cpu): waits for it and, when it failed, rolls its layer back and
+  /// returns its failure (once). Ok when none is outstanding.
+  Status CollectCpuPart();
+  /// Waits for an outstanding CPU part without taking its status (calls that return no Status).
+  void WaitCpuPart();
 
  private:
   explicit RuntimeImpl(const RuntimeConfig& config) : config_(config) {}
@@ -583,6 +591,48 @@ class RuntimeImpl {
   double SelectTimingMs(const SelectTiming& t) const;
   void DestroySelectTiming();
   EventHandle cpu_part_up_ = nullptr;  // the last CPU part left o_cpu_host_ / lse_cpu_host_
+  // ---- the CPU part on the runtime's own thread (RuntimeConfig::async_cpu; cpu_step.cpp) ----
+  // The caller's Decode enqueues the device's whole layer (the resident rows' attention, then a
+  // wait for cpu_word_[0] to reach the job's ticket, the (o, lse) upload and the merge), counts
+  // the step, hands the job over and returns; cpu_thread_ waits for q on the host, runs
+  // SelectOnHost and writes the ticket. One job at a time: every public call collects it first
+  // (CollectCpuPart), so while it runs the caller touches neither the state it reads (the
+  // policy, the pool, the batch's slots and positions, stats_) nor the pinned buffers it fills.
+  struct CpuPartJob {
+    int layer = 0;
+    bool inputs_on_host = false;
+    bool bank = false;  // the step read the device bank (a failure clears its miss lists)
+    StreamHandle stream = nullptr;
+    TensorView q, k, v;  // on the host: q_raw_host_, or the caller's (host backend)
+    int64_t batch = 0;
+    bool planned = false;
+    uint32_t ticket = 0;
+  };
+  bool cpu_async_ = false;
+  uint32_t* cpu_word_ = nullptr;  // pinned: [0] the ticket of the last part done, [1] a wait timed out
+  uint32_t cpu_ticket_ = 0;
+  StreamHandle cpu_last_stream_ = nullptr;  // the stream of the last asynchronous part
+  CpuPartJob cpu_job_;
+  bool cpu_job_out_ = false;  // handed over and not collected (the caller's side)
+  std::thread cpu_thread_;
+  std::mutex cpu_mu_;
+  std::condition_variable cpu_cv_;
+  std::atomic<uint64_t> cpu_go_{0}, cpu_done_{0};  // jobs handed over / finished
+  bool cpu_sleeping_ = false, cpu_quit_ = false;   // under cpu_mu_
+  Status cpu_job_status_;                           // the finished job's, read after cpu_done_
+  void CpuThreadMain();
+  void HandOverCpuPart(const CpuPartJob& job);
+  // The worker's side of a job: q on the host, then SelectOnHost.
+  Status RunCpuPart(const CpuPartJob& job);
+  // Takes back a counted layer whose CPU part (or the enqueue after its hand-over) failed.
+  Status RollBackCpuPart(const CpuPartJob& job, Status failure);
+  void StopCpuThread();
+  // RunDecodeStep's end when the CPU part runs on cpu_thread_: counts the step, hands the part
+  // over and enqueues the device's wait for it, the upload and the merge.
+  Status HandOverDecodeCpuPart(int layer, bool planned, bool inputs_on_host, bool bank,
+                               const TensorView& q_host, const TensorView& k_host,
+                               const TensorView& v_host, const TensorView& out, bool out_direct,
+                               StreamHandle stream);
   // CUDA, bank_slots > 0, a policy that selects on the host (Select: hip, kvpop, lfps, streaming,
   // the PrHS wrappers), route gpu: the planned step with the device bank. Per layer q, k and v go
   // to the host (q_raw_host_, q_ready_), the host writes the new token's store rows and selects

@@ -8,12 +8,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -732,6 +734,214 @@ TEST(CudaStepBank, FailingHostSelectLeavesEverySequenceAsBefore) {
     for (int t = 0; t < 40; ++t) same_step("after, step " + std::to_string(t));
     const Stats s = rt[0]->GetStats();
     EXPECT_GT(s.rows_bank_hit, 0);  // the recent offloaded rows repeat from step to step
+  }
+}
+
+// A CPU-placed policy that selects like streaming (its selections cover the resident rows, so it
+// runs the planned CPU step). While g_cpu_hold is set, kv_head 0's Select waits (2 s at most)
+// for the test to clear it; while g_cpu_fail is set, kv_head 1's fails.
+std::atomic<bool> g_cpu_hold{false}, g_cpu_fail{false}, g_cpu_hold_timed_out{false};
+
+class HeldCpuSelect final : public Policy {
+ public:
+  std::string_view name() const override { return "test_held_cpu_select"; }
+  Placement placement() const override { return Placement::kCpu; }
+  bool selection_covers_resident() const override { return true; }
+  Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
+    if (ctx.kv_head == 0 && g_cpu_hold.load()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      while (g_cpu_hold.load()) {
+        if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(2)) {
+          g_cpu_hold_timed_out = true;
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+    }
+    if (ctx.kv_head == 1 && g_cpu_fail.load()) return Internal("test_held_cpu_select: injected");
+    StreamingSelect(ctx.n, ctx.sink, ctx.budget, out);
+    return Status::Ok();
+  }
+};
+
+// The CPU part of a planned CPU step on the runtime's own thread (RuntimeConfig::async_cpu):
+// - with device tensors Decode returns while the CPU part is still running (its Select holds
+//   until the test, after Decode returned, lets it go), and the outputs, selections and counters
+//   equal the serial part's (async_cpu 0) bit for bit, for lfps (its scan on the device) and the
+//   test policy, over planned and self-planned steps of a batch of two lengths;
+// - a CPU part that fails is returned by the next call (here Synchronize), which rolls its layer
+//   back: every later step equals a twin's that never saw the failed call.
+TEST(CudaCpuPart, DecodeReturnsBeforeTheCpuPartAndEqualsTheSerialOne) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  static const bool registered = RegisterPolicy("test_held_cpu_select", [](const RuntimeConfig&) {
+    return Result<std::unique_ptr<Policy>>(std::unique_ptr<Policy>(new HeldCpuSelect));
+  });
+  ASSERT_TRUE(registered);
+  auto made_dev = MakeCudaDevice(0);
+  ASSERT_TRUE(made_dev.ok()) << made_dev.status().ToString();
+  std::unique_ptr<Device> dev = std::move(made_dev).value();
+  for (const char* policy : {"test_held_cpu_select", "lfps"}) {
+    SCOPED_TRACE(policy);
+    RuntimeConfig cfg = MakeConfig(Case{policy, Route::kAuto, 0, "vector"}, Backend::kCuda);
+    cfg.probe_at_start = false;
+    std::unique_ptr<Runtime> rt[2];  // 0: asynchronous part, 1: serial
+    for (int r = 0; r < 2; ++r) {
+      RuntimeConfig c = cfg;
+      c.async_cpu = r == 0 ? 1 : 0;
+      auto made = Runtime::Create(c);
+      ASSERT_TRUE(made.ok()) << made.status().ToString();
+      rt[r] = std::move(made).value();
+      EXPECT_FALSE(rt[r]->decode_is_capture_safe());
+    }
+    const auto& m = cfg.model;
+    std::mt19937 rng(31);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    auto random = [&](int64_t n) {
+      std::vector<float> x(static_cast<size_t>(n));
+      for (float& e : x) e = nd(rng);
+      return x;
+    };
+    const std::vector<SequenceId> seqs = {1, 2};
+    const int64_t batch = 2, prompt[2] = {500, 90};  // one prefill chunk (512) each
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      for (int l = 0; l < m.num_layers; ++l) {
+        auto q = random(prompt[i] * m.num_q_heads * m.head_dim);
+        auto k = random(prompt[i] * m.num_kv_heads * m.head_dim), v = random(k.size());
+        std::vector<float> out(q.size());
+        auto hv = [&](std::vector<float>& x, int heads) {
+          return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {prompt[i], heads, m.head_dim});
+        };
+        for (auto& r : rt) {
+          if (l == 0) ASSERT_TRUE(r->AddSequence(seqs[i]).ok());
+          const Status st = r->Prefill(seqs[i], l, hv(q, m.num_q_heads), hv(k, m.num_kv_heads),
+                                       hv(v, m.num_kv_heads), hv(out, m.num_q_heads));
+          ASSERT_TRUE(st.ok()) << st.ToString();
+        }
+      }
+    }
+    const size_t q_bytes = static_cast<size_t>(batch * m.num_q_heads * m.head_dim) * 4;
+    const size_t kv_bytes = static_cast<size_t>(batch * m.num_kv_heads * m.head_dim) * 4;
+    // Per runtime and layer: q, k, v, out (a layer's inputs stay put until the runtime's stream
+    // has read them: the layers of a step are enqueued back to back below).
+    void* d[2][2][4] = {};
+    for (auto& per_rt : d) {
+      for (auto& per : per_rt) {
+        for (int i = 0; i < 4; ++i) {
+          auto a = dev->AllocDevice(i == 1 || i == 2 ? kv_bytes : q_bytes);
+          ASSERT_TRUE(a.ok());
+          per[i] = a.value();
+        }
+      }
+    }
+    ASSERT_EQ(m.num_layers, 2);
+    auto dtv = [&](void* p, int heads) {
+      return TensorView::Contiguous(p, DType::kF32, MemoryKind::kDevice, {batch, heads, m.head_dim});
+    };
+    // One layer on runtime r with the given inputs; hold: the test policy's Select waits until
+    // Decode returned. Returns Decode's status; out is read after Synchronize.
+    auto decode = [&](int r, int layer, std::vector<float>& q, std::vector<float>& k, std::vector<float>& v,
+                      bool hold) {
+      void** t = d[r][layer];
+      EXPECT_TRUE(dev->CopyAsync(t[0], q.data(), q_bytes, dev->default_stream()).ok());
+      EXPECT_TRUE(dev->CopyAsync(t[1], k.data(), kv_bytes, dev->default_stream()).ok());
+      EXPECT_TRUE(dev->CopyAsync(t[2], v.data(), kv_bytes, dev->default_stream()).ok());
+      EXPECT_TRUE(dev->SynchronizeStream(dev->default_stream()).ok());
+      g_cpu_hold = hold;
+      const Status st = rt[r]->Decode(seqs, layer, dtv(t[0], m.num_q_heads), dtv(t[1], m.num_kv_heads),
+                                      dtv(t[2], m.num_kv_heads), dtv(t[3], m.num_q_heads));
+      g_cpu_hold = false;  // Decode returned: the held Select may go on
+      return st;
+    };
+    auto read_out = [&](int r, int layer) {
+      std::vector<float> out(q_bytes / 4);
+      EXPECT_TRUE(dev->CopyAsync(out.data(), d[r][layer][3], q_bytes, dev->default_stream()).ok());
+      EXPECT_TRUE(dev->SynchronizeStream(dev->default_stream()).ok());
+      return out;
+    };
+    const bool held = std::string(policy) == "test_held_cpu_select";
+    auto same_step = [&](int step, bool planned) {
+      if (planned) {
+        for (auto& r : rt) ASSERT_TRUE(r->PlanDecode(seqs).ok());
+      }
+      for (int layer = 0; layer < m.num_layers; ++layer) {
+        auto q = random(q_bytes / 4), k = random(kv_bytes / 4), v = random(kv_bytes / 4);
+        g_cpu_hold_timed_out = false;
+        ASSERT_TRUE(decode(0, layer, q, k, v, held).ok());
+        ASSERT_TRUE(rt[0]->Synchronize().ok());
+        EXPECT_FALSE(g_cpu_hold_timed_out.load()) << "Decode waited for the CPU part, step " << step;
+        ASSERT_TRUE(decode(1, layer, q, k, v, false).ok());
+        ASSERT_TRUE(rt[1]->Synchronize().ok());
+        const std::vector<float> a = read_out(0, layer), b = read_out(1, layer);
+        for (size_t i = 0; i < a.size(); ++i) {
+          ASSERT_FALSE(std::isnan(a[i])) << "unwritten output " << i;
+          ASSERT_EQ(0, std::memcmp(&a[i], &b[i], sizeof(float))) << "step " << step << " layer " << layer;
+        }
+        for (SequenceId s : seqs) {
+          for (int h = 0; h < m.num_kv_heads; ++h) {
+            EXPECT_EQ(*rt[0]->LastSelection(s, layer, h), *rt[1]->LastSelection(s, layer, h));
+          }
+        }
+      }
+    };
+    for (int step = 0; step < 12; ++step) same_step(step, step % 3 != 2);
+    // Back-to-back layers without a wait between them: the second Decode collects the first's
+    // part before its own.
+    {
+      std::vector<float> outs[2][2];
+      for (int r = 0; r < 2; ++r) {
+        std::mt19937 same(77);
+        std::normal_distribution<float> nd2(0.f, 1.f);
+        auto rnd = [&](size_t n) {
+          std::vector<float> x(n);
+          for (float& e : x) e = nd2(same);
+          return x;
+        };
+        ASSERT_TRUE(rt[r]->PlanDecode(seqs).ok());
+        for (int layer = 0; layer < m.num_layers; ++layer) {
+          auto q = rnd(q_bytes / 4), k = rnd(kv_bytes / 4), v = rnd(kv_bytes / 4);
+          ASSERT_TRUE(decode(r, layer, q, k, v, false).ok());
+        }
+        ASSERT_TRUE(rt[r]->Synchronize().ok());
+        for (int layer = 0; layer < 2; ++layer) outs[r][layer] = read_out(r, layer);
+      }
+      for (int layer = 0; layer < 2; ++layer) {
+        ASSERT_EQ(0, std::memcmp(outs[0][layer].data(), outs[1][layer].data(), q_bytes)) << "layer " << layer;
+      }
+    }
+    const Stats sa = rt[0]->GetStats(), sb = rt[1]->GetStats();
+    EXPECT_EQ(sa.decode_steps, sb.decode_steps);
+    EXPECT_EQ(sa.decode_planned, sb.decode_planned);
+    EXPECT_EQ(sa.rows_cpu, sb.rows_cpu);
+    EXPECT_EQ(sa.rows_selected, sb.rows_selected);
+    EXPECT_EQ(sa.bytes_h2d, sb.bytes_h2d);
+    EXPECT_EQ(sa.bytes_d2h, sb.bytes_d2h);
+    EXPECT_GT(sa.rows_cpu, 0);
+    if (held) {
+      // A failing CPU part: Decode returns, Synchronize returns the failure, the layer is as before.
+      ASSERT_TRUE(rt[0]->PlanDecode(seqs).ok());
+      auto q = random(q_bytes / 4), k = random(kv_bytes / 4), v = random(kv_bytes / 4);
+      g_cpu_fail = true;
+      const Status st = decode(0, 0, q, k, v, false);
+      EXPECT_TRUE(st.ok()) << st.ToString();  // the failure comes later
+      const Status later = rt[0]->Synchronize();
+      g_cpu_fail = false;
+      EXPECT_EQ(later.code(), StatusCode::kInternal) << later.ToString();
+      EXPECT_NE(later.message().find("injected"), std::string::npos) << later.ToString();
+      EXPECT_TRUE(rt[0]->Synchronize().ok());  // returned once
+      // Layer 0 is as before the call (layer 1 of that plan never ran: the next PlanDecode gives
+      // it back).
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        EXPECT_EQ(*rt[0]->SequenceLength(seqs[i], 0), *rt[1]->SequenceLength(seqs[i], 0));
+      }
+      EXPECT_EQ(rt[0]->GetStats().decode_steps, rt[1]->GetStats().decode_steps);
+      // 40 steps pass the ring (32 rows) round once.
+      for (int step = 0; step < 40; ++step) same_step(100 + step, true);
+    }
+    for (auto& per_rt : d) {
+      for (auto& per : per_rt) {
+        for (void* p : per) dev->FreeDevice(p);
+      }
+    }
   }
 }
 

@@ -211,6 +211,9 @@ class FaultyDevice final : public Device {
   }
   bool IsCapturing(StreamHandle stream) const override { return inner_->IsCapturing(stream); }
   bool EventDone(EventHandle event) const override { return inner_->EventDone(event); }
+  Status WaitHostValue(const uint32_t* word, uint32_t value, StreamHandle stream) override {
+    return inner_->WaitHostValue(word, value, stream);
+  }
   Status MergeLse(float *o_a, float *lse_a, const float *o_b, const float *lse_b, int64_t rows,
                   int head_dim, void *out, DType out_dtype, StreamHandle stream) override {
     return Run(FaultPoint::kMergeLse, [&] {

@@ -789,8 +789,10 @@ Result<std::unique_ptr<Policy>> MakeFailingCovering(const RuntimeConfig&) {
   return std::unique_ptr<Policy>(new FailingPolicy(true));
 }
 
-// name: the registered policy; planned: PlanDecode before each step.
-using FailingParam = std::tuple<std::string, bool>;
+// name: the registered policy; planned: PlanDecode before each step; async: the CPU part on the
+// runtime's thread (RuntimeConfig::async_cpu 1; on the host backend Decode still returns its
+// status).
+using FailingParam = std::tuple<std::string, bool, bool>;
 class FailingPolicyTest : public ::testing::TestWithParam<FailingParam> {};
 
 TEST_P(FailingPolicyTest, LeavesEverySequenceAsBeforeTheCall) {
@@ -798,8 +800,9 @@ TEST_P(FailingPolicyTest, LeavesEverySequenceAsBeforeTheCall) {
                                  RegisterPolicy("test_failing_covering", MakeFailingCovering);
   (void)registered;
   EXPECT_FALSE(RegisterPolicy("streaming", MakeFailing));  // names are unique
-  const auto& [name, planned] = GetParam();
+  const auto& [name, planned, async] = GetParam();
   RuntimeConfig c = PlanConfig(name, 1);
+  c.async_cpu = async ? 1 : 0;
   c.policy.budget_tokens = 16;  // larger than sinks + window: host rows are read too
   auto rt = Make(c), twin = Make(c);
   ASSERT_TRUE(rt && twin);
@@ -850,10 +853,95 @@ TEST_P(FailingPolicyTest, LeavesEverySequenceAsBeforeTheCall) {
 INSTANTIATE_TEST_SUITE_P(
     Paths, FailingPolicyTest,
     ::testing::Combine(::testing::Values("test_failing", "test_failing_covering"),
-                       ::testing::Bool()),
+                       ::testing::Bool(), ::testing::Bool()),
     [](const ::testing::TestParamInfo<FailingParam>& info) {
-      return std::get<0>(info.param) + (std::get<1>(info.param) ? "_planned" : "_unplanned");
+      return std::get<0>(info.param) + (std::get<1>(info.param) ? "_planned" : "_unplanned") +
+             (std::get<2>(info.param) ? "_async" : "");
     });
+
+// The CPU part on the runtime's own thread (RuntimeConfig::async_cpu 1) equals the serial one
+// (0) bit for bit on the host backend: lfps over planned and self-planned steps of three
+// sequences of different lengths (one inside sinks + window), a sequence removed and one added
+// mid-run, with the host timeline showing each layer's part as a "cpu_part" span on another
+// thread than the caller's.
+TEST(AsyncCpuPart, EqualsTheSerialPartExactly) {
+  RuntimeConfig c = PlanConfig("lfps", 2);
+  c.cpu_threads = 2;
+  RuntimeConfig serial = c, async = c;
+  serial.async_cpu = 0;
+  async.async_cpu = 1;
+  auto a = Make(async), b = Make(serial);
+  ASSERT_TRUE(a && b);
+  Feeder f(c, 21);
+  std::vector<SequenceId> seqs = {3, 4, 5};
+  for (Runtime* r : {a.get(), b.get()}) {
+    for (SequenceId s : seqs) ASSERT_TRUE(r->AddSequence(s).ok());
+  }
+  f.Prefill({a.get(), b.get()}, 3, 150);
+  f.Prefill({a.get(), b.get()}, 4, 9);
+  f.Prefill({a.get(), b.get()}, 5, 70);
+  const std::string path = ::testing::TempDir() + "kvferry_async_trace_test.json";
+  ASSERT_TRUE(a->StartTrace(1 << 12).ok());
+  for (int step = 0; step < 14; ++step) {
+    if (step == 7) {  // 4 leaves, 6 comes
+      for (Runtime* r : {a.get(), b.get()}) {
+        ASSERT_TRUE(r->RemoveSequence(4).ok());
+        ASSERT_TRUE(r->AddSequence(6).ok());
+      }
+      f.Prefill({a.get(), b.get()}, 6, 40);
+      seqs = {3, 6, 5};
+    }
+    const bool planned = step % 4 != 3;
+    if (planned) {
+      ASSERT_TRUE(a->PlanDecode(seqs).ok());
+      ASSERT_TRUE(b->PlanDecode(seqs).ok());
+    }
+    for (int l = 0; l < 2; ++l) {
+      Feeder::Step in = f.Make(3);
+      std::vector<float> oa, ob;
+      ASSERT_TRUE(f.Decode(*a, seqs, l, in, oa).ok());
+      ASSERT_TRUE(f.Decode(*b, seqs, l, in, ob).ok());
+      ASSERT_EQ(0, std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float))) << "step " << step;
+      ASSERT_GT(NormOf(oa), 0.1);
+      for (SequenceId s : seqs) {
+        for (int h = 0; h < c.model.num_kv_heads; ++h) {
+          EXPECT_EQ(*a->LastSelection(s, l, h), *b->LastSelection(s, l, h));
+        }
+      }
+    }
+  }
+  ASSERT_TRUE(a->WriteTrace(path).ok());
+  const Stats sa = a->GetStats(), sb = b->GetStats();
+  EXPECT_EQ(sa.decode_steps, sb.decode_steps);
+  EXPECT_EQ(sa.decode_planned, sb.decode_planned);
+  EXPECT_GT(sa.decode_planned, 0);
+  EXPECT_EQ(sa.rows_cpu, sb.rows_cpu);
+  EXPECT_GT(sa.rows_cpu, 0);
+  EXPECT_EQ(sa.rows_selected, sb.rows_selected);
+  EXPECT_EQ(sa.rows_resident, sb.rows_resident);
+  EXPECT_EQ(sa.bytes_h2d, sb.bytes_h2d);
+  EXPECT_EQ(sa.bytes_d2h, sb.bytes_d2h);
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string json = ss.str();
+  const std::regex re("\\{\"name\":\"(cpu_part|append)\",\"cat\":\"[a-z]+\",\"ph\":\"X\",\"pid\":1,\"tid\":([0-9]+)");
+  std::set<int> part_tids, append_tids;
+  int parts = 0;
+  for (auto it = std::sregex_iterator(json.begin(), json.end(), re); it != std::sregex_iterator(); ++it) {
+    if ((*it)[1] == "cpu_part") {
+      part_tids.insert(std::stoi((*it)[2]));
+      ++parts;
+    } else {
+      append_tids.insert(std::stoi((*it)[2]));
+    }
+  }
+  EXPECT_GE(parts, 10 * 2);  // the planned steps' layers (self-planned ones run it too)
+  ASSERT_EQ(part_tids.size(), 1u);
+  ASSERT_FALSE(append_tids.empty());
+  EXPECT_EQ(append_tids.count(*part_tids.begin()), 0u) << "the part ran on the caller's thread";
+  std::remove(path.c_str());
+}
 
 }  // namespace
 }  // namespace kvferry

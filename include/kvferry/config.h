@@ -110,6 +110,17 @@ struct RuntimeConfig {
   /// Measure the CPU-route and PCIe gather rates at Create for the auto route's split (a few ms on
   /// the host, ~0.1 s with CUDA); false keeps the defaults (52 and 20 GB/s).
   bool probe_at_start = true;
+  /// The CPU part of a CPU-placed policy's planned step (its Select and its attention over the
+  /// offloaded picks, on the pool) runs on the runtime's own thread: Decode returns once the
+  /// device's work is enqueued, and the stream waits for the CPU's (o, lse) on the device, so the
+  /// caller's thread goes on (to the engine's next launches) while the CPU works. -1: on with
+  /// CUDA, off on the host backend (where the caller would only wait for it); 0: off; 1: on (on
+  /// the host backend Decode then still returns when the part is done). With it, a failure in the
+  /// CPU part of a call on CUDA is returned by the runtime's next call (the next layer's Decode,
+  /// Synchronize, ...), which rolls that layer back as the failed Decode would have. Taken on
+  /// CUDA only when q, k, v and out are in device memory (host tensors are read / written before
+  /// Decode returns).
+  int async_cpu = -1;
 };
 
 }  // namespace kvferry
