@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Stop 29, call D: CudaCpuPart.* under memcheck (its hold raised to 20 s: under memcheck a first
-# launch takes seconds, and call C's run stopped at step 0 there), and plainly.
+# Stop 29, call D: CudaCpuPart.* plainly and under memcheck. Under the sanitizer a launch returns
+# once its kernel ran, so Decode returns only after the CPU part there: the memcheck run drops the
+# test's hold (KVFERRY_TEST_NO_HOLD=1; the first D call saw the hold time out under memcheck).
 set -u
 source scripts/device/build.sh
 trap 'tar czf $OUT/r.tgz -C $D . ; echo "total: $(( $(date +%s) - t0 )) s"' EXIT
@@ -8,5 +9,5 @@ kvf_build kvferry_tests
 T=$B/tests/kvferry_tests
 timeout 60 $T --gtest_filter='CudaCpuPart.*:*CudaEqualsHost*lfps*' > $D/t.log 2>&1
 echo "test rc=$?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|Actual|Expected|rror" $D/t.log | head -20
-timeout 300 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 9 $T --gtest_brief=1 --gtest_filter='CudaCpuPart.*' > $D/memcheck.log 2>&1
+KVFERRY_TEST_NO_HOLD=1 timeout 300 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 9 $T --gtest_brief=1 --gtest_filter='CudaCpuPart.*' > $D/memcheck.log 2>&1
 echo "memcheck rc=$?"; grep -E "^\[  (PASSED|FAILED) |Failure|Actual|ERROR SUMMARY" $D/memcheck.log
