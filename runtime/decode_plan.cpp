@@ -678,12 +678,13 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   // launch): those calls take the host tens of microseconds a layer (KVFERRY_LFPS_SCAN_OVERLAP=0
   // enqueues them here instead).
   // The CPU part on the runtime's thread (RuntimeConfig::async_cpu): on CUDA only with device
-  // tensors (host ones are read and written before Decode returns). Its caller enqueues the
-  // scan and the step itself.
+  // tensors (host ones are read and written before Decode returns).
   const bool host_backend = device_->backend() == Backend::kHost;
   const bool async_part = cpu_step_ && cpu_async_ &&
                           (host_backend || (!inputs_on_host && out.where == MemoryKind::kDevice));
-  const bool beside = cpu_step_ && !async_part && device_scan_ && scan_overlap_ &&
+  // (With the part on the runtime's thread the caller enqueues both right after the hand-over,
+  // while the part's Selects start.)
+  const bool beside = cpu_step_ && device_scan_ && scan_overlap_ &&
                       device_->backend() == Backend::kCuda;
   if (st.ok() && (cpu_step_ || host_lists_) && device_scan_) {
     st = LaunchDeviceScan(slot_of, layer, pos, q_src.value(), q.dtype, k_src.value(), k.dtype,
@@ -755,7 +756,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     st = device_->WaitEvent(stream, admit_done_[bank_region]);
     admit_pending_[bank_region] = false;
   }
-  if (st.ok() && !beside) st = device_->DecodeStep(a, stream);
+  if (st.ok() && !beside && !async_part) st = device_->DecodeStep(a, stream);
   // The bank admits the layer's misses right after the step that read them: beside the next
   // layer's work on admit_stream_ (two regions), else on the caller's stream.
   if (st.ok() && a.bank.rows != nullptr) {
@@ -778,8 +779,8 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   }
   if (st.ok() && async_part) {
     Stage(stats_.ms_attend_gpu, "attend_gpu", t1);
-    return HandOverDecodeCpuPart(layer, planned, inputs_on_host, a.bank.rows != nullptr, q_host,
-                                 k_host, v_host, out, out_direct, stream);
+    return HandOverDecodeCpuPart(a, beside, layer, planned, inputs_on_host, q_host, k_host, v_host,
+                                 out, out_direct, stream);
   }
   if (st.ok() && cpu_step_) {
     Stage(stats_.ms_attend_gpu, "attend_gpu", t1);
@@ -880,10 +881,12 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   return Status::Ok();
 }
 
-Status RuntimeImpl::HandOverDecodeCpuPart(int layer, bool planned, bool inputs_on_host, bool bank,
+Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_deferred, int layer,
+                                          bool planned, bool inputs_on_host,
                                           const TensorView& q_host, const TensorView& k_host,
                                           const TensorView& v_host, const TensorView& out,
                                           bool out_direct, StreamHandle stream) {
+  const bool bank = a.bank.rows != nullptr;
   const ModelShape& m = config_.model;
   const int layers = m.num_layers;
   const std::vector<int>& slot_of = batch_slots_;
@@ -921,6 +924,22 @@ Status RuntimeImpl::HandOverDecodeCpuPart(int layer, bool planned, bool inputs_o
   stats_.decode_steps += 1;
   stats_.decode_tokens += batch;
   stats_.decode_planned += planned ? 1 : 0;
+  // A deferred scan that only extends the device's shadow (no item takes its ranking, so no
+  // Select waits for it) goes first: the part then never meets it.
+  if (scan_deferred && !scan_live_) {
+    Status st = EnqueueDeviceScan();
+    scan_deferred = false;
+    if (!st.ok()) {
+      // Nothing handed over: take the count back as a failed Decode would.
+      CpuPartJob none;
+      none.layer = layer;
+      none.stream = stream;
+      none.batch = batch;
+      none.planned = planned;
+      none.bank = bank;
+      return RollBackCpuPart(none, std::move(st));
+    }
+  }
   CpuPartJob job;
   job.layer = layer;
   job.inputs_on_host = inputs_on_host;
@@ -933,12 +952,18 @@ Status RuntimeImpl::HandOverDecodeCpuPart(int layer, bool planned, bool inputs_o
   job.planned = planned;
   job.ticket = ++cpu_ticket_;
   HandOverCpuPart(job);
-  // From here this thread touches only the device and its own events. The stream waits for the
-  // part's ticket, then takes its (o, lse) up and merges them with the resident rows' part.
+  // From here this thread touches only the device, its own events and LFPS's deferred scan
+  // (made to run beside the Selects: EnqueueDeviceScan). It enqueues the scan the part's Selects
+  // wait for and the step over the resident rows while they start, then the stream's wait for
+  // the part's ticket, the upload of its (o, lse) and their merge with the resident rows' part.
   cpu_last_stream_ = stream;
   const float* o_cpu = host ? o_cpu_host_ : o_cpu_dev_;
   const float* lse_cpu = host ? lse_cpu_host_ : lse_cpu_dev_;
-  Status st = device_->WaitHostValue(cpu_word_, job.ticket, stream);
+  const auto tl = trace_.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
+  Status st = scan_deferred ? EnqueueDeviceScan() : Status::Ok();
+  if (st.ok()) st = device_->DecodeStep(a, stream);
+  if (trace_.on()) trace_.Span("launch_step", "launch", tl, TraceRecorder::Clock::now());
+  if (st.ok()) st = device_->WaitHostValue(cpu_word_, job.ticket, stream);
   if (st.ok() && !host) {
     st = device_->CopyAsync(o_cpu_dev_, o_cpu_host_, static_cast<size_t>(rows) * m.head_dim * 4, stream);
     if (st.ok()) st = device_->CopyAsync(lse_cpu_dev_, lse_cpu_host_, rows * 4, stream);

@@ -628,11 +628,12 @@ class RuntimeImpl {
   Status RollBackCpuPart(const CpuPartJob& job, Status failure);
   void StopCpuThread();
   // RunDecodeStep's end when the CPU part runs on cpu_thread_: counts the step, hands the part
-  // over and enqueues the device's wait for it, the upload and the merge.
-  Status HandOverDecodeCpuPart(int layer, bool planned, bool inputs_on_host, bool bank,
-                               const TensorView& q_host, const TensorView& k_host,
-                               const TensorView& v_host, const TensorView& out, bool out_direct,
-                               StreamHandle stream);
+  // over, then enqueues LFPS's deferred scan (\p scan_deferred), the step \p a over the resident
+  // rows, the device's wait for the part, the upload and the merge.
+  Status HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_deferred, int layer, bool planned,
+                               bool inputs_on_host, const TensorView& q_host,
+                               const TensorView& k_host, const TensorView& v_host,
+                               const TensorView& out, bool out_direct, StreamHandle stream);
   // CUDA, bank_slots > 0, a policy that selects on the host (Select: hip, kvpop, lfps, streaming,
   // the PrHS wrappers), route gpu: the planned step with the device bank. Per layer q, k and v go
   // to the host (q_raw_host_, q_ready_), the host writes the new token's store rows and selects
