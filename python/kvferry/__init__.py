@@ -85,6 +85,10 @@ class RuntimeConfig:
     device_id: int = 0
     cpu_threads: int = 0
     probe_at_start: bool = True
+    #: The CPU part of a CPU-placed policy's step (lfps) on the runtime's own thread: decode
+    #: returns once the GPU's work is queued (-1: with CUDA; 0: off; 1: on). A failure there is
+    #: raised by the next call.
+    async_cpu: int = -1
 
 
 def _is_torch(t: Any) -> bool:

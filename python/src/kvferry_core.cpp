@@ -167,7 +167,7 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
       "max_sequences", "max_tokens_per_sequence", "max_batch", "max_prefill_chunk",
       "max_host_bytes", "host_bytes_at_create", "gpu_bytes", "prefill_prefetch", "sink_tokens", "window_tokens",
       "bank_slots", "bank_map", "policy", "budget", "budget_fraction", "params", "route",
-      "backend", "device_id", "cpu_threads", "probe_at_start"};
+      "backend", "device_id", "cpu_threads", "probe_at_start", "async_cpu"};
   for (auto [key, value] : d) {
     const std::string k = nb::cast<std::string>(key);
     bool known = false;
@@ -215,6 +215,7 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   get_int("device_id", c.device_id);
   get_int("cpu_threads", c.cpu_threads);
   get_as("probe_at_start", c.probe_at_start, "a bool");
+  get_int("async_cpu", c.async_cpu);
   return c;
 }
 

@@ -301,6 +301,31 @@ def test_prefill_prefetch_is_a_field_and_its_count_a_stat():
         make_rt(route=1)
 
 
+def test_async_cpu_part_equals_the_serial_one():
+    """RuntimeConfig.async_cpu reaches the runtime: lfps's CPU part on the runtime's thread (1)
+    gives the serial part's (0) outputs bit for bit, over planned decode steps of two sequences."""
+    rts = [make_rt(policy="lfps", budget=48, async_cpu=a) for a in (1, 0)]
+    for rt in rts:
+        rt.add_sequence(1)
+        rt.add_sequence(2)
+    for seq, n in ((1, 300), (2, 70)):
+        for layer in (0, 1):
+            q, k, v = rnd(n, HQ, D), rnd(n, HKV, D), rnd(n, HKV, D)
+            for rt in rts:
+                rt.prefill(seq, layer, q, k, v)
+    for _step in range(4):
+        for rt in rts:
+            rt.plan_decode([1, 2])
+        for layer in (0, 1):
+            q, k, v = rnd(2, HQ, D), rnd(2, HKV, D), rnd(2, HKV, D)
+            a, b = (rt.decode([1, 2], layer, q, k, v) for rt in rts)
+            assert torch.equal(a, b)
+    assert rts[0].stats()["decode_planned"] == 8
+    assert rts[0].stats()["rows_cpu"] == rts[1].stats()["rows_cpu"] > 0
+    with pytest.raises(TypeError, match="async_cpu: want an int, got str"):
+        make_rt(async_cpu="on")
+
+
 def test_gpu_bytes_cap_refuses_what_does_not_fit_and_sizes_the_auto_bank():
     with pytest.raises(MemoryError, match="capacity.gpu_bytes 4096 is below"):
         make_rt(gpu_bytes=4096)
