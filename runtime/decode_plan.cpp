@@ -924,22 +924,6 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
   stats_.decode_steps += 1;
   stats_.decode_tokens += batch;
   stats_.decode_planned += planned ? 1 : 0;
-  // A deferred scan that only extends the device's shadow (no item takes its ranking, so no
-  // Select waits for it) goes first: the part then never meets it.
-  if (scan_deferred && !scan_live_) {
-    Status st = EnqueueDeviceScan();
-    scan_deferred = false;
-    if (!st.ok()) {
-      // Nothing handed over: take the count back as a failed Decode would.
-      CpuPartJob none;
-      none.layer = layer;
-      none.stream = stream;
-      none.batch = batch;
-      none.planned = planned;
-      none.bank = bank;
-      return RollBackCpuPart(none, std::move(st));
-    }
-  }
   CpuPartJob job;
   job.layer = layer;
   job.inputs_on_host = inputs_on_host;
@@ -950,6 +934,14 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
   job.v = v_host;
   job.batch = batch;
   job.planned = planned;
+  // A deferred scan that only extends the device's shadow (no item takes its ranking, so no
+  // Select waits for it) goes first: the part then never meets it. Failing, nothing is handed
+  // over and the count is taken back as a failed Decode would.
+  if (scan_deferred && !scan_live_) {
+    scan_deferred = false;
+    Status st = EnqueueDeviceScan();
+    if (!st.ok()) return RollBackCpuPart(job, std::move(st));
+  }
   job.ticket = ++cpu_ticket_;
   HandOverCpuPart(job);
   // From here this thread touches only the device, its own events and LFPS's deferred scan
