@@ -553,6 +553,8 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
               : -1.0)
       << ",\"bank_admitted_per_step\":" << sp.bank_admitted / steps
       << ",\"rows_cpu_per_step\":" << sp.rows_cpu / steps
+      // The cost model's CPU rate (probed at Create) and the one the steps' CPU kernels measured.
+      << ",\"cost_cpu_gbps\":" << sp.cost_cpu_gbps << ",\"cost_cpu_gbps_measured\":" << sp.cost_cpu_gbps_measured
       << ",\"lfps_scans_device_per_step\":" << sp.lfps_scans_device / steps
       << ",\"lfps_scans_device_short_per_step\":" << sp.lfps_scans_device_short / steps
       << ",\"ms_select_device_per_step\":" << ms_select_device

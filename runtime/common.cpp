@@ -116,7 +116,9 @@ std::string Stats::ToJson() const {
      << ",\"ms_attend_cpu\":" << ms_attend_cpu << ",\"ms_merge\":" << ms_merge << ",\"ms_admit\":" << ms_admit
      << ",\"ms_prefill\":" << ms_prefill << ",\"ms_prime\":" << ms_prime
      << ",\"cost_pcie_gbps\":" << cost_pcie_gbps
-     << ",\"cost_cpu_gbps\":" << cost_cpu_gbps << ",\"host_bytes_reserved\":" << host_bytes_reserved
+     << ",\"cost_cpu_gbps\":" << cost_cpu_gbps << ",\"ms_cpu_attend_busy\":" << ms_cpu_attend_busy
+     << ",\"cost_cpu_gbps_measured\":" << cost_cpu_gbps_measured
+     << ",\"host_bytes_reserved\":" << host_bytes_reserved
      << ",\"device_bytes_reserved\":" << device_bytes_reserved << "}";
   return os.str();
 }

@@ -324,7 +324,7 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
         float* po = part == 0 ? o : spill + (part - 1) * part_floats;
         float* pl = part == 0 ? lse : po + gd;
         const RowAttnItem it{q32, po, pl, ck + lo, cv + lo, hi - lo};
-        cpu::AttendRows(params, &it, 1);
+        AttendTimed([&] { cpu::AttendRows(params, &it, 1); });
       };
       if (parts == 1) {
         attend(0);

@@ -1352,7 +1352,9 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
       }
     }
     if (on_cpu) {
-      pool_->ParallelFor(items, [&](int64_t i) { cpu::AttendPaged(params, &paged_items_[i], 1); });
+      pool_->ParallelFor(items, [&](int64_t i) {
+        AttendTimed([&] { cpu::AttendPaged(params, &paged_items_[i], 1); });
+      });
       KVF_RETURN_IF_ERROR(device_->CopyAsync(o_gpu_, o_cpu_host_, nq * 4, stream));
       KVF_RETURN_IF_ERROR(device_->CopyAsync(lse_gpu_, lse_cpu_host_, batch * hq * 4, stream));
       stats_.bytes_d2h += nq * 4;
@@ -1469,7 +1471,9 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
     // Items without a CPU share contribute nothing: lse = -inf.
     std::fill_n(lse_cpu_host_, batch * hq, -std::numeric_limits<float>::infinity());
     std::fill_n(o_cpu_host_, nq, 0.0f);
-    pool_->ParallelFor(cpu_items, [&](int64_t i) { cpu::AttendRows(params, &cpu_items_[i], 1); });
+    pool_->ParallelFor(cpu_items, [&](int64_t i) {
+      AttendTimed([&] { cpu::AttendRows(params, &cpu_items_[i], 1); });
+    });
     KVF_RETURN_IF_ERROR(device_->CopyAsync(o_cpu_dev_, o_cpu_host_, nq * 4, stream));
     KVF_RETURN_IF_ERROR(device_->CopyAsync(lse_cpu_dev_, lse_cpu_host_, batch * hq * 4, stream));
     stats_.bytes_h2d += (nq + batch * hq) * 4;
@@ -1577,6 +1581,7 @@ Stats RuntimeImpl::stats() const {
   s.device_bytes_reserved = device_->device_bytes_held();
   s.cost_pcie_gbps = cost_.pcie_gbps;
   s.cost_cpu_gbps = cost_.cpu_gbps;
+  s.ms_cpu_attend_busy = static_cast<double>(cpu_attend_ns_.load(std::memory_order_relaxed)) * 1e-6;
   const PolicyCounters pc = policy_->counters();
   s.prhs_select_calls = pc.select_calls - policy_counters_at_reset_.select_calls;
   s.prhs_select_reused = pc.select_reused - policy_counters_at_reset_.select_reused;
@@ -1601,6 +1606,12 @@ Stats RuntimeImpl::stats() const {
       s.bank_admitted += t.value().admitted - z.admitted;
       s.bank_evicted += t.value().evicted - z.evicted;
     }
+  }
+  // The CPU route's rate as the steps measured it, beside the probed one.
+  if (s.ms_cpu_attend_busy > 0 && s.rows_cpu > 0) {
+    const double bytes = static_cast<double>(s.rows_cpu) * 2.0 * static_cast<double>(row_bytes_);
+    s.cost_cpu_gbps_measured =
+        bytes / (s.ms_cpu_attend_busy * 1e-3) * std::max(1, pool_->num_threads()) * 1e-9;
   }
   return s;
 }

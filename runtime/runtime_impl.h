@@ -174,6 +174,7 @@ class RuntimeImpl {
   cpu::CpuPool& pool() { return *pool_; }
   void ResetStats() {
     stats_ = Stats{};
+    cpu_attend_ns_.store(0, std::memory_order_relaxed);
     bank_step_selected_ = 0;
     if (bank_ != nullptr) bank_->ResetCounters();
     if (step_bank_ != nullptr) {
@@ -373,6 +374,17 @@ class RuntimeImpl {
   // restores the ring. Returns \p failure, or the restore's error if that failed too.
   Status RollBackDecode(std::span<const int> slot_of, int layer, StreamHandle stream,
                         Status failure);
+  // Thread-nanoseconds of the CPU route's attention kernels (Stats::ms_cpu_attend_busy), added
+  // by the pool's threads: AttendTimed(fn) runs fn and counts its time.
+  std::atomic<int64_t> cpu_attend_ns_{0};
+  template <typename Fn>
+  void AttendTimed(Fn&& fn) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    cpu_attend_ns_.fetch_add(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
+        std::memory_order_relaxed);
+  }
   // Host waits inside Decode and PlanDecode, counted in Stats::host_syncs.
   Status HostWaitStream(StreamHandle stream);
   Status HostWaitEvent(EventHandle event);

@@ -361,6 +361,71 @@ TEST(PlannedStep, CpuPlacedPolicyRunsThePlannedStep) {
   EXPECT_EQ(st.rows_resident + st.rows_cpu, st.rows_selected);
 }
 
+// The cost model's CPU rate checked against the steps (Stats::ms_cpu_attend_busy,
+// cost_cpu_gbps_measured): the thread time of the CPU route's attention kernels, in the planned
+// CPU step (lfps, serial and asynchronous part), the host path's split rows (oracle on route cpu)
+// and the dense paged path (dense on route cpu); nothing where no row is attended on the CPU
+// (lfps on route gpu); the measured rate is the K/V bytes of rows_cpu over that time times the
+// pool's one thread, and ResetStats clears it.
+TEST(CostModel, StatsCarryTheCpuRateTheStepsMeasured) {
+  struct Run {
+    std::string policy;
+    Route route;
+    int async;
+    bool attends_on_cpu;
+  };
+  for (const Run& r : {Run{"lfps", Route::kAuto, 0, true}, Run{"lfps", Route::kAuto, 1, true},
+                       Run{"oracle", Route::kCpu, 0, true}, Run{"dense", Route::kCpu, 0, true},
+                       Run{"lfps", Route::kGpu, 0, false}}) {
+    SCOPED_TRACE(r.policy + " route " + RouteName(r.route) + " async " + std::to_string(r.async));
+    RuntimeConfig c = PlanConfig(r.policy, 2);
+    c.route = r.route;
+    c.async_cpu = r.async;
+    c.cpu_threads = 1;
+    if (r.policy == "dense") c.policy.budget_tokens = 0;
+    auto rt = Make(c);
+    ASSERT_TRUE(rt);
+    Feeder f(c, 41);
+    const std::vector<SequenceId> two = {1, 2};
+    for (SequenceId s : two) ASSERT_TRUE(rt->AddSequence(s).ok());
+    f.Prefill({rt.get()}, 1, 200);
+    f.Prefill({rt.get()}, 2, 90);
+    auto steps = [&](int n) {
+      for (int t = 0; t < n; ++t) {
+        ASSERT_TRUE(rt->PlanDecode(two).ok());
+        for (int l = 0; l < 2; ++l) {
+          Feeder::Step in = f.Make(2);
+          std::vector<float> out;
+          ASSERT_TRUE(f.Decode(*rt, two, l, in, out).ok());
+        }
+      }
+    };
+    steps(4);
+    Stats s = rt->GetStats();
+    EXPECT_GT(s.cost_cpu_gbps, 0.0);  // the model's defaults without the probe
+    if (!r.attends_on_cpu) {
+      EXPECT_EQ(s.rows_cpu, 0);
+      EXPECT_EQ(s.ms_cpu_attend_busy, 0.0);
+      EXPECT_EQ(s.cost_cpu_gbps_measured, 0.0);
+      continue;
+    }
+    ASSERT_GT(s.rows_cpu, 0);
+    ASSERT_GT(s.ms_cpu_attend_busy, 0.0);
+    const double bytes = static_cast<double>(s.rows_cpu) * 2 * c.model.head_dim * 2;  // bf16 K and V
+    EXPECT_NEAR(s.cost_cpu_gbps_measured, bytes / (s.ms_cpu_attend_busy * 1e-3) * 1e-9,
+                1e-9 * s.cost_cpu_gbps_measured);
+    EXPECT_GT(s.cost_cpu_gbps_measured, 1e-3);
+    EXPECT_LT(s.cost_cpu_gbps_measured, 1e4);
+    EXPECT_NE(s.ToJson().find("\"cost_cpu_gbps_measured\":"), std::string::npos);
+    rt->ResetStats();
+    s = rt->GetStats();
+    EXPECT_EQ(s.ms_cpu_attend_busy, 0.0);
+    EXPECT_EQ(s.cost_cpu_gbps_measured, 0.0);
+    steps(1);
+    EXPECT_GT(rt->GetStats().ms_cpu_attend_busy, 0.0);
+  }
+}
+
 class DeviceSelected : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(DeviceSelected, EqualsTheHostPolicy) {

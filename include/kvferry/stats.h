@@ -73,6 +73,13 @@ struct Stats {
 
   double cost_pcie_gbps = 0;     ///< scheduler's GPU-route rate: zero-copy gather GB/s (probed on CUDA)
   double cost_cpu_gbps = 0;      ///< scheduler's CPU-route rate: sparse attention GB/s (probed)
+  /// Thread-milliseconds the CPU route's attention kernels took over the rows_cpu rows (summed
+  /// over the pool's threads; each kernel call timed on its thread), in every decode path.
+  double ms_cpu_attend_busy = 0;
+  /// The CPU-route rate the steps measured, the check of cost_cpu_gbps: the K and V bytes of
+  /// rows_cpu over ms_cpu_attend_busy, times the pool's threads (the rate the pool reaches with
+  /// every thread attending as the steps' kernels did). 0 before any CPU attention.
+  double cost_cpu_gbps_measured = 0;
 
   int64_t host_bytes_reserved = 0;  ///< host-store bytes held now
   /// Device bytes held now, by the device's own count: Runtime::device_memory's total from Create

@@ -254,6 +254,8 @@ nb::dict StatsDict(const Stats& s) {
   KVF_STAT(ms_prefill);
   KVF_STAT(cost_pcie_gbps);
   KVF_STAT(cost_cpu_gbps);
+  KVF_STAT(ms_cpu_attend_busy);
+  KVF_STAT(cost_cpu_gbps_measured);
   KVF_STAT(host_bytes_reserved);
   KVF_STAT(device_bytes_reserved);
 #undef KVF_STAT
