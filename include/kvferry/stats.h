@@ -21,7 +21,8 @@ struct Stats {
   int64_t decode_plans = 0;      ///< plans built: PlanDecode calls and Decode calls that planned themselves
   /// Times a Decode or PlanDecode call made the host wait for the device (stream or event
   /// synchronisation). Zero in a steady planned step of a device-selecting policy with device
-  /// tensors.
+  /// tensors. With the CPU part on the runtime's own thread (RuntimeConfig::async_cpu) its wait
+  /// for q counts here too, though the caller's thread does not wait.
   int64_t host_syncs = 0;
 
   int64_t bytes_h2d = 0;         ///< host -> device: fetched KV rows, CPU results (o, lse)
