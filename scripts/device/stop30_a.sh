@@ -18,7 +18,7 @@ KVFERRY_TEST_NO_HOLD=1 timeout 120 /usr/local/cuda/bin/compute-sanitizer --tool 
   $T --gtest_brief=1 --gtest_filter='CudaCpuPart.*' > $D/memcheck.log 2>&1
 echo "memcheck rc=$?"; grep -E "^\[  (PASSED|FAILED) |ERROR SUMMARY" $D/memcheck.log
 rm -f $D/rows.jsonl
-E="timeout 200 $B/bench/kvferry-e2e"
+E="timeout 380 $B/bench/kvferry-e2e"
 $E --modes lfps --contexts 131072 --batches 1 --steps 8 --json $D/lfps.jsonl > /dev/null 2>&1; echo "lfps rc=$?"
 grep -o '"ms_per_token_step":[0-9.]*\|"cost_cpu_gbps[a-z_]*":[0-9.e+-]*' $D/lfps.jsonl
 $E --modes kvpop_bank,psaw+kvpop_bank,xl+kvpop_bank,full_streaming,dense_cpu --contexts 32768 --batches 16 \
