@@ -478,15 +478,13 @@ Status RuntimeImpl::CollectCpuPart() {
 }
 
 Status RuntimeImpl::RollBackCpuPart(const CpuPartJob& job, Status failure) {
-  const int layers = config_.model.num_layers;
-  // The hand-over counted the layer as done (a planned layer stays run, as a failed one does).
-  for (const int slot : batch_slots_) --lengths_[static_cast<size_t>(slot) * layers + job.layer];
+  // The hand-over counted the layer as done (CommitDecodeStep; a planned layer stays run, as a
+  // failed one does): the step's counters come back, then its token as any failed Decode's.
+  stats_.bytes_d2h -= job.batch * config_.model.num_kv_heads * 2 * static_cast<int64_t>(row_bytes_);
   stats_.decode_steps -= 1;
   stats_.decode_tokens -= job.batch;
   stats_.decode_planned -= job.planned ? 1 : 0;
-  Status restored = RestoreWindow(batch_slots_, job.layer, job.stream);
-  if (restored.ok() && job.bank) restored = ClearBankMisses(job.stream);
-  return WithRestore(std::move(failure), restored);
+  return RollBackDecode(batch_slots_, job.layer, job.stream, std::move(failure));
 }
 
 void RuntimeImpl::StopCpuThread() {

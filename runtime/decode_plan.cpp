@@ -857,11 +857,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     if (restored.ok() && a.bank.rows != nullptr) restored = ClearBankMisses(stream);
     return WithRestore(std::move(st), restored);
   }
-  if (planned) {
-    plan_.layer_run[layer] = 1;
-  } else {
-    for (int slot : slot_of) ++lengths_[static_cast<size_t>(slot) * layers + layer];
-  }
+  CommitDecodeStep(layer, planned);
   const int64_t hkv = m.num_kv_heads;
   if (!cpu_step_) Stage(stats_.ms_attend_gpu, "attend_gpu", t1);
   stats_.rows_resident += resident * hkv;
@@ -874,11 +870,21 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     bank_step_selected_ += selected * hkv;
   }
   stats_.bytes_h2d += fetched * hkv * 2 * static_cast<int64_t>(row_bytes_);
-  stats_.bytes_d2h += batch * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
+  return Status::Ok();
+}
+
+void RuntimeImpl::CommitDecodeStep(int layer, bool planned) {
+  const ModelShape& m = config_.model;
+  const int64_t batch = static_cast<int64_t>(batch_slots_.size());
+  if (planned) {
+    plan_.layer_run[layer] = 1;
+  } else {
+    for (int slot : batch_slots_) ++lengths_[static_cast<size_t>(slot) * m.num_layers + layer];
+  }
+  stats_.bytes_d2h += batch * m.num_kv_heads * 2 * static_cast<int64_t>(row_bytes_);  // write-through
   stats_.decode_steps += 1;
   stats_.decode_tokens += batch;
   stats_.decode_planned += planned ? 1 : 0;
-  return Status::Ok();
 }
 
 Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_deferred, int layer,
@@ -886,54 +892,30 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
                                           const TensorView& q_host, const TensorView& k_host,
                                           const TensorView& v_host, const TensorView& out,
                                           bool out_direct, StreamHandle stream) {
-  const bool bank = a.bank.rows != nullptr;
   const ModelShape& m = config_.model;
-  const int layers = m.num_layers;
-  const std::vector<int>& slot_of = batch_slots_;
-  const int64_t batch = static_cast<int64_t>(slot_of.size());
+  const int64_t batch = static_cast<int64_t>(batch_slots_.size());
   const int64_t rows = batch * m.num_q_heads;
   const bool host = device_->backend() == Backend::kHost;
-  // The last part's (o, lse) must have reached the device before this part rewrites them: the
-  // stream's order says so on the same stream (this layer's q, which the part waits for, follows
-  // that upload); on another, the host waits here, before the hand-over.
-  if (!host && cpu_last_stream_ != nullptr && stream != cpu_last_stream_ &&
-      !device_->EventDone(cpu_part_up_)) {
-    Status st = HostWaitEvent(cpu_part_up_);
-    if (!st.ok()) {
-      if (planned) {
-        plan_.layer_run[layer] = 1;
-        for (int slot : slot_of) --lengths_[static_cast<size_t>(slot) * layers + layer];
-      }
-      Status restored = RestoreWindow(slot_of, layer, stream);
-      if (restored.ok() && bank) restored = ClearBankMisses(stream);
-      return WithRestore(std::move(st), restored);
-    }
-  }
   // The step counted before the hand-over (the part then owns stats_ until it is collected);
-  // RollBackCpuPart takes it back on a failure.
-  if (planned) {
-    plan_.layer_run[layer] = 1;
-  } else {
-    for (int slot : slot_of) ++lengths_[static_cast<size_t>(slot) * layers + layer];
-  }
-  if (!host) {
-    stats_.bytes_h2d += rows * (m.head_dim + 1) * 4;
-    stats_.bytes_d2h += rows * m.head_dim * static_cast<int64_t>(DTypeSize(q_host.dtype));
-  }
-  stats_.bytes_d2h += batch * m.num_kv_heads * 2 * static_cast<int64_t>(row_bytes_);  // write-through
-  stats_.decode_steps += 1;
-  stats_.decode_tokens += batch;
-  stats_.decode_planned += planned ? 1 : 0;
+  // RollBackCpuPart takes it back on a failure. (A CPU step never has a token bank.)
+  CommitDecodeStep(layer, planned);
   CpuPartJob job;
   job.layer = layer;
   job.inputs_on_host = inputs_on_host;
-  job.bank = bank;
   job.stream = stream;
   job.q = q_host;
   job.k = k_host;
   job.v = v_host;
   job.batch = batch;
   job.planned = planned;
+  // The last part's (o, lse) must have reached the device before this part rewrites them: the
+  // stream's order says so on the same stream (this layer's q, which the part waits for, follows
+  // that upload); on another, the host waits here, before the hand-over.
+  if (!host && cpu_last_stream_ != nullptr && stream != cpu_last_stream_ &&
+      !device_->EventDone(cpu_part_up_)) {
+    Status st = HostWaitEvent(cpu_part_up_);
+    if (!st.ok()) return RollBackCpuPart(job, std::move(st));
+  }
   // A deferred scan that only extends the device's shadow (no item takes its ranking, so no
   // Select waits for it) goes first: the part then never meets it. Failing, nothing is handed
   // over and the count is taken back as a failed Decode would.
@@ -941,6 +923,10 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
     scan_deferred = false;
     Status st = EnqueueDeviceScan();
     if (!st.ok()) return RollBackCpuPart(job, std::move(st));
+  }
+  if (!host) {  // (o, lse) up, q down
+    stats_.bytes_h2d += rows * (m.head_dim + 1) * 4;
+    stats_.bytes_d2h += rows * m.head_dim * static_cast<int64_t>(DTypeSize(q_host.dtype));
   }
   job.ticket = ++cpu_ticket_;
   HandOverCpuPart(job);

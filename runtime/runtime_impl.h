@@ -613,7 +613,6 @@ class RuntimeImpl {
   struct CpuPartJob {
     int layer = 0;
     bool inputs_on_host = false;
-    bool bank = false;  // the step read the device bank (a failure clears its miss lists)
     StreamHandle stream = nullptr;
     TensorView q, k, v;  // on the host: q_raw_host_, or the caller's (host backend)
     int64_t batch = 0;
@@ -639,6 +638,9 @@ class RuntimeImpl {
   // Takes back a counted layer whose CPU part (or the enqueue after its hand-over) failed.
   Status RollBackCpuPart(const CpuPartJob& job, Status failure);
   void StopCpuThread();
+  // A layer of the step done: the planned layer marked run (or, self-planned, the token counted
+  // at the layer), the write-through and the step's counters in stats_.
+  void CommitDecodeStep(int layer, bool planned);
   // RunDecodeStep's end when the CPU part runs on cpu_thread_: counts the step, hands the part
   // over, then enqueues LFPS's deferred scan (\p scan_deferred), the step \p a over the resident
   // rows, the device's wait for the part, the upload and the merge.
