@@ -224,13 +224,17 @@ Status Engine::Forward(std::span<const int32_t> tokens, int64_t pos,
       }
       std::fill_n(q_.data() + f0 * q_dim, rows * q_dim, 0.0f);  // what the observer sees
     }
-    KVF_RETURN_IF_ERROR(LayerRows(l, 0, f0, pos, attns, decode));
     if (f1 > f0) {
+      KVF_RETURN_IF_ERROR(LayerRows(l, 0, f0, pos, attns, decode));
       for (size_t a = attns.size(); a-- > 0;) {
         KVF_RETURN_IF_ERROR(attns[a]->Append(l, f1 - f0, k_.data() + f0 * kv_dim, v_.data() + f0 * kv_dim));
       }
+      KVF_RETURN_IF_ERROR(LayerRows(l, f1, n, pos, attns, decode));
+    } else {
+      // Nothing frozen at this layer: the rows run as one pass, exactly as without ETF (split at
+      // the sinks, the matmuls' shapes differed, and with them oneDNN's summation order).
+      KVF_RETURN_IF_ERROR(LayerRows(l, 0, n, pos, attns, decode));
     }
-    KVF_RETURN_IF_ERROR(LayerRows(l, f1, n, pos, attns, decode));
     if (observer_) observer_(l, pos, n, q_.data(), k_.data(), v_.data());
     if (etf && etf_.copy_kv) {
       std::copy_n(k_.data(), n * kv_dim, prev_k_.data());

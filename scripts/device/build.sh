@@ -21,8 +21,13 @@ kvf_e2e() {
   [ $# -gt 0 ] && shift
   env "${envs[@]}" timeout 200 "$B/bench/kvferry-e2e" "$@" --json "$D/$name.jsonl" > "$D/$name.log" 2>&1
   echo "$name rc=$? $(grep -o '"mode":"[a-z_+]*"\|"context":[0-9]*\|"batch":[0-9]*\|"ms_per_token_step":[0-9.]*\|"ms_select_device_per_step":[0-9.e-]*\|"rows_bank_hit_per_step":[0-9.e+]*' "$D/$name.jsonl" | tr '\n' ' ')"
+  kvf_tag "$D/$name.jsonl" "$name" >> "$D/rows.jsonl"
+}
+
+# kvf_tag ROWS.jsonl NAME: the rows with "variant": NAME, to stdout.
+kvf_tag() {
   python3 -c "
 import json, sys
 for l in open(sys.argv[1]):
-    r = json.loads(l); r['variant'] = sys.argv[2]; print(json.dumps(r))" "$D/$name.jsonl" "$name" >> "$D/rows.jsonl"
+    r = json.loads(l); r['variant'] = sys.argv[2]; print(json.dumps(r))" "$1" "$2"
 }

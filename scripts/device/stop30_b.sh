@@ -21,9 +21,6 @@ point() {  # point NAME CONTEXT BATCH
 point 512k1 524288 1
 point 128k1 131072 1
 point 32k4 32768 4
-python3 -c "
-import json, sys
-for l in open(sys.argv[1]):
-    r = json.loads(l); r['variant'] = 'a_32k16'; print(json.dumps(r))" bench/results/stop30/s32k16.jsonl > $D/rows_32k16.jsonl
+kvf_tag bench/results/stop30/s32k16.jsonl a_32k16 > $D/rows_32k16.jsonl
 timeout 120 python3 scripts/device/e2e_sdpa.py $D/rows_32k16.jsonl $D/sdpa_32k16.json > $D/sdpa_32k16.log 2>&1; echo "sdpa 32k16 rc=$?"
 grep -o '"sdpa_ms_per_token_step": [0-9.]*' $D/sdpa_32k16.json | head -1
