@@ -315,6 +315,11 @@ struct DecodeStepArgs {
   /// After the scoring: positions [sink, floor(hide_fraction * n)) are dropped from each item's
   /// list and the list refilled (PrHS's depth window; base/psaw.h's PsawFilterList); 0: none.
   double hide_fraction = 0.0;
+  /// DecodeSelect keeps the scoring's device metadata current (SparCas's dimensions and compact
+  /// rows, Quest's page bounds) but ranks nothing and leaves list and list_count as they are, for a
+  /// caller that overwrites them (xl+'s copy of the previous layer's list). kExactTopK, kQuestPages
+  /// and kSparcas only (HiP's mask and KVpop's slots are state their selection advances).
+  bool select_skip_ranking = false;
   /// kQuestPages: the page bounds (see PageBoundsArgs) and tokens per page.
   /// kSparcas: item (slot, layer, h)'s compact keys (KV dtype) at element SparcasCompactOffset of
   /// meta, meta_pages positions of SparcasDimsOf elements each (row j holds key j's chosen

@@ -2274,6 +2274,10 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
     KVF_RETURN_IF_ERROR(LaunchKvpopSelect(a, info, stream));
     return LaunchPsawFilter(a, stream);
   }
+  KVF_CHECK_ARG(!a.select_skip_ranking || a.scoring == SelectScoring::kExactTopK ||
+                    a.scoring == SelectScoring::kQuestPages || a.scoring == SelectScoring::kSparcas,
+                "DecodeSelect: select_skip_ranking with scoring ", static_cast<int>(a.scoring));
+  if (a.select_skip_ranking && a.scoring == SelectScoring::kExactTopK) return Status::Ok();  // no metadata
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
   const size_t q_smem = static_cast<size_t>(a.params.group) * a.params.head_dim * sizeof(float);
   const int64_t fill = std::max<int64_t>(1, int64_t{info.num_sms} * 8 / items);
@@ -2288,6 +2292,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
       return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
         QuestAppendKernel<T><<<static_cast<unsigned>(items), 128, 0, stream>>>(a);
         KVF_CUDA_CHECK_LAUNCH(QuestAppendKernel);
+        if (a.select_skip_ranking) return Status::Ok();  // the page bounds are current
         if (q_smem > 48 * 1024) {
           KVF_CUDA_CHECK(cudaFuncSetAttribute(QuestScoreKernel<HD, T>,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -2299,6 +2304,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
         return Status::Ok();
       });
     }));
+    if (a.select_skip_ranking) return Status::Ok();
     KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream));
     return LaunchPsawFilter(a, stream);
   }
@@ -2353,6 +2359,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
         SparcasGatherKernel<T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, 0,
                                  stream>>>(a);
         KVF_CUDA_CHECK_LAUNCH(SparcasGatherKernel);
+        if (a.select_skip_ranking) return Status::Ok();  // the dimensions and rows are current
         if (dense_layer) {
           // Every dimension, as the oracle, but from the compact rows on the device (they hold
           // every dimension at these layers): at 128K the host store's keys took 5.4 ms a layer
@@ -2425,6 +2432,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
         return Status::Ok();
       });
     }));
+    if (a.select_skip_ranking) return Status::Ok();
     KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream, stats_parts));
     return LaunchPsawFilter(a, stream);
   }

@@ -397,6 +397,22 @@ int64_t RuntimeImpl::DeviceListRows(const ListRowsRule& rule, int64_t n, int64_t
          (n - s.off_hi);
 }
 
+bool RuntimeImpl::XlReusesPrevious(std::span<const int> slot_of, std::span<const int64_t> pos,
+                                   int layer) const {
+  if (scoring_ == SelectScoring::kNone || layer <= 0 || !policy_->device_reuses_previous_layer(layer)) {
+    return false;
+  }
+  const size_t prev = static_cast<size_t>(layer) - 1;
+  if (!std::equal(slot_of.begin(), slot_of.end(), list_slots_[prev].begin(), list_slots_[prev].end()) ||
+      list_n_[prev].size() != pos.size()) {
+    return false;
+  }
+  for (size_t b = 0; b < pos.size(); ++b) {
+    if (list_n_[prev][b] != pos[b] + 1) return false;
+  }
+  return true;
+}
+
 int64_t RuntimeImpl::SparcasKeyBytes(int64_t n, int layer, bool ranks) const {
   if (!ranks) return 0;
   const int32_t dims = SparcasDimsOf(layer, sparcas_dense_, sparcas_db_, config_.model.head_dim);
@@ -547,6 +563,11 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     const size_t lists = static_cast<size_t>(layer) * batch_cap * m.num_kv_heads;
     a.scoring = scoring_;
     if (scoring_ != SelectScoring::kNone) a.hide_fraction = policy_->device_hide_fraction(layer);
+    // xl+ takes the previous layer's list below: a scoring whose ranking advances no state then
+    // only keeps its metadata current (SparCas at 128K: about 85 us a layer not spent).
+    a.select_skip_ranking = XlReusesPrevious(slot_of, pos, layer) &&
+                            (scoring_ == SelectScoring::kExactTopK ||
+                             scoring_ == SelectScoring::kQuestPages || scoring_ == SelectScoring::kSparcas);
     a.list = step_list_ + lists * list_cap_;
     a.list_count = step_list_count_ + lists;
     a.list_cap = list_cap_;
@@ -635,7 +656,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       const int64_t count = DeviceListRows(list_rule, n, budget);
       max_rows = std::max(max_rows, count);
       selected += count;
-      key_bytes += SelectKeyBytes(n, budget, layer);
+      if (!a.select_skip_ranking) key_bytes += SelectKeyBytes(n, budget, layer);
       continue;
     }
     const StepRange r = SinksAndRecent(n, a.sink, budget);
@@ -713,24 +734,17 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       }
     }
     // Cross-layer sharing (xl+): the previous layer's list replaces this one's when the same
-    // sequences selected there at the same length (this step's layer before). The selection ran
-    // all the same, so that the inner policy's device metadata (page bounds, compact keys) stays
-    // what it would be without the wrapper.
-    const size_t prev = static_cast<size_t>(layer) - 1;
-    if (st.ok() && layer > 0 && policy_->device_reuses_previous_layer(layer) &&
-        std::equal(slot_of.begin(), slot_of.end(), list_slots_[prev].begin(),
-                   list_slots_[prev].end())) {
-      bool same_n = list_n_[prev].size() == static_cast<size_t>(batch);
-      for (int64_t b = 0; same_n && b < batch; ++b) same_n = list_n_[prev][b] == pos[b] + 1;
-      if (same_n) {
-        const int64_t region = static_cast<int64_t>(batch_cap) * m.num_kv_heads;
-        const int64_t items = batch * m.num_kv_heads;
-        st = device_->CopyAsync(a.list, a.list - region * list_cap_,
-                                static_cast<size_t>(items * list_cap_) * sizeof(int32_t), stream);
-        if (st.ok()) {
-          st = device_->CopyAsync(a.list_count, a.list_count - region,
-                                  static_cast<size_t>(items) * sizeof(int32_t), stream);
-        }
+    // sequences selected there at the same length (this step's layer before). The selection kept
+    // the inner policy's device metadata (page bounds, compact keys) what it would be without the
+    // wrapper; it ranked only where that advances the policy's state (HiP, KVpop).
+    if (st.ok() && XlReusesPrevious(slot_of, pos, layer)) {
+      const int64_t region = static_cast<int64_t>(batch_cap) * m.num_kv_heads;
+      const int64_t items = batch * m.num_kv_heads;
+      st = device_->CopyAsync(a.list, a.list - region * list_cap_,
+                              static_cast<size_t>(items * list_cap_) * sizeof(int32_t), stream);
+      if (st.ok()) {
+        st = device_->CopyAsync(a.list_count, a.list_count - region,
+                                static_cast<size_t>(items) * sizeof(int32_t), stream);
       }
     }
     list_slots_[layer].assign(slot_of.begin(), slot_of.end());

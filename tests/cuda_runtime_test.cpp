@@ -316,8 +316,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"psaw+oracle", Route::kGpu, 0, "vector"},
                       Case{"psaw+quest", Route::kGpu, 64, "vector"},
                       Case{"psaw+sparcas", Route::kGpu, 0, "vector", true},
-                      // Cross-layer sharing around them: the device copies layer 0's list.
+                      // Cross-layer sharing around them: the device copies layer 0's list
+                      // (and at layer 1 keeps quest's bounds and sparcas's compact rows current
+                      // without ranking: select_skip_ranking).
                       Case{"xl+quest", Route::kGpu, 64, "vector"},
+                      Case{"xl+sparcas", Route::kGpu, 64, "vector", true},
+                      Case{"xl+oracle", Route::kGpu, 0, "vector"},
                       Case{"xl+psaw+oracle", Route::kGpu, 0, "vector"}),
     [](const auto& info) {
       const Case& c = info.param;

@@ -747,6 +747,43 @@ TEST(PlannedStep, SelectKeyBytesAreWhatTheDeviceSelectionReads) {
   EXPECT_EQ(got["oracle"], 8 * got["sparcas"]);
 }
 
+// xl+ (start 0.5 of 2 layers): layer 1 takes layer 0's list, so its device selection ranks
+// nothing (DecodeStepArgs::select_skip_ranking, only quest's bounds and sparcas's compact rows kept
+// current): a step reads layer 0's keys only, half of what the plain policy reads. Outputs and
+// selections are the plain policy's at layer 0 and layer 0's at layer 1 (DeviceSelected checks
+// them against the host wrapper).
+TEST(PlannedStep, XlSharingLayersRankNothing) {
+  for (const std::string inner : {"oracle", "quest", "sparcas"}) {
+    int64_t bytes[2] = {0, 0};
+    std::vector<int32_t> sel[2][2];  // [wrapped][layer]
+    for (int w = 0; w < 2; ++w) {
+      RuntimeConfig c = PlanConfig(w == 1 ? "xl+" + inner : inner, 2);
+      c.policy.budget_tokens = 24;
+      if (inner == "sparcas") c.policy.params["dense_layers"] = 0;
+      auto rt = Make(c);
+      ASSERT_TRUE(rt) << c.policy.name;
+      Feeder f(c, 5);
+      ASSERT_TRUE(rt->AddSequence(2).ok());
+      f.Prefill({rt.get()}, 2, 200);
+      const int64_t before = rt->GetStats().select_key_bytes;
+      Feeder::Step st = f.Make(1);
+      std::vector<float> out;
+      for (int layer = 0; layer < 2; ++layer) {
+        ASSERT_TRUE(f.Decode(*rt, {2}, layer, st, out).ok()) << c.policy.name << " layer " << layer;
+        auto got = rt->LastSelection(2, layer, 0);
+        ASSERT_TRUE(got.ok());
+        sel[w][layer] = got.value();
+      }
+      bytes[w] = rt->GetStats().select_key_bytes - before;
+    }
+    EXPECT_GT(bytes[0], 0) << inner;
+    EXPECT_EQ(2 * bytes[1], bytes[0]) << inner;
+    EXPECT_EQ(sel[1][0], sel[0][0]) << inner;
+    EXPECT_EQ(sel[1][1], sel[1][0]) << inner;
+    EXPECT_EQ(static_cast<int64_t>(sel[1][1].size()), 24) << inner;
+  }
+}
+
 TEST(PlannedStep, TimeDeviceSelectTimesOnlyDeviceSelections) {
   // Off at Create: nothing timed. On: every Decode of a device-selecting policy adds its
   // selection's time, a host-selecting one adds none; ResetStats clears it; off stops it.
