@@ -313,11 +313,11 @@ class RuntimeImpl {
   };
   ListRowsRule DeviceListRowsRule(int layer) const;
   int64_t DeviceListRows(const ListRowsRule& rule, int64_t n, int64_t budget) const;
-  // SparCas's compact rows [0, n) at \p layer (kSparcas, and kHip's dense layers); 0 unless ranks.
   // xl+: whether this layer's device list is the previous layer's of this step (the same
   // sequences selected there at the same length).
   [[nodiscard]] bool XlReusesPrevious(std::span<const int> slot_of, std::span<const int64_t> pos,
                                       int layer) const;
+  // SparCas's compact rows [0, n) at \p layer (kSparcas, and kHip's dense layers); 0 unless ranks.
   int64_t SparcasKeyBytes(int64_t n, int layer, bool ranks) const;
   // The run: one layer of the step on the device.
   Status RunDecodeStep(std::span<const SequenceId> seqs, int layer, const TensorView& q,
