@@ -318,7 +318,9 @@ struct DecodeStepArgs {
   /// DecodeSelect keeps the scoring's device metadata current (SparCas's dimensions and compact
   /// rows, Quest's page bounds) but ranks nothing and leaves list and list_count as they are, for a
   /// caller that overwrites them (xl+'s copy of the previous layer's list). kExactTopK, kQuestPages
-  /// and kSparcas only (HiP's mask and KVpop's slots are state their selection advances).
+  /// and kSparcas only (HiP's mask and KVpop's slots are state their selection advances). The
+  /// CUDA kernels honour it; the host backend's reference (cpu::DecodeSelect) still ranks, and its
+  /// list is overwritten the same way, so the two backends' lists and outputs stay equal.
   bool select_skip_ranking = false;
   /// kQuestPages: the page bounds (see PageBoundsArgs) and tokens per page.
   /// kSparcas: item (slot, layer, h)'s compact keys (KV dtype) at element SparcasCompactOffset of

@@ -559,13 +559,15 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   a.counters = step_counters_;
   // The host writes the new token's store rows before its Select reads them (SelectOnHost).
   a.host_writes_store = host_lists_;
+  bool xl_reuse = false;  // xl+: this layer's list is the previous layer's (copied below)
   if (scoring_ != SelectScoring::kNone || host_lists_) {
     const size_t lists = static_cast<size_t>(layer) * batch_cap * m.num_kv_heads;
     a.scoring = scoring_;
     if (scoring_ != SelectScoring::kNone) a.hide_fraction = policy_->device_hide_fraction(layer);
     // xl+ takes the previous layer's list below: a scoring whose ranking advances no state then
     // only keeps its metadata current (SparCas at 128K: about 85 us a layer not spent).
-    a.select_skip_ranking = XlReusesPrevious(slot_of, pos, layer) &&
+    xl_reuse = XlReusesPrevious(slot_of, pos, layer);
+    a.select_skip_ranking = xl_reuse &&
                             (scoring_ == SelectScoring::kExactTopK ||
                              scoring_ == SelectScoring::kQuestPages || scoring_ == SelectScoring::kSparcas);
     a.list = step_list_ + lists * list_cap_;
@@ -737,7 +739,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     // sequences selected there at the same length (this step's layer before). The selection kept
     // the inner policy's device metadata (page bounds, compact keys) what it would be without the
     // wrapper; it ranked only where that advances the policy's state (HiP, KVpop).
-    if (st.ok() && XlReusesPrevious(slot_of, pos, layer)) {
+    if (st.ok() && xl_reuse) {
       const int64_t region = static_cast<int64_t>(batch_cap) * m.num_kv_heads;
       const int64_t items = batch * m.num_kv_heads;
       st = device_->CopyAsync(a.list, a.list - region * list_cap_,
