@@ -533,7 +533,8 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   rt->ResetStats();
   for (int i = 0; i < o.steps; ++i) step_plain(graph_ok);
   CHECK_CUDA(cudaStreamSynchronize(stream));
-  const double ms_select_device = rt->GetStats().ms_select_device / o.steps;
+  const Stats st_timed = rt->GetStats();
+  const double ms_select_device = st_timed.ms_select_device / o.steps;
   Check(rt->TimeDeviceSelect(false), "TimeDeviceSelect");
   const double steps = o.steps;
   const double ms = graph_ok ? ms_graph : ms_plain;
@@ -558,6 +559,13 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
       << ",\"lfps_scans_device_per_step\":" << sp.lfps_scans_device / steps
       << ",\"lfps_scans_device_short_per_step\":" << sp.lfps_scans_device_short / steps
       << ",\"ms_select_device_per_step\":" << ms_select_device
+      // The same calls' step (attention) time, and the cost model's device rates (probed at
+      // Create) beside the ones these timed calls measured.
+      << ",\"ms_attend_device_per_step\":" << st_timed.ms_attend_device / o.steps
+      << ",\"cost_hbm_gbps\":" << st_timed.cost_hbm_gbps << ",\"cost_h2d_gbps\":" << st_timed.cost_h2d_gbps
+      << ",\"cost_pcie_gbps\":" << st_timed.cost_pcie_gbps
+      << ",\"cost_select_gbps_measured\":" << st_timed.cost_select_gbps_measured
+      << ",\"cost_attend_gbps_measured\":" << st_timed.cost_attend_gbps_measured
       << ",\"select_key_bytes_per_step\":" << sp.select_key_bytes / steps
       << ",\"stages_ms_per_step\":{"
       << "\"append\":" << sp.ms_append / steps << ",\"select\":" << sp.ms_select / steps

@@ -111,13 +111,16 @@ std::string Stats::ToJson() const {
      << ",\"lfps_scans_device_short\":" << lfps_scans_device_short
      << ",\"select_key_bytes\":" << select_key_bytes
      << ",\"ms_append\":" << ms_append << ",\"ms_select\":" << ms_select
-     << ",\"ms_select_device\":" << ms_select_device
+     << ",\"ms_select_device\":" << ms_select_device << ",\"ms_attend_device\":" << ms_attend_device
      << ",\"ms_resolve\":" << ms_resolve << ",\"ms_attend_gpu\":" << ms_attend_gpu
      << ",\"ms_attend_cpu\":" << ms_attend_cpu << ",\"ms_merge\":" << ms_merge << ",\"ms_admit\":" << ms_admit
      << ",\"ms_prefill\":" << ms_prefill << ",\"ms_prime\":" << ms_prime
      << ",\"cost_pcie_gbps\":" << cost_pcie_gbps
      << ",\"cost_cpu_gbps\":" << cost_cpu_gbps << ",\"ms_cpu_attend_busy\":" << ms_cpu_attend_busy
      << ",\"cost_cpu_gbps_measured\":" << cost_cpu_gbps_measured
+     << ",\"cost_h2d_gbps\":" << cost_h2d_gbps << ",\"cost_hbm_gbps\":" << cost_hbm_gbps
+     << ",\"cost_select_gbps_measured\":" << cost_select_gbps_measured
+     << ",\"cost_attend_gbps_measured\":" << cost_attend_gbps_measured
      << ",\"host_bytes_reserved\":" << host_bytes_reserved
      << ",\"device_bytes_reserved\":" << device_bytes_reserved << "}";
   return os.str();

@@ -488,12 +488,15 @@ Status RuntimeImpl::ProbeCosts() {
   }
   const double bytes = static_cast<double>(threads * per_item) * 2.0 * static_cast<double>(row_bytes_);
   cost_.cpu_gbps = std::max(0.1, bytes / best * 1e-9);
-  // GPU route: the zero-copy gather rate of host rows, measured on the device.
+  // GPU route: the zero-copy gather rate of host rows, measured on the device, with the link's
+  // contiguous H2D rate and the device memory's rate (Stats::cost_h2d_gbps, cost_hbm_gbps).
   if (device_->backend() == Backend::kCuda) {
     Result<std::unique_ptr<TransferEngine>> te = TransferEngine::Create(device_.get(), 1 << 16);
     if (te.ok()) {
       Result<TransferProbe> probe = te.value()->Probe(size_t{32} << 20, static_cast<int>(row_bytes_));
       if (probe.ok() && probe->zero_copy_gather_gbps > 0) cost_.pcie_gbps = probe->zero_copy_gather_gbps;
+      if (probe.ok() && probe->h2d_gbps > 0) cost_.h2d_gbps = probe->h2d_gbps;
+      if (probe.ok() && probe->d2d_gbps > 0) cost_.hbm_gbps = probe->d2d_gbps;
     }
   }
   return Status::Ok();
@@ -1588,7 +1591,18 @@ Stats RuntimeImpl::stats() const {
   s.lfps_scans_device = pc.scans_device - policy_counters_at_reset_.scans_device;
   s.lfps_scans_device_short = pc.scans_device_short - policy_counters_at_reset_.scans_device_short;
   // Selections timed but not yet read back (their pairs stay pending: stats_ adds them later).
-  for (const SelectTiming& t : select_timing_) s.ms_select_device += SelectTimingMs(t);
+  for (const SelectTiming& t : select_timing_.pairs) s.ms_select_device += SelectTimingMs(t);
+  for (const SelectTiming& t : attend_timing_.pairs) s.ms_attend_device += SelectTimingMs(t);
+  s.cost_h2d_gbps = cost_.h2d_gbps;
+  s.cost_hbm_gbps = cost_.hbm_gbps;
+  // The device's rates as the timed calls measured them, beside the model's (cost_hbm_gbps,
+  // cost_pcie_gbps): key bytes a device selection read, K/V bytes a step attended.
+  if (s.ms_select_device > 0 && timed_select_key_bytes_ > 0) {
+    s.cost_select_gbps_measured = static_cast<double>(timed_select_key_bytes_) / (s.ms_select_device * 1e-3) * 1e-9;
+  }
+  if (s.ms_attend_device > 0 && timed_attend_bytes_ > 0) {
+    s.cost_attend_gbps_measured = static_cast<double>(timed_attend_bytes_) / (s.ms_attend_device * 1e-3) * 1e-9;
+  }
   if (step_bank_ != nullptr) {
     // The device bank's counters (a read-back that waits for the device). Its misses are the rows
     // the step read from the host store.

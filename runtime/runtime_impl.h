@@ -182,7 +182,11 @@ class RuntimeImpl {
       if (t.ok()) bank_totals_at_reset_ = t.value();
     }
     if (policy_ != nullptr) policy_counters_at_reset_ = policy_->counters();
-    for (SelectTiming& t : select_timing_) t.pending = false;
+    for (TimingRing* r : {&select_timing_, &attend_timing_}) {
+      for (SelectTiming& t : r->pairs) t.pending = false;
+    }
+    timed_select_key_bytes_ = 0;
+    timed_attend_bytes_ = 0;
   }
   const RuntimeConfig& config() const { return config_; }
   const DeviceMemoryPlan& device_memory() const { return device_plan_; }
@@ -598,11 +602,21 @@ class RuntimeImpl {
     EventHandle start = nullptr, end = nullptr;
     bool pending = false;
   };
+  // The same rings time the device step's attention (Stats::ms_attend_device): the planned
+  // step of a policy whose rows are all attended on the device (neither a CPU step nor host
+  // lists).
+  struct TimingRing {
+    std::vector<SelectTiming> pairs;  // [layer][kSelectTimingRing], created when turned on
+    std::vector<int> next;            // per layer: the pair it takes next
+  };
   bool time_select_ = false;
-  std::vector<SelectTiming> select_timing_;  // [layer][kSelectTimingRing], created when turned on
-  std::vector<int> select_timing_next_;      // per layer: the pair it takes next
-  // The layer's next pair, its previous time added to stats_ first.
-  SelectTiming* NextSelectTiming(int layer);
+  TimingRing select_timing_, attend_timing_;
+  // What the timed calls read, for the measured rates in Stats: the selections' key bytes and
+  // the K/V bytes of the rows the timed steps attended (counted when their pair is recorded).
+  int64_t timed_select_key_bytes_ = 0;
+  int64_t timed_attend_bytes_ = 0;
+  // The layer's next pair of \p ring, its previous time added to \p ms first.
+  SelectTiming* NextTiming(TimingRing& ring, int layer, double& ms);
   // The time of a pending pair (0 when not pending or not readable).
   double SelectTimingMs(const SelectTiming& t) const;
   void DestroySelectTiming();

@@ -16,6 +16,10 @@ namespace kvferry {
 struct CostModel {
   double pcie_gbps = 52.0;  ///< zero-copy gather rate of host rows into the GPU
   double cpu_gbps = 20.0;   ///< CPU sparse-attention rate over host rows (all pool threads)
+  double h2d_gbps = 52.0;   ///< contiguous copies of pinned host memory to the GPU
+  /// Device-memory rate (a device-to-device copy, read plus write): the rate a device selection
+  /// reads its keys at and the GPU route attends resident and bank rows at, in the model.
+  double hbm_gbps = 3000.0;
 };
 
 /// Rows of \p misses to attend on the CPU so both branches finish together: the GPU branch moves

@@ -426,6 +426,84 @@ TEST(CostModel, StatsCarryTheCpuRateTheStepsMeasured) {
   }
 }
 
+// The cost model's device rates checked against the timed calls (Runtime::TimeDeviceSelect):
+// ms_attend_device times the step wherever the device attends every selected row (the device
+// selections and streaming), not a CPU-placed step (lfps); cost_select_gbps_measured is the key
+// bytes of the timed selections over ms_select_device, cost_attend_gbps_measured the K/V bytes
+// of the rows the timed steps attended over ms_attend_device; the probed rates are the model's
+// defaults without the probe; off, or after ResetStats, nothing is timed.
+TEST(CostModel, StatsCarryTheDeviceRatesTheTimedCallsMeasured) {
+  for (const char* policy : {"quest", "sparcas", "oracle", "streaming", "lfps"}) {
+    SCOPED_TRACE(policy);
+    const bool device_selects = std::string(policy) != "streaming" && std::string(policy) != "lfps";
+    const bool device_attends = std::string(policy) != "lfps";
+    RuntimeConfig c = PlanConfig(policy, 2);
+    auto rt = Make(c);
+    ASSERT_TRUE(rt);
+    Feeder f(c, 43);
+    const std::vector<SequenceId> two = {1, 2};
+    for (SequenceId s : two) ASSERT_TRUE(rt->AddSequence(s).ok());
+    f.Prefill({rt.get()}, 1, 170);
+    f.Prefill({rt.get()}, 2, 60);
+    auto steps = [&](int n) {
+      for (int t = 0; t < n; ++t) {
+        ASSERT_TRUE(rt->PlanDecode(two).ok());
+        for (int l = 0; l < c.model.num_layers; ++l) {
+          Feeder::Step in = f.Make(2);
+          std::vector<float> out;
+          ASSERT_TRUE(f.Decode(*rt, two, l, in, out).ok());
+        }
+      }
+    };
+    steps(1);
+    Stats s = rt->GetStats();
+    EXPECT_EQ(s.ms_attend_device, 0.0);
+    EXPECT_EQ(s.cost_attend_gbps_measured, 0.0);
+    EXPECT_EQ(s.cost_hbm_gbps, 3000.0);  // CostModel's defaults (no probe)
+    EXPECT_EQ(s.cost_h2d_gbps, 52.0);
+    ASSERT_TRUE(rt->TimeDeviceSelect(true).ok());
+    rt->ResetStats();
+    steps(6);  // more than the rings' 4 pairs a layer: read-back times and pending ones both count
+    s = rt->GetStats();
+    ASSERT_GT(s.rows_selected, 0);
+    if (device_attends) {
+      ASSERT_GT(s.ms_attend_device, 0.0);
+      const double bytes = static_cast<double>(s.rows_selected) * 2 * c.model.head_dim * 2;  // bf16 K, V
+      EXPECT_NEAR(s.cost_attend_gbps_measured, bytes / (s.ms_attend_device * 1e-3) * 1e-9,
+                  1e-9 * s.cost_attend_gbps_measured);
+      EXPECT_GT(s.cost_attend_gbps_measured, 0.0);
+    } else {
+      EXPECT_EQ(s.ms_attend_device, 0.0);
+      EXPECT_EQ(s.cost_attend_gbps_measured, 0.0);
+    }
+    if (device_selects) {
+      ASSERT_GT(s.ms_select_device, 0.0);
+      ASSERT_GT(s.select_key_bytes, 0);
+      EXPECT_NEAR(s.cost_select_gbps_measured,
+                  static_cast<double>(s.select_key_bytes) / (s.ms_select_device * 1e-3) * 1e-9,
+                  1e-9 * s.cost_select_gbps_measured);
+    } else {
+      EXPECT_EQ(s.cost_select_gbps_measured, 0.0);
+    }
+    const std::string json = s.ToJson();
+    for (const char* key : {"\"ms_attend_device\":", "\"cost_hbm_gbps\":", "\"cost_h2d_gbps\":",
+                            "\"cost_select_gbps_measured\":", "\"cost_attend_gbps_measured\":"}) {
+      EXPECT_NE(json.find(key), std::string::npos) << key;
+    }
+    rt->ResetStats();
+    s = rt->GetStats();
+    EXPECT_EQ(s.ms_attend_device, 0.0);
+    EXPECT_EQ(s.cost_select_gbps_measured, 0.0);
+    EXPECT_EQ(s.cost_attend_gbps_measured, 0.0);
+    ASSERT_TRUE(rt->TimeDeviceSelect(false).ok());
+    steps(1);
+    s = rt->GetStats();
+    EXPECT_EQ(s.ms_attend_device, 0.0);
+    EXPECT_EQ(s.ms_select_device, 0.0);
+    EXPECT_EQ(s.cost_attend_gbps_measured, 0.0);
+  }
+}
+
 class DeviceSelected : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(DeviceSelected, EqualsTheHostPolicy) {

@@ -178,7 +178,10 @@ class Runtime {
   void ResetStats();
   /// While on, every eager planned Decode of a policy that selects on the device times its
   /// selection into Stats::ms_select_device (CUDA: two timing events a layer on the stream, read
-  /// back a few steps later, without a host wait on the step's path). For measuring; off at Create.
+  /// back a few steps later, without a host wait on the step's path), and every planned Decode
+  /// that attends all its rows on the device times that step into Stats::ms_attend_device. Stats
+  /// then sets cost_select_gbps_measured and cost_attend_gbps_measured, the checks of the cost
+  /// model's probed rates. For measuring; off at Create.
   Status TimeDeviceSelect(bool on);
   /// The configuration, as given to Create except Tiers::bank_slots = -1, replaced by the slots
   /// chosen.

@@ -67,6 +67,10 @@ struct Stats {
   /// (timing events: the device's clock on CUDA, the host's on the host backend, where the
   /// selection runs inside the call). Captured Decodes, and graph replays, are not timed.
   double ms_select_device = 0;
+  /// The device step's own time over the selected rows, timed as ms_select_device (same switch):
+  /// per planned Decode whose rows are all attended on the device (not a CPU-placed policy's
+  /// step, not host lists), from before the step's launch to after it.
+  double ms_attend_device = 0;
   /// The policy learning from the prompt (LFPS's tables), from the kept queries' upload (or the
   /// device's priming statistics) to the end of the policy's update; part of the first Decode
   /// after a prompt (part of ms_prefill with KVFERRY_PRIME_EAGER=1), see Runtime::Prefill.
@@ -81,6 +85,16 @@ struct Stats {
   /// rows_cpu over ms_cpu_attend_busy, times the pool's threads (the rate the pool reaches with
   /// every thread attending as the steps' kernels did). 0 before any CPU attention.
   double cost_cpu_gbps_measured = 0;
+  double cost_h2d_gbps = 0;  ///< contiguous pinned-host to device copies GB/s (probed on CUDA)
+  /// Device-memory rate (a device-to-device copy, read plus write; probed on CUDA): the model's
+  /// rate for a device selection's key reads and for attending resident and bank rows.
+  double cost_hbm_gbps = 0;
+  /// The checks of cost_hbm_gbps against the timed calls (Runtime::TimeDeviceSelect), 0 until
+  /// something is timed: the key bytes the timed selections read (select_key_bytes' count) over
+  /// ms_select_device, and the K and V bytes of the rows the timed steps attended over
+  /// ms_attend_device (bank misses among them crossed PCIe, at cost_pcie_gbps in the model).
+  double cost_select_gbps_measured = 0;
+  double cost_attend_gbps_measured = 0;
 
   int64_t host_bytes_reserved = 0;  ///< host-store bytes held now
   /// Device bytes held now, by the device's own count: Runtime::device_memory's total from Create

@@ -246,6 +246,7 @@ nb::dict StatsDict(const Stats& s) {
   KVF_STAT(ms_append);
   KVF_STAT(ms_select);
   KVF_STAT(ms_select_device);
+  KVF_STAT(ms_attend_device);
   KVF_STAT(ms_resolve);
   KVF_STAT(ms_attend_gpu);
   KVF_STAT(ms_attend_cpu);
@@ -256,6 +257,10 @@ nb::dict StatsDict(const Stats& s) {
   KVF_STAT(cost_cpu_gbps);
   KVF_STAT(ms_cpu_attend_busy);
   KVF_STAT(cost_cpu_gbps_measured);
+  KVF_STAT(cost_h2d_gbps);
+  KVF_STAT(cost_hbm_gbps);
+  KVF_STAT(cost_select_gbps_measured);
+  KVF_STAT(cost_attend_gbps_measured);
   KVF_STAT(host_bytes_reserved);
   KVF_STAT(device_bytes_reserved);
 #undef KVF_STAT
