@@ -336,12 +336,12 @@ Status RuntimeImpl::PlanDecode(std::span<const SequenceId> seqs, StreamHandle st
 Status RuntimeImpl::TimeDeviceSelect(bool on) {
   if (on && select_timing_.pairs.empty()) {
     for (TimingRing* r : {&select_timing_, &attend_timing_}) {
-      r->pairs.resize(static_cast<size_t>(config_.model.num_layers) * kSelectTimingRing);
-      for (SelectTiming& t : r->pairs) {
+      r->pairs.resize(static_cast<size_t>(config_.model.num_layers) * kTimingRing);
+      for (TimingPair& t : r->pairs) {
         for (EventHandle* e : {&t.start, &t.end}) {
           Result<EventHandle> made = device_->CreateTimingEvent();
           if (!made.ok()) {
-            DestroySelectTiming();
+            DestroyTimings();
             return made.status();
           }
           *e = made.value();
@@ -354,9 +354,9 @@ Status RuntimeImpl::TimeDeviceSelect(bool on) {
   return Status::Ok();
 }
 
-void RuntimeImpl::DestroySelectTiming() {
+void RuntimeImpl::DestroyTimings() {
   for (TimingRing* r : {&select_timing_, &attend_timing_}) {
-    for (const SelectTiming& t : r->pairs) {
+    for (const TimingPair& t : r->pairs) {
       if (t.start != nullptr) device_->DestroyEvent(t.start);
       if (t.end != nullptr) device_->DestroyEvent(t.end);
     }
@@ -364,18 +364,18 @@ void RuntimeImpl::DestroySelectTiming() {
   }
 }
 
-double RuntimeImpl::SelectTimingMs(const SelectTiming& t) const {
+double RuntimeImpl::TimingMs(const TimingPair& t) const {
   // A measurement aid never fails a call: a time that cannot be read is left out.
   if (!t.pending || !device_->SynchronizeEvent(t.end).ok()) return 0.0;
   const Result<double> ms = device_->ElapsedMs(t.start, t.end);
   return ms.ok() ? ms.value() : 0.0;
 }
 
-RuntimeImpl::SelectTiming* RuntimeImpl::NextTiming(TimingRing& ring, int layer, double& ms) {
+RuntimeImpl::TimingPair* RuntimeImpl::NextTiming(TimingRing& ring, int layer, double& ms) {
   int& next = ring.next[static_cast<size_t>(layer)];
-  SelectTiming& t = ring.pairs[static_cast<size_t>(layer) * kSelectTimingRing + next];
-  next = (next + 1) % kSelectTimingRing;
-  ms += SelectTimingMs(t);  // recorded a few steps back, so done
+  TimingPair& t = ring.pairs[static_cast<size_t>(layer) * kTimingRing + next];
+  next = (next + 1) % kTimingRing;
+  ms += TimingMs(t);  // recorded a few steps back, so done
   t.pending = false;
   return &t;
 }
@@ -677,7 +677,6 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
 
   const auto t1 = Clock::now();
   Status st = Status::Ok();
-  bool select_timed = false, attend_timed = false;  // Runtime::TimeDeviceSelect's pairs recorded
   // A CPU-placed policy: q, k and v go to the host ahead of the step's kernels, so that the
   // host's selection runs while the device attends the resident rows.
   TensorView q_host = q, k_host = k, v_host = v;
@@ -720,17 +719,9 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   }
   if (st.ok() && scoring_ != SelectScoring::kNone) {
     // Runtime::TimeDeviceSelect: timing events around the launches (not while capturing).
-    SelectTiming* timing = nullptr;
-    if (time_select_ && !capturing) {
-      timing = NextTiming(select_timing_, layer, stats_.ms_select_device);
-      st = device_->RecordEvent(timing->start, stream);
-    }
-    if (st.ok()) st = device_->DecodeSelect(a, stream);
-    if (st.ok() && timing != nullptr) {
-      st = device_->RecordEvent(timing->end, stream);
-      timing->pending = st.ok();
-      select_timed = st.ok();
-    }
+    st = TimedLaunch(time_select_ && !capturing, select_timing_, layer, stats_.ms_select_device,
+                     key_bytes * m.num_kv_heads, timed_select_key_bytes_, stream,
+                     [&] { return device_->DecodeSelect(a, stream); });
     // HiP with lag: the rebuilds this selection requested run beside the rest of the step.
     if (st.ok() && hip_stream_ != nullptr && layer >= HipDense()) {
       st = device_->RecordEvent(hip_fork_, stream);
@@ -780,16 +771,10 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   }
   // Runtime::TimeDeviceSelect also times the step's attention where the device attends every
   // selected row (not a CPU step, whose device part is the resident rows; not host lists).
-  SelectTiming* attend_timing = nullptr;
-  if (st.ok() && time_select_ && !capturing && !cpu_step_ && !host_lists_) {
-    attend_timing = NextTiming(attend_timing_, layer, stats_.ms_attend_device);
-    st = device_->RecordEvent(attend_timing->start, stream);
-  }
-  if (st.ok() && !beside && !async_part) st = device_->DecodeStep(a, stream);
-  if (st.ok() && attend_timing != nullptr) {
-    st = device_->RecordEvent(attend_timing->end, stream);
-    attend_timing->pending = st.ok();
-    attend_timed = st.ok();
+  if (st.ok() && !beside && !async_part) {
+    st = TimedLaunch(time_select_ && !capturing && !cpu_step_ && !host_lists_, attend_timing_, layer,
+                     stats_.ms_attend_device, selected * m.num_kv_heads * 2 * static_cast<int64_t>(row_bytes_),
+                     timed_attend_bytes_, stream, [&] { return device_->DecodeStep(a, stream); });
   }
   // The bank admits the layer's misses right after the step that read them: beside the next
   // layer's work on admit_stream_ (two regions), else on the caller's stream.
@@ -898,8 +883,6 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   stats_.rows_fetched += fetched * hkv;
   stats_.rows_selected += selected * hkv;
   stats_.select_key_bytes += key_bytes * hkv;
-  if (select_timed) timed_select_key_bytes_ += key_bytes * hkv;
-  if (attend_timed) timed_attend_bytes_ += selected * hkv * 2 * static_cast<int64_t>(row_bytes_);
   // A device selection read through the device bank: its rows split into resident, bank hits and
   // misses on the device; Stats takes the resident share from the bank's counters.
   if (a.bank.rows != nullptr && scoring_ != SelectScoring::kNone) {

@@ -107,7 +107,7 @@ RuntimeImpl::~RuntimeImpl() {
   for (EventHandle e : list_up_) {
     if (e != nullptr) device_->DestroyEvent(e);
   }
-  DestroySelectTiming();
+  DestroyTimings();
   for (EventHandle e : {q_ready_, cpu_part_up_, scan_ready_, prefill_items_done_[0],
                         prefill_items_done_[1]}) {
     if (e != nullptr) device_->DestroyEvent(e);
@@ -1591,18 +1591,15 @@ Stats RuntimeImpl::stats() const {
   s.lfps_scans_device = pc.scans_device - policy_counters_at_reset_.scans_device;
   s.lfps_scans_device_short = pc.scans_device_short - policy_counters_at_reset_.scans_device_short;
   // Selections timed but not yet read back (their pairs stay pending: stats_ adds them later).
-  for (const SelectTiming& t : select_timing_.pairs) s.ms_select_device += SelectTimingMs(t);
-  for (const SelectTiming& t : attend_timing_.pairs) s.ms_attend_device += SelectTimingMs(t);
+  for (const TimingPair& t : select_timing_.pairs) s.ms_select_device += TimingMs(t);
+  for (const TimingPair& t : attend_timing_.pairs) s.ms_attend_device += TimingMs(t);
   s.cost_h2d_gbps = cost_.h2d_gbps;
   s.cost_hbm_gbps = cost_.hbm_gbps;
   // The device's rates as the timed calls measured them, beside the model's (cost_hbm_gbps,
   // cost_pcie_gbps): key bytes a device selection read, K/V bytes a step attended.
-  if (s.ms_select_device > 0 && timed_select_key_bytes_ > 0) {
-    s.cost_select_gbps_measured = static_cast<double>(timed_select_key_bytes_) / (s.ms_select_device * 1e-3) * 1e-9;
-  }
-  if (s.ms_attend_device > 0 && timed_attend_bytes_ > 0) {
-    s.cost_attend_gbps_measured = static_cast<double>(timed_attend_bytes_) / (s.ms_attend_device * 1e-3) * 1e-9;
-  }
+  const auto gbps = [](double bytes, double ms) { return ms > 0 && bytes > 0 ? bytes / (ms * 1e-3) * 1e-9 : 0.0; };
+  s.cost_select_gbps_measured = gbps(static_cast<double>(timed_select_key_bytes_), s.ms_select_device);
+  s.cost_attend_gbps_measured = gbps(static_cast<double>(timed_attend_bytes_), s.ms_attend_device);
   if (step_bank_ != nullptr) {
     // The device bank's counters (a read-back that waits for the device). Its misses are the rows
     // the step read from the host store.
@@ -1624,8 +1621,7 @@ Stats RuntimeImpl::stats() const {
   // The CPU route's rate as the steps measured it, beside the probed one.
   if (s.ms_cpu_attend_busy > 0 && s.rows_cpu > 0) {
     const double bytes = static_cast<double>(s.rows_cpu) * 2.0 * static_cast<double>(row_bytes_);
-    s.cost_cpu_gbps_measured =
-        bytes / (s.ms_cpu_attend_busy * 1e-3) * std::max(1, pool_->num_threads()) * 1e-9;
+    s.cost_cpu_gbps_measured = gbps(bytes, s.ms_cpu_attend_busy) * std::max(1, pool_->num_threads());
   }
   return s;
 }

@@ -183,7 +183,7 @@ class RuntimeImpl {
     }
     if (policy_ != nullptr) policy_counters_at_reset_ = policy_->counters();
     for (TimingRing* r : {&select_timing_, &attend_timing_}) {
-      for (SelectTiming& t : r->pairs) t.pending = false;
+      for (TimingPair& t : r->pairs) t.pending = false;
     }
     timed_select_key_bytes_ = 0;
     timed_attend_bytes_ = 0;
@@ -593,12 +593,12 @@ class RuntimeImpl {
   bool cpu_step_ = false;
   void* q_raw_host_ = nullptr;       // pinned: q, k, v of a step as the caller gave them
   EventHandle q_ready_ = nullptr;    // q_raw_host_ holds this call's q, k, v
-  // Runtime::TimeDeviceSelect: kSelectTimingRing (start, end) timing-event pairs a layer, used in
+  // Runtime::TimeDeviceSelect: kTimingRing (start, end) timing-event pairs a layer, used in
   // turn. A pair is pending from its end's record until its time is added to
   // stats_.ms_select_device, when the pair comes round again (stats() adds the pending ones to
   // its copy), so no step waits for its own selection.
-  static constexpr int kSelectTimingRing = 4;
-  struct SelectTiming {
+  static constexpr int kTimingRing = 4;
+  struct TimingPair {
     EventHandle start = nullptr, end = nullptr;
     bool pending = false;
   };
@@ -606,20 +606,34 @@ class RuntimeImpl {
   // step of a policy whose rows are all attended on the device (neither a CPU step nor host
   // lists).
   struct TimingRing {
-    std::vector<SelectTiming> pairs;  // [layer][kSelectTimingRing], created when turned on
+    std::vector<TimingPair> pairs;  // [layer][kTimingRing], created when turned on
     std::vector<int> next;            // per layer: the pair it takes next
   };
   bool time_select_ = false;
   TimingRing select_timing_, attend_timing_;
   // What the timed calls read, for the measured rates in Stats: the selections' key bytes and
-  // the K/V bytes of the rows the timed steps attended (counted when their pair is recorded).
+  // the K/V bytes of the rows the timed steps attended (TimedLaunch counts them).
   int64_t timed_select_key_bytes_ = 0;
   int64_t timed_attend_bytes_ = 0;
   // The layer's next pair of \p ring, its previous time added to \p ms first.
-  SelectTiming* NextTiming(TimingRing& ring, int layer, double& ms);
+  TimingPair* NextTiming(TimingRing& ring, int layer, double& ms);
+  // \p launch on \p stream, between the two events of \p ring's next pair at \p layer when
+  // \p timed (the pair's time goes to \p ms, \p bytes to \p timed_bytes once it is recorded).
+  template <typename Launch>
+  Status TimedLaunch(bool timed, TimingRing& ring, int layer, double& ms, int64_t bytes,
+                     int64_t& timed_bytes, StreamHandle stream, Launch&& launch) {
+    if (!timed) return launch();
+    TimingPair* t = NextTiming(ring, layer, ms);
+    KVF_RETURN_IF_ERROR(device_->RecordEvent(t->start, stream));
+    KVF_RETURN_IF_ERROR(launch());
+    KVF_RETURN_IF_ERROR(device_->RecordEvent(t->end, stream));
+    t->pending = true;
+    timed_bytes += bytes;
+    return Status::Ok();
+  }
   // The time of a pending pair (0 when not pending or not readable).
-  double SelectTimingMs(const SelectTiming& t) const;
-  void DestroySelectTiming();
+  double TimingMs(const TimingPair& t) const;
+  void DestroyTimings();
   EventHandle cpu_part_up_ = nullptr;  // the last CPU part left o_cpu_host_ / lse_cpu_host_
   // ---- the CPU part on the runtime's own thread (RuntimeConfig::async_cpu; cpu_step.cpp) ----
   // The caller's Decode enqueues the device's whole layer (the resident rows' attention, then a
