@@ -455,6 +455,27 @@ KVF_HOST_DEVICE inline int64_t ResidentRowOf(int64_t pos, int64_t n, int32_t sin
   return -1;
 }
 
+/// The scheduler's split of a planned step's device selection between the two routes (issue 14;
+/// Device::SplitStepList). Of item t's list (DecodeStepArgs::list + t * list_cap, list_count[t]
+/// positions) the misses are the positions with no resident row (ResidentRowOf < 0; the step has
+/// no token bank). The last SplitCpuRows(misses, cpu_q10) misses in list order go to the CPU:
+/// cpu_list + t * list_cap, cpu_count[t] (host memory the device writes, mapped). Every other
+/// entry, in list order, goes to the device: gpu_list + t * list_cap, gpu_count[t], which the
+/// step then attends in kList mode. The two lists' union is the selection, each entry once.
+struct SplitListArgs {
+  int32_t cpu_q10 = 0;  ///< 1024ths of an item's misses the CPU attends, in [0, 1024]
+  int32_t* gpu_list = nullptr;
+  int32_t* gpu_count = nullptr;
+  int32_t* cpu_list = nullptr;
+  int32_t* cpu_count = nullptr;
+};
+
+/// Misses of \p misses an item's CPU share takes at cpu_q10 / 1024 (floor; integer, so that the
+/// host and the device agree).
+KVF_HOST_DEVICE inline int64_t SplitCpuRows(int64_t misses, int32_t cpu_q10) {
+  return (misses * static_cast<int64_t>(cpu_q10)) >> 10;
+}
+
 /// SparCas: dimensions kept by layer \p layer, and the element offset of item (slot, layer, h)'s
 /// compact keys in DecodeStepArgs::meta: per slot, the dense layers' rows (head_dim elements)
 /// then the others' (SparcasRowElems elements), meta_pages positions per item. Elements are the KV

@@ -121,6 +121,10 @@ struct Options {
   // --async-cpu N: RuntimeConfig::async_cpu (-1, the default: on with CUDA; 0: the CPU part of a
   // CPU-placed policy's step on the calling thread).
   int async_cpu = -1;
+  // --route auto: the device-selection modes (oracle, quest, sparcas, hip, kvpop; no bank) on
+  // route auto, where the scheduler splits each layer's misses with the CPU (Stats::decode_split;
+  // outside a CUDA graph only: compare ms_per_token_step_no_graph); default gpu.
+  std::string route = "gpu";
   // --engine-us U: after each Decode the caller spins U microseconds on the host, standing for the
   // engine's own host work of the layer (launching its projections and MLP); the rows add the
   // time the caller spent inside Decode ("ms_in_decode_per_step", call by call).
@@ -182,6 +186,7 @@ Options Parse(int argc, char** argv) {
     else if (a == "--query-drift") o.query_drift = std::stod(next());
     else if (a == "--unique-kv") o.unique_kv = true;
     else if (a == "--async-cpu") o.async_cpu = std::stoi(next());
+    else if (a == "--route") o.route = next();
     else if (a == "--engine-us") o.engine_us = std::stod(next());
     else if (a == "--param") {
       const std::string kv = next();
@@ -280,7 +285,9 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   c.tiers.sink_tokens = kSink;
   c.tiers.window_tokens = resident ? static_cast<int>(c.capacity.max_tokens_per_sequence) - kSink : kWindow;
   c.backend = kvferry::Backend::kCuda;
-  c.probe_at_start = base == "lfps";
+  // The cost model's rates probed at Create (~0.1 s) for every mode: the split's share (route
+  // auto), and the rows' cost_* fields.
+  c.probe_at_start = true;
   c.cpu_threads = o.cpu_threads;
   c.async_cpu = o.async_cpu;
   c.route = kvferry::Route::kGpu;
@@ -334,6 +341,10 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     return row.str();
   }
   c.policy.name = wrappers + c.policy.name;
+  if (o.route == "auto" && (base == "oracle" || base == "quest" || base == "sparcas" || base == "hip" ||
+                            base == "kvpop")) {
+    c.route = kvferry::Route::kAuto;
+  }
   if (o.budget_tokens > 0 && c.policy.budget_fraction > 0) {
     c.policy.budget_tokens = o.budget_tokens;
     c.policy.budget_fraction = 0;
@@ -554,6 +565,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
               : -1.0)
       << ",\"bank_admitted_per_step\":" << sp.bank_admitted / steps
       << ",\"rows_cpu_per_step\":" << sp.rows_cpu / steps
+      << ",\"decode_split_per_step\":" << sp.decode_split / steps
       // The cost model's CPU rate (probed at Create) and the one the steps' CPU kernels measured.
       << ",\"cost_cpu_gbps\":" << sp.cost_cpu_gbps << ",\"cost_cpu_gbps_measured\":" << sp.cost_cpu_gbps_measured
       << ",\"lfps_scans_device_per_step\":" << sp.lfps_scans_device / steps

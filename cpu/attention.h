@@ -127,6 +127,10 @@ void DecodeStep(const DecodeStepArgs& args);
 /// from the input (written through to its host-store row first, as DecodeStep will).
 void DecodeSelect(const DecodeStepArgs& args);
 
+/// The host implementation of Device::SplitStepList (see SplitListArgs) over the items of
+/// \p step (its batch, slots, positions, list and list_count), and the reference of the CUDA one.
+void SplitStepList(const DecodeStepArgs& step, const SplitListArgs& split);
+
 /// The host implementation of Device::PageBounds (see PageBoundsArgs).
 void PageBounds(const PageBoundsArgs& args);
 

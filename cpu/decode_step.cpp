@@ -554,4 +554,31 @@ void DecodeSelect(const DecodeStepArgs& a) {
   }
 }
 
+void SplitStepList(const DecodeStepArgs& a, const SplitListArgs& s) {
+  for (int32_t b = 0; b < a.batch; ++b) {
+    const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+    for (int32_t h = 0; h < a.num_kv_heads; ++h) {
+      const int64_t item = static_cast<int64_t>(b) * a.num_kv_heads + h;
+      const int32_t* list = a.list + item * a.list_cap;
+      const int64_t count = a.list_count[item];
+      int64_t misses = 0;
+      for (int64_t j = 0; j < count; ++j) misses += ResidentRowOf(list[j], n, a.sink, a.window) < 0;
+      const int64_t keep = misses - SplitCpuRows(misses, s.cpu_q10);  // misses the device reads
+      int32_t* gpu = s.gpu_list + item * a.list_cap;
+      int32_t* cpu = s.cpu_list + item * a.list_cap;
+      int64_t n_gpu = 0, n_cpu = 0, seen = 0;
+      for (int64_t j = 0; j < count; ++j) {
+        const bool miss = ResidentRowOf(list[j], n, a.sink, a.window) < 0;
+        if (miss && seen++ >= keep) {
+          cpu[n_cpu++] = list[j];
+        } else {
+          gpu[n_gpu++] = list[j];
+        }
+      }
+      s.gpu_count[item] = static_cast<int32_t>(n_gpu);
+      s.cpu_count[item] = static_cast<int32_t>(n_cpu);
+    }
+  }
+}
+
 }  // namespace kvferry::cpu

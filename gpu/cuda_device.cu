@@ -343,6 +343,12 @@ Status CudaDevice::DecodeStep(const DecodeStepArgs& args, StreamHandle stream) {
   return LaunchDecodeStep(args, info_, Resolve(stream));
 }
 
+Status CudaDevice::SplitStepList(const DecodeStepArgs& step, const SplitListArgs& split,
+                                 StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  return LaunchSplitStepList(step, split, Resolve(stream));
+}
+
 Status CudaDevice::DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) {
   KVF_RETURN_IF_ERROR(Activate());
   return LaunchDecodeSelect(args, info_, Resolve(stream));

@@ -65,6 +65,8 @@ class CudaDevice final : public Device {
   Status DecodeStep(const DecodeStepArgs& args, StreamHandle stream) override;
   Status DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) override;
   Status DecodeSelectDeferred(const DecodeStepArgs& args, StreamHandle stream) override;
+  Status SplitStepList(const DecodeStepArgs& step, const SplitListArgs& split,
+                       StreamHandle stream) override;
   Status PageBounds(const PageBoundsArgs& args, StreamHandle stream) override;
   Status PrefillChunk(const PrefillChunkArgs& args, StreamHandle stream) override;
   Status PrimeAttention(const PrimeArgs& args, StreamHandle stream) override;

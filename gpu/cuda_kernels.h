@@ -127,6 +127,10 @@ Status LaunchBankResolve(const BankAttnItem* items, int64_t num_items, int64_t m
 /// launches that read the step's slots and positions from device memory (graph-capturable).
 Status LaunchDecodeStep(const DecodeStepArgs& args, const LaunchInfo& info, cudaStream_t stream);
 
+/// The scheduler's split of a step's list between the device and the CPU (see SplitListArgs): a
+/// CTA per item, a stable partition in list order.
+Status LaunchSplitStepList(const DecodeStepArgs& step, const SplitListArgs& split, cudaStream_t stream);
+
 /// The selection of a planned decode step (DecodeStepArgs::scoring) into args.list/list_count:
 /// kExactTopK scores every key (resident, host store zero-copy, the new token from the input),
 /// a softmax per query head summed over the group, an exact top-k per item (ties to the lower

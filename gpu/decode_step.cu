@@ -730,4 +730,91 @@ Status LaunchDecodeStep(const DecodeStepArgs& a, const LaunchInfo& info, cudaStr
   });
 }
 
+namespace {
+
+constexpr int kSplitThreads = 256;
+constexpr int kSplitWarps = kSplitThreads / 32;
+
+// SplitListArgs: a CTA per item. Pass 1 counts the item's misses; pass 2 walks the list in
+// chunks of kSplitThreads, an exclusive prefix count of the misses (ballots, then the warps'
+// totals) placing each entry: miss number r goes to the CPU when r >= keep, at r - keep; every
+// other entry j to the device, at j - (CPU entries before it).
+__global__ void __launch_bounds__(kSplitThreads) SplitListKernel(DecodeStepArgs a, SplitListArgs s) {
+  const int64_t item = blockIdx.x;
+  const int32_t b = static_cast<int32_t>(item / a.num_kv_heads);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const int32_t* list = a.list + item * a.list_cap;
+  const int64_t count = a.list_count[item];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __shared__ int32_t warp_sum[kSplitWarps];
+  __shared__ int64_t total;
+  int32_t mine = 0;
+  for (int64_t j = threadIdx.x; j < count; j += kSplitThreads) {
+    mine += ResidentRowOf(list[j], n, a.sink, a.window) < 0;
+  }
+  mine = __reduce_add_sync(0xffffffffu, mine);
+  if (lane == 0) warp_sum[warp] = mine;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t t = 0;
+    for (int w = 0; w < kSplitWarps; ++w) t += warp_sum[w];
+    total = t;
+  }
+  __syncthreads();
+  const int64_t misses = total;
+  const int64_t keep = misses - SplitCpuRows(misses, s.cpu_q10);
+  int32_t* gpu = s.gpu_list + item * a.list_cap;
+  int32_t* cpu = s.cpu_list + item * a.list_cap;
+  __shared__ int32_t warp_base[kSplitWarps];
+  int64_t before = 0;  // misses ahead of this chunk
+  for (int64_t base = 0; base < count; base += kSplitThreads) {
+    __syncthreads();  // warp_sum of the last chunk read by every thread
+    const int64_t j = base + threadIdx.x;
+    const int32_t pos = j < count ? list[j] : 0;
+    const bool miss = j < count && ResidentRowOf(pos, n, a.sink, a.window) < 0;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, miss);
+    if (lane == 0) warp_sum[warp] = __popc(ballot);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int32_t run = 0;
+      for (int w = 0; w < kSplitWarps; ++w) {
+        warp_base[w] = run;
+        run += warp_sum[w];
+      }
+    }
+    __syncthreads();
+    const int64_t r = before + warp_base[warp] + __popc(ballot & ((1u << lane) - 1u));
+    if (j < count) {
+      if (miss && r >= keep) {
+        cpu[r - keep] = pos;
+      } else {
+        gpu[j - (r > keep ? r - keep : 0)] = pos;
+      }
+    }
+    int64_t chunk = 0;
+    for (int w = 0; w < kSplitWarps; ++w) chunk += warp_sum[w];
+    before += chunk;
+  }
+  if (threadIdx.x == 0) {
+    const int64_t to_cpu = misses - keep;
+    s.gpu_count[item] = static_cast<int32_t>(count - to_cpu);
+    s.cpu_count[item] = static_cast<int32_t>(to_cpu);
+  }
+}
+
+}  // namespace
+
+Status LaunchSplitStepList(const DecodeStepArgs& a, const SplitListArgs& s, cudaStream_t stream) {
+  if (a.batch == 0) return Status::Ok();
+  KVF_CHECK_ARG(a.list != nullptr && a.list_count != nullptr && a.positions != nullptr &&
+                    s.gpu_list != nullptr && s.gpu_count != nullptr && s.cpu_list != nullptr &&
+                    s.cpu_count != nullptr && s.cpu_q10 >= 0 && s.cpu_q10 <= 1024,
+                "split step list: null list, positions or outputs, or a CPU share of ", s.cpu_q10,
+                "/1024");
+  const unsigned items = static_cast<unsigned>(a.batch) * static_cast<unsigned>(a.num_kv_heads);
+  SplitListKernel<<<items, kSplitThreads, 0, stream>>>(a, s);
+  KVF_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
 }  // namespace kvferry::cuda

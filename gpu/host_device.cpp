@@ -138,6 +138,10 @@ class HostDevice final : public Device {
     return Status::Ok();
   }
 
+  Status SplitStepList(const DecodeStepArgs& step, const SplitListArgs& split, StreamHandle) override {
+    cpu::SplitStepList(step, split);
+    return Status::Ok();
+  }
   Status LfpsScan(const LfpsScanArgs& args, StreamHandle) override {
     KVF_CHECK_ARG(args.group >= 1 && args.head_dim >= 1 && args.channels >= 1 && args.items >= 0,
                   "LfpsScan: group ", args.group, ", head_dim ", args.head_dim, ", channels ",

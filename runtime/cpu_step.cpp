@@ -439,6 +439,7 @@ void RuntimeImpl::HandOverCpuPart(const CpuPartJob& job) {
 }
 
 Status RuntimeImpl::RunCpuPart(const CpuPartJob& job) {
+  if (job.split) return RunSplitPart(job);
   const auto t0 = TraceRecorder::Clock::now();
   Status st = job.inputs_on_host ? Status::Ok() : HostWaitEvent(q_ready_);
   if (st.ok()) {
@@ -447,6 +448,81 @@ Status RuntimeImpl::RunCpuPart(const CpuPartJob& job) {
   if (trace_.on()) trace_.Span("cpu_part", "cpu", t0, TraceRecorder::Clock::now(), job.layer);
   Stage(stats_.ms_select, "select", t0);
   return st;
+}
+
+Status RuntimeImpl::RunSplitPart(const CpuPartJob& job) {
+  const auto t0 = TraceRecorder::Clock::now();
+  // The split's CPU lists and q reach the host with split_ready_, microseconds after the
+  // hand-over on a stream that is not behind: spin on it first, then block. (The host backend's
+  // streams are synchronous: they are there.)
+  if (device_->backend() != Backend::kHost) {
+    while (!device_->EventDone(split_ready_) && TraceRecorder::Clock::now() - t0 < kCpuPartSpin) {
+      Relax();
+    }
+    KVF_RETURN_IF_ERROR(device_->SynchronizeEvent(split_ready_));
+  }
+  const ModelShape& m = config_.model;
+  const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  const int64_t batch = job.batch, items = batch * hkv, gd = static_cast<int64_t>(group_) * d;
+  const int64_t nq = batch * hq * d;
+  for (int64_t i = 0; i < nq; ++i) q_host_[i] = cpu::LoadAsF32(job.q.data, job.q.dtype, i);
+  // Items without a share contribute nothing to the merge: lse = -inf.
+  std::fill_n(o_cpu_host_, nq, 0.0f);
+  std::fill_n(lse_cpu_host_, batch * hq, -std::numeric_limits<float>::infinity());
+  split_units_.clear();
+  int64_t rows = 0;
+  for (int64_t i = 0; i < items; ++i) {
+    const int32_t c = split_cpu_count_[i];
+    rows += c;
+    if (c <= 0) continue;
+    const int32_t parts = static_cast<int32_t>(std::clamp<int64_t>(c / kSplitMinRows, 1, kSplitMaxParts));
+    const int32_t per = (c + parts - 1) / parts;
+    for (int32_t p = 0; p < parts && p * per < c; ++p) {
+      split_units_.push_back(SplitUnit{i, p * per, std::min(c, (p + 1) * per), p});
+    }
+  }
+  const AttnParams params{group_, d, m.kv_dtype, scale_};
+  const size_t part_floats = static_cast<size_t>(group_) * (d + 1);
+  auto part_out = [&](const SplitUnit& u, float*& o, float*& lse) {
+    const int64_t b = u.item / hkv, h = u.item % hkv;
+    if (u.part == 0) {
+      o = o_cpu_host_ + b * hq * d + h * gd;
+      lse = lse_cpu_host_ + b * hq + h * group_;
+    } else {
+      o = split_parts_.data() + (static_cast<size_t>(u.item) * (kSplitMaxParts - 1) + u.part - 1) * part_floats;
+      lse = o + gd;
+    }
+  };
+  pool_->ParallelFor(static_cast<int64_t>(split_units_.size()), [&](int64_t t) {
+    const SplitUnit& u = split_units_[static_cast<size_t>(t)];
+    const int64_t b = u.item / hkv;
+    const int h = static_cast<int>(u.item % hkv);
+    const int slot = batch_slots_[static_cast<size_t>(b)];
+    const int32_t* list = split_cpu_list_ + u.item * list_cap_;
+    const void** kr = split_rows_.data() + u.item * 2 * list_cap_;
+    const void** vr = kr + list_cap_;
+    for (int32_t j = u.begin; j < u.end; ++j) {
+      kr[j] = store_->k_row(slot, job.layer, h, list[j]);
+      vr[j] = store_->v_row(slot, job.layer, h, list[j]);
+    }
+    float* o = nullptr;
+    float* lse = nullptr;
+    part_out(u, o, lse);
+    const RowAttnItem it{q_host_ + b * hq * d + h * gd, o, lse, kr + u.begin, vr + u.begin, u.end - u.begin};
+    AttendTimed([&] { cpu::AttendRows(params, &it, 1); });
+  });
+  // The later parts into part 0, in order (exact log-sum-exp merge).
+  for (const SplitUnit& u : split_units_) {
+    if (u.part == 0) continue;
+    float *o0 = nullptr, *lse0 = nullptr, *o = nullptr, *lse = nullptr;
+    part_out(SplitUnit{u.item, 0, 0, 0}, o0, lse0);
+    part_out(u, o, lse);
+    cpu::MergeLseRef(o0, lse0, o, lse, group_, d);
+  }
+  stats_.rows_cpu += rows;
+  if (trace_.on()) trace_.Span("cpu_split", "cpu", t0, TraceRecorder::Clock::now(), job.layer);
+  Stage(stats_.ms_attend_cpu, "attend_cpu", t0);
+  return Status::Ok();
 }
 
 void RuntimeImpl::WaitCpuPart() {
@@ -484,6 +560,7 @@ Status RuntimeImpl::RollBackCpuPart(const CpuPartJob& job, Status failure) {
   stats_.decode_steps -= 1;
   stats_.decode_tokens -= job.batch;
   stats_.decode_planned -= job.planned ? 1 : 0;
+  stats_.decode_split -= job.split ? 1 : 0;
   return RollBackDecode(batch_slots_, job.layer, job.stream, std::move(failure));
 }
 

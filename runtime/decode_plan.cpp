@@ -60,10 +60,36 @@ Status RuntimeImpl::InitStepBuffers() {
                              static_cast<size_t>(group_) * (m.head_dim + 1),
                          0.0f);
   }
-  if (cpu_step_) {
-    // The CPU part on its own thread (RuntimeConfig::async_cpu; -1: with CUDA).
+  // The scheduler's split (route auto, a device selection without a bank): its CPU share runs on
+  // the runtime's thread, with q, k and v's pinned staging and the events of a CPU step.
+  split_ = z.split;
+  if (split_) {
+    const int64_t items = int64_t{cap.max_batch} * m.num_kv_heads;
+    const size_t per_token = static_cast<size_t>(m.num_q_heads + 2 * m.num_kv_heads) * m.head_dim;
+    KVF_ASSIGN_OR_RETURN(q_raw_host_,
+                         Alloc(static_cast<size_t>(cap.max_batch) * per_token * sizeof(float) + 256, true));
+    KVF_ASSIGN_OR_RETURN(cpu_part_up_, device_->CreateEvent());
+    KVF_ASSIGN_OR_RETURN(split_ready_, device_->CreateEvent());
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.split_list, false));
+    split_gpu_list_ = static_cast<int32_t*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.split_count, false));
+    split_gpu_count_ = static_cast<int32_t*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(items * z.list_cap) * sizeof(int32_t), true));
+    split_cpu_list_ = static_cast<int32_t*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(items) * sizeof(int32_t), true));
+    split_cpu_count_ = static_cast<int32_t*>(p);
+    split_rows_.assign(static_cast<size_t>(items * z.list_cap) * 2, nullptr);
+    split_units_.reserve(static_cast<size_t>(items) * kSplitMaxParts);
+    split_parts_.assign(static_cast<size_t>(items) * (kSplitMaxParts - 1) * group_ * (m.head_dim + 1), 0.0f);
+    const double share = EnvDouble("KVFERRY_SPLIT_SHARE", -1.0);
+    split_share_env_ = share >= 0.0 ? std::min(share, 1.0) : -1.0;
+    split_min_us_ = std::max(0.0, EnvDouble("KVFERRY_SPLIT_MIN_US", 30.0));
+  }
+  if (cpu_step_ || split_) {
+    // The CPU part on its own thread (RuntimeConfig::async_cpu; -1: with CUDA). The split's
+    // share always runs there (SizeDeviceBuffers plans no split with async_cpu 0).
     const int want = config_.async_cpu;
-    cpu_async_ = want > 0 || (want < 0 && device_->backend() == Backend::kCuda);
+    cpu_async_ = want > 0 || (want < 0 && device_->backend() == Backend::kCuda) || split_;
     if (cpu_async_) {
       KVF_ASSIGN_OR_RETURN(p, Alloc(2 * sizeof(uint32_t), true));
       cpu_word_ = static_cast<uint32_t*>(p);
@@ -648,6 +674,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   // rows count as selected only.
   const int64_t window = config_.tiers.window_tokens;
   int64_t max_rows = 0, resident = 0, fetched = 0, selected = 0, key_bytes = 0;
+  int64_t offloaded = 0;  // selected rows beyond the resident ones, at most (the split's estimate)
   const ListRowsRule list_rule = DeviceListRowsRule(layer);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = pos[b] + 1;
@@ -662,6 +689,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       const int64_t count = DeviceListRows(list_rule, n, budget);
       max_rows = std::max(max_rows, count);
       selected += count;
+      offloaded += std::max<int64_t>(0, count - std::min<int64_t>(n, int64_t{a.sink} + a.window));
       if (!a.select_skip_ranking) key_bytes += SelectKeyBytes(n, budget, layer);
       continue;
     }
@@ -760,6 +788,41 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       a.max_rows_hint = most.value();
     } else {
       st = most.status();
+    }
+  }
+  // The scheduler's split (route auto, a device selection without a bank; not in a graph, which
+  // holds no host work, and on CUDA with device tensors only, as a CPU step's asynchronous part):
+  // the CPU attends its share of the layer's misses on the runtime's thread while the device
+  // attends the rest, and the stream merges the two (HandOverDecodeCpuPart).
+  const int32_t split_q10 =
+      split_ && st.ok() && !capturing &&
+              (device_->backend() == Backend::kHost ||
+               (q.where == MemoryKind::kDevice && out.where == MemoryKind::kDevice))
+          ? SplitShare(offloaded * m.num_kv_heads)
+          : 0;
+  if (st.ok() && split_q10 > 0) {
+    // q down for the CPU's share, the split, then the event its part waits for.
+    st = device_->CopyAsync(q_raw_host_, q_src.value(),
+                            static_cast<size_t>(q.numel()) * DTypeSize(q.dtype), stream);
+    const SplitListArgs sp{split_q10, split_gpu_list_, split_gpu_count_, split_cpu_list_, split_cpu_count_};
+    if (st.ok()) st = device_->SplitStepList(a, sp, stream);
+    if (st.ok()) st = device_->RecordEvent(split_ready_, stream);
+    if (st.ok()) {
+      a.list = split_gpu_list_;
+      a.list_count = split_gpu_count_;
+      a.out = o_gpu_;
+      a.out_dtype = DType::kF32;
+      a.lse = lse_gpu_;
+      TensorView q_down = q;
+      q_down.data = q_raw_host_;
+      q_down.where = MemoryKind::kHost;
+      const int64_t hkv = m.num_kv_heads;
+      stats_.rows_selected += selected * hkv;
+      stats_.select_key_bytes += key_bytes * hkv;
+      stats_.decode_split += 1;
+      Stage(stats_.ms_attend_gpu, "attend_gpu", t1);
+      return HandOverDecodeCpuPart(a, false, layer, planned, true, q_down, k, v, out, out_direct,
+                                   stream, true);
     }
   }
   // The step rewrites its region's staging and miss lists: the admission that last read them
@@ -910,15 +973,17 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
                                           bool planned, bool inputs_on_host,
                                           const TensorView& q_host, const TensorView& k_host,
                                           const TensorView& v_host, const TensorView& out,
-                                          bool out_direct, StreamHandle stream) {
+                                          bool out_direct, StreamHandle stream, bool split) {
   const ModelShape& m = config_.model;
   const int64_t batch = static_cast<int64_t>(batch_slots_.size());
   const int64_t rows = batch * m.num_q_heads;
   const bool host = device_->backend() == Backend::kHost;
   // The step counted before the hand-over (the part then owns stats_ until it is collected);
-  // RollBackCpuPart takes it back on a failure. (A CPU step never has a token bank.)
+  // RollBackCpuPart takes it back on a failure. (Neither a CPU step nor a split one has a token
+  // bank.)
   CommitDecodeStep(layer, planned);
   CpuPartJob job;
+  job.split = split;
   job.layer = layer;
   job.inputs_on_host = inputs_on_host;
   job.stream = stream;
@@ -974,6 +1039,8 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
     st = device_->CopyAsync(out.data, out_stage_, static_cast<size_t>(out.numel()) * DTypeSize(out.dtype),
                             stream);
   }
+  // A split step's policy may rebuild beside the step (HiP's side stream): its last layer joins.
+  if (st.ok() && layer == config_.model.num_layers - 1) st = JoinHipSide(stream);
   if (st.ok()) st = device_->RecordEvent(call_done_, stream);
   if (!st.ok()) {
     WaitCpuPart();
@@ -983,6 +1050,18 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
   }
   // On the host backend the wait above returned with the part done: its status is this call's.
   return host ? CollectCpuPart() : Status::Ok();
+}
+
+int32_t RuntimeImpl::SplitShare(int64_t offloaded) const {
+  if (split_share_env_ >= 0.0) return static_cast<int32_t>(std::llround(split_share_env_ * 1024.0));
+  if (offloaded <= 0) return 0;
+  // Both branches end together when the CPU reads c rows at cpu_gbps while the device gathers
+  // the other (misses - c) over PCIe at pcie_gbps (CpuShare's rule): c = misses * cpu / (cpu + pcie).
+  const double frac = cost_.cpu_gbps / (cost_.cpu_gbps + cost_.pcie_gbps);
+  const double cpu_us = static_cast<double>(offloaded) * frac * 2.0 * static_cast<double>(row_bytes_) /
+                        (cost_.cpu_gbps * 1e3);
+  if (cpu_us < split_min_us_) return 0;
+  return static_cast<int32_t>(std::clamp<int64_t>(std::llround(frac * 1024.0), 0, 1024));
 }
 
 Route RuntimeImpl::PlannedRoute() const {

@@ -56,6 +56,7 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
   part("kvpop selection state (slots, priorities, scorers)", {kvpop_state, kvpop_slots, kvpop_scorer});
   part("selection lists", {step_list, step_list_count});
   part("selection scores", {select_ws, topk_ws, select_mcta});
+  part("split lists (the device's share)", {split_list, split_count});
   part("input staging (q, k, v, out)", {q_in, k_in, v_in, out_stage});
   part("attention partials (q, o, lse)", {q_f32, o_gpu, lse_gpu, o_cpu, lse_cpu});
   part("step plan (slots, positions)", {step_slots, step_pos});
@@ -361,6 +362,18 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
                                            sizeof(int32_t));
         z.bank_admit = regions * AllocBytes(static_cast<size_t>(items) * z.bank_admit_item_bytes);
       }
+    }
+    // The scheduler's split (RunDecodeStep, SplitShare): with a device selection and no token
+    // bank, the step's misses are its list's non-resident rows, so the host knows their number
+    // before the step and can give the CPU its share of them; with a bank, only the step knows
+    // which of them it holds, and every miss is read over PCIe, then admitted. Route auto only,
+    // with the CPU part on the runtime's thread (async_cpu), so that Decode does not wait for it.
+    z.split = scoring != SelectScoring::kNone && z.fast_path && !z.device_bank &&
+              !z.step_all_resident && config_.route == Route::kAuto && config_.async_cpu != 0 &&
+              !EnvIs("KVFERRY_SPLIT", "off");
+    if (z.split) {
+      z.split_list = AllocBytes(static_cast<size_t>(items * z.list_cap) * sizeof(int32_t));
+      z.split_count = AllocBytes(static_cast<size_t>(items) * sizeof(int32_t));
     }
     z.step_slots = AllocBytes(size_t{2} * cap.max_batch * sizeof(int32_t));
     z.step_pos = AllocBytes(2 * static_cast<size_t>(cap.max_batch) * m.num_layers *

@@ -95,6 +95,9 @@ struct DeviceBufferSizes {
   int64_t scan_picks = 0;  // the most picks an item asks for
   int64_t scan_list_cap = 0;  // the most positions an item's list holds (row stride of scan_out)
 
+  // The scheduler's split of a device selection's misses with the CPU (route auto, a planned
+  // step without a token bank, RuntimeConfig::async_cpu not 0; KVFERRY_SPLIT=off: none).
+  bool split = false;
   // ---- bytes ----
   size_t resident = 0;
   size_t q_in = 0, k_in = 0, v_in = 0, out_stage = 0;
@@ -111,6 +114,7 @@ struct DeviceBufferSizes {
   size_t prime_tables = 0, prime_stats = 0, prime_scratch = 0;
   size_t scan_shadow = 0, scan_scale = 0, scan_keys = 0, scan_ints = 0, scan_hist = 0,
          scan_blocks = 0, scan_items = 0;
+  size_t split_list = 0, split_count = 0;  // the scheduler's split: the device's share of a list
   size_t scan_out = 0, scan_counts = 0;  // mapped host memory (the scan writes its ranking there)
   size_t stream_scratch = 0;
 
@@ -650,6 +654,7 @@ class RuntimeImpl {
     int64_t batch = 0;
     bool planned = false;
     uint32_t ticket = 0;
+    bool split = false;  // the CPU share of a split step (RunSplitPart), not a CPU step's Select
   };
   bool cpu_async_ = false;
   uint32_t* cpu_word_ = nullptr;  // pinned: [0] the ticket of the last part done, [1] a wait timed out
@@ -667,6 +672,42 @@ class RuntimeImpl {
   void HandOverCpuPart(const CpuPartJob& job);
   // The worker's side of a job: q on the host, then SelectOnHost.
   Status RunCpuPart(const CpuPartJob& job);
+  // ---- the scheduler's split of a device selection's misses (DeviceBufferSizes::split) ----
+  // RunDecodeStep, route auto: after the layer's DecodeSelect, q goes down to q_raw_host_ and
+  // SplitStepList partitions each item's list: its last SplitCpuRows(misses, q10) misses to the
+  // CPU (split_cpu_list_, pinned, written by the device), the rest to the device's list
+  // (split_gpu_list_), which the step attends into (o_gpu_, lse_gpu_); split_ready_ follows. The
+  // CPU share goes to cpu_thread_ as a CpuPartJob with split set (RunSplitPart: waits for
+  // split_ready_, attends its rows from the host store on the pool into o_cpu_host_ /
+  // lse_cpu_host_, writes the ticket) and the stream merges the two as for a CPU step.
+  bool split_ = false;
+  int32_t* split_gpu_list_ = nullptr;   // device: [max_batch * Hkv][list_cap_]
+  int32_t* split_gpu_count_ = nullptr;  // device: [max_batch * Hkv]
+  int32_t* split_cpu_list_ = nullptr;   // pinned, mapped: [max_batch * Hkv][list_cap_]
+  int32_t* split_cpu_count_ = nullptr;  // pinned, mapped: [max_batch * Hkv]
+  EventHandle split_ready_ = nullptr;
+  // KVFERRY_SPLIT_SHARE=f in [0, 1]: every split step gives the CPU f of its misses (measuring
+  // the share); unset (-1): the cost model's, when the CPU's share is worth split_min_us_.
+  double split_share_env_ = -1.0;
+  // The CPU's share must hold this many microseconds of its work (the hand-over, the pool's
+  // fork-join and the device's wait cost about 20 us a layer): KVFERRY_SPLIT_MIN_US, 30.
+  double split_min_us_ = 30.0;
+  std::vector<const void*> split_rows_;  // K then V row addresses, per item [2][list_cap_]
+  struct SplitUnit {
+    int64_t item;
+    int32_t begin, end, part;
+  };
+  std::vector<SplitUnit> split_units_;  // reserved: items * kSplitMaxParts
+  // An item's CPU share attended in up to kSplitMaxParts ranges of >= kSplitMinRows rows (pool
+  // tasks); parts 1.. write [item][part - 1] of split_parts_ (o: group x head_dim, then lse:
+  // group), merged into part 0's in order.
+  static constexpr int kSplitMaxParts = 8;
+  static constexpr int64_t kSplitMinRows = 256;
+  std::vector<float> split_parts_;
+  // The CPU's share of this layer's misses in 1024ths (0: no split), from the rows the step's
+  // items select beyond the resident ones (\p offloaded, all items).
+  int32_t SplitShare(int64_t offloaded) const;
+  Status RunSplitPart(const CpuPartJob& job);
   // Takes back a counted layer whose CPU part (or the enqueue after its hand-over) failed.
   Status RollBackCpuPart(const CpuPartJob& job, Status failure);
   void StopCpuThread();
@@ -679,7 +720,8 @@ class RuntimeImpl {
   Status HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_deferred, int layer, bool planned,
                                bool inputs_on_host, const TensorView& q_host,
                                const TensorView& k_host, const TensorView& v_host,
-                               const TensorView& out, bool out_direct, StreamHandle stream);
+                               const TensorView& out, bool out_direct, StreamHandle stream,
+                               bool split = false);
   // CUDA, bank_slots > 0, a policy that selects on the host (Select: hip, kvpop, lfps, streaming,
   // the PrHS wrappers), route gpu: the planned step with the device bank. Per layer q, k and v go
   // to the host (q_raw_host_, q_ready_), the host writes the new token's store rows and selects

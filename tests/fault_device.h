@@ -42,6 +42,7 @@ enum class FaultPoint : int {
   kPrefillChunk,
   kMergeLse,
   kPrimeAttention,
+  kSplitStepList,
   kCount,
 };
 
@@ -50,7 +51,7 @@ inline const char *FaultPointName(FaultPoint p) {
       "AllocDevice",  "AllocHost",        "CreateStream",      "CreateEvent",  "RecordEvent",
       "WaitEvent",    "SynchronizeEvent", "SynchronizeStream", "CopyAsync",    "CopyRows",
       "AttendRows",   "AttendPaged",      "DecodeStep",        "DecodeSelect", "PageBounds",
-      "PrefillChunk", "MergeLse",     "PrimeAttention"};
+      "PrefillChunk", "MergeLse",     "PrimeAttention",    "SplitStepList"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<size_t>(FaultPoint::kCount));
   return kNames[static_cast<int>(p)];
 }
@@ -183,6 +184,10 @@ class FaultyDevice final : public Device {
   }
   Status DecodeSelect(const DecodeStepArgs &args, StreamHandle stream) override {
     return Run(FaultPoint::kDecodeSelect, [&] { return inner_->DecodeSelect(args, stream); });
+  }
+  Status SplitStepList(const DecodeStepArgs &step, const SplitListArgs &split,
+                       StreamHandle stream) override {
+    return Run(FaultPoint::kSplitStepList, [&] { return inner_->SplitStepList(step, split, stream); });
   }
   Status PageBounds(const PageBoundsArgs &args, StreamHandle stream) override {
     return Run(FaultPoint::kPageBounds, [&] { return inner_->PageBounds(args, stream); });

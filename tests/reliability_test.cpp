@@ -13,10 +13,12 @@
 // Each test runs on the host backend, and again on CUDA where a GPU is present.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -309,9 +311,24 @@ ScriptResult RunScript(const RuntimeConfig &config, const std::string &kind, Fau
   return result;
 }
 
+// "X+split": policy X with every planned layer's misses split half and half between the device
+// and the CPU (KVFERRY_SPLIT_SHARE, read at Create; the scheduler's split, route auto).
+struct SplitShareEnv {
+  explicit SplitShareEnv(bool on) : on(on) {
+    if (on) setenv("KVFERRY_SPLIT_SHARE", "0.5", 1);
+  }
+  ~SplitShareEnv() {
+    if (on) unsetenv("KVFERRY_SPLIT_SHARE");
+  }
+  bool on;
+};
+
 TEST_P(FaultMatrix, FailedCallsChangeNothing) {
-  const auto &[policy, route, bank, kind, mode, backend] = GetParam();
+  const auto &[param_policy, route, bank, kind, mode, backend] = GetParam();
   SKIP_WITHOUT_BACKEND(backend);
+  const size_t plus = param_policy.find("+split");
+  const std::string policy = param_policy.substr(0, plus);
+  const SplitShareEnv split_env(plus != std::string::npos);
   const RuntimeConfig config = SmallConfig(policy, route, bank, backend);
   int64_t total_fired = 0;
   std::string failed_at,
@@ -358,7 +375,9 @@ TEST_P(FaultMatrix, FailedCallsChangeNothing) {
 }
 
 std::string FaultName(const ::testing::TestParamInfo<FaultParam> &info) {
-  const auto &[policy, route, bank, kind, mode, backend] = info.param;
+  const auto &[param_policy, route, bank, kind, mode, backend] = info.param;
+  std::string policy = param_policy;
+  std::replace(policy.begin(), policy.end(), '+', '_');
   return policy + "_" + RouteName(route) + (bank > 0 ? "_bank" : "") + "_" + kind + "_" +
          (mode == FaultMode::kBefore ? "before" : "after") + "_" + BackendName(backend);
 }
@@ -392,6 +411,16 @@ INSTANTIATE_TEST_SUITE_P(
     FaultsKvpop, FaultMatrix,
     ::testing::Combine(::testing::Values("kvpop"), ::testing::Values(Route::kGpu),
                        ::testing::Values(0, 256), ::testing::Values("decode", "prefill"),
+                       ::testing::Values(FaultMode::kBefore, FaultMode::kAfter),
+                       ::testing::Values(Backend::kHost, Backend::kCuda)),
+    FaultName);
+// The scheduler's split (route auto, a device selection without a bank): a fault in the q copy,
+// the split, the step, the device's wait or the merge fails the call, whose CPU share is then
+// collected and the layer rolled back.
+INSTANTIATE_TEST_SUITE_P(
+    FaultsSplit, FaultMatrix,
+    ::testing::Combine(::testing::Values("oracle+split", "quest+split"), ::testing::Values(Route::kAuto),
+                       ::testing::Values(0), ::testing::Values("decode", "plan"),
                        ::testing::Values(FaultMode::kBefore, FaultMode::kAfter),
                        ::testing::Values(Backend::kHost, Backend::kCuda)),
     FaultName);

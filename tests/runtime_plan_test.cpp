@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "cpu/attention.h"
+#include "gpu/device.h"
 #include "kvferry/kvferry.h"
 #include "policies/basic.h"
 #include "policies/policy.h"
@@ -501,6 +503,225 @@ TEST(CostModel, StatsCarryTheDeviceRatesTheTimedCallsMeasured) {
     EXPECT_EQ(s.ms_attend_device, 0.0);
     EXPECT_EQ(s.ms_select_device, 0.0);
     EXPECT_EQ(s.cost_attend_gbps_measured, 0.0);
+  }
+}
+
+// ---- the scheduler's split of a device selection's misses (route auto) ----
+
+// Device::SplitStepList on fresh random lists (random lengths, sinks, windows and shares), on
+// every device there is, against its rule written out here: the union of the two lists is the
+// list, each in list order; the CPU's entries are the last SplitCpuRows(misses, q10) misses.
+TEST(SplitStepList, EveryDeviceKeepsItsRuleOnRandomLists) {
+  std::vector<std::unique_ptr<Device>> devices;
+  devices.push_back(MakeHostDevice());
+  if (CudaAvailable()) {
+    auto cuda = MakeCudaDevice(0);
+    ASSERT_TRUE(cuda.ok()) << cuda.status().ToString();
+    devices.push_back(std::move(cuda).value());
+  }
+  std::mt19937 rng(20261203);
+  for (auto& dev : devices) {
+    SCOPED_TRACE(dev->name());
+    for (int trial = 0; trial < 12; ++trial) {
+      const int32_t batch = 1 + static_cast<int32_t>(rng() % 3), hkv = 1 + static_cast<int32_t>(rng() % 3);
+      const int32_t layers = 2, layer = static_cast<int32_t>(rng() % 2);
+      const int64_t cap = 1 + static_cast<int64_t>(rng() % 700);  // past one 256-thread chunk
+      const int32_t sink = static_cast<int32_t>(rng() % 5), window = 1 + static_cast<int32_t>(rng() % 40);
+      const int32_t q10 = trial == 0 ? 0 : trial == 1 ? 1024 : static_cast<int32_t>(rng() % 1025);
+      const int64_t items = int64_t{batch} * hkv;
+      std::vector<int64_t> positions(static_cast<size_t>(batch * layers));
+      std::vector<int32_t> list(static_cast<size_t>(items * cap), -7), count(static_cast<size_t>(items));
+      for (int32_t b = 0; b < batch; ++b) {
+        const int64_t n = 1 + static_cast<int64_t>(rng() % 2000);
+        positions[static_cast<size_t>(b * layers + layer)] = n - 1;
+        for (int32_t h = 0; h < hkv; ++h) {
+          const int64_t i = int64_t{b} * hkv + h;
+          count[static_cast<size_t>(i)] = static_cast<int32_t>(rng() % (cap + 1));
+          for (int64_t j = 0; j < count[static_cast<size_t>(i)]; ++j) {
+            list[static_cast<size_t>(i * cap + j)] = static_cast<int32_t>(rng() % static_cast<uint64_t>(n));
+          }
+        }
+      }
+      // Device buffers: positions, list, counts, the device's share; the CPU's share in host memory.
+      auto alloc = [&](size_t bytes, bool host) {
+        auto r = host ? dev->AllocHost(bytes) : dev->AllocDevice(bytes);
+        EXPECT_TRUE(r.ok());
+        return r.ok() ? r.value() : nullptr;
+      };
+      const size_t list_bytes = list.size() * 4, count_bytes = count.size() * 4;
+      void* d_pos = alloc(positions.size() * 8, false);
+      void* d_list = alloc(list_bytes, false);
+      void* d_count = alloc(count_bytes, false);
+      void* d_gpu = alloc(list_bytes, false);
+      void* d_gpu_count = alloc(count_bytes, false);
+      void* h_cpu = alloc(list_bytes, true);
+      void* h_cpu_count = alloc(count_bytes, true);
+      ASSERT_TRUE(d_pos && d_list && d_count && d_gpu && d_gpu_count && h_cpu && h_cpu_count);
+      StreamHandle s = dev->default_stream();
+      ASSERT_TRUE(dev->CopyAsync(d_pos, positions.data(), positions.size() * 8, s).ok());
+      ASSERT_TRUE(dev->CopyAsync(d_list, list.data(), list_bytes, s).ok());
+      ASSERT_TRUE(dev->CopyAsync(d_count, count.data(), count_bytes, s).ok());
+      DecodeStepArgs a;
+      a.batch = batch;
+      a.num_kv_heads = hkv;
+      a.num_layers = layers;
+      a.layer = layer;
+      a.sink = sink;
+      a.window = window;
+      a.positions = static_cast<const int64_t*>(d_pos);
+      a.list = static_cast<int32_t*>(d_list);
+      a.list_count = static_cast<int32_t*>(d_count);
+      a.list_cap = cap;
+      const SplitListArgs sp{q10, static_cast<int32_t*>(d_gpu), static_cast<int32_t*>(d_gpu_count),
+                             static_cast<int32_t*>(h_cpu), static_cast<int32_t*>(h_cpu_count)};
+      ASSERT_TRUE(dev->SplitStepList(a, sp, s).ok());
+      std::vector<int32_t> gpu(list.size()), gpu_count(count.size());
+      ASSERT_TRUE(dev->CopyAsync(gpu.data(), d_gpu, list_bytes, s).ok());
+      ASSERT_TRUE(dev->CopyAsync(gpu_count.data(), d_gpu_count, count_bytes, s).ok());
+      ASSERT_TRUE(dev->SynchronizeStream(s).ok());
+      const int32_t* cpu = static_cast<const int32_t*>(h_cpu);
+      const int32_t* cpu_count = static_cast<const int32_t*>(h_cpu_count);
+      for (int64_t i = 0; i < items; ++i) {
+        const int64_t n = positions[static_cast<size_t>((i / hkv) * layers + layer)] + 1;
+        std::vector<int32_t> want_gpu, want_cpu;
+        const int32_t* l = list.data() + i * cap;
+        int64_t misses = 0;
+        for (int64_t j = 0; j < count[static_cast<size_t>(i)]; ++j) {
+          misses += !(l[j] < sink || l[j] >= n - window);
+        }
+        const int64_t to_cpu = (misses * q10) / 1024;
+        int64_t seen = 0;
+        for (int64_t j = 0; j < count[static_cast<size_t>(i)]; ++j) {
+          const bool miss = !(l[j] < sink || l[j] >= n - window);
+          (miss && seen++ >= misses - to_cpu ? want_cpu : want_gpu).push_back(l[j]);
+        }
+        ASSERT_EQ(gpu_count[static_cast<size_t>(i)], static_cast<int32_t>(want_gpu.size())) << "item " << i;
+        ASSERT_EQ(cpu_count[i], static_cast<int32_t>(want_cpu.size())) << "item " << i;
+        EXPECT_EQ(std::vector<int32_t>(gpu.begin() + i * cap, gpu.begin() + i * cap + gpu_count[static_cast<size_t>(i)]), want_gpu);
+        EXPECT_EQ(std::vector<int32_t>(cpu + i * cap, cpu + i * cap + cpu_count[i]), want_cpu);
+      }
+      for (void* p : {d_pos, d_list, d_count, d_gpu, d_gpu_count}) dev->FreeDevice(p);
+      for (void* p : {h_cpu, h_cpu_count}) dev->FreeHost(p);
+    }
+  }
+}
+
+// Sets KVFERRY_SPLIT_SHARE / KVFERRY_SPLIT_MIN_US for the runtimes created while it lives.
+struct SplitEnv {
+  SplitEnv(const char* name, const char* value) : name(name) { setenv(name, value, 1); }
+  ~SplitEnv() { unsetenv(name); }
+  const char* name;
+};
+
+// Route auto splits a device selection's misses with the CPU (forced here: KVFERRY_SPLIT_SHARE);
+// the outputs equal route gpu's (every miss read by the device) to fp32 rounding, the selections
+// are the same, every layer step counts as split, and the CPU attended exactly its rule's share
+// of the misses (from LastSelection: the positions neither sinks nor in the window).
+TEST(SchedulerSplit, OutputsEqualTheGpuRouteAndTheCpuTakesItsShare) {
+  for (const char* policy : {"oracle", "quest", "sparcas", "kvpop", "hip"}) {
+    for (const char* share : {"0.5", "1"}) {
+      SCOPED_TRACE(std::string(policy) + " share " + share);
+      RuntimeConfig c = PlanConfig(policy, 2);
+      c.policy.budget_tokens = 64;
+      c.cpu_threads = 2;
+      RuntimeConfig g = c;
+      g.route = Route::kGpu;
+      std::unique_ptr<Runtime> split, gpu;
+      {
+        const SplitEnv env("KVFERRY_SPLIT_SHARE", share);
+        split = Make(c);
+      }
+      gpu = Make(g);
+      ASSERT_TRUE(split && gpu);
+      Feeder f(c, 91);
+      const std::vector<SequenceId> seqs = {3, 4};
+      for (SequenceId s : seqs) {
+        ASSERT_TRUE(split->AddSequence(s).ok());
+        ASSERT_TRUE(gpu->AddSequence(s).ok());
+      }
+      f.Prefill({split.get(), gpu.get()}, 3, 250);
+      f.Prefill({split.get(), gpu.get()}, 4, 170);
+      const int32_t q10 = std::string(share) == "1" ? 1024 : 512;
+      for (int t = 0; t < 3; ++t) {
+        split->ResetStats();
+        ASSERT_TRUE(split->PlanDecode(seqs).ok());
+        ASSERT_TRUE(gpu->PlanDecode(seqs).ok());
+        for (int l = 0; l < c.model.num_layers; ++l) {
+          Feeder::Step in = f.Make(2);
+          std::vector<float> out_split, out_gpu;
+          ASSERT_TRUE(f.Decode(*split, seqs, l, in, out_split).ok());
+          ASSERT_TRUE(f.Decode(*gpu, seqs, l, in, out_gpu).ok());
+          double err = 0, ref = 0;
+          for (size_t i = 0; i < out_gpu.size(); ++i) {
+            err = std::max(err, static_cast<double>(std::fabs(out_split[i] - out_gpu[i])));
+            ref = std::max(ref, static_cast<double>(std::fabs(out_gpu[i])));
+          }
+          EXPECT_LE(err, 1e-5 * std::max(1.0, ref)) << "step " << t << " layer " << l;
+        }
+        const Stats st = split->GetStats();
+        EXPECT_EQ(st.decode_split, c.model.num_layers);
+        int64_t want_cpu = 0;
+        for (SequenceId s : seqs) {
+          for (int l = 0; l < c.model.num_layers; ++l) {
+            auto n = split->SequenceLength(s, l);
+            ASSERT_TRUE(n.ok());
+            for (int h = 0; h < c.model.num_kv_heads; ++h) {
+              auto a = split->LastSelection(s, l, h), b = gpu->LastSelection(s, l, h);
+              ASSERT_TRUE(a.ok() && b.ok());
+              EXPECT_EQ(a.value(), b.value());
+              int64_t misses = 0;
+              for (int32_t p : a.value()) {
+                misses += p >= c.tiers.sink_tokens && p < n.value() - c.tiers.window_tokens;
+              }
+              want_cpu += SplitCpuRows(misses, q10);
+            }
+          }
+        }
+        EXPECT_GT(want_cpu, 0);
+        EXPECT_EQ(st.rows_cpu, want_cpu) << "step " << t;
+      }
+      EXPECT_EQ(gpu->GetStats().decode_split, 0);
+    }
+  }
+}
+
+// Without the override the cost model decides: no split where the CPU's share is too small to pay
+// for its hand-over (KVFERRY_SPLIT_MIN_US, 30 us), the model's share (cpu / (cpu + pcie) of the
+// misses) where it is not; route gpu and KVFERRY_SPLIT=off never split, nor does a bank.
+TEST(SchedulerSplit, TheCostModelDecidesWhereTheShareIsWorthIt) {
+  auto run = [&](RuntimeConfig c) -> Stats {
+    auto rt = Make(c);
+    EXPECT_TRUE(rt);
+    if (!rt) return Stats{};
+    Feeder f(c, 5);
+    const std::vector<SequenceId> seqs = {1};
+    EXPECT_TRUE(rt->AddSequence(1).ok());
+    f.Prefill({rt.get()}, 1, 250);
+    rt->ResetStats();
+    EXPECT_TRUE(rt->PlanDecode(seqs).ok());
+    for (int l = 0; l < c.model.num_layers; ++l) {
+      Feeder::Step in = f.Make(1);
+      std::vector<float> out;
+      EXPECT_TRUE(f.Decode(*rt, seqs, l, in, out).ok());
+    }
+    return rt->GetStats();
+  };
+  RuntimeConfig c = PlanConfig("oracle", 2);
+  c.policy.budget_tokens = 128;
+  EXPECT_EQ(run(c).decode_split, 0);  // ~117 misses an item: under 1 us of CPU work
+  {
+    const SplitEnv env("KVFERRY_SPLIT_MIN_US", "0");
+    const Stats s = run(c);
+    EXPECT_EQ(s.decode_split, c.model.num_layers);
+    EXPECT_GT(s.rows_cpu, 0);
+    RuntimeConfig g = c;
+    g.route = Route::kGpu;
+    EXPECT_EQ(run(g).decode_split, 0);
+    RuntimeConfig b = c;
+    b.tiers.bank_slots = 256;
+    EXPECT_EQ(run(b).decode_split, 0);
+    const SplitEnv off("KVFERRY_SPLIT", "off");
+    EXPECT_EQ(run(c).decode_split, 0);
   }
 }
 

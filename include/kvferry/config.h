@@ -120,6 +120,8 @@ struct RuntimeConfig {
   /// Synchronize, ...), which rolls that layer back as the failed Decode would have. Taken on
   /// CUDA only when q, k, v and out are in device memory (host tensors are read / written before
   /// Decode returns).
+  /// The same thread runs the CPU share of route auto's split (a policy that selects on the
+  /// device, without a token bank): 0 turns the split off, every miss read over PCIe.
   int async_cpu = -1;
 };
 

@@ -18,6 +18,9 @@ struct Stats {
   int64_t decode_steps = 0;      ///< Decode calls (one layer of a batch each)
   int64_t decode_tokens = 0;     ///< sequence-layer decodes (batch size summed)
   int64_t decode_planned = 0;    ///< Decode calls that ran a planned step (no host work but launches)
+  /// Planned layer steps whose misses the scheduler split between PCIe and the CPU cores (route
+  /// auto, a device selection without a token bank; their CPU share counts in rows_cpu)
+  int64_t decode_split = 0;
   int64_t decode_plans = 0;      ///< plans built: PlanDecode calls and Decode calls that planned themselves
   /// Times a Decode or PlanDecode call made the host wait for the device (stream or event
   /// synchronisation). Zero in a steady planned step of a device-selecting policy with device
