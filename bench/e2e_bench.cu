@@ -576,6 +576,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
       << ",\"ms_attend_device_per_step\":" << st_timed.ms_attend_device / o.steps
       << ",\"cost_hbm_gbps\":" << st_timed.cost_hbm_gbps << ",\"cost_h2d_gbps\":" << st_timed.cost_h2d_gbps
       << ",\"cost_pcie_gbps\":" << st_timed.cost_pcie_gbps
+      << ",\"split_share\":" << sp.split_share
       << ",\"cost_select_gbps_measured\":" << st_timed.cost_select_gbps_measured
       << ",\"cost_attend_gbps_measured\":" << st_timed.cost_attend_gbps_measured
       << ",\"select_key_bytes_per_step\":" << sp.select_key_bytes / steps

@@ -117,6 +117,7 @@ std::string Stats::ToJson() const {
      << ",\"ms_attend_cpu\":" << ms_attend_cpu << ",\"ms_merge\":" << ms_merge << ",\"ms_admit\":" << ms_admit
      << ",\"ms_prefill\":" << ms_prefill << ",\"ms_prime\":" << ms_prime
      << ",\"cost_pcie_gbps\":" << cost_pcie_gbps
+     << ",\"split_share\":" << split_share
      << ",\"cost_cpu_gbps\":" << cost_cpu_gbps << ",\"ms_cpu_attend_busy\":" << ms_cpu_attend_busy
      << ",\"cost_cpu_gbps_measured\":" << cost_cpu_gbps_measured
      << ",\"cost_h2d_gbps\":" << cost_h2d_gbps << ",\"cost_hbm_gbps\":" << cost_hbm_gbps

@@ -520,6 +520,15 @@ Status RuntimeImpl::RunSplitPart(const CpuPartJob& job) {
     cpu::MergeLseRef(o0, lse0, o, lse, group_, d);
   }
   stats_.rows_cpu += rows;
+  // The branches' balance: the device's part done before this one means the CPU took too much.
+  // (Unknown when the caller has not enqueued its event yet: no move.)
+  if (job.balance && split_recorded_.load(std::memory_order_acquire) == job.ticket) {
+    const int32_t was = split_q10_.load(std::memory_order_relaxed);
+    const int32_t from = was >= 0 ? was : job.q10;
+    const int32_t step = device_->EventDone(split_step_done_) ? -kSplitShareStep : kSplitShareStep;
+    split_q10_.store(std::clamp(from + step, kSplitShareStep, 1024 - kSplitShareStep),
+                     std::memory_order_relaxed);
+  }
   if (trace_.on()) trace_.Span("cpu_split", "cpu", t0, TraceRecorder::Clock::now(), job.layer);
   Stage(stats_.ms_attend_cpu, "attend_cpu", t0);
   return Status::Ok();

@@ -70,6 +70,7 @@ Status RuntimeImpl::InitStepBuffers() {
                          Alloc(static_cast<size_t>(cap.max_batch) * per_token * sizeof(float) + 256, true));
     KVF_ASSIGN_OR_RETURN(cpu_part_up_, device_->CreateEvent());
     KVF_ASSIGN_OR_RETURN(split_ready_, device_->CreateEvent());
+    KVF_ASSIGN_OR_RETURN(split_step_done_, device_->CreateEvent());
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.split_list, false));
     split_gpu_list_ = static_cast<int32_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.split_count, false));
@@ -821,8 +822,9 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       stats_.select_key_bytes += key_bytes * hkv;
       stats_.decode_split += 1;
       Stage(stats_.ms_attend_gpu, "attend_gpu", t1);
+      split_last_q10_ = split_q10;
       return HandOverDecodeCpuPart(a, false, layer, planned, true, q_down, k, v, out, out_direct,
-                                   stream, true);
+                                   stream, split_q10);
     }
   }
   // The step rewrites its region's staging and miss lists: the admission that last read them
@@ -973,7 +975,8 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
                                           bool planned, bool inputs_on_host,
                                           const TensorView& q_host, const TensorView& k_host,
                                           const TensorView& v_host, const TensorView& out,
-                                          bool out_direct, StreamHandle stream, bool split) {
+                                          bool out_direct, StreamHandle stream,
+                                          int32_t split_q10) {
   const ModelShape& m = config_.model;
   const int64_t batch = static_cast<int64_t>(batch_slots_.size());
   const int64_t rows = batch * m.num_q_heads;
@@ -983,7 +986,10 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
   // bank.)
   CommitDecodeStep(layer, planned);
   CpuPartJob job;
+  const bool split = split_q10 > 0;
   job.split = split;
+  job.q10 = split_q10;
+  job.balance = split && !host && split_share_env_ < 0.0;
   job.layer = layer;
   job.inputs_on_host = inputs_on_host;
   job.stream = stream;
@@ -1024,6 +1030,10 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
   const auto tl = trace_.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
   Status st = scan_deferred ? EnqueueDeviceScan() : Status::Ok();
   if (st.ok()) st = device_->DecodeStep(a, stream);
+  if (st.ok() && job.balance) {
+    st = device_->RecordEvent(split_step_done_, stream);
+    if (st.ok()) split_recorded_.store(job.ticket, std::memory_order_release);
+  }
   if (trace_.on()) trace_.Span("launch_step", "launch", tl, TraceRecorder::Clock::now());
   if (st.ok()) st = device_->WaitHostValue(cpu_word_, job.ticket, stream);
   if (st.ok() && !host) {
@@ -1061,6 +1071,9 @@ int32_t RuntimeImpl::SplitShare(int64_t offloaded) const {
   const double cpu_us = static_cast<double>(offloaded) * frac * 2.0 * static_cast<double>(row_bytes_) /
                         (cost_.cpu_gbps * 1e3);
   if (cpu_us < split_min_us_) return 0;
+  // The share the steps balanced (CUDA), else the model's.
+  const int32_t balanced = split_q10_.load(std::memory_order_relaxed);
+  if (balanced >= 0) return balanced;
   return static_cast<int32_t>(std::clamp<int64_t>(std::llround(frac * 1024.0), 0, 1024));
 }
 

@@ -1583,6 +1583,7 @@ Stats RuntimeImpl::stats() const {
   s.host_bytes_reserved = store_->bytes_reserved();
   s.device_bytes_reserved = device_->device_bytes_held();
   s.cost_pcie_gbps = cost_.pcie_gbps;
+  s.split_share = static_cast<double>(split_last_q10_) / 1024.0;
   s.cost_cpu_gbps = cost_.cpu_gbps;
   s.ms_cpu_attend_busy = static_cast<double>(cpu_attend_ns_.load(std::memory_order_relaxed)) * 1e-6;
   const PolicyCounters pc = policy_->counters();

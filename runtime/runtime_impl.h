@@ -655,6 +655,8 @@ class RuntimeImpl {
     bool planned = false;
     uint32_t ticket = 0;
     bool split = false;  // the CPU share of a split step (RunSplitPart), not a CPU step's Select
+    int32_t q10 = 0;     // its share of the misses (1024ths)
+    bool balance = false;  // RunSplitPart moves split_q10_ by what it finds (CUDA, no override)
   };
   bool cpu_async_ = false;
   uint32_t* cpu_word_ = nullptr;  // pinned: [0] the ticket of the last part done, [1] a wait timed out
@@ -686,6 +688,15 @@ class RuntimeImpl {
   int32_t* split_cpu_list_ = nullptr;   // pinned, mapped: [max_batch * Hkv][list_cap_]
   int32_t* split_cpu_count_ = nullptr;  // pinned, mapped: [max_batch * Hkv]
   EventHandle split_ready_ = nullptr;
+  // The balance of the two branches, measured (CUDA, the model's share): after the step over the
+  // device's share the stream records split_step_done_ (split_recorded_ = the job's ticket once
+  // it is enqueued); the CPU part, done, asks whether it completed: yes moves the share
+  // (split_q10_) kSplitShareStep down, no moves it up. -1: not moved yet (the model's).
+  EventHandle split_step_done_ = nullptr;
+  std::atomic<uint32_t> split_recorded_{0};
+  std::atomic<int32_t> split_q10_{-1};
+  int32_t split_last_q10_ = 0;  // the share of the last split step (Stats::split_share)
+  static constexpr int32_t kSplitShareStep = 16;
   // KVFERRY_SPLIT_SHARE=f in [0, 1]: every split step gives the CPU f of its misses (measuring
   // the share); unset (-1): the cost model's, when the CPU's share is worth split_min_us_.
   double split_share_env_ = -1.0;
@@ -721,7 +732,7 @@ class RuntimeImpl {
                                bool inputs_on_host, const TensorView& q_host,
                                const TensorView& k_host, const TensorView& v_host,
                                const TensorView& out, bool out_direct, StreamHandle stream,
-                               bool split = false);
+                               int32_t split_q10 = 0);
   // CUDA, bank_slots > 0, a policy that selects on the host (Select: hip, kvpop, lfps, streaming,
   // the PrHS wrappers), route gpu: the planned step with the device bank. Per layer q, k and v go
   // to the host (q_raw_host_, q_ready_), the host writes the new token's store rows and selects

@@ -80,6 +80,10 @@ struct Stats {
   double ms_prime = 0;
 
   double cost_pcie_gbps = 0;     ///< scheduler's GPU-route rate: zero-copy gather GB/s (probed on CUDA)
+  /// The CPU's share of a split step's misses (route auto's split inside the planned step) the
+  /// last split step used: the cost model's first, then moved by the steps on CUDA, a step down
+  /// when the device's part had finished before the CPU's, up when not. 0 before any split.
+  double split_share = 0;
   double cost_cpu_gbps = 0;      ///< scheduler's CPU-route rate: sparse attention GB/s (probed)
   /// Thread-milliseconds the CPU route's attention kernels took over the rows_cpu rows (summed
   /// over the pool's threads; each kernel call timed on its thread), in every decode path.

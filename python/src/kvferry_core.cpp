@@ -255,6 +255,7 @@ nb::dict StatsDict(const Stats& s) {
   KVF_STAT(ms_admit);
   KVF_STAT(ms_prefill);
   KVF_STAT(cost_pcie_gbps);
+  KVF_STAT(split_share);
   KVF_STAT(cost_cpu_gbps);
   KVF_STAT(ms_cpu_attend_busy);
   KVF_STAT(cost_cpu_gbps_measured);
