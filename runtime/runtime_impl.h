@@ -701,7 +701,7 @@ class RuntimeImpl {
   // the share); unset (-1): the cost model's, when the CPU's share is worth split_min_us_.
   double split_share_env_ = -1.0;
   // The CPU's share must hold this many microseconds of its work (the hand-over, the pool's
-  // fork-join and the device's wait cost about 20 us a layer): KVFERRY_SPLIT_MIN_US, 30.
+  // fork-join and the device's wait: about 20 us a layer, estimated): KVFERRY_SPLIT_MIN_US, 30.
   double split_min_us_ = 30.0;
   std::vector<const void*> split_rows_;  // K then V row addresses, per item [2][list_cap_]
   struct SplitUnit {
