@@ -167,14 +167,9 @@ class Device {
   }
   /// The scheduler's split of a step's selection (see SplitListArgs): on \p stream after the
   /// DecodeSelect that wrote step.list; never allocates, never synchronises (not in a CUDA graph:
-  /// the runtime's CPU share of the split is host work). A device without it: kUnimplemented.
+  /// the runtime's CPU share of the split is host work).
   virtual Status SplitStepList(const DecodeStepArgs& step, const SplitListArgs& split,
-                               StreamHandle stream) {
-    (void)step;
-    (void)split;
-    (void)stream;
-    return Unimplemented("this device cannot split a step's selection");
-  }
+                               StreamHandle stream) = 0;
   /// Recomputes the page bounds (SelectScoring::kQuestPages) of a stored chunk's pages from the
   /// host store, on \p stream after the chunk's writes.
   virtual Status PageBounds(const PageBoundsArgs& args, StreamHandle stream) = 0;

@@ -225,6 +225,35 @@ void RuntimeImpl::TakeScanCounts() {
   }
 }
 
+void RuntimeImpl::AttendInParts(int64_t item, const float* q32, float* o, float* lse,
+                                const void** ck, const void** cv, int32_t n, int threads) {
+  // Over the item's share of the pool when the rows are many: each range its own (o, lse),
+  // merged exactly in range order (the rows are scattered: DRAM-latency bound).
+  const int d = config_.model.head_dim;
+  const int64_t gd = static_cast<int64_t>(group_) * d;
+  const AttnParams params{group_, d, config_.model.kv_dtype, scale_};
+  const int parts = std::clamp<int>(std::min<int>(threads, n / kAttendMinRows), 1, kAttendMaxParts);
+  const int64_t part_floats = static_cast<int64_t>(group_) * (d + 1);
+  float* spill = attend_parts_.data() + item * (kAttendMaxParts - 1) * part_floats;
+  auto attend = [&](int part) {
+    const int32_t lo = static_cast<int32_t>(int64_t{n} * part / parts);
+    const int32_t hi = static_cast<int32_t>(int64_t{n} * (part + 1) / parts);
+    float* po = part == 0 ? o : spill + (part - 1) * part_floats;
+    float* pl = part == 0 ? lse : po + gd;
+    const RowAttnItem it{q32, po, pl, ck + lo, cv + lo, hi - lo};
+    AttendTimed([&] { cpu::AttendRows(params, &it, 1); });
+  };
+  if (parts == 1) {
+    attend(0);
+    return;
+  }
+  tbb::this_task_arena::isolate([&] { tbb::parallel_for(0, parts, attend); });
+  for (int part = 1; part < parts; ++part) {
+    const float* po = spill + (part - 1) * part_floats;
+    cpu::MergeLseRef(o, lse, po, po + gd, group_, d);
+  }
+}
+
 Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
                                  std::span<const int64_t> positions, const TensorView& q,
                                  const TensorView& k, const TensorView& v, int32_t* lists,
@@ -311,30 +340,7 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
     }
     if (n_cpu > 0) {
       const auto ta = trace_.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
-      // Over the item's share of the pool when the picks are many: each range its own (o, lse),
-      // merged exactly in range order (the picks are scattered rows: DRAM-latency bound).
-      const int parts = attend_split_ ? std::clamp<int>(std::min<int>(select_threads, n_cpu / kAttendMinRows),
-                                                        1, kAttendMaxParts)
-                                      : 1;
-      const int64_t part_floats = static_cast<int64_t>(group_) * (d + 1);
-      float* spill = attend_parts_.data() + i * (kAttendMaxParts - 1) * part_floats;
-      auto attend = [&](int part) {
-        const int32_t lo = static_cast<int32_t>(int64_t{n_cpu} * part / parts);
-        const int32_t hi = static_cast<int32_t>(int64_t{n_cpu} * (part + 1) / parts);
-        float* po = part == 0 ? o : spill + (part - 1) * part_floats;
-        float* pl = part == 0 ? lse : po + gd;
-        const RowAttnItem it{q32, po, pl, ck + lo, cv + lo, hi - lo};
-        AttendTimed([&] { cpu::AttendRows(params, &it, 1); });
-      };
-      if (parts == 1) {
-        attend(0);
-      } else {
-        tbb::this_task_arena::isolate([&] { tbb::parallel_for(0, parts, attend); });
-        for (int part = 1; part < parts; ++part) {
-          const float* po = spill + (part - 1) * part_floats;
-          cpu::MergeLseRef(o, lse, po, po + gd, group_, d);
-        }
-      }
+      AttendInParts(i, q32, o, lse, ck, cv, n_cpu, attend_split_ ? select_threads : 1);
       if (trace_.on()) trace_.Span("cpu_attend", "cpu", ta, TraceRecorder::Clock::now(), i);
     }
     cpu_items_[i].count = n_cpu;  // the stats below read the split back
@@ -439,7 +445,7 @@ void RuntimeImpl::HandOverCpuPart(const CpuPartJob& job) {
 }
 
 Status RuntimeImpl::RunCpuPart(const CpuPartJob& job) {
-  if (job.split) return RunSplitPart(job);
+  if (job.q10 > 0) return RunSplitPart(job);
   const auto t0 = TraceRecorder::Clock::now();
   Status st = job.inputs_on_host ? Status::Ok() : HostWaitEvent(q_ready_);
   if (st.ok()) {
@@ -463,62 +469,36 @@ Status RuntimeImpl::RunSplitPart(const CpuPartJob& job) {
   }
   const ModelShape& m = config_.model;
   const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
-  const int64_t batch = job.batch, items = batch * hkv, gd = static_cast<int64_t>(group_) * d;
-  const int64_t nq = batch * hq * d;
-  for (int64_t i = 0; i < nq; ++i) q_host_[i] = cpu::LoadAsF32(job.q.data, job.q.dtype, i);
-  // Items without a share contribute nothing to the merge: lse = -inf.
-  std::fill_n(o_cpu_host_, nq, 0.0f);
-  std::fill_n(lse_cpu_host_, batch * hq, -std::numeric_limits<float>::infinity());
-  split_units_.clear();
-  int64_t rows = 0;
-  for (int64_t i = 0; i < items; ++i) {
-    const int32_t c = split_cpu_count_[i];
-    rows += c;
-    if (c <= 0) continue;
-    const int32_t parts = static_cast<int32_t>(std::clamp<int64_t>(c / kSplitMinRows, 1, kSplitMaxParts));
-    const int32_t per = (c + parts - 1) / parts;
-    for (int32_t p = 0; p < parts && p * per < c; ++p) {
-      split_units_.push_back(SplitUnit{i, p * per, std::min(c, (p + 1) * per), p});
-    }
-  }
-  const AttnParams params{group_, d, m.kv_dtype, scale_};
-  const size_t part_floats = static_cast<size_t>(group_) * (d + 1);
-  auto part_out = [&](const SplitUnit& u, float*& o, float*& lse) {
-    const int64_t b = u.item / hkv, h = u.item % hkv;
-    if (u.part == 0) {
-      o = o_cpu_host_ + b * hq * d + h * gd;
-      lse = lse_cpu_host_ + b * hq + h * group_;
-    } else {
-      o = split_parts_.data() + (static_cast<size_t>(u.item) * (kSplitMaxParts - 1) + u.part - 1) * part_floats;
-      lse = o + gd;
-    }
-  };
-  pool_->ParallelFor(static_cast<int64_t>(split_units_.size()), [&](int64_t t) {
-    const SplitUnit& u = split_units_[static_cast<size_t>(t)];
-    const int64_t b = u.item / hkv;
-    const int h = static_cast<int>(u.item % hkv);
+  const int64_t items = job.batch * hkv, gd = static_cast<int64_t>(group_) * d;
+  const size_t q_elem = DTypeSize(job.q.dtype);
+  const auto* q_src = static_cast<const char*>(job.q.data);
+  const int threads = SelectThreads(items);
+  // One pool task an item, as a CPU step's (SelectOnHost): its q to fp32, its rows' addresses
+  // from the host store, their attention (AttendInParts); an item without a share contributes
+  // nothing to the merge (lse = -inf).
+  pool_->ParallelFor(items, [&](int64_t i) {
+    const int64_t b = i / hkv;
+    const int h = static_cast<int>(i % hkv);
     const int slot = batch_slots_[static_cast<size_t>(b)];
-    const int32_t* list = split_cpu_list_ + u.item * list_cap_;
-    const void** kr = split_rows_.data() + u.item * 2 * list_cap_;
-    const void** vr = kr + list_cap_;
-    for (int32_t j = u.begin; j < u.end; ++j) {
-      kr[j] = store_->k_row(slot, job.layer, h, list[j]);
-      vr[j] = store_->v_row(slot, job.layer, h, list[j]);
+    float* q32 = q_host_ + b * hq * d + h * gd;
+    float* o = o_cpu_host_ + b * hq * d + h * gd;
+    float* lse = lse_cpu_host_ + b * hq + h * group_;
+    std::fill_n(lse, group_, -std::numeric_limits<float>::infinity());
+    std::fill_n(o, gd, 0.0f);
+    const int32_t c = split_cpu_count_[i];
+    if (c <= 0) return;
+    cpu::ConvertSpan(q32, DType::kF32, q_src + (b * hq * d + h * gd) * q_elem, job.q.dtype, gd);
+    const int32_t* list = split_cpu_list_ + i * list_cap_;
+    const void** ck = cpu_k_rows_ + i * item_cap_;
+    const void** cv = cpu_v_rows_ + i * item_cap_;
+    for (int32_t j = 0; j < c; ++j) {
+      ck[j] = store_->k_row(slot, job.layer, h, list[j]);
+      cv[j] = store_->v_row(slot, job.layer, h, list[j]);
     }
-    float* o = nullptr;
-    float* lse = nullptr;
-    part_out(u, o, lse);
-    const RowAttnItem it{q_host_ + b * hq * d + h * gd, o, lse, kr + u.begin, vr + u.begin, u.end - u.begin};
-    AttendTimed([&] { cpu::AttendRows(params, &it, 1); });
+    AttendInParts(i, q32, o, lse, ck, cv, c, threads);
   });
-  // The later parts into part 0, in order (exact log-sum-exp merge).
-  for (const SplitUnit& u : split_units_) {
-    if (u.part == 0) continue;
-    float *o0 = nullptr, *lse0 = nullptr, *o = nullptr, *lse = nullptr;
-    part_out(SplitUnit{u.item, 0, 0, 0}, o0, lse0);
-    part_out(u, o, lse);
-    cpu::MergeLseRef(o0, lse0, o, lse, group_, d);
-  }
+  int64_t rows = 0;
+  for (int64_t i = 0; i < items; ++i) rows += split_cpu_count_[i];
   stats_.rows_cpu += rows;
   // The branches' balance: the device's part done before this one means the CPU took too much.
   // (Unknown when the caller has not enqueued its event yet: no move.)
@@ -569,7 +549,7 @@ Status RuntimeImpl::RollBackCpuPart(const CpuPartJob& job, Status failure) {
   stats_.decode_steps -= 1;
   stats_.decode_tokens -= job.batch;
   stats_.decode_planned -= job.planned ? 1 : 0;
-  stats_.decode_split -= job.split ? 1 : 0;
+  stats_.decode_split -= job.q10 > 0 ? 1 : 0;
   return RollBackDecode(batch_slots_, job.layer, job.stream, std::move(failure));
 }
 

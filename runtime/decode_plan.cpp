@@ -46,7 +46,10 @@ Status RuntimeImpl::InitStepBuffers() {
   // planned step because its bank is on the device.
   if (!fast_path_ && !cpu_step_ && !host_lists_) return Status::Ok();
   void* p = nullptr;
-  if (cpu_step_ || host_lists_) {
+  // The scheduler's split (route auto, a device selection without a bank): its CPU share runs on
+  // the runtime's thread with a CPU step's pinned q staging, events and attention partials.
+  split_ = z.split;
+  if (cpu_step_ || host_lists_ || split_) {
     // q, k and v of a step as the caller gave them (4 bytes an element at most).
     const size_t per_token = static_cast<size_t>(m.num_q_heads + 2 * m.num_kv_heads) * m.head_dim;
     KVF_ASSIGN_OR_RETURN(q_raw_host_,
@@ -54,21 +57,14 @@ Status RuntimeImpl::InitStepBuffers() {
     KVF_ASSIGN_OR_RETURN(q_ready_, device_->CreateEvent());
     KVF_ASSIGN_OR_RETURN(cpu_part_up_, device_->CreateEvent());
     // The CPU attention's partial results when an item's picks are split over pool threads
-    // (SelectOnHost); KVFERRY_CPU_ATTEND_SPLIT=0 attends each item's picks on its own thread.
+    // (AttendInParts); KVFERRY_CPU_ATTEND_SPLIT=0 attends each item's picks on its own thread.
     attend_split_ = !EnvIs("KVFERRY_CPU_ATTEND_SPLIT", "0");
     attend_parts_.assign(static_cast<size_t>(cap.max_batch) * m.num_kv_heads * (kAttendMaxParts - 1) *
                              static_cast<size_t>(group_) * (m.head_dim + 1),
                          0.0f);
   }
-  // The scheduler's split (route auto, a device selection without a bank): its CPU share runs on
-  // the runtime's thread, with q, k and v's pinned staging and the events of a CPU step.
-  split_ = z.split;
   if (split_) {
     const int64_t items = int64_t{cap.max_batch} * m.num_kv_heads;
-    const size_t per_token = static_cast<size_t>(m.num_q_heads + 2 * m.num_kv_heads) * m.head_dim;
-    KVF_ASSIGN_OR_RETURN(q_raw_host_,
-                         Alloc(static_cast<size_t>(cap.max_batch) * per_token * sizeof(float) + 256, true));
-    KVF_ASSIGN_OR_RETURN(cpu_part_up_, device_->CreateEvent());
     KVF_ASSIGN_OR_RETURN(split_ready_, device_->CreateEvent());
     KVF_ASSIGN_OR_RETURN(split_step_done_, device_->CreateEvent());
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.split_list, false));
@@ -79,9 +75,6 @@ Status RuntimeImpl::InitStepBuffers() {
     split_cpu_list_ = static_cast<int32_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(items) * sizeof(int32_t), true));
     split_cpu_count_ = static_cast<int32_t*>(p);
-    split_rows_.assign(static_cast<size_t>(items * z.list_cap) * 2, nullptr);
-    split_units_.reserve(static_cast<size_t>(items) * kSplitMaxParts);
-    split_parts_.assign(static_cast<size_t>(items) * (kSplitMaxParts - 1) * group_ * (m.head_dim + 1), 0.0f);
     const double share = EnvDouble("KVFERRY_SPLIT_SHARE", -1.0);
     split_share_env_ = share >= 0.0 ? std::min(share, 1.0) : -1.0;
     split_min_us_ = std::max(0.0, EnvDouble("KVFERRY_SPLIT_MIN_US", 30.0));
@@ -987,7 +980,6 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
   CommitDecodeStep(layer, planned);
   CpuPartJob job;
   const bool split = split_q10 > 0;
-  job.split = split;
   job.q10 = split_q10;
   job.balance = split && !host && split_share_env_ < 0.0;
   job.layer = layer;
@@ -1065,9 +1057,7 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
 int32_t RuntimeImpl::SplitShare(int64_t offloaded) const {
   if (split_share_env_ >= 0.0) return static_cast<int32_t>(std::llround(split_share_env_ * 1024.0));
   if (offloaded <= 0) return 0;
-  // Both branches end together when the CPU reads c rows at cpu_gbps while the device gathers
-  // the other (misses - c) over PCIe at pcie_gbps (CpuShare's rule): c = misses * cpu / (cpu + pcie).
-  const double frac = cost_.cpu_gbps / (cost_.cpu_gbps + cost_.pcie_gbps);
+  const double frac = CpuFraction(cost_);  // both branches end together (runtime/scheduler.h)
   const double cpu_us = static_cast<double>(offloaded) * frac * 2.0 * static_cast<double>(row_bytes_) /
                         (cost_.cpu_gbps * 1e3);
   if (cpu_us < split_min_us_) return 0;

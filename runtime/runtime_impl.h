@@ -654,8 +654,7 @@ class RuntimeImpl {
     int64_t batch = 0;
     bool planned = false;
     uint32_t ticket = 0;
-    bool split = false;  // the CPU share of a split step (RunSplitPart), not a CPU step's Select
-    int32_t q10 = 0;     // its share of the misses (1024ths)
+    int32_t q10 = 0;  // > 0: a split step's CPU share (RunSplitPart) of q10 / 1024 of the misses
     bool balance = false;  // RunSplitPart moves split_q10_ by what it finds (CUDA, no override)
   };
   bool cpu_async_ = false;
@@ -703,18 +702,6 @@ class RuntimeImpl {
   // The CPU's share must hold this many microseconds of its work (the hand-over, the pool's
   // fork-join and the device's wait: about 20 us a layer, estimated): KVFERRY_SPLIT_MIN_US, 30.
   double split_min_us_ = 30.0;
-  std::vector<const void*> split_rows_;  // K then V row addresses, per item [2][list_cap_]
-  struct SplitUnit {
-    int64_t item;
-    int32_t begin, end, part;
-  };
-  std::vector<SplitUnit> split_units_;  // reserved: items * kSplitMaxParts
-  // An item's CPU share attended in up to kSplitMaxParts ranges of >= kSplitMinRows rows (pool
-  // tasks); parts 1.. write [item][part - 1] of split_parts_ (o: group x head_dim, then lse:
-  // group), merged into part 0's in order.
-  static constexpr int kSplitMaxParts = 8;
-  static constexpr int64_t kSplitMinRows = 256;
-  std::vector<float> split_parts_;
   // The CPU's share of this layer's misses in 1024ths (0: no split), from the rows the step's
   // items select beyond the resident ones (\p offloaded, all items).
   int32_t SplitShare(int64_t offloaded) const;
@@ -780,6 +767,10 @@ class RuntimeImpl {
   static constexpr int32_t kAttendMinRows = 128;
   bool attend_split_ = true;
   std::vector<float> attend_parts_;
+  // Attends \p n rows (\p ck, \p cv) of item \p item for q32 into (o, lse), in up to
+  // min(threads, kAttendMaxParts) ranges as above: a CPU step's picks, a split step's CPU share.
+  void AttendInParts(int64_t item, const float* q32, float* o, float* lse, const void** ck,
+                     const void** cv, int32_t n, int threads);
   Status WaitScanRanking();
   // The lists' lengths from the device's counts, into scan_view_ (once they arrived).
   void TakeScanCounts();

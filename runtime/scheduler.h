@@ -22,17 +22,21 @@ struct CostModel {
   double hbm_gbps = 3000.0;
 };
 
-/// Rows of \p misses to attend on the CPU so both branches finish together: the GPU branch moves
-/// (misses - c) rows over PCIe, the CPU branch reads c rows from DRAM, so
+/// The fraction of the misses the CPU attends so both branches finish together: the GPU branch
+/// moves (misses - c) rows over PCIe, the CPU branch reads c rows from DRAM, so
 /// c = misses * cpu / (cpu + pcie).
+inline double CpuFraction(const CostModel& model) {
+  return model.cpu_gbps / (model.cpu_gbps + model.pcie_gbps);
+}
+
+/// Rows of \p misses to attend on the CPU on \p route (CpuFraction's share with auto).
 inline int64_t CpuShare(Route route, const CostModel& model, int64_t misses) {
   switch (route) {
     case Route::kGpu: return 0;
     case Route::kCpu: return misses;
     case Route::kAuto: break;
   }
-  const double frac = model.cpu_gbps / (model.cpu_gbps + model.pcie_gbps);
-  return std::clamp<int64_t>(std::llround(static_cast<double>(misses) * frac), 0, misses);
+  return std::clamp<int64_t>(std::llround(static_cast<double>(misses) * CpuFraction(model)), 0, misses);
 }
 
 }  // namespace kvferry

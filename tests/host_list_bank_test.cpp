@@ -125,6 +125,9 @@ class CudaPosingDevice final : public Device {
     return inner_->PrimeAttention(a, s);
   }
   Status LfpsScan(const LfpsScanArgs& a, StreamHandle s) override { return inner_->LfpsScan(a, s); }
+  Status SplitStepList(const DecodeStepArgs& a, const SplitListArgs& sp, StreamHandle s) override {
+    return inner_->SplitStepList(a, sp, s);
+  }
   size_t stream_scratch_bytes() const override { return inner_->stream_scratch_bytes(); }
   Status MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t rows,
                   int head_dim, void* out, DType out_dtype, StreamHandle s) override {
