@@ -245,6 +245,10 @@ struct StepBankView {
   int32_t miss_cap = 0;
   void* admit = nullptr;        ///< [batch * num_kv_heads] admission items, written by the step
   unsigned long long* hits = nullptr;  ///< rows read from the bank (device counter)
+  /// 1: every miss's K and V rows are already at its list index in stage (Device::PrefetchListRows
+  /// ran over this list and table before the step); the step reads them there instead of the host
+  /// store, and still lists them for the admission. 0: the step reads and stages them itself.
+  int32_t staged = 0;
 };
 
 /// One layer of a planned decode step for a batch (the Runtime's run path), executed by

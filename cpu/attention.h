@@ -131,6 +131,11 @@ void DecodeSelect(const DecodeStepArgs& args);
 /// \p step (its batch, slots, positions, list and list_count), and the reference of the CUDA one.
 void SplitStepList(const DecodeStepArgs& step, const SplitListArgs& split);
 
+/// The host implementation of Device::PrefetchListRows over \p next's items (its layer, list,
+/// bank view and stage), and the reference of the CUDA one. A view with neither map holds nothing:
+/// every non-resident entry is a miss.
+void PrefetchListRows(const DecodeStepArgs& next);
+
 /// The host implementation of Device::PageBounds (see PageBoundsArgs).
 void PageBounds(const PageBoundsArgs& args);
 

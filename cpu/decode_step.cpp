@@ -16,6 +16,7 @@
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
 #include "cpu/reference.h"
+#include "offload/token_bank.h"
 
 namespace kvferry::cpu {
 namespace {
@@ -577,6 +578,49 @@ void SplitStepList(const DecodeStepArgs& a, const SplitListArgs& s) {
       }
       s.gpu_count[item] = static_cast<int32_t>(n_gpu);
       s.cpu_count[item] = static_cast<int32_t>(n_cpu);
+    }
+  }
+}
+
+void PrefetchListRows(const DecodeStepArgs& a) {
+  const size_t row_bytes = static_cast<size_t>(a.params.head_dim) * DTypeSize(a.params.kv_dtype);
+  const uint32_t pt = static_cast<uint32_t>(a.page_tokens);
+  const StepBankView& bank = a.bank;
+  for (int32_t b = 0; b < a.batch; ++b) {
+    const int64_t slot = a.slots[b];
+    const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+    for (int32_t h = 0; h < a.num_kv_heads; ++h) {
+      const int64_t item = static_cast<int64_t>(b) * a.num_kv_heads + h;
+      const int64_t t = (slot * a.num_layers + a.layer) * a.num_kv_heads + h;
+      const int32_t* list = a.list + item * a.list_cap;
+      char* stage = bank.stage + static_cast<size_t>(item * a.list_cap) * 2 * row_bytes;
+      for (int64_t j = 0; j < a.list_count[item]; ++j) {
+        const int32_t pos = list[j];
+        if (ResidentRowOf(pos, n, a.sink, a.window) >= 0) continue;
+        bool hit = false;
+        if (bank.vmap != nullptr) {
+          hit = bank.vmap[t * bank.max_positions + pos] != 0xffff;
+        } else if (bank.hmap != nullptr) {
+          // HashPageMap's probing (gpu/bank_map.cuh): packed (pos << 32 | slot), ~0 empty.
+          const unsigned long long* table = bank.hmap + (t << bank.hash_log2);
+          const uint32_t mask = (1u << bank.hash_log2) - 1;
+          uint32_t i = HashPageMap::Bucket(pos, bank.hash_log2);
+          for (uint32_t k = 0; k <= mask; ++k, i = (i + 1) & mask) {
+            const unsigned long long e = table[i];
+            if (e == ~0ull) break;
+            if (static_cast<int32_t>(e >> 32) == pos) {
+              hit = true;
+              break;
+            }
+          }
+        }
+        if (hit) continue;
+        const uint32_t p = static_cast<uint32_t>(pos) / pt, off = static_cast<uint32_t>(pos) % pt;
+        const char* page = static_cast<const char*>(a.pages[t * a.max_pages + p]);
+        std::memcpy(stage + static_cast<size_t>(j) * 2 * row_bytes, page + off * row_bytes, row_bytes);
+        std::memcpy(stage + (static_cast<size_t>(j) * 2 + 1) * row_bytes, page + (pt + off) * row_bytes,
+                    row_bytes);
+      }
     }
   }
 }

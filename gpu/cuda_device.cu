@@ -349,6 +349,11 @@ Status CudaDevice::SplitStepList(const DecodeStepArgs& step, const SplitListArgs
   return LaunchSplitStepList(step, split, Resolve(stream));
 }
 
+Status CudaDevice::PrefetchListRows(const DecodeStepArgs& next, StreamHandle stream) {
+  KVF_RETURN_IF_ERROR(Activate());
+  return LaunchPrefetchListRows(next, info_, Resolve(stream));
+}
+
 Status CudaDevice::DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) {
   KVF_RETURN_IF_ERROR(Activate());
   return LaunchDecodeSelect(args, info_, Resolve(stream));

@@ -67,6 +67,7 @@ class CudaDevice final : public Device {
   Status DecodeSelectDeferred(const DecodeStepArgs& args, StreamHandle stream) override;
   Status SplitStepList(const DecodeStepArgs& step, const SplitListArgs& split,
                        StreamHandle stream) override;
+  Status PrefetchListRows(const DecodeStepArgs& next, StreamHandle stream) override;
   Status PageBounds(const PageBoundsArgs& args, StreamHandle stream) override;
   Status PrefillChunk(const PrefillChunkArgs& args, StreamHandle stream) override;
   Status PrimeAttention(const PrimeArgs& args, StreamHandle stream) override;

@@ -131,6 +131,10 @@ Status LaunchDecodeStep(const DecodeStepArgs& args, const LaunchInfo& info, cuda
 /// CTA per item, a stable partition in list order.
 Status LaunchSplitStepList(const DecodeStepArgs& step, const SplitListArgs& split, cudaStream_t stream);
 
+/// The cross-layer prefetch of the next layer's misses into its stage (Device::PrefetchListRows):
+/// a warp a list entry, a few CTAs an item.
+Status LaunchPrefetchListRows(const DecodeStepArgs& next, const LaunchInfo& info, cudaStream_t stream);
+
 /// The selection of a planned decode step (DecodeStepArgs::scoring) into args.list/list_count:
 /// kExactTopK scores every key (resident, host store zero-copy, the new token from the input),
 /// a softmax per query head summed over the group, an exact top-k per item (ties to the lower

@@ -172,6 +172,9 @@ struct BankStepRows : StepRows {
     if (slot >= 0) {
       k = SlotK(slot);
       v = k + row_bytes;
+    } else if (bank.staged) {  // prefetched at its list index (Device::PrefetchListRows)
+      k = StageK(j);
+      v = k + row_bytes;
     } else {
       HostRow(pos, k, v);
     }
@@ -186,9 +189,11 @@ struct BankStepRows : StepRows {
         ++hits;
       }
     } else if (slot == -1) {
-      char* dst = StageK(j) + dl * 16;
-      *reinterpret_cast<uint4*>(dst) = kraw;
-      *reinterpret_cast<uint4*>(dst + row_bytes) = vraw;
+      if (!bank.staged) {  // a prefetched row is in the stage already
+        char* dst = StageK(j) + dl * 16;
+        *reinterpret_cast<uint4*>(dst) = kraw;
+        *reinterpret_cast<uint4*>(dst + row_bytes) = vraw;
+      }
       if (dl == 0) {
         const int32_t idx = atomicAdd(miss, 1);
         if (idx < bank.miss_cap) miss[1 + idx] = static_cast<int32_t>(j);
@@ -243,7 +248,8 @@ constexpr size_t kListTableBytes = kListChunkMax * (2 * sizeof(const char*) + si
 // - resident rows and the new token: their device rows;
 // - bank hits: their slots (reference bit set, counted);
 // - misses: read from the host store zero-copy into the item's stage at their list index (where
-//   the admission after the step finds them), listed, and read from there.
+//   the admission after the step finds them), listed, and read from there (already staged when
+//   the cross-layer prefetch ran: StepBankView::staged).
 // Leaves K / V addresses in tk / tv (index j - begin); the caller syncs before the table is read.
 template <int HD>
 __device__ void ResolveListRange(const BankStepRows& bs, int64_t begin, int64_t end,
@@ -286,8 +292,9 @@ __device__ void ResolveListRange(const BankStepRows& bs, int64_t begin, int64_t 
   }
   if (nm == 0) return;
   __syncthreads();
-  // The misses' rows, K then V, 16 bytes a thread, four loads in flight before their stores.
-  const int chunks = nm * 2 * kLpr;
+  // The misses' rows, K then V, 16 bytes a thread, four loads in flight before their stores (none
+  // when a prefetch staged them: StepBankView::staged).
+  const int chunks = bs.bank.staged ? 0 : nm * 2 * kLpr;
   for (int c0 = threadIdx.x; c0 < chunks; c0 += 4 * blockDim.x) {
     uint4 raw[4];
     char* dst[4];
@@ -813,6 +820,85 @@ Status LaunchSplitStepList(const DecodeStepArgs& a, const SplitListArgs& s, cuda
                 "/1024");
   const unsigned items = static_cast<unsigned>(a.batch) * static_cast<unsigned>(a.num_kv_heads);
   SplitListKernel<<<items, kSplitThreads, 0, stream>>>(a, s);
+  KVF_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+namespace {
+
+constexpr int kPrefetchThreads = 256;
+constexpr int kPrefetchWarps = kPrefetchThreads / 32;
+
+// Device::PrefetchListRows: grid (CTAs an item, items), a warp a list entry at a time. Lane 0
+// classifies the entry (resident, bank hit or miss) as the step's BankStepRows::Classify does;
+// for a miss the warp copies its K and V rows from the host store into the stage at its list
+// index, 16 bytes a lane, every lane's loads issued before its stores.
+__global__ void __launch_bounds__(kPrefetchThreads) PrefetchListKernel(DecodeStepArgs a) {
+  const int64_t item = blockIdx.y;
+  const int32_t b = static_cast<int32_t>(item / a.num_kv_heads), h = static_cast<int32_t>(item % a.num_kv_heads);
+  const ItemPlace pl = PlaceOf(a, b, h);
+  const int64_t table = (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
+  const uint32_t row_bytes = static_cast<uint32_t>(a.params.head_dim) * static_cast<uint32_t>(DTypeSize(a.params.kv_dtype));
+  const uint32_t pt = static_cast<uint32_t>(a.page_tokens);
+  const int32_t* list = a.list + item * a.list_cap;
+  const int64_t count = a.list_count[item];
+  char* stage = a.bank.stage + static_cast<size_t>(item) * a.list_cap * 2 * row_bytes;
+  const int lane = threadIdx.x & 31;
+  const int chunks = static_cast<int>(row_bytes / 16);  // of a row; K then V: 2 * chunks
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kPrefetchWarps;
+  for (int64_t j = blockIdx.x * kPrefetchWarps + (threadIdx.x >> 5); j < count; j += warps) {
+    const int32_t pos = list[j];
+    if (ResidentRowOf(pos, pl.n, a.sink, a.window) >= 0) continue;  // uniform over the warp
+    int32_t slot = -1;
+    if (lane == 0) {
+      if (a.bank.vmap != nullptr) {
+        const uint16_t s = __ldg(a.bank.vmap + table * a.bank.max_positions + pos);
+        slot = s == 0xffff ? -1 : static_cast<int32_t>(s);
+      } else if (a.bank.hmap != nullptr) {
+        BankHashFind<true>(a.bank.hmap + (table << a.bank.hash_log2), a.bank.hash_log2, pos, &slot);
+      }
+    }
+    if (__shfl_sync(0xffffffffu, slot, 0) >= 0) continue;  // a bank hit: the step reads its slot
+    const uint32_t page = static_cast<uint32_t>(pos) / pt, off = static_cast<uint32_t>(pos) - page * pt;
+    const char* base = reinterpret_cast<const char*>(__ldg(pl.pages + page));
+    const char* hk = base + static_cast<size_t>(off) * row_bytes;
+    const char* hv = base + static_cast<size_t>(off + pt) * row_bytes;
+    char* dst = stage + static_cast<size_t>(j) * 2 * row_bytes;
+    constexpr int kPer = 4;  // chunks a lane has in flight
+    for (int c0 = lane; c0 < 2 * chunks; c0 += 32 * kPer) {
+      uint4 raw[kPer];
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int c = c0 + u * 32;
+        if (c < 2 * chunks) raw[u] = Load16((c < chunks ? hk : hv) + (c % chunks) * 16);
+      }
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int c = c0 + u * 32;
+        if (c < 2 * chunks) *reinterpret_cast<uint4*>(dst + static_cast<size_t>(c) * 16) = raw[u];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+Status LaunchPrefetchListRows(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
+  if (a.batch == 0) return Status::Ok();
+  const size_t row_bytes = static_cast<size_t>(a.params.head_dim) * DTypeSize(a.params.kv_dtype);
+  KVF_CHECK_ARG(a.list != nullptr && a.list_count != nullptr && a.positions != nullptr &&
+                    a.slots != nullptr && a.pages != nullptr && a.bank.stage != nullptr &&
+                    row_bytes % 16 == 0 && a.page_tokens > 0,
+                "prefetch list rows: null list, positions, slots, page table or stage, or rows of ",
+                row_bytes, " bytes (a multiple of 16 is needed)");
+  const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
+  KVF_CHECK_ARG(items <= 65535, "prefetch list rows: ", items, " items");
+  // Enough warps in flight to keep PCIe's reads outstanding (each a 512-byte row pair at
+  // head_dim 128 bf16) without taking the SMs the step beside it runs on: about two CTAs an SM in
+  // all, at most one a 64 list entries of an item.
+  const int64_t per_item_cap = std::max<int64_t>(1, (a.list_cap + 64 * kPrefetchWarps - 1) / (64 * kPrefetchWarps));
+  const int64_t per_item = std::clamp<int64_t>((2 * static_cast<int64_t>(info.num_sms) + items - 1) / items, 1, per_item_cap);
+  PrefetchListKernel<<<dim3(static_cast<unsigned>(per_item), static_cast<unsigned>(items)), kPrefetchThreads, 0, stream>>>(a);
   KVF_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }

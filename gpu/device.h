@@ -170,6 +170,13 @@ class Device {
   /// the runtime's CPU share of the split is host work).
   virtual Status SplitStepList(const DecodeStepArgs& step, const SplitListArgs& split,
                                StreamHandle stream) = 0;
+  /// The scheduler's cross-layer prefetch (xl+): \p next is the next layer's step as it will run
+  /// (layer, bank table, stage region) over the list it will take (this layer's, which xl+ copies).
+  /// Every list entry that is neither resident nor in next.bank's table of (slot, next.layer, head)
+  /// is a miss of that step; its K and V rows are copied from the host store (zero-copy) into
+  /// next.bank.stage at its list index, where the step then reads them (StepBankView::staged).
+  /// Writes nothing else; never allocates, never synchronises (capture-safe).
+  virtual Status PrefetchListRows(const DecodeStepArgs& next, StreamHandle stream) = 0;
   /// Recomputes the page bounds (SelectScoring::kQuestPages) of a stored chunk's pages from the
   /// host store, on \p stream after the chunk's writes.
   virtual Status PageBounds(const PageBoundsArgs& args, StreamHandle stream) = 0;

@@ -142,6 +142,15 @@ class HostDevice final : public Device {
     cpu::SplitStepList(step, split);
     return Status::Ok();
   }
+  Status PrefetchListRows(const DecodeStepArgs& next, StreamHandle) override {
+    const size_t row_bytes = static_cast<size_t>(next.params.head_dim) * DTypeSize(next.params.kv_dtype);
+    KVF_CHECK_ARG(next.list != nullptr && next.list_count != nullptr && next.positions != nullptr &&
+                      next.slots != nullptr && next.pages != nullptr && next.bank.stage != nullptr &&
+                      row_bytes > 0 && next.page_tokens > 0,
+                  "prefetch list rows: null list, positions, slots, page table or stage");
+    cpu::PrefetchListRows(next);
+    return Status::Ok();
+  }
   Status LfpsScan(const LfpsScanArgs& args, StreamHandle) override {
     KVF_CHECK_ARG(args.group >= 1 && args.head_dim >= 1 && args.channels >= 1 && args.items >= 0,
                   "LfpsScan: group ", args.group, ", head_dim ", args.head_dim, ", channels ",

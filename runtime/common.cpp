@@ -98,7 +98,7 @@ std::string Stats::ToJson() const {
      << ",\"prefill_chunks_prefetched\":" << prefill_chunks_prefetched
      << ",\"decode_steps\":" << decode_steps
      << ",\"decode_tokens\":" << decode_tokens << ",\"decode_planned\":" << decode_planned
-     << ",\"decode_split\":" << decode_split
+     << ",\"decode_split\":" << decode_split << ",\"decode_prefetched\":" << decode_prefetched
      << ",\"decode_plans\":" << decode_plans << ",\"host_syncs\":" << host_syncs
      << ",\"bytes_h2d\":" << bytes_h2d
      << ",\"bytes_d2h\":" << bytes_d2h << ",\"rows_resident\":" << rows_resident

@@ -263,7 +263,6 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   const int64_t batch = static_cast<int64_t>(slot_of.size());
   const int64_t gd = static_cast<int64_t>(group_) * d;
   const int64_t items = batch * hkv;
-  const AttnParams params{group_, d, m.kv_dtype, scale_};
   const size_t q_elem = DTypeSize(q.dtype), k_elem = DTypeSize(k.dtype), v_elem = DTypeSize(v.dtype);
   const auto* q_src = static_cast<const char*>(q.data);
   const auto* k_src = static_cast<const char*>(k.data);

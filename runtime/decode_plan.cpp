@@ -211,6 +211,13 @@ Status RuntimeImpl::InitStepBuffers() {
           KVF_ASSIGN_OR_RETURN(admit_done_[r], device_->CreateEvent());
         }
         KVF_ASSIGN_OR_RETURN(admit_join_, device_->CreateEvent());
+        bool shares = false;  // a layer that takes the previous layer's list (xl+)
+        for (int l = 1; l < config_.model.num_layers; ++l) shares = shares || policy_->device_reuses_previous_layer(l);
+        if (shares && !cpu_step_ && !host_lists_ && !EnvIs("KVFERRY_XL_PREFETCH", "0")) {
+          KVF_ASSIGN_OR_RETURN(prefetch_fork_, device_->CreateEvent());
+          KVF_ASSIGN_OR_RETURN(prefetch_done_, device_->CreateEvent());
+          xl_prefetch_ = true;
+        }
       }
     }
     list_slots_.assign(static_cast<size_t>(m.num_layers), {});
@@ -784,6 +791,37 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       st = most.status();
     }
   }
+  // The cross-layer prefetch (xl_prefetch_). One in flight writes a stage region: this layer's
+  // step comes after it, and reads its misses from the stage when it was this layer's.
+  bool staged = false;
+  if (st.ok() && prefetch_layer_ >= 0) {
+    st = device_->WaitEvent(stream, prefetch_done_);
+    staged = st.ok() && prefetch_layer_ == layer && planned && xl_reuse && a.bank.rows != nullptr;
+    if (st.ok()) prefetch_layer_ = -1;
+  }
+  if (staged) a.bank.staged = 1;
+  // The next layer takes this layer's list (xl+): its misses are known now, and are copied into
+  // its stage beside this layer's step.
+  bool prefetch_next = xl_prefetch_ && planned && a.bank.rows != nullptr && layer + 1 < layers &&
+                       policy_->device_reuses_previous_layer(layer + 1);
+  // (XlReusesPrevious at the next layer: the same sequences, planned, at the same length.)
+  for (int64_t b = 0; prefetch_next && b < batch; ++b) {
+    prefetch_next = plan_.positions[static_cast<size_t>(b * layers + layer + 1)] == pos[b];
+  }
+  if (st.ok() && prefetch_next) {
+    DecodeStepArgs nx = a;
+    nx.layer = layer + 1;
+    nx.bank.staged = 0;
+    nx.bank.stage = bank_stage_ + static_cast<size_t>((layer + 1) % bank_regions_) * bank_stage_region_;
+    st = device_->RecordEvent(prefetch_fork_, stream);
+    if (st.ok()) st = device_->WaitEvent(admit_stream_, prefetch_fork_);
+    if (st.ok()) st = device_->PrefetchListRows(nx, admit_stream_);
+    if (st.ok()) st = device_->RecordEvent(prefetch_done_, admit_stream_);
+    if (st.ok()) {
+      prefetch_layer_ = layer + 1;
+      admit_side_layer_ = std::max(admit_side_layer_, layer);
+    }
+  }
   // The scheduler's split (route auto, a device selection without a bank; not in a graph, which
   // holds no host work, and on CUDA with device tensors only, as a CPU step's asynchronous part):
   // the CPU attends its share of the layer's misses on the runtime's thread while the device
@@ -833,6 +871,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     st = TimedLaunch(time_select_ && !capturing && !cpu_step_ && !host_lists_, attend_timing_, layer,
                      stats_.ms_attend_device, selected * m.num_kv_heads * 2 * static_cast<int64_t>(row_bytes_),
                      timed_attend_bytes_, stream, [&] { return device_->DecodeStep(a, stream); });
+    if (st.ok() && staged) stats_.decode_prefetched += 1;
   }
   // The bank admits the layer's misses right after the step that read them: beside the next
   // layer's work on admit_stream_ (two regions), else on the caller's stream.
@@ -1116,6 +1155,7 @@ Status RuntimeImpl::JoinAdmitSide(StreamHandle stream) {
   KVF_RETURN_IF_ERROR(device_->WaitEvent(stream, admit_join_));
   admit_pending_[0] = admit_pending_[1] = false;
   admit_side_layer_ = -1;
+  prefetch_layer_ = -1;  // a prefetch in flight ran on the same stream
   return Status::Ok();
 }
 

@@ -117,6 +117,9 @@ RuntimeImpl::~RuntimeImpl() {
     for (EventHandle e : {admit_fork_[0], admit_fork_[1], admit_done_[0], admit_done_[1], admit_join_}) {
       device_->DestroyEvent(e);
     }
+    for (EventHandle e : {prefetch_fork_, prefetch_done_}) {
+      if (e != nullptr) device_->DestroyEvent(e);
+    }
     device_->DestroyStream(admit_stream_);
   }
   step_bank_.reset();

@@ -451,6 +451,16 @@ class RuntimeImpl {
   bool admit_pending_[2] = {false, false};
   int admit_side_layer_ = -1;  // the last layer admitted beside the stream, -1 when joined
   Status JoinAdmitSide(StreamHandle stream);
+  // The scheduler's cross-layer prefetch (xl+, the device bank with two regions): layer l + 1
+  // will take layer l's list, so once layer l's list is final (after its selection and xl+'s
+  // copy) PrefetchListRows copies layer l + 1's misses of it into region (l + 1) % 2's stage, on
+  // admit_stream_ after layer l - 1's admission (the last reader of that region) and beside layer
+  // l's step. Layer l + 1's planned step then waits for prefetch_done_ and reads its misses there
+  // (StepBankView::staged). Any other call waits for it before its step too; JoinAdmitSide joins
+  // it with the admissions. KVFERRY_XL_PREFETCH=0: off.
+  bool xl_prefetch_ = false;
+  EventHandle prefetch_fork_ = nullptr, prefetch_done_ = nullptr;
+  int prefetch_layer_ = -1;  // the layer whose misses a prefetch in flight stages, -1: none
   StepBankTotals bank_totals_at_reset_;
   int64_t bank_step_selected_ = 0;  // rows of device selections read through the device bank
   StreamHandle side_stream_ = nullptr;  // bank admissions

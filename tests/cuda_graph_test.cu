@@ -220,13 +220,15 @@ TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
 // The device-selecting policies again with the device token bank: the step reads hits from the
 // bank, stages misses and queues their admission inside the graph; and quest inside PrHS's depth
 // window (psaw+), whose lists the device filters inside the graph, and with cross-layer sharing
-// (xl+: layers 2 and 3 take layer 1's list, copied inside the graph).
+// (xl+: layers 2 and 3 take layer 1's list, copied inside the graph, their misses prefetched beside
+// layers 1 and 2 on the admissions' stream, inside the graph too).
 INSTANTIATE_TEST_SUITE_P(
     Bank, CudaGraph,
     ::testing::Combine(::testing::Values(std::string("oracle:bank"), std::string("quest:bank"),
                                          std::string("sparcas:bank"), std::string("hip:bank"),
                                          std::string("kvpop:bank"), std::string("psaw+quest:bank"),
-                                         std::string("xl+quest:bank")),
+                                         std::string("xl+quest:bank"), std::string("xl+sparcas:bank"),
+                                         std::string("xl+kvpop:bank")),
                        ::testing::Values(64), ::testing::Values(DType::kBF16)),
     [](const auto& info) {
       std::string name = std::get<0>(info.param);

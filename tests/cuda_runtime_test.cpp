@@ -514,6 +514,112 @@ TEST(CudaStepBank, AdmissionBesideTheStepEqualsTheSerialOne) {
   }
 }
 
+// The scheduler's cross-layer prefetch (xl+, the device bank's two regions): a planned layer whose
+// next layer takes its list copies that layer's misses into its stage beside its own step; the
+// next step reads them there. Against a twin with KVFERRY_XL_PREFETCH=0 on the same inputs, for
+// device-selecting inner policies x vector and hash maps, 4 layers (layers 2 and 3 share), planned
+// and unplanned steps, a plan left after layer 2 and a sequence removed and added again: the
+// outputs, selections and bank counters are equal bit for bit, and every planned sharing layer's
+// step was prefetched (hip: its side rebuilds keep one region, so none is).
+TEST(CudaStepBank, XlPrefetchEqualsNoPrefetch) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  for (const char* policy : {"xl+oracle", "xl+sparcas", "xl+quest", "xl+kvpop", "xl+hip"}) {
+    for (const char* map : {"vector", "hash"}) {
+      SCOPED_TRACE(std::string(policy) + " " + map);
+      std::unique_ptr<Runtime> rt[2];  // 0: prefetch, 1: none
+      for (int b = 0; b < 2; ++b) {
+        RuntimeConfig cfg = MakeConfig(Case{policy, Route::kGpu, 48, map}, Backend::kCuda);
+        cfg.model.num_layers = 4;
+        if (b == 1) setenv("KVFERRY_XL_PREFETCH", "0", 1);
+        auto r = Runtime::Create(cfg);
+        unsetenv("KVFERRY_XL_PREFETCH");
+        ASSERT_TRUE(r.ok()) << r.status().ToString();
+        rt[b] = std::move(r).value();
+      }
+      const bool prefetches = std::string(policy) != "xl+hip";
+      const auto& m = rt[0]->config().model;
+      std::mt19937 rng(97);
+      std::normal_distribution<float> nd(0.f, 1.f);
+      auto random = [&](int64_t n) {
+        std::vector<float> x(static_cast<size_t>(n));
+        for (float& e : x) e = nd(rng);
+        return x;
+      };
+      auto view = [&](std::vector<float>& x, int64_t rows, int heads) {
+        return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {rows, heads, m.head_dim});
+      };
+      const std::vector<SequenceId> seqs = {3, 4};
+      const int64_t batch = 2;
+      auto add = [&](SequenceId s, int64_t prompt) {
+        for (auto& r : rt) ASSERT_TRUE(r->AddSequence(s).ok());
+        for (int l = 0; l < m.num_layers; ++l) {
+          auto k = random(prompt * m.num_kv_heads * m.head_dim), v = random(prompt * m.num_kv_heads * m.head_dim);
+          for (auto& r : rt) {
+            const Status st = r->Append(s, l, view(k, prompt, m.num_kv_heads), view(v, prompt, m.num_kv_heads));
+            ASSERT_TRUE(st.ok()) << st.ToString();
+          }
+        }
+      };
+      add(seqs[0], 420);
+      add(seqs[1], 310);
+      // A few fixed queries, so that the selections repeat and the bank serves hits too.
+      std::vector<std::vector<float>> queries;
+      for (int i = 0; i < 3; ++i) queries.push_back(random(batch * m.num_q_heads * m.head_dim));
+      int64_t want = 0;
+      int shared = 2;  // layers 2 and 3 take the previous layer's list
+      auto layer_call = [&](int step, int l) {
+        std::vector<float> q = queries[static_cast<size_t>((step + l) % 3)];
+        auto k = random(batch * m.num_kv_heads * m.head_dim), v = random(batch * m.num_kv_heads * m.head_dim);
+        std::vector<float> out[2];
+        for (int b = 0; b < 2; ++b) {
+          out[b].assign(q.size(), std::nanf(""));
+          const Status st = rt[b]->Decode(seqs, l, view(q, batch, m.num_q_heads), view(k, batch, m.num_kv_heads),
+                                          view(v, batch, m.num_kv_heads), view(out[b], batch, m.num_q_heads));
+          ASSERT_TRUE(st.ok()) << st.ToString();
+        }
+        ASSERT_EQ(0, std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)))
+            << "step " << step << " layer " << l;
+        for (SequenceId s : seqs) {
+          for (int h = 0; h < m.num_kv_heads; ++h) {
+            ASSERT_EQ(rt[0]->LastSelection(s, l, h).value(), rt[1]->LastSelection(s, l, h).value());
+          }
+        }
+      };
+      for (int step = 0; step < 14; ++step) {
+        const bool planned = step % 4 != 3;
+        if (step == 9) {  // out and in again: its tables emptied on both, after the side work
+          for (auto& r : rt) ASSERT_TRUE(r->RemoveSequence(seqs[1]).ok());
+          add(seqs[1], 260);
+        }
+        if (step == 5) {  // a plan left after layer 2, whose prefetch for layer 3 is in flight
+          for (auto& r : rt) ASSERT_TRUE(r->PlanDecode(seqs).ok());
+          for (int l = 0; l < 3; ++l) layer_call(step, l);
+          if (prefetches) want += 1;  // layer 2's step; layer 3's prefetch serves nothing
+          // The plan gave layer 3's token back: from here sequence 3's layer 3 is a token short
+          // of its layer 2, so layer 3 runs the inner policy (xl+ shares at equal lengths) and
+          // nothing is prefetched for it.
+          shared = 1;
+        }
+        if (planned) {
+          for (auto& r : rt) ASSERT_TRUE(r->PlanDecode(seqs).ok());
+        }
+        for (int l = 0; l < m.num_layers; ++l) layer_call(step, l);
+        if (planned && prefetches) want += shared;  // layers 2 (and 3)
+      }
+      for (auto& r : rt) ASSERT_TRUE(r->Synchronize().ok());
+      const Stats s0 = rt[0]->GetStats(), s1 = rt[1]->GetStats();
+      EXPECT_EQ(s0.decode_prefetched, want);
+      EXPECT_EQ(s1.decode_prefetched, 0);
+      EXPECT_GT(s1.rows_bank_hit, 0);
+      EXPECT_GT(s1.rows_fetched, 0);
+      EXPECT_EQ(s0.bank_admitted, s1.bank_admitted);
+      EXPECT_EQ(s0.bank_evicted, s1.bank_evicted);
+      EXPECT_EQ(s0.rows_bank_hit, s1.rows_bank_hit);
+      EXPECT_EQ(s0.rows_fetched, s1.rows_fetched);
+    }
+  }
+}
+
 // Policies that select on the host (Policy::Select) with a bank on route gpu run the planned step
 // with the device bank (runtime/decode_plan.cpp UploadHostLists): the host's lists go up, the step
 // kernel reads each row from the resident tier, the bank or the host store. Against two twins on

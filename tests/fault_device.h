@@ -43,6 +43,7 @@ enum class FaultPoint : int {
   kMergeLse,
   kPrimeAttention,
   kSplitStepList,
+  kPrefetchListRows,
   kCount,
 };
 
@@ -51,7 +52,8 @@ inline const char *FaultPointName(FaultPoint p) {
       "AllocDevice",  "AllocHost",        "CreateStream",      "CreateEvent",  "RecordEvent",
       "WaitEvent",    "SynchronizeEvent", "SynchronizeStream", "CopyAsync",    "CopyRows",
       "AttendRows",   "AttendPaged",      "DecodeStep",        "DecodeSelect", "PageBounds",
-      "PrefillChunk", "MergeLse",     "PrimeAttention",    "SplitStepList"};
+      "PrefillChunk", "MergeLse",     "PrimeAttention",    "SplitStepList",
+      "PrefetchListRows"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<size_t>(FaultPoint::kCount));
   return kNames[static_cast<int>(p)];
 }
@@ -188,6 +190,9 @@ class FaultyDevice final : public Device {
   Status SplitStepList(const DecodeStepArgs &step, const SplitListArgs &split,
                        StreamHandle stream) override {
     return Run(FaultPoint::kSplitStepList, [&] { return inner_->SplitStepList(step, split, stream); });
+  }
+  Status PrefetchListRows(const DecodeStepArgs &next, StreamHandle stream) override {
+    return Run(FaultPoint::kPrefetchListRows, [&] { return inner_->PrefetchListRows(next, stream); });
   }
   Status PageBounds(const PageBoundsArgs &args, StreamHandle stream) override {
     return Run(FaultPoint::kPageBounds, [&] { return inner_->PageBounds(args, stream); });

@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -33,6 +34,7 @@ namespace {
 struct Seen {
   std::atomic<int64_t> admits{0};   // StepBank::Admit calls
   std::atomic<int64_t> selects{0};  // Device::DecodeSelect calls
+  std::atomic<int64_t> prefetches{0};  // Device::PrefetchListRows calls
 };
 
 // A StepBank that banks nothing: every row is a miss. Counts the admissions the runtime queues.
@@ -127,6 +129,10 @@ class CudaPosingDevice final : public Device {
   Status LfpsScan(const LfpsScanArgs& a, StreamHandle s) override { return inner_->LfpsScan(a, s); }
   Status SplitStepList(const DecodeStepArgs& a, const SplitListArgs& sp, StreamHandle s) override {
     return inner_->SplitStepList(a, sp, s);
+  }
+  Status PrefetchListRows(const DecodeStepArgs& a, StreamHandle s) override {
+    seen_->prefetches.fetch_add(1);
+    return inner_->PrefetchListRows(a, s);
   }
   size_t stream_scratch_bytes() const override { return inner_->stream_scratch_bytes(); }
   Status MergeLse(float* o_a, float* lse_a, const float* o_b, const float* lse_b, int64_t rows,
@@ -431,6 +437,105 @@ TEST(HostListBank, FailingSelectLeavesEverySequenceAsBefore) {
         EXPECT_EQ(*rt->SequenceLength(seqs[i], 0), prompt[i] + 3);
       }
       both(40);  // past the ring (32 rows) once: every row the failed call could have written
+    }
+  }
+}
+
+// The scheduler's cross-layer prefetch (xl+ over a device selection, the device bank's two
+// regions): each planned layer whose next layer takes its list (xl+, layers 2 and 3 of 4 here)
+// prefetches that layer's misses, which its step then reads from the stage. The host device's
+// PrefetchListRows stages them as the CUDA kernel does (PrefetchListRows.* has the rule); its
+// step reads the store itself, so what this covers is the runtime's part: which calls prefetch
+// (planned ones, not the last layer, none with KVFERRY_XL_PREFETCH=0), that a prefetched step
+// counts in decode_prefetched, that a plan left unfinished and a removed sequence join the
+// prefetch in flight, and that the outputs equal those of a twin without the prefetch bit for bit.
+TEST(HostListBank, XlPrefetchRunsForPlannedSharingLayers) {
+  RuntimeConfig cfg = Config("xl+oracle", 64);
+  cfg.model.num_layers = 4;
+  auto seen = std::make_shared<Seen>();
+  auto others = std::make_shared<Seen>();
+  std::unique_ptr<Runtime> a = MakePosing(cfg, seen);
+  setenv("KVFERRY_XL_PREFETCH", "0", 1);
+  std::unique_ptr<Runtime> b = MakePosing(cfg, others);
+  unsetenv("KVFERRY_XL_PREFETCH");
+  ASSERT_TRUE(a && b);
+  EXPECT_TRUE(a->decode_is_capture_safe());
+  const int d = cfg.model.head_dim, hq = cfg.model.num_q_heads, hkv = cfg.model.num_kv_heads;
+  const int layers = cfg.model.num_layers;
+  Inputs in(23);
+  const std::vector<SequenceId> seqs = {2, 5};
+  const int64_t batch = 2;
+  auto add = [&](SequenceId s, int64_t tokens) {
+    for (Runtime* rt : {a.get(), b.get()}) ASSERT_TRUE(rt->AddSequence(s).ok());
+    for (int l = 0; l < layers; ++l) {
+      auto k = in.Random(tokens * hkv * d), v = in.Random(tokens * hkv * d);
+      for (Runtime* rt : {a.get(), b.get()}) {
+        ASSERT_TRUE(rt->Append(s, l, View(k, tokens, hkv, d), View(v, tokens, hkv, d)).ok());
+      }
+    }
+  };
+  add(2, 410);
+  add(5, 300);
+  int64_t want_prefetches = 0;
+  int shared_layers = 2;  // layers 2 and 3 take the previous layer's list
+  for (int step = 0; step < 10; ++step) {
+    SCOPED_TRACE(step);
+    const bool planned = step % 3 != 2;
+    if (step == 6) {  // out and in again: its tables emptied, the prefetches joined first
+      for (Runtime* rt : {a.get(), b.get()}) ASSERT_TRUE(rt->RemoveSequence(5).ok());
+      add(5, 280);
+    }
+    if (planned) {
+      for (Runtime* rt : {a.get(), b.get()}) ASSERT_TRUE(rt->PlanDecode(seqs).ok());
+    }
+    // Step 4 stops after layer 2 (whose prefetch for layer 3 is then in flight) and plans again.
+    const int run_layers = step == 4 ? 3 : layers;
+    if (step == 4) {
+      for (int l = 0; l < run_layers; ++l) {
+        auto q = in.Random(batch * hq * d), k = in.Random(batch * hkv * d), v = in.Random(batch * hkv * d);
+        std::vector<float> out[2];
+        int r = 0;
+        for (Runtime* rt : {a.get(), b.get()}) {
+          out[r].assign(q.size(), std::nanf(""));
+          ASSERT_TRUE(rt->Decode(seqs, l, View(q, batch, hq, d), View(k, batch, hkv, d), View(v, batch, hkv, d),
+                                 View(out[r], batch, hq, d)).ok());
+          ++r;
+        }
+        ASSERT_EQ(0, std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)));
+      }
+      want_prefetches += 2;  // layers 1 and 2 prefetched; layer 3's was not run
+      for (Runtime* rt : {a.get(), b.get()}) ASSERT_TRUE(rt->PlanDecode(seqs).ok());
+      // From here sequence 2's layer 3 holds a token fewer than its layer 2 (the plan gave that
+      // token back), so layer 3 runs the inner policy (xl+ shares at equal lengths only) and
+      // layer 2 prefetches nothing for it.
+      shared_layers = 1;
+    }
+    for (int l = 0; l < layers; ++l) {
+      auto q = in.Random(batch * hq * d), k = in.Random(batch * hkv * d), v = in.Random(batch * hkv * d);
+      std::vector<float> out[2];
+      int r = 0;
+      for (Runtime* rt : {a.get(), b.get()}) {
+        out[r].assign(q.size(), std::nanf(""));
+        const Status st = rt->Decode(seqs, l, View(q, batch, hq, d), View(k, batch, hkv, d),
+                                     View(v, batch, hkv, d), View(out[r], batch, hq, d));
+        ASSERT_TRUE(st.ok()) << st.ToString();
+        ++r;
+      }
+      ASSERT_EQ(0, std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float))) << "layer " << l;
+      EXPECT_GT(NormOf(out[0]), 0.0);
+    }
+    if (planned || step == 4) want_prefetches += shared_layers;  // at layers 1 (and 2), for 2 (and 3)
+    EXPECT_EQ(seen->prefetches.load(), want_prefetches);
+  }
+  EXPECT_EQ(others->prefetches.load(), 0);
+  const Stats sa = a->GetStats(), sb = b->GetStats();
+  // Every prefetch but the one whose layer step 4 left unrun served its layer's step.
+  EXPECT_EQ(sa.decode_prefetched, want_prefetches - 1);
+  EXPECT_EQ(sb.decode_prefetched, 0);
+  EXPECT_EQ(sa.rows_selected, sb.rows_selected);
+  for (SequenceId s : seqs) {
+    for (int l = 0; l < layers; ++l) {
+      for (int h = 0; h < hkv; ++h) EXPECT_EQ(a->LastSelection(s, l, h).value(), b->LastSelection(s, l, h).value());
     }
   }
 }

@@ -424,6 +424,16 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(FaultMode::kBefore, FaultMode::kAfter),
                        ::testing::Values(Backend::kHost, Backend::kCuda)),
     FaultName);
+// Cross-layer sharing with the device bank (xl+): on CUDA each planned layer whose next layer
+// takes its list prefetches that layer's misses beside its step (PrefetchListRows on the
+// admissions' stream); a fault there, or in its events, fails the call like any of the step's.
+INSTANTIATE_TEST_SUITE_P(
+    FaultsXlPrefetch, FaultMatrix,
+    ::testing::Combine(::testing::Values("xl+oracle"), ::testing::Values(Route::kGpu),
+                       ::testing::Values(256), ::testing::Values("decode", "plan"),
+                       ::testing::Values(FaultMode::kBefore, FaultMode::kAfter),
+                       ::testing::Values(Backend::kHost, Backend::kCuda)),
+    FaultName);
 // With a bank large enough never to evict, twins that admit alike hold the same
 // rows.
 INSTANTIATE_TEST_SUITE_P(

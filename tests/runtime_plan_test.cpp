@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cpu/attention.h"
+#include "offload/token_bank.h"
 #include "gpu/device.h"
 #include "kvferry/kvferry.h"
 #include "policies/basic.h"
@@ -602,6 +603,178 @@ TEST(SplitStepList, EveryDeviceKeepsItsRuleOnRandomLists) {
       }
       for (void* p : {d_pos, d_list, d_count, d_gpu, d_gpu_count}) dev->FreeDevice(p);
       for (void* p : {h_cpu, h_cpu_count}) dev->FreeHost(p);
+    }
+  }
+}
+
+// ---- the scheduler's cross-layer prefetch (xl+, the device token bank) ----
+
+// Device::PrefetchListRows on fresh random lists, host stores and bank tables (vector maps and
+// hash maps with tombstones, random hits), on every device there is, against its rule written
+// out here: an entry neither resident (sinks, window) nor in the bank's table of (slot, layer,
+// head) has its K and V rows from the host store at its list index in the stage; every other
+// stage byte is as it was.
+TEST(PrefetchListRows, EveryDeviceStagesTheMissesOnRandomLists) {
+  std::vector<std::unique_ptr<Device>> devices;
+  devices.push_back(MakeHostDevice());
+  if (CudaAvailable()) {
+    auto cuda = MakeCudaDevice(0);
+    ASSERT_TRUE(cuda.ok()) << cuda.status().ToString();
+    devices.push_back(std::move(cuda).value());
+  }
+  std::mt19937 rng(20261204);
+  for (auto& dev : devices) {
+    SCOPED_TRACE(dev->name());
+    for (int trial = 0; trial < 10; ++trial) {
+      const bool hash = trial % 2 == 1;
+      const int32_t batch = 1 + static_cast<int32_t>(rng() % 3), hkv = 1 + static_cast<int32_t>(rng() % 3);
+      const int32_t layers = 3, layer = static_cast<int32_t>(rng() % 3), max_slots = 4;
+      const int head_dim = trial % 3 == 0 ? 64 : 128;
+      const size_t row_bytes = static_cast<size_t>(head_dim) * 2;  // bf16
+      const int32_t page_tokens = 16 << (rng() % 3);
+      const int64_t max_n = 1 + static_cast<int64_t>(rng() % 1500);
+      const int64_t max_pages = (max_n + page_tokens - 1) / page_tokens;
+      const int64_t cap = 1 + static_cast<int64_t>(rng() % 600);
+      const int32_t sink = static_cast<int32_t>(rng() % 5), window = 1 + static_cast<int32_t>(rng() % 40);
+      const int64_t items = int64_t{batch} * hkv;
+      const int64_t tables = int64_t{max_slots} * layers * hkv;
+      const int hash_log2 = 11;
+      auto alloc = [&](size_t bytes, bool host) {
+        auto r = host ? dev->AllocHost(bytes) : dev->AllocDevice(bytes);
+        EXPECT_TRUE(r.ok());
+        return r.ok() ? r.value() : nullptr;
+      };
+      // Distinct slots, positions, lists; the store's pages (host memory), random bytes.
+      std::vector<int32_t> slots(static_cast<size_t>(batch));
+      std::vector<int32_t> all_slots(max_slots);
+      for (int i = 0; i < max_slots; ++i) all_slots[i] = i;
+      std::shuffle(all_slots.begin(), all_slots.end(), rng);
+      for (int32_t b = 0; b < batch; ++b) slots[b] = all_slots[b];
+      std::vector<int64_t> positions(static_cast<size_t>(batch * layers));
+      std::vector<int32_t> list(static_cast<size_t>(items * cap), 0), count(static_cast<size_t>(items));
+      std::vector<void*> pages(static_cast<size_t>(tables * max_pages), nullptr);
+      std::vector<void*> owned;
+      std::vector<uint16_t> vmap(static_cast<size_t>(tables * max_n), 0xffff);
+      std::vector<unsigned long long> hmap(static_cast<size_t>(tables) << hash_log2, ~0ull);
+      for (int32_t b = 0; b < batch; ++b) {
+        const int64_t n = 1 + static_cast<int64_t>(rng() % max_n);
+        positions[static_cast<size_t>(b * layers + layer)] = n - 1;
+        for (int32_t h = 0; h < hkv; ++h) {
+          const int64_t i = int64_t{b} * hkv + h;
+          const int64_t t = (int64_t{slots[b]} * layers + layer) * hkv + h;
+          count[static_cast<size_t>(i)] = static_cast<int32_t>(rng() % (cap + 1));
+          for (int64_t j = 0; j < count[static_cast<size_t>(i)]; ++j) {
+            list[static_cast<size_t>(i * cap + j)] = static_cast<int32_t>(rng() % static_cast<uint64_t>(n));
+          }
+          for (int64_t p = 0; p < (n + page_tokens - 1) / page_tokens; ++p) {
+            void* page = alloc(2 * page_tokens * row_bytes, true);
+            ASSERT_NE(page, nullptr);
+            owned.push_back(page);
+            auto* bytes = static_cast<uint8_t*>(page);
+            for (size_t x = 0; x < 2 * page_tokens * row_bytes; ++x) bytes[x] = static_cast<uint8_t>(rng());
+            pages[static_cast<size_t>(t * max_pages + p)] = page;
+          }
+          // A third of the positions banked; in a hash map, a tombstone or two on the way.
+          for (int64_t pos = 0; pos < n; ++pos) {
+            if (rng() % 3 != 0) continue;
+            if (!hash) {
+              vmap[static_cast<size_t>(t * max_n + pos)] = static_cast<uint16_t>(rng() % 1000);
+              continue;
+            }
+            unsigned long long* table = hmap.data() + (t << hash_log2);
+            const uint32_t mask = (1u << hash_log2) - 1;
+            uint32_t e = HashPageMap::Bucket(static_cast<int32_t>(pos), hash_log2);
+            while (table[e] != ~0ull) e = (e + 1) & mask;
+            if (rng() % 8 == 0) {  // a tombstone on the probe's way: the lookup goes past it
+              table[e] = 0xFFFFFFFEFFFFFFFFull;
+              while (table[e] != ~0ull) e = (e + 1) & mask;
+            }
+            table[e] = (static_cast<unsigned long long>(pos) << 32) | (rng() % 1000);
+          }
+        }
+      }
+      const size_t stage_bytes = static_cast<size_t>(items * cap) * 2 * row_bytes;
+      std::vector<uint8_t> stage0(stage_bytes);
+      for (auto& x : stage0) x = static_cast<uint8_t>(rng());
+      void* d_slots = alloc(slots.size() * 4, false);
+      void* d_pos = alloc(positions.size() * 8, false);
+      void* d_list = alloc(list.size() * 4, false);
+      void* d_count = alloc(count.size() * 4, false);
+      void* d_pages = alloc(pages.size() * sizeof(void*), false);
+      void* d_vmap = alloc(vmap.size() * 2, false);
+      void* d_hmap = alloc(hmap.size() * 8, false);
+      void* d_stage = alloc(stage_bytes, false);
+      ASSERT_TRUE(d_slots && d_pos && d_list && d_count && d_pages && d_vmap && d_hmap && d_stage);
+      StreamHandle s = dev->default_stream();
+      ASSERT_TRUE(dev->CopyAsync(d_slots, slots.data(), slots.size() * 4, s).ok());
+      ASSERT_TRUE(dev->CopyAsync(d_pos, positions.data(), positions.size() * 8, s).ok());
+      ASSERT_TRUE(dev->CopyAsync(d_list, list.data(), list.size() * 4, s).ok());
+      ASSERT_TRUE(dev->CopyAsync(d_count, count.data(), count.size() * 4, s).ok());
+      ASSERT_TRUE(dev->CopyAsync(d_pages, pages.data(), pages.size() * sizeof(void*), s).ok());
+      ASSERT_TRUE(dev->CopyAsync(d_vmap, vmap.data(), vmap.size() * 2, s).ok());
+      ASSERT_TRUE(dev->CopyAsync(d_hmap, hmap.data(), hmap.size() * 8, s).ok());
+      ASSERT_TRUE(dev->CopyAsync(d_stage, stage0.data(), stage_bytes, s).ok());
+      DecodeStepArgs a;
+      a.params = AttnParams{1, head_dim, DType::kBF16, 1.0f};
+      a.batch = batch;
+      a.num_kv_heads = hkv;
+      a.num_layers = layers;
+      a.layer = layer;
+      a.sink = sink;
+      a.window = window;
+      a.mode = StepRowMode::kList;
+      a.slots = static_cast<const int32_t*>(d_slots);
+      a.positions = static_cast<const int64_t*>(d_pos);
+      a.pages = static_cast<void* const*>(d_pages);
+      a.max_pages = max_pages;
+      a.page_tokens = page_tokens;
+      a.list = static_cast<int32_t*>(d_list);
+      a.list_count = static_cast<int32_t*>(d_count);
+      a.list_cap = cap;
+      if (hash) {
+        a.bank.hmap = static_cast<const unsigned long long*>(d_hmap);
+        a.bank.hash_log2 = hash_log2;
+      } else {
+        a.bank.vmap = static_cast<const uint16_t*>(d_vmap);
+        a.bank.max_positions = max_n;
+      }
+      a.bank.stage = static_cast<char*>(d_stage);
+      ASSERT_TRUE(dev->PrefetchListRows(a, s).ok());
+      std::vector<uint8_t> stage(stage_bytes);
+      ASSERT_TRUE(dev->CopyAsync(stage.data(), d_stage, stage_bytes, s).ok());
+      ASSERT_TRUE(dev->SynchronizeStream(s).ok());
+      // The rule.
+      std::vector<uint8_t> want = stage0;
+      int64_t misses = 0;
+      for (int64_t i = 0; i < items; ++i) {
+        const int32_t b = static_cast<int32_t>(i / hkv), h = static_cast<int32_t>(i % hkv);
+        const int64_t n = positions[static_cast<size_t>(b * layers + layer)] + 1;
+        const int64_t t = (int64_t{slots[b]} * layers + layer) * hkv + h;
+        for (int64_t j = 0; j < count[static_cast<size_t>(i)]; ++j) {
+          const int32_t pos = list[static_cast<size_t>(i * cap + j)];
+          if (pos < sink || pos >= n - window) continue;
+          bool hit = false;
+          if (hash) {
+            const unsigned long long* table = hmap.data() + (t << hash_log2);
+            for (size_t e = 0; e < (size_t{1} << hash_log2); ++e) {
+              hit = hit || (table[e] != ~0ull && static_cast<int32_t>(table[e] >> 32) == pos);
+            }
+          } else {
+            hit = vmap[static_cast<size_t>(t * max_n + pos)] != 0xffff;
+          }
+          if (hit) continue;
+          ++misses;
+          const auto* page = static_cast<const uint8_t*>(pages[static_cast<size_t>(t * max_pages + pos / page_tokens)]);
+          const size_t off = static_cast<size_t>(pos % page_tokens);
+          uint8_t* dst = want.data() + static_cast<size_t>(i * cap + j) * 2 * row_bytes;
+          std::memcpy(dst, page + off * row_bytes, row_bytes);
+          std::memcpy(dst + row_bytes, page + (page_tokens + off) * row_bytes, row_bytes);
+        }
+      }
+      if (trial > 1) EXPECT_GT(misses, 0);
+      EXPECT_TRUE(stage == want) << "trial " << trial << (hash ? " (hash map)" : " (vector map)");
+      for (void* p : {d_slots, d_pos, d_list, d_count, d_pages, d_vmap, d_hmap, d_stage}) dev->FreeDevice(p);
+      for (void* p : owned) dev->FreeHost(p);
     }
   }
 }

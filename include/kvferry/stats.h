@@ -21,6 +21,10 @@ struct Stats {
   /// Planned layer steps whose misses the scheduler split between PCIe and the CPU cores (route
   /// auto, a device selection without a token bank; their CPU share counts in rows_cpu)
   int64_t decode_split = 0;
+  /// Planned layer steps of a cross-layer policy (xl+, the device token bank on) whose misses the
+  /// previous layer's call had already copied into the step's staging while it ran (the
+  /// scheduler's cross-layer prefetch; KVFERRY_XL_PREFETCH=0 turns it off)
+  int64_t decode_prefetched = 0;
   int64_t decode_plans = 0;      ///< plans built: PlanDecode calls and Decode calls that planned themselves
   /// Times a Decode or PlanDecode call made the host wait for the device (stream or event
   /// synchronisation). Zero in a steady planned step of a device-selecting policy with device

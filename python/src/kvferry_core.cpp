@@ -228,6 +228,7 @@ nb::dict StatsDict(const Stats& s) {
   KVF_STAT(decode_tokens);
   KVF_STAT(decode_planned);
   KVF_STAT(decode_split);
+  KVF_STAT(decode_prefetched);
   KVF_STAT(decode_plans);
   KVF_STAT(host_syncs);
   KVF_STAT(bytes_h2d);
