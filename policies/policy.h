@@ -201,6 +201,13 @@ class Policy {
   virtual Status Select(const SelectContext& ctx, std::vector<int32_t>& out) = 0;
   /// The sequence in \p slot is gone: drop its state.
   virtual void OnSequenceRemoved(int slot) { (void)slot; }
+  /// A Decode of \p layer that included \p slot failed and was rolled back (its token taken
+  /// back), possibly after Select ran for it: forget anything that Select kept for a later call
+  /// (xl+'s set for the next layer), as a runtime that never made the call would not have it.
+  virtual void OnDecodeRolledBack(int slot, int layer) {
+    (void)slot;
+    (void)layer;
+  }
   /// Cumulative counters (thread-safe to read between steps).
   [[nodiscard]] virtual PolicyCounters counters() const { return {}; }
 };

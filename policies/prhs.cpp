@@ -37,6 +37,10 @@ class WrapperBase : public Policy {
     DropSlot(slot);
     inner_->OnSequenceRemoved(slot);
   }
+  void OnDecodeRolledBack(int slot, int layer) override {
+    ForgetLayer(slot, layer);
+    inner_->OnDecodeRolledBack(slot, layer);
+  }
   // Each wrapper keeps every resident position when its inner policy does (the planned CPU step
   // attends them on the device whatever the list says): CIS's shared set takes them all whatever
   // the budget, PSAW never hides them, XL reuses a set the inner chose at the same length.
@@ -60,6 +64,11 @@ class WrapperBase : public Policy {
 
  protected:
   virtual void DropSlot(int slot) = 0;
+  // What a rolled-back Decode of (slot, layer) kept for a later call (OnDecodeRolledBack).
+  virtual void ForgetLayer(int slot, int layer) {
+    (void)slot;
+    (void)layer;
+  }
   void CountCall() { calls_.fetch_add(1, std::memory_order_relaxed); }
   void CountReuse() { reused_.fetch_add(1, std::memory_order_relaxed); }
   Policy& inner() { return *inner_; }
@@ -257,7 +266,7 @@ class XlPolicy final : public WrapperBase, public XlPredictor {
  public:
   XlPolicy(std::string name, std::unique_ptr<Policy> inner, int start, const RuntimeConfig& c)
       : WrapperBase(std::move(name), std::move(inner)), start_(start),
-        num_layers_(c.model.num_layers) {
+        num_layers_(c.model.num_layers), kv_heads_(c.model.num_kv_heads) {
     states_.Init(c.capacity.max_sequences, 1, c.model.num_kv_heads);
   }
 
@@ -309,8 +318,15 @@ class XlPolicy final : public WrapperBase, public XlPredictor {
     if (static_cast<int64_t>(out.size()) > ctx.budget) out.resize(static_cast<size_t>(ctx.budget));
   }
   void DropSlot(int slot) override { states_.RemoveSlot(slot); }
+  // A rolled-back call's set of this layer: the next layer runs its inner instead of reusing it.
+  void ForgetLayer(int slot, int layer) override {
+    for (int h = 0; h < kv_heads_; ++h) {
+      Result<XlState*> st = states_.Get("xl", slot, 0, h, false);
+      if (st.ok() && st.value() != nullptr && st.value()->layer == layer) st.value()->layer = -1;
+    }
+  }
 
-  int start_, num_layers_;
+  int start_, num_layers_, kv_heads_;
   HeadStateTable<XlState> states_;
 };
 

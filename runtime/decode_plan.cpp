@@ -964,6 +964,10 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   }
   if (!st.ok()) {
     uncommit();
+    // xl+ on the device: the next layer must not take this call's list (a runtime that never
+    // made the call has the last step's here, of another length); nor the host wrapper its set.
+    if (static_cast<size_t>(layer) < list_n_.size()) list_n_[layer].clear();
+    for (int slot : slot_of) policy_->OnDecodeRolledBack(slot, layer);
     // DecodeStep may have appended the token to the ring before the failure: put the rows back
     // (not while capturing, where a failure ends the capture anyway).
     if (capturing) return st;
@@ -1250,7 +1254,11 @@ Status RuntimeImpl::RestoreWindow(std::span<const int> slots, int layer, StreamH
 
 Status RuntimeImpl::RollBackDecode(std::span<const int> slot_of, int layer, StreamHandle stream,
                                    Status failure) {
-  for (int slot : slot_of) --lengths_[static_cast<size_t>(slot) * config_.model.num_layers + layer];
+  for (int slot : slot_of) {
+    --lengths_[static_cast<size_t>(slot) * config_.model.num_layers + layer];
+    policy_->OnDecodeRolledBack(slot, layer);
+  }
+  if (static_cast<size_t>(layer) < list_n_.size()) list_n_[layer].clear();  // as in RunDecodeStep
   return WithRestore(std::move(failure), RestoreWindow(slot_of, layer, stream));
 }
 
