@@ -587,6 +587,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
       << ",\"rows_cpu_per_step\":" << sp.rows_cpu / steps
       << ",\"decode_split_per_step\":" << sp.decode_split / steps
       << ",\"decode_prefetched_per_step\":" << sp.decode_prefetched / steps
+      << ",\"xl_gap_us\":" << sp.xl_gap_us
       // The cost model's CPU rate (probed at Create) and the one the steps' CPU kernels measured.
       << ",\"cost_cpu_gbps\":" << sp.cost_cpu_gbps << ",\"cost_cpu_gbps_measured\":" << sp.cost_cpu_gbps_measured
       << ",\"lfps_scans_device_per_step\":" << sp.lfps_scans_device / steps

@@ -99,6 +99,7 @@ std::string Stats::ToJson() const {
      << ",\"decode_steps\":" << decode_steps
      << ",\"decode_tokens\":" << decode_tokens << ",\"decode_planned\":" << decode_planned
      << ",\"decode_split\":" << decode_split << ",\"decode_prefetched\":" << decode_prefetched
+     << ",\"xl_gap_us\":" << xl_gap_us
      << ",\"decode_plans\":" << decode_plans << ",\"host_syncs\":" << host_syncs
      << ",\"bytes_h2d\":" << bytes_h2d
      << ",\"bytes_d2h\":" << bytes_d2h << ",\"rows_resident\":" << rows_resident

@@ -213,10 +213,25 @@ Status RuntimeImpl::InitStepBuffers() {
         KVF_ASSIGN_OR_RETURN(admit_join_, device_->CreateEvent());
         bool shares = false;  // a layer that takes the previous layer's list (xl+)
         for (int l = 1; l < config_.model.num_layers; ++l) shares = shares || policy_->device_reuses_previous_layer(l);
-        if (shares && !cpu_step_ && !host_lists_ && !EnvIs("KVFERRY_XL_PREFETCH", "0")) {
+        const int mode = EnvIs("KVFERRY_XL_PREFETCH", "0")   ? 0
+                         : EnvIs("KVFERRY_XL_PREFETCH", "1") ? 1
+                                                             : config_.xl_prefetch;
+        if (shares && !cpu_step_ && !host_lists_ && mode != 0) {
           KVF_ASSIGN_OR_RETURN(prefetch_fork_, device_->CreateEvent());
           KVF_ASSIGN_OR_RETURN(prefetch_done_, device_->CreateEvent());
           xl_prefetch_ = true;
+          xl_prefetch_auto_ = mode < 0;
+          xl_gap_min_us_ = std::max(0.0, EnvDouble("KVFERRY_XL_PREFETCH_GAP_US", 100.0));
+        }
+        if (xl_prefetch_auto_) {  // the gap's timing pairs (DestroyTimings frees them)
+          TimingRing& r = xl_gap_timing_;
+          r.pairs.resize(static_cast<size_t>(config_.model.num_layers) * kTimingRing);
+          r.next.assign(static_cast<size_t>(config_.model.num_layers), 0);
+          for (TimingPair& t : r.pairs) {
+            for (EventHandle* e : {&t.start, &t.end}) {
+              KVF_ASSIGN_OR_RETURN(*e, device_->CreateTimingEvent());
+            }
+          }
         }
       }
     }
@@ -368,7 +383,7 @@ Status RuntimeImpl::TimeDeviceSelect(bool on) {
         for (EventHandle* e : {&t.start, &t.end}) {
           Result<EventHandle> made = device_->CreateTimingEvent();
           if (!made.ok()) {
-            DestroyTimings();
+            DestroyTimings(false);
             return made.status();
           }
           *e = made.value();
@@ -381,8 +396,38 @@ Status RuntimeImpl::TimeDeviceSelect(bool on) {
   return Status::Ok();
 }
 
-void RuntimeImpl::DestroyTimings() {
-  for (TimingRing* r : {&select_timing_, &attend_timing_}) {
+void RuntimeImpl::CloseXlGap(int layer, StreamHandle stream, bool capturing) {
+  TimingPair* t = xl_gap_open_;
+  xl_gap_open_ = nullptr;
+  if (t == nullptr || layer != xl_gap_layer_ || stream != xl_gap_stream_ || capturing) return;
+  t->pending = device_->RecordEvent(t->end, stream).ok();
+}
+
+void RuntimeImpl::OpenXlGap(int layer, StreamHandle stream, bool capturing) {
+  const int next = layer + 1;
+  if (!xl_prefetch_auto_ || capturing || next >= config_.model.num_layers ||
+      xl_gap_timing_.pairs.empty() || !policy_->device_reuses_previous_layer(next)) {
+    return;
+  }
+  TimingRing& ring = xl_gap_timing_;
+  int& i = ring.next[static_cast<size_t>(next)];
+  TimingPair& t = ring.pairs[static_cast<size_t>(next) * kTimingRing + i];
+  i = (i + 1) % kTimingRing;
+  if (t.pending) {  // recorded kTimingRing steps back, so done: no wait
+    const double us = 1e3 * TimingMs(t);
+    xl_gap_us_ = xl_gap_us_ < 0 ? us : 0.8 * xl_gap_us_ + 0.2 * us;
+    t.pending = false;
+  }
+  if (!device_->RecordEvent(t.start, stream).ok()) return;
+  xl_gap_open_ = &t;
+  xl_gap_layer_ = next;
+  xl_gap_stream_ = stream;
+}
+
+void RuntimeImpl::DestroyTimings(bool with_gap) {
+  if (with_gap) xl_gap_open_ = nullptr;
+  for (TimingRing* r : {&select_timing_, &attend_timing_, &xl_gap_timing_}) {
+    if (r == &xl_gap_timing_ && !with_gap) continue;
     for (const TimingPair& t : r->pairs) {
       if (t.start != nullptr) device_->DestroyEvent(t.start);
       if (t.end != nullptr) device_->DestroyEvent(t.end);
@@ -504,6 +549,9 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
                  "a CUDA graph cannot hold (Runtime::decode_is_capture_safe() is false)");
   // HiP's side rebuilds (hip_stream_) of this layer or a later one are a step behind: they join
   // before this layer's selection reads the masks.
+  // The engine's stream time since the previous layer's Decode ends here (the auto cross-layer
+  // prefetch's measure), before anything of this call is on the stream.
+  if (xl_gap_open_ != nullptr) CloseXlGap(layer, stream, capturing);
   if (hip_side_busy_ && layer <= hip_side_layer_) KVF_RETURN_IF_ERROR(JoinHipSide(stream));
   // Likewise the bank's admissions beside the stream (a layer's tables are admitted to before
   // its next step reads them).
@@ -802,7 +850,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   if (staged) a.bank.staged = 1;
   // The next layer takes this layer's list (xl+): its misses are known now, and are copied into
   // its stage beside this layer's step.
-  bool prefetch_next = xl_prefetch_ && planned && a.bank.rows != nullptr && layer + 1 < layers &&
+  bool prefetch_next = xl_prefetch_ && XlPrefetchWanted() && planned && a.bank.rows != nullptr && layer + 1 < layers &&
                        policy_->device_reuses_previous_layer(layer + 1);
   // (XlReusesPrevious at the next layer: the same sequences, planned, at the same length.)
   for (int64_t b = 0; prefetch_next && b < batch; ++b) {
@@ -978,6 +1026,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     return WithRestore(std::move(st), restored);
   }
   CommitDecodeStep(layer, planned);
+  OpenXlGap(layer, stream, capturing);  // the engine's time to the next layer's Decode starts here
   const int64_t hkv = m.num_kv_heads;
   if (!cpu_step_) Stage(stats_.ms_attend_gpu, "attend_gpu", t1);
   stats_.rows_resident += resident * hkv;

@@ -75,6 +75,8 @@ Status ValidateConfig(const RuntimeConfig& c) {
                   p.budget_fraction, " out of range [0, 1]");
   }
   KVF_CHECK_ARG(c.cpu_threads >= 0, "cpu_threads ", c.cpu_threads, " must be >= 0");
+  KVF_CHECK_ARG(c.xl_prefetch >= -1 && c.xl_prefetch <= 1, "xl_prefetch ", c.xl_prefetch,
+                " must be -1 (auto), 0 (off) or 1 (on)");
   return Status::Ok();
 }
 
@@ -1587,6 +1589,7 @@ Stats RuntimeImpl::stats() const {
   s.device_bytes_reserved = device_->device_bytes_held();
   s.cost_pcie_gbps = cost_.pcie_gbps;
   s.split_share = static_cast<double>(split_last_q10_) / 1024.0;
+  s.xl_gap_us = xl_gap_us_;
   s.cost_cpu_gbps = cost_.cpu_gbps;
   s.ms_cpu_attend_busy = static_cast<double>(cpu_attend_ns_.load(std::memory_order_relaxed)) * 1e-6;
   const PolicyCounters pc = policy_->counters();

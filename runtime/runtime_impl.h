@@ -457,8 +457,19 @@ class RuntimeImpl {
   // admit_stream_ after layer l - 1's admission (the last reader of that region) and beside layer
   // l's step. Layer l + 1's planned step then waits for prefetch_done_ and reads its misses there
   // (StepBankView::staged). Any other call waits for it before its step too; JoinAdmitSide joins
-  // it with the admissions. KVFERRY_XL_PREFETCH=0: off.
+  // it with the admissions. RuntimeConfig::xl_prefetch (KVFERRY_XL_PREFETCH=0 / 1 overrides it).
   bool xl_prefetch_ = false;
+  // Auto (xl_prefetch -1): prefetch while xl_gap_us_, the running average of the stream time
+  // from the end of a planned layer's Decode to the start of the next layer's (where the next
+  // layer takes the previous one's list), is at least xl_gap_min_us_ or not measured yet. The
+  // prefetch overlaps the step beside it and that gap; with no gap, it races the step for PCIe
+  // and the next step waits for it (stop 43: 0.78-0.88x of no prefetch in an attention-only loop,
+  // 1.07-1.12x with 150-300 us of engine GPU work a layer). Timed by a ring of timing-event pairs
+  // a layer (xl_gap_timing_, read kTimingRing steps later, so never waited for), on eager steps.
+  bool xl_prefetch_auto_ = false;
+  double xl_gap_min_us_ = 100.0;
+  double xl_gap_us_ = -1.0;
+  bool XlPrefetchWanted() const { return !xl_prefetch_auto_ || xl_gap_us_ < 0 || xl_gap_us_ >= xl_gap_min_us_; }
   EventHandle prefetch_fork_ = nullptr, prefetch_done_ = nullptr;
   int prefetch_layer_ = -1;  // the layer whose misses a prefetch in flight stages, -1: none
   StepBankTotals bank_totals_at_reset_;
@@ -625,6 +636,16 @@ class RuntimeImpl {
   };
   bool time_select_ = false;
   TimingRing select_timing_, attend_timing_;
+  // The cross-layer prefetch's gap timing (xl_prefetch_auto_): pairs of layers l >= 1, started at
+  // the end of layer l - 1's Decode, ended at the start of layer l's.
+  TimingRing xl_gap_timing_;
+  TimingPair* xl_gap_open_ = nullptr;  // started, its end not recorded yet
+  int xl_gap_layer_ = -1;               // the layer whose Decode ends xl_gap_open_
+  StreamHandle xl_gap_stream_ = nullptr;
+  // CloseXlGap: ends the open gap pair at the start of \p layer's Decode (or drops it); starts
+  // the next one at the end of \p layer's (OpenXlGap). Neither fails a call.
+  void CloseXlGap(int layer, StreamHandle stream, bool capturing);
+  void OpenXlGap(int layer, StreamHandle stream, bool capturing);
   // What the timed calls read, for the measured rates in Stats: the selections' key bytes and
   // the K/V bytes of the rows the timed steps attended (TimedLaunch counts them).
   int64_t timed_select_key_bytes_ = 0;
@@ -647,7 +668,7 @@ class RuntimeImpl {
   }
   // The time of a pending pair (0 when not pending or not readable).
   double TimingMs(const TimingPair& t) const;
-  void DestroyTimings();
+  void DestroyTimings(bool with_gap = true);  // false: the TimeDeviceSelect rings only
   EventHandle cpu_part_up_ = nullptr;  // the last CPU part left o_cpu_host_ / lse_cpu_host_
   // ---- the CPU part on the runtime's own thread (RuntimeConfig::async_cpu; cpu_step.cpp) ----
   // The caller's Decode enqueues the device's whole layer (the resident rows' attention, then a

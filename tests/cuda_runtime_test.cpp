@@ -516,7 +516,7 @@ TEST(CudaStepBank, AdmissionBesideTheStepEqualsTheSerialOne) {
 
 // The scheduler's cross-layer prefetch (xl+, the device bank's two regions): a planned layer whose
 // next layer takes its list copies that layer's misses into its stage beside its own step; the
-// next step reads them there. Against a twin with KVFERRY_XL_PREFETCH=0 on the same inputs, for
+// next step reads them there. Against a twin with xl_prefetch = 0 on the same inputs, for
 // device-selecting inner policies x vector and hash maps, 4 layers (layers 2 and 3 share), planned
 // and unplanned steps, a plan left after layer 2 and a sequence removed and added again: the
 // outputs, selections and bank counters are equal bit for bit, and every planned sharing layer's
@@ -530,9 +530,8 @@ TEST(CudaStepBank, XlPrefetchEqualsNoPrefetch) {
       for (int b = 0; b < 2; ++b) {
         RuntimeConfig cfg = MakeConfig(Case{policy, Route::kGpu, 48, map}, Backend::kCuda);
         cfg.model.num_layers = 4;
-        if (b == 1) setenv("KVFERRY_XL_PREFETCH", "0", 1);
+        cfg.xl_prefetch = b == 0 ? 1 : 0;
         auto r = Runtime::Create(cfg);
-        unsetenv("KVFERRY_XL_PREFETCH");
         ASSERT_TRUE(r.ok()) << r.status().ToString();
         rt[b] = std::move(r).value();
       }

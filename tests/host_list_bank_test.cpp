@@ -13,12 +13,14 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gpu/device.h"
@@ -446,7 +448,7 @@ TEST(HostListBank, FailingSelectLeavesEverySequenceAsBefore) {
 // prefetches that layer's misses, which its step then reads from the stage. The host device's
 // PrefetchListRows stages them as the CUDA kernel does (PrefetchListRows.* has the rule); its
 // step reads the store itself, so what this covers is the runtime's part: which calls prefetch
-// (planned ones, not the last layer, none with KVFERRY_XL_PREFETCH=0), that a prefetched step
+// (planned ones, not the last layer, none with xl_prefetch = 0), that a prefetched step
 // counts in decode_prefetched, that a plan left unfinished and a removed sequence join the
 // prefetch in flight, and that the outputs equal those of a twin without the prefetch bit for bit.
 TEST(HostListBank, XlPrefetchRunsForPlannedSharingLayers) {
@@ -454,10 +456,10 @@ TEST(HostListBank, XlPrefetchRunsForPlannedSharingLayers) {
   cfg.model.num_layers = 4;
   auto seen = std::make_shared<Seen>();
   auto others = std::make_shared<Seen>();
+  cfg.xl_prefetch = 1;  // always (auto decides by the time between layers: the next test)
   std::unique_ptr<Runtime> a = MakePosing(cfg, seen);
-  setenv("KVFERRY_XL_PREFETCH", "0", 1);
+  cfg.xl_prefetch = 0;
   std::unique_ptr<Runtime> b = MakePosing(cfg, others);
-  unsetenv("KVFERRY_XL_PREFETCH");
   ASSERT_TRUE(a && b);
   EXPECT_TRUE(a->decode_is_capture_safe());
   const int d = cfg.model.head_dim, hq = cfg.model.num_q_heads, hkv = cfg.model.num_kv_heads;
@@ -538,6 +540,83 @@ TEST(HostListBank, XlPrefetchRunsForPlannedSharingLayers) {
       for (int h = 0; h < hkv; ++h) EXPECT_EQ(a->LastSelection(s, l, h).value(), b->LastSelection(s, l, h).value());
     }
   }
+}
+
+// RuntimeConfig::xl_prefetch = -1 (auto): the runtime times the stream from the end of a layer's
+// Decode to the start of the next sharing layer's (on the host device, the host clock where the
+// work runs) and prefetches while that averages at least KVFERRY_XL_PREFETCH_GAP_US (2 ms here).
+// Calls back to back: the prefetch stops once the first times arrive (kTimingRing steps later);
+// 5 ms between the layers' calls (an engine's work): it starts again. Outputs equal a twin with
+// the prefetch off throughout, bit for bit; a bad value of the field is refused.
+TEST(HostListBank, XlPrefetchAutoFollowsTheTimeBetweenLayers) {
+  RuntimeConfig cfg = Config("xl+oracle", 64);
+  cfg.model.num_layers = 4;
+  cfg.xl_prefetch = 2;
+  {
+    auto bad = Runtime::Create(cfg);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(bad.status().message().find("xl_prefetch 2"), std::string::npos) << bad.status().ToString();
+  }
+  auto seen = std::make_shared<Seen>();
+  auto others = std::make_shared<Seen>();
+  cfg.xl_prefetch = -1;
+  setenv("KVFERRY_XL_PREFETCH_GAP_US", "2000", 1);
+  std::unique_ptr<Runtime> a = MakePosing(cfg, seen);
+  unsetenv("KVFERRY_XL_PREFETCH_GAP_US");
+  cfg.xl_prefetch = 0;
+  std::unique_ptr<Runtime> b = MakePosing(cfg, others);
+  ASSERT_TRUE(a && b);
+  const int d = cfg.model.head_dim, hq = cfg.model.num_q_heads, hkv = cfg.model.num_kv_heads;
+  const int layers = cfg.model.num_layers;
+  Inputs in(31);
+  const std::vector<SequenceId> seqs = {2, 5};
+  const int64_t batch = 2;
+  for (SequenceId s : seqs) {
+    for (Runtime* rt : {a.get(), b.get()}) ASSERT_TRUE(rt->AddSequence(s).ok());
+    for (int l = 0; l < layers; ++l) {
+      auto k = in.Random(300 * hkv * d), v = in.Random(300 * hkv * d);
+      for (Runtime* rt : {a.get(), b.get()}) ASSERT_TRUE(rt->Append(s, l, View(k, 300, hkv, d), View(v, 300, hkv, d)).ok());
+    }
+  }
+  EXPECT_LT(a->GetStats().xl_gap_us, 0.0);  // nothing measured yet
+  // One token step on both, every layer's inputs made first; \p pause between a's layer calls.
+  auto step = [&](std::chrono::microseconds pause) {
+    std::vector<std::vector<float>> q(layers), k(layers), v(layers), out_a(layers), out_b(layers);
+    for (int l = 0; l < layers; ++l) {
+      q[l] = in.Random(batch * hq * d), k[l] = in.Random(batch * hkv * d), v[l] = in.Random(batch * hkv * d);
+      out_a[l].assign(q[l].size(), std::nanf(""));
+      out_b[l].assign(q[l].size(), std::nanf(""));
+    }
+    ASSERT_TRUE(a->PlanDecode(seqs).ok());
+    for (int l = 0; l < layers; ++l) {
+      if (l > 0 && pause.count() > 0) std::this_thread::sleep_for(pause);
+      ASSERT_TRUE(a->Decode(seqs, l, View(q[l], batch, hq, d), View(k[l], batch, hkv, d), View(v[l], batch, hkv, d),
+                            View(out_a[l], batch, hq, d)).ok());
+    }
+    ASSERT_TRUE(b->PlanDecode(seqs).ok());
+    for (int l = 0; l < layers; ++l) {
+      ASSERT_TRUE(b->Decode(seqs, l, View(q[l], batch, hq, d), View(k[l], batch, hkv, d), View(v[l], batch, hkv, d),
+                            View(out_b[l], batch, hq, d)).ok());
+      ASSERT_EQ(0, std::memcmp(out_a[l].data(), out_b[l].data(), out_a[l].size() * sizeof(float))) << "layer " << l;
+    }
+  };
+  // Back to back: prefetched until the first times come back, then not.
+  for (int s = 0; s < 8; ++s) step(std::chrono::microseconds(0));
+  const int64_t early = seen->prefetches.load();
+  EXPECT_GE(early, 4);  // layers 1 and 2 of the first steps, before any time was read
+  const double fast = a->GetStats().xl_gap_us;
+  EXPECT_GE(fast, 0.0);
+  EXPECT_LT(fast, 2000.0);
+  for (int s = 0; s < 4; ++s) step(std::chrono::microseconds(0));
+  EXPECT_EQ(seen->prefetches.load(), early) << "prefetched with " << fast << " us between layers";
+  // 5 ms between the calls: the average passes 2 ms within a few steps, and the prefetch returns.
+  for (int s = 0; s < 10; ++s) step(std::chrono::microseconds(5000));
+  EXPECT_GT(a->GetStats().xl_gap_us, 2000.0);
+  EXPECT_GT(seen->prefetches.load(), early);
+  EXPECT_GT(a->GetStats().decode_prefetched, 0);
+  EXPECT_EQ(others->prefetches.load(), 0);
+  EXPECT_EQ(b->GetStats().xl_gap_us, -1.0);  // off: never measured
 }
 
 }  // namespace

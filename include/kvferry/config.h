@@ -123,6 +123,16 @@ struct RuntimeConfig {
   /// The same thread runs the CPU share of route auto's split (a policy that selects on the
   /// device, without a token bank): 0 turns the split off, every miss read over PCIe.
   int async_cpu = -1;
+  /// The scheduler's cross-layer prefetch (a policy wrapped by xl+, with the device token bank):
+  /// while layer l runs, the rows layer l + 1 will miss in the bank (it takes l's list) are copied
+  /// from pinned host memory into its staging beside the step, so that they travel over PCIe while
+  /// the engine's own work between the two layers' Decode calls runs. -1 (auto): prefetch while
+  /// the measured stream time between one layer's Decode and the next one's (the engine's GPU work
+  /// there, and any idle time) averages at least 100 us (KVFERRY_XL_PREFETCH_GAP_US), and before
+  /// the first measurement; with nothing in between the prefetch only races the step for PCIe
+  /// (docs/runtime.md, "Cross-layer prefetch"). 0: off; 1: always. Stats::xl_gap_us reports the
+  /// measured time.
+  int xl_prefetch = -1;
 };
 
 }  // namespace kvferry

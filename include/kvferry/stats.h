@@ -23,8 +23,13 @@ struct Stats {
   int64_t decode_split = 0;
   /// Planned layer steps of a cross-layer policy (xl+, the device token bank on) whose misses the
   /// previous layer's call had already copied into the step's staging while it ran (the
-  /// scheduler's cross-layer prefetch; KVFERRY_XL_PREFETCH=0 turns it off)
+  /// scheduler's cross-layer prefetch, RuntimeConfig::xl_prefetch)
   int64_t decode_prefetched = 0;
+  /// The stream time between a layer's Decode and the next layer's, in microseconds: the running
+  /// average that RuntimeConfig::xl_prefetch = -1 decides by (measured on planned eager steps of
+  /// layers that take the previous layer's list; -1 before the first measurement or when not
+  /// measured). Not reset by ResetStats.
+  double xl_gap_us = -1;
   int64_t decode_plans = 0;      ///< plans built: PlanDecode calls and Decode calls that planned themselves
   /// Times a Decode or PlanDecode call made the host wait for the device (stream or event
   /// synchronisation). Zero in a steady planned step of a device-selecting policy with device

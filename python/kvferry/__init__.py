@@ -89,6 +89,9 @@ class RuntimeConfig:
     #: returns once the GPU's work is queued (-1: with CUDA; 0: off; 1: on). A failure there is
     #: raised by the next call.
     async_cpu: int = -1
+    #: The cross-layer prefetch of xl+ with the device token bank (-1: while the measured GPU
+    #: time between layers' decode calls averages 100 us or more; 0: off; 1: on).
+    xl_prefetch: int = -1
 
 
 def _is_torch(t: Any) -> bool:

@@ -167,7 +167,8 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
       "max_sequences", "max_tokens_per_sequence", "max_batch", "max_prefill_chunk",
       "max_host_bytes", "host_bytes_at_create", "gpu_bytes", "prefill_prefetch", "sink_tokens", "window_tokens",
       "bank_slots", "bank_map", "policy", "budget", "budget_fraction", "params", "route",
-      "backend", "device_id", "cpu_threads", "probe_at_start", "async_cpu"};
+      "backend", "device_id", "cpu_threads", "probe_at_start", "async_cpu",
+      "xl_prefetch"};
   for (auto [key, value] : d) {
     const std::string k = nb::cast<std::string>(key);
     bool known = false;
@@ -216,6 +217,7 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   get_int("cpu_threads", c.cpu_threads);
   get_as("probe_at_start", c.probe_at_start, "a bool");
   get_int("async_cpu", c.async_cpu);
+  get_int("xl_prefetch", c.xl_prefetch);
   return c;
 }
 
@@ -229,6 +231,7 @@ nb::dict StatsDict(const Stats& s) {
   KVF_STAT(decode_planned);
   KVF_STAT(decode_split);
   KVF_STAT(decode_prefetched);
+  KVF_STAT(xl_gap_us);
   KVF_STAT(decode_plans);
   KVF_STAT(host_syncs);
   KVF_STAT(bytes_h2d);
