@@ -326,6 +326,20 @@ def test_async_cpu_part_equals_the_serial_one():
         make_rt(async_cpu="on")
 
 
+def test_xl_prefetch_reaches_the_config():
+    """RuntimeConfig.xl_prefetch (the cross-layer prefetch of xl+ with the device bank) is checked
+    at create; the stats carry the measured time between layers (-1: not measured, as on the host
+    backend, which has no device bank)."""
+    with pytest.raises(ValueError, match="xl_prefetch 2 must be -1"):
+        make_rt(policy="xl+oracle", budget=48, xl_prefetch=2)
+    with pytest.raises(TypeError, match="xl_prefetch: want an int, got str"):
+        make_rt(xl_prefetch="auto")
+    for mode in (-1, 0, 1):
+        rt = make_rt(policy="xl+oracle", budget=48, xl_prefetch=mode)
+        assert rt.stats()["xl_gap_us"] == -1.0
+        assert rt.stats()["decode_prefetched"] == 0
+
+
 def test_gpu_bytes_cap_refuses_what_does_not_fit_and_sizes_the_auto_bank():
     with pytest.raises(MemoryError, match="capacity.gpu_bytes 4096 is below"):
         make_rt(gpu_bytes=4096)
