@@ -3,8 +3,8 @@
 # points stop 41 left out. For a device-selecting policy without a bank (sparcas, kvpop; the split
 # applies there only), under the 8 GiB cap, keys unique, 2%, eager steps (a graph holds no split):
 # route gpu, route auto (the scheduler's split, its share following the steps) and every miss on
-# the CPU (KVFERRY_SPLIT_SHARE=1), at 32K x 1, 32K x 4 and 512K x 1; torch SDPA uncapped in the
-# same call. 32K x 16 is call B (stop44_b.sh).
+# the CPU (KVFERRY_SPLIT_SHARE=1), at 32K x 1, 32K x 4 and 32K x 16; torch SDPA uncapped in the
+# same call. 512K x 1 is call B (stop44_b.sh).
 set -u
 source scripts/device/build.sh
 trap 'tar czf $OUT/r.tgz -C $D . ; echo "total: $(( $(date +%s) - t0 )) s"' EXIT
@@ -19,7 +19,7 @@ route_rows() {  # route_rows NAME CONTEXT BATCH
 }
 route_rows r32k1 32768 1
 route_rows r32k4 32768 4
-route_rows r512k1 524288 1
+route_rows r32k16 32768 16
 python3 - $D/rows.jsonl <<'PY'
 import json, sys
 for l in open(sys.argv[1]):

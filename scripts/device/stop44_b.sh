@@ -3,7 +3,7 @@
 # points stop 41 left out. For a device-selecting policy without a bank (sparcas, kvpop; the split
 # applies there only), under the 8 GiB cap, keys unique, 2%, eager steps (a graph holds no split):
 # route gpu, route auto (the scheduler's split, its share following the steps) and every miss on
-# the CPU (KVFERRY_SPLIT_SHARE=1), at 32K x 16; torch SDPA uncapped in the
+# the CPU (KVFERRY_SPLIT_SHARE=1), at 512K x 1; torch SDPA uncapped in the
 # same call.
 set -u
 source scripts/device/build.sh
@@ -17,7 +17,7 @@ route_rows() {  # route_rows NAME CONTEXT BATCH
   kvf_e2e ${n}_auto -- --modes sparcas,kvpop --contexts $c --batches $b $U --route auto
   kvf_e2e ${n}_cpu KVFERRY_SPLIT_SHARE=1 -- --modes sparcas,kvpop --contexts $c --batches $b $U --route auto
 }
-route_rows r32k16 32768 16
+route_rows r512k1 524288 1
 python3 - $D/rows.jsonl <<'PY'
 import json, sys
 for l in open(sys.argv[1]):
