@@ -12,14 +12,14 @@ kvf_build() {
 }
 
 # kvf_e2e NAME [ENV=VALUE ...] -- [kvferry-e2e arguments]: runs $B/bench/kvferry-e2e (200 s at
-# most) into $D/NAME.jsonl, prints the rows' headline fields, and appends them to $D/rows.jsonl
+# most, KVF_TIMEOUT to change) into $D/NAME.jsonl, prints the rows' headline fields, and appends them to $D/rows.jsonl
 # with "variant": NAME (what scripts/device/e2e_sdpa.py and bench/plot.py read).
 kvf_e2e() {
   local name=$1; shift
   local envs=()
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
   [ $# -gt 0 ] && shift
-  env "${envs[@]}" timeout 200 "$B/bench/kvferry-e2e" "$@" --json "$D/$name.jsonl" > "$D/$name.log" 2>&1
+  env "${envs[@]}" timeout "${KVF_TIMEOUT:-200}" "$B/bench/kvferry-e2e" "$@" --json "$D/$name.jsonl" > "$D/$name.log" 2>&1
   echo "$name rc=$? $(grep -o '"mode":"[a-z_+]*"\|"context":[0-9]*\|"batch":[0-9]*\|"ms_per_token_step":[0-9.]*\|"ms_select_device_per_step":[0-9.e-]*\|"rows_bank_hit_per_step":[0-9.e+]*' "$D/$name.jsonl" | tr '\n' ' ')"
   kvf_tag "$D/$name.jsonl" "$name" >> "$D/rows.jsonl"
 }
