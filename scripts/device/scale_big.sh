@@ -5,8 +5,10 @@
 #   POINT=128k16: 256 GiB of host KV (the nvidia-h200-x4 kind, 512 GiB, is enough; one GPU used)
 #   POINT=512k4:  256 GiB (the same)
 #   POINT=512k16: 1 TiB (no kind lent in stop 44 has it)
+#   POINT=128k6:  96 GiB (the largest batch at 128K that the one-GPU kind's 125 GiB holds)
 #   POINT=32k4:   16 GiB (a smoke check of this script on any machine)
-# PART picks what one call (10 minutes at most) runs: the fills alone take about 0.5 s a GiB.
+# PART picks what one call (10 minutes at most) runs, a comma list of (the fills alone take about
+# 0.5 s a GiB):
 #   PART=bank:   kvpop_bank, xl+kvpop_bank (the best GPU policy, with PrHS's selectors: psaw+ in
 #                MODES=psaw+kvpop_bank), the 8 GiB cap, eager and graph steps
 #   PART=routes: kvpop without a bank on route gpu, auto (the scheduler's split) and every miss on
@@ -25,8 +27,9 @@ case $P in
   128k16) C=131072; N=16 ;;
   512k4) C=524288; N=4 ;;
   512k16) C=524288; N=16 ;;
+  128k6) C=131072; N=6 ;;
   32k4) C=32768; N=4 ;;
-  *) echo "POINT $P: one of 128k16 512k4 512k16 32k4"; exit 2 ;;
+  *) echo "POINT $P: one of 128k16 512k4 512k16 128k6 32k4"; exit 2 ;;
 esac
 mem_gib=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo)
 H=${HOST_GIB:-$(( mem_gib - 24 ))}
@@ -39,21 +42,23 @@ kvf_build kvferry-e2e
 rm -f $D/rows.jsonl
 export KVF_TIMEOUT=${KVF_TIMEOUT:-280}
 U="--unique-kv --gpu-gib 8 --host-gib $H --contexts $C --batches $N"
-case $PART in
-  bank)
-    for m in ${MODES:-kvpop_bank xl+kvpop_bank}; do
-      kvf_e2e ${P}_$m -- --modes $m --steps 8 $U
-    done ;;
-  routes)
-    kvf_e2e ${P}_gpu -- --modes kvpop --steps 8 $U --route gpu
-    kvf_e2e ${P}_auto -- --modes kvpop --steps 8 $U --route auto
-    kvf_e2e ${P}_cpu KVFERRY_SPLIT_SHARE=1 -- --modes kvpop --steps 8 $U --route auto ;;
-  base)
-    for m in full_streaming dense_cpu; do
-      kvf_e2e ${P}_$m -- --modes $m --steps 2 $U
-    done ;;
-  *) echo "PART $PART: one of bank routes base"; exit 2 ;;
-esac
+for part in ${PART//,/ }; do
+  case $part in
+    bank)
+      for m in ${MODES:-kvpop_bank xl+kvpop_bank}; do
+        kvf_e2e ${P}_$m -- --modes $m --steps 8 $U
+      done ;;
+    routes)
+      kvf_e2e ${P}_gpu -- --modes kvpop --steps 8 $U --route gpu
+      kvf_e2e ${P}_auto -- --modes kvpop --steps 8 $U --route auto
+      kvf_e2e ${P}_cpu KVFERRY_SPLIT_SHARE=1 -- --modes kvpop --steps 8 $U --route auto ;;
+    base)
+      for m in full_streaming dense_cpu; do
+        kvf_e2e ${P}_$m -- --modes $m --steps 2 $U
+      done ;;
+    *) echo "PART $part: bank, routes or base"; exit 2 ;;
+  esac
+done
 python3 - $D/rows.jsonl <<'PY'
 import json, sys
 for l in open(sys.argv[1]):
@@ -65,5 +70,5 @@ for l in open(sys.argv[1]):
           "gpu_bytes", r.get("gpu_bytes"), "share", r.get("split_share"), "fill_s", r.get("fill_s"),
           r.get("skipped", ""))
 PY
-timeout 150 python3 scripts/device/e2e_sdpa.py $D/rows.jsonl $D/e2e_big_${P}_${PART}.json > $D/sdpa.log 2>&1
+timeout 150 python3 scripts/device/e2e_sdpa.py $D/rows.jsonl $D/e2e_big_${P}_${PART//,/_}.json > $D/sdpa.log 2>&1
 echo "sdpa rc=$?"; tail -6 $D/sdpa.log
