@@ -74,7 +74,33 @@ def main():
                     "decode_split_per_step": r["decode_split_per_step"],
                     "cost_cpu_gbps": r["cost_cpu_gbps"], "cost_pcie_gbps": r["cost_pcie_gbps"],
                     "ms_per_token_step_graph": r["ms_per_token_step_graph"], "call": "stop41_a"})
-    calls = {c for c, _, _ in CALLS} | {"stop41_a"}
+    # Stop 44's call E (scripts/device/scale_big.sh, POINT=128k6 PART=bank,base): 128K x 6, the
+    # largest 128K batch the one-GPU kind's host memory holds, with its baselines in the same call.
+    big = json.load(open(f"{RES}/stop44/e/e2e_big_128k6_bank_base.json"))["rows"]
+    ms_of = {r["mode"]: r["ms_per_token_step"] for r in big}
+    for r in big:
+        ms = r["ms_per_token_step"]
+        new.append({"policy": "kvpop" if r["mode"] == "kvpop_bank" else "dense", "mode": r["mode"],
+                    "selectors": "none", "context": r["context"], "batch": r["batch"],
+                    "route": "cpu" if r["mode"] == "dense_cpu" else "gpu",
+                    "gpu_bytes_cap": r["gpu_bytes_cap"], "ms_per_token_step": ms,
+                    "tokens_per_s": round(r["batch"] * 1e3 / ms, 1),
+                    "speedup_vs_full_streaming": round(ms_of["full_streaming"] / ms, 2),
+                    "speedup_vs_dense_cpu": round(ms_of["dense_cpu"] / ms, 2),
+                    "sdpa_uncapped_ms_per_token_step": r["sdpa_ms_per_token_step"],
+                    "sdpa_distinct_layer_kv": r["sdpa_distinct_layer_kv"],
+                    "ratio_vs_sdpa_uncapped": ms / r["sdpa_ms_per_token_step"],
+                    "gpu_bytes": r["gpu_bytes"], "host_bytes": r["host_bytes"],
+                    "bank_slots": r["bank_slots"], "bank_hit_rate": r["bank_hit_rate"],
+                    "rows_bank_hit_per_step": r["rows_bank_hit_per_step"],
+                    "rows_fetched_per_step": r["rows_fetched_per_step"],
+                    "rows_cpu_per_step": r["rows_cpu_per_step"],
+                    "host_syncs_per_step": r["host_syncs_per_step"],
+                    "capture_safe": r["capture_safe"],
+                    "ms_per_token_step_no_graph": r["ms_per_token_step_no_graph"],
+                    "stages_ms_per_step": r["stages_ms_per_step"], "fill_s": r["fill_s"],
+                    "unique_kv": r["unique_kv"], "call": "stop44_e"})
+    calls = {c for c, _, _ in CALLS} | {"stop41_a", "stop44_e"}
 
     path = f"{RES}/scale_h100.json"
     d = json.load(open(path))
@@ -94,7 +120,11 @@ def main():
             " calls: stop30_a/b's rows hold them at 32K x 4, 32K x 16 and 512K x 1). sparcas at"
             " 512K x 1 is refused by the cap (its compact keys, 6.68 GB, plus one layer's prefill"
             " staging, 2.15 GB, exceed 8 GiB even without the prefill prefetch): the row is the"
-            " message.")
+            " message. stop44_e (scripts/device/scale_big.sh POINT=128k6 PART=bank,base; H200):"
+            " 128K x 6, the largest batch at 128K whose host KV (96 GiB) the one-GPU kind holds"
+            " (128K x 16 needs 256 GiB), kvpop_bank under the 8 GiB cap with full_streaming and"
+            " dense_cpu in the same call (its speedups are against those) and SDPA uncapped there"
+            " (23 distinct layers' KV fit 70 GiB of the GPU; the other 9 layers reread them).")
     json.dump(d, open(path, "w"), indent=1)
 
     path = f"{RES}/split_h100.json"
@@ -109,13 +139,13 @@ def main():
                                          "split_share", "rows_cpu_per_step",
                                          "rows_selected_per_step", "sdpa_uncapped_ms_per_token_step",
                                          "skipped", "call")}
-                 for r in new if r["call"] != "stop41_a"]}
+                 for r in new if r["call"] not in ("stop41_a", "stop44_e")]}
     json.dump(d, open(path, "w"), indent=1)
 
     # The rule: the split never below 0.95x of the better single route.
     pts = {}
     for r in new:
-        if "skipped" not in r:
+        if "skipped" not in r and "(" in r["mode"]:
             pts.setdefault((r["policy"], r["context"], r["batch"]), {})[r["mode"].split("(")[1][:-1]] = r["ms_per_token_step"]
     for (p, c, b), m in sorted(pts.items(), key=lambda x: (x[0][1], x[0][2], x[0][0])):
         best = min(m["route gpu"], m["all misses on CPU"])
