@@ -12,7 +12,9 @@ import os
 
 RES = "bench/results"
 CALLS = [("stop44_a", f"{RES}/stop44/a/e2e_stop44a.json", f"{RES}/stop44/a/rows.jsonl"),
-         ("stop44_b", f"{RES}/stop44/b/e2e_stop44b.json", f"{RES}/stop44/b/rows.jsonl")]
+         ("stop44_b", f"{RES}/stop44/b/e2e_stop44b.json", f"{RES}/stop44/b/rows.jsonl"),
+         # scripts/device/scale_big.sh POINT=128k6 PART=routes
+         ("stop44_f", f"{RES}/stop44/f/e2e_big_128k6_routes.json", f"{RES}/stop44/f/rows.jsonl")]
 ROUTE = {"gpu": ("gpu", "route gpu"), "auto": ("auto", "split"),
          "cpu": ("auto, KVFERRY_SPLIT_SHARE=1", "all misses on CPU")}
 
@@ -124,7 +126,8 @@ def main():
             " 128K x 6, the largest batch at 128K whose host KV (96 GiB) the one-GPU kind holds"
             " (128K x 16 needs 256 GiB), kvpop_bank under the 8 GiB cap with full_streaming and"
             " dense_cpu in the same call (its speedups are against those) and SDPA uncapped there"
-            " (23 distinct layers' KV fit 70 GiB of the GPU; the other 9 layers reread them).")
+            " (23 distinct layers' KV fit 70 GiB of the GPU; the other 9 layers reread them)."
+            " stop44_f (scale_big.sh POINT=128k6 PART=routes): the route rows at 128K x 6.")
     json.dump(d, open(path, "w"), indent=1)
 
     path = f"{RES}/split_h100.json"
