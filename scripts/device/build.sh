@@ -12,8 +12,8 @@ kvf_build() {
 }
 
 # kvf_e2e NAME [ENV=VALUE ...] -- [kvferry-e2e arguments]: runs $B/bench/kvferry-e2e (200 s at
-# most, KVF_TIMEOUT to change) into $D/NAME.jsonl, prints the rows' headline fields, and appends them to $D/rows.jsonl
-# with "variant": NAME (what scripts/device/e2e_sdpa.py and bench/plot.py read).
+# most, or KVF_TIMEOUT) into $D/NAME.jsonl, prints the rows' headline fields, and appends them to
+# $D/rows.jsonl with "variant": NAME (what scripts/device/e2e_sdpa.py and bench/plot.py read).
 kvf_e2e() {
   local name=$1; shift
   local envs=()
@@ -30,4 +30,30 @@ kvf_tag() {
 import json, sys
 for l in open(sys.argv[1]):
     r = json.loads(l); r['variant'] = sys.argv[2]; print(json.dumps(r))" "$1" "$2"
+}
+
+# kvf_route_rows NAME MODES [kvferry-e2e arguments]: the scheduler's routes of MODES, one run each:
+# NAME_gpu (route gpu), NAME_auto (route auto: the split, its share following the steps) and
+# NAME_cpu (every miss on the CPU: route auto with KVFERRY_SPLIT_SHARE=1).
+kvf_route_rows() {
+  local n=$1 m=$2; shift 2
+  kvf_e2e "${n}_gpu" -- --modes "$m" "$@" --route gpu
+  kvf_e2e "${n}_auto" -- --modes "$m" "$@" --route auto
+  kvf_e2e "${n}_cpu" KVFERRY_SPLIT_SHARE=1 -- --modes "$m" "$@" --route auto
+}
+
+# kvf_rows: a line per row of $D/rows.jsonl (the step's time in a CUDA graph and eager, the split,
+# tokens/s, device bytes, fill time, or why the row was skipped).
+kvf_rows() {
+  python3 - "$D/rows.jsonl" <<'PY'
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    ms = r.get("ms_per_token_step")
+    print(r.get("variant"), r.get("mode"), r.get("context"), "b%s" % r.get("batch"),
+          "graph %.3f no_graph %.3f" % (ms or -1, r.get("ms_per_token_step_no_graph", -1)),
+          "split/step", r.get("decode_split_per_step"), "share", r.get("split_share"),
+          "tokens/s %.0f" % (r["batch"] * 1e3 / ms) if ms else "", "gpu_bytes", r.get("gpu_bytes"),
+          "fill_s", r.get("fill_s"), r.get("skipped", ""))
+PY
 }

@@ -48,10 +48,7 @@ for part in ${PART//,/ }; do
       for m in ${MODES:-kvpop_bank xl+kvpop_bank}; do
         kvf_e2e ${P}_$m -- --modes $m --steps 8 $U
       done ;;
-    routes)
-      kvf_e2e ${P}_gpu -- --modes kvpop --steps 8 $U --route gpu
-      kvf_e2e ${P}_auto -- --modes kvpop --steps 8 $U --route auto
-      kvf_e2e ${P}_cpu KVFERRY_SPLIT_SHARE=1 -- --modes kvpop --steps 8 $U --route auto ;;
+    routes) kvf_route_rows "$P" kvpop --steps 8 $U ;;
     base)
       for m in full_streaming dense_cpu; do
         kvf_e2e ${P}_$m -- --modes $m --steps 2 $U
@@ -59,16 +56,6 @@ for part in ${PART//,/ }; do
     *) echo "PART $part: bank, routes or base"; exit 2 ;;
   esac
 done
-python3 - $D/rows.jsonl <<'PY'
-import json, sys
-for l in open(sys.argv[1]):
-    r = json.loads(l)
-    print(r.get("variant"), r.get("mode"), r.get("context"), "b%s" % r.get("batch"),
-          "graph %.3f" % r.get("ms_per_token_step", -1),
-          "no_graph %.3f" % r.get("ms_per_token_step_no_graph", -1),
-          "tokens/s %.0f" % (r["batch"] * 1e3 / r["ms_per_token_step"]) if r.get("ms_per_token_step") else "",
-          "gpu_bytes", r.get("gpu_bytes"), "share", r.get("split_share"), "fill_s", r.get("fill_s"),
-          r.get("skipped", ""))
-PY
+kvf_rows
 timeout 150 python3 scripts/device/e2e_sdpa.py $D/rows.jsonl $D/e2e_big_${P}_${PART//,/_}.json > $D/sdpa.log 2>&1
 echo "sdpa rc=$?"; tail -6 $D/sdpa.log

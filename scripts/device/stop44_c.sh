@@ -2,8 +2,8 @@
 # Stop 44, call C: the host timeline (Chrome trace JSON) of one eager token step whose layers the
 # scheduler splits: kvpop, no bank, 32K x 4 under the 8 GiB cap, keys unique, 2%, route auto (the
 # share following the steps). Its cpu_split spans (the CPU's share of each layer, on the runtime's
-# thread) lie beside the caller's launch spans of the next layers: Decode returns once the split
-# is enqueued. The kernels are not in a host timeline.
+# thread) start as the caller's launch of the layer's device share ends; the caller's next Decode
+# starts when the last cpu_split ends (one part in flight). The kernels are not in a host timeline.
 set -u
 source scripts/device/build.sh
 trap 'tar czf $OUT/r.tgz -C $D . ; echo "total: $(( $(date +%s) - t0 )) s"' EXIT
