@@ -136,6 +136,8 @@ TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
       upload(dk[l]->p, k);
       upload(dv[l]->p, v);
     }
+    // Pageable copies may return before their DMA lands; the decode stream is non-blocking.
+    CUDA_OK(cudaDeviceSynchronize());
   };
   auto run_layers = [&](int which) {
     for (int l = 0; l < m.num_layers; ++l) {
@@ -300,6 +302,7 @@ TEST(CudaPlannedStep, DeviceAndHostTensorsAgree) {
         CUDA_OK(cudaMemcpy(dq.p, q.data(), nq * 2, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemcpy(dk.p, k.data(), nkv * 2, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemcpy(dv.p, v.data(), nkv * 2, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaDeviceSynchronize());  // pageable copies may return before their DMA lands
         ASSERT_TRUE(rts[0]->Decode(one, l, hv(q, m.num_q_heads), hv(k, m.num_kv_heads), hv(v, m.num_kv_heads),
                                    hv(out_host, m.num_q_heads)).ok());
         ASSERT_TRUE(rts[1]->Decode(one, l, dvw(dq, m.num_q_heads), dvw(dk, m.num_kv_heads),
@@ -451,6 +454,7 @@ TEST(CudaGraphHostLists, HostSelectingPolicyWithBankRefusesCapture) {
     CUDA_OK(cudaMemcpy(dq.p, q.data(), nq * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(dk.p, k.data(), nkv * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(dv.p, v.data(), nkv * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaDeviceSynchronize());  // pageable copies may return before their DMA lands
     auto dev_view = [&](void* p, int heads) {
       return TensorView::Contiguous(p, DType::kF32, MemoryKind::kDevice, {1, heads, m.head_dim});
     };

@@ -48,7 +48,10 @@ struct DeviceMemoryPlan {
 ///
 /// Calls for one layer of one sequence must come in order (prefill chunks, then decodes); layers
 /// are independent. Work is ordered on the given stream (CUDA backend) or complete when the call
-/// returns (host backend).
+/// returns (host backend). With no stream given, the work runs on the runtime's own non-blocking
+/// stream, which does not wait for the legacy default stream: device tensors must be complete
+/// before the call (a cudaMemcpy from pageable memory returns before its DMA lands), or pass the
+/// stream that produced them.
 ///
 /// Threads: every call may come from any thread. The calls are serialised: each takes one mutex
 /// of the runtime for its whole duration (uncontended, one lock and unlock per call), so calls
