@@ -2,14 +2,14 @@
 # Copyright kvferry authors. Apache-2.0.
 """Renders the benchmark JSON under bench/results/ into PNGs next to them:
 
-  e2e_h100.png         time per token step vs context, per policy, against torch SDPA (all KV on
-                       the GPU) and full PCIe streaming, from e2e_h100.json
+  e2e.png              time per token step relative to torch SDPA with all KV on the GPU (same
+                       run) vs context, per policy, from e2e.json
   quality_smollm2.png  perplexity gap to dense and attention-mass recall vs budget, per policy,
                        from quality_smollm2.json
-  bank_h100.png        token-bank decode speed (vs all KV on the GPU) against its hit rate, from
-                       bank_h100*.json
-  scale_h100.png       time per token step of each (context, batch) point under the GPU memory
-                       cap, per policy and selectors, with the baselines, from scale_h100.json
+  bank.png             token-bank decode speed (vs all KV on the GPU) against its hit rate, from
+                       bank.json
+  scale.png            time per token step of each (context, batch) point under the GPU memory
+                       cap, per policy and selectors, with the baselines, from scale.json
 
 A plot whose JSON is absent is skipped with a message. Usage: plot.py [--results bench/results]
 [--only e2e,quality,bank,scale]
@@ -42,63 +42,54 @@ def save(fig, dst):
 
 
 def plot_e2e(results):
-    src = os.path.join(results, "e2e_h100.json")
+    src = os.path.join(results, "e2e.json")
     if not os.path.exists(src):
         return print(f"plot.py: {src} absent; e2e plot skipped")
     d = json.load(open(src))
-    rows = [r for r in d["rows"] if "skipped" not in r and r.get("name", "decode") == "decode"]
-    # The file keeps every stop's rows: plot the newest of each (mode, context, batch), by "run"
-    # ("YYYY-MM-DD stop N"; rows without one are the oldest). Rows of an experiment carry a
-    # "variant": only the defaults' ("default_*", stop 18's "gpu_beside_*") are plotted, the
-    # median of a run's repetitions.
-    # Rows taken on another card (stop 24's H200 rows carry "device") are left out: SDPA's time,
-    # the ratios' base, differs by card.
-    def plotted(r):
-        v = r.get("variant")
-        on_h100 = "H100" in r.get("device", "H100")
-        return on_h100 and (v is None or v.startswith("default_") or v.startswith("gpu_beside_"))
-
-    newest = {}
-    for r in filter(plotted, rows):
-        k = (r["mode"], r["context"], r["batch"])
-        run = r.get("run") or ""
-        if k not in newest or run > newest[k][0]:
-            newest[k] = (run, [r])
-        elif run == newest[k][0]:
-            newest[k][1].append(r)
-    rows = [sorted(reps, key=lambda r: r["ms_per_token_step"])[len(reps) // 2]
-            for _, reps in newest.values()]
-    batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 5), squeeze=False)
+    rows = [r for r in d["rows"] if "skipped" not in r and r.get("name", "decode") == "decode"
+            and r.get("ratio") and not r.get("async_cpu") == 0 and not r.get("engine_us")]
+    # Rows come from two cards (provenance.gpu), so the plot shows each row's time relative to
+    # torch SDPA measured in the same run. One point per (mode, context, batch, query drift): the
+    # rows with distinct keys at every position (unique_kv) where the file has them, the median of
+    # a run's repetitions.
+    groups = {}
+    for r in rows:
+        k = (r["mode"], r["context"], r["batch"], r.get("query_drift", 0))
+        groups.setdefault(k, []).append(r)
+    pts = {}
+    for k, rs in groups.items():
+        uniq = [r for r in rs if r.get("unique_kv")] or rs
+        uniq.sort(key=lambda r: r["ratio"])
+        pts[k] = uniq[len(uniq) // 2]["ratio"]
+    batches = sorted({k[2] for k in pts})
+    fig, axes = plt.subplots(1, len(batches), figsize=(8.5 * len(batches), 5.5), squeeze=False)
+    series = sorted({(k[0], k[3]) for k in pts}, key=lambda s: (s[1], s[0]))
     for ax, batch in zip(axes[0], batches):
-        here = [r for r in rows if r["batch"] == batch]
-        ctxs = sorted({r["context"] for r in here})
-        sdpa = {r["context"]: r["sdpa_ms_per_token_step"] for r in here if r.get("sdpa_ms_per_token_step")}
-        ax.plot(sorted(sdpa), [sdpa[c] for c in sorted(sdpa)], "k-o", lw=2.5,
-                label="torch SDPA, all KV on GPU")
-        for j, m in enumerate(E2E_MODES):
-            pts = sorted((r["context"], r["ms_per_token_step"], r.get("ratio")) for r in here
-                         if r["mode"] == m)
-            if not pts:
+        ax.axhline(1.0, color="k", lw=2, label="torch SDPA, all KV on the GPU")
+        for j, (m, drift) in enumerate(series):
+            xy = sorted((k[1], v) for k, v in pts.items() if k[0] == m and k[3] == drift and k[2] == batch)
+            if not xy:
                 continue
-            style = "--" if m == "full_streaming" else "-"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", color=f"C{j}",
-                    label=m)
-            for c, ms, ratio in pts:
-                if ratio:
-                    ax.annotate(f"{ratio:.2g}x", (c, ms), textcoords="offset points", xytext=(4, 2),
-                                fontsize=6, color=f"C{j}")
+            label = m + (f", query drift {drift:g}" if drift else "")
+            color = plt.cm.tab20(j % 20)
+            ax.plot([x for x, _ in xy], [y for _, y in xy], ":" if drift else "-",
+                    marker="os^D"[j % 4], color=color, label=label)
+            for x, y in xy:
+                ax.annotate(f"{y:.2g}x", (x, y), textcoords="offset points", xytext=(4, 2),
+                            fontsize=6, color=color)
+        ctxs = sorted({k[1] for k in pts if k[2] == batch})
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(ctxs)
         ax.set_xticklabels([f"{c // 1024}K" for c in ctxs])
         ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("ms per token step (32 layers)")
+        ax.set_ylabel("time per token step / SDPA's (same run)")
         ax.set_title(f"batch {batch}")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("kvferry Runtime end to end vs torch SDPA (H100, Llama-3.1-8B attention shape); "
-                 "labels: kvferry / SDPA time, same run", fontsize=10)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle("kvferry Runtime end to end vs torch SDPA (Llama-3.1-8B attention shape, 32 layers, "
+                 "budget 2%); below 1: kvferry faster; H100 and H200 rows, each against its own run's SDPA",
+                 fontsize=9)
     save(fig, src[:-5] + ".png")
 
 
@@ -138,9 +129,9 @@ def plot_quality(results):
 
 
 def plot_bank(results):
-    files = sorted(glob.glob(os.path.join(results, "bank_h100*.json")))
+    files = sorted(glob.glob(os.path.join(results, "bank.json")))
     if not files:
-        return print(f"plot.py: no bank_h100*.json in {results}; bank plot skipped")
+        return print(f"plot.py: no bank.json in {results}; bank plot skipped")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     seen = set()
     for f in files:
@@ -160,18 +151,18 @@ def plot_bank(results):
     ax.set_title("token bank (H100, 128K context, 32 layers); one point per run")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    save(fig, os.path.join(results, "bank_h100.png"))
+    save(fig, os.path.join(results, "bank.png"))
 
 
 def plot_scale(results):
-    src = os.path.join(results, "scale_h100.json")
+    src = os.path.join(results, "scale.json")
     if not os.path.exists(src):
         return print(f"plot.py: {src} absent; scale plot skipped")
     d = json.load(open(src))
-    # Rows come from several calls, later ones after earlier ones: the newest of each point.
+    # One row per point and mode (the newest call of each, bench/reproduce.py scale).
     latest = {}
     for r in d["rows"]:
-        if "skipped" not in r:
+        if "skipped" not in r and r.get("ms_per_token_step"):
             latest[(r["mode"], r["context"], r["batch"])] = r
     rows = list(latest.values())
     points = sorted({(r["context"], r["batch"]) for r in rows})
@@ -190,7 +181,7 @@ def plot_scale(results):
         sdpa = next((r["sdpa_uncapped_ms_per_token_step"] for r in here
                      if r.get("sdpa_uncapped_ms_per_token_step")), None)
         if sdpa:
-            ax.axvline(sdpa, color="k", lw=1.5, ls="--", label="SDPA, all KV on an uncapped H100")
+            ax.axvline(sdpa, color="k", lw=1.5, ls="--", label="SDPA, all KV on the uncapped GPU")
         for i, r in enumerate(here):
             ratio = r.get("ratio_vs_sdpa_uncapped")
             ax.annotate(f"{r['ms_per_token_step']:.3g} ms" + (f" ({ratio:.2g}x)" if ratio else ""),
@@ -201,7 +192,7 @@ def plot_scale(results):
         ax.grid(True, axis="x", which="both", alpha=0.3)
     axes[0][0].legend(fontsize=6, loc="lower right")
     fig.suptitle("kvferry under an 8 GiB GPU memory cap (H100 / H200, Llama-3.1-8B attention shape, "
-                 "2% budget; the newest call of each point); labels: kvferry / uncapped SDPA time measured in the "
+                 "2% budget); labels: kvferry / uncapped SDPA time measured in the "
                  "same call", fontsize=9)
     save(fig, src[:-5] + ".png")
 

@@ -8,7 +8,7 @@
 // incrementally from ctx.kv for positions not yet seen (the GPU port keeps the same arrays on the
 // device and extends them at append). GQA: a page's score is the largest, over the group's query
 // heads, of its scaled bound minus that head's best page bound (each head normalised to its own
-// maximum, the "max logit" aggregation for proxies in DESIGN.md). Pages are ranked over the
+// maximum, the "max logit" aggregation for proxies in docs/policies.md). Pages are ranked over the
 // offloaded range [sink, n - window); a page cut by the range contributes only its offloaded
 // positions; the page that overflows k_off contributes its first positions. Ties: lower page.
 

@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-// The CPU half of a planned decode step for a CPU-placed policy (lfps), DESIGN.md's stages 2-5 on
+// The CPU half of a planned decode step for a CPU-placed policy (lfps), docs/design.md's stages 2-5 on
 // the host: select, resolve against the resident tier, attend the offloaded picks on the CPU next
 // to the memory. The device half (runtime/decode_plan.cpp RunDecodeStep) has already enqueued the
 // attention over the resident rows; this runs while it executes, and the two parts meet in the

@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-// The planned decode step (plan / run, DESIGN.md): PlanDecode does the host work of a token step
+// The planned decode step (plan / run, docs/design.md): PlanDecode does the host work of a token step
 // once for all layers; each Decode of the step then enqueues the device's append, attend and
 // combine (Device::DecodeStep) and nothing else. Policies whose selection is a function of the
 // length (dense, streaming) run here; the others take the host path in runtime.cpp.

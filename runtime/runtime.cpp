@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-// The runtime: validation, sequence slots, and the prefill and decode steps of DESIGN.md.
+// The runtime: validation, sequence slots, and the prefill and decode steps of docs/design.md.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>

@@ -1,6 +1,6 @@
 // Copyright kvferry authors. Apache-2.0.
 #pragma once
-// Runtime internals: sequence slots, tiers, plan buffers and the decode step of DESIGN.md.
+// Runtime internals: sequence slots, tiers, plan buffers and the decode step of docs/design.md.
 
 #include <algorithm>
 #include <chrono>

@@ -2,7 +2,7 @@
 // CPU attention throughput, written as JSON (own main; no Google Benchmark fixtures):
 //  - sparse attention over 2048 random positions per KV head (GQA 4, head_dim 128, bf16) through
 //    the pinned worker pool at 1..16 threads, as GB/s of K/V rows read, against the 16-thread
-//    host DRAM limit (89 GB/s measured on the GPU machine; DESIGN.md);
+//    host DRAM limit (89 GB/s measured on the GPU machine; docs/cpu.md);
 //  - the same at 1 thread for every kernel family this CPU has (scalar vs SIMD ratio);
 //  - dense decode attention (oneDNN matmul, and the SIMD kernels) at 32K and 128K tokens.
 // Usage: cpu_attention_bench [out.json] [--quick]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sourced by the stop scripts on the GPU machine: B (build folder), D (results folder), t0, and
+# Sourced by the device scripts (test.sh) on the GPU machine: B (build folder), D (results folder), t0, and
 # kvf_build TARGET... (Release, sm_90, examples off; the logs in $D, the first errors on failure).
 B=${B:-/tmp/b}; D=${D:-/tmp/r}; mkdir -p "$D"
 t0=$(date +%s)
