@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 14's scale points past 128 GiB of host KV, for a machine that has the memory (written in
-# stop 44; only the one-GPU, 128 GiB kind was lent then). KV bytes of the Llama-3.1-8B attention
+# The scale points past 128 GiB of host KV, for a machine that has the memory (the one-GPU kind
+# has 128 GiB). KV bytes of the Llama-3.1-8B attention
 # shape (32 layers, 8 KV heads, d128, bf16): 128 KiB a token, so
 #   POINT=128k16: 256 GiB of host KV (the nvidia-h200-x4 kind, 512 GiB, is enough; one GPU used)
 #   POINT=512k4:  256 GiB (the same)
-#   POINT=512k16: 1 TiB (no kind lent in stop 44 has it)
+#   POINT=512k16: 1 TiB
 #   POINT=128k6:  96 GiB (the largest batch at 128K that the one-GPU kind's 125 GiB holds)
 #   POINT=32k4:   16 GiB (a smoke check of this script on any machine)
 # PART picks what one call (10 minutes at most) runs, a comma list of (the fills alone take about
