@@ -6,6 +6,10 @@
 // Decode layer by layer. The cache is filled with Append (device tensors made on the GPU) plus a
 // 32-token Prefill per layer that primes policies learning from the prompt's last queries.
 // One JSON object per row; scripts/device/e2e_sdpa.py adds torch SDPA's time in the same run.
+// `kvferry-e2e --help` lists every flag with its range. Exit codes: 0 at least one row measured
+// (or every row larger than the memory allowed: the rows say so), 1 nothing measured (no CUDA
+// device, every row skipped for another reason) or a failed run, 2 usage error (a bad value, an
+// unknown flag or mode, an unwritable --json: found before any work).
 //
 //   kvferry-e2e --json out.json [--contexts 32768,131072] [--batches 1,4] [--modes a,b,..]
 //               [--steps 20] [--layers 32] [--host-gib 100] [--device-gib 70]
@@ -30,6 +34,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -38,11 +43,13 @@
 #include <vector>
 
 #include "bench/lib/safetensors.h"
-#include "examples/llama/progress.h"
 #include "kvferry/kvferry.h"
+#include "tools/common/args.h"
+#include "tools/common/progress.h"
 
 namespace {
 
+namespace tools = kvferry::tools;
 using kvferry::DType;
 using kvferry::MemoryKind;
 using kvferry::Runtime;
@@ -145,21 +152,6 @@ struct Options {
   double engine_gpu_us = 0;
 };
 
-template <typename T>
-std::vector<T> SplitList(const std::string& s) {
-  std::vector<T> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if constexpr (std::is_same_v<T, std::string>) {
-      out.push_back(item);
-    } else {
-      out.push_back(static_cast<T>(std::stoll(item)));
-    }
-  }
-  return out;
-}
-
 // Puts --param's pairs into the policy's parameters and the row ("params":{"k":v,...}).
 void AddParams(const Options& o, RuntimeConfig& c, std::ostringstream& row) {
   if (o.params.empty()) return;
@@ -171,50 +163,117 @@ void AddParams(const Options& o, RuntimeConfig& c, std::ostringstream& row) {
   row << "}";
 }
 
+// The modes RunOne and RunPrefill know. A decode mode may be prefixed by PrHS wrappers ("cis+",
+// "psaw+", "xl+", any order) and suffixed by "_bank".
+const char* const kDecodeModes[] = {"dense_cpu", "dense_resident", "streaming", "streaming_resident",
+                                    "oracle", "quest", "sparcas", "hip", "kvpop", "lfps",
+                                    "lfps_gpu", "full_streaming"};
+const char* const kPrefillModes[] = {"prefill_dense", "prefill_lfps"};
+
+std::string ModeProblem(const std::string& mode) {
+  for (const char* m : kPrefillModes) {
+    if (mode == m) return "";
+  }
+  std::string inner = mode;
+  for (bool more = true; more;) {
+    more = false;
+    for (const char* w : {"cis+", "psaw+", "xl+"}) {
+      if (inner.rfind(w, 0) == 0) {
+        inner = inner.substr(std::string_view(w).size());
+        more = true;
+      }
+    }
+  }
+  if (inner.size() > 5 && inner.compare(inner.size() - 5, 5, "_bank") == 0) {
+    inner = inner.substr(0, inner.size() - 5);
+  }
+  for (const char* m : kDecodeModes) {
+    if (inner == m) return "";
+  }
+  std::string want;
+  for (const char* m : kDecodeModes) want += std::string(m) + ", ";
+  return "unknown mode (want " + want + "prefill_dense or prefill_lfps; a decode mode may take "
+         "the prefixes cis+, psaw+, xl+ and the suffix _bank)";
+}
+
+constexpr int64_t kMaxContext = int64_t{1} << 24;
+
+// Parses the command line (tools/common/args.h); on --help or a usage error prints and exits
+// (0 or 2) before any work. --json and --trace's folder are checked writable here.
 Options Parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "missing value after %s\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (a == "--json") o.json = next();
-    else if (a == "--contexts") o.contexts = SplitList<int64_t>(next());
-    else if (a == "--batches") o.batches = SplitList<int>(next());
-    else if (a == "--modes") o.modes = SplitList<std::string>(next());
-    else if (a == "--steps") o.steps = std::stoi(next());
-    else if (a == "--layers") o.layers = std::stoi(next());
-    else if (a == "--host-gib") o.host_gib = std::stod(next());
-    else if (a == "--budget-tokens") o.budget_tokens = std::stoll(next());
-    else if (a == "--device-gib") o.device_gib = std::stod(next());
-    else if (a == "--gpu-gib") o.gpu_gib = std::stod(next());
-    else if (a == "--prefill-chunks") o.prefill_chunks = SplitList<int64_t>(next());
-    else if (a == "--prefill-layers") o.prefill_layers = std::stoi(next());
-    else if (a == "--prefill-order") o.prefill_order = next();
-    else if (a == "--cpu-threads") o.cpu_threads = std::stoi(next());
-    else if (a == "--trace") o.trace_prefix = next();
-    else if (a == "--query-drift") o.query_drift = std::stod(next());
-    else if (a == "--unique-kv") o.unique_kv = true;
-    else if (a == "--async-cpu") o.async_cpu = std::stoi(next());
-    else if (a == "--route") o.route = next();
-    else if (a == "--engine-us") o.engine_us = std::stod(next());
-    else if (a == "--engine-gpu-us") o.engine_gpu_us = std::stod(next());
-    else if (a == "--param") {
-      const std::string kv = next();
-      const size_t eq = kv.find('=');
-      if (eq == std::string::npos || eq == 0) {
-        std::fprintf(stderr, "--param wants key=value, got '%s'\n", kv.c_str());
-        std::exit(2);
-      }
-      o.params.emplace_back(kv.substr(0, eq), std::stod(kv.substr(eq + 1)));
-    }
-    else {
-      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
-      std::exit(2);
+  tools::ArgParser p(
+      "kvferry-e2e",
+      "[options]\n"
+      "The Runtime driven the way an engine drives it (device tensors, CUDA graphs; Llama-3.1-8B's\n"
+      "attention shape), one JSON row per context x batch x mode. Needs a CUDA device.\n");
+  p.OutputFile("--json", "append every row to PATH (checked before the run)", &o.json)
+      .WholeList("--contexts", "tokens in the KV cache", &o.contexts, 64, kMaxContext)
+      .WholeList("--batches", "sequences decoded together", &o.batches, 1, 1024)
+      .Value("--modes", "M[,M...]",
+             "what runs: decode modes (dense_cpu, dense_resident, streaming, streaming_resident, "
+             "oracle, quest, sparcas, hip, kvpop, lfps, lfps_gpu, full_streaming; prefixes cis+, "
+             "psaw+, xl+; suffix _bank) and prefill_dense, prefill_lfps",
+             [&o](const std::string& flag, const std::string& v) {
+               std::vector<std::string> modes;
+               const std::string problem = tools::ListItemProblem(
+                   flag, v, [&](const std::string& m) {
+                     std::string why = ModeProblem(m);
+                     if (why.empty()) modes.push_back(m);
+                     return why;
+                   });
+               if (problem.empty()) o.modes = std::move(modes);
+               return problem;
+             })
+      .Whole("--steps", "token steps timed per row", &o.steps, 1, 1000000)
+      .Whole("--layers", "layers of a decode row", &o.layers, 1, 1024)
+      .Real("--host-gib", "host memory a row may use for the KV (larger rows are skipped)",
+            &o.host_gib, 0.0, 1e6, /*lo_open=*/true, "GIB")
+      .Real("--device-gib", "device memory dense_resident may use for the KV", &o.device_gib, 0.0,
+            1e6, /*lo_open=*/true, "GIB")
+      .Real("--gpu-gib", "Capacity::gpu_bytes of every decode mode (0: no cap)", &o.gpu_gib, 0.0,
+            1e6, /*lo_open=*/false, "GIB")
+      .Whole("--budget-tokens", "the 2% modes select N tokens at every context instead (0: 2%)",
+             &o.budget_tokens, 0, kMaxContext)
+      .WholeList("--prefill-chunks", "prefill chunk sizes (prefill_* modes)", &o.prefill_chunks, 1,
+                 int64_t{1} << 20)
+      .Whole("--prefill-layers", "layers of a prefill row (layer order: the first is a warm-up)",
+             &o.prefill_layers, 1, 1024)
+      .Choice("--prefill-order", "every chunk of a layer, or chunk c of every layer first",
+              &o.prefill_order, {"layer", "chunk"})
+      .Whole("--cpu-threads", "RuntimeConfig::cpu_threads (0: the cores near the GPU)",
+             &o.cpu_threads, 0, 4096)
+      .String("--trace", "PREFIX", "one more token step traced into PREFIX_<mode>_<context>_b<batch>.json",
+              &o.trace_prefix)
+      .KeyReal("--param", "config.policy.params of every mode (the policy checks the names)",
+               [&o](const std::string& key, double v) { o.params.emplace_back(key, v); })
+      .Real("--query-drift", "the decode query moves by E x noise from step to step",
+            &o.query_drift, 0.0, 1000.0, /*lo_open=*/false, "E")
+      .Switch("--unique-kv", "every prompt chunk's keys drawn afresh", &o.unique_kv)
+      .Whole("--async-cpu", "RuntimeConfig::async_cpu (-1: on with CUDA)", &o.async_cpu, -1, 1)
+      .Choice("--route", "route of the device-selection modes", &o.route, {"gpu", "auto"})
+      .Real("--engine-us", "host spin after each Decode (the engine's own host work)",
+            &o.engine_us, 0.0, 1e6, /*lo_open=*/false, "US")
+      .Real("--engine-gpu-us", "GPU spin kernel after each Decode (the engine's own GPU work)",
+            &o.engine_gpu_us, 0.0, 1e6, /*lo_open=*/false, "US");
+  p.set_epilog("example: kvferry-e2e --contexts 32768 --batches 1 --modes dense_resident,lfps "
+               "--steps 10 --json rows.jsonl\n");
+  const int rc = p.ParseAndReport(argc, argv);
+  if (rc >= 0) std::exit(rc);
+  const bool any_prefill = std::any_of(o.modes.begin(), o.modes.end(), [](const std::string& m) {
+    return m.rfind("prefill_", 0) == 0;
+  });
+  if (any_prefill && o.prefill_order == "layer" && o.prefill_layers < 2) {
+    std::exit(p.ReportUsageError(
+        "--prefill-layers " + std::to_string(o.prefill_layers) +
+        ": the layer order times the layers after the first (a warm-up), so it needs at least 2 "
+        "(or --prefill-order chunk)"));
+  }
+  if (!o.trace_prefix.empty()) {
+    const std::string probe = o.trace_prefix + "_" + o.modes.front() + ".json";
+    const std::string problem = tools::WritableFileProblem(probe);
+    if (!problem.empty()) {
+      std::exit(p.ReportUsageError(tools::BadValue("--trace", o.trace_prefix, problem)));
     }
   }
   return o;
@@ -439,7 +498,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   };
   const double t_fill0 = Now();
   std::vector<SequenceId> seqs;
-  kvferry::llama::Progress progress("fill " + std::to_string(ctx / 1024) + "K x " +
+  kvferry::tools::Progress progress("fill " + std::to_string(ctx / 1024) + "K x " +
                                         std::to_string(batch),
                                     static_cast<int64_t>(batch) * o.layers, "layers");
   for (int b = 0; b < batch; ++b) {
@@ -759,31 +818,97 @@ std::string RunPrefill(const Options& o, int64_t ctx, int64_t chunk, const std::
   return row.str();
 }
 
-}  // namespace
+// A row that measured nothing says why in "skipped".
+bool Skipped(const std::string& row) { return row.find("\"skipped\":") != std::string::npos; }
 
-int main(int argc, char** argv) {
+int Main(int argc, char** argv) {
   const Options o = Parse(argc, argv);
+  // A GPU must be there: said before any row, rather than one "skipped" row per combination
+  // (whose message, on a machine without a driver, was the CUDA runtime's "CUDA driver version is
+  // insufficient").
+  std::string no_gpu = tools::CudaDeviceProblem();
+  if (no_gpu.empty()) {
+    int count = 0;
+    const cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count == 0) {
+      no_gpu = std::string("no CUDA device found: the CUDA runtime says ") +
+               (e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+    }
+  }
+  if (!no_gpu.empty()) {
+    std::fprintf(stderr, "kvferry-e2e: %s; nothing measured\n", no_gpu.c_str());
+    return tools::kExitFailure;
+  }
   std::ofstream f;
-  if (!o.json.empty()) f.open(o.json, std::ios::app);
+  if (!o.json.empty()) {
+    f.open(o.json, std::ios::app);
+    if (!f) {
+      std::fprintf(stderr, "kvferry-e2e: --json %s: cannot be opened\n", o.json.c_str());
+      return tools::kExitFailure;
+    }
+  }
+  int rows = 0, measured = 0;
+  bool all_capacity = true;  // every skipped row skipped for want of memory
+  std::string first_skip;
+  const auto emit = [&](const std::string& r) {
+    std::printf("%s\n", r.c_str());
+    std::fflush(stdout);
+    if (f.is_open()) {
+      f << r << "\n" << std::flush;
+      if (!f) {
+        std::fprintf(stderr, "kvferry-e2e: --json %s: write failed\n", o.json.c_str());
+        std::exit(tools::kExitFailure);
+      }
+    }
+    ++rows;
+    if (!Skipped(r)) {
+      ++measured;
+      return;
+    }
+    if (first_skip.empty()) first_skip = r;
+    if (r.find("\"skipped\":\"KV of ") == std::string::npos &&
+        r.find("\"skipped\":\"resource exhausted") == std::string::npos) {
+      all_capacity = false;
+    }
+  };
   for (int64_t ctx : o.contexts) {
     for (int batch : o.batches) {
       for (const std::string& mode : o.modes) {
         if (mode.rfind("prefill_", 0) == 0) {
           if (batch != o.batches.front()) continue;  // one prompt: batch 1
-          for (int64_t chunk : o.prefill_chunks) {
-            const std::string r = RunPrefill(o, ctx, chunk, mode);
-            std::printf("%s\n", r.c_str());
-            std::fflush(stdout);
-            if (f) f << r << "\n" << std::flush;
-          }
+          for (int64_t chunk : o.prefill_chunks) emit(RunPrefill(o, ctx, chunk, mode));
           continue;
         }
-        const std::string r = RunOne(o, ctx, batch, mode);
-        std::printf("%s\n", r.c_str());
-        std::fflush(stdout);
-        if (f) f << r << "\n" << std::flush;
+        emit(RunOne(o, ctx, batch, mode));
       }
     }
   }
-  return 0;
+  if (measured == 0 && !all_capacity) {
+    std::fprintf(stderr, "kvferry-e2e: nothing measured: all %d rows skipped (first: %s)\n", rows,
+                 first_skip.c_str());
+    return tools::kExitFailure;
+  }
+  if (measured == 0) {
+    // Every row is larger than the memory it may use (--host-gib, --device-gib, --gpu-gib): that
+    // is the answer a capacity sweep asks for (bench/reproduce.py scale), not a failure.
+    std::fprintf(stderr, "kvferry-e2e: no row fits the memory allowed: all %d rows skipped "
+                 "(first: %s)\n", rows, first_skip.c_str());
+    return tools::kExitOk;
+  }
+  if (measured < rows) {
+    std::fprintf(stderr, "kvferry-e2e: %d of %d rows measured, %d skipped (see \"skipped\")\n",
+                 measured, rows, rows - measured);
+  }
+  return tools::kExitOk;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return Main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvferry-e2e: unexpected error: %s\n", e.what());
+    return tools::kExitFailure;
+  }
 }

@@ -8,7 +8,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -20,6 +22,7 @@
 #include "bench/lib/synthetic.h"
 #include "cpu/dtype.h"
 #include "kvferry/kvferry.h"
+#include "tools/common/args.h"
 
 namespace kvferry::bench {
 namespace {
@@ -36,7 +39,7 @@ struct Options {
   int batch = 1;
   std::string backend = "host";
   std::string route = "auto";
-  uint64_t seed = 1;
+  int64_t seed = 1;
   std::string json;
   std::string trace;
   int sink = 4;
@@ -50,68 +53,97 @@ struct Options {
   bool context_set = false;
 };
 
-[[noreturn]] void Usage(const char* msg) {
-  std::fprintf(stderr,
-               "error: %s\n"
-               "usage: kvferry-bench [--policy NAME] [--context N] [--budget N|FRACTION] [--steps N]\n"
-               "  [--layers N] [--q-heads N] [--kv-heads N] [--head-dim N] [--batch N]\n"
-               "  [--backend host|cuda|auto] [--route auto|gpu|cpu] [--seed N] [--json PATH]\n"
-               "  [--trace FILE.safetensors] [--sink N] [--window N] [--kv-dtype bf16|f16]\n"
-               "  [--param NAME=VALUE]... [--bank-slots N] [--bank-map vector|hash]\n"
-               "  [--cpu-threads N] [--no-accuracy]\n",
-               msg);
-  std::exit(2);
+// The tool's command line (tools/common/args.h): every value checked with its range, --json
+// checked writable and --trace readable, all before any work.
+tools::ArgParser MakeParser(Options& o) {
+  tools::ArgParser p("kvferry-bench",
+                     "[options]\n"
+                     "Prefills --context tokens (synthetic workload or a --trace), decodes --steps "
+                     "steps through the\nRuntime and prints one JSON object: accuracy against dense "
+                     "attention and cost.\n");
+  constexpr int64_t kMaxTokens = int64_t{1} << 24;
+  p.String("--policy", "NAME", "selection policy (the runtime names the ones built)", &o.policy)
+      .Value("--context", "N", "tokens prefilled before decoding; with --trace at most its tokens"
+             " - --steps (whole number in [1, 16777216]; default 8192)",
+             [&o](const std::string& flag, const std::string& v) {
+               int64_t x = 0;
+               const std::string problem = tools::WholeProblem(v, 1, kMaxTokens, &x);
+               if (!problem.empty()) return tools::BadValue(flag, v, problem);
+               o.context = x;
+               o.context_set = true;
+               return std::string();
+             }, /*value_may_start_with_dashes=*/true)
+      .Value("--budget", "N|F",
+             "attended tokens per step: a whole number of tokens in [1, 16777216], or a fraction "
+             "of the context in (0, 1) (default 256)",
+             [&o](const std::string& flag, const std::string& v) {
+               double x = 0;
+               const std::string real = tools::RealProblem(v, 0.0, double(kMaxTokens), true, &x);
+               if (!real.empty() || (x >= 1.0 && x != std::floor(x))) {
+                 int64_t whole = 0;
+                 std::string why = tools::WholeProblem(v, 1, kMaxTokens, &whole);
+                 if (why.empty()) why = "out of range";  // unreachable: x was not whole
+                 const size_t paren = why.find(" (");
+                 return tools::BadValue(flag, v, why.substr(0, paren) +
+                                                     " (want a whole number of tokens in [1, " +
+                                                     std::to_string(kMaxTokens) +
+                                                     "] or a fraction of the context in (0, 1))");
+               }
+               o.budget = x;
+               return std::string();
+             }, /*value_may_start_with_dashes=*/true)
+      .Whole("--steps", "decode steps timed", &o.steps, 1, 1000000)
+      .Whole("--layers", "layers (synthetic workload)", &o.layers, 1, 1024)
+      .Whole("--q-heads", "query heads (synthetic workload)", &o.q_heads, 1, 1024)
+      .Whole("--kv-heads", "KV heads (synthetic workload)", &o.kv_heads, 1, 1024)
+      .Whole("--head-dim", "head dimension (synthetic workload)", &o.head_dim, 1, 1024)
+      .Whole("--batch", "sequences decoded together", &o.batch, 1, 4096)
+      .Choice("--backend", "where the GPU tier lives (cuda needs a CUDA device)", &o.backend,
+              {"host", "cuda", "auto"})
+      .Choice("--route", "where offloaded rows are attended", &o.route, {"auto", "gpu", "cpu"})
+      .Whole("--seed", "synthetic workload's seed", &o.seed, 0,
+             std::numeric_limits<int64_t>::max())
+      .OutputFile("--json", "also write the JSON object to PATH (checked before the run)", &o.json)
+      .InputFile("--trace", "replay a recorded trace (kvferry-llama --dump-trace) instead of the "
+                 "synthetic workload", &o.trace, "FILE.safetensors")
+      .Whole("--sink", "sink tokens kept resident", &o.sink, 0, 1 << 20)
+      .Whole("--window", "recent tokens kept resident", &o.window, 0, 1 << 20)
+      .Choice("--kv-dtype", "KV cache element type", &o.kv_dtype, {"bf16", "f16"})
+      .KeyReal("--param", "a policy parameter (the runtime checks its name and range)",
+               [&o](const std::string& key, double v) { o.params[key] = v; })
+      .Whole("--bank-slots", "device token-bank slots per table (0: no bank)", &o.bank_slots, 0,
+             65534)
+      .Choice("--bank-map", "token bank's position map", &o.bank_map, {"vector", "hash"})
+      .Whole("--cpu-threads", "runtime's CPU threads (0: the cores near the GPU)", &o.cpu_threads,
+             0, 4096)
+      .Switch("--no-accuracy", "skip the accuracy metrics (cost only)",
+              [&o](const std::string&) {
+                o.accuracy = false;
+                return std::string();
+              });
+  return p;
 }
 
+// Parses the command line; on --help or a usage error prints and exits (0 or 2).
 Options Parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) Usage(("missing value for " + a).c_str());
-      return argv[++i];
-    };
-    auto num = [&]() -> double {
-      std::string s = next();
-      char* end = nullptr;
-      double v = std::strtod(s.c_str(), &end);
-      if (end == s.c_str() || *end != '\0') Usage(("bad number '" + s + "' for " + a).c_str());
-      return v;
-    };
-    if (a == "--policy") o.policy = next();
-    else if (a == "--context") { o.context = static_cast<int64_t>(num()); o.context_set = true; }
-    else if (a == "--budget") o.budget = num();
-    else if (a == "--steps") o.steps = static_cast<int>(num());
-    else if (a == "--layers") o.layers = static_cast<int>(num());
-    else if (a == "--q-heads") o.q_heads = static_cast<int>(num());
-    else if (a == "--kv-heads") o.kv_heads = static_cast<int>(num());
-    else if (a == "--head-dim") o.head_dim = static_cast<int>(num());
-    else if (a == "--batch") o.batch = static_cast<int>(num());
-    else if (a == "--backend") o.backend = next();
-    else if (a == "--route") o.route = next();
-    else if (a == "--seed") o.seed = static_cast<uint64_t>(num());
-    else if (a == "--json") o.json = next();
-    else if (a == "--trace") o.trace = next();
-    else if (a == "--sink") o.sink = static_cast<int>(num());
-    else if (a == "--window") o.window = static_cast<int>(num());
-    else if (a == "--kv-dtype") o.kv_dtype = next();
-    else if (a == "--bank-slots") o.bank_slots = static_cast<int>(num());
-    else if (a == "--bank-map") o.bank_map = next();
-    else if (a == "--cpu-threads") o.cpu_threads = static_cast<int>(num());
-    else if (a == "--no-accuracy") o.accuracy = false;
-    else if (a == "--param") {
-      std::string kv = next();
-      auto eq = kv.find('=');
-      if (eq == std::string::npos) Usage("--param wants NAME=VALUE");
-      o.params[kv.substr(0, eq)] = std::strtod(kv.c_str() + eq + 1, nullptr);
-    } else if (a == "--help" || a == "-h") {
-      Usage("help");
-    } else {
-      Usage(("unknown flag " + a).c_str());
+  tools::ArgParser p = MakeParser(o);
+  const int rc = p.ParseAndReport(argc, argv);
+  if (rc >= 0) std::exit(rc);
+  // --backend cuda: a GPU must be there, said before any work (the runtime's own error would
+  // be the CUDA runtime's, "CUDA driver version is insufficient", on a machine with no driver).
+  if (o.backend == "cuda") {
+#if defined(KVFERRY_WITH_CUDA)
+    const std::string problem = tools::CudaDeviceProblem();
+#else
+    const std::string problem = "kvferry was built without CUDA (configure with nvcc present)";
+#endif
+    if (!problem.empty()) {
+      std::fprintf(stderr, "kvferry-bench: --backend cuda: %s; use --backend host or auto\n",
+                   problem.c_str());
+      std::exit(tools::kExitFailure);
     }
   }
-  if (o.steps < 1 || o.batch < 1 || o.layers < 1 || o.context < 1) Usage("sizes must be >= 1");
-  if (o.budget <= 0) Usage("--budget must be > 0");
   return o;
 }
 
@@ -133,7 +165,7 @@ class SyntheticSource final : public Source {
       s.num_kv_heads = o.kv_heads;
       s.head_dim = o.head_dim;
       s.max_positions = positions;
-      s.seed = o.seed * 1000003 + static_cast<uint64_t>(b);
+      s.seed = static_cast<uint64_t>(o.seed) * 1000003u + static_cast<uint64_t>(b);
       s.sinks = 4;
       gens_.push_back(std::make_unique<SyntheticWorkload>(s));
     }
@@ -190,7 +222,12 @@ int Run(const Options& opt_in) {
     o.head_dim = l0.head_dim;
     const int64_t tokens = l0.num_tokens;
     if (!o.context_set || o.context + o.steps > tokens) o.context = tokens - o.steps;
-    if (o.context < 1) Usage("trace too short for --steps");
+    if (o.context < 1) {
+      std::fprintf(stderr, "kvferry-bench: --trace %s: %lld tokens, too short for --steps %d "
+                   "(it needs at least --steps + 1)\n", o.trace.c_str(),
+                   static_cast<long long>(tokens), o.steps);
+      return tools::kExitUsage;
+    }
     workload = "trace:" + o.trace;
     auto it = t.value().metadata.find("model");
     if (it != t.value().metadata.end()) workload += " (" + it->second + ")";
@@ -222,9 +259,7 @@ int Run(const Options& opt_in) {
   }
   c.policy.params = o.params;
   c.route = o.route == "gpu" ? Route::kGpu : o.route == "cpu" ? Route::kCpu : Route::kAuto;
-  if (o.route != "gpu" && o.route != "cpu" && o.route != "auto") Usage("--route auto|gpu|cpu");
   c.backend = o.backend == "cuda" ? Backend::kCuda : o.backend == "auto" ? Backend::kAuto : Backend::kHost;
-  if (o.backend != "cuda" && o.backend != "auto" && o.backend != "host") Usage("--backend host|cuda|auto");
   c.cpu_threads = o.cpu_threads;
 
   auto created = Runtime::Create(c);
@@ -288,6 +323,8 @@ int Run(const Options& opt_in) {
                  static_cast<long long>(o.context), o.layers);
   }
   const double prefill_s = std::chrono::duration<double>(Clock::now() - t_prefill).count();
+  // The prefill's counters, before they are reset so that the decode's stand alone.
+  const Stats prefill_stats = rt.GetStats();
   rt.ResetStats();
 
   std::vector<SequenceId> seqs(static_cast<size_t>(o.batch));
@@ -344,7 +381,12 @@ int Run(const Options& opt_in) {
       std::fprintf(stderr, "step %d/%d  %.3f ms/step\n", step + 1, o.steps, decode_ms / (step + 1));
     }
   }
-  const Stats st = rt.GetStats();
+  // "stats": the decode steps' counters (reset after the prefill, so that bytes and rows are the
+  // decode's alone) with the prefill's own counters put back: prefill_tokens used to read 0 next
+  // to prefill_s because the reset cleared them.
+  Stats st = rt.GetStats();
+  st.prefill_tokens = prefill_stats.prefill_tokens;
+  st.prefill_chunks_prefetched = prefill_stats.prefill_chunks_prefetched;
   const double tokens = static_cast<double>(o.steps) * o.batch;
   std::ostringstream js;
   js.precision(6);
@@ -366,6 +408,9 @@ int Run(const Options& opt_in) {
      << ",\"bytes_h2d\":" << st.bytes_h2d << ",\"bytes_d2h\":" << st.bytes_d2h
      << ",\"bytes_h2d_per_token\":" << st.bytes_h2d / tokens
      << ",\"bytes_d2h_per_token\":" << st.bytes_d2h / tokens << ",\"prefill_s\":" << prefill_s
+     << ",\"prefill_tokens\":" << prefill_stats.prefill_tokens
+     << ",\"prefill_bytes_h2d\":" << prefill_stats.bytes_h2d
+     << ",\"prefill_bytes_d2h\":" << prefill_stats.bytes_d2h
      << ",\"stats\":" << st.ToJson() << "}";
   std::printf("%s\n", js.str().c_str());
   if (!o.json.empty()) {
@@ -382,4 +427,13 @@ int Run(const Options& opt_in) {
 }  // namespace
 }  // namespace kvferry::bench
 
-int main(int argc, char** argv) { return kvferry::bench::Run(kvferry::bench::Parse(argc, argv)); }
+int main(int argc, char** argv) {
+  // Errors are values inside; this only turns an escaped exception (std::bad_alloc for a workload
+  // larger than memory) into a message and exit 1 instead of an abort.
+  try {
+    return kvferry::bench::Run(kvferry::bench::Parse(argc, argv));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvferry-bench: unexpected error: %s\n", e.what());
+    return kvferry::tools::kExitFailure;
+  }
+}

@@ -1,13 +1,22 @@
 // Copyright kvferry authors. Apache-2.0.
 // The smallest complete use of kvferry: create a runtime, add a sequence, prefill a prompt for
-// every layer, decode a few steps with random projections, print the stats.
+// every layer, decode a few steps with random projections, print the stats. Takes no flags
+// but --help (tools/common/args.h: anything else is a usage error, exit 2).
 #include <cstdio>
 #include <random>
 #include <vector>
 
 #include "kvferry/kvferry.h"
+#include "tools/common/args.h"
 
-int main() {
+int main(int argc, char** argv) {
+  kvferry::tools::ArgParser args(
+      "kvferry-embed",
+      "\nThe smallest complete use of kvferry: a runtime (backend auto: CUDA when a GPU is "
+      "there),\none sequence, a 1000-token prompt prefilled into 2 layers, 8 decode steps; "
+      "prints the stats.\n");
+  if (const int rc = args.ParseAndReport(argc, argv); rc >= 0) return rc;
+
   kvferry::RuntimeConfig config;
   config.model = {.num_layers = 2, .num_q_heads = 8, .num_kv_heads = 2, .head_dim = 64,
                   .kv_dtype = kvferry::DType::kBF16};

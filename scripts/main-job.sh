@@ -23,28 +23,61 @@ budget=256
 window=192
 context=""
 backend=auto
-usage() {
-  echo "usage: $0 [--policy P] [--budget N] [--window N] [--context N] [--backend host|cuda|auto]" >&2
+usage_text() {
+  cat <<USAGE
+usage: $0 [--policy P] [--budget N] [--window N] [--context N] [--backend host|cuda|auto]
+  --policy P    kvferry's selection policy (default lfps)
+  --budget N    tokens attended per step, sinks and window included (default 256)
+  --window N    recent tokens kept resident (default 192)
+  --context N   tokens of King James text per window, at least $min_context (default: 8192 with a
+                GPU or 16+ cores, 4096 with 8+ cores, else 2048); the last N/8 are scored
+  --backend B   host, cuda or auto (default auto)
+  -h, --help    print this help and exit
+Environment: BUILD_DIR (default build-main-job), JOBS (default: all cores).
+Exit codes: 0 done, 1 the job failed, 2 usage error (found before any download or build).
+USAGE
+}
+# The shortest window the report runs with: its passkey prompt alone (intro, key, question) takes
+# about 100 tokens, and the scored tail (context / 8) needs a prefix before it.
+min_context=256
+die_usage() {
+  echo "$0: $*" >&2
+  echo "($0 --help lists the options)" >&2
   exit 2
 }
 while [[ $# -gt 0 ]]; do
-  [[ $# -ge 2 ]] || { echo "$0: $1 needs a value" >&2; usage; }
   case "$1" in
-    --policy) policy="$2" ;;
-    --budget) budget="$2" ;;
-    --context) context="$2" ;;
-    --backend) backend="$2" ;;
-    --window) window="$2" ;;
-    *) usage ;;
+    -h|--help) usage_text; exit 0 ;;
+    --policy|--budget|--context|--backend|--window)
+      [[ $# -ge 2 ]] || die_usage "$1 needs a value"
+      case "$1" in
+        --policy) policy="$2" ;;
+        --budget) budget="$2" ;;
+        --context) context="$2" ;;
+        --backend) backend="$2" ;;
+        --window) window="$2" ;;
+      esac
+      shift 2 ;;
+    *) die_usage "unknown option $1" ;;
   esac
-  shift 2
 done
-# kvferry-llama checks every value before it loads the model (exit 2 with the flag named); only
-# --context is used here first, to derive --scored, so it must be a whole number already.
-if [[ -n "$context" && ! "$context" =~ ^[0-9]+$ ]]; then
-  echo "$0: --context $context: want a whole number of tokens" >&2
-  exit 2
-fi
+# Checked here, before the download and the build (kvferry-llama checks them again, with --policy,
+# before it loads the model). --context is needed first, to derive --scored.
+whole() {  # whole FLAG VALUE MIN MAX
+  if [[ "$2" =~ ^-[0-9]+$ ]]; then
+    die_usage "$1 $2: negative (want a whole number in [$3, $4])"
+  fi
+  if [[ ! "$2" =~ ^[0-9]+$ ]]; then
+    die_usage "$1 $2: not a whole number (want a whole number in [$3, $4])"
+  fi
+  if (( ${#2} > 9 || 10#$2 < $3 || 10#$2 > $4 )); then
+    die_usage "$1 $2: out of range (want a whole number in [$3, $4])"
+  fi
+}
+if [[ -n "$context" ]]; then whole --context "$context" "$min_context" 1048576; fi
+whole --budget "$budget" 1 1048576
+whole --window "$window" 1 1048576
+case "$backend" in host|cuda|auto) ;; *) die_usage "--backend $backend: want host, cuda or auto" ;; esac
 log() { echo "[main-job] $*" >&2; }
 
 # 1. Build dependencies from the distribution (Debian/Ubuntu), when root and missing.
@@ -91,7 +124,10 @@ if [[ -z "$context" ]]; then
   else context=2048
   fi
 fi
-scored=$((context / 8))
+context=$((10#$context))
+# The last eighth of the window is scored (kvferry-llama: at least 1, at most --context - 2).
+scored=$(( context / 8 ))
+(( scored >= 1 )) || scored=1
 log "running: context $context, scored $scored, policy $policy@$budget, backend $backend" \
     "($cores cores, gpu=$gpu)"
 "$build/examples/llama/kvferry-llama" \

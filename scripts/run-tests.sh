@@ -34,6 +34,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_NO_CACHE_DIR=1
 bash scripts/install-deps.sh
+python3 scripts/check_tree.py  # names after development steps, docs tables vs bench/results (docs/benchmarks.md)
 if [ -f scripts/fetch-data.sh ]; then
   bash scripts/fetch-data.sh || echo "run-tests: data fetch failed; real-model tests will skip" >&2
 fi
@@ -52,7 +53,29 @@ if [ "${KVFERRY_MAIN:-1}" != 0 ]; then
   t0=$SECONDS
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release ${KVFERRY_CMAKE_ARGS:-}
   cmake --build "$build" -j"$jobs"
-  ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 900
+  # Every result line and every failure's output in full; skipped tests (the GPU suites on a
+  # machine without a GPU: over a thousand) summed up in one line by suite instead of one line
+  # each plus ctest's list of them. The whole output stays in $build/ctest.log.
+  ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 900 2>&1 | tee "$build/ctest.log" |
+    awk '/^ *Start +[0-9]+: / { next }
+         /\*\*\*Skipped/ { next }
+         /^The following tests did not run:/ { listing = 1; next }
+         listing && /^\t.*\(Skipped\)$/ {
+           name = $0; sub(/^\t *[0-9]+ - /, "", name); sub(/ \(Skipped\)$/, "", name)
+           suite = name; sub(/\..*$/, "", suite); sub(/^.*\//, "", suite)
+           if (!(suite in count)) order[++suites] = suite
+           count[suite]++; skipped++; next }
+         { listing = 0; print; fflush() }
+         END {
+           if (!skipped) exit
+           line = ""
+           for (k = 1; k <= suites && k <= 6; k++) {  # the largest suites first
+             best = ""; for (i = 1; i <= suites; i++) if (!(order[i] in done) && (best == "" || count[order[i]] > count[best])) best = order[i]
+             done[best] = 1; line = line (k > 1 ? ", " : "") best " " count[best]
+           }
+           if (suites > 6) line = line ", " suites - 6 " more suites"
+           printf "run-tests: %d tests skipped (%s; the list: '"$build"'/ctest.log)\n", skipped, line
+         }'
   stage_done "build+tests" "$t0"
   clean_stage "$build"
 fi
@@ -67,9 +90,14 @@ elif [ "${KVFERRY_PYTHON:-1}" != 0 ]; then
   t0=$SECONDS
   pyenv=$(realpath -m "${KVFERRY_PYENV:-$build-pyenv}")
   [ -x "$pyenv/bin/python" ] || python3 -m venv "$pyenv"
-  "$pyenv/bin/pip" install -q --disable-pip-version-check \
+  # pip's own lines (no -q): the downloads of torch and its wheels and the package's build take
+  # minutes each, and each step says so.
+  echo "run-tests: python: installing torch, transformers and the test tools into $pyenv" >&2
+  "$pyenv/bin/pip" install --disable-pip-version-check \
     "torch==2.15.0" "transformers==5.23.0" "accelerate" "numpy>=1.22" "pytest>=7" "gguf>=0.10" "safetensors"
-  CMAKE_BUILD_PARALLEL_LEVEL=$jobs "$pyenv/bin/pip" install -q --disable-pip-version-check .
+  echo "run-tests: python: building and installing the kvferry package (pip install .)" >&2
+  CMAKE_BUILD_PARALLEL_LEVEL=$jobs "$pyenv/bin/pip" install --disable-pip-version-check .
+  echo "run-tests: python: pytest python/tests" >&2
   (cd python/tests && "$pyenv/bin/python" -m pytest -q -p no:cacheprovider .)
   stage_done "python" "$t0"
   clean_stage "$pyenv" build-py

@@ -237,6 +237,72 @@ TEST(LlamaCli, FlagsAndModesMustAgree) {
   EXPECT_EQ(o->mode, Mode::kTrace);
 }
 
+TEST(LlamaCli, PromptIsOneModeAndMustNotBeEmpty) {
+  const auto message = [](std::vector<std::string> args) {
+    auto o = Parse(std::move(args));
+    EXPECT_FALSE(o.ok());
+    return o.ok() ? std::string() : o.status().message();
+  };
+  // --prompt Hi --perplexity used to run perplexity and ignore the prompt.
+  EXPECT_EQ(message({"--model", "m", "--prompt", "Hi", "--perplexity", "--text", "t"}),
+            "--prompt: only one mode at a time, and --perplexity was given too (--prompt generates "
+            "text; --perplexity takes its tokens from --text)");
+  for (const char* mode : {"--perplexity", "--passkey", "--report"}) {
+    const std::string m = message({"--model", "m", mode, "--text", "t", "--prompt", "Hi"});
+    EXPECT_EQ(m.rfind("--prompt: only one mode at a time, and " + std::string(mode), 0), 0u) << m;
+  }
+  // --prompt "" used to say "no mode given".
+  const std::string empty = message({"--model", "m", "--prompt", ""});
+  EXPECT_EQ(empty.rfind("--prompt '': the prompt is empty", 0), 0u) << empty;
+  EXPECT_EQ(empty.find("no mode"), std::string::npos) << empty;
+  EXPECT_EQ(message({"--model", "m", "--dump-trace", "t.st", "--prompt", ""})
+                .rfind("--prompt '': the prompt is empty", 0),
+            0u);
+  // A prompt may start with dashes; --prompt=TEXT is the same flag.
+  auto o = Parse({"--model", "m", "--prompt", "--not a flag--"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->prompt, "--not a flag--");
+  o = Parse({"--model", "m", "--prompt=Hi there"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->prompt, "Hi there");
+  EXPECT_EQ(o->mode, Mode::kGenerate);
+}
+
+TEST(LlamaCli, ContextPastTheTrainedLengthIsWarnedWithBothNumbers) {
+  // SmolLM2's GGUF says context_length 8192.
+  auto o = Parse({"--model", "m", "--perplexity", "--text", "t", "--context", "16384"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  const std::string w = TrainedContextWarning(*o, 8192);
+  EXPECT_EQ(w.rfind("warning: --context 16384 tokens is past the model's trained context of 8192 "
+                    "tokens",
+                    0),
+            0u)
+      << w;
+  EXPECT_EQ(TrainedContextWarning(*o, 16384), "");
+  EXPECT_EQ(TrainedContextWarning(*o, 0), "");  // a model that does not say
+  o = Parse({"--model", "m", "--report", "--text", "t", "--context", "8192"});
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(TrainedContextWarning(*o, 8192), "");
+  o = Parse({"--model", "m", "--passkey", "--text", "t", "--lengths", "2048,12000"});
+  ASSERT_TRUE(o.ok());
+  EXPECT_NE(TrainedContextWarning(*o, 8192).find("--lengths up to 12000 tokens is past the model's "
+                                                 "trained context of 8192"),
+            std::string::npos);
+  o = Parse({"--model", "m", "--dump-trace", "t.st", "--text", "t", "--context", "8190",
+             "--trace-steps", "16"});
+  ASSERT_TRUE(o.ok());
+  EXPECT_NE(TrainedContextWarning(*o, 8192).find("--context 8190 + --trace-steps 16 = 8206"),
+            std::string::npos);
+  // Generation: known once the prompt is tokenized.
+  o = Parse({"--model", "m", "--prompt", "hi"});
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(TrainedContextWarning(*o, 8192), "");
+  EXPECT_EQ(GenerationContextWarning(8000, 192, 8192), "");
+  EXPECT_EQ(GenerationContextWarning(8000, 200, 8192),
+            "warning: the prompt's 8000 tokens + --max-new 200 = 8200 tokens is past the model's "
+            "trained context of 8192 tokens (its context_length)");
+}
+
 TEST(LlamaCli, CheckBeforeLoadNamesFilesPoliciesAndBudgets) {
   const std::string model = Data("stories260K.bin");
   const auto check = [&](std::vector<std::string> extra) {
@@ -332,6 +398,9 @@ TEST(LlamaCli, ReportFiguresAreDefinedOnce) {
 // kvferry-llama of the same build tree, or "" if it was not built.
 std::string LlamaBinary() {
   std::error_code ec;
+#if defined(KVFERRY_LLAMA_BIN)
+  return std::filesystem::exists(KVFERRY_LLAMA_BIN, ec) ? std::string(KVFERRY_LLAMA_BIN) : "";
+#endif
   const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
   if (ec) return "";
   const auto bin = exe.parent_path().parent_path() / "examples" / "llama" / "kvferry-llama";
@@ -369,7 +438,37 @@ TEST(LlamaCliBinary, UsageErrorsExitWithTwoBeforeLoading) {
     EXPECT_EQ(r.output.find("loaded in"), std::string::npos) << "model loaded before " << bad;
     EXPECT_EQ(r.output.find("terminate"), std::string::npos) << r.output;
   }
-  RunResult r = RunLlama("--help");
+  // Overflow, a fractional whole number, an unwritable --json, conflicting or empty modes: all
+  // usage errors found before the model loads.
+  for (const auto& [bad, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--context 99999999999999999999", "--context 99999999999999999999: out of range"},
+           {"--chunk 1.5", "--chunk 1.5: not a whole number"},
+           {"--json /nonexistent/dir/out.json", "folder /nonexistent/dir does not exist"},
+           {"--prompt Hi", "--prompt: only one mode at a time, and --perplexity was given too"}}) {
+    const RunResult r = RunLlama(model + " " + bad);
+    EXPECT_EQ(r.exit_code, kExitUsage) << bad << ":\n" << r.output;
+    EXPECT_NE(r.output.find(says), std::string::npos) << bad << ":\n" << r.output;
+    EXPECT_EQ(r.output.find("loaded in"), std::string::npos) << "model loaded before " << bad;
+  }
+  // --backend cuda on a machine without a GPU (none is visible here): a usage error naming why.
+  RunResult r = RunLlama("--model " + Data("stories260K.bin") + " --tokenizer " + Data("tok512.bin") +
+                         " --prompt hi --backend cuda");
+  if (tools::CudaDeviceProblem().empty()) {
+    // This machine has a GPU; the test binary's environment decides what kvferry-llama sees.
+  } else {
+    EXPECT_EQ(r.exit_code, kExitUsage) << r.output;
+    EXPECT_TRUE(r.output.find("--backend cuda: no CUDA device found") != std::string::npos ||
+                r.output.find("--backend cuda: kvferry was built without CUDA") != std::string::npos)
+        << r.output;
+    EXPECT_EQ(r.output.find("insufficient"), std::string::npos) << r.output;
+  }
+  r = RunLlama("--model " + Data("stories260K.bin") + " --prompt ''");
+  EXPECT_EQ(r.exit_code, kExitUsage) << r.output;
+  EXPECT_NE(r.output.find("the prompt is empty"), std::string::npos) << r.output;
+  r = RunLlama("--help");
+  EXPECT_EQ(r.exit_code, kExitOk);
+  EXPECT_NE(r.output.find("usage: kvferry-llama"), std::string::npos);
+  r = RunLlama("-h");
   EXPECT_EQ(r.exit_code, kExitOk);
   EXPECT_NE(r.output.find("usage: kvferry-llama"), std::string::npos);
   // A model that does not load is a failed run (1), named for what it is.
@@ -410,6 +509,8 @@ TEST(LlamaCliBinary, ReportPrintsEachFigureOnceDefined) {
   const std::string json((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const size_t summary = json.find("\"summary\"");
   ASSERT_NE(summary, std::string::npos) << json;
+  // 300 tokens are within stories260K's trained 512: no warning.
+  EXPECT_EQ(r.output.find("trained context"), std::string::npos) << r.output;
   // The header names the model file and the text file, and says the GPU is emulated.
   EXPECT_NE(r.output.find("kvferry main job: stories260K, 300-token window of kvferry_cli_test_"),
             std::string::npos)
@@ -429,6 +530,30 @@ TEST(LlamaCliBinary, ReportPrintsEachFigureOnceDefined) {
   EXPECT_EQ(JsonNumber(json, "dense_gpu_cache_bytes", summary), 300 * 640);
   std::filesystem::remove(text);
   std::filesystem::remove(json_path);
+}
+
+TEST(LlamaCliBinary, ContextPastTheTrainedLengthIsWarned) {
+  if (LlamaBinary().empty()) GTEST_SKIP() << "kvferry-llama not built in this tree";
+  const std::string text = TempPath("long_story.txt");
+  {
+    std::ofstream out(text);
+    for (int i = 0; i < 80; ++i) {
+      out << "Once upon a time there was a little girl named Lily. She liked to play with her "
+             "ball in the park "
+          << i << " times.\n";
+    }
+  }
+  // stories260K was trained on 512-token sequences (its llama2.c header's seq_len).
+  const RunResult r = RunLlama("--model " + Data("stories260K.bin") + " --tokenizer " +
+                               Data("tok512.bin") + " --perplexity --text " + text +
+                               " --context 600 --scored 8 --policy streaming --budget 32"
+                               " --window 16 --backend host --no-dense");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("warning: --context 600 tokens is past the model's trained context of "
+                          "512 tokens"),
+            std::string::npos)
+      << r.output;
+  std::filesystem::remove(text);
 }
 
 }  // namespace

@@ -7,9 +7,9 @@
 
 #include <gtest/gtest.h>
 
-#include "examples/llama/progress.h"
+#include "tools/common/progress.h"
 
-namespace kvferry::llama {
+namespace kvferry::tools {
 namespace {
 
 std::string Captured(std::FILE* f) {
@@ -83,4 +83,4 @@ TEST(LlamaProgress, ShortLoopsAreSilent) {
 }
 
 }  // namespace
-}  // namespace kvferry::llama
+}  // namespace kvferry::tools

@@ -2,12 +2,10 @@
 #include "examples/llama/cli.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <limits>
-#include <set>
 #include <system_error>
 
 #include "kvferry/runtime.h"
@@ -21,133 +19,18 @@ namespace kvferry::llama {
 namespace {
 
 using detail::StrCat;
-
-// The value as the user typed it, quoted when it would not read as one word.
-std::string Shown(const std::string& v) {
-  std::string out;
-  for (char c : v.substr(0, 64)) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u < 0x20 || u == 0x7f) {
-      out += StrCat("\\x", "0123456789abcdef"[u >> 4], "0123456789abcdef"[u & 15]);
-    } else {
-      out += c;
-    }
-  }
-  if (v.size() > 64) out += "...";
-  if (out.empty() || out.find_first_of(" '\\") != std::string::npos) return "'" + out + "'";
-  return out;
-}
-
-Status BadValue(const std::string& flag, const std::string& value, const std::string& why) {
-  return InvalidArgument(StrCat(flag, " ", Shown(value), ": ", why));
-}
-
-// Why \p text is not a whole number in [lo, hi] (decimal digits, optional '-'), or "" if it is.
-std::string WholeProblem(const std::string& text, int64_t lo, int64_t hi, int64_t* out) {
-  const std::string want = StrCat("want a whole number in [", lo, ", ", hi, "]");
-  const char* end = text.data() + text.size();
-  int64_t v = 0;
-  const auto [ptr, ec] = std::from_chars(text.data(), end, v);
-  if (ptr == end && ec == std::errc::result_out_of_range) {
-    return StrCat(text[0] == '-' ? "negative and " : "", "out of range (", want, ")");
-  }
-  if (ec != std::errc() || ptr != end) {
-    // "1.5", "1e3", "1e400": numbers, but not whole ones written in plain digits.
-    double d = 0;
-    const auto [dptr, dec] = std::from_chars(text.data(), end, d);
-    if (dptr == end && dec == std::errc::result_out_of_range) {
-      return StrCat("out of range (", want, ")");
-    }
-    if (dptr == end && dec == std::errc() && std::isfinite(d)) {
-      return StrCat("not a whole number (", want, ")");
-    }
-    return StrCat("not a number (", want, ")");
-  }
-  if (v < lo || v > hi) return StrCat(v < 0 ? "negative" : "out of range", " (", want, ")");
-  *out = v;
-  return "";
-}
-
-// Why \p text is not a finite real in [lo, hi] (open at lo when lo_open), or "" if it is.
-std::string RealProblem(const std::string& text, double lo, double hi, bool lo_open, double* out) {
-  const std::string want = StrCat("want a number in ", lo_open ? "(" : "[", lo, ", ", hi, "]");
-  const char* end = text.data() + text.size();
-  double v = 0;
-  const auto [ptr, ec] = std::from_chars(text.data(), end, v);
-  if (ptr == end && ec == std::errc::result_out_of_range) return StrCat("out of range (", want, ")");
-  if (ec != std::errc() || ptr != end) return StrCat("not a number (", want, ")");
-  if (!std::isfinite(v)) return StrCat("not a finite number (", want, ")");
-  if (v < lo || v > hi || (lo_open && v == lo)) {
-    return StrCat(v < 0 && lo >= 0 ? "negative" : "out of range", " (", want, ")");
-  }
-  *out = v;
-  return "";
-}
-
-Result<int64_t> ParseWhole(const std::string& flag, const std::string& text, int64_t lo,
-                           int64_t hi) {
-  int64_t v = 0;
-  const std::string problem = WholeProblem(text, lo, hi, &v);
-  if (!problem.empty()) return BadValue(flag, text, problem);
-  return v;
-}
-
-Result<double> ParseReal(const std::string& flag, const std::string& text, double lo, double hi,
-                         bool lo_open = false) {
-  double v = 0;
-  const std::string problem = RealProblem(text, lo, hi, lo_open, &v);
-  if (!problem.empty()) return BadValue(flag, text, problem);
-  return v;
-}
-
-// Comma-separated items, none empty.
-Result<std::vector<std::string>> SplitList(const std::string& flag, const std::string& text) {
-  if (text.empty()) return BadValue(flag, text, "empty list");
-  std::vector<std::string> items;
-  size_t start = 0;
-  while (true) {
-    const size_t comma = text.find(',', start);
-    const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos
-                                                                            : comma - start);
-    if (item.empty()) return BadValue(flag, text, "empty item in the comma-separated list");
-    items.push_back(item);
-    if (comma == std::string::npos) break;
-    start = comma + 1;
-  }
-  if (items.size() > 64) return BadValue(flag, text, "more than 64 items");
-  return items;
-}
-
-// The error of one item of a list names the whole value and, if there are several, the item.
-Status BadItem(const std::string& flag, const std::string& text, size_t num_items,
-               const std::string& item, const std::string& problem) {
-  if (num_items == 1) return BadValue(flag, text, problem);
-  return BadValue(flag, text, StrCat("item ", Shown(item), " ", problem));
-}
+using tools::BadValue;
 
 Result<std::vector<int64_t>> ParseWholeList(const std::string& flag, const std::string& text,
                                             int64_t lo, int64_t hi) {
-  KVF_ASSIGN_OR_RETURN(std::vector<std::string> items, SplitList(flag, text));
   std::vector<int64_t> out;
-  for (const std::string& item : items) {
+  const std::string problem = tools::ListItemProblem(flag, text, [&](const std::string& item) {
     int64_t v = 0;
-    const std::string problem = WholeProblem(item, lo, hi, &v);
-    if (!problem.empty()) return BadItem(flag, text, items.size(), item, problem);
-    out.push_back(v);
-  }
-  return out;
-}
-
-Result<std::vector<double>> ParseRealList(const std::string& flag, const std::string& text,
-                                          double lo, double hi) {
-  KVF_ASSIGN_OR_RETURN(std::vector<std::string> items, SplitList(flag, text));
-  std::vector<double> out;
-  for (const std::string& item : items) {
-    double v = 0;
-    const std::string problem = RealProblem(item, lo, hi, false, &v);
-    if (!problem.empty()) return BadItem(flag, text, items.size(), item, problem);
-    out.push_back(v);
-  }
+    std::string p = tools::WholeProblem(item, lo, hi, &v);
+    if (p.empty()) out.push_back(v);
+    return p;
+  });
+  if (!problem.empty()) return InvalidArgument(problem);
   return out;
 }
 
@@ -163,21 +46,15 @@ const char* ModeFlag(Mode m) {
 }
 
 Status CheckReadable(const std::string& flag, const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) return BadValue(flag, path, "is a folder, not a file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return BadValue(flag, path, "cannot open the file");
-  return Status::Ok();
+  const std::string problem = tools::ReadableFileProblem(path);
+  return problem.empty() ? Status::Ok() : InvalidArgument(BadValue(flag, path, problem));
 }
 
-Status CheckWritableFolder(const std::string& flag, const std::string& path) {
-  std::error_code ec;
-  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
-  if (std::filesystem::is_directory(path, ec)) return BadValue(flag, path, "is a folder, not a file");
-  if (!parent.empty() && !std::filesystem::is_directory(parent, ec)) {
-    return BadValue(flag, path, StrCat("folder ", parent.string(), " does not exist"));
-  }
-  return Status::Ok();
+// Checked by opening it (without truncating; a new file is removed again), so that a read-only
+// folder is found before the model loads, not after the run.
+Status CheckWritable(const std::string& flag, const std::string& path) {
+  const std::string problem = tools::WritableFileProblem(path);
+  return problem.empty() ? Status::Ok() : InvalidArgument(BadValue(flag, path, problem));
 }
 
 }  // namespace
@@ -204,133 +81,125 @@ Result<Options> ParseArgs(int argc, const char* const* argv) {
   o.base.tiers.window_tokens = 64;
   o.base.model.kv_dtype = DType::kF16;
   std::string layers_arg;
-  bool layers_set = false;
-  std::set<std::string> seen;
   bool mode_set = false;
-  bool scored_set = false;
-  const auto set_mode = [&](Mode m, const std::string& flag) -> Status {
+  const auto set_mode = [&](Mode m, const std::string& flag) -> std::string {
     if (mode_set && o.mode != m) {
-      return InvalidArgument(StrCat(flag, ": only one mode at a time, and ", ModeFlag(o.mode),
-                                    " was given too"));
+      return StrCat(flag, ": only one mode at a time, and ", ModeFlag(o.mode), " was given too");
     }
     o.mode = m;
     mode_set = true;
-    return Status::Ok();
+    return "";
   };
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i] != nullptr ? argv[i] : "";
-    // Takes the flag's value. Values of file and choice flags never start with "--": that is a
-    // forgotten value followed by the next flag.
-    const auto next = [&](bool may_look_like_flag = false) -> Result<std::string> {
-      if (i + 1 >= argc || argv[i + 1] == nullptr) return InvalidArgument(StrCat(a, " needs a value"));
-      const std::string v = argv[i + 1];
-      if (!may_look_like_flag && v.rfind("--", 0) == 0) {
-        return InvalidArgument(StrCat(a, " needs a value (got the flag ", Shown(v), ")"));
-      }
-      ++i;
-      return v;
-    };
-    const auto whole = [&](int64_t lo, int64_t hi) -> Result<int64_t> {
-      KVF_ASSIGN_OR_RETURN(std::string v, next(/*may_look_like_flag=*/true));
-      return ParseWhole(a, v, lo, hi);
-    };
-    const auto real = [&](double lo, double hi, bool lo_open) -> Result<double> {
-      KVF_ASSIGN_OR_RETURN(std::string v, next(/*may_look_like_flag=*/true));
-      return ParseReal(a, v, lo, hi, lo_open);
-    };
-    if (a.rfind("--", 0) == 0 && a != "--param" && !seen.insert(a).second) {
-      return InvalidArgument(StrCat(a, " given twice"));
-    }
-    if (a == "--model") { KVF_ASSIGN_OR_RETURN(o.model, next()); }
-    else if (a == "--tokenizer") { KVF_ASSIGN_OR_RETURN(o.tokenizer, next()); }
-    else if (a == "--text") { KVF_ASSIGN_OR_RETURN(o.text, next()); }
-    else if (a == "--prompt") { KVF_ASSIGN_OR_RETURN(o.prompt, next(true)); }
-    else if (a == "--perplexity") { KVF_RETURN_IF_ERROR(set_mode(Mode::kPerplexity, a)); }
-    else if (a == "--passkey") { KVF_RETURN_IF_ERROR(set_mode(Mode::kPasskey, a)); }
-    else if (a == "--report") { KVF_RETURN_IF_ERROR(set_mode(Mode::kReport, a)); }
-    else if (a == "--dump-trace") {
-      KVF_ASSIGN_OR_RETURN(o.dump_trace, next());
-      KVF_RETURN_IF_ERROR(set_mode(Mode::kTrace, a));
-    }
-    else if (a == "--json") { KVF_ASSIGN_OR_RETURN(o.json_out, next()); }
-    else if (a == "--max-new") { KVF_ASSIGN_OR_RETURN(int64_t v, whole(0, kMaxTokensFlag)); o.max_new = static_cast<int>(v); }
-    else if (a == "--temperature") { KVF_ASSIGN_OR_RETURN(double v, real(0.0, 100.0, false)); o.temperature = static_cast<float>(v); }
-    else if (a == "--top-p") { KVF_ASSIGN_OR_RETURN(double v, real(0.0, 1.0, true)); o.top_p = static_cast<float>(v); }
-    else if (a == "--seed") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, whole(0, std::numeric_limits<int64_t>::max()));
-      o.seed = static_cast<uint64_t>(v);
-    }
-    else if (a == "--chat") { o.chat = true; }
-    else if (a == "--context") { KVF_ASSIGN_OR_RETURN(o.context, whole(3, kMaxTokensFlag)); }
-    else if (a == "--scored") { KVF_ASSIGN_OR_RETURN(o.scored, whole(1, kMaxTokensFlag)); scored_set = true; }
-    else if (a == "--offset-lines") { KVF_ASSIGN_OR_RETURN(o.offset_lines, whole(0, int64_t{1} << 31)); }
-    else if (a == "--chunk") { KVF_ASSIGN_OR_RETURN(o.chunk, whole(1, 65536)); }
-    else if (a == "--trials") { KVF_ASSIGN_OR_RETURN(int64_t v, whole(1, 10000)); o.trials = static_cast<int>(v); }
-    else if (a == "--lengths") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next(true));
-      KVF_ASSIGN_OR_RETURN(o.lengths, ParseWholeList(a, v, 1, kMaxTokensFlag));
-    } else if (a == "--depths") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next(true));
-      KVF_ASSIGN_OR_RETURN(o.depths, ParseRealList(a, v, 0.0, 1.0));
-    }
-    else if (a == "--trace-layers") {
-      KVF_ASSIGN_OR_RETURN(layers_arg, next(true));
-      layers_set = true;
-    }
-    else if (a == "--trace-steps") { KVF_ASSIGN_OR_RETURN(int64_t v, whole(0, kMaxTokensFlag)); o.trace_steps = static_cast<int>(v); }
-    else if (a == "--trace-dtype") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      if (v != "f32" && v != "bf16") return BadValue(a, v, "want f32 or bf16");
-      o.trace_bf16 = v == "bf16";
-    } else if (a == "--policy") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      KVF_ASSIGN_OR_RETURN(o.policies, SplitList(a, v));
-    } else if (a == "--budget") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next(true));
-      KVF_ASSIGN_OR_RETURN(o.budgets, ParseWholeList(a, v, 1, kMaxTokensFlag));
-    } else if (a == "--backend") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      if (v == "host") o.base.backend = Backend::kHost;
-      else if (v == "cuda") o.base.backend = Backend::kCuda;
-      else if (v == "auto") o.base.backend = Backend::kAuto;
-      else return BadValue(a, v, "want host, cuda or auto");
-    } else if (a == "--route") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      if (v == "auto") o.base.route = Route::kAuto;
-      else if (v == "gpu") o.base.route = Route::kGpu;
-      else if (v == "cpu") o.base.route = Route::kCpu;
-      else return BadValue(a, v, "want auto, gpu or cpu");
-    } else if (a == "--kv-dtype") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      if (v == "bf16") o.base.model.kv_dtype = DType::kBF16;
-      else if (v == "f16") o.base.model.kv_dtype = DType::kF16;
-      else return BadValue(a, v, "want f16 or bf16");
-    }
-    else if (a == "--sinks") { KVF_ASSIGN_OR_RETURN(int64_t v, whole(0, kMaxTokensFlag)); o.base.tiers.sink_tokens = static_cast<int>(v); }
-    else if (a == "--window") { KVF_ASSIGN_OR_RETURN(int64_t v, whole(1, kMaxTokensFlag)); o.base.tiers.window_tokens = static_cast<int>(v); }
-    else if (a == "--bank-slots") { KVF_ASSIGN_OR_RETURN(int64_t v, whole(0, kMaxTokensFlag)); o.base.tiers.bank_slots = static_cast<int>(v); }
-    else if (a == "--cpu-threads") { KVF_ASSIGN_OR_RETURN(int64_t v, whole(0, 4096)); o.base.cpu_threads = static_cast<int>(v); }
-    else if (a == "--param") {
-      KVF_ASSIGN_OR_RETURN(std::string v, next());
-      const size_t eq = v.find('=');
-      if (eq == std::string::npos || eq == 0) return BadValue(a, v, "want name=value");
-      const std::string name = v.substr(0, eq);
-      KVF_ASSIGN_OR_RETURN(double x, ParseReal(StrCat(a, " ", name), v.substr(eq + 1),
-                                               -1e300, 1e300));  // the runtime checks the range
-      o.base.policy.params[name] = x;
-    } else if (a == "--no-dense") { o.no_dense = true; }
-    else if (a == "--etf") { o.etf.on = true; }
-    else if (a == "--etf-copy-kv") { o.etf.on = true; o.etf.copy_kv = true; }
-    else if (a == "--etf-psi") { KVF_ASSIGN_OR_RETURN(double v, real(0.0, 1.0, true)); o.etf.psi = v; o.etf.on = true; }
-    else if (a == "--etf-gamma") { KVF_ASSIGN_OR_RETURN(double v, real(0.0, 1e3, true)); o.etf.gamma = v; o.etf.on = true; }
-    else if (a == "--etf-start") { KVF_ASSIGN_OR_RETURN(int64_t v, whole(0, 4095)); o.etf.start = static_cast<int>(v); o.etf.on = true; }
-    else if (a == "-h" || a == "--help") { o.help = true; return o; }
-    else return InvalidArgument(StrCat("unknown option ", Shown(a)));
+  // Flags whose typed value lands in a narrower field than the parser's.
+  int64_t max_new = o.max_new, trials = o.trials, trace_steps = o.trace_steps, sinks = 4,
+          window = 64, bank_slots = 0, cpu_threads = 0, etf_start = o.etf.start;
+  int64_t seed = static_cast<int64_t>(o.seed);
+  double temperature = o.temperature, top_p = o.top_p;
+  std::string trace_dtype = "f32", backend = "host", route = "auto", kv_dtype = "f16";
+  tools::ArgParser parser("kvferry-llama", "");
+  parser.set_allow_repeats(false);
+  parser.set_usage(UsageText());
+  const auto mode_switch = [&](Mode m) {
+    return [&set_mode, m](const std::string& flag) { return set_mode(m, flag); };
+  };
+  parser.String("--model", "FILE", "", &o.model)
+      .String("--tokenizer", "FILE", "", &o.tokenizer)
+      .String("--text", "FILE", "", &o.text)
+      .String("--prompt", "TEXT", "", &o.prompt, /*may_start_with_dashes=*/true)
+      .Switch("--perplexity", "", mode_switch(Mode::kPerplexity))
+      .Switch("--passkey", "", mode_switch(Mode::kPasskey))
+      .Switch("--report", "", mode_switch(Mode::kReport))
+      .Value("--dump-trace", "FILE", "", [&](const std::string& flag, const std::string& v) {
+        o.dump_trace = v;
+        return set_mode(Mode::kTrace, flag);
+      })
+      .String("--json", "FILE", "", &o.json_out)
+      .Whole("--max-new", "", &max_new, 0, kMaxTokensFlag)
+      .Real("--temperature", "", &temperature, 0.0, 100.0)
+      .Real("--top-p", "", &top_p, 0.0, 1.0, /*lo_open=*/true)
+      .Whole("--seed", "", &seed, 0, std::numeric_limits<int64_t>::max())
+      .Switch("--chat", "", &o.chat)
+      .Whole("--context", "", &o.context, 3, kMaxTokensFlag)
+      .Whole("--scored", "", &o.scored, 1, kMaxTokensFlag)
+      .Whole("--offset-lines", "", &o.offset_lines, 0, int64_t{1} << 31)
+      .Whole("--chunk", "", &o.chunk, 1, 65536)
+      .Whole("--trials", "", &trials, 1, 10000)
+      .WholeList("--lengths", "", &o.lengths, 1, kMaxTokensFlag)
+      .RealList("--depths", "", &o.depths, 0.0, 1.0)
+      .String("--trace-layers", "LIST", "", &layers_arg, /*may_start_with_dashes=*/true)
+      .Whole("--trace-steps", "", &trace_steps, 0, kMaxTokensFlag)
+      .Choice("--trace-dtype", "", &trace_dtype, {"f32", "bf16"})
+      .Value("--policy", "LIST", "", [&](const std::string& flag, const std::string& v) {
+        std::vector<std::string> items;
+        const std::string problem = tools::SplitListProblem(v, &items);
+        if (!problem.empty()) return BadValue(flag, v, problem);
+        o.policies = std::move(items);
+        return std::string();
+      })
+      .WholeList("--budget", "", &o.budgets, 1, kMaxTokensFlag)
+      .Choice("--backend", "", &backend, {"host", "cuda", "auto"})
+      .Choice("--route", "", &route, {"auto", "gpu", "cpu"})
+      .Choice("--kv-dtype", "", &kv_dtype, {"f16", "bf16"})
+      .Whole("--sinks", "", &sinks, 0, kMaxTokensFlag)
+      .Whole("--window", "", &window, 1, kMaxTokensFlag)
+      .Whole("--bank-slots", "", &bank_slots, 0, kMaxTokensFlag)
+      .Whole("--cpu-threads", "", &cpu_threads, 0, 4096)
+      .KeyReal("--param", "", [&](const std::string& name, double x) {
+        o.base.policy.params[name] = x;  // the runtime checks the range
+      })
+      .Switch("--no-dense", "", &o.no_dense)
+      .Switch("--etf", "", &o.etf.on)
+      .Switch("--etf-copy-kv", "", &o.etf.copy_kv)
+      .Real("--etf-psi", "", &o.etf.psi, 0.0, 1.0, /*lo_open=*/true)
+      .Real("--etf-gamma", "", &o.etf.gamma, 0.0, 1e3, /*lo_open=*/true)
+      .Whole("--etf-start", "", &etf_start, 0, 4095);
+  const tools::ParseResult parsed = parser.Parse(argc, argv);
+  if (parsed.help()) {
+    o.help = true;
+    return o;
   }
-  if (!mode_set && !o.prompt.empty()) o.mode = Mode::kGenerate;
+  if (!parsed.ok()) return InvalidArgument(parsed.message);
+  o.max_new = static_cast<int>(max_new);
+  o.trials = static_cast<int>(trials);
+  o.trace_steps = static_cast<int>(trace_steps);
+  o.seed = static_cast<uint64_t>(seed);
+  o.temperature = static_cast<float>(temperature);
+  o.top_p = static_cast<float>(top_p);
+  o.trace_bf16 = trace_dtype == "bf16";
+  if (parser.given("--backend")) {
+    o.base.backend = backend == "cuda" ? Backend::kCuda : backend == "auto" ? Backend::kAuto
+                                                                             : Backend::kHost;
+  }
+  if (parser.given("--route")) {
+    o.base.route = route == "gpu" ? Route::kGpu : route == "cpu" ? Route::kCpu : Route::kAuto;
+  }
+  if (parser.given("--kv-dtype")) o.base.model.kv_dtype = kv_dtype == "bf16" ? DType::kBF16 : DType::kF16;
+  o.base.tiers.sink_tokens = static_cast<int>(sinks);
+  o.base.tiers.window_tokens = static_cast<int>(window);
+  if (parser.given("--bank-slots")) o.base.tiers.bank_slots = static_cast<int>(bank_slots);
+  if (parser.given("--cpu-threads")) o.base.cpu_threads = static_cast<int>(cpu_threads);
+  // Any --etf-* turns ETF on.
+  if (parser.given("--etf-copy-kv") || parser.given("--etf-psi") || parser.given("--etf-gamma") ||
+      parser.given("--etf-start")) {
+    o.etf.on = true;
+  }
+  if (parser.given("--etf-start")) o.etf.start = static_cast<int>(etf_start);
+
+  const bool prompt_set = parser.given("--prompt");
+  if (prompt_set && o.prompt.empty()) {
+    return InvalidArgument("--prompt '': the prompt is empty (give the text to continue, e.g. "
+                           "--prompt \"Once upon a time\")");
+  }
+  // --prompt is the generation mode, except that --dump-trace traces the prompt's tokens.
+  if (prompt_set && mode_set && o.mode != Mode::kTrace) {
+    return InvalidArgument(StrCat("--prompt: only one mode at a time, and ", ModeFlag(o.mode),
+                                  " was given too (--prompt generates text; ", ModeFlag(o.mode),
+                                  " takes its tokens from --text)"));
+  }
+  if (!mode_set && prompt_set) o.mode = Mode::kGenerate;
   if (layers_arg == "all") {
     o.trace_layers.clear();  // filled once the model is known
-  } else if (layers_set) {
+  } else if (parser.given("--trace-layers")) {
     KVF_ASSIGN_OR_RETURN(std::vector<int64_t> layers,
                          ParseWholeList("--trace-layers", layers_arg, 0, 4095));
     o.trace_layers.assign(layers.begin(), layers.end());
@@ -367,8 +236,8 @@ Result<Options> ParseArgs(int argc, const char* const* argv) {
   if (o.mode == Mode::kPerplexity || o.mode == Mode::kReport) {
     // The window's first token is only an input and the scored tokens need a prefix before them.
     if (o.scored > o.context - 2) {
-      return InvalidArgument(StrCat(scored_set ? "--scored " : "--scored (default) ", o.scored,
-                                    ": must be at most --context ", o.context,
+      return InvalidArgument(StrCat(parser.given("--scored") ? "--scored " : "--scored (default) ",
+                                    o.scored, ": must be at most --context ", o.context,
                                     " - 2 = ", o.context - 2,
                                     " (the scored tokens need at least one token before them)"));
     }
@@ -376,16 +245,59 @@ Result<Options> ParseArgs(int argc, const char* const* argv) {
   return o;
 }
 
+std::string TrainedContextWarning(const Options& o, int64_t trained_context) {
+  if (trained_context <= 0) return "";
+  std::string what;
+  int64_t longest = 0;
+  switch (o.mode) {
+    case Mode::kPerplexity:
+    case Mode::kReport:
+      longest = o.context;
+      what = StrCat("--context ", o.context);
+      break;
+    case Mode::kPasskey:
+      for (int64_t l : o.lengths) longest = std::max(longest, l);
+      what = StrCat("--lengths up to ", longest);
+      break;
+    case Mode::kTrace:
+      if (o.text.empty()) return "";  // the prompt's length is known after tokenizing
+      longest = o.context + o.trace_steps;
+      what = StrCat("--context ", o.context, " + --trace-steps ", o.trace_steps, " = ", longest);
+      break;
+    case Mode::kGenerate:
+      return "";  // the prompt's length is known after tokenizing (GenerationContextWarning)
+  }
+  if (longest <= trained_context) return "";
+  return StrCat("warning: ", what, " tokens is past the model's trained context of ",
+                trained_context, " tokens (its context_length): positions past it were never "
+                "seen in training, so perplexity and retrieval there measure the model's "
+                "extrapolation, not kvferry");
+}
+
+std::string GenerationContextWarning(int64_t prompt_tokens, int64_t max_new,
+                                     int64_t trained_context) {
+  if (trained_context <= 0 || prompt_tokens + max_new <= trained_context) return "";
+  return StrCat("warning: the prompt's ", prompt_tokens, " tokens + --max-new ", max_new, " = ",
+                prompt_tokens + max_new, " tokens is past the model's trained context of ",
+                trained_context, " tokens (its context_length)");
+}
+
 Status CheckBeforeLoad(const Options& o) {
   KVF_RETURN_IF_ERROR(CheckReadable("--model", o.model));
   if (!o.tokenizer.empty()) KVF_RETURN_IF_ERROR(CheckReadable("--tokenizer", o.tokenizer));
   if (!o.text.empty()) KVF_RETURN_IF_ERROR(CheckReadable("--text", o.text));
-  if (!o.json_out.empty()) KVF_RETURN_IF_ERROR(CheckWritableFolder("--json", o.json_out));
-  if (!o.dump_trace.empty()) KVF_RETURN_IF_ERROR(CheckWritableFolder("--dump-trace", o.dump_trace));
+  if (!o.json_out.empty()) KVF_RETURN_IF_ERROR(CheckWritable("--json", o.json_out));
+  if (!o.dump_trace.empty()) KVF_RETURN_IF_ERROR(CheckWritable("--dump-trace", o.dump_trace));
 #if !defined(KVFERRY_CLI_NO_RUNTIME)
   if (o.base.backend == Backend::kCuda && !CudaAvailable()) {
-    return InvalidArgument("--backend cuda: no CUDA GPU here (or kvferry was built without CUDA); "
-                           "use --backend host or auto");
+#if defined(KVFERRY_WITH_CUDA)
+    // The driver's own answer: "no NVIDIA driver", "the driver sees no GPU" (tools/common).
+    std::string why = tools::CudaDeviceProblem();
+    if (why.empty()) why = "no CUDA device found (the CUDA runtime sees none)";
+#else
+    const std::string why = "kvferry was built without CUDA";
+#endif
+    return InvalidArgument(StrCat("--backend cuda: ", why, "; use --backend host or auto"));
   }
   // Longest sequence any mode asks of a runtime.
   int64_t max_tokens = o.context + o.max_new + o.trace_steps + 1;

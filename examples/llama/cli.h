@@ -14,14 +14,16 @@
 #include "kvferry/config.h"
 #include "kvferry/stats.h"
 #include "kvferry/status.h"
+#include "tools/common/args.h"
 
 namespace kvferry::llama {
 
-/// Exit codes of kvferry-llama: 0 done, 1 the run failed (unreadable model, runtime error),
-/// 2 usage error (bad flag, value out of range, missing input file), found before any loading.
-inline constexpr int kExitOk = 0;
-inline constexpr int kExitFailure = 1;
-inline constexpr int kExitUsage = 2;
+/// Exit codes of kvferry-llama (every tool's, tools/common/args.h): 0 done, 1 the run failed
+/// (unreadable model, runtime error), 2 usage error (bad flag, value out of range, missing input
+/// file), found before any loading.
+inline constexpr int kExitOk = tools::kExitOk;
+inline constexpr int kExitFailure = tools::kExitFailure;
+inline constexpr int kExitUsage = tools::kExitUsage;
 
 /// Largest --context, --budget, --window, --sinks, --lengths, ... (tokens).
 inline constexpr int64_t kMaxTokensFlag = int64_t{1} << 20;
@@ -55,9 +57,11 @@ struct Options {
   EtfOptions etf;
 };
 
-/// Parses argv[1, argc). Reads no file. Every numeric flag must be a number of the right kind
-/// (whole or real) inside its range, and flags must agree (--scored below --context, one mode, the
-/// inputs a mode needs); the error is kInvalidArgument and names the flag and the value it got.
+/// Parses argv[1, argc) with the tools' shared parser (tools/common/args.h). Reads no file. Every
+/// numeric flag must be a number of the right kind (whole or real) inside its range, and flags
+/// must agree (--scored below --context, one mode: --prompt with --perplexity, --passkey or
+/// --report is a conflict, --prompt with --dump-trace traces the prompt; the inputs a mode needs;
+/// a --prompt that is not empty); the error is kInvalidArgument and names the flag and the value.
 /// "-h"/"--help" sets Options::help and skips the checks.
 Result<Options> ParseArgs(int argc, const char* const* argv);
 
@@ -68,6 +72,14 @@ Status CheckBeforeLoad(const Options& o);
 
 /// The --help text.
 std::string UsageText();
+
+/// A warning (one line, "" if none) when the run's longest sequence is past the model's trained
+/// context (ModelConfig::max_context, GGUF's context_length): names the flag that set the length,
+/// the length and the trained context. Generation's length is known only once the prompt is
+/// tokenized: GenerationContextWarning.
+std::string TrainedContextWarning(const Options& o, int64_t trained_context);
+std::string GenerationContextWarning(int64_t prompt_tokens, int64_t max_new,
+                                     int64_t trained_context);
 
 /// Name of a file for reports: its base name without the last extension
 /// ("data/SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct.Q4_1").

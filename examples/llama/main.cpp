@@ -389,6 +389,11 @@ Status RunGenerate(const Options& o, Engine& engine, const Tokenizer& tok, const
   if (o.chat) text = "<|im_start|>user\n" + o.prompt + "<|im_end|>\n<|im_start|>assistant\n";
   for (int32_t id : tok.Encode(text, o.chat)) tokens.push_back(id);
   if (tokens.size() < 2) tokens.insert(tokens.begin(), tok.bos_id() >= 0 ? tok.bos_id() : 0);
+  if (const std::string w = GenerationContextWarning(static_cast<int64_t>(tokens.size()), o.max_new,
+                                                     mc.max_context);
+      !w.empty()) {
+    std::fprintf(stderr, "[kvferry-llama] %s\n", w.c_str());
+  }
   Options one = o;
   one.policies = {o.policies[0]};
   one.budgets = {o.budgets[0]};
@@ -530,6 +535,9 @@ Status Run(const Options& o) {
                "loaded in %.1f s\n", FileLabel(o.model).c_str(), mc.name.c_str(), mc.num_layers,
                mc.num_q_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  if (const std::string w = TrainedContextWarning(o, mc.max_context); !w.empty()) {
+    std::fprintf(stderr, "[kvferry-llama] %s\n", w.c_str());
+  }
   Engine engine(model);
   // Matrix products follow the attention backend: cuBLAS when kvferry runs on CUDA.
   const bool want_gpu = o.base.backend == Backend::kCuda ||
