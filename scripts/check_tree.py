@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
 # Copyright kvferry authors. Apache-2.0.
 """Keeps the tree a product: exits 1 when a tracked file or directory is named after a
-development step (stop12, stop_3, ...), when a tracked markdown file has a heading with
-"Stop <number>" in it, when a JSON file under bench/results has a field named like "stop" or
-"session", or when a marked table of README.md / docs/*.md disagrees with bench/results
-(scripts/docs_tables.py --check).
+development step ("stop" and a number, with or without "_" or "-" between), when a tracked
+markdown file mentions one ("Stop" or "stop", an optional space, "_" or "-", one to three digits,
+as whole words: MENTION below) in a heading or in its body text outside fenced code blocks, when a
+tracked script under scripts/ (*.py, *.sh) mentions one on any line (comments and docstrings
+included), when a JSON file under bench/results has a field named like "stop" or "session", or
+when a marked table of README.md / docs/*.md disagrees with bench/results
+(scripts/docs_tables.py --check). Provenance belongs in bench/results (each row's date and
+commit), not in a development step's number.
 
 Usage: python3 scripts/check_tree.py   (from anywhere in the checkout; standard library only)
 """
@@ -17,6 +21,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = re.compile(r"stop[_-]?[0-9]", re.I)
 HEADING = re.compile(r"^#{1,6}\s.*\bstop\s*[0-9]", re.I)
+MENTION = re.compile(r"\b[Ss]top[ _-]?[0-9]{1,3}\b")
 FIELD = re.compile(r"stop|session", re.I)
 
 
@@ -61,6 +66,15 @@ def main():
                         in_code = not in_code
                     elif not in_code and HEADING.search(line):
                         errors.append(f"{p}:{n}: heading names a development step: {line.strip()}")
+                    elif not in_code and MENTION.search(line):
+                        errors.append(f"{p}:{n}: text names a development step "
+                                      f"('{MENTION.search(line).group(0)}'): {line.strip()}")
+        if p.startswith("scripts/") and (p.endswith(".py") or p.endswith(".sh")):
+            with open(os.path.join(ROOT, p), errors="replace") as f:
+                for n, line in enumerate(f, 1):
+                    m = MENTION.search(line)
+                    if m:
+                        errors.append(f"{p}:{n}: names a development step ('{m.group(0)}'): {line.strip()}")
         if p.startswith("bench/results/") and (p.endswith(".json") or p.endswith(".jsonl")):
             bad = []
             try:
@@ -83,7 +97,8 @@ def main():
         print("check_tree: README.md / docs tables disagree with bench/results (scripts/docs_tables.py --check)")
     if errors:
         return 1
-    print(f"check_tree: {len(files)} tracked files, no development-step names; docs tables match bench/results")
+    print(f"check_tree: {len(files)} tracked files, no development-step names or mentions "
+          f"(names, markdown, scripts/); docs tables match bench/results")
     return 0
 
 
