@@ -89,6 +89,10 @@ def main():
                 errors.append(f"{p}: not valid JSON ({e})")
             for b in sorted(set(bad)):
                 errors.append(f"{p}: field named after a development step: {b}")
+            with open(os.path.join(ROOT, p), errors="replace") as f:
+                m = MENTION.search(f.read())
+            if m:
+                errors.append(f"{p}: a value names a development step ('{m.group(0)}')")
     for e in errors:
         print("check_tree:", e)
     rc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "docs_tables.py"), "--check"]).returncode
