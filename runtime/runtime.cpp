@@ -68,9 +68,10 @@ Status ValidateConfig(const RuntimeConfig& c) {
                 "' unknown (vector or hash)");
   const PolicyConfig& p = c.policy;
   if (p.name != "dense") {
-    KVF_CHECK_ARG(p.budget_tokens > 0 || p.budget_fraction > 0.0,
-                  "budget of zero: set policy.budget_tokens > 0 or budget_fraction in (0, 1]");
     KVF_CHECK_ARG(p.budget_tokens >= 0, "budget_tokens ", p.budget_tokens, " must be >= 0");
+    KVF_CHECK_ARG(p.budget_tokens > 0 || p.budget_fraction > 0.0, "policy '", p.name,
+                  "' needs a budget: budget_tokens 0 and budget_fraction 0 (set budget_tokens "
+                  ">= 1 or budget_fraction in (0, 1])");
     KVF_CHECK_ARG(p.budget_fraction >= 0.0 && p.budget_fraction <= 1.0, "budget_fraction ",
                   p.budget_fraction, " out of range [0, 1]");
   }

@@ -351,7 +351,13 @@ TEST(BadInput, ConfigErrorsNameTheValue) {
   auto r = Runtime::Create(c);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(r.status().message().find("budget of zero"), std::string::npos) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("policy 'oracle' needs a budget"), std::string::npos)
+      << r.status().ToString();
+  c.policy.budget_tokens = -5;  // a negative budget is named as such, not as a zero one
+  r = Runtime::Create(c);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("budget_tokens -5 must be >= 0"), std::string::npos)
+      << r.status().ToString();
 
   c = SmallConfig(64, 4, 2, "nonesuch");
   r = Runtime::Create(c);

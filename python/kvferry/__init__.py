@@ -13,6 +13,13 @@ positions the policy selects). It mirrors the C++ API (``include/kvferry/``)::
     out1 = rt.decode([7], 0, q1, k1, v1)     # q1 [B, Hq, D], k1/v1 [B, Hkv, D]
     rt.stats()["rows_selected"], rt.last_selection(7, 0, 0)
 
+What to install: ``pip install kvferry`` (from a checkout: ``pip install .``) installs kvferry and
+numpy only, which is enough for :class:`Runtime` with numpy arrays. torch tensors (the snippet above)
+need the ``torch`` extra, ``pip install "kvferry[torch]"`` (``pip install ".[torch]"``); the
+Hugging Face integration :mod:`kvferry.hf` and ``examples/python/hf_generate.py`` need the ``hf``
+extra, ``pip install "kvferry[hf]"`` (``pip install ".[hf]"``). Without them, the import that needs
+them raises an ImportError naming the extra.
+
 Tensors are ``torch.Tensor`` (or any DLPack / buffer-protocol array, e.g. numpy) of float32,
 bfloat16 or float16 on the CPU or a CUDA device, taken without a copy; the innermost dimension must
 be contiguous. CUDA work runs on torch's current stream. Errors raise ``ValueError`` (invalid
@@ -27,8 +34,33 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from . import _core
 
-__all__ = ["RuntimeConfig", "Runtime", "cuda_available", "policy_names", "__version__"]
+__all__ = ["RuntimeConfig", "Runtime", "cuda_available", "policy_names", "missing_extra", "EXTRAS",
+           "__version__"]
 __version__ = "0.1.0"
+
+
+#: The optional dependencies each extra of the package installs (pyproject.toml), by the module
+#: that needs them.
+EXTRAS: Dict[str, List[str]] = {
+    "torch": ["torch"],
+    "hf": ["torch", "transformers", "accelerate", "gguf", "safetensors"],
+}
+
+
+def missing_extra(extra: str, what: str, error: Optional[BaseException] = None) -> ImportError:
+    """The ImportError to raise when ``what`` (e.g. "kvferry.hf") cannot import a dependency that
+    the package's ``extra`` installs: it names the module missing and the command that installs it.
+    Use as ``raise kvferry.missing_extra("hf", "kvferry.hf", e) from e``."""
+    name = getattr(error, "name", None)
+    if name:
+        missing = f"no module named '{name}'"
+    else:
+        missing = str(error) if error is not None else "a dependency is missing"
+    return ImportError(
+        f"{what} needs kvferry's optional '{extra}' dependencies ({', '.join(EXTRAS[extra])}): "
+        f"{missing}. `pip install kvferry` installs only kvferry and numpy; install the extra "
+        f"with: pip install \"kvferry[{extra}]\" (from a source checkout: pip install \".[{extra}]\")",
+        name=name)
 
 
 def cuda_available() -> bool:
@@ -207,6 +239,17 @@ class Runtime:
     def stats(self) -> Dict[str, float]:
         """Cumulative counters (kvferry::Stats) as a dict: rows per tier, PCIe bytes, ms per stage."""
         return dict(self._rt.stats())
+
+    def device_memory(self) -> Dict[str, Any]:
+        """The device memory reserved at creation (kvferry::Runtime::device_memory): ``parts``
+        ({name: bytes}, largest first: "resident tier" is the sinks and window of every sequence,
+        layer and KV head, "bank rows" the token bank; the rest are staging buffers and
+        workspaces), ``total_bytes``, ``cap_bytes`` (``gpu_bytes``) and ``bank_slots``. On the
+        host backend the same buffers are held in host memory. stats()["device_bytes_reserved"]
+        is the device's own count: this total plus a workspace per caller stream (CUDA)."""
+        d = dict(self._rt.device_memory())
+        d["parts"] = dict(d["parts"])
+        return d
 
     def reset_stats(self) -> None:
         """Zeroes the counters."""

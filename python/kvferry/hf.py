@@ -18,6 +18,14 @@ which store them. The attention function finds the cache through the cache's own
 just before it (transformers does not pass the cache to attention functions), so a model runs one
 forward at a time per thread. Batch row b is kvferry sequence b.
 
+Tensor parallelism (transformers' ``tp_plan="auto"`` / ``DistributedConfig(tp_size=N)`` under
+``torchrun``): each rank's attention sees its own slice of the heads, so each rank's KvferryCache
+creates one Runtime over its local heads (query heads / world, KV heads / world), with nothing to
+communicate inside attention. ``KvferryCache(model.config)`` (or ``KvferryCache(model)``) reads the
+world size from what ``from_pretrained`` recorded; ``tp_size=`` says it for a model sharded by other
+means. Sequence ids are the same on every rank; ``runtime.stats()`` counts this rank's heads only.
+See docs/tensor-parallel.md.
+
 Not supported, and refused with an error: padded batches (a padding attention mask), beam search
 (reordering the cache), cropping, sliding-window layers, attention dropout, and a softmax scale
 other than 1/sqrt(head_dim).
@@ -25,15 +33,19 @@ other than 1/sqrt(head_dim).
 from __future__ import annotations
 
 import math
+import os
 import threading
-from typing import Any, Dict, Optional
-
-import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.masking_utils import AttentionMaskInterface
+from typing import Any, Dict, Optional, Tuple
 
 import kvferry
+
+try:
+    import torch
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError as e:  # the package's 'hf' extra is not installed
+    raise kvferry.missing_extra("hf", "kvferry.hf", e) from e
 
 __all__ = ["KvferryCache", "kvferry_attention_forward"]
 
@@ -42,6 +54,63 @@ _ACTIVE = threading.local()  # the KvferryCache whose update ran last on this th
 
 def _text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+# Projections whose output holds the keys (fused or not): a "colwise" rule on one of them in the
+# tensor-parallel plan shards the attention heads over the ranks (transformers' own test, in
+# transformers.distributed.tensor_parallel.get_kv_heads_per_rank).
+_KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
+
+
+def _plan_shards_heads(plan: Optional[Dict[str, str]]) -> bool:
+    return any(key.rsplit(".", 1)[-1] in _KEY_PROJECTIONS and style == "colwise"
+               for key, style in (plan or {}).items())
+
+
+def _tensor_parallel(model_or_config: Any, tp_size: Optional[int],
+                     tp_rank: Optional[int]) -> Tuple[int, int, Any, Optional[torch.nn.Module]]:
+    """(ranks the heads are split over, this rank among them, config, model or None).
+
+    Without ``tp_size``: the world size transformers' ``from_pretrained`` recorded (the model's
+    ``tp_size``, or ``config.distributed_config.tp_size`` for a config), where its plan shards the
+    key projection; 1 otherwise."""
+    model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
+    config = model.config if model is not None else model_or_config
+    if tp_size is None:
+        dist_cfg = getattr(config, "distributed_config", None)
+        if model is not None:
+            size = getattr(model, "tp_size", None) or 1
+            plan = getattr(model, "tp_plan", None) or {}
+        else:
+            size = getattr(dist_cfg, "tp_size", None) or 1
+            plan = dict(getattr(_text_config(config), "base_model_tp_plan", None) or
+                        getattr(config, "base_model_tp_plan", None) or {})
+            override = getattr(dist_cfg, "tp_plan", None)
+            if isinstance(override, dict):
+                plan = plan | override if override else {}
+        tp_size = size if size > 1 and _plan_shards_heads(plan) else 1
+    if tp_size < 1:
+        raise ValueError(f"kvferry.hf: tp_size {tp_size} must be >= 1")
+    if tp_rank is None:
+        tp_rank = 0
+        if tp_size > 1:
+            mesh = getattr(model, "_device_mesh", None) if model is not None else None
+            if mesh is not None and "tp" in (getattr(mesh, "mesh_dim_names", None) or ()):
+                tp_rank = mesh["tp"].get_local_rank()
+            elif torch.distributed.is_available() and torch.distributed.is_initialized():
+                tp_rank = torch.distributed.get_rank() % tp_size  # tp: the mesh's innermost axis
+            else:
+                tp_rank = int(os.environ.get("RANK", "0")) % tp_size
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"kvferry.hf: tp_rank {tp_rank} is not in [0, {tp_size})")
+    return tp_size, tp_rank, config, model
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class KvferryLayer(CacheLayerMixin):
@@ -94,20 +163,33 @@ class KvferryLayer(CacheLayerMixin):
 
 
 class KvferryCache(Cache):
-    """A transformers ``Cache`` backed by one :class:`kvferry.Runtime`.
+    """A transformers ``Cache`` backed by one :class:`kvferry.Runtime` (per rank under tensor
+    parallelism: over this rank's heads).
 
     ``config``: the model's config (num_hidden_layers, num_attention_heads, num_key_value_heads,
-    head_dim). ``policy``/``budget``/``params``: the selection (see :func:`kvferry.policy_names`);
-    ``budget`` counts the tokens attended per sequence and KV head, sinks and window included.
-    ``sink_tokens``/``window_tokens``: the resident tiers. ``max_tokens``: longest sequence;
-    ``max_batch``: batch rows. Further keyword arguments are :class:`kvferry.RuntimeConfig` fields.
+    head_dim), or the model itself. ``policy``/``budget``/``params``: the selection (see
+    :func:`kvferry.policy_names`); ``budget`` counts the tokens attended per sequence and KV head,
+    sinks and window included. ``sink_tokens``/``window_tokens``: the resident tiers.
+    ``max_tokens``: longest sequence; ``max_batch``: batch rows. Further keyword arguments are
+    :class:`kvferry.RuntimeConfig` fields.
+
+    Tensor parallelism: ``tp_size`` (default: what transformers' ``from_pretrained(tp_plan=...)``
+    recorded in the model / its config, else 1) ranks each hold num_attention_heads / tp_size query
+    heads and num_key_value_heads / tp_size KV heads, and this cache's Runtime is made for those
+    (``num_q_heads``/``num_kv_heads`` here are the local counts); a ValueError names the counts
+    that do not divide. ``tp_rank``: this rank among them (default: from the model's mesh or
+    torch.distributed). With ``tp_size`` > 1 and no ``cpu_threads`` given, each rank takes an equal
+    share of this host's cores (cores / LOCAL_WORLD_SIZE); without ``device_id``, the Runtime uses
+    the GPU the model's parameters are on (a model given) or the local rank's (LOCAL_RANK).
     """
 
     def __init__(self, config: Any, policy: str = "lfps", budget: int = 256,
                  sink_tokens: int = 4, window_tokens: int = 256, backend: str = "auto",
                  route: str = "auto", params: Optional[Dict[str, float]] = None,
                  max_tokens: int = 32768, max_batch: int = 8, kv_dtype: str = "bf16",
-                 max_prefill_chunk: int = 4096, **runtime_fields: Any) -> None:
+                 max_prefill_chunk: int = 4096, tp_size: Optional[int] = None,
+                 tp_rank: Optional[int] = None, **runtime_fields: Any) -> None:
+        tp_size, tp_rank, config, model = _tensor_parallel(config, tp_size, tp_rank)
         c = _text_config(config)
         layer_types = getattr(c, "layer_types", None) or []
         if getattr(c, "sliding_window", None) and any("sliding" in t for t in layer_types):
@@ -115,12 +197,31 @@ class KvferryCache(Cache):
         num_q = c.num_attention_heads
         num_kv = getattr(c, "num_key_value_heads", None) or num_q
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_q
+        if num_q % tp_size or num_kv % tp_size:
+            raise ValueError(
+                f"kvferry.hf: tensor parallelism over {tp_size} ranks splits the attention heads, "
+                f"but num_attention_heads={num_q} and num_key_value_heads={num_kv} do not both "
+                f"divide by {tp_size} (each rank must hold whole KV heads and their query heads); "
+                f"use a world size that divides {math.gcd(num_q, num_kv)}")
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.num_q_heads, self.num_kv_heads = num_q // tp_size, num_kv // tp_size
+        if tp_size > 1 and not runtime_fields.get("cpu_threads"):
+            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or tp_size
+            runtime_fields["cpu_threads"] = max(1, _cores() // ranks_here)
+        if "device_id" not in runtime_fields and backend != "host":
+            device = None
+            if model is not None:
+                device = next(model.parameters()).device
+            if device is not None and device.type == "cuda":
+                runtime_fields["device_id"] = device.index or 0
+            elif "LOCAL_RANK" in os.environ and torch.cuda.is_available():
+                runtime_fields["device_id"] = int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
         self.max_tokens = max_tokens
         self.head_dim = head_dim
         self.runtime = kvferry.Runtime(
-            num_layers=c.num_hidden_layers, num_q_heads=num_q, num_kv_heads=num_kv,
-            head_dim=head_dim, kv_dtype=kv_dtype, max_sequences=max_batch,
-            max_tokens_per_sequence=max_tokens, max_batch=max_batch,
+            num_layers=c.num_hidden_layers, num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=head_dim, kv_dtype=kv_dtype,
+            max_sequences=max_batch, max_tokens_per_sequence=max_tokens, max_batch=max_batch,
             max_prefill_chunk=max_prefill_chunk, sink_tokens=sink_tokens,
             window_tokens=window_tokens, policy=policy, budget=budget, params=dict(params or {}),
             route=route, backend=backend, **runtime_fields)
@@ -175,7 +276,15 @@ class KvferryCache(Cache):
                value: torch.Tensor) -> torch.Tensor:
         """Attention of query [B, Hq, T, D] at ``layer`` through kvferry, storing key/value
         [B, Hkv, T, D]; returns [B, T, Hq, D] (the layout transformers' attention functions return)."""
-        bsz, _, t, _ = query.shape
+        bsz, hq, t, _ = query.shape
+        if hq != self.num_q_heads or key.shape[1] != self.num_kv_heads:
+            where = (f"this rank's share ({self.tp_size} ranks)" if self.tp_size > 1 else
+                     "the whole model (tp_size 1: under tensor parallelism, create the cache from "
+                     "the loaded model or its config, or pass tp_size)")
+            raise ValueError(
+                f"kvferry.hf: layer {layer}'s attention has {hq} query and {key.shape[1]} KV "
+                f"heads; this cache was made for {self.num_q_heads} and {self.num_kv_heads}, "
+                f"{where}")
         self._ensure_batch(bsz)
         out = torch.empty((bsz, t, query.shape[1], query.shape[3]), dtype=query.dtype,
                           device=query.device)
@@ -195,8 +304,12 @@ class KvferryCache(Cache):
         return out
 
     def kv_bytes_on_gpu(self) -> int:
-        """Device bytes kvferry holds now (resident tier, bank, plans); 0 on the host backend."""
-        return int(self.runtime.stats()["device_bytes_reserved"]) if self.runtime.backend == "cuda" else 0
+        """Device bytes of the KV kvferry keeps on the GPU (resident tier and token bank; staging
+        and plan buffers not counted: see Runtime.device_memory()); 0 on the host backend."""
+        if self.runtime.backend != "cuda":
+            return 0
+        parts = self.runtime.device_memory()["parts"]
+        return int(parts.get("resident tier", 0) + parts.get("bank rows", 0))
 
 
 def kvferry_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -11,10 +11,12 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <limits>
 #include <typeinfo>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvferry/kvferry.h"
@@ -58,6 +60,26 @@ std::string ShapeOf(const nb::ndarray<>& a) {
   return os.str();
 }
 
+// The name torch and numpy give a DLPack dtype ("float64", "int32", "bool", ...).
+std::string DTypeNameOf(const nb::dlpack::dtype& dt) {
+  using Code = nb::dlpack::dtype_code;
+  std::string base;
+  switch (static_cast<Code>(dt.code)) {
+    case Code::Int: base = "int"; break;
+    case Code::UInt: base = "uint"; break;
+    case Code::Float: base = "float"; break;
+    case Code::Bfloat: base = "bfloat"; break;
+    case Code::Complex: base = "complex"; break;
+    case Code::Bool: return dt.lanes == 1 ? "bool" : "bool x" + std::to_string(dt.lanes);
+    default:  // float8/float6/float4 formats and codes newer than this file
+      return "of DLPack type code " + std::to_string(int(dt.code)) + " (" +
+             std::to_string(int(dt.bits)) + " bits)";
+  }
+  std::string s = base + std::to_string(int(dt.bits));
+  if (dt.lanes != 1) s += " x" + std::to_string(int(dt.lanes));
+  return s;
+}
+
 // A TensorView over \p a, which must be [d0, d1, d2] with the dims named in \p dims, of f32, bf16
 // or f16, on the CPU or a CUDA device, innermost dimension contiguous. \p name names the argument
 // in errors.
@@ -83,17 +105,16 @@ TensorView ViewOf(const nb::ndarray<>& a, const char* name, const char* dims,
              dt.lanes == 1) {
     v.dtype = DType::kF16;
   } else {
-    std::ostringstream os;
-    os << name << ": dtype must be float32, bfloat16 or float16 (got code " << int(dt.code)
-       << ", " << int(dt.bits) << " bits)";
-    BadTensor(os.str());
+    BadTensor(std::string(name) + ": dtype " + DTypeNameOf(dt) +
+              " is not supported: use float32, float16 or bfloat16");
   }
   if (a.device_type() == nb::device::cpu::value) {
     v.where = MemoryKind::kHost;
   } else if (a.device_type() == nb::device::cuda::value) {
     v.where = MemoryKind::kDevice;
   } else {
-    BadTensor(std::string(name) + ": tensor must be on the CPU or a CUDA device");
+    BadTensor(std::string(name) + ": tensor must be on the CPU or a CUDA device (got DLPack device "
+              "type " + std::to_string(a.device_type()) + ")");
   }
   if (a.shape(2) > 1 && a.stride(2) != 1) {
     BadTensor(std::string(name) + ": the innermost dimension must be contiguous (stride 1), got " +
@@ -128,18 +149,37 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   // A field of the wrong Python type is a TypeError naming it and the type wanted (nanobind's own
   // failure is a bare std::bad_cast).
   auto wrong_type = [&](const char* k, const char* want) {
-    const std::string got = nb::cast<std::string>(nb::type_name(d[k].type()));
-    throw nb::type_error((std::string(k) + ": want " + want + ", got " + got).c_str());
+    const std::string type = nb::cast<std::string>(nb::type_name(d[k].type()));
+    const std::string value = nb::cast<std::string>(nb::repr(d[k]));
+    const char* article = std::string_view("aeiou").find(type.empty() ? 'x' : type[0]) !=
+                                  std::string_view::npos
+                              ? "an "
+                              : "a ";
+    throw nb::type_error((std::string(k) + " must be " + want + " (got " + value + ", " + article +
+                          type + ")")
+                             .c_str());
   };
+  // An int field; a value its C++ type cannot hold is a ValueError naming the field, the value and
+  // the range (not a silent truncation).
   auto get_int = [&](const char* k, auto& field) {
     if (!d.contains(k)) return;
-    int64_t x = 0;
-    try {
-      x = nb::cast<int64_t>(d[k]);
-    } catch (const std::bad_cast&) {
-      wrong_type(k, "an int");
+    using T = std::remove_reference_t<decltype(field)>;
+    const nb::object h = d[k];
+    // Python ints, bools and integer scalars (numpy's, via __index__); not floats.
+    if (!PyIndex_Check(h.ptr())) wrong_type(k, "an int");
+    const nb::object i = nb::steal(PyNumber_Index(h.ptr()));
+    if (!i.is_valid()) throw nb::python_error();
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(i.ptr(), &overflow);
+    if (overflow != 0 || x < static_cast<long long>(std::numeric_limits<T>::min()) ||
+        x > static_cast<long long>(std::numeric_limits<T>::max())) {
+      const std::string got = nb::cast<std::string>(nb::str(h));
+      std::ostringstream os;
+      os << k << " must be in [" << static_cast<long long>(std::numeric_limits<T>::min()) << ", "
+         << static_cast<long long>(std::numeric_limits<T>::max()) << "] (got " << got << ")";
+      throw nb::value_error(os.str().c_str());
     }
-    field = static_cast<std::remove_reference_t<decltype(field)>>(x);
+    field = static_cast<T>(x);
   };
   // A float, bool or string field (want names the type).
   auto get_as = [&](const char* k, auto& field, const char* want) {
@@ -159,7 +199,7 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
     } else if (s == "f16" || s == "float16") {
       field = DType::kF16;
     } else {
-      throw nb::value_error(("kv_dtype: want 'bf16' or 'f16', got '" + s + "'").c_str());
+      throw nb::value_error(("kv_dtype must be 'bf16' or 'f16' (got '" + s + "')").c_str());
     }
   };
   static const char* const kKnown[] = {
@@ -196,22 +236,49 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   get_as("policy", c.policy.name, "a str");
   get_int("budget", c.policy.budget_tokens);
   get_as("budget_fraction", c.policy.budget_fraction, "a float");
+  // The budget's messages name the Python fields (the runtime's name budget_tokens, and its
+  // "budget of zero" for a negative budget, are C++'s).
+  if (c.policy.budget_tokens < 0) {
+    throw nb::value_error(
+        ("budget must be >= 0 (got " + std::to_string(c.policy.budget_tokens) + ")").c_str());
+  }
+  if (!(c.policy.budget_fraction >= 0.0 && c.policy.budget_fraction <= 1.0)) {
+    std::ostringstream os;
+    os << "budget_fraction must be in [0, 1] (got " << c.policy.budget_fraction << ")";
+    throw nb::value_error(os.str().c_str());
+  }
+  if (c.policy.name != "dense" && c.policy.budget_tokens == 0 && c.policy.budget_fraction == 0.0) {
+    throw nb::value_error(("budget must be >= 1 for policy '" + c.policy.name +
+                           "' (got 0), or set budget_fraction in (0, 1]")
+                              .c_str());
+  }
   if (d.contains("params") && !d["params"].is_none()) {
-    for (auto [pk, pv] : nb::cast<nb::dict>(d["params"])) {
-      c.policy.params[nb::cast<std::string>(pk)] = nb::cast<double>(pv);
+    if (!nb::isinstance<nb::dict>(d["params"])) wrong_type("params", "a dict of str to float");
+    for (auto [pk, pv] : nb::borrow<nb::dict>(d["params"])) {
+      std::string name;
+      double value = 0;
+      try {
+        name = nb::cast<std::string>(pk);
+        value = nb::cast<double>(pv);
+      } catch (const std::bad_cast&) {
+        throw nb::type_error(("params must map str to float (got " +
+                              nb::cast<std::string>(nb::repr(pk)) + ": " +
+                              nb::cast<std::string>(nb::repr(pv)) + ")").c_str());
+      }
+      c.policy.params[name] = value;
     }
   }
   if (std::string s; get_as("route", s, "a str")) {
     if (s == "auto") c.route = Route::kAuto;
     else if (s == "gpu") c.route = Route::kGpu;
     else if (s == "cpu") c.route = Route::kCpu;
-    else throw nb::value_error(("route: want 'auto', 'gpu' or 'cpu', got '" + s + "'").c_str());
+    else throw nb::value_error(("route must be 'auto', 'gpu' or 'cpu' (got '" + s + "')").c_str());
   }
   if (std::string s; get_as("backend", s, "a str")) {
     if (s == "auto") c.backend = Backend::kAuto;
     else if (s == "cuda") c.backend = Backend::kCuda;
     else if (s == "host") c.backend = Backend::kHost;
-    else throw nb::value_error(("backend: want 'auto', 'cuda' or 'host', got '" + s + "'").c_str());
+    else throw nb::value_error(("backend must be 'auto', 'cuda' or 'host' (got '" + s + "')").c_str());
   }
   get_int("device_id", c.device_id);
   get_int("cpu_threads", c.cpu_threads);
@@ -243,6 +310,7 @@ nb::dict StatsDict(const Stats& s) {
   KVF_STAT(rows_selected);
   KVF_STAT(bank_admitted);
   KVF_STAT(bank_evicted);
+  KVF_STAT(bank_admit_failures);
   KVF_STAT(prhs_select_calls);
   KVF_STAT(prhs_select_reused);
   KVF_STAT(lfps_scans_device);
@@ -258,6 +326,7 @@ nb::dict StatsDict(const Stats& s) {
   KVF_STAT(ms_merge);
   KVF_STAT(ms_admit);
   KVF_STAT(ms_prefill);
+  KVF_STAT(ms_prime);
   KVF_STAT(cost_pcie_gbps);
   KVF_STAT(split_share);
   KVF_STAT(cost_cpu_gbps);
@@ -380,6 +449,19 @@ class PyRuntime {
     Check(st);
   }
   nb::dict GetStats() const { return StatsDict(rt_->GetStats()); }
+  // Runtime::device_memory: {"parts": {name: bytes, ...} (largest first), "total_bytes",
+  // "cap_bytes", "bank_slots"}.
+  nb::dict DeviceMemory() const {
+    const DeviceMemoryPlan& plan = rt_->device_memory();
+    nb::dict parts;
+    for (const DeviceMemoryPlan::Part& p : plan.parts) parts[p.name.c_str()] = p.bytes;
+    nb::dict d;
+    d["parts"] = parts;
+    d["total_bytes"] = plan.total_bytes;
+    d["cap_bytes"] = plan.cap_bytes;
+    d["bank_slots"] = plan.bank_slots;
+    return d;
+  }
   std::string StatsJson() const { return rt_->GetStats().ToJson(); }
   void ResetStats() { rt_->ResetStats(); }
   void TimeDeviceSelect(bool on) { Check(rt_->TimeDeviceSelect(on)); }
@@ -417,6 +499,8 @@ NB_MODULE(_core, m) {
       .def("synchronize", &PyRuntime::Synchronize)
       .def("stats", &PyRuntime::GetStats)
       .def("stats_json", &PyRuntime::StatsJson)
+      .def("device_memory", &PyRuntime::DeviceMemory,
+           "The device memory reserved at creation, part by part (Runtime::device_memory).")
       .def("reset_stats", &PyRuntime::ResetStats)
       .def("time_device_select", &PyRuntime::TimeDeviceSelect, nb::arg("on"))
       .def_prop_ro("backend", &PyRuntime::BackendName)

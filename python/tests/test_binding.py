@@ -293,11 +293,11 @@ def test_prefill_prefetch_is_a_field_and_its_count_a_stat():
         s = rt.stats()
         assert s["prefill_tokens"] == 400
         assert s["prefill_chunks_prefetched"] == 0
-    with pytest.raises(TypeError, match="prefill_prefetch: want a bool, got str"):
+    with pytest.raises(TypeError, match=r"prefill_prefetch must be a bool \(got 'yes', a str\)"):
         make_rt(prefill_prefetch="yes")
-    with pytest.raises(TypeError, match="max_batch: want an int, got str"):
+    with pytest.raises(TypeError, match=r"max_batch must be an int \(got '4', a str\)"):
         make_rt(max_batch="4")
-    with pytest.raises(TypeError, match="route: want a str, got int"):
+    with pytest.raises(TypeError, match=r"route must be a str \(got 1, an int\)"):
         make_rt(route=1)
 
 
@@ -322,7 +322,7 @@ def test_async_cpu_part_equals_the_serial_one():
             assert torch.equal(a, b)
     assert rts[0].stats()["decode_planned"] == 8
     assert rts[0].stats()["rows_cpu"] == rts[1].stats()["rows_cpu"] > 0
-    with pytest.raises(TypeError, match="async_cpu: want an int, got str"):
+    with pytest.raises(TypeError, match=r"async_cpu must be an int \(got 'on', a str\)"):
         make_rt(async_cpu="on")
 
 
@@ -332,7 +332,7 @@ def test_xl_prefetch_reaches_the_config():
     backend, which has no device bank)."""
     with pytest.raises(ValueError, match="xl_prefetch 2 must be -1"):
         make_rt(policy="xl+oracle", budget=48, xl_prefetch=2)
-    with pytest.raises(TypeError, match="xl_prefetch: want an int, got str"):
+    with pytest.raises(TypeError, match=r"xl_prefetch must be an int \(got 'auto', a str\)"):
         make_rt(xl_prefetch="auto")
     for mode in (-1, 0, 1):
         rt = make_rt(policy="xl+oracle", budget=48, xl_prefetch=mode)
@@ -384,3 +384,78 @@ def test_config_dataclass_and_repr():
     assert rt.backend == "host" and "oracle" in repr(rt)
     assert "lfps" in kvferry.policy_names()
     assert isinstance(kvferry.cuda_available(), bool)
+
+
+def test_config_errors_name_the_value_and_the_accepted_range():
+    with pytest.raises(ValueError, match=r"budget must be >= 0 \(got -5"):
+        make_rt(policy="oracle", budget=-5)
+    with pytest.raises(ValueError, match=r"budget must be >= 0 \(got -5"):
+        make_rt(policy="dense", budget=-5)
+    with pytest.raises(ValueError,
+                       match=r"budget must be >= 1 for policy 'oracle' \(got 0\), or set budget_fraction"):
+        make_rt(policy="oracle", budget=0)
+    make_rt(policy="oracle", budget=0, budget_fraction=0.5)  # the fraction instead: accepted
+    with pytest.raises(ValueError, match=r"budget_fraction must be in \[0, 1\] \(got 1.5\)"):
+        make_rt(policy="oracle", budget=0, budget_fraction=1.5)
+    with pytest.raises(TypeError, match=r"budget must be an int \(got 1.5, a float\)"):
+        make_rt(policy="oracle", budget=1.5)
+    # Values the C++ field cannot hold are refused, not truncated.
+    with pytest.raises(ValueError, match=r"num_layers must be in \[-2147483648, 2147483647\] "
+                                         r"\(got 4294967298\)"):
+        make_rt(num_layers=2**32 + 2)
+    with pytest.raises(ValueError, match=r"budget must be in \[-9223372036854775808, "
+                                         r"9223372036854775807\] \(got 1267650600228229401496703205376\)"):
+        make_rt(policy="oracle", budget=2**100)
+    assert make_rt(policy="oracle", budget=np.int64(16)).config.budget == 16  # integer scalars
+    with pytest.raises(ValueError, match=r"route must be 'auto', 'gpu' or 'cpu' \(got 'sideways'\)"):
+        make_rt(route="sideways")
+    with pytest.raises(ValueError, match=r"backend must be 'auto', 'cuda' or 'host' \(got 'tpu'\)"):
+        make_rt(backend="tpu")
+    with pytest.raises(ValueError, match=r"kv_dtype must be 'bf16' or 'f16' \(got 'f32'\)"):
+        make_rt(kv_dtype="f32")
+    with pytest.raises(TypeError, match=r"params must map str to float \(got 'scan': 'fast'\)"):
+        make_rt(policy="lfps", budget=48, params={"scan": "fast"})
+    # The runtime's own checks name the value and the range too.
+    with pytest.raises(ValueError, match=r"window_tokens 0 out of range \[1, 2\^30\]"):
+        make_rt(window_tokens=0)
+    with pytest.raises(ValueError, match=r"num_layers -1 must be >= 1"):
+        make_rt(num_layers=-1)
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.float64, "float64"), (torch.int32, "int32"),
+                                        (torch.uint8, "uint8"), (torch.bool, "bool"),
+                                        (torch.complex64, "complex64")])
+def test_a_tensor_of_another_dtype_is_named_with_the_dtypes_accepted(dtype, name):
+    rt = make_rt()
+    rt.add_sequence(1)
+    q, k, v = rnd(4, HQ, D), rnd(4, HKV, D), rnd(4, HKV, D)
+    with pytest.raises(ValueError, match=rf"^q: dtype {name} is not supported: use float32, float16 "
+                                         r"or bfloat16$"):
+        rt.prefill(1, 0, q.to(dtype), k, v, out=torch.empty_like(q))
+    with pytest.raises(ValueError, match=rf"^v: dtype {name} is not supported"):
+        rt.decode([1], 0, q[:1], k[:1], v[:1].to(dtype))
+    assert rt.sequence_length(1, 0) == 0
+
+
+def test_a_numpy_float64_array_is_named_too():
+    rt = make_rt()
+    rt.add_sequence(1)
+    q, k, v = (np.zeros((4, h, D), dtype=np.float64) for h in (HQ, HKV, HKV))
+    with pytest.raises(ValueError, match="k: dtype float64 is not supported: use float32, float16 "
+                                         "or bfloat16"):
+        rt.append(1, 0, k, v)
+
+
+def test_device_memory_lists_the_resident_tier():
+    sinks, window, layers = 4, 32, 2
+    rt = make_rt(policy="oracle", budget=48, sink_tokens=sinks, window_tokens=window)
+    mem = rt.device_memory()
+    parts = mem["parts"]
+    assert mem["total_bytes"] == sum(parts.values()) > 0
+    assert mem["cap_bytes"] == 0 and mem["bank_slots"] == 0
+    # Sinks and window of every sequence, layer and KV head, K and V, bf16: at least that much.
+    assert parts["resident tier"] >= 4 * layers * HKV * (sinks + window) * D * 2 * 2
+    assert list(parts.values()) == sorted(parts.values(), reverse=True)
+    s = rt.stats()
+    assert s["device_bytes_reserved"] >= mem["total_bytes"]
+    assert s["bank_admit_failures"] == 0 and s["ms_prime"] == 0.0
