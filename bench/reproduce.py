@@ -2,9 +2,11 @@
 # Copyright kvferry authors. Apache-2.0.
 """Regenerates one results file, bench/results/NAME.json, on the machine at hand, in one run.
 
-  python3 bench/reproduce.py --list          the names, whether each needs a GPU, what it measures
+  python3 bench/reproduce.py --list          the names, whether each needs a GPU, what it measures,
+                                             the machine kind and the estimated run time
   python3 bench/reproduce.py NAME            build what NAME needs, run it (baselines included),
-                                             write bench/results/NAME.json
+                                             write bench/results/NAME.json (.jsonl for the
+                                             JSON-lines file bank_hit_smollm2_kjv4k)
   python3 bench/reproduce.py NAME --dry-run  print the commands only
 
 Every row written carries "provenance": the commit (git rev-parse HEAD, "+dirty" when the tree has
@@ -181,7 +183,7 @@ def quality_cmds(T):
     pk = "--passkey --text data/kjv.txt --backend host"
     W = "KVFERRY_KVPOP_WEIGHTS=policies/weights/kvpop_smollm2.safetensors"
     cmds = [
-        "bash scripts/fetch-data.sh --model-only",
+        "bash scripts/fetch-data.sh",
         f"{L} {ppl} --policy streaming,oracle,quest,sparcas,hip,lfps --budget 256,512 --json {T}/ppl.json",
         f"{W} {L} {ppl} --policy kvpop --budget 256,512 --no-dense --json {T}/ppl_kvpop.json",
         f"{L} {ppl} --policy kvpop --param scorer=2 --budget 256,512 --no-dense --json {T}/ppl_kvpop2.json",
@@ -259,6 +261,487 @@ def load_out(T):
     return json.load(open(f"{T}/out.json"))
 
 
+# ------------------------------------------------------------------ studies on SmolLM2 (CPU) and LFPS's step (GPU)
+# Each was a hand-run study; these entries are its procedure as one run with the current tools,
+# baselines (dense, oracle, streaming) in the same run, merged into the schema of the committed file.
+FETCH = "bash scripts/fetch-data.sh"
+HOST_PPL = f"{LLAMA} --model {MODEL} --perplexity --backend host"
+SMOLLM2_KV_HEADS = 3  # SmolLM2-135M: 9 query heads, 3 KV heads, 30 layers
+
+
+def jload(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def lanes_of(path):
+    """kvferry-llama --perplexity --json: {lane label: lane}."""
+    return {l["lane"]: l for l in jload(path)["lanes"]}
+
+
+def gaps(lanes):
+    """gap_pct to dense and gap_over_oracle_gap (oracle at the same budget) on {label: row}."""
+    dense = lanes.get("dense", {}).get("perplexity")
+    for lab, r in lanes.items():
+        if dense and r.get("perplexity") is not None:
+            r["gap_pct"] = 100.0 * (r["perplexity"] / dense - 1)
+    for lab, r in lanes.items():
+        b = lab.split("@")[1] if "@" in lab else None
+        o = lanes.get(f"oracle@{b}") if b else None
+        if o and o.get("gap_pct") and "gap_pct" in r:
+            r["gap_over_oracle_gap"] = r["gap_pct"] / o["gap_pct"]
+    return lanes
+
+
+def trace_cmd(out, text, off, context, steps=1, layers="all", dtype=None):
+    d = f" --trace-dtype {dtype}" if dtype else ""
+    return (f"{LLAMA} --model {MODEL} --dump-trace {out} --text {text} --offset-lines {off} --context {context} "
+            f"--trace-layers {layers} --trace-steps {steps}{d} --policy dense --backend host")
+
+
+# lfps_quality_smollm2: LFPS before (the paper's candidates: rank=0 fill=0 scan=0) and after (the
+# defaults) vs dense / streaming / oracle, KJV and the Jargon File, 4K window, last 1024 scored.
+LFPS_TEXTS = (("kjv", 1000), ("jargon", 3000))
+LFPS_PAPER = "--param rank=0 --param fill=0 --param scan=0"
+
+
+def lfps_quality_cmds(T):
+    cmds = [FETCH]
+    for text, off in LFPS_TEXTS:
+        base = f"{HOST_PPL} --text data/{text}.txt --offset-lines {off} --context 4096 --scored 1024"
+        cmds += [f"{base} --policy streaming,oracle --budget 256,512 --json {T}/{text}_base.json",
+                 f"{base} --policy lfps --budget 256,512 --no-dense --json {T}/{text}_after.json",
+                 f"{base} --policy lfps --budget 256,512 --no-dense {LFPS_PAPER} --json {T}/{text}_before.json"]
+    return cmds
+
+
+def lfps_quality_merge(T):
+    texts = {}
+    for text, off in LFPS_TEXTS:
+        lanes = {}
+        for part, tag in (("base", None), ("before", "lfps_before"), ("after", "lfps_after")):
+            d = jload(f"{T}/{text}_{part}.json")
+            for l in d["lanes"]:
+                st = l.get("stats") or {}
+                lab = l["lane"] if tag is None else l["lane"].replace("lfps", tag, 1)
+                lanes[lab] = {"perplexity": l["perplexity"], "argmax_agree": l["argmax_agree"],
+                              "decode_seconds": l["decode_seconds"],
+                              "rows_selected_per_head_step":
+                                  st["rows_selected"] / (st["decode_steps"] * SMOLLM2_KV_HEADS)
+                                  if st.get("decode_steps") else None,
+                              "ms_select_per_token": st.get("ms_select", 0.0) / d["scored"]}
+        order = ["dense", "streaming@256", "streaming@512", "oracle@256", "oracle@512", "lfps_before@256",
+                 "lfps_before@512", "lfps_after@256", "lfps_after@512"]
+        texts[text] = {"text": f"data/{text}.txt from line {off}",
+                       "lanes": {k: lanes[k] for k in order if k in lanes}}
+        gaps(texts[text]["lanes"])
+    c = lfps_quality_cmds("OUT")
+    return {"bench": "lfps_quality_smollm2", "model": "SmolLM2-135M-Instruct Q4_1", "kv_dtype": "f16",
+            "sink": 4, "window": 64, "context": 4096, "scored": 1024, "backend": "host",
+            "before": "the paper's LFPS (rank=0 fill=0 scan=0), same binary",
+            "after": "LFPS defaults (rank=1 fill=1 scan=16 scan_factor=2 scan_max_period=8)",
+            "texts": texts,
+            "commands": {"base (dense, streaming, oracle)": c[1], "lfps_after": c[2], "lfps_before": c[3],
+                         "texts": "; ".join(f"data/{t}.txt --offset-lines {o}" for t, o in LFPS_TEXTS)},
+            "regenerate": "python3 bench/reproduce.py lfps_quality_smollm2"}
+
+
+# lfps_recall_smollm2: lfps_bench --trace replays of every layer and KV head of two 4K traces.
+LFPS_RECALL_RUNS = [  # (run, text, label, extra flags)
+    ("kjv_after", "kjv", "after", ""),
+    ("kjv_before", "kjv", "before", LFPS_PAPER),
+    ("kjv_histonly", "kjv", "hist_only", "--param scan=0"),
+    ("kjv_scan8", "kjv", "scan8", "--param scan=8"),
+    ("kjv_scan16f1", "kjv", "scan16_factor1", "--param scan_factor=1"),
+    ("kjv_perhead", "kjv", "per_head_256_cap_512", "--budgets 512 --detail-budget 512 --param per_head_budget=256"),
+    ("jargon_after", "jargon", "after", ""),
+    ("jargon_before", "jargon", "before", LFPS_PAPER),
+    ("jargon_perhead", "jargon", "per_head_256_cap_512",
+     "--budgets 512 --detail-budget 512 --param per_head_budget=256"),
+]
+PER_LAYER_FIELDS = ("recall_off", "mass", "oracle_mass", "streaming_mass", "scored_frac", "bypass_frac",
+                    "fresh_frac")
+
+
+def lfps_recall_cmds(T):
+    cmds = [FETCH] + [trace_cmd(f"{T}/{t}4k.safetensors", f"data/{t}.txt", o, 4096) for t, o in LFPS_TEXTS]
+    for run, text, label, extra in LFPS_RECALL_RUNS:
+        cmds.append(f"{B}/bench/lfps_bench --trace {T}/{text}4k.safetensors --sink 4 --window 64 --kv-dtype f16 "
+                    f"--label {label} {extra} --json {T}/{run}.json".replace("  ", " "))
+    return cmds
+
+
+def lfps_recall_merge(T):
+    runs = {}
+    for run, text, label, _ in LFPS_RECALL_RUNS:
+        d = jload(f"{T}/{run}.json")
+        per = {}
+        for h in d.get("per_head", []):
+            per.setdefault(h["layer"], []).append(h["all"])
+        per_layer = {}
+        for layer, hs in sorted(per.items()):
+            row = {k: round(sum(x[k] for x in hs) / len(hs), 4) for k in PER_LAYER_FIELDS}
+            row["lost"] = {k: round(sum(x["lost"][k] for x in hs) / len(hs), 4) for k in hs[0]["lost"]}
+            per_layer[str(layer)] = row
+        runs[run] = {"label": label, "params": d.get("params", {}), "trace_text": d.get("text"),
+                     "budgets": d["budgets"], "per_layer_budget": d.get("per_head_budget"), "per_layer": per_layer}
+    c = lfps_recall_cmds("T")
+    return {"bench": "lfps_recall_smollm2",
+            "how": "bench/micro/lfps_bench --trace: teacher-forced replay of every layer and KV head over the last "
+                   "1024 positions of a 4096-token kvferry-llama trace, primed from the last prefill chunk; K/V "
+                   "stored f16; sink 4, window 64",
+            "metrics": {"recall_off": "|chosen offloaded ∩ exact top-k| / k, k = budget - sink - window, exact = "
+                                      "the group summed softmax over all n keys (the oracle policy ranking), "
+                                      "offloaded part",
+                        "recall_all": "kvferry-bench metric: |selection ∩ oracle top-budget over all n| / budget",
+                        "mass": "attention mass selected (mean over the group)",
+                        "scored_frac": "keys given an exact q.k / offloaded keys",
+                        "lost": "share of the exact top-k lost, by reason"},
+            "runs": runs,
+            "commands": {"trace": c[1], **{r[0]: c[3 + i] for i, r in enumerate(LFPS_RECALL_RUNS)}},
+            "regenerate": "python3 bench/reproduce.py lfps_recall_smollm2"}
+
+
+# lfps_step_profile (GPU): kvferry-e2e --modes lfps at 32K and 64K with the policy's phase timers
+# (KVFERRY_LFPS_PROFILE=1, printed on stderr when a row's Runtime is destroyed) and one traced step.
+STEP_VARIANTS = [  # (variant, params for the row, env, extra flags)
+    ("default", {}, "", ""),
+    ("scan0", {"scan": 0}, "", "--param scan=0"),
+    ("threads8", {"cpu_threads": 8}, "", "--cpu-threads 8"),
+    ("scan_every_step", {"scan_max_period": 1}, "", "--param scan_max_period=1"),
+    ("pool_warm500", {}, "KVFERRY_POOL_WARM_US=500 ", ""),
+]
+STEP_REPEATS = 2
+
+
+def step_profile_cmds(T):
+    cmds = []
+    for rep in range(1, STEP_REPEATS + 1):  # interleaved: the machine's drift falls on every variant
+        for v, _, env, extra in STEP_VARIANTS:
+            tag = f"{v}_{rep}"
+            cmds.append(f"{env}KVFERRY_LFPS_PROFILE=1 {E2E} --contexts 32768,65536 --batches 1 --steps 8 --modes lfps "
+                        f"{extra} --trace {T}/{tag} --json {T}/{tag}.jsonl 2> {T}/{tag}.log".replace("  ", " "))
+    cmds.append(f"for f in {T}/*.jsonl; do {PY} scripts/device/e2e_sdpa.py $f ${{f%.jsonl}}.sdpa.json; done")
+    return cmds
+
+
+def lfps_profile_lines(path):
+    out = []
+    for line in open(path, errors="replace"):
+        if line.startswith("lfps profile:") and "us per select:" in line:
+            toks = line.split("us per select:", 1)[1].split()
+            out.append({toks[i]: float(toks[i + 1]) for i in range(0, len(toks) - 1, 2)})
+    return out
+
+
+def trace_step_fields(path):
+    """From one traced step (Chrome trace): the step's span, each layer's host select stage, the
+    (sequence, KV head) pool items inside it (cpu_item), and when the last item started."""
+    if not os.path.exists(path):
+        return {}
+    ev = [e for e in jload(path).get("traceEvents", []) if e.get("ph") == "X"]
+    if not ev:
+        return {}
+    sel = [e for e in ev if e["name"] == "select" and e.get("cat") == "stage"]
+    items = [e for e in ev if e["name"] == "cpu_item"]
+    slow, mean, last = [], [], []
+    for s in sel:
+        inside = [i for i in items if s["ts"] <= i["ts"] <= s["ts"] + s["dur"]]
+        if inside:
+            slow.append(max(i["dur"] for i in inside))
+            mean.append(sum(i["dur"] for i in inside) / len(inside))
+            last.append(max(i["ts"] for i in inside) - s["ts"])
+    avg = (lambda xs: round(sum(xs) / len(xs), 1) if xs else None)
+    return {"traced_step_us": round(max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev), 1),
+            "select_us_per_layer": avg([s["dur"] for s in sel]), "slowest_item_us": avg(slow),
+            "mean_item_us": avg(mean), "last_item_start_us": avg(last)}
+
+
+def step_profile_merge(T):
+    rows = []
+    for rep in range(1, STEP_REPEATS + 1):
+        for v, params, env, _ in STEP_VARIANTS:
+            tag = f"{v}_{rep}"
+            prof = lfps_profile_lines(f"{T}/{tag}.log")
+            rs = jload(f"{T}/{tag}.sdpa.json")["rows"]
+            for i, r in enumerate(rs):
+                row = {"call": f"repeat {rep}", "variant": v, "params": params, "context": r["context"]}
+                if env:
+                    row["pool_warm_us"] = 500
+                row.update(ms_per_token_step=r.get("ms_per_token_step"),
+                           sdpa_ms_per_token_step=r.get("sdpa_ms_per_token_step"), ratio=r.get("ratio"),
+                           lfps_us_per_select=prof[i] if len(prof) == len(rs) else None)
+                row.update(trace_step_fields(f"{T}/{tag}_lfps_{r['context']}_b1.json"))
+                rows.append(row)
+    return {"bench": "kvferry-e2e --modes lfps (32 layers, Llama-3.1-8B attention shape, batch 1, lfps@2% route "
+                     "auto) with KVFERRY_LFPS_PROFILE=1 and --trace",
+            "device": "one GPU of the lent machine + its cores (provenance.gpu / provenance.cpu)",
+            "scripts": step_profile_cmds(T),
+            "note": "lfps_us_per_select: LfpsPolicy phase profile, microseconds per Select (one KV head of one layer), "
+                    "averaged over the row (warm-up and timed steps). The trace fields come from the one traced step "
+                    "after the timed ones: select_us_per_layer is the host select stage of a layer, slowest_item_us / "
+                    "mean_item_us the (sequence, KV head) pool tasks (cpu_item), last_item_start_us when the last of "
+                    "them started after the stage began. pool_warm500: KVFERRY_POOL_WARM_US=500 (CpuPool::KeepWarm). "
+                    f"{STEP_REPEATS} interleaved repeats of every variant: the spread between repeats is the noise.",
+            "rows": rows, "regenerate": "python3 bench/reproduce.py lfps_step_profile"}
+
+
+# prhs_etf_smollm2: PrHS's early-token freezing at prefill, off / projected (default) / copy_kv.
+ETF_RUNS = (("off", ""), ("projected (default)", "--etf"), ("copy_kv", "--etf-copy-kv"))
+
+
+def etf_tag(name):
+    return name.split()[0]
+
+
+def prhs_etf_cmds(T):
+    base = f"{HOST_PPL} --text data/kjv.txt --context 8192 --scored 1024 --policy sparcas --budget 256"
+    return [FETCH] + [f"{base} {flag} --json {T}/etf_{etf_tag(n)}.json".replace("  ", " ") for n, flag in ETF_RUNS]
+
+
+def prhs_etf_merge(T):
+    rows, params, off = [], {}, {}
+    for name, _ in ETF_RUNS:
+        f = f"{T}/etf_{etf_tag(name)}.json"
+        d = jload(f)
+        etf = d.get("etf") or {}
+        if etf:
+            params = {"psi": etf["psi"], "gamma": etf["gamma"], "start": f"floor(3N/4) = {etf['start']} of 30",
+                      "sink": etf["sink"]}
+        for l in d["lanes"]:
+            if name == "off":
+                off[l["lane"]] = l["perplexity"]
+            rows.append({"etf": name, "lane": l["lane"], "perplexity": l["perplexity"],
+                         "frozen_row_fraction": etf.get("frozen_row_fraction", 0.0), "source": os.path.basename(f),
+                         "ppl_change_pct": 100.0 * (l["perplexity"] / off[l["lane"]] - 1) if off.get(l["lane"]) else 0.0})
+    return {"bench": "PrHS ETF (early-token freezing at prefill) in examples/llama: SmolLM2-135M-Instruct Q4_1, "
+                     "data/kjv.txt from line 0, 8192-token window, last 1024 tokens scored (decode unchanged), host "
+                     "backend; off, the hidden-state pass-through (--etf, the default) and App. D's K/V copy from the "
+                     "layer below (--etf-copy-kv), each with dense and sparcas@256 lanes",
+            "params": params, "commands": prhs_etf_cmds("OUT")[1:], "rows": rows,
+            "note": "ppl_change_pct: against the same lane with ETF off, same run. --etf-copy-kv stores a frozen "
+                    "row's K/V from the layer below (another layer's key space); --etf projects each layer's K/V "
+                    "from the frozen row's hidden state (docs/prhs.md).",
+            "regenerate": "python3 bench/reproduce.py prhs_etf_smollm2"}
+
+
+# prhs_lfps_quality_smollm2: PrHS's wrappers around lfps, one kvferry-llama run.
+def prhs_lfps_cmds(T):
+    return [FETCH, f"{HOST_PPL} --text data/kjv.txt --offset-lines 1000 --context 4096 --scored 1024 "
+                   f"--policy oracle,lfps,cis+lfps,psaw+lfps,xl+lfps --budget 256 --json {T}/out.json"]
+
+
+def prhs_lfps_merge(T):
+    d = jload(f"{T}/out.json")
+    d["what"] = ("PrHS's wrappers around lfps on real attention: SmolLM2-135M-Instruct Q4_1 on the KJV (from line "
+                 "1000), 4096-token window, last 1024 tokens scored, budget 256, host backend (the planned CPU step "
+                 "with the host scan), one binary, one run. Command: " + prhs_lfps_cmds("OUT")[1])
+    d["regenerate"] = "python3 bench/reproduce.py prhs_lfps_quality_smollm2"
+    return d
+
+
+# prhs_rho_smollm2: CIS's reuse ratio on a 2K trace (kvferry-bench replay) and three perplexity runs.
+RHO_CIS = [(8, 0.7, 1), (8, 0.8, 1), (8, 0.9, 1), (16, 0.7, 1), (16, 0.8, 1), (16, 0.9, 1),
+           (8, 0.7, 0), (8, 0.8, 0), (8, 0.9, 0), (16, -1.0, 0), (16, 0.7, 0), (16, 0.8, 0), (16, 0.9, 0)]
+RHO_PPL_CIS = [(16, 0.8, 0), (16, 0.7, 1)]
+
+
+def cis_params(s, tau, gm):
+    return f"--param cis.s={s} --param cis.tau={tau:g} --param cis.group_mean={gm}"
+
+
+def cis_tag(s, tau, gm):
+    return f"s{s}_tau{tau:g}_{'mean' if gm else 'min'}"
+
+
+def prhs_rho_cmds(T):
+    tr = f"{T}/kjv2k.safetensors"
+    rep = f"{BENCH} --trace {tr} --budget 128 --sink 8 --window 32 --context 1792 --steps 256 --backend host"
+    ppl = f"{HOST_PPL} --text data/kjv.txt --offset-lines 1000 --context 2048 --scored 256 --budget 128 --sinks 8 --window 32"
+    cmds = [FETCH, trace_cmd(tr, "data/kjv.txt", 1000, 2048, dtype="bf16")]
+    cmds += [f"{rep} --policy cis+oracle {cis_params(*c)} --json {T}/rep_{cis_tag(*c)}.json" for c in RHO_CIS]
+    cmds += [f"{rep} --policy {p} --json {T}/rep_{p}.json" for p in ("oracle", "streaming")]
+    cmds += [f"{ppl} --policy oracle,streaming --json {T}/ppl_base.json"]
+    cmds += [f"{ppl} --policy cis+oracle --no-dense {cis_params(*c)} --json {T}/ppl_{cis_tag(*c)}.json"
+             for c in RHO_PPL_CIS]
+    return cmds
+
+
+def rho_of(stats):
+    n, r = stats.get("prhs_select_calls", 0), stats.get("prhs_select_reused", 0)
+    return (round(n / (n + r), 4) if n + r else None), n, r
+
+
+def prhs_rho_merge(T):
+    rows = []
+    for s, tau, gm in RHO_CIS:
+        d = jload(f"{T}/rep_{cis_tag(s, tau, gm)}.json")
+        rho, n, r = rho_of(d.get("stats") or {})
+        rows.append({"policy": "cis+oracle", "s": s, "tau": tau, "group_gate": "mean" if gm else "min", "rho": rho,
+                     "select_calls": n, "select_reused": r, "recall": d["recall"],
+                     "mass_recall": d["mass_recall"], "rel_err": d["rel_err"]})
+    for p in ("oracle", "streaming"):
+        d = jload(f"{T}/rep_{p}.json")
+        rows.append({"policy": p, "recall": d["recall"], "mass_recall": d["mass_recall"], "rel_err": d["rel_err"]})
+    lanes = [{"lane": l["lane"], "perplexity": l["perplexity"]} for l in jload(f"{T}/ppl_base.json")["lanes"]]
+    for s, tau, gm in RHO_PPL_CIS:
+        for l in jload(f"{T}/ppl_{cis_tag(s, tau, gm)}.json")["lanes"]:
+            lanes.append({"lane": l["lane"], "perplexity": l["perplexity"],
+                          "params": {"cis.s": s, "cis.tau": tau, "cis.group_mean": gm},
+                          "rho": rho_of(l.get("stats") or {})[0]})
+    floor_ok = all(r["rho"] is None or r["rho"] >= 1.0 / r["s"] - 1e-9 for r in rows if "s" in r)
+    c = prhs_rho_cmds("T")
+    return {"what": "CIS (cis+oracle) reuse ratio rho = base Select calls / (calls + reused) on a real SmolLM2-135M "
+                    "trace, next to the paper's figures",
+            "trace": "kvferry-llama --dump-trace of SmolLM2-135M-Instruct Q4_1 on data/kjv.txt --offset-lines 1000, "
+                     "2048 positions, all 30 layers, post-RoPE q/k/v in bf16 (9 query heads, 3 KV heads, head_dim 64)",
+            "replay": "kvferry-bench --trace ... --budget 128 --sink 8 --window 32 --context 1792 --steps 256 --backend "
+                      "host (the paper's GSM8K budget: 128 = 8 sink + 32 local + 88 chosen); 256 steps x 30 layers x 3 "
+                      "KV heads = 23040 selections per row",
+            "recall": "bench's recall: fraction of the exact top-k (oracle) of the chosen (non-resident) positions that "
+                      "the selection holds; mass_recall: attention mass of the selection over all positions; rel_err: "
+                      "relative L2 error of the attention output vs dense (mean over steps)",
+            "paper": {"tau_0.8_s_8_rho": "about 0.15-0.18 (Table II: .164 L2-7B, .183 L3-70B, .194 Mistral-7B)",
+                      "tau_0.8_s_16_rho": "about 0.08-0.09 (.087, .082, .088)",
+                      "table_VI": {"s4_tau0.8": 0.301, "s8_tau0.7": 0.152, "s8_tau0.8_r2": 0.184, "s32_tau0.8": 0.0046},
+                      "model": "LLaMA2-7B-Chat (MHA), LLaMA3-70B and Mistral-7B (GQA), GSM8K/CoQA generation"},
+            "rows": rows,
+            "perplexity": {"command": c[-3].replace(" --policy oracle,streaming", "").rsplit(" --json", 1)[0] +
+                                      " (one run for dense, oracle, streaming; one per cis lane with its --param)",
+                           "lanes": lanes},
+            "notes": [f"rho >= 1/s {'holds in every row' if floor_ok else 'fails in some row'}; tau = -1 shares every "
+                      "non-first step of a block (rho = 1/s).",
+                      "The group gate matters under GQA: 'min' needs all 3 query heads of a KV head above tau, "
+                      "'mean' their mean.",
+                      "The steps replayed are teacher-forced text rows of the prompt (the trace's prefill queries), "
+                      "not generated answer tokens as in the paper's GSM8K/CoQA runs.",
+                      "rho, recall and errors are deterministic functions of the trace (timings are not reported)."],
+            "regenerate": "python3 bench/reproduce.py prhs_rho_smollm2"}
+
+
+# kvpop_mass_smollm2: KVpop's untrained attention-mass scorer (scorer=2): its decay swept at 256,
+# the default at 256 / 512, passkey, a trace replay, and a held-out text; dense / oracle /
+# streaming in the same run.
+KVPOP_SWEEP = (0.999999, 0.9999, 0.9995, 0.999, 0.998, 0.995)
+KVPOP2 = "--policy kvpop --param scorer=2"
+
+
+def kvpop_mass_cmds(T):
+    kjv = f"{HOST_PPL} --text data/kjv.txt --context 8192 --scored 1024"
+    jar = f"{HOST_PPL} --text data/jargon.txt --context 8192 --scored 1024"
+    cmds = [FETCH, f"{kjv} --policy oracle,streaming --budget 256,512 --json {T}/kjv_base.json",
+            f"{kjv} {KVPOP2} --budget 256,512 --no-dense --json {T}/kjv_default.json"]
+    cmds += [f"{kjv} {KVPOP2} --param gamma={g} --budget {'256,512' if g == 0.9995 else 256} --no-dense "
+             f"--json {T}/kjv_gamma{g}.json" for g in KVPOP_SWEEP]
+    cmds += [f"{LLAMA} --model {MODEL} --passkey --text data/kjv.txt --backend host --lengths 2048,4096 "
+             f"--depths 0.1,0.5,0.9 {KVPOP2} --budget 256 --json {T}/passkey.json",
+             trace_cmd(f"{T}/kjv4k.safetensors", "data/kjv.txt", 1000, 4096),
+             f"{BENCH} --trace {T}/kjv4k.safetensors {KVPOP2} --budget 256 --steps 64 --sink 4 --window 64 "
+             f"--kv-dtype f16 --backend host --json {T}/replay.json",
+             f"{jar} --policy oracle,streaming --budget 256 --json {T}/jargon_base.json"]
+    cmds += [f"{jar} {KVPOP2} --param gamma={g} --budget 256 --no-dense --json {T}/jargon_gamma{g}.json"
+             for g in (0.998, 0.9995)]
+    return cmds
+
+
+def kvpop_mass_merge(T):
+    base = lanes_of(f"{T}/kjv_base.json")
+
+    def row(lane, gamma, set_by, seconds=False):
+        lanes = gaps({**{k: dict(v) for k, v in base.items()}, lane["lane"]: dict(lane)})
+        r = lanes[lane["lane"]]
+        out = {"gamma": gamma, "set_by": set_by, "budget": lane["budget"], "perplexity": lane["perplexity"]}
+        if seconds:
+            out["decode_seconds"] = lane["decode_seconds"]
+        out.update(gap_pct=r.get("gap_pct"), gap_over_oracle_gap=r.get("gap_over_oracle_gap"))
+        return out
+    sweep = [row(l, g, "the 'gamma' parameter") for g in KVPOP_SWEEP
+             for l in jload(f"{T}/kjv_gamma{g}.json")["lanes"]]
+    default = [row(l, 0.998, "the default 'gamma'", True) for l in jload(f"{T}/kjv_default.json")["lanes"]]
+    pk = jload(f"{T}/passkey.json")
+    found = {}
+    for t in pk["trials"]:
+        for lab, a in t["answers"].items():
+            found[lab] = found.get(lab, 0) + int(a["found"])
+    rep = jload(f"{T}/replay.json")
+    jb = lanes_of(f"{T}/jargon_base.json")
+    jk = {g: jload(f"{T}/jargon_gamma{g}.json")["lanes"][0]["perplexity"] for g in (0.998, 0.9995)}
+    held = {"text": "data/jargon.txt from line 0, 8192-token window, last 1024 scored, budget 256 (same command, "
+                    "--text data/jargon.txt)",
+            "dense": jb["dense"]["perplexity"], "oracle@256": jb["oracle@256"]["perplexity"],
+            "streaming@256": jb["streaming@256"]["perplexity"],
+            "kvpop_scorer2_gamma0.998": jk[0.998], "kvpop_scorer2_gamma0.9995": jk[0.9995]}
+    held["finding"] = (f"scorer 2 at gamma 0.998: {jk[0.998]:.3f} ({jk[0.9995]:.3f} at 0.9995) against streaming "
+                       f"{held['streaming@256']:.3f}, dense {held['dense']:.3f}, oracle {held['oracle@256']:.3f}: "
+                       + ("worse than pure recency on this text" if jk[0.998] > held["streaming@256"]
+                          else "better than pure recency on this text"))
+    return {"bench": "kvpop_mass_smollm2",
+            "notes": ["KVpop scorer 2 (policies/kvpop.h): r_u = log(1e-6 + max_g A_g(u) / window), A_g(u) = head g's "
+                      "softmax weight of u over the sinks and window of each query while u is in the window, summed "
+                      "over those window queries; static priority p = r - u log gamma; no training. Host backend, "
+                      "kvferry-llama --perplexity, SmolLM2-135M-Instruct Q4_1, data/kjv.txt from line 0, 8192-token "
+                      "window, last 1024 scored, sinks 4, window 64, --no-dense; dense, oracle and streaming in the "
+                      "same run (kjv_base).",
+                      "The decay is chosen on this text (the sweep at budget 256); held_out_jargon_8k_256 is the "
+                      "check on a second text.",
+                      "Passkey: 2K / 4K x depths 0.1 / 0.5 / 0.9, budget 256, dense in the same run."],
+            "command": kvpop_mass_cmds("OUT")[2].replace("--json OUT/kjv_default.json", "[--param gamma=G] --json F"),
+            "sweep_budget_256": sweep, "default": default,
+            "passkey": {"found": found, "trials": len(pk["trials"]), "raw": "passkey.json"},
+            "trace_replay_256": {k: rep[k] for k in ("recall", "mass_recall", "rel_err", "rel_err_max", "steps",
+                                                     "layers", "context", "workload") if k in rep},
+            "held_out_jargon_8k_256": held, "regenerate": "python3 bench/reproduce.py kvpop_mass_smollm2"}
+
+
+# kvpop_train_smollm2: scripts/kvpop_train.py on three traces (the weights go to $T, not over
+# policies/weights/kvpop_smollm2.safetensors).
+def kvpop_train_cmds(T):
+    return [FETCH,
+            trace_cmd(f"{T}/train_kjv.safetensors", "data/kjv.txt", 20000, 4096),
+            trace_cmd(f"{T}/train_jargon.safetensors", "data/jargon.txt", 0, 4096),
+            trace_cmd(f"{T}/val_kjv.safetensors", "data/kjv.txt", 28000, 2048),
+            f"{PY} scripts/kvpop_train.py --train {T}/train_kjv.safetensors {T}/train_jargon.safetensors "
+            f"--val {T}/val_kjv.safetensors --out {T}/kvpop_smollm2.safetensors --report {T}/out.json "
+            f"--sink 4 --window 64 --ks 188 444 --hidden 16 --steps 400 --batch 128 --threads 2 --seed 0 "
+            f"--log-every 20"]
+
+
+def kvpop_train_merge(T):
+    d = jload(f"{T}/out.json")
+    d["regenerate"] = "python3 bench/reproduce.py kvpop_train_smollm2"
+    return d
+
+
+# llama_smollm2_kjv_passkey: passkey, dense vs streaming and oracle at 256 / 512.
+def passkey_cmds(T):
+    return [FETCH, f"{LLAMA} --model {MODEL} --passkey --text data/kjv.txt --backend host --lengths 2048,4096 "
+                   f"--depths 0.1,0.5,0.9 --policy streaming,oracle --budget 256,512 --json {T}/out.json"]
+
+
+# bank_hit_smollm2_kjv4k (JSON lines): the token bank's hit rate on real selections, kvferry-bench
+# replaying a 4K KJV trace (5 layers) with --route gpu --bank-slots N on the host backend.
+BANK_HIT = [(p, s) for p in ("oracle", "lfps", "streaming") for s in (512, 1024)]
+
+
+def bank_hit_cmds(T):
+    tr = f"{T}/kjv4k5.safetensors"
+    return [FETCH, trace_cmd(tr, "data/kjv.txt", 1000, 4096, steps=64, layers="0,8,15,22,29", dtype="bf16")] + [
+        f"{BENCH} --trace {tr} --policy {p} --budget 256 --steps 64 --sink 4 --window 64 --backend host "
+        f"--route gpu --bank-slots {s} --json {T}/{p}_{s}.json" for p, s in BANK_HIT]
+
+
+def bank_hit_merge(T):
+    rows = []
+    for p, s in BANK_HIT:
+        r = jload(f"{T}/{p}_{s}.json")
+        st = r.get("stats") or {}
+        hit, miss = st.get("rows_bank_hit", 0), st.get("rows_fetched", 0)
+        r["bank_slots"] = s
+        r["bank_hit_rate"] = round(hit / (hit + miss), 4) if hit + miss else None
+        rows.append(r)
+    return rows
+
+
 SPECS = {
     "e2e": dict(gpu=True, targets=["kvferry-e2e"], run=e2e_cmds, merge=e2e_merge,
                 what="the Runtime end to end per token step (32 layers, Llama-3.1-8B shape) vs torch SDPA, "
@@ -292,12 +775,63 @@ SPECS = {
                  what="1M decode steps of the host backend: RSS, store and device bytes stay flat"),
     "trace_step_split_kvpop": dict(gpu=True, targets=["kvferry-e2e"], run=trace_cmds, merge=load_out,
                                    what="a Chrome trace of kvpop's split step at 32K x 4 (Runtime::StartTrace)"),
+    # Studies on SmolLM2-135M (host backend) and LFPS's step on the GPU.
+    "lfps_quality_smollm2": dict(gpu=False, targets=[], examples=True, run=lfps_quality_cmds, merge=lfps_quality_merge,
+                                 what="LFPS (paper's candidates vs defaults) perplexity vs dense/streaming/oracle, "
+                                      "SmolLM2, KJV + Jargon 4K"),
+    "lfps_recall_smollm2": dict(gpu=False, targets=["lfps_bench"], examples=True, run=lfps_recall_cmds,
+                                merge=lfps_recall_merge,
+                                what="LFPS recall of the exact top-k per layer/head on SmolLM2 4K traces "
+                                     "(lfps_bench --trace), 9 variants"),
+    "lfps_step_profile": dict(gpu=True, targets=["kvferry-e2e"], run=step_profile_cmds, merge=step_profile_merge,
+                              what="where LFPS's runtime step goes at 32K/64K: phase profile + traced step, "
+                                   "5 variants x 2 repeats"),
+    "prhs_etf_smollm2": dict(gpu=False, targets=[], examples=True, run=prhs_etf_cmds, merge=prhs_etf_merge,
+                             what="PrHS early-token freezing off / projected / copy_kv: perplexity, SmolLM2 KJV 8K"),
+    "prhs_lfps_quality_smollm2": dict(gpu=False, targets=[], examples=True, run=prhs_lfps_cmds, merge=prhs_lfps_merge,
+                                      what="cis+/psaw+/xl+lfps vs lfps and oracle: perplexity, SmolLM2 KJV 4K, budget 256"),
+    "prhs_rho_smollm2": dict(gpu=False, targets=["kvferry-bench"], examples=True, run=prhs_rho_cmds,
+                             merge=prhs_rho_merge,
+                             what="CIS reuse ratio rho, recall and error on a SmolLM2 2K trace; cis perplexity"),
+    "kvpop_mass_smollm2": dict(gpu=False, targets=["kvferry-bench"], examples=True, run=kvpop_mass_cmds,
+                               merge=kvpop_mass_merge,
+                               what="KVpop's untrained attention-mass scorer: gamma sweep, passkey, replay, held-out text"),
+    "kvpop_train_smollm2": dict(gpu=False, targets=[], examples=True, run=kvpop_train_cmds, merge=kvpop_train_merge,
+                                what="KVpop's MLP scorer trained on SmolLM2 traces (scripts/kvpop_train.py; needs torch)"),
+    "llama_smollm2_kjv_passkey": dict(gpu=False, targets=[], examples=True, run=passkey_cmds, merge=load_out,
+                                      what="passkey 2K/4K x 3 depths: dense vs streaming and oracle at 256/512"),
+    "bank_hit_smollm2_kjv4k": dict(gpu=False, targets=["kvferry-bench"], examples=True, run=bank_hit_cmds,
+                                   merge=bank_hit_merge, ext="jsonl",
+                                   what="token-bank hit rate on real selections (SmolLM2 KJV 4K trace, 512/1024 slots)"),
 }
-# Files whose rows came from studies on SmolLM2 traces; their commands are recorded inside the
-# file ("commands" / "command"), run by hand: not regenerated by this script.
-RECORDED = ["lfps_quality_smollm2", "lfps_recall_smollm2", "lfps_step_profile", "prhs_etf_smollm2",
-            "prhs_lfps_quality_smollm2", "prhs_rho_smollm2", "kvpop_mass_smollm2", "kvpop_train_smollm2",
-            "llama_smollm2_kjv_passkey", "bank_hit_smollm2_kjv4k"]
+
+# Where each name runs and about how long, for --list: the machine kind (nvidia-h200: 1 H200, 16
+# cores, 128 GiB, the lent GPU machine; the CPU studies' committed rows ran on a 2-core VM) and the
+# run time, inferred from the committed files (their recorded seconds) or from the run's size;
+# "?" where nothing recorded says.
+GPU1 = "GPU: 1x H100/H200 + 16 cores (nvidia-h200)"
+GPU1_RAM = "GPU: 1x H100/H200 + 16 cores, 128 GiB RAM (nvidia-h200)"
+CPU2 = "CPU: host backend, 2+ cores"
+MACHINE = {
+    "e2e": (GPU1_RAM, "?"), "scale": (GPU1_RAM, "?"), "split": (GPU1_RAM, "?"),
+    "quality_smollm2": (CPU2, "~75 min on 2 cores (2507 s of decode recorded, + 9 prefills, passkey, replays)"),
+    "bank": (GPU1, "?"), "gpu_attention": (GPU1, "?"), "torch_sdpa": (GPU1, "?"), "transfer_span": (GPU1, "?"),
+    "select_topk": (GPU1, "?"), "cpu_attention": ("CPU: 16 cores (the GPU machine's)", "?"),
+    "lfps": ("CPU: one core", "?"), "lfps_select_speed": ("CPU: one core", "?"),
+    "prefill_host": ("CPU: any (also builds the base commit)", "?"),
+    "soak": ("CPU: host backend", "~2 min (68 s recorded)"),
+    "trace_step_split_kvpop": (GPU1, "~2 min (one 32K x 4 call)"),
+    "lfps_quality_smollm2": (CPU2, "~95 min on 2 cores (5413 s of decode recorded, + 6 prefills of 4K)"),
+    "lfps_recall_smollm2": ("CPU: one core", "~35 min (~1200 s of select + exact top-k recorded, + 2 traces)"),
+    "lfps_step_profile": (GPU1, "~15 min (10 kvferry-e2e calls at 32K + 64K, SDPA baselines)"),
+    "prhs_etf_smollm2": (CPU2, "~20 min on 2 cores (3 runs of 8K, 2 lanes each)"),
+    "prhs_lfps_quality_smollm2": (CPU2, "~12 min on 2 cores (676 s recorded)"),
+    "prhs_rho_smollm2": (CPU2, "~15 min on 2 cores (a 2K trace, 15 replays, 3 perplexity runs of 2K)"),
+    "kvpop_mass_smollm2": (CPU2, "~65 min on 2 cores (12 runs of 8K, ~96 s of decode a lane recorded)"),
+    "kvpop_train_smollm2": ("CPU: 2 threads, torch + safetensors", "~30 min (3 traces + 400 steps; not recorded)"),
+    "llama_smollm2_kjv_passkey": (CPU2, "~5 min on 2 cores (6 prompts of 2K/4K, 5 lanes)"),
+    "bank_hit_smollm2_kjv4k": (CPU2, "~3 min (a 5-layer 4K trace, 6 replays of 64 steps)"),
+}
 
 
 # ------------------------------------------------------------------------------------- provenance
@@ -324,11 +858,20 @@ def provenance(commands):
             "command": " && ".join(commands)}
 
 
+ROW_KEYS = ("rows", "runs", "dense", "sparse", "sparse_pool", "dense_decode", "llama_prefill", "lanes", "trials",
+            "history", "sweep_budget_256", "default")
+
+
 def stamp(d, p):
-    """Provenance on the file and on every row of its row lists."""
+    """Provenance on the file and on every row of its row lists (a list of rows: each row; a
+    dict of runs, as lfps_recall_smollm2's: each run)."""
+    if isinstance(d, list):
+        return [{**r, "provenance": p} if isinstance(r, dict) else r for r in d]
     if isinstance(d, dict):
-        for key in ("rows", "runs", "dense", "sparse", "sparse_pool", "dense_decode", "llama_prefill"):
-            for r in d.get(key, []) if isinstance(d.get(key), list) else []:
+        for key in ROW_KEYS:
+            v = d.get(key)
+            rows = v if isinstance(v, list) else list(v.values()) if isinstance(v, dict) else []
+            for r in rows:
                 if isinstance(r, dict):
                     r["provenance"] = p
         if "traceEvents" in d:
@@ -358,14 +901,9 @@ def main():
     a = ap.parse_args()
     if a.list or not a.name:
         for n, s in SPECS.items():
-            print(f"{n:24s} {'GPU' if s['gpu'] else 'CPU':4s} {s['what']}")
-        for n in RECORDED:
-            print(f"{n:24s} --   recorded study: its commands are in the file (not run by this script)")
+            machine, est = MACHINE.get(n, ("?", "?"))
+            print(f"{n:26s} {'GPU' if s['gpu'] else 'CPU':4s} {s['what']}\n{'':31s}machine: {machine}; time: {est}")
         return 0
-    if a.name in RECORDED:
-        print(f"reproduce: {a.name} is a recorded study; the commands that made it are in "
-              f"bench/results/{a.name}.json ('commands' / 'command'); docs/benchmarks.md")
-        return 2
     if a.name not in SPECS:
         print(f"reproduce: unknown name {a.name}; --list shows them")
         return 2
@@ -387,10 +925,13 @@ def main():
             return rc
     out_name = spec["out"]() if "out" in spec else a.name
     d = stamp(spec["merge"](T), provenance(spec["run"](T)))
-    path = os.path.join(RES, out_name + ".json")
+    path = os.path.join(RES, f"{out_name}.{spec.get('ext', 'json')}")
     with open(path, "w") as f:
-        json.dump(d, f, indent=1)
-        f.write("\n")
+        if isinstance(d, list):  # JSON lines: one row a line
+            f.writelines(json.dumps(r) + "\n" for r in d)
+        else:
+            json.dump(d, f, indent=1)
+            f.write("\n")
     print(f"reproduce: wrote {os.path.relpath(path, ROOT)}; python3 scripts/docs_tables.py refreshes the docs, "
           f"python3 bench/plot.py the plots")
     return 0
