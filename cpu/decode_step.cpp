@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "base/bank_map.h"
 #include "base/hip_mask.h"
 #include "base/kvpop_score.h"
 #include "base/offload_split.h"
@@ -16,7 +17,6 @@
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
 #include "cpu/reference.h"
-#include "offload/token_bank.h"
 
 namespace kvferry::cpu {
 namespace {

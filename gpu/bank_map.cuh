@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "offload/token_bank.h"
+#include "base/bank_map.h"
 
 namespace kvferry::cuda {
 

@@ -28,10 +28,10 @@
 #include <memory>
 #include <vector>
 
+#include "base/bank_map.h"  // BankMapKind
 #include "gpu/cuda_device.h"
 #include "gpu/cuda_kernels.h"
 #include "kvferry/status.h"
-#include "offload/token_bank.h"  // BankMapKind
 
 namespace kvferry::cuda {
 

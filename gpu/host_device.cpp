@@ -13,9 +13,9 @@
 
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
+#include "cpu/numa.h"
 #include "cpu/reference.h"
 #include "gpu/device.h"
-#include "offload/numa.h"
 #include "base/check.h"
 
 namespace kvferry {

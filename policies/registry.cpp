@@ -1,6 +1,8 @@
 // Copyright kvferry authors. Apache-2.0.
 // Builds policies by name from one table: each policy family provides a factory, and extensions
-// (or tests) may add entries with RegisterPolicy. The registry is the only place that knows them.
+// (or tests) may add entries with RegisterPolicy (kvferry/policy.h). The registry is the only
+// place that knows them. The table is a function-local static, so a registration from another
+// translation unit's static initialiser finds it built.
 #include <algorithm>
 #include <mutex>
 #include <string>
@@ -40,10 +42,11 @@ struct Registry {
 };
 
 // Wrappers built by name composition ("cis+oracle", "psaw+cis+oracle"): a prefix and the factory
-// that builds the stack (it calls MakePolicy for the rest of the name).
+// that builds the stack (it calls MakePolicy for the rest of the name). Plain function pointers:
+// the table is constant-initialised, so it is usable from any static initialiser.
 struct WrapperEntry {
   const char* prefix;
-  PolicyFactory factory;
+  Result<std::unique_ptr<Policy>> (*factory)(const RuntimeConfig& config);
   const char* example;  // a composed name PolicyNames lists
 };
 const WrapperEntry kWrapperEntries[] = {
@@ -73,16 +76,19 @@ bool RegisterPolicy(std::string name, PolicyFactory factory) {
   Registry& r = GetRegistry();
   std::lock_guard<std::mutex> lock(r.mu);
   if (name.empty() || factory == nullptr) return false;
+  for (const WrapperEntry& w : kWrapperEntries) {
+    if (name.rfind(w.prefix, 0) == 0) return false;  // the wrappers' composed names
+  }
   const bool taken = std::any_of(r.entries.begin(), r.entries.end(),
                                  [&](const Entry& e) { return e.name == name; });
   if (taken) return false;
-  r.entries.push_back(Entry{std::move(name), factory});
+  r.entries.push_back(Entry{std::move(name), std::move(factory)});
   return true;
 }
 
 Result<std::unique_ptr<Policy>> MakePolicy(const RuntimeConfig& config) {
   const std::string& name = config.policy.name;
-  PolicyFactory factory = nullptr;
+  PolicyFactory factory;
   {
     Registry& r = GetRegistry();
     std::lock_guard<std::mutex> lock(r.mu);
@@ -90,7 +96,7 @@ Result<std::unique_ptr<Policy>> MakePolicy(const RuntimeConfig& config) {
       if (e.name == name) factory = e.factory;
     }
   }
-  if (factory != nullptr) return factory(config);
+  if (factory) return factory(config);
   for (const WrapperEntry& w : kWrapperEntries) {
     if (name.rfind(w.prefix, 0) == 0) return w.factory(config);
   }

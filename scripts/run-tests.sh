@@ -35,6 +35,7 @@ cd "$(dirname "$0")/.."
 export PIP_NO_CACHE_DIR=1
 bash scripts/install-deps.sh
 python3 scripts/check_tree.py  # names after development steps, docs tables vs bench/results (docs/benchmarks.md)
+python3 scripts/check_layers.py  # includes point down the layer order, no folder cycles (scripts/check_layers.py)
 if [ -f scripts/fetch-data.sh ]; then
   bash scripts/fetch-data.sh || echo "run-tests: data fetch failed; real-model tests will skip" >&2
 fi

@@ -3,6 +3,8 @@
 /// \file kvferry.h
 /// \brief Umbrella header.
 #include "kvferry/config.h"
+#include "kvferry/kv_pages.h"
+#include "kvferry/policy.h"
 #include "kvferry/runtime.h"
 #include "kvferry/stats.h"
 #include "kvferry/status.h"

@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-#include "offload/numa.h"
+#include "cpu/numa.h"
 
 #include <hwloc.h>
 
