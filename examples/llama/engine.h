@@ -39,23 +39,49 @@ class Attention {
 };
 
 /// Exact causal softmax attention in f32 (double accumulation for the softmax), over its own
-/// cache. The independent reference that kvferry's results are compared with.
+/// cache, with the model's softmax scale and, on sliding-window layers (ModelConfig::layer_window),
+/// only the last w positions. The independent reference that kvferry's results are compared with.
 std::unique_ptr<Attention> MakeReferenceAttention(const ModelConfig& config);
 
 /// \brief Attention through a kvferry Runtime that holds one sequence.
+///
+/// A model with sliding-window layers (Gemma 3) gets one Runtime per kind of layer: the global
+/// layers share the Runtime of the caller's configuration (its policy, budget, tiers), numbered
+/// among themselves (the k-th global layer is its layer k); each sliding-window width w gets a
+/// Runtime of policy "streaming" with sink_tokens 0, window_tokens w and budget w, which attends
+/// exactly a decode's last w tokens. The Runtime's Prefill attends a chunk densely over everything
+/// stored, so a sliding layer's prompt rows are prefilled through Prefill while they lie in the
+/// first w positions (where dense is the window) and one at a time through Decode after that.
+/// This is the engine's interim arrangement until the Runtime has per-layer attention types.
 class RuntimeAttention final : public Attention {
  public:
+  /// One Runtime of \p config (every layer global).
   static Result<std::unique_ptr<RuntimeAttention>> Create(const RuntimeConfig& config);
+  /// Runtimes for \p model's layers: \p config (shaped by RuntimeConfigFor) for the global ones,
+  /// a streaming one per sliding-window width (see the class comment).
+  static Result<std::unique_ptr<RuntimeAttention>> Create(const RuntimeConfig& config,
+                                                          const ModelConfig& model);
   Status Prefill(int layer, int64_t num_tokens, const float* q, const float* k, const float* v,
                  float* out) override;
   Status Decode(int layer, const float* q, const float* k, const float* v, float* out) override;
   Status Append(int layer, int64_t num_tokens, const float* k, const float* v) override;
   Status Reset() override;
-  [[nodiscard]] Runtime& runtime() { return *runtime_; }
+  /// The global layers' Runtime (the one of the caller's policy).
+  [[nodiscard]] Runtime& runtime() { return *parts_[0].runtime; }
+  /// The Runtime of sliding-window width \p window, or nullptr if the model has none.
+  [[nodiscard]] Runtime* sliding_runtime(int window);
 
  private:
-  explicit RuntimeAttention(std::unique_ptr<Runtime> runtime) : runtime_(std::move(runtime)) {}
-  std::unique_ptr<Runtime> runtime_;
+  struct Part {
+    std::unique_ptr<Runtime> runtime;
+    int window = 0;  ///< 0: global layers
+  };
+  RuntimeAttention() = default;
+  Status AddPart(const RuntimeConfig& config, int window);
+  // Engine layer -> (part, the part's own layer index); empty: one part, identity.
+  std::vector<int> part_of_, local_of_;
+  std::vector<int64_t> length_;  ///< tokens stored per engine layer (sliding parts)
+  std::vector<Part> parts_;
   SequenceId seq_ = 1;
   int q_heads_ = 0;
   int kv_heads_ = 0;
@@ -126,12 +152,20 @@ class Engine {
   // One layer's attention and MLP over rows [r0, r1) of the current pass (prefill or decode).
   Status LayerRows(int layer, int64_t r0, int64_t r1, int64_t pos, std::span<Attention* const> attns,
                    bool decode);
-  void ApplyRope(float* x, int64_t num_tokens, int num_heads, int64_t pos) const;
+  // RoPE of layer \p layer's table (global or sliding-window) on x [num_tokens, num_heads, D].
+  void ApplyRope(float* x, int64_t num_tokens, int num_heads, int64_t pos, int layer) const;
+  // Gemma's QK-norm: RMSNorm of each head of x [num_tokens, num_heads, D] with w [D].
+  void HeadNorm(float* x, int64_t num_tokens, int num_heads, const std::vector<float>& w) const;
+  void GrowRope(int64_t positions);
 
+  struct RopeTable {
+    double theta = 10000.0;
+    double scale = 1.0;             ///< positions divided by it (linear scaling)
+    std::vector<float> cos, sin;    ///< [positions, head_dim / 2]
+  };
   const Model& model_;
   Matmul matmul_;
-  std::vector<float> rope_cos_;  ///< [max_context, head_dim / 2]
-  std::vector<float> rope_sin_;
+  RopeTable rope_[2];  ///< [0]: global layers; [1]: sliding-window layers (Gemma 3)
   QkvObserver observer_;
   EtfOptions etf_;
   int64_t etf_frozen_rows_ = 0, prefill_rows_ = 0;

@@ -172,13 +172,100 @@ Result<BlockLayout> Layout(uint32_t type) {
       return BlockLayout{32, 18};
     case GgmlType::kQ4_1:
       return BlockLayout{32, 20};
+    case GgmlType::kQ5_0:
+      return BlockLayout{32, 22};
+    case GgmlType::kQ5_1:
+      return BlockLayout{32, 24};
     case GgmlType::kQ8_0:
       return BlockLayout{32, 34};
+    case GgmlType::kQ4_K:
+      return BlockLayout{256, 144};
+    case GgmlType::kQ5_K:
+      return BlockLayout{256, 176};
+    case GgmlType::kQ6_K:
+      return BlockLayout{256, 210};
   }
   return Unimplemented(StrCat("gguf: tensor type ", GgmlTypeName(type), " is not supported"));
 }
 
 uint16_t LoadU16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+uint32_t LoadU32(const uint8_t* p) {
+  return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+         (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+}
+
+// The 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K super-block, packed in 12 bytes:
+// bytes 0-3 hold the scales of sub-blocks 0-3 in their low 6 bits, bytes 4-7 the mins of 0-3;
+// sub-blocks 4-7 take their low 4 bits from the nibbles of bytes 8-11 (scale low, min high) and
+// their top 2 bits from the top 2 bits of bytes 0-3 (scales) and 4-7 (mins).
+void ScaleMinK4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = static_cast<uint8_t>((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4));
+    *m = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+  }
+}
+
+// Q4_K (144 bytes per 256): f16 d, f16 dmin, 12 bytes of scales/mins, 128 bytes of nibbles. Each
+// 32 bytes of nibbles hold two sub-blocks of 32: the low nibbles sub-block 2i, the high 2i + 1.
+// x = (d * scale) * q - (dmin * min). Q5_K (176 bytes) adds 32 bytes qh before the nibbles: bit
+// s of qh[l] is the fifth bit of element l of sub-block s.
+void DequantizeQ45K(const uint8_t* p, bool five, float* y) {
+  const float d = HalfToFloat(LoadU16(p));
+  const float dmin = HalfToFloat(LoadU16(p + 2));
+  const uint8_t* scales = p + 4;
+  const uint8_t* qh = p + 16;
+  const uint8_t* ql = five ? p + 48 : p + 16;
+  for (int j = 0; j < 4; ++j, ql += 32, y += 64) {
+    uint8_t sc = 0, m = 0;
+    ScaleMinK4(2 * j, scales, &sc, &m);
+    const float d1 = d * static_cast<float>(sc);
+    const float m1 = dmin * static_cast<float>(m);
+    ScaleMinK4(2 * j + 1, scales, &sc, &m);
+    const float d2 = d * static_cast<float>(sc);
+    const float m2 = dmin * static_cast<float>(m);
+    for (int l = 0; l < 32; ++l) {
+      int q1 = ql[l] & 0x0f;
+      int q2 = ql[l] >> 4;
+      if (five) {
+        q1 += ((qh[l] >> (2 * j)) & 1) << 4;
+        q2 += ((qh[l] >> (2 * j + 1)) & 1) << 4;
+      }
+      // Products stored before the subtraction, so that no compiler fuses them (the reference
+      // rounds each).
+      const volatile float a = d1 * static_cast<float>(q1);
+      const volatile float b = d2 * static_cast<float>(q2);
+      y[l] = a - m1;
+      y[l + 32] = b - m2;
+    }
+  }
+}
+
+// Q6_K (210 bytes per 256): ql[128] low nibbles, qh[64] high 2 bits, 16 int8 scales (one per 16
+// elements), f16 d. Each half of 128 elements uses 64 bytes of ql and 32 of qh: element l (0..31)
+// of its four quarters takes ql[l] low / ql[l + 32] low / ql[l] high / ql[l + 32] high and bits
+// 0-1 / 2-3 / 4-5 / 6-7 of qh[l]; x = (d * scale) * (q - 32).
+void DequantizeQ6K(const uint8_t* p, float* y) {
+  const uint8_t* ql = p;
+  const uint8_t* qh = p + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+  const float d = HalfToFloat(LoadU16(p + 208));
+  for (int n = 0; n < 2; ++n, ql += 64, qh += 32, sc += 8, y += 128) {
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      const int q1 = ((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
+      const int q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      y[l] = (d * static_cast<float>(sc[is])) * static_cast<float>(q1);
+      y[l + 32] = (d * static_cast<float>(sc[is + 2])) * static_cast<float>(q2);
+      y[l + 64] = (d * static_cast<float>(sc[is + 4])) * static_cast<float>(q3);
+      y[l + 96] = (d * static_cast<float>(sc[is + 6])) * static_cast<float>(q4);
+    }
+  }
+}
 
 }  // namespace
 
@@ -189,7 +276,12 @@ std::string GgmlTypeName(uint32_t type) {
     case GgmlType::kBF16: return "BF16";
     case GgmlType::kQ4_0: return "Q4_0";
     case GgmlType::kQ4_1: return "Q4_1";
+    case GgmlType::kQ5_0: return "Q5_0";
+    case GgmlType::kQ5_1: return "Q5_1";
     case GgmlType::kQ8_0: return "Q8_0";
+    case GgmlType::kQ4_K: return "Q4_K";
+    case GgmlType::kQ5_K: return "Q5_K";
+    case GgmlType::kQ6_K: return "Q6_K";
   }
   return StrCat("type ", type);
 }
@@ -253,6 +345,45 @@ Status DequantizeRow(uint32_t type, std::span<const uint8_t> src, int64_t count,
           dst[j + 16] = static_cast<float>(p[4 + j] >> 4) * d + m;
         }
       }
+      break;
+    case GgmlType::kQ5_0:
+    case GgmlType::kQ5_1: {
+      // block: f16 scale d, (Q5_1: f16 minimum m,) 32 fifth bits (u32 LE), 16 bytes of nibbles;
+      // element j < 16 is the low nibble of byte j plus bit j, j + 16 the high nibble plus bit
+      // j + 16. Q5_0: x = (q - 16) d; Q5_1: x = q d + m.
+      const bool one = static_cast<GgmlType>(type) == GgmlType::kQ5_1;
+      const int bytes = one ? 24 : 22;
+      for (int64_t b = 0; b < count / 32; ++b, p += bytes, dst += 32) {
+        const float d = HalfToFloat(LoadU16(p));
+        const float m = one ? HalfToFloat(LoadU16(p + 2)) : 0.0f;
+        const uint8_t* q = p + (one ? 4 : 2);
+        const uint32_t qh = LoadU32(q);
+        q += 4;
+        for (int j = 0; j < 16; ++j) {
+          const int x0 = (q[j] & 0x0f) | static_cast<int>(((qh >> j) << 4) & 0x10);
+          const int x1 = (q[j] >> 4) | static_cast<int>((qh >> (j + 12)) & 0x10);
+          if (one) {
+            const volatile float a = static_cast<float>(x0) * d;
+            const volatile float c = static_cast<float>(x1) * d;
+            dst[j] = a + m;
+            dst[j + 16] = c + m;
+          } else {
+            dst[j] = static_cast<float>(x0 - 16) * d;
+            dst[j + 16] = static_cast<float>(x1 - 16) * d;
+          }
+        }
+      }
+      break;
+    }
+    case GgmlType::kQ4_K:
+    case GgmlType::kQ5_K: {
+      const bool five = static_cast<GgmlType>(type) == GgmlType::kQ5_K;
+      const int bytes = five ? 176 : 144;
+      for (int64_t b = 0; b < count / 256; ++b, p += bytes, dst += 256) DequantizeQ45K(p, five, dst);
+      break;
+    }
+    case GgmlType::kQ6_K:
+      for (int64_t b = 0; b < count / 256; ++b, p += 210, dst += 256) DequantizeQ6K(p, dst);
       break;
     case GgmlType::kQ8_0:
       // block: f16 scale d, 32 int8.

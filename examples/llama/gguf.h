@@ -40,7 +40,12 @@ enum class GgmlType : uint32_t {
   kF16 = 1,
   kQ4_0 = 2,
   kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
   kQ8_0 = 8,
+  kQ4_K = 12,  ///< super-blocks of 256: f16 d, dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
+  kQ5_K = 13,  ///< as Q4_K plus 32 bytes of fifth bits
+  kQ6_K = 14,  ///< super-blocks of 256: 128 bytes low nibbles, 64 of high 2 bits, 16 int8 scales, f16 d
   kBF16 = 30,
 };
 

@@ -60,7 +60,7 @@ Result<std::vector<Lane>> MakeLanes(const Options& o, const ModelConfig& mc, int
     rc.capacity.max_batch = 1;
     rc.capacity.max_tokens_per_sequence = max_tokens;
     rc.capacity.max_prefill_chunk = o.chunk;
-    auto attn = RuntimeAttention::Create(rc);
+    auto attn = RuntimeAttention::Create(rc, mc);
     if (!attn.ok()) {
       return Status(attn.status().code(), StrCat("runtime for policy ", policy, " budget ", budget,
                                                  ": ", attn.status().message()));
@@ -386,7 +386,11 @@ Status RunGenerate(const Options& o, Engine& engine, const Tokenizer& tok, const
   std::vector<int32_t> tokens;
   if (tok.add_bos()) tokens.push_back(tok.bos_id());
   std::string text = o.prompt;
-  if (o.chat) text = "<|im_start|>user\n" + o.prompt + "<|im_end|>\n<|im_start|>assistant\n";
+  if (o.chat && mc.arch == Arch::kGemma3) {  // Gemma's turns; off unless --chat
+    text = "<start_of_turn>user\n" + o.prompt + "<end_of_turn>\n<start_of_turn>model\n";
+  } else if (o.chat) {
+    text = "<|im_start|>user\n" + o.prompt + "<|im_end|>\n<|im_start|>assistant\n";
+  }
   for (int32_t id : tok.Encode(text, o.chat)) tokens.push_back(id);
   if (tokens.size() < 2) tokens.insert(tokens.begin(), tok.bos_id() >= 0 ? tok.bos_id() : 0);
   if (const std::string w = GenerationContextWarning(static_cast<int64_t>(tokens.size()), o.max_new,
@@ -535,6 +539,13 @@ Status Run(const Options& o) {
                "loaded in %.1f s\n", FileLabel(o.model).c_str(), mc.name.c_str(), mc.num_layers,
                mc.num_q_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  if (!mc.layer_window.empty()) {
+    int global = 0;
+    for (int w : mc.layer_window) global += w == 0;
+    std::fprintf(stderr, "[kvferry-llama] %d global layers (policy runtime) and %d sliding-window "
+                 "layers (a streaming runtime of the window, sink 0)\n", global,
+                 mc.num_layers - global);
+  }
   if (const std::string w = TrainedContextWarning(o, mc.max_context); !w.empty()) {
     std::fprintf(stderr, "[kvferry-llama] %s\n", w.c_str());
   }

@@ -1,7 +1,9 @@
 // Copyright kvferry authors. Apache-2.0.
 #include "examples/llama/model.h"
 
+#include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 
@@ -64,6 +66,14 @@ Status CheckConfig(const ModelConfig& c) {
                               " layers=", c.num_layers, " heads=", c.num_q_heads, "/",
                               c.num_kv_heads, " vocab=", c.vocab_size, " ctx=", c.max_context));
   }
+  if (c.arch == Arch::kGemma3) {  // head_dim is its own (key_length), q_dim need not be dim
+    if (c.num_q_heads % c.num_kv_heads != 0 || c.head_dim <= 0 || c.head_dim > 1024 ||
+        (c.head_dim % 2) != 0) {
+      return CorruptData(StrCat("model: ", c.num_q_heads, "/", c.num_kv_heads, " heads of ",
+                                c.head_dim, " dims is not a valid Gemma 3 shape"));
+    }
+    return Status::Ok();
+  }
   if (c.dim % c.num_q_heads != 0 || c.num_q_heads % c.num_kv_heads != 0 ||
       (c.head_dim % 2) != 0 || c.head_dim * c.num_q_heads != c.dim) {
     return CorruptData(StrCat("model: dim ", c.dim, " with ", c.num_q_heads, "/", c.num_kv_heads,
@@ -72,13 +82,133 @@ Status CheckConfig(const ModelConfig& c) {
   return Status::Ok();
 }
 
+// Gemma 3 (llama.cpp's converter, architecture "gemma3"): QK-norm, sandwich norms (post-attention
+// and post-MLP RMSNorms), GeGLU, embedding scaled by sqrt(dim), tied classifier, every
+// sliding_window_pattern-th layer global (RoPE base rope.freq_base) and the others sliding-window
+// (RoPE base 10000). The converter stores every norm weight as Gemma's 1 + w, so the engine's
+// x * rsqrt(mean(x^2) + eps) * w is Gemma's RMSNorm as it stands; Q and K are not permuted
+// (llama.cpp rotates them NEOX-style, Hugging Face's rotate_half).
+Result<Model> LoadGemma3(const GgufFile& f) {
+  Model model;
+  ModelConfig& c = model.config;
+  c.arch = Arch::kGemma3;
+  auto name = f.GetString("general.name");
+  c.name = name.ok() ? *name : "gemma3";
+  const std::string a = "gemma3.";
+  KVF_ASSIGN_OR_RETURN(int64_t dim, f.GetInt(a + "embedding_length"));
+  KVF_ASSIGN_OR_RETURN(int64_t hidden, f.GetInt(a + "feed_forward_length"));
+  KVF_ASSIGN_OR_RETURN(int64_t layers, f.GetInt(a + "block_count"));
+  KVF_ASSIGN_OR_RETURN(int64_t heads, f.GetInt(a + "attention.head_count"));
+  KVF_ASSIGN_OR_RETURN(int64_t kv_heads, f.GetIntOr(a + "attention.head_count_kv", heads));
+  KVF_ASSIGN_OR_RETURN(int64_t key_len,
+                       f.GetIntOr(a + "attention.key_length", heads > 0 ? dim / heads : 0));
+  KVF_ASSIGN_OR_RETURN(int64_t value_len, f.GetIntOr(a + "attention.value_length", key_len));
+  KVF_ASSIGN_OR_RETURN(int64_t ctx, f.GetIntOr(a + "context_length", 32768));
+  KVF_ASSIGN_OR_RETURN(double theta, f.GetFloatOr(a + "rope.freq_base", 1000000.0));
+  KVF_ASSIGN_OR_RETURN(double eps, f.GetFloatOr(a + "attention.layer_norm_rms_epsilon", 1e-6));
+  KVF_ASSIGN_OR_RETURN(int64_t window, f.GetIntOr(a + "attention.sliding_window", 512));
+  if (key_len != value_len) {
+    return Unimplemented(StrCat("gguf: gemma3 key_length ", key_len, " != value_length ",
+                                value_len));
+  }
+  KVF_ASSIGN_OR_RETURN(const GgufTensorInfo* emb, f.FindTensor("token_embd.weight"));
+  if (emb->dims.size() != 2) return CorruptData("gguf: token_embd.weight is not a matrix");
+  const auto clamp = [](int64_t v) { return v < 0 || v > (1 << 30) ? -1 : static_cast<int>(v); };
+  c.dim = clamp(dim);
+  c.hidden_dim = clamp(hidden);
+  c.num_layers = clamp(layers);
+  c.num_q_heads = clamp(heads);
+  c.num_kv_heads = clamp(kv_heads);
+  c.head_dim = clamp(key_len);
+  c.vocab_size = clamp(static_cast<int64_t>(std::min<uint64_t>(emb->dims[1], 1u << 30)));
+  c.max_context = clamp(ctx);
+  c.rope_theta = static_cast<float>(theta);
+  c.rope_theta_sliding = 10000.0f;
+  c.rms_eps = static_cast<float>(eps);
+  c.rope_style = RopeStyle::kHalves;
+  c.activation = Activation::kGeluTanh;
+  c.embed_scale = static_cast<float>(std::sqrt(static_cast<double>(dim)));
+  // llama.cpp scales queries by 1/sqrt(key_length) (query_pre_attn_scalar = head_dim: 256 for
+  // 270M to 12B; the 27B model, whose scalar is dim / heads, is not handled).
+  c.attn_scale = c.head_dim > 0 ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)))
+                                : 0.0f;
+  KVF_RETURN_IF_ERROR(CheckConfig(c));
+  if (!(theta > 0.0 && theta < 1e30) || !(eps >= 0.0 && eps < 1.0) || window <= 0 ||
+      window > (int64_t{1} << 30)) {
+    return CorruptData(StrCat("gguf: implausible gemma3 rope.freq_base ", theta, ", rms eps ",
+                              eps, " or sliding_window ", window));
+  }
+  auto scaling = f.GetString(a + "rope.scaling.type");
+  if (scaling.ok() && *scaling == "linear") {
+    KVF_ASSIGN_OR_RETURN(double factor, f.GetFloatOr(a + "rope.scaling.factor", 1.0));
+    if (!(factor >= 1.0 && factor < 1e6)) {
+      return CorruptData(StrCat("gguf: implausible rope.scaling.factor ", factor));
+    }
+    c.rope_scale_global = static_cast<float>(factor);
+  } else if (scaling.ok() && *scaling != "none") {
+    return Unimplemented(StrCat("gguf: gemma3 rope scaling '", *scaling, "' is not supported"));
+  }
+  // Layer types: a per-layer bool array (true = sliding) if the file has one, else every
+  // pattern-th layer (1-based) global, pattern 6 by default (llama.cpp's and Hugging Face's).
+  c.layer_window.assign(c.num_layers, static_cast<int>(window));
+  int64_t pattern = 6;
+  auto pat = f.Find(a + "attention.sliding_window_pattern");
+  if (pat.ok() && (*pat)->type == GgufType::kArray) {
+    if ((*pat)->nums.size() != static_cast<size_t>(c.num_layers)) {
+      return CorruptData(StrCat("gguf: sliding_window_pattern has ", (*pat)->nums.size(),
+                                " entries for ", c.num_layers, " layers"));
+    }
+    for (int l = 0; l < c.num_layers; ++l) {
+      if ((*pat)->nums[l] == 0) c.layer_window[l] = 0;
+    }
+  } else {
+    if (pat.ok()) {
+      KVF_ASSIGN_OR_RETURN(pattern, f.GetInt(a + "attention.sliding_window_pattern"));
+    }
+    if (pattern <= 0) return CorruptData(StrCat("gguf: sliding_window_pattern ", pattern));
+    for (int l = 0; l < c.num_layers; ++l) {
+      if ((l + 1) % pattern == 0) c.layer_window[l] = 0;
+    }
+  }
+
+  const int64_t q_dim = static_cast<int64_t>(c.num_q_heads) * c.head_dim;
+  const int64_t kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  KVF_ASSIGN_OR_RETURN(model.token_embedding,
+                       LoadMatrix(f, "token_embd.weight", c.vocab_size, c.dim));
+  model.layers.resize(c.num_layers);
+  for (int l = 0; l < c.num_layers; ++l) {
+    LayerWeights& w = model.layers[l];
+    const std::string p = StrCat("blk.", l, ".");
+    KVF_ASSIGN_OR_RETURN(w.attn_norm, LoadVector(f, p + "attn_norm.weight", c.dim));
+    KVF_ASSIGN_OR_RETURN(w.post_attn_norm, LoadVector(f, p + "post_attention_norm.weight", c.dim));
+    KVF_ASSIGN_OR_RETURN(w.ffn_norm, LoadVector(f, p + "ffn_norm.weight", c.dim));
+    KVF_ASSIGN_OR_RETURN(w.post_ffn_norm, LoadVector(f, p + "post_ffw_norm.weight", c.dim));
+    KVF_ASSIGN_OR_RETURN(w.q_norm, LoadVector(f, p + "attn_q_norm.weight", c.head_dim));
+    KVF_ASSIGN_OR_RETURN(w.k_norm, LoadVector(f, p + "attn_k_norm.weight", c.head_dim));
+    KVF_ASSIGN_OR_RETURN(w.wq, LoadMatrix(f, p + "attn_q.weight", q_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.wk, LoadMatrix(f, p + "attn_k.weight", kv_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.wv, LoadMatrix(f, p + "attn_v.weight", kv_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.wo, LoadMatrix(f, p + "attn_output.weight", c.dim, q_dim));
+    KVF_ASSIGN_OR_RETURN(w.w_gate, LoadMatrix(f, p + "ffn_gate.weight", c.hidden_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.w_up, LoadMatrix(f, p + "ffn_up.weight", c.hidden_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.w_down, LoadMatrix(f, p + "ffn_down.weight", c.dim, c.hidden_dim));
+  }
+  KVF_ASSIGN_OR_RETURN(model.final_norm, LoadVector(f, "output_norm.weight", c.dim));
+  if (f.FindTensor("output.weight").ok()) {
+    KVF_ASSIGN_OR_RETURN(model.output, LoadMatrix(f, "output.weight", c.vocab_size, c.dim));
+  }
+  return model;
+}
+
 }  // namespace
 
 Result<Model> LoadGgufModelFromBytes(std::span<const uint8_t> bytes) {
   KVF_ASSIGN_OR_RETURN(GgufFile f, GgufFile::Parse(bytes));
   KVF_ASSIGN_OR_RETURN(std::string arch, f.GetString("general.architecture"));
+  if (arch == "gemma3") return LoadGemma3(f);
   if (arch != "llama") {
-    return Unimplemented(StrCat("gguf: architecture '", arch, "' is not supported (need llama)"));
+    return Unimplemented(StrCat("gguf: architecture '", arch,
+                                "' is not supported (need llama or gemma3)"));
   }
   Model model;
   ModelConfig& c = model.config;

@@ -1,7 +1,8 @@
 // Copyright kvferry authors. Apache-2.0.
 #pragma once
 /// \file model.h
-/// \brief Weights of a Llama-family model, dequantised to f32, loaded from GGUF or llama2.c files.
+/// \brief Weights of a Llama-family model (Llama, or Gemma 3's variant of it), dequantised to f32,
+/// loaded from GGUF or llama2.c files.
 
 #include <cstdint>
 #include <span>
@@ -21,8 +22,15 @@ enum class RopeStyle : uint8_t {
   kAdjacent = 1,
 };
 
+/// The MLP's gate activation: SwiGLU (Llama) or GeGLU with tanh-approximated GELU (Gemma).
+enum class Activation : uint8_t { kSilu = 0, kGeluTanh = 1 };
+
+/// The architectures the engine runs.
+enum class Arch : uint8_t { kLlama = 0, kGemma3 = 1 };
+
 struct ModelConfig {
   std::string name;
+  Arch arch = Arch::kLlama;
   int dim = 0;
   int hidden_dim = 0;
   int num_layers = 0;
@@ -34,6 +42,22 @@ struct ModelConfig {
   float rope_theta = 10000.0f;
   float rms_eps = 1e-5f;
   RopeStyle rope_style = RopeStyle::kHalves;
+  // Gemma 3 (the Llama defaults leave a Llama model as it was):
+  /// Softmax scale of attention; 0 means 1/sqrt(head_dim).
+  float attn_scale = 0.0f;
+  /// Multiplies the token embedding (Gemma: sqrt(dim)).
+  float embed_scale = 1.0f;
+  Activation activation = Activation::kSilu;
+  /// Per layer: 0 = global (attends the whole context, RoPE base rope_theta), w > 0 = sliding
+  /// window (attends its last w tokens, itself included; RoPE base rope_theta_sliding). Empty:
+  /// every layer global.
+  std::vector<int> layer_window;
+  float rope_theta_sliding = 10000.0f;
+  /// Linear RoPE scaling of the global layers (positions divided by it; Gemma 3 4B+ use 8).
+  float rope_scale_global = 1.0f;
+  [[nodiscard]] int window_of(int layer) const {
+    return layer_window.empty() ? 0 : layer_window[static_cast<size_t>(layer)];
+  }
 };
 
 /// A row-major [rows, cols] matrix; a linear layer y = W x has W of [out, in].
@@ -53,6 +77,11 @@ struct LayerWeights {
   Matrix w_gate;                 ///< [hidden, dim]
   Matrix w_up;                   ///< [hidden, dim]
   Matrix w_down;                 ///< [dim, hidden]
+  // Gemma 3 only (empty otherwise). Stored as the GGUF holds them, Gemma's (1 + w) already folded.
+  std::vector<float> q_norm;          ///< [head_dim]: RMSNorm of every query head
+  std::vector<float> k_norm;          ///< [head_dim]: RMSNorm of every key head
+  std::vector<float> post_attn_norm;  ///< [dim]: RMSNorm of the attention's output
+  std::vector<float> post_ffn_norm;   ///< [dim]: RMSNorm of the MLP's output
 };
 
 /// \brief A loaded model. Immutable after load; safe to share between threads and engines.
@@ -67,7 +96,8 @@ struct Model {
   }
 };
 
-/// Loads a GGUF file of architecture "llama" (F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors).
+/// Loads a GGUF file of architecture "llama" or "gemma3" (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/
+/// Q5_1/Q4_K/Q5_K/Q6_K tensors).
 Result<Model> LoadGgufModel(const std::string& path);
 /// Loads a GGUF image already in memory (used by the fuzz test).
 Result<Model> LoadGgufModelFromBytes(std::span<const uint8_t> bytes);

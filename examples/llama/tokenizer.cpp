@@ -2,6 +2,10 @@
 #include "examples/llama/tokenizer.h"
 
 #include <algorithm>
+#include <array>
+#include <cctype>
+#include <string>
+#include <unordered_map>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -164,7 +168,7 @@ class ByteBpeTokenizer final : public Tokenizer {
     auto tok = std::make_unique<ByteBpeTokenizer>();
     KVF_ASSIGN_OR_RETURN(std::string model, f.GetString("tokenizer.ggml.model"));
     if (model != "gpt2") {
-      return Unimplemented(StrCat("gguf: tokenizer model '", model, "' (only gpt2 BPE)"));
+      return Unimplemented(StrCat("gguf: tokenizer model '", model, "' (only gpt2 BPE and llama SentencePiece)"));
     }
     KVF_ASSIGN_OR_RETURN(const GgufValue* tokens, f.Find("tokenizer.ggml.tokens"));
     KVF_ASSIGN_OR_RETURN(const GgufValue* merges, f.Find("tokenizer.ggml.merges"));
@@ -409,6 +413,212 @@ class Llama2cTokenizer final : public Tokenizer {
   std::unordered_map<std::string, int32_t> piece_to_id_;
 };
 
+// SentencePiece-style tokenizer of a GGUF file with tokenizer.ggml.model "llama" (Llama 2, Gemma):
+// spaces become U+2581, the text is split into UTF-8 characters, and adjacent symbols whose
+// concatenation is a vocabulary piece are merged highest score first (ties: leftmost), as
+// llama.cpp's SPM tokenizer does; characters outside the vocabulary fall back to their bytes'
+// <0xXX> pieces. tokenizer.ggml.add_space_prefix (default true) prepends a space.
+class SpmTokenizer final : public Tokenizer {
+ public:
+  static Result<std::unique_ptr<Tokenizer>> Create(const GgufFile& f) {
+    auto tok = std::make_unique<SpmTokenizer>();
+    KVF_ASSIGN_OR_RETURN(const GgufValue* tokens, f.Find("tokenizer.ggml.tokens"));
+    if (tokens->type != GgufType::kArray || tokens->elem_type != GgufType::kString ||
+        tokens->strs.empty()) {
+      return CorruptData("gguf: tokenizer tokens are not a string array");
+    }
+    tok->pieces_ = tokens->strs;
+    const size_t n = tok->pieces_.size();
+    tok->scores_.assign(n, 0.0f);
+    auto scores = f.Find("tokenizer.ggml.scores");
+    if (scores.ok() && (*scores)->nums.size() == n) {
+      for (size_t i = 0; i < n; ++i) tok->scores_[i] = static_cast<float>((*scores)->nums[i]);
+    }
+    tok->type_.assign(n, 1);
+    auto types = f.Find("tokenizer.ggml.token_type");
+    if (types.ok() && (*types)->nums.size() == n) {
+      for (size_t i = 0; i < n; ++i) tok->type_[i] = static_cast<int>((*types)->nums[i]);
+    }
+    tok->byte_id_.fill(-1);
+    for (size_t i = 0; i < n; ++i) {
+      const std::string& p = tok->pieces_[i];
+      const int32_t id = static_cast<int32_t>(i);
+      if (IsBytePiece(tok->type_[i], p)) {
+        tok->byte_id_[static_cast<size_t>(std::stoi(p.substr(3, 2), nullptr, 16))] = id;
+        continue;
+      }
+      // 3 = control: matched whole in the text with parse_special; 4 = user defined (Gemma's
+      // "\n", "\n\n", runs of spaces, <start_of_image>...): always matched whole, before the
+      // merges, as llama.cpp does.
+      if (tok->type_[i] == 3 && !p.empty()) tok->special_ids_.push_back(id);
+      if (tok->type_[i] == 4 && !p.empty()) tok->user_ids_.push_back(id);
+      if (tok->type_[i] != 3) tok->piece_to_id_.emplace(p, id);
+    }
+    for (const auto* list : {&tok->special_ids_, &tok->user_ids_}) {
+      for (int32_t id : *list) tok->first_byte_[static_cast<uint8_t>(tok->pieces_[id][0])] = true;
+    }
+    const int64_t vocab = static_cast<int64_t>(n);
+    KVF_ASSIGN_OR_RETURN(int64_t bos, f.GetIntOr("tokenizer.ggml.bos_token_id", -1));
+    KVF_ASSIGN_OR_RETURN(int64_t eos, f.GetIntOr("tokenizer.ggml.eos_token_id", -1));
+    KVF_ASSIGN_OR_RETURN(int64_t add_bos, f.GetIntOr("tokenizer.ggml.add_bos_token", 1));
+    KVF_ASSIGN_OR_RETURN(int64_t space, f.GetIntOr("tokenizer.ggml.add_space_prefix", 1));
+    if (bos < -1 || bos >= vocab || eos < -1 || eos >= vocab) {
+      return CorruptData(StrCat("gguf: bos id ", bos, " or eos id ", eos, " outside the ", vocab,
+                                "-token vocabulary"));
+    }
+    tok->bos_id_ = static_cast<int>(bos);
+    tok->eos_id_ = static_cast<int>(eos);
+    tok->add_bos_ = add_bos != 0 && bos >= 0;
+    tok->space_prefix_ = space != 0;
+    return std::unique_ptr<Tokenizer>(std::move(tok));
+  }
+
+  std::vector<int32_t> Encode(std::string_view text, bool parse_special) const override {
+    std::vector<int32_t> ids;
+    size_t plain_start = 0;
+    bool first = true;
+    if (!user_ids_.empty() || (parse_special && !special_ids_.empty())) {
+      for (size_t i = 0; i < text.size();) {
+        int32_t match = -1;
+        size_t match_len = 0;
+        const auto longest = [&](const std::vector<int32_t>& cands) {
+          for (int32_t id : cands) {
+            const std::string& s = pieces_[id];
+            if (s.size() > match_len && text.compare(i, s.size(), s) == 0) {
+              match = id;
+              match_len = s.size();
+            }
+          }
+        };
+        // Only a byte that can start a piece is tried (the lists are long: 6,249 control
+        // pieces, 165 user-defined in Gemma 3).
+        const auto c = static_cast<uint8_t>(text[i]);
+        if (first_byte_[c]) {
+          longest(user_ids_);
+          if (parse_special) longest(special_ids_);
+        }
+        if (match < 0) {
+          ++i;
+          continue;
+        }
+        EncodePlain(text.substr(plain_start, i - plain_start), first, &ids);
+        first = false;
+        ids.push_back(match);
+        i += match_len;
+        plain_start = i;
+      }
+    }
+    EncodePlain(text.substr(plain_start), first, &ids);
+    return ids;
+  }
+
+  std::string Decode(int32_t id) const override {
+    if (id < 0 || id >= static_cast<int32_t>(pieces_.size())) return "";
+    const std::string& p = pieces_[id];
+    if (IsBytePiece(type_[id], p)) {
+      return std::string(1, static_cast<char>(std::stoi(p.substr(3, 2), nullptr, 16)));
+    }
+    std::string out;
+    for (size_t i = 0; i < p.size();) {
+      if (p.compare(i, 3, "\xe2\x96\x81") == 0) {
+        out += ' ';
+        i += 3;
+      } else {
+        out += p[i++];
+      }
+    }
+    return out;
+  }
+
+  int vocab_size() const override { return static_cast<int>(pieces_.size()); }
+
+ private:
+  static bool IsBytePiece(int type, const std::string& p) {
+    return type == 6 && p.size() == 6 && p.compare(0, 3, "<0x") == 0 && p[5] == '>' &&
+           std::isxdigit(static_cast<unsigned char>(p[3])) &&
+           std::isxdigit(static_cast<unsigned char>(p[4]));
+  }
+
+  void EncodePlain(std::string_view text, bool first, std::vector<int32_t>* ids) const {
+    if (text.empty()) return;
+    std::string s;
+    if (first && space_prefix_) s = "\xe2\x96\x81";
+    for (char c : text) {
+      if (c == ' ') {
+        s += "\xe2\x96\x81";
+      } else {
+        s += c;
+      }
+    }
+    // Symbols: byte ranges of s in a doubly linked list.
+    struct Sym {
+      size_t begin, len;
+      int prev, next;
+    };
+    std::vector<Sym> sym;
+    for (size_t i = 0; i < s.size();) {
+      const size_t len = Utf8Length(static_cast<uint8_t>(s[i]), s.size() - i);
+      const int k = static_cast<int>(sym.size());
+      sym.push_back(Sym{i, len, k - 1, k + 1});
+      i += len;
+    }
+    sym.back().next = -1;
+    struct Bigram {
+      float score;
+      int left, right;
+      size_t len;
+      bool operator<(const Bigram& o) const {
+        return score < o.score || (score == o.score && left > o.left);
+      }
+    };
+    std::priority_queue<Bigram> heap;
+    std::string piece;
+    const auto add = [&](int l, int r) {
+      if (l < 0 || r < 0) return;
+      piece.assign(s, sym[l].begin, sym[l].len + sym[r].len);
+      auto it = piece_to_id_.find(piece);
+      if (it == piece_to_id_.end()) return;
+      heap.push(Bigram{scores_[it->second], l, r, piece.size()});
+    };
+    for (size_t i = 1; i < sym.size(); ++i) add(static_cast<int>(i) - 1, static_cast<int>(i));
+    while (!heap.empty()) {
+      const Bigram b = heap.top();
+      heap.pop();
+      Sym& l = sym[b.left];
+      Sym& r = sym[b.right];
+      if (l.len == 0 || r.len == 0 || l.len + r.len != b.len) continue;  // stale
+      l.len += r.len;
+      r.len = 0;
+      l.next = r.next;
+      if (r.next >= 0) sym[r.next].prev = b.left;
+      add(l.prev, b.left);
+      add(b.left, l.next);
+    }
+    for (int i = 0; i >= 0; i = sym[i].next) {
+      piece.assign(s, sym[i].begin, sym[i].len);
+      auto it = piece_to_id_.find(piece);
+      if (it != piece_to_id_.end()) {
+        ids->push_back(it->second);
+        continue;
+      }
+      for (char c : piece) {  // byte fallback
+        const int32_t id = byte_id_[static_cast<uint8_t>(c)];
+        if (id >= 0) ids->push_back(id);
+      }
+    }
+  }
+
+  std::vector<std::string> pieces_;
+  std::vector<float> scores_;
+  std::vector<int> type_;
+  std::unordered_map<std::string, int32_t> piece_to_id_;
+  std::vector<int32_t> special_ids_;  // control pieces, matched with parse_special
+  std::vector<int32_t> user_ids_;     // user-defined pieces, always matched
+  std::array<bool, 256> first_byte_{};  // first bytes of those pieces
+  std::array<int32_t, 256> byte_id_{};
+  bool space_prefix_ = true;
+};
+
 }  // namespace
 
 std::string Tokenizer::DecodeAll(const std::vector<int32_t>& ids) const {
@@ -418,13 +628,15 @@ std::string Tokenizer::DecodeAll(const std::vector<int32_t>& ids) const {
 }
 
 Result<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const GgufFile& file) {
+  auto model = file.GetString("tokenizer.ggml.model");
+  if (model.ok() && *model == "llama") return SpmTokenizer::Create(file);
   return ByteBpeTokenizer::Create(file);
 }
 
 Result<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const std::string& path) {
   KVF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadFileBytes(path));
   KVF_ASSIGN_OR_RETURN(GgufFile f, GgufFile::Parse(bytes));
-  return ByteBpeTokenizer::Create(f);
+  return LoadGgufTokenizer(f);
 }
 
 Result<std::unique_ptr<Tokenizer>> LoadLlama2cTokenizer(const std::string& path, int vocab_size) {

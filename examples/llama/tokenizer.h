@@ -1,7 +1,8 @@
 // Copyright kvferry authors. Apache-2.0.
 #pragma once
 /// \file tokenizer.h
-/// \brief Tokenizers: GPT-2 style byte-level BPE from GGUF metadata (SmolLM2, Llama 3, ...) and
+/// \brief Tokenizers: GPT-2 style byte-level BPE from GGUF metadata (SmolLM2, Llama 3, ...),
+/// SentencePiece-style score merges from GGUF metadata (model "llama": Gemma 3, Llama 2) and
 /// llama2.c's score-driven BPE (tokenizer.bin).
 
 #include <cstdint>
@@ -41,7 +42,8 @@ class Tokenizer {
   bool add_bos_ = false;
 };
 
-/// Byte-level BPE from a GGUF file's tokenizer.ggml.{tokens,merges,token_type} (model "gpt2").
+/// Byte-level BPE from a GGUF file's tokenizer.ggml.{tokens,merges,token_type} (model "gpt2"), or
+/// SentencePiece-style merges by tokenizer.ggml.scores (model "llama").
 Result<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const GgufFile& file);
 /// Reads the GGUF file at \p path and builds its tokenizer.
 Result<std::unique_ptr<Tokenizer>> LoadGgufTokenizer(const std::string& path);
