@@ -5,7 +5,7 @@
 #include <cmath>
 #include <limits>
 
-#include "examples/llama/progress.h"
+#include "tools/common/progress.h"
 #include "kvferry/status_macros.h"
 
 namespace kvferry::llama {
@@ -178,7 +178,7 @@ Status Engine::Prefill(std::span<const int32_t> tokens, int64_t pos,
   const int64_t n = static_cast<int64_t>(tokens.size());
   const int64_t vocab = model_.config.vocab_size;
   if (logits != nullptr) logits->assign(all_logits ? n * vocab : vocab, 0.0f);
-  Progress progress("prefill", n, "tokens", stderr, -1, nullptr, 5.0, chunk + 1);
+  tools::Progress progress("prefill", n, "tokens", stderr, -1, nullptr, 5.0, chunk + 1);
   for (int64_t start = 0; start < n; start += chunk) {
     const int64_t len = std::min(chunk, n - start);
     float* dst = nullptr;

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "examples/llama/progress.h"
+#include "tools/common/progress.h"
 #include "kvferry/status_macros.h"
 
 namespace kvferry::llama {
@@ -44,7 +44,7 @@ Result<std::vector<PerplexityResult>> EvalPerplexity(
     PerplexityResult& r = results[l];
     if (around_decode) around_decode(l, false);
     t0 = std::chrono::steady_clock::now();
-    Progress progress("perplexity, lane " + std::to_string(l + 1) + " of " +
+    tools::Progress progress("perplexity, lane " + std::to_string(l + 1) + " of " +
                           std::to_string(lanes.size()),
                       n - 1 - prefix, "tokens");
     for (int64_t p = prefix; p < n - 1; ++p) {

@@ -82,6 +82,60 @@ Status CheckConfig(const ModelConfig& c) {
   return Status::Ok();
 }
 
+// The shape every GGUF architecture states under its prefix \p a ("llama.", "gemma3."), clamped
+// into \p c (a negative field fails CheckConfig); the vocabulary is token_embd's row count.
+// Returns the embedding width as stored (for the embedding scale).
+Result<int64_t> ReadGgufShape(const GgufFile& f, const std::string& a, int64_t default_context,
+                              ModelConfig& c, int64_t* heads_out) {
+  KVF_ASSIGN_OR_RETURN(int64_t dim, f.GetInt(a + "embedding_length"));
+  KVF_ASSIGN_OR_RETURN(int64_t hidden, f.GetInt(a + "feed_forward_length"));
+  KVF_ASSIGN_OR_RETURN(int64_t layers, f.GetInt(a + "block_count"));
+  KVF_ASSIGN_OR_RETURN(int64_t heads, f.GetInt(a + "attention.head_count"));
+  KVF_ASSIGN_OR_RETURN(int64_t kv_heads, f.GetIntOr(a + "attention.head_count_kv", heads));
+  KVF_ASSIGN_OR_RETURN(int64_t ctx, f.GetIntOr(a + "context_length", default_context));
+  KVF_ASSIGN_OR_RETURN(const GgufTensorInfo* emb, f.FindTensor("token_embd.weight"));
+  if (emb->dims.size() != 2) return CorruptData("gguf: token_embd.weight is not a matrix");
+  const auto clamp = [](int64_t v) { return v < 0 || v > (1 << 30) ? -1 : static_cast<int>(v); };
+  c.dim = clamp(dim);
+  c.hidden_dim = clamp(hidden);
+  c.num_layers = clamp(layers);
+  c.num_q_heads = clamp(heads);
+  c.num_kv_heads = clamp(kv_heads);
+  c.vocab_size = clamp(static_cast<int64_t>(std::min<uint64_t>(emb->dims[1], 1u << 30)));
+  c.max_context = clamp(ctx);
+  *heads_out = heads;
+  return dim;
+}
+
+// The weights every architecture has: embedding, per layer the two pre-norms, attention and the
+// gated MLP, the final norm and (untied models) the classifier. Architecture extras come after.
+Status LoadCommonWeights(const GgufFile& f, Model& model) {
+  const ModelConfig& c = model.config;
+  const int64_t q_dim = static_cast<int64_t>(c.num_q_heads) * c.head_dim;
+  const int64_t kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  KVF_ASSIGN_OR_RETURN(model.token_embedding,
+                       LoadMatrix(f, "token_embd.weight", c.vocab_size, c.dim));
+  model.layers.resize(c.num_layers);
+  for (int l = 0; l < c.num_layers; ++l) {
+    LayerWeights& w = model.layers[l];
+    const std::string p = StrCat("blk.", l, ".");
+    KVF_ASSIGN_OR_RETURN(w.attn_norm, LoadVector(f, p + "attn_norm.weight", c.dim));
+    KVF_ASSIGN_OR_RETURN(w.ffn_norm, LoadVector(f, p + "ffn_norm.weight", c.dim));
+    KVF_ASSIGN_OR_RETURN(w.wq, LoadMatrix(f, p + "attn_q.weight", q_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.wk, LoadMatrix(f, p + "attn_k.weight", kv_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.wv, LoadMatrix(f, p + "attn_v.weight", kv_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.wo, LoadMatrix(f, p + "attn_output.weight", c.dim, q_dim));
+    KVF_ASSIGN_OR_RETURN(w.w_gate, LoadMatrix(f, p + "ffn_gate.weight", c.hidden_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.w_up, LoadMatrix(f, p + "ffn_up.weight", c.hidden_dim, c.dim));
+    KVF_ASSIGN_OR_RETURN(w.w_down, LoadMatrix(f, p + "ffn_down.weight", c.dim, c.hidden_dim));
+  }
+  KVF_ASSIGN_OR_RETURN(model.final_norm, LoadVector(f, "output_norm.weight", c.dim));
+  if (f.FindTensor("output.weight").ok()) {
+    KVF_ASSIGN_OR_RETURN(model.output, LoadMatrix(f, "output.weight", c.vocab_size, c.dim));
+  }
+  return Status::Ok();
+}
+
 // Gemma 3 (llama.cpp's converter, architecture "gemma3"): QK-norm, sandwich norms (post-attention
 // and post-MLP RMSNorms), GeGLU, embedding scaled by sqrt(dim), tied classifier, every
 // sliding_window_pattern-th layer global (RoPE base rope.freq_base) and the others sliding-window
@@ -95,15 +149,11 @@ Result<Model> LoadGemma3(const GgufFile& f) {
   auto name = f.GetString("general.name");
   c.name = name.ok() ? *name : "gemma3";
   const std::string a = "gemma3.";
-  KVF_ASSIGN_OR_RETURN(int64_t dim, f.GetInt(a + "embedding_length"));
-  KVF_ASSIGN_OR_RETURN(int64_t hidden, f.GetInt(a + "feed_forward_length"));
-  KVF_ASSIGN_OR_RETURN(int64_t layers, f.GetInt(a + "block_count"));
-  KVF_ASSIGN_OR_RETURN(int64_t heads, f.GetInt(a + "attention.head_count"));
-  KVF_ASSIGN_OR_RETURN(int64_t kv_heads, f.GetIntOr(a + "attention.head_count_kv", heads));
+  int64_t heads = 0;
+  KVF_ASSIGN_OR_RETURN(const int64_t dim, ReadGgufShape(f, a, 32768, c, &heads));
   KVF_ASSIGN_OR_RETURN(int64_t key_len,
                        f.GetIntOr(a + "attention.key_length", heads > 0 ? dim / heads : 0));
   KVF_ASSIGN_OR_RETURN(int64_t value_len, f.GetIntOr(a + "attention.value_length", key_len));
-  KVF_ASSIGN_OR_RETURN(int64_t ctx, f.GetIntOr(a + "context_length", 32768));
   KVF_ASSIGN_OR_RETURN(double theta, f.GetFloatOr(a + "rope.freq_base", 1000000.0));
   KVF_ASSIGN_OR_RETURN(double eps, f.GetFloatOr(a + "attention.layer_norm_rms_epsilon", 1e-6));
   KVF_ASSIGN_OR_RETURN(int64_t window, f.GetIntOr(a + "attention.sliding_window", 512));
@@ -111,17 +161,7 @@ Result<Model> LoadGemma3(const GgufFile& f) {
     return Unimplemented(StrCat("gguf: gemma3 key_length ", key_len, " != value_length ",
                                 value_len));
   }
-  KVF_ASSIGN_OR_RETURN(const GgufTensorInfo* emb, f.FindTensor("token_embd.weight"));
-  if (emb->dims.size() != 2) return CorruptData("gguf: token_embd.weight is not a matrix");
-  const auto clamp = [](int64_t v) { return v < 0 || v > (1 << 30) ? -1 : static_cast<int>(v); };
-  c.dim = clamp(dim);
-  c.hidden_dim = clamp(hidden);
-  c.num_layers = clamp(layers);
-  c.num_q_heads = clamp(heads);
-  c.num_kv_heads = clamp(kv_heads);
-  c.head_dim = clamp(key_len);
-  c.vocab_size = clamp(static_cast<int64_t>(std::min<uint64_t>(emb->dims[1], 1u << 30)));
-  c.max_context = clamp(ctx);
+  c.head_dim = key_len < 0 || key_len > (1 << 30) ? -1 : static_cast<int>(key_len);
   c.rope_theta = static_cast<float>(theta);
   c.rope_theta_sliding = 10000.0f;
   c.rms_eps = static_cast<float>(eps);
@@ -171,31 +211,14 @@ Result<Model> LoadGemma3(const GgufFile& f) {
     }
   }
 
-  const int64_t q_dim = static_cast<int64_t>(c.num_q_heads) * c.head_dim;
-  const int64_t kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
-  KVF_ASSIGN_OR_RETURN(model.token_embedding,
-                       LoadMatrix(f, "token_embd.weight", c.vocab_size, c.dim));
-  model.layers.resize(c.num_layers);
-  for (int l = 0; l < c.num_layers; ++l) {
+  KVF_RETURN_IF_ERROR(LoadCommonWeights(f, model));
+  for (int l = 0; l < c.num_layers; ++l) {  // Gemma's extras: sandwich norms and QK-norm
     LayerWeights& w = model.layers[l];
     const std::string p = StrCat("blk.", l, ".");
-    KVF_ASSIGN_OR_RETURN(w.attn_norm, LoadVector(f, p + "attn_norm.weight", c.dim));
     KVF_ASSIGN_OR_RETURN(w.post_attn_norm, LoadVector(f, p + "post_attention_norm.weight", c.dim));
-    KVF_ASSIGN_OR_RETURN(w.ffn_norm, LoadVector(f, p + "ffn_norm.weight", c.dim));
     KVF_ASSIGN_OR_RETURN(w.post_ffn_norm, LoadVector(f, p + "post_ffw_norm.weight", c.dim));
     KVF_ASSIGN_OR_RETURN(w.q_norm, LoadVector(f, p + "attn_q_norm.weight", c.head_dim));
     KVF_ASSIGN_OR_RETURN(w.k_norm, LoadVector(f, p + "attn_k_norm.weight", c.head_dim));
-    KVF_ASSIGN_OR_RETURN(w.wq, LoadMatrix(f, p + "attn_q.weight", q_dim, c.dim));
-    KVF_ASSIGN_OR_RETURN(w.wk, LoadMatrix(f, p + "attn_k.weight", kv_dim, c.dim));
-    KVF_ASSIGN_OR_RETURN(w.wv, LoadMatrix(f, p + "attn_v.weight", kv_dim, c.dim));
-    KVF_ASSIGN_OR_RETURN(w.wo, LoadMatrix(f, p + "attn_output.weight", c.dim, q_dim));
-    KVF_ASSIGN_OR_RETURN(w.w_gate, LoadMatrix(f, p + "ffn_gate.weight", c.hidden_dim, c.dim));
-    KVF_ASSIGN_OR_RETURN(w.w_up, LoadMatrix(f, p + "ffn_up.weight", c.hidden_dim, c.dim));
-    KVF_ASSIGN_OR_RETURN(w.w_down, LoadMatrix(f, p + "ffn_down.weight", c.dim, c.hidden_dim));
-  }
-  KVF_ASSIGN_OR_RETURN(model.final_norm, LoadVector(f, "output_norm.weight", c.dim));
-  if (f.FindTensor("output.weight").ok()) {
-    KVF_ASSIGN_OR_RETURN(model.output, LoadMatrix(f, "output.weight", c.vocab_size, c.dim));
   }
   return model;
 }
@@ -214,24 +237,10 @@ Result<Model> LoadGgufModelFromBytes(std::span<const uint8_t> bytes) {
   ModelConfig& c = model.config;
   auto name = f.GetString("general.name");
   c.name = name.ok() ? *name : "llama";
-  KVF_ASSIGN_OR_RETURN(int64_t dim, f.GetInt("llama.embedding_length"));
-  KVF_ASSIGN_OR_RETURN(int64_t hidden, f.GetInt("llama.feed_forward_length"));
-  KVF_ASSIGN_OR_RETURN(int64_t layers, f.GetInt("llama.block_count"));
-  KVF_ASSIGN_OR_RETURN(int64_t heads, f.GetInt("llama.attention.head_count"));
-  KVF_ASSIGN_OR_RETURN(int64_t kv_heads, f.GetIntOr("llama.attention.head_count_kv", heads));
-  KVF_ASSIGN_OR_RETURN(int64_t ctx, f.GetIntOr("llama.context_length", 2048));
+  int64_t heads = 0;
+  KVF_RETURN_IF_ERROR(ReadGgufShape(f, "llama.", 2048, c, &heads).status());
   KVF_ASSIGN_OR_RETURN(double theta, f.GetFloatOr("llama.rope.freq_base", 10000.0));
   KVF_ASSIGN_OR_RETURN(double eps, f.GetFloatOr("llama.attention.layer_norm_rms_epsilon", 1e-5));
-  KVF_ASSIGN_OR_RETURN(const GgufTensorInfo* emb, f.FindTensor("token_embd.weight"));
-  if (emb->dims.size() != 2) return CorruptData("gguf: token_embd.weight is not a matrix");
-  const auto clamp = [](int64_t v) { return v < 0 || v > (1 << 30) ? -1 : static_cast<int>(v); };
-  c.dim = clamp(dim);
-  c.hidden_dim = clamp(hidden);
-  c.num_layers = clamp(layers);
-  c.num_q_heads = clamp(heads);
-  c.num_kv_heads = clamp(kv_heads);
-  c.vocab_size = clamp(static_cast<int64_t>(std::min<uint64_t>(emb->dims[1], 1u << 30)));
-  c.max_context = clamp(ctx);
   c.head_dim = c.num_q_heads > 0 ? c.dim / c.num_q_heads : 0;
   c.rope_theta = static_cast<float>(theta);
   c.rms_eps = static_cast<float>(eps);
@@ -247,29 +256,10 @@ Result<Model> LoadGgufModelFromBytes(std::span<const uint8_t> bytes) {
                                 " dims) is not supported"));
   }
 
-  const int64_t q_dim = static_cast<int64_t>(c.num_q_heads) * c.head_dim;
-  const int64_t kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
-  KVF_ASSIGN_OR_RETURN(model.token_embedding,
-                       LoadMatrix(f, "token_embd.weight", c.vocab_size, c.dim));
-  model.layers.resize(c.num_layers);
-  for (int l = 0; l < c.num_layers; ++l) {
-    LayerWeights& w = model.layers[l];
-    const std::string p = StrCat("blk.", l, ".");
-    KVF_ASSIGN_OR_RETURN(w.attn_norm, LoadVector(f, p + "attn_norm.weight", c.dim));
-    KVF_ASSIGN_OR_RETURN(w.ffn_norm, LoadVector(f, p + "ffn_norm.weight", c.dim));
-    KVF_ASSIGN_OR_RETURN(w.wq, LoadMatrix(f, p + "attn_q.weight", q_dim, c.dim));
-    KVF_ASSIGN_OR_RETURN(w.wk, LoadMatrix(f, p + "attn_k.weight", kv_dim, c.dim));
-    KVF_ASSIGN_OR_RETURN(w.wv, LoadMatrix(f, p + "attn_v.weight", kv_dim, c.dim));
-    KVF_ASSIGN_OR_RETURN(w.wo, LoadMatrix(f, p + "attn_output.weight", c.dim, q_dim));
-    KVF_ASSIGN_OR_RETURN(w.w_gate, LoadMatrix(f, p + "ffn_gate.weight", c.hidden_dim, c.dim));
-    KVF_ASSIGN_OR_RETURN(w.w_up, LoadMatrix(f, p + "ffn_up.weight", c.hidden_dim, c.dim));
-    KVF_ASSIGN_OR_RETURN(w.w_down, LoadMatrix(f, p + "ffn_down.weight", c.dim, c.hidden_dim));
+  KVF_RETURN_IF_ERROR(LoadCommonWeights(f, model));
+  for (LayerWeights& w : model.layers) {  // llama.cpp's converter permutes Q and K for RoPE
     UnpermuteRopeRows(w.wq, c.num_q_heads, c.head_dim);
     UnpermuteRopeRows(w.wk, c.num_kv_heads, c.head_dim);
-  }
-  KVF_ASSIGN_OR_RETURN(model.final_norm, LoadVector(f, "output_norm.weight", c.dim));
-  if (f.FindTensor("output.weight").ok()) {
-    KVF_ASSIGN_OR_RETURN(model.output, LoadMatrix(f, "output.weight", c.vocab_size, c.dim));
   }
   return model;
 }

@@ -162,6 +162,23 @@ std::vector<bool> MergeGreedily(std::vector<std::string>& symbols, PriorityFn pr
   return alive;
 }
 
+// The special ids a GGUF tokenizer states: bos and eos (-1: none), checked against the
+// vocabulary, and whether to prepend bos (\p add_bos_default when the file does not say).
+struct SpecialIds {
+  int bos = -1, eos = -1;
+  bool add_bos = false;
+};
+Result<SpecialIds> ReadSpecialIds(const GgufFile& f, int64_t vocab, int64_t add_bos_default) {
+  KVF_ASSIGN_OR_RETURN(int64_t bos, f.GetIntOr("tokenizer.ggml.bos_token_id", -1));
+  KVF_ASSIGN_OR_RETURN(int64_t eos, f.GetIntOr("tokenizer.ggml.eos_token_id", -1));
+  KVF_ASSIGN_OR_RETURN(int64_t add_bos, f.GetIntOr("tokenizer.ggml.add_bos_token", add_bos_default));
+  if (bos < -1 || bos >= vocab || eos < -1 || eos >= vocab) {
+    return CorruptData(StrCat("gguf: bos id ", bos, " or eos id ", eos, " outside the ", vocab,
+                              "-token vocabulary"));
+  }
+  return SpecialIds{static_cast<int>(bos), static_cast<int>(eos), add_bos != 0 && bos >= 0};
+}
+
 class ByteBpeTokenizer final : public Tokenizer {
  public:
   static Result<std::unique_ptr<Tokenizer>> Create(const GgufFile& f) {
@@ -204,17 +221,11 @@ class ByteBpeTokenizer final : public Tokenizer {
       AppendUtf8(cp, &tok->byte_to_symbol_[b]);
       tok->symbol_to_byte_[cp] = static_cast<uint8_t>(b);
     }
-    const int64_t vocab = static_cast<int64_t>(tok->pieces_.size());
-    KVF_ASSIGN_OR_RETURN(int64_t bos, f.GetIntOr("tokenizer.ggml.bos_token_id", -1));
-    KVF_ASSIGN_OR_RETURN(int64_t eos, f.GetIntOr("tokenizer.ggml.eos_token_id", -1));
-    KVF_ASSIGN_OR_RETURN(int64_t add_bos, f.GetIntOr("tokenizer.ggml.add_bos_token", 0));
-    if (bos < -1 || bos >= vocab || eos < -1 || eos >= vocab) {
-      return CorruptData(StrCat("gguf: bos id ", bos, " or eos id ", eos, " outside the ", vocab,
-                                "-token vocabulary"));
-    }
-    tok->bos_id_ = static_cast<int>(bos);
-    tok->eos_id_ = static_cast<int>(eos);
-    tok->add_bos_ = add_bos != 0 && bos >= 0;
+    KVF_ASSIGN_OR_RETURN(const SpecialIds ids,
+                         ReadSpecialIds(f, static_cast<int64_t>(tok->pieces_.size()), 0));
+    tok->bos_id_ = ids.bos;
+    tok->eos_id_ = ids.eos;
+    tok->add_bos_ = ids.add_bos;
     return std::unique_ptr<Tokenizer>(std::move(tok));
   }
 
@@ -457,18 +468,11 @@ class SpmTokenizer final : public Tokenizer {
     for (const auto* list : {&tok->special_ids_, &tok->user_ids_}) {
       for (int32_t id : *list) tok->first_byte_[static_cast<uint8_t>(tok->pieces_[id][0])] = true;
     }
-    const int64_t vocab = static_cast<int64_t>(n);
-    KVF_ASSIGN_OR_RETURN(int64_t bos, f.GetIntOr("tokenizer.ggml.bos_token_id", -1));
-    KVF_ASSIGN_OR_RETURN(int64_t eos, f.GetIntOr("tokenizer.ggml.eos_token_id", -1));
-    KVF_ASSIGN_OR_RETURN(int64_t add_bos, f.GetIntOr("tokenizer.ggml.add_bos_token", 1));
+    KVF_ASSIGN_OR_RETURN(const SpecialIds ids, ReadSpecialIds(f, static_cast<int64_t>(n), 1));
     KVF_ASSIGN_OR_RETURN(int64_t space, f.GetIntOr("tokenizer.ggml.add_space_prefix", 1));
-    if (bos < -1 || bos >= vocab || eos < -1 || eos >= vocab) {
-      return CorruptData(StrCat("gguf: bos id ", bos, " or eos id ", eos, " outside the ", vocab,
-                                "-token vocabulary"));
-    }
-    tok->bos_id_ = static_cast<int>(bos);
-    tok->eos_id_ = static_cast<int>(eos);
-    tok->add_bos_ = add_bos != 0 && bos >= 0;
+    tok->bos_id_ = ids.bos;
+    tok->eos_id_ = ids.eos;
+    tok->add_bos_ = ids.add_bos;
     tok->space_prefix_ = space != 0;
     return std::unique_ptr<Tokenizer>(std::move(tok));
   }

@@ -236,8 +236,8 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   get_as("policy", c.policy.name, "a str");
   get_int("budget", c.policy.budget_tokens);
   get_as("budget_fraction", c.policy.budget_fraction, "a float");
-  // The budget's messages name the Python fields (the runtime's name budget_tokens, and its
-  // "budget of zero" for a negative budget, are C++'s).
+  // The same budget rules as RuntimeConfig's validation, checked here so that the messages name
+  // the Python fields (budget, budget_fraction) rather than C++'s budget_tokens.
   if (c.policy.budget_tokens < 0) {
     throw nb::value_error(
         ("budget must be >= 0 (got " + std::to_string(c.policy.budget_tokens) + ")").c_str());
