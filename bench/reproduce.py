@@ -69,8 +69,20 @@ def e2e_cmds(T):
     ]
 
 
+def label_query(rows):
+    """Every decode row says which query model it ran with: kvferry-e2e's default query repeats
+    every step (the token bank's best case); --query-drift E moves it (the row's query_drift).
+    Prefill rows have no decode query."""
+    for r in rows:
+        if isinstance(r, dict) and not str(r.get("mode", "")).startswith("prefill"):
+            drift = float(r.get("query_drift", 0) or 0)
+            r["query"] = f"moving (drift {drift:g})" if drift else "repeated (best case)"
+    return rows
+
+
 def e2e_merge(T):
     d = json.load(open(f"{T}/e2e_sdpa.json"))
+    label_query(d.get("rows", []))
     d["bench"] = "kvferry-e2e (bench/e2e_bench.cu) + torch SDPA in the same run (scripts/device/e2e_sdpa.py)"
     d["regenerate"] = "python3 bench/reproduce.py e2e"
     return d
@@ -125,7 +137,9 @@ def scale_merge(T):
                "mode": mode, "selectors": "+".join(mode.split("+")[:-1]) or "none",
                "context": r["context"], "batch": r["batch"],
                "route": "cpu" if mode == "dense_cpu" else (route_kind or r.get("route", "gpu")),
-               "gpu_bytes_cap": 8 << 30}
+               "gpu_bytes_cap": 8 << 30, "query_drift": r.get("query_drift", 0)}
+        label_query([row])
+        row.pop("query_drift")
         if route_kind:
             row["mode"] = f"{mode} ({ {'gpu': 'route gpu', 'auto': 'split', 'cpu': 'all misses on CPU'}[route_kind] })"
             if route_kind == "cpu":
@@ -171,6 +185,7 @@ def split_merge(T):
                 r = json.loads(l)
                 r["route"] = {"gpu": "gpu", "auto": "split", "cpu": "cpu"}[kind]
                 rows.append(r)
+    label_query(rows)
     return {"what": "the scheduler's split inside the planned step: device-selected policies (2%) "
                     "without a bank, route gpu vs the split (route auto) vs every miss on the CPU "
                     "(KVFERRY_SPLIT_SHARE=1), 8 GiB cap", "regenerate": "python3 bench/reproduce.py split",
