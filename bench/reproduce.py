@@ -641,6 +641,96 @@ KVPOP_SWEEP = (0.999999, 0.9999, 0.9995, 0.999, 0.998, 0.995)
 KVPOP2 = "--policy kvpop --param scorer=2"
 
 
+# hip_quality_smollm2 / hip_kvpop_replay_smollm2: where HiP's and KVpop's quality goes and what
+# HiP's recall guard gives back (docs/policies.md, "hip"): SmolLM2, KJV and the Jargon File from
+# line 0, 8192-token windows, last 1024 scored; both texts run side by side (one core each).
+HQ_TEXTS = ("kjv", "jargon")
+HIP_GUARD = "--param guard=0.9 --param over=4"
+
+
+def side_by_side(*cmds):
+    """Commands run in parallel; the line fails when one of them does."""
+    body = " ".join(f"( {c} ) & p{i}=$!;" for i, c in enumerate(cmds))
+    return body + " " + " && ".join(f"wait $p{i}" for i in range(len(cmds)))
+
+
+def hip_quality_cmds(T):
+    def text_cmds(t):
+        base = f"{HOST_PPL} --text data/{t}.txt --context 8192 --scored 1024 --cpu-threads 1"
+        return " && ".join([
+            f"{base} --policy streaming,oracle,hip --budget 256,512 --json {T}/{t}_base.json",
+            f"{base} --policy hip {HIP_GUARD} --budget 256,512 --no-dense --json {T}/{t}_guard.json",
+            f"{base} --policy hip --param dense_layers=11 --budget 256 --no-dense --json {T}/{t}_dl11.json"])
+    pk = (f"{LLAMA} --model {MODEL} --passkey --text data/kjv.txt --backend host --cpu-threads 1 "
+          f"--lengths 2048,4096,8192 --depths 0.1,0.5,0.9 --budget 256")
+    return [FETCH, side_by_side(*(text_cmds(t) for t in HQ_TEXTS)),
+            side_by_side(f"{pk} --policy oracle,hip --json {T}/passkey.json",
+                         f"{pk} --policy hip {HIP_GUARD} --no-dense --json {T}/passkey_guard.json")]
+
+
+def hip_quality_merge(T):
+    rows = []
+    tags = {"base": {}, "guard": {"guard": 0.9, "over": 4}, "dl11": {"dense_layers": 11}}
+    for t in HQ_TEXTS:
+        lanes = {}
+        for part, params in tags.items():
+            for lab, l in lanes_of(f"{T}/{t}_{part}.json").items():
+                key = lab if part == "base" else lab.replace("hip", f"hip_{part}", 1)
+                lanes[key] = {"policy": l["lane"].split("@")[0], "params": params if part != "base" else {},
+                              "budget": l.get("budget"), "perplexity": l["perplexity"],
+                              "decode_seconds": l["decode_seconds"]}
+        gaps(lanes)
+        for lab, r in lanes.items():
+            rows.append({"label": lab, "text": f"data/{t}.txt", "context": 8192, "scored": 1024, **r})
+    found = {}
+    for path, part in ((f"{T}/passkey.json", "base"), (f"{T}/passkey_guard.json", "guard")):
+        for tr in jload(path)["trials"]:
+            for lab, a in tr["answers"].items():
+                key = lab if part == "base" else lab.replace("hip", "hip_guard", 1)
+                f = found.setdefault(key, {"found": 0, "trials": 0, "by_prompt": []})
+                f["found"] += int(a["found"])
+                f["trials"] += 1
+                f["by_prompt"].append({"length": tr["length"], "depth": tr["depth"], "found": a["found"]})
+    for r in rows:
+        if r["text"] == "data/kjv.txt" and r["label"] in found:
+            r["passkey"] = found[r["label"]]
+    return {"what": "HiP's perplexity and passkey before and after its recall guard (guard=0.9 over=4), and with "
+                    "11 first layers on the 4-bit top-k, next to dense, streaming and the oracle; SmolLM2-135M, "
+                    "host backend, sinks 4 + window 64",
+            "regenerate": "python3 bench/reproduce.py hip_quality_smollm2",
+            "passkey": "KJV, lengths 2048/4096/8192, depths 0.1/0.5/0.9, budget 256, greedy answer",
+            "rows": rows}
+
+
+REPLAY_LANES = ("oracle@256 streaming@256 quest@256 sparcas@256 lfps@256 hip@256 "
+                "hip_paper=hip@256:bits=16,align=0 hip_fresh=hip@256:r_m=1,lag=0 "
+                "hip_dl11=hip@256:dense_layers=11 hip_guard=hip@256:guard=0.9,over=4 "
+                "kvpop@256 kvpop_s2=kvpop@256:scorer=2 kvpop_s2_g9995=kvpop@256:scorer=2,gamma=0.9995 "
+                "oracle@2048 streaming@2048 kvpop@2048 kvpop_s2@2048=kvpop@2048:scorer=2")
+
+
+def replay_cmds(T):
+    lanes = " ".join(f"--lane {l}" for l in REPLAY_LANES.split())
+    W = "KVFERRY_KVPOP_WEIGHTS=policies/weights/kvpop_smollm2.safetensors"
+    return [FETCH, side_by_side(*(trace_cmd(f"{T}/{t}8k.safetensors", f"data/{t}.txt", 0, 8192, dtype="bf16")
+                                  + " --cpu-threads 1" for t in HQ_TEXTS)),
+            *[f"{W} {B}/bench/select_replay_bench --trace {T}/{t}8k.safetensors --from 7680 --threads 2 "
+              f"--detail hip@256 {lanes} --json {T}/{t}.json" for t in HQ_TEXTS]]
+
+
+def replay_merge(T):
+    texts = {}
+    for t in HQ_TEXTS:
+        d = jload(f"{T}/{t}.json")
+        d["trace"] = f"data/{t}.txt from line 0, 8192 tokens, every layer (kvferry-llama --dump-trace)"
+        texts[t] = d
+    return {"what": "every lane's selection replayed teacher-forced over the last 512 positions of an 8K SmolLM2 "
+                    "trace: recall of the exact top-k, attention mass kept, output error and turnover, per layer",
+            "regenerate": "python3 bench/reproduce.py hip_kvpop_replay_smollm2",
+            "rows": [{"text": t, **{k: v for k, v in d.items() if k != "lanes"}, "lanes": d["lanes"]}
+                     for t, d in texts.items()]}
+
+
 def kvpop_mass_cmds(T):
     kjv = f"{HOST_PPL} --text data/kjv.txt --context 8192 --scored 1024"
     jar = f"{HOST_PPL} --text data/jargon.txt --context 8192 --scored 1024"
@@ -808,6 +898,11 @@ SPECS = {
     "prhs_rho_smollm2": dict(gpu=False, targets=["kvferry-bench"], examples=True, run=prhs_rho_cmds,
                              merge=prhs_rho_merge,
                              what="CIS reuse ratio rho, recall and error on a SmolLM2 2K trace; cis perplexity"),
+    "hip_quality_smollm2": dict(gpu=False, targets=[], examples=True, run=hip_quality_cmds, merge=hip_quality_merge,
+                                what="HiP perplexity (KJV + Jargon 8K) and passkey, before and after its recall guard"),
+    "hip_kvpop_replay_smollm2": dict(gpu=False, targets=["select_replay_bench"], examples=True, run=replay_cmds,
+                                     merge=replay_merge,
+                                     what="HiP and KVpop variants replayed on 8K SmolLM2 traces: recall, mass, error per layer"),
     "kvpop_mass_smollm2": dict(gpu=False, targets=["kvferry-bench"], examples=True, run=kvpop_mass_cmds,
                                merge=kvpop_mass_merge,
                                what="KVpop's untrained attention-mass scorer: gamma sweep, passkey, replay, held-out text"),
@@ -842,6 +937,8 @@ MACHINE = {
     "prhs_etf_smollm2": (CPU2, "~20 min on 2 cores (3 runs of 8K, 2 lanes each)"),
     "prhs_lfps_quality_smollm2": (CPU2, "~12 min on 2 cores (676 s recorded)"),
     "prhs_rho_smollm2": (CPU2, "~15 min on 2 cores (a 2K trace, 15 replays, 3 perplexity runs of 2K)"),
+    "hip_quality_smollm2": (CPU2, "~35 min on 2 cores (two texts side by side, 10 lanes each; passkey 9 prompts)"),
+    "hip_kvpop_replay_smollm2": (CPU2, "~25 min on 2 cores (two 8K traces, 17 lanes x 512 steps x 30 layers each)"),
     "kvpop_mass_smollm2": (CPU2, "~65 min on 2 cores (12 runs of 8K, ~96 s of decode a lane recorded)"),
     "kvpop_train_smollm2": ("CPU: 2 threads, torch + safetensors", "~30 min (3 traces + 400 steps; not recorded)"),
     "llama_smollm2_kjv_passkey": (CPU2, "~5 min on 2 cores (6 prompts of 2K/4K, 5 lanes)"),

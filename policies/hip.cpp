@@ -86,13 +86,22 @@ Result<HipParams> ParseHipParams(const std::map<std::string, double>& params) {
     } else if (key == "lag") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 0, 1));
       hp.lag = static_cast<int>(v);
+    } else if (key == "over") {
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 1, 64));
+      hp.over = static_cast<int>(v);
+    } else if (key == "guard") {
+      KVF_CHECK_ARG(value >= 0.0 && value <= 1.0, "hip parameter 'guard' = ", value, " must be in [0, 1]");
+      hp.guard = value;
+    } else if (key == "guard_every") {
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 1, 1 << 20));
+      hp.guard_every = static_cast<int>(v);
     } else if (key == "bits") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 4, 16));
       KVF_CHECK_ARG(v == 4 || v == 16, "hip parameter 'bits' = ", v, " must be 4 or 16");
       hp.bits = static_cast<int>(v);
     } else {
       return InvalidArgument(detail::StrCat("unknown hip parameter '", key,
-                                            "' (known: bk, r_m, dense_layers, rep, bits, align, lag, dense_bits)"));
+                                            "' (known: bk, r_m, dense_layers, rep, bits, align, lag, dense_bits, over, guard, guard_every)"));
     }
   }
   return hp;
@@ -173,22 +182,99 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
     opt.seed = HipSeed(ctx.n, ctx.layer, ctx.kv_head);
     opt.bits = HipBits(params_, ctx.params.head_dim);
     opt.align = params_.align != 0;
-    HipMask(ctx.params, ctx.q, ctx.kv, s.off_lo, s.off_hi, s.k_off, opt, blocks);
     // kBuild: in use from this step; kRequest (lag 1): from the next one (HipRecordStep).
     std::vector<int32_t>& dst = st->masks[action == HipAction::kBuild ? hs.cur : hs.cur ^ 1];
+    const bool check = params_.guard > 0.0 && st->rebuilds % params_.guard_every == 0;
+    ++st->rebuilds;
     dst.clear();
-    for (const int32_t b : blocks) {
-      const int64_t t0 = s.off_lo + static_cast<int64_t>(b) * params_.bk;
-      const int64_t t1 = std::min<int64_t>(t0 + params_.bk, s.off_hi);
-      for (int64_t t = t0; t < t1; ++t) dst.push_back(static_cast<int32_t>(t));
+    if (!st->scan || check) {
+      HipMask(ctx.params, ctx.q, ctx.kv, s.off_lo, s.off_hi, s.k_off * params_.over, opt, blocks);
+      for (const int32_t b : blocks) {
+        const int64_t t0 = s.off_lo + static_cast<int64_t>(b) * params_.bk;
+        const int64_t t1 = std::min<int64_t>(t0 + params_.bk, s.off_hi);
+        for (int64_t t = t0; t < t1; ++t) dst.push_back(static_cast<int32_t>(t));
+      }
+    }
+    if (check || st->scan) {
+      thread_local std::vector<int32_t> ranked;
+      ScanTopK(ctx, s, s.k_off * params_.over, ranked);
+      if (check) {
+        // recall of the ranking's top k_off (its best k_off by score, not by position)
+        thread_local std::vector<int32_t> best;
+        ScanTopK(ctx, s, s.k_off, best);
+        st->scan = MaskShare(ctx, best, dst) < params_.guard;
+      }
+      if (st->scan) {
+        dst = ranked;
+        blocks.assign(1, 0);  // the state counts a mask (HipRecordStep's count)
+      }
     }
   }
   HipRecordStep(hs, action, static_cast<int32_t>(blocks.size()), s.off_lo, s.off_hi, s.k_off, ctx.n,
                 params_.r_m, ctx.layer);
   const std::vector<int32_t>& mask = st->masks[hs.cur];
   // The cached positions stay inside [sink, off_hi): off_hi only grows between refreshes.
+  if (params_.over > 1 && static_cast<int64_t>(mask.size()) > s.k_off) {
+    thread_local std::vector<int32_t> picked;
+    RankCandidates(ctx, mask, s.k_off, picked);
+    FinishSelection(s, picked.data(), static_cast<int64_t>(picked.size()), out);
+    return Status::Ok();
+  }
   FinishSelection(s, mask.data(), static_cast<int64_t>(mask.size()), out);
   return Status::Ok();
+}
+
+void HipPolicy::RankCandidates(const SelectContext& ctx, const std::vector<int32_t>& cand, int64_t k,
+                               std::vector<int32_t>& picked) const {
+  const AttnParams& p = ctx.params;
+  thread_local std::vector<std::pair<float, int32_t>> scored;
+  scored.clear();
+  const bool q4 = HipBits(params_, p.head_dim) == 4;
+  thread_local Q8Query q8;
+  if (q4) QuantizeQueryHeads(ctx.q, p.group, p.head_dim, nullptr, p.head_dim, &q8);
+  for (const int32_t t : cand) {
+    const float sc = q4 ? HipBlockScoreQ4(p, q8, ctx.kv, t, t + 1, 0, 1)
+                        : HipBlockScore(p, ctx.q, ctx.kv, t, t + 1, 0, 1);
+    scored.emplace_back(sc == sc ? sc : -std::numeric_limits<float>::infinity(), t);
+  }
+  const auto keep = static_cast<std::ptrdiff_t>(std::min<int64_t>(k, static_cast<int64_t>(scored.size())));
+  std::partial_sort(scored.begin(), scored.begin() + keep, scored.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  picked.clear();
+  for (std::ptrdiff_t i = 0; i < keep; ++i) picked.push_back(scored[i].second);
+  std::sort(picked.begin(), picked.end());
+}
+
+double HipPolicy::MaskShare(const SelectContext& ctx, const std::vector<int32_t>& best,
+                           const std::vector<int32_t>& mask) const {
+  const AttnParams& p = ctx.params;
+  const bool q4 = HipBits(params_, p.head_dim) == 4;
+  thread_local Q8Query q8;
+  if (q4) QuantizeQueryHeads(ctx.q, p.group, p.head_dim, nullptr, p.head_dim, &q8);
+  thread_local std::vector<float> score;
+  score.clear();
+  float top = -std::numeric_limits<float>::infinity();
+  for (const int32_t t : best) {
+    score.push_back(q4 ? HipBlockScoreQ4(p, q8, ctx.kv, t, t + 1, 0, 1)
+                       : HipBlockScore(p, ctx.q, ctx.kv, t, t + 1, 0, 1));
+    top = std::max(top, score.back());
+  }
+  double all = 0, kept = 0;
+  for (size_t i = 0; i < best.size(); ++i) {
+    const double w = std::isfinite(score[i]) ? std::exp(static_cast<double>(score[i] - top)) : 0.0;
+    all += w;
+    if (std::binary_search(mask.begin(), mask.end(), best[i])) kept += w;
+  }
+  return all > 0 ? kept / all : 1.0;
+}
+
+void HipPolicy::ScanTopK(const SelectContext& ctx, const OffloadSplit& s, int64_t k,
+                         std::vector<int32_t>& picked) const {
+  thread_local std::vector<int32_t> all;
+  all.resize(static_cast<size_t>(s.n_off()));
+  for (int64_t i = 0; i < s.n_off(); ++i) all[i] = static_cast<int32_t>(s.off_lo + i);
+  RankCandidates(ctx, all, k, picked);
 }
 
 Result<std::unique_ptr<Policy>> MakeHipPolicy(const RuntimeConfig& config) {
@@ -200,7 +286,8 @@ Result<std::unique_ptr<Policy>> MakeHipPolicy(const RuntimeConfig& config) {
                 " that is a multiple of 8, not ", hd);
   // The device mask when the scores are 4-bit and the nodes of the runtime's largest list fit its
   // CTA (the bound its launch checks: DecodeStepArgs::budget_cap / bk); else the host selects.
-  const bool device = HipBits(params, hd) == 4 && ItemListCap(config) / params.bk <= kHipMaxNodes;
+  const bool device = HipBits(params, hd) == 4 && params.over == 1 && params.guard == 0.0 &&
+                      ItemListCap(config) / params.bk <= kHipMaxNodes;
   return std::unique_ptr<Policy>(new HipPolicy(params, config.capacity.max_sequences, config.model.num_layers,
                                                config.model.num_kv_heads, device));
 }

@@ -96,6 +96,17 @@ struct HipParams {
   int align = 1;         ///< "align": 1 the first nodes aligned to a power of two blocks, 0 the paper's even ones
   int lag = 1;           ///< "lag": 1 a due rebuild serves from the next step (built beside the step), 0 from its own
   int dense_bits = 4;    ///< "dense_bits": the dense layers' top-k over 4-bit keys of every dimension (4) or exact (16)
+  /// "over": 1 the mask is the selection (the paper); c > 1 the mask holds c k candidate tokens
+  /// and every step attends the k of them the step's query scores highest (at `bits`); host
+  /// selection only (the device mask does not rank candidates)
+  int over = 1;
+  /// "guard": 0 off; g in (0, 1] a recall guard: every `guard_every`-th mask rebuild of a (layer, KV
+  /// head) also ranks every offloaded key by its 4-bit score; where the tree's mask holds less
+  /// than g of the softmax weight of that ranking's top k (the scores' softmax over those k) the
+  /// head is taken as non-local and its masks, until the next check, are that ranking's top
+  /// (over k) instead of the tree's. Host selection only.
+  double guard = 0.0;
+  int guard_every = 8;  ///< "guard_every": rebuilds between two checks of a head
 };
 
 /// The bits HiP scores with at \p head_dim.
@@ -131,7 +142,20 @@ class HipPolicy final : public Policy {
   struct HeadState {
     HipState st;  ///< the device's mask state (base/hip_mask.h's HipPromote / HipRecordStep)
     std::vector<int32_t> masks[2];  ///< its two masks as offloaded positions, ascending (st.cur in use)
+    int64_t rebuilds = 0;           ///< masks built (the recall guard checks every guard_every-th)
+    bool scan = false;              ///< the guard found the tree's recall short: masks come from the scan
   };
+  // The recall guard's ranking: the (over k) offloaded positions with the best 4-bit (bits 16:
+  // fp32) max-logit scores, ascending.
+  // The share of the scores' softmax over \p best (the ranking's top k) that \p mask (ascending)
+  // holds: the guard's measure of the tree's recall, weighted as attention would weight it.
+  double MaskShare(const SelectContext& ctx, const std::vector<int32_t>& best,
+                   const std::vector<int32_t>& mask) const;
+  void ScanTopK(const SelectContext& ctx, const OffloadSplit& s, int64_t k,
+                std::vector<int32_t>& picked) const;
+  // over > 1: the k of the candidate positions \p cand the step's query scores highest, ascending.
+  void RankCandidates(const SelectContext& ctx, const std::vector<int32_t>& cand, int64_t k,
+                      std::vector<int32_t>& picked) const;
   HipParams params_;
   bool device_ = false;
   HeadStateTable<HeadState> states_;

@@ -281,9 +281,64 @@ def t_transfer():
     return table(head, rows) + "\n" + table(head2, rows2)
 
 
+def t_hip_replay():
+    """bench/results/hip_kvpop_replay_smollm2.json: each lane's mass, recall and error, both texts,
+    and the mass in the layers where HiP's tree loses it (3-10)."""
+    d = load("hip_kvpop_replay_smollm2.json")
+    if not d:
+        return "(bench/results/hip_kvpop_replay_smollm2.json not yet generated)\n"
+    texts = {r["text"]: {l["label"]: l for l in r["lanes"]} for r in d["rows"]}
+    head = ["lane", "budget", "parameters"]
+    for t in texts:
+        head += [f"{t}: mass kept", f"{t}: recall of exact top-k", f"{t}: output error", f"{t}: mass, layers 3-10"]
+    rows = []
+    first = next(iter(texts.values()))
+    for lab, l in first.items():
+        row = [f"`{lab}`", l["budget"], ", ".join(f"{k}={v}" for k, v in l["params"].items()) or "defaults"]
+        for t, lanes in texts.items():
+            x = lanes.get(lab)
+            if x is None:
+                row += [None] * 4
+                continue
+            mid = [p["all"]["mass"] for p in x["per_layer"] if 3 <= p["layer"] <= 10]
+            row += [x["all"]["mass"], x["all"]["recall"], x["all"]["rel_err"], sum(mid) / len(mid) if mid else None]
+        rows.append(row)
+    return table(head, rows)
+
+
+def t_hip_quality():
+    """bench/results/hip_quality_smollm2.json: perplexity gap per text and lane, passkey on KJV."""
+    d = load("hip_quality_smollm2.json")
+    if not d:
+        return "(bench/results/hip_quality_smollm2.json not yet generated)\n"
+    by = {}
+    for r in d["rows"]:
+        by.setdefault(r["label"], {})[r["text"]] = r
+    texts = sorted({r["text"] for r in d["rows"]}, key=lambda t: ("kjv" not in t, t))
+    head = ["lane", "budget", "parameters"] + [f"{t.split('/')[-1]}: gap to dense (/ oracle's)" for t in texts] + \
+           ["passkey (KJV, 2K/4K/8K x 3 depths)"]
+    rows = []
+    for lab, per in sorted(by.items(), key=lambda kv: (next(iter(kv[1].values())).get("budget") or 0, kv[0])):
+        r0 = next(iter(per.values()))
+        cells = [f"`{lab}`", r0.get("budget") or "all",
+                 ", ".join(f"{k}={v}" for k, v in (r0.get("params") or {}).items()) or "defaults"]
+        for t in texts:
+            r = per.get(t)
+            if not r or r.get("gap_pct") is None:
+                cells.append("0" if r else None)
+                continue
+            o = f" ({r['gap_over_oracle_gap']:.2f}x)" if r.get("gap_over_oracle_gap") else ""
+            cells.append(f"+{r['gap_pct']:.2f}%{o}")
+        pk = next((r.get("passkey") for r in per.values() if r.get("passkey")), None)
+        cells.append(f"{pk['found']}/{pk['trials']}" if pk else None)
+        rows.append(cells)
+    return table(head, rows)
+
+
 TABLES = {"policy": t_policy, "e2e": t_e2e, "async": t_async, "prefill": t_prefill, "scale": t_scale,
           "quality": t_quality, "kernels": t_kernels, "bank": t_bank, "cpu": t_cpu,
-          "prefill-host": t_prefill_host, "transfer": t_transfer}
+          "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
+          "hip-quality": t_hip_quality}
 
 
 def doc_files():

@@ -360,9 +360,89 @@ TEST(HipPolicy, DeviceMaskOnlyWhereTheListFitsAndTheRuntimeIsMade) {
   EXPECT_EQ(scoring(64), SelectScoring::kNone);
 }
 
+// The reference the candidate ranking (over) and the recall guard are held to: the k offloaded
+// positions of [lo, hi) with the best 4-bit max-logit scores (HipBlockScoreQ4 of one token),
+// ties to the lower position, ascending.
+std::vector<int32_t> FourBitTopK(const SelectContext& c, int64_t lo, int64_t hi, int64_t k) {
+  Q8Query q8;
+  QuantizeQueryHeads(c.q, c.params.group, c.params.head_dim, nullptr, c.params.head_dim, &q8);
+  std::vector<std::pair<float, int32_t>> s;
+  for (int64_t t = lo; t < hi; ++t) {
+    s.emplace_back(HipBlockScoreQ4(c.params, q8, c.kv, t, t + 1, 0, 1), static_cast<int32_t>(t));
+  }
+  std::sort(s.begin(), s.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  std::vector<int32_t> out;
+  for (int64_t i = 0; i < k; ++i) out.push_back(s[i].second);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// over = c: the mask holds c k candidates and each step attends the k of them the step's query
+// scores highest. With candidates covering the offloaded range (c k >= its length) that is the
+// 4-bit top-k of the whole range, at every step, whatever the mask's age.
+TEST(HipPolicy, OverRanksTheCandidatesByTheStepsQuery) {
+  for (uint32_t seed : {3u, 4u}) {
+    Synthetic syn(700, 2, 64, seed);
+    std::vector<float> q2(2 * 64);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd;
+    for (float& x : q2) x = nd(rng);
+    HipParams hp;
+    hp.dense_layers = 0;
+    hp.over = 16;  // 16 x 64 picks >= the 664 offloaded positions: every block a candidate
+    HipPolicy policy(hp, 1, 1, 1);
+    for (const float* q : {syn.q.data(), q2.data(), syn.q.data()}) {
+      const SelectContext c = Context(syn.kv, q, 2, 4, 32, 4 + 32 + 64);
+      std::vector<int32_t> sel;
+      ASSERT_TRUE(policy.Select(c, sel).ok());
+      const std::vector<int32_t> want = FourBitTopK(c, 4, 700 - 32, 64);
+      const std::vector<int32_t> got(sel.begin() + 4, sel.end() - 32);
+      EXPECT_EQ(got, want) << "seed " << seed;
+    }
+  }
+}
+
+// The recall guard: a head whose tree mask holds less than `guard` of the 4-bit ranking's top-k
+// weight takes that ranking as its mask. guard 1 (every check fails unless the tree found the
+// ranking's whole weight) with a check at every rebuild and a fresh mask every step: the
+// selection is the 4-bit top-k; guard 0 is the tree, which on these keys differs from it.
+TEST(HipPolicy, RecallGuardFallsBackToTheFourBitRanking) {
+  Synthetic syn(4001, 3, 64, 77, DType::kBF16, 0.97, 8, 24);
+  const SelectContext c = Context(syn.kv, syn.q.data(), 3, 4, 64, 4 + 64 + 128);
+  const std::vector<int32_t> want = FourBitTopK(c, 4, 4001 - 64, 128);
+  HipParams hp;
+  hp.dense_layers = 0;
+  hp.r_m = 1;
+  hp.lag = 0;
+  hp.guard_every = 1;
+  std::vector<int32_t> tree, guarded;
+  HipPolicy plain(hp, 1, 1, 1);
+  ASSERT_TRUE(plain.Select(c, tree).ok());
+  hp.guard = 1.0;
+  HipPolicy guard(hp, 1, 1, 1);
+  ASSERT_TRUE(guard.Select(c, guarded).ok());
+  EXPECT_EQ(std::vector<int32_t>(guarded.begin() + 4, guarded.end() - 64), want);
+  EXPECT_NE(std::vector<int32_t>(tree.begin() + 4, tree.end() - 64), want);
+  // Neither runs on the device: the device mask neither ranks candidates nor guards.
+  RuntimeConfig rc;
+  rc.model = {.num_layers = 2, .num_q_heads = 6, .num_kv_heads = 2, .head_dim = 64,
+              .kv_dtype = DType::kBF16};
+  rc.capacity.max_sequences = 1;
+  rc.policy.name = "hip";
+  rc.policy.budget_tokens = 256;
+  for (const char* key : {"guard", "over"}) {
+    rc.policy.params = {{key, std::string(key) == "guard" ? 0.5 : 2.0}};
+    auto p = MakeHipPolicy(rc);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    EXPECT_EQ((*p)->device_scoring(), SelectScoring::kNone) << key;
+  }
+}
+
 TEST(HipPolicy, BadParametersNameTheParameter) {
   for (const auto& [key, value] : std::vector<std::pair<std::string, double>>{
-           {"bk", 0}, {"r_m", 0}, {"r_m", 1.5}, {"dense_layers", -2}, {"rep", 4}, {"bits", 8}, {"lag", 2}, {"dense_bits", 8}, {"align", -1}, {"k", 5}}) {
+           {"bk", 0}, {"r_m", 0}, {"r_m", 1.5}, {"dense_layers", -2}, {"rep", 4}, {"bits", 8}, {"lag", 2}, {"dense_bits", 8}, {"align", -1}, {"k", 5}, {"over", 0}, {"over", 65}, {"guard", -0.1}, {"guard", 1.5}, {"guard_every", 0}}) {
     auto r = ParseHipParams({{key, value}});
     ASSERT_FALSE(r.ok()) << key << "=" << value;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
