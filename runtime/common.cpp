@@ -105,6 +105,7 @@ std::string Stats::ToJson() const {
      << ",\"bytes_d2h\":" << bytes_d2h << ",\"rows_resident\":" << rows_resident
      << ",\"rows_bank_hit\":" << rows_bank_hit << ",\"rows_fetched\":" << rows_fetched
      << ",\"rows_cpu\":" << rows_cpu << ",\"rows_selected\":" << rows_selected
+     << ",\"rows_window\":" << rows_window
      << ",\"bank_admitted\":" << bank_admitted << ",\"bank_evicted\":" << bank_evicted
      << ",\"bank_admit_failures\":" << bank_admit_failures
      << ",\"prhs_select_calls\":" << prhs_select_calls

@@ -475,7 +475,8 @@ int64_t RuntimeImpl::DeviceListRows(const ListRowsRule& rule, int64_t n, int64_t
 
 bool RuntimeImpl::XlReusesPrevious(std::span<const int> slot_of, std::span<const int64_t> pos,
                                    int layer) const {
-  if (scoring_ == SelectScoring::kNone || layer <= 0 || !policy_->device_reuses_previous_layer(layer)) {
+  if (scoring_ == SelectScoring::kNone || layer <= 0 || WindowOf(layer - 1) > 0 ||
+      !policy_->device_reuses_previous_layer(layer)) {
     return false;
   }
   const size_t prev = static_cast<size_t>(layer) - 1;
@@ -851,7 +852,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   // The next layer takes this layer's list (xl+): its misses are known now, and are copied into
   // its stage beside this layer's step.
   bool prefetch_next = xl_prefetch_ && XlPrefetchWanted() && planned && a.bank.rows != nullptr && layer + 1 < layers &&
-                       policy_->device_reuses_previous_layer(layer + 1);
+                       WindowOf(layer + 1) == 0 && policy_->device_reuses_previous_layer(layer + 1);
   // (XlReusesPrevious at the next layer: the same sequences, planned, at the same length.)
   for (int64_t b = 0; prefetch_next && b < batch; ++b) {
     prefetch_next = plan_.positions[static_cast<size_t>(b * layers + layer + 1)] == pos[b];
@@ -1272,6 +1273,7 @@ Status RuntimeImpl::ExtendPageBounds(int slot, int layer, int64_t pos0, int64_t 
 }
 
 Status RuntimeImpl::RestoreWindow(std::span<const int> slots, int layer, StreamHandle stream) {
+  if (WindowOf(layer) > 0) return Status::Ok();  // a sliding-window layer keeps no host copy
   const ModelShape& m = config_.model;
   const int sink = config_.tiers.sink_tokens, window = config_.tiers.window_tokens;
   KVF_RETURN_IF_ERROR(HostWaitStream(stream));

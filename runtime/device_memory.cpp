@@ -68,6 +68,9 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
        {scan_shadow, scan_scale, scan_keys, scan_ints, scan_hist, scan_blocks, scan_items});
   part("host-store page table", {store_table});
   part("stream workspaces", {stream_scratch});
+  part("sliding-window rings", {window_rings});
+  part("sliding-window prefill staging", {window_stage});
+  plan.layer_bytes = layer_bytes;
   std::stable_sort(plan.parts.begin(), plan.parts.end(),
                    [](const DeviceMemoryPlan::Part& a, const DeviceMemoryPlan::Part& b) {
                      return a.bytes > b.bytes;
@@ -387,6 +390,7 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     }
   }
   z.stream_scratch = static_cast<size_t>(z.streams) * device_->stream_scratch_bytes();
+  SizeWindowBuffers(z);  // sliding-window layers' rings and staging, every layer's bytes
 
   // LFPS's scan on the device: a copy of the policy's int8 shadow of K (head_dim bytes per token
   // and KV head, a quarter of a bf16 K + V row pair) and its scales, the scan's scores and

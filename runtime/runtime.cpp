@@ -7,6 +7,7 @@
 #include <string_view>
 #include <limits>
 #include <mutex>
+#include <numeric>
 
 #include "cpu/attention.h"
 #include "offload/transfer.h"
@@ -51,6 +52,19 @@ Status ValidateConfig(const RuntimeConfig& c) {
                     (cap.max_host_bytes == 0 || cap.host_bytes_at_create <= cap.max_host_bytes),
                 "host_bytes_at_create ", cap.host_bytes_at_create,
                 " must be in [0, max_host_bytes=", cap.max_host_bytes, "] (0: no cap)");
+  // Per-layer attention types: empty, or one window per layer (0: global).
+  KVF_CHECK_ARG(m.layer_window.empty() ||
+                    static_cast<int64_t>(m.layer_window.size()) == m.num_layers,
+                "layer_window has ", m.layer_window.size(), " entries; expected num_layers=",
+                m.num_layers, " (0: global, w > 0: sliding window of w tokens) or none (all global)");
+  for (size_t l = 0; l < m.layer_window.size(); ++l) {
+    const int w = m.layer_window[l];
+    KVF_CHECK_ARG(w >= 0, "layer_window[", l, "] = ", w,
+                  " must be >= 0 (0: global, w > 0: sliding window of w tokens)");
+    KVF_CHECK_ARG(w <= cap.max_tokens_per_sequence, "layer_window[", l, "] = ", w,
+                  " exceeds max_tokens_per_sequence ", cap.max_tokens_per_sequence,
+                  " (a window that wide is the whole sequence: make the layer global, 0)");
+  }
   const Tiers& t = c.tiers;
   // Positions stay below 2^30 (max_tokens_per_sequence), so no tier needs more rows. Larger counts
   // used to reach the tier's arithmetic, where sink + window overflowed int; the sum (up to 2^31)
@@ -214,6 +228,7 @@ Status RuntimeImpl::Init() {
     item_cap_ = ItemListCap(config_);
   }
 
+  InitWindowLayout();  // sliding-window layers (runtime/window.cpp)
   // Every device buffer's size, once (runtime/device_memory.cpp): the plan the cap is checked
   // against here, before anything large is allocated, and the sizes allocated below.
   const bool auto_bank = config_.tiers.bank_slots == -1;
@@ -280,6 +295,7 @@ Status RuntimeImpl::Init() {
     *dst = static_cast<const void**>(p);
   }
 
+  KVF_RETURN_IF_ERROR(InitWindowBuffers());
   // Which bank (SizeDeviceBuffers says why): the device bank read by the planned step, the
   // host-managed one, or none.
   host_lists_ = z.host_lists;
@@ -711,6 +727,13 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   const int64_t pos0 = len, new_len = len + tokens;
   KVF_RETURN_IF_ERROR(ReserveChunk(seq, slot, layer, new_len));
   if (stream == nullptr) stream = stream_;
+  if (WindowOf(layer) > 0) {  // a sliding-window layer: its ring only (runtime/window.cpp)
+    KVF_RETURN_IF_ERROR(WindowChunk(slot, layer, &q, k, v, &out, stream, pos0, new_len));
+    len = new_len;
+    stats_.prefill_tokens += tokens;
+    Stage(stats_.ms_prefill, "prefill", t0);
+    return Status::Ok();
+  }
   // The chunk's rows may have reached the ring before a failure: restore it for the old length,
   // which a failed call leaves unchanged.
   // The device's copy of LFPS's shadow lacks the chunk's rows: made again at the next priming.
@@ -948,6 +971,7 @@ Status RuntimeImpl::PrefetchNextHistory(int slot, int layer, int64_t pos0, int64
   if (!chunk_major) return Status::Ok();
   const int next_layer = layer + 1 < layers ? layer + 1 : 0;
   const int64_t rows = layer + 1 < layers ? pos0 : new_len;
+  if (WindowOf(next_layer) > 0) return Status::Ok();  // a sliding-window layer: no pages to stage
   if (rows <= 0 || lengths_[static_cast<size_t>(slot) * layers + next_layer] < rows) {
     return Status::Ok();
   }
@@ -1147,6 +1171,7 @@ Status RuntimeImpl::ReserveChunk(SequenceId seq, int slot, int layer, int64_t ne
                  " tokens at layer ", layer, ", over max_tokens_per_sequence ",
                  config_.capacity.max_tokens_per_sequence);
   RetirePlan();
+  if (WindowOf(layer) > 0) return Status::Ok();  // a sliding-window layer has no host-store page
   return store_->Reserve(slot, layer, new_len);
 }
 
@@ -1164,6 +1189,7 @@ Status RuntimeImpl::CheckNextToken(std::span<const SequenceId> seqs, std::span<c
 }
 
 Status RuntimeImpl::ReserveNextToken(std::span<const int> slot_of, int layer) {
+  if (WindowOf(layer) > 0) return Status::Ok();  // a sliding-window layer has no host-store page
   for (int slot : slot_of) {
     const int64_t len = lengths_[static_cast<size_t>(slot) * config_.model.num_layers + layer];
     KVF_RETURN_IF_ERROR(store_->Reserve(slot, layer, len + 1));
@@ -1188,6 +1214,13 @@ Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const
   const int64_t new_len = len + tokens;
   KVF_RETURN_IF_ERROR(ReserveChunk(seq, slot, layer, new_len));
   if (stream == nullptr) stream = stream_;
+  if (WindowOf(layer) > 0) {  // a sliding-window layer: its ring only (runtime/window.cpp)
+    KVF_RETURN_IF_ERROR(WindowChunk(slot, layer, nullptr, k, v, nullptr, stream, len, new_len));
+    len = new_len;
+    stats_.prefill_tokens += tokens;
+    Stage(stats_.ms_prefill, "prefill", t0);
+    return Status::Ok();
+  }
   KVF_RETURN_IF_ERROR(BeginCall());
   auto append = [&]() -> Status {
     KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, k_in_, stream));
@@ -1263,6 +1296,8 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   KVF_RETURN_IF_ERROR(CheckTensor(out, "out", batch, m.num_q_heads));
   std::vector<int>& slot_of = batch_slots_;  // thread_local would not reach the worker threads
   KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
+  // A sliding-window layer: its ring, no policy (runtime/window.cpp).
+  if (WindowOf(layer) > 0) return WindowDecode(seqs, slot_of, layer, q, k, v, out, stream);
   // The first Decode after a prefill primes the policy (DeferPrime). Never inside a CUDA graph
   // capture (it waits for the device): the priming policies select on the host, and the planned
   // step refuses the capture below with its own message.
@@ -1544,6 +1579,12 @@ Result<std::vector<int32_t>> RuntimeImpl::LastSelection(SequenceId seq, int laye
   KVF_ASSIGN_OR_RETURN(int slot, SlotOf(seq));
   KVF_CHECK_ARG(kv_head >= 0 && kv_head < config_.model.num_kv_heads, "kv_head ", kv_head,
                 " out of range [0, ", config_.model.num_kv_heads, ")");
+  if (const int w = WindowOf(layer); w > 0) {  // a sliding-window layer attends its last w
+    const int64_t n = lengths_[static_cast<size_t>(slot) * config_.model.num_layers + layer];
+    std::vector<int32_t> window(static_cast<size_t>(std::min<int64_t>(n, w)));
+    std::iota(window.begin(), window.end(), static_cast<int32_t>(n - static_cast<int64_t>(window.size())));
+    return window;
+  }
   if (policy_->is_dense()) {
     const int64_t n = lengths_[static_cast<size_t>(slot) * config_.model.num_layers + layer];
     std::vector<int32_t> all(static_cast<size_t>(n));

@@ -117,6 +117,11 @@ struct DeviceBufferSizes {
   size_t split_list = 0, split_count = 0;  // the scheduler's split: the device's share of a list
   size_t scan_out = 0, scan_counts = 0;  // mapped host memory (the scan writes its ranking there)
   size_t stream_scratch = 0;
+  // Sliding-window layers (RuntimeImpl::SizeWindowBuffers): the rings' rows beyond the resident
+  // tier's, and one chunk's window staging.
+  size_t window_rings = 0, window_stage = 0;
+  /// Per layer, the device bytes of its K and V rows (DeviceMemoryPlan::layer_bytes).
+  std::vector<int64_t> layer_bytes;
 
   /// The parts (named groups of the buffers above), largest first, and their total.
   [[nodiscard]] DeviceMemoryPlan Plan(int64_t cap_bytes) const;
@@ -167,7 +172,8 @@ class RuntimeImpl {
   Status PlanDecode(std::span<const SequenceId> seqs, StreamHandle stream);
   Status Append(SequenceId seq, int layer, const TensorView& k, const TensorView& v,
                 StreamHandle stream);
-  bool decode_is_capture_safe() const { return fast_path_; }
+  // A sliding-window layer's decode is described by the host at each step: not in a graph.
+  bool decode_is_capture_safe() const { return fast_path_ && window_max_ == 0; }
   Result<std::vector<int32_t>> LastSelection(SequenceId seq, int layer, int kv_head) const;
   Status Synchronize() { return device_->SynchronizeStream(stream_); }
 
@@ -400,6 +406,57 @@ class RuntimeImpl {
   // Host waits inside Decode and PlanDecode, counted in Stats::host_syncs.
   Status HostWaitStream(StreamHandle stream);
   Status HostWaitEvent(EventHandle event);
+
+  // ---- sliding-window layers (ModelShape::layer_window; runtime/window.cpp) ----
+  // A sliding layer of window w keeps its rows in a ring of w rows per (slot, layer, KV head),
+  // position p in row p % w: the first sink + window rows are the resident tier's own rows at that
+  // layer (which a sliding layer does not use otherwise), the rest in window_rings_. It has no
+  // host-store page, no policy and no PCIe traffic. Decode appends to the ring and attends every
+  // row of it (Device::AttendRows); a prefill or append chunk copies the window's earlier rows and
+  // the chunk into window_stage_, attends each query over its own window there, and writes the
+  // chunk's last w rows to the ring last (a failure puts the earlier rows back from the staging).
+  // Every step goes through Device calls both backends implement (CopyRows, AttendRows, MergeLse).
+  [[nodiscard]] int WindowOf(int layer) const {
+    return window_.empty() ? 0 : window_[static_cast<size_t>(layer)];
+  }
+  char* RingK(int slot, int layer, int h, int64_t row) const;
+  char* RingV(int slot, int layer, int h, int64_t row) const;
+  // The layout from the configuration (Init, before the sizing): window_, window_max_, ring_off_,
+  // ring_slot_rows_, window_stage_rows_.
+  void InitWindowLayout();
+  // The rings' and the staging's bytes and every layer's (SizeDeviceBuffers); the allocation of
+  // those and of the pinned descriptors (Init).
+  void SizeWindowBuffers(DeviceBufferSizes& z) const;
+  Status InitWindowBuffers();
+  // Decode at a sliding layer (after Decode's checks): honours a plan of PlanDecode like
+  // RunDecodeStep; a failure takes the token back (the ring row it took held position n - 1 - w,
+  // which no later call attends).
+  Status WindowDecode(std::span<const SequenceId> seqs, std::span<const int> slot_of, int layer,
+                      const TensorView& q, const TensorView& k, const TensorView& v,
+                      const TensorView& out, StreamHandle stream);
+  // A chunk of positions [pos0, new_len) at a sliding layer: Prefill (q and out set; windowed
+  // causal attention) or Append (null). Leaves the length to the caller.
+  Status WindowChunk(int slot, int layer, const TensorView* q, const TensorView& k,
+                     const TensorView& v, const TensorView* out, StreamHandle stream,
+                     int64_t pos0, int64_t new_len);
+  // WindowChunk's attention: each query of the chunk (q staged, out the caller's) over the rows
+  // [max(base, p - w + 1), p] of the staging, whose row j holds position base + j.
+  Status WindowChunkAttend(const TensorView& q, const void* q_src, const TensorView& out,
+                           int64_t w, int64_t base, int64_t pos0, int64_t tokens,
+                           RowCopy* copies, StreamHandle stream);
+  std::vector<int> window_;        // per layer: 0 global, w sliding (empty: every layer global)
+  int window_max_ = 0;             // the widest window (0: none)
+  std::vector<int64_t> ring_off_;  // per layer: its rings' first row in a slot's window_rings_
+  int64_t ring_slot_rows_ = 0;     // rows of window_rings_ per slot
+  char* window_rings_ = nullptr;   // device: [slot][layer's part: [h][K rows, V rows beyond the tier]]
+  char* window_stage_ = nullptr;   // device: [h][K rows, then V rows], window_stage_rows_ each
+  int64_t window_stage_rows_ = 0;  // w_max - 1 + max_prefill_chunk
+  RowCopy* window_copies_ = nullptr;     // pinned descriptors, window_copy_cap_ of them
+  int64_t window_copy_cap_ = 0;
+  RowAttnItem* window_items_ = nullptr;  // pinned: [max_rows * Hkv]
+  const void** window_k_rows_ = nullptr;  // pinned row lists, window_row_cap_ each
+  const void** window_v_rows_ = nullptr;
+  int64_t window_row_cap_ = 0;
 
   // Merges the CPU part (if any) into the GPU part and writes \p out in its dtype.
   Status WriteOutput(const float* o_b, const float* lse_b, int64_t rows, const TensorView& out,

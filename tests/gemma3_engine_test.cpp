@@ -127,23 +127,30 @@ std::unique_ptr<RuntimeAttention> MakeRuntime(const std::string& policy, DType k
   return attn.ok() ? std::move(attn.value()) : nullptr;
 }
 
-TEST(Gemma3Engine, RuntimeSplitsGlobalAndSlidingLayers) {
+TEST(Gemma3Engine, RuntimeTakesTheModelsLayerWindows) {
   auto attn = MakeRuntime("dense", DType::kF16);
   ASSERT_NE(attn, nullptr);
-  EXPECT_EQ(attn->runtime().config().model.num_layers, 1);  // layer 5
-  Runtime* sliding = attn->sliding_runtime(8);
-  ASSERT_NE(sliding, nullptr);
-  EXPECT_EQ(sliding->config().model.num_layers, 5);
-  EXPECT_EQ(sliding->config().policy.name, "streaming");
-  EXPECT_EQ(sliding->config().policy.budget_tokens, 8);
-  EXPECT_EQ(sliding->config().tiers.sink_tokens, 0);
-  EXPECT_EQ(sliding->config().tiers.window_tokens, 8);
-  EXPECT_FLOAT_EQ(attn->runtime().config().model.softmax_scale, 0.125f);
-  EXPECT_EQ(attn->sliding_runtime(512), nullptr);
+  const RuntimeConfig& c = attn->runtime().config();
+  EXPECT_EQ(c.model.num_layers, 6);  // one Runtime: layer 5 global, the others windows of 8
+  EXPECT_EQ(c.model.layer_window, (std::vector<int>{8, 8, 8, 8, 8, 0}));
+  EXPECT_EQ(c.policy.name, "dense");
+  EXPECT_EQ(c.tiers.sink_tokens, 2);
+  EXPECT_FLOAT_EQ(c.model.softmax_scale, 0.125f);
+  // A window wider than the capacity is the whole sequence: clamped to it.
+  ModelConfig wide = Tiny().model.config;
+  for (int& w : wide.layer_window) w = w > 0 ? 1000 : 0;
+  RuntimeConfig rc;
+  rc.backend = Backend::kHost;
+  rc.policy.name = "dense";
+  rc.capacity.max_tokens_per_sequence = 128;
+  rc.probe_at_start = false;
+  auto clamped = RuntimeAttention::Create(RuntimeConfigFor(wide, rc), wide);
+  ASSERT_TRUE(clamped.ok()) << clamped.status().ToString();
+  EXPECT_EQ(clamped.value()->runtime().config().model.layer_window[0], 128);
 }
 
-// Prefill of the whole prompt (sliding layers: 8 rows through Prefill, 16 through Decode) and
-// prefill of a part, in chunks, then decode, through the Runtimes; f16 and bf16 KV.
+// Prefill of the whole prompt and prefill of a part, in chunks, then decode, through the Runtime
+// (its sliding layers: windowed prefill and decode); f16 and bf16 KV.
 TEST(Gemma3Engine, RuntimeMatchesNumpyLogits) {
   const Fixture& fx = Tiny();
   const int64_t n = static_cast<int64_t>(fx.tokens.size());
@@ -158,8 +165,8 @@ TEST(Gemma3Engine, RuntimeMatchesNumpyLogits) {
     std::vector<float> logits;
     ASSERT_TRUE(engine.Prefill(fx.tokens, 0, attns, &logits, true).ok());
     const double err_prefill = RelErr(logits, 0, n);
-    // Prompt of 11 in chunks of 3 (rows 9, 10 of the sliding layers go through Decode), then
-    // 13 decode steps; each step's logits against the reference's row.
+    // Prompt of 11 in chunks of 3 (chunks past the window of 8 attend rows of the one before),
+    // then 13 decode steps; each step's logits against the reference's row.
     ASSERT_TRUE(attn->Reset().ok());
     Engine engine2(fx.model);
     const int64_t prompt = 11;
@@ -175,7 +182,7 @@ TEST(Gemma3Engine, RuntimeMatchesNumpyLogits) {
       ASSERT_EQ(static_cast<int64_t>(step.size()), vocab);
       err_decode = std::max(err_decode, RelErr(step, t, 1));
     }
-    std::printf("runtime (dense global, streaming-8 sliding), KV %s: max |dlogit| / max |logit| "
+    std::printf("runtime (dense global, window-8 sliding), KV %s: max |dlogit| / max |logit| "
                 "prefill %.3g, prefill+decode %.3g\n", kv_name, err_prefill, err_decode);
     EXPECT_LT(err_prefill, tol) << kv_name;
     EXPECT_LT(err_decode, tol) << kv_name;
@@ -183,7 +190,7 @@ TEST(Gemma3Engine, RuntimeMatchesNumpyLogits) {
 }
 
 // A sparse policy on the global layer: the sliding layers are unchanged, the global layer attends
-// a budget; the logits move away from dense but stay finite, and the sliding runtime is still
+// a budget; the logits move away from dense but stay finite, and the sliding layers are still
 // exact for a prompt inside the window.
 TEST(Gemma3Engine, SparseGlobalPolicyRuns) {
   const Fixture& fx = Tiny();

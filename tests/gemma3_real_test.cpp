@@ -138,8 +138,8 @@ TEST(Gemma3Real, LogitsMatchTransformers) {
     std::vector<float> logits;
     // Chunks of 256: a sliding layer's rows past 512 go through Decode.
     ASSERT_TRUE(engine.Prefill(hf.tokens, 0, attns, &logits, true, 256).ok());
-    Compare(kv == DType::kF16 ? "engine through kvferry (dense global, streaming-512 sliding), f16 KV"
-                              : "engine through kvferry (dense global, streaming-512 sliding), bf16 KV",
+    Compare(kv == DType::kF16 ? "engine through kvferry (dense global, window-512 sliding), f16 KV"
+                              : "engine through kvferry (dense global, window-512 sliding), bf16 KV",
             logits, hf);
   }
   (void)n;

@@ -359,7 +359,15 @@ int64_t GpuKvRows(const Tiers& tiers, int64_t context) {
 }
 
 int64_t GpuKvBytes(const ModelConfig& model, DType kv_dtype, const Tiers& tiers, int64_t context) {
-  return GpuKvRows(tiers, context) * KvBytesPerToken(model, kv_dtype);
+  // Per layer: a global layer keeps its tiers' rows, a sliding-window layer its window's.
+  const int64_t layer_bytes = KvBytesPerToken(model, kv_dtype) / std::max(model.num_layers, 1);
+  int64_t bytes = 0;
+  for (int l = 0; l < model.num_layers; ++l) {
+    const int64_t w = model.window_of(l);
+    bytes += layer_bytes * (w > 0 ? std::clamp<int64_t>(w, 0, std::max<int64_t>(context, 0))
+                                  : GpuKvRows(tiers, context));
+  }
+  return bytes;
 }
 
 double DecodeTraffic::bytes_per_token() const {

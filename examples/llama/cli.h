@@ -96,8 +96,9 @@ int64_t KvBytesPerToken(const ModelConfig& model, DType kv_dtype);
 /// policy keeps the same (dense included: it reads the other rows from the host store).
 int64_t GpuKvRows(const Tiers& tiers, int64_t context);
 
-/// KV bytes one sequence keeps on the GPU: GpuKvRows x KvBytesPerToken. A GPU-only dense cache
-/// keeps \p context x KvBytesPerToken.
+/// KV bytes one sequence keeps on the GPU: GpuKvRows x KvBytesPerToken, except that a
+/// sliding-window layer (ModelConfig::layer_window) keeps its window's rows (at most \p context).
+/// A GPU-only dense cache keeps \p context x KvBytesPerToken.
 int64_t GpuKvBytes(const ModelConfig& model, DType kv_dtype, const Tiers& tiers, int64_t context);
 
 /// \brief PCIe traffic of some decode steps: the difference of two Stats taken around them (only

@@ -45,20 +45,17 @@ std::unique_ptr<Attention> MakeReferenceAttention(const ModelConfig& config);
 
 /// \brief Attention through a kvferry Runtime that holds one sequence.
 ///
-/// A model with sliding-window layers (Gemma 3) gets one Runtime per kind of layer: the global
-/// layers share the Runtime of the caller's configuration (its policy, budget, tiers), numbered
-/// among themselves (the k-th global layer is its layer k); each sliding-window width w gets a
-/// Runtime of policy "streaming" with sink_tokens 0, window_tokens w and budget w, which attends
-/// exactly a decode's last w tokens. The Runtime's Prefill attends a chunk densely over everything
-/// stored, so a sliding layer's prompt rows are prefilled through Prefill while they lie in the
-/// first w positions (where dense is the window) and one at a time through Decode after that.
-/// This is the engine's interim arrangement until the Runtime has per-layer attention types.
+/// A model with sliding-window layers (Gemma 3) gets one Runtime whose per-layer attention types
+/// (ModelShape::layer_window) are the model's: the global layers run the caller's configuration
+/// (its policy, budget, tiers), each sliding layer attends exactly its last w tokens, kept in a
+/// ring on the device (docs/runtime.md, "Per-layer attention types"). A window wider than
+/// Capacity::max_tokens_per_sequence is the whole sequence and is clamped to it.
 class RuntimeAttention final : public Attention {
  public:
   /// One Runtime of \p config (every layer global).
   static Result<std::unique_ptr<RuntimeAttention>> Create(const RuntimeConfig& config);
-  /// Runtimes for \p model's layers: \p config (shaped by RuntimeConfigFor) for the global ones,
-  /// a streaming one per sliding-window width (see the class comment).
+  /// The Runtime for \p model's layers: \p config (shaped by RuntimeConfigFor) with the model's
+  /// sliding windows as its layer_window.
   static Result<std::unique_ptr<RuntimeAttention>> Create(const RuntimeConfig& config,
                                                           const ModelConfig& model);
   Status Prefill(int layer, int64_t num_tokens, const float* q, const float* k, const float* v,
@@ -66,22 +63,13 @@ class RuntimeAttention final : public Attention {
   Status Decode(int layer, const float* q, const float* k, const float* v, float* out) override;
   Status Append(int layer, int64_t num_tokens, const float* k, const float* v) override;
   Status Reset() override;
-  /// The global layers' Runtime (the one of the caller's policy).
-  [[nodiscard]] Runtime& runtime() { return *parts_[0].runtime; }
-  /// The Runtime of sliding-window width \p window, or nullptr if the model has none.
-  [[nodiscard]] Runtime* sliding_runtime(int window);
+  /// The Runtime (every layer, global and sliding-window).
+  [[nodiscard]] Runtime& runtime() { return *runtime_; }
 
  private:
-  struct Part {
-    std::unique_ptr<Runtime> runtime;
-    int window = 0;  ///< 0: global layers
-  };
   RuntimeAttention() = default;
-  Status AddPart(const RuntimeConfig& config, int window);
-  // Engine layer -> (part, the part's own layer index); empty: one part, identity.
-  std::vector<int> part_of_, local_of_;
-  std::vector<int64_t> length_;  ///< tokens stored per engine layer (sliding parts)
-  std::vector<Part> parts_;
+  TensorView View(const float* p, int64_t rows, int heads) const;
+  std::unique_ptr<Runtime> runtime_;
   SequenceId seq_ = 1;
   int q_heads_ = 0;
   int kv_heads_ = 0;

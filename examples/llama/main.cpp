@@ -542,8 +542,8 @@ Status Run(const Options& o) {
   if (!mc.layer_window.empty()) {
     int global = 0;
     for (int w : mc.layer_window) global += w == 0;
-    std::fprintf(stderr, "[kvferry-llama] %d global layers (policy runtime) and %d sliding-window "
-                 "layers (a streaming runtime of the window, sink 0)\n", global,
+    std::fprintf(stderr, "[kvferry-llama] %d global layers (the policy) and %d sliding-window "
+                 "layers (their window only, on the device: the Runtime's layer_window)\n", global,
                  mc.num_layers - global);
   }
   if (const std::string w = TrainedContextWarning(o, mc.max_context); !w.empty()) {

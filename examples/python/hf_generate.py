@@ -16,7 +16,8 @@ How it measures. Both paths run the same way: one short warm-up generate first (
 the timed generate, greedy, with exactly --new-tokens new tokens; "prefill" is the time to the first
 new token's logits, "decode" the remaining tokens (one forward each) to the end. The cache is made
 before the clock starts. Memory: with --device cuda, "KV in GPU memory" is the bytes of the dense
-cache's K/V tensors, and kvferry's resident tier plus token bank (Runtime.device_memory);
+cache's K/V tensors, and kvferry's resident tier plus token bank and sliding-window rings
+(Runtime.device_memory);
 "GPU memory held by the cache" is the drop in free device memory (cudaMemGetInfo, after
 torch.cuda.empty_cache) from before the cache was made to after the timed generate, which for
 kvferry also counts its staging buffers and workspaces. With --device cpu, kvferry's host backend
@@ -192,7 +193,8 @@ def run_kvferry(model, ids, a):
     st = rt.stats()
     mem = rt.device_memory()
     parts = mem["parts"]
-    kv_device = parts.get("resident tier", 0) + parts.get("bank rows", 0)
+    kv_device = (parts.get("resident tier", 0) + parts.get("bank rows", 0) +
+                 parts.get("sliding-window rings", 0))
     r = dict(tokens=tokens, prefill_s=prefill_s, decode_s=decode_s, kv_dtype=rt.config.kv_dtype,
              kv_device_bytes=kv_device,
              other_device_bytes=int(st["device_bytes_reserved"]) - kv_device,

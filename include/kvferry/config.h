@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "kvferry/tensor.h"
 
@@ -21,6 +22,13 @@ struct ModelShape {
   DType kv_dtype = DType::kBF16;  ///< storage type of K and V (kBF16 or kF16)
   /// Softmax scale; 0 means 1/sqrt(head_dim).
   float softmax_scale = 0.0f;
+  /// Attention type of each layer (Gemma 2/3, Mistral, GPT-OSS): 0 = global (the tiers, the host
+  /// store, the policy's selection), w > 0 = sliding window of w tokens, the new one included (a
+  /// decode attends positions [n - w, n), a prefill query at p attends [p - w + 1, p]; its rows
+  /// live only in a ring of w rows on the device, never offloaded; docs/runtime.md, "Per-layer
+  /// attention types"). Empty: every layer global; else num_layers entries, each in
+  /// [0, max_tokens_per_sequence].
+  std::vector<int> layer_window;
 };
 
 /// \brief How much the runtime may hold. Memory for the resident tier, token bank and plan

@@ -39,6 +39,11 @@ struct DeviceMemoryPlan {
   int64_t total_bytes = 0;   ///< sum of the parts
   int64_t cap_bytes = 0;     ///< Capacity::gpu_bytes (0: no cap)
   int bank_slots = 0;        ///< token-bank slots it holds (Tiers::bank_slots, -1 resolved)
+  /// Per layer, the device bytes of its K and V rows: its share of the resident tier and of the
+  /// bank rows (both keep a layer's rows at every layer), and at a sliding-window layer
+  /// (ModelShape::layer_window) its ring's rows beyond the tier's ("sliding-window rings": the
+  /// ring takes the tier's rows first). Staging and plan buffers are not per layer.
+  std::vector<int64_t> layer_bytes;
   /// "123456 bytes: resident tier 65536, bank rows 32768, ..."
   [[nodiscard]] std::string ToString() const;
 };
@@ -97,7 +102,8 @@ class Runtime {
   [[nodiscard]] Result<int64_t> SequenceLength(SequenceId seq, int layer) const;
 
   /// Appends a chunk of T prompt tokens of one sequence at \p layer and computes causal attention
-  /// of the chunk over everything stored before it plus itself (dense).
+  /// of the chunk over everything stored before it plus itself (dense); at a sliding-window layer
+  /// (ModelShape::layer_window, w) each query at position p over positions [p - w + 1, p].
   /// q, out: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim].
   /// q/k/v/out may be f32, bf16 or f16, on host or device memory (device only with CUDA).
   /// A policy that learns from the prompt's last queries (lfps) keeps the chunk's last rows of q
@@ -120,7 +126,8 @@ class Runtime {
                 StreamHandle stream = nullptr);
 
   /// Appends one new token for each sequence of \p seqs at \p layer and computes attention of its
-  /// query over the positions the policy selects, merging the resident, GPU and CPU parts exactly.
+  /// query over the positions the policy selects, merging the resident, GPU and CPU parts exactly;
+  /// at a sliding-window layer of w tokens, over its last w positions, dense (no policy).
   /// q, out: [B, num_q_heads, head_dim]; k, v: [B, num_kv_heads, head_dim]; B = seqs.size().
   Status Decode(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                 const TensorView& k, const TensorView& v, const TensorView& out,
@@ -129,7 +136,8 @@ class Runtime {
   /// Whether this runtime's decode step runs without the host (device-side selection: see
   /// PlanDecode), so that it can be captured in a CUDA graph. False for every policy that selects
   /// on the host, with or without a token bank: its step waits once per layer for q to reach the
-  /// host (counted in Stats::host_syncs).
+  /// host (counted in Stats::host_syncs); false with sliding-window layers, whose decode the host
+  /// describes at every step.
   [[nodiscard]] bool decode_is_capture_safe() const;
 
   /// Plans one decode token step of \p seqs (FlashInfer's plan/run split): checks the batch,

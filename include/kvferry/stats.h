@@ -45,6 +45,9 @@ struct Stats {
   int64_t rows_fetched = 0;      ///< host-only rows fetched to the GPU route
   int64_t rows_cpu = 0;          ///< host-only rows attended on the CPU route
   int64_t rows_selected = 0;     ///< sum of the above
+  /// Rows attended by the decodes of sliding-window layers (ModelShape::layer_window), every row
+  /// of each one's ring on the device: not selected, not in rows_selected, no PCIe bytes.
+  int64_t rows_window = 0;
   int64_t bank_admitted = 0;
   int64_t bank_evicted = 0;
   /// Decode steps whose bank admission failed (a copy or event error): the step's output stands,

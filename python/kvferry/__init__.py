@@ -79,7 +79,9 @@ class RuntimeConfig:
 
     Model shape: ``num_layers``, ``num_q_heads``, ``num_kv_heads`` (GQA), ``head_dim`` (64, 128 or
     256 on CUDA; 8..256, a multiple of 8, on the host backend), ``kv_dtype`` ("bf16" or "f16"),
-    ``softmax_scale`` (0: 1/sqrt(head_dim)). Capacity: ``max_sequences``,
+    ``softmax_scale`` (0: 1/sqrt(head_dim)), ``layer_window`` (per-layer attention types: one int
+    per layer, 0 global, w > 0 a sliding window of the last w tokens kept only on the device;
+    empty: every layer global). Capacity: ``max_sequences``,
     ``max_tokens_per_sequence``, ``max_batch`` (sequences per decode), ``max_prefill_chunk``,
     ``max_host_bytes`` (0: unlimited), ``host_bytes_at_create``, ``gpu_bytes`` (cap on the device
     memory reserved at creation; 0: none), ``prefill_prefetch`` (CUDA: a second prefill staging
@@ -96,6 +98,11 @@ class RuntimeConfig:
     head_dim: int = 128
     kv_dtype: str = "bf16"
     softmax_scale: float = 0.0
+    #: Per layer: 0 = global (tiers, offload, the policy's selection), w > 0 = sliding window of w
+    #: tokens (the new one included), its rows only in a ring of w rows on the device, no selection,
+    #: no host copy, no PCIe bytes. Empty: every layer global. (docs/runtime.md, "Per-layer
+    #: attention types")
+    layer_window: List[int] = field(default_factory=list)
     max_sequences: int = 8
     max_tokens_per_sequence: int = 131072
     max_batch: int = 8
@@ -244,11 +251,14 @@ class Runtime:
         """The device memory reserved at creation (kvferry::Runtime::device_memory): ``parts``
         ({name: bytes}, largest first: "resident tier" is the sinks and window of every sequence,
         layer and KV head, "bank rows" the token bank; the rest are staging buffers and
-        workspaces), ``total_bytes``, ``cap_bytes`` (``gpu_bytes``) and ``bank_slots``. On the
+        workspaces; "sliding-window rings" the rows of sliding-window layers beyond the resident
+        tier's), ``total_bytes``, ``cap_bytes`` (``gpu_bytes``), ``bank_slots`` and
+        ``layer_bytes`` (per layer, the device bytes of its K and V rows). On the
         host backend the same buffers are held in host memory. stats()["device_bytes_reserved"]
         is the device's own count: this total plus a workspace per caller stream (CUDA)."""
         d = dict(self._rt.device_memory())
         d["parts"] = dict(d["parts"])
+        d["layer_bytes"] = list(d["layer_bytes"])
         return d
 
     def reset_stats(self) -> None:

@@ -26,16 +26,25 @@ world size from what ``from_pretrained`` recorded; ``tp_size=`` says it for a mo
 means. Sequence ids are the same on every rank; ``runtime.stats()`` counts this rank's heads only.
 See docs/tensor-parallel.md.
 
+Sliding-window layers (Gemma 2/3, Mistral, GPT-OSS-style alternation): ``KvferryCache`` reads the
+config's ``layer_types`` ("sliding_attention" / "full_attention") and ``sliding_window`` (without
+``layer_types``, a ``sliding_window`` applies to every layer, as Mistral's does) into the Runtime's
+per-layer windows (``RuntimeConfig.layer_window``): a sliding layer attends its last
+``sliding_window`` tokens exactly, kept on the device, never offloaded; the global layers get the
+policy. A window wider than ``max_tokens`` is the whole sequence and is clamped to it. The softmax
+scale is ``query_pre_attn_scalar ** -0.5`` where the config has one (Gemma), else 1/sqrt(head_dim).
+
 Not supported, and refused with an error: padded batches (a padding attention mask), beam search
-(reordering the cache), cropping, sliding-window layers, attention dropout, and a softmax scale
-other than 1/sqrt(head_dim).
+(reordering the cache), cropping, attention dropout, attention logit soft-capping (Gemma 2),
+learned attention sinks (GPT-OSS's ``s_aux``), other layer types (chunked or linear attention),
+and a softmax scale other than the cache's.
 """
 from __future__ import annotations
 
 import math
 import os
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import kvferry
 
@@ -106,6 +115,43 @@ def _tensor_parallel(model_or_config: Any, tp_size: Optional[int],
     return tp_size, tp_rank, config, model
 
 
+def layer_windows(config: Any, max_tokens: int) -> List[int]:
+    """Per layer of a transformers config, 0 (global attention) or its sliding window in tokens
+    (the new token included: transformers' ``kv_idx > q_idx - sliding_window``): from
+    ``layer_types`` ("full_attention" / "sliding_attention"; Gemma 2/3, GPT-OSS, Qwen2) with
+    ``sliding_window``; without ``layer_types``, ``sliding_window`` for every layer (Mistral). A
+    window wider than ``max_tokens`` attends the whole sequence and is clamped to it. Empty when
+    every layer is global."""
+    c = _text_config(config)
+    n = c.num_hidden_layers
+    window = getattr(c, "sliding_window", None) or 0
+    if getattr(c, "use_sliding_window", True) is False:  # Qwen2-style switch, when layer_types is absent
+        window = 0
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"kvferry.hf: sliding_window {window!r} must be a positive int or None")
+    types = getattr(c, "layer_types", None)
+    if types:
+        if len(types) != n:
+            raise ValueError(f"kvferry.hf: layer_types has {len(types)} entries for "
+                             f"{n} layers (num_hidden_layers)")
+        windows = []
+        for i, t in enumerate(types):
+            if t == "full_attention":
+                windows.append(0)
+            elif t == "sliding_attention":
+                if not window:
+                    raise ValueError(f"kvferry.hf: layer {i} is 'sliding_attention' but "
+                                     f"sliding_window is {getattr(c, 'sliding_window', None)!r}")
+                windows.append(window)
+            else:
+                raise ValueError(f"kvferry.hf: layer {i}'s attention type {t!r} is not supported "
+                                 "(full_attention or sliding_attention)")
+    else:
+        windows = [window] * n
+    windows = [min(w, max_tokens) for w in windows]
+    return windows if any(windows) else []
+
+
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -121,10 +167,12 @@ class KvferryLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, cache: "KvferryCache", layer_idx: int) -> None:
+    def __init__(self, cache: "KvferryCache", layer_idx: int, window: int = 0) -> None:
         super().__init__()
         self._cache = cache
         self._layer = layer_idx
+        self.window = window  # 0: global; w: a sliding window of w tokens (kvferry keeps it)
+        self.is_sliding = window > 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -169,7 +217,9 @@ class KvferryCache(Cache):
     ``config``: the model's config (num_hidden_layers, num_attention_heads, num_key_value_heads,
     head_dim), or the model itself. ``policy``/``budget``/``params``: the selection (see
     :func:`kvferry.policy_names`); ``budget`` counts the tokens attended per sequence and KV head,
-    sinks and window included. ``sink_tokens``/``window_tokens``: the resident tiers.
+    sinks and window included. ``sink_tokens``/``window_tokens``: the resident tiers (of the global
+    layers; a sliding-window layer, from the config's ``layer_types`` and ``sliding_window``, keeps
+    exactly its window on the device: see :func:`layer_windows`).
     ``max_tokens``: longest sequence; ``max_batch``: batch rows. Further keyword arguments are
     :class:`kvferry.RuntimeConfig` fields.
 
@@ -191,9 +241,10 @@ class KvferryCache(Cache):
                  tp_rank: Optional[int] = None, **runtime_fields: Any) -> None:
         tp_size, tp_rank, config, model = _tensor_parallel(config, tp_size, tp_rank)
         c = _text_config(config)
-        layer_types = getattr(c, "layer_types", None) or []
-        if getattr(c, "sliding_window", None) and any("sliding" in t for t in layer_types):
-            raise ValueError("kvferry.hf: models with sliding-window layers are not supported")
+        windows = layer_windows(c, max_tokens)
+        if getattr(c, "attn_logit_softcapping", None):
+            raise ValueError("kvferry.hf: attention logit soft-capping (attn_logit_softcapping="
+                             f"{c.attn_logit_softcapping}) is not supported")
         num_q = c.num_attention_heads
         num_kv = getattr(c, "num_key_value_heads", None) or num_q
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_q
@@ -218,16 +269,23 @@ class KvferryCache(Cache):
                 runtime_fields["device_id"] = int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
         self.max_tokens = max_tokens
         self.head_dim = head_dim
+        self.layer_window = windows
+        # Gemma scales the logits by query_pre_attn_scalar ** -0.5 (0: 1/sqrt(head_dim)).
+        if "softmax_scale" not in runtime_fields and getattr(c, "query_pre_attn_scalar", None):
+            runtime_fields["softmax_scale"] = float(c.query_pre_attn_scalar) ** -0.5
+        self.softmax_scale = runtime_fields.get("softmax_scale") or head_dim ** -0.5
         self.runtime = kvferry.Runtime(
             num_layers=c.num_hidden_layers, num_q_heads=self.num_q_heads,
             num_kv_heads=self.num_kv_heads, head_dim=head_dim, kv_dtype=kv_dtype,
+            layer_window=list(windows),
             max_sequences=max_batch, max_tokens_per_sequence=max_tokens, max_batch=max_batch,
             max_prefill_chunk=max_prefill_chunk, sink_tokens=sink_tokens,
             window_tokens=window_tokens, policy=policy, budget=budget, params=dict(params or {}),
             route=route, backend=backend, **runtime_fields)
         self._pending: Dict[int, Any] = {}
         self._batch: Optional[int] = None
-        super().__init__(layers=[KvferryLayer(self, i) for i in range(c.num_hidden_layers)])
+        super().__init__(layers=[KvferryLayer(self, i, windows[i] if windows else 0)
+                                 for i in range(c.num_hidden_layers)])
 
     # --- transformers' Cache interface -----------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -304,12 +362,14 @@ class KvferryCache(Cache):
         return out
 
     def kv_bytes_on_gpu(self) -> int:
-        """Device bytes of the KV kvferry keeps on the GPU (resident tier and token bank; staging
-        and plan buffers not counted: see Runtime.device_memory()); 0 on the host backend."""
+        """Device bytes of the KV kvferry keeps on the GPU (resident tier, token bank and the
+        sliding-window layers' rings; staging and plan buffers not counted: see
+        Runtime.device_memory(), whose "layer_bytes" splits it by layer); 0 on the host backend."""
         if self.runtime.backend != "cuda":
             return 0
         parts = self.runtime.device_memory()["parts"]
-        return int(parts.get("resident tier", 0) + parts.get("bank rows", 0))
+        return int(parts.get("resident tier", 0) + parts.get("bank rows", 0) +
+                   parts.get("sliding-window rings", 0))
 
 
 def kvferry_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -327,9 +387,19 @@ def kvferry_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     _ACTIVE.cache = None  # the next layer's update names its cache again
     if dropout:
         raise ValueError("kvferry.hf: attention dropout is not supported (call model.eval())")
-    d = query.shape[-1]
-    if scaling is not None and abs(scaling - 1.0 / math.sqrt(d)) > 1e-6 * scaling:
-        raise ValueError(f"kvferry.hf: softmax scale {scaling} is not 1/sqrt(head_dim)")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("kvferry.hf: attention logit soft-capping is not supported")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("kvferry.hf: learned attention sinks (s_aux, GPT-OSS) are not supported")
+    if scaling is not None and abs(scaling - cache.softmax_scale) > 1e-6 * scaling:
+        raise ValueError(f"kvferry.hf: softmax scale {scaling} is not the cache's "
+                         f"{cache.softmax_scale} (query_pre_attn_scalar ** -0.5 or 1/sqrt(head_dim))")
+    window = kwargs.get("sliding_window")
+    expected = cache.layer_window[layer] if cache.layer_window else 0
+    if (window or 0) and min(window, cache.max_tokens) != expected:
+        raise ValueError(f"kvferry.hf: layer {layer} attends a sliding window of {window} tokens, but "
+                         f"the cache's layer {layer} has {expected or 'none (global)'}: make the cache "
+                         "from this model's config")
     return cache.attend(layer, query, key, value), None
 
 

@@ -204,6 +204,7 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   };
   static const char* const kKnown[] = {
       "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "kv_dtype", "softmax_scale",
+      "layer_window",
       "max_sequences", "max_tokens_per_sequence", "max_batch", "max_prefill_chunk",
       "max_host_bytes", "host_bytes_at_create", "gpu_bytes", "prefill_prefetch", "sink_tokens", "window_tokens",
       "bank_slots", "bank_map", "policy", "budget", "budget_fraction", "params", "route",
@@ -221,6 +222,31 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   get_int("head_dim", c.model.head_dim);
   get_dtype("kv_dtype", c.model.kv_dtype);
   get_as("softmax_scale", c.model.softmax_scale, "a float");
+  // Per-layer attention types: a list of ints (0 global, w > 0 a sliding window of w tokens),
+  // one per layer, or empty / None (every layer global); the Runtime checks the values.
+  if (d.contains("layer_window") && !d["layer_window"].is_none()) {
+    const nb::object lw = d["layer_window"];
+    if (!PySequence_Check(lw.ptr()) || nb::isinstance<nb::str>(lw)) {
+      wrong_type("layer_window", "a list of int (0: global, w > 0: a sliding window of w tokens)");
+    }
+    const Py_ssize_t n = PySequence_Size(lw.ptr());
+    if (n < 0) throw nb::python_error();
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const nb::object e = nb::steal(PySequence_GetItem(lw.ptr(), i));
+      if (!e.is_valid()) throw nb::python_error();
+      if (!PyIndex_Check(e.ptr()) || PyBool_Check(e.ptr())) {
+        throw nb::type_error(("layer_window[" + std::to_string(i) + "] must be an int (got " +
+                              nb::cast<std::string>(nb::repr(e)) + ")").c_str());
+      }
+      const long long w = PyLong_AsLongLong(e.ptr());
+      if (PyErr_Occurred() != nullptr) throw nb::python_error();
+      if (w < std::numeric_limits<int>::min() || w > std::numeric_limits<int>::max()) {
+        throw nb::value_error(("layer_window[" + std::to_string(i) + "] = " + std::to_string(w) +
+                               " is out of range").c_str());
+      }
+      c.model.layer_window.push_back(static_cast<int>(w));
+    }
+  }
   get_int("max_sequences", c.capacity.max_sequences);
   get_int("max_tokens_per_sequence", c.capacity.max_tokens_per_sequence);
   get_int("max_batch", c.capacity.max_batch);
@@ -308,6 +334,7 @@ nb::dict StatsDict(const Stats& s) {
   KVF_STAT(rows_fetched);
   KVF_STAT(rows_cpu);
   KVF_STAT(rows_selected);
+  KVF_STAT(rows_window);
   KVF_STAT(bank_admitted);
   KVF_STAT(bank_evicted);
   KVF_STAT(bank_admit_failures);
@@ -450,7 +477,7 @@ class PyRuntime {
   }
   nb::dict GetStats() const { return StatsDict(rt_->GetStats()); }
   // Runtime::device_memory: {"parts": {name: bytes, ...} (largest first), "total_bytes",
-  // "cap_bytes", "bank_slots"}.
+  // "cap_bytes", "bank_slots", "layer_bytes": [bytes of each layer's K and V rows]}.
   nb::dict DeviceMemory() const {
     const DeviceMemoryPlan& plan = rt_->device_memory();
     nb::dict parts;
@@ -460,6 +487,9 @@ class PyRuntime {
     d["total_bytes"] = plan.total_bytes;
     d["cap_bytes"] = plan.cap_bytes;
     d["bank_slots"] = plan.bank_slots;
+    nb::list layer_bytes;
+    for (int64_t b : plan.layer_bytes) layer_bytes.append(b);
+    d["layer_bytes"] = layer_bytes;
     return d;
   }
   std::string StatsJson() const { return rt_->GetStats().ToJson(); }
