@@ -103,6 +103,15 @@ struct CisState {
   int64_t steps = 0;         // decode steps seen (counted where the budget does not cover n)
   std::vector<CisRef> refs;  // [0, num_refs): the current block's retrievals, oldest first; the
   size_t num_refs = 0;       // elements past it keep their buffers (no allocation once s were seen)
+  // The undo of the last Select, taken by the next one when a roll-back came in between and that
+  // Select was the rolled-back call's (ForgetLayer): its length, the counts it replaced and, when
+  // it overwrote a live ref (a block's first retrieval), that ref (swapped out, no allocation).
+  int64_t undo_n = -1;
+  int64_t undo_steps = 0;
+  size_t undo_num_refs = 0;
+  bool undo_ref_live = false;  // undo_ref holds refs[0] as it was
+  CisRef undo_ref;
+  bool rolled_back = false;    // a Decode of this (slot, layer) was rolled back since undo_n's
 };
 
 /// min (or mean) over the group's heads of cos(q_g, ref_g); 0 when a norm is 0.
@@ -134,8 +143,19 @@ class CisPolicy final : public WrapperBase {
     const OffloadSplit split = SplitPositions(ctx.n, ctx.sink, ctx.window, ctx.budget);
     if (split.all || split.k_off <= 0) return inner().Select(ctx, out);  // nothing to choose
     KVF_ASSIGN_OR_RETURN(CisState * st, states_.Get("cis", ctx.slot, ctx.layer, ctx.kv_head, true));
+    if (st->rolled_back) {
+      // A call of this (slot, layer) was rolled back. The length is back where it was, so this
+      // call has the rolled-back one's n: the last Select was that call exactly when it had this
+      // n (an earlier call that stood had a smaller one). Undo it, as a twin never made it.
+      st->rolled_back = false;
+      if (st->undo_n == ctx.n) Undo(*st);
+    }
     const int group = ctx.params.group, d = ctx.params.head_dim;
     const bool block_start = st->steps % p_.s == 0;
+    st->undo_n = ctx.n;
+    st->undo_steps = st->steps;
+    st->undo_num_refs = st->num_refs;
+    st->undo_ref_live = false;
     ++st->steps;
     if (block_start) st->num_refs = 0;
     const CisRef* share = nullptr;
@@ -154,6 +174,12 @@ class CisPolicy final : public WrapperBase {
     CountCall();
     KVF_RETURN_IF_ERROR(inner().Select(ctx, out));
     if (st->num_refs == st->refs.size()) st->refs.emplace_back();
+    if (st->num_refs < st->undo_num_refs) {
+      // A block's first retrieval overwrites the last block's first ref: keep it for Undo.
+      st->refs[st->num_refs].q.swap(st->undo_ref.q);
+      st->refs[st->num_refs].ranked.swap(st->undo_ref.ranked);
+      st->undo_ref_live = true;
+    }
     CisRef& ref = st->refs[st->num_refs++];
     ref.q.assign(ctx.q, ctx.q + static_cast<size_t>(group) * d);
     ref.ranked.clear();
@@ -196,7 +222,26 @@ class CisPolicy final : public WrapperBase {
     std::copy(ranked.begin(), ranked.end(), pos.begin());
   }
 
+  /// Back to the state before the last Select (its undo record).
+  static void Undo(CisState& st) {
+    if (st.undo_ref_live) {
+      st.refs[0].q.swap(st.undo_ref.q);
+      st.refs[0].ranked.swap(st.undo_ref.ranked);
+      st.undo_ref_live = false;
+    }
+    st.steps = st.undo_steps;
+    st.num_refs = st.undo_num_refs;
+    st.undo_n = -1;
+  }
+
   void DropSlot(int slot) override { states_.RemoveSlot(slot); }
+  // The undo waits for the next Select of each head (above), which knows the call's length.
+  void ForgetLayer(int slot, int layer) override {
+    for (int h = 0; h < states_.num_kv_heads(); ++h) {
+      Result<CisState*> st = states_.Get("cis", slot, layer, h, false);
+      if (st.ok() && st.value() != nullptr) st.value()->rolled_back = true;
+    }
+  }
 
   CisParams p_;
   HeadStateTable<CisState> states_;
@@ -260,6 +305,11 @@ struct XlState {
   int layer = -1;   // layer of the kept set
   int64_t n = -1;   // its length (one step of one sequence has one n in every layer)
   std::vector<int32_t> set;
+  // What the last Select replaced (prev_layer -1: nothing to restore), so that rolling that call
+  // back restores it (ForgetLayer). The two sets swap buffers: no allocation in steady state.
+  int prev_layer = -1;
+  int64_t prev_n = -1;
+  std::vector<int32_t> prev_set;
 };
 
 class XlPolicy final : public WrapperBase, public XlPredictor {
@@ -282,6 +332,9 @@ class XlPolicy final : public WrapperBase, public XlPredictor {
       CountCall();
       KVF_RETURN_IF_ERROR(inner().Select(ctx, out));
     }
+    st->prev_layer = st->layer;
+    st->prev_n = st->n;
+    st->set.swap(st->prev_set);
     st->layer = ctx.layer;
     st->n = ctx.n;
     st->set.assign(out.begin(), out.end());
@@ -318,11 +371,24 @@ class XlPolicy final : public WrapperBase, public XlPredictor {
     if (static_cast<int64_t>(out.size()) > ctx.budget) out.resize(static_cast<size_t>(ctx.budget));
   }
   void DropSlot(int slot) override { states_.RemoveSlot(slot); }
-  // A rolled-back call's set of this layer: the next layer runs its inner instead of reusing it.
+  // A rolled-back call of this layer: its set goes (the next layer must not reuse it), and the set
+  // it replaced comes back, so that the state is a twin's that never made the call: the retried
+  // call reuses the previous layer's set where the twin does (forgetting both would make it run
+  // the inner instead). A layer whose last Select is not this layer's (the call failed before
+  // selecting) keeps its state. Exact when the rolled-back call selected; when it failed before
+  // selecting and the slot's last Select was this layer's at an earlier step (no other layer
+  // selected for the slot since), the set that goes has a past length that no in-order call at the
+  // next layer matches, and the one that comes back is older still.
   void ForgetLayer(int slot, int layer) override {
     for (int h = 0; h < kv_heads_; ++h) {
-      Result<XlState*> st = states_.Get("xl", slot, 0, h, false);
-      if (st.ok() && st.value() != nullptr && st.value()->layer == layer) st.value()->layer = -1;
+      Result<XlState*> got = states_.Get("xl", slot, 0, h, false);
+      if (!got.ok() || got.value() == nullptr || got.value()->layer != layer) continue;
+      XlState& st = *got.value();
+      st.layer = st.prev_layer;
+      st.n = st.prev_n;
+      st.set.swap(st.prev_set);
+      st.prev_layer = -1;  // restored once: a roll-back before the next Select restores nothing
+      st.prev_n = -1;
     }
   }
 
@@ -497,6 +563,14 @@ Result<std::unique_ptr<Policy>> MakePrhsPolicy(const RuntimeConfig& config) {
   inner_config.policy.name = inner_name;
   inner_config.policy.params = std::move(rest);
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Policy> inner, MakePolicy(inner_config));
+  // A dense inner (Policy::is_dense(): every token, every step) leaves a pre-hoc selector nothing
+  // to select, and no wrapper is dense itself (cis+ shares sets of the budget, psaw+ hides a range,
+  // xl+ would only copy "everything"): the runtime would size the step's lists by the budget while
+  // the inner returns all n positions, and every step longer than that would fail. Refused here.
+  KVF_CHECK_ARG(!inner->is_dense(), "policy '", name, "': the ", w->prefix,
+                " wrapper cannot wrap '", inner_name,
+                "', a dense policy (it attends every token at every step): a pre-hoc selector "
+                "over it has nothing to select; use '", inner_name, "' itself");
   return w->make(name, std::move(inner), own, config);
 }
 

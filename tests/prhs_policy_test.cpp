@@ -1,13 +1,14 @@
 // Copyright kvferry authors. Apache-2.0.
 // The PrHS wrappers (cis+, psaw+, xl+): through the Runtime (host backend) where the behaviour is
 // visible there (rho in Stats, equality with the base policy and with dense, PSAW's hidden range,
-// state dropped on removal), directly on the policy for the cross-layer prediction and the
-// dilation.
+// state dropped on removal, a retried call after a roll-back, a dense inner refused), directly on
+// the policy for the cross-layer prediction, its roll-back and the dilation.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <set>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "base/psaw.h"
+#include "fault_device.h"
 #include "kvferry/kvferry.h"
 #include "policies/basic.h"
 #include "policies/policy.h"
@@ -380,6 +382,289 @@ TEST(PrhsXl, PredictionEqualsWhatTheNextLayerSelects) {
   EXPECT_FALSE(xl->PredictNext(1, 3, 0).empty());
   pol.OnSequenceRemoved(1);
   EXPECT_TRUE(xl->PredictNext(1, 3, 0).empty()) << "removal drops the kept sets";
+}
+
+// Policy::OnDecodeRolledBack on xl+: after a rolled-back call the wrapper's state is the state of a
+// twin that never made the call, whatever the call did: a sharing layer that reused the previous
+// layer's set (its retry must reuse it again, as the twin does: forgetting the layer used to throw
+// that set away too, so the retry ran the inner), a layer below the start (ran the inner), the last
+// layer, a call rolled back twice, and a call rolled back before it selected (nothing to undo).
+// The twin B makes only the calls that stand; every selection and prediction must be equal.
+TEST(PrhsXl, RollBackLeavesTheStateOfATwinThatNeverMadeTheCall) {
+  const int layers = 3, group = 2, sink = 4, window = 8;
+  const int64_t budget = 40;
+  RuntimeConfig c = Config("xl+oracle", layers, group, budget, {{"xl.start", 0.34}});  // layers 1, 2 share
+  c.model.num_kv_heads = 1;
+  auto made_a = MakePolicy(c), made_b = MakePolicy(c);
+  ASSERT_TRUE(made_a.ok() && made_b.ok()) << made_a.status().ToString();
+  Policy& a = *made_a.value();
+  Policy& b = *made_b.value();
+  const XlPredictor& pa = dynamic_cast<const XlPredictor&>(a);
+  const XlPredictor& pb = dynamic_cast<const XlPredictor&>(b);
+  testing_util::Synthetic syn(300, group, kHeadDim, 91u);
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd;
+  enum Fault { kNone, kAfterSelect, kTwiceAfterSelect, kBeforeSelect };
+  // [step][layer]: what A's call meets before the call that stands.
+  const Fault script[5][layers] = {{kNone, kNone, kNone},
+                                   {kNone, kAfterSelect, kNone},
+                                   {kAfterSelect, kNone, kAfterSelect},
+                                   {kBeforeSelect, kTwiceAfterSelect, kBeforeSelect},
+                                   {kNone, kNone, kNone}};
+  int64_t failed_selects = 0;
+  int differs_from_inner = 0;  // retried sharing layers whose set is not what their inner selects
+  for (int step = 0; step < 5; ++step) {
+    for (int layer = 0; layer < layers; ++layer) {
+      std::vector<float> q(static_cast<size_t>(group) * kHeadDim);
+      for (float& x : q) x = nd(rng);  // every layer its own query: its inner picks differ
+      SelectContext ctx = testing_util::Context(syn.kv, q.data(), group, sink, window, budget, layer);
+      ctx.slot = 1;
+      const std::string at = "step " + std::to_string(step) + " layer " + std::to_string(layer);
+      std::vector<int32_t> out_a, out_b;
+      const Fault f = script[step][layer];
+      for (int tries = f == kAfterSelect ? 1 : (f == kTwiceAfterSelect ? 2 : 0); tries > 0; --tries) {
+        ASSERT_TRUE(a.Select(ctx, out_a).ok());
+        ++failed_selects;
+        a.OnDecodeRolledBack(1, layer);
+        EXPECT_EQ(pa.PredictNext(1, layer, 0), pb.PredictNext(1, layer, 0)) << at << ": rolled back";
+        if (layer > 0) {
+          EXPECT_EQ(pa.PredictNext(1, layer - 1, 0), pb.PredictNext(1, layer - 1, 0)) << at;
+        }
+      }
+      if (f == kBeforeSelect) a.OnDecodeRolledBack(1, layer);
+      out_a.clear();
+      ASSERT_TRUE(a.Select(ctx, out_a).ok());
+      ASSERT_TRUE(b.Select(ctx, out_b).ok());
+      EXPECT_EQ(out_a, out_b) << at;
+      EXPECT_EQ(pa.PredictNext(1, layer, 0), pb.PredictNext(1, layer, 0)) << at;
+      if (f != kNone && layer >= 1) {
+        std::vector<int32_t> inner;
+        OracleSelect(ctx, inner);
+        differs_from_inner += inner != out_b ? 1 : 0;
+      }
+    }
+    std::vector<float> k(kHeadDim), v(kHeadDim);
+    for (float& x : k) x = nd(rng);
+    for (float& x : v) x = nd(rng);
+    syn.kv.Append(k.data(), v.data());  // the next step: n grows
+  }
+  // The retried sharing layers reused a set their inner would not have chosen, so a retry that ran
+  // the inner instead would have been seen.
+  EXPECT_GE(differs_from_inner, 2);
+  // A counts its rolled-back Selects too: one call or reuse each.
+  const PolicyCounters ca = a.counters(), cb = b.counters();
+  EXPECT_EQ(ca.select_calls + ca.select_reused, cb.select_calls + cb.select_reused + failed_selects);
+  EXPECT_EQ(cb.select_calls, 5);        // layer 0 of each step
+  EXPECT_EQ(cb.select_reused, 5 * 2);   // layers 1 and 2
+}
+
+// Policy::OnDecodeRolledBack on cis+: the same against a twin, through blocks of 3 steps whose
+// queries either stay near the block's (shared) or jump (a retrieval): a rolled-back call at a
+// block's first step (it overwrote the last block's first ref), at a mid-block retrieval, at a
+// shared step, twice, and before it selected (its last Select, the step before at the same layer,
+// stood and must stay). The retried call must select what the twin selects; before the fix the
+// rolled-back call's step count and ref stayed, so the retry shared its own ref.
+TEST(PrhsCis, RollBackLeavesTheStateOfATwinThatNeverMadeTheCall) {
+  const int group = 2, sink = 4, window = 8;
+  const int64_t budget = 40;
+  RuntimeConfig c = Config("cis+oracle", 1, group, budget, {{"cis.s", 3}, {"cis.tau", 0.5}});
+  c.model.num_kv_heads = 1;
+  auto made_a = MakePolicy(c), made_b = MakePolicy(c);
+  ASSERT_TRUE(made_a.ok() && made_b.ok()) << made_a.status().ToString();
+  Policy& a = *made_a.value();
+  Policy& b = *made_b.value();
+  testing_util::Synthetic syn(300, group, kHeadDim, 29u);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  enum Fault { kNone, kAfterSelect, kTwiceAfterSelect, kBeforeSelect };
+  struct Step {
+    bool jump;  // a new query direction (a retrieval) or near the last one (shared)
+    Fault fault;
+  };
+  const Step script[] = {{true, kNone},         {false, kNone},        {false, kNone},
+                         {true, kAfterSelect},  {false, kBeforeSelect}, {true, kTwiceAfterSelect},
+                         {true, kNone},         {true, kAfterSelect},  {false, kAfterSelect},
+                         {true, kAfterSelect},  {false, kNone},        {false, kNone}};
+  std::vector<float> base(static_cast<size_t>(group) * kHeadDim);
+  int64_t failed_selects = 0;
+  int shared = 0, retrieved = 0;
+  for (size_t step = 0; step < std::size(script); ++step) {
+    if (script[step].jump) {
+      for (float& x : base) x = nd(rng);
+    }
+    std::vector<float> q = base;
+    for (float& x : q) x += 0.1f * nd(rng);
+    SelectContext ctx = testing_util::Context(syn.kv, q.data(), group, sink, window, budget, 0);
+    ctx.slot = 1;
+    const std::string at = "step " + std::to_string(step);
+    std::vector<int32_t> out_a, out_b;
+    const Fault f = script[step].fault;
+    for (int tries = f == kAfterSelect ? 1 : (f == kTwiceAfterSelect ? 2 : 0); tries > 0; --tries) {
+      ASSERT_TRUE(a.Select(ctx, out_a).ok());
+      out_a.clear();
+      ++failed_selects;
+      a.OnDecodeRolledBack(1, 0);
+    }
+    if (f == kBeforeSelect) a.OnDecodeRolledBack(1, 0);
+    const int64_t reused_before = b.counters().select_reused;
+    ASSERT_TRUE(a.Select(ctx, out_a).ok());
+    ASSERT_TRUE(b.Select(ctx, out_b).ok());
+    EXPECT_EQ(out_a, out_b) << at;
+    (b.counters().select_reused > reused_before ? shared : retrieved) += 1;
+    std::vector<float> k(kHeadDim), v(kHeadDim);
+    for (float& x : k) x = nd(rng);
+    for (float& x : v) x = nd(rng);
+    syn.kv.Append(k.data(), v.data());  // the next step: n grows
+  }
+  EXPECT_GE(shared, 3);  // both kinds of step met the faults
+  EXPECT_GE(retrieved, 5);
+  const PolicyCounters ca = a.counters(), cb = b.counters();
+  EXPECT_EQ(ca.select_calls + ca.select_reused, cb.select_calls + cb.select_reused + failed_selects);
+}
+
+// The same through a Runtime on the host path (route cpu: the policy's own Select, the wrapper's
+// included, runs on the host): A's Decode fails with a device fault injected into the last call of
+// its latest device entry point, after the append, the selection and the attention ran
+// (tests/fault_device.h, as the conformance harness's ConfRollBack), is rolled back, then retried
+// as an engine would. From then on every output and selection of A equals, bit for bit, a twin's
+// that never made the failed calls: for xl+ at a sharing layer (1), at a layer that runs the inner
+// (0), and at both in one step; for cis+ at block starts (s 2) and shared steps. (hip and sparcas
+// would need their refresh outside the test, lfps keeps its exception: include/kvferry/runtime.h,
+// "Errors".)
+TEST(PrhsWrappers, RetriedDecodeAfterAFaultEqualsTheTwin) {
+  using testing::FaultMode;
+  using testing::FaultPoint;
+  constexpr FaultPoint kLate[] = {FaultPoint::kMergeLse, FaultPoint::kDecodeStep,
+                                  FaultPoint::kAttendRows, FaultPoint::kAttendPaged,
+                                  FaultPoint::kCopyAsync};
+  constexpr int kPoints = static_cast<int>(FaultPoint::kCount);
+  const std::vector<std::pair<std::string, std::map<std::string, double>>> policies = {
+      {"xl+oracle", {}},
+      {"xl+quest", {}},
+      {"xl+sparcas", {}},
+      {"cis+oracle", {{"cis.s", 2}, {"cis.tau", -1}}},
+      {"cis+quest", {{"cis.s", 3}, {"cis.tau", 0.5}}},
+      {"xl+cis+oracle", {{"cis.s", 2}, {"cis.tau", -1}}}};
+  for (const auto& [policy, params] : policies) {
+    SCOPED_TRACE(policy);
+    RuntimeConfig c = Config(policy, 2, 4, 48, params);
+    c.route = Route::kCpu;
+    c.cpu_threads = 1;  // the twins split their work alike
+    c.probe_at_start = false;
+    auto made_b = Runtime::Create(c);  // the twin, on the plain device
+    ASSERT_TRUE(made_b.ok()) << made_b.status().ToString();
+    testing::ScopedFaults scope;
+    auto made_a = Runtime::Create(c);
+    ASSERT_TRUE(made_a.ok()) << made_a.status().ToString();
+    Runtime& a = *made_a.value();
+    Runtime& b = *made_b.value();
+    testing::FaultInjector& faults = scope.faults();
+    const int hq = c.model.num_q_heads, hkv = c.model.num_kv_heads, d = c.model.head_dim;
+    const SequenceId seq = 7;
+    const std::vector<SequenceId> seqs = {seq};
+    std::mt19937 rng(23);
+    std::normal_distribution<float> nd;
+    auto random = [&](int64_t count) {
+      std::vector<float> x(static_cast<size_t>(count));
+      for (float& e : x) e = nd(rng);
+      return x;
+    };
+    auto view = [&](std::vector<float>& x, int64_t rows, int heads) {
+      return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {rows, heads, d});
+    };
+    const int64_t context = 200;
+    for (Runtime* rt : {&a, &b}) ASSERT_TRUE(rt->AddSequence(seq).ok());
+    for (int layer = 0; layer < 2; ++layer) {
+      auto q = random(context * hq * d), k = random(context * hkv * d), v = random(context * hkv * d);
+      std::vector<float> o(q.size());
+      for (Runtime* rt : {&a, &b}) {
+        ASSERT_TRUE(rt->Prefill(seq, layer, view(q, context, hq), view(k, context, hkv),
+                                view(v, context, hkv), view(o, context, hq)).ok());
+      }
+    }
+    // [layer][point]: the device calls of each entry point in A's call of the layer at step 1.
+    std::vector<std::vector<int64_t>> calls(2, std::vector<int64_t>(kPoints, 0));
+    auto fails_at = [](int step, int layer) {
+      return (step == 2 && layer == 1) || (step == 3 && layer == 0) || step == 4;
+    };
+    int failed = 0;
+    for (int step = 0; step < 6; ++step) {
+      for (int layer = 0; layer < 2; ++layer) {
+        const std::string at = "step " + std::to_string(step) + " layer " + std::to_string(layer);
+        auto q = random(hq * d), k = random(hkv * d), v = random(hkv * d);
+        std::vector<float> oa(q.size(), NAN), ob(q.size(), NAN);
+        auto decode = [&](Runtime& rt, std::vector<float>& o) {
+          return rt.Decode(seqs, layer, view(q, 1, hq), view(k, 1, hkv), view(v, 1, hkv),
+                           view(o, 1, hq));
+        };
+        if (fails_at(step, layer)) {
+          FaultPoint point = FaultPoint::kCount;
+          for (FaultPoint p : kLate) {
+            if (point == FaultPoint::kCount && calls[layer][static_cast<int>(p)] > 0) point = p;
+          }
+          ASSERT_NE(point, FaultPoint::kCount) << at;
+          const int64_t fired = faults.fired();
+          faults.FailNth(point, calls[layer][static_cast<int>(point)], FaultMode::kAfter);
+          const Status st = decode(a, oa);
+          faults.Disarm();
+          ASSERT_GT(faults.fired(), fired) << at << ": the fault did not fire";
+          EXPECT_EQ(st.code(), StatusCode::kDeviceError) << at << ": " << st.ToString();
+          EXPECT_EQ(a.SequenceLength(seq, layer).value(), b.SequenceLength(seq, layer).value())
+              << at << ": the failed call kept its token";
+          ++failed;
+        }
+        std::vector<int64_t> before(kPoints);
+        for (int p = 0; p < kPoints; ++p) before[p] = faults.calls(static_cast<FaultPoint>(p));
+        const Status sa = decode(a, oa);  // the call, or its retry
+        ASSERT_TRUE(sa.ok()) << at << ": " << sa.ToString();
+        if (step == 1) {
+          for (int p = 0; p < kPoints; ++p) {
+            calls[layer][p] = faults.calls(static_cast<FaultPoint>(p)) - before[p];
+          }
+        }
+        ASSERT_TRUE(decode(b, ob).ok()) << at;
+        EXPECT_EQ(std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)), 0)
+            << at << ": the outputs differ in their bits";
+        for (int h = 0; h < hkv; ++h) {
+          EXPECT_EQ(a.LastSelection(seq, layer, h).value(), b.LastSelection(seq, layer, h).value())
+              << at << " head " << h;
+        }
+        if (layer == 1 && policy.rfind("xl+", 0) == 0) {
+          for (int h = 0; h < hkv; ++h) {
+            EXPECT_EQ(a.LastSelection(seq, 1, h).value(), a.LastSelection(seq, 0, h).value())
+                << at << ": layer 1 shares layer 0's set";
+          }
+        }
+      }
+    }
+    EXPECT_EQ(failed, 4);
+  }
+}
+
+// A wrapper over a dense policy (Policy::is_dense()) is refused at Create: a pre-hoc selector over
+// a policy that attends every token has nothing to select, and no wrapper is dense itself, so the
+// runtime would size the step's lists by the budget while the inner returns every position (every
+// Decode past budget + sinks + window tokens used to fail with "internal error: policy 'cis+dense'
+// selected 251 positions, over its capacity 100"). Stacks are refused by their innermost wrapper.
+TEST(PrhsWrappers, ADenseInnerIsRefused) {
+  const std::vector<std::pair<std::string, std::string>> names = {
+      {"cis+dense", "cis+"}, {"psaw+dense", "psaw+"}, {"xl+dense", "xl+"},
+      {"psaw+cis+dense", "cis+"}, {"xl+psaw+dense", "psaw+"}};
+  for (const auto& [p, innermost] : names) {
+    SCOPED_TRACE(p);
+    auto r = Runtime::Create(Config(p, 2, 2, 64));
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    const std::string want = "the " + innermost +
+                             " wrapper cannot wrap 'dense', a dense policy (it attends every token "
+                             "at every step): a pre-hoc selector over it has nothing to select; "
+                             "use 'dense' itself";
+    EXPECT_NE(r.status().message().find(want), std::string::npos) << r.status().message();
+    EXPECT_FALSE(MakePolicy(Config(p, 2, 2, 64)).ok());
+  }
+  // Around a sparse policy at a budget covering the context, the wrappers are dense attention
+  // (FullBudgetEqualsDense); PSAW over dense attention is psaw+oracle at such a budget.
+  EXPECT_TRUE(Runtime::Create(Config("psaw+oracle", 2, 2, 2048)).ok());
 }
 
 TEST(PrhsCis, RemovedSequenceStartsFresh) {

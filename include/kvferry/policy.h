@@ -101,6 +101,18 @@ class Policy {
   /// sinks and window for a policy that always returns them (the runtime's lists hold that
   /// many). \p out is cleared by the caller and has capacity reserved; Select should not
   /// allocate in steady state. Calls for different (slot, layer, kv_head) may run concurrently.
+  ///
+  /// Exception: the built-in "oracle" (and a PrHS wrapper around it): an exact top-k,
+  /// it returns the min(ctx.budget, ctx.n) positions of [0, ctx.n) with the largest summed
+  /// softmax weight of the group, none reserved, so the new token and the resident sinks and
+  /// window compete like any other position and any of them may be left out (its device
+  /// selection alike). The runtime does not rely on n - 1 or on the resident positions being
+  /// listed: it attends exactly the listed positions (and every resident row, listed or not, in
+  /// the planned CPU step of a policy that declares selection_covers_resident()). It relies on
+  /// the list being ascending, unique and in [0, ctx.n), and within its capacity: a longer list
+  /// fails the Decode with kInternal (every host Select), and so does one out of order or out of
+  /// range where the host's lists go to the device's step; elsewhere such a position would be
+  /// read from a wrong row, unchecked.
   virtual Status Select(const SelectContext& ctx, std::vector<int32_t>& out) = 0;
 
   // ---- Optional: properties and hooks with defaults ------------------------------------------
@@ -129,8 +141,10 @@ class Policy {
   /// The sequence in \p slot is gone: drop its state.
   virtual void OnSequenceRemoved(int slot) { (void)slot; }
   /// A Decode of \p layer that included \p slot failed and was rolled back (its token taken
-  /// back), possibly after Select ran for it: forget anything that Select kept for a later call
-  /// (xl+'s set for the next layer), as a runtime that never made the call would not have it.
+  /// back), possibly after Select ran for it, possibly before: leave the state a runtime that never
+  /// made the call would have, so that the retried call selects as it would have. Forget what
+  /// that Select kept for a later call and bring back what it replaced (xl+: the layer's set goes,
+  /// the previous layer's set it overwrote comes back for the retried call to reuse).
   virtual void OnDecodeRolledBack(int slot, int layer) {
     (void)slot;
     (void)layer;

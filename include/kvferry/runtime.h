@@ -79,8 +79,11 @@ struct DeviceMemoryPlan {
 /// failed Decode, Prefill or Append takes back what it appended and restores the GPU window of
 /// the call's sequences from the host store), with these exceptions: a layer of a planned step
 /// that already ran keeps its token (PlanDecode); selection policies that keep state between
-/// steps (lfps' tables, the prhs wrappers' kept sets) may have advanced it, which can change
-/// later selections (never a stored token); and if the device fails again while the
+/// steps may have advanced it in the rolled-back call (lfps' tables; sparcas' dimension-refresh
+/// counter `u` and hip's mask-refresh counter `r_m`, on the host and device paths alike, so that a
+/// later refresh comes one step early), which can change later selections (never a stored
+/// token); the prhs wrappers' own state (cis+'s blocks and kept sets, xl+'s shared sets) is
+/// restored; and if the device fails again while the
 /// call is being rolled back, the message says so and the call's sequences are in an
 /// unspecified state (remove them). A CUDA error that poisons the context (an illegal address)
 /// fails every later call; the runtime must then be destroyed.
