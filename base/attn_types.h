@@ -8,7 +8,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "base/env.h"
 #include "kvferry/kv_pages.h"
 #include "kvferry/tensor.h"
 
@@ -549,13 +548,9 @@ constexpr int64_t kSelectMctaMinKeys = 4096;
 /// (stop 21): from 2048 pages, 3.30 ms per token step at 32K (2048 pages) against 3.16 with one
 /// CTA, and 4.01-4.10 at 128K (8192 pages) against 4.56-4.63; from 4096 pages, 4.07 at 128K.
 constexpr int64_t kSelectMctaMinPages = 4096;
-/// The pages from which a Quest item takes the multi-CTA top-k: kSelectMctaMinPages, or
-/// KVFERRY_MCTA_MIN_PAGES when set (for measuring; read once). The runtime sizes the scratch and
-/// LaunchSelectTopK picks the path with it.
-inline int64_t SelectMctaMinPages() {
-  static const int64_t pages = EnvInt("KVFERRY_MCTA_MIN_PAGES", kSelectMctaMinPages, 1);
-  return pages;
-}
+/// The pages from which a Quest item takes the multi-CTA top-k (kSelectMctaMinPages). The runtime
+/// sizes the scratch and LaunchSelectTopK picks the path with it.
+inline int64_t SelectMctaMinPages() { return kSelectMctaMinPages; }
 constexpr int32_t kSelectMctaMaxCtas = 64;
 /// Fewest scores a CTA of the multi-CTA top-k handles (fewer CTAs for shorter capacities).
 constexpr int64_t kSelectMctaMinChunk = 2048;

@@ -137,6 +137,11 @@ struct Options {
   // --async-cpu N: RuntimeConfig::async_cpu (-1, the default: on with CUDA; 0: the CPU part of a
   // CPU-placed policy's step on the calling thread).
   int async_cpu = -1;
+  // --split-share F: RuntimeConfig::split_share (-1, the default: the cost model's; 1: every miss
+  // of a split step on the CPU).
+  double split_share = -1.0;
+  // --cpu-spin-us N: RuntimeConfig::cpu_spin_us (0, the default: the pool's workers sleep at once).
+  int64_t cpu_spin_us = 0;
   // --route auto: the device-selection modes (oracle, quest, sparcas, hip, kvpop; no bank) on
   // route auto, where the scheduler splits each layer's misses with the CPU (Stats::decode_split;
   // outside a CUDA graph only: compare ms_per_token_step_no_graph); default gpu.
@@ -251,6 +256,10 @@ Options Parse(int argc, char** argv) {
             &o.query_drift, 0.0, 1000.0, /*lo_open=*/false, "E")
       .Switch("--unique-kv", "every prompt chunk's keys drawn afresh", &o.unique_kv)
       .Whole("--async-cpu", "RuntimeConfig::async_cpu (-1: on with CUDA)", &o.async_cpu, -1, 1)
+      .Real("--split-share", "RuntimeConfig::split_share (-1: the cost model's, else in [0, 1])",
+            &o.split_share, -1.0, 1.0, /*lo_open=*/false, "F")
+      .Whole("--cpu-spin-us", "RuntimeConfig::cpu_spin_us (the pool's spin between layers)",
+             &o.cpu_spin_us, 0, 1000000)
       .Choice("--route", "route of the device-selection modes", &o.route, {"gpu", "auto"})
       .Real("--engine-us", "host spin after each Decode (the engine's own host work)",
             &o.engine_us, 0.0, 1e6, /*lo_open=*/false, "US")
@@ -296,7 +305,7 @@ struct Row {
 
 // The "kvpop" mode's scorer: an MLP of hidden width 16 (what scripts/kvpop_train.py trains for
 // SmolLM2) with random weights for this model shape, written once as the safetensors file that
-// KVFERRY_KVPOP_WEIGHTS names, so the step pays for a real scorer. Returns the path.
+// PolicyConfig::weights_path names, so the step pays for a real scorer. Returns the path.
 std::string KvpopWeightsFile(int layers, int kv_heads, int head_dim) {
   const int64_t hidden = 16, in_dim = 2 * head_dim;
   const std::string path = "/tmp/kvferry_e2e_kvpop_" + std::to_string(layers) + ".safetensors";
@@ -364,6 +373,8 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   c.probe_at_start = true;
   c.cpu_threads = o.cpu_threads;
   c.async_cpu = o.async_cpu;
+  c.split_share = o.split_share;
+  c.cpu_spin_us = o.cpu_spin_us;
   c.route = kvferry::Route::kGpu;
   if (base == "dense_cpu") {  // every row attended by the CPU cores next to the host store
     c.policy.name = "dense";
@@ -400,7 +411,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     c.policy.name = "kvpop";
     c.policy.budget_tokens = 0;
     c.policy.budget_fraction = 0.02;
-    setenv("KVFERRY_KVPOP_WEIGHTS", KvpopWeightsFile(o.layers, kHkv, kD).c_str(), 1);
+    c.policy.weights_path = KvpopWeightsFile(o.layers, kHkv, kD);
   } else if (base == "lfps_gpu") {
     c.policy.name = "lfps";  // every selected offloaded row read by the GPU (zero-copy)
     c.policy.budget_tokens = 0;
@@ -438,6 +449,8 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   if (o.query_drift != 0) row << ",\"query_drift\":" << o.query_drift;
   if (o.unique_kv) row << ",\"unique_kv\":true";
   if (o.async_cpu >= 0) row << ",\"async_cpu\":" << o.async_cpu;
+  if (o.split_share >= 0) row << ",\"split_share\":" << o.split_share;
+  if (o.cpu_spin_us > 0) row << ",\"cpu_spin_us\":" << o.cpu_spin_us;
   if (o.engine_us > 0) row << ",\"engine_us\":" << o.engine_us;
   if (o.engine_gpu_us > 0) row << ",\"engine_gpu_us\":" << o.engine_gpu_us;
   if (o.budget_tokens > 0) row << ",\"budget_tokens\":" << c.policy.budget_tokens;
@@ -708,11 +721,9 @@ std::string RunPrefill(const Options& o, int64_t ctx, int64_t chunk, const std::
   c.policy.budget_fraction = mode == "prefill_lfps" ? 0.02 : 0.0;
   row << ",\"policy\":\"" << c.policy.name << "\"";
   AddParams(o, c, row);
-  // Chunks after the first overlap the history copy with the attention unless
-  // KVFERRY_PREFILL_OVERLAP=off (the one-pass staging; compare both in one run).
-  const char* overlap = std::getenv("KVFERRY_PREFILL_OVERLAP");
-  row << ",\"history_overlap\":"
-      << (overlap != nullptr && std::string(overlap) == "off" ? "false" : "true");
+  // Chunks after the first overlap the history copy with the attention (kept in the row for the
+  // tables that read it).
+  row << ",\"history_overlap\":true";
   auto made = Runtime::Create(c);
   if (!made.ok()) {
     row << ",\"skipped\":\"" << made.status().ToString() << "\"}";

@@ -107,7 +107,7 @@ def scale_cmds(T):
             f"{E2E} {cap} --contexts {c} --batches {n} --steps 2 --modes full_streaming,dense_cpu --json {p}_base.jsonl",
             f"{E2E} {cap} --contexts {c} --batches {n} --steps 8 --modes sparcas,kvpop --route gpu --json {p}_route_gpu.jsonl",
             f"{E2E} {cap} --contexts {c} --batches {n} --steps 8 --modes sparcas,kvpop --route auto --json {p}_route_auto.jsonl",
-            f"KVFERRY_SPLIT_SHARE=1 {E2E} {cap} --contexts {c} --batches {n} --steps 8 --modes sparcas,kvpop "
+            f"{E2E} {cap} --split-share 1 --contexts {c} --batches {n} --steps 8 --modes sparcas,kvpop "
             f"--route auto --json {p}_route_cpu.jsonl",
         ]
     cmds += [f"{E2E} {cap} --contexts {c} --batches {n} --steps 8 --modes dense_resident --json {T}/dense_{c}x{n}.jsonl"
@@ -143,7 +143,7 @@ def scale_merge(T):
         if route_kind:
             row["mode"] = f"{mode} ({ {'gpu': 'route gpu', 'auto': 'split', 'cpu': 'all misses on CPU'}[route_kind] })"
             if route_kind == "cpu":
-                row["route"] = "auto, KVFERRY_SPLIT_SHARE=1"
+                row["route"] = "auto, --split-share 1"
         if "skipped" in r:
             out.append({**row, "skipped": r["skipped"]})
             continue
@@ -174,7 +174,7 @@ def split_cmds(T):
     cap = f"--unique-kv --gpu-gib 8 --host-gib {H} --contexts 131072 --batches 1,4 --steps 8 --modes sparcas,kvpop"
     return [f"{E2E} {cap} --route gpu --json {T}/gpu.jsonl",
             f"{E2E} {cap} --route auto --json {T}/auto.jsonl",
-            f"KVFERRY_SPLIT_SHARE=1 {E2E} {cap} --route auto --json {T}/cpu.jsonl"]
+            f"{E2E} {cap} --split-share 1 --route auto --json {T}/cpu.jsonl"]
 
 
 def split_merge(T):
@@ -188,7 +188,7 @@ def split_merge(T):
     label_query(rows)
     return {"what": "the scheduler's split inside the planned step: device-selected policies (2%) "
                     "without a bank, route gpu vs the split (route auto) vs every miss on the CPU "
-                    "(KVFERRY_SPLIT_SHARE=1), 8 GiB cap", "regenerate": "python3 bench/reproduce.py split",
+                    "(--split-share 1), 8 GiB cap", "regenerate": "python3 bench/reproduce.py split",
             "rows": rows}
 
 
@@ -196,17 +196,17 @@ def quality_cmds(T):
     L = f"{LLAMA} --model {MODEL}"
     ppl = "--perplexity --text data/kjv.txt --context 8192 --scored 1024 --backend host"
     pk = "--passkey --text data/kjv.txt --backend host"
-    W = "KVFERRY_KVPOP_WEIGHTS=policies/weights/kvpop_smollm2.safetensors"
+    W = "--policy-weights policies/weights/kvpop_smollm2.safetensors"
     cmds = [
         "bash scripts/fetch-data.sh",
         f"{L} {ppl} --policy streaming,oracle,quest,sparcas,hip,lfps --budget 256,512 --json {T}/ppl.json",
-        f"{W} {L} {ppl} --policy kvpop --budget 256,512 --no-dense --json {T}/ppl_kvpop.json",
+        f"{L} {ppl} {W} --policy kvpop --budget 256,512 --no-dense --json {T}/ppl_kvpop.json",
         f"{L} {ppl} --policy kvpop --param scorer=2 --budget 256,512 --no-dense --json {T}/ppl_kvpop2.json",
         f"{L} {ppl} --policy sparcas --param bits=16 --param d_b=8 --budget 256,512 --no-dense --json {T}/ppl_sparcas16.json",
         f"{L} {ppl} --policy hip --param bits=16 --param align=0 --budget 256,512 --no-dense --json {T}/ppl_hip32.json",
         f"{L} {pk} --lengths 2048,4096 --depths 0.1,0.5,0.9 --policy streaming,oracle,quest,sparcas,hip,lfps "
         f"--budget 256 --json {T}/passkey_24k.json",
-        f"{W} {L} {pk} --lengths 2048,4096 --depths 0.1,0.5,0.9 --policy kvpop --budget 256 --no-dense --json {T}/passkey_kvpop.json",
+        f"{L} {pk} {W} --lengths 2048,4096 --depths 0.1,0.5,0.9 --policy kvpop --budget 256 --no-dense --json {T}/passkey_kvpop.json",
         f"{L} {pk} --lengths 8192 --depths 0.5 --policy oracle,quest,sparcas,lfps --budget 256 --json {T}/passkey_8k.json",
         f"{L} --dump-trace {T}/kjv4k.safetensors --text data/kjv.txt --offset-lines 1000 --context 4096 "
         f"--trace-layers all --trace-steps 1 --policy dense --backend host",
@@ -424,7 +424,7 @@ STEP_VARIANTS = [  # (variant, params for the row, env, extra flags)
     ("scan0", {"scan": 0}, "", "--param scan=0"),
     ("threads8", {"cpu_threads": 8}, "", "--cpu-threads 8"),
     ("scan_every_step", {"scan_max_period": 1}, "", "--param scan_max_period=1"),
-    ("pool_warm500", {}, "KVFERRY_POOL_WARM_US=500 ", ""),
+    ("pool_warm500", {}, "", "--cpu-spin-us 500"),
 ]
 STEP_REPEATS = 2
 
@@ -496,7 +496,7 @@ def step_profile_merge(T):
                     "averaged over the row (warm-up and timed steps). The trace fields come from the one traced step "
                     "after the timed ones: select_us_per_layer is the host select stage of a layer, slowest_item_us / "
                     "mean_item_us the (sequence, KV head) pool tasks (cpu_item), last_item_start_us when the last of "
-                    "them started after the stage began. pool_warm500: KVFERRY_POOL_WARM_US=500 (CpuPool::KeepWarm). "
+                    "them started after the stage began. pool_warm500: RuntimeConfig::cpu_spin_us = 500 (--cpu-spin-us 500, CpuPool::KeepWarm). "
                     f"{STEP_REPEATS} interleaved repeats of every variant: the spread between repeats is the noise.",
             "rows": rows, "regenerate": "python3 bench/reproduce.py lfps_step_profile"}
 
@@ -711,10 +711,10 @@ REPLAY_LANES = ("oracle@256 streaming@256 quest@256 sparcas@256 lfps@256 hip@256
 
 def replay_cmds(T):
     lanes = " ".join(f"--lane {l}" for l in REPLAY_LANES.split())
-    W = "KVFERRY_KVPOP_WEIGHTS=policies/weights/kvpop_smollm2.safetensors"
+    W = "--policy-weights policies/weights/kvpop_smollm2.safetensors"
     return [FETCH, side_by_side(*(trace_cmd(f"{T}/{t}8k.safetensors", f"data/{t}.txt", 0, 8192, dtype="bf16")
                                   + " --cpu-threads 1" for t in HQ_TEXTS)),
-            *[f"{W} {B}/bench/select_replay_bench --trace {T}/{t}8k.safetensors --from 7680 --threads 2 "
+            *[f"{B}/bench/select_replay_bench {W} --trace {T}/{t}8k.safetensors --from 7680 --threads 2 "
               f"--detail hip@256 {lanes} --json {T}/{t}.json" for t in HQ_TEXTS]]
 
 

@@ -214,14 +214,9 @@ void RunMatmul(CachedMatmul& cm, const void* a, const void* b, float* c) {
 // low-precision kernel for it (AMX, AVX-512 BF16/FP16: names like "brg:avx512_core_amx",
 // "brg:avx512_core_bf16"), else f32, which every x86-64 CPU runs at full FMA rate (a bf16 or f16
 // matmul without such hardware is emulated or missing: Debian's oneDNN 2.6 has no f16 matmul on a
-// Zen 4 without AVX512-FP16). KVFERRY_PREFILL_MATMUL=f32 forces f32 (to compare the two).
+// Zen 4 without AVX512-FP16).
 DType PrefillMatmulDtype(DType kv_dtype, int head_dim) {
   if (kv_dtype == DType::kF32) return DType::kF32;
-  static const bool force_f32 = [] {
-    const char* env = std::getenv("KVFERRY_PREFILL_MATMUL");
-    return env != nullptr && std::strcmp(env, "f32") == 0;
-  }();
-  if (force_f32) return DType::kF32;
   const CachedMatmul& cm = GetMatmul(0, 64, 256, head_dim, kv_dtype);
   const bool native = cm.ok && cm.impl.find("ref") == std::string::npos &&
                       (cm.impl.find("amx") != std::string::npos ||

@@ -168,8 +168,8 @@ enum class SelectTopKPath : int32_t {
 /// writes args.list/list_count exactly as LaunchDecodeSelect does (row 0 of each item's scratch is
 /// overwritten). For tests and benchmarks of the two top-k paths; graph-capturable. stats_parts >
 /// 0: the scoring already wrote that many partial (max, sum) pairs a query head into each item's
-/// multi-CTA scratch and zeroed its histograms (SparCas's 4-bit scoring with
-/// KVFERRY_SPARCAS_SCORE_STATS=1), so the multi-CTA path skips its statistics pass.
+/// multi-CTA scratch and zeroed its histograms (SparCas's 4-bit scoring can, though the runtime
+/// keeps it off), so the multi-CTA path skips its statistics pass.
 Status LaunchSelectTopK(const DecodeStepArgs& args, const LaunchInfo& info, SelectTopKPath path,
                         cudaStream_t stream, int32_t stats_parts = 0);
 

@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <limits>
 
-#include "base/env.h"
 #include "base/hip_mask.h"
 #include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
@@ -649,7 +648,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
 // block scans. Shared memory: br[2 kn_cap] branches (first, end block), keys[2 kn_cap] scores,
 // whose bytes hold the nodes[kn_cap] between iterations, then the packed int8 query.
 constexpr int kHipThreads = 1024;
-// HipDeferredKernel's CTA (KVFERRY_HIP_SIDE_THREADS: 256, 512 or 1024). A smaller CTA would leave
+// HipDeferredKernel's CTA (256, 512 or 1024 threads would do). A smaller CTA would leave
 // room on its SM for the step's own kernels, but the rebuild then takes longer and the step waits
 // on it at its last layer: stop 26 measured 128K b1 2.98 / 2.92 / 2.68 ms a step at 256 / 512 /
 // 1024 threads, b4 5.45 / 5.38 / 5.18.
@@ -1982,15 +1981,13 @@ size_t MctaFusedSmem(int64_t keys_cap, unsigned ctas) {
 }
 
 // Launches the fused top-k when its grid can be co-resident on this device (cooperative launch,
-// capturable in a CUDA graph); *launched says whether it did. KVFERRY_MCTA_FUSED=0 turns it off
-// (the per-pass launches then run), for measuring.
+// capturable in a CUDA graph); *launched says whether it did (when not, the per-pass launches run).
 template <bool kQuest>
 Status LaunchMctaFused(const DecodeStepArgs& a, int64_t mcta_min, dim3 grid, int64_t keys_cap,
                        int stats_parts, cudaStream_t stream, bool* launched) {
   *launched = false;
-  static const bool enabled = EnvInt("KVFERRY_MCTA_FUSED", 1, 0) != 0;
   const size_t smem = MctaFusedSmem(keys_cap, grid.y);
-  if (!enabled || smem > kMctaFusedMaxSmem) return Status::Ok();
+  if (smem > kMctaFusedMaxSmem) return Status::Ok();
   // Co-residency of this grid on the current device, cached for the last (device, smem) asked.
   struct Fit {
     int device = -1;
@@ -2259,8 +2256,8 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
     KVF_CUDA_CHECK_LAUNCH(SelectTopKKernel);
   }
   if (mcta_min == std::numeric_limits<int64_t>::max()) return Status::Ok();
-  // KVFERRY_MCTA_PER_SM: the multi-CTA top-k's CTAs per SM in all (default 2), for measuring.
-  static const int per_sm = static_cast<int>(EnvInt("KVFERRY_MCTA_PER_SM", 2, 1));
+  // The multi-CTA top-k's CTAs per SM in all.
+  constexpr int per_sm = 2;
   const int32_t ctas = SelectMctaCtas(items, keys_cap, info.num_sms, per_sm);
   return LaunchMctaTopK(a, mcta_min, static_cast<unsigned>(ctas), keys_cap, smem,
                         path != SelectTopKPath::kMultiCtaPerPass, quest ? 0 : stats_parts, stream);
@@ -2387,19 +2384,19 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
         const int d_b = SparcasDimsOf(a.layer, a.sparcas_dense_layers, a.sparcas_db, HD);
         if (SparcasBitsOf(a.layer, a.sparcas_dense_layers, a.sparcas_bits) == 4) {
           KVF_CHECK_ARG(d_b % 8 == 0, "DecodeSelect: sparcas 4-bit rows need d_b % 8 == 0, not ", d_b);
-          // CTAs an SM over all items (KVFERRY_SPARCAS_Q4_CTAS_PER_SM): each CTA first quantizes
-          // and packs the query, so fewer CTAs with more rows a thread amortize that.
-          static const int64_t q4_per_sm = EnvInt("KVFERRY_SPARCAS_Q4_CTAS_PER_SM", 16, 1);
+          // 16 CTAs an SM over all items: each CTA first quantizes and packs the query, so fewer
+          // CTAs with more rows a thread amortize that.
+          constexpr int64_t q4_per_sm = 16;
           const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * q4_per_sm / items);
           const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(
               std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1,
               kSelectMctaStatsSlots));
-          // KVFERRY_SPARCAS_SCORE_STATS=1: each CTA's softmax statistics into the multi-CTA
-          // scratch, so that the top-k skips its statistics pass (a read of every logit). Off by
-          // default: measured through the Runtime (stop 24, H200, sparcas_bank 128K) it cost 3.6%
-          // at batch 1 (4.14 vs 3.99 ms a token step: the exp2 work in the scoring, 264 partials
-          // a head to merge) and gained 0.9% at batch 4 (9.47 vs 9.56).
-          static const bool fold = EnvInt("KVFERRY_SPARCAS_SCORE_STATS", 0, 0) != 0;
+          // Each CTA's softmax statistics into the multi-CTA scratch, so that the top-k skips its
+          // statistics pass (a read of every logit): off. Measured through the Runtime (stop 24,
+          // H200, sparcas_bank 128K) it cost 3.6% at batch 1 (4.14 vs 3.99 ms a token step: the
+          // exp2 work in the scoring, 264 partials a head to merge) and gained 0.9% at batch 4
+          // (9.47 vs 9.56).
+          constexpr bool fold = false;
           if (fold && a.select_mcta_ws != nullptr && a.params.group <= kSparcasQ4Heads) {
             stats_parts = static_cast<int32_t>(ty);
           }
@@ -2466,10 +2463,6 @@ Status LaunchDecodeSelectDeferred(const DecodeStepArgs& a, const LaunchInfo& inf
                 "DecodeSelectDeferred: hip without its mask state, blocks or packed queries");
   const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / a.hip_bk, kHipMaxNodes));
   const size_t smem = HipMaskSmem(std::max(kn_cap, 1), a.params.group, a.params.head_dim);
-  static const int threads = [] {
-    const int64_t v = EnvInt("KVFERRY_HIP_SIDE_THREADS", kHipSideThreads, 256);
-    return v == 256 || v == 512 || v == 1024 ? static_cast<int>(v) : kHipSideThreads;
-  }();
   const auto launch = [&](auto kernel, int block) -> Status {
     if (smem > 48 * 1024) {
       KVF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -2479,9 +2472,7 @@ Status LaunchDecodeSelectDeferred(const DecodeStepArgs& a, const LaunchInfo& inf
     KVF_CUDA_CHECK_LAUNCH(HipDeferredKernel);
     return Status::Ok();
   };
-  if (threads == 256) return launch(HipDeferredKernel<256>, 256);
-  if (threads == 1024) return launch(HipDeferredKernel<1024>, 1024);
-  return launch(HipDeferredKernel<512>, 512);
+  return launch(HipDeferredKernel<kHipSideThreads>, kHipSideThreads);
 }
 
 Status LaunchPageBounds(const PageBoundsArgs& a, cudaStream_t stream) {

@@ -8,7 +8,6 @@
 
 #include <algorithm>
 
-#include "base/env.h"
 #include "gpu/attention.cuh"
 #include "gpu/bank_map.cuh"
 #include "gpu/device_bank.h"
@@ -614,12 +613,12 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
     int dev = 0, major = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    return major >= 9 && EnvInt("KVFERRY_STEP_PDL", 1, 0) != 0;
+    return major >= 9;
   }();
-  // Tiles of its range each CTA warms in L2 before the wait (KVFERRY_STEP_PREFETCH). Measured on
+  // Tiles of its range each CTA warms in L2 before the wait. Measured on
   // the H100 (dense all-resident, 32K, batch 1, 32 layers; 1.827 ms without PDL): 0 tiles 1.831,
   // 3 tiles 1.792, 8 tiles 1.771 ms. 8 tiles of 264 CTAs are 34 MB, within the 50 MB L2.
-  static const int prefetch_tiles = static_cast<int>(EnvInt("KVFERRY_STEP_PREFETCH", 8, 0));
+  constexpr int prefetch_tiles = 8;
   // With PDL the kernel asks for enough shared memory that two CTAs fill an SM: a third would be
   // the next layer's, waiting, and the SMs that free first would then take three of it.
   // (Lists: three CTAs an SM, which resolve their rows while others compute.)
@@ -636,17 +635,17 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
   StepLaunch l;
   // Short resident lists get more, shorter splits: the step is latency-bound there.
   // Rows found one by one (a list through the bank, or the host store) take at least
-  // KVFERRY_STEP_MIN_CHUNK (default 128) rows a split. The loop is latency-bound there (ncu at
+  // 128 rows a split. The loop is latency-bound there (ncu at
   // 128K, 2% of 32 layers through the bank: one warp a scheduler, an instruction every 9 cycles),
   // so more CTAs help until a second wave (246 registers a thread: two CTAs an SM). Measured
   // (stop 20, sparcas_bank / quest_bank at 128K, ms per token step): 256 rows 6.99 / 5.63, 128
   // 6.40 / 5.19, 64 6.83 / 5.56, 32 7.23 / 5.93.
-  static const int list_min_chunk = static_cast<int>(EnvInt("KVFERRY_STEP_MIN_CHUNK", 128, 1));
-  // Pipelined lists: KVFERRY_STEP_LIST_CHUNK rows a split at least (default 4 tiles, 128 rows at
-  // head_dim 128). Measured (stop22_c, H100, 128K b1, 32 layers, ms per token step, sparcas_bank /
-  // quest_bank): 32 rows 3.81 / 3.50, 64 3.88 / 3.48, 128 3.78 / 3.46; the register loop 4.62 / 4.14.
-  static const int list_pipe_chunk = static_cast<int>(
-      std::min<int64_t>(EnvInt("KVFERRY_STEP_LIST_CHUNK", 4 * kPipeTileRows<HD>, kPipeTileRows<HD>), kListChunkMax));
+  constexpr int list_min_chunk = 128;
+  // Pipelined lists: 4 tiles a split at least (128 rows at head_dim 128), at most kListChunkMax.
+  // Measured (stop22_c, H100, 128K b1, 32 layers, ms per token step, sparcas_bank / quest_bank):
+  // 32 rows 3.81 / 3.50, 64 3.88 / 3.48, 128 3.78 / 3.46; the register loop 4.62 / 4.14.
+  const int list_pipe_chunk =
+      static_cast<int>(std::min<int64_t>(int64_t{4} * kPipeTileRows<HD>, kListChunkMax));
   l.min_chunk = kList ? list_pipe_chunk : kPipe ? 2 * kPipeTileRows<HD> : list_min_chunk;
   l.table_off = static_cast<int32_t>((smem_attn + 15) / 16 * 16);
   l.fused_append = a.k_dtype == a.params.kv_dtype && a.v_dtype == a.params.kv_dtype &&
@@ -677,7 +676,7 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
   // Programmatic dependent launch: the kernel may be scheduled while the one ahead of it on the
   // stream drains (its CTAs take the SMs' free slots and wait in griddepcontrol.wait, having
   // warmed L2), which hides the launch and the first loads' latency behind that kernel's tail.
-  // Graph capture keeps it as a programmatic edge. KVFERRY_STEP_PDL=0 launches it plainly.
+  // Graph capture keeps it as a programmatic edge (compute capability 9 and up).
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -695,11 +694,10 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
 
 // Whether a layer takes the pipelined list step: a list through the token bank, one
 // head chunk an item (its CTA records the rows), and a list the splits' tables hold.
-// KVFERRY_STEP_LIST_PIPE=0 keeps the register loop (StepRows through BankStepRows).
+// Otherwise the register loop (StepRows through BankStepRows).
 bool PipelinedList(const DecodeStepArgs& a, const LaunchInfo& info) {
-  static const bool on = EnvInt("KVFERRY_STEP_LIST_PIPE", 1, 0) != 0;
   const int64_t splits = ListMinSplits(a.list_cap);
-  return on && a.mode == StepRowMode::kList && a.bank.rows != nullptr && !a.all_resident &&
+  return a.mode == StepRowMode::kList && a.bank.rows != nullptr && !a.all_resident &&
          a.params.group <= 8 && splits <= std::min<int64_t>(info.max_splits, kAttnThreads - 1) &&
          a.ws_floats >= static_cast<int64_t>(a.batch) * a.num_kv_heads * a.params.group *
                             (a.params.head_dim + 1) * splits;

@@ -357,7 +357,7 @@ Result<std::unique_ptr<KvpopPolicy>> KvpopPolicy::Create(
     const RuntimeConfig& config) {
   KVF_RETURN_IF_ERROR(CheckPolicyShape("kvpop", config));
   KVF_CHECK_ARG(params.scorer != 1 || weights != nullptr,
-                "kvpop parameter 'scorer' = 1 needs trained weights (set KVFERRY_KVPOP_WEIGHTS "
+                "kvpop parameter 'scorer' = 1 needs trained weights (set policy.weights_path "
                 "to a file written by scripts/kvpop_train.py)");
   KVF_RETURN_IF_ERROR(CheckKvpopCombination(params));
   // The weights' shape is checked at Select, not here: callers validate a configuration with a
@@ -508,10 +508,12 @@ std::vector<int32_t> KvpopPolicy::Evicted(int slot, int layer, int kv_head) cons
 Result<std::unique_ptr<Policy>> MakeKvpopPolicy(const RuntimeConfig& config) {
   KVF_ASSIGN_OR_RETURN(KvpopParams params, ParseKvpopParams(config.policy.params));
   std::shared_ptr<const KvpopScorerWeights> weights;
-  const char* path = std::getenv("KVFERRY_KVPOP_WEIGHTS");
-  if (params.scorer != 0 && path != nullptr && path[0] != '\0') {
-    KVF_ASSIGN_OR_RETURN(KvpopScorerWeights w, LoadKvpopWeights(path));
-    weights = std::make_shared<const KvpopScorerWeights>(std::move(w));
+  const std::string& path = config.policy.weights_path;
+  if (params.scorer != 0 && !path.empty()) {
+    Result<KvpopScorerWeights> w = LoadKvpopWeights(path);
+    KVF_CHECK_ARG(w.ok(), "policy.weights_path '", path, "' is not a kvpop weights file: ",
+                  w.status().message());
+    weights = std::make_shared<const KvpopScorerWeights>(std::move(w).value());
   }
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<KvpopPolicy> policy,
                        KvpopPolicy::Create(params, std::move(weights), config));

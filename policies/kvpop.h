@@ -33,9 +33,8 @@
 //    query, so it selects on the host ("device" = 0, its default).
 //  - Ties: a priority equal to the lowest retained one does not evict it (the lower position
 //    stays); among equal lowest priorities the highest position is evicted.
-//  - Weights file: PolicyConfig::params holds numbers only, so the path comes from the
-//    environment variable KVFERRY_KVPOP_WEIGHTS (read at MakeKvpopPolicy) or from
-//    KvpopPolicy::Create with loaded weights (tests, embedders).
+//  - Weights file: PolicyConfig::weights_path (read at MakeKvpopPolicy), or loaded weights given
+//    to KvpopPolicy::Create (tests, embedders).
 //  - Where it selects: on the device by default ("device" = 1: SelectScoring::kKvpop; the slots,
 //    priorities and the scorer's table in device memory, updated by the planned step's kernels,
 //    no host work, capture-safe); "device" = 0 keeps this host Select in the step. Both compute
@@ -168,7 +167,7 @@ class KvpopPolicy final : public Policy {
 };
 
 /// The registry's factory: params from config.policy.params ("scorer", "gamma_min",
-/// "gamma_max"); weights from $KVFERRY_KVPOP_WEIGHTS when set.
+/// "gamma_max"); weights from config.policy.weights_path when set (unless "scorer" is 0).
 Result<std::unique_ptr<Policy>> MakeKvpopPolicy(const RuntimeConfig& config);
 
 }  // namespace kvferry

@@ -339,7 +339,7 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
     }
     if (n_cpu > 0) {
       const auto ta = trace_.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
-      AttendInParts(i, q32, o, lse, ck, cv, n_cpu, attend_split_ ? select_threads : 1);
+      AttendInParts(i, q32, o, lse, ck, cv, n_cpu, select_threads);
       if (trace_.on()) trace_.Span("cpu_attend", "cpu", ta, TraceRecorder::Clock::now(), i);
     }
     cpu_items_[i].count = n_cpu;  // the stats below read the split back
@@ -354,8 +354,8 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
     pool_->ParallelFor(items, item_fn);
   }
   // The next layer's items usually come within tens of microseconds (merge, append, the GPU's
-  // launch, the wait for its q): KVFERRY_POOL_WARM_US keeps the workers spinning until then, so
-  // that they start at once instead of waking one after another (off by default: runtime.cpp).
+  // launch, the wait for its q): RuntimeConfig::cpu_spin_us keeps the workers spinning until then,
+  // so that they start at once instead of waking one after another (off by default: runtime.cpp).
   pool_->KeepWarm(pool_->num_threads(), pool_warm_us_);
   KVF_RETURN_IF_ERROR(launch_status);
   // The ranking's buffers are rewritten by the next step's scan: this one's writes must be done.

@@ -8,7 +8,6 @@
 #include <cstring>
 
 #include "base/check.h"
-#include "base/env.h"
 #include "base/kvpop_score.h"
 #include "base/psaw.h"
 #include "policies/select_util.h"
@@ -57,8 +56,7 @@ Status RuntimeImpl::InitStepBuffers() {
     KVF_ASSIGN_OR_RETURN(q_ready_, device_->CreateEvent());
     KVF_ASSIGN_OR_RETURN(cpu_part_up_, device_->CreateEvent());
     // The CPU attention's partial results when an item's picks are split over pool threads
-    // (AttendInParts); KVFERRY_CPU_ATTEND_SPLIT=0 attends each item's picks on its own thread.
-    attend_split_ = !EnvIs("KVFERRY_CPU_ATTEND_SPLIT", "0");
+    // (AttendInParts).
     attend_parts_.assign(static_cast<size_t>(cap.max_batch) * m.num_kv_heads * (kAttendMaxParts - 1) *
                              static_cast<size_t>(group_) * (m.head_dim + 1),
                          0.0f);
@@ -75,9 +73,6 @@ Status RuntimeImpl::InitStepBuffers() {
     split_cpu_list_ = static_cast<int32_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(items) * sizeof(int32_t), true));
     split_cpu_count_ = static_cast<int32_t*>(p);
-    const double share = EnvDouble("KVFERRY_SPLIT_SHARE", -1.0);
-    split_share_env_ = share >= 0.0 ? std::min(share, 1.0) : -1.0;
-    split_min_us_ = std::max(0.0, EnvDouble("KVFERRY_SPLIT_MIN_US", 30.0));
   }
   if (cpu_step_ || split_) {
     // The CPU part on its own thread (RuntimeConfig::async_cpu; -1: with CUDA). The split's
@@ -213,15 +208,13 @@ Status RuntimeImpl::InitStepBuffers() {
         KVF_ASSIGN_OR_RETURN(admit_join_, device_->CreateEvent());
         bool shares = false;  // a layer that takes the previous layer's list (xl+)
         for (int l = 1; l < config_.model.num_layers; ++l) shares = shares || policy_->device_reuses_previous_layer(l);
-        const int mode = EnvIs("KVFERRY_XL_PREFETCH", "0")   ? 0
-                         : EnvIs("KVFERRY_XL_PREFETCH", "1") ? 1
-                                                             : config_.xl_prefetch;
+        const int mode = config_.xl_prefetch;
         if (shares && !cpu_step_ && !host_lists_ && mode != 0) {
           KVF_ASSIGN_OR_RETURN(prefetch_fork_, device_->CreateEvent());
           KVF_ASSIGN_OR_RETURN(prefetch_done_, device_->CreateEvent());
           xl_prefetch_ = true;
           xl_prefetch_auto_ = mode < 0;
-          xl_gap_min_us_ = std::max(0.0, EnvDouble("KVFERRY_XL_PREFETCH_GAP_US", 100.0));
+          xl_gap_min_us_ = config_.xl_prefetch_gap_us;
         }
         if (xl_prefetch_auto_) {  // the gap's timing pairs (DestroyTimings frees them)
           TimingRing& r = xl_gap_timing_;
@@ -684,9 +677,8 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.kvpop_hidden = kvpop_hidden_;
     // KVpop's catch-up scored by a grid over the GPU (KvpopScoreKernel): 473 ms for the first
     // step after a 128K prompt against 4155 ms with the selection kernel's one CTA an item
-    // (stop28, H200). KVFERRY_KVPOP_CATCHUP=0 keeps the one-CTA path, for measuring.
-    static const bool kvpop_grid = EnvInt("KVFERRY_KVPOP_CATCHUP", 1, 0) != 0;
-    if (kvpop_grid && scoring_ == SelectScoring::kKvpop && device_->backend() == Backend::kCuda) {
+    // (stop28, H200).
+    if (scoring_ == SelectScoring::kKvpop && device_->backend() == Backend::kCuda) {
       const int64_t sink = config_.tiers.sink_tokens;
       for (int64_t b = 0; b < batch; ++b) {
         const int64_t n = pos[b] + 1;
@@ -780,8 +772,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   }
   // LFPS's scan ranks the offloaded keys on the device, ahead of the host's Select. On CUDA the
   // CPU step enqueues it, and its own kernel after it, beside the Selects (SelectOnHost's
-  // launch): those calls take the host tens of microseconds a layer (KVFERRY_LFPS_SCAN_OVERLAP=0
-  // enqueues them here instead).
+  // launch): those calls take the host tens of microseconds a layer.
   // The CPU part on the runtime's thread (RuntimeConfig::async_cpu): on CUDA only with device
   // tensors (host ones are read and written before Decode returns).
   const bool host_backend = device_->backend() == Backend::kHost;
@@ -789,7 +780,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
                           (host_backend || (!inputs_on_host && out.where == MemoryKind::kDevice));
   // (With the part on the runtime's thread the caller enqueues both right after the hand-over,
   // while the part's Selects start.)
-  const bool beside = cpu_step_ && device_scan_ && scan_overlap_ &&
+  const bool beside = cpu_step_ && device_scan_ &&
                       device_->backend() == Backend::kCuda;
   if (st.ok() && (cpu_step_ || host_lists_) && device_scan_) {
     st = LaunchDeviceScan(slot_of, layer, pos, q_src.value(), q.dtype, k_src.value(), k.dtype,
@@ -1074,7 +1065,7 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
   CpuPartJob job;
   const bool split = split_q10 > 0;
   job.q10 = split_q10;
-  job.balance = split && !host && split_share_env_ < 0.0;
+  job.balance = split && !host && config_.split_share < 0.0;
   job.layer = layer;
   job.inputs_on_host = inputs_on_host;
   job.stream = stream;
@@ -1148,12 +1139,12 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
 }
 
 int32_t RuntimeImpl::SplitShare(int64_t offloaded) const {
-  if (split_share_env_ >= 0.0) return static_cast<int32_t>(std::llround(split_share_env_ * 1024.0));
+  if (config_.split_share >= 0.0) return static_cast<int32_t>(std::llround(config_.split_share * 1024.0));
   if (offloaded <= 0) return 0;
   const double frac = CpuFraction(cost_);  // both branches end together (runtime/scheduler.h)
   const double cpu_us = static_cast<double>(offloaded) * frac * 2.0 * static_cast<double>(row_bytes_) /
                         (cost_.cpu_gbps * 1e3);
-  if (cpu_us < split_min_us_) return 0;
+  if (cpu_us < config_.split_min_us) return 0;
   // The share the steps balanced (CUDA), else the model's.
   const int32_t balanced = split_q10_.load(std::memory_order_relaxed);
   if (balanced >= 0) return balanced;

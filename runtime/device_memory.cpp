@@ -196,19 +196,17 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
                                    static_cast<size_t>(HostStore::PageBytes(store)));
     z.prefill_pages = AllocBytes(static_cast<size_t>(hkv * z.max_pages) * sizeof(void*));
     // Tensor cores unless KVFERRY_CUDA_PREFILL=paged asks for the CUDA-core kernel (the reference
-    // it is tested against); chunks after the first then copy their history on a stream of their
-    // own unless KVFERRY_PREFILL_OVERLAP=off (the one-pass staging, kept for comparison).
+    // it is tested against); with them, chunks after the first copy their history on a stream of
+    // their own.
     z.prefill_tensor_cores = !EnvIs("KVFERRY_CUDA_PREFILL", "paged");
-    z.prefill_copy_stream = z.prefill_tensor_cores && !EnvIs("KVFERRY_PREFILL_OVERLAP", "off");
+    z.prefill_copy_stream = z.prefill_tensor_cores;
     if (z.prefill_copy_stream) ++z.streams;
     // The chunk's write-through on a stream of its own, from the staging, while the chunk is
-    // attended, unless KVFERRY_PREFILL_WRITE=zero-copy (the stage kernel's stores, to compare).
-    z.prefill_write_stream = z.prefill_copy_stream && !EnvIs("KVFERRY_PREFILL_WRITE", "zero-copy");
+    // attended.
+    z.prefill_write_stream = z.prefill_copy_stream;
     if (z.prefill_write_stream) ++z.streams;
-    // The chunk-major prefetch's second staging (Capacity::prefill_prefetch; the environment's
-    // KVFERRY_PREFILL_PREFETCH=0 turns it off too, to compare).
-    z.prefill_prefetch = z.prefill_copy_stream && cap.prefill_prefetch &&
-                         !EnvIs("KVFERRY_PREFILL_PREFETCH", "0");
+    // The chunk-major prefetch's second staging (Capacity::prefill_prefetch).
+    z.prefill_prefetch = z.prefill_copy_stream && cap.prefill_prefetch;
     if (z.prefill_prefetch) {
       z.prefill_next = z.prefill_scratch;
       z.prefill_next_pages = z.prefill_pages;
@@ -352,10 +350,9 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
         // 128K b1 (H200, stop28_b, against one region in the same call): kvpop_bank 0.939 vs
         // 1.162 ms a token step, sparcas_bank 3.869 vs 4.051, hip_bank 1.861 vs 1.811 (its
         // rebuilds already run beside the step, and its selection slowed from 0.86 to 0.97 ms):
-        // two regions unless HiP's side stream is there. KVFERRY_BANK_ADMIT_SIDE=0 / 1: one / two.
+        // two regions unless HiP's side stream is there.
         const bool hip_side = z.scoring == SelectScoring::kHip && z.hip_lag != 0;
-        const bool side = EnvIs("KVFERRY_BANK_ADMIT_SIDE", "1") ||
-                          (!hip_side && !EnvIs("KVFERRY_BANK_ADMIT_SIDE", "0"));
+        const bool side = !hip_side;
         z.bank_regions = cuda && side ? 2 : 1;
         if (z.bank_regions > 1) ++z.streams;  // the admissions' stream
         const size_t regions = static_cast<size_t>(z.bank_regions);
@@ -372,8 +369,7 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     // which of them it holds, and every miss is read over PCIe, then admitted. Route auto only,
     // with the CPU part on the runtime's thread (async_cpu), so that Decode does not wait for it.
     z.split = scoring != SelectScoring::kNone && z.fast_path && !z.device_bank &&
-              !z.step_all_resident && config_.route == Route::kAuto && config_.async_cpu != 0 &&
-              !EnvIs("KVFERRY_SPLIT", "off");
+              !z.step_all_resident && config_.route == Route::kAuto && config_.async_cpu != 0;
     if (z.split) {
       z.split_list = AllocBytes(static_cast<size_t>(items * z.list_cap) * sizeof(int32_t));
       z.split_count = AllocBytes(static_cast<size_t>(items) * sizeof(int32_t));

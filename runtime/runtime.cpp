@@ -92,6 +92,14 @@ Status ValidateConfig(const RuntimeConfig& c) {
   KVF_CHECK_ARG(c.cpu_threads >= 0, "cpu_threads ", c.cpu_threads, " must be >= 0");
   KVF_CHECK_ARG(c.xl_prefetch >= -1 && c.xl_prefetch <= 1, "xl_prefetch ", c.xl_prefetch,
                 " must be -1 (auto), 0 (off) or 1 (on)");
+  KVF_CHECK_ARG(c.xl_prefetch_gap_us >= 0.0 && c.xl_prefetch_gap_us <= 1e9, "xl_prefetch_gap_us ",
+                c.xl_prefetch_gap_us, " out of range [0, 1e9] (microseconds)");
+  KVF_CHECK_ARG(c.split_share == -1.0 || (c.split_share >= 0.0 && c.split_share <= 1.0),
+                "split_share ", c.split_share, " must be -1 (the cost model's) or in [0, 1]");
+  KVF_CHECK_ARG(c.split_min_us >= 0.0 && c.split_min_us <= 1e9, "split_min_us ", c.split_min_us,
+                " out of range [0, 1e9] (microseconds)");
+  KVF_CHECK_ARG(c.cpu_spin_us >= 0 && c.cpu_spin_us <= 1000000, "cpu_spin_us ", c.cpu_spin_us,
+                " out of range [0, 1000000] (microseconds)");
   return Status::Ok();
 }
 
@@ -432,7 +440,6 @@ Status RuntimeImpl::Init() {
     scan_out_host_ = static_cast<uint64_t*>(p);
     KVF_ASSIGN_OR_RETURN(scan_ready_, device_->CreateEvent());
     scan_rows_.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
-    scan_overlap_ = !EnvIs("KVFERRY_LFPS_SCAN_OVERLAP", "0");
     scan_view_.assign(static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv), {});
   }
   // Priming deferred to the first Decode (DeferPrime): the kept rows are pinned per slot, made at
@@ -451,14 +458,8 @@ Status RuntimeImpl::Init() {
   // the spinners). With the scan on the GPU (stop19_b.sh) the items wait for its ranking anyway,
   // and spinning slowed the launches beside them (43 -> 45-72 us a layer): 32K 13.7-15.0 ms
   // (spinning twice the last gap between layers) and 12.6-14.4 (300 us) against 11.9-13.3 without.
-  // Only the environment turns it on (KVFERRY_POOL_WARM_US=microseconds).
-  pool_warm_us_ = 0;
-  if (const char* warm = std::getenv("KVFERRY_POOL_WARM_US"); warm != nullptr && warm[0] != '\0') {
-    pool_warm_us_ = std::max<int64_t>(0, std::atoll(warm));
-  }
-  if (const char* restage = std::getenv("KVFERRY_PREFILL_RESTAGE"); restage != nullptr && restage[0] == '1') {
-    restage_ = true;
-  }
+  // Off by default (RuntimeConfig::cpu_spin_us).
+  pool_warm_us_ = config_.cpu_spin_us;
   KVF_RETURN_IF_ERROR(InitStepBuffers());
   // The cap again, against the device's own count of what it holds now: a buffer allocated
   // outside the plan would show here (the tests hold the count equal to the plan's total).
@@ -816,7 +817,7 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
     st.window = config_.tiers.window_tokens;
     // Chunk-major: the call before this one copied this call's history into the second staging
     // (PrefetchNextHistory); it becomes the staging, the copies ordered before this chunk.
-    const bool prefetched = prefill_next_ != nullptr && !restage_ && pos0 > 0 &&
+    const bool prefetched = prefill_next_ != nullptr && pos0 > 0 &&
                             next_staged_.slot == slot && next_staged_.layer == layer &&
                             next_staged_.rows == pos0;
     next_staged_ = {};
@@ -833,7 +834,7 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
     // A chunk that continues the one before it (same sequence and layer, nothing appended since)
     // finds the history in the staging: no PCIe pass over it (the prompt's chunks of one layer in
     // a row, as a layer-by-layer prefill issues them). Invalid until this chunk succeeds.
-    st.history_staged = !restage_ && pos0 > 0 && staged_.slot == slot && staged_.layer == layer &&
+    st.history_staged = pos0 > 0 && staged_.slot == slot && staged_.layer == layer &&
                         staged_.rows == pos0;
     staged_ = {};
     a.params = params;
@@ -865,7 +866,7 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
     }
     KVF_RETURN_IF_ERROR(device_->PrefillChunk(a, stream));
     staged_ = {slot, layer, new_len};
-    if (prefill_next_ != nullptr && !restage_) {
+    if (prefill_next_ != nullptr) {
       KVF_RETURN_IF_ERROR(PrefetchNextHistory(slot, layer, pos0, new_len));
     }
     KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_items_done_[prefill_parity_], stream));

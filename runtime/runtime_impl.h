@@ -68,14 +68,13 @@ struct DeviceBufferSizes {
   int32_t kvpop_hidden = 0;
   int32_t bank_miss_cap = 0;
   // The step's miss staging, miss lists and admission items, one set a region; layer l takes
-  // region l % bank_regions. Two (CUDA; not with HiP's side rebuilds unless
-  // KVFERRY_BANK_ADMIT_SIDE=1; never with =0): layer l's admission runs on its own stream beside
+  // region l % bank_regions. Two (CUDA; not with HiP's side rebuilds): layer l's admission runs on
+  // its own stream beside
   // layer l + 1 (RuntimeImpl::admit_stream_).
   int bank_regions = 1;
   int64_t step_ws_floats = 0;
   // CUDA prefill: pages of one layer staged in device memory; the tensor-core kernel and its
-  // copy stream unless the environment asks otherwise (KVFERRY_CUDA_PREFILL,
-  // KVFERRY_PREFILL_OVERLAP).
+  // copy stream unless KVFERRY_CUDA_PREFILL=paged asks for the CUDA-core kernel.
   int64_t max_pages = 0;
   bool prefill_tensor_cores = false;
   bool prefill_copy_stream = false;
@@ -96,7 +95,7 @@ struct DeviceBufferSizes {
   int64_t scan_list_cap = 0;  // the most positions an item's list holds (row stride of scan_out)
 
   // The scheduler's split of a device selection's misses with the CPU (route auto, a planned
-  // step without a token bank, RuntimeConfig::async_cpu not 0; KVFERRY_SPLIT=off: none).
+  // step without a token bank, RuntimeConfig::async_cpu not 0).
   bool split = false;
   // ---- bytes ----
   size_t resident = 0;
@@ -350,7 +349,7 @@ class RuntimeImpl {
   /// Pool threads per item when \p items run at once (SelectContext::threads).
   int SelectThreads(int64_t items) const;
   // How long the pool's workers spin after a step's CPU items for the next layer's
-  // (CpuPool::KeepWarm): 0 (off) unless KVFERRY_POOL_WARM_US sets it (runtime.cpp says why).
+  // (CpuPool::KeepWarm): RuntimeConfig::cpu_spin_us, 0 (off) by default (runtime.cpp says why).
   int64_t pool_warm_us_ = 0;
 
   // First writes the new tokens' K/V rows to the host store (the step's kernels write only their
@@ -514,7 +513,7 @@ class RuntimeImpl {
   // admit_stream_ after layer l - 1's admission (the last reader of that region) and beside layer
   // l's step. Layer l + 1's planned step then waits for prefetch_done_ and reads its misses there
   // (StepBankView::staged). Any other call waits for it before its step too; JoinAdmitSide joins
-  // it with the admissions. RuntimeConfig::xl_prefetch (KVFERRY_XL_PREFETCH=0 / 1 overrides it).
+  // it with the admissions (RuntimeConfig::xl_prefetch).
   bool xl_prefetch_ = false;
   // Auto (xl_prefetch -1): prefetch while xl_gap_us_, the running average of the stream time
   // from the end of a planned layer's Decode to the start of the next layer's (where the next
@@ -623,7 +622,6 @@ class RuntimeImpl {
     int64_t pos0 = -1, new_len = -1;
   };
   LastPrefill last_prefill_;
-  bool restage_ = false;  // KVFERRY_PREFILL_RESTAGE=1: every chunk copies its history again
   int64_t prime_table_stride_ = 0;      // floats per head: ver [n] then sla [n]
   float* prime_tables_dev_ = nullptr;   // device: [Hkv][prime_table_stride_]
   float* prime_tables_host_ = nullptr;  // pinned copy the policy reads
@@ -640,8 +638,7 @@ class RuntimeImpl {
   int prefill_parity_ = 0;
   StreamHandle last_call_stream_ = nullptr;  // the stream of the last EndCall
   // Tensor-core prefill with the history copied by the copy engines while the chunk is attended
-  // (PrefillChunkArgs::copy_stream); null stream: the one-pass staging
-  // (KVFERRY_PREFILL_OVERLAP=off).
+  // (PrefillChunkArgs::copy_stream); null stream (the CUDA-core prefill): the one-pass staging.
   StreamHandle prefill_copy_stream_ = nullptr;
   EventHandle prefill_fork_ = nullptr;
   std::vector<EventHandle> prefill_segment_done_;
@@ -784,12 +781,8 @@ class RuntimeImpl {
   std::atomic<int32_t> split_q10_{-1};
   int32_t split_last_q10_ = 0;  // the share of the last split step (Stats::split_share)
   static constexpr int32_t kSplitShareStep = 16;
-  // KVFERRY_SPLIT_SHARE=f in [0, 1]: every split step gives the CPU f of its misses (measuring
-  // the share); unset (-1): the cost model's, when the CPU's share is worth split_min_us_.
-  double split_share_env_ = -1.0;
-  // The CPU's share must hold this many microseconds of its work (the hand-over, the pool's
-  // fork-join and the device's wait: about 20 us a layer, estimated): KVFERRY_SPLIT_MIN_US, 30.
-  double split_min_us_ = 30.0;
+  // RuntimeConfig::split_share in [0, 1]: every split step gives the CPU that share of its misses;
+  // -1: the cost model's, when the CPU's share holds RuntimeConfig::split_min_us of its work.
   // The CPU's share of this layer's misses in 1024ths (0: no split), from the rows the step's
   // items select beyond the resident ones (\p offloaded, all items).
   int32_t SplitShare(int64_t offloaded) const;
@@ -847,13 +840,11 @@ class RuntimeImpl {
   // A scan was enqueued and nobody waited for it (it only wrote rows, or the step failed): the
   // next one waits before it rewrites the pinned item table the scan reads.
   bool scan_unwaited_ = false;
-  bool scan_overlap_ = true;  // KVFERRY_LFPS_SCAN_OVERLAP=0: enqueue before the Selects
   // An item's CPU attention split into up to kAttendMaxParts ranges of >= kAttendMinRows picks
   // (runtime/cpu_step.cpp): parts 1.. write [item][part - 1] of attend_parts_ (o: group x
   // head_dim, then lse: group), merged into part 0's in order.
   static constexpr int kAttendMaxParts = 4;
   static constexpr int32_t kAttendMinRows = 128;
-  bool attend_split_ = true;
   std::vector<float> attend_parts_;
   // Attends \p n rows (\p ck, \p cv) of item \p item for q32 into (o, lse), in up to
   // min(threads, kAttendMaxParts) ranges as above: a CPU step's picks, a split step's CPU share.

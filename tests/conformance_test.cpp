@@ -187,7 +187,7 @@ std::vector<std::string> ConformancePolicies() {
 // factory may refuse what it does not know). They follow runtime_plan_test.cpp's DeviceSelected:
 // several quest pages cut by the ranges, sparcas re-choosing its dimensions within the test with
 // layer 1 ranked on the compact keys, hip's masks kept then rebuilt from layer 1 on, kvpop's zero
-// scorer whatever KVFERRY_KVPOP_WEIGHTS says (a weights file of another shape would not fit),
+// scorer (scorer=0: no weights file, which would have to fit this shape),
 // PSAW hiding from layer 0 (layer 1 hides [sink, 0.16 n)), CIS reusing a kept set whenever it has
 // one (tau -1: random queries are never similar enough for the default 0.8).
 std::map<std::string, double> ParamsFor(const std::string& policy, Property prop) {

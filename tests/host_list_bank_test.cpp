@@ -544,8 +544,8 @@ TEST(HostListBank, XlPrefetchRunsForPlannedSharingLayers) {
 
 // RuntimeConfig::xl_prefetch = -1 (auto): the runtime times the stream from the end of a layer's
 // Decode to the start of the next sharing layer's (on the host device, the host clock where the
-// work runs) and prefetches while that averages at least KVFERRY_XL_PREFETCH_GAP_US (10 ms here,
-// far above a loaded CI machine's back-to-back calls).
+// work runs) and prefetches while that averages at least RuntimeConfig::xl_prefetch_gap_us (10 ms
+// here, far above a loaded CI machine's back-to-back calls).
 // Calls back to back: the prefetch stops once the first times arrive (kTimingRing steps later);
 // 25 ms between the layers' calls (an engine's work): it starts again. Outputs equal a twin with
 // the prefetch off throughout, bit for bit; a bad value of the field is refused.
@@ -562,9 +562,9 @@ TEST(HostListBank, XlPrefetchAutoFollowsTheTimeBetweenLayers) {
   auto seen = std::make_shared<Seen>();
   auto others = std::make_shared<Seen>();
   cfg.xl_prefetch = -1;
-  setenv("KVFERRY_XL_PREFETCH_GAP_US", "10000", 1);
+  cfg.xl_prefetch_gap_us = 10000.0;
   std::unique_ptr<Runtime> a = MakePosing(cfg, seen);
-  unsetenv("KVFERRY_XL_PREFETCH_GAP_US");
+  cfg.xl_prefetch_gap_us = 100.0;
   cfg.xl_prefetch = 0;
   std::unique_ptr<Runtime> b = MakePosing(cfg, others);
   ASSERT_TRUE(a && b);

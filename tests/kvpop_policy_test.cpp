@@ -229,11 +229,8 @@ TEST(KvpopWeights, DeviceSelectionRefusesWeightsOfAnotherModelAtCreate) {
   const KvpopScorerWeights w = RandomWeights(3, 2, 8, 4, 9);
   const std::string path = ::testing::TempDir() + "kvpop_weights_shape_test.safetensors";
   WriteWeights(path, w, "");
-  ASSERT_EQ(setenv("KVFERRY_KVPOP_WEIGHTS", path.c_str(), 1), 0);
-  struct Unset {
-    ~Unset() { unsetenv("KVFERRY_KVPOP_WEIGHTS"); }
-  } unset;  // also when an assertion returns early
   RuntimeConfig c;
+  c.policy.weights_path = path;
   c.model = {.num_layers = 2, .num_q_heads = 4, .num_kv_heads = 2, .head_dim = 8,
              .kv_dtype = DType::kBF16};
   c.capacity.max_sequences = 1;

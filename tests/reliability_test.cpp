@@ -311,25 +311,15 @@ ScriptResult RunScript(const RuntimeConfig &config, const std::string &kind, Fau
   return result;
 }
 
-// "X+split": policy X with every planned layer's misses split half and half between the device
-// and the CPU (KVFERRY_SPLIT_SHARE, read at Create; the scheduler's split, route auto).
-struct SplitShareEnv {
-  explicit SplitShareEnv(bool on) : on(on) {
-    if (on) setenv("KVFERRY_SPLIT_SHARE", "0.5", 1);
-  }
-  ~SplitShareEnv() {
-    if (on) unsetenv("KVFERRY_SPLIT_SHARE");
-  }
-  bool on;
-};
-
 TEST_P(FaultMatrix, FailedCallsChangeNothing) {
   const auto &[param_policy, route, bank, kind, mode, backend] = GetParam();
   SKIP_WITHOUT_BACKEND(backend);
   const size_t plus = param_policy.find("+split");
   const std::string policy = param_policy.substr(0, plus);
-  const SplitShareEnv split_env(plus != std::string::npos);
-  const RuntimeConfig config = SmallConfig(policy, route, bank, backend);
+  RuntimeConfig config = SmallConfig(policy, route, bank, backend);
+  // "X+split": policy X with every planned layer's misses split half and half between the device
+  // and the CPU (RuntimeConfig::split_share; the scheduler's split, route auto).
+  if (plus != std::string::npos) config.split_share = 0.5;
   int64_t total_fired = 0;
   std::string failed_at,
       degraded_at;  // "CopyRows x3": calls that failed the target, or degraded

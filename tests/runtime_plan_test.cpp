@@ -779,14 +779,7 @@ TEST(PrefetchListRows, EveryDeviceStagesTheMissesOnRandomLists) {
   }
 }
 
-// Sets KVFERRY_SPLIT_SHARE / KVFERRY_SPLIT_MIN_US for the runtimes created while it lives.
-struct SplitEnv {
-  SplitEnv(const char* name, const char* value) : name(name) { setenv(name, value, 1); }
-  ~SplitEnv() { unsetenv(name); }
-  const char* name;
-};
-
-// Route auto splits a device selection's misses with the CPU (forced here: KVFERRY_SPLIT_SHARE);
+// Route auto splits a device selection's misses with the CPU (forced here: RuntimeConfig::split_share);
 // the outputs equal route gpu's (every miss read by the device) to fp32 rounding, the selections
 // are the same, every layer step counts as split, and the CPU attended exactly its rule's share
 // of the misses (from LastSelection: the positions neither sinks nor in the window).
@@ -801,8 +794,9 @@ TEST(SchedulerSplit, OutputsEqualTheGpuRouteAndTheCpuTakesItsShare) {
       g.route = Route::kGpu;
       std::unique_ptr<Runtime> split, gpu;
       {
-        const SplitEnv env("KVFERRY_SPLIT_SHARE", share);
-        split = Make(c);
+        RuntimeConfig s = c;
+        s.split_share = std::stod(share);
+        split = Make(s);
       }
       gpu = Make(g);
       ASSERT_TRUE(split && gpu);
@@ -859,8 +853,8 @@ TEST(SchedulerSplit, OutputsEqualTheGpuRouteAndTheCpuTakesItsShare) {
 }
 
 // Without the override the cost model decides: no split where the CPU's share is too small to pay
-// for its hand-over (KVFERRY_SPLIT_MIN_US, 30 us), the model's share (cpu / (cpu + pcie) of the
-// misses) where it is not; route gpu and KVFERRY_SPLIT=off never split, nor does a bank.
+// for its hand-over (RuntimeConfig::split_min_us, 30 us), the model's share (cpu / (cpu + pcie) of
+// the misses) where it is not; route gpu and async_cpu 0 never split, nor does a bank.
 TEST(SchedulerSplit, TheCostModelDecidesWhereTheShareIsWorthIt) {
   auto run = [&](RuntimeConfig c) -> Stats {
     auto rt = Make(c);
@@ -883,7 +877,7 @@ TEST(SchedulerSplit, TheCostModelDecidesWhereTheShareIsWorthIt) {
   c.policy.budget_tokens = 128;
   EXPECT_EQ(run(c).decode_split, 0);  // ~117 misses an item: under 1 us of CPU work
   {
-    const SplitEnv env("KVFERRY_SPLIT_MIN_US", "0");
+    c.split_min_us = 0.0;
     const Stats s = run(c);
     EXPECT_EQ(s.decode_split, c.model.num_layers);
     EXPECT_GT(s.rows_cpu, 0);
@@ -893,8 +887,9 @@ TEST(SchedulerSplit, TheCostModelDecidesWhereTheShareIsWorthIt) {
     RuntimeConfig b = c;
     b.tiers.bank_slots = 256;
     EXPECT_EQ(run(b).decode_split, 0);
-    const SplitEnv off("KVFERRY_SPLIT", "off");
-    EXPECT_EQ(run(c).decode_split, 0);
+    RuntimeConfig off = c;
+    off.async_cpu = 0;
+    EXPECT_EQ(run(off).decode_split, 0);
   }
 }
 

@@ -4,7 +4,7 @@
 // `--dump-trace`), several lanes (policy, budget, parameters) sharing one exact attention per step.
 //
 //   select_replay_bench --trace T.safetensors [--from P] [--sink 4] [--window 64] [--chunk 512]
-//       [--layers 0,5] [--threads N] [--json OUT] [--detail LABEL]
+//       [--layers 0,5] [--threads N] [--json OUT] [--detail LABEL] [--policy-weights FILE]
 //       --lane [LABEL=]POLICY@BUDGET[:key=value,...]  (repeatable)
 //
 // Each lane's policy is built by the registry (MakePolicy) for the trace's shape, primed through
@@ -22,8 +22,8 @@
 //              (what a token bank misses), next to the exact top-k's own turnover (fresh);
 //   select_us  the policy's Select time per call.
 // Layers run in parallel over --threads unless a lane is a cross-layer wrapper ("xl+"), which
-// needs the layers of a step in order. KVpop's trained scorer comes from $KVFERRY_KVPOP_WEIGHTS,
-// as in the runtime.
+// needs the layers of a step in order. KVpop's trained scorer comes from --policy-weights
+// (PolicyConfig::weights_path), as in the runtime.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -87,7 +87,7 @@ struct Tally {
 };
 
 struct Options {
-  std::string trace, json, detail;
+  std::string trace, json, detail, weights;
   int64_t from = -1;
   int sink = 4, window = 64, chunk = 512, threads = 0;
   std::vector<int64_t> layers;
@@ -98,7 +98,8 @@ struct Options {
   std::fprintf(stderr,
                "select_replay_bench: %s\nusage: select_replay_bench --trace T.safetensors --lane "
                "[LABEL=]POLICY@BUDGET[:k=v,...] [--lane ...] [--from P] [--sink 4] [--window 64] "
-               "[--chunk 512] [--layers 0,5] [--threads N] [--json OUT] [--detail LABEL]\n",
+               "[--chunk 512] [--layers 0,5] [--threads N] [--json OUT] [--detail LABEL] "
+               "[--policy-weights FILE]\n",
                why.c_str());
   std::exit(2);
 }
@@ -151,6 +152,7 @@ Options Parse(int argc, char** argv) {
     if (a == "--trace") o.trace = next();
     else if (a == "--json") o.json = next();
     else if (a == "--detail") o.detail = next();
+    else if (a == "--policy-weights") o.weights = next();
     else if (a == "--lane") o.lanes.push_back(next());
     else if (a == "--from") o.from = whole(next(), 1);
     else if (a == "--sink") o.sink = static_cast<int>(whole(next(), 0));
@@ -293,6 +295,7 @@ int Run(const Options& o) {
     rc.policy.name = l.policy;
     rc.policy.budget_tokens = l.budget;
     rc.policy.params = l.params;
+    rc.policy.weights_path = o.weights;
     auto pol = MakePolicy(rc);
     if (!pol.ok()) {
       std::fprintf(stderr, "select_replay_bench: lane %s: %s\n", l.label.c_str(), pol.status().ToString().c_str());

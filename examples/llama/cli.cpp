@@ -68,7 +68,7 @@ std::string UsageText() {
          "trace:   --trace-layers 0,15 | all --trace-steps N --trace-dtype f32|bf16\n"
          "runtime: --policy a[,b] (streaming) --budget n[,m] (256) --backend host|cuda|auto\n"
          "         --route auto|gpu|cpu --kv-dtype f16|bf16 --sinks N (4) --window N (64)\n"
-         "         --bank-slots N (0) --cpu-threads N --param k=v --no-dense\n"
+         "         --bank-slots N (0) --cpu-threads N --param k=v --policy-weights FILE --no-dense\n"
          "prefill: --etf (PrHS's early-token freezing) --etf-psi P (0.5) --etf-gamma G (1)\n"
          "         --etf-start L (3N/4) --etf-copy-kv (frozen rows keep the layer below's K/V)\n"
          "output:  --json FILE\n"
@@ -147,6 +147,7 @@ Result<Options> ParseArgs(int argc, const char* const* argv) {
       .KeyReal("--param", "", [&](const std::string& name, double x) {
         o.base.policy.params[name] = x;  // the runtime checks the range
       })
+      .String("--policy-weights", "FILE", "", &o.base.policy.weights_path)
       .Switch("--no-dense", "", &o.no_dense)
       .Switch("--etf", "", &o.etf.on)
       .Switch("--etf-copy-kv", "", &o.etf.copy_kv)

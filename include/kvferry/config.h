@@ -84,6 +84,10 @@ struct PolicyConfig {
   /// Policy-specific parameters by name ("r" -> 0.95, "eps" -> 0.85, ...); unknown names are an
   /// error at Create.
   std::map<std::string, double> params;
+  /// A file of trained weights for a policy that takes them ("kvpop": a safetensors file written
+  /// by scripts/kvpop_train.py, read at Create; its parameter "scorer" 1 needs one). Empty: none.
+  /// Any other policy refuses a path.
+  std::string weights_path;
 };
 
 /// \brief Where offloaded (host-only) rows are attended.
@@ -136,11 +140,28 @@ struct RuntimeConfig {
   /// from pinned host memory into its staging beside the step, so that they travel over PCIe while
   /// the engine's own work between the two layers' Decode calls runs. -1 (auto): prefetch while
   /// the measured stream time between one layer's Decode and the next one's (the engine's GPU work
-  /// there, and any idle time) averages at least 100 us (KVFERRY_XL_PREFETCH_GAP_US), and before
+  /// there, and any idle time) averages at least xl_prefetch_gap_us, and before
   /// the first measurement; with nothing in between the prefetch only races the step for PCIe
   /// (docs/runtime.md, "Cross-layer prefetch"). 0: off; 1: always. Stats::xl_gap_us reports the
   /// measured time.
   int xl_prefetch = -1;
+  /// The stream time between layers (microseconds, >= 0) from which xl_prefetch = -1 prefetches.
+  double xl_prefetch_gap_us = 100.0;
+  /// Route auto's split of a device selection's misses (async_cpu not 0): the CPU's share of each
+  /// split step's misses. -1: the cost model's (from the measured CPU and PCIe rates, balanced by
+  /// the steps on CUDA; no split where the share is worth less than split_min_us); a value in
+  /// [0, 1]: that share on every such step, whatever the model says (to measure or pin the split).
+  double split_share = -1.0;
+  /// Least CPU work (estimated microseconds, >= 0) a split step gives the CPU: below it the step
+  /// reads every miss over PCIe, as the hand-over (the pool's fork-join, the device's wait) costs
+  /// about 20 us a layer. Used with split_share = -1.
+  double split_min_us = 30.0;
+  /// Microseconds (0 to 1000000) the CPU pool's workers keep spinning after a CPU step's work for
+  /// the next layer's, so that they start at once rather than waking one after another. 0: they
+  /// sleep at once. Spinning takes the cores from anything else (the engine's own threads, a
+  /// longer item beside them); it pays where the next layer's CPU work comes within tens of
+  /// microseconds and the cores are otherwise idle.
+  int64_t cpu_spin_us = 0;
 };
 
 }  // namespace kvferry

@@ -119,6 +119,9 @@ class RuntimeConfig:
     budget: int = 256
     budget_fraction: float = 0.0
     params: Dict[str, float] = field(default_factory=dict)
+    #: A file of trained weights for the policies that take one (kvpop's scorer, written by
+    #: scripts/kvpop_train.py); "" for none.
+    weights_path: str = ""
     route: str = "auto"
     backend: str = "auto"
     device_id: int = 0
@@ -129,8 +132,17 @@ class RuntimeConfig:
     #: raised by the next call.
     async_cpu: int = -1
     #: The cross-layer prefetch of xl+ with the device token bank (-1: while the measured GPU
-    #: time between layers' decode calls averages 100 us or more; 0: off; 1: on).
+    #: time between layers' decode calls averages xl_prefetch_gap_us or more; 0: off; 1: on).
     xl_prefetch: int = -1
+    #: The GPU time between layers (us) from which xl_prefetch = -1 prefetches.
+    xl_prefetch_gap_us: float = 100.0
+    #: Route auto's split of a device selection's misses with the CPU: the CPU's share of each
+    #: split step's misses (-1: the cost model's; a value in [0, 1]: that share every step).
+    split_share: float = -1.0
+    #: Least estimated CPU work (us) a split step gives the CPU (with split_share = -1).
+    split_min_us: float = 30.0
+    #: Microseconds the CPU pool's workers spin after a CPU step for the next layer's (0: none).
+    cpu_spin_us: int = 0
 
 
 def _is_torch(t: Any) -> bool:

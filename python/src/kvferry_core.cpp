@@ -207,9 +207,9 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
       "layer_window",
       "max_sequences", "max_tokens_per_sequence", "max_batch", "max_prefill_chunk",
       "max_host_bytes", "host_bytes_at_create", "gpu_bytes", "prefill_prefetch", "sink_tokens", "window_tokens",
-      "bank_slots", "bank_map", "policy", "budget", "budget_fraction", "params", "route",
-      "backend", "device_id", "cpu_threads", "probe_at_start", "async_cpu",
-      "xl_prefetch"};
+      "bank_slots", "bank_map", "policy", "budget", "budget_fraction", "params", "weights_path",
+      "route", "backend", "device_id", "cpu_threads", "probe_at_start", "async_cpu",
+      "xl_prefetch", "xl_prefetch_gap_us", "split_share", "split_min_us", "cpu_spin_us"};
   for (auto [key, value] : d) {
     const std::string k = nb::cast<std::string>(key);
     bool known = false;
@@ -294,6 +294,7 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
       c.policy.params[name] = value;
     }
   }
+  get_as("weights_path", c.policy.weights_path, "a str");
   if (std::string s; get_as("route", s, "a str")) {
     if (s == "auto") c.route = Route::kAuto;
     else if (s == "gpu") c.route = Route::kGpu;
@@ -311,6 +312,10 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   get_as("probe_at_start", c.probe_at_start, "a bool");
   get_int("async_cpu", c.async_cpu);
   get_int("xl_prefetch", c.xl_prefetch);
+  get_as("xl_prefetch_gap_us", c.xl_prefetch_gap_us, "a float");
+  get_as("split_share", c.split_share, "a float");
+  get_as("split_min_us", c.split_min_us, "a float");
+  get_int("cpu_spin_us", c.cpu_spin_us);
   return c;
 }
 

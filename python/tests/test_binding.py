@@ -116,7 +116,7 @@ def test_streaming_attends_sinks_and_recent():
     assert torch.allclose(o1[0].double(), ref, atol=2e-5, rtol=1e-4)
 
 
-def test_kvpop_trained_scorer_selects_on_the_device_as_on_the_host(monkeypatch):
+def test_kvpop_trained_scorer_selects_on_the_device_as_on_the_host():
     # The committed SmolLM2 scorer (30 layers, 3 KV heads, head_dim 64): kvpop's device selection
     # (the host backend runs its twin of the GPU kernel) keeps exactly the tokens of its host
     # Select ("device" 0), step after step; the zero scorer's lists are streaming's.
@@ -125,12 +125,10 @@ def test_kvpop_trained_scorer_selects_on_the_device_as_on_the_host(monkeypatch):
     weights = os.path.join(here, "..", "..", "policies", "weights", "kvpop_smollm2.safetensors")
     if not os.path.exists(weights):
         pytest.skip("the kvpop weights are not in this checkout")
-    monkeypatch.setenv("KVFERRY_KVPOP_WEIGHTS", weights)
     shape = dict(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64, sink_tokens=4,
                  window_tokens=16, budget=48, max_tokens_per_sequence=1024)
-    dev = make_rt(policy="kvpop", **shape)
-    host = make_rt(policy="kvpop", params={"device": 0.0}, **shape)
-    monkeypatch.delenv("KVFERRY_KVPOP_WEIGHTS")
+    dev = make_rt(policy="kvpop", weights_path=weights, **shape)
+    host = make_rt(policy="kvpop", params={"device": 0.0}, weights_path=weights, **shape)
     zero = make_rt(policy="kvpop", **shape)
     stream = make_rt(policy="streaming", **shape)
     rts = (dev, host, zero, stream)
@@ -338,6 +336,22 @@ def test_xl_prefetch_reaches_the_config():
         rt = make_rt(policy="xl+oracle", budget=48, xl_prefetch=mode)
         assert rt.stats()["xl_gap_us"] == -1.0
         assert rt.stats()["decode_prefetched"] == 0
+
+
+def test_tuning_fields_reach_the_config():
+    """The scheduler's and CPU pool's tuning fields are checked at create, each bad value named;
+    good ones make a runtime; a weights file that is not one is refused naming weights_path."""
+    bad = [("xl_prefetch_gap_us", -1.0), ("split_share", 1.5), ("split_share", -0.5),
+           ("split_min_us", -2.0), ("cpu_spin_us", -1), ("cpu_spin_us", 2000000)]
+    for name, value in bad:
+        with pytest.raises(ValueError, match=name):
+            make_rt(policy="oracle", budget=48, **{name: value})
+    with pytest.raises(TypeError, match="split_share must be a float"):
+        make_rt(split_share="half")
+    make_rt(policy="oracle", budget=48, xl_prefetch_gap_us=0.0, split_share=0.5, split_min_us=0.0,
+            cpu_spin_us=10)
+    with pytest.raises(ValueError, match="policy.weights_path '/nonexistent/w.safetensors'"):
+        make_rt(policy="kvpop", budget=48, weights_path="/nonexistent/w.safetensors")
 
 
 def test_gpu_bytes_cap_refuses_what_does_not_fit_and_sizes_the_auto_bank():

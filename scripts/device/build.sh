@@ -34,12 +34,12 @@ for l in open(sys.argv[1]):
 
 # kvf_route_rows NAME MODES [kvferry-e2e arguments]: the scheduler's routes of MODES, one run each:
 # NAME_gpu (route gpu), NAME_auto (route auto: the split, its share following the steps) and
-# NAME_cpu (every miss on the CPU: route auto with KVFERRY_SPLIT_SHARE=1).
+# NAME_cpu (every miss on the CPU: route auto with --split-share 1).
 kvf_route_rows() {
   local n=$1 m=$2; shift 2
   kvf_e2e "${n}_gpu" -- --modes "$m" "$@" --route gpu
   kvf_e2e "${n}_auto" -- --modes "$m" "$@" --route auto
-  kvf_e2e "${n}_cpu" KVFERRY_SPLIT_SHARE=1 -- --modes "$m" "$@" --route auto
+  kvf_e2e "${n}_cpu" -- --modes "$m" "$@" --route auto --split-share 1
 }
 
 # kvf_rows: a line per row of $D/rows.jsonl (the step's time in a CUDA graph and eager, the split,

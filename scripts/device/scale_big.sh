@@ -12,7 +12,7 @@
 #   PART=bank:   kvpop_bank, xl+kvpop_bank (the best GPU policy, with PrHS's selectors: psaw+ in
 #                MODES=psaw+kvpop_bank), the 8 GiB cap, eager and graph steps
 #   PART=routes: kvpop without a bank on route gpu, auto (the scheduler's split) and every miss on
-#                the CPU (KVFERRY_SPLIT_SHARE=1)
+#                the CPU (--split-share 1)
 #   PART=base:   full_streaming (every row over PCIe) and dense_cpu (every row on the CPU cores),
 #                2 steps each
 # Every part then times torch SDPA with the KV on the GPU (as many distinct layers as fit in
