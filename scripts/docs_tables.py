@@ -287,7 +287,8 @@ def t_hip_replay():
     d = load("hip_kvpop_replay_smollm2.json")
     if not d:
         return "(bench/results/hip_kvpop_replay_smollm2.json not yet generated)\n"
-    texts = {r["text"]: {l["label"]: l for l in r["lanes"]} for r in d["rows"]}
+    texts = {os.path.basename(r["text"].split()[0]).replace(".txt", "").upper().replace("JARGON", "Jargon"):
+             {l["label"]: l for l in r["lanes"]} for r in d["rows"]}
     head = ["lane", "budget", "parameters"]
     for t in texts:
         head += [f"{t}: mass kept", f"{t}: recall of exact top-k", f"{t}: output error", f"{t}: mass, layers 3-10"]
@@ -315,12 +316,15 @@ def t_hip_quality():
     for r in d["rows"]:
         by.setdefault(r["label"], {})[r["text"]] = r
     texts = sorted({r["text"] for r in d["rows"]}, key=lambda t: ("kjv" not in t, t))
-    head = ["lane", "budget", "parameters"] + [f"{t.split('/')[-1]}: gap to dense (/ oracle's)" for t in texts] + \
+    head = ["lane", "budget", "parameters"] + [f"{os.path.basename(t).replace('.txt', '').upper().replace('JARGON', 'Jargon')}: "
+                                               "gap to dense (/ oracle's)" for t in texts] + \
            ["passkey (KJV, 2K/4K/8K x 3 depths)"]
     rows = []
-    for lab, per in sorted(by.items(), key=lambda kv: (next(iter(kv[1].values())).get("budget") or 0, kv[0])):
+    def budget(lab, per):
+        return None if lab == "dense" else next(iter(per.values())).get("budget")
+    for lab, per in sorted(by.items(), key=lambda kv: (budget(*kv) or 0, kv[0])):
         r0 = next(iter(per.values()))
-        cells = [f"`{lab}`", r0.get("budget") or "all",
+        cells = [f"`{lab}`", budget(lab, per) or "all",
                  ", ".join(f"{k}={v}" for k, v in (r0.get("params") or {}).items()) or "defaults"]
         for t in texts:
             r = per.get(t)
