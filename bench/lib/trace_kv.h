@@ -4,6 +4,7 @@
 // rows a policy reads (KvPages, f16 or bf16, every trace position), for the trace replays of
 // lfps_bench and select_replay_bench.
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -14,6 +15,18 @@
 #include "kvferry/tensor.h"
 
 namespace kvferry::bench {
+
+/// Keeps only the traced layers listed in \p layers (all of them when the list is empty); false
+/// when the list selects none.
+inline bool KeepTraceLayers(Trace& trace, const std::vector<int64_t>& layers) {
+  if (layers.empty()) return true;
+  std::vector<TraceLayer> keep;
+  for (auto& l : trace.layers) {
+    if (std::find(layers.begin(), layers.end(), l.layer) != layers.end()) keep.push_back(std::move(l));
+  }
+  trace.layers = std::move(keep);
+  return !trace.layers.empty();
+}
 
 class TraceHead {
  public:

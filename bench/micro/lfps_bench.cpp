@@ -224,16 +224,9 @@ int RunReplay(const ReplayOptions& o) {
     return 1;
   }
   bench::Trace& trace = tr.value();
-  if (!o.layers.empty()) {
-    std::vector<bench::TraceLayer> keep;
-    for (auto& l : trace.layers) {
-      if (std::find(o.layers.begin(), o.layers.end(), l.layer) != o.layers.end()) keep.push_back(std::move(l));
-    }
-    trace.layers = std::move(keep);
-    if (trace.layers.empty()) {
-      std::fprintf(stderr, "error: --layers selects no traced layer\n");
-      return 1;
-    }
+  if (!bench::KeepTraceLayers(trace, o.layers)) {
+    std::fprintf(stderr, "error: --layers selects no traced layer\n");
+    return 1;
   }
   const bench::TraceLayer& l0 = trace.layers.at(0);
   const int64_t T = l0.num_tokens;

@@ -256,14 +256,7 @@ int Run(const Options& o) {
     return 1;
   }
   bench::Trace& trace = tr.value();
-  if (!o.layers.empty()) {
-    std::vector<bench::TraceLayer> keep;
-    for (auto& l : trace.layers) {
-      if (std::find(o.layers.begin(), o.layers.end(), l.layer) != o.layers.end()) keep.push_back(std::move(l));
-    }
-    trace.layers = std::move(keep);
-    if (trace.layers.empty()) Usage("--layers selects no traced layer");
-  }
+  if (!bench::KeepTraceLayers(trace, o.layers)) Usage("--layers selects no traced layer");
   const bench::TraceLayer& l0 = trace.layers.front();
   const int64_t T = l0.num_tokens;
   const int hq = l0.num_q_heads, hkv = l0.num_kv_heads, d = l0.head_dim, group = hq / hkv;
