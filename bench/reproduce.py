@@ -219,6 +219,62 @@ def quality_cmds(T):
     return cmds
 
 
+
+# Gemma 3 270M (32K context; 3 global layers take the policy, 15 sliding layers their window):
+# perplexity of the last 1024 tokens of 16K and 32K windows of KJV and the Jargon File, and passkey
+# at 8K/16K/32K x 3 depths, every policy at 2% of the context on the global layers, dense beside.
+GEMMA = "data/gemma-3-270m-q4_k_m.gguf"
+GEMMA_POLICIES = "oracle,streaming,lfps,sparcas,quest,hip,kvpop"
+GEMMA_PCT = 2
+
+
+def gemma_budget(ctx):
+    return ctx * GEMMA_PCT // 100
+
+
+def quality_gemma3_cmds(T):
+    L = f"{LLAMA} --model {GEMMA} --backend host"
+    cmds = ["bash scripts/fetch-data.sh --text-only", "bash scripts/fetch-data.sh --gemma3"]
+    for ctx in (16384, 32768):
+        for text in ("kjv", "jargon"):
+            cmds.append(f"{L} --perplexity --text data/{text}.txt --context {ctx} --scored 1024 "
+                        f"--policy {GEMMA_POLICIES} --budget {gemma_budget(ctx)} --json {T}/ppl_{text}_{ctx}.json")
+    for n in (8192, 16384, 32768):
+        cmds.append(f"{L} --passkey --text data/kjv.txt --lengths {n} --depths 0.1,0.5,0.9 "
+                    f"--policy {GEMMA_POLICIES} --budget {gemma_budget(n)} --json {T}/passkey_{n}.json")
+    for ctx in (16384, 32768):
+        for text in ("kjv", "jargon"):
+            cmds.append(f"{PY} scripts/quality_smollm2.py --ppl {T}/ppl_{text}_{ctx}.json --out {T}/q_{text}_{ctx}.json "
+                        f"--no-plot")
+    for n in (8192, 16384, 32768):
+        cmds.append(f"{PY} scripts/quality_smollm2.py --passkey {T}/passkey_{n}.json --out {T}/q_passkey_{n}.json --no-plot")
+    return cmds
+
+
+def quality_gemma3_merge(T):
+    groups, passkey = [], []
+    for ctx in (16384, 32768):
+        for text in ("kjv", "jargon"):
+            q = json.load(open(f"{T}/q_{text}_{ctx}.json"))
+            for r in q["rows"]:
+                r.pop("passkey", None)
+            groups.append({"text": f"data/{text}.txt", "context": ctx, "scored": 1024,
+                           "budget": gemma_budget(ctx), "budget_pct": GEMMA_PCT, "rows": q["rows"]})
+    for n in (8192, 16384, 32768):
+        q = json.load(open(f"{T}/q_passkey_{n}.json"))
+        passkey.append({"length": n, "budget": gemma_budget(n), "budget_pct": GEMMA_PCT,
+                        "rows": [{"policy": r["policy"], "budget": r["budget"], **r["passkey"]}
+                                 for r in q["rows"] if "passkey" in r]})
+    rows = [dict(r, text=g["text"], context=g["context"]) for g in groups for r in g["rows"]]
+    return {"bench": "quality_gemma3_32k", "model": GEMMA,
+            "notes": ["Gemma 3 270M (Q4_K_M GGUF), host backend, sinks 4 + window 64 on the 3 global layers; "
+                      "the 15 sliding-window layers (512 tokens) attend their window exactly. Budgets 2% of the "
+                      "context (the tokens a global layer attends, resident ones included). kvpop runs without "
+                      "trained weights (no Gemma scorer exists: its recency fallback)."],
+            "rows": rows, "passkey": passkey,
+            "regenerate": "python3 bench/reproduce.py quality_gemma3_32k"}
+
+
 def quality_merge(T):
     d = json.load(open(f"{T}/quality.json"))
     d["regenerate"] = "python3 bench/reproduce.py quality_smollm2"
@@ -856,6 +912,10 @@ SPECS = {
                        "uncapped-SDPA baselines; the scheduler's routes"),
     "split": dict(gpu=True, targets=["kvferry-e2e"], run=split_cmds, merge=split_merge,
                   what="the scheduler's GPU/CPU split vs the single routes at 128K"),
+    "quality_gemma3_32k": dict(gpu=False, targets=[], examples=True, run=quality_gemma3_cmds,
+                               merge=quality_gemma3_merge,
+                               what="Gemma 3 270M at 16K/32K: perplexity (KJV, Jargon) and passkey (8K-32K) of every "
+                                    "policy at 2% of the context"),
     "quality_smollm2": dict(gpu=False, targets=["kvferry-bench"], examples=True, run=quality_cmds,
                             merge=quality_merge,
                             what="perplexity gap, passkey and attention-mass recall of every policy on SmolLM2-135M"),
@@ -924,6 +984,7 @@ GPU1_RAM = "GPU: 1x H100/H200 + 16 cores, 128 GiB RAM (nvidia-h200)"
 CPU2 = "CPU: host backend, 2+ cores"
 MACHINE = {
     "e2e": (GPU1_RAM, "?"), "scale": (GPU1_RAM, "?"), "split": (GPU1_RAM, "?"),
+    "quality_gemma3_32k": (CPU2, "~80 min on 2 cores (4 prefills of 16K/32K + 32 lanes x 1024 tokens at ~11 tok/s; 9 passkey prompts)"),
     "quality_smollm2": (CPU2, "~75 min on 2 cores (2507 s of decode recorded, + 9 prefills, passkey, replays)"),
     "bank": (GPU1, "?"), "gpu_attention": (GPU1, "?"), "torch_sdpa": (GPU1, "?"), "transfer_span": (GPU1, "?"),
     "select_topk": (GPU1, "?"), "cpu_attention": ("CPU: 16 cores (the GPU machine's)", "?"),
@@ -971,7 +1032,7 @@ def provenance(commands):
 
 
 ROW_KEYS = ("rows", "runs", "dense", "sparse", "sparse_pool", "dense_decode", "llama_prefill", "lanes", "trials",
-            "history", "sweep_budget_256", "default")
+            "history", "sweep_budget_256", "default", "passkey")
 
 
 def stamp(d, p):

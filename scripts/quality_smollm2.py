@@ -27,6 +27,7 @@ def main():
     ap.add_argument("--replay", nargs="*", default=[])
     ap.add_argument("--out", required=True)
     ap.add_argument("--note", action="append", default=[])
+    ap.add_argument("--no-plot", action="store_true", help="skip bench/plot.py's quality plot")
     a = ap.parse_args()
 
     rows = {}
@@ -98,12 +99,13 @@ def main():
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     # The plot next to it (bench/plot.py; skipped with a message without matplotlib).
-    import os
-    import subprocess
-    import sys
-    plot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "plot.py")
-    subprocess.call([sys.executable, plot, "--results", os.path.dirname(os.path.abspath(a.out)),
-                     "--only", "quality"])
+    if not a.no_plot:
+        import os
+        import subprocess
+        import sys
+        plot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "plot.py")
+        subprocess.call([sys.executable, plot, "--results", os.path.dirname(os.path.abspath(a.out)),
+                         "--only", "quality"])
     for r in out["rows"]:
         pk = r.get("passkey", {})
         tr = r.get("trace_replay", {})
