@@ -6,13 +6,11 @@
                        run) vs context, per policy, from e2e.json
   quality_smollm2.png  perplexity gap to dense and attention-mass recall vs budget, per policy,
                        from quality_smollm2.json
-  bank.png             token-bank decode speed (vs all KV on the GPU) against its hit rate, from
-                       bank.json
   scale.png            time per token step of each (context, batch) point under the GPU memory
                        cap, per policy and selectors, with the baselines, from scale.json
 
 A plot whose JSON is absent is skipped with a message. Usage: plot.py [--results bench/results]
-[--only e2e,quality,bank,scale]
+[--only e2e,quality,scale]
 """
 import argparse
 import glob
@@ -128,32 +126,6 @@ def plot_quality(results):
     save(fig, src[:-5] + ".png")
 
 
-def plot_bank(results):
-    files = sorted(glob.glob(os.path.join(results, "bank.json")))
-    if not files:
-        return print(f"plot.py: no bank.json in {results}; bank plot skipped")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    seen = set()
-    for f in files:
-        d = json.load(open(f))
-        for r in d.get("runs", []):
-            if r["mode"] not in ("vector_fused", "hash_fused") or not r.get("graph"):
-                continue
-            key = (r["mode"], r["batch"])
-            color = {"vector_fused": "C0", "hash_fused": "C1"}[r["mode"]]
-            marker = "o" if r["batch"] == 1 else "s"
-            ax.scatter(r["hit_rate"], r["speed_vs_all_gpu"], color=color, marker=marker,
-                       label=f"{r['mode']}, batch {r['batch']}" if key not in seen else None)
-            seen.add(key)
-    ax.axhline(1.0, color="k", lw=1, ls="--", label="all KV on the GPU")
-    ax.set_xlabel("bank hit rate")
-    ax.set_ylabel("decode speed vs all KV on the GPU")
-    ax.set_title("token bank (H100, 128K context, 32 layers); one point per run")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    save(fig, os.path.join(results, "bank.png"))
-
-
 def plot_scale(results):
     src = os.path.join(results, "scale.json")
     if not os.path.exists(src):
@@ -200,9 +172,9 @@ def plot_scale(results):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--only", default="e2e,quality,bank,scale")
+    ap.add_argument("--only", default="e2e,quality,scale")
     a = ap.parse_args()
-    plots = {"e2e": plot_e2e, "quality": plot_quality, "bank": plot_bank, "scale": plot_scale}
+    plots = {"e2e": plot_e2e, "quality": plot_quality, "scale": plot_scale}
     for name in a.only.split(","):
         if name not in plots:
             sys.exit(f"plot.py: unknown plot '{name}' (known: {', '.join(plots)})")

@@ -1,7 +1,7 @@
 // Copyright kvferry authors. Apache-2.0.
 #pragma once
-// Device-side lookups in the token bank's hash page tables, shared by the attention kernels
-// (gpu/bank_attention.cu, read-only through the texture path) and the device-resident bank's
+// Device-side lookups in the token bank's hash page tables, shared by the planned step's kernels
+// (gpu/decode_step.cu, read-only through the texture path) and the device-resident bank's
 // admission (gpu/device_bank.cu, plain loads of a table it is writing). The layout is
 // HashPageMap's: packed (pos << 32 | slot) entries, ~0 = empty, linear probing from
 // HashPageMap::Bucket; DeviceBank's tombstones (pos field -2) match no position and are skipped.

@@ -310,26 +310,6 @@ Status CudaDevice::AttendRows(const AttnParams& p, const RowAttnItem* items, int
   return LaunchAttendRows(p, items, num_items, info_, ws, s);
 }
 
-Status CudaDevice::AttendBank(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
-                              BankPass pass, StreamHandle stream, int64_t max_rows) {
-  KVF_RETURN_IF_ERROR(Activate());
-  const cudaStream_t s = Resolve(stream);
-  KVF_ASSIGN_OR_RETURN(AttnWorkspace ws, Workspace(s));
-  return LaunchAttendBank(p, items, num_items, pass, max_rows, info_, ws, s);
-}
-
-Status CudaDevice::GatherBank(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
-                              int64_t max_rows, StreamHandle stream) {
-  KVF_RETURN_IF_ERROR(Activate());
-  return LaunchBankGather(p, items, num_items, max_rows, Resolve(stream));
-}
-
-Status CudaDevice::ResolveBank(const BankAttnItem* items, int64_t num_items, int64_t max_rows,
-                               StreamHandle stream) {
-  KVF_RETURN_IF_ERROR(Activate());
-  return LaunchBankResolve(items, num_items, max_rows, Resolve(stream));
-}
-
 Status CudaDevice::AttendPaged(const AttnParams& p, const PagedAttnItem* items, int64_t num_items,
                                StreamHandle stream) {
   KVF_RETURN_IF_ERROR(Activate());

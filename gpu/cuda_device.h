@@ -80,18 +80,6 @@ class CudaDevice final : public Device {
                   int head_dim, void* out, DType out_dtype, StreamHandle stream) override;
   Status WaitHostValue(const uint32_t* word, uint32_t value, StreamHandle stream) override;
 
-  /// CUDA-only: position-list attention of the token bank (see LaunchAttendBank), with the
-  /// stream's split workspace.
-  Status AttendBank(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
-                    BankPass pass, StreamHandle stream, int64_t max_rows = 0);
-
-  /// CUDA-only: the token bank's miss gather (see LaunchBankGather).
-  Status GatherBank(const AttnParams& p, const BankAttnItem* items, int64_t num_items,
-                    int64_t max_rows, StreamHandle stream);
-  /// CUDA-only: the token bank's page-table lookups alone (see LaunchBankResolve).
-  Status ResolveBank(const BankAttnItem* items, int64_t num_items, int64_t max_rows,
-                     StreamHandle stream);
-
   [[nodiscard]] int device_id() const { return device_id_; }
   [[nodiscard]] const cudaDeviceProp& props() const { return props_; }
   [[nodiscard]] const LaunchInfo& launch_info() const { return info_; }

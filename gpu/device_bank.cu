@@ -432,21 +432,6 @@ DeviceBank::~DeviceBank() {
   }
 }
 
-void DeviceBank::Describe(int table, BankAttnItem* item) const {
-  const size_t t = static_cast<size_t>(table);
-  item->vector_map = nullptr;
-  item->hash_map = nullptr;
-  if (vmap_ != nullptr) {
-    item->vector_map = vmap_ + t * config_.max_positions;
-    item->vector_len = config_.max_positions;
-  } else {
-    item->hash_map = reinterpret_cast<const uint64_t*>(hmap_ + (t << hash_log2_));
-    item->hash_log2 = hash_log2_;
-  }
-  item->bank_rows = bank_ + t * config_.slots * 2 * row_bytes_;
-  item->ref_bits = refs_ + t * ref_words_;
-}
-
 void DeviceBank::ViewAll(StepBankView* view) const {
   view->vmap = vmap_;
   view->max_positions = config_.max_positions;

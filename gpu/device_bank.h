@@ -5,9 +5,10 @@
 // live in device memory, and admission is one kernel launch. The host never touches a row or a
 // map entry on the decode path: a step is
 //
-//   positions (device)  -> LaunchAttendBank(kAll, or kHits + kMisses on two streams + MergeLse):
-//                          hits read bank rows (and set reference bits), misses read the pinned
-//                          host store zero-copy, stage their rows and append to a miss list
+//   the planned step    -> Device::DecodeStep with DecodeStepArgs::bank (gpu/decode_step.cu, the
+//                          view from ViewAll): hits read bank rows (and set reference bits),
+//                          misses read the pinned host store zero-copy, stage their rows and
+//                          append to a miss list
 //   DeviceBank::Admit   -> after the step's reads of the bank (stream order or an event): folds the
 //                          reference bits into the CLOCK counts, de-duplicates the misses, picks
 //                          victims by CLOCK, updates the page table and copies the staged rows
@@ -56,8 +57,8 @@ struct BankAdmitItem {
   const int32_t* positions = nullptr;   ///< the step's position list of the table
   int32_t* miss_list = nullptr;         ///< [0] = misses, [1 + i] = list index; [0] reset to 0
   const char* stage = nullptr;          ///< list index j's K at stage + 2 j row_bytes, V next
-  /// Compact staging (as BankAttnItem::stage_first): when set, the i-th listed miss's K is at
-  /// stage + 2 (*stage_first + i) row_bytes instead. Device memory.
+  /// Compact staging: when set, the i-th listed miss's K is at stage + 2 (*stage_first + i)
+  /// row_bytes instead (the rows of all tables can then be one block). Device memory.
   const int32_t* stage_first = nullptr;
 };
 
@@ -92,9 +93,6 @@ class DeviceBank {
   DeviceBank(const DeviceBank&) = delete;
   DeviceBank& operator=(const DeviceBank&) = delete;
 
-  /// Fills the page-table fields of \p item (vector_map / hash_map, bank_rows, ref_bits) for
-  /// \p table; the caller sets q, o, lse, positions, store, stage and miss_list.
-  void Describe(int table, BankAttnItem* item) const;
   /// Base pointers of every table (table 0's, the others at their strides) for the planned step.
   void ViewAll(StepBankView* view) const;
   /// Queues the admission of \p num_items tables' misses on \p stream (items: device-readable).

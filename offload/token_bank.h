@@ -53,8 +53,9 @@ struct TokenBankConfig {
   /// 0 = 64 per table, capped at 1 << 20).
   int64_t max_admit_rows = 0;
   /// Keep a device copy of every page table (vector: uint16 per position; hash: the packed
-  /// entries) and a per-slot reference bitmap, so that a kernel resolves positions itself
-  /// (cuda::LaunchAttendBank). CommitAdmit then also updates the copies on the admission stream.
+  /// entries) and a per-slot reference bitmap that a kernel could resolve positions through (no
+  /// kernel of the tree reads them; the planned step uses cuda::DeviceBank). CommitAdmit then
+  /// also updates the copies on the admission stream.
   bool device_map = false;
 };
 

@@ -232,21 +232,6 @@ def t_kernels():
     return table(head, rows)
 
 
-def t_bank():
-    d = load("bank.json")
-    head = ["map", "batch", "hit rate", "speed vs all KV on the GPU", "step us"]
-    best = {}
-    for r in d["runs"]:
-        if r["mode"] in ("vector_fused", "hash_fused") and r.get("graph"):
-            best.setdefault((r["mode"], r["batch"], round(r["hit_rate"], 2)), []).append(r)
-    rows = []
-    for (m, b, h), rs in sorted(best.items()):
-        rs.sort(key=lambda r: r["speed_vs_all_gpu"])
-        r = rs[len(rs) // 2]
-        rows.append([m.replace("_fused", ""), b, h, f"{r['speed_vs_all_gpu']:.3f}x", r["step_us"]])
-    return table(head, rows)
-
-
 def t_cpu():
     d = load("cpu_attention.json")
     head = ["threads", "sparse attention GB/s", "fraction of the DRAM limit"]
@@ -274,10 +259,9 @@ def t_transfer():
         p = d[k]
         rows.append([p["gather_row_bytes"], p["h2d_gbps"], p["zero_copy_gather_gbps"], p["batched_copy_gbps"]])
     s = load("transfer_span.json")
-    head2 = ["span of host memory (GiB)", "rows", "zero-copy gather GB/s", "CPU pool gather GB/s",
-             "contiguous H2D GB/s"]
-    rows2 = [[r["span_bytes"] / 2**30, r["rows"], r["zero_copy_gbps"], r["cpu_gather_gbps"],
-              r["h2d_contig_gbps"]] for r in sorted(s["runs"], key=lambda r: (r["rows"], r["span_bytes"]))]
+    head2 = ["span of host memory (GiB)", "rows", "zero-copy gather GB/s", "contiguous H2D GB/s"]
+    rows2 = [[r["span_bytes"] / 2**30, r["rows"], r["zero_copy_gbps"], r["h2d_contig_gbps"]]
+             for r in sorted(s["runs"], key=lambda r: (r["rows"], r["span_bytes"]))]
     return table(head, rows) + "\n" + table(head2, rows2)
 
 
@@ -340,7 +324,7 @@ def t_hip_quality():
 
 
 TABLES = {"policy": t_policy, "e2e": t_e2e, "async": t_async, "prefill": t_prefill, "scale": t_scale,
-          "quality": t_quality, "kernels": t_kernels, "bank": t_bank, "cpu": t_cpu,
+          "quality": t_quality, "kernels": t_kernels, "cpu": t_cpu,
           "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
           "hip-quality": t_hip_quality}
 

@@ -19,7 +19,6 @@
 
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
-#include "offload/host_gather.h"
 
 namespace kvferry::cpu {
 namespace {
@@ -256,33 +255,6 @@ TEST(CpuPoolTest, KeepWarmSpinnersYieldToTheNextForkAndThePool) {
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   (*pool)->KeepWarm((*pool)->num_threads(), 10'000'000);
   pool->reset();  // spinners see the epoch move and leave; the arena joins them
-}
-
-// GatherRowsHost (offload/host_gather.h): random rows of a store into a compact block, on the pool
-// and on the calling thread, equal byte for byte to plain memcpy; odd row sizes and counts, the
-// untouched bytes around the block stay poisoned.
-TEST(HostGatherTest, EqualsMemcpyOnPoolAndCaller) {
-  auto pool = CpuPool::Create(CpuPoolOptions{});
-  ASSERT_TRUE(pool.ok());
-  std::mt19937 rng(11);
-  for (size_t bytes : {size_t{2}, size_t{48}, size_t{256}, size_t{512}, size_t{1000}}) {
-    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{333}, int64_t{5003}}) {
-      const int64_t store_rows = 4099;
-      std::vector<unsigned char> store(static_cast<size_t>(store_rows) * bytes);
-      for (auto& b : store) b = static_cast<unsigned char>(rng());
-      for (CpuPool* pl : {pool->get(), static_cast<CpuPool*>(nullptr)}) {
-        std::vector<unsigned char> out(static_cast<size_t>(n + 2) * bytes, 0xA5), want = out;
-        std::vector<RowCopy> rows(static_cast<size_t>(n));
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t r = static_cast<int64_t>(rng() % store_rows);
-          rows[i] = RowCopy{out.data() + (i + 1) * bytes, store.data() + r * bytes};
-          std::memcpy(want.data() + (i + 1) * bytes, store.data() + r * bytes, bytes);
-        }
-        GatherRowsHost(pl, rows.data(), n, bytes);
-        EXPECT_EQ(out, want) << "bytes " << bytes << " rows " << n << (pl ? " pool" : " caller");
-      }
-    }
-  }
 }
 
 }  // namespace

@@ -2,19 +2,17 @@
 // How the rate of token-granular gathers from pinned host memory depends on the span of host
 // memory the rows lie in. For each span (a prefix of one 16 GiB pinned block) and each gather size
 // (rows per call, as one layer's bank misses at batch 1 and batch 8), random 512 B rows (one K|V
-// row pair at head_dim 128, bf16) are moved to the GPU three ways:
+// row pair at head_dim 128, bf16) are moved to the GPU:
 //   zero_copy   the row-copy kernel (CudaDevice::CopyRows, TransferEngine::GatherZeroCopy's path)
 //               reads them straight from pinned memory over PCIe;
-//   cpu_gather  the CPU pool gathers them into a compact pinned block (GatherRowsHost);
-//   h2d         one copy-engine copy of that compact block (cudaMemcpyAsync);
-// and the contiguous H2D copy of the same bytes is the PCIe ceiling. Table + JSON (argv[1],
-// default bench/results/transfer_span.json).
+//   h2d         one copy-engine copy of a compact pinned block of the same bytes (cudaMemcpyAsync);
+// and the contiguous H2D copy of the same bytes out of the span is the PCIe ceiling. Table + JSON
+// (argv[1], default bench/results/transfer_span.json).
 // Usage: span_bench [out.json] [--max-gib G (default 16)] [--reps N (default 100)]
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -25,9 +23,7 @@
 #include <vector>
 
 #include "bench/lib/check.h"
-#include "cpu/pool.h"
 #include "gpu/cuda_device.h"
-#include "offload/host_gather.h"
 
 using namespace kvferry;
 
@@ -44,7 +40,6 @@ int main(int argc, char** argv) {
     }
   }
   auto dev = cuda::CudaDevice::Create(0).value();
-  auto pool = cpu::CpuPool::Create(cpu::CpuPoolOptions{}).value();
   StreamHandle s = dev->CreateStream().value();
   constexpr size_t kRow = 512;
   const size_t total = static_cast<size_t>(max_gib) << 30;
@@ -72,21 +67,18 @@ int main(int argc, char** argv) {
     CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
     return ms * 1e3 / reps;
   };
-  std::printf("device: %s\ncpu pool: %s\n", dev->name().c_str(), pool->description().c_str());
-  std::printf("%10s %8s %14s %14s %14s %14s\n", "span MiB", "rows", "zero_copy GB/s",
-              "cpu_gather GB/s", "h2d GB/s", "contig GB/s");
-  std::string json = "{\"device\": \"" + dev->name() + "\", \"row_bytes\": 512, \"cpu\": \"" +
-                     pool->description() + "\", \"runs\": [";
+  std::printf("device: %s\n", dev->name().c_str());
+  std::printf("%10s %8s %14s %14s %14s\n", "span MiB", "rows", "zero_copy GB/s", "h2d GB/s",
+              "contig GB/s");
+  std::string json = "{\"device\": \"" + dev->name() + "\", \"row_bytes\": 512, \"runs\": [";
   bool first = true;
   std::mt19937_64 rng(1);
   for (size_t span = size_t{256} << 20; span <= total; span *= 4) {
     for (int64_t n : {int64_t{1600}, max_rows}) {
-      std::vector<RowCopy> rows_h(static_cast<size_t>(n) * reps), cpu_rows(static_cast<size_t>(n) * reps);
+      std::vector<RowCopy> rows_h(static_cast<size_t>(n) * reps);
       for (int r = 0; r < reps; ++r) {
         for (int64_t i = 0; i < n; ++i) {
-          const char* src = host + (rng() % (span / kRow)) * kRow;
-          rows_h[r * n + i] = RowCopy{dst + i * kRow, src};
-          cpu_rows[r * n + i] = RowCopy{stage_h + i * kRow, src};
+          rows_h[r * n + i] = RowCopy{dst + i * kRow, host + (rng() % (span / kRow)) * kRow};
         }
       }
       BENCH_CHECK(dev->CopyAsync(rows_d, rows_h.data(), rows_h.size() * sizeof(RowCopy), s));
@@ -95,26 +87,21 @@ int main(int argc, char** argv) {
         BENCH_CHECK(dev->CopyRows(rows_d + static_cast<size_t>(r) * n, n, kRow / 2, DType::kBF16,
                                   DType::kBF16, s));
       });
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int r = 0; r < reps; ++r) GatherRowsHost(pool.get(), cpu_rows.data() + r * n, n, kRow);
-      const double cg =
-          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() /
-          reps;
       const double h2d = gpu_us([&](int) { BENCH_CHECK(dev->CopyAsync(dst, stage_h, n * kRow, s)); });
       const double contig = gpu_us([&](int r) {
         BENCH_CHECK(dev->CopyAsync(dst, host + (static_cast<size_t>(r) * n * kRow) % (span - n * kRow),
                                    n * kRow, s));
       });
       const double mb = n * kRow / 1e3;  // bytes / 1e3 / us = GB/s
-      std::printf("%10zu %8lld %14.1f %14.1f %14.1f %14.1f\n", span >> 20,
-                  static_cast<long long>(n), mb / zc, mb / cg, mb / h2d, mb / contig);
+      std::printf("%10zu %8lld %14.1f %14.1f %14.1f\n", span >> 20, static_cast<long long>(n),
+                  mb / zc, mb / h2d, mb / contig);
       char buf[512];
       std::snprintf(buf, sizeof(buf),
                     "%s{\"span_bytes\": %zu, \"rows\": %lld, \"zero_copy_us\": %.2f, "
-                    "\"zero_copy_gbps\": %.2f, \"cpu_gather_us\": %.2f, \"cpu_gather_gbps\": %.2f, "
-                    "\"h2d_compact_us\": %.2f, \"h2d_compact_gbps\": %.2f, \"h2d_contig_gbps\": %.2f}",
-                    first ? "" : ", ", span, static_cast<long long>(n), zc, mb / zc, cg, mb / cg,
-                    h2d, mb / h2d, mb / contig);
+                    "\"zero_copy_gbps\": %.2f, \"h2d_compact_us\": %.2f, \"h2d_compact_gbps\": %.2f, "
+                    "\"h2d_contig_gbps\": %.2f}",
+                    first ? "" : ", ", span, static_cast<long long>(n), zc, mb / zc, h2d, mb / h2d,
+                    mb / contig);
       json += buf;
       first = false;
     }
