@@ -78,7 +78,7 @@ enum class SelectScoring : int32_t {
   /// logit is that row's scale times sum_i q[dims[i]] * n_i. Equals policies/sparcas's host
   /// Select.
   kSparcas = 3,
-  /// HiP (policies/hip.h): the compact rows of kSparcas with every dimension (sparcas_db =
+  /// HiP (policies/hip/hip.h): the compact rows of kSparcas with every dimension (sparcas_db =
   /// head_dim, sparcas_u past any run: the dimensions never change) at 4 bits, so that a
   /// representative block is scored as an exact integer dot with the int8 query (base/hip_mask.h);
   /// per item a hierarchical mask of k_off / hip_bk blocks of the offloaded range, kept in
@@ -87,7 +87,7 @@ enum class SelectScoring : int32_t {
   /// offloaded end it was built at, and the window. Layers below sparcas_dense_layers take
   /// kSparcas's exact path. Equals policies/hip's host Select.
   kHip = 4,
-  /// KVpop (policies/kvpop.h, base/kvpop_score.h): per item up to k = k_off long-range slots
+  /// KVpop (policies/kvpop/kvpop.h, base/kvpop_score.h): per item up to k = k_off long-range slots
   /// (positions ascending, static priorities) in kvpop_pos / kvpop_prio. Each token that has left
   /// the window since the item's last step ([max(next_u, sink), n - window)) is scored once by
   /// the item's (layer, KV head) scorer in kvpop_scorer on [k; v] and ranked by p = r - u log
@@ -699,7 +699,7 @@ struct LfpsScanItem {
   int64_t picks = 0;     ///< the threshold's rank (step 4), <= len and < max_picks
 };
 
-/// LFPS's scan (policies/lfps.cpp, step 3a) for a batch of items, on the device that holds a copy
+/// LFPS's scan (policies/lfps/lfps.cpp, step 3a) for a batch of items, on the device that holds a copy
 /// of the policy's int8 channel-major shadow of K. Per item, in this order:
 ///  1. row new_pos of the shadow = quantised k: x = (float) (k rounded to kv_dtype), c-th byte
 ///     nearbyint(clamp(x * (127 / scale[c]), -127, 127)) (NaN -> 0), as the host quantises;

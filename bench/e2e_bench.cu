@@ -341,7 +341,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   // "<mode>_bank": the same policy with the device token bank (slots for twice the offloaded picks).
   const bool bank = mode.size() > 5 && mode.compare(mode.size() - 5, 5, "_bank") == 0;
   // PrHS wrappers in front of a mode ("cis+lfps", "psaw+cis+quest_bank"): the mode's policy
-  // wrapped by them (policies/prhs.h).
+  // wrapped by them (policies/prhs/prhs.h).
   std::string wrappers, inner = mode;
   for (bool more = true; more;) {
     more = false;

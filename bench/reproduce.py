@@ -291,24 +291,6 @@ def simple(target, args, gpu, what, out_name=None, examples=False):
     return dict(gpu=gpu, targets=[target], what=what, run=cmds, merge=merge, examples=examples)
 
 
-def bank_cmds(T):
-    return [f"{B}/bench/bank_bench --churn {c} {T}/bank_{c}.json" for c in (0.05, 0.02, 0.01)]
-
-
-def bank_merge(T):
-    d = None
-    for c in (0.05, 0.02, 0.01):
-        x = json.load(open(f"{T}/bank_{c}.json"))
-        for r in x["runs"]:
-            r["churn"] = c
-        if d is None:
-            d = x
-        else:
-            d["runs"] += x["runs"]
-    d["churn"] = [0.05, 0.02, 0.01]
-    return d
-
-
 def torch_sdpa_cmds(T):
     return [f"{B}/bench/gpu_attention_bench {T}/gpu_attention.json",
             f"{PY} scripts/device/torch_sdpa.py {T}/out.json --ours {T}/gpu_attention.json"]
@@ -837,7 +819,7 @@ def kvpop_mass_merge(T):
                        + ("worse than pure recency on this text" if jk[0.998] > held["streaming@256"]
                           else "better than pure recency on this text"))
     return {"bench": "kvpop_mass_smollm2",
-            "notes": ["KVpop scorer 2 (policies/kvpop.h): r_u = log(1e-6 + max_g A_g(u) / window), A_g(u) = head g's "
+            "notes": ["KVpop scorer 2 (policies/kvpop/kvpop.h): r_u = log(1e-6 + max_g A_g(u) / window), A_g(u) = head g's "
                       "softmax weight of u over the sinks and window of each query while u is in the window, summed "
                       "over those window queries; static priority p = r - u log gamma; no training. Host backend, "
                       "kvferry-llama --perplexity, SmolLM2-135M-Instruct Q4_1, data/kjv.txt from line 0, 8192-token "
@@ -919,8 +901,6 @@ SPECS = {
     "quality_smollm2": dict(gpu=False, targets=["kvferry-bench"], examples=True, run=quality_cmds,
                             merge=quality_merge,
                             what="perplexity gap, passkey and attention-mass recall of every policy on SmolLM2-135M"),
-    "bank": dict(gpu=True, targets=["bank_bench"], run=bank_cmds, merge=bank_merge,
-                 what="the device token bank's decode speed vs all KV on the GPU at three hit rates"),
     "gpu_attention": simple("gpu_attention_bench", "{OUT}", True,
                             "dense and sparse decode kernels (HBM GB/s) and the PCIe transfer probe"),
     "torch_sdpa": dict(gpu=True, targets=["gpu_attention_bench"], run=torch_sdpa_cmds, merge=load_out,
@@ -986,7 +966,7 @@ MACHINE = {
     "e2e": (GPU1_RAM, "?"), "scale": (GPU1_RAM, "?"), "split": (GPU1_RAM, "?"),
     "quality_gemma3_32k": (CPU2, "~80 min on 2 cores (4 prefills of 16K/32K + 32 lanes x 1024 tokens at ~11 tok/s; 9 passkey prompts)"),
     "quality_smollm2": (CPU2, "~75 min on 2 cores (2507 s of decode recorded, + 9 prefills, passkey, replays)"),
-    "bank": (GPU1, "?"), "gpu_attention": (GPU1, "?"), "torch_sdpa": (GPU1, "?"), "transfer_span": (GPU1, "?"),
+    "gpu_attention": (GPU1, "?"), "torch_sdpa": (GPU1, "?"), "transfer_span": (GPU1, "?"),
     "select_topk": (GPU1, "?"), "cpu_attention": ("CPU: 16 cores (the GPU machine's)", "?"),
     "lfps": ("CPU: one core", "?"), "lfps_select_speed": ("CPU: one core", "?"),
     "prefill_host": ("CPU: any (also builds the base commit)", "?"),

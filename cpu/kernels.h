@@ -45,7 +45,7 @@ struct PrefillSoftmaxArgs {
   int head_dim = 0;
 };
 
-/// LFPS's approximate scan (policies/lfps.cpp) over an int8 channel-major shadow of K, in exact
+/// LFPS's approximate scan (policies/lfps/lfps.cpp) over an int8 channel-major shadow of K, in exact
 /// int32 arithmetic so that every table gives the same bits: for j in [begin, end) and g < group,
 /// acc[g * ld + j] = sum_{c < r} w[g * r + c] * rows[c][j], and head_max[g] = the max of those
 /// (INT32_MIN for an empty range). The SIMD tables multiply int16 pairs: they need

@@ -30,7 +30,7 @@ void ScoreRowsRef(const AttnParams& p, const float* q, const void* const* k_rows
 /// stats in double. The host device's Device::PrimeAttention.
 void PrimeAttentionRef(const PrimeArgs& a);
 
-/// LFPS's scan weights (policies/lfps.cpp, step 3a; the GPU's ScanPrepKernel computes the same):
+/// LFPS's scan weights (policies/lfps/lfps.cpp, step 3a; the GPU's ScanPrepKernel computes the same):
 /// the r channels with the largest sum_g |q[g][c]| * scale[c] (ties: lower c) into ch[0, r) (ch
 /// has room for head_dim: it is sorted in place, imp is head_dim floats of scratch), and
 /// w[g * r + c] = lrint(q[g][ch[c]] * scale[ch[c]] * 16384 / wmax) with wmax the largest

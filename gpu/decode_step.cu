@@ -642,7 +642,7 @@ Status LaunchStepG(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t
   // 6.40 / 5.19, 64 6.83 / 5.56, 32 7.23 / 5.93.
   constexpr int list_min_chunk = 128;
   // Pipelined lists: 4 tiles a split at least (128 rows at head_dim 128), at most kListChunkMax.
-  // Measured (stop22_c, H100, 128K b1, 32 layers, ms per token step, sparcas_bank / quest_bank):
+  // Measured (H100, 128K b1, 32 layers, ms per token step, sparcas_bank / quest_bank):
   // 32 rows 3.81 / 3.50, 64 3.88 / 3.48, 128 3.78 / 3.46; the register loop 4.62 / 4.14.
   const int list_pipe_chunk =
       static_cast<int>(std::min<int64_t>(int64_t{4} * kPipeTileRows<HD>, kListChunkMax));

@@ -152,7 +152,7 @@ __device__ float KvpopBlockPriority(const DecodeStepArgs& a, const float* block,
 // with more than one, a warp a token over the whole GPU, into its select_ws row (where
 // KvpopSelectKernel, next on the stream, reads them). The zero-copy reads of a prompt's rows are
 // latency-bound; one CTA an item (the selection kernel's own scoring) took 4.2 s for the first step
-// after a 128K prompt (32 layers x 8 KV heads), this grid 0.47 s (stop28 on the H200). The
+// after a 128K prompt (32 layers x 8 KV heads), this grid 0.47 s (on the H200). The
 // runtime sets kvpop_catchup on CUDA.
 constexpr int kKvpopScoreThreads = 256;
 template <typename T>

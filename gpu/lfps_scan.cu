@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-// LFPS's approximate scan (policies/lfps.cpp, step 3a) on the GPU, over the device's copy of the
+// LFPS's approximate scan (policies/lfps/lfps.cpp, step 3a) on the GPU, over the device's copy of the
 // policy's int8 channel-major shadow of K (LfpsScanArgs has the definition; cpu::LfpsScanRef is
 // the specification). Per batch of (sequence, KV head) items:
 //   1. ScanPrepKernel, a CTA per item: the new token's shadow row, the channel choice and the

@@ -10,13 +10,13 @@
 #include <vector>
 
 #include "policies/basic.h"
-#include "policies/hip.h"
-#include "policies/kvpop.h"
-#include "policies/lfps.h"
+#include "policies/hip/hip.h"
+#include "policies/kvpop/kvpop.h"
+#include "policies/lfps/lfps.h"
 #include "policies/policy.h"
-#include "policies/prhs.h"
-#include "policies/quest.h"
-#include "policies/sparcas.h"
+#include "policies/prhs/prhs.h"
+#include "policies/quest/quest.h"
+#include "policies/sparcas/sparcas.h"
 #include "base/check.h"
 
 namespace kvferry {

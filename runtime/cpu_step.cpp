@@ -161,7 +161,7 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
   a.hist = scan_hist_;
   a.block_counts = scan_blocks_;
   // The passes read the item table from, and write the ranking into, mapped host memory: no
-  // copies to enqueue (on the GPU machine, stop19_c.sh: 32K 13.1-13.8 ms a step against
+  // copies to enqueue (on the GPU machine: 32K 13.1-13.8 ms a step against
   // 13.6-15.2 with a copy each way, 64K 21.7-22.3 against 23.3-24.3).
   a.item_host = scan_items_host_;
   a.out = scan_out_host_;

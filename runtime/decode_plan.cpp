@@ -8,7 +8,6 @@
 #include <cstring>
 
 #include "base/check.h"
-#include "base/kvpop_score.h"
 #include "base/psaw.h"
 #include "policies/select_util.h"
 #include "runtime/runtime_impl.h"
@@ -38,6 +37,7 @@ Status RuntimeImpl::InitStepBuffers() {
   const ModelShape& m = config_.model;
   const DeviceBufferSizes& z = sizes_;
   scoring_ = z.scoring;
+  if (!z.selector) selector_.reset();  // the step does not select on the device
   fast_path_ = z.fast_path;
   step_all_resident_ = z.step_all_resident;
   cpu_step_ = z.cpu_step;
@@ -116,71 +116,18 @@ Status RuntimeImpl::InitStepBuffers() {
       KVF_ASSIGN_OR_RETURN(p, Alloc(z.topk_ws, false));
       topk_ws_ = static_cast<unsigned long long*>(p);
     }
-    meta_page_ = z.meta_page;
-    meta_pages_ = z.meta_pages;
     // The multi-CTA top-k's scratch, when an item can rank enough scores to take it.
     if (z.select_mcta > 0) {
       KVF_ASSIGN_OR_RETURN(p, Alloc(z.select_mcta, false));
       select_mcta_ws_ = static_cast<uint32_t*>(p);
     }
-    if (z.meta > 0) {
-      KVF_ASSIGN_OR_RETURN(p, Alloc(z.meta, false));
-      meta_ = static_cast<char*>(p);
-    }
-    if (scoring_ == SelectScoring::kSparcas || scoring_ == SelectScoring::kHip) {
-      sparcas_db_ = z.sparcas_db;
-      sparcas_u_ = z.sparcas_u;
-      sparcas_dense_ = z.sparcas_dense;
-      sparcas_bits_ = z.sparcas_bits;
-      KVF_ASSIGN_OR_RETURN(p, Alloc(z.sparcas_state, false));
-      sparcas_state_ = static_cast<SparcasState*>(p);
-      KVF_ASSIGN_OR_RETURN(p, Alloc(z.sparcas_dims, false));
-      sparcas_dims_ = static_cast<int32_t*>(p);
-      if (scoring_ == SelectScoring::kHip) {
-        hip_bk_ = z.hip_bk;
-        hip_r_m_ = z.hip_r_m;
-        hip_rep_ = z.hip_rep;
-        hip_align_ = z.hip_align;
-        hip_max_nodes_ = z.hip_max_nodes;
-        hip_lag_ = z.hip_lag;
-        hip_dense_ = z.hip_dense;
-        KVF_ASSIGN_OR_RETURN(p, Alloc(z.hip_state, false));
-        hip_state_ = static_cast<HipState*>(p);
-        KVF_ASSIGN_OR_RETURN(p, Alloc(z.hip_blocks, false));
-        hip_blocks_ = static_cast<int32_t*>(p);
-        if (z.hip_query > 0) {
-          KVF_ASSIGN_OR_RETURN(p, Alloc(z.hip_query, false));
-          hip_query_ = static_cast<uint32_t*>(p);
-        }
-        if (hip_lag_ != 0 && device_->backend() == Backend::kCuda) {
-          KVF_ASSIGN_OR_RETURN(hip_stream_, device_->CreateStream());
-          KVF_ASSIGN_OR_RETURN(hip_fork_, device_->CreateEvent());
-          KVF_ASSIGN_OR_RETURN(hip_join_, device_->CreateEvent());
-        }
+    if (selector_ != nullptr) {  // its buffers, in the order it sized them
+      std::vector<void*> buffers;
+      for (const SelectorBuffer& b : z.selector_buffers) {
+        KVF_ASSIGN_OR_RETURN(p, Alloc(b.bytes, false));
+        buffers.push_back(p);
       }
-      KVF_RETURN_IF_ERROR(ResetSelectState(-1));
-    }
-    if (scoring_ == SelectScoring::kKvpop) {
-      kvpop_cap_ = z.kvpop_cap;
-      kvpop_hidden_ = z.kvpop_hidden;
-      KVF_ASSIGN_OR_RETURN(p, Alloc(z.kvpop_state, false));
-      kvpop_state_ = static_cast<KvpopState*>(p);
-      KVF_ASSIGN_OR_RETURN(p, Alloc(z.kvpop_slots, false));
-      kvpop_pos_ = static_cast<int32_t*>(p);
-      const size_t slots = static_cast<size_t>(config_.capacity.max_sequences) * m.num_layers *
-                           m.num_kv_heads * static_cast<size_t>(kvpop_cap_);
-      kvpop_prio_ = reinterpret_cast<float*>(kvpop_pos_ + slots);
-      KVF_ASSIGN_OR_RETURN(p, Alloc(z.kvpop_scorer, false));
-      kvpop_scorer_ = static_cast<float*>(p);
-      KVF_ASSIGN_OR_RETURN(std::vector<float> table, policy_->device_select_table(m));
-      KVF_CHECK_CODE(table.size() * sizeof(float) <= z.kvpop_scorer &&
-                         table.size() == static_cast<size_t>(m.num_layers) * m.num_kv_heads *
-                                             static_cast<size_t>(KvpopScorerFloats(kvpop_hidden_, 2 * m.head_dim)),
-                     StatusCode::kInternal, "policy '", policy_->name(), "': a scorer table of ",
-                     table.size(), " floats for hidden width ", kvpop_hidden_);
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(kvpop_scorer_, table.data(), table.size() * sizeof(float), stream_));
-      kvpop_seen_.assign(static_cast<size_t>(config_.capacity.max_sequences) * m.num_layers, 0);
-      KVF_RETURN_IF_ERROR(ResetSelectState(-1));
+      KVF_RETURN_IF_ERROR(selector_->Bind(buffers, *device_, stream_));
     }
     if (z.bank_stage > 0) {
       // The step's misses: staged at their list index, listed for the admission after the step;
@@ -340,7 +287,7 @@ Status RuntimeImpl::PlanDecode(std::span<const SequenceId> seqs, StreamHandle st
                  "before each replay)");
   std::vector<int>& slot_of = plan_slots_scratch_;  // reserved at set-up: no allocation
   KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
-  KVF_RETURN_IF_ERROR(JoinHipSide(stream));  // a step left without its last layer
+  KVF_RETURN_IF_ERROR(JoinSelectorSide(stream));  // a step left without its last layer
   KVF_RETURN_IF_ERROR(JoinAdmitSide(stream));
   const int layers = config_.model.num_layers;
   for (int l = 0; l < layers; ++l) KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, l));
@@ -450,19 +397,19 @@ RuntimeImpl::ListRowsRule RuntimeImpl::DeviceListRowsRule(int layer) const {
   // anything (base/psaw.h); HiP's ranked layers take whole blocks.
   while (layer > 0 && policy_->device_reuses_previous_layer(layer)) --layer;
   ListRowsRule r;
-  r.hip_blocks = scoring_ == SelectScoring::kHip && layer >= HipDense() ? hip_bk_ : 0;
-  r.hide_fraction = r.hip_blocks > 0 ? policy_->device_hide_fraction(layer) : 0.0;
+  r.blocks = selector_ != nullptr ? selector_->ListBlock(layer) : 0;
+  r.hide_fraction = r.blocks > 0 ? policy_->device_hide_fraction(layer) : 0.0;
   return r;
 }
 
 int64_t RuntimeImpl::DeviceListRows(const ListRowsRule& rule, int64_t n, int64_t budget) const {
   const int sink = config_.tiers.sink_tokens;
-  if (rule.hip_blocks == 0 || PsawHiddenEndOf(rule.hide_fraction, n) > sink) return std::min(budget, n);
+  if (rule.blocks == 0 || PsawHiddenEndOf(rule.hide_fraction, n) > sink) return std::min(budget, n);
   // The sinks, floor(k_off / bk) blocks and the window. The host does not read the device's mask:
   // one that holds the offloaded range's last block, cut short, has up to bk - 1 rows fewer.
   const OffloadSplit s = SplitPositions(n, sink, config_.tiers.window_tokens, budget);
   if (s.all) return n;
-  return s.sink + (s.k_off >= rule.hip_blocks ? s.k_off / rule.hip_blocks * rule.hip_blocks : 0) +
+  return s.sink + (s.k_off >= rule.blocks ? s.k_off / rule.blocks * rule.blocks : 0) +
          (n - s.off_hi);
 }
 
@@ -483,47 +430,6 @@ bool RuntimeImpl::XlReusesPrevious(std::span<const int> slot_of, std::span<const
   return true;
 }
 
-int64_t RuntimeImpl::SparcasKeyBytes(int64_t n, int layer, bool ranks) const {
-  if (!ranks) return 0;
-  const int32_t dims = SparcasDimsOf(layer, sparcas_dense_, sparcas_db_, config_.model.head_dim);
-  const int64_t row = SparcasRowElems(dims, SparcasBitsOf(layer, sparcas_dense_, sparcas_bits_));
-  return n * row * static_cast<int64_t>(kv_elem_);  // compact rows [0, n)
-}
-
-int64_t RuntimeImpl::SelectKeyBytes(int64_t n, int64_t budget, int layer) const {
-  // The offloaded range and its picks, as the policies and the kernels split them (QuestSplitOf in
-  // gpu/decode_select.cu is the same split).
-  const OffloadSplit s =
-      SplitPositions(n, config_.tiers.sink_tokens, config_.tiers.window_tokens, budget);
-  const bool ranks = s.k_off > 0 && !s.all;
-  const int64_t head_dim = config_.model.head_dim;
-  switch (scoring_) {
-    case SelectScoring::kExactTopK: return n * static_cast<int64_t>(row_bytes_);  // every key
-    case SelectScoring::kQuestPages: {
-      if (!ranks) return 0;
-      const int64_t p_lo = s.off_lo / meta_page_;
-      const int64_t pages = (s.off_hi - 1) / meta_page_ + 1 - p_lo;
-      return pages * 2 * static_cast<int64_t>(row_bytes_);  // min and max rows
-    }
-    case SelectScoring::kHip: {
-      if (layer < HipDense()) return SparcasKeyBytes(n, layer, ranks);  // SparCas's path, every key
-      // The mask's representative rows when it is rebuilt, averaged over its r_m steps: an
-      // iteration scores at most 2 K' branches of bk rows, until the nodes of about nb / K'
-      // blocks are one block each.
-      if (!ranks || s.k_off < hip_bk_) return 0;
-      const int64_t nb = (s.n_off() + hip_bk_ - 1) / hip_bk_, kn = s.k_off / hip_bk_;
-      int64_t iters = 0;
-      for (int64_t len = (nb + kn - 1) / kn; len > 1; len = (len + 1) / 2) ++iters;
-      const int64_t row = SparcasRowElems(static_cast<int32_t>(head_dim), 4) * static_cast<int64_t>(kv_elem_);
-      return iters * 2 * kn * hip_bk_ * row / std::max(hip_r_m_, 1);
-    }
-    case SelectScoring::kSparcas: return SparcasKeyBytes(n, layer, ranks);
-    // The K and V rows of the token that left the window (no key is ranked against a query).
-    case SelectScoring::kKvpop: return s.off_hi > s.off_lo ? 2 * static_cast<int64_t>(row_bytes_) : 0;
-    default: return 0;
-  }
-}
-
 Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                                   const TensorView& k, const TensorView& v, const TensorView& out,
                                   StreamHandle stream) {
@@ -541,12 +447,12 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   KVF_CHECK_CODE(!capturing || (!cpu_step_ && !host_lists_), StatusCode::kFailedPrecondition,
                  "policy '", policy_->name(), "' selects on the host inside the decode step, which "
                  "a CUDA graph cannot hold (Runtime::decode_is_capture_safe() is false)");
-  // HiP's side rebuilds (hip_stream_) of this layer or a later one are a step behind: they join
-  // before this layer's selection reads the masks.
+  // The selector's work beside the step (HiP's rebuilds) of this layer or a later one is a step
+  // behind: it joins before this layer's selection reads the state it writes.
   // The engine's stream time since the previous layer's Decode ends here (the auto cross-layer
   // prefetch's measure), before anything of this call is on the stream.
   if (xl_gap_open_ != nullptr) CloseXlGap(layer, stream, capturing);
-  if (hip_side_busy_ && layer <= hip_side_layer_) KVF_RETURN_IF_ERROR(JoinHipSide(stream));
+  if (selector_ != nullptr) KVF_RETURN_IF_ERROR(selector_->Join(layer, stream));
   // Likewise the bank's admissions beside the stream (a layer's tables are admitted to before
   // its next step reads them).
   if (admit_side_layer_ >= 0 && layer <= admit_side_layer_) KVF_RETURN_IF_ERROR(JoinAdmitSide(stream));
@@ -640,9 +546,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     // xl+ takes the previous layer's list below: a scoring whose ranking advances no state then
     // only keeps its metadata current (SparCas at 128K: about 85 us a layer not spent).
     xl_reuse = XlReusesPrevious(slot_of, pos, layer);
-    a.select_skip_ranking = xl_reuse &&
-                            (scoring_ == SelectScoring::kExactTopK ||
-                             scoring_ == SelectScoring::kQuestPages || scoring_ == SelectScoring::kSparcas);
+    a.select_skip_ranking = xl_reuse && selector_ != nullptr && selector_->ranking_skippable();
     a.list = step_list_ + lists * list_cap_;
     a.list_count = step_list_count_ + lists;
     a.list_cap = list_cap_;
@@ -650,43 +554,9 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.select_ld = select_ld_;
     a.topk_ws = topk_ws_;
     a.select_mcta_ws = select_mcta_ws_;
-    a.meta = meta_;
-    a.meta_pages = meta_pages_;
-    a.meta_page = meta_page_;
-    a.sparcas_state = sparcas_state_;
-    a.sparcas_dims = sparcas_dims_;
-    a.sparcas_db = sparcas_db_;
-    a.sparcas_u = sparcas_u_;
-    a.sparcas_dense_layers = sparcas_dense_;
-    a.sparcas_bits = sparcas_bits_;
-    a.hip_state = hip_state_;
-    a.hip_blocks = hip_blocks_;
-    a.hip_max_nodes = hip_max_nodes_;
-    a.hip_bk = hip_bk_;
-    a.hip_r_m = hip_r_m_;
-    a.hip_rep = hip_rep_;
-    a.hip_align = hip_align_;
-    a.hip_lag = hip_lag_;
-    a.hip_dense_layers = hip_dense_;
-    a.hip_query = hip_query_;
-    a.kvpop_state = kvpop_state_;
-    a.kvpop_pos = kvpop_pos_;
-    a.kvpop_prio = kvpop_prio_;
-    a.kvpop_cap = kvpop_cap_;
-    a.kvpop_scorer = kvpop_scorer_;
-    a.kvpop_hidden = kvpop_hidden_;
-    // KVpop's catch-up scored by a grid over the GPU (KvpopScoreKernel): 473 ms for the first
-    // step after a 128K prompt against 4155 ms with the selection kernel's one CTA an item
-    // (stop28, H200).
-    if (scoring_ == SelectScoring::kKvpop && device_->backend() == Backend::kCuda) {
-      const int64_t sink = config_.tiers.sink_tokens;
-      for (int64_t b = 0; b < batch; ++b) {
-        const int64_t n = pos[b] + 1;
-        const int64_t off_hi = std::max(std::min(sink, n), n - config_.tiers.window_tokens);
-        int64_t& seen = kvpop_seen_[static_cast<size_t>(slot_of[b]) * layers + layer];
-        if (off_hi - std::max(seen, std::min(sink, n)) > 1) a.kvpop_catchup = 1;
-        seen = off_hi;
-      }
+    if (selector_ != nullptr) {
+      selector_->Fill(a);
+      selector_->BeforeSelect(a, slot_of, pos, layer);
     }
     if (bank_stage_ != nullptr) {
       step_bank_->View(&a.bank);
@@ -732,7 +602,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       max_rows = std::max(max_rows, count);
       selected += count;
       offloaded += std::max<int64_t>(0, count - std::min<int64_t>(n, int64_t{a.sink} + a.window));
-      if (!a.select_skip_ranking) key_bytes += SelectKeyBytes(n, budget, layer);
+      if (!a.select_skip_ranking) key_bytes += selector_->KeyBytes(n, budget, layer);
       continue;
     }
     const StepRange r = SinksAndRecent(n, a.sink, budget);
@@ -791,16 +661,8 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     st = TimedLaunch(time_select_ && !capturing, select_timing_, layer, stats_.ms_select_device,
                      key_bytes * m.num_kv_heads, timed_select_key_bytes_, stream,
                      [&] { return device_->DecodeSelect(a, stream); });
-    // HiP with lag: the rebuilds this selection requested run beside the rest of the step.
-    if (st.ok() && hip_stream_ != nullptr && layer >= HipDense()) {
-      st = device_->RecordEvent(hip_fork_, stream);
-      if (st.ok()) st = device_->WaitEvent(hip_stream_, hip_fork_);
-      if (st.ok()) st = device_->DecodeSelectDeferred(a, hip_stream_);
-      if (st.ok()) {
-        hip_side_busy_ = true;
-        hip_side_layer_ = std::max(hip_side_layer_, layer);
-      }
-    }
+    // Work the selection requested that runs beside the rest of the step (HiP's rebuilds).
+    if (st.ok()) st = selector_->AfterSelect(a, layer, stream);
     // Cross-layer sharing (xl+): the previous layer's list replaces this one's when the same
     // sequences selected there at the same length (this step's layer before). The selection kept
     // the inner policy's device metadata (page bounds, compact keys) what it would be without the
@@ -995,7 +857,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     const size_t bytes = static_cast<size_t>(out.numel()) * DTypeSize(out.dtype);
     st = device_->CopyAsync(out.data, out_stage_, bytes, stream);
   }
-  if (st.ok() && layer == layers - 1) st = JoinHipSide(stream);  // the step's side rebuilds
+  if (st.ok() && layer == layers - 1) st = JoinSelectorSide(stream);  // the step's side rebuilds
   if (st.ok() && layer == layers - 1) st = JoinAdmitSide(stream);  // and its admissions
   if (st.ok() && !capturing) st = device_->RecordEvent(call_done_, stream);
   // Host-memory outputs are complete when Decode returns.
@@ -1126,7 +988,7 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
                             stream);
   }
   // A split step's policy may rebuild beside the step (HiP's side stream): its last layer joins.
-  if (st.ok() && layer == config_.model.num_layers - 1) st = JoinHipSide(stream);
+  if (st.ok() && layer == config_.model.num_layers - 1) st = JoinSelectorSide(stream);
   if (st.ok()) st = device_->RecordEvent(call_done_, stream);
   if (!st.ok()) {
     WaitCpuPart();
@@ -1204,63 +1066,36 @@ Status RuntimeImpl::JoinAdmitSide(StreamHandle stream) {
   return Status::Ok();
 }
 
-Status RuntimeImpl::JoinHipSide(StreamHandle stream) {
-  if (!hip_side_busy_) return Status::Ok();
-  KVF_RETURN_IF_ERROR(device_->RecordEvent(hip_join_, hip_stream_));
-  KVF_RETURN_IF_ERROR(device_->WaitEvent(stream, hip_join_));
-  hip_side_busy_ = false;
-  hip_side_layer_ = -1;
-  return Status::Ok();
+Status RuntimeImpl::JoinSelectorSide(StreamHandle stream) {
+  return selector_ != nullptr ? selector_->Join(-1, stream) : Status::Ok();
 }
 
 Status RuntimeImpl::ResetSelectState(int slot) {
-  if (sparcas_state_ == nullptr && kvpop_state_ == nullptr) return Status::Ok();
-  KVF_RETURN_IF_ERROR(JoinHipSide(stream_));  // the masks' side rebuilds first
-  const ModelShape& m = config_.model;
-  const size_t per_slot = static_cast<size_t>(m.num_layers) * m.num_kv_heads;
-  const size_t first = slot < 0 ? 0 : static_cast<size_t>(slot) * per_slot;
-  const size_t count = slot < 0 ? per_slot * config_.capacity.max_sequences : per_slot;
-  if (kvpop_state_ != nullptr) {  // no slots, nothing scored yet
-    const size_t layers = static_cast<size_t>(m.num_layers);
-    std::fill(kvpop_seen_.begin() + (slot < 0 ? 0 : static_cast<size_t>(slot) * layers),
-              slot < 0 ? kvpop_seen_.end() : kvpop_seen_.begin() + (static_cast<size_t>(slot) + 1) * layers,
-              int64_t{0});
-    const std::vector<KvpopState> zeros(count);
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(kvpop_state_ + first, zeros.data(),
-                                           count * sizeof(KvpopState), stream_));
-    return device_->SynchronizeStream(stream_);
-  }
-  const std::vector<SparcasState> zeros(count);
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(sparcas_state_ + first, zeros.data(),
-                                         count * sizeof(SparcasState), stream_));
-  if (hip_state_ != nullptr) {  // a zero count: the next ranked step builds the mask
-    const std::vector<HipState> hip_zeros(count);
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(hip_state_ + first, hip_zeros.data(),
-                                           count * sizeof(HipState), stream_));
-  }
-  return device_->SynchronizeStream(stream_);
+  return selector_ != nullptr ? selector_->Reset(slot, stream_) : Status::Ok();
 }
 
-Status RuntimeImpl::ExtendPageBounds(int slot, int layer, int64_t pos0, int64_t new_len,
-                                     StreamHandle stream) {
-  if (meta_ == nullptr || scoring_ != SelectScoring::kQuestPages) return Status::Ok();
-  const ModelShape& m = config_.model;
+Status RuntimeImpl::SelectorStored(int slot, int layer, int64_t pos0, int64_t new_len,
+                                   StreamHandle stream) {
+  if (selector_ == nullptr || !selector_->tracks_store()) return Status::Ok();
   KVF_RETURN_IF_ERROR(store_->FlushTable(stream));
-  PageBoundsArgs a;
-  a.params = AttnParams{group_, m.head_dim, m.kv_dtype, scale_};
-  a.num_kv_heads = m.num_kv_heads;
-  a.num_layers = m.num_layers;
-  a.layer = layer;
-  a.slot = slot;
-  a.pos0 = pos0;
-  a.new_len = new_len;
-  a.pages = store_->device_table();
-  a.max_pages = store_->max_pages();
-  a.page_tokens = store_->shape().page_tokens;
-  a.meta = meta_;
-  a.meta_pages = meta_pages_;
-  a.meta_page = meta_page_;
-  return device_->PageBounds(a, stream);
+  const StoreTableView view{store_->device_table(), store_->max_pages(), store_->shape().page_tokens};
+  return selector_->OnStored(slot, layer, pos0, new_len, view, stream);
+}
+
+SelectorShape RuntimeImpl::SelectorShapeOf() const {
+  SelectorShape s;
+  s.model = config_.model;
+  s.max_sequences = config_.capacity.max_sequences;
+  s.max_tokens = config_.capacity.max_tokens_per_sequence;
+  s.item_cap = item_cap_;
+  s.group = group_;
+  s.scale = scale_;
+  s.kv_elem = kv_elem_;
+  s.row_bytes = row_bytes_;
+  s.sink = config_.tiers.sink_tokens;
+  s.window = config_.tiers.window_tokens;
+  s.cuda = device_->backend() == Backend::kCuda;
+  return s;
 }
 
 Status RuntimeImpl::RestoreWindow(std::span<const int> slots, int layer, StreamHandle stream) {

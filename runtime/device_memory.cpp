@@ -9,8 +9,6 @@
 #include <string_view>
 
 #include "base/check.h"
-#include "base/hip_mask.h"
-#include "base/kvpop_score.h"
 #include "runtime/runtime_impl.h"
 
 namespace kvferry {
@@ -47,13 +45,19 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
   part("bank page tables", {bank_page_tables});
   part("bank slot state", {bank_slot_state});
   part("bank miss staging", {bank_stage, bank_miss, bank_admit});
-  part(scoring == SelectScoring::kSparcas ? "sparcas compact keys"
-       : scoring == SelectScoring::kHip   ? "hip compact keys"
-                                          : "quest page bounds",
-       {meta});
-  part(scoring == SelectScoring::kHip ? "hip selection state" : "sparcas selection state",
-       {sparcas_state, sparcas_dims, hip_state, hip_blocks, hip_query});
-  part("kvpop selection state (slots, priorities, scorers)", {kvpop_state, kvpop_slots, kvpop_scorer});
+  // The device selector's buffers, one part per name it gives (policies/<name>/device_selector.cpp).
+  for (size_t i = 0; i < selector_buffers.size(); ++i) {
+    const std::string& name = selector_buffers[i].part;
+    bool first = true;
+    for (size_t j = 0; j < i; ++j) first = first && selector_buffers[j].part != name;
+    if (!first) continue;
+    int64_t sum = 0;
+    for (size_t j = i; j < selector_buffers.size(); ++j) {
+      if (selector_buffers[j].part == name) sum += static_cast<int64_t>(selector_buffers[j].bytes);
+    }
+    if (sum > 0) plan.parts.push_back({name, sum});
+    plan.total_bytes += sum;
+  }
   part("selection lists", {step_list, step_list_count});
   part("selection scores", {select_ws, topk_ws, select_mcta});
   part("split lists (the device's share)", {split_list, split_count});
@@ -262,97 +266,30 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
       z.select_ws = AllocBytes(static_cast<size_t>(items) * group_ * z.select_ld * sizeof(float));
       int64_t sort_cap = 1;
       while (sort_cap < z.list_cap) sort_cap <<= 1;
-      if (sort_cap > 4096 && scoring != SelectScoring::kKvpop) z.topk_ws = AllocBytes(static_cast<size_t>(items * sort_cap) * 8);
-      if (scoring == SelectScoring::kQuestPages) {
-        z.meta_page = policy_->device_select_params(m.head_dim).page_tokens;
-        KVF_CHECK_ARG(z.meta_page >= 1, "policy '", policy_->name(), "': page of ", z.meta_page,
-                      " tokens");
-        z.meta_pages = (cap.max_tokens_per_sequence + z.meta_page - 1) / z.meta_page;
-        z.meta = AllocBytes(static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv *
-                            static_cast<size_t>(z.meta_pages) * 2 * row_bytes_);
-      }
+      // The selector's own state (its parameters checked against the shape).
+      const DeviceSelector& sel = *selector_;
+      KVF_RETURN_IF_ERROR(sel.Size(z.selector_buffers));
+      for (SelectorBuffer& b : z.selector_buffers) b.bytes = AllocBytes(b.bytes);
+      z.selector = true;
+      z.streams += sel.extra_streams();
+      if (sort_cap > 4096 && sel.uses_topk_ws()) z.topk_ws = AllocBytes(static_cast<size_t>(items * sort_cap) * 8);
       // The multi-CTA top-k's scratch (CUDA), when an item can rank enough scores (positions, or
       // Quest's pages) to take it.
-      const int64_t ranked_cap = scoring == SelectScoring::kQuestPages
-                                     ? (z.select_ld + z.meta_page - 1) / z.meta_page + 1
-                                     : z.select_ld;
-      const size_t mcta_bytes = SelectMctaWorkspaceBytes(
-          items, group_, ranked_cap,
-          scoring == SelectScoring::kQuestPages ? SelectMctaMinPages() : kSelectMctaMinKeys);
-      if (cuda && mcta_bytes > 0 && scoring != SelectScoring::kKvpop) z.select_mcta = AllocBytes(mcta_bytes);
-      if (scoring == SelectScoring::kKvpop) {
-        // Per item the long-range slots (position, priority) for the largest budget, and every
-        // (layer, KV head)'s scorer.
-        const Policy::DeviceSelectParams dp = policy_->device_select_params(m.head_dim);
-        KVF_CHECK_ARG(dp.kvpop_hidden >= 0 && dp.kvpop_hidden <= kKvpopMaxHidden &&
-                          m.head_dim <= kKvpopMaxHeadDim,
-                      "policy '", policy_->name(), "': a scorer of hidden width ", dp.kvpop_hidden,
-                      " (at most ", kKvpopMaxHidden, ") at head_dim ", m.head_dim, " (at most ",
-                      kKvpopMaxHeadDim, ") on the device; kvpop's 'device' = 0 selects on the host");
-        z.kvpop_cap = std::max<int64_t>(item_cap_, 1);
-        z.kvpop_hidden = dp.kvpop_hidden;
-        const size_t items_all = static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv;
-        z.kvpop_state = AllocBytes(items_all * sizeof(KvpopState));
-        z.kvpop_slots = AllocBytes(items_all * static_cast<size_t>(z.kvpop_cap) * (sizeof(int32_t) + sizeof(float)));
-        z.kvpop_scorer = AllocBytes(static_cast<size_t>(m.num_layers) * hkv *
-                                    static_cast<size_t>(KvpopScorerFloats(z.kvpop_hidden, 2 * m.head_dim)) *
-                                    sizeof(float));
-      }
-      if (scoring == SelectScoring::kSparcas || scoring == SelectScoring::kHip) {
-        const Policy::DeviceSelectParams dp = policy_->device_select_params(m.head_dim);
-        KVF_CHECK_ARG(dp.d_b >= 1 && dp.u >= 1 && dp.dense_layers >= 0 &&
-                          (dp.sparcas_bits == 16 || (dp.sparcas_bits == 4 && dp.d_b % 8 == 0)),
-                      "policy '", policy_->name(), "': d_b ", dp.d_b, ", u ", dp.u,
-                      ", dense_layers ", dp.dense_layers, ", bits ", dp.sparcas_bits);
-        z.sparcas_db = dp.d_b;
-        z.sparcas_u = dp.u;
-        z.sparcas_dense = dp.dense_layers;
-        z.sparcas_bits = dp.sparcas_bits;
-        z.meta_pages = cap.max_tokens_per_sequence;
-        const int64_t elems =
-            SparcasCompactOffset(cap.max_sequences, 0, 0, m.num_layers, m.num_kv_heads,
-                                 z.meta_pages, m.head_dim, z.sparcas_db, z.sparcas_dense,
-                                 z.sparcas_bits);
-        z.meta = AllocBytes(static_cast<size_t>(elems) * kv_elem_);
-        const size_t items_all = static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv;
-        z.sparcas_state = AllocBytes(items_all * sizeof(SparcasState));
-        z.sparcas_dims = AllocBytes(items_all * m.head_dim * sizeof(int32_t));
-        if (scoring == SelectScoring::kHip) {
-          // The cached masks: k_off / bk blocks at most (k_off <= the item budget).
-          KVF_CHECK_ARG(dp.hip_bk >= 1 && dp.hip_r_m >= 1 && dp.hip_rep >= 0 && dp.hip_rep <= 3 &&
-                            dp.d_b == m.head_dim && dp.sparcas_bits == 4 &&
-                            item_cap_ / dp.hip_bk <= kHipMaxNodes,
-                        "policy '", policy_->name(), "': bk ", dp.hip_bk, ", r_m ", dp.hip_r_m,
-                        ", rep ", dp.hip_rep, ", a budget of ", item_cap_, " tokens over ",
-                        kHipMaxNodes, " nodes");
-          z.hip_bk = dp.hip_bk;
-          z.hip_r_m = dp.hip_r_m;
-          z.hip_rep = dp.hip_rep;
-          z.hip_align = dp.hip_align;
-          z.hip_lag = dp.hip_lag;
-          z.hip_dense = dp.hip_dense_layers;
-          z.hip_max_nodes = static_cast<int32_t>(std::max<int64_t>(item_cap_ / dp.hip_bk, 1));
-          z.hip_state = AllocBytes(items_all * sizeof(HipState));
-          z.hip_blocks = AllocBytes(items_all * 2 * static_cast<size_t>(z.hip_max_nodes) * sizeof(int32_t));
-          if (z.hip_lag != 0 && cuda) {  // the host backend's twin builds a requested mask at once
-            z.hip_query = AllocBytes(items_all * static_cast<size_t>(HipQueryWords(group_, m.head_dim)) *
-                                     sizeof(uint32_t));
-            ++z.streams;  // the side rebuilds' stream
-          }
-        }
-      }
+      const int64_t ranked_cap = sel.RankedCap(z.select_ld);
+      const size_t mcta_bytes =
+          ranked_cap > 0 ? SelectMctaWorkspaceBytes(items, group_, ranked_cap, sel.MctaMinRanked()) : 0;
+      if (cuda && mcta_bytes > 0) z.select_mcta = AllocBytes(mcta_bytes);
     }
     if (scoring != SelectScoring::kNone || z.host_lists) {
       if (z.device_bank && !z.step_all_resident) {
         // The step's misses: staged at their list index, listed for the admission after the
         // step. With two regions the admission of layer l runs on its own stream beside layer
         // l + 1's step (which writes the other region); layer l + 2 waits for it. Measured at
-        // 128K b1 (H200, stop28_b, against one region in the same call): kvpop_bank 0.939 vs
+        // 128K b1 (H200, against one region in the same call): kvpop_bank 0.939 vs
         // 1.162 ms a token step, sparcas_bank 3.869 vs 4.051, hip_bank 1.861 vs 1.811 (its
         // rebuilds already run beside the step, and its selection slowed from 0.86 to 0.97 ms):
-        // two regions unless HiP's side stream is there.
-        const bool hip_side = z.scoring == SelectScoring::kHip && z.hip_lag != 0;
-        const bool side = !hip_side;
+        // two regions unless the selector runs work beside the step itself.
+        const bool side = !(z.selector && selector_->runs_beside_step());
         z.bank_regions = cuda && side ? 2 : 1;
         if (z.bank_regions > 1) ++z.streams;  // the admissions' stream
         const size_t regions = static_cast<size_t>(z.bank_regions);

@@ -148,12 +148,7 @@ RuntimeImpl::~RuntimeImpl() {
     device_->DestroyStream(admit_stream_);
   }
   step_bank_.reset();
-  if (hip_stream_ != nullptr) {
-    device_->SynchronizeStream(hip_stream_).IgnoreError();
-    device_->DestroyEvent(hip_fork_);
-    device_->DestroyEvent(hip_join_);
-    device_->DestroyStream(hip_stream_);
-  }
+  if (selector_ != nullptr) selector_->Release();  // its side stream, before the buffers go
   if (prefill_copy_stream_ != nullptr) {
     device_->SynchronizeStream(prefill_copy_stream_).IgnoreError();
     device_->DestroyEvent(prefill_fork_);
@@ -235,6 +230,8 @@ Status RuntimeImpl::Init() {
     budget_max_ = ItemBudgetMax(config_);
     item_cap_ = ItemListCap(config_);
   }
+  // The policy's device selection state, sized below where the planned step selects on the device.
+  selector_ = MakeDeviceSelector(*policy_, SelectorShapeOf());
 
   InitWindowLayout();  // sliding-window layers (runtime/window.cpp)
   // Every device buffer's size, once (runtime/device_memory.cpp): the plan the cap is checked
@@ -452,10 +449,10 @@ Status RuntimeImpl::Init() {
     const char* eager = std::getenv("KVFERRY_PRIME_EAGER");
     prime_eager_ = eager != nullptr && std::string_view(eager) == "1";
   }
-  // Off by default: on the GPU machine (lfps@2%, stop17_f.sh, three runs each) 500 us of spinning
+  // Off by default: on the GPU machine (lfps@2%, three runs each) 500 us of spinning
   // started the last of a layer's 8 items 25 us after the first instead of 67-82 us and took 32K
   // from 19.4 to 17.2 ms a step, but 64K from 29.1 to 30.8 ms (its longer items ran slower beside
-  // the spinners). With the scan on the GPU (stop19_b.sh) the items wait for its ranking anyway,
+  // the spinners). With the scan on the GPU the items wait for its ranking anyway,
   // and spinning slowed the launches beside them (43 -> 45-72 us a layer): 32K 13.7-15.0 ms
   // (spinning twice the last gap between layers) and 12.6-14.4 (300 us) against 11.9-13.3 without.
   // Off by default (RuntimeConfig::cpu_spin_us).
@@ -947,7 +944,7 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
     KVF_RETURN_IF_ERROR(PrimePolicy(slot, layer, new_len, static_cast<int>(tokens), stream));
     Stage(stats_.ms_prime, "prime", tp);
   }
-  KVF_RETURN_IF_ERROR(ExtendPageBounds(slot, layer, pos0, new_len, stream));
+  KVF_RETURN_IF_ERROR(SelectorStored(slot, layer, pos0, new_len, stream));
   KVF_RETURN_IF_ERROR(EndCall(stream));
   if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
   return Status::Ok();
@@ -1233,7 +1230,7 @@ Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const
         CopyRowsWide(k_copies_, n_copies, m.head_dim, k.dtype, m.kv_dtype, stream));
     KVF_RETURN_IF_ERROR(
         CopyRowsWide(v_copies_, n_copies, m.head_dim, v.dtype, m.kv_dtype, stream));
-    KVF_RETURN_IF_ERROR(ExtendPageBounds(slot, layer, len, new_len, stream));
+    KVF_RETURN_IF_ERROR(SelectorStored(slot, layer, len, new_len, stream));
     return EndCall(stream);
   };
   // As in Prefill: a failure leaves the length as it was and the ring restored for it.

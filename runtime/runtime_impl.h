@@ -20,6 +20,7 @@
 #include "offload/host_store.h"
 #include "offload/token_bank.h"
 #include "runtime/trace.h"
+#include "policies/device_selector.h"
 #include "policies/policy.h"
 #include "runtime/scheduler.h"
 
@@ -59,18 +60,14 @@ struct DeviceBufferSizes {
   SelectScoring scoring = SelectScoring::kNone;
   int64_t list_cap = 0;
   int64_t select_ld = 0;
-  int32_t meta_page = 16;
-  int64_t meta_pages = 0;
-  int32_t sparcas_db = 16, sparcas_u = 64, sparcas_dense = 2, sparcas_bits = 16;
-  int32_t hip_bk = 2, hip_r_m = 8, hip_rep = 0, hip_align = 1, hip_max_nodes = 0;  // kHip
-  int32_t hip_lag = 0, hip_dense = 0;
-  int64_t kvpop_cap = 0;  // kKvpop: slots an item holds (the largest item budget)
-  int32_t kvpop_hidden = 0;
+  // The device selector's buffers (DeviceSelector::Size), allocated in order and handed to its
+  // Bind; `selector` once they are sized (the planned step selects on the device).
+  bool selector = false;
+  std::vector<SelectorBuffer> selector_buffers;
   int32_t bank_miss_cap = 0;
   // The step's miss staging, miss lists and admission items, one set a region; layer l takes
-  // region l % bank_regions. Two (CUDA; not with HiP's side rebuilds): layer l's admission runs on
-  // its own stream beside
-  // layer l + 1 (RuntimeImpl::admit_stream_).
+  // region l % bank_regions. Two (CUDA; not beside a selector's own stream): layer l's admission
+  // runs on its own stream beside layer l + 1 (RuntimeImpl::admit_stream_).
   int bank_regions = 1;
   int64_t step_ws_floats = 0;
   // CUDA prefill: pages of one layer staged in device memory; the tensor-core kernel and its
@@ -107,8 +104,6 @@ struct DeviceBufferSizes {
   size_t prefill_scratch = 0, prefill_pages = 0;
   size_t prefill_next = 0, prefill_next_pages = 0;
   size_t step_list = 0, step_list_count = 0, select_ws = 0, topk_ws = 0, select_mcta = 0;
-  size_t meta = 0, sparcas_state = 0, sparcas_dims = 0, hip_state = 0, hip_blocks = 0, hip_query = 0;
-  size_t kvpop_state = 0, kvpop_slots = 0, kvpop_scorer = 0;
   size_t step_slots = 0, step_pos = 0, step_ws = 0, step_counters = 0;
   size_t prime_tables = 0, prime_stats = 0, prime_scratch = 0;
   size_t scan_shadow = 0, scan_scale = 0, scan_keys = 0, scan_ints = 0, scan_hist = 0,
@@ -314,14 +309,10 @@ class RuntimeImpl {
                     StreamHandle stream);
   // Rolls back the layers of plan_ that did not run, when some did (see PlanDecode).
   void RetirePlan();
-  // Bytes the device selection (scoring_) reads to rank one KV head of a sequence of n positions
-  // at \p layer with item budget \p budget (Stats::select_key_bytes), as DecodeSelect's kernels
-  // read them.
-  int64_t SelectKeyBytes(int64_t n, int64_t budget, int layer) const;
   // Rows a device selection's list holds for a sequence of n positions, as the host can tell: how
   // a layer's lists are counted (once a layer), then each item's (HiP's may hold fewer).
   struct ListRowsRule {
-    int64_t hip_blocks = 0;     // > 0: whole blocks of this many tokens (HiP's ranked layers)
+    int64_t blocks = 0;         // > 0: whole blocks of this many tokens (DeviceSelector::ListBlock)
     double hide_fraction = 0;   // psaw+'s hidden fraction there
   };
   ListRowsRule DeviceListRowsRule(int layer) const;
@@ -330,8 +321,6 @@ class RuntimeImpl {
   // sequences selected there at the same length).
   [[nodiscard]] bool XlReusesPrevious(std::span<const int> slot_of, std::span<const int64_t> pos,
                                       int layer) const;
-  // SparCas's compact rows [0, n) at \p layer (kSparcas, and kHip's dense layers); 0 unless ranks.
-  int64_t SparcasKeyBytes(int64_t n, int layer, bool ranks) const;
   // The run: one layer of the step on the device.
   Status RunDecodeStep(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                        const TensorView& k, const TensorView& v, const TensorView& out,
@@ -377,9 +366,9 @@ class RuntimeImpl {
   // The route the step plans with: auto is cpu for a CPU-placed policy (its q is on the host
   // already), else as configured.
   Route PlannedRoute() const;
-  // Recomputes the device page bounds of positions [pos0, new_len) of (slot, layer) when the
-  // policy keeps them (kQuestPages); a no-op otherwise.
-  Status ExtendPageBounds(int slot, int layer, int64_t pos0, int64_t new_len, StreamHandle stream);
+  // Positions [pos0, new_len) of (slot, layer) were stored: the device selector extends what it
+  // derives from the keys (DeviceSelector::OnStored; Quest's page bounds); a no-op otherwise.
+  Status SelectorStored(int slot, int layer, int64_t pos0, int64_t new_len, StreamHandle stream);
   // Zeroes the device selection state of \p slot (all slots for -1) for a new sequence; waits.
   Status ResetSelectState(int slot);
   // Rewrites the window ring rows of \p slots at \p layer from the host store for their current
@@ -469,6 +458,12 @@ class RuntimeImpl {
   StreamHandle stream_ = nullptr;
   std::unique_ptr<HostStore> store_;
   std::unique_ptr<Policy> policy_;
+  // The policy's device selection state (policies/device_selector.h): null unless the planned step
+  // selects on the device (DeviceBufferSizes::selector).
+  std::unique_ptr<DeviceSelector> selector_;
+  [[nodiscard]] SelectorShape SelectorShapeOf() const;
+  // Joins the selector's work beside the step (all of it) into \p stream; Ok without a selector.
+  Status JoinSelectorSide(StreamHandle stream);
   std::unique_ptr<cpu::CpuPool> pool_;
   // Adds the time since t0 to a stage's Stats field and, while a trace records, a span.
   void Stage(double& ms, const char* name, TraceRecorder::Clock::time_point t0) {
@@ -899,41 +894,6 @@ class RuntimeImpl {
   // [layer]: each batch item's n at that layer's last selection (xl+ reuses the previous layer's
   // list only when the same slots selected there at the same n)
   std::vector<std::vector<int64_t>> list_n_;
-  char* meta_ = nullptr;  // device: page bounds (kQuestPages), see PageBoundsArgs
-  int64_t meta_pages_ = 0;
-  int32_t meta_page_ = 16;
-  SparcasState* sparcas_state_ = nullptr;  // device: [slot][layer][kv_head]
-  int32_t* sparcas_dims_ = nullptr;        // device: [slot][layer][kv_head][head_dim]
-  int32_t sparcas_db_ = 16, sparcas_u_ = 64, sparcas_dense_ = 2, sparcas_bits_ = 16;
-  KvpopState* kvpop_state_ = nullptr;  // device (kKvpop): [slot][layer][kv_head]
-  int32_t* kvpop_pos_ = nullptr;        // device (kKvpop): [slot][layer][kv_head][kvpop_cap_]
-  float* kvpop_prio_ = nullptr;         // likewise
-  float* kvpop_scorer_ = nullptr;       // device (kKvpop): [layer][kv_head] scorer blocks
-  int64_t kvpop_cap_ = 0;
-  int32_t kvpop_hidden_ = 0;
-  // kKvpop: per (slot, layer) the offloaded range's end at its last decode step, as the host saw
-  // it; a step that moves it by more than one token (a prompt stored since) scores its newcomers
-  // with a grid over the GPU first (DecodeStepArgs::kvpop_catchup). Speed only: the device state
-  // decides what is scored.
-  std::vector<int64_t> kvpop_seen_;
-  HipState* hip_state_ = nullptr;  // device (kHip): [slot][layer][kv_head]
-  int32_t* hip_blocks_ = nullptr;  // device (kHip): [slot][layer][kv_head][hip_max_nodes_]
-  int32_t hip_bk_ = 2, hip_r_m_ = 8, hip_rep_ = 0, hip_align_ = 1, hip_max_nodes_ = 0;
-  int32_t hip_lag_ = 0;
-  int32_t hip_dense_ = 0;  // kHip: DecodeStepArgs::hip_dense_layers
-  /// kHip: the first layer its mask ranks (below it, SparCas's path).
-  [[nodiscard]] int HipDense() const { return std::max(sparcas_dense_, hip_dense_); }
-  uint32_t* hip_query_ = nullptr;  // device (kHip, lag): [slot][layer][kv_head][HipQueryWords]
-  // CUDA, kHip with lag 1: the rebuilds a ranked layer requests run on hip_stream_
-  // (DecodeSelectDeferred), forked after its DecodeSelect; joined back into the caller's stream
-  // at the step's last layer, and before anything else reads or writes the masks (PlanDecode,
-  // ResetSelectState, a call for a layer at or below one still outstanding). A captured graph
-  // therefore holds whole steps (its side branch joins at the last layer).
-  StreamHandle hip_stream_ = nullptr;
-  EventHandle hip_fork_ = nullptr, hip_join_ = nullptr;
-  bool hip_side_busy_ = false;
-  int hip_side_layer_ = -1;  // the last layer with a rebuild beside the stream
-  Status JoinHipSide(StreamHandle stream);
 };
 
 }  // namespace kvferry::detail

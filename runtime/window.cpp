@@ -137,7 +137,7 @@ Status RuntimeImpl::WindowDecode(std::span<const SequenceId> seqs, std::span<con
   auto run = [&]() -> Status {
     // The global layers' side work (HiP's rebuilds, bank admissions) joins here, as at a step's
     // last layer: a sliding layer may be the last.
-    KVF_RETURN_IF_ERROR(JoinHipSide(stream));
+    KVF_RETURN_IF_ERROR(JoinSelectorSide(stream));
     KVF_RETURN_IF_ERROR(JoinAdmitSide(stream));
     KVF_RETURN_IF_ERROR(BeginCall());
     KVF_ASSIGN_OR_RETURN(const void* q_src, StageInput(q, q_in_, stream));

@@ -19,7 +19,7 @@ into the static priority p_t = r_t - t log(gamma_h). Training follows the paper'
 Inputs: traces written by `kvferry-llama --dump-trace FILE --trace-layers all` (safetensors with
 layer.L.q [S, Hq, D], layer.L.k / layer.L.v [S, Hkv, D], post-RoPE). Output: a safetensors file
 with F32 w1 [L, Hkv, hidden, 2D], b1, w2 [L, Hkv, hidden], b2, alpha [L, Hkv] (input
-standardisation folded into w1/b1), read by policies/kvpop.cpp (PolicyConfig::weights_path; kvferry-llama --policy-weights FILE).
+standardisation folded into w1/b1), read by policies/kvpop/kvpop.cpp (PolicyConfig::weights_path; kvferry-llama --policy-weights FILE).
 
 Example:
   python scripts/kvpop_train.py --train /tmp/q13/train_kjv.safetensors \

@@ -17,7 +17,7 @@
 #   KVFERRY_TSAN=0      no ThreadSanitizer stage: oneTBB built from Debian's source package with
 #                       -fsanitize=thread (scripts/build-tsan-tbb.sh, cached in <tsan build>/onetbb),
 #                       then the library and kvferry_tsan_tests (the worker pool and its lock-free
-#                       queues, host gather, the runtime's host decode paths, runtimes on several
+#                       queues, the runtime's host decode paths, runtimes on several
 #                       threads) built with gcc -fsanitize=thread against it (build dir
 #                       $KVFERRY_TSAN_BUILD_DIR, default <build>-tsan) and run in shards; any report
 #                       fails the stage. Suppressions: tests/tsan.supp (docs/reliability.md)
@@ -158,7 +158,7 @@ if [ "$tsan" != 0 ]; then
   t0=$SECONDS
   tsan_build=$(realpath -m "${KVFERRY_TSAN_BUILD_DIR:-$build-tsan}")
   bash scripts/build-tsan-tbb.sh "$tsan_build/onetbb"
-  # (policies/lfps.cpp, whose target_clones resolvers run before the TSan runtime is up, is built
+  # (policies/lfps/lfps.cpp, whose target_clones resolvers run before the TSan runtime is up, is built
   # without TSan's function entry/exit hooks: CMakeLists.txt.)
   cmake -S . -B "$tsan_build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DCMAKE_CXX_FLAGS="-fsanitize=thread" \

@@ -57,7 +57,7 @@
 //     and every later output of A must equal B's bit for bit, with the same selections.
 // Documented exceptions, each checked as documented (no case is skipped for one):
 //  - A wrapper around a dense policy ("cis+dense", "psaw+dense", "xl+dense"): Create refuses it
-//    with kInvalidArgument saying why (policies/prhs.cpp, MakePrhsPolicy; docs/prhs.md). Its cases
+//    with kInvalidArgument saying why (policies/prhs/prhs.cpp, MakePrhsPolicy; docs/prhs.md). Its cases
 //    check that refusal, from Runtime::Create and MakePolicy, and nothing else.
 //  - "oracle" (and a wrapper around it) may leave the new token n - 1 and resident positions out
 //    of its list (kvferry/policy.h, Policy::Select): CheckContract checks n - 1 in every other
@@ -99,7 +99,7 @@
 #include "fault_device.h"
 #include "kvferry/kvferry.h"
 #include "policies/policy.h"
-#include "policies/prhs.h"
+#include "policies/prhs/prhs.h"
 #include "tests/policy_test_util.h"
 
 namespace kvferry {
@@ -556,7 +556,7 @@ class Verdict {
 };
 
 // A wrapper around a dense policy (Policy::is_dense(): "cis+dense", "psaw+dense", "xl+dense"):
-// Create refuses it (policies/prhs.cpp, MakePrhsPolicy: a pre-hoc selector over a policy that
+// Create refuses it (policies/prhs/prhs.cpp, MakePrhsPolicy: a pre-hoc selector over a policy that
 // attends every token has nothing to select, and the runtime would size its lists by the budget).
 // Such a case checks exactly that refusal, with Runtime::Create and with MakePolicy: true when the
 // case is one (nothing else to run).
@@ -600,7 +600,7 @@ void CheckSameSelections(const Runtime& a, const Runtime& b, const std::vector<S
 
 // PSAW's hidden range [sink, end) at \p layer for a head of \p n positions (psaw.start 0, so
 // l_s = 0, and the default phi 0.7); an inner policy that keeps its resident rows keeps the window
-// visible too (policies/prhs.cpp). 0: nothing hidden.
+// visible too (policies/prhs/prhs.cpp). 0: nothing hidden.
 int64_t PsawHiddenEndFor(const ConfCase& c, const Traits& t, int layer, int64_t n) {
   if (!HasWrapper(c.policy, "psaw+")) return 0;
   int64_t end = PsawHiddenEndOf(PsawHiddenFraction(layer, kLayers, 0, 0.7), n);

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "kvferry/kvferry.h"
-#include "policies/hip.h"
+#include "policies/hip/hip.h"
 #include "tests/policy_test_util.h"
 
 namespace kvferry {

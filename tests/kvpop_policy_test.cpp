@@ -18,7 +18,7 @@
 #include "cpu/attention.h"
 #include "kvferry/runtime.h"
 #include "policies/basic.h"
-#include "policies/kvpop.h"
+#include "policies/kvpop/kvpop.h"
 #include "tests/policy_test_util.h"
 
 namespace kvferry {

@@ -16,7 +16,7 @@
 
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
-#include "policies/lfps.h"
+#include "policies/lfps/lfps.h"
 
 namespace kvferry {
 namespace {

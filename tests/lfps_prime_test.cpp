@@ -29,7 +29,7 @@
 #include "cpu/reference.h"
 #include "gpu/device.h"
 #include "kvferry/kvferry.h"
-#include "policies/lfps.h"
+#include "policies/lfps/lfps.h"
 #include "tests/policy_test_util.h"
 
 namespace kvferry {

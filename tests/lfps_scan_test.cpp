@@ -27,7 +27,7 @@
 #include "cpu/kernels.h"
 #include "cpu/reference.h"
 #include "kvferry/kvferry.h"
-#include "policies/lfps.h"
+#include "policies/lfps/lfps.h"
 #include "tests/policy_test_util.h"
 
 namespace kvferry {

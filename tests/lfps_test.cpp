@@ -2,7 +2,7 @@
 // LFPS as a specification: the table invariant, the degenerate settings (candidates = everything
 // is exact top-k, k = n is dense attention), the two history tables tracking what they claim to
 // track, the bypass, and the parameter contract of the factory.
-#include "policies/lfps.h"
+#include "policies/lfps/lfps.h"
 
 #include <gtest/gtest.h>
 

@@ -16,7 +16,7 @@
 #include "base/attn_types.h"
 #include "cpu/dtype.h"
 #include "kvferry/kvferry.h"
-#include "policies/kvpop.h"
+#include "policies/kvpop/kvpop.h"
 #include "policies/policy.h"
 #include "policies/select_util.h"
 

@@ -20,7 +20,7 @@
 #include "kvferry/kvferry.h"
 #include "policies/basic.h"
 #include "policies/policy.h"
-#include "policies/prhs.h"
+#include "policies/prhs/prhs.h"
 #include "policy_test_util.h"
 
 namespace kvferry {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "policies/basic.h"
-#include "policies/quest.h"
+#include "policies/quest/quest.h"
 #include "tests/policy_test_util.h"
 
 namespace kvferry {

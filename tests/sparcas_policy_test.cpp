@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "base/sparcas_q4.h"
-#include "policies/sparcas.h"
+#include "policies/sparcas/sparcas.h"
 #include "tests/policy_test_util.h"
 
 namespace kvferry {

@@ -44,7 +44,7 @@
 #include "cpu/dtype.h"
 #include "cpu/reference.h"
 #include "policies/basic.h"
-#include "policies/lfps.h"
+#include "policies/lfps/lfps.h"
 
 namespace kvferry {
 namespace {

@@ -45,7 +45,7 @@
 #include "cpu/dtype.h"
 #include "kvferry/kvferry.h"
 #include "policies/basic.h"
-#include "policies/lfps.h"
+#include "policies/lfps/lfps.h"
 
 namespace kvferry {
 namespace {

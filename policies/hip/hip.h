@@ -33,7 +33,7 @@
 //  - GQA: one mask per KV head for the group. Sinks and the window are resident and excluded
 //    from the search (as the public code). Ties: the lower block.
 //  - First `dense_layers` (default 3, the notes' l_d for 7B models), at `dense_bits` 4 (the default
-//    when the scores are 4-bit): SparCas's 4-bit top-k over every dimension (policies/sparcas.h
+//    when the scores are 4-bit): SparCas's 4-bit top-k over every dimension (policies/sparcas/sparcas.h
 //    with d_b = head_dim, the same compact rows the mask scores; the device's SparCas kernels),
 //    a quarter of the exact path's key bytes; 16: the exact top-k. Not dense attention either way:
 //    the runtime's per-item capacity forbids it (see sparcas.h).
@@ -49,7 +49,7 @@
 #include "base/sparcas_q4.h"
 #include "policies/policy.h"
 #include "policies/select_util.h"
-#include "policies/sparcas.h"
+#include "policies/sparcas/sparcas.h"
 
 namespace kvferry {
 

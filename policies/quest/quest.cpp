@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-#include "policies/quest.h"
+#include "policies/quest/quest.h"
 
 #include <algorithm>
 #include <cmath>

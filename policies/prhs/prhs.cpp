@@ -1,7 +1,7 @@
 // Copyright kvferry authors. Apache-2.0.
 // PrHS/CPE's pre-hoc selectors (CIS, PSAW) and cross-layer sharing as wrappers of another policy.
 // Decisions where the paper is ambiguous are in docs/prhs.md.
-#include "policies/prhs.h"
+#include "policies/prhs/prhs.h"
 
 #include <algorithm>
 #include <atomic>

@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-#include "policies/hip.h"
+#include "policies/hip/hip.h"
 
 #include <algorithm>
 #include <cmath>

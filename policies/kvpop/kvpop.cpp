@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-#include "policies/kvpop.h"
+#include "policies/kvpop/kvpop.h"
 
 #include <algorithm>
 #include <cmath>

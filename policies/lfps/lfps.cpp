@@ -33,7 +33,7 @@
 //  - Kurtosis as printed (no factor n), over the n_off offloaded entries, from running power sums
 //    (exact resync at every renormalisation), so thresholds cost O(1). The candidate scan reads only
 //    the table blocks whose upper bound (kept per cpu::kFilterBlock entries) exceeds tau.
-#include "policies/lfps.h"
+#include "policies/lfps/lfps.h"
 
 #include <algorithm>
 #include <chrono>

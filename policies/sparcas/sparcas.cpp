@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-#include "policies/sparcas.h"
+#include "policies/sparcas/sparcas.h"
 
 #include <algorithm>
 #include <cmath>

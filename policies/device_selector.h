@@ -1,0 +1,148 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+/// \file device_selector.h
+/// \brief A device-selecting policy's state on the device and everything the runtime does with
+/// it, behind one interface (docs/design.md, "Device selection").
+///
+/// The planned decode step (runtime/decode_plan.cpp) ranks each item's positions on the device
+/// with the kernels of its scoring (DecodeSelect, gpu/decode_select.cu; the host backend's twin in
+/// cpu/decode_step.cpp). What a scoring keeps between steps (Quest's page bounds, SparCas's
+/// compact keys and dimensions, HiP's masks, KVpop's slots and scorers) and how it is sized,
+/// bound, reset, extended on each store, described to the kernels and accounted for lives in its
+/// policy's folder (policies/<name>/device_selector.cpp), not in the runtime: the runtime asks
+/// MakeDeviceSelector for the policy's selector and drives it through this interface.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "base/attn_types.h"
+#include "gpu/device.h"
+#include "kvferry/config.h"
+#include "kvferry/status.h"
+#include "policies/policy.h"
+
+namespace kvferry::detail {
+
+/// The shapes a selector serves (the runtime's configuration, as the selector needs it).
+struct SelectorShape {
+  ModelShape model;
+  int max_sequences = 0;
+  int64_t max_tokens = 0;  ///< positions a sequence holds at most (Capacity)
+  int64_t item_cap = 0;    ///< the most positions an item's list holds (the largest budget)
+  int group = 1;           ///< query heads per KV head
+  float scale = 1.0f;      ///< softmax scale
+  size_t kv_elem = 2;      ///< bytes of a K (or V) element
+  size_t row_bytes = 0;    ///< bytes of a K (or V) row
+  int sink = 0;            ///< resident sink tokens
+  int window = 0;          ///< resident window tokens
+  bool cuda = false;       ///< the CUDA backend (else the host backend's twin)
+  /// Items (sequence slot, layer, KV head) the state covers.
+  [[nodiscard]] size_t items() const {
+    return static_cast<size_t>(max_sequences) * model.num_layers * model.num_kv_heads;
+  }
+};
+
+/// One device buffer a selector needs: the memory plan's part it counts in, and its bytes.
+struct SelectorBuffer {
+  std::string part;
+  size_t bytes = 0;
+};
+
+/// The host store as the device reads it (DecodeStepArgs::pages and its shape).
+struct StoreTableView {
+  void* const* pages = nullptr;
+  int64_t max_pages = 0;
+  int32_t page_tokens = 256;
+};
+
+class DeviceSelector {
+ public:
+  virtual ~DeviceSelector() = default;
+  [[nodiscard]] virtual SelectScoring scoring() const = 0;
+
+  // ---- sizing (once, at Create; const: ChooseBankSlots sizes several candidate plans) ----
+  /// Checks the policy's parameters against the shape (kInvalidArgument naming them) and appends
+  /// the buffers to allocate, in the order Bind receives them.
+  virtual Status Size(std::vector<SelectorBuffer>& buffers) const = 0;
+  /// The DecodeSelect scratch the scoring uses: a list top-k workspace past 4096 picks, and the
+  /// multi-CTA top-k over \p RankedCap(select_ld) scores of which an item needs at least
+  /// \p MctaMinRanked() (0: none).
+  [[nodiscard]] virtual bool uses_topk_ws() const { return true; }
+  [[nodiscard]] virtual int64_t RankedCap(int64_t select_ld) const { return select_ld; }
+  [[nodiscard]] virtual int64_t MctaMinRanked() const;
+  /// Streams the selector creates (CUDA), for the stream scratch the device keeps.
+  [[nodiscard]] virtual int extra_streams() const { return 0; }
+  /// Its work runs beside the step on a stream of its own (HiP's rebuilds): the device bank then
+  /// keeps one miss region, not two (the admissions' side stream would race it for the SMs).
+  [[nodiscard]] virtual bool runs_beside_step() const { return false; }
+
+  // ---- binding and state ----
+  /// Takes the buffers Size asked for (device memory, same order), uploads what the policy
+  /// computed on the host (KVpop's scorers), creates its streams and zeroes every item's state.
+  virtual Status Bind(std::span<void* const> buffers, Device& device, StreamHandle stream) = 0;
+  /// Waits for and destroys what Bind created (the runtime frees the buffers).
+  virtual void Release() {}
+  /// Zeroes the state of sequence slot \p slot (every slot for -1) and waits.
+  virtual Status Reset(int slot, StreamHandle stream) { (void)slot, (void)stream; return Status::Ok(); }
+  /// Whether the selector reads the host store at each store of rows (OnStored).
+  [[nodiscard]] virtual bool tracks_store() const { return false; }
+  /// Positions [pos0, new_len) of (slot, layer) were stored (prefill, append): extends what the
+  /// selector derives from the keys (Quest's page bounds). The page table is flushed.
+  virtual Status OnStored(int slot, int layer, int64_t pos0, int64_t new_len,
+                          const StoreTableView& store, StreamHandle stream) {
+    (void)slot, (void)layer, (void)pos0, (void)new_len, (void)store, (void)stream;
+    return Status::Ok();
+  }
+
+  // ---- the step ----
+  /// Describes the state to DecodeSelect (its fields of DecodeStepArgs).
+  virtual void Fill(DecodeStepArgs& a) const = 0;
+  /// Whether a layer that takes the previous layer's list (xl+) may skip ranking: yes where the
+  /// ranking advances no state (the metadata is still kept current).
+  [[nodiscard]] virtual bool ranking_skippable() const { return true; }
+  /// Before the launch: what the host knows of this step's items (\p slots, \p positions of the
+  /// new tokens) that speeds the selection up (KVpop's catch-up after a prompt).
+  virtual void BeforeSelect(DecodeStepArgs& a, std::span<const int> slots,
+                            std::span<const int64_t> positions, int layer) {
+    (void)a, (void)slots, (void)positions, (void)layer;
+  }
+  /// After DecodeSelect was enqueued on \p stream: work the selection requested that may run
+  /// beside the rest of the step (HiP's deferred mask rebuilds).
+  virtual Status AfterSelect(const DecodeStepArgs& a, int layer, StreamHandle stream) {
+    (void)a, (void)layer, (void)stream;
+    return Status::Ok();
+  }
+  /// Joins work beside the step into \p stream before anything reads the state it writes: all of
+  /// it (\p layer -1), or only where it covers \p layer or a layer after it.
+  virtual Status Join(int layer, StreamHandle stream) { (void)layer, (void)stream; return Status::Ok(); }
+
+  // ---- accounting (the host's view, without reading the device) ----
+  /// Bytes of keys or metadata the selection reads to rank one KV head of \p n positions at
+  /// \p layer with item budget \p budget (Stats::select_key_bytes).
+  [[nodiscard]] virtual int64_t KeyBytes(int64_t n, int64_t budget, int layer) const = 0;
+  /// > 0: the list of \p layer holds whole blocks of this many tokens (HiP's ranked layers).
+  [[nodiscard]] virtual int32_t ListBlock(int layer) const { (void)layer; return 0; }
+
+ protected:
+  explicit DeviceSelector(const SelectorShape& shape) : shape_(shape) {}
+  SelectorShape shape_;
+  Device* device_ = nullptr;  ///< set by Bind
+};
+
+/// The selector of \p policy's device scoring (Policy::device_scoring), or null when it has none.
+/// \p policy outlives it.
+std::unique_ptr<DeviceSelector> MakeDeviceSelector(const Policy& policy, const SelectorShape& shape);
+
+// The selectors, one per scoring, each in its policy's folder.
+std::unique_ptr<DeviceSelector> MakeExactTopKSelector(const Policy& policy, const SelectorShape& shape);
+std::unique_ptr<DeviceSelector> MakeQuestSelector(const Policy& policy, const SelectorShape& shape);
+std::unique_ptr<DeviceSelector> MakeSparcasSelector(const Policy& policy, const SelectorShape& shape);
+std::unique_ptr<DeviceSelector> MakeHipSelector(const Policy& policy, const SelectorShape& shape);
+/// KVpop's reads the policy's scorer table at Bind: \p policy outlives it.
+std::unique_ptr<DeviceSelector> MakeKvpopSelector(const Policy& policy, const SelectorShape& shape);
+
+}  // namespace kvferry::detail

@@ -1,0 +1,86 @@
+// Copyright kvferry authors. Apache-2.0.
+// Quest's device selection (SelectScoring::kQuestPages): per page of page_tokens keys the
+// element-wise min and max (PageBoundsArgs), extended at each store of rows (Device::PageBounds)
+// and by DecodeSelect for the new token; the pages' bounds on q.k rank them.
+#include <algorithm>
+
+#include "base/check.h"
+#include "base/offload_split.h"
+#include "policies/device_selector.h"
+
+namespace kvferry::detail {
+namespace {
+
+class QuestSelector final : public DeviceSelector {
+ public:
+  QuestSelector(const Policy& policy, const SelectorShape& shape)
+      : DeviceSelector(shape), name_(policy.name()),
+        page_(policy.device_select_params(shape.model.head_dim).page_tokens) {
+    pages_ = page_ >= 1 ? (shape.max_tokens + page_ - 1) / page_ : 0;
+  }
+  SelectScoring scoring() const override { return SelectScoring::kQuestPages; }
+
+  Status Size(std::vector<SelectorBuffer>& buffers) const override {
+    KVF_CHECK_ARG(page_ >= 1, "policy '", name_, "': page of ", page_, " tokens");
+    buffers.push_back({"quest page bounds", shape_.items() * static_cast<size_t>(pages_) * 2 * shape_.row_bytes});
+    return Status::Ok();
+  }
+  // An item ranks its pages: the multi-CTA top-k takes items of enough pages.
+  int64_t RankedCap(int64_t select_ld) const override { return (select_ld + page_ - 1) / page_ + 1; }
+  int64_t MctaMinRanked() const override { return SelectMctaMinPages(); }
+
+  Status Bind(std::span<void* const> buffers, Device& device, StreamHandle) override {
+    device_ = &device;
+    meta_ = static_cast<char*>(buffers[0]);
+    return Status::Ok();
+  }
+  bool tracks_store() const override { return true; }
+  Status OnStored(int slot, int layer, int64_t pos0, int64_t new_len, const StoreTableView& store,
+                  StreamHandle stream) override {
+    const ModelShape& m = shape_.model;
+    PageBoundsArgs a;
+    a.params = AttnParams{shape_.group, m.head_dim, m.kv_dtype, shape_.scale};
+    a.num_kv_heads = m.num_kv_heads;
+    a.num_layers = m.num_layers;
+    a.layer = layer;
+    a.slot = slot;
+    a.pos0 = pos0;
+    a.new_len = new_len;
+    a.pages = store.pages;
+    a.max_pages = store.max_pages;
+    a.page_tokens = store.page_tokens;
+    a.meta = meta_;
+    a.meta_pages = pages_;
+    a.meta_page = page_;
+    return device_->PageBounds(a, stream);
+  }
+
+  void Fill(DecodeStepArgs& a) const override {
+    a.meta = meta_;
+    a.meta_pages = pages_;
+    a.meta_page = page_;
+  }
+  // The min and max rows of the pages over the offloaded range (QuestSplitOf in
+  // gpu/decode_select.cu splits it alike).
+  int64_t KeyBytes(int64_t n, int64_t budget, int) const override {
+    const OffloadSplit s = SplitPositions(n, shape_.sink, shape_.window, budget);
+    if (s.k_off <= 0 || s.all) return 0;
+    const int64_t p_lo = s.off_lo / page_;
+    const int64_t pages = (s.off_hi - 1) / page_ + 1 - p_lo;
+    return pages * 2 * static_cast<int64_t>(shape_.row_bytes);
+  }
+
+ private:
+  std::string name_;
+  int32_t page_ = 16;
+  int64_t pages_ = 0;
+  char* meta_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceSelector> MakeQuestSelector(const Policy& policy, const SelectorShape& shape) {
+  return std::make_unique<QuestSelector>(policy, shape);
+}
+
+}  // namespace kvferry::detail

@@ -1,0 +1,85 @@
+// Copyright kvferry authors. Apache-2.0.
+#include "policies/sparcas/device_selector.h"
+
+#include <vector>
+
+#include "base/check.h"
+#include "base/offload_split.h"
+
+namespace kvferry::detail {
+
+SparcasSelector::SparcasSelector(const Policy& policy, const SelectorShape& shape)
+    : DeviceSelector(shape), name_(policy.name()),
+      dp_(policy.device_select_params(shape.model.head_dim)) {}
+
+Status SparcasSelector::CheckParams() const {
+  KVF_CHECK_ARG(dp_.d_b >= 1 && dp_.u >= 1 && dp_.dense_layers >= 0 &&
+                    (dp_.sparcas_bits == 16 || (dp_.sparcas_bits == 4 && dp_.d_b % 8 == 0)),
+                "policy '", name_, "': d_b ", dp_.d_b, ", u ", dp_.u, ", dense_layers ",
+                dp_.dense_layers, ", bits ", dp_.sparcas_bits);
+  return Status::Ok();
+}
+
+Status SparcasSelector::Size(std::vector<SelectorBuffer>& buffers) const {
+  KVF_RETURN_IF_ERROR(CheckParams());
+  const ModelShape& m = shape_.model;
+  // Compact rows of every position an item may hold (meta_pages = max_tokens), its state and its
+  // chosen dimensions.
+  const int64_t elems = SparcasCompactOffset(shape_.max_sequences, 0, 0, m.num_layers, m.num_kv_heads,
+                                             shape_.max_tokens, m.head_dim, dp_.d_b, dp_.dense_layers,
+                                             dp_.sparcas_bits);
+  buffers.push_back({keys_part(), static_cast<size_t>(elems) * shape_.kv_elem});
+  buffers.push_back({state_part(), shape_.items() * sizeof(SparcasState)});
+  buffers.push_back({state_part(), shape_.items() * static_cast<size_t>(m.head_dim) * sizeof(int32_t)});
+  return Status::Ok();
+}
+
+Status SparcasSelector::Bind(std::span<void* const> buffers, Device& device, StreamHandle stream) {
+  device_ = &device;
+  meta_ = static_cast<char*>(buffers[0]);
+  state_ = static_cast<SparcasState*>(buffers[1]);
+  dims_ = static_cast<int32_t*>(buffers[2]);
+  return Reset(-1, stream);
+}
+
+std::pair<size_t, size_t> SparcasSelector::ItemsOf(int slot) const {
+  const size_t per_slot = static_cast<size_t>(shape_.model.num_layers) * shape_.model.num_kv_heads;
+  if (slot < 0) return {0, per_slot * shape_.max_sequences};
+  return {static_cast<size_t>(slot) * per_slot, per_slot};
+}
+
+Status SparcasSelector::Reset(int slot, StreamHandle stream) {
+  const auto [first, count] = ItemsOf(slot);
+  const std::vector<SparcasState> zeros(count);
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(state_ + first, zeros.data(), count * sizeof(SparcasState), stream));
+  return device_->SynchronizeStream(stream);
+}
+
+void SparcasSelector::Fill(DecodeStepArgs& a) const {
+  a.meta = meta_;
+  a.meta_pages = shape_.max_tokens;
+  a.sparcas_state = state_;
+  a.sparcas_dims = dims_;
+  a.sparcas_db = dp_.d_b;
+  a.sparcas_u = dp_.u;
+  a.sparcas_dense_layers = dp_.dense_layers;
+  a.sparcas_bits = dp_.sparcas_bits;
+}
+
+int64_t SparcasSelector::CompactKeyBytes(int64_t n, int layer, bool ranks) const {
+  if (!ranks) return 0;
+  const int32_t dims = SparcasDimsOf(layer, dp_.dense_layers, dp_.d_b, shape_.model.head_dim);
+  const int64_t row = SparcasRowElems(dims, SparcasBitsOf(layer, dp_.dense_layers, dp_.sparcas_bits));
+  return n * row * static_cast<int64_t>(shape_.kv_elem);
+}
+
+int64_t SparcasSelector::KeyBytes(int64_t n, int64_t budget, int layer) const {
+  const OffloadSplit s = SplitPositions(n, shape_.sink, shape_.window, budget);
+  return CompactKeyBytes(n, layer, s.k_off > 0 && !s.all);
+}
+
+std::unique_ptr<DeviceSelector> MakeSparcasSelector(const Policy& policy, const SelectorShape& shape) {
+  return std::make_unique<SparcasSelector>(policy, shape);
+}
+
+}  // namespace kvferry::detail

@@ -1,0 +1,42 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// SparCas's device selection (SelectScoring::kSparcas), which HiP's extends (its dense layers take
+// SparCas's path; its compact rows are SparCas's with every dimension at 4 bits).
+#include <string>
+
+#include "policies/device_selector.h"
+
+namespace kvferry::detail {
+
+/// Per item the d_b key dimensions of largest sum_g |q_g,d| (re-chosen every u ranked steps), a
+/// compact copy of those dimensions of every key (at 16 bits or SparcasQuantizeRow's 4), their
+/// partial logits ranked; layers below dense_layers rank every dimension.
+class SparcasSelector : public DeviceSelector {
+ public:
+  SparcasSelector(const Policy& policy, const SelectorShape& shape);
+  SelectScoring scoring() const override { return SelectScoring::kSparcas; }
+  Status Size(std::vector<SelectorBuffer>& buffers) const override;
+  Status Bind(std::span<void* const> buffers, Device& device, StreamHandle stream) override;
+  Status Reset(int slot, StreamHandle stream) override;
+  void Fill(DecodeStepArgs& a) const override;
+  int64_t KeyBytes(int64_t n, int64_t budget, int layer) const override;
+
+ protected:
+  /// Checks the parameters SparCas's kernels take.
+  Status CheckParams() const;
+  /// The compact rows [0, n) of \p layer, when the item ranks (0 otherwise).
+  int64_t CompactKeyBytes(int64_t n, int layer, bool ranks) const;
+  /// The memory plan's part names (HiP's differ).
+  virtual const char* keys_part() const { return "sparcas compact keys"; }
+  virtual const char* state_part() const { return "sparcas selection state"; }
+  /// (first, count) of the items of \p slot (-1: all).
+  std::pair<size_t, size_t> ItemsOf(int slot) const;
+
+  std::string name_;
+  Policy::DeviceSelectParams dp_;
+  char* meta_ = nullptr;
+  SparcasState* state_ = nullptr;
+  int32_t* dims_ = nullptr;
+};
+
+}  // namespace kvferry::detail
