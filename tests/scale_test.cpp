@@ -12,14 +12,27 @@
 //     planned step (cpu/decode_step.cpp) and the runtime's own row addressing (CPU route), equal
 //     attention computed here.
 //   - Tiers whose row counts do not fit the position range are refused by name.
+//   - Runtime: a host-store page table of 2^32 + 2^27 entries (33 GiB, zeroed at Create, so
+//     resident: run only with KVFERRY_TEST_BIG=1, on a machine with the memory), on the host and
+//     the CUDA backend, routes gpu and cpu; sequences whose table entries lie either side of 2^31,
+//     from 2^32 and up to the table's last entry prefill and decode like attention computed here,
+//     and the sequence of slot 0, whose entries those from 2^32 on would overwrite under a 32-bit
+//     index, still does after them. KVFERRY_TEST_BIG_ENTRIES=2^28 runs it on a 2 GiB table.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
 #include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu/attention.h"
@@ -324,6 +337,334 @@ TEST(Scale, TiersPastThePositionRangeAreRefusedByName) {
     EXPECT_NE(rt.status().message().find(field), std::string::npos) << rt.status().ToString();
   }
 }
+
+// ---- runtime: a host-store page table past 2^32 entries -----------------------------------------
+
+// The table has an entry per (slot, layer, KV head, page): ((slot * L + layer) * Hkv + head) * P +
+// page, 8 bytes each. Slots 0..31 fill entries [0, B) and slot 32 holds [B, B + B / 32), so with
+// B = 2^32 (the default) the last slot's entry of (layer, head, page) is slot 0's plus exactly
+// 2^32: an index kept in 32 bits (int or uint32_t) would land on slot 0's entry, and slot 0's
+// sequence would read the last slot's pages. Slot 15's last entries end at B / 2 = 2^31 and slot
+// 16's begin there, where an index in int turns negative. KVFERRY_TEST_BIG_ENTRIES sets B (a
+// multiple of 2^17, decimal or 2^N) to run the same sequences on a smaller table; the number of
+// layers follows (B / 2^17), every other dimension stays.
+constexpr int kPtKvHeads = 4;
+constexpr int kPtQHeads = 8;
+constexpr int kPtHeadDim = 64;  // the smallest head the CUDA kernels take
+constexpr int64_t kPtMaxTokens = int64_t{1} << 18;  // 1024 pages per (slot, layer, head)
+constexpr int64_t kPtPageTokens = 256;              // runtime/runtime_impl.h, kPageTokens
+constexpr int64_t kPtPages = kPtMaxTokens / kPtPageTokens;
+constexpr int kPtSlotsBelow = 32;  // slots below B; one more starts at B
+// Entries of one layer over all slots (2^17); B is a multiple of it.
+constexpr int64_t kPtQuantum = int64_t{kPtSlotsBelow} * kPtKvHeads * kPtPages;
+constexpr int kPtSink = 4;
+constexpr int kPtWindow = 8;
+
+bool BigTestsOn() {
+  const char* v = std::getenv("KVFERRY_TEST_BIG");
+  return v != nullptr && std::string_view(v) == "1";
+}
+
+// B from KVFERRY_TEST_BIG_ENTRIES ("268435456" or "2^28"), default 2^32; -1 if unusable.
+int64_t PageTableBoundary() {
+  const char* v = std::getenv("KVFERRY_TEST_BIG_ENTRIES");
+  if (v == nullptr || *v == '\0') return kTwo32;
+  const std::string_view s(v);
+  char* end = nullptr;
+  int64_t b = -1;
+  if (s.substr(0, 2) == "2^") {
+    const long e = std::strtol(v + 2, &end, 10);
+    if (*end == '\0' && e >= 0 && e < 48) b = int64_t{1} << e;
+  } else {
+    b = std::strtoll(v, &end, 10);
+    if (*end != '\0') b = -1;
+  }
+  const bool ok = b >= 2 * kPtQuantum && b % kPtQuantum == 0 &&
+                  b / kPtQuantum <= std::numeric_limits<int>::max();
+  return ok ? b : -1;
+}
+
+// K and V of one (sequence, layer) as the runtime stores them: bf16, [n, Hkv, d], row after row.
+struct StoredRows {
+  std::vector<uint16_t> k, v;
+  [[nodiscard]] int64_t n() const {
+    return static_cast<int64_t>(k.size()) / (kPtKvHeads * kPtHeadDim);
+  }
+};
+
+// Fast uniform values of unit variance (the long sequence takes 134 million).
+struct UniformRng {
+  uint64_t s;
+  float operator()() {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return (static_cast<float>(s >> 40) / 16777216.0f - 0.5f) * 3.4641016f;  // [-sqrt 3, sqrt 3)
+  }
+};
+
+// Attention of the q heads of one token (q: [Hq, d]) over every stored row, in double; out
+// [Hq, d] as the runtime gave it. Relative error of the worst head.
+double WorstHeadError(const StoredRows& rows, const float* q, const float* out, double scale) {
+  constexpr int kGroup = kPtQHeads / kPtKvHeads, d = kPtHeadDim;
+  const int64_t n = rows.n();
+  double worst = 0;
+  for (int h = 0; h < kPtKvHeads; ++h) {
+    std::vector<double> logits(static_cast<size_t>(n * kGroup));
+    double m[kGroup];
+    for (double& x : m) x = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      const uint16_t* kr = &rows.k[static_cast<size_t>((j * kPtKvHeads + h) * d)];
+      float kf[d];
+      for (int e = 0; e < d; ++e) kf[e] = cpu::Bf16ToF32(kr[e]);
+      for (int g = 0; g < kGroup; ++g) {
+        const float* qh = q + static_cast<size_t>((h * kGroup + g) * d);
+        double dot = 0;
+        for (int e = 0; e < d; ++e) dot += static_cast<double>(qh[e]) * kf[e];
+        logits[static_cast<size_t>(j * kGroup + g)] = dot * scale;
+        m[g] = std::max(m[g], dot * scale);
+      }
+    }
+    std::vector<double> o(static_cast<size_t>(kGroup * d), 0.0);
+    double sum[kGroup] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const uint16_t* vr = &rows.v[static_cast<size_t>((j * kPtKvHeads + h) * d)];
+      float vf[d];
+      for (int e = 0; e < d; ++e) vf[e] = cpu::Bf16ToF32(vr[e]);
+      for (int g = 0; g < kGroup; ++g) {
+        const double w = std::exp(logits[static_cast<size_t>(j * kGroup + g)] - m[g]);
+        sum[g] += w;
+        for (int e = 0; e < d; ++e) o[static_cast<size_t>(g * d + e)] += w * vf[e];
+      }
+    }
+    for (int g = 0; g < kGroup; ++g) {
+      std::vector<double> want(o.begin() + g * d, o.begin() + (g + 1) * d);
+      for (double& x : want) x /= sum[g];
+      worst = std::max(worst, RelErr(out + static_cast<size_t>((h * kGroup + g) * d), want));
+    }
+  }
+  return worst;
+}
+
+// Backend x route: route gpu decodes through the planned step, which reads the table's device copy
+// (entries copied by HostStore::FlushTable); route cpu through the runtime's own row addressing,
+// which reads the pinned table (HostStore::pages / k_row). Appends and prefills read and write
+// the pinned table on both (and, on CUDA, prefill reads the device copy too).
+class PageTablePast2Pow32Entries : public ::testing::TestWithParam<std::tuple<Backend, Route>> {};
+
+TEST_P(PageTablePast2Pow32Entries, EverySequenceDecodesExactly) {
+  const int64_t asked = PageTableBoundary();
+  const int64_t boundary = asked > 0 ? asked : kTwo32;
+  const int64_t per_slot = boundary / kPtSlotsBelow;
+  const int64_t entries = boundary + per_slot;
+  const int layers = static_cast<int>(boundary / kPtQuantum);
+  const int64_t table_bytes = entries * static_cast<int64_t>(sizeof(void*));
+  const int64_t resident_bytes = (entries / kPtPages) * (kPtSink + kPtWindow) * 2 * kPtHeadDim * 2;
+  constexpr double kGiB = double{1 << 30};
+  if (!BigTestsOn()) {
+    GTEST_SKIP() << "set KVFERRY_TEST_BIG=1 to run: a host-store page table of " << entries
+                 << " entries (" << table_bytes / kGiB << " GiB, zeroed at Create). Host backend: "
+                 << 2 * table_bytes / kGiB << " GiB of RAM (the table and its 'device' copy); "
+                 << "CUDA: " << table_bytes / kGiB << " GiB pinned, "
+                 << (table_bytes + resident_bytes) / kGiB
+                 << " GiB of GPU memory. KVFERRY_TEST_BIG_ENTRIES=2^28 runs the same sequences "
+                    "on a table of 2^28 + 2^23 entries (no index past 2^31)";
+  }
+  ASSERT_GT(asked, 0) << "KVFERRY_TEST_BIG_ENTRIES must be a multiple of " << kPtQuantum
+                      << " (2^17), at least 2^18 (decimal or 2^N)";
+  const auto [backend, route] = GetParam();
+  if (backend == Backend::kCuda && !CudaAvailable()) {
+    GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  }
+  const auto t_start = std::chrono::steady_clock::now();
+  auto index = [&](int64_t slot, int64_t layer, int64_t head, int64_t page) {
+    return ((slot * layers + layer) * kPtKvHeads + head) * kPtPages + page;
+  };
+  const int last = layers - 1, last_head = kPtKvHeads - 1;
+  // Where the tested sequences' entries lie (with the default B: 2^31 - 1, 2^31, 2^32 and the end).
+  ASSERT_EQ(index(15, last, last_head, kPtPages - 1), boundary / 2 - 1);
+  ASSERT_EQ(index(16, 0, 0, 0), boundary / 2);
+  ASSERT_EQ(index(32, 0, 0, 0), boundary);
+  ASSERT_EQ(index(32, last, last_head, kPtPages - 1), entries - 1);
+  for (int layer : {0, last}) {
+    for (int64_t head : {int64_t{0}, int64_t{last_head}}) {
+      ASSERT_EQ(index(32, layer, head, 5) - boundary, index(0, layer, head, 5));
+    }
+  }
+  if (boundary == kTwo32) {
+    ASSERT_GT(entries, kTwo32);
+  }
+
+  RuntimeConfig c;
+  c.model.num_layers = layers;
+  c.model.num_kv_heads = kPtKvHeads;
+  c.model.num_q_heads = kPtQHeads;
+  c.model.head_dim = kPtHeadDim;
+  c.model.kv_dtype = DType::kBF16;
+  c.capacity.max_sequences = kPtSlotsBelow + 1;
+  c.capacity.max_batch = 4;
+  c.capacity.max_tokens_per_sequence = kPtMaxTokens;
+  c.capacity.max_prefill_chunk = 8192;
+  c.capacity.prefill_prefetch = false;  // CUDA: one prefill staging (256 MiB), not two
+  c.tiers.sink_tokens = kPtSink;
+  c.tiers.window_tokens = kPtWindow;
+  // Streaming with a budget of every position: dense attention, every row but the 12 resident
+  // ones read from the host store through the page table.
+  c.policy.name = "streaming";
+  c.policy.budget_tokens = kPtMaxTokens;
+  c.route = route;
+  c.backend = backend;
+  c.cpu_threads = 2;
+  c.probe_at_start = false;
+  auto rt_or = Runtime::Create(c);
+  ASSERT_TRUE(rt_or.ok()) << rt_or.status().ToString();
+  Runtime& rt = **rt_or;
+  ASSERT_EQ(rt.backend(), backend);
+  int64_t planned_table = -1;
+  for (const DeviceMemoryPlan::Part& part : rt.device_memory().parts) {
+    if (part.name == "host-store page table") planned_table = part.bytes;
+  }
+  ASSERT_EQ(planned_table, table_bytes);
+  const double create_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+
+  // Sequence i + 1 takes slot i; the tested ones: slot 0, slots 15 and 16 (either side of B / 2)
+  // and slot 32 (from B on, to the last entry).
+  for (SequenceId s = 1; s <= kPtSlotsBelow + 1; ++s) ASSERT_TRUE(rt.AddSequence(s).ok());
+  const std::vector<SequenceId> seqs = {1, 16, 17, 33};
+  const std::vector<int> test_layers = {0, last};
+  constexpr int kSteps = 3;
+  constexpr int64_t kLongPrompt = 16;  // prefilled after the appended rows
+  const int hkv = kPtKvHeads, hq = kPtQHeads, d = kPtHeadDim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  UniformRng rng{0x9e3779b97f4a7c15ull};
+  auto random_f32 = [&](int64_t count) {
+    std::vector<float> x(static_cast<size_t>(count));
+    for (float& e : x) e = rng();
+    return x;
+  };
+  // Appends `rows` random bf16 rows of K and V to r; returns views of them ([rows, Hkv, d]).
+  auto grow = [&](StoredRows& r, int64_t rows) {
+    const size_t at = r.k.size();
+    for (int64_t i = 0; i < rows * hkv * d; ++i) {
+      r.k.push_back(cpu::F32ToBf16(rng()));
+      r.v.push_back(cpu::F32ToBf16(rng()));
+    }
+    return std::pair{
+        TensorView::Contiguous(&r.k[at], DType::kBF16, MemoryKind::kHost, {rows, hkv, d}),
+        TensorView::Contiguous(&r.v[at], DType::kBF16, MemoryKind::kHost, {rows, hkv, d})};
+  };
+  auto f32_view = [&](std::vector<float>& x, int64_t rows, int heads) {
+    return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {rows, heads, d});
+  };
+  // [sequence][tested layer]
+  std::vector<std::vector<StoredRows>> stored(seqs.size(),
+                                              std::vector<StoredRows>(test_layers.size()));
+  // Room for CUDA's split softmax over 2^18 rows; one wrong page of them moves the output ~4%.
+  const double decode_tol = 1e-4;
+  int checks = 0;
+  auto check = [&](size_t i, size_t li, const float* q, const float* out, double tol,
+                   const char* what) {
+    const double err = WorstHeadError(stored[i][li], q, out, scale);
+    EXPECT_LT(err, tol) << what << " sequence " << seqs[i] << " layer " << test_layers[li]
+                        << " n " << stored[i][li].n();
+    ++checks;
+  };
+
+  // Prefill: slot 0 first, so that anything the later slots' entries overwrite is already there.
+  // The last slot's last layer is filled to the end (2^18 positions, its every page) by appends,
+  // then a short prefill; the rest get short prompts of 2 or 3 pages.
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    for (size_t li = 0; li < test_layers.size(); ++li) {
+      const int layer = test_layers[li];
+      StoredRows& r = stored[i][li];
+      const bool long_one = seqs[i] == 33 && layer == last;
+      const int64_t prompt = long_one ? kLongPrompt : 300 + 100 * static_cast<int64_t>(i);
+      r.k.reserve(static_cast<size_t>((long_one ? kPtMaxTokens : prompt + kSteps + 1) * hkv * d));
+      r.v.reserve(r.k.capacity());
+      if (long_one) {
+        for (int64_t left = kPtMaxTokens - kSteps - kLongPrompt; left > 0;) {
+          const int64_t rows = std::min<int64_t>(left, c.capacity.max_prefill_chunk);
+          auto [k, v] = grow(r, rows);
+          const Status st = rt.Append(seqs[i], layer, k, v);
+          ASSERT_TRUE(st.ok()) << st.ToString();
+          left -= rows;
+        }
+      }
+      auto q = random_f32(prompt * hq * d);
+      std::vector<float> out(q.size(), NAN);
+      auto [k, v] = grow(r, prompt);
+      const Status st = rt.Prefill(seqs[i], layer, f32_view(q, prompt, hq), k, v,
+                                   f32_view(out, prompt, hq));
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      ASSERT_TRUE(rt.Synchronize().ok());
+      const size_t row = static_cast<size_t>((prompt - 1) * hq * d);
+      check(i, li, &q[row], &out[row], 2e-2, "prefill (last row)");
+    }
+  }
+
+  // Batched decode of the four at both layers, each step checked.
+  auto decode = [&](const std::vector<size_t>& which, const char* what) {
+    std::vector<SequenceId> ids;
+    for (size_t i : which) ids.push_back(seqs[i]);
+    const int64_t b = static_cast<int64_t>(which.size());
+    for (size_t li = 0; li < test_layers.size(); ++li) {
+      auto q = random_f32(b * hq * d);
+      std::vector<float> out(q.size(), NAN);
+      std::vector<uint16_t> k(static_cast<size_t>(b * hkv * d)), v(k.size());
+      for (size_t e = 0; e < k.size(); ++e) {
+        k[e] = cpu::F32ToBf16(rng());
+        v[e] = cpu::F32ToBf16(rng());
+      }
+      const Status st =
+          rt.Decode(ids, test_layers[li], f32_view(q, b, hq),
+                    TensorView::Contiguous(k.data(), DType::kBF16, MemoryKind::kHost, {b, hkv, d}),
+                    TensorView::Contiguous(v.data(), DType::kBF16, MemoryKind::kHost, {b, hkv, d}),
+                    f32_view(out, b, hq));
+      ASSERT_TRUE(st.ok()) << what << ": " << st.ToString();
+      ASSERT_TRUE(rt.Synchronize().ok());
+      for (int64_t j = 0; j < b; ++j) {
+        StoredRows& r = stored[which[static_cast<size_t>(j)]][li];
+        const size_t row = static_cast<size_t>(j * hkv * d);
+        r.k.insert(r.k.end(), k.begin() + row, k.begin() + row + hkv * d);
+        r.v.insert(r.v.end(), v.begin() + row, v.begin() + row + hkv * d);
+        const size_t qrow = static_cast<size_t>(j * hq * d);
+        check(which[static_cast<size_t>(j)], li, &q[qrow], &out[qrow], decode_tol, what);
+      }
+    }
+  };
+  for (int step = 0; step < kSteps; ++step) {
+    decode({0, 1, 2, 3}, "decode");
+    if (HasFatalFailure()) return;
+  }
+  // The last slot's last layer now holds every position: its last page (the table's last entry)
+  // is in use.
+  Result<int64_t> long_len = rt.SequenceLength(33, last);
+  ASSERT_TRUE(long_len.ok());
+  EXPECT_EQ(*long_len, kPtMaxTokens);
+  // Slot 0 after the last slot's pages were all entered (and again after they are released):
+  // still its own rows.
+  decode({0, 1}, "decode after the last slot filled");
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(rt.RemoveSequence(33).ok());
+  decode({0, 1, 2}, "decode after the last slot released");
+  EXPECT_EQ(checks, 2 * 4 + kSteps * 2 * 4 + 2 * 2 + 2 * 3);
+  const double total_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  std::printf("[ info ] %s, route %s: %lld entries (%.2f GiB of table, %d layers), Create %.1f s, "
+              "all %.1f s\n",
+              BackendName(backend), RouteName(route), static_cast<long long>(entries),
+              table_bytes / kGiB, layers, create_s, total_s);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Backends, PageTablePast2Pow32Entries,
+    ::testing::Combine(::testing::Values(Backend::kHost, Backend::kCuda),
+                       ::testing::Values(Route::kGpu, Route::kCpu)),
+    [](const ::testing::TestParamInfo<std::tuple<Backend, Route>>& info) {
+      return std::string(BackendName(std::get<0>(info.param))) + "_" +
+             RouteName(std::get<1>(info.param));
+    });
 
 }  // namespace
 }  // namespace kvferry
