@@ -981,6 +981,58 @@ Status LfpsPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
   return SelectWithInfo(ctx, out, nullptr, nullptr);
 }
 
+namespace {
+
+// Clears what a Select reports in its detail (NaN: not read this step).
+void ResetDetail(LfpsStepDetail* dbg) {
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+  dbg->c0.clear();
+  dbg->c1.clear();
+  dbg->probe_ver.assign(dbg->probe.size(), kNaN);
+  dbg->probe_sla.assign(dbg->probe.size(), kNaN);
+  dbg->tau_ver = dbg->tau_sla = dbg->mean_ver = dbg->mean_sla = kNaN;
+}
+
+// The bypass test's K rows, the sinks [0, sink) and the local tokens [loc_lo, n) (sink > 0).
+void PrefetchBypassRows(const SelectContext& ctx, int64_t n, int64_t sink, int64_t loc_lo) {
+  const AttnParams& p = ctx.params;
+  const size_t elem = DTypeSize(p.kv_dtype);
+  const int64_t row_bytes = static_cast<int64_t>(p.head_dim) * static_cast<int64_t>(elem);
+  for (int64_t i = 0; i < n; i = i + 1 == sink ? loc_lo : i + 1) {
+    const char* row = static_cast<const char*>(PagedKRow(ctx.kv, i, p.head_dim, elem));
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
+  }
+}
+
+}  // namespace
+
+// One Select's working state, handed from stage to stage of SelectWithInfo: the step's geometry
+// (positions [0, n), t = n - 1; offloaded [off_lo, off_hi), off_lo = sink; the bypass test's and
+// the ranking's local tokens [loc_lo, n)), the head, the thread's scratch, what the step reports,
+// and what the stages have built so far.
+struct LfpsPolicy::SelectStep {
+  const SelectContext& ctx;
+  const AttnParams& p;
+  int64_t n, t, sink, off_lo, off_hi, n_off, loc_lo;
+  int group;
+  int64_t hd;
+  HeadState* st;
+  Scratch& sc;
+  LfpsStepInfo& info;
+  LfpsStepDetail* dbg;
+  int64_t k_sel = 0;  // offloaded picks allowed: k_off, or this head's share (per_head_budget)
+  // C1, ascending positions, in c1[0, m) (room for the resident positions the ranking appends);
+  // hist_m: the size of C1 from the tables alone (a scan keeps that list in sc.hist).
+  int32_t* c1 = nullptr;
+  int64_t m = 0, hist_m = 0;
+  // The exact scoring (ScoreCandidates): logits[g * ld + j] of head g for c1[j], j < ld, and
+  // weights[0, ld); the ranking (RankCandidates): C2 = c1[c2_idx[0, k2)], c2_idx ascending.
+  int64_t ld = 0, k2 = 0;
+  float* logits = nullptr;
+  float* weights = nullptr;
+  int32_t* c2_idx = nullptr;
+};
+
 Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>& out,
                                   LfpsStepInfo* info_out, LfpsStepDetail* dbg) {
   KVF_CHECK_ARG(ctx.n >= 1 && ctx.q != nullptr && ctx.params.group >= 1,
@@ -997,14 +1049,7 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   const int64_t k_off = ctx.budget - (sink + (n - off_hi));
   info.offloaded = n_off;
   out.clear();
-  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-  if (dbg != nullptr) {
-    dbg->c0.clear();
-    dbg->c1.clear();
-    dbg->probe_ver.assign(dbg->probe.size(), kNaN);
-    dbg->probe_sla.assign(dbg->probe.size(), kNaN);
-    dbg->tau_ver = dbg->tau_sla = dbg->mean_ver = dbg->mean_sla = kNaN;
-  }
+  if (dbg != nullptr) ResetDetail(dbg);
   steps_.fetch_add(1, std::memory_order_relaxed);
   offloaded_.fetch_add(n_off, std::memory_order_relaxed);
   using PhaseClock = std::chrono::steady_clock;
@@ -1035,50 +1080,18 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   const bool bypass_test = params_.eps < 1.0 && sink > 0;
   const int64_t loc_lo = std::max(sink, n - params_.local);
   if (bypass_test) {  // its K rows are usually out of cache: start loading them now
-    const size_t elem = DTypeSize(p.kv_dtype);
-    const int64_t row_bytes = static_cast<int64_t>(p.head_dim) * static_cast<int64_t>(elem);
-    for (int64_t i = 0; i < n; i = i + 1 == sink ? loc_lo : i + 1) {
-      const char* row = static_cast<const char*>(PagedKRow(ctx.kv, i, p.head_dim, elem));
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
-    }
+    PrefetchBypassRows(ctx, n, sink, loc_lo);
   }
   KVF_ASSIGN_OR_RETURN(HeadState * st, State(ctx.slot, ctx.layer, ctx.kv_head, true));
   st->Extend(n);
   Scratch& sc = GetScratch();
-  const int group = p.group;
-  const int64_t hd = p.head_dim;
+  SelectStep s{.ctx = ctx, .p = p, .n = n, .t = t, .sink = sink, .off_lo = off_lo,
+               .off_hi = off_hi, .n_off = n_off, .loc_lo = loc_lo, .group = p.group,
+               .hd = p.head_dim, .st = st, .sc = sc, .info = info, .dbg = dbg};
 
   // (1) Bypass test: rho = w_sink / (w_sink + w_glob + w_loc) per query head (Eq. 5-6).
   if (st->primed && bypass_test) {
-    const int64_t n_loc = n - loc_lo;
-    const int64_t n_glob = std::max<int64_t>(0, n - sink - n_loc);
-    const int64_t ld = sink + n_loc;
-    // The query-only terms first, while the rows arrive.
-    double* log_glob = Room(sc.log_glob, group);
-    for (int g = 0; g < group; ++g) {
-      const float* qg = ctx.q + g * hd;
-      double qk = 0.0, qq = 0.0;
-      for (int64_t d = 0; d < hd; ++d) {
-        qk += static_cast<double>(qg[d]) * st->k_bar[d];
-        qq += static_cast<double>(qg[d]) * qg[d];
-      }
-      log_glob[g] = n_glob > 0 ? std::log(static_cast<double>(n_glob)) + p.scale * qk +
-                                     0.5 * qq * st->sigma2_hat
-                               : -std::numeric_limits<double>::infinity();
-    }
-    float* logits = Room(sc.logits, group * ld);
-    cpu::ScoreRange(p, ctx.q, ctx.kv, 0, sink, logits, ld);
-    if (n_loc > 0) cpu::ScoreRange(p, ctx.q, ctx.kv, loc_lo, n, logits + sink, ld);
-    double min_rho = 1.0;
-    for (int g = 0; g < group; ++g) {
-      const float* l = logits + g * ld;
-      double m = log_glob[g];
-      for (int64_t j = 0; j < ld; ++j) m = std::max(m, static_cast<double>(l[j]));
-      double w_sink = 0.0, w_rest = std::exp(log_glob[g] - m);
-      for (int64_t j = 0; j < sink; ++j) w_sink += std::exp(l[j] - m);
-      for (int64_t j = sink; j < ld; ++j) w_rest += std::exp(l[j] - m);
-      min_rho = std::min(min_rho, w_sink / (w_sink + w_rest));
-    }
+    const double min_rho = MinSinkShare(s);
     info.rho = min_rho;
     if (min_rho > params_.eps) {
       info.bypassed = true;
@@ -1089,18 +1102,98 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
 
   phase(0);
   // Per-head budget: this head's share of the layer's offloaded picks, by measured need.
-  int64_t k_sel = k_off;
+  s.k_sel = k_off;
   if (params_.per_head_budget > 0) {
-    k_sel = std::min(k_off, PerHeadK(ctx.slot, ctx.layer, ctx.kv_head,
-                                     params_.per_head_budget - (sink + (n - off_hi)), k_off));
-    info.k = k_sel;
-    if (k_sel <= 0) return finish(nullptr, 0);
+    s.k_sel = std::min(k_off, PerHeadK(ctx.slot, ctx.layer, ctx.kv_head,
+                                       params_.per_head_budget - (sink + (n - off_hi)), k_off));
+    info.k = s.k_sel;
+    if (s.k_sel <= 0) return finish(nullptr, 0);
   }
 
   // (2)-(3) Candidates: C0 from the thresholds, C1 by expansion (Eq. 7-9). Room for the resident
   // positions the ranking may append (sinks, the local tokens, one pseudo-row).
   const int64_t n_loc_rank = n - loc_lo;
-  int32_t* c1 = Room(sc.c1, n_off + sink + n_loc_rank + 1);
+  s.c1 = Room(sc.c1, n_off + sink + n_loc_rank + 1);
+  TableCandidates(s);
+  phase(1);
+  KVF_RETURN_IF_ERROR(ScanCandidates(s));  // (3a)
+  phase(2);
+  FillCandidates(s);  // (3b)
+  phase(3);
+  if (s.m == 0) {
+    if (!params_.fallback) return finish(nullptr, 0);
+    info.fallback = true;
+    fallbacks_.fetch_add(1, std::memory_order_relaxed);
+    std::iota(s.c1, s.c1 + n_off, static_cast<int32_t>(off_lo));
+    s.m = n_off;
+  }
+  info.c1 = s.m;
+  scored_.fetch_add(s.m, std::memory_order_relaxed);
+  if (dbg != nullptr) ReportCandidates(s);
+
+  // (4) Exact scores on C1; rank by the group's summed softmax weight; C2 = top-k. With rank >= 1
+  // each head's softmax is normalised over C1 plus the resident sinks and local tokens (rank 2:
+  // plus the log-normal estimate of the rest), which brings each head's weights close to its
+  // weights over all positions, so that the group's sum ranks as the oracle's does.
+  const bool glob_row = params_.rank >= 2 && st->primed;
+  ScoreCandidates(s, glob_row);
+  phase(4);
+  RankCandidates(s, glob_row);
+  info.c2 = s.k2;
+  if (params_.scan > 0 && info.scanned > 0) AdaptScanPeriod(s);
+  if (params_.per_head_budget > 0) UpdateNeed(s);
+
+  phase(5);
+  const int32_t* c2 = UpdateTables(s);  // (5)
+  phase(6);
+  return finish(c2, s.k2);
+}
+
+double LfpsPolicy::MinSinkShare(SelectStep& s) {
+  const SelectContext& ctx = s.ctx;
+  const AttnParams& p = s.p;
+  const HeadState* st = s.st;
+  Scratch& sc = s.sc;
+  const int64_t n = s.n, sink = s.sink, loc_lo = s.loc_lo, hd = s.hd;
+  const int group = s.group;
+  const int64_t n_loc = n - loc_lo;
+  const int64_t n_glob = std::max<int64_t>(0, n - sink - n_loc);
+  const int64_t ld = sink + n_loc;
+  // The query-only terms first, while the rows arrive.
+  double* log_glob = Room(sc.log_glob, group);
+  for (int g = 0; g < group; ++g) {
+    const float* qg = ctx.q + g * hd;
+    double qk = 0.0, qq = 0.0;
+    for (int64_t d = 0; d < hd; ++d) {
+      qk += static_cast<double>(qg[d]) * st->k_bar[d];
+      qq += static_cast<double>(qg[d]) * qg[d];
+    }
+    log_glob[g] = n_glob > 0 ? std::log(static_cast<double>(n_glob)) + p.scale * qk +
+                                   0.5 * qq * st->sigma2_hat
+                             : -std::numeric_limits<double>::infinity();
+  }
+  float* logits = Room(sc.logits, group * ld);
+  cpu::ScoreRange(p, ctx.q, ctx.kv, 0, sink, logits, ld);
+  if (n_loc > 0) cpu::ScoreRange(p, ctx.q, ctx.kv, loc_lo, n, logits + sink, ld);
+  double min_rho = 1.0;
+  for (int g = 0; g < group; ++g) {
+    const float* l = logits + g * ld;
+    double m = log_glob[g];
+    for (int64_t j = 0; j < ld; ++j) m = std::max(m, static_cast<double>(l[j]));
+    double w_sink = 0.0, w_rest = std::exp(log_glob[g] - m);
+    for (int64_t j = 0; j < sink; ++j) w_sink += std::exp(l[j] - m);
+    for (int64_t j = sink; j < ld; ++j) w_rest += std::exp(l[j] - m);
+    min_rho = std::min(min_rho, w_sink / (w_sink + w_rest));
+  }
+  return min_rho;
+}
+
+void LfpsPolicy::TableCandidates(SelectStep& s) const {
+  HeadState* st = s.st;  // the candidate scan tightens the bounds of the blocks it reads
+  Scratch& sc = s.sc;
+  LfpsStepDetail* dbg = s.dbg;
+  const int64_t t = s.t, off_lo = s.off_lo, off_hi = s.off_hi, n_off = s.n_off;
+  int32_t* c1 = s.c1;
   int64_t m = 0;
   if (params_.score_all) {
     std::iota(c1, c1 + n_off, static_cast<int32_t>(off_lo));
@@ -1133,7 +1226,7 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
         word |= bit;
       }
     }
-    info.c0 = c0;
+    s.info.c0 = c0;
     if (dbg != nullptr) {
       const float sc = static_cast<float>(st->scale);
       if (tv.ok) dbg->tau_ver = tv.tau * sc, dbg->mean_ver = tv.mean * sc;
@@ -1164,7 +1257,16 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
       }
     }
   }
-  phase(1);
+  s.m = m;
+}
+
+Status LfpsPolicy::ScanCandidates(SelectStep& s) {
+  const SelectContext& ctx = s.ctx;
+  HeadState* st = s.st;
+  Scratch& sc = s.sc;
+  const int64_t off_lo = s.off_lo, n_off = s.n_off;
+  int32_t* c1 = s.c1;
+  int64_t m = s.m;
   // (3a) Scan: approximate logits of every offloaded key from the int8 shadow over the r channels
   // with the largest |q| * scale (summed over the group), max over the group's heads of the logit
   // minus the head's max; the best ceil(scan_factor k) positions outside C1 join C1.
@@ -1172,13 +1274,13 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
   // When the tables give no candidate, the scan (when on) nominates them instead of the exact
   // fallback over every offloaded key: the exact work stays O(k) every step.
   const bool rescue = params_.scan > 0 && params_.fallback && m == 0 && !params_.score_all;
-  info.rescued = rescue;
-  int64_t hist_m = m;  // C1 from the tables alone
+  s.info.rescued = rescue;
+  s.hist_m = m;  // C1 from the tables alone
   if ((rescue || (scan_now && (m > 0 || !params_.fallback))) && !params_.score_all) {
     st->since_scan = 0;
     const int64_t want_scan = std::min<int64_t>(
-        n_off - m, static_cast<int64_t>(std::ceil(params_.scan_factor * static_cast<double>(k_sel))));
-    const int r = std::min<int>(params_.scan, static_cast<int>(hd));
+        n_off - m, static_cast<int64_t>(std::ceil(params_.scan_factor * static_cast<double>(s.k_sel))));
+    const int r = std::min<int>(params_.scan, static_cast<int>(s.hd));
     int32_t* pick = Room(sc.fill, want_scan + 1);
     int64_t got = -1;
     // The device's ranking (SelectContext::scan) gives the same picks when enough of it lies
@@ -1190,29 +1292,7 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
       got = DevicePicks(*dp, c1, m, off_lo, want_scan, sc, pick);
       (got >= 0 ? device_scans_ : device_scans_short_).fetch_add(1, std::memory_order_relaxed);
     }
-    if (want_scan > 0 && got < 0) {
-      shadow_rows_.fetch_add(st->SyncShadow(ctx.params, ctx.kv, n, max_tokens_),
-                             std::memory_order_relaxed);
-      // The r channels with the largest |q| * scale (summed over the group) and one integer
-      // scale for the whole group (so heads compare): |w| <= 2^14.
-      float* imp = Room(sc.chan_imp, hd);
-      int32_t* ch = Room(sc.chans, hd);
-      int32_t* wq = Room(sc.scan_w, static_cast<int64_t>(group) * r);
-      cpu::LfpsScanWeights(ctx.q, st->k8_scale.data(), group, static_cast<int>(hd), r, imp, ch, wq);
-      const int8_t* rows[256];
-      for (int c = 0; c < r; ++c) rows[c] = st->k8.get() + static_cast<int64_t>(ch[c]) * st->k8_cap + off_lo;
-      // Approximate logits (exact integers: every kernel table agrees bit for bit), then the
-      // best positions outside C1 by max_g (logit_g - max logit_g).
-      cpu::ScanInt8Args args;
-      args.rows = rows;
-      args.w = wq;
-      args.r = r;
-      args.group = group;
-      lfps_internal::ScanPicksOptions opt;
-      opt.threads = ctx.threads;
-      bool retried = false;
-      got = ScanPicksImpl(nullptr, args, n_off, c1, m, off_lo, want_scan, opt, sc, pick, &retried);
-    }
+    if (want_scan > 0 && got < 0) got = HostScanPicks(s, r, want_scan, pick);
     if (want_scan > 0) {
       int32_t* merged = Room(sc.merged, m + got);
       int64_t a = 0, b = 0, o = 0;
@@ -1228,18 +1308,56 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
       int32_t* hist = Room(sc.hist, m);
       std::copy_n(c1, m, hist);
       std::copy_n(merged, o, c1);
-      info.scanned = got;
-      hist_m = m;
-      m = o;
+      s.info.scanned = got;
+      s.hist_m = m;
+      s.m = o;
     }
   }
-  phase(2);
+  return Status::Ok();
+}
+
+int64_t LfpsPolicy::HostScanPicks(SelectStep& s, int r, int64_t want_scan, int32_t* pick) {
+  const SelectContext& ctx = s.ctx;
+  HeadState* st = s.st;
+  Scratch& sc = s.sc;
+  const int64_t hd = s.hd;
+  const int group = s.group;
+  shadow_rows_.fetch_add(st->SyncShadow(ctx.params, ctx.kv, s.n, max_tokens_),
+                         std::memory_order_relaxed);
+  // The r channels with the largest |q| * scale (summed over the group) and one integer
+  // scale for the whole group (so heads compare): |w| <= 2^14.
+  float* imp = Room(sc.chan_imp, hd);
+  int32_t* ch = Room(sc.chans, hd);
+  int32_t* wq = Room(sc.scan_w, static_cast<int64_t>(group) * r);
+  cpu::LfpsScanWeights(ctx.q, st->k8_scale.data(), group, static_cast<int>(hd), r, imp, ch, wq);
+  const int8_t* rows[256];
+  for (int c = 0; c < r; ++c) rows[c] = st->k8.get() + static_cast<int64_t>(ch[c]) * st->k8_cap + s.off_lo;
+  // Approximate logits (exact integers: every kernel table agrees bit for bit), then the
+  // best positions outside C1 by max_g (logit_g - max logit_g).
+  cpu::ScanInt8Args args;
+  args.rows = rows;
+  args.w = wq;
+  args.r = r;
+  args.group = group;
+  lfps_internal::ScanPicksOptions opt;
+  opt.threads = ctx.threads;
+  bool retried = false;
+  return ScanPicksImpl(nullptr, args, s.n_off, s.c1, s.m, s.off_lo, want_scan, opt, sc, pick,
+                       &retried);
+}
+
+void LfpsPolicy::FillCandidates(SelectStep& s) const {
+  const HeadState* st = s.st;
+  Scratch& sc = s.sc;
+  const int64_t t = s.t, off_hi = s.off_hi, n_off = s.n_off;
+  int32_t* c1 = s.c1;
+  const int64_t m = s.m;
   // (3b) Fill: when the tables nominate fewer than ceil(fill k) candidates, add the offloaded
   // positions with the best table evidence max(Phi_ver[i], Phi_sla[t - i]) (ties: the most recent
   // first), so that the exact scoring, and through it the selection, uses the budget.
   const int64_t want =
       params_.fill > 0 ? std::min<int64_t>(n_off, static_cast<int64_t>(std::ceil(params_.fill *
-                                                                                  k_sel)))
+                                                                                  s.k_sel)))
                        : 0;
   if ((m > 0 || !params_.fallback) && m < want) {
     const int64_t need = want - m;
@@ -1268,41 +1386,37 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
       }
     }
     std::copy_n(merged, o, c1);
-    info.filled = got;
-    m = o;
+    s.info.filled = got;
+    s.m = o;
   }
-  phase(3);
-  if (m == 0) {
-    if (!params_.fallback) return finish(nullptr, 0);
-    info.fallback = true;
-    fallbacks_.fetch_add(1, std::memory_order_relaxed);
-    std::iota(c1, c1 + n_off, static_cast<int32_t>(off_lo));
-    m = n_off;
-  }
-  info.c1 = m;
-  scored_.fetch_add(m, std::memory_order_relaxed);
-  if (dbg != nullptr) {
-    dbg->c1.assign(c1, c1 + m);
-    for (size_t j = 0; j < dbg->probe.size(); ++j) {
-      const int64_t pos = dbg->probe[j];
-      if (pos < 0 || pos > t) continue;
-      dbg->probe_ver[j] = static_cast<float>(st->ver[pos] * st->scale);
-      dbg->probe_sla[j] = static_cast<float>(st->sla[t - pos] * st->scale);
-    }
-  }
+}
 
-  // (4) Exact scores on C1; rank by the group's summed softmax weight; C2 = top-k. With rank >= 1
-  // each head's softmax is normalised over C1 plus the resident sinks and local tokens (rank 2:
-  // plus the log-normal estimate of the rest), which brings each head's weights close to its
-  // weights over all positions, so that the group's sum ranks as the oracle's does.
-  int64_t ld = m;
-  const bool glob_row = params_.rank >= 2 && st->primed;
+void LfpsPolicy::ReportCandidates(SelectStep& s) {
+  const HeadState* st = s.st;
+  LfpsStepDetail* dbg = s.dbg;
+  const int64_t t = s.t;
+  dbg->c1.assign(s.c1, s.c1 + s.m);
+  for (size_t j = 0; j < dbg->probe.size(); ++j) {
+    const int64_t pos = dbg->probe[j];
+    if (pos < 0 || pos > t) continue;
+    dbg->probe_ver[j] = static_cast<float>(st->ver[pos] * st->scale);
+    dbg->probe_sla[j] = static_cast<float>(st->sla[t - pos] * st->scale);
+  }
+}
+
+void LfpsPolicy::ScoreCandidates(SelectStep& s, bool glob_row) const {
+  const SelectContext& ctx = s.ctx;
+  const AttnParams& p = s.p;
+  Scratch& sc = s.sc;
+  const int64_t n = s.n, sink = s.sink, loc_lo = s.loc_lo;
+  int32_t* c1 = s.c1;
+  int64_t ld = s.m;
   if (params_.rank >= 1) {
     for (int64_t i = 0; i < sink; ++i) c1[ld++] = static_cast<int32_t>(i);
     for (int64_t i = loc_lo; i < n; ++i) c1[ld++] = static_cast<int32_t>(i);
     if (glob_row) c1[ld++] = 0;  // a placeholder row: its logit is replaced below
   }
-  float* logits = Room(sc.logits, group * ld);
+  float* logits = Room(sc.logits, s.group * ld);
   float* weights = Room(sc.weights, ld);
   std::fill(weights, weights + ld, 0.0f);
   // The rows lie scattered in host memory (DRAM-latency bound): split over the Select's threads.
@@ -1312,8 +1426,21 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
     const int64_t b = ld * i / score_ranges, e = ld * (i + 1) / score_ranges;
     cpu::ScorePositions(p, ctx.q, ctx.kv, c1 + b, static_cast<int32_t>(e - b), logits + b, ld);
   });
-  phase(4);
+  s.ld = ld;
+  s.logits = logits;
+  s.weights = weights;
+}
+
+void LfpsPolicy::RankCandidates(SelectStep& s, bool glob_row) const {
+  const SelectContext& ctx = s.ctx;
+  const AttnParams& p = s.p;
+  const HeadState* st = s.st;
+  const int64_t n = s.n, sink = s.sink, hd = s.hd, m = s.m, ld = s.ld;
+  const int group = s.group;
+  float* logits = s.logits;
+  float* weights = s.weights;
   if (glob_row) {
+    const int64_t n_loc_rank = n - s.loc_lo;
     const int64_t n_glob = std::max<int64_t>(0, n - sink - n_loc_rank - m);
     for (int g = 0; g < group; ++g) {
       const float* qg = ctx.q + g * hd;
@@ -1329,42 +1456,60 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
     }
   }
   for (int g = 0; g < group; ++g) cpu::SoftmaxAccumulate(logits + g * ld, ld, 1.0f, weights);
-  int32_t* c2_idx = Room(sc.c2_idx, m);  // indices into c1, ascending
+  int32_t* c2_idx = Room(s.sc.c2_idx, m);  // indices into c1, ascending
   int64_t k2 = m;
-  if (m <= k_sel) {
+  if (m <= s.k_sel) {
     std::iota(c2_idx, c2_idx + m, 0);
   } else {
-    k2 = TopKAscending(weights, m, k_sel, sc, c2_idx);
+    k2 = TopKAscending(weights, m, s.k_sel, s.sc, c2_idx);
   }
-  info.c2 = k2;
+  s.c2_idx = c2_idx;
+  s.k2 = k2;
+}
+
+void LfpsPolicy::AdaptScanPeriod(SelectStep& s) const {
+  HeadState* st = s.st;
+  const int32_t* c1 = s.c1;
+  const int32_t* c2_idx = s.c2_idx;
+  const int64_t k2 = s.k2, hist_m = s.hist_m;
   // Adaptive scan period: a scan whose candidates made few of C2 (< 1/16) doubles the period (up to
   // scan_max_period); one that mattered brings it back to every step. Scan-only candidates are the
   // positions of C1 \ C1_tables, recognised by a merge with the tables' list (kept in hist).
-  if (params_.scan > 0 && info.scanned > 0) {
-    int64_t from_scan = 0;
-    const int32_t* hist = sc.hist.data();
-    // Both lists ascending (c2_idx is, and so is c1): one merge walk.
-    int64_t h = 0;
-    for (int64_t j = 0; j < k2; ++j) {
-      const int32_t pos = c1[c2_idx[j]];
-      while (h < hist_m && hist[h] < pos) ++h;
-      from_scan += !(h < hist_m && hist[h] == pos);
-    }
-    st->scan_period = 16 * from_scan >= k2 ? 1 : std::min(2 * st->scan_period, params_.scan_max_period);
+  int64_t from_scan = 0;
+  const int32_t* hist = s.sc.hist.data();
+  // Both lists ascending (c2_idx is, and so is c1): one merge walk.
+  int64_t h = 0;
+  for (int64_t j = 0; j < k2; ++j) {
+    const int32_t pos = c1[c2_idx[j]];
+    while (h < hist_m && hist[h] < pos) ++h;
+    from_scan += !(h < hist_m && hist[h] == pos);
   }
-  if (params_.per_head_budget > 0) {
-    // Need: the head's estimated attention share on offloaded tokens (C1's weight under the
-    // resident-normalised ranking), an EMA over steps.
-    double share = 0.0;
-    for (int64_t j = 0; j < m; ++j) share += weights[j];
-    share /= group;
-    std::atomic<float>& need = need_[NeedIndex(ctx.slot, ctx.layer, ctx.kv_head)];
-    const float old = need.load(std::memory_order_relaxed);
-    need.store(old < 0 ? static_cast<float>(share) : static_cast<float>(0.9 * old + 0.1 * share),
-               std::memory_order_relaxed);
-  }
+  st->scan_period = 16 * from_scan >= k2 ? 1 : std::min(2 * st->scan_period, params_.scan_max_period);
+}
 
-  phase(5);
+void LfpsPolicy::UpdateNeed(SelectStep& s) {
+  const SelectContext& ctx = s.ctx;
+  const float* weights = s.weights;
+  // Need: the head's estimated attention share on offloaded tokens (C1's weight under the
+  // resident-normalised ranking), an EMA over steps.
+  double share = 0.0;
+  for (int64_t j = 0; j < s.m; ++j) share += weights[j];
+  share /= s.group;
+  std::atomic<float>& need = need_[NeedIndex(ctx.slot, ctx.layer, ctx.kv_head)];
+  const float old = need.load(std::memory_order_relaxed);
+  need.store(old < 0 ? static_cast<float>(share) : static_cast<float>(0.9 * old + 0.1 * share),
+             std::memory_order_relaxed);
+}
+
+const int32_t* LfpsPolicy::UpdateTables(SelectStep& s) const {
+  HeadState* st = s.st;
+  Scratch& sc = s.sc;
+  const int64_t t = s.t, ld = s.ld, k2 = s.k2;
+  const int group = s.group;
+  const int32_t* c1 = s.c1;
+  const int32_t* c2_idx = s.c2_idx;
+  const float* logits = s.logits;
+  float* weights = s.weights;
   // (5) Table update (Eq. 10) with p = the group's mean softmax over C2:
   // Phi <- r Phi + p - 1/(2|C2|) on C2, r Phi elsewhere (a global scale).
   std::fill(weights, weights + k2, 0.0f);
@@ -1401,8 +1546,7 @@ Status LfpsPolicy::SelectWithInfo(const SelectContext& ctx, std::vector<int32_t>
     HeadState::Add(st->sla, st->sla_pow, st->sla_bound, t - pos, delta);
   }
   if (st->scale < kRenormBelow) st->Renormalise();
-  phase(6);
-  return finish(c2, k2);
+  return c2;
 }
 
 LfpsStats LfpsPolicy::stats() const {

@@ -169,6 +169,32 @@ class LfpsPolicy final : public Policy {
   }
   int64_t PerHeadK(int slot, int layer, int kv_head, int64_t k_avg, int64_t k_cap) const;
 
+  // SelectWithInfo's stages, in the order it runs them (lfps.cpp, which has the algorithm's
+  // comments). SelectStep, defined there, is one step's geometry, head, scratch, report and the
+  // candidate lists built so far; each stage reads it and records what it built.
+  struct SelectStep;
+  // (1) The bypass test's smallest sink share rho over the group's heads.
+  static double MinSinkShare(SelectStep& s);
+  // (2)-(3) C1 from the tables: C0 by the thresholds, then the expansion (or every offloaded
+  // position with score_all).
+  void TableCandidates(SelectStep& s) const;
+  // (3a) The scan's picks outside C1 join it: the device's ranking when it has enough of them,
+  // else HostScanPicks. Fails only when waiting for the device's ranking does.
+  Status ScanCandidates(SelectStep& s);
+  int64_t HostScanPicks(SelectStep& s, int r, int64_t want_scan, int32_t* pick);
+  // (3b) Tops C1 up with the best table evidence.
+  void FillCandidates(SelectStep& s) const;
+  // LfpsStepDetail's C1 and probe values.
+  static void ReportCandidates(SelectStep& s);
+  // (4) Exact scores on C1 (plus the resident rows the rank appends), then the ranking's C2.
+  void ScoreCandidates(SelectStep& s, bool glob_row) const;
+  void RankCandidates(SelectStep& s, bool glob_row) const;
+  // After the ranking: the scan's adaptive period, and this head's need (per_head_budget).
+  void AdaptScanPeriod(SelectStep& s) const;
+  void UpdateNeed(SelectStep& s);
+  // (5) The table update on C2; returns C2 (ascending positions, in the thread's scratch).
+  const int32_t* UpdateTables(SelectStep& s) const;
+
   LfpsParams params_;
   int max_sequences_, num_layers_, num_kv_heads_;
   int64_t max_tokens_;
