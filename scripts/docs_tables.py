@@ -37,7 +37,7 @@ POLICIES = [
     ("quest", "quest_bank", "GPU (page bounds in HBM) + token bank",
      "fast on the GPU when a larger quality gap is acceptable"),
     ("sparcas", "sparcas_bank", "GPU (4-bit compact keys in HBM) + token bank",
-     "near-oracle quality selected on the GPU; the default choice for quality"),
+     "near-oracle quality selected on the GPU for SmolLM2-like models; not on Gemma 3 (QK-norm: see the Gemma column)"),
     ("hip", "hip_bank", "GPU (cached hierarchical masks) + token bank",
      "fast at batch > 1 where its quality gap is acceptable"),
     ("kvpop", "kvpop_bank", "GPU (learned eviction slots) + token bank",
@@ -125,7 +125,7 @@ def t_policy():
     head = ["policy", "where it runs", "128K x 1: ms / step (GPU)",
             "vs SDPA, repeated query (best case)", "vs SDPA, moving query (drift 0.5)",
             "perplexity gap to dense, budget 256", "gap / oracle's gap", "passkey whenever dense finds it",
-            "pick it when"]
+            "Gemma 3, 32K, 2%: gap / oracle's (KJV, Jargon)", "pick it when"]
     rows = []
     for name, mode, where, when in POLICIES:
         r0 = e2e_pick(mode, 131072, 1)
@@ -139,7 +139,7 @@ def t_policy():
         pk = q.get("passkey") if q else None
         pk = ("yes" if pk.get("found_whenever_dense_does") else "no") if pk else None
         mname = f"`{name}`" + (f" (`{mode}`)" if mode != name else "")
-        rows.append([mname, where, ms, ratio0, ratio1, gap, over, pk, when])
+        rows.append([mname, where, ms, ratio0, ratio1, gap, over, pk, gemma_cell(name), when])
     return table(head, rows) + (
         "\nSpeed: `kvferry-e2e`, 32 layers of the Llama-3.1-8B attention shape, 128K context, batch 1, "
         "budget 2% (streaming: sinks + window of 1024), time relative to torch SDPA with all KV on the GPU "
@@ -147,7 +147,25 @@ def t_policy():
         "the moving query (`--query-drift 0.5`) changes the selection every step; — : no such row in "
         "`bench/results/e2e.json`. Quality: SmolLM2-135M, 8K tokens of KJV, last 1024 scored, host "
         "backend (`bench/results/quality_smollm2.json`; kvpop with its trained scorer, while the speed "
-        "rows use a random scorer of the same size).\n")
+        "rows use a random scorer of the same size). Gemma 3: 270M, 32K windows of KJV and the Jargon File, "
+        "last 1024 scored, 2% of the context on its global layers, host backend "
+        "(`bench/results/quality_gemma3_32k.json`; kvpop without a Gemma scorer).\n")
+
+
+def gemma_cell(policy):
+    """Gemma 3 at 32K: gap over the oracle's gap, KJV then Jargon (quality_gemma3_32k.json)."""
+    d = load("quality_gemma3_32k.json")
+    if not d:
+        return None
+    if policy == "dense":
+        return "reference"
+    cells = []
+    for text in ("data/kjv.txt", "data/jargon.txt"):
+        r = next((r for r in d["rows"] if r["policy"] == policy and r["context"] == 32768 and r["text"] == text), None)
+        if r is None or r.get("gap_over_oracle_gap") is None:
+            return None
+        cells.append(f"{r['gap_over_oracle_gap']:.2f}x")
+    return ", ".join(cells)
 
 
 def t_e2e():
@@ -323,10 +341,46 @@ def t_hip_quality():
     return table(head, rows)
 
 
+def t_gemma_quality():
+    """bench/results/quality_gemma3_32k.json: Gemma 3 270M, perplexity gap per (text, context) and
+    passkey per length, every policy at 2% of the context."""
+    d = load("quality_gemma3_32k.json")
+    if not d:
+        return "(bench/results/quality_gemma3_32k.json not yet generated)\n"
+    cols = [(r["text"], r["context"]) for r in d["rows"] if r["policy"] == "dense"]
+    by = {}
+    for r in d["rows"]:
+        by.setdefault(r["policy"], {})[(r["text"], r["context"])] = r
+    pk = {}
+    for g in d.get("passkey", []):
+        for r in g["rows"]:
+            pk.setdefault(r["policy"], {})[g["length"]] = r
+    lengths = [g["length"] for g in d.get("passkey", [])]
+    name = lambda t: os.path.basename(t).replace(".txt", "").upper().replace("JARGON", "Jargon")
+    head = ["policy"] + [f"{name(t)} {c // 1024}K: gap (/ oracle's)" for t, c in cols] + \
+           [f"passkey {n // 1024}K" for n in lengths]
+    order = ["dense", "oracle", "lfps", "sparcas", "quest", "hip", "kvpop", "streaming"]
+    rows = []
+    for pol in sorted(by, key=lambda p: (order.index(p) if p in order else 99, p)):
+        cells = [f"`{pol}`"]
+        for col in cols:
+            r = by[pol].get(col)
+            if not r or r.get("gap_pct") is None:
+                cells.append(None)
+                continue
+            o = f" ({r['gap_over_oracle_gap']:.2f}x)" if r.get("gap_over_oracle_gap") else ""
+            cells.append("0 (ppl %.3f)" % r["perplexity"] if pol == "dense" else f"{r['gap_pct']:+.2f}%{o}")
+        for n in lengths:
+            r = pk.get(pol, {}).get(n)
+            cells.append(f"{r['found']}/{r['trials']}" if r else None)
+        rows.append(cells)
+    return table(head, rows)
+
+
 TABLES = {"policy": t_policy, "e2e": t_e2e, "async": t_async, "prefill": t_prefill, "scale": t_scale,
           "quality": t_quality, "kernels": t_kernels, "cpu": t_cpu,
           "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
-          "hip-quality": t_hip_quality}
+          "hip-quality": t_hip_quality, "gemma-quality": t_gemma_quality}
 
 
 def doc_files():
