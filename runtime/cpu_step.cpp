@@ -9,7 +9,7 @@
 // policy's exact scoring just read are still in cache when the same task attends them, and the
 // step pays one fork-join of the pool, not three.
 //
-// The same tasks serve a host-selecting policy with the device bank (host_lists_): there they stop
+// The same tasks serve a host-selecting policy with the device bank (step_.host_lists): there they stop
 // after the select stage, writing each selection into the pinned list the device step reads
 // (UploadHostLists copies it up), and the device attends every selected row.
 
@@ -32,11 +32,11 @@
 namespace kvferry::detail {
 
 Status RuntimeImpl::CopyScanShadow(int slot, int layer, StreamHandle stream) {
-  if (!device_scan_) return Status::Ok();
+  if (!scan_.on) return Status::Ok();
   const ModelShape& m = config_.model;
   const int hkv = m.num_kv_heads, d = m.head_dim;
   const int64_t len = config_.capacity.max_tokens_per_sequence;
-  int64_t& rows = scan_rows_[static_cast<size_t>(slot) * m.num_layers + layer];
+  int64_t& rows = scan_.rows[static_cast<size_t>(slot) * m.num_layers + layer];
   rows = 0;
   std::vector<void*> dst;
   std::vector<const void*> src;
@@ -54,13 +54,13 @@ Status RuntimeImpl::CopyScanShadow(int slot, int layer, StreamHandle stream) {
     }
     n = view.n;
     const int64_t head = (static_cast<int64_t>(slot) * m.num_layers + layer) * hkv + h;
-    int8_t* shadow = scan_shadow_ + head * d * len;
+    int8_t* shadow = scan_.shadow + head * d * len;
     for (int c = 0; c < d; ++c) {
       dst.push_back(shadow + c * len);
       src.push_back(view.k8 + c * view.cap);
       bytes.push_back(static_cast<size_t>(view.n));
     }
-    dst.push_back(scan_scale_ + head * d);
+    dst.push_back(scan_.scale + head * d);
     src.push_back(view.scale);
     bytes.push_back(static_cast<size_t>(d) * sizeof(float));
   }
@@ -78,13 +78,13 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
                                      std::span<const int64_t> positions, const void* q,
                                      DType q_dtype, const void* k, DType k_dtype,
                                      StreamHandle stream, bool defer) {
-  scan_live_ = false;
-  scan_pending_ = false;
-  if (!device_scan_) return Status::Ok();
+  scan_.live = false;
+  scan_.pending = false;
+  if (!scan_.on) return Status::Ok();
   // The last scan's first pass must have read the pinned item table before it is rewritten.
-  if (scan_unwaited_) {
-    if (!device_->EventDone(scan_ready_)) KVF_RETURN_IF_ERROR(HostWaitEvent(scan_ready_));
-    scan_unwaited_ = false;
+  if (scan_.unwaited) {
+    if (!device_->EventDone(scan_.ready)) KVF_RETURN_IF_ERROR(HostWaitEvent(scan_.ready));
+    scan_.unwaited = false;
   }
   const ModelShape& m = config_.model;
   const int hkv = m.num_kv_heads, d = m.head_dim;
@@ -95,7 +95,7 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
   bool any = false;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t n = positions[b] + 1;
-    int64_t& rows = scan_rows_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
+    int64_t& rows = scan_.rows[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
     // The device's shadow has rows [0, n - 1) (or [0, n): this token's row again, after a failed
     // step): this step adds row n - 1. Otherwise it has none, or a gap: the host scans.
     const bool live = rows == n - 1 || rows == n;
@@ -105,12 +105,12 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
     const int64_t k_off = BudgetFor(n) - (off_lo + (n - off_hi));
     const int64_t picks =
         live && len > 0 && k_off > 0
-            ? std::min({len, policy_->device_scan_picks(k_off), scan_picks_cap_})
+            ? std::min({len, policy_->device_scan_picks(k_off), scan_.picks_cap})
             : 0;
     for (int h = 0; h < hkv; ++h) {
       const int64_t i = b * hkv + h;
       const int64_t head = (static_cast<int64_t>(slot_of[b]) * m.num_layers + layer) * hkv + h;
-      LfpsScanItem& it = scan_items_host_[i];
+      LfpsScanItem& it = scan_.items_host[i];
       it = LfpsScanItem{};
       it.shadow = head * d * len_cap;
       it.scale = head * d;
@@ -118,12 +118,12 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
       it.len = picks > 0 ? len : 0;
       it.new_pos = live ? n - 1 : -1;
       it.picks = picks;
-      scan_view_[i] = DeviceScanPicks{};
+      scan_.view[i] = DeviceScanPicks{};
       if (picks > 0) {
-        scan_view_[i].count = picks;
-        scan_view_[i].off_lo = off_lo;
-        scan_view_[i].len = len;
-        scan_view_[i].channels = scan_channels_;
+        scan_.view[i].count = picks;
+        scan_.view[i].off_lo = off_lo;
+        scan_.view[i].len = len;
+        scan_.view[i].channels = scan_.channels;
       }
     }
     if (live) rows = n;
@@ -133,22 +133,22 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
   if (!any) return Status::Ok();
   const int64_t items = batch * hkv;
   // Each list holds every key of the threshold's bin: room for more than the picks.
-  const int64_t stride = std::min(scan_list_cap_, ScanListCap(max_picks));
-  scan_step_items_ = items;
+  const int64_t stride = std::min(scan_.list_cap, ScanListCap(max_picks));
+  scan_.step_items = items;
   for (int64_t i = 0; i < items; ++i) {
-    if (scan_view_[i].count > 0) scan_view_[i].picks = scan_out_host_ + i * stride;
+    if (scan_.view[i].count > 0) scan_.view[i].picks = scan_.out_host + i * stride;
   }
   const bool host = device_->backend() == Backend::kHost;
-  LfpsScanArgs& a = scan_args_;
+  LfpsScanArgs& a = scan_.args;
   a = LfpsScanArgs{};
   a.items = items;
-  a.item = scan_items_dev_;
-  a.group = group_;
+  a.item = scan_.items_dev;
+  a.group = dims_.group;
   a.head_dim = d;
-  a.channels = scan_channels_;
+  a.channels = scan_.channels;
   a.cap = len_cap;
-  a.shadow = scan_shadow_;
-  a.scale = scan_scale_;
+  a.shadow = scan_.shadow;
+  a.scale = scan_.scale;
   a.q = q;
   a.q_dtype = q_dtype;
   a.k = k;
@@ -156,72 +156,72 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
   a.kv_dtype = m.kv_dtype;
   a.max_len = max_len;
   a.max_picks = stride;
-  a.keys = scan_keys_;
-  a.ints = scan_ints_;
-  a.hist = scan_hist_;
-  a.block_counts = scan_blocks_;
+  a.keys = scan_.keys;
+  a.ints = scan_.ints;
+  a.hist = scan_.hist;
+  a.block_counts = scan_.blocks;
   // The passes read the item table from, and write the ranking into, mapped host memory: no
   // copies to enqueue (on the GPU machine: 32K 13.1-13.8 ms a step against
   // 13.6-15.2 with a copy each way, 64K 21.7-22.3 against 23.3-24.3).
-  a.item_host = scan_items_host_;
-  a.out = scan_out_host_;
-  a.counts = scan_counts_host_;
-  scan_live_ = max_picks > 0;
-  scan_arrived_.store(false, std::memory_order_release);
-  scan_launched_.store(0, std::memory_order_release);
-  scan_stream_ = stream;
+  a.item_host = scan_.items_host;
+  a.out = scan_.out_host;
+  a.counts = scan_.counts_host;
+  scan_.live = max_picks > 0;
+  scan_.arrived.store(false, std::memory_order_release);
+  scan_.launched.store(0, std::memory_order_release);
+  scan_.stream = stream;
   if (!host) {
     for (int64_t i = 0; i < items; ++i) {
-      scan_view_[i].wait = [](void* self) { return static_cast<RuntimeImpl*>(self)->WaitScanRanking(); };
-      scan_view_[i].wait_arg = this;
+      scan_.view[i].wait = [](void* self) { return static_cast<RuntimeImpl*>(self)->WaitScanRanking(); };
+      scan_.view[i].wait_arg = this;
     }
   }
-  scan_pending_ = true;
+  scan_.pending = true;
   // The host backend ranks at once (its "device" is this thread).
   return defer && !host ? Status::Ok() : EnqueueDeviceScan();
 }
 
 Status RuntimeImpl::EnqueueDeviceScan() {
-  if (!scan_pending_) return Status::Ok();
-  scan_pending_ = false;
-  const LfpsScanArgs& a = scan_args_;
+  if (!scan_.pending) return Status::Ok();
+  scan_.pending = false;
+  const LfpsScanArgs& a = scan_.args;
   const bool host = device_->backend() == Backend::kHost;
-  scan_bytes_d2h_ = 0;
-  Status st = device_->LfpsScan(a, scan_stream_);
-  if (st.ok()) st = device_->RecordEvent(scan_ready_, scan_stream_);
-  scan_unwaited_ = !host;
+  scan_.bytes_d2h = 0;
+  Status st = device_->LfpsScan(a, scan_.stream);
+  if (st.ok()) st = device_->RecordEvent(scan_.ready, scan_.stream);
+  scan_.unwaited = !host;
   if (st.ok() && host) {
     TakeScanCounts();
-    scan_arrived_.store(true, std::memory_order_release);
+    scan_.arrived.store(true, std::memory_order_release);
   }
-  if (!st.ok()) scan_launch_status_ = st;
+  if (!st.ok()) scan_.launch_status = st;
   // Selects waiting for the ranking (WaitScanRanking) go on from here.
-  scan_launched_.store(st.ok() ? 1 : 2, std::memory_order_release);
+  scan_.launched.store(st.ok() ? 1 : 2, std::memory_order_release);
   return st;
 }
 
 Status RuntimeImpl::WaitScanRanking() {
-  if (scan_arrived_.load(std::memory_order_acquire)) return Status::Ok();
+  if (scan_.arrived.load(std::memory_order_acquire)) return Status::Ok();
   // Enqueued by the calling thread beside the Selects (SelectOnHost's launch), or before them.
   int launched = 0;
-  while ((launched = scan_launched_.load(std::memory_order_acquire)) == 0) std::this_thread::yield();
-  if (launched == 2) return scan_launch_status_;
-  std::lock_guard<std::mutex> lock(scan_wait_mu_);  // one thread waits, the others then find it done
-  if (scan_arrived_.load(std::memory_order_acquire)) return Status::Ok();
-  KVF_RETURN_IF_ERROR(HostWaitEvent(scan_ready_));
+  while ((launched = scan_.launched.load(std::memory_order_acquire)) == 0) std::this_thread::yield();
+  if (launched == 2) return scan_.launch_status;
+  std::lock_guard<std::mutex> lock(scan_.wait_mu);  // one thread waits, the others then find it done
+  if (scan_.arrived.load(std::memory_order_acquire)) return Status::Ok();
+  KVF_RETURN_IF_ERROR(HostWaitEvent(scan_.ready));
   TakeScanCounts();
-  scan_arrived_.store(true, std::memory_order_release);
+  scan_.arrived.store(true, std::memory_order_release);
   return Status::Ok();
 }
 
 void RuntimeImpl::TakeScanCounts() {
   const bool mapped = device_->backend() != Backend::kHost;
-  for (int64_t i = 0; i < scan_step_items_; ++i) {
+  for (int64_t i = 0; i < scan_.step_items; ++i) {
     // -1: more keys than the list holds (the policy then scans on the host).
-    if (scan_view_[i].picks == nullptr) continue;
-    scan_view_[i].count = std::max(scan_counts_host_[i], 0);
+    if (scan_.view[i].picks == nullptr) continue;
+    scan_.view[i].count = std::max(scan_.counts_host[i], 0);
     // Written into mapped memory: what crossed PCIe is the listed entries and the count.
-    if (mapped) scan_bytes_d2h_ += scan_view_[i].count * int64_t{8} + 4;
+    if (mapped) scan_.bytes_d2h += scan_.view[i].count * int64_t{8} + 4;
   }
 }
 
@@ -230,11 +230,11 @@ void RuntimeImpl::AttendInParts(int64_t item, const float* q32, float* o, float*
   // Over the item's share of the pool when the rows are many: each range its own (o, lse),
   // merged exactly in range order (the rows are scattered: DRAM-latency bound).
   const int d = config_.model.head_dim;
-  const int64_t gd = static_cast<int64_t>(group_) * d;
-  const AttnParams params{group_, d, config_.model.kv_dtype, scale_};
+  const int64_t gd = static_cast<int64_t>(dims_.group) * d;
+  const AttnParams params{dims_.group, d, config_.model.kv_dtype, dims_.scale};
   const int parts = std::clamp<int>(std::min<int>(threads, n / kAttendMinRows), 1, kAttendMaxParts);
-  const int64_t part_floats = static_cast<int64_t>(group_) * (d + 1);
-  float* spill = attend_parts_.data() + item * (kAttendMaxParts - 1) * part_floats;
+  const int64_t part_floats = static_cast<int64_t>(dims_.group) * (d + 1);
+  float* spill = scratch_.attend_parts.data() + item * (kAttendMaxParts - 1) * part_floats;
   auto attend = [&](int part) {
     const int32_t lo = static_cast<int32_t>(int64_t{n} * part / parts);
     const int32_t hi = static_cast<int32_t>(int64_t{n} * (part + 1) / parts);
@@ -250,7 +250,7 @@ void RuntimeImpl::AttendInParts(int64_t item, const float* q32, float* o, float*
   tbb::this_task_arena::isolate([&] { tbb::parallel_for(0, parts, attend); });
   for (int part = 1; part < parts; ++part) {
     const float* po = spill + (part - 1) * part_floats;
-    cpu::MergeLseRef(o, lse, po, po + gd, group_, d);
+    cpu::MergeLseRef(o, lse, po, po + gd, dims_.group, d);
   }
 }
 
@@ -261,7 +261,7 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   const ModelShape& m = config_.model;
   const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
   const int64_t batch = static_cast<int64_t>(slot_of.size());
-  const int64_t gd = static_cast<int64_t>(group_) * d;
+  const int64_t gd = static_cast<int64_t>(dims_.group) * d;
   const int64_t items = batch * hkv;
   const size_t q_elem = DTypeSize(q.dtype), k_elem = DTypeSize(k.dtype), v_elem = DTypeSize(v.dtype);
   const auto* q_src = static_cast<const char*>(q.data);
@@ -269,8 +269,8 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   const auto* v_src = static_cast<const char*>(v.data);
 
   // The device's ranking for the scans (LaunchDeviceScan) must have arrived.
-  const bool scan = scan_live_;
-  scan_live_ = false;
+  const bool scan = scan_.live;
+  scan_.live = false;
   // Fewer items than pool threads: each Select may split its O(n) scan over the idle ones.
   const int select_threads = SelectThreads(items);
   Status launch_status = Status::Ok();
@@ -293,15 +293,15 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
                      k.dtype, d);
     cpu::ConvertSpan(store_->v_row(slot, layer, h, pos), m.kv_dtype, v_src + kv_off * v_elem,
                      v.dtype, d);
-    float* q32 = q_host_ + b * hq * d + h * gd;
+    float* q32 = io_.q_host + b * hq * d + h * gd;
     cpu::ConvertSpan(q32, DType::kF32, q_src + (b * hq * d + h * gd) * q_elem, q.dtype, gd);
     // 2 select.
     const auto ts = trace_.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
-    item_status_[i] = SelectItem(i, slot, layer, h, n, q32, select_threads,
-                                 scan && scan_view_[i].picks != nullptr ? &scan_view_[i] : nullptr);
+    scratch_.item_status[i] = SelectItem(i, slot, layer, h, n, q32, select_threads,
+                                 scan && scan_.view[i].picks != nullptr ? &scan_.view[i] : nullptr);
     if (trace_.on()) trace_.Span("cpu_select", "cpu", ts, TraceRecorder::Clock::now(), i);
-    const std::vector<int32_t>& sel = selections_[i];
-    if (!item_status_[i].ok()) return;
+    const std::vector<int32_t>& sel = scratch_.selections[i];
+    if (!scratch_.item_status[i].ok()) return;
     if (lists != nullptr) {
       // The device step reads every listed position's rows: one outside [0, n) would send it
       // past the page table, so the Select contract (ascending, unique, in range) is checked
@@ -310,7 +310,7 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
       int32_t offloaded = 0, prev = -1;
       for (const int32_t p : sel) {
         if (p <= prev || p >= n) {
-          item_status_[i] = Internal(StrCat("policy '", policy_->name(), "' selected position ",
+          scratch_.item_status[i] = Internal(StrCat("policy '", policy_->name(), "' selected position ",
                                             p, " after ", prev, " of ", n, " (layer ", layer,
                                             ", KV head ", h, "): not ascending in [0, n)"));
           return;
@@ -318,19 +318,19 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
         prev = p;
         offloaded += ResidentRow(p, n) < 0 ? 1 : 0;
       }
-      std::copy(sel.begin(), sel.end(), lists + i * list_cap_);
+      std::copy(sel.begin(), sel.end(), lists + i * lists_.cap);
       counts[i] = static_cast<int32_t>(sel.size());
-      cpu_items_[i].count = offloaded;
+      desc_.cpu_items[i].count = offloaded;
       return;
     }
-    float* o = o_cpu_host_ + b * hq * d + h * gd;
-    float* lse = lse_cpu_host_ + b * hq + h * group_;
-    std::fill_n(lse, group_, -std::numeric_limits<float>::infinity());
+    float* o = io_.o_cpu_host + b * hq * d + h * gd;
+    float* lse = io_.lse_cpu_host + b * hq + h * dims_.group;
+    std::fill_n(lse, dims_.group, -std::numeric_limits<float>::infinity());
     std::fill_n(o, gd, 0.0f);
     // 3 resolve: the resident positions are the device's part (the policy covers all of them);
     // 5 attend the others here, straight from the host store.
-    const void** ck = cpu_k_rows_ + i * item_cap_;
-    const void** cv = cpu_v_rows_ + i * item_cap_;
+    const void** ck = desc_.cpu_k_rows + i * dims_.item_cap;
+    const void** cv = desc_.cpu_v_rows + i * dims_.item_cap;
     int32_t n_cpu = 0;
     for (const int32_t p : sel) {
       if (ResidentRow(p, n) >= 0) continue;
@@ -342,7 +342,7 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
       AttendInParts(i, q32, o, lse, ck, cv, n_cpu, select_threads);
       if (trace_.on()) trace_.Span("cpu_attend", "cpu", ta, TraceRecorder::Clock::now(), i);
     }
-    cpu_items_[i].count = n_cpu;  // the stats below read the split back
+    desc_.cpu_items[i].count = n_cpu;  // the stats below read the split back
   };
   if (launch != nullptr) {
     struct Beside {
@@ -361,23 +361,23 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
   // The ranking's buffers are rewritten by the next step's scan: this one's writes must be done.
   if (scan) {
     KVF_RETURN_IF_ERROR(WaitScanRanking());
-    scan_unwaited_ = false;
+    scan_.unwaited = false;
   }
-  stats_.bytes_d2h += scan_bytes_d2h_;  // counted at the ranking's arrival when it was mapped
-  scan_bytes_d2h_ = 0;
+  stats_.bytes_d2h += scan_.bytes_d2h;  // counted at the ranking's arrival when it was mapped
+  scan_.bytes_d2h = 0;
 
   for (int64_t i = 0; i < items; ++i) {
-    if (!item_status_[i].ok()) return item_status_[i];
+    if (!scratch_.item_status[i].ok()) return scratch_.item_status[i];
   }
   int64_t selected = 0, on_cpu = 0;
   for (int64_t i = 0; i < items; ++i) {
     const int64_t b = i / hkv;
     const int h = static_cast<int>(i % hkv);
-    const std::vector<int32_t>& sel = selections_[i];
+    const std::vector<int32_t>& sel = scratch_.selections[i];
     last_selection_[(static_cast<size_t>(slot_of[b]) * m.num_layers + layer) * hkv + h].assign(
         sel.begin(), sel.end());
     selected += static_cast<int64_t>(sel.size());
-    on_cpu += cpu_items_[i].count;  // lists: the offloaded rows
+    on_cpu += desc_.cpu_items[i].count;  // lists: the offloaded rows
   }
   stats_.rows_selected += selected;
   stats_.rows_resident += selected - on_cpu;
@@ -405,50 +405,50 @@ void RuntimeImpl::CpuThreadMain() {
   uint64_t seen = 0;
   for (;;) {
     const auto t0 = std::chrono::steady_clock::now();
-    while (cpu_go_.load(std::memory_order_acquire) == seen &&
+    while (cpu_.go.load(std::memory_order_acquire) == seen &&
            std::chrono::steady_clock::now() - t0 < kCpuPartSpin) {
       Relax();
     }
-    if (cpu_go_.load(std::memory_order_acquire) == seen) {
-      std::unique_lock<std::mutex> lock(cpu_mu_);
-      cpu_sleeping_ = true;
-      cpu_cv_.wait(lock, [&] { return cpu_go_.load(std::memory_order_acquire) != seen || cpu_quit_; });
-      cpu_sleeping_ = false;
-      if (cpu_go_.load(std::memory_order_acquire) == seen) return;  // quit, nothing handed over
+    if (cpu_.go.load(std::memory_order_acquire) == seen) {
+      std::unique_lock<std::mutex> lock(cpu_.mu);
+      cpu_.sleeping = true;
+      cpu_.cv.wait(lock, [&] { return cpu_.go.load(std::memory_order_acquire) != seen || cpu_.quit; });
+      cpu_.sleeping = false;
+      if (cpu_.go.load(std::memory_order_acquire) == seen) return;  // quit, nothing handed over
     }
-    seen = cpu_go_.load(std::memory_order_acquire);
-    Status st = RunCpuPart(cpu_job_);
+    seen = cpu_.go.load(std::memory_order_acquire);
+    Status st = RunCpuPart(cpu_.job);
     // The device's wait ends here: the part's (o, lse) are in the pinned buffers (or it failed,
     // and the caller's next call rolls the layer back). Never left unwritten, or the stream
     // would wait until its timeout.
-    std::atomic_ref<uint32_t>(cpu_word_[0]).store(cpu_job_.ticket, std::memory_order_release);
-    cpu_job_status_ = std::move(st);
+    std::atomic_ref<uint32_t>(cpu_.word[0]).store(cpu_.job.ticket, std::memory_order_release);
+    cpu_.job_status = std::move(st);
     {
-      const std::lock_guard<std::mutex> lock(cpu_mu_);
-      cpu_done_.store(seen, std::memory_order_release);
+      const std::lock_guard<std::mutex> lock(cpu_.mu);
+      cpu_.done.store(seen, std::memory_order_release);
     }
-    cpu_cv_.notify_all();
+    cpu_.cv.notify_all();
   }
 }
 
 void RuntimeImpl::HandOverCpuPart(const CpuPartJob& job) {
-  cpu_job_ = job;
-  cpu_job_out_ = true;
+  cpu_.job = job;
+  cpu_.job_out = true;
   bool wake = false;
   {
-    const std::lock_guard<std::mutex> lock(cpu_mu_);
-    cpu_go_.fetch_add(1, std::memory_order_acq_rel);
-    wake = cpu_sleeping_;
+    const std::lock_guard<std::mutex> lock(cpu_.mu);
+    cpu_.go.fetch_add(1, std::memory_order_acq_rel);
+    wake = cpu_.sleeping;
   }
-  if (wake) cpu_cv_.notify_all();
+  if (wake) cpu_.cv.notify_all();
 }
 
 Status RuntimeImpl::RunCpuPart(const CpuPartJob& job) {
   if (job.q10 > 0) return RunSplitPart(job);
   const auto t0 = TraceRecorder::Clock::now();
-  Status st = job.inputs_on_host ? Status::Ok() : HostWaitEvent(q_ready_);
+  Status st = job.inputs_on_host ? Status::Ok() : HostWaitEvent(io_.q_ready);
   if (st.ok()) {
-    st = SelectOnHost(batch_slots_, job.layer, step_pos_scratch_, job.q, job.k, job.v);
+    st = SelectOnHost(scratch_.batch_slots, job.layer, scratch_.step_pos, job.q, job.k, job.v);
   }
   if (trace_.on()) trace_.Span("cpu_part", "cpu", t0, TraceRecorder::Clock::now(), job.layer);
   Stage(stats_.ms_select, "select", t0);
@@ -457,18 +457,18 @@ Status RuntimeImpl::RunCpuPart(const CpuPartJob& job) {
 
 Status RuntimeImpl::RunSplitPart(const CpuPartJob& job) {
   const auto t0 = TraceRecorder::Clock::now();
-  // The split's CPU lists and q reach the host with split_ready_, microseconds after the
+  // The split's CPU lists and q reach the host with split_.ready, microseconds after the
   // hand-over on a stream that is not behind: spin on it first, then block. (The host backend's
   // streams are synchronous: they are there.)
   if (device_->backend() != Backend::kHost) {
-    while (!device_->EventDone(split_ready_) && TraceRecorder::Clock::now() - t0 < kCpuPartSpin) {
+    while (!device_->EventDone(split_.ready) && TraceRecorder::Clock::now() - t0 < kCpuPartSpin) {
       Relax();
     }
-    KVF_RETURN_IF_ERROR(device_->SynchronizeEvent(split_ready_));
+    KVF_RETURN_IF_ERROR(device_->SynchronizeEvent(split_.ready));
   }
   const ModelShape& m = config_.model;
   const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
-  const int64_t items = job.batch * hkv, gd = static_cast<int64_t>(group_) * d;
+  const int64_t items = job.batch * hkv, gd = static_cast<int64_t>(dims_.group) * d;
   const size_t q_elem = DTypeSize(job.q.dtype);
   const auto* q_src = static_cast<const char*>(job.q.data);
   const int threads = SelectThreads(items);
@@ -478,18 +478,18 @@ Status RuntimeImpl::RunSplitPart(const CpuPartJob& job) {
   pool_->ParallelFor(items, [&](int64_t i) {
     const int64_t b = i / hkv;
     const int h = static_cast<int>(i % hkv);
-    const int slot = batch_slots_[static_cast<size_t>(b)];
-    float* q32 = q_host_ + b * hq * d + h * gd;
-    float* o = o_cpu_host_ + b * hq * d + h * gd;
-    float* lse = lse_cpu_host_ + b * hq + h * group_;
-    std::fill_n(lse, group_, -std::numeric_limits<float>::infinity());
+    const int slot = scratch_.batch_slots[static_cast<size_t>(b)];
+    float* q32 = io_.q_host + b * hq * d + h * gd;
+    float* o = io_.o_cpu_host + b * hq * d + h * gd;
+    float* lse = io_.lse_cpu_host + b * hq + h * dims_.group;
+    std::fill_n(lse, dims_.group, -std::numeric_limits<float>::infinity());
     std::fill_n(o, gd, 0.0f);
-    const int32_t c = split_cpu_count_[i];
+    const int32_t c = split_.cpu_count[i];
     if (c <= 0) return;
     cpu::ConvertSpan(q32, DType::kF32, q_src + (b * hq * d + h * gd) * q_elem, job.q.dtype, gd);
-    const int32_t* list = split_cpu_list_ + i * list_cap_;
-    const void** ck = cpu_k_rows_ + i * item_cap_;
-    const void** cv = cpu_v_rows_ + i * item_cap_;
+    const int32_t* list = split_.cpu_list + i * lists_.cap;
+    const void** ck = desc_.cpu_k_rows + i * dims_.item_cap;
+    const void** cv = desc_.cpu_v_rows + i * dims_.item_cap;
     for (int32_t j = 0; j < c; ++j) {
       ck[j] = store_->k_row(slot, job.layer, h, list[j]);
       cv[j] = store_->v_row(slot, job.layer, h, list[j]);
@@ -497,15 +497,15 @@ Status RuntimeImpl::RunSplitPart(const CpuPartJob& job) {
     AttendInParts(i, q32, o, lse, ck, cv, c, threads);
   });
   int64_t rows = 0;
-  for (int64_t i = 0; i < items; ++i) rows += split_cpu_count_[i];
+  for (int64_t i = 0; i < items; ++i) rows += split_.cpu_count[i];
   stats_.rows_cpu += rows;
   // The branches' balance: the device's part done before this one means the CPU took too much.
   // (Unknown when the caller has not enqueued its event yet: no move.)
-  if (job.balance && split_recorded_.load(std::memory_order_acquire) == job.ticket) {
-    const int32_t was = split_q10_.load(std::memory_order_relaxed);
+  if (job.balance && split_.recorded.load(std::memory_order_acquire) == job.ticket) {
+    const int32_t was = split_.q10.load(std::memory_order_relaxed);
     const int32_t from = was >= 0 ? was : job.q10;
-    const int32_t step = device_->EventDone(split_step_done_) ? -kSplitShareStep : kSplitShareStep;
-    split_q10_.store(std::clamp(from + step, kSplitShareStep, 1024 - kSplitShareStep),
+    const int32_t step = device_->EventDone(split_.step_done) ? -kSplitShareStep : kSplitShareStep;
+    split_.q10.store(std::clamp(from + step, kSplitShareStep, 1024 - kSplitShareStep),
                      std::memory_order_relaxed);
   }
   if (trace_.on()) trace_.Span("cpu_split", "cpu", t0, TraceRecorder::Clock::now(), job.layer);
@@ -514,53 +514,53 @@ Status RuntimeImpl::RunSplitPart(const CpuPartJob& job) {
 }
 
 void RuntimeImpl::WaitCpuPart() {
-  if (!cpu_job_out_) return;
-  const uint64_t want = cpu_go_.load(std::memory_order_acquire);
+  if (!cpu_.job_out) return;
+  const uint64_t want = cpu_.go.load(std::memory_order_acquire);
   const auto t0 = std::chrono::steady_clock::now();
-  while (cpu_done_.load(std::memory_order_acquire) != want &&
+  while (cpu_.done.load(std::memory_order_acquire) != want &&
          std::chrono::steady_clock::now() - t0 < kCpuPartSpin) {
     Relax();
   }
-  if (cpu_done_.load(std::memory_order_acquire) != want) {
-    std::unique_lock<std::mutex> lock(cpu_mu_);
-    cpu_cv_.wait(lock, [&] { return cpu_done_.load(std::memory_order_acquire) == want; });
+  if (cpu_.done.load(std::memory_order_acquire) != want) {
+    std::unique_lock<std::mutex> lock(cpu_.mu);
+    cpu_.cv.wait(lock, [&] { return cpu_.done.load(std::memory_order_acquire) == want; });
   }
 }
 
 Status RuntimeImpl::CollectCpuPart() {
-  if (!cpu_job_out_) return Status::Ok();
+  if (!cpu_.job_out) return Status::Ok();
   WaitCpuPart();
-  cpu_job_out_ = false;
-  Status st = std::move(cpu_job_status_);
-  cpu_job_status_ = Status::Ok();
-  if (st.ok() && cpu_word_[1] != 0) {
+  cpu_.job_out = false;
+  Status st = std::move(cpu_.job_status);
+  cpu_.job_status = Status::Ok();
+  if (st.ok() && cpu_.word[1] != 0) {
     st = Internal("the device stopped waiting for the CPU part of a decode step after " +
                   std::to_string(Device::kHostValueTimeoutS) + " s");
   }
   if (st.ok()) return st;
-  return RollBackCpuPart(cpu_job_, std::move(st));
+  return RollBackCpuPart(cpu_.job, std::move(st));
 }
 
 Status RuntimeImpl::RollBackCpuPart(const CpuPartJob& job, Status failure) {
   // The hand-over counted the layer as done (CommitDecodeStep; a planned layer stays run, as a
   // failed one does): the step's counters come back, then its token as any failed Decode's.
-  stats_.bytes_d2h -= job.batch * config_.model.num_kv_heads * 2 * static_cast<int64_t>(row_bytes_);
+  stats_.bytes_d2h -= job.batch * config_.model.num_kv_heads * 2 * static_cast<int64_t>(dims_.row_bytes);
   stats_.decode_steps -= 1;
   stats_.decode_tokens -= job.batch;
   stats_.decode_planned -= job.planned ? 1 : 0;
   stats_.decode_split -= job.q10 > 0 ? 1 : 0;
-  return RollBackDecode(batch_slots_, job.layer, job.stream, std::move(failure));
+  return RollBackDecode(scratch_.batch_slots, job.layer, job.stream, std::move(failure));
 }
 
 void RuntimeImpl::StopCpuThread() {
-  if (!cpu_thread_.joinable()) return;
+  if (!cpu_.thread.joinable()) return;
   WaitCpuPart();
   {
-    const std::lock_guard<std::mutex> lock(cpu_mu_);
-    cpu_quit_ = true;
+    const std::lock_guard<std::mutex> lock(cpu_.mu);
+    cpu_.quit = true;
   }
-  cpu_cv_.notify_all();
-  cpu_thread_.join();
+  cpu_.cv.notify_all();
+  cpu_.thread.join();
 }
 
 }  // namespace kvferry::detail

@@ -142,11 +142,11 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
   // Resident tier: [slot][layer][kv_head][K rows (S+W), V rows (S+W)].
   const int64_t slot_rows = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
   z.resident = AllocBytes(static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv *
-                          slot_rows * 2 * row_bytes_);
+                          slot_rows * 2 * dims_.row_bytes);
   // Inputs and outputs staged in f32 (the largest activation dtype), for a prefill chunk or a
   // batch; the attention's partial results.
-  const size_t act_q = static_cast<size_t>(max_rows_ * hq * d);
-  const size_t act_kv = static_cast<size_t>(max_rows_ * hkv * d);
+  const size_t act_q = static_cast<size_t>(dims_.max_rows * hq * d);
+  const size_t act_kv = static_cast<size_t>(dims_.max_rows * hkv * d);
   const size_t batch_q = static_cast<size_t>(cap.max_batch * hq * d);
   z.q_in = AllocBytes(act_q * 4);
   z.k_in = AllocBytes(act_kv * 4);
@@ -154,7 +154,7 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
   z.out_stage = AllocBytes(act_q * 4);
   z.q_f32 = AllocBytes(act_q * 4);
   z.o_gpu = AllocBytes(act_q * 4);
-  z.lse_gpu = AllocBytes(static_cast<size_t>(max_rows_ * hq) * 4);
+  z.lse_gpu = AllocBytes(static_cast<size_t>(dims_.max_rows * hq) * 4);
   z.o_cpu = AllocBytes(batch_q * 4);
   z.lse_cpu = AllocBytes(static_cast<size_t>(cap.max_batch * hq) * 4);
   const HostStoreShape store = StoreShape();
@@ -228,12 +228,12 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     z.prime_table_stride = 2 * cap.max_tokens_per_sequence;
     z.prime_tables = AllocBytes(static_cast<size_t>(hkv * z.prime_table_stride) * sizeof(float));
     z.prime_stats =
-        AllocBytes(static_cast<size_t>(hkv * PrimeStatsCount(m.head_dim, group_)) * sizeof(double));
+        AllocBytes(static_cast<size_t>(hkv * PrimeStatsCount(m.head_dim, dims_.group)) * sizeof(double));
     if (cuda) {
-      const size_t per_split = PrimeScratchBytes(static_cast<int>(hkv), z.prime_rows, group_, 0);
+      const size_t per_split = PrimeScratchBytes(static_cast<int>(hkv), z.prime_rows, dims_.group, 0);
       const size_t splits = std::clamp<size_t>((size_t{16} << 20) / per_split, 2, 257) - 1;
       z.prime_scratch = AllocBytes(
-          PrimeScratchBytes(static_cast<int>(hkv), z.prime_rows, group_, static_cast<int>(splits)));
+          PrimeScratchBytes(static_cast<int>(hkv), z.prime_rows, dims_.group, static_cast<int>(splits)));
     }
   }
 
@@ -247,7 +247,7 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
   // position is.
   z.step_all_resident = policy_->is_dense() || scoring != SelectScoring::kNone || z.host_lists
                             ? slot_rows >= cap.max_tokens_per_sequence
-                            : budget_max_ <= slot_rows;
+                            : dims_.budget_max <= slot_rows;
   z.cpu_step = !z.fast_path && !z.host_lists && policy_->placement() == Placement::kCpu &&
                policy_->selection_covers_resident() && !policy_->is_dense() && !z.host_bank &&
                PlannedRoute() == Route::kCpu;
@@ -256,14 +256,14 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     if (scoring != SelectScoring::kNone || z.host_lists) {
       // Per layer a list region, so that any layer's last selection can be read back and no
       // layer rewrites a list an earlier launch of the step may still read.
-      z.list_cap = std::max<int64_t>(item_cap_, 1);
+      z.list_cap = std::max<int64_t>(dims_.item_cap, 1);
       const size_t lists = static_cast<size_t>(m.num_layers) * items;
       z.step_list = AllocBytes(lists * static_cast<size_t>(z.list_cap) * sizeof(int32_t));
       z.step_list_count = AllocBytes(lists * sizeof(int32_t));
     }
     if (scoring != SelectScoring::kNone) {  // host lists need no selection scratch
       z.select_ld = cap.max_tokens_per_sequence;
-      z.select_ws = AllocBytes(static_cast<size_t>(items) * group_ * z.select_ld * sizeof(float));
+      z.select_ws = AllocBytes(static_cast<size_t>(items) * dims_.group * z.select_ld * sizeof(float));
       int64_t sort_cap = 1;
       while (sort_cap < z.list_cap) sort_cap <<= 1;
       // The selector's own state (its parameters checked against the shape).
@@ -277,7 +277,7 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
       // Quest's pages) to take it.
       const int64_t ranked_cap = sel.RankedCap(z.select_ld);
       const size_t mcta_bytes =
-          ranked_cap > 0 ? SelectMctaWorkspaceBytes(items, group_, ranked_cap, sel.MctaMinRanked()) : 0;
+          ranked_cap > 0 ? SelectMctaWorkspaceBytes(items, dims_.group, ranked_cap, sel.MctaMinRanked()) : 0;
       if (cuda && mcta_bytes > 0) z.select_mcta = AllocBytes(mcta_bytes);
     }
     if (scoring != SelectScoring::kNone || z.host_lists) {
@@ -294,7 +294,7 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
         if (z.bank_regions > 1) ++z.streams;  // the admissions' stream
         const size_t regions = static_cast<size_t>(z.bank_regions);
         z.bank_miss_cap = static_cast<int32_t>(std::min<int64_t>(z.list_cap, z.bank_max_admit));
-        z.bank_stage = regions * AllocBytes(static_cast<size_t>(items * z.list_cap) * 2 * row_bytes_);
+        z.bank_stage = regions * AllocBytes(static_cast<size_t>(items * z.list_cap) * 2 * dims_.row_bytes);
         z.bank_miss = regions * AllocBytes(static_cast<size_t>(items) * (1 + z.bank_miss_cap) *
                                            sizeof(int32_t));
         z.bank_admit = regions * AllocBytes(static_cast<size_t>(items) * z.bank_admit_item_bytes);
@@ -316,9 +316,9 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
                             sizeof(int64_t));
     if (cuda) {
       z.step_ws_floats =
-          static_cast<int64_t>(cap.max_batch) * hkv * kStepMaxSplits * group_ * (d + 1);
+          static_cast<int64_t>(cap.max_batch) * hkv * kStepMaxSplits * dims_.group * (d + 1);
       z.step_ws = AllocBytes(static_cast<size_t>(z.step_ws_floats) * sizeof(float));
-      z.step_counters = AllocBytes(static_cast<size_t>(cap.max_batch) * hkv * group_ *
+      z.step_counters = AllocBytes(static_cast<size_t>(cap.max_batch) * hkv * dims_.group *
                                    sizeof(int32_t));
     }
   }
@@ -330,18 +330,18 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
   // workspace (its ranking and counts: mapped host memory, scan_out / scan_counts).
   const int channels = policy_->device_scan_channels();
   const bool scan_env = cuda ? !EnvIs("KVFERRY_LFPS_SCAN", "host") : EnvIs("KVFERRY_LFPS_SCAN", "device");
-  if ((z.cpu_step || z.host_lists) && channels > 0 && scan_env && group_ <= kLfpsScanMaxGroup &&
+  if ((z.cpu_step || z.host_lists) && channels > 0 && scan_env && dims_.group <= kLfpsScanMaxGroup &&
       d <= 256) {
     const int64_t items = int64_t{cap.max_batch} * hkv;
     const int64_t heads = int64_t{cap.max_sequences} * m.num_layers * hkv;
     const int64_t len = cap.max_tokens_per_sequence;
     z.device_scan = true;
-    z.scan_picks = std::clamp<int64_t>(policy_->device_scan_picks(budget_max_), 1, len);
+    z.scan_picks = std::clamp<int64_t>(policy_->device_scan_picks(dims_.budget_max), 1, len);
     z.scan_list_cap = ScanListCap(z.scan_picks);
     z.scan_shadow = AllocBytes(static_cast<size_t>(heads * d * len));
     z.scan_scale = AllocBytes(static_cast<size_t>(heads * d) * sizeof(float));
     z.scan_keys = AllocBytes(static_cast<size_t>(items * len) * sizeof(uint32_t));
-    z.scan_ints = AllocBytes(static_cast<size_t>(LfpsScanInts(items, group_, channels)) * 4);
+    z.scan_ints = AllocBytes(static_cast<size_t>(LfpsScanInts(items, dims_.group, channels)) * 4);
     z.scan_hist = AllocBytes(static_cast<size_t>(LfpsScanHistWords(items)) * sizeof(uint32_t));
     // Per item a count per block of keys, then the items' thresholds.
     z.scan_blocks = AllocBytes(static_cast<size_t>(

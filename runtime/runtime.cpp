@@ -128,41 +128,41 @@ RuntimeImpl::~RuntimeImpl() {
   if (device_ == nullptr) return;
   device_->SynchronizeStream(stream_).IgnoreError();
   if (call_done_ != nullptr) device_->DestroyEvent(call_done_);
-  for (EventHandle e : plan_events_) device_->DestroyEvent(e);
-  for (EventHandle e : list_up_) {
+  for (EventHandle e : step_.plan_events) device_->DestroyEvent(e);
+  for (EventHandle e : lists_.up) {
     if (e != nullptr) device_->DestroyEvent(e);
   }
   DestroyTimings();
-  for (EventHandle e : {q_ready_, cpu_part_up_, scan_ready_, prefill_items_done_[0],
-                        prefill_items_done_[1]}) {
+  for (EventHandle e : {io_.q_ready, cpu_.part_up, scan_.ready, prefill_.items_done[0],
+                        prefill_.items_done[1]}) {
     if (e != nullptr) device_->DestroyEvent(e);
   }
-  if (admit_stream_ != nullptr) {  // admissions write the bank: done before it goes
-    device_->SynchronizeStream(admit_stream_).IgnoreError();
-    for (EventHandle e : {admit_fork_[0], admit_fork_[1], admit_done_[0], admit_done_[1], admit_join_}) {
+  if (dbank_.admit_stream != nullptr) {  // admissions write the bank: done before it goes
+    device_->SynchronizeStream(dbank_.admit_stream).IgnoreError();
+    for (EventHandle e : {dbank_.admit_fork[0], dbank_.admit_fork[1], dbank_.admit_done[0], dbank_.admit_done[1], dbank_.admit_join}) {
       device_->DestroyEvent(e);
     }
-    for (EventHandle e : {prefetch_fork_, prefetch_done_}) {
+    for (EventHandle e : {xl_.fork, xl_.done}) {
       if (e != nullptr) device_->DestroyEvent(e);
     }
-    device_->DestroyStream(admit_stream_);
+    device_->DestroyStream(dbank_.admit_stream);
   }
   step_bank_.reset();
   if (selector_ != nullptr) selector_->Release();  // its side stream, before the buffers go
-  if (prefill_copy_stream_ != nullptr) {
-    device_->SynchronizeStream(prefill_copy_stream_).IgnoreError();
-    device_->DestroyEvent(prefill_fork_);
-    for (EventHandle e : prefill_segment_done_) device_->DestroyEvent(e);
-    for (EventHandle e : {prefill_next_ready_, prefill_call_start_}) {
+  if (prefill_.copy_stream != nullptr) {
+    device_->SynchronizeStream(prefill_.copy_stream).IgnoreError();
+    device_->DestroyEvent(prefill_.fork);
+    for (EventHandle e : prefill_.segment_done) device_->DestroyEvent(e);
+    for (EventHandle e : {prefill_.next_ready, prefill_.call_start}) {
       if (e != nullptr) device_->DestroyEvent(e);
     }
-    device_->DestroyStream(prefill_copy_stream_);
+    device_->DestroyStream(prefill_.copy_stream);
   }
-  if (prefill_write_stream_ != nullptr) {
-    device_->SynchronizeStream(prefill_write_stream_).IgnoreError();
-    device_->DestroyEvent(prefill_write_ready_);
-    device_->DestroyEvent(prefill_write_done_);
-    device_->DestroyStream(prefill_write_stream_);
+  if (prefill_.write_stream != nullptr) {
+    device_->SynchronizeStream(prefill_.write_stream).IgnoreError();
+    device_->DestroyEvent(prefill_.write_ready);
+    device_->DestroyEvent(prefill_.write_done);
+    device_->DestroyStream(prefill_.write_stream);
   }
   if (bank_ != nullptr) {
     device_->SynchronizeStream(side_stream_).IgnoreError();
@@ -218,17 +218,17 @@ Status RuntimeImpl::Init() {
   pool_options.gpu_pci_bus_id = device_->pci_bus_id();
   KVF_ASSIGN_OR_RETURN(pool_, cpu::CpuPool::Create(pool_options));
 
-  group_ = m.num_q_heads / m.num_kv_heads;
-  scale_ = m.softmax_scale > 0.0f ? m.softmax_scale : 1.0f / std::sqrt(static_cast<float>(m.head_dim));
-  kv_elem_ = DTypeSize(m.kv_dtype);
-  row_bytes_ = static_cast<size_t>(m.head_dim) * kv_elem_;
+  dims_.group = m.num_q_heads / m.num_kv_heads;
+  dims_.scale = m.softmax_scale > 0.0f ? m.softmax_scale : 1.0f / std::sqrt(static_cast<float>(m.head_dim));
+  dims_.kv_elem = DTypeSize(m.kv_dtype);
+  dims_.row_bytes = static_cast<size_t>(m.head_dim) * dims_.kv_elem;
   const Capacity& cap = config_.capacity;
-  max_rows_ = std::max<int64_t>(cap.max_prefill_chunk, cap.max_batch);
+  dims_.max_rows = std::max<int64_t>(cap.max_prefill_chunk, cap.max_batch);
   if (!policy_->is_dense()) {
     // Room for the resident rows on top of the budget: a policy that always attends the sinks
     // and the window (lfps) may return more than a budget smaller than they are.
-    budget_max_ = ItemBudgetMax(config_);
-    item_cap_ = ItemListCap(config_);
+    dims_.budget_max = ItemBudgetMax(config_);
+    dims_.item_cap = ItemListCap(config_);
   }
   // The policy's device selection state, sized below where the planned step selects on the device.
   selector_ = MakeDeviceSelector(*policy_, SelectorShapeOf());
@@ -253,49 +253,49 @@ Status RuntimeImpl::Init() {
   KVF_ASSIGN_OR_RETURN(void* resident, Alloc(z.resident, false));
   resident_ = static_cast<char*>(resident);
 
-  const size_t act_q = static_cast<size_t>(max_rows_ * hq * m.head_dim);
-  KVF_ASSIGN_OR_RETURN(q_in_, Alloc(z.q_in, false));
-  KVF_ASSIGN_OR_RETURN(k_in_, Alloc(z.k_in, false));
-  KVF_ASSIGN_OR_RETURN(v_in_, Alloc(z.v_in, false));
-  KVF_ASSIGN_OR_RETURN(out_stage_, Alloc(z.out_stage, false));
+  const size_t act_q = static_cast<size_t>(dims_.max_rows * hq * m.head_dim);
+  KVF_ASSIGN_OR_RETURN(io_.q_in, Alloc(z.q_in, false));
+  KVF_ASSIGN_OR_RETURN(io_.k_in, Alloc(z.k_in, false));
+  KVF_ASSIGN_OR_RETURN(io_.v_in, Alloc(z.v_in, false));
+  KVF_ASSIGN_OR_RETURN(io_.out_stage, Alloc(z.out_stage, false));
   void* p = nullptr;
   KVF_ASSIGN_OR_RETURN(p, Alloc(z.q_f32, false));
-  q_f32_ = static_cast<float*>(p);
+  io_.q_f32 = static_cast<float*>(p);
   KVF_ASSIGN_OR_RETURN(p, Alloc(z.o_gpu, false));
-  o_gpu_ = static_cast<float*>(p);
+  io_.o_gpu = static_cast<float*>(p);
   KVF_ASSIGN_OR_RETURN(p, Alloc(z.lse_gpu, false));
-  lse_gpu_ = static_cast<float*>(p);
+  io_.lse_gpu = static_cast<float*>(p);
   const size_t batch_q = static_cast<size_t>(cap.max_batch * hq * m.head_dim);
   KVF_ASSIGN_OR_RETURN(p, Alloc(z.o_cpu, false));
-  o_cpu_dev_ = static_cast<float*>(p);
+  io_.o_cpu_dev = static_cast<float*>(p);
   KVF_ASSIGN_OR_RETURN(p, Alloc(z.lse_cpu, false));
-  lse_cpu_dev_ = static_cast<float*>(p);
+  io_.lse_cpu_dev = static_cast<float*>(p);
 
   KVF_ASSIGN_OR_RETURN(p, Alloc(act_q * 4, true));
-  q_host_ = static_cast<float*>(p);
+  io_.q_host = static_cast<float*>(p);
   KVF_ASSIGN_OR_RETURN(p, Alloc(batch_q * 4, true));
-  o_cpu_host_ = static_cast<float*>(p);
+  io_.o_cpu_host = static_cast<float*>(p);
   KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(cap.max_batch * hq) * 4, true));
-  lse_cpu_host_ = static_cast<float*>(p);
-  const size_t rows = static_cast<size_t>(max_rows_);
+  io_.lse_cpu_host = static_cast<float*>(p);
+  const size_t rows = static_cast<size_t>(dims_.max_rows);
   KVF_ASSIGN_OR_RETURN(p, Alloc(rows * hkv * 2 * sizeof(RowCopy), true));
-  k_copies_ = static_cast<RowCopy*>(p);
+  desc_.k_copies = static_cast<RowCopy*>(p);
   KVF_ASSIGN_OR_RETURN(p, Alloc(rows * hkv * 2 * sizeof(RowCopy), true));
-  v_copies_ = static_cast<RowCopy*>(p);
+  desc_.v_copies = static_cast<RowCopy*>(p);
   KVF_ASSIGN_OR_RETURN(p, Alloc(rows * hq * sizeof(RowCopy), true));
-  q_copies_ = static_cast<RowCopy*>(p);
+  desc_.q_copies = static_cast<RowCopy*>(p);
   KVF_ASSIGN_OR_RETURN(p, Alloc(rows * hkv * sizeof(RowCopy), true));
-  o_copies_ = static_cast<RowCopy*>(p);
+  desc_.o_copies = static_cast<RowCopy*>(p);
   KVF_ASSIGN_OR_RETURN(call_done_, device_->CreateEvent());
   const size_t items = static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv);
   KVF_ASSIGN_OR_RETURN(p, Alloc(items * sizeof(RowAttnItem), true));
-  gpu_items_ = static_cast<RowAttnItem*>(p);
+  desc_.gpu_items = static_cast<RowAttnItem*>(p);
   KVF_ASSIGN_OR_RETURN(p, Alloc(items * sizeof(RowAttnItem), true));
-  cpu_items_ = static_cast<RowAttnItem*>(p);
+  desc_.cpu_items = static_cast<RowAttnItem*>(p);
   KVF_ASSIGN_OR_RETURN(p, Alloc(std::max<size_t>(items, static_cast<size_t>(hkv)) * sizeof(PagedAttnItem), true));
-  paged_items_ = static_cast<PagedAttnItem*>(p);
-  const size_t row_ptrs = items * static_cast<size_t>(std::max<int64_t>(item_cap_, 1));
-  for (const void*** dst : {&gpu_k_rows_, &gpu_v_rows_, &cpu_k_rows_, &cpu_v_rows_}) {
+  desc_.paged_items = static_cast<PagedAttnItem*>(p);
+  const size_t row_ptrs = items * static_cast<size_t>(std::max<int64_t>(dims_.item_cap, 1));
+  for (const void*** dst : {&desc_.gpu_k_rows, &desc_.gpu_v_rows, &desc_.cpu_k_rows, &desc_.cpu_v_rows}) {
     KVF_ASSIGN_OR_RETURN(p, Alloc(row_ptrs * sizeof(void*), true));
     *dst = static_cast<const void**>(p);
   }
@@ -303,7 +303,7 @@ Status RuntimeImpl::Init() {
   KVF_RETURN_IF_ERROR(InitWindowBuffers());
   // Which bank (SizeDeviceBuffers says why): the device bank read by the planned step, the
   // host-managed one, or none.
-  host_lists_ = z.host_lists;
+  step_.host_lists = z.host_lists;
   if (z.device_bank) {
     KVF_ASSIGN_OR_RETURN(step_bank_,
                          device_->CreateStepBank(StepBankConfigFor(config_.tiers.bank_slots)));
@@ -313,85 +313,85 @@ Status RuntimeImpl::Init() {
     KVF_ASSIGN_OR_RETURN(side_stream_, device_->CreateStream());
     KVF_ASSIGN_OR_RETURN(bank_step_done_, device_->CreateEvent());
   }
-  offloaded_.resize(items);
-  misses_.resize(items);
-  for (auto& v : offloaded_) v.reserve(static_cast<size_t>(item_cap_));
-  for (auto& v : misses_) v.reserve(static_cast<size_t>(item_cap_));
+  scratch_.offloaded.resize(items);
+  scratch_.misses.resize(items);
+  for (auto& v : scratch_.offloaded) v.reserve(static_cast<size_t>(dims_.item_cap));
+  for (auto& v : scratch_.misses) v.reserve(static_cast<size_t>(dims_.item_cap));
   if (device_->backend() == Backend::kCuda) {
     // Prefill staging: one layer's pages of one sequence in device memory, and their page table.
-    max_pages_ = z.max_pages;
+    prefill_.max_pages = z.max_pages;
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_scratch, false));
-    prefill_scratch_ = static_cast<char*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(hkv * max_pages_) * sizeof(void*), true));
-    prefill_pages_host_ = static_cast<void**>(p);
+    prefill_.scratch = static_cast<char*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(hkv * prefill_.max_pages) * sizeof(void*), true));
+    prefill_.pages_host = static_cast<void**>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_pages, false));
-    prefill_pages_dev_ = static_cast<void**>(p);
-    page_copy_dst_.reserve(static_cast<size_t>(hkv * max_pages_));
-    page_copy_src_.reserve(static_cast<size_t>(hkv * max_pages_));
-    page_copy_bytes_.reserve(static_cast<size_t>(hkv * max_pages_));
+    prefill_.pages_dev = static_cast<void**>(p);
+    prefill_.page_copy_dst.reserve(static_cast<size_t>(hkv * prefill_.max_pages));
+    prefill_.page_copy_src.reserve(static_cast<size_t>(hkv * prefill_.max_pages));
+    prefill_.page_copy_bytes.reserve(static_cast<size_t>(hkv * prefill_.max_pages));
     if (z.prefill_prefetch) {
       KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_next, false));
-      prefill_next_ = static_cast<char*>(p);
+      prefill_.next = static_cast<char*>(p);
       KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_next_pages, false));
-      prefill_next_pages_dev_ = static_cast<void**>(p);
-      KVF_ASSIGN_OR_RETURN(prefill_next_ready_, device_->CreateEvent());
-      KVF_ASSIGN_OR_RETURN(prefill_call_start_, device_->CreateEvent());
+      prefill_.next_pages_dev = static_cast<void**>(p);
+      KVF_ASSIGN_OR_RETURN(prefill_.next_ready, device_->CreateEvent());
+      KVF_ASSIGN_OR_RETURN(prefill_.call_start, device_->CreateEvent());
     }
     // Each staging's page table maps head h's page p to its fixed place in it (the kernels that
     // read a staging through a page table: priming, the CUDA-core prefill).
     {
       const int64_t page_bytes = store_->page_bytes();
-      for (auto [table, staging] : {std::pair{prefill_pages_dev_, prefill_scratch_},
-                                    std::pair{prefill_next_pages_dev_, prefill_next_}}) {
+      for (auto [table, staging] : {std::pair{prefill_.pages_dev, prefill_.scratch},
+                                    std::pair{prefill_.next_pages_dev, prefill_.next}}) {
         if (table == nullptr) continue;
-        for (int64_t i = 0; i < hkv * max_pages_; ++i) prefill_pages_host_[i] = staging + i * page_bytes;
-        KVF_RETURN_IF_ERROR(device_->CopyAsync(table, prefill_pages_host_,
-                                               static_cast<size_t>(hkv * max_pages_) * sizeof(void*),
+        for (int64_t i = 0; i < hkv * prefill_.max_pages; ++i) prefill_.pages_host[i] = staging + i * page_bytes;
+        KVF_RETURN_IF_ERROR(device_->CopyAsync(table, prefill_.pages_host,
+                                               static_cast<size_t>(hkv * prefill_.max_pages) * sizeof(void*),
                                                stream_));
         KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
       }
     }
     if (z.prefill_tensor_cores) {
-      prefill_items_bytes_ =
+      prefill_.items_bytes =
           static_cast<size_t>((1 + kPrefillMaxSegments) * hkv) * kPrefillItemBytes;
-      KVF_ASSIGN_OR_RETURN(prefill_items_, Alloc(2 * prefill_items_bytes_, true));
-      for (EventHandle& e : prefill_items_done_) {
+      KVF_ASSIGN_OR_RETURN(prefill_.items, Alloc(2 * prefill_.items_bytes, true));
+      for (EventHandle& e : prefill_.items_done) {
         KVF_ASSIGN_OR_RETURN(e, device_->CreateEvent());
       }
       if (z.prefill_copy_stream) {
-        KVF_ASSIGN_OR_RETURN(prefill_copy_stream_, device_->CreateStream());
-        KVF_ASSIGN_OR_RETURN(prefill_fork_, device_->CreateEvent());
-        prefill_segment_done_.assign(kPrefillMaxSegments, nullptr);
-        for (EventHandle& e : prefill_segment_done_) {
+        KVF_ASSIGN_OR_RETURN(prefill_.copy_stream, device_->CreateStream());
+        KVF_ASSIGN_OR_RETURN(prefill_.fork, device_->CreateEvent());
+        prefill_.segment_done.assign(kPrefillMaxSegments, nullptr);
+        for (EventHandle& e : prefill_.segment_done) {
           KVF_ASSIGN_OR_RETURN(e, device_->CreateEvent());
         }
-        prefill_copy_scratch_.assign(
+        prefill_.copy_scratch.assign(
             PrefillCopyScratchBytes(hkv, store_->max_pages()) / sizeof(void*), nullptr);
       }
       if (z.prefill_write_stream) {
-        KVF_ASSIGN_OR_RETURN(prefill_write_stream_, device_->CreateStream());
-        KVF_ASSIGN_OR_RETURN(prefill_write_ready_, device_->CreateEvent());
-        KVF_ASSIGN_OR_RETURN(prefill_write_done_, device_->CreateEvent());
-        prefill_write_scratch_.assign(
+        KVF_ASSIGN_OR_RETURN(prefill_.write_stream, device_->CreateStream());
+        KVF_ASSIGN_OR_RETURN(prefill_.write_ready, device_->CreateEvent());
+        KVF_ASSIGN_OR_RETURN(prefill_.write_done, device_->CreateEvent());
+        prefill_.write_scratch.assign(
             2 * PrefillCopyScratchBytes(hkv, store_->max_pages()) / sizeof(void*), nullptr);
       }
     }
   }
   // Priming on the device (sizes and the choice: SizeDeviceBuffers).
   if (z.prime_rows > 0) {
-    prime_rows_ = z.prime_rows;
-    prime_table_stride_ = z.prime_table_stride;
+    prime_.rows = z.prime_rows;
+    prime_.table_stride = z.prime_table_stride;
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_tables, false));
-    prime_tables_dev_ = static_cast<float*>(p);
+    prime_.tables_dev = static_cast<float*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_tables, true));
-    prime_tables_host_ = static_cast<float*>(p);
+    prime_.tables_host = static_cast<float*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_stats, false));
-    prime_stats_dev_ = static_cast<double*>(p);
+    prime_.stats_dev = static_cast<double*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_stats, true));
-    prime_stats_host_ = static_cast<double*>(p);
+    prime_.stats_host = static_cast<double*>(p);
     if (z.prime_scratch > 0) {
-      prime_scratch_bytes_ = z.prime_scratch;
-      KVF_ASSIGN_OR_RETURN(prime_scratch_, Alloc(prime_scratch_bytes_, false));
+      prime_.scratch_bytes = z.prime_scratch;
+      KVF_ASSIGN_OR_RETURN(prime_.scratch, Alloc(prime_.scratch_bytes, false));
       // The tensor-core prefill stages pages at fixed places; the priming kernel reads them
       // through the staging's page table (made above).
     }
@@ -404,50 +404,50 @@ Status RuntimeImpl::Init() {
       sizes_.DropScan();
       device_plan_ = sizes_.Plan(cap.gpu_bytes);
     } else {
-      scan_shadow_ = static_cast<int8_t*>(shadow.value());
+      scan_.shadow = static_cast<int8_t*>(shadow.value());
     }
   }
   if (z.device_scan) {
-    device_scan_ = true;
-    scan_picks_cap_ = z.scan_picks;
-    scan_list_cap_ = z.scan_list_cap;
-    scan_channels_ = static_cast<int>(std::min<int64_t>(policy_->device_scan_channels(), m.head_dim));
+    scan_.on = true;
+    scan_.picks_cap = z.scan_picks;
+    scan_.list_cap = z.scan_list_cap;
+    scan_.channels = static_cast<int>(std::min<int64_t>(policy_->device_scan_channels(), m.head_dim));
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_scale, false));
-    scan_scale_ = static_cast<float*>(p);
+    scan_.scale = static_cast<float*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_keys, false));
-    scan_keys_ = static_cast<uint32_t*>(p);
+    scan_.keys = static_cast<uint32_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_ints, false));
-    scan_ints_ = static_cast<int32_t*>(p);
+    scan_.ints = static_cast<int32_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_hist, false));
-    scan_hist_ = static_cast<uint32_t*>(p);
+    scan_.hist = static_cast<uint32_t*>(p);
     {  // the histograms start at zero (each scan leaves them so)
       const std::vector<uint32_t> zeros(z.scan_hist / sizeof(uint32_t), 0u);
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(scan_hist_, zeros.data(), z.scan_hist, stream_));
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(scan_.hist, zeros.data(), z.scan_hist, stream_));
       KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
     }
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_blocks, false));
-    scan_blocks_ = static_cast<int32_t*>(p);
+    scan_.blocks = static_cast<int32_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_counts, true));
-    scan_counts_host_ = static_cast<int32_t*>(p);
+    scan_.counts_host = static_cast<int32_t*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_items, false));
-    scan_items_dev_ = static_cast<LfpsScanItem*>(p);
+    scan_.items_dev = static_cast<LfpsScanItem*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_items, true));
-    scan_items_host_ = static_cast<LfpsScanItem*>(p);
+    scan_.items_host = static_cast<LfpsScanItem*>(p);
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_out, true));
-    scan_out_host_ = static_cast<uint64_t*>(p);
-    KVF_ASSIGN_OR_RETURN(scan_ready_, device_->CreateEvent());
-    scan_rows_.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
-    scan_view_.assign(static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv), {});
+    scan_.out_host = static_cast<uint64_t*>(p);
+    KVF_ASSIGN_OR_RETURN(scan_.ready, device_->CreateEvent());
+    scan_.rows.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
+    scan_.view.assign(static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv), {});
   }
   // Priming deferred to the first Decode (DeferPrime): the kept rows are pinned per slot, made at
   // the slot's first primed prefill.
-  if (policy_->prime_rows() > 0 && (prime_rows_ > 0 || policy_->wants_prefill_queries())) {
-    pending_rows_ = static_cast<int>(
+  if (policy_->prime_rows() > 0 && (prime_.rows > 0 || policy_->wants_prefill_queries())) {
+    prime_.pending_rows = static_cast<int>(
         std::min<int64_t>(policy_->prime_rows(), config_.capacity.max_prefill_chunk));
-    pending_prime_.assign(static_cast<size_t>(config_.capacity.max_sequences) * m.num_layers, {});
-    pending_q_.assign(static_cast<size_t>(config_.capacity.max_sequences), nullptr);
+    prime_.pending.assign(static_cast<size_t>(config_.capacity.max_sequences) * m.num_layers, {});
+    prime_.pending_q.assign(static_cast<size_t>(config_.capacity.max_sequences), nullptr);
     const char* eager = std::getenv("KVFERRY_PRIME_EAGER");
-    prime_eager_ = eager != nullptr && std::string_view(eager) == "1";
+    prime_.eager = eager != nullptr && std::string_view(eager) == "1";
   }
   // Off by default: on the GPU machine (lfps@2%, three runs each) 500 us of spinning
   // started the last of a layer's 8 items 25 us after the first instead of 67-82 us and took 32K
@@ -465,10 +465,10 @@ Status RuntimeImpl::Init() {
                  "capacity.gpu_bytes ", cap.gpu_bytes, " exceeded: the device holds ", held,
                  " bytes after Create's allocations, planned ", device_plan_.ToString());
   if (config_.probe_at_start) KVF_RETURN_IF_ERROR(ProbeCosts());
-  selections_.resize(items);
-  for (auto& s : selections_) s.reserve(static_cast<size_t>(item_cap_));
+  scratch_.selections.resize(items);
+  for (auto& s : scratch_.selections) s.reserve(static_cast<size_t>(dims_.item_cap));
   last_selection_.resize(static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv);
-  item_status_.resize(items);
+  scratch_.item_status.resize(items);
   lengths_.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
   for (int s = cap.max_sequences - 1; s >= 0; --s) free_slots_.push_back(s);
   return Status::Ok();
@@ -478,7 +478,7 @@ Status RuntimeImpl::ProbeCosts() {
   // CPU route: the pool attends random rows of a buffer larger than a core's caches, as it would
   // host-store rows; rate in GB/s of K and V rows read.
   const int d = config_.model.head_dim;
-  const int64_t rows = std::max<int64_t>(4096, (int64_t{16} << 20) / static_cast<int64_t>(2 * row_bytes_));
+  const int64_t rows = std::max<int64_t>(4096, (int64_t{16} << 20) / static_cast<int64_t>(2 * dims_.row_bytes));
   std::vector<uint16_t> kv(static_cast<size_t>(rows) * 2 * d);
   for (size_t i = 0; i < kv.size(); ++i) kv[i] = static_cast<uint16_t>(0x3c00 + (i * 2654435761u >> 22) % 512);
   const int threads = std::max(1, pool_->num_threads());
@@ -491,29 +491,29 @@ Status RuntimeImpl::ProbeCosts() {
     k_rows[i] = kv.data() + r * 2 * d;
     v_rows[i] = kv.data() + (r * 2 + 1) * d;
   }
-  std::vector<float> q(static_cast<size_t>(threads) * group_ * d, 0.01f), o(q.size()),
-      lse(static_cast<size_t>(threads) * group_);
+  std::vector<float> q(static_cast<size_t>(threads) * dims_.group * d, 0.01f), o(q.size()),
+      lse(static_cast<size_t>(threads) * dims_.group);
   std::vector<RowAttnItem> items(static_cast<size_t>(threads));
   for (int t = 0; t < threads; ++t) {
-    items[t] = RowAttnItem{q.data() + t * group_ * d, o.data() + t * group_ * d, lse.data() + t * group_,
+    items[t] = RowAttnItem{q.data() + t * dims_.group * d, o.data() + t * dims_.group * d, lse.data() + t * dims_.group,
                            k_rows.data() + t * per_item, v_rows.data() + t * per_item,
                            static_cast<int32_t>(per_item)};
   }
-  const AttnParams params{group_, d, config_.model.kv_dtype, scale_};
+  const AttnParams params{dims_.group, d, config_.model.kv_dtype, dims_.scale};
   double best = 1e30;
   for (int rep = 0; rep < 3; ++rep) {
     const auto t0 = Clock::now();
     pool_->ParallelFor(threads, [&](int64_t i) { cpu::AttendRows(params, &items[i], 1); });
     best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
   }
-  const double bytes = static_cast<double>(threads * per_item) * 2.0 * static_cast<double>(row_bytes_);
+  const double bytes = static_cast<double>(threads * per_item) * 2.0 * static_cast<double>(dims_.row_bytes);
   cost_.cpu_gbps = std::max(0.1, bytes / best * 1e-9);
   // GPU route: the zero-copy gather rate of host rows, measured on the device, with the link's
   // contiguous H2D rate and the device memory's rate (Stats::cost_h2d_gbps, cost_hbm_gbps).
   if (device_->backend() == Backend::kCuda) {
     Result<std::unique_ptr<TransferEngine>> te = TransferEngine::Create(device_.get(), 1 << 16);
     if (te.ok()) {
-      Result<TransferProbe> probe = te.value()->Probe(size_t{32} << 20, static_cast<int>(row_bytes_));
+      Result<TransferProbe> probe = te.value()->Probe(size_t{32} << 20, static_cast<int>(dims_.row_bytes));
       if (probe.ok() && probe->zero_copy_gather_gbps > 0) cost_.pcie_gbps = probe->zero_copy_gather_gbps;
       if (probe.ok() && probe->h2d_gbps > 0) cost_.h2d_gbps = probe->h2d_gbps;
       if (probe.ok() && probe->d2d_gbps > 0) cost_.hbm_gbps = probe->d2d_gbps;
@@ -555,7 +555,7 @@ int64_t RuntimeImpl::BudgetFor(int64_t n) const {
   if (b <= 0) {
     b = static_cast<int64_t>(std::ceil(config_.policy.budget_fraction * static_cast<double>(n)));
   }
-  return std::clamp<int64_t>(b, 1, std::max<int64_t>(item_cap_, 1));
+  return std::clamp<int64_t>(b, 1, std::max<int64_t>(dims_.item_cap, 1));
 }
 
 Status RuntimeImpl::AddSequence(SequenceId seq) {
@@ -567,17 +567,17 @@ Status RuntimeImpl::AddSequence(SequenceId seq) {
   slots_.emplace(seq, slot);
   std::fill_n(lengths_.begin() + static_cast<int64_t>(slot) * config_.model.num_layers,
               config_.model.num_layers, 0);
-  if (pending_rows_ > 0) {
-    std::fill_n(pending_prime_.begin() + static_cast<int64_t>(slot) * config_.model.num_layers,
+  if (prime_.pending_rows > 0) {
+    std::fill_n(prime_.pending.begin() + static_cast<int64_t>(slot) * config_.model.num_layers,
                 config_.model.num_layers, PendingPrime{});
   }
-  if (device_scan_) {
-    std::fill_n(scan_rows_.begin() + static_cast<int64_t>(slot) * config_.model.num_layers,
+  if (scan_.on) {
+    std::fill_n(scan_.rows.begin() + static_cast<int64_t>(slot) * config_.model.num_layers,
                 config_.model.num_layers, 0);
   }
-  if (staged_.slot == slot) staged_ = {};
-  if (next_staged_.slot == slot) next_staged_ = {};
-  if (last_prefill_.slot == slot) last_prefill_ = {};
+  if (prefill_.staged.slot == slot) prefill_.staged = {};
+  if (prefill_.next_staged.slot == slot) prefill_.next_staged = {};
+  if (prefill_.last.slot == slot) prefill_.last = {};
   return Status::Ok();
 }
 
@@ -634,12 +634,12 @@ char* RuntimeImpl::ResidentK(int slot, int layer, int h, int64_t row) const {
   const int64_t base =
       ((static_cast<int64_t>(slot) * config_.model.num_layers + layer) * config_.model.num_kv_heads + h) *
       slot_rows * 2;
-  return resident_ + static_cast<size_t>(base + row) * row_bytes_;
+  return resident_ + static_cast<size_t>(base + row) * dims_.row_bytes;
 }
 
 char* RuntimeImpl::ResidentV(int slot, int layer, int h, int64_t row) const {
   const int64_t slot_rows = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
-  return ResidentK(slot, layer, h, row) + static_cast<size_t>(slot_rows) * row_bytes_;
+  return ResidentK(slot, layer, h, row) + static_cast<size_t>(slot_rows) * dims_.row_bytes;
 }
 
 int64_t RuntimeImpl::ResidentRow(int64_t pos, int64_t n) const {
@@ -735,18 +735,18 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   // The chunk's rows may have reached the ring before a failure: restore it for the old length,
   // which a failed call leaves unchanged.
   // The device's copy of LFPS's shadow lacks the chunk's rows: made again at the next priming.
-  if (device_scan_) scan_rows_[static_cast<size_t>(slot) * m.num_layers + layer] = 0;
+  if (scan_.on) scan_.rows[static_cast<size_t>(slot) * m.num_layers + layer] = 0;
   Status st = PrefillReserved(slot, layer, q, k, v, out, stream, pos0, new_len);
   if (!st.ok()) {
     // The kept query rows may have been overwritten by this chunk's: nothing stays pending (the
     // layer is primed again by its next successful chunk).
-    if (pending_rows_ > 0) pending_prime_[static_cast<size_t>(slot) * m.num_layers + layer] = {};
-    staged_ = {};
-    last_prefill_ = {};
+    if (prime_.pending_rows > 0) prime_.pending[static_cast<size_t>(slot) * m.num_layers + layer] = {};
+    prefill_.staged = {};
+    prefill_.last = {};
     return WithRestore(std::move(st), RestoreWindow({&slot, 1}, layer, stream));
   }
   len = new_len;
-  if (prime_eager_) KVF_RETURN_IF_ERROR(FlushPrime(slot, layer, stream, true));
+  if (prime_.eager) KVF_RETURN_IF_ERROR(FlushPrime(slot, layer, stream, true));
   stats_.prefill_tokens += tokens;
   Stage(stats_.ms_prefill, "prefill", t0);
   return Status::Ok();
@@ -761,35 +761,35 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
   // A tensor-core chunk whose output stays on the device and whose policy reads no queries on the
   // host follows the last call on the same stream without a host wait: its device buffers are
   // ordered by the stream, its descriptors double-buffered.
-  const bool chained = prefill_items_ != nullptr && prefill_items_done_[0] != nullptr &&
+  const bool chained = prefill_.items != nullptr && prefill_.items_done[0] != nullptr &&
                        stream == last_call_stream_ && out.where == MemoryKind::kDevice &&
-                       (!policy_->wants_prefill_queries() || pending_rows_ > 0) && !prime_eager_;
+                       (!policy_->wants_prefill_queries() || prime_.pending_rows > 0) && !prime_.eager;
   if (chained) {
-    const EventHandle read = prefill_items_done_[prefill_parity_];
+    const EventHandle read = prefill_.items_done[prefill_.parity];
     if (!device_->EventDone(read)) KVF_RETURN_IF_ERROR(HostWaitEvent(read));
   } else {
     KVF_RETURN_IF_ERROR(BeginCall());
   }
   const int64_t nq = tokens * hq * d;
-  KVF_ASSIGN_OR_RETURN(const void* q_src, StageInput(q, q_in_, stream));
-  KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, k_in_, stream));
-  KVF_ASSIGN_OR_RETURN(const void* v_src, StageInput(v, v_in_, stream));
-  const int64_t gd = static_cast<int64_t>(group_) * d;
+  KVF_ASSIGN_OR_RETURN(const void* q_src, StageInput(q, io_.q_in, stream));
+  KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, io_.k_in, stream));
+  KVF_ASSIGN_OR_RETURN(const void* v_src, StageInput(v, io_.v_in, stream));
+  const int64_t gd = static_cast<int64_t>(dims_.group) * d;
   // q to f32, transposed to [Hkv, T, G, D] so that each KV head's queries are contiguous.
   auto transpose_q = [&]() -> Status {
     for (int64_t t = 0; t < tokens; ++t) {
       for (int h = 0; h < hkv; ++h) {
-        q_copies_[t * hkv + h] = RowCopy{
-            q_f32_ + (h * tokens + t) * gd,
-            static_cast<const char*>(q_src) + (t * hq + h * group_) * d * DTypeSize(q.dtype)};
+        desc_.q_copies[t * hkv + h] = RowCopy{
+            io_.q_f32 + (h * tokens + t) * gd,
+            static_cast<const char*>(q_src) + (t * hq + h * dims_.group) * d * DTypeSize(q.dtype)};
       }
     }
-    return CopyRowsWide(q_copies_, tokens * hkv, static_cast<int>(gd), q.dtype, DType::kF32,
+    return CopyRowsWide(desc_.q_copies, tokens * hkv, static_cast<int>(gd), q.dtype, DType::kF32,
                         stream);
   };
-  AttnParams params{group_, d, m.kv_dtype, scale_};
+  AttnParams params{dims_.group, d, m.kv_dtype, dims_.scale};
   bool tensor_cores = false;
-  if (prefill_items_ != nullptr) {
+  if (prefill_.items != nullptr) {
     // CUDA: one staging pass and the tensor-core kernel (gpu/prefill.cuh).
     KVF_RETURN_IF_ERROR(store_->FlushTable(stream));
     const int64_t rows_per_slot = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
@@ -809,93 +809,93 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
     st.pages = store_->device_table() + t0_index * store_->max_pages();
     st.max_pages = store_->max_pages();
     st.page_tokens = store_->shape().page_tokens;
-    st.resident = resident_ + static_cast<size_t>(t0_index * 2 * rows_per_slot) * row_bytes_;
+    st.resident = resident_ + static_cast<size_t>(t0_index * 2 * rows_per_slot) * dims_.row_bytes;
     st.sink = config_.tiers.sink_tokens;
     st.window = config_.tiers.window_tokens;
     // Chunk-major: the call before this one copied this call's history into the second staging
     // (PrefetchNextHistory); it becomes the staging, the copies ordered before this chunk.
-    const bool prefetched = prefill_next_ != nullptr && pos0 > 0 &&
-                            next_staged_.slot == slot && next_staged_.layer == layer &&
-                            next_staged_.rows == pos0;
-    next_staged_ = {};
+    const bool prefetched = prefill_.next != nullptr && pos0 > 0 &&
+                            prefill_.next_staged.slot == slot && prefill_.next_staged.layer == layer &&
+                            prefill_.next_staged.rows == pos0;
+    prefill_.next_staged = {};
     if (prefetched) {
-      std::swap(prefill_scratch_, prefill_next_);
-      std::swap(prefill_pages_dev_, prefill_next_pages_dev_);
-      staged_ = {slot, layer, pos0};
-      KVF_RETURN_IF_ERROR(device_->WaitEvent(stream, prefill_next_ready_));
+      std::swap(prefill_.scratch, prefill_.next);
+      std::swap(prefill_.pages_dev, prefill_.next_pages_dev);
+      prefill_.staged = {slot, layer, pos0};
+      KVF_RETURN_IF_ERROR(device_->WaitEvent(stream, prefill_.next_ready));
       ++stats_.prefill_chunks_prefetched;
     }
-    if (prefill_next_ != nullptr) KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_call_start_, stream));
-    st.staging = prefill_scratch_;
-    st.staging_cap = max_pages_ * store_->shape().page_tokens;
+    if (prefill_.next != nullptr) KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_.call_start, stream));
+    st.staging = prefill_.scratch;
+    st.staging_cap = prefill_.max_pages * store_->shape().page_tokens;
     // A chunk that continues the one before it (same sequence and layer, nothing appended since)
     // finds the history in the staging: no PCIe pass over it (the prompt's chunks of one layer in
     // a row, as a layer-by-layer prefill issues them). Invalid until this chunk succeeds.
-    st.history_staged = pos0 > 0 && staged_.slot == slot && staged_.layer == layer &&
-                        staged_.rows == pos0;
-    staged_ = {};
+    st.history_staged = pos0 > 0 && prefill_.staged.slot == slot && prefill_.staged.layer == layer &&
+                        prefill_.staged.rows == pos0;
+    prefill_.staged = {};
     a.params = params;
     a.num_q_heads = hq;
     a.q = q_src;
     a.q_dtype = q.dtype;
     const bool out_direct = out.where == MemoryKind::kDevice;
-    a.out = out_direct ? out.data : out_stage_;
+    a.out = out_direct ? out.data : io_.out_stage;
     a.out_dtype = out.dtype;
-    a.q_scratch = q_in_ == q_src ? out_stage_ : q_in_;  // a free buffer of the chunk's size
-    if (!out_direct && a.q_scratch == out_stage_) a.q_scratch = q_f32_;
-    a.items = static_cast<char*>(prefill_items_) + prefill_parity_ * prefill_items_bytes_;
-    a.items_bytes = prefill_items_bytes_;
-    if (prefill_copy_stream_ != nullptr) {
-      a.copy_stream = prefill_copy_stream_;
-      a.fork_done = prefill_fork_;
-      a.segment_done = prefill_segment_done_.data();
+    a.q_scratch = io_.q_in == q_src ? io_.out_stage : io_.q_in;  // a free buffer of the chunk's size
+    if (!out_direct && a.q_scratch == io_.out_stage) a.q_scratch = io_.q_f32;
+    a.items = static_cast<char*>(prefill_.items) + prefill_.parity * prefill_.items_bytes;
+    a.items_bytes = prefill_.items_bytes;
+    if (prefill_.copy_stream != nullptr) {
+      a.copy_stream = prefill_.copy_stream;
+      a.fork_done = prefill_.fork;
+      a.segment_done = prefill_.segment_done.data();
       a.host_pages = store_->pages(slot, layer, 0).pages;
-      a.copy_scratch = prefill_copy_scratch_.data();
-      a.o_acc = o_gpu_;
-      a.lse_acc = lse_gpu_;
+      a.copy_scratch = prefill_.copy_scratch.data();
+      a.o_acc = io_.o_gpu;
+      a.lse_acc = io_.lse_gpu;
     }
-    if (prefill_write_stream_ != nullptr) {
+    if (prefill_.write_stream != nullptr) {
       a.host_pages = store_->pages(slot, layer, 0).pages;
-      a.write_stream = prefill_write_stream_;
-      a.write_ready = prefill_write_ready_;
-      a.write_done = prefill_write_done_;
-      a.write_scratch = prefill_write_scratch_.data();
+      a.write_stream = prefill_.write_stream;
+      a.write_ready = prefill_.write_ready;
+      a.write_done = prefill_.write_done;
+      a.write_scratch = prefill_.write_scratch.data();
     }
     KVF_RETURN_IF_ERROR(device_->PrefillChunk(a, stream));
-    staged_ = {slot, layer, new_len};
-    if (prefill_next_ != nullptr) {
+    prefill_.staged = {slot, layer, new_len};
+    if (prefill_.next != nullptr) {
       KVF_RETURN_IF_ERROR(PrefetchNextHistory(slot, layer, pos0, new_len));
     }
-    KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_items_done_[prefill_parity_], stream));
-    prefill_parity_ ^= 1;
+    KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_.items_done[prefill_.parity], stream));
+    prefill_.parity ^= 1;
     tensor_cores = true;
     if (!out_direct) {
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, io_.out_stage, nq * DTypeSize(out.dtype), stream));
     }
-    stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
+    stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(dims_.row_bytes);  // write-through
     if (!st.history_staged) {
-      stats_.bytes_h2d += pos0 * hkv * 2 * static_cast<int64_t>(row_bytes_);  // earlier rows staged
+      stats_.bytes_h2d += pos0 * hkv * 2 * static_cast<int64_t>(dims_.row_bytes);  // earlier rows staged
     }
   }
   if (!tensor_cores) {
     const int64_t n_copies = PlanAppend(slot, layer, pos0, tokens, new_len, k_src, DTypeSize(k.dtype),
-                                        v_src, DTypeSize(v.dtype), 0, k_copies_, v_copies_);
-    KVF_RETURN_IF_ERROR(CopyRowsWide(k_copies_, n_copies, d, k.dtype, m.kv_dtype, stream));
-    KVF_RETURN_IF_ERROR(CopyRowsWide(v_copies_, n_copies, d, v.dtype, m.kv_dtype, stream));
-    stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(row_bytes_);  // write-through
+                                        v_src, DTypeSize(v.dtype), 0, desc_.k_copies, desc_.v_copies);
+    KVF_RETURN_IF_ERROR(CopyRowsWide(desc_.k_copies, n_copies, d, k.dtype, m.kv_dtype, stream));
+    KVF_RETURN_IF_ERROR(CopyRowsWide(desc_.v_copies, n_copies, d, v.dtype, m.kv_dtype, stream));
+    stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(dims_.row_bytes);  // write-through
 
     KVF_RETURN_IF_ERROR(transpose_q());
-    float* o_f32 = o_gpu_;
+    float* o_f32 = io_.o_gpu;
     // On a GPU, prefill reads every stored row once per query: stage this layer's pages in device
     // memory first (one PCIe pass per chunk) instead of reading them over PCIe for every query.
-    const bool stage_pages = prefill_pages_dev_ != nullptr;
+    const bool stage_pages = prefill_.pages_dev != nullptr;
     if (stage_pages) KVF_RETURN_IF_ERROR(StageLayerPages(slot, layer, new_len, stream));
     for (int h = 0; h < hkv; ++h) {
-      PagedAttnItem& it = paged_items_[h];
-      it.q = q_f32_ + h * tokens * gd;
+      PagedAttnItem& it = desc_.paged_items[h];
+      it.q = io_.q_f32 + h * tokens * gd;
       it.o = o_f32 + h * tokens * gd;
-      it.lse = lse_gpu_ + h * tokens * group_;
-      it.kv = stage_pages ? KvPages{prefill_pages_dev_ + h * max_pages_, store_->shape().page_tokens}
+      it.lse = io_.lse_gpu + h * tokens * dims_.group;
+      it.kv = stage_pages ? KvPages{prefill_.pages_dev + h * prefill_.max_pages, store_->shape().page_tokens}
                           : store_->pages(slot, layer, h);
       it.q_pos0 = pos0;
       it.num_q = static_cast<int32_t>(tokens);
@@ -909,37 +909,37 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
       const int64_t blocks = (tokens + query_block - 1) / query_block;
       pool_->ParallelFor(hkv * blocks, [&](int64_t u) {
         const int64_t t0 = (blocks - 1 - u / hkv) * query_block;
-        PagedAttnItem it = paged_items_[u % hkv];
+        PagedAttnItem it = desc_.paged_items[u % hkv];
         it.q += t0 * gd;
         it.o += t0 * gd;
-        it.lse += t0 * group_;
+        it.lse += t0 * dims_.group;
         it.q_pos0 += t0;
         it.num_q = static_cast<int32_t>(std::min(query_block, tokens - t0));
         cpu::AttendPaged(params, &it, 1);
       });
     } else {
-      KVF_RETURN_IF_ERROR(device_->AttendPaged(params, paged_items_, hkv, stream));
+      KVF_RETURN_IF_ERROR(device_->AttendPaged(params, desc_.paged_items, hkv, stream));
     }
     const bool out_direct = out.where == MemoryKind::kDevice || device_->backend() == Backend::kHost;
-    char* out_dst = static_cast<char*>(out_direct ? out.data : out_stage_);
+    char* out_dst = static_cast<char*>(out_direct ? out.data : io_.out_stage);
     for (int64_t t = 0; t < tokens; ++t) {
       for (int h = 0; h < hkv; ++h) {
-        o_copies_[t * hkv + h] = RowCopy{out_dst + (t * hq + h * group_) * d * DTypeSize(out.dtype),
+        desc_.o_copies[t * hkv + h] = RowCopy{out_dst + (t * hq + h * dims_.group) * d * DTypeSize(out.dtype),
                                          o_f32 + (h * tokens + t) * gd};
       }
     }
-    KVF_RETURN_IF_ERROR(CopyRowsWide(o_copies_, tokens * hkv, static_cast<int>(gd), DType::kF32,
+    KVF_RETURN_IF_ERROR(CopyRowsWide(desc_.o_copies, tokens * hkv, static_cast<int>(gd), DType::kF32,
                                      out.dtype, stream));
     if (!out_direct) {
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, nq * DTypeSize(out.dtype), stream));
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, io_.out_stage, nq * DTypeSize(out.dtype), stream));
     }
   }
 
-  if (pending_rows_ > 0) {
+  if (prime_.pending_rows > 0) {
     KVF_RETURN_IF_ERROR(DeferPrime(slot, layer, new_len, tokens, q_src, q.dtype, stream));
-  } else if (prime_rows_ > 0 || policy_->wants_prefill_queries()) {
+  } else if (prime_.rows > 0 || policy_->wants_prefill_queries()) {
     // A policy that reads every query row of the chunk (no prime_rows): primed now.
-    if (tensor_cores) KVF_RETURN_IF_ERROR(transpose_q());  // q_f32_: [Hkv, T, G, D]
+    if (tensor_cores) KVF_RETURN_IF_ERROR(transpose_q());  // io_.q_f32: [Hkv, T, G, D]
     const auto tp = Clock::now();
     KVF_RETURN_IF_ERROR(PrimePolicy(slot, layer, new_len, static_cast<int>(tokens), stream));
     Stage(stats_.ms_prime, "prime", tp);
@@ -951,15 +951,15 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
 }
 
 Status RuntimeImpl::StageLayerPages(int slot, int layer, int64_t n, StreamHandle stream) {
-  KVF_RETURN_IF_ERROR(CopyLayerPages(slot, layer, n, prefill_scratch_, stream));
-  staged_ = {slot, layer, n};
+  KVF_RETURN_IF_ERROR(CopyLayerPages(slot, layer, n, prefill_.scratch, stream));
+  prefill_.staged = {slot, layer, n};
   return Status::Ok();
 }
 
 Status RuntimeImpl::PrefetchNextHistory(int slot, int layer, int64_t pos0, int64_t new_len) {
   const int layers = config_.model.num_layers;
-  const LastPrefill prev = last_prefill_;
-  last_prefill_ = {slot, layer, pos0, new_len};
+  const LastPrefill prev = prefill_.last;
+  prefill_.last = {slot, layer, pos0, new_len};
   // Chunk-major: the call before was this chunk's previous layer, or (layer 0) the previous
   // chunk's last layer. The next call is then the next layer's chunk, or the next chunk's layer 0.
   const bool chunk_major =
@@ -974,10 +974,10 @@ Status RuntimeImpl::PrefetchNextHistory(int slot, int layer, int64_t pos0, int64
     return Status::Ok();
   }
   // After the work before this call (the rows' write-through, the last reader of this staging).
-  KVF_RETURN_IF_ERROR(device_->WaitEvent(prefill_copy_stream_, prefill_call_start_));
-  KVF_RETURN_IF_ERROR(CopyLayerPages(slot, next_layer, rows, prefill_next_, prefill_copy_stream_));
-  KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_next_ready_, prefill_copy_stream_));
-  next_staged_ = {slot, next_layer, rows};
+  KVF_RETURN_IF_ERROR(device_->WaitEvent(prefill_.copy_stream, prefill_.call_start));
+  KVF_RETURN_IF_ERROR(CopyLayerPages(slot, next_layer, rows, prefill_.next, prefill_.copy_stream));
+  KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_.next_ready, prefill_.copy_stream));
+  prefill_.next_staged = {slot, next_layer, rows};
   return Status::Ok();
 }
 
@@ -988,9 +988,9 @@ Status RuntimeImpl::CopyLayerPages(int slot, int layer, int64_t n, char* staging
   const int64_t page_bytes = store_->page_bytes();
   // One batched enqueue: a copy per page run costs the host microseconds each, thousands of them
   // per layer at 128K, which a chunk-major prefill would pay on its critical path.
-  page_copy_dst_.clear();
-  page_copy_src_.clear();
-  page_copy_bytes_.clear();
+  prefill_.page_copy_dst.clear();
+  prefill_.page_copy_src.clear();
+  prefill_.page_copy_bytes.clear();
   for (int h = 0; h < hkv; ++h) {
     const KvPages src = store_->pages(slot, layer, h);
     // Pages adjacent in the host store (and in the staging) go in one copy.
@@ -1001,15 +1001,15 @@ Status RuntimeImpl::CopyLayerPages(int slot, int layer, int64_t n, char* staging
                  static_cast<const char*>(src.pages[pg]) + run * page_bytes) {
         ++run;
       }
-      page_copy_dst_.push_back(staging + (h * max_pages_ + pg) * page_bytes);
-      page_copy_src_.push_back(src.pages[pg]);
-      page_copy_bytes_.push_back(static_cast<size_t>(run * page_bytes));
+      prefill_.page_copy_dst.push_back(staging + (h * prefill_.max_pages + pg) * page_bytes);
+      prefill_.page_copy_src.push_back(src.pages[pg]);
+      prefill_.page_copy_bytes.push_back(static_cast<size_t>(run * page_bytes));
       pg += run;
     }
   }
-  KVF_RETURN_IF_ERROR(device_->CopyBatchAsync(page_copy_dst_.data(), page_copy_src_.data(),
-                                              page_copy_bytes_.data(),
-                                              static_cast<int64_t>(page_copy_dst_.size()), stream));
+  KVF_RETURN_IF_ERROR(device_->CopyBatchAsync(prefill_.page_copy_dst.data(), prefill_.page_copy_src.data(),
+                                              prefill_.page_copy_bytes.data(),
+                                              static_cast<int64_t>(prefill_.page_copy_dst.size()), stream));
   stats_.bytes_h2d += num_pages * page_bytes * hkv;
   return Status::Ok();
 }
@@ -1017,9 +1017,9 @@ Status RuntimeImpl::CopyLayerPages(int slot, int layer, int64_t n, char* staging
 Status RuntimeImpl::DeferPrime(int slot, int layer, int64_t new_len, int64_t tokens,
                                const void* q_src, DType q_dtype, StreamHandle stream) {
   const ModelShape& m = config_.model;
-  const int rows = static_cast<int>(std::min<int64_t>(pending_rows_, tokens));
+  const int rows = static_cast<int>(std::min<int64_t>(prime_.pending_rows, tokens));
   const size_t row_bytes = static_cast<size_t>(m.num_q_heads) * m.head_dim * DTypeSize(q_dtype);
-  char*& buf = pending_q_[static_cast<size_t>(slot)];
+  char*& buf = prime_.pending_q[static_cast<size_t>(slot)];
   if (buf == nullptr) {  // the slot's first primed prefill: its pinned rows for every layer
     KVF_ASSIGN_OR_RETURN(void* p, Alloc(PendingQBytes() * static_cast<size_t>(m.num_layers), true));
     buf = static_cast<char*>(p);
@@ -1029,13 +1029,13 @@ Status RuntimeImpl::DeferPrime(int slot, int layer, int64_t new_len, int64_t tok
       static_cast<const char*>(q_src) + static_cast<size_t>(tokens - rows) * row_bytes,
       static_cast<size_t>(rows) * row_bytes, stream));
   if (device_->backend() != Backend::kHost) stats_.bytes_d2h += rows * static_cast<int64_t>(row_bytes);
-  pending_prime_[static_cast<size_t>(slot) * m.num_layers + layer] = {new_len, rows, q_dtype};
+  prime_.pending[static_cast<size_t>(slot) * m.num_layers + layer] = {new_len, rows, q_dtype};
   return Status::Ok();
 }
 
 Status RuntimeImpl::FlushPrime(int slot, int layer, StreamHandle stream, bool same_call) {
   const ModelShape& m = config_.model;
-  PendingPrime& pp = pending_prime_[static_cast<size_t>(slot) * m.num_layers + layer];
+  PendingPrime& pp = prime_.pending[static_cast<size_t>(slot) * m.num_layers + layer];
   if (pp.n == 0) return Status::Ok();
   const auto t0 = Clock::now();
   // The rows were copied on their Prefill's stream. Every call waits for its predecessor or
@@ -1051,20 +1051,20 @@ Status RuntimeImpl::FlushPrime(int slot, int layer, StreamHandle stream, bool sa
   const size_t elem = DTypeSize(pp.dtype);
   const char* src = PendingQ(slot, layer);
   if (device_->backend() != Backend::kHost) {
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(q_in_, src, static_cast<size_t>(rows) * hq * d * elem, stream));
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.q_in, src, static_cast<size_t>(rows) * hq * d * elem, stream));
     stats_.bytes_h2d += static_cast<int64_t>(rows) * hq * d * static_cast<int64_t>(elem);
-    src = static_cast<const char*>(q_in_);
+    src = static_cast<const char*>(io_.q_in);
   }
-  // q to f32 [Hkv][rows][G][D] in q_f32_.
-  const int64_t gd = static_cast<int64_t>(group_) * d;
+  // q to f32 [Hkv][rows][G][D] in io_.q_f32.
+  const int64_t gd = static_cast<int64_t>(dims_.group) * d;
   for (int t = 0; t < rows; ++t) {
     for (int h = 0; h < hkv; ++h) {
-      q_copies_[t * hkv + h] =
-          RowCopy{q_f32_ + (static_cast<int64_t>(h) * rows + t) * gd,
-                  src + (static_cast<size_t>(t) * hq + static_cast<size_t>(h) * group_) * d * elem};
+      desc_.q_copies[t * hkv + h] =
+          RowCopy{io_.q_f32 + (static_cast<int64_t>(h) * rows + t) * gd,
+                  src + (static_cast<size_t>(t) * hq + static_cast<size_t>(h) * dims_.group) * d * elem};
     }
   }
-  KVF_RETURN_IF_ERROR(CopyRowsWide(q_copies_, static_cast<int64_t>(rows) * hkv,
+  KVF_RETURN_IF_ERROR(CopyRowsWide(desc_.q_copies, static_cast<int64_t>(rows) * hkv,
                                    static_cast<int>(gd), pp.dtype, DType::kF32, stream));
   KVF_RETURN_IF_ERROR(PrimePolicy(slot, layer, pp.n, rows, stream));
   pp = {};
@@ -1077,7 +1077,7 @@ Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t new_len, int rows,
   // Policies that learn from the prompt (LFPS primes its tables) get its f32 queries on the host,
   // or the statistics the device computed from them.
   const int hkv = config_.model.num_kv_heads, d = config_.model.head_dim;
-  const int64_t gd = static_cast<int64_t>(group_) * d;
+  const int64_t gd = static_cast<int64_t>(dims_.group) * d;
   PrefillContext ctx;
   ctx.slot = slot;
   ctx.layer = layer;
@@ -1086,13 +1086,13 @@ Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t new_len, int rows,
   ctx.n = new_len;
   ctx.sink = config_.tiers.sink_tokens;
   ctx.window = config_.tiers.window_tokens;
-  ctx.params = AttnParams{group_, d, config_.model.kv_dtype, scale_};
-  if (prime_rows_ > 0) {
-    const int prime = std::min(prime_rows_, rows);
+  ctx.params = AttnParams{dims_.group, d, config_.model.kv_dtype, dims_.scale};
+  if (prime_.rows > 0) {
+    const int prime = std::min(prime_.rows, rows);
     PrimeArgs a;
     a.params = ctx.params;
     a.num_kv_heads = hkv;
-    a.q = q_f32_ + static_cast<int64_t>(rows - prime) * gd;
+    a.q = io_.q_f32 + static_cast<int64_t>(rows - prime) * gd;
     a.q_head_stride = rows * gd;
     a.rows = prime;
     a.t_first = new_len - prime;
@@ -1104,29 +1104,29 @@ Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t new_len, int rows,
       // first (one PCIe pass; the staging belongs to whichever chunk ran last). Read through the
       // host store's page table instead, over PCIe, it took 46 ms a layer at 32K on the H100.
       // (Unless the chunk that just ran left them there.)
-      if (!(staged_.slot == slot && staged_.layer == layer && staged_.rows == new_len)) {
+      if (!(prefill_.staged.slot == slot && prefill_.staged.layer == layer && prefill_.staged.rows == new_len)) {
         KVF_RETURN_IF_ERROR(StageLayerPages(slot, layer, new_len, stream));
       }
-      a.pages = prefill_pages_dev_;
-      a.max_pages = max_pages_;
+      a.pages = prefill_.pages_dev;
+      a.max_pages = prefill_.max_pages;
     } else {
       a.pages = store_->pages(slot, layer, 0).pages;
       a.max_pages = store_->max_pages();
     }
     a.page_tokens = store_->shape().page_tokens;
-    a.tables = prime_tables_dev_;
-    a.table_stride = prime_table_stride_;
-    a.stats = prime_stats_dev_;
-    a.scratch = prime_scratch_;
-    a.scratch_bytes = prime_scratch_bytes_;
+    a.tables = prime_.tables_dev;
+    a.table_stride = prime_.table_stride;
+    a.stats = prime_.stats_dev;
+    a.scratch = prime_.scratch;
+    a.scratch_bytes = prime_.scratch_bytes;
     KVF_RETURN_IF_ERROR(device_->PrimeAttention(a, stream));
-    const int64_t stats_count = PrimeStatsCount(d, group_);
+    const int64_t stats_count = PrimeStatsCount(d, dims_.group);
     for (int h = 0; h < hkv; ++h) {
       KVF_RETURN_IF_ERROR(device_->CopyAsync(
-          prime_tables_host_ + h * prime_table_stride_, prime_tables_dev_ + h * prime_table_stride_,
+          prime_.tables_host + h * prime_.table_stride, prime_.tables_dev + h * prime_.table_stride,
           static_cast<size_t>(2 * new_len) * sizeof(float), stream));
     }
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(prime_stats_host_, prime_stats_dev_,
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(prime_.stats_host, prime_.stats_dev,
                                            static_cast<size_t>(hkv * stats_count) * sizeof(double),
                                            stream));
     KVF_RETURN_IF_ERROR(HostWaitStream(stream));
@@ -1139,9 +1139,9 @@ Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t new_len, int rows,
       head_ctx.kv_head = static_cast<int>(h);
       head_ctx.kv = store_->pages(slot, layer, static_cast<int>(h));
       PrimedStats primed;
-      primed.ver = prime_tables_host_ + h * prime_table_stride_;
+      primed.ver = prime_.tables_host + h * prime_.table_stride;
       primed.sla = primed.ver + new_len;
-      primed.stats = prime_stats_host_ + h * stats_count;
+      primed.stats = prime_.stats_host + h * stats_count;
       primed.rows = prime;
       head_status[static_cast<size_t>(h)] = policy_->OnPrefillPrimed(head_ctx, primed);
     });
@@ -1149,12 +1149,12 @@ Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t new_len, int rows,
     KVF_RETURN_IF_ERROR(CopyScanShadow(slot, layer, stream));
   } else {
     const int64_t nq = static_cast<int64_t>(rows) * config_.model.num_q_heads * d;
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, static_cast<size_t>(nq) * 4, stream));
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.q_host, io_.q_f32, static_cast<size_t>(nq) * 4, stream));
     KVF_RETURN_IF_ERROR(HostWaitStream(stream));
     if (device_->backend() != Backend::kHost) stats_.bytes_d2h += nq * 4;
     for (int h = 0; h < hkv; ++h) {
       ctx.kv_head = h;
-      ctx.q = q_host_ + h * rows * gd;
+      ctx.q = io_.q_host + h * rows * gd;
       ctx.kv = store_->pages(slot, layer, h);
       KVF_RETURN_IF_ERROR(policy_->OnPrefill(ctx));
     }
@@ -1221,22 +1221,22 @@ Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const
   }
   KVF_RETURN_IF_ERROR(BeginCall());
   auto append = [&]() -> Status {
-    KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, k_in_, stream));
-    KVF_ASSIGN_OR_RETURN(const void* v_src, StageInput(v, v_in_, stream));
+    KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, io_.k_in, stream));
+    KVF_ASSIGN_OR_RETURN(const void* v_src, StageInput(v, io_.v_in, stream));
     const int64_t n_copies = PlanAppend(slot, layer, len, tokens, new_len, k_src,
                                         DTypeSize(k.dtype), v_src, DTypeSize(v.dtype), 0,
-                                        k_copies_, v_copies_);
+                                        desc_.k_copies, desc_.v_copies);
     KVF_RETURN_IF_ERROR(
-        CopyRowsWide(k_copies_, n_copies, m.head_dim, k.dtype, m.kv_dtype, stream));
+        CopyRowsWide(desc_.k_copies, n_copies, m.head_dim, k.dtype, m.kv_dtype, stream));
     KVF_RETURN_IF_ERROR(
-        CopyRowsWide(v_copies_, n_copies, m.head_dim, v.dtype, m.kv_dtype, stream));
+        CopyRowsWide(desc_.v_copies, n_copies, m.head_dim, v.dtype, m.kv_dtype, stream));
     KVF_RETURN_IF_ERROR(SelectorStored(slot, layer, len, new_len, stream));
     return EndCall(stream);
   };
   // As in Prefill: a failure leaves the length as it was and the ring restored for it.
   Status st = append();
   if (!st.ok()) return WithRestore(std::move(st), RestoreWindow({&slot, 1}, layer, stream));
-  stats_.bytes_d2h += tokens * m.num_kv_heads * 2 * static_cast<int64_t>(row_bytes_);
+  stats_.bytes_d2h += tokens * m.num_kv_heads * 2 * static_cast<int64_t>(dims_.row_bytes);
   len = new_len;
   stats_.prefill_tokens += tokens;
   Stage(stats_.ms_prefill, "prefill", t0);
@@ -1266,16 +1266,16 @@ Status RuntimeImpl::SelectItem(int64_t item, int slot, int layer, int kv_head, i
   ctx.window = config_.tiers.window_tokens;
   ctx.budget = BudgetFor(n);
   ctx.q = q;
-  ctx.params = AttnParams{group_, config_.model.head_dim, config_.model.kv_dtype, scale_};
+  ctx.params = AttnParams{dims_.group, config_.model.head_dim, config_.model.kv_dtype, dims_.scale};
   ctx.kv = store_->pages(slot, layer, kv_head);
   ctx.threads = threads;
   ctx.scan = scan;
-  std::vector<int32_t>& sel = selections_[item];
+  std::vector<int32_t>& sel = scratch_.selections[item];
   sel.clear();
   KVF_RETURN_IF_ERROR(policy_->Select(ctx, sel));
-  KVF_CHECK_CODE(static_cast<int64_t>(sel.size()) <= item_cap_, StatusCode::kInternal, "policy '",
+  KVF_CHECK_CODE(static_cast<int64_t>(sel.size()) <= dims_.item_cap, StatusCode::kInternal, "policy '",
                  policy_->name(), "' selected ", sel.size(), " positions, over its capacity ",
-                 item_cap_);
+                 dims_.item_cap);
   return Status::Ok();
 }
 
@@ -1292,7 +1292,7 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   KVF_RETURN_IF_ERROR(CheckTensor(k, "k", batch, m.num_kv_heads));
   KVF_RETURN_IF_ERROR(CheckTensor(v, "v", batch, m.num_kv_heads));
   KVF_RETURN_IF_ERROR(CheckTensor(out, "out", batch, m.num_q_heads));
-  std::vector<int>& slot_of = batch_slots_;  // thread_local would not reach the worker threads
+  std::vector<int>& slot_of = scratch_.batch_slots;  // thread_local would not reach the worker threads
   KVF_RETURN_IF_ERROR(CheckBatch(seqs, slot_of));
   // A sliding-window layer: its ring, no policy (runtime/window.cpp).
   if (WindowOf(layer) > 0) return WindowDecode(seqs, slot_of, layer, q, k, v, out, stream);
@@ -1300,11 +1300,11 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   // capture (it waits for the device): the priming policies select on the host, and the planned
   // step refuses the capture below with its own message.
   // Only a step with something pending asks whether the stream is capturing.
-  if (pending_rows_ > 0) {
+  if (prime_.pending_rows > 0) {
     const StreamHandle s = stream == nullptr ? stream_ : stream;
     int8_t capturing = -1;  // not asked yet
     for (const int slot : slot_of) {
-      if (pending_prime_[static_cast<size_t>(slot) * m.num_layers + layer].n == 0) continue;
+      if (prime_.pending[static_cast<size_t>(slot) * m.num_layers + layer].n == 0) continue;
       if (capturing < 0) capturing = device_->IsCapturing(s) ? 1 : 0;
       if (capturing == 1) break;
       KVF_RETURN_IF_ERROR(FlushPrime(slot, layer, s, false));
@@ -1312,7 +1312,7 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   }
   // Policies that select on the device, CPU-placed ones on route cpu and host-selecting ones with
   // the device bank run the planned step (runtime/decode_plan.cpp).
-  if (fast_path_ || cpu_step_ || host_lists_) {
+  if (step_.fast_path || step_.cpu_step || step_.host_lists) {
     return RunDecodeStep(seqs, layer, q, k, v, out, stream);
   }
   KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, layer));
@@ -1322,26 +1322,26 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
 
   // 1 append: write the new rows through to the store and into the resident ring; q to f32.
   KVF_RETURN_IF_ERROR(BeginCall());
-  KVF_ASSIGN_OR_RETURN(const void* q_src, StageInput(q, q_in_, stream));
-  KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, k_in_, stream));
-  KVF_ASSIGN_OR_RETURN(const void* v_src, StageInput(v, v_in_, stream));
+  KVF_ASSIGN_OR_RETURN(const void* q_src, StageInput(q, io_.q_in, stream));
+  KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, io_.k_in, stream));
+  KVF_ASSIGN_OR_RETURN(const void* v_src, StageInput(v, io_.v_in, stream));
   for (int64_t r = 0; r < batch * hq; ++r) {
-    q_copies_[r] = RowCopy{q_f32_ + r * d, static_cast<const char*>(q_src) + r * d * DTypeSize(q.dtype)};
+    desc_.q_copies[r] = RowCopy{io_.q_f32 + r * d, static_cast<const char*>(q_src) + r * d * DTypeSize(q.dtype)};
   }
-  KVF_RETURN_IF_ERROR(device_->CopyRows(q_copies_, batch * hq, d, q.dtype, DType::kF32, stream));
+  KVF_RETURN_IF_ERROR(device_->CopyRows(desc_.q_copies, batch * hq, d, q.dtype, DType::kF32, stream));
   int64_t n_copies = 0;
   for (int64_t b = 0; b < batch; ++b) {
     int64_t& len = lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
     n_copies += PlanAppend(slot_of[b], layer, len, 1, len + 1, k_src, DTypeSize(k.dtype), v_src,
-                           DTypeSize(v.dtype), b, k_copies_ + n_copies, v_copies_ + n_copies);
+                           DTypeSize(v.dtype), b, desc_.k_copies + n_copies, desc_.v_copies + n_copies);
   }
   // From here the new rows are in the ring: a failure takes the token back and restores the ring
   // (RollBackDecode), so that every sequence of the batch is as before the call.
-  Status appended = device_->CopyRows(k_copies_, n_copies, d, k.dtype, m.kv_dtype, stream);
-  if (appended.ok()) appended = device_->CopyRows(v_copies_, n_copies, d, v.dtype, m.kv_dtype, stream);
+  Status appended = device_->CopyRows(desc_.k_copies, n_copies, d, k.dtype, m.kv_dtype, stream);
+  if (appended.ok()) appended = device_->CopyRows(desc_.v_copies, n_copies, d, v.dtype, m.kv_dtype, stream);
   for (int64_t b = 0; b < batch; ++b) ++lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
   if (!appended.ok()) return RollBackDecode(slot_of, layer, stream, std::move(appended));
-  stats_.bytes_d2h += batch * hkv * 2 * static_cast<int64_t>(row_bytes_);
+  stats_.bytes_d2h += batch * hkv * 2 * static_cast<int64_t>(dims_.row_bytes);
   Stage(stats_.ms_append, "append", t0);
   Status attended = AttendAppended(seqs, slot_of, layer, out, stream);
   if (!attended.ok()) return RollBackDecode(slot_of, layer, stream, std::move(attended));
@@ -1357,9 +1357,9 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
   const int64_t batch = static_cast<int64_t>(seqs.size());
   const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
   const int64_t nq = batch * hq * d;
-  const int64_t gd = static_cast<int64_t>(group_) * d;
+  const int64_t gd = static_cast<int64_t>(dims_.group) * d;
 
-  const AttnParams params{group_, d, m.kv_dtype, scale_};
+  const AttnParams params{dims_.group, d, m.kv_dtype, dims_.scale};
   const int64_t items = batch * hkv;
   // A policy that selects on the CPU has q there already: in auto its misses stay on the CPU
   // (only q went down; only (o, lse) comes back), as LFPS prescribes.
@@ -1370,17 +1370,17 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
     t0 = Clock::now();
     const bool on_cpu = route == Route::kCpu;
     if (on_cpu) {
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, nq * 4, stream));
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.q_host, io_.q_f32, nq * 4, stream));
       KVF_RETURN_IF_ERROR(HostWaitStream(stream));
     }
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t n = lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
       for (int h = 0; h < hkv; ++h) {
-        PagedAttnItem& it = paged_items_[b * hkv + h];
+        PagedAttnItem& it = desc_.paged_items[b * hkv + h];
         const int64_t off = b * hq * d + h * gd;
-        it.q = (on_cpu ? q_host_ : q_f32_) + off;
-        it.o = (on_cpu ? o_cpu_host_ : o_gpu_) + off;
-        it.lse = (on_cpu ? lse_cpu_host_ : lse_gpu_) + b * hq + h * group_;
+        it.q = (on_cpu ? io_.q_host : io_.q_f32) + off;
+        it.o = (on_cpu ? io_.o_cpu_host : io_.o_gpu) + off;
+        it.lse = (on_cpu ? io_.lse_cpu_host : io_.lse_gpu) + b * hq + h * dims_.group;
         it.kv = store_->pages(slot_of[b], layer, h);
         it.q_pos0 = n - 1;
         it.num_q = 1;
@@ -1388,22 +1388,22 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
           stats_.rows_cpu += n;
         } else {
           stats_.rows_fetched += n;
-          stats_.bytes_h2d += n * 2 * static_cast<int64_t>(row_bytes_);
+          stats_.bytes_h2d += n * 2 * static_cast<int64_t>(dims_.row_bytes);
         }
         stats_.rows_selected += n;
       }
     }
     if (on_cpu) {
       pool_->ParallelFor(items, [&](int64_t i) {
-        AttendTimed([&] { cpu::AttendPaged(params, &paged_items_[i], 1); });
+        AttendTimed([&] { cpu::AttendPaged(params, &desc_.paged_items[i], 1); });
       });
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(o_gpu_, o_cpu_host_, nq * 4, stream));
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(lse_gpu_, lse_cpu_host_, batch * hq * 4, stream));
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.o_gpu, io_.o_cpu_host, nq * 4, stream));
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.lse_gpu, io_.lse_cpu_host, batch * hq * 4, stream));
       stats_.bytes_d2h += nq * 4;
       stats_.bytes_h2d += (nq + batch * hq) * 4;
       Stage(stats_.ms_attend_cpu, "attend_cpu", t0);
     } else {
-      KVF_RETURN_IF_ERROR(device_->AttendPaged(params, paged_items_, items, stream));
+      KVF_RETURN_IF_ERROR(device_->AttendPaged(params, desc_.paged_items, items, stream));
       Stage(stats_.ms_attend_gpu, "attend_gpu", t0);
     }
     t0 = Clock::now();
@@ -1414,20 +1414,20 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
 
   // 2 select: the policy runs on the host over the f32 queries.
   t0 = Clock::now();
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(q_host_, q_f32_, nq * 4, stream));
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.q_host, io_.q_f32, nq * 4, stream));
   KVF_RETURN_IF_ERROR(HostWaitStream(stream));
   stats_.bytes_d2h += nq * 4;
   const int select_threads = SelectThreads(items);
   pool_->ParallelFor(items, [&](int64_t i) {
     const int64_t b = i / hkv;
     const int h = static_cast<int>(i % hkv);
-    item_status_[i] = SelectItem(i, slot_of[b], layer, h,
+    scratch_.item_status[i] = SelectItem(i, slot_of[b], layer, h,
                                  lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer],
-                                 q_host_ + b * hq * d + h * gd, select_threads);
+                                 io_.q_host + b * hq * d + h * gd, select_threads);
   });
   for (int64_t i = 0; i < items; ++i) {
     // The step failed in the policy; Decode rolls the append back.
-    if (!item_status_[i].ok()) return item_status_[i];
+    if (!scratch_.item_status[i].ok()) return scratch_.item_status[i];
   }
   Stage(stats_.ms_select, "select", t0);
 
@@ -1440,12 +1440,12 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
     const int h = static_cast<int>(i % hkv);
     const int slot = slot_of[b];
     const int64_t n = lengths_[static_cast<size_t>(slot) * m.num_layers + layer];
-    const std::vector<int32_t>& sel = selections_[i];
+    const std::vector<int32_t>& sel = scratch_.selections[i];
     last_selection_[(static_cast<size_t>(slot) * m.num_layers + layer) * hkv + h].assign(sel.begin(), sel.end());
-    const void** gk = gpu_k_rows_ + i * item_cap_;
-    const void** gv = gpu_v_rows_ + i * item_cap_;
+    const void** gk = desc_.gpu_k_rows + i * dims_.item_cap;
+    const void** gv = desc_.gpu_v_rows + i * dims_.item_cap;
     int32_t n_gpu = 0;
-    std::vector<int32_t>& offloaded = offloaded_[i];
+    std::vector<int32_t>& offloaded = scratch_.offloaded[i];
     offloaded.clear();
     for (int32_t pos : sel) {
       const int64_t row = ResidentRow(pos, n);
@@ -1457,7 +1457,7 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
       }
     }
     stats_.rows_resident += n_gpu;
-    std::vector<int32_t>& misses = misses_[i];
+    std::vector<int32_t>& misses = scratch_.misses[i];
     misses.resize(offloaded.size());
     int64_t n_miss = static_cast<int64_t>(offloaded.size());
     if (bank_ != nullptr && !offloaded.empty()) {
@@ -1472,8 +1472,8 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
     misses.resize(static_cast<size_t>(n_miss));
     const int64_t to_cpu = CpuShare(route, cost_, n_miss);
     const int64_t to_gpu = n_miss - to_cpu;
-    const void** ck = cpu_k_rows_ + cpu_items * item_cap_;
-    const void** cv = cpu_v_rows_ + cpu_items * item_cap_;
+    const void** ck = desc_.cpu_k_rows + cpu_items * dims_.item_cap;
+    const void** cv = desc_.cpu_v_rows + cpu_items * dims_.item_cap;
     int32_t n_cpu = 0;
     for (int64_t j = 0; j < n_miss; ++j) {
       const int32_t pos = misses[j];
@@ -1488,13 +1488,13 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
     misses.resize(static_cast<size_t>(to_gpu));  // what crossed PCIe: candidates for the bank
     stats_.rows_fetched += to_gpu;
     stats_.rows_cpu += to_cpu;
-    stats_.bytes_h2d += to_gpu * 2 * static_cast<int64_t>(row_bytes_);
+    stats_.bytes_h2d += to_gpu * 2 * static_cast<int64_t>(dims_.row_bytes);
     stats_.rows_selected += static_cast<int64_t>(sel.size());
     const int64_t off = b * hq * d + h * gd;
-    gpu_items_[i] = RowAttnItem{q_f32_ + off, o_gpu_ + off, lse_gpu_ + b * hq + h * group_, gk, gv, n_gpu};
+    desc_.gpu_items[i] = RowAttnItem{io_.q_f32 + off, io_.o_gpu + off, io_.lse_gpu + b * hq + h * dims_.group, gk, gv, n_gpu};
     if (n_cpu > 0) {
-      cpu_items_[cpu_items++] =
-          RowAttnItem{q_host_ + off, o_cpu_host_ + off, lse_cpu_host_ + b * hq + h * group_, ck, cv, n_cpu};
+      desc_.cpu_items[cpu_items++] =
+          RowAttnItem{io_.q_host + off, io_.o_cpu_host + off, io_.lse_cpu_host + b * hq + h * dims_.group, ck, cv, n_cpu};
     }
   }
   if (bank_ != nullptr) {
@@ -1505,25 +1505,25 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
 
   // 5 attend: the GPU part is issued first so that the CPU part overlaps it.
   t0 = Clock::now();
-  KVF_RETURN_IF_ERROR(device_->AttendRows(params, gpu_items_, items, stream));
+  KVF_RETURN_IF_ERROR(device_->AttendRows(params, desc_.gpu_items, items, stream));
   Stage(stats_.ms_attend_gpu, "attend_gpu", t0);
   const bool have_cpu = cpu_items > 0;
   if (have_cpu) {
     t0 = Clock::now();
     // Items without a CPU share contribute nothing: lse = -inf.
-    std::fill_n(lse_cpu_host_, batch * hq, -std::numeric_limits<float>::infinity());
-    std::fill_n(o_cpu_host_, nq, 0.0f);
+    std::fill_n(io_.lse_cpu_host, batch * hq, -std::numeric_limits<float>::infinity());
+    std::fill_n(io_.o_cpu_host, nq, 0.0f);
     pool_->ParallelFor(cpu_items, [&](int64_t i) {
-      AttendTimed([&] { cpu::AttendRows(params, &cpu_items_[i], 1); });
+      AttendTimed([&] { cpu::AttendRows(params, &desc_.cpu_items[i], 1); });
     });
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(o_cpu_dev_, o_cpu_host_, nq * 4, stream));
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(lse_cpu_dev_, lse_cpu_host_, batch * hq * 4, stream));
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.o_cpu_dev, io_.o_cpu_host, nq * 4, stream));
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.lse_cpu_dev, io_.lse_cpu_host, batch * hq * 4, stream));
     stats_.bytes_h2d += (nq + batch * hq) * 4;
     Stage(stats_.ms_attend_cpu, "attend_cpu", t0);
   }
   // 6 merge, and the output in its dtype.
   t0 = Clock::now();
-  KVF_RETURN_IF_ERROR(WriteOutput(have_cpu ? o_cpu_dev_ : nullptr, have_cpu ? lse_cpu_dev_ : nullptr,
+  KVF_RETURN_IF_ERROR(WriteOutput(have_cpu ? io_.o_cpu_dev : nullptr, have_cpu ? io_.lse_cpu_dev : nullptr,
                                   batch * hq, out, stream));
   Stage(stats_.ms_merge, "merge", t0);
   t0 = Clock::now();
@@ -1536,12 +1536,12 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
     Status admit = device_->RecordEvent(bank_step_done_, stream);
     if (admit.ok()) admit = bank_->BeginAdmit(side_stream_, bank_step_done_);
     for (int64_t i = 0; admit.ok() && i < items; ++i) {
-      const std::vector<int32_t>& fetched = misses_[i];
+      const std::vector<int32_t>& fetched = scratch_.misses[i];
       if (fetched.empty()) continue;
       const int slot = slot_of[i / hkv];
       const int h = static_cast<int>(i % hkv);
       // The fetched rows' addresses are the first entries after the resident and hit rows.
-      const RowAttnItem& it = gpu_items_[i];
+      const RowAttnItem& it = desc_.gpu_items[i];
       const int64_t first = it.count - static_cast<int64_t>(fetched.size());
       bank_->Admit(bank_->TableIndex(slot, layer, h), fetched,
                    it.k_rows + first, it.v_rows + first);
@@ -1558,12 +1558,12 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
 Status RuntimeImpl::WriteOutput(const float* o_b, const float* lse_b, int64_t rows,
                                 const TensorView& out, StreamHandle stream) {
   const bool direct = out.where == MemoryKind::kDevice || device_->backend() == Backend::kHost;
-  void* dst = direct ? out.data : out_stage_;
-  KVF_RETURN_IF_ERROR(device_->MergeLse(o_gpu_, lse_gpu_, o_b, lse_b, rows, config_.model.head_dim,
+  void* dst = direct ? out.data : io_.out_stage;
+  KVF_RETURN_IF_ERROR(device_->MergeLse(io_.o_gpu, io_.lse_gpu, o_b, lse_b, rows, config_.model.head_dim,
                                         dst, out.dtype, stream));
   if (!direct) {
     const size_t bytes = static_cast<size_t>(rows) * config_.model.head_dim * DTypeSize(out.dtype);
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, out_stage_, bytes, stream));
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, io_.out_stage, bytes, stream));
   }
   KVF_RETURN_IF_ERROR(EndCall(stream));
   // Host-memory outputs are complete when Decode returns.
@@ -1589,9 +1589,9 @@ Result<std::vector<int32_t>> RuntimeImpl::LastSelection(SequenceId seq, int laye
     for (int64_t i = 0; i < n; ++i) all[i] = static_cast<int32_t>(i);
     return all;
   }
-  if (fast_path_ && scoring_ != SelectScoring::kNone) {
+  if (step_.fast_path && lists_.scoring != SelectScoring::kNone) {
     // The device's list of the last step that ran this layer for the sequence.
-    const std::vector<int>& slots = list_slots_[static_cast<size_t>(layer)];
+    const std::vector<int>& slots = lists_.slots[static_cast<size_t>(layer)];
     const auto it = std::find(slots.begin(), slots.end(), slot);
     if (it == slots.end()) return std::vector<int32_t>{};
     const size_t item = static_cast<size_t>(layer) * config_.capacity.max_batch *
@@ -1601,18 +1601,18 @@ Result<std::vector<int32_t>> RuntimeImpl::LastSelection(SequenceId seq, int laye
     // The last Decode's work (on whatever stream it ran) is done once call_done_ is.
     KVF_RETURN_IF_ERROR(device_->SynchronizeEvent(call_done_));
     int32_t count = 0;
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(&count, step_list_count_ + item, sizeof(int32_t),
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(&count, lists_.counts + item, sizeof(int32_t),
                                            stream_));
     KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
     std::vector<int32_t> sel(static_cast<size_t>(count));
     if (count > 0) {
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(sel.data(), step_list_ + item * list_cap_,
+      KVF_RETURN_IF_ERROR(device_->CopyAsync(sel.data(), lists_.positions + item * lists_.cap,
                                              sel.size() * sizeof(int32_t), stream_));
       KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
     }
     return sel;
   }
-  if (fast_path_) {
+  if (step_.fast_path) {
     // The device selected from the length alone: the same rows, recomputed.
     const int64_t n = lengths_[static_cast<size_t>(slot) * config_.model.num_layers + layer];
     std::vector<int32_t> sel;
@@ -1628,46 +1628,46 @@ Stats RuntimeImpl::stats() const {
   s.host_bytes_reserved = store_->bytes_reserved();
   s.device_bytes_reserved = device_->device_bytes_held();
   s.cost_pcie_gbps = cost_.pcie_gbps;
-  s.split_share = static_cast<double>(split_last_q10_) / 1024.0;
-  s.xl_gap_us = xl_gap_us_;
+  s.split_share = static_cast<double>(split_.last_q10) / 1024.0;
+  s.xl_gap_us = xl_.gap_us;
   s.cost_cpu_gbps = cost_.cpu_gbps;
-  s.ms_cpu_attend_busy = static_cast<double>(cpu_attend_ns_.load(std::memory_order_relaxed)) * 1e-6;
+  s.ms_cpu_attend_busy = static_cast<double>(stats_aux_.cpu_attend_ns.load(std::memory_order_relaxed)) * 1e-6;
   const PolicyCounters pc = policy_->counters();
-  s.prhs_select_calls = pc.select_calls - policy_counters_at_reset_.select_calls;
-  s.prhs_select_reused = pc.select_reused - policy_counters_at_reset_.select_reused;
-  s.lfps_scans_device = pc.scans_device - policy_counters_at_reset_.scans_device;
-  s.lfps_scans_device_short = pc.scans_device_short - policy_counters_at_reset_.scans_device_short;
+  s.prhs_select_calls = pc.select_calls - stats_aux_.policy_at_reset.select_calls;
+  s.prhs_select_reused = pc.select_reused - stats_aux_.policy_at_reset.select_reused;
+  s.lfps_scans_device = pc.scans_device - stats_aux_.policy_at_reset.scans_device;
+  s.lfps_scans_device_short = pc.scans_device_short - stats_aux_.policy_at_reset.scans_device_short;
   // Selections timed but not yet read back (their pairs stay pending: stats_ adds them later).
-  for (const TimingPair& t : select_timing_.pairs) s.ms_select_device += TimingMs(t);
-  for (const TimingPair& t : attend_timing_.pairs) s.ms_attend_device += TimingMs(t);
+  for (const TimingPair& t : timing_.select.pairs) s.ms_select_device += TimingMs(t);
+  for (const TimingPair& t : timing_.attend.pairs) s.ms_attend_device += TimingMs(t);
   s.cost_h2d_gbps = cost_.h2d_gbps;
   s.cost_hbm_gbps = cost_.hbm_gbps;
   // The device's rates as the timed calls measured them, beside the model's (cost_hbm_gbps,
   // cost_pcie_gbps): key bytes a device selection read, K/V bytes a step attended.
   const auto gbps = [](double bytes, double ms) { return ms > 0 && bytes > 0 ? bytes / (ms * 1e-3) * 1e-9 : 0.0; };
-  s.cost_select_gbps_measured = gbps(static_cast<double>(timed_select_key_bytes_), s.ms_select_device);
-  s.cost_attend_gbps_measured = gbps(static_cast<double>(timed_attend_bytes_), s.ms_attend_device);
+  s.cost_select_gbps_measured = gbps(static_cast<double>(timing_.select_key_bytes), s.ms_select_device);
+  s.cost_attend_gbps_measured = gbps(static_cast<double>(timing_.attend_bytes), s.ms_attend_device);
   if (step_bank_ != nullptr) {
     // The device bank's counters (a read-back that waits for the device). Its misses are the rows
     // the step read from the host store.
     Result<StepBankTotals> t = step_bank_->Totals();
     if (t.ok()) {
-      const StepBankTotals& z = bank_totals_at_reset_;
+      const StepBankTotals& z = stats_aux_.bank_totals_at_reset;
       s.rows_bank_hit += t.value().hits - z.hits;
       s.rows_fetched += t.value().misses - z.misses;
       // (Host lists count their resident rows on the host.)
-      if (scoring_ != SelectScoring::kNone) {
+      if (lists_.scoring != SelectScoring::kNone) {
         s.rows_resident +=
-            bank_step_selected_ - (t.value().hits - z.hits) - (t.value().misses - z.misses);
+            stats_aux_.bank_step_selected - (t.value().hits - z.hits) - (t.value().misses - z.misses);
       }
-      s.bytes_h2d += (t.value().misses - z.misses) * 2 * static_cast<int64_t>(row_bytes_);
+      s.bytes_h2d += (t.value().misses - z.misses) * 2 * static_cast<int64_t>(dims_.row_bytes);
       s.bank_admitted += t.value().admitted - z.admitted;
       s.bank_evicted += t.value().evicted - z.evicted;
     }
   }
   // The CPU route's rate as the steps measured it, beside the probed one.
   if (s.ms_cpu_attend_busy > 0 && s.rows_cpu > 0) {
-    const double bytes = static_cast<double>(s.rows_cpu) * 2.0 * static_cast<double>(row_bytes_);
+    const double bytes = static_cast<double>(s.rows_cpu) * 2.0 * static_cast<double>(dims_.row_bytes);
     s.cost_cpu_gbps_measured = gbps(bytes, s.ms_cpu_attend_busy) * std::max(1, pool_->num_threads());
   }
   return s;
