@@ -33,17 +33,26 @@ Status WithRestore(Status failure, const Status& restored) {
 Status RuntimeImpl::InitStepBuffers() {
   // Which step this runtime plans and its buffers' sizes come from SizeDeviceBuffers
   // (runtime/device_memory.cpp), the one place they are computed.
-  const Capacity& cap = config_.capacity;
-  const ModelShape& m = config_.model;
   const DeviceBufferSizes& z = sizes_;
   lists_.scoring = z.scoring;
   if (!z.selector) selector_.reset();  // the step does not select on the device
   step_.fast_path = z.fast_path;
   step_.all_resident = z.step_all_resident;
   step_.cpu_step = z.cpu_step;
-  // step_.host_lists was decided with the bank (Init): a policy that selects on the host and runs the
-  // planned step because its bank is on the device.
+  // step_.host_lists was decided with the bank (Init): a policy that selects on the host and runs
+  // the planned step because its bank is on the device.
   if (!step_.fast_path && !step_.cpu_step && !step_.host_lists) return Status::Ok();
+  KVF_RETURN_IF_ERROR(InitCpuPartBuffers());
+  if (lists_.scoring != SelectScoring::kNone || step_.host_lists) {
+    KVF_RETURN_IF_ERROR(InitSelectLists());
+  }
+  return InitPlanBuffers();
+}
+
+Status RuntimeImpl::InitCpuPartBuffers() {
+  const Capacity& cap = config_.capacity;
+  const ModelShape& m = config_.model;
+  const DeviceBufferSizes& z = sizes_;
   void* p = nullptr;
   // The scheduler's split (route auto, a device selection without a bank): its CPU share runs on
   // the runtime's thread with a CPU step's pinned q staging, events and attention partials.
@@ -57,9 +66,10 @@ Status RuntimeImpl::InitStepBuffers() {
     KVF_ASSIGN_OR_RETURN(cpu_.part_up, device_->CreateEvent());
     // The CPU attention's partial results when an item's picks are split over pool threads
     // (AttendInParts).
-    scratch_.attend_parts.assign(static_cast<size_t>(cap.max_batch) * m.num_kv_heads * (kAttendMaxParts - 1) *
-                             static_cast<size_t>(dims_.group) * (m.head_dim + 1),
-                         0.0f);
+    scratch_.attend_parts.assign(static_cast<size_t>(cap.max_batch) * m.num_kv_heads *
+                                     (kAttendMaxParts - 1) * static_cast<size_t>(dims_.group) *
+                                     (m.head_dim + 1),
+                                 0.0f);
   }
   if (split_.on) {
     const int64_t items = int64_t{cap.max_batch} * m.num_kv_heads;
@@ -86,107 +96,127 @@ Status RuntimeImpl::InitStepBuffers() {
       cpu_.thread = std::thread([this] { CpuThreadMain(); });
     }
   }
-  if (lists_.scoring != SelectScoring::kNone || step_.host_lists) {
-    // Per layer a list region, so that any layer's last selection can be read back and no layer
-    // rewrites a list an earlier launch of the step may still read.
-    const int64_t items = int64_t{cap.max_batch} * m.num_kv_heads;
-    lists_.cap = z.list_cap;
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_list, false));
-    lists_.positions = static_cast<int32_t*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_list_count, false));
-    lists_.counts = static_cast<int32_t*>(p);
-    if (step_.host_lists) {
-      // The host's lists of every layer, pinned, copied up from here (UploadHostLists).
-      const size_t lists = static_cast<size_t>(m.num_layers) * items;
-      const size_t staged = lists * static_cast<size_t>(lists_.cap + 1) * sizeof(int32_t);
-      KVF_ASSIGN_OR_RETURN(p, Alloc(staged, true));
-      lists_.stage = static_cast<int32_t*>(p);
-      lists_.up.assign(static_cast<size_t>(m.num_layers), nullptr);
-      for (EventHandle& e : lists_.up) {
-        KVF_ASSIGN_OR_RETURN(e, device_->CreateEvent());
-      }
+  return Status::Ok();
+}
+
+Status RuntimeImpl::InitSelectLists() {
+  const Capacity& cap = config_.capacity;
+  const ModelShape& m = config_.model;
+  const DeviceBufferSizes& z = sizes_;
+  void* p = nullptr;
+  // Per layer a list region, so that any layer's last selection can be read back and no layer
+  // rewrites a list an earlier launch of the step may still read.
+  const int64_t items = int64_t{cap.max_batch} * m.num_kv_heads;
+  lists_.cap = z.list_cap;
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_list, false));
+  lists_.positions = static_cast<int32_t*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_list_count, false));
+  lists_.counts = static_cast<int32_t*>(p);
+  if (step_.host_lists) {
+    // The host's lists of every layer, pinned, copied up from here (UploadHostLists).
+    const size_t lists = static_cast<size_t>(m.num_layers) * items;
+    const size_t staged = lists * static_cast<size_t>(lists_.cap + 1) * sizeof(int32_t);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(staged, true));
+    lists_.stage = static_cast<int32_t*>(p);
+    lists_.up.assign(static_cast<size_t>(m.num_layers), nullptr);
+    for (EventHandle& e : lists_.up) {
+      KVF_ASSIGN_OR_RETURN(e, device_->CreateEvent());
     }
-    // Host lists need no selection scratch.
-    lists_.select_ld = z.select_ld;
-    if (z.select_ws > 0) {
-      KVF_ASSIGN_OR_RETURN(p, Alloc(z.select_ws, false));
-      lists_.select_ws = static_cast<float*>(p);
-    }
-    if (z.topk_ws > 0) {
-      KVF_ASSIGN_OR_RETURN(p, Alloc(z.topk_ws, false));
-      lists_.topk_ws = static_cast<unsigned long long*>(p);
-    }
-    // The multi-CTA top-k's scratch, when an item can rank enough scores to take it.
-    if (z.select_mcta > 0) {
-      KVF_ASSIGN_OR_RETURN(p, Alloc(z.select_mcta, false));
-      lists_.select_mcta_ws = static_cast<uint32_t*>(p);
-    }
-    if (selector_ != nullptr) {  // its buffers, in the order it sized them
-      std::vector<void*> buffers;
-      for (const SelectorBuffer& b : z.selector_buffers) {
-        KVF_ASSIGN_OR_RETURN(p, Alloc(b.bytes, false));
-        buffers.push_back(p);
-      }
-      KVF_RETURN_IF_ERROR(selector_->Bind(buffers, *device_, stream_));
-    }
-    if (z.bank_stage > 0) {
-      // The step's misses: staged at their list index, listed for the admission after the step;
-      // one set a region (DeviceBufferSizes::bank_regions).
-      dbank_.miss_cap = z.bank_miss_cap;
-      dbank_.regions = z.bank_regions;
-      const size_t regions = static_cast<size_t>(dbank_.regions);
-      dbank_.stage_region = z.bank_stage / regions;
-      dbank_.miss_region = z.bank_miss / regions;
-      dbank_.admit_region = z.bank_admit / regions;
-      KVF_ASSIGN_OR_RETURN(p, Alloc(z.bank_stage, false));
-      dbank_.stage = static_cast<char*>(p);
-      KVF_ASSIGN_OR_RETURN(p, Alloc(z.bank_miss, false));
-      dbank_.miss = static_cast<int32_t*>(p);
-      const std::vector<int32_t> zeros(z.bank_miss / sizeof(int32_t), 0);
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(dbank_.miss, zeros.data(), z.bank_miss, stream_));
-      KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
-      KVF_ASSIGN_OR_RETURN(dbank_.admit, Alloc(z.bank_admit, false));
-      if (dbank_.regions > 1) {
-        KVF_ASSIGN_OR_RETURN(dbank_.admit_stream, device_->CreateStream());
-        for (int r = 0; r < 2; ++r) {
-          KVF_ASSIGN_OR_RETURN(dbank_.admit_fork[r], device_->CreateEvent());
-          KVF_ASSIGN_OR_RETURN(dbank_.admit_done[r], device_->CreateEvent());
-        }
-        KVF_ASSIGN_OR_RETURN(dbank_.admit_join, device_->CreateEvent());
-        bool shares = false;  // a layer that takes the previous layer's list (xl+)
-        for (int l = 1; l < config_.model.num_layers; ++l) shares = shares || policy_->device_reuses_previous_layer(l);
-        const int mode = config_.xl_prefetch;
-        if (shares && !step_.cpu_step && !step_.host_lists && mode != 0) {
-          KVF_ASSIGN_OR_RETURN(xl_.fork, device_->CreateEvent());
-          KVF_ASSIGN_OR_RETURN(xl_.done, device_->CreateEvent());
-          xl_.on = true;
-          xl_.automatic = mode < 0;
-          xl_.gap_min_us = config_.xl_prefetch_gap_us;
-        }
-        if (xl_.automatic) {  // the gap's timing pairs (DestroyTimings frees them)
-          TimingRing& r = xl_.gap_timing;
-          r.pairs.resize(static_cast<size_t>(config_.model.num_layers) * kTimingRing);
-          r.next.assign(static_cast<size_t>(config_.model.num_layers), 0);
-          for (TimingPair& t : r.pairs) {
-            for (EventHandle* e : {&t.start, &t.end}) {
-              KVF_ASSIGN_OR_RETURN(*e, device_->CreateTimingEvent());
-            }
-          }
-        }
-      }
-    }
-    lists_.slots.assign(static_cast<size_t>(m.num_layers), {});
-    for (auto& v : lists_.slots) v.reserve(static_cast<size_t>(cap.max_batch));
-    lists_.n.assign(static_cast<size_t>(m.num_layers), {});
-    for (auto& v : lists_.n) v.reserve(static_cast<size_t>(cap.max_batch));
   }
+  // Host lists need no selection scratch.
+  lists_.select_ld = z.select_ld;
+  if (z.select_ws > 0) {
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.select_ws, false));
+    lists_.select_ws = static_cast<float*>(p);
+  }
+  if (z.topk_ws > 0) {
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.topk_ws, false));
+    lists_.topk_ws = static_cast<unsigned long long*>(p);
+  }
+  // The multi-CTA top-k's scratch, when an item can rank enough scores to take it.
+  if (z.select_mcta > 0) {
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.select_mcta, false));
+    lists_.select_mcta_ws = static_cast<uint32_t*>(p);
+  }
+  if (selector_ != nullptr) {  // its buffers, in the order it sized them
+    std::vector<void*> buffers;
+    for (const SelectorBuffer& b : z.selector_buffers) {
+      KVF_ASSIGN_OR_RETURN(p, Alloc(b.bytes, false));
+      buffers.push_back(p);
+    }
+    KVF_RETURN_IF_ERROR(selector_->Bind(buffers, *device_, stream_));
+  }
+  if (z.bank_stage > 0) KVF_RETURN_IF_ERROR(InitBankStaging());
+  lists_.slots.assign(static_cast<size_t>(m.num_layers), {});
+  for (auto& v : lists_.slots) v.reserve(static_cast<size_t>(cap.max_batch));
+  lists_.n.assign(static_cast<size_t>(m.num_layers), {});
+  for (auto& v : lists_.n) v.reserve(static_cast<size_t>(cap.max_batch));
+  return Status::Ok();
+}
+
+Status RuntimeImpl::InitBankStaging() {
+  const DeviceBufferSizes& z = sizes_;
+  void* p = nullptr;
+  // The step's misses: staged at their list index, listed for the admission after the step;
+  // one set a region (DeviceBufferSizes::bank_regions).
+  dbank_.miss_cap = z.bank_miss_cap;
+  dbank_.regions = z.bank_regions;
+  const size_t regions = static_cast<size_t>(dbank_.regions);
+  dbank_.stage_region = z.bank_stage / regions;
+  dbank_.miss_region = z.bank_miss / regions;
+  dbank_.admit_region = z.bank_admit / regions;
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.bank_stage, false));
+  dbank_.stage = static_cast<char*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.bank_miss, false));
+  dbank_.miss = static_cast<int32_t*>(p);
+  const std::vector<int32_t> zeros(z.bank_miss / sizeof(int32_t), 0);
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(dbank_.miss, zeros.data(), z.bank_miss, stream_));
+  KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
+  KVF_ASSIGN_OR_RETURN(dbank_.admit, Alloc(z.bank_admit, false));
+  if (dbank_.regions <= 1) return Status::Ok();
+  KVF_ASSIGN_OR_RETURN(dbank_.admit_stream, device_->CreateStream());
+  for (int r = 0; r < 2; ++r) {
+    KVF_ASSIGN_OR_RETURN(dbank_.admit_fork[r], device_->CreateEvent());
+    KVF_ASSIGN_OR_RETURN(dbank_.admit_done[r], device_->CreateEvent());
+  }
+  KVF_ASSIGN_OR_RETURN(dbank_.admit_join, device_->CreateEvent());
+  bool shares = false;  // a layer that takes the previous layer's list (xl+)
+  for (int l = 1; l < config_.model.num_layers; ++l) {
+    shares = shares || policy_->device_reuses_previous_layer(l);
+  }
+  const int mode = config_.xl_prefetch;
+  if (shares && !step_.cpu_step && !step_.host_lists && mode != 0) {
+    KVF_ASSIGN_OR_RETURN(xl_.fork, device_->CreateEvent());
+    KVF_ASSIGN_OR_RETURN(xl_.done, device_->CreateEvent());
+    xl_.on = true;
+    xl_.automatic = mode < 0;
+    xl_.gap_min_us = config_.xl_prefetch_gap_us;
+  }
+  if (xl_.automatic) {  // the gap's timing pairs (DestroyTimings frees them)
+    TimingRing& r = xl_.gap_timing;
+    r.pairs.resize(static_cast<size_t>(config_.model.num_layers) * kTimingRing);
+    r.next.assign(static_cast<size_t>(config_.model.num_layers), 0);
+    for (TimingPair& t : r.pairs) {
+      for (EventHandle* e : {&t.start, &t.end}) {
+        KVF_ASSIGN_OR_RETURN(*e, device_->CreateTimingEvent());
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status RuntimeImpl::InitPlanBuffers() {
+  const Capacity& cap = config_.capacity;
+  const ModelShape& m = config_.model;
+  const DeviceBufferSizes& z = sizes_;
+  void* p = nullptr;
   KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_slots, false));
   step_.slots_dev = static_cast<int32_t*>(p);
   const size_t positions = static_cast<size_t>(cap.max_batch) * m.num_layers;
   KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_pos, false));
   step_.pos_dev = static_cast<int64_t*>(p);
   step_.plan_stage_bytes = AlignUp(static_cast<size_t>(cap.max_batch) * sizeof(int32_t), 64) +
-                      AlignUp(positions * sizeof(int64_t), 64);
+                           AlignUp(positions * sizeof(int64_t), 64);
   KVF_ASSIGN_OR_RETURN(p, Alloc(kPlanRing * step_.plan_stage_bytes, true));
   step_.plan_stage = static_cast<char*>(p);
   for (int i = 0; i < kPlanRing; ++i) {
@@ -201,7 +231,8 @@ Status RuntimeImpl::InitStepBuffers() {
     KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_counters, false));
     step_.counters = static_cast<int32_t*>(p);
     const std::vector<int32_t> zeros(counters, 0);
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(step_.counters, zeros.data(), counters * sizeof(int32_t), stream_));
+    KVF_RETURN_IF_ERROR(
+        device_->CopyAsync(step_.counters, zeros.data(), counters * sizeof(int32_t), stream_));
     KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
   }
   plan_.layer_run.assign(static_cast<size_t>(m.num_layers), 0);
@@ -430,83 +461,167 @@ bool RuntimeImpl::XlReusesPrevious(std::span<const int> slot_of, std::span<const
   return true;
 }
 
+// One layer of a planned decode step: the call's arguments and what RunDecodeStep's stages derive
+// and hand on to the next (on RunDecodeStep's stack).
+struct RuntimeImpl::DecodeLayer {
+  DecodeLayer(std::span<const SequenceId> seqs_in, int layer_in, const TensorView& q_in,
+              const TensorView& k_in, const TensorView& v_in, const TensorView& out_in,
+              StreamHandle stream_in, const std::vector<int>& slots, std::vector<int64_t>& positions)
+      : seqs(seqs_in), layer(layer_in), q(q_in), k(k_in), v(v_in), out(out_in), stream(stream_in),
+        slot_of(slots), batch(static_cast<int64_t>(slots.size())), pos(positions) {}
+
+  // The call.
+  std::span<const SequenceId> seqs;
+  int layer;
+  const TensorView& q;
+  const TensorView& k;
+  const TensorView& v;
+  const TensorView& out;
+  StreamHandle stream;
+  const std::vector<int>& slot_of;  // scratch_.batch_slots
+  int64_t batch;
+  // Plan (PlanLayer).
+  Clock::time_point t0;         // the step's start: stage "append" ends with the plan
+  bool capturing = false;
+  bool planned = false;         // PlanDecode's plan covers this layer (its token counted)
+  std::vector<int64_t>& pos;    // scratch_.step_pos: the new token's position per b at this layer
+  int region = 0;               // the plan's region: 0 PlanDecode's, 1 this call's own
+  int bank_region = 0;          // the device bank's staging region of this layer
+  const void* q_src = nullptr;  // the inputs as the device reads them (StageInput)
+  const void* k_src = nullptr;
+  const void* v_src = nullptr;
+  bool out_direct = false;      // the step writes out itself (else io_.out_stage, copied after)
+  DecodeStepArgs a;             // the step kernels' arguments
+  bool xl_reuse = false;        // xl+: this layer's list is the previous layer's (copied)
+  // Rows the items attend (CountStepRows), for the launch shape and the stats.
+  int64_t resident = 0, fetched = 0, selected = 0, key_bytes = 0;
+  int64_t offloaded = 0;  // selected rows beyond the resident ones, at most (the split's estimate)
+  // Select (SelectLayer).
+  Clock::time_point t1;  // the enqueue's start: stage "attend_gpu"
+  TensorView q_host, k_host, v_host;  // the inputs on the host (a CPU step, host lists)
+  bool inputs_on_host = false;
+  bool async_part = false;  // a CPU step's part runs on the runtime's thread
+  bool beside = false;      // a CPU step's deferred scan and step launch beside its Selects
+  // Resolve (ResolveLayer).
+  bool staged = false;  // the misses were staged by the previous layer's prefetch
+  // Route and merge: the layer went to the runtime's thread (HandOverDecodeCpuPart's status is
+  // the call's).
+  bool handed_over = false;
+};
+
 Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                                   const TensorView& k, const TensorView& v, const TensorView& out,
                                   StreamHandle stream) {
-  const auto t0 = Clock::now();
-  const ModelShape& m = config_.model;
-  const int layers = m.num_layers;
-  const std::vector<int>& slot_of = scratch_.batch_slots;
-  const int64_t batch = static_cast<int64_t>(slot_of.size());
-  if (stream == nullptr) stream = stream_;
-  const bool capturing = device_->IsCapturing(stream);
-  KVF_CHECK_CODE(!capturing || (q.where == MemoryKind::kDevice && k.where == MemoryKind::kDevice &&
-                                v.where == MemoryKind::kDevice && out.where == MemoryKind::kDevice),
+  DecodeLayer s(seqs, layer, q, k, v, out, stream == nullptr ? stream_ : stream,
+                scratch_.batch_slots, scratch_.step_pos);
+  // plan: the layer's positions (the plan's, or reserved and uploaded now), the inputs staged, the
+  // step's arguments. From here on a failure takes the layer's token back (FailLayer).
+  KVF_RETURN_IF_ERROR(PlanLayer(s));
+  // select: the device's selection, or the host's (q, k and v down first), LFPS's device scan.
+  Status st = SelectLayer(s);
+  // resolve: where the misses come from (a prefetch's stage), the next layer's prefetched.
+  if (st.ok()) st = ResolveLayer(s);
+  // route: the scheduler's split gives the CPU its share of the misses (handed over).
+  if (st.ok()) st = RouteLayer(s);
+  if (s.handed_over) return st;
+  // attend: the device's step.
+  if (st.ok()) st = AttendLayer(s);
+  // admit: the device bank takes the step's misses.
+  if (st.ok()) st = AdmitLayer(s);
+  // merge: a CPU step's part (handed over, or selected and attended here) merged with the device's.
+  if (st.ok()) st = MergeLayer(s);
+  if (s.handed_over) return st;
+  // The output, the step's side work joined at its last layer, the call recorded.
+  if (st.ok()) st = FinishLayer(s);
+  if (!st.ok()) return FailLayer(s, std::move(st));
+  CommitLayer(s);
+  return Status::Ok();
+}
+
+Status RuntimeImpl::PlanLayer(DecodeLayer& s) {
+  s.t0 = Clock::now();
+  const int layers = config_.model.num_layers;
+  const TensorView &q = s.q, &k = s.k, &v = s.v, &out = s.out;
+  const int layer = s.layer;
+  s.capturing = device_->IsCapturing(s.stream);
+  KVF_CHECK_CODE(!s.capturing || (q.where == MemoryKind::kDevice && k.where == MemoryKind::kDevice &&
+                                  v.where == MemoryKind::kDevice && out.where == MemoryKind::kDevice),
                  StatusCode::kFailedPrecondition,
                  "a Decode captured in a CUDA graph takes q, k, v and out in device memory");
-  KVF_CHECK_CODE(!capturing || (!step_.cpu_step && !step_.host_lists), StatusCode::kFailedPrecondition,
+  KVF_CHECK_CODE(!s.capturing || (!step_.cpu_step && !step_.host_lists), StatusCode::kFailedPrecondition,
                  "policy '", policy_->name(), "' selects on the host inside the decode step, which "
                  "a CUDA graph cannot hold (Runtime::decode_is_capture_safe() is false)");
   // The selector's work beside the step (HiP's rebuilds) of this layer or a later one is a step
   // behind: it joins before this layer's selection reads the state it writes.
   // The engine's stream time since the previous layer's Decode ends here (the auto cross-layer
   // prefetch's measure), before anything of this call is on the stream.
-  if (xl_.gap_open != nullptr) CloseXlGap(layer, stream, capturing);
-  if (selector_ != nullptr) KVF_RETURN_IF_ERROR(selector_->Join(layer, stream));
+  if (xl_.gap_open != nullptr) CloseXlGap(layer, s.stream, s.capturing);
+  if (selector_ != nullptr) KVF_RETURN_IF_ERROR(selector_->Join(layer, s.stream));
   // Likewise the bank's admissions beside the stream (a layer's tables are admitted to before
   // its next step reads them).
-  if (dbank_.side_layer >= 0 && layer <= dbank_.side_layer) KVF_RETURN_IF_ERROR(JoinAdmitSide(stream));
-  const int bank_region = layer % dbank_.regions;
-  const bool planned = plan_.active && plan_.layer_run[layer] == 0 &&
-                       std::equal(seqs.begin(), seqs.end(), plan_.seqs.begin(), plan_.seqs.end());
-  std::vector<int64_t>& pos = scratch_.step_pos;  // new token's position per b at this layer
-  pos.resize(static_cast<size_t>(batch));
-  int region = 0;
-  if (planned) {
-    for (int64_t b = 0; b < batch; ++b) pos[b] = plan_.positions[b * layers + layer];
+  if (dbank_.side_layer >= 0 && layer <= dbank_.side_layer) KVF_RETURN_IF_ERROR(JoinAdmitSide(s.stream));
+  s.bank_region = layer % dbank_.regions;
+  s.planned = plan_.active && plan_.layer_run[layer] == 0 &&
+              std::equal(s.seqs.begin(), s.seqs.end(), plan_.seqs.begin(), plan_.seqs.end());
+  s.pos.resize(static_cast<size_t>(s.batch));
+  if (s.planned) {
+    for (int64_t b = 0; b < s.batch; ++b) s.pos[b] = plan_.positions[b * layers + layer];
   } else {
-    KVF_CHECK_CODE(!capturing, StatusCode::kFailedPrecondition,
+    KVF_CHECK_CODE(!s.capturing, StatusCode::kFailedPrecondition,
                    "Decode of layer ", layer, " while capturing a CUDA graph needs a plan: call "
                    "PlanDecode(seqs) before the capture");
-    KVF_RETURN_IF_ERROR(CheckNextToken(seqs, slot_of, layer));
-    KVF_RETURN_IF_ERROR(ReserveNextToken(slot_of, layer));
-    KVF_RETURN_IF_ERROR(store_->FlushTable(stream));
+    KVF_RETURN_IF_ERROR(CheckNextToken(s.seqs, s.slot_of, layer));
+    KVF_RETURN_IF_ERROR(ReserveNextToken(s.slot_of, layer));
+    KVF_RETURN_IF_ERROR(store_->FlushTable(s.stream));
     std::vector<int64_t>& all = scratch_.implicit_pos;  // reserved at set-up: no allocation
-    all.resize(static_cast<size_t>(batch * layers));
-    for (int64_t b = 0; b < batch; ++b) {
-      std::copy_n(lengths_.begin() + static_cast<int64_t>(slot_of[b]) * layers, layers,
+    all.resize(static_cast<size_t>(s.batch * layers));
+    for (int64_t b = 0; b < s.batch; ++b) {
+      std::copy_n(lengths_.begin() + static_cast<int64_t>(s.slot_of[b]) * layers, layers,
                   all.begin() + b * layers);
-      pos[b] = all[b * layers + layer];
+      s.pos[b] = all[b * layers + layer];
     }
-    region = 1;
-    KVF_RETURN_IF_ERROR(UploadPlan(region, slot_of, all, stream));
+    s.region = 1;
+    KVF_RETURN_IF_ERROR(UploadPlan(s.region, s.slot_of, all, s.stream));
   }
   // From here a failure takes this layer's token back (a planned layer committed it already).
-  auto uncommit = [&] {
-    if (!planned) return;
-    plan_.layer_run[layer] = 1;
-    for (int slot : slot_of) --lengths_[static_cast<size_t>(slot) * layers + layer];
-  };
-
-  Result<const void*> q_src = StageInput(q, io_.q_in, stream);
-  Result<const void*> k_src = q_src.ok() ? StageInput(k, io_.k_in, stream) : q_src;
-  Result<const void*> v_src = k_src.ok() ? StageInput(v, io_.v_in, stream) : k_src;
+  Result<const void*> q_src = StageInput(q, io_.q_in, s.stream);
+  Result<const void*> k_src = q_src.ok() ? StageInput(k, io_.k_in, s.stream) : q_src;
+  Result<const void*> v_src = k_src.ok() ? StageInput(v, io_.v_in, s.stream) : k_src;
   if (!v_src.ok()) {
-    uncommit();
+    UncommitLayer(s);
     return v_src.status();
   }
-  const bool out_direct = out.where == MemoryKind::kDevice || device_->backend() == Backend::kHost;
+  s.q_src = q_src.value();
+  s.k_src = k_src.value();
+  s.v_src = v_src.value();
+  s.out_direct = out.where == MemoryKind::kDevice || device_->backend() == Backend::kHost;
+  FillStepArgs(s);
+  CountStepRows(s);
+  Stage(stats_.ms_append, "append", s.t0);
+  return Status::Ok();
+}
 
-  DecodeStepArgs a;
+void RuntimeImpl::UncommitLayer(const DecodeLayer& s) {
+  if (!s.planned) return;
+  plan_.layer_run[s.layer] = 1;
+  const int layers = config_.model.num_layers;
+  for (int slot : s.slot_of) --lengths_[static_cast<size_t>(slot) * layers + s.layer];
+}
+
+void RuntimeImpl::FillStepArgs(DecodeLayer& s) {
+  const ModelShape& m = config_.model;
+  const int layers = m.num_layers;
+  const int layer = s.layer;
+  DecodeStepArgs& a = s.a;
   a.params = AttnParams{dims_.group, m.head_dim, m.kv_dtype, dims_.scale};
-  a.batch = static_cast<int32_t>(batch);
+  a.batch = static_cast<int32_t>(s.batch);
   a.num_kv_heads = m.num_kv_heads;
   a.num_layers = layers;
   a.layer = layer;
   a.sink = config_.tiers.sink_tokens;
   a.window = config_.tiers.window_tokens;
   a.mode = lists_.scoring != SelectScoring::kNone || step_.host_lists ? StepRowMode::kList
-                                                           : StepRowMode::kSinksAndRecent;
+                                                                      : StepRowMode::kSinksAndRecent;
   if (policy_->is_dense()) {
     a.budget_tokens = config_.capacity.max_tokens_per_sequence;
     a.budget_cap = config_.capacity.max_tokens_per_sequence;
@@ -517,16 +632,16 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   }
   a.all_resident = step_.all_resident;
   const size_t batch_cap = static_cast<size_t>(config_.capacity.max_batch);
-  a.slots = step_.slots_dev + region * batch_cap;
-  a.positions = step_.pos_dev + region * batch_cap * layers;
-  a.q = q_src.value();
-  a.k = k_src.value();
-  a.v = v_src.value();
-  a.out = out_direct ? out.data : io_.out_stage;
-  a.q_dtype = q.dtype;
-  a.k_dtype = k.dtype;
-  a.v_dtype = v.dtype;
-  a.out_dtype = out.dtype;
+  a.slots = step_.slots_dev + s.region * batch_cap;
+  a.positions = step_.pos_dev + s.region * batch_cap * layers;
+  a.q = s.q_src;
+  a.k = s.k_src;
+  a.v = s.v_src;
+  a.out = s.out_direct ? s.out.data : io_.out_stage;
+  a.q_dtype = s.q.dtype;
+  a.k_dtype = s.k.dtype;
+  a.v_dtype = s.v.dtype;
+  a.out_dtype = s.out.dtype;
   a.resident = resident_;
   a.pages = store_->device_table();
   a.max_pages = store_->max_pages();
@@ -538,39 +653,10 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   a.counters = step_.counters;
   // The host writes the new token's store rows before its Select reads them (SelectOnHost).
   a.host_writes_store = step_.host_lists;
-  bool xl_reuse = false;  // xl+: this layer's list is the previous layer's (copied below)
-  if (lists_.scoring != SelectScoring::kNone || step_.host_lists) {
-    const size_t lists = static_cast<size_t>(layer) * batch_cap * m.num_kv_heads;
-    a.scoring = lists_.scoring;
-    if (lists_.scoring != SelectScoring::kNone) a.hide_fraction = policy_->device_hide_fraction(layer);
-    // xl+ takes the previous layer's list below: a scoring whose ranking advances no state then
-    // only keeps its metadata current (SparCas at 128K: about 85 us a layer not spent).
-    xl_reuse = XlReusesPrevious(slot_of, pos, layer);
-    a.select_skip_ranking = xl_reuse && selector_ != nullptr && selector_->ranking_skippable();
-    a.list = lists_.positions + lists * lists_.cap;
-    a.list_count = lists_.counts + lists;
-    a.list_cap = lists_.cap;
-    a.select_ws = lists_.select_ws;
-    a.select_ld = lists_.select_ld;
-    a.topk_ws = lists_.topk_ws;
-    a.select_mcta_ws = lists_.select_mcta_ws;
-    if (selector_ != nullptr) {
-      selector_->Fill(a);
-      selector_->BeforeSelect(a, slot_of, pos, layer);
-    }
-    if (dbank_.stage != nullptr) {
-      step_bank_->View(&a.bank);
-      const size_t r = static_cast<size_t>(bank_region);
-      a.bank.stage = dbank_.stage + r * dbank_.stage_region;
-      a.bank.miss = dbank_.miss + r * dbank_.miss_region / sizeof(int32_t);
-      a.bank.miss_cap = dbank_.miss_cap;
-      a.bank.admit = static_cast<char*>(dbank_.admit) + r * dbank_.admit_region;
-    }
-  }
-
+  if (lists_.scoring != SelectScoring::kNone || step_.host_lists) FillListArgs(s);
   if (step_.cpu_step) {
     // The device's part is the resident rows (sinks + window): every selection covers them. The
-    // host's selection and its attention over the offloaded picks meet them in the merge below.
+    // host's selection and its attention over the offloaded picks meet them in the merge (MergeLayer).
     a.mode = StepRowMode::kSinksAndRecent;
     a.budget_tokens = std::max<int64_t>(int64_t{a.sink} + a.window, 1);
     a.budget_fraction = 0.0;
@@ -581,15 +667,51 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     a.out_dtype = DType::kF32;
     a.lse = io_.lse_gpu;
   }
+}
+
+void RuntimeImpl::FillListArgs(DecodeLayer& s) {
+  const ModelShape& m = config_.model;
+  const int layer = s.layer;
+  DecodeStepArgs& a = s.a;
+  const size_t batch_cap = static_cast<size_t>(config_.capacity.max_batch);
+  const size_t lists = static_cast<size_t>(layer) * batch_cap * m.num_kv_heads;
+  a.scoring = lists_.scoring;
+  if (lists_.scoring != SelectScoring::kNone) a.hide_fraction = policy_->device_hide_fraction(layer);
+  // xl+ takes the previous layer's list below: a scoring whose ranking advances no state then
+  // only keeps its metadata current (SparCas at 128K: about 85 us a layer not spent).
+  s.xl_reuse = XlReusesPrevious(s.slot_of, s.pos, layer);
+  a.select_skip_ranking = s.xl_reuse && selector_ != nullptr && selector_->ranking_skippable();
+  a.list = lists_.positions + lists * lists_.cap;
+  a.list_count = lists_.counts + lists;
+  a.list_cap = lists_.cap;
+  a.select_ws = lists_.select_ws;
+  a.select_ld = lists_.select_ld;
+  a.topk_ws = lists_.topk_ws;
+  a.select_mcta_ws = lists_.select_mcta_ws;
+  if (selector_ != nullptr) {
+    selector_->Fill(a);
+    selector_->BeforeSelect(a, s.slot_of, s.pos, layer);
+  }
+  if (dbank_.stage != nullptr) {
+    step_bank_->View(&a.bank);
+    const size_t r = static_cast<size_t>(s.bank_region);
+    a.bank.stage = dbank_.stage + r * dbank_.stage_region;
+    a.bank.miss = dbank_.miss + r * dbank_.miss_region / sizeof(int32_t);
+    a.bank.miss_cap = dbank_.miss_cap;
+    a.bank.admit = static_cast<char*>(dbank_.admit) + r * dbank_.admit_region;
+  }
+}
+
+void RuntimeImpl::CountStepRows(DecodeLayer& s) {
   // Rows each item attends, for the launch shape and the stats (the device recomputes them). A
   // device selection's split between resident and fetched rows is not known on the host: its
   // rows count as selected only.
+  DecodeStepArgs& a = s.a;
   const int64_t window = config_.tiers.window_tokens;
-  int64_t max_rows = 0, resident = 0, fetched = 0, selected = 0, key_bytes = 0;
-  int64_t offloaded = 0;  // selected rows beyond the resident ones, at most (the split's estimate)
-  const ListRowsRule list_rule = DeviceListRowsRule(layer);
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t n = pos[b] + 1;
+  int64_t max_rows = 0;
+  const ListRowsRule list_rule = DeviceListRowsRule(s.layer);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t n = s.pos[b] + 1;
     a.max_len_hint = std::max(a.max_len_hint, n);
     const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
     if (step_.cpu_step) {  // counted by SelectOnHost
@@ -600,122 +722,144 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
     if (lists_.scoring != SelectScoring::kNone) {
       const int64_t count = DeviceListRows(list_rule, n, budget);
       max_rows = std::max(max_rows, count);
-      selected += count;
-      offloaded += std::max<int64_t>(0, count - std::min<int64_t>(n, int64_t{a.sink} + a.window));
-      if (!a.select_skip_ranking) key_bytes += selector_->KeyBytes(n, budget, layer);
+      s.selected += count;
+      s.offloaded += std::max<int64_t>(0, count - std::min<int64_t>(n, int64_t{a.sink} + a.window));
+      if (!a.select_skip_ranking) s.key_bytes += selector_->KeyBytes(n, budget, s.layer);
       continue;
     }
     const StepRange r = SinksAndRecent(n, a.sink, budget);
     const int64_t res = r.sinks + (n - std::max(r.recent_begin, n - window));
     max_rows = std::max(max_rows, r.count);
-    resident += res;
-    fetched += r.count - res;
-    selected += r.count;
+    s.resident += res;
+    s.fetched += r.count - res;
+    s.selected += r.count;
   }
   a.max_rows_hint = max_rows;
-  Stage(stats_.ms_append, "append", t0);
+}
 
-  const auto t1 = Clock::now();
-  Status st = Status::Ok();
-  // A CPU-placed policy: q, k and v go to the host ahead of the step's kernels, so that the
-  // host's selection runs while the device attends the resident rows.
-  TensorView q_host = q, k_host = k, v_host = v;
-  const bool inputs_on_host = device_->backend() == Backend::kHost ||
-                              (q.where == MemoryKind::kHost && k.where == MemoryKind::kHost &&
-                               v.where == MemoryKind::kHost);
-  if ((step_.cpu_step || step_.host_lists) && !inputs_on_host) {
-    char* dst = static_cast<char*>(io_.q_raw_host);
-    for (TensorView* t : {&q_host, &k_host, &v_host}) {
-      const size_t bytes = static_cast<size_t>(t->numel()) * DTypeSize(t->dtype);
-      if (t->where == MemoryKind::kDevice && st.ok()) {
-        st = device_->CopyAsync(dst, t->data, bytes, stream);
-        t->data = dst;
-        t->where = MemoryKind::kHost;
-      }
-      dst += AlignUp(bytes, 64);
-    }
-    if (st.ok()) st = device_->RecordEvent(io_.q_ready, stream);
-  } else if (step_.host_lists && st.ok()) {
-    // Select reads the store rows that earlier work on the stream may still be writing (an Append
-    // does not wait): the host waits for the stream's work up to here all the same.
-    st = device_->RecordEvent(io_.q_ready, stream);
-  }
+Status RuntimeImpl::SelectLayer(DecodeLayer& s) {
+  s.t1 = Clock::now();
+  Status st = InputsToHost(s);
   // LFPS's scan ranks the offloaded keys on the device, ahead of the host's Select. On CUDA the
   // CPU step enqueues it, and its own kernel after it, beside the Selects (SelectOnHost's
   // launch): those calls take the host tens of microseconds a layer.
   // The CPU part on the runtime's thread (RuntimeConfig::async_cpu): on CUDA only with device
   // tensors (host ones are read and written before Decode returns).
   const bool host_backend = device_->backend() == Backend::kHost;
-  const bool async_part = step_.cpu_step && cpu_.async &&
-                          (host_backend || (!inputs_on_host && out.where == MemoryKind::kDevice));
+  s.async_part = step_.cpu_step && cpu_.async &&
+                 (host_backend || (!s.inputs_on_host && s.out.where == MemoryKind::kDevice));
   // (With the part on the runtime's thread the caller enqueues both right after the hand-over,
   // while the part's Selects start.)
-  const bool beside = step_.cpu_step && scan_.on &&
-                      device_->backend() == Backend::kCuda;
+  s.beside = step_.cpu_step && scan_.on && device_->backend() == Backend::kCuda;
   if (st.ok() && (step_.cpu_step || step_.host_lists) && scan_.on) {
-    st = LaunchDeviceScan(slot_of, layer, pos, q_src.value(), q.dtype, k_src.value(), k.dtype,
-                          stream, beside);
+    st = LaunchDeviceScan(s.slot_of, s.layer, s.pos, s.q_src, s.q.dtype, s.k_src, s.k.dtype,
+                          s.stream, s.beside);
   }
-  if (st.ok() && lists_.scoring != SelectScoring::kNone) {
-    // Runtime::TimeDeviceSelect: timing events around the launches (not while capturing).
-    st = TimedLaunch(timing_.on && !capturing, timing_.select, layer, stats_.ms_select_device,
-                     key_bytes * m.num_kv_heads, timing_.select_key_bytes, stream,
-                     [&] { return device_->DecodeSelect(a, stream); });
-    // Work the selection requested that runs beside the rest of the step (HiP's rebuilds).
-    if (st.ok()) st = selector_->AfterSelect(a, layer, stream);
-    // Cross-layer sharing (xl+): the previous layer's list replaces this one's when the same
-    // sequences selected there at the same length (this step's layer before). The selection kept
-    // the inner policy's device metadata (page bounds, compact keys) what it would be without the
-    // wrapper; it ranked only where that advances the policy's state (HiP, KVpop).
-    if (st.ok() && xl_reuse) {
-      const int64_t region = static_cast<int64_t>(batch_cap) * m.num_kv_heads;
-      const int64_t items = batch * m.num_kv_heads;
-      st = device_->CopyAsync(a.list, a.list - region * lists_.cap,
-                              static_cast<size_t>(items * lists_.cap) * sizeof(int32_t), stream);
-      if (st.ok()) {
-        st = device_->CopyAsync(a.list_count, a.list_count - region,
-                                static_cast<size_t>(items) * sizeof(int32_t), stream);
-      }
-    }
-    lists_.slots[layer].assign(slot_of.begin(), slot_of.end());
-    lists_.n[layer].resize(static_cast<size_t>(batch));
-    for (int64_t b = 0; b < batch; ++b) lists_.n[layer][b] = pos[b] + 1;
-  }
+  if (st.ok() && lists_.scoring != SelectScoring::kNone) st = SelectOnDevice(s);
   if (st.ok() && step_.host_lists) {
     // The lists the step attends come from the host's Select (instead of DecodeSelect).
     const auto ts = Clock::now();
-    Result<int64_t> most = UploadHostLists(slot_of, layer, pos, q_host, k_host, v_host,
-                                           inputs_on_host, stream);
+    Result<int64_t> most = UploadHostLists(s.slot_of, s.layer, s.pos, s.q_host, s.k_host, s.v_host,
+                                           s.inputs_on_host, s.stream);
     Stage(stats_.ms_select, "select", ts);
     if (most.ok()) {
-      a.max_rows_hint = most.value();
+      s.a.max_rows_hint = most.value();
     } else {
       st = most.status();
     }
   }
+  return st;
+}
+
+Status RuntimeImpl::InputsToHost(DecodeLayer& s) {
+  Status st = Status::Ok();
+  // A CPU-placed policy: q, k and v go to the host ahead of the step's kernels, so that the
+  // host's selection runs while the device attends the resident rows.
+  s.q_host = s.q;
+  s.k_host = s.k;
+  s.v_host = s.v;
+  s.inputs_on_host = device_->backend() == Backend::kHost ||
+                     (s.q.where == MemoryKind::kHost && s.k.where == MemoryKind::kHost &&
+                      s.v.where == MemoryKind::kHost);
+  if ((step_.cpu_step || step_.host_lists) && !s.inputs_on_host) {
+    char* dst = static_cast<char*>(io_.q_raw_host);
+    for (TensorView* t : {&s.q_host, &s.k_host, &s.v_host}) {
+      const size_t bytes = static_cast<size_t>(t->numel()) * DTypeSize(t->dtype);
+      if (t->where == MemoryKind::kDevice && st.ok()) {
+        st = device_->CopyAsync(dst, t->data, bytes, s.stream);
+        t->data = dst;
+        t->where = MemoryKind::kHost;
+      }
+      dst += AlignUp(bytes, 64);
+    }
+    if (st.ok()) st = device_->RecordEvent(io_.q_ready, s.stream);
+  } else if (step_.host_lists && st.ok()) {
+    // Select reads the store rows that earlier work on the stream may still be writing (an Append
+    // does not wait): the host waits for the stream's work up to here all the same.
+    st = device_->RecordEvent(io_.q_ready, s.stream);
+  }
+  return st;
+}
+
+Status RuntimeImpl::SelectOnDevice(DecodeLayer& s) {
+  const ModelShape& m = config_.model;
+  const int layer = s.layer;
+  DecodeStepArgs& a = s.a;
+  // Runtime::TimeDeviceSelect: timing events around the launches (not while capturing).
+  Status st = TimedLaunch(timing_.on && !s.capturing, timing_.select, layer, stats_.ms_select_device,
+                          s.key_bytes * m.num_kv_heads, timing_.select_key_bytes, s.stream,
+                          [&] { return device_->DecodeSelect(a, s.stream); });
+  // Work the selection requested that runs beside the rest of the step (HiP's rebuilds).
+  if (st.ok()) st = selector_->AfterSelect(a, layer, s.stream);
+  // Cross-layer sharing (xl+): the previous layer's list replaces this one's when the same
+  // sequences selected there at the same length (this step's layer before). The selection kept
+  // the inner policy's device metadata (page bounds, compact keys) what it would be without the
+  // wrapper; it ranked only where that advances the policy's state (HiP, KVpop).
+  if (st.ok() && s.xl_reuse) {
+    const size_t batch_cap = static_cast<size_t>(config_.capacity.max_batch);
+    const int64_t region = static_cast<int64_t>(batch_cap) * m.num_kv_heads;
+    const int64_t items = s.batch * m.num_kv_heads;
+    st = device_->CopyAsync(a.list, a.list - region * lists_.cap,
+                            static_cast<size_t>(items * lists_.cap) * sizeof(int32_t), s.stream);
+    if (st.ok()) {
+      st = device_->CopyAsync(a.list_count, a.list_count - region,
+                              static_cast<size_t>(items) * sizeof(int32_t), s.stream);
+    }
+  }
+  lists_.slots[layer].assign(s.slot_of.begin(), s.slot_of.end());
+  lists_.n[layer].resize(static_cast<size_t>(s.batch));
+  for (int64_t b = 0; b < s.batch; ++b) lists_.n[layer][b] = s.pos[b] + 1;
+  return st;
+}
+
+Status RuntimeImpl::ResolveLayer(DecodeLayer& s) {
+  const int layers = config_.model.num_layers;
+  const int layer = s.layer;
+  DecodeStepArgs& a = s.a;
+  Status st = Status::Ok();
   // The cross-layer prefetch (xl_.on). One in flight writes a stage region: this layer's
   // step comes after it, and reads its misses from the stage when it was this layer's.
-  bool staged = false;
-  if (st.ok() && xl_.layer >= 0) {
-    st = device_->WaitEvent(stream, xl_.done);
-    staged = st.ok() && xl_.layer == layer && planned && xl_reuse && a.bank.rows != nullptr;
+  if (xl_.layer >= 0) {
+    st = device_->WaitEvent(s.stream, xl_.done);
+    s.staged = st.ok() && xl_.layer == layer && s.planned && s.xl_reuse && a.bank.rows != nullptr;
     if (st.ok()) xl_.layer = -1;
   }
-  if (staged) a.bank.staged = 1;
+  if (s.staged) a.bank.staged = 1;
   // The next layer takes this layer's list (xl+): its misses are known now, and are copied into
   // its stage beside this layer's step.
-  bool prefetch_next = xl_.on && XlPrefetchWanted() && planned && a.bank.rows != nullptr && layer + 1 < layers &&
-                       WindowOf(layer + 1) == 0 && policy_->device_reuses_previous_layer(layer + 1);
+  bool prefetch_next = xl_.on && XlPrefetchWanted() && s.planned && a.bank.rows != nullptr &&
+                       layer + 1 < layers && WindowOf(layer + 1) == 0 &&
+                       policy_->device_reuses_previous_layer(layer + 1);
   // (XlReusesPrevious at the next layer: the same sequences, planned, at the same length.)
-  for (int64_t b = 0; prefetch_next && b < batch; ++b) {
-    prefetch_next = plan_.positions[static_cast<size_t>(b * layers + layer + 1)] == pos[b];
+  for (int64_t b = 0; prefetch_next && b < s.batch; ++b) {
+    prefetch_next = plan_.positions[static_cast<size_t>(b * layers + layer + 1)] == s.pos[b];
   }
   if (st.ok() && prefetch_next) {
     DecodeStepArgs nx = a;
     nx.layer = layer + 1;
     nx.bank.staged = 0;
     nx.bank.stage = dbank_.stage + static_cast<size_t>((layer + 1) % dbank_.regions) * dbank_.stage_region;
-    st = device_->RecordEvent(xl_.fork, stream);
+    st = device_->RecordEvent(xl_.fork, s.stream);
     if (st.ok()) st = device_->WaitEvent(dbank_.admit_stream, xl_.fork);
     if (st.ok()) st = device_->PrefetchListRows(nx, dbank_.admit_stream);
     if (st.ok()) st = device_->RecordEvent(xl_.done, dbank_.admit_stream);
@@ -724,176 +868,217 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
       dbank_.side_layer = std::max(dbank_.side_layer, layer);
     }
   }
+  return st;
+}
+
+Status RuntimeImpl::RouteLayer(DecodeLayer& s) {
+  const ModelShape& m = config_.model;
+  DecodeStepArgs& a = s.a;
   // The scheduler's split (route auto, a device selection without a bank; not in a graph, which
   // holds no host work, and on CUDA with device tensors only, as a CPU step's asynchronous part):
   // the CPU attends its share of the layer's misses on the runtime's thread while the device
   // attends the rest, and the stream merges the two (HandOverDecodeCpuPart).
   const int32_t split_q10 =
-      split_.on && st.ok() && !capturing &&
+      split_.on && !s.capturing &&
               (device_->backend() == Backend::kHost ||
-               (q.where == MemoryKind::kDevice && out.where == MemoryKind::kDevice))
-          ? SplitShare(offloaded * m.num_kv_heads)
+               (s.q.where == MemoryKind::kDevice && s.out.where == MemoryKind::kDevice))
+          ? SplitShare(s.offloaded * m.num_kv_heads)
           : 0;
-  if (st.ok() && split_q10 > 0) {
-    // q down for the CPU's share, the split, then the event its part waits for.
-    st = device_->CopyAsync(io_.q_raw_host, q_src.value(),
-                            static_cast<size_t>(q.numel()) * DTypeSize(q.dtype), stream);
-    const SplitListArgs sp{split_q10, split_.gpu_list, split_.gpu_count, split_.cpu_list, split_.cpu_count};
-    if (st.ok()) st = device_->SplitStepList(a, sp, stream);
-    if (st.ok()) st = device_->RecordEvent(split_.ready, stream);
-    if (st.ok()) {
-      a.list = split_.gpu_list;
-      a.list_count = split_.gpu_count;
-      a.out = io_.o_gpu;
-      a.out_dtype = DType::kF32;
-      a.lse = io_.lse_gpu;
-      TensorView q_down = q;
-      q_down.data = io_.q_raw_host;
-      q_down.where = MemoryKind::kHost;
-      const int64_t hkv = m.num_kv_heads;
-      stats_.rows_selected += selected * hkv;
-      stats_.select_key_bytes += key_bytes * hkv;
-      stats_.decode_split += 1;
-      Stage(stats_.ms_attend_gpu, "attend_gpu", t1);
-      split_.last_q10 = split_q10;
-      return HandOverDecodeCpuPart(a, false, layer, planned, true, q_down, k, v, out, out_direct,
-                                   stream, split_q10);
-    }
-  }
+  if (split_q10 <= 0) return Status::Ok();
+  // q down for the CPU's share, the split, then the event its part waits for.
+  Status st = device_->CopyAsync(io_.q_raw_host, s.q_src,
+                                 static_cast<size_t>(s.q.numel()) * DTypeSize(s.q.dtype), s.stream);
+  const SplitListArgs sp{split_q10, split_.gpu_list, split_.gpu_count, split_.cpu_list, split_.cpu_count};
+  if (st.ok()) st = device_->SplitStepList(a, sp, s.stream);
+  if (st.ok()) st = device_->RecordEvent(split_.ready, s.stream);
+  if (!st.ok()) return st;
+  a.list = split_.gpu_list;
+  a.list_count = split_.gpu_count;
+  a.out = io_.o_gpu;
+  a.out_dtype = DType::kF32;
+  a.lse = io_.lse_gpu;
+  TensorView q_down = s.q;
+  q_down.data = io_.q_raw_host;
+  q_down.where = MemoryKind::kHost;
+  const int64_t hkv = m.num_kv_heads;
+  stats_.rows_selected += s.selected * hkv;
+  stats_.select_key_bytes += s.key_bytes * hkv;
+  stats_.decode_split += 1;
+  Stage(stats_.ms_attend_gpu, "attend_gpu", s.t1);
+  split_.last_q10 = split_q10;
+  s.handed_over = true;
+  return HandOverDecodeCpuPart(a, false, s.layer, s.planned, true, q_down, s.k, s.v, s.out,
+                               s.out_direct, s.stream, split_q10);
+}
+
+Status RuntimeImpl::AttendLayer(DecodeLayer& s) {
+  const ModelShape& m = config_.model;
+  DecodeStepArgs& a = s.a;
+  Status st = Status::Ok();
   // The step rewrites its region's staging and miss lists: the admission that last read them
   // (layer - 2's) comes first.
   const bool admit_beside = a.bank.rows != nullptr && dbank_.regions > 1;
-  if (st.ok() && admit_beside && dbank_.admit_pending[bank_region]) {
-    st = device_->WaitEvent(stream, dbank_.admit_done[bank_region]);
-    dbank_.admit_pending[bank_region] = false;
+  if (admit_beside && dbank_.admit_pending[s.bank_region]) {
+    st = device_->WaitEvent(s.stream, dbank_.admit_done[s.bank_region]);
+    dbank_.admit_pending[s.bank_region] = false;
   }
   // Runtime::TimeDeviceSelect also times the step's attention where the device attends every
   // selected row (not a CPU step, whose device part is the resident rows; not host lists).
-  if (st.ok() && !beside && !async_part) {
-    st = TimedLaunch(timing_.on && !capturing && !step_.cpu_step && !step_.host_lists, timing_.attend, layer,
-                     stats_.ms_attend_device, selected * m.num_kv_heads * 2 * static_cast<int64_t>(dims_.row_bytes),
-                     timing_.attend_bytes, stream, [&] { return device_->DecodeStep(a, stream); });
-    if (st.ok() && staged) stats_.decode_prefetched += 1;
+  if (st.ok() && !s.beside && !s.async_part) {
+    st = TimedLaunch(timing_.on && !s.capturing && !step_.cpu_step && !step_.host_lists,
+                     timing_.attend, s.layer, stats_.ms_attend_device,
+                     s.selected * m.num_kv_heads * 2 * static_cast<int64_t>(dims_.row_bytes),
+                     timing_.attend_bytes, s.stream, [&] { return device_->DecodeStep(a, s.stream); });
+    if (st.ok() && s.staged) stats_.decode_prefetched += 1;
   }
+  return st;
+}
+
+Status RuntimeImpl::AdmitLayer(DecodeLayer& s) {
   // The bank admits the layer's misses right after the step that read them: beside the next
   // layer's work on dbank_.admit_stream (two regions), else on the caller's stream.
-  if (st.ok() && a.bank.rows != nullptr) {
-    const auto ta = Clock::now();
-    const int items = static_cast<int>(batch * m.num_kv_heads);
-    if (admit_beside) {
-      EventHandle fork = dbank_.admit_fork[bank_region];
-      st = device_->RecordEvent(fork, stream);
-      if (st.ok()) st = device_->WaitEvent(dbank_.admit_stream, fork);
-      if (st.ok()) st = step_bank_->Admit(a.bank.admit, items, dbank_.admit_stream);
-      if (st.ok()) st = device_->RecordEvent(dbank_.admit_done[bank_region], dbank_.admit_stream);
-      if (st.ok()) {
-        dbank_.admit_pending[bank_region] = true;
-        dbank_.side_layer = std::max(dbank_.side_layer, layer);
+  const DecodeStepArgs& a = s.a;
+  if (a.bank.rows == nullptr) return Status::Ok();
+  const bool admit_beside = dbank_.regions > 1;
+  const auto ta = Clock::now();
+  const int items = static_cast<int>(s.batch * config_.model.num_kv_heads);
+  Status st = Status::Ok();
+  if (admit_beside) {
+    EventHandle fork = dbank_.admit_fork[s.bank_region];
+    st = device_->RecordEvent(fork, s.stream);
+    if (st.ok()) st = device_->WaitEvent(dbank_.admit_stream, fork);
+    if (st.ok()) st = step_bank_->Admit(a.bank.admit, items, dbank_.admit_stream);
+    if (st.ok()) st = device_->RecordEvent(dbank_.admit_done[s.bank_region], dbank_.admit_stream);
+    if (st.ok()) {
+      dbank_.admit_pending[s.bank_region] = true;
+      dbank_.side_layer = std::max(dbank_.side_layer, s.layer);
+    }
+  } else {
+    st = step_bank_->Admit(a.bank.admit, items, s.stream);
+  }
+  Stage(stats_.ms_admit, "admit", ta);
+  return st;
+}
+
+Status RuntimeImpl::MergeLayer(DecodeLayer& s) {
+  if (s.async_part) {
+    Stage(stats_.ms_attend_gpu, "attend_gpu", s.t1);
+    s.handed_over = true;
+    return HandOverDecodeCpuPart(s.a, s.beside, s.layer, s.planned, s.inputs_on_host, s.q_host,
+                                 s.k_host, s.v_host, s.out, s.out_direct, s.stream);
+  }
+  if (!step_.cpu_step) return Status::Ok();
+  Stage(stats_.ms_attend_gpu, "attend_gpu", s.t1);
+  Status st = RunCpuStepPart(s);
+  const ModelShape& m = config_.model;
+  const int64_t rows = s.batch * m.num_q_heads;
+  const bool host = device_->backend() == Backend::kHost;
+  const float* o_cpu = host ? io_.o_cpu_host : io_.o_cpu_dev;
+  const float* lse_cpu = host ? io_.lse_cpu_host : io_.lse_cpu_dev;
+  if (st.ok() && !host) {
+    st = device_->CopyAsync(io_.o_cpu_dev, io_.o_cpu_host, static_cast<size_t>(rows) * m.head_dim * 4,
+                            s.stream);
+    if (st.ok()) st = device_->CopyAsync(io_.lse_cpu_dev, io_.lse_cpu_host, rows * 4, s.stream);
+    if (st.ok()) st = device_->RecordEvent(cpu_.part_up, s.stream);
+    stats_.bytes_h2d += rows * (m.head_dim + 1) * 4;
+    stats_.bytes_d2h += static_cast<int64_t>(s.q.numel()) * static_cast<int64_t>(DTypeSize(s.q.dtype));
+  }
+  if (st.ok()) {
+    const auto t3 = Clock::now();
+    st = device_->MergeLse(io_.o_gpu, io_.lse_gpu, o_cpu, lse_cpu, rows, m.head_dim,
+                           s.out_direct ? s.out.data : io_.out_stage, s.out.dtype, s.stream);
+    Stage(stats_.ms_merge, "merge", t3);
+  }
+  return st;
+}
+
+Status RuntimeImpl::RunCpuStepPart(DecodeLayer& s) {
+  const auto t2 = Clock::now();
+  Status st = Status::Ok();
+  if (!s.inputs_on_host) st = HostWaitEvent(io_.q_ready);
+  // The pinned CPU part of the last step must have reached the device before it is rewritten
+  // (it has, unless the caller switched streams).
+  if (st.ok() && !device_->EventDone(cpu_.part_up)) st = HostWaitEvent(cpu_.part_up);
+  // A policy failure rolls back below like any other (the window rewritten from the store).
+  // The launch captures one pointer (no allocation on the step's path).
+  struct Launch {
+    RuntimeImpl* rt;
+    const DecodeStepArgs* args;
+    StreamHandle stream;
+  } lc{this, &s.a, s.stream};
+  std::function<Status()> launch;
+  if (s.beside) {
+    launch = [p = &lc] {
+      TraceRecorder& tr = p->rt->trace_;
+      const auto t0 = tr.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
+      Status r = p->rt->EnqueueDeviceScan();
+      const auto t1 = tr.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
+      if (r.ok()) r = p->rt->device_->DecodeStep(*p->args, p->stream);
+      if (tr.on()) {
+        tr.Span("launch_scan", "launch", t0, t1);
+        tr.Span("launch_step", "launch", t1, TraceRecorder::Clock::now());
       }
-    } else {
-      st = step_bank_->Admit(a.bank.admit, items, stream);
-    }
-    Stage(stats_.ms_admit, "admit", ta);
+      return r;
+    };
   }
-  if (st.ok() && async_part) {
-    Stage(stats_.ms_attend_gpu, "attend_gpu", t1);
-    return HandOverDecodeCpuPart(a, beside, layer, planned, inputs_on_host, q_host, k_host, v_host,
-                                 out, out_direct, stream);
+  if (st.ok()) {
+    st = SelectOnHost(s.slot_of, s.layer, s.pos, s.q_host, s.k_host, s.v_host, nullptr, nullptr,
+                      s.beside ? &launch : nullptr);
   }
-  if (st.ok() && step_.cpu_step) {
-    Stage(stats_.ms_attend_gpu, "attend_gpu", t1);
-    const auto t2 = Clock::now();
-    if (!inputs_on_host) st = HostWaitEvent(io_.q_ready);
-    // The pinned CPU part of the last step must have reached the device before it is rewritten
-    // (it has, unless the caller switched streams).
-    if (st.ok() && !device_->EventDone(cpu_.part_up)) st = HostWaitEvent(cpu_.part_up);
-    // A policy failure rolls back below like any other (the window rewritten from the store).
-    // The launch captures one pointer (no allocation on the step's path).
-    struct Launch {
-      RuntimeImpl* rt;
-      const DecodeStepArgs* args;
-      StreamHandle stream;
-    } lc{this, &a, stream};
-    std::function<Status()> launch;
-    if (beside) {
-      launch = [p = &lc] {
-        TraceRecorder& tr = p->rt->trace_;
-        const auto t0 = tr.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
-        Status s = p->rt->EnqueueDeviceScan();
-        const auto t1 = tr.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
-        if (s.ok()) s = p->rt->device_->DecodeStep(*p->args, p->stream);
-        if (tr.on()) {
-          tr.Span("launch_scan", "launch", t0, t1);
-          tr.Span("launch_step", "launch", t1, TraceRecorder::Clock::now());
-        }
-        return s;
-      };
-    }
-    if (st.ok()) {
-      st = SelectOnHost(slot_of, layer, pos, q_host, k_host, v_host, nullptr, nullptr,
-                        beside ? &launch : nullptr);
-    }
-    Stage(stats_.ms_select, "select", t2);
-    const int64_t rows = batch * m.num_q_heads;
-    const bool host = device_->backend() == Backend::kHost;
-    const float* o_cpu = host ? io_.o_cpu_host : io_.o_cpu_dev;
-    const float* lse_cpu = host ? io_.lse_cpu_host : io_.lse_cpu_dev;
-    if (st.ok() && !host) {
-      st = device_->CopyAsync(io_.o_cpu_dev, io_.o_cpu_host, static_cast<size_t>(rows) * m.head_dim * 4,
-                              stream);
-      if (st.ok()) st = device_->CopyAsync(io_.lse_cpu_dev, io_.lse_cpu_host, rows * 4, stream);
-      if (st.ok()) st = device_->RecordEvent(cpu_.part_up, stream);
-      stats_.bytes_h2d += rows * (m.head_dim + 1) * 4;
-      stats_.bytes_d2h += static_cast<int64_t>(q.numel()) * static_cast<int64_t>(DTypeSize(q.dtype));
-    }
-    if (st.ok()) {
-      const auto t3 = Clock::now();
-      st = device_->MergeLse(io_.o_gpu, io_.lse_gpu, o_cpu, lse_cpu, rows, m.head_dim,
-                             out_direct ? out.data : io_.out_stage, out.dtype, stream);
-      Stage(stats_.ms_merge, "merge", t3);
-    }
-  }
-  if (st.ok() && !out_direct) {
+  Stage(stats_.ms_select, "select", t2);
+  return st;
+}
+
+Status RuntimeImpl::FinishLayer(DecodeLayer& s) {
+  const int layers = config_.model.num_layers;
+  const TensorView& out = s.out;
+  Status st = Status::Ok();
+  if (!s.out_direct) {
     const size_t bytes = static_cast<size_t>(out.numel()) * DTypeSize(out.dtype);
-    st = device_->CopyAsync(out.data, io_.out_stage, bytes, stream);
+    st = device_->CopyAsync(out.data, io_.out_stage, bytes, s.stream);
   }
-  if (st.ok() && layer == layers - 1) st = JoinSelectorSide(stream);  // the step's side rebuilds
-  if (st.ok() && layer == layers - 1) st = JoinAdmitSide(stream);  // and its admissions
-  if (st.ok() && !capturing) st = device_->RecordEvent(call_done_, stream);
+  if (st.ok() && s.layer == layers - 1) st = JoinSelectorSide(s.stream);  // the step's side rebuilds
+  if (st.ok() && s.layer == layers - 1) st = JoinAdmitSide(s.stream);  // and its admissions
+  if (st.ok() && !s.capturing) st = device_->RecordEvent(call_done_, s.stream);
   // Host-memory outputs are complete when Decode returns.
   if (st.ok() && out.where == MemoryKind::kHost && device_->backend() == Backend::kCuda) {
-    st = HostWaitStream(stream);
+    st = HostWaitStream(s.stream);
   }
-  if (!st.ok()) {
-    uncommit();
-    // xl+ on the device: the next layer must not take this call's list (a runtime that never
-    // made the call has the last step's here, of another length); nor the host wrapper its set.
-    if (static_cast<size_t>(layer) < lists_.n.size()) lists_.n[layer].clear();
-    for (int slot : slot_of) policy_->OnDecodeRolledBack(slot, layer);
-    // DecodeStep may have appended the token to the ring before the failure: put the rows back
-    // (not while capturing, where a failure ends the capture anyway).
-    if (capturing) return st;
-    Status restored = RestoreWindow(slot_of, layer, stream);
-    // A step kernel that ran before the failure listed misses that no admission consumed: the
-    // next layer's admission would read those list indices against its own list.
-    if (restored.ok() && a.bank.rows != nullptr) restored = ClearBankMisses(stream);
-    return WithRestore(std::move(st), restored);
-  }
-  CommitDecodeStep(layer, planned);
-  OpenXlGap(layer, stream, capturing);  // the engine's time to the next layer's Decode starts here
-  const int64_t hkv = m.num_kv_heads;
-  if (!step_.cpu_step) Stage(stats_.ms_attend_gpu, "attend_gpu", t1);
-  stats_.rows_resident += resident * hkv;
-  stats_.rows_fetched += fetched * hkv;
-  stats_.rows_selected += selected * hkv;
-  stats_.select_key_bytes += key_bytes * hkv;
+  return st;
+}
+
+Status RuntimeImpl::FailLayer(const DecodeLayer& s, Status st) {
+  UncommitLayer(s);
+  const int layer = s.layer;
+  // xl+ on the device: the next layer must not take this call's list (a runtime that never
+  // made the call has the last step's here, of another length); nor the host wrapper its set.
+  if (static_cast<size_t>(layer) < lists_.n.size()) lists_.n[layer].clear();
+  for (int slot : s.slot_of) policy_->OnDecodeRolledBack(slot, layer);
+  // DecodeStep may have appended the token to the ring before the failure: put the rows back
+  // (not while capturing, where a failure ends the capture anyway).
+  if (s.capturing) return st;
+  Status restored = RestoreWindow(s.slot_of, layer, s.stream);
+  // A step kernel that ran before the failure listed misses that no admission consumed: the
+  // next layer's admission would read those list indices against its own list.
+  if (restored.ok() && s.a.bank.rows != nullptr) restored = ClearBankMisses(s.stream);
+  return WithRestore(std::move(st), restored);
+}
+
+void RuntimeImpl::CommitLayer(const DecodeLayer& s) {
+  CommitDecodeStep(s.layer, s.planned);
+  OpenXlGap(s.layer, s.stream, s.capturing);  // the engine's time to the next layer's Decode starts here
+  const int64_t hkv = config_.model.num_kv_heads;
+  if (!step_.cpu_step) Stage(stats_.ms_attend_gpu, "attend_gpu", s.t1);
+  stats_.rows_resident += s.resident * hkv;
+  stats_.rows_fetched += s.fetched * hkv;
+  stats_.rows_selected += s.selected * hkv;
+  stats_.select_key_bytes += s.key_bytes * hkv;
   // A device selection read through the device bank: its rows split into resident, bank hits and
   // misses on the device; Stats takes the resident share from the bank's counters.
-  if (a.bank.rows != nullptr && lists_.scoring != SelectScoring::kNone) {
-    stats_aux_.bank_step_selected += selected * hkv;
+  if (s.a.bank.rows != nullptr && lists_.scoring != SelectScoring::kNone) {
+    stats_aux_.bank_step_selected += s.selected * hkv;
   }
-  stats_.bytes_h2d += fetched * hkv * 2 * static_cast<int64_t>(dims_.row_bytes);
-  return Status::Ok();
+  stats_.bytes_h2d += s.fetched * hkv * 2 * static_cast<int64_t>(dims_.row_bytes);
 }
 
 void RuntimeImpl::CommitDecodeStep(int layer, bool planned) {

@@ -160,6 +160,18 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
   const HostStoreShape store = StoreShape();
   z.store_table = static_cast<size_t>(HostStore::DeviceTableBytes(store));
 
+  KVF_RETURN_IF_ERROR(SizeBank(bank_slots, z));
+  if (cuda) SizePrefillStaging(store, z);
+  SizePriming(z);
+  KVF_RETURN_IF_ERROR(SizePlannedStep(z));
+  z.stream_scratch = static_cast<size_t>(z.streams) * device_->stream_scratch_bytes();
+  SizeWindowBuffers(z);  // sliding-window layers' rings and staging, every layer's bytes
+  SizeDeviceScan(z);
+  return Status::Ok();
+}
+
+Status RuntimeImpl::SizeBank(int bank_slots, DeviceBufferSizes& z) const {
+  const bool cuda = device_->backend() == Backend::kCuda;
   // Which token bank a configuration with bank_slots > 0 gets. The host backend: the host-managed
   // TokenBank (rows in device memory, maps on the host, a side stream for admissions), always.
   // CUDA: none where a bank would never be read or filled (dense reads the store by pages; route
@@ -192,31 +204,40 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
     z.bank_page_tables = b.page_tables + b.ref_bits;
     ++z.streams;
   }
+  return Status::Ok();
+}
 
-  if (cuda) {
-    // Prefill staging: one layer's pages of one sequence in device memory, and their page table.
-    z.max_pages = HostStore::MaxPages(store);
-    z.prefill_scratch = AllocBytes(static_cast<size_t>(hkv * z.max_pages) *
-                                   static_cast<size_t>(HostStore::PageBytes(store)));
-    z.prefill_pages = AllocBytes(static_cast<size_t>(hkv * z.max_pages) * sizeof(void*));
-    // Tensor cores unless KVFERRY_CUDA_PREFILL=paged asks for the CUDA-core kernel (the reference
-    // it is tested against); with them, chunks after the first copy their history on a stream of
-    // their own.
-    z.prefill_tensor_cores = !EnvIs("KVFERRY_CUDA_PREFILL", "paged");
-    z.prefill_copy_stream = z.prefill_tensor_cores;
-    if (z.prefill_copy_stream) ++z.streams;
-    // The chunk's write-through on a stream of its own, from the staging, while the chunk is
-    // attended.
-    z.prefill_write_stream = z.prefill_copy_stream;
-    if (z.prefill_write_stream) ++z.streams;
-    // The chunk-major prefetch's second staging (Capacity::prefill_prefetch).
-    z.prefill_prefetch = z.prefill_copy_stream && cap.prefill_prefetch;
-    if (z.prefill_prefetch) {
-      z.prefill_next = z.prefill_scratch;
-      z.prefill_next_pages = z.prefill_pages;
-    }
+void RuntimeImpl::SizePrefillStaging(const HostStoreShape& store, DeviceBufferSizes& z) const {
+  const Capacity& cap = config_.capacity;
+  const int64_t hkv = config_.model.num_kv_heads;
+  // Prefill staging: one layer's pages of one sequence in device memory, and their page table.
+  z.max_pages = HostStore::MaxPages(store);
+  z.prefill_scratch = AllocBytes(static_cast<size_t>(hkv * z.max_pages) *
+                                 static_cast<size_t>(HostStore::PageBytes(store)));
+  z.prefill_pages = AllocBytes(static_cast<size_t>(hkv * z.max_pages) * sizeof(void*));
+  // Tensor cores unless KVFERRY_CUDA_PREFILL=paged asks for the CUDA-core kernel (the reference
+  // it is tested against); with them, chunks after the first copy their history on a stream of
+  // their own.
+  z.prefill_tensor_cores = !EnvIs("KVFERRY_CUDA_PREFILL", "paged");
+  z.prefill_copy_stream = z.prefill_tensor_cores;
+  if (z.prefill_copy_stream) ++z.streams;
+  // The chunk's write-through on a stream of its own, from the staging, while the chunk is
+  // attended.
+  z.prefill_write_stream = z.prefill_copy_stream;
+  if (z.prefill_write_stream) ++z.streams;
+  // The chunk-major prefetch's second staging (Capacity::prefill_prefetch).
+  z.prefill_prefetch = z.prefill_copy_stream && cap.prefill_prefetch;
+  if (z.prefill_prefetch) {
+    z.prefill_next = z.prefill_scratch;
+    z.prefill_next_pages = z.prefill_pages;
   }
+}
 
+void RuntimeImpl::SizePriming(DeviceBufferSizes& z) const {
+  const ModelShape& m = config_.model;
+  const Capacity& cap = config_.capacity;
+  const bool cuda = device_->backend() == Backend::kCuda;
+  const int64_t hkv = m.num_kv_heads;
   // Priming on the device: on CUDA unless KVFERRY_PRIME=host (the host loop, for comparison); on
   // the host backend only with KVFERRY_PRIME=device (the CPU reference of the same path, so that
   // machines without a GPU run it). Per KV head a table pair (vertical, slash) of 2 n floats and
@@ -236,7 +257,15 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
           PrimeScratchBytes(static_cast<int>(hkv), z.prime_rows, dims_.group, static_cast<int>(splits)));
     }
   }
+}
 
+Status RuntimeImpl::SizePlannedStep(DeviceBufferSizes& z) const {
+  const ModelShape& m = config_.model;
+  const Capacity& cap = config_.capacity;
+  const bool cuda = device_->backend() == Backend::kCuda;
+  const int64_t hkv = m.num_kv_heads, d = m.head_dim;
+  const int64_t slot_rows = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
+  const SelectScoring scoring = policy_->device_scoring();
   // The planned decode step (runtime/decode_plan.cpp).
   z.scoring = scoring;
   // host_lists: a policy that selects on the host runs the planned step because its bank is on
@@ -251,80 +280,94 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
   z.cpu_step = !z.fast_path && !z.host_lists && policy_->placement() == Placement::kCpu &&
                policy_->selection_covers_resident() && !policy_->is_dense() && !z.host_bank &&
                PlannedRoute() == Route::kCpu;
-  if (z.fast_path || z.cpu_step || z.host_lists) {
-    const int64_t items = int64_t{cap.max_batch} * hkv;
-    if (scoring != SelectScoring::kNone || z.host_lists) {
-      // Per layer a list region, so that any layer's last selection can be read back and no
-      // layer rewrites a list an earlier launch of the step may still read.
-      z.list_cap = std::max<int64_t>(dims_.item_cap, 1);
-      const size_t lists = static_cast<size_t>(m.num_layers) * items;
-      z.step_list = AllocBytes(lists * static_cast<size_t>(z.list_cap) * sizeof(int32_t));
-      z.step_list_count = AllocBytes(lists * sizeof(int32_t));
-    }
-    if (scoring != SelectScoring::kNone) {  // host lists need no selection scratch
-      z.select_ld = cap.max_tokens_per_sequence;
-      z.select_ws = AllocBytes(static_cast<size_t>(items) * dims_.group * z.select_ld * sizeof(float));
-      int64_t sort_cap = 1;
-      while (sort_cap < z.list_cap) sort_cap <<= 1;
-      // The selector's own state (its parameters checked against the shape).
-      const DeviceSelector& sel = *selector_;
-      KVF_RETURN_IF_ERROR(sel.Size(z.selector_buffers));
-      for (SelectorBuffer& b : z.selector_buffers) b.bytes = AllocBytes(b.bytes);
-      z.selector = true;
-      z.streams += sel.extra_streams();
-      if (sort_cap > 4096 && sel.uses_topk_ws()) z.topk_ws = AllocBytes(static_cast<size_t>(items * sort_cap) * 8);
-      // The multi-CTA top-k's scratch (CUDA), when an item can rank enough scores (positions, or
-      // Quest's pages) to take it.
-      const int64_t ranked_cap = sel.RankedCap(z.select_ld);
-      const size_t mcta_bytes =
-          ranked_cap > 0 ? SelectMctaWorkspaceBytes(items, dims_.group, ranked_cap, sel.MctaMinRanked()) : 0;
-      if (cuda && mcta_bytes > 0) z.select_mcta = AllocBytes(mcta_bytes);
-    }
-    if (scoring != SelectScoring::kNone || z.host_lists) {
-      if (z.device_bank && !z.step_all_resident) {
-        // The step's misses: staged at their list index, listed for the admission after the
-        // step. With two regions the admission of layer l runs on its own stream beside layer
-        // l + 1's step (which writes the other region); layer l + 2 waits for it. Measured at
-        // 128K b1 (H200, against one region in the same call): kvpop_bank 0.939 vs
-        // 1.162 ms a token step, sparcas_bank 3.869 vs 4.051, hip_bank 1.861 vs 1.811 (its
-        // rebuilds already run beside the step, and its selection slowed from 0.86 to 0.97 ms):
-        // two regions unless the selector runs work beside the step itself.
-        const bool side = !(z.selector && selector_->runs_beside_step());
-        z.bank_regions = cuda && side ? 2 : 1;
-        if (z.bank_regions > 1) ++z.streams;  // the admissions' stream
-        const size_t regions = static_cast<size_t>(z.bank_regions);
-        z.bank_miss_cap = static_cast<int32_t>(std::min<int64_t>(z.list_cap, z.bank_max_admit));
-        z.bank_stage = regions * AllocBytes(static_cast<size_t>(items * z.list_cap) * 2 * dims_.row_bytes);
-        z.bank_miss = regions * AllocBytes(static_cast<size_t>(items) * (1 + z.bank_miss_cap) *
-                                           sizeof(int32_t));
-        z.bank_admit = regions * AllocBytes(static_cast<size_t>(items) * z.bank_admit_item_bytes);
-      }
-    }
-    // The scheduler's split (RunDecodeStep, SplitShare): with a device selection and no token
-    // bank, the step's misses are its list's non-resident rows, so the host knows their number
-    // before the step and can give the CPU its share of them; with a bank, only the step knows
-    // which of them it holds, and every miss is read over PCIe, then admitted. Route auto only,
-    // with the CPU part on the runtime's thread (async_cpu), so that Decode does not wait for it.
-    z.split = scoring != SelectScoring::kNone && z.fast_path && !z.device_bank &&
-              !z.step_all_resident && config_.route == Route::kAuto && config_.async_cpu != 0;
-    if (z.split) {
-      z.split_list = AllocBytes(static_cast<size_t>(items * z.list_cap) * sizeof(int32_t));
-      z.split_count = AllocBytes(static_cast<size_t>(items) * sizeof(int32_t));
-    }
-    z.step_slots = AllocBytes(size_t{2} * cap.max_batch * sizeof(int32_t));
-    z.step_pos = AllocBytes(2 * static_cast<size_t>(cap.max_batch) * m.num_layers *
-                            sizeof(int64_t));
-    if (cuda) {
-      z.step_ws_floats =
-          static_cast<int64_t>(cap.max_batch) * hkv * kStepMaxSplits * dims_.group * (d + 1);
-      z.step_ws = AllocBytes(static_cast<size_t>(z.step_ws_floats) * sizeof(float));
-      z.step_counters = AllocBytes(static_cast<size_t>(cap.max_batch) * hkv * dims_.group *
-                                   sizeof(int32_t));
+  if (!z.fast_path && !z.cpu_step && !z.host_lists) return Status::Ok();
+  const int64_t items = int64_t{cap.max_batch} * hkv;
+  KVF_RETURN_IF_ERROR(SizeStepLists(z));
+  // The scheduler's split (RunDecodeStep, SplitShare): with a device selection and no token
+  // bank, the step's misses are its list's non-resident rows, so the host knows their number
+  // before the step and can give the CPU its share of them; with a bank, only the step knows
+  // which of them it holds, and every miss is read over PCIe, then admitted. Route auto only,
+  // with the CPU part on the runtime's thread (async_cpu), so that Decode does not wait for it.
+  z.split = scoring != SelectScoring::kNone && z.fast_path && !z.device_bank &&
+            !z.step_all_resident && config_.route == Route::kAuto && config_.async_cpu != 0;
+  if (z.split) {
+    z.split_list = AllocBytes(static_cast<size_t>(items * z.list_cap) * sizeof(int32_t));
+    z.split_count = AllocBytes(static_cast<size_t>(items) * sizeof(int32_t));
+  }
+  z.step_slots = AllocBytes(size_t{2} * cap.max_batch * sizeof(int32_t));
+  z.step_pos = AllocBytes(2 * static_cast<size_t>(cap.max_batch) * m.num_layers *
+                          sizeof(int64_t));
+  if (cuda) {
+    z.step_ws_floats =
+        static_cast<int64_t>(cap.max_batch) * hkv * kStepMaxSplits * dims_.group * (d + 1);
+    z.step_ws = AllocBytes(static_cast<size_t>(z.step_ws_floats) * sizeof(float));
+    z.step_counters = AllocBytes(static_cast<size_t>(cap.max_batch) * hkv * dims_.group *
+                                 sizeof(int32_t));
+  }
+  return Status::Ok();
+}
+
+Status RuntimeImpl::SizeStepLists(DeviceBufferSizes& z) const {
+  const ModelShape& m = config_.model;
+  const Capacity& cap = config_.capacity;
+  const bool cuda = device_->backend() == Backend::kCuda;
+  const SelectScoring scoring = z.scoring;
+  const int64_t items = int64_t{cap.max_batch} * m.num_kv_heads;
+  if (scoring != SelectScoring::kNone || z.host_lists) {
+    // Per layer a list region, so that any layer's last selection can be read back and no
+    // layer rewrites a list an earlier launch of the step may still read.
+    z.list_cap = std::max<int64_t>(dims_.item_cap, 1);
+    const size_t lists = static_cast<size_t>(m.num_layers) * items;
+    z.step_list = AllocBytes(lists * static_cast<size_t>(z.list_cap) * sizeof(int32_t));
+    z.step_list_count = AllocBytes(lists * sizeof(int32_t));
+  }
+  if (scoring != SelectScoring::kNone) {  // host lists need no selection scratch
+    z.select_ld = cap.max_tokens_per_sequence;
+    z.select_ws = AllocBytes(static_cast<size_t>(items) * dims_.group * z.select_ld * sizeof(float));
+    int64_t sort_cap = 1;
+    while (sort_cap < z.list_cap) sort_cap <<= 1;
+    // The selector's own state (its parameters checked against the shape).
+    const DeviceSelector& sel = *selector_;
+    KVF_RETURN_IF_ERROR(sel.Size(z.selector_buffers));
+    for (SelectorBuffer& b : z.selector_buffers) b.bytes = AllocBytes(b.bytes);
+    z.selector = true;
+    z.streams += sel.extra_streams();
+    if (sort_cap > 4096 && sel.uses_topk_ws()) z.topk_ws = AllocBytes(static_cast<size_t>(items * sort_cap) * 8);
+    // The multi-CTA top-k's scratch (CUDA), when an item can rank enough scores (positions, or
+    // Quest's pages) to take it.
+    const int64_t ranked_cap = sel.RankedCap(z.select_ld);
+    const size_t mcta_bytes =
+        ranked_cap > 0 ? SelectMctaWorkspaceBytes(items, dims_.group, ranked_cap, sel.MctaMinRanked()) : 0;
+    if (cuda && mcta_bytes > 0) z.select_mcta = AllocBytes(mcta_bytes);
+  }
+  if (scoring != SelectScoring::kNone || z.host_lists) {
+    if (z.device_bank && !z.step_all_resident) {
+      // The step's misses: staged at their list index, listed for the admission after the
+      // step. With two regions the admission of layer l runs on its own stream beside layer
+      // l + 1's step (which writes the other region); layer l + 2 waits for it. Measured at
+      // 128K b1 (H200, against one region in the same call): kvpop_bank 0.939 vs
+      // 1.162 ms a token step, sparcas_bank 3.869 vs 4.051, hip_bank 1.861 vs 1.811 (its
+      // rebuilds already run beside the step, and its selection slowed from 0.86 to 0.97 ms):
+      // two regions unless the selector runs work beside the step itself.
+      const bool side = !(z.selector && selector_->runs_beside_step());
+      z.bank_regions = cuda && side ? 2 : 1;
+      if (z.bank_regions > 1) ++z.streams;  // the admissions' stream
+      const size_t regions = static_cast<size_t>(z.bank_regions);
+      z.bank_miss_cap = static_cast<int32_t>(std::min<int64_t>(z.list_cap, z.bank_max_admit));
+      z.bank_stage = regions * AllocBytes(static_cast<size_t>(items * z.list_cap) * 2 * dims_.row_bytes);
+      z.bank_miss = regions * AllocBytes(static_cast<size_t>(items) * (1 + z.bank_miss_cap) *
+                                         sizeof(int32_t));
+      z.bank_admit = regions * AllocBytes(static_cast<size_t>(items) * z.bank_admit_item_bytes);
     }
   }
-  z.stream_scratch = static_cast<size_t>(z.streams) * device_->stream_scratch_bytes();
-  SizeWindowBuffers(z);  // sliding-window layers' rings and staging, every layer's bytes
+  return Status::Ok();
+}
 
+void RuntimeImpl::SizeDeviceScan(DeviceBufferSizes& z) const {
+  const ModelShape& m = config_.model;
+  const Capacity& cap = config_.capacity;
+  const bool cuda = device_->backend() == Backend::kCuda;
+  const int64_t hkv = m.num_kv_heads, d = m.head_dim;
   // LFPS's scan on the device: a copy of the policy's int8 shadow of K (head_dim bytes per token
   // and KV head, a quarter of a bf16 K + V row pair) and its scales, the scan's scores and
   // workspace (its ranking and counts: mapped host memory, scan_out / scan_counts).
@@ -363,7 +406,6 @@ Status RuntimeImpl::SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& z) cons
                                    !EnvIs("KVFERRY_LFPS_SCAN", "device");
     if (too_big) z.DropScan();
   }
-  return Status::Ok();
 }
 
 Result<int> RuntimeImpl::ChooseBankSlots() const {

@@ -190,28 +190,7 @@ Result<void*> RuntimeImpl::Alloc(size_t bytes, bool host) {
 
 Status RuntimeImpl::Init() {
   const ModelShape& m = config_.model;
-  switch (config_.backend) {
-    case Backend::kHost: device_ = MakeHostDevice(); break;
-    case Backend::kCuda: {
-      KVF_ASSIGN_OR_RETURN(device_, MakeCudaDevice(config_.device_id));
-      break;
-    }
-    case Backend::kAuto: {
-      // The CUDA kernels cover head_dim 64/128/256; other shapes (tiny test models) stay on host.
-      const bool cuda_shape = m.head_dim == 64 || m.head_dim == 128 || m.head_dim == 256;
-      if (cuda_shape && CudaAvailable()) {
-        Result<std::unique_ptr<Device>> cuda = MakeCudaDevice(config_.device_id);
-        if (cuda.ok()) device_ = std::move(cuda).value();
-      }
-      if (device_ == nullptr) device_ = MakeHostDevice();
-      break;
-    }
-  }
-  if (const DeviceDecorator* decorate = ScopedDeviceDecorator::Current()) {
-    device_ = (*decorate)(std::move(device_));
-    KVF_CHECK_CODE(device_ != nullptr, StatusCode::kInternal, "device decorator returned null");
-  }
-  stream_ = device_->default_stream();
+  KVF_RETURN_IF_ERROR(CreateDevice());
   KVF_ASSIGN_OR_RETURN(policy_, MakePolicy(config_));
   cpu::CpuPoolOptions pool_options;
   pool_options.threads = config_.cpu_threads;
@@ -243,12 +222,90 @@ Status RuntimeImpl::Init() {
   KVF_RETURN_IF_ERROR(SizeDeviceBuffers(config_.tiers.bank_slots, sizes_));
   device_plan_ = sizes_.Plan(cap.gpu_bytes);
   KVF_RETURN_IF_ERROR(CheckDeviceCap(device_plan_, auto_bank));
-  const DeviceBufferSizes& z = sizes_;
 
   store_ = std::make_unique<HostStore>(device_.get(), StoreShape());
   KVF_RETURN_IF_ERROR(store_->Init());
   KVF_RETURN_IF_ERROR(store_->Prepin(cap.host_bytes_at_create));
 
+  KVF_RETURN_IF_ERROR(InitCallBuffers());
+  KVF_RETURN_IF_ERROR(InitWindowBuffers());
+  KVF_RETURN_IF_ERROR(InitBanks());
+  const int64_t hkv = m.num_kv_heads;
+  const size_t items = static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv);
+  scratch_.offloaded.resize(items);
+  scratch_.misses.resize(items);
+  for (auto& v : scratch_.offloaded) v.reserve(static_cast<size_t>(dims_.item_cap));
+  for (auto& v : scratch_.misses) v.reserve(static_cast<size_t>(dims_.item_cap));
+  if (device_->backend() == Backend::kCuda) KVF_RETURN_IF_ERROR(InitPrefillStaging());
+  // Priming on the device (sizes and the choice: SizeDeviceBuffers).
+  if (sizes_.prime_rows > 0) KVF_RETURN_IF_ERROR(InitPrimeBuffers());
+  KVF_RETURN_IF_ERROR(InitDeviceScan());
+  // Priming deferred to the first Decode (DeferPrime): the kept rows are pinned per slot, made at
+  // the slot's first primed prefill.
+  if (policy_->prime_rows() > 0 && (prime_.rows > 0 || policy_->wants_prefill_queries())) {
+    prime_.pending_rows = static_cast<int>(
+        std::min<int64_t>(policy_->prime_rows(), config_.capacity.max_prefill_chunk));
+    prime_.pending.assign(static_cast<size_t>(config_.capacity.max_sequences) * m.num_layers, {});
+    prime_.pending_q.assign(static_cast<size_t>(config_.capacity.max_sequences), nullptr);
+    const char* eager = std::getenv("KVFERRY_PRIME_EAGER");
+    prime_.eager = eager != nullptr && std::string_view(eager) == "1";
+  }
+  // Off by default: on the GPU machine (lfps@2%, three runs each) 500 us of spinning
+  // started the last of a layer's 8 items 25 us after the first instead of 67-82 us and took 32K
+  // from 19.4 to 17.2 ms a step, but 64K from 29.1 to 30.8 ms (its longer items ran slower beside
+  // the spinners). With the scan on the GPU the items wait for its ranking anyway,
+  // and spinning slowed the launches beside them (43 -> 45-72 us a layer): 32K 13.7-15.0 ms
+  // (spinning twice the last gap between layers) and 12.6-14.4 (300 us) against 11.9-13.3 without.
+  // Off by default (RuntimeConfig::cpu_spin_us).
+  pool_warm_us_ = config_.cpu_spin_us;
+  KVF_RETURN_IF_ERROR(InitStepBuffers());
+  // The cap again, against the device's own count of what it holds now: a buffer allocated
+  // outside the plan would show here (the tests hold the count equal to the plan's total).
+  const int64_t held = device_->device_bytes_held();
+  KVF_CHECK_CODE(cap.gpu_bytes == 0 || held <= cap.gpu_bytes, StatusCode::kResourceExhausted,
+                 "capacity.gpu_bytes ", cap.gpu_bytes, " exceeded: the device holds ", held,
+                 " bytes after Create's allocations, planned ", device_plan_.ToString());
+  if (config_.probe_at_start) KVF_RETURN_IF_ERROR(ProbeCosts());
+  scratch_.selections.resize(items);
+  for (auto& s : scratch_.selections) s.reserve(static_cast<size_t>(dims_.item_cap));
+  last_selection_.resize(static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv);
+  scratch_.item_status.resize(items);
+  lengths_.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
+  for (int s = cap.max_sequences - 1; s >= 0; --s) free_slots_.push_back(s);
+  return Status::Ok();
+}
+
+Status RuntimeImpl::CreateDevice() {
+  const ModelShape& m = config_.model;
+  switch (config_.backend) {
+    case Backend::kHost: device_ = MakeHostDevice(); break;
+    case Backend::kCuda: {
+      KVF_ASSIGN_OR_RETURN(device_, MakeCudaDevice(config_.device_id));
+      break;
+    }
+    case Backend::kAuto: {
+      // The CUDA kernels cover head_dim 64/128/256; other shapes (tiny test models) stay on host.
+      const bool cuda_shape = m.head_dim == 64 || m.head_dim == 128 || m.head_dim == 256;
+      if (cuda_shape && CudaAvailable()) {
+        Result<std::unique_ptr<Device>> cuda = MakeCudaDevice(config_.device_id);
+        if (cuda.ok()) device_ = std::move(cuda).value();
+      }
+      if (device_ == nullptr) device_ = MakeHostDevice();
+      break;
+    }
+  }
+  if (const DeviceDecorator* decorate = ScopedDeviceDecorator::Current()) {
+    device_ = (*decorate)(std::move(device_));
+    KVF_CHECK_CODE(device_ != nullptr, StatusCode::kInternal, "device decorator returned null");
+  }
+  stream_ = device_->default_stream();
+  return Status::Ok();
+}
+
+Status RuntimeImpl::InitCallBuffers() {
+  const ModelShape& m = config_.model;
+  const Capacity& cap = config_.capacity;
+  const DeviceBufferSizes& z = sizes_;
   const int64_t hq = m.num_q_heads, hkv = m.num_kv_heads;
   KVF_ASSIGN_OR_RETURN(void* resident, Alloc(z.resident, false));
   resident_ = static_cast<char*>(resident);
@@ -292,15 +349,20 @@ Status RuntimeImpl::Init() {
   desc_.gpu_items = static_cast<RowAttnItem*>(p);
   KVF_ASSIGN_OR_RETURN(p, Alloc(items * sizeof(RowAttnItem), true));
   desc_.cpu_items = static_cast<RowAttnItem*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(std::max<size_t>(items, static_cast<size_t>(hkv)) * sizeof(PagedAttnItem), true));
+  KVF_ASSIGN_OR_RETURN(
+      p, Alloc(std::max<size_t>(items, static_cast<size_t>(hkv)) * sizeof(PagedAttnItem), true));
   desc_.paged_items = static_cast<PagedAttnItem*>(p);
   const size_t row_ptrs = items * static_cast<size_t>(std::max<int64_t>(dims_.item_cap, 1));
-  for (const void*** dst : {&desc_.gpu_k_rows, &desc_.gpu_v_rows, &desc_.cpu_k_rows, &desc_.cpu_v_rows}) {
+  for (const void*** dst :
+       {&desc_.gpu_k_rows, &desc_.gpu_v_rows, &desc_.cpu_k_rows, &desc_.cpu_v_rows}) {
     KVF_ASSIGN_OR_RETURN(p, Alloc(row_ptrs * sizeof(void*), true));
     *dst = static_cast<const void**>(p);
   }
+  return Status::Ok();
+}
 
-  KVF_RETURN_IF_ERROR(InitWindowBuffers());
+Status RuntimeImpl::InitBanks() {
+  const DeviceBufferSizes& z = sizes_;
   // Which bank (SizeDeviceBuffers says why): the device bank read by the planned step, the
   // host-managed one, or none.
   step_.host_lists = z.host_lists;
@@ -313,89 +375,98 @@ Status RuntimeImpl::Init() {
     KVF_ASSIGN_OR_RETURN(side_stream_, device_->CreateStream());
     KVF_ASSIGN_OR_RETURN(bank_step_done_, device_->CreateEvent());
   }
-  scratch_.offloaded.resize(items);
-  scratch_.misses.resize(items);
-  for (auto& v : scratch_.offloaded) v.reserve(static_cast<size_t>(dims_.item_cap));
-  for (auto& v : scratch_.misses) v.reserve(static_cast<size_t>(dims_.item_cap));
-  if (device_->backend() == Backend::kCuda) {
-    // Prefill staging: one layer's pages of one sequence in device memory, and their page table.
-    prefill_.max_pages = z.max_pages;
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_scratch, false));
-    prefill_.scratch = static_cast<char*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(hkv * prefill_.max_pages) * sizeof(void*), true));
-    prefill_.pages_host = static_cast<void**>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_pages, false));
-    prefill_.pages_dev = static_cast<void**>(p);
-    prefill_.page_copy_dst.reserve(static_cast<size_t>(hkv * prefill_.max_pages));
-    prefill_.page_copy_src.reserve(static_cast<size_t>(hkv * prefill_.max_pages));
-    prefill_.page_copy_bytes.reserve(static_cast<size_t>(hkv * prefill_.max_pages));
-    if (z.prefill_prefetch) {
-      KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_next, false));
-      prefill_.next = static_cast<char*>(p);
-      KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_next_pages, false));
-      prefill_.next_pages_dev = static_cast<void**>(p);
-      KVF_ASSIGN_OR_RETURN(prefill_.next_ready, device_->CreateEvent());
-      KVF_ASSIGN_OR_RETURN(prefill_.call_start, device_->CreateEvent());
-    }
-    // Each staging's page table maps head h's page p to its fixed place in it (the kernels that
-    // read a staging through a page table: priming, the CUDA-core prefill).
-    {
-      const int64_t page_bytes = store_->page_bytes();
-      for (auto [table, staging] : {std::pair{prefill_.pages_dev, prefill_.scratch},
-                                    std::pair{prefill_.next_pages_dev, prefill_.next}}) {
-        if (table == nullptr) continue;
-        for (int64_t i = 0; i < hkv * prefill_.max_pages; ++i) prefill_.pages_host[i] = staging + i * page_bytes;
-        KVF_RETURN_IF_ERROR(device_->CopyAsync(table, prefill_.pages_host,
-                                               static_cast<size_t>(hkv * prefill_.max_pages) * sizeof(void*),
-                                               stream_));
-        KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
-      }
-    }
-    if (z.prefill_tensor_cores) {
-      prefill_.items_bytes =
-          static_cast<size_t>((1 + kPrefillMaxSegments) * hkv) * kPrefillItemBytes;
-      KVF_ASSIGN_OR_RETURN(prefill_.items, Alloc(2 * prefill_.items_bytes, true));
-      for (EventHandle& e : prefill_.items_done) {
-        KVF_ASSIGN_OR_RETURN(e, device_->CreateEvent());
-      }
-      if (z.prefill_copy_stream) {
-        KVF_ASSIGN_OR_RETURN(prefill_.copy_stream, device_->CreateStream());
-        KVF_ASSIGN_OR_RETURN(prefill_.fork, device_->CreateEvent());
-        prefill_.segment_done.assign(kPrefillMaxSegments, nullptr);
-        for (EventHandle& e : prefill_.segment_done) {
-          KVF_ASSIGN_OR_RETURN(e, device_->CreateEvent());
-        }
-        prefill_.copy_scratch.assign(
-            PrefillCopyScratchBytes(hkv, store_->max_pages()) / sizeof(void*), nullptr);
-      }
-      if (z.prefill_write_stream) {
-        KVF_ASSIGN_OR_RETURN(prefill_.write_stream, device_->CreateStream());
-        KVF_ASSIGN_OR_RETURN(prefill_.write_ready, device_->CreateEvent());
-        KVF_ASSIGN_OR_RETURN(prefill_.write_done, device_->CreateEvent());
-        prefill_.write_scratch.assign(
-            2 * PrefillCopyScratchBytes(hkv, store_->max_pages()) / sizeof(void*), nullptr);
-      }
-    }
+  return Status::Ok();
+}
+
+Status RuntimeImpl::InitPrefillStaging() {
+  const DeviceBufferSizes& z = sizes_;
+  const int64_t hkv = config_.model.num_kv_heads;
+  void* p = nullptr;
+  // Prefill staging: one layer's pages of one sequence in device memory, and their page table.
+  prefill_.max_pages = z.max_pages;
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_scratch, false));
+  prefill_.scratch = static_cast<char*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(hkv * prefill_.max_pages) * sizeof(void*), true));
+  prefill_.pages_host = static_cast<void**>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_pages, false));
+  prefill_.pages_dev = static_cast<void**>(p);
+  prefill_.page_copy_dst.reserve(static_cast<size_t>(hkv * prefill_.max_pages));
+  prefill_.page_copy_src.reserve(static_cast<size_t>(hkv * prefill_.max_pages));
+  prefill_.page_copy_bytes.reserve(static_cast<size_t>(hkv * prefill_.max_pages));
+  if (z.prefill_prefetch) {
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_next, false));
+    prefill_.next = static_cast<char*>(p);
+    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_next_pages, false));
+    prefill_.next_pages_dev = static_cast<void**>(p);
+    KVF_ASSIGN_OR_RETURN(prefill_.next_ready, device_->CreateEvent());
+    KVF_ASSIGN_OR_RETURN(prefill_.call_start, device_->CreateEvent());
   }
-  // Priming on the device (sizes and the choice: SizeDeviceBuffers).
-  if (z.prime_rows > 0) {
-    prime_.rows = z.prime_rows;
-    prime_.table_stride = z.prime_table_stride;
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_tables, false));
-    prime_.tables_dev = static_cast<float*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_tables, true));
-    prime_.tables_host = static_cast<float*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_stats, false));
-    prime_.stats_dev = static_cast<double*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_stats, true));
-    prime_.stats_host = static_cast<double*>(p);
-    if (z.prime_scratch > 0) {
-      prime_.scratch_bytes = z.prime_scratch;
-      KVF_ASSIGN_OR_RETURN(prime_.scratch, Alloc(prime_.scratch_bytes, false));
-      // The tensor-core prefill stages pages at fixed places; the priming kernel reads them
-      // through the staging's page table (made above).
-    }
+  // Each staging's page table maps head h's page p to its fixed place in it (the kernels that
+  // read a staging through a page table: priming, the CUDA-core prefill).
+  const int64_t page_bytes = store_->page_bytes();
+  for (auto [table, staging] : {std::pair{prefill_.pages_dev, prefill_.scratch},
+                                std::pair{prefill_.next_pages_dev, prefill_.next}}) {
+    if (table == nullptr) continue;
+    for (int64_t i = 0; i < hkv * prefill_.max_pages; ++i) prefill_.pages_host[i] = staging + i * page_bytes;
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(table, prefill_.pages_host,
+                                           static_cast<size_t>(hkv * prefill_.max_pages) * sizeof(void*),
+                                           stream_));
+    KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
   }
+  if (!z.prefill_tensor_cores) return Status::Ok();
+  prefill_.items_bytes = static_cast<size_t>((1 + kPrefillMaxSegments) * hkv) * kPrefillItemBytes;
+  KVF_ASSIGN_OR_RETURN(prefill_.items, Alloc(2 * prefill_.items_bytes, true));
+  for (EventHandle& e : prefill_.items_done) {
+    KVF_ASSIGN_OR_RETURN(e, device_->CreateEvent());
+  }
+  if (z.prefill_copy_stream) {
+    KVF_ASSIGN_OR_RETURN(prefill_.copy_stream, device_->CreateStream());
+    KVF_ASSIGN_OR_RETURN(prefill_.fork, device_->CreateEvent());
+    prefill_.segment_done.assign(kPrefillMaxSegments, nullptr);
+    for (EventHandle& e : prefill_.segment_done) {
+      KVF_ASSIGN_OR_RETURN(e, device_->CreateEvent());
+    }
+    prefill_.copy_scratch.assign(
+        PrefillCopyScratchBytes(hkv, store_->max_pages()) / sizeof(void*), nullptr);
+  }
+  if (z.prefill_write_stream) {
+    KVF_ASSIGN_OR_RETURN(prefill_.write_stream, device_->CreateStream());
+    KVF_ASSIGN_OR_RETURN(prefill_.write_ready, device_->CreateEvent());
+    KVF_ASSIGN_OR_RETURN(prefill_.write_done, device_->CreateEvent());
+    prefill_.write_scratch.assign(
+        2 * PrefillCopyScratchBytes(hkv, store_->max_pages()) / sizeof(void*), nullptr);
+  }
+  return Status::Ok();
+}
+
+Status RuntimeImpl::InitPrimeBuffers() {
+  const DeviceBufferSizes& z = sizes_;
+  void* p = nullptr;
+  prime_.rows = z.prime_rows;
+  prime_.table_stride = z.prime_table_stride;
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_tables, false));
+  prime_.tables_dev = static_cast<float*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_tables, true));
+  prime_.tables_host = static_cast<float*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_stats, false));
+  prime_.stats_dev = static_cast<double*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_stats, true));
+  prime_.stats_host = static_cast<double*>(p);
+  if (z.prime_scratch > 0) {
+    prime_.scratch_bytes = z.prime_scratch;
+    KVF_ASSIGN_OR_RETURN(prime_.scratch, Alloc(prime_.scratch_bytes, false));
+    // The tensor-core prefill stages pages at fixed places; the priming kernel reads them
+    // through the staging's page table (InitPrefillStaging).
+  }
+  return Status::Ok();
+}
+
+Status RuntimeImpl::InitDeviceScan() {
+  const ModelShape& m = config_.model;
+  const Capacity& cap = config_.capacity;
+  const DeviceBufferSizes& z = sizes_;  // DropScan below clears z.device_scan
+  const int64_t hkv = m.num_kv_heads;
+  void* p = nullptr;
   // LFPS's scan on the device (sizes and the choice: SizeDeviceBuffers). A GPU that cannot hold
   // its shadow now (other work on it) leaves it out: the policy scans on the host.
   if (z.device_scan) {
@@ -407,70 +478,37 @@ Status RuntimeImpl::Init() {
       scan_.shadow = static_cast<int8_t*>(shadow.value());
     }
   }
-  if (z.device_scan) {
-    scan_.on = true;
-    scan_.picks_cap = z.scan_picks;
-    scan_.list_cap = z.scan_list_cap;
-    scan_.channels = static_cast<int>(std::min<int64_t>(policy_->device_scan_channels(), m.head_dim));
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_scale, false));
-    scan_.scale = static_cast<float*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_keys, false));
-    scan_.keys = static_cast<uint32_t*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_ints, false));
-    scan_.ints = static_cast<int32_t*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_hist, false));
-    scan_.hist = static_cast<uint32_t*>(p);
-    {  // the histograms start at zero (each scan leaves them so)
-      const std::vector<uint32_t> zeros(z.scan_hist / sizeof(uint32_t), 0u);
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(scan_.hist, zeros.data(), z.scan_hist, stream_));
-      KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
-    }
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_blocks, false));
-    scan_.blocks = static_cast<int32_t*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_counts, true));
-    scan_.counts_host = static_cast<int32_t*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_items, false));
-    scan_.items_dev = static_cast<LfpsScanItem*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_items, true));
-    scan_.items_host = static_cast<LfpsScanItem*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_out, true));
-    scan_.out_host = static_cast<uint64_t*>(p);
-    KVF_ASSIGN_OR_RETURN(scan_.ready, device_->CreateEvent());
-    scan_.rows.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
-    scan_.view.assign(static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv), {});
+  if (!z.device_scan) return Status::Ok();
+  scan_.on = true;
+  scan_.picks_cap = z.scan_picks;
+  scan_.list_cap = z.scan_list_cap;
+  scan_.channels = static_cast<int>(std::min<int64_t>(policy_->device_scan_channels(), m.head_dim));
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_scale, false));
+  scan_.scale = static_cast<float*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_keys, false));
+  scan_.keys = static_cast<uint32_t*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_ints, false));
+  scan_.ints = static_cast<int32_t*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_hist, false));
+  scan_.hist = static_cast<uint32_t*>(p);
+  {  // the histograms start at zero (each scan leaves them so)
+    const std::vector<uint32_t> zeros(z.scan_hist / sizeof(uint32_t), 0u);
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(scan_.hist, zeros.data(), z.scan_hist, stream_));
+    KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
   }
-  // Priming deferred to the first Decode (DeferPrime): the kept rows are pinned per slot, made at
-  // the slot's first primed prefill.
-  if (policy_->prime_rows() > 0 && (prime_.rows > 0 || policy_->wants_prefill_queries())) {
-    prime_.pending_rows = static_cast<int>(
-        std::min<int64_t>(policy_->prime_rows(), config_.capacity.max_prefill_chunk));
-    prime_.pending.assign(static_cast<size_t>(config_.capacity.max_sequences) * m.num_layers, {});
-    prime_.pending_q.assign(static_cast<size_t>(config_.capacity.max_sequences), nullptr);
-    const char* eager = std::getenv("KVFERRY_PRIME_EAGER");
-    prime_.eager = eager != nullptr && std::string_view(eager) == "1";
-  }
-  // Off by default: on the GPU machine (lfps@2%, three runs each) 500 us of spinning
-  // started the last of a layer's 8 items 25 us after the first instead of 67-82 us and took 32K
-  // from 19.4 to 17.2 ms a step, but 64K from 29.1 to 30.8 ms (its longer items ran slower beside
-  // the spinners). With the scan on the GPU the items wait for its ranking anyway,
-  // and spinning slowed the launches beside them (43 -> 45-72 us a layer): 32K 13.7-15.0 ms
-  // (spinning twice the last gap between layers) and 12.6-14.4 (300 us) against 11.9-13.3 without.
-  // Off by default (RuntimeConfig::cpu_spin_us).
-  pool_warm_us_ = config_.cpu_spin_us;
-  KVF_RETURN_IF_ERROR(InitStepBuffers());
-  // The cap again, against the device's own count of what it holds now: a buffer allocated
-  // outside the plan would show here (the tests hold the count equal to the plan's total).
-  const int64_t held = device_->device_bytes_held();
-  KVF_CHECK_CODE(cap.gpu_bytes == 0 || held <= cap.gpu_bytes, StatusCode::kResourceExhausted,
-                 "capacity.gpu_bytes ", cap.gpu_bytes, " exceeded: the device holds ", held,
-                 " bytes after Create's allocations, planned ", device_plan_.ToString());
-  if (config_.probe_at_start) KVF_RETURN_IF_ERROR(ProbeCosts());
-  scratch_.selections.resize(items);
-  for (auto& s : scratch_.selections) s.reserve(static_cast<size_t>(dims_.item_cap));
-  last_selection_.resize(static_cast<size_t>(cap.max_sequences) * m.num_layers * hkv);
-  scratch_.item_status.resize(items);
-  lengths_.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
-  for (int s = cap.max_sequences - 1; s >= 0; --s) free_slots_.push_back(s);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_blocks, false));
+  scan_.blocks = static_cast<int32_t*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_counts, true));
+  scan_.counts_host = static_cast<int32_t*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_items, false));
+  scan_.items_dev = static_cast<LfpsScanItem*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_items, true));
+  scan_.items_host = static_cast<LfpsScanItem*>(p);
+  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_out, true));
+  scan_.out_host = static_cast<uint64_t*>(p);
+  KVF_ASSIGN_OR_RETURN(scan_.ready, device_->CreateEvent());
+  scan_.rows.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
+  scan_.view.assign(static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv), {});
   return Status::Ok();
 }
 
@@ -752,12 +790,27 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   return Status::Ok();
 }
 
+// One chunk of a prefill (PrefillReserved): the call and the inputs as the device reads them.
+struct RuntimeImpl::PrefillCall {
+  int slot, layer;
+  const TensorView& q;
+  const TensorView& k;
+  const TensorView& v;
+  const TensorView& out;
+  StreamHandle stream;
+  int64_t pos0, new_len, tokens;
+  const void* q_src = nullptr;  // StageInput's
+  const void* k_src = nullptr;
+  const void* v_src = nullptr;
+  AttnParams params{};
+  int64_t gd = 0;  // group * head_dim
+};
+
 Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, const TensorView& k,
                                     const TensorView& v, const TensorView& out,
                                     StreamHandle stream, int64_t pos0, int64_t new_len) {
   const ModelShape& m = config_.model;
-  const int64_t tokens = new_len - pos0;
-  const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  PrefillCall c{slot, layer, q, k, v, out, stream, pos0, new_len, new_len - pos0};
   // A tensor-core chunk whose output stays on the device and whose policy reads no queries on the
   // host follows the last call on the same stream without a host wait: its device buffers are
   // ordered by the stream, its descriptors double-buffered.
@@ -770,183 +823,216 @@ Status RuntimeImpl::PrefillReserved(int slot, int layer, const TensorView& q, co
   } else {
     KVF_RETURN_IF_ERROR(BeginCall());
   }
-  const int64_t nq = tokens * hq * d;
-  KVF_ASSIGN_OR_RETURN(const void* q_src, StageInput(q, io_.q_in, stream));
-  KVF_ASSIGN_OR_RETURN(const void* k_src, StageInput(k, io_.k_in, stream));
-  KVF_ASSIGN_OR_RETURN(const void* v_src, StageInput(v, io_.v_in, stream));
-  const int64_t gd = static_cast<int64_t>(dims_.group) * d;
-  // q to f32, transposed to [Hkv, T, G, D] so that each KV head's queries are contiguous.
-  auto transpose_q = [&]() -> Status {
-    for (int64_t t = 0; t < tokens; ++t) {
-      for (int h = 0; h < hkv; ++h) {
-        desc_.q_copies[t * hkv + h] = RowCopy{
-            io_.q_f32 + (h * tokens + t) * gd,
-            static_cast<const char*>(q_src) + (t * hq + h * dims_.group) * d * DTypeSize(q.dtype)};
-      }
-    }
-    return CopyRowsWide(desc_.q_copies, tokens * hkv, static_cast<int>(gd), q.dtype, DType::kF32,
-                        stream);
-  };
-  AttnParams params{dims_.group, d, m.kv_dtype, dims_.scale};
-  bool tensor_cores = false;
-  if (prefill_.items != nullptr) {
-    // CUDA: one staging pass and the tensor-core kernel (gpu/prefill.cuh).
-    KVF_RETURN_IF_ERROR(store_->FlushTable(stream));
-    const int64_t rows_per_slot = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
-    const int64_t t0_index = (static_cast<int64_t>(slot) * m.num_layers + layer) * hkv;
-    PrefillChunkArgs a;
-    PrefillStageArgs& st = a.stage;
-    st.k = k_src;
-    st.v = v_src;
-    st.k_dtype = k.dtype;
-    st.v_dtype = v.dtype;
-    st.pos0 = pos0;
-    st.tokens = tokens;
-    st.new_len = new_len;
-    st.num_kv_heads = hkv;
-    st.head_dim = d;
-    st.kv_dtype = m.kv_dtype;
-    st.pages = store_->device_table() + t0_index * store_->max_pages();
-    st.max_pages = store_->max_pages();
-    st.page_tokens = store_->shape().page_tokens;
-    st.resident = resident_ + static_cast<size_t>(t0_index * 2 * rows_per_slot) * dims_.row_bytes;
-    st.sink = config_.tiers.sink_tokens;
-    st.window = config_.tiers.window_tokens;
-    // Chunk-major: the call before this one copied this call's history into the second staging
-    // (PrefetchNextHistory); it becomes the staging, the copies ordered before this chunk.
-    const bool prefetched = prefill_.next != nullptr && pos0 > 0 &&
-                            prefill_.next_staged.slot == slot && prefill_.next_staged.layer == layer &&
-                            prefill_.next_staged.rows == pos0;
-    prefill_.next_staged = {};
-    if (prefetched) {
-      std::swap(prefill_.scratch, prefill_.next);
-      std::swap(prefill_.pages_dev, prefill_.next_pages_dev);
-      prefill_.staged = {slot, layer, pos0};
-      KVF_RETURN_IF_ERROR(device_->WaitEvent(stream, prefill_.next_ready));
-      ++stats_.prefill_chunks_prefetched;
-    }
-    if (prefill_.next != nullptr) KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_.call_start, stream));
-    st.staging = prefill_.scratch;
-    st.staging_cap = prefill_.max_pages * store_->shape().page_tokens;
-    // A chunk that continues the one before it (same sequence and layer, nothing appended since)
-    // finds the history in the staging: no PCIe pass over it (the prompt's chunks of one layer in
-    // a row, as a layer-by-layer prefill issues them). Invalid until this chunk succeeds.
-    st.history_staged = pos0 > 0 && prefill_.staged.slot == slot && prefill_.staged.layer == layer &&
-                        prefill_.staged.rows == pos0;
-    prefill_.staged = {};
-    a.params = params;
-    a.num_q_heads = hq;
-    a.q = q_src;
-    a.q_dtype = q.dtype;
-    const bool out_direct = out.where == MemoryKind::kDevice;
-    a.out = out_direct ? out.data : io_.out_stage;
-    a.out_dtype = out.dtype;
-    a.q_scratch = io_.q_in == q_src ? io_.out_stage : io_.q_in;  // a free buffer of the chunk's size
-    if (!out_direct && a.q_scratch == io_.out_stage) a.q_scratch = io_.q_f32;
-    a.items = static_cast<char*>(prefill_.items) + prefill_.parity * prefill_.items_bytes;
-    a.items_bytes = prefill_.items_bytes;
-    if (prefill_.copy_stream != nullptr) {
-      a.copy_stream = prefill_.copy_stream;
-      a.fork_done = prefill_.fork;
-      a.segment_done = prefill_.segment_done.data();
-      a.host_pages = store_->pages(slot, layer, 0).pages;
-      a.copy_scratch = prefill_.copy_scratch.data();
-      a.o_acc = io_.o_gpu;
-      a.lse_acc = io_.lse_gpu;
-    }
-    if (prefill_.write_stream != nullptr) {
-      a.host_pages = store_->pages(slot, layer, 0).pages;
-      a.write_stream = prefill_.write_stream;
-      a.write_ready = prefill_.write_ready;
-      a.write_done = prefill_.write_done;
-      a.write_scratch = prefill_.write_scratch.data();
-    }
-    KVF_RETURN_IF_ERROR(device_->PrefillChunk(a, stream));
-    prefill_.staged = {slot, layer, new_len};
-    if (prefill_.next != nullptr) {
-      KVF_RETURN_IF_ERROR(PrefetchNextHistory(slot, layer, pos0, new_len));
-    }
-    KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_.items_done[prefill_.parity], stream));
-    prefill_.parity ^= 1;
-    tensor_cores = true;
-    if (!out_direct) {
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, io_.out_stage, nq * DTypeSize(out.dtype), stream));
-    }
-    stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(dims_.row_bytes);  // write-through
-    if (!st.history_staged) {
-      stats_.bytes_h2d += pos0 * hkv * 2 * static_cast<int64_t>(dims_.row_bytes);  // earlier rows staged
-    }
-  }
-  if (!tensor_cores) {
-    const int64_t n_copies = PlanAppend(slot, layer, pos0, tokens, new_len, k_src, DTypeSize(k.dtype),
-                                        v_src, DTypeSize(v.dtype), 0, desc_.k_copies, desc_.v_copies);
-    KVF_RETURN_IF_ERROR(CopyRowsWide(desc_.k_copies, n_copies, d, k.dtype, m.kv_dtype, stream));
-    KVF_RETURN_IF_ERROR(CopyRowsWide(desc_.v_copies, n_copies, d, v.dtype, m.kv_dtype, stream));
-    stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(dims_.row_bytes);  // write-through
-
-    KVF_RETURN_IF_ERROR(transpose_q());
-    float* o_f32 = io_.o_gpu;
-    // On a GPU, prefill reads every stored row once per query: stage this layer's pages in device
-    // memory first (one PCIe pass per chunk) instead of reading them over PCIe for every query.
-    const bool stage_pages = prefill_.pages_dev != nullptr;
-    if (stage_pages) KVF_RETURN_IF_ERROR(StageLayerPages(slot, layer, new_len, stream));
-    for (int h = 0; h < hkv; ++h) {
-      PagedAttnItem& it = desc_.paged_items[h];
-      it.q = io_.q_f32 + h * tokens * gd;
-      it.o = o_f32 + h * tokens * gd;
-      it.lse = io_.lse_gpu + h * tokens * dims_.group;
-      it.kv = stage_pages ? KvPages{prefill_.pages_dev + h * prefill_.max_pages, store_->shape().page_tokens}
-                          : store_->pages(slot, layer, h);
-      it.q_pos0 = pos0;
-      it.num_q = static_cast<int32_t>(tokens);
-    }
-    if (device_->backend() == Backend::kHost) {
-      // The host device runs kernels on the calling thread: spread all (KV head, query block)
-      // units of the chunk over the pool in one loop. Rows are independent, so the blocks give
-      // the single call's results. Later query blocks attend more keys: they come first, so the
-      // short ones fill in at the end.
-      const int64_t query_block = cpu::PrefillQueryBlock(tokens, hkv, pool_->num_threads());
-      const int64_t blocks = (tokens + query_block - 1) / query_block;
-      pool_->ParallelFor(hkv * blocks, [&](int64_t u) {
-        const int64_t t0 = (blocks - 1 - u / hkv) * query_block;
-        PagedAttnItem it = desc_.paged_items[u % hkv];
-        it.q += t0 * gd;
-        it.o += t0 * gd;
-        it.lse += t0 * dims_.group;
-        it.q_pos0 += t0;
-        it.num_q = static_cast<int32_t>(std::min(query_block, tokens - t0));
-        cpu::AttendPaged(params, &it, 1);
-      });
-    } else {
-      KVF_RETURN_IF_ERROR(device_->AttendPaged(params, desc_.paged_items, hkv, stream));
-    }
-    const bool out_direct = out.where == MemoryKind::kDevice || device_->backend() == Backend::kHost;
-    char* out_dst = static_cast<char*>(out_direct ? out.data : io_.out_stage);
-    for (int64_t t = 0; t < tokens; ++t) {
-      for (int h = 0; h < hkv; ++h) {
-        desc_.o_copies[t * hkv + h] = RowCopy{out_dst + (t * hq + h * dims_.group) * d * DTypeSize(out.dtype),
-                                         o_f32 + (h * tokens + t) * gd};
-      }
-    }
-    KVF_RETURN_IF_ERROR(CopyRowsWide(desc_.o_copies, tokens * hkv, static_cast<int>(gd), DType::kF32,
-                                     out.dtype, stream));
-    if (!out_direct) {
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, io_.out_stage, nq * DTypeSize(out.dtype), stream));
-    }
+  KVF_ASSIGN_OR_RETURN(c.q_src, StageInput(q, io_.q_in, stream));
+  KVF_ASSIGN_OR_RETURN(c.k_src, StageInput(k, io_.k_in, stream));
+  KVF_ASSIGN_OR_RETURN(c.v_src, StageInput(v, io_.v_in, stream));
+  c.gd = static_cast<int64_t>(dims_.group) * m.head_dim;
+  c.params = AttnParams{dims_.group, m.head_dim, m.kv_dtype, dims_.scale};
+  // CUDA: one staging pass and the tensor-core kernel (gpu/prefill.cuh); else the paged kernel.
+  const bool tensor_cores = prefill_.items != nullptr;
+  if (tensor_cores) {
+    KVF_RETURN_IF_ERROR(PrefillTensorCores(c));
+  } else {
+    KVF_RETURN_IF_ERROR(PrefillPaged(c));
   }
 
   if (prime_.pending_rows > 0) {
-    KVF_RETURN_IF_ERROR(DeferPrime(slot, layer, new_len, tokens, q_src, q.dtype, stream));
+    KVF_RETURN_IF_ERROR(DeferPrime(slot, layer, new_len, c.tokens, c.q_src, q.dtype, stream));
   } else if (prime_.rows > 0 || policy_->wants_prefill_queries()) {
     // A policy that reads every query row of the chunk (no prime_rows): primed now.
-    if (tensor_cores) KVF_RETURN_IF_ERROR(transpose_q());  // io_.q_f32: [Hkv, T, G, D]
+    if (tensor_cores) KVF_RETURN_IF_ERROR(TransposePrefillQ(c));  // io_.q_f32: [Hkv, T, G, D]
     const auto tp = Clock::now();
-    KVF_RETURN_IF_ERROR(PrimePolicy(slot, layer, new_len, static_cast<int>(tokens), stream));
+    KVF_RETURN_IF_ERROR(PrimePolicy(slot, layer, new_len, static_cast<int>(c.tokens), stream));
     Stage(stats_.ms_prime, "prime", tp);
   }
   KVF_RETURN_IF_ERROR(SelectorStored(slot, layer, pos0, new_len, stream));
   KVF_RETURN_IF_ERROR(EndCall(stream));
   if (out.where == MemoryKind::kHost) KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream));
+  return Status::Ok();
+}
+
+Status RuntimeImpl::TransposePrefillQ(const PrefillCall& c) {
+  const ModelShape& m = config_.model;
+  const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  const int64_t tokens = c.tokens, gd = c.gd;
+  // q to f32, transposed to [Hkv, T, G, D] so that each KV head's queries are contiguous.
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int h = 0; h < hkv; ++h) {
+      desc_.q_copies[t * hkv + h] = RowCopy{
+          io_.q_f32 + (h * tokens + t) * gd,
+          static_cast<const char*>(c.q_src) + (t * hq + h * dims_.group) * d * DTypeSize(c.q.dtype)};
+    }
+  }
+  return CopyRowsWide(desc_.q_copies, tokens * hkv, static_cast<int>(gd), c.q.dtype, DType::kF32,
+                      c.stream);
+}
+
+Status RuntimeImpl::PrefillTensorCores(const PrefillCall& c) {
+  const ModelShape& m = config_.model;
+  const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  const int slot = c.slot, layer = c.layer;
+  const int64_t pos0 = c.pos0;
+  KVF_RETURN_IF_ERROR(store_->FlushTable(c.stream));
+  PrefillChunkArgs a;
+  PrefillStageArgs& st = a.stage;
+  FillPrefillStageArgs(c, st);
+  // Chunk-major: the call before this one copied this call's history into the second staging
+  // (PrefetchNextHistory); it becomes the staging, the copies ordered before this chunk.
+  const bool prefetched = prefill_.next != nullptr && pos0 > 0 &&
+                          prefill_.next_staged.slot == slot && prefill_.next_staged.layer == layer &&
+                          prefill_.next_staged.rows == pos0;
+  prefill_.next_staged = {};
+  if (prefetched) {
+    std::swap(prefill_.scratch, prefill_.next);
+    std::swap(prefill_.pages_dev, prefill_.next_pages_dev);
+    prefill_.staged = {slot, layer, pos0};
+    KVF_RETURN_IF_ERROR(device_->WaitEvent(c.stream, prefill_.next_ready));
+    ++stats_.prefill_chunks_prefetched;
+  }
+  if (prefill_.next != nullptr) KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_.call_start, c.stream));
+  st.staging = prefill_.scratch;
+  st.staging_cap = prefill_.max_pages * store_->shape().page_tokens;
+  // A chunk that continues the one before it (same sequence and layer, nothing appended since)
+  // finds the history in the staging: no PCIe pass over it (the prompt's chunks of one layer in
+  // a row, as a layer-by-layer prefill issues them). Invalid until this chunk succeeds.
+  st.history_staged = pos0 > 0 && prefill_.staged.slot == slot && prefill_.staged.layer == layer &&
+                      prefill_.staged.rows == pos0;
+  prefill_.staged = {};
+  FillPrefillChunkArgs(c, a);
+  KVF_RETURN_IF_ERROR(device_->PrefillChunk(a, c.stream));
+  prefill_.staged = {slot, layer, c.new_len};
+  if (prefill_.next != nullptr) {
+    KVF_RETURN_IF_ERROR(PrefetchNextHistory(slot, layer, pos0, c.new_len));
+  }
+  KVF_RETURN_IF_ERROR(device_->RecordEvent(prefill_.items_done[prefill_.parity], c.stream));
+  prefill_.parity ^= 1;
+  if (c.out.where != MemoryKind::kDevice) {  // (not out_direct: a.out was the staging)
+    const int64_t nq = c.tokens * hq * d;
+    KVF_RETURN_IF_ERROR(
+        device_->CopyAsync(c.out.data, io_.out_stage, nq * DTypeSize(c.out.dtype), c.stream));
+  }
+  stats_.bytes_d2h += c.tokens * hkv * 2 * static_cast<int64_t>(dims_.row_bytes);  // write-through
+  if (!st.history_staged) {
+    stats_.bytes_h2d += pos0 * hkv * 2 * static_cast<int64_t>(dims_.row_bytes);  // earlier rows staged
+  }
+  return Status::Ok();
+}
+
+void RuntimeImpl::FillPrefillStageArgs(const PrefillCall& c, PrefillStageArgs& st) const {
+  const ModelShape& m = config_.model;
+  const int hkv = m.num_kv_heads;
+  const int64_t rows_per_slot = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
+  const int64_t t0_index = (static_cast<int64_t>(c.slot) * m.num_layers + c.layer) * hkv;
+  st.k = c.k_src;
+  st.v = c.v_src;
+  st.k_dtype = c.k.dtype;
+  st.v_dtype = c.v.dtype;
+  st.pos0 = c.pos0;
+  st.tokens = c.tokens;
+  st.new_len = c.new_len;
+  st.num_kv_heads = hkv;
+  st.head_dim = m.head_dim;
+  st.kv_dtype = m.kv_dtype;
+  st.pages = store_->device_table() + t0_index * store_->max_pages();
+  st.max_pages = store_->max_pages();
+  st.page_tokens = store_->shape().page_tokens;
+  st.resident = resident_ + static_cast<size_t>(t0_index * 2 * rows_per_slot) * dims_.row_bytes;
+  st.sink = config_.tiers.sink_tokens;
+  st.window = config_.tiers.window_tokens;
+}
+
+void RuntimeImpl::FillPrefillChunkArgs(const PrefillCall& c, PrefillChunkArgs& a) {
+  a.params = c.params;
+  a.num_q_heads = config_.model.num_q_heads;
+  a.q = c.q_src;
+  a.q_dtype = c.q.dtype;
+  const bool out_direct = c.out.where == MemoryKind::kDevice;
+  a.out = out_direct ? c.out.data : io_.out_stage;
+  a.out_dtype = c.out.dtype;
+  a.q_scratch = io_.q_in == c.q_src ? io_.out_stage : io_.q_in;  // a free buffer of the chunk's size
+  if (!out_direct && a.q_scratch == io_.out_stage) a.q_scratch = io_.q_f32;
+  a.items = static_cast<char*>(prefill_.items) + prefill_.parity * prefill_.items_bytes;
+  a.items_bytes = prefill_.items_bytes;
+  if (prefill_.copy_stream != nullptr) {
+    a.copy_stream = prefill_.copy_stream;
+    a.fork_done = prefill_.fork;
+    a.segment_done = prefill_.segment_done.data();
+    a.host_pages = store_->pages(c.slot, c.layer, 0).pages;
+    a.copy_scratch = prefill_.copy_scratch.data();
+    a.o_acc = io_.o_gpu;
+    a.lse_acc = io_.lse_gpu;
+  }
+  if (prefill_.write_stream != nullptr) {
+    a.host_pages = store_->pages(c.slot, c.layer, 0).pages;
+    a.write_stream = prefill_.write_stream;
+    a.write_ready = prefill_.write_ready;
+    a.write_done = prefill_.write_done;
+    a.write_scratch = prefill_.write_scratch.data();
+  }
+}
+
+Status RuntimeImpl::PrefillPaged(const PrefillCall& c) {
+  const ModelShape& m = config_.model;
+  const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  const int slot = c.slot, layer = c.layer;
+  const int64_t pos0 = c.pos0, new_len = c.new_len, tokens = c.tokens, gd = c.gd;
+  const TensorView &k = c.k, &v = c.v, &out = c.out;
+  const int64_t n_copies = PlanAppend(slot, layer, pos0, tokens, new_len, c.k_src, DTypeSize(k.dtype),
+                                      c.v_src, DTypeSize(v.dtype), 0, desc_.k_copies, desc_.v_copies);
+  KVF_RETURN_IF_ERROR(CopyRowsWide(desc_.k_copies, n_copies, d, k.dtype, m.kv_dtype, c.stream));
+  KVF_RETURN_IF_ERROR(CopyRowsWide(desc_.v_copies, n_copies, d, v.dtype, m.kv_dtype, c.stream));
+  stats_.bytes_d2h += tokens * hkv * 2 * static_cast<int64_t>(dims_.row_bytes);  // write-through
+
+  KVF_RETURN_IF_ERROR(TransposePrefillQ(c));
+  float* o_f32 = io_.o_gpu;
+  // On a GPU, prefill reads every stored row once per query: stage this layer's pages in device
+  // memory first (one PCIe pass per chunk) instead of reading them over PCIe for every query.
+  const bool stage_pages = prefill_.pages_dev != nullptr;
+  if (stage_pages) KVF_RETURN_IF_ERROR(StageLayerPages(slot, layer, new_len, c.stream));
+  for (int h = 0; h < hkv; ++h) {
+    PagedAttnItem& it = desc_.paged_items[h];
+    it.q = io_.q_f32 + h * tokens * gd;
+    it.o = o_f32 + h * tokens * gd;
+    it.lse = io_.lse_gpu + h * tokens * dims_.group;
+    it.kv = stage_pages ? KvPages{prefill_.pages_dev + h * prefill_.max_pages, store_->shape().page_tokens}
+                        : store_->pages(slot, layer, h);
+    it.q_pos0 = pos0;
+    it.num_q = static_cast<int32_t>(tokens);
+  }
+  if (device_->backend() == Backend::kHost) {
+    // The host device runs kernels on the calling thread: spread all (KV head, query block)
+    // units of the chunk over the pool in one loop. Rows are independent, so the blocks give
+    // the single call's results. Later query blocks attend more keys: they come first, so the
+    // short ones fill in at the end.
+    const int64_t query_block = cpu::PrefillQueryBlock(tokens, hkv, pool_->num_threads());
+    const int64_t blocks = (tokens + query_block - 1) / query_block;
+    pool_->ParallelFor(hkv * blocks, [&](int64_t u) {
+      const int64_t t0 = (blocks - 1 - u / hkv) * query_block;
+      PagedAttnItem it = desc_.paged_items[u % hkv];
+      it.q += t0 * gd;
+      it.o += t0 * gd;
+      it.lse += t0 * dims_.group;
+      it.q_pos0 += t0;
+      it.num_q = static_cast<int32_t>(std::min(query_block, tokens - t0));
+      cpu::AttendPaged(c.params, &it, 1);
+    });
+  } else {
+    KVF_RETURN_IF_ERROR(device_->AttendPaged(c.params, desc_.paged_items, hkv, c.stream));
+  }
+  const bool out_direct = out.where == MemoryKind::kDevice || device_->backend() == Backend::kHost;
+  char* out_dst = static_cast<char*>(out_direct ? out.data : io_.out_stage);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int h = 0; h < hkv; ++h) {
+      desc_.o_copies[t * hkv + h] = RowCopy{out_dst + (t * hq + h * dims_.group) * d * DTypeSize(out.dtype),
+                                            o_f32 + (h * tokens + t) * gd};
+    }
+  }
+  KVF_RETURN_IF_ERROR(CopyRowsWide(desc_.o_copies, tokens * hkv, static_cast<int>(gd), DType::kF32,
+                                   out.dtype, c.stream));
+  if (!out_direct) {
+    const int64_t nq = tokens * hq * d;
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(out.data, io_.out_stage, nq * DTypeSize(out.dtype), c.stream));
+  }
   return Status::Ok();
 }
 
@@ -1350,200 +1436,243 @@ Status RuntimeImpl::Decode(std::span<const SequenceId> seqs, int layer, const Te
   return Status::Ok();
 }
 
+// One layer of the host path's decode (AttendAppended): the call and what its stages hand on.
+struct RuntimeImpl::HostLayer {
+  std::span<const int> slot_of;
+  int layer;
+  const TensorView& out;
+  StreamHandle stream;
+  int64_t batch;       // sequences
+  int64_t items;       // batch * Hkv
+  int64_t nq;          // batch * Hq * head_dim: the queries' (and outputs') floats
+  int64_t gd;          // group * head_dim
+  AttnParams params;
+  Route route;         // PlannedRoute()
+  int64_t cpu_items = 0;  // desc_.cpu_items in use: the items with a CPU share (HostResolve)
+};
+
 Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<const int> slot_of,
                                    int layer, const TensorView& out, StreamHandle stream) {
-  auto t0 = Clock::now();
   const ModelShape& m = config_.model;
   const int64_t batch = static_cast<int64_t>(seqs.size());
-  const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
-  const int64_t nq = batch * hq * d;
-  const int64_t gd = static_cast<int64_t>(dims_.group) * d;
-
-  const AttnParams params{dims_.group, d, m.kv_dtype, dims_.scale};
-  const int64_t items = batch * hkv;
+  const int d = m.head_dim;
   // A policy that selects on the CPU has q there already: in auto its misses stay on the CPU
   // (only q went down; only (o, lse) comes back), as LFPS prescribes.
-  const Route route = PlannedRoute();
+  HostLayer s{slot_of, layer, out, stream, batch, batch * m.num_kv_heads,
+              batch * m.num_q_heads * d, static_cast<int64_t>(dims_.group) * d,
+              AttnParams{dims_.group, d, m.kv_dtype, dims_.scale}, PlannedRoute()};
+  if (policy_->is_dense()) return HostDense(s);
+  KVF_RETURN_IF_ERROR(HostSelect(s));   // 2 select
+  KVF_RETURN_IF_ERROR(HostResolve(s));  // 3 resolve + 4 route
+  KVF_RETURN_IF_ERROR(HostAttend(s));   // 5 attend
+  // 6 merge, and the output in its dtype.
+  const auto t0 = Clock::now();
+  const bool have_cpu = s.cpu_items > 0;
+  KVF_RETURN_IF_ERROR(WriteOutput(have_cpu ? io_.o_cpu_dev : nullptr,
+                                  have_cpu ? io_.lse_cpu_dev : nullptr, batch * m.num_q_heads, out,
+                                  stream));
+  Stage(stats_.ms_merge, "merge", t0);
+  HostAdmit(s);  // 7 admit
+  return Status::Ok();
+}
 
-  if (policy_->is_dense()) {
-    // Dense: every position read from the host store (full streaming), on the chosen route.
-    t0 = Clock::now();
-    const bool on_cpu = route == Route::kCpu;
-    if (on_cpu) {
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.q_host, io_.q_f32, nq * 4, stream));
-      KVF_RETURN_IF_ERROR(HostWaitStream(stream));
-    }
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t n = lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer];
-      for (int h = 0; h < hkv; ++h) {
-        PagedAttnItem& it = desc_.paged_items[b * hkv + h];
-        const int64_t off = b * hq * d + h * gd;
-        it.q = (on_cpu ? io_.q_host : io_.q_f32) + off;
-        it.o = (on_cpu ? io_.o_cpu_host : io_.o_gpu) + off;
-        it.lse = (on_cpu ? io_.lse_cpu_host : io_.lse_gpu) + b * hq + h * dims_.group;
-        it.kv = store_->pages(slot_of[b], layer, h);
-        it.q_pos0 = n - 1;
-        it.num_q = 1;
-        if (on_cpu) {
-          stats_.rows_cpu += n;
-        } else {
-          stats_.rows_fetched += n;
-          stats_.bytes_h2d += n * 2 * static_cast<int64_t>(dims_.row_bytes);
-        }
-        stats_.rows_selected += n;
-      }
-    }
-    if (on_cpu) {
-      pool_->ParallelFor(items, [&](int64_t i) {
-        AttendTimed([&] { cpu::AttendPaged(params, &desc_.paged_items[i], 1); });
-      });
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.o_gpu, io_.o_cpu_host, nq * 4, stream));
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.lse_gpu, io_.lse_cpu_host, batch * hq * 4, stream));
-      stats_.bytes_d2h += nq * 4;
-      stats_.bytes_h2d += (nq + batch * hq) * 4;
-      Stage(stats_.ms_attend_cpu, "attend_cpu", t0);
-    } else {
-      KVF_RETURN_IF_ERROR(device_->AttendPaged(params, desc_.paged_items, items, stream));
-      Stage(stats_.ms_attend_gpu, "attend_gpu", t0);
-    }
-    t0 = Clock::now();
-    KVF_RETURN_IF_ERROR(WriteOutput(nullptr, nullptr, batch * hq, out, stream));
-    Stage(stats_.ms_merge, "merge", t0);
-    return Status::Ok();
+Status RuntimeImpl::HostDense(const HostLayer& s) {
+  const ModelShape& m = config_.model;
+  const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  const int64_t batch = s.batch, nq = s.nq, gd = s.gd;
+  // Dense: every position read from the host store (full streaming), on the chosen route.
+  auto t0 = Clock::now();
+  const bool on_cpu = s.route == Route::kCpu;
+  if (on_cpu) {
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.q_host, io_.q_f32, nq * 4, s.stream));
+    KVF_RETURN_IF_ERROR(HostWaitStream(s.stream));
   }
-
-  // 2 select: the policy runs on the host over the f32 queries.
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = lengths_[static_cast<size_t>(s.slot_of[b]) * m.num_layers + s.layer];
+    for (int h = 0; h < hkv; ++h) {
+      PagedAttnItem& it = desc_.paged_items[b * hkv + h];
+      const int64_t off = b * hq * d + h * gd;
+      it.q = (on_cpu ? io_.q_host : io_.q_f32) + off;
+      it.o = (on_cpu ? io_.o_cpu_host : io_.o_gpu) + off;
+      it.lse = (on_cpu ? io_.lse_cpu_host : io_.lse_gpu) + b * hq + h * dims_.group;
+      it.kv = store_->pages(s.slot_of[b], s.layer, h);
+      it.q_pos0 = n - 1;
+      it.num_q = 1;
+      if (on_cpu) {
+        stats_.rows_cpu += n;
+      } else {
+        stats_.rows_fetched += n;
+        stats_.bytes_h2d += n * 2 * static_cast<int64_t>(dims_.row_bytes);
+      }
+      stats_.rows_selected += n;
+    }
+  }
+  if (on_cpu) {
+    pool_->ParallelFor(s.items, [&](int64_t i) {
+      AttendTimed([&] { cpu::AttendPaged(s.params, &desc_.paged_items[i], 1); });
+    });
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.o_gpu, io_.o_cpu_host, nq * 4, s.stream));
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.lse_gpu, io_.lse_cpu_host, batch * hq * 4, s.stream));
+    stats_.bytes_d2h += nq * 4;
+    stats_.bytes_h2d += (nq + batch * hq) * 4;
+    Stage(stats_.ms_attend_cpu, "attend_cpu", t0);
+  } else {
+    KVF_RETURN_IF_ERROR(device_->AttendPaged(s.params, desc_.paged_items, s.items, s.stream));
+    Stage(stats_.ms_attend_gpu, "attend_gpu", t0);
+  }
   t0 = Clock::now();
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.q_host, io_.q_f32, nq * 4, stream));
-  KVF_RETURN_IF_ERROR(HostWaitStream(stream));
-  stats_.bytes_d2h += nq * 4;
-  const int select_threads = SelectThreads(items);
-  pool_->ParallelFor(items, [&](int64_t i) {
+  KVF_RETURN_IF_ERROR(WriteOutput(nullptr, nullptr, batch * hq, s.out, s.stream));
+  Stage(stats_.ms_merge, "merge", t0);
+  return Status::Ok();
+}
+
+Status RuntimeImpl::HostSelect(const HostLayer& s) {
+  const ModelShape& m = config_.model;
+  const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  // 2 select: the policy runs on the host over the f32 queries.
+  const auto t0 = Clock::now();
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.q_host, io_.q_f32, s.nq * 4, s.stream));
+  KVF_RETURN_IF_ERROR(HostWaitStream(s.stream));
+  stats_.bytes_d2h += s.nq * 4;
+  const int select_threads = SelectThreads(s.items);
+  pool_->ParallelFor(s.items, [&](int64_t i) {
     const int64_t b = i / hkv;
     const int h = static_cast<int>(i % hkv);
-    scratch_.item_status[i] = SelectItem(i, slot_of[b], layer, h,
-                                 lengths_[static_cast<size_t>(slot_of[b]) * m.num_layers + layer],
-                                 io_.q_host + b * hq * d + h * gd, select_threads);
+    scratch_.item_status[i] = SelectItem(i, s.slot_of[b], s.layer, h,
+                                         lengths_[static_cast<size_t>(s.slot_of[b]) * m.num_layers + s.layer],
+                                         io_.q_host + b * hq * d + h * s.gd, select_threads);
   });
-  for (int64_t i = 0; i < items; ++i) {
+  for (int64_t i = 0; i < s.items; ++i) {
     // The step failed in the policy; Decode rolls the append back.
     if (!scratch_.item_status[i].ok()) return scratch_.item_status[i];
   }
   Stage(stats_.ms_select, "select", t0);
+  return Status::Ok();
+}
 
+Status RuntimeImpl::HostResolve(HostLayer& s) {
   // 3 resolve (resident tier, then token bank) + 4 route the remaining misses.
-  t0 = Clock::now();
-  int64_t cpu_items = 0;
+  const auto t0 = Clock::now();
+  s.cpu_items = 0;
   const int64_t hits_before = bank_ ? bank_->counters().hits : 0;
-  for (int64_t i = 0; i < items; ++i) {
-    const int64_t b = i / hkv;
-    const int h = static_cast<int>(i % hkv);
-    const int slot = slot_of[b];
-    const int64_t n = lengths_[static_cast<size_t>(slot) * m.num_layers + layer];
-    const std::vector<int32_t>& sel = scratch_.selections[i];
-    last_selection_[(static_cast<size_t>(slot) * m.num_layers + layer) * hkv + h].assign(sel.begin(), sel.end());
-    const void** gk = desc_.gpu_k_rows + i * dims_.item_cap;
-    const void** gv = desc_.gpu_v_rows + i * dims_.item_cap;
-    int32_t n_gpu = 0;
-    std::vector<int32_t>& offloaded = scratch_.offloaded[i];
-    offloaded.clear();
-    for (int32_t pos : sel) {
-      const int64_t row = ResidentRow(pos, n);
-      if (row >= 0) {
-        gk[n_gpu] = ResidentK(slot, layer, h, row);
-        gv[n_gpu++] = ResidentV(slot, layer, h, row);
-      } else {
-        offloaded.push_back(pos);
-      }
-    }
-    stats_.rows_resident += n_gpu;
-    std::vector<int32_t>& misses = scratch_.misses[i];
-    misses.resize(offloaded.size());
-    int64_t n_miss = static_cast<int64_t>(offloaded.size());
-    if (bank_ != nullptr && !offloaded.empty()) {
-      const TokenBank::ResolveCounts rc =
-          bank_->Resolve(bank_->TableIndex(slot, layer, h), offloaded, gk + n_gpu, gv + n_gpu,
-                         nullptr, misses.data());
-      n_gpu += static_cast<int32_t>(rc.hits);
-      n_miss = rc.misses;
-    } else {
-      std::copy(offloaded.begin(), offloaded.end(), misses.begin());
-    }
-    misses.resize(static_cast<size_t>(n_miss));
-    const int64_t to_cpu = CpuShare(route, cost_, n_miss);
-    const int64_t to_gpu = n_miss - to_cpu;
-    const void** ck = desc_.cpu_k_rows + cpu_items * dims_.item_cap;
-    const void** cv = desc_.cpu_v_rows + cpu_items * dims_.item_cap;
-    int32_t n_cpu = 0;
-    for (int64_t j = 0; j < n_miss; ++j) {
-      const int32_t pos = misses[j];
-      if (j < to_gpu) {
-        gk[n_gpu] = store_->k_row(slot, layer, h, pos);
-        gv[n_gpu++] = store_->v_row(slot, layer, h, pos);
-      } else {
-        ck[n_cpu] = store_->k_row(slot, layer, h, pos);
-        cv[n_cpu++] = store_->v_row(slot, layer, h, pos);
-      }
-    }
-    misses.resize(static_cast<size_t>(to_gpu));  // what crossed PCIe: candidates for the bank
-    stats_.rows_fetched += to_gpu;
-    stats_.rows_cpu += to_cpu;
-    stats_.bytes_h2d += to_gpu * 2 * static_cast<int64_t>(dims_.row_bytes);
-    stats_.rows_selected += static_cast<int64_t>(sel.size());
-    const int64_t off = b * hq * d + h * gd;
-    desc_.gpu_items[i] = RowAttnItem{io_.q_f32 + off, io_.o_gpu + off, io_.lse_gpu + b * hq + h * dims_.group, gk, gv, n_gpu};
-    if (n_cpu > 0) {
-      desc_.cpu_items[cpu_items++] =
-          RowAttnItem{io_.q_host + off, io_.o_cpu_host + off, io_.lse_cpu_host + b * hq + h * dims_.group, ck, cv, n_cpu};
-    }
-  }
+  for (int64_t i = 0; i < s.items; ++i) HostResolveItem(s, i);
   if (bank_ != nullptr) {
     stats_.rows_bank_hit += bank_->counters().hits - hits_before;
-    KVF_RETURN_IF_ERROR(bank_->WaitReady(stream));
+    KVF_RETURN_IF_ERROR(bank_->WaitReady(s.stream));
   }
   Stage(stats_.ms_resolve, "resolve", t0);
+  return Status::Ok();
+}
 
-  // 5 attend: the GPU part is issued first so that the CPU part overlaps it.
-  t0 = Clock::now();
-  KVF_RETURN_IF_ERROR(device_->AttendRows(params, desc_.gpu_items, items, stream));
-  Stage(stats_.ms_attend_gpu, "attend_gpu", t0);
-  const bool have_cpu = cpu_items > 0;
-  if (have_cpu) {
-    t0 = Clock::now();
-    // Items without a CPU share contribute nothing: lse = -inf.
-    std::fill_n(io_.lse_cpu_host, batch * hq, -std::numeric_limits<float>::infinity());
-    std::fill_n(io_.o_cpu_host, nq, 0.0f);
-    pool_->ParallelFor(cpu_items, [&](int64_t i) {
-      AttendTimed([&] { cpu::AttendRows(params, &desc_.cpu_items[i], 1); });
-    });
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.o_cpu_dev, io_.o_cpu_host, nq * 4, stream));
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.lse_cpu_dev, io_.lse_cpu_host, batch * hq * 4, stream));
-    stats_.bytes_h2d += (nq + batch * hq) * 4;
-    Stage(stats_.ms_attend_cpu, "attend_cpu", t0);
+void RuntimeImpl::HostResolveItem(HostLayer& s, int64_t i) {
+  const ModelShape& m = config_.model;
+  const int hq = m.num_q_heads, hkv = m.num_kv_heads, d = m.head_dim;
+  const int layer = s.layer;
+  const int64_t b = i / hkv;
+  const int h = static_cast<int>(i % hkv);
+  const int slot = s.slot_of[b];
+  const int64_t n = lengths_[static_cast<size_t>(slot) * m.num_layers + layer];
+  const std::vector<int32_t>& sel = scratch_.selections[i];
+  last_selection_[(static_cast<size_t>(slot) * m.num_layers + layer) * hkv + h].assign(sel.begin(), sel.end());
+  const void** gk = desc_.gpu_k_rows + i * dims_.item_cap;
+  const void** gv = desc_.gpu_v_rows + i * dims_.item_cap;
+  int32_t n_gpu = 0;
+  std::vector<int32_t>& offloaded = scratch_.offloaded[i];
+  offloaded.clear();
+  for (int32_t pos : sel) {
+    const int64_t row = ResidentRow(pos, n);
+    if (row >= 0) {
+      gk[n_gpu] = ResidentK(slot, layer, h, row);
+      gv[n_gpu++] = ResidentV(slot, layer, h, row);
+    } else {
+      offloaded.push_back(pos);
+    }
   }
-  // 6 merge, and the output in its dtype.
+  stats_.rows_resident += n_gpu;
+  std::vector<int32_t>& misses = scratch_.misses[i];
+  misses.resize(offloaded.size());
+  int64_t n_miss = static_cast<int64_t>(offloaded.size());
+  if (bank_ != nullptr && !offloaded.empty()) {
+    const TokenBank::ResolveCounts rc =
+        bank_->Resolve(bank_->TableIndex(slot, layer, h), offloaded, gk + n_gpu, gv + n_gpu,
+                       nullptr, misses.data());
+    n_gpu += static_cast<int32_t>(rc.hits);
+    n_miss = rc.misses;
+  } else {
+    std::copy(offloaded.begin(), offloaded.end(), misses.begin());
+  }
+  misses.resize(static_cast<size_t>(n_miss));
+  const int64_t to_cpu = CpuShare(s.route, cost_, n_miss);
+  const int64_t to_gpu = n_miss - to_cpu;
+  const void** ck = desc_.cpu_k_rows + s.cpu_items * dims_.item_cap;
+  const void** cv = desc_.cpu_v_rows + s.cpu_items * dims_.item_cap;
+  int32_t n_cpu = 0;
+  for (int64_t j = 0; j < n_miss; ++j) {
+    const int32_t pos = misses[j];
+    if (j < to_gpu) {
+      gk[n_gpu] = store_->k_row(slot, layer, h, pos);
+      gv[n_gpu++] = store_->v_row(slot, layer, h, pos);
+    } else {
+      ck[n_cpu] = store_->k_row(slot, layer, h, pos);
+      cv[n_cpu++] = store_->v_row(slot, layer, h, pos);
+    }
+  }
+  misses.resize(static_cast<size_t>(to_gpu));  // what crossed PCIe: candidates for the bank
+  stats_.rows_fetched += to_gpu;
+  stats_.rows_cpu += to_cpu;
+  stats_.bytes_h2d += to_gpu * 2 * static_cast<int64_t>(dims_.row_bytes);
+  stats_.rows_selected += static_cast<int64_t>(sel.size());
+  const int64_t off = b * hq * d + h * s.gd;
+  desc_.gpu_items[i] = RowAttnItem{io_.q_f32 + off, io_.o_gpu + off,
+                                   io_.lse_gpu + b * hq + h * dims_.group, gk, gv, n_gpu};
+  if (n_cpu > 0) {
+    desc_.cpu_items[s.cpu_items++] = RowAttnItem{io_.q_host + off, io_.o_cpu_host + off,
+                                                 io_.lse_cpu_host + b * hq + h * dims_.group, ck,
+                                                 cv, n_cpu};
+  }
+}
+
+Status RuntimeImpl::HostAttend(const HostLayer& s) {
+  const int64_t batch = s.batch, nq = s.nq, hq = config_.model.num_q_heads;
+  // 5 attend: the GPU part is issued first so that the CPU part overlaps it.
+  auto t0 = Clock::now();
+  KVF_RETURN_IF_ERROR(device_->AttendRows(s.params, desc_.gpu_items, s.items, s.stream));
+  Stage(stats_.ms_attend_gpu, "attend_gpu", t0);
+  if (s.cpu_items == 0) return Status::Ok();
   t0 = Clock::now();
-  KVF_RETURN_IF_ERROR(WriteOutput(have_cpu ? io_.o_cpu_dev : nullptr, have_cpu ? io_.lse_cpu_dev : nullptr,
-                                  batch * hq, out, stream));
-  Stage(stats_.ms_merge, "merge", t0);
-  t0 = Clock::now();
+  // Items without a CPU share contribute nothing: lse = -inf.
+  std::fill_n(io_.lse_cpu_host, batch * hq, -std::numeric_limits<float>::infinity());
+  std::fill_n(io_.o_cpu_host, nq, 0.0f);
+  pool_->ParallelFor(s.cpu_items, [&](int64_t i) {
+    AttendTimed([&] { cpu::AttendRows(s.params, &desc_.cpu_items[i], 1); });
+  });
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.o_cpu_dev, io_.o_cpu_host, nq * 4, s.stream));
+  KVF_RETURN_IF_ERROR(device_->CopyAsync(io_.lse_cpu_dev, io_.lse_cpu_host, batch * hq * 4, s.stream));
+  stats_.bytes_h2d += (nq + batch * hq) * 4;
+  Stage(stats_.ms_attend_cpu, "attend_cpu", t0);
+  return Status::Ok();
+}
+
+void RuntimeImpl::HostAdmit(const HostLayer& s) {
+  const int hkv = config_.model.num_kv_heads;
+  const auto t0 = Clock::now();
   // 7 admit: rows that crossed PCIe this step may enter the bank, copied on the side stream after
   // the step's reads of the bank (off the critical path).
   if (bank_ != nullptr) {
     // Admission only saves later fetches: when the bank cannot take the rows (an event or copy
     // fails), the step's output stands, the bank forgets the batch (TokenBank::CommitAdmit) and
     // later steps fetch those rows from the host store again. No token is lost.
-    Status admit = device_->RecordEvent(bank_step_done_, stream);
+    Status admit = device_->RecordEvent(bank_step_done_, s.stream);
     if (admit.ok()) admit = bank_->BeginAdmit(side_stream_, bank_step_done_);
-    for (int64_t i = 0; admit.ok() && i < items; ++i) {
+    for (int64_t i = 0; admit.ok() && i < s.items; ++i) {
       const std::vector<int32_t>& fetched = scratch_.misses[i];
       if (fetched.empty()) continue;
-      const int slot = slot_of[i / hkv];
+      const int slot = s.slot_of[i / hkv];
       const int h = static_cast<int>(i % hkv);
       // The fetched rows' addresses are the first entries after the resident and hit rows.
       const RowAttnItem& it = desc_.gpu_items[i];
       const int64_t first = it.count - static_cast<int64_t>(fetched.size());
-      bank_->Admit(bank_->TableIndex(slot, layer, h), fetched,
+      bank_->Admit(bank_->TableIndex(slot, s.layer, h), fetched,
                    it.k_rows + first, it.v_rows + first);
     }
     if (admit.ok()) admit = bank_->CommitAdmit();
@@ -1552,7 +1681,6 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
     stats_.bank_evicted = bank_->counters().evicted;
   }
   Stage(stats_.ms_admit, "admit", t0);
-  return Status::Ok();
 }
 
 Status RuntimeImpl::WriteOutput(const float* o_b, const float* lse_b, int64_t rows,

@@ -207,7 +207,17 @@ class RuntimeImpl {
 
  private:
   explicit RuntimeImpl(const RuntimeConfig& config) : config_(config) {}
+  // Makes the device, the policy and the pool, sizes every buffer against the GPU cap, then
+  // allocates: the call's buffers (InitCallBuffers), the rings, the bank (InitBanks), the
+  // prefill staging (InitPrefillStaging, CUDA), priming's (InitPrimeBuffers), LFPS's device scan
+  // (InitDeviceScan) and the planned step's (InitStepBuffers).
   Status Init();
+  Status CreateDevice();  // the backend's device (through a test's decorator) and its stream
+  Status InitCallBuffers();
+  Status InitBanks();
+  Status InitPrefillStaging();
+  Status InitPrimeBuffers();
+  Status InitDeviceScan();
   // Measures the scheduler's rates (CPU sparse attention, PCIe zero-copy gather) into cost_.
   Status ProbeCosts();
   Result<void*> Alloc(size_t bytes, bool host);
@@ -224,6 +234,15 @@ class RuntimeImpl {
   // Sizes every device buffer Init allocates with \p bank_slots slots in the bank, and the
   // layout they follow. Needs device_, policy_ and the scalars Init derives before it.
   Status SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& sizes) const;
+  // SizeDeviceBuffers' parts, in its order: which bank and its sizes, the CUDA prefill staging,
+  // priming on the device, the planned step (its mode, SizeStepLists: its lists, the selector's
+  // and the device bank's staging), LFPS's device scan (last: it gives way under the cap).
+  Status SizeBank(int bank_slots, DeviceBufferSizes& z) const;
+  void SizePrefillStaging(const HostStoreShape& store, DeviceBufferSizes& z) const;
+  void SizePriming(DeviceBufferSizes& z) const;
+  Status SizePlannedStep(DeviceBufferSizes& z) const;
+  Status SizeStepLists(DeviceBufferSizes& z) const;
+  void SizeDeviceScan(DeviceBufferSizes& z) const;
   // The bank slots of Tiers::bank_slots = -1: the largest count whose plan fits
   // Capacity::gpu_bytes (at most max_tokens_per_sequence and 65534), 0 if none does.
   Result<int> ChooseBankSlots() const;
@@ -254,10 +273,30 @@ class RuntimeImpl {
   Status PrefillReserved(int slot, int layer, const TensorView& q, const TensorView& k,
                          const TensorView& v, const TensorView& out, StreamHandle stream,
                          int64_t pos0, int64_t new_len);
+  // PrefillReserved's parts over one PrefillCall: the chunk on CUDA's tensor cores (its stage and
+  // kernel arguments filled by FillPrefillStageArgs and FillPrefillChunkArgs) or the paged kernel
+  // (PrefillPaged), and q to f32 per KV head (TransposePrefillQ).
+  struct PrefillCall;
+  Status PrefillTensorCores(const PrefillCall& c);
+  void FillPrefillStageArgs(const PrefillCall& c, PrefillStageArgs& st) const;
+  void FillPrefillChunkArgs(const PrefillCall& c, PrefillChunkArgs& a);
+  Status PrefillPaged(const PrefillCall& c);
+  Status TransposePrefillQ(const PrefillCall& c);
   // Decode after the batch's new rows are appended and counted: selection, attention, merge,
   // output and bank admission (host-side selection and the dense path).
   Status AttendAppended(std::span<const SequenceId> seqs, std::span<const int> slot_of, int layer,
                         const TensorView& out, StreamHandle stream);
+  // AttendAppended's stages over one HostLayer: the dense path (HostDense), or select (HostSelect:
+  // the policy on the pool), resolve and route (HostResolve, HostResolveItem: resident rows, the
+  // token bank, the misses split between the routes), attend (HostAttend: the GPU part, then the
+  // CPU part), the merge, admit (HostAdmit: the fetched rows into the token bank).
+  struct HostLayer;
+  Status HostDense(const HostLayer& s);
+  Status HostSelect(const HostLayer& s);
+  Status HostResolve(HostLayer& s);
+  void HostResolveItem(HostLayer& s, int64_t i);
+  Status HostAttend(const HostLayer& s);
+  void HostAdmit(const HostLayer& s);
   // Waits until the previous call's work no longer reads the descriptor buffers.
   Status BeginCall();
   // Device::CopyRows, except on the host backend, where the rows are converted by the worker pool
@@ -275,7 +314,14 @@ class RuntimeImpl {
     std::vector<int64_t> positions;  // [b * num_layers + layer]
     std::vector<uint8_t> layer_run;  // [layer]: Decode ran (or failed) for it
   };
+  // The planned step's state and buffers (InitStepBuffers): the CPU part's and the split's
+  // (InitCpuPartBuffers), the selection lists (InitSelectLists) with the device bank's staging
+  // (InitBankStaging), the plan's (InitPlanBuffers).
   Status InitStepBuffers();
+  Status InitCpuPartBuffers();
+  Status InitSelectLists();
+  Status InitBankStaging();
+  Status InitPlanBuffers();
   // Checks that a chunk ending at new_len fits, retires a pending plan and reserves its pages.
   // Priming a policy that learns from the prompt (Policy::prime_rows > 0) is deferred: a prefill
   // chunk only keeps its last rows of q (DeferPrime, one asynchronous copy, no wait), and the first
@@ -322,10 +368,49 @@ class RuntimeImpl {
   // sequences selected there at the same length).
   [[nodiscard]] bool XlReusesPrevious(std::span<const int> slot_of, std::span<const int64_t> pos,
                                       int layer) const;
-  // The run: one layer of the step on the device.
+  // The run: one layer of the step on the device, as its stages over one DecodeLayer (the call
+  // and what each stage hands on): plan, select, resolve, route, attend, admit, merge.
   Status RunDecodeStep(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                        const TensorView& k, const TensorView& v, const TensorView& out,
                        StreamHandle stream);
+  struct DecodeLayer;
+  // plan: checks the call against a capture, joins the side work the layer reads, takes the
+  // plan's positions (or checks, reserves and uploads the token's own), stages the inputs and
+  // fills the step's arguments (FillStepArgs) and row counts (CountStepRows). Its failures before
+  // the inputs are staged leave the token as it was; after, the token is taken back.
+  Status PlanLayer(DecodeLayer& s);
+  // A planned layer's token taken back (a self-planned one was not counted yet).
+  void UncommitLayer(const DecodeLayer& s);
+  void FillStepArgs(DecodeLayer& s);
+  void FillListArgs(DecodeLayer& s);  // kList mode's part and the device bank's view
+  void CountStepRows(DecodeLayer& s);
+  // select: q, k and v to the host where the host selects (InputsToHost), LFPS's device scan, the
+  // device's selection (SelectOnDevice: DecodeSelect, xl+'s copy of the previous layer's list) or
+  // the host's lists (UploadHostLists).
+  Status SelectLayer(DecodeLayer& s);
+  Status InputsToHost(DecodeLayer& s);
+  Status SelectOnDevice(DecodeLayer& s);
+  // resolve: waits for a cross-layer prefetch in flight (its stage holds this layer's misses when
+  // it was this layer's) and starts the next layer's beside this one's step.
+  Status ResolveLayer(DecodeLayer& s);
+  // route: the scheduler's split (SplitState) of the layer's misses; when it splits, hands the
+  // CPU's share over (DecodeLayer::handed_over) and returns the hand-over's status.
+  Status RouteLayer(DecodeLayer& s);
+  // attend: the device's step (after the admission that last read its staging region).
+  Status AttendLayer(DecodeLayer& s);
+  // admit: the device bank admits the step's misses (beside the stream with two regions).
+  Status AdmitLayer(DecodeLayer& s);
+  // merge: a CPU step's part, handed over to the runtime's thread (DecodeLayer::handed_over), or
+  // selected and attended here (RunCpuStepPart), uploaded and merged with the device's part.
+  Status MergeLayer(DecodeLayer& s);
+  Status RunCpuStepPart(DecodeLayer& s);
+  // The output copied out, the step's side work joined at its last layer, the call recorded.
+  Status FinishLayer(DecodeLayer& s);
+  // A failed layer: the token taken back, the policy told, the ring and the bank's miss lists
+  // restored; returns \p failure (with the restore's error, if any).
+  Status FailLayer(const DecodeLayer& s, Status failure);
+  // A layer done: counted (CommitDecodeStep), the gap's timing started, the step's row counters.
+  void CommitLayer(const DecodeLayer& s);
   // The CPU half of a planned step for a CPU-placed policy (runtime/cpu_step.cpp): waits for q to
   // reach the host, then per (sequence, KV head), on the pool, selects and attends the selected
   // offloaded rows from the host store into io_.o_cpu_host / io_.lse_cpu_host (-inf where none). On
