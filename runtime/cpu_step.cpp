@@ -298,7 +298,7 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
     // 2 select.
     const auto ts = trace_.on() ? TraceRecorder::Clock::now() : TraceRecorder::Clock::time_point{};
     scratch_.item_status[i] = SelectItem(i, slot, layer, h, n, q32, select_threads,
-                                 scan && scan_.view[i].picks != nullptr ? &scan_.view[i] : nullptr);
+                                         scan && scan_.view[i].picks != nullptr ? &scan_.view[i] : nullptr);
     if (trace_.on()) trace_.Span("cpu_select", "cpu", ts, TraceRecorder::Clock::now(), i);
     const std::vector<int32_t>& sel = scratch_.selections[i];
     if (!scratch_.item_status[i].ok()) return;
@@ -311,8 +311,8 @@ Status RuntimeImpl::SelectOnHost(std::span<const int> slot_of, int layer,
       for (const int32_t p : sel) {
         if (p <= prev || p >= n) {
           scratch_.item_status[i] = Internal(StrCat("policy '", policy_->name(), "' selected position ",
-                                            p, " after ", prev, " of ", n, " (layer ", layer,
-                                            ", KV head ", h, "): not ascending in [0, n)"));
+                                                    p, " after ", prev, " of ", n, " (layer ", layer,
+                                                    ", KV head ", h, "): not ascending in [0, n)"));
           return;
         }
         prev = p;

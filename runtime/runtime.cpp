@@ -197,18 +197,8 @@ Status RuntimeImpl::Init() {
   pool_options.gpu_pci_bus_id = device_->pci_bus_id();
   KVF_ASSIGN_OR_RETURN(pool_, cpu::CpuPool::Create(pool_options));
 
-  dims_.group = m.num_q_heads / m.num_kv_heads;
-  dims_.scale = m.softmax_scale > 0.0f ? m.softmax_scale : 1.0f / std::sqrt(static_cast<float>(m.head_dim));
-  dims_.kv_elem = DTypeSize(m.kv_dtype);
-  dims_.row_bytes = static_cast<size_t>(m.head_dim) * dims_.kv_elem;
+  DeriveDims();
   const Capacity& cap = config_.capacity;
-  dims_.max_rows = std::max<int64_t>(cap.max_prefill_chunk, cap.max_batch);
-  if (!policy_->is_dense()) {
-    // Room for the resident rows on top of the budget: a policy that always attends the sinks
-    // and the window (lfps) may return more than a budget smaller than they are.
-    dims_.budget_max = ItemBudgetMax(config_);
-    dims_.item_cap = ItemListCap(config_);
-  }
   // The policy's device selection state, sized below where the planned step selects on the device.
   selector_ = MakeDeviceSelector(*policy_, SelectorShapeOf());
 
@@ -240,16 +230,7 @@ Status RuntimeImpl::Init() {
   // Priming on the device (sizes and the choice: SizeDeviceBuffers).
   if (sizes_.prime_rows > 0) KVF_RETURN_IF_ERROR(InitPrimeBuffers());
   KVF_RETURN_IF_ERROR(InitDeviceScan());
-  // Priming deferred to the first Decode (DeferPrime): the kept rows are pinned per slot, made at
-  // the slot's first primed prefill.
-  if (policy_->prime_rows() > 0 && (prime_.rows > 0 || policy_->wants_prefill_queries())) {
-    prime_.pending_rows = static_cast<int>(
-        std::min<int64_t>(policy_->prime_rows(), config_.capacity.max_prefill_chunk));
-    prime_.pending.assign(static_cast<size_t>(config_.capacity.max_sequences) * m.num_layers, {});
-    prime_.pending_q.assign(static_cast<size_t>(config_.capacity.max_sequences), nullptr);
-    const char* eager = std::getenv("KVFERRY_PRIME_EAGER");
-    prime_.eager = eager != nullptr && std::string_view(eager) == "1";
-  }
+  InitDeferredPrime();
   // Off by default: on the GPU machine (lfps@2%, three runs each) 500 us of spinning
   // started the last of a layer's 8 items 25 us after the first instead of 67-82 us and took 32K
   // from 19.4 to 17.2 ms a step, but 64K from 29.1 to 30.8 ms (its longer items ran slower beside
@@ -273,6 +254,36 @@ Status RuntimeImpl::Init() {
   lengths_.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
   for (int s = cap.max_sequences - 1; s >= 0; --s) free_slots_.push_back(s);
   return Status::Ok();
+}
+
+void RuntimeImpl::DeriveDims() {
+  const ModelShape& m = config_.model;
+  const Capacity& cap = config_.capacity;
+  dims_.group = m.num_q_heads / m.num_kv_heads;
+  dims_.scale = m.softmax_scale > 0.0f ? m.softmax_scale : 1.0f / std::sqrt(static_cast<float>(m.head_dim));
+  dims_.kv_elem = DTypeSize(m.kv_dtype);
+  dims_.row_bytes = static_cast<size_t>(m.head_dim) * dims_.kv_elem;
+  dims_.max_rows = std::max<int64_t>(cap.max_prefill_chunk, cap.max_batch);
+  if (!policy_->is_dense()) {
+    // Room for the resident rows on top of the budget: a policy that always attends the sinks
+    // and the window (lfps) may return more than a budget smaller than they are.
+    dims_.budget_max = ItemBudgetMax(config_);
+    dims_.item_cap = ItemListCap(config_);
+  }
+}
+
+void RuntimeImpl::InitDeferredPrime() {
+  const ModelShape& m = config_.model;
+  // Priming deferred to the first Decode (DeferPrime): the kept rows are pinned per slot, made at
+  // the slot's first primed prefill.
+  if (policy_->prime_rows() > 0 && (prime_.rows > 0 || policy_->wants_prefill_queries())) {
+    prime_.pending_rows = static_cast<int>(
+        std::min<int64_t>(policy_->prime_rows(), config_.capacity.max_prefill_chunk));
+    prime_.pending.assign(static_cast<size_t>(config_.capacity.max_sequences) * m.num_layers, {});
+    prime_.pending_q.assign(static_cast<size_t>(config_.capacity.max_sequences), nullptr);
+    const char* eager = std::getenv("KVFERRY_PRIME_EAGER");
+    prime_.eager = eager != nullptr && std::string_view(eager) == "1";
+  }
 }
 
 Status RuntimeImpl::CreateDevice() {

@@ -213,6 +213,8 @@ class RuntimeImpl {
   // (InitDeviceScan) and the planned step's (InitStepBuffers).
   Status Init();
   Status CreateDevice();  // the backend's device (through a test's decorator) and its stream
+  void DeriveDims();         // dims_ from the configuration and the policy
+  void InitDeferredPrime();  // priming deferred to the first Decode: prime_'s pending rows
   Status InitCallBuffers();
   Status InitBanks();
   Status InitPrefillStaging();

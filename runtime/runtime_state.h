@@ -65,8 +65,8 @@ struct LastPrefill {
 
 // ---- the groups --------------------------------------------------------------------------------
 
-/// Scalars derived from the configuration. Written once by Init (before the sizing), read-only
-/// after.
+/// Scalars derived from the configuration. Written once by DeriveDims (Init, before the sizing),
+/// read-only after.
 struct Dims {
   int group = 1;        // query heads per KV head
   float scale = 1.0f;   // the softmax scale
@@ -78,8 +78,8 @@ struct Dims {
 };
 
 /// A call's activations staged for the device and the attention's partial results, in device and
-/// pinned host memory. Allocated by Init (q_raw_host and q_ready by InitStepBuffers); rewritten
-/// by every Prefill, Append and Decode.
+/// pinned host memory. Allocated by InitCallBuffers (q_raw_host and q_ready by
+/// InitCpuPartBuffers); rewritten by every Prefill, Append and Decode.
 struct CallBuffers {
   // device staging
   void* q_in = nullptr;
@@ -103,7 +103,8 @@ struct CallBuffers {
 
 /// Pinned descriptors the device reads: row copies, attention items and their row lists. One
 /// region per use in a call, so that no region is rewritten while an earlier asynchronous launch
-/// of the same call may still read it (BeginCall waits for the last call's). Allocated by Init.
+/// of the same call may still read it (BeginCall waits for the last call's). Allocated by
+/// InitCallBuffers.
 struct Descriptors {
   RowCopy* k_copies = nullptr;  // [max_rows * Hkv * 2]
   RowCopy* v_copies = nullptr;  // [max_rows * Hkv * 2]
@@ -136,7 +137,8 @@ struct StepScratch {
 };
 
 /// Which planned decode step this runtime runs (runtime/decode_plan.cpp), and the step's device
-/// buffers. InitStepBuffers sets them from sizes_ (host_lists: Init, with the bank).
+/// buffers. InitStepBuffers sets them from sizes_ (host_lists: InitBanks, with the bank) and
+/// InitPlanBuffers allocates the buffers.
 struct PlannedStep {
   bool fast_path = false;  // policy selects on the device, no host-managed bank, route gpu/auto
   // A CPU-placed policy whose selections cover the resident rows, route cpu (auto), no bank: the
@@ -164,7 +166,8 @@ struct PlannedStep {
 
 /// The lists the planned step attends in kList mode: a device selection's (Policy::device_scoring
 /// != kNone, written by DecodeSelect) or the host's (step_.host_lists, UploadHostLists), and the
-/// device selection's scratch. Allocated by InitStepBuffers; slots and n written by RunDecodeStep.
+/// device selection's scratch. Allocated by InitSelectLists; slots and n written by
+/// SelectOnDevice (RunDecodeStep's select stage).
 struct SelectLists {
   SelectScoring scoring = SelectScoring::kNone;
   int64_t cap = 0;                // positions a list holds
@@ -188,8 +191,8 @@ struct SelectLists {
 /// admits it). Staging of the step's misses (list index j of item i at stage + (i * lists_.cap +
 /// j) * 2 * row_bytes), the miss lists ([items][1 + miss_cap]) and the admission items the step
 /// kernel writes; regions sets of the three, region r at r * the *_region strides, layer l using
-/// region l % regions. Allocated by InitStepBuffers; the admission state written by RunDecodeStep
-/// and JoinAdmitSide.
+/// region l % regions. Allocated by InitBankStaging; the admission state written by AttendLayer,
+/// AdmitLayer, ResolveLayer (RunDecodeStep's stages) and JoinAdmitSide.
 struct DeviceBankStep {
   char* stage = nullptr;
   int32_t* miss = nullptr;
@@ -238,12 +241,12 @@ struct DeviceTiming {
 
 /// The scheduler's cross-layer prefetch (xl+, the device bank with two regions;
 /// RuntimeConfig::xl_prefetch): layer l + 1 will take layer l's list, so once layer l's list is
-/// final (after its selection and xl+'s copy) RunDecodeStep copies layer l + 1's misses of it into
+/// final (after its selection and xl+'s copy) ResolveLayer copies layer l + 1's misses of it into
 /// region (l + 1) % 2's stage (Device::PrefetchListRows), on dbank_.admit_stream after layer
 /// l - 1's admission (the last reader of that region) and beside layer l's step. Layer l + 1's
 /// planned step then waits for done and reads its misses there (StepBankView::staged). Any other
 /// call waits for it before its step too; JoinAdmitSide joins it with the admissions. Set up by
-/// InitStepBuffers; written by RunDecodeStep, JoinAdmitSide, CloseXlGap and OpenXlGap.
+/// InitBankStaging; written by ResolveLayer, JoinAdmitSide, CloseXlGap and OpenXlGap.
 struct XlPrefetch {
   bool on = false;
   // Auto (xl_prefetch -1): prefetch while gap_us, the running average of the stream time from the
@@ -272,7 +275,7 @@ struct XlPrefetch {
 /// the job over and returns; thread waits for q on the host, runs SelectOnHost and writes the
 /// ticket. One job at a time: every public call collects it first (CollectCpuPart), so while it
 /// runs the caller touches neither the state it reads (the policy, the pool, the batch's slots and
-/// positions, stats_) nor the pinned buffers it fills. Set up by InitStepBuffers; the caller's
+/// positions, stats_) nor the pinned buffers it fills. Set up by InitCpuPartBuffers; the caller's
 /// side (HandOverCpuPart, CollectCpuPart) and the thread's (CpuThreadMain) as marked.
 struct CpuPart {
   bool async = false;
@@ -290,14 +293,14 @@ struct CpuPart {
   Status job_status;                     // the finished job's, read after done
 };
 
-/// The scheduler's split of a device selection's misses (DeviceBufferSizes::split). RunDecodeStep,
-/// route auto: after the layer's DecodeSelect, q goes down to io_.q_raw_host and SplitStepList
-/// partitions each item's list: its last SplitCpuRows(misses, q10) misses to the CPU (cpu_list,
-/// pinned, written by the device), the rest to the device's list (gpu_list), which the step
-/// attends into (io_.o_gpu, io_.lse_gpu); ready follows. The CPU share goes to cpu_.thread as a
-/// CpuPartJob with q10 set (RunSplitPart: waits for ready, attends its rows from the host store on
-/// the pool into io_.o_cpu_host / io_.lse_cpu_host, writes the ticket) and the stream merges the
-/// two as for a CPU step. Allocated by InitStepBuffers.
+/// The scheduler's split of a device selection's misses (DeviceBufferSizes::split). RouteLayer
+/// (RunDecodeStep's route stage), route auto: after the layer's DecodeSelect, q goes down to
+/// io_.q_raw_host and SplitStepList partitions each item's list: its last SplitCpuRows(misses,
+/// q10) misses to the CPU (cpu_list, pinned, written by the device), the rest to the device's list
+/// (gpu_list), which the step attends into (io_.o_gpu, io_.lse_gpu); ready follows. The CPU share
+/// goes to cpu_.thread as a CpuPartJob with q10 set (RunSplitPart: waits for ready, attends its
+/// rows from the host store on the pool into io_.o_cpu_host / io_.lse_cpu_host, writes the
+/// ticket) and the stream merges the two as for a CPU step. Allocated by InitCpuPartBuffers.
 struct SplitState {
   bool on = false;
   int32_t* gpu_list = nullptr;   // device: [max_batch * Hkv][lists_.cap]
@@ -319,8 +322,8 @@ struct SplitState {
 /// policy's int8 shadow of K per (slot, layer, KV head), [head_dim][max_tokens] channel-major, made
 /// from the policy's at priming (CopyScanShadow) and extended by each step's new row on the device;
 /// the step ranks the offloaded keys there (Device::LfpsScan) and the host's Select takes the
-/// ranking (SelectContext::scan) instead of scanning. Buffers allocated by Init; the step's state
-/// written by LaunchDeviceScan, EnqueueDeviceScan, WaitScanRanking and SelectOnHost.
+/// ranking (SelectContext::scan) instead of scanning. Buffers allocated by InitDeviceScan; the
+/// step's state written by LaunchDeviceScan, EnqueueDeviceScan, WaitScanRanking and SelectOnHost.
 struct DeviceScan {
   bool on = false;
   int64_t picks_cap = 0;
@@ -357,9 +360,9 @@ struct DeviceScan {
 };
 
 /// CUDA prefill: one layer's pages of one sequence staged in device memory, the tensor-core
-/// kernel's descriptors and its copy streams. Allocated by Init; written by PrefillReserved,
-/// StageLayerPages, PrefetchNextHistory, CopyLayerPages (and reset by AddSequence and a failed
-/// Prefill).
+/// kernel's descriptors and its copy streams. Allocated by InitPrefillStaging; written by
+/// PrefillTensorCores, StageLayerPages, PrefetchNextHistory, CopyLayerPages (and reset by
+/// AddSequence and a failed Prefill).
 struct PrefillStaging {
   int64_t max_pages = 0;
   char* scratch = nullptr;      // device: [Hkv][max_pages] pages
@@ -403,8 +406,8 @@ struct PrefillStaging {
 /// Priming a policy that learns from the prompt (Policy::prime_rows, wants_prefill_queries). With
 /// rows > 0 (on CUDA unless KVFERRY_PRIME=host, on the host backend with KVFERRY_PRIME=device)
 /// Device::PrimeAttention computes the statistics and OnPrefillPrimed finishes on the host. The
-/// pending rows are kept by DeferPrime and primed from by FlushPrime. Allocated by Init (pending_q
-/// at a slot's first primed prefill).
+/// pending rows are kept by DeferPrime and primed from by FlushPrime. Allocated by
+/// InitPrimeBuffers and InitDeferredPrime (pending_q at a slot's first primed prefill).
 struct Priming {
   int rows = 0;  // query rows primed on the device a chunk; 0: off
   std::vector<PendingPrime> pending;  // [slot * num_layers + layer]

@@ -84,7 +84,7 @@ Status RuntimeImpl::InitWindowBuffers() {
   win_.items = static_cast<RowAttnItem*>(p);
   // Row lists: a decode item's ring rows; a chunk's staging rows of each KV head.
   win_.row_cap = std::max<int64_t>(int64_t{cap.max_batch} * hkv * win_.max,
-                                      hkv * win_.stage_rows);
+                                   hkv * win_.stage_rows);
   for (const void*** dst : {&win_.k_rows, &win_.v_rows}) {
     KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(win_.row_cap) * sizeof(void*), true));
     *dst = static_cast<const void**>(p);
@@ -174,7 +174,7 @@ Status RuntimeImpl::WindowDecode(std::span<const SequenceId> seqs, std::span<con
         }
         const int64_t off = b * hq * d + h * gd;
         win_.items[i] = RowAttnItem{io_.q_f32 + off, io_.o_gpu + off, io_.lse_gpu + b * hq + h * dims_.group,
-                                       kr, vr, static_cast<int32_t>(count)};
+                                    kr, vr, static_cast<int32_t>(count)};
         rows += count;
       }
     }
@@ -285,9 +285,9 @@ Status RuntimeImpl::WindowChunkAttend(const TensorView& q, const void* q_src, co
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t p = pos0 + t, first = std::max(base, p - w + 1), i = h * tokens + t;
       win_.items[i] = RowAttnItem{io_.q_f32 + i * gd, io_.o_gpu + i * gd, io_.lse_gpu + i * dims_.group,
-                                     win_.k_rows + h * ld + (first - base),
-                                     win_.v_rows + h * ld + (first - base),
-                                     static_cast<int32_t>(p - first + 1)};
+                                  win_.k_rows + h * ld + (first - base),
+                                  win_.v_rows + h * ld + (first - base),
+                                  static_cast<int32_t>(p - first + 1)};
     }
   }
   const AttnParams params{dims_.group, d, m.kv_dtype, dims_.scale};
