@@ -700,7 +700,7 @@ def hip_quality_cmds(T):
         return " && ".join([
             f"{base} --policy streaming,oracle,hip --budget 256,512 --json {T}/{t}_base.json",
             f"{base} --policy hip {HIP_GUARD} --budget 256,512 --no-dense --json {T}/{t}_guard.json",
-            f"{base} --policy hip --param dense_layers=11 --budget 256 --no-dense --json {T}/{t}_dl11.json"])
+            f"{base} --policy hip {HIP_GUARD} --param fresh=0 --budget 256,512 --no-dense --json {T}/{t}_cached.json"])
     pk = (f"{LLAMA} --model {MODEL} --passkey --text data/kjv.txt --backend host --cpu-threads 1 "
           f"--lengths 2048,4096,8192 --depths 0.1,0.5,0.9 --budget 256")
     return [FETCH, side_by_side(*(text_cmds(t) for t in HQ_TEXTS)),
@@ -710,7 +710,7 @@ def hip_quality_cmds(T):
 
 def hip_quality_merge(T):
     rows = []
-    tags = {"base": {}, "guard": {"guard": 0.9, "over": 4}, "dl11": {"dense_layers": 11}}
+    tags = {"base": {}, "guard": {"guard": 0.9, "over": 4}, "cached": {"guard": 0.9, "over": 4, "fresh": 0}}
     for t in HQ_TEXTS:
         lanes = {}
         for part, params in tags.items():
@@ -719,6 +719,10 @@ def hip_quality_merge(T):
                 lanes[key] = {"policy": l["lane"].split("@")[0], "params": params if part != "base" else {},
                               "budget": l.get("budget"), "perplexity": l["perplexity"],
                               "decode_seconds": l["decode_seconds"]}
+                st = l.get("stats", {})
+                ranked, reused = st.get("prhs_select_calls", 0), st.get("prhs_select_reused", 0)
+                if key.startswith("hip") and ranked + reused > 0:  # HiP's counters (HipPolicy::counters)
+                    lanes[key]["ranked_share"] = round(ranked / (ranked + reused), 4)
         gaps(lanes)
         for lab, r in lanes.items():
             rows.append({"label": lab, "text": f"data/{t}.txt", "context": 8192, "scored": 1024, **r})
@@ -734,8 +738,9 @@ def hip_quality_merge(T):
     for r in rows:
         if r["text"] == "data/kjv.txt" and r["label"] in found:
             r["passkey"] = found[r["label"]]
-    return {"what": "HiP's perplexity and passkey before and after its recall guard (guard=0.9 over=4), and with "
-                    "11 first layers on the 4-bit top-k, next to dense, streaming and the oracle; SmolLM2-135M, "
+    return {"what": "HiP's perplexity and passkey with its defaults and its recall guard (guard=0.9 over=4; "
+                    "a head the guard finds short ranked at every step, fresh=1, the default, or its last "
+                    "rebuild's ranking cached, fresh=0), next to dense, streaming and the oracle; SmolLM2-135M, "
                     "host backend, sinks 4 + window 64",
             "regenerate": "python3 bench/reproduce.py hip_quality_smollm2",
             "passkey": "KJV, lengths 2048/4096/8192, depths 0.1/0.5/0.9, budget 256, greedy answer",
@@ -744,7 +749,7 @@ def hip_quality_merge(T):
 
 REPLAY_LANES = ("oracle@256 streaming@256 quest@256 sparcas@256 lfps@256 hip@256 "
                 "hip_paper=hip@256:bits=16,align=0 hip_fresh=hip@256:r_m=1,lag=0 "
-                "hip_dl11=hip@256:dense_layers=11 hip_guard=hip@256:guard=0.9,over=4 "
+                "hip_dl11=hip@256:dense_layers=11 hip_guard=hip@256:guard=0.9,over=4,fresh=0 "
                 "kvpop@256 kvpop_s2=kvpop@256:scorer=2 kvpop_s2_g9995=kvpop@256:scorer=2,gamma=0.9995 "
                 "oracle@2048 streaming@2048 kvpop@2048 kvpop_s2@2048=kvpop@2048:scorer=2")
 

@@ -417,6 +417,7 @@ TEST(HipPolicy, RecallGuardFallsBackToTheFourBitRanking) {
   hp.r_m = 1;
   hp.lag = 0;
   hp.guard_every = 1;
+  hp.fresh = 0;  // the ranking as the head's mask (fresh 1: the test below)
   std::vector<int32_t> tree, guarded;
   HipPolicy plain(hp, 1, 1, 1);
   ASSERT_TRUE(plain.Select(c, tree).ok());
@@ -440,9 +441,52 @@ TEST(HipPolicy, RecallGuardFallsBackToTheFourBitRanking) {
   }
 }
 
+// fresh 1 (the default): a head the guard finds short is ranked at every step by the step's
+// query, with the dense layers' selection (SparCas's 4-bit top-k over every dimension), until its
+// next check. guard 1 finds every head short, so every step equals that selection on a query that
+// moves from step to step; fresh 0 keeps the ranking of the last rebuild and differs from it.
+TEST(HipPolicy, AHeadTheGuardFindsShortIsRankedEveryStep) {
+  for (uint32_t seed : {5u, 6u}) {
+    Synthetic syn(3001, 3, 64, seed, DType::kBF16, 0.97, 8, 24);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd;
+    HipParams hp;
+    hp.dense_layers = 0;
+    hp.guard = 1.0;
+    ASSERT_EQ(hp.fresh, 1);
+    HipParams cached_params = hp;
+    cached_params.fresh = 0;
+    HipPolicy fresh(hp, 1, 1, 1), cached(cached_params, 1, 1, 1);
+    SparcasParams sp;
+    sp.d_b = 64;
+    sp.u = 1 << 30;
+    sp.dense_layers = 0;
+    sp.bits = 4;
+    SparcasPolicy want_policy(sp, 1, 1, 1);
+    std::vector<float> q(syn.q.size());
+    int differs = 0;
+    const int steps = 12;
+    for (int step = 0; step < steps; ++step) {
+      for (size_t i = 0; i < q.size(); ++i) q[i] = syn.q[i] + 0.6f * nd(rng);  // a moving query
+      const SelectContext c = Context(syn.kv, q.data(), 3, 4, 64, 4 + 64 + 128);
+      std::vector<int32_t> got, want, kept;
+      ASSERT_TRUE(fresh.Select(c, got).ok());
+      ASSERT_TRUE(want_policy.Select(c, want).ok());
+      ASSERT_TRUE(cached.Select(c, kept).ok());
+      EXPECT_EQ(got, want) << "seed " << seed << " step " << step;
+      differs += kept != want;
+    }
+    EXPECT_GT(differs, 0) << "seed " << seed;
+    EXPECT_EQ(fresh.counters().select_calls, steps);
+    EXPECT_EQ(fresh.counters().select_reused, 0);
+    EXPECT_EQ(cached.counters().select_calls, 0);
+    EXPECT_EQ(cached.counters().select_reused, steps);
+  }
+}
+
 TEST(HipPolicy, BadParametersNameTheParameter) {
   for (const auto& [key, value] : std::vector<std::pair<std::string, double>>{
-           {"bk", 0}, {"r_m", 0}, {"r_m", 1.5}, {"dense_layers", -2}, {"rep", 4}, {"bits", 8}, {"lag", 2}, {"dense_bits", 8}, {"align", -1}, {"k", 5}, {"over", 0}, {"over", 65}, {"guard", -0.1}, {"guard", 1.5}, {"guard_every", 0}}) {
+           {"bk", 0}, {"r_m", 0}, {"r_m", 1.5}, {"dense_layers", -2}, {"rep", 4}, {"bits", 8}, {"lag", 2}, {"dense_bits", 8}, {"align", -1}, {"k", 5}, {"over", 0}, {"over", 65}, {"guard", -0.1}, {"guard", 1.5}, {"guard_every", 0}, {"fresh", 2}, {"fresh", -1}}) {
     auto r = ParseHipParams({{key, value}});
     ASSERT_FALSE(r.ok()) << key << "=" << value;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);

@@ -95,13 +95,16 @@ Result<HipParams> ParseHipParams(const std::map<std::string, double>& params) {
     } else if (key == "guard_every") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 1, 1 << 20));
       hp.guard_every = static_cast<int>(v);
+    } else if (key == "fresh") {
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 0, 1));
+      hp.fresh = static_cast<int>(v);
     } else if (key == "bits") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 4, 16));
       KVF_CHECK_ARG(v == 4 || v == 16, "hip parameter 'bits' = ", v, " must be 4 or 16");
       hp.bits = static_cast<int>(v);
     } else {
       return InvalidArgument(detail::StrCat("unknown hip parameter '", key,
-                                            "' (known: bk, r_m, dense_layers, rep, bits, align, lag, dense_bits, over, guard, guard_every)"));
+                                            "' (known: bk, r_m, dense_layers, rep, bits, align, lag, dense_bits, over, guard, guard_every, fresh)"));
     }
   }
   return hp;
@@ -116,7 +119,7 @@ HipPolicy::HipPolicy(const HipParams& params, int max_sequences, int num_layers,
                      bool device)
     : params_(params), device_(device) {
   states_.Init(max_sequences, num_layers, num_kv_heads);
-  if (params_.dense_bits == 4 && params_.dense_layers > 0) {
+  if ((params_.dense_bits == 4 && params_.dense_layers > 0) || Fresh()) {
     SparcasParams sp;
     sp.d_b = 1 << 20;  // clamped to head_dim: every dimension
     sp.u = 1 << 30;    // never re-chosen
@@ -126,8 +129,10 @@ HipPolicy::HipPolicy(const HipParams& params, int max_sequences, int num_layers,
   }
 }
 
+bool HipPolicy::Fresh() const { return params_.guard > 0.0 && params_.fresh != 0; }
+
 bool HipPolicy::DenseQ4(int head_dim) const {
-  return dense_ != nullptr && HipBits(params_, head_dim) == 4;
+  return params_.dense_bits == 4 && dense_ != nullptr && HipBits(params_, head_dim) == 4;
 }
 
 Policy::DeviceSelectParams HipPolicy::device_select_params(int head_dim) const {
@@ -162,6 +167,7 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
     FinishSelection(s, nullptr, 0, out);
     return Status::Ok();
   }
+  if (ctx.layer < params_.dense_layers) ranked_.fetch_add(1, std::memory_order_relaxed);
   if (ctx.layer < params_.dense_layers && DenseQ4(ctx.params.head_dim)) return dense_->Select(ctx, out);
   if (ctx.layer < params_.dense_layers) {
     thread_local std::vector<int32_t> chosen;
@@ -195,7 +201,9 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
         for (int64_t t = t0; t < t1; ++t) dst.push_back(static_cast<int32_t>(t));
       }
     }
-    if (check || st->scan) {
+    if (Fresh() && st->scan && !check) {
+      blocks.assign(1, 0);  // ranked at every step below; the state counts a mask
+    } else if (check || st->scan) {
       thread_local std::vector<int32_t> ranked;
       ScanTopK(ctx, s, s.k_off * params_.over, ranked);
       if (check) {
@@ -212,6 +220,11 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
   }
   HipRecordStep(hs, action, static_cast<int32_t>(blocks.size()), s.off_lo, s.off_hi, s.k_off, ctx.n,
                 params_.r_m, ctx.layer);
+  if (st->scan && Fresh()) {
+    ranked_.fetch_add(1, std::memory_order_relaxed);
+    return dense_->Select(ctx, out);
+  }
+  cached_.fetch_add(1, std::memory_order_relaxed);
   const std::vector<int32_t>& mask = st->masks[hs.cur];
   // The cached positions stay inside [sink, off_hi): off_hi only grows between refreshes.
   if (params_.over > 1 && static_cast<int64_t>(mask.size()) > s.k_off) {

@@ -39,6 +39,7 @@
 //    the runtime's per-item capacity forbids it (see sparcas.h).
 //  - k = budget - sink - window tokens; K' = floor(k / bk) blocks (the remainder is unused).
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -107,6 +108,11 @@ struct HipParams {
   /// (over k) instead of the tree's. Host selection only.
   double guard = 0.0;
   int guard_every = 8;  ///< "guard_every": rebuilds between two checks of a head
+  /// "fresh": 1 (default) a head the guard finds short takes the dense layers' selection at every
+  /// step until its next check (SparCas's 4-bit top-k over every dimension, ranked by the step's
+  /// query); 0 the ranking of its last rebuild, cached as the tree's mask would be (over k
+  /// candidates). Host selection only.
+  int fresh = 1;
 };
 
 /// The bits HiP scores with at \p head_dim.
@@ -129,6 +135,14 @@ class HipPolicy final : public Policy {
   /// dimensions never re-chosen; the mask's block size, interval and representative.
   [[nodiscard]] DeviceSelectParams device_select_params(int head_dim) const override;
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
+  /// select_calls: head-steps ranked afresh (the dense layers, heads the guard moved to the
+  /// ranking with fresh 1); select_reused: head-steps answered from a cached mask.
+  [[nodiscard]] PolicyCounters counters() const override {
+    PolicyCounters c;
+    c.select_calls = ranked_.load(std::memory_order_relaxed);
+    c.select_reused = cached_.load(std::memory_order_relaxed);
+    return c;
+  }
   void OnSequenceRemoved(int slot) override {
     states_.RemoveSlot(slot);
     if (dense_ != nullptr) dense_->OnSequenceRemoved(slot);
@@ -137,6 +151,8 @@ class HipPolicy final : public Policy {
   /// Whether the dense layers take SparCas's 4-bit top-k at \p head_dim (dense_bits 4 and 4-bit
   /// scores).
   [[nodiscard]] bool DenseQ4(int head_dim) const;
+  /// Whether a head the guard finds short is ranked at every step (guard > 0, fresh 1).
+  [[nodiscard]] bool Fresh() const;
 
  private:
   struct HeadState {
@@ -159,7 +175,8 @@ class HipPolicy final : public Policy {
   HipParams params_;
   bool device_ = false;
   HeadStateTable<HeadState> states_;
-  std::unique_ptr<SparcasPolicy> dense_;  ///< dense_bits 4: the dense layers' selection
+  std::unique_ptr<SparcasPolicy> dense_;  ///< dense_bits 4 or fresh: the dense layers' selection
+  std::atomic<int64_t> ranked_{0}, cached_{0};  ///< counters()
 };
 
 Result<std::unique_ptr<Policy>> MakeHipPolicy(const RuntimeConfig& config);
