@@ -320,7 +320,7 @@ def t_hip_quality():
     texts = sorted({r["text"] for r in d["rows"]}, key=lambda t: ("kjv" not in t, t))
     head = ["lane", "budget", "parameters"] + [f"{os.path.basename(t).replace('.txt', '').upper().replace('JARGON', 'Jargon')}: "
                                                "gap to dense (/ oracle's)" for t in texts] + \
-           ["passkey (KJV, 2K/4K/8K x 3 depths)"]
+           ["passkey (KJV, 2K/4K/8K x 3 depths)", "head-steps ranked afresh (KJV, Jargon)"]
     rows = []
     def budget(lab, per):
         return None if lab == "dense" else next(iter(per.values())).get("budget")
@@ -337,6 +337,8 @@ def t_hip_quality():
             cells.append(f"+{r['gap_pct']:.2f}%{o}")
         pk = next((r.get("passkey") for r in per.values() if r.get("passkey")), None)
         cells.append(f"{pk['found']}/{pk['trials']}" if pk else None)
+        shares = [per[t].get("ranked_share") for t in texts if t in per]
+        cells.append(", ".join("—" if x is None else f"{x:.0%}" for x in shares) if any(x is not None for x in shares) else None)
         rows.append(cells)
     return table(head, rows)
 
