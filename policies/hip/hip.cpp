@@ -204,16 +204,22 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
     if (Fresh() && st->scan && !check) {
       blocks.assign(1, 0);  // ranked at every step below; the state counts a mask
     } else if (check || st->scan) {
+      // One scan: its best first. fresh 1 needs only the check's top k_off; fresh 0 caches the
+      // best over k_off as the head's mask, and its first k_off are the check's top k_off.
+      const int64_t keep = Fresh() ? s.k_off : s.k_off * params_.over;
       thread_local std::vector<int32_t> ranked;
-      ScanTopK(ctx, s, s.k_off * params_.over, ranked);
+      ScanTopK(ctx, s, keep, ranked);
       if (check) {
-        // recall of the ranking's top k_off (its best k_off by score, not by position)
-        thread_local std::vector<int32_t> best;
-        ScanTopK(ctx, s, s.k_off, best);
+        thread_local std::vector<int32_t> best;  // the ranking's best k_off by score
+        best.assign(ranked.begin(), ranked.begin() + std::min<int64_t>(s.k_off, static_cast<int64_t>(ranked.size())));
+        std::sort(best.begin(), best.end());
         st->scan = MaskShare(ctx, best, dst) < params_.guard;
       }
       if (st->scan) {
-        dst = ranked;
+        if (!Fresh()) {
+          dst = ranked;
+          std::sort(dst.begin(), dst.end());
+        }
         blocks.assign(1, 0);  // the state counts a mask (HipRecordStep's count)
       }
     }
@@ -238,7 +244,7 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
 }
 
 void HipPolicy::RankCandidates(const SelectContext& ctx, const std::vector<int32_t>& cand, int64_t k,
-                               std::vector<int32_t>& picked) const {
+                               std::vector<int32_t>& picked, bool ascending) const {
   const AttnParams& p = ctx.params;
   thread_local std::vector<std::pair<float, int32_t>> scored;
   scored.clear();
@@ -256,7 +262,7 @@ void HipPolicy::RankCandidates(const SelectContext& ctx, const std::vector<int32
   });
   picked.clear();
   for (std::ptrdiff_t i = 0; i < keep; ++i) picked.push_back(scored[i].second);
-  std::sort(picked.begin(), picked.end());
+  if (ascending) std::sort(picked.begin(), picked.end());
 }
 
 double HipPolicy::MaskShare(const SelectContext& ctx, const std::vector<int32_t>& best,
@@ -287,7 +293,7 @@ void HipPolicy::ScanTopK(const SelectContext& ctx, const OffloadSplit& s, int64_
   thread_local std::vector<int32_t> all;
   all.resize(static_cast<size_t>(s.n_off()));
   for (int64_t i = 0; i < s.n_off(); ++i) all[i] = static_cast<int32_t>(s.off_lo + i);
-  RankCandidates(ctx, all, k, picked);
+  RankCandidates(ctx, all, k, picked, /*ascending=*/false);
 }
 
 Result<std::unique_ptr<Policy>> MakeHipPolicy(const RuntimeConfig& config) {

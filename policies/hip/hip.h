@@ -161,17 +161,18 @@ class HipPolicy final : public Policy {
     int64_t rebuilds = 0;           ///< masks built (the recall guard checks every guard_every-th)
     bool scan = false;              ///< the guard found the tree's recall short: masks come from the scan
   };
-  // The recall guard's ranking: the (over k) offloaded positions with the best 4-bit (bits 16:
-  // fp32) max-logit scores, ascending.
+  // The recall guard's ranking: the k offloaded positions with the best 4-bit (bits 16: fp32)
+  // max-logit scores, best first (ties: the lower position).
   // The share of the scores' softmax over \p best (the ranking's top k) that \p mask (ascending)
   // holds: the guard's measure of the tree's recall, weighted as attention would weight it.
   double MaskShare(const SelectContext& ctx, const std::vector<int32_t>& best,
                    const std::vector<int32_t>& mask) const;
   void ScanTopK(const SelectContext& ctx, const OffloadSplit& s, int64_t k,
                 std::vector<int32_t>& picked) const;
-  // over > 1: the k of the candidate positions \p cand the step's query scores highest, ascending.
+  // over > 1: the k of the candidate positions \p cand the step's query scores highest, ascending
+  // by position (\p ascending false: best first).
   void RankCandidates(const SelectContext& ctx, const std::vector<int32_t>& cand, int64_t k,
-                      std::vector<int32_t>& picked) const;
+                      std::vector<int32_t>& picked, bool ascending = true) const;
   HipParams params_;
   bool device_ = false;
   HeadStateTable<HeadState> states_;
