@@ -243,6 +243,18 @@ int64_t WriteListHead(const OffloadSplit& sp, int64_t n, int32_t* out) {
   return count;
 }
 
+// A ranked list (kSparcas, kHip): the head, then, when the split offloads positions and takes
+// some, rank(sp, c) appends its k_off picks at out[c] and returns the new count; then the window.
+template <typename Rank>
+int64_t WriteRankedList(const DecodeStepArgs& a, int64_t n, int32_t* out, const Rank& rank) {
+  const OffloadSplit sp = ItemSplitOf(a, n);
+  int64_t c = WriteListHead(sp, n, out);
+  if (sp.all) return c;
+  if (sp.k_off > 0) c = rank(sp, c);
+  for (int64_t i = sp.off_hi; i < n; ++i) out[c++] = static_cast<int32_t>(i);
+  return c;
+}
+
 // SparCas's compact rows of item t (kSparcas, and kHip's every-dimension rows) brought up to n
 // positions: the dimensions chosen at the first ranked step and every sparcas_u ranked steps (a
 // change re-gathers every row), then the rows stored since the last ranked step.
@@ -326,13 +338,10 @@ CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q
 // SelectScoring::kSparcas for one item (see DecodeStepArgs); returns the count written to out.
 int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv,
                       int64_t n, int32_t* out) {
-  const AttnParams& p = a.params;
-  const int d = p.head_dim;
-  const OffloadSplit sp = ItemSplitOf(a, n);
-  const int64_t off_lo = sp.off_lo, off_hi = sp.off_hi, k_off = sp.k_off;
-  int64_t c = WriteListHead(sp, n, out);
-  if (sp.all) return c;
-  if (k_off > 0) {
+  return WriteRankedList(a, n, out, [&](const OffloadSplit& sp, int64_t c) {
+    const AttnParams& p = a.params;
+    const int d = p.head_dim;
+    const int64_t off_lo = sp.off_lo, off_hi = sp.off_hi, k_off = sp.k_off;
     const CompactRows rows = UpdateCompactRows(a, t, q, kv, n);
     const int d_b = rows.d_b;
     const int32_t* dims = rows.dims;
@@ -368,9 +377,8 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
     TopK(weights.data() + off_lo, off_hi - off_lo, k_off, chosen.data());
     std::sort(chosen.begin(), chosen.end());
     for (int64_t i = 0; i < k_off; ++i) out[c++] = static_cast<int32_t>(off_lo + chosen[i]);
-  }
-  for (int64_t i = off_hi; i < n; ++i) out[c++] = static_cast<int32_t>(i);
-  return c;
+    return c;
+  });
 }
 
 // SelectScoring::kHip for one item (see DecodeStepArgs and base/hip_mask.h); returns the count
@@ -378,13 +386,10 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
 int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv, int64_t n,
                   int32_t* out) {
   if (a.layer < HipDenseOf(a)) return SparcasSelect(a, t, q, kv, n, out);
-  const AttnParams& p = a.params;
-  const int d = p.head_dim;
-  const OffloadSplit sp = ItemSplitOf(a, n);
-  const int64_t off_lo = sp.off_lo, off_hi = sp.off_hi, k_off = sp.k_off;
-  int64_t c = WriteListHead(sp, n, out);
-  if (sp.all) return c;
-  if (k_off > 0) {
+  return WriteRankedList(a, n, out, [&](const OffloadSplit& sp, int64_t c) {
+    const AttnParams& p = a.params;
+    const int d = p.head_dim;
+    const int64_t off_lo = sp.off_lo, off_hi = sp.off_hi, k_off = sp.k_off;
     const CompactRows rows = UpdateCompactRows(a, t, q, kv, n);  // every dimension, 4 bits
     HipState& st = a.hip_state[t];
     const int64_t bk = std::max(a.hip_bk, 1);
@@ -423,9 +428,8 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
       const int64_t t0 = off_lo + blocks[j] * bk, t1 = std::min(t0 + bk, st.hi);
       for (int64_t i = t0; i < t1; ++i) out[c++] = static_cast<int32_t>(i);
     }
-  }
-  for (int64_t i = off_hi; i < n; ++i) out[c++] = static_cast<int32_t>(i);
-  return c;
+    return c;
+  });
 }
 
 // SelectScoring::kKvpop for one item (see DecodeStepArgs): the newcomers scored, the slots and
