@@ -993,6 +993,20 @@ void ResetDetail(LfpsStepDetail* dbg) {
   dbg->tau_ver = dbg->tau_sla = dbg->mean_ver = dbg->mean_sla = kNaN;
 }
 
+// The log of the summed weight that query head qg gives n_glob unscored offloaded keys of mean
+// k_bar and per-dimension variance sigma2_hat (hd dimensions): log n_glob + scale q.k_bar +
+// sigma2_hat |q|^2 / 2; -inf when there are none.
+double LogGlobalWeight(const float* qg, const float* k_bar, double sigma2_hat, int64_t hd,
+                       float scale, int64_t n_glob) {
+  double qk = 0.0, qq = 0.0;
+  for (int64_t d = 0; d < hd; ++d) {
+    qk += static_cast<double>(qg[d]) * k_bar[d];
+    qq += static_cast<double>(qg[d]) * qg[d];
+  }
+  return n_glob > 0 ? std::log(static_cast<double>(n_glob)) + scale * qk + 0.5 * qq * sigma2_hat
+                    : -std::numeric_limits<double>::infinity();
+}
+
 // The bypass test's K rows, the sinks [0, sink) and the local tokens [loc_lo, n) (sink > 0).
 void PrefetchBypassRows(const SelectContext& ctx, int64_t n, int64_t sink, int64_t loc_lo) {
   const AttnParams& p = ctx.params;
@@ -1162,15 +1176,8 @@ double LfpsPolicy::MinSinkShare(SelectStep& s) {
   // The query-only terms first, while the rows arrive.
   double* log_glob = Room(sc.log_glob, group);
   for (int g = 0; g < group; ++g) {
-    const float* qg = ctx.q + g * hd;
-    double qk = 0.0, qq = 0.0;
-    for (int64_t d = 0; d < hd; ++d) {
-      qk += static_cast<double>(qg[d]) * st->k_bar[d];
-      qq += static_cast<double>(qg[d]) * qg[d];
-    }
-    log_glob[g] = n_glob > 0 ? std::log(static_cast<double>(n_glob)) + p.scale * qk +
-                                   0.5 * qq * st->sigma2_hat
-                             : -std::numeric_limits<double>::infinity();
+    log_glob[g] =
+        LogGlobalWeight(ctx.q + g * hd, st->k_bar.data(), st->sigma2_hat, hd, p.scale, n_glob);
   }
   float* logits = Room(sc.logits, group * ld);
   cpu::ScoreRange(p, ctx.q, ctx.kv, 0, sink, logits, ld);
@@ -1443,16 +1450,8 @@ void LfpsPolicy::RankCandidates(SelectStep& s, bool glob_row) const {
     const int64_t n_loc_rank = n - s.loc_lo;
     const int64_t n_glob = std::max<int64_t>(0, n - sink - n_loc_rank - m);
     for (int g = 0; g < group; ++g) {
-      const float* qg = ctx.q + g * hd;
-      double qk = 0.0, qq = 0.0;
-      for (int64_t d = 0; d < hd; ++d) {
-        qk += static_cast<double>(qg[d]) * st->k_bar[d];
-        qq += static_cast<double>(qg[d]) * qg[d];
-      }
-      logits[g * ld + ld - 1] =
-          n_glob > 0 ? static_cast<float>(std::log(static_cast<double>(n_glob)) + p.scale * qk +
-                                          0.5 * qq * st->sigma2_hat)
-                     : -std::numeric_limits<float>::infinity();
+      logits[g * ld + ld - 1] = static_cast<float>(
+          LogGlobalWeight(ctx.q + g * hd, st->k_bar.data(), st->sigma2_hat, hd, p.scale, n_glob));
     }
   }
   for (int g = 0; g < group; ++g) cpu::SoftmaxAccumulate(logits + g * ld, ld, 1.0f, weights);
