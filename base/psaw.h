@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "base/attn_types.h"  // KVF_HOST_DEVICE
+
 namespace kvferry {
 
 /// The fraction f of a head's positions that PSAW hides at \p layer: positions [sink, floor(f *
@@ -21,6 +23,28 @@ inline double PsawHiddenFraction(int layer, int num_layers, int l_s, double phi)
 /// floor(f * n): the end of the hidden range (one double multiply, the same on every backend).
 inline int64_t PsawHiddenEndOf(double fraction, int64_t n) {
   return fraction > 0.0 ? static_cast<int64_t>(std::floor(fraction * static_cast<double>(n))) : 0;
+}
+
+/// PsawFilterList's last step, also run by one thread of the CUDA kernel: list[0, out) is
+/// ascending and its prefix [0, i0) holds the selected sinks (positions below \p sink); adds the
+/// sinks not selected, ascending, while the count is below \p target. Returns the new count.
+KVF_HOST_DEVICE inline int64_t PsawAddSinks(int32_t* list, int64_t i0, int64_t out, int64_t sink,
+                                            int64_t target) {
+  int64_t add = 0, p_add = -1;  // how many, and the last one added
+  for (int64_t p = 0, j = 0; p < sink && out + add < target; ++p) {
+    while (j < i0 && list[j] < p) ++j;
+    if (!(j < i0 && list[j] == p)) ++add, p_add = p;
+  }
+  if (add == 0) return out;
+  for (int64_t j = out - 1; j >= i0; --j) list[j + add] = list[j];  // the rest moves up by add
+  // The new prefix, filled from its end: selected sinks and the unselected ones <= p_add.
+  int64_t w = i0 + add, j = i0 - 1;
+  for (int64_t p = sink - 1; p >= 0 && w > 0; --p) {
+    const bool sel = j >= 0 && list[j] == p;
+    if (sel) --j;
+    if (sel || p <= p_add) list[--w] = static_cast<int32_t>(p);
+  }
+  return out + add;
 }
 
 /// Filters the ascending selection list[0, count) of a head of n positions: drops the hidden
@@ -62,25 +86,8 @@ inline int64_t PsawFilterList(int32_t* list, int64_t count, int64_t n, int64_t s
     for (int64_t p = p_star; p < n; ++p) list[j0 + (p - p_star)] = static_cast<int32_t>(p);
     out = j0 + (n - p_star);
   }
-  // Then the sinks not selected, ascending, while short (the prefix [0, i0) holds those that are).
-  if (out < target) {
-    int64_t add = 0, p_add = -1;  // how many, and the last one added
-    for (int64_t p = 0, j = 0; p < sink && out + add < target; ++p) {
-      while (j < i0 && list[j] < p) ++j;
-      if (!(j < i0 && list[j] == p)) ++add, p_add = p;
-    }
-    if (add > 0) {
-      std::copy_backward(list + i0, list + out, list + out + add);
-      // The new prefix, filled from its end: selected sinks and the unselected ones <= p_add.
-      int64_t w = i0 + add, j = i0 - 1;
-      for (int64_t p = sink - 1; p >= 0 && w > 0; --p) {
-        const bool sel = j >= 0 && list[j] == p;
-        if (sel) --j;
-        if (sel || p <= p_add) list[--w] = static_cast<int32_t>(p);
-      }
-      out += add;
-    }
-  }
+  // Then the sinks not selected, ascending, while short.
+  if (out < target) out = PsawAddSinks(list, i0, out, sink, target);
   return out;
 }
 

@@ -125,6 +125,25 @@ struct LaneState {
   float acc[G][8];
 };
 
+// A lane's start: its 8 dimensions of each of the CTA's G query heads (pre-scaled; heads from
+// gcount on zero) and an empty online-softmax state.
+template <int HD, int G>
+__device__ __forceinline__ void StartLane(const float* __restrict__ q, int gcount, float scale_log2,
+                                          int dl, float (&qr)[G][8], LaneState<G>& st) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qr[g][i] = g < gcount ? q[g * HD + dl * 8 + i] * scale_log2 : 0.0f;
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    st.m[g] = -INFINITY;
+    st.l[g] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) st.acc[g][i] = 0.0f;
+  }
+}
+
 template <int G>
 __device__ __forceinline__ void Combine(LaneState<G>& s, const float m_o[G], const float l_o[G],
                                         const float (&acc_o)[G][8]) {
@@ -272,19 +291,8 @@ __device__ void AttendRange(const Src& src, const float* __restrict__ q, int gco
   const int dl = lane % kLpr;
 
   float qr[G][8];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) qr[g][i] = g < gcount ? q[g * HD + dl * 8 + i] * scale_log2 : 0.0f;
-  }
   LaneState<G> st;
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    st.m[g] = -INFINITY;
-    st.l[g] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) st.acc[g][i] = 0.0f;
-  }
+  StartLane<HD, G>(q, gcount, scale_log2, dl, qr, st);
 
   constexpr int64_t kRowsPerBlock = static_cast<int64_t>(kRpw) * kAttnSteps;
   for (int64_t blk = begin + warp * kRowsPerBlock; blk < end;
@@ -340,6 +348,58 @@ constexpr size_t kPipeStageBytes = static_cast<size_t>(2) * kPipeTileRows<HD> * 
 template <int HD, typename T>
 constexpr size_t kPipeSmemBytes = kPipeStages * kPipeStageBytes<HD, T>;
 
+// Issues tile t (kPipeTileRows<HD> rows from begin, those before end) into its stage of pipe:
+// this thread's 16-byte chunks, chunk `piece` of the tile's row rr, K to stage + koff(rr, piece)
+// and V kPipeTileRows<HD> rows after it. Rows past the range are skipped, or zeroed (kZeroTail).
+template <int HD, typename T, bool kZeroTail, typename Src, typename KOff>
+__device__ __forceinline__ void IssueTile(const Src& src, char* pipe, int64_t begin, int64_t end,
+                                          int64_t t, const KOff& koff) {
+  constexpr int kLpr = HD / 8;
+  constexpr int kTile = kPipeTileRows<HD>;
+  constexpr size_t kRowB = HD * sizeof(T);
+  constexpr int kRowChunks = kTile * kLpr / kAttnThreads;  // 16-byte K chunks per thread per tile
+  static_assert(kRowChunks * kAttnThreads == kTile * kLpr);
+  char* stage = pipe + (t % kPipeStages) * kPipeStageBytes<HD, T>;
+  const int64_t r0 = begin + t * kTile;
+#pragma unroll
+  for (int i = 0; i < kRowChunks; ++i) {
+    const int c = threadIdx.x + i * kAttnThreads;
+    const int rr = c / kLpr;
+    const int piece = c % kLpr;
+    char* ks = stage + koff(rr, piece);
+    char* vs = ks + kTile * kRowB;
+    if (r0 + rr < end) {
+      const char* kp;
+      const char* vp;
+      src.Rows(r0 + rr, kp, vp);
+      CpAsync16(ks, kp + piece * 16);
+      CpAsync16(vs, vp + piece * 16);
+    } else if constexpr (kZeroTail) {
+      *reinterpret_cast<uint4*>(ks) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(vs) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// The pipeline's first kPipeStages - 1 tiles, a commit group each (empty past ntiles).
+template <typename Issue>
+__device__ __forceinline__ void PipeStart(const Issue& issue, int64_t ntiles) {
+#pragma unroll
+  for (int t = 0; t < kPipeStages - 1; ++t) {
+    if (t < ntiles) issue(t);
+    CpAsyncCommit();
+  }
+}
+
+// Before tile t is read: waits for it, then issues tile t + kPipeStages - 1 as the next group.
+template <typename Issue>
+__device__ __forceinline__ void PipeAdvance(const Issue& issue, int64_t t, int64_t ntiles) {
+  CpAsyncWait<kPipeStages - 2>();
+  __syncthreads();  // tile t visible to all; every warp is done with tile t - 1's stage
+  if (t + kPipeStages - 1 < ntiles) issue(t + kPipeStages - 1);
+  CpAsyncCommit();
+}
+
 template <int HD, typename T, int G, typename Src>
 __device__ void AttendRangePipelined(const Src& src, const float* __restrict__ q, int gcount,
                                      float scale_log2, int64_t begin, int64_t end, char* pipe,
@@ -352,8 +412,6 @@ __device__ void AttendRangePipelined(const Src& src, const float* __restrict__ q
   static_assert(kSteps * kRpw * kAttnWarps == kTile);
   constexpr size_t kRowB = HD * sizeof(T);
   constexpr size_t kStageB = kPipeStageBytes<HD, T>;
-  constexpr int kRowChunks = kTile * kLpr / kAttnThreads;  // 16-byte K chunks per thread per tile
-  static_assert(kRowChunks * kAttnThreads == kTile * kLpr);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int sub = lane / kLpr;
@@ -361,48 +419,17 @@ __device__ void AttendRangePipelined(const Src& src, const float* __restrict__ q
 
   const int64_t ntiles = end > begin ? (end - begin + kTile - 1) / kTile : 0;
   auto issue = [&](int64_t t) {
-    char* stage = pipe + (t % kPipeStages) * kStageB;
-    const int64_t r0 = begin + t * kTile;
-#pragma unroll
-    for (int i = 0; i < kRowChunks; ++i) {
-      const int c = threadIdx.x + i * kAttnThreads;
-      const int rr = c / kLpr;
-      const int piece = c % kLpr;
-      if (r0 + rr < end) {
-        const char* kp;
-        const char* vp;
-        src.Rows(r0 + rr, kp, vp);
-        CpAsync16(stage + rr * kRowB + piece * 16, kp + piece * 16);
-        CpAsync16(stage + (kTile + rr) * kRowB + piece * 16, vp + piece * 16);
-      }
-    }
+    IssueTile<HD, T, false>(src, pipe, begin, end, t,
+                            [](int rr, int piece) { return rr * kRowB + piece * 16; });
   };
-#pragma unroll
-  for (int t = 0; t < kPipeStages - 1; ++t) {
-    if (t < ntiles) issue(t);
-    CpAsyncCommit();
-  }
+  PipeStart(issue, ntiles);
 
   float qr[G][8];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) qr[g][i] = g < gcount ? q[g * HD + dl * 8 + i] * scale_log2 : 0.0f;
-  }
   LaneState<G> st;
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    st.m[g] = -INFINITY;
-    st.l[g] = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) st.acc[g][i] = 0.0f;
-  }
+  StartLane<HD, G>(q, gcount, scale_log2, dl, qr, st);
 
   for (int64_t t = 0; t < ntiles; ++t) {
-    CpAsyncWait<kPipeStages - 2>();
-    __syncthreads();  // tile t visible to all; every warp is done with tile t - 1's stage
-    if (t + kPipeStages - 1 < ntiles) issue(t + kPipeStages - 1);
-    CpAsyncCommit();
+    PipeAdvance(issue, t, ntiles);
     const char* stage = pipe + (t % kPipeStages) * kStageB;
     const int64_t r0 = begin + t * kTile;
     uint4 kraw[kSteps], vraw[kSteps];
@@ -472,49 +499,26 @@ __device__ void AttendRangeMma(const Src& src, const float* __restrict__ q, int 
                                float scale_log2, int64_t begin, int64_t end, char* pipe,
                                float* red_m, float* red_l, float* red_o) {
   static_assert(sizeof(T) == 2 && kMmaDecode<HD, G>);
-  constexpr int kLpr = HD / 8;  // 16-byte chunks per row
   constexpr int kTile = kPipeTileRows<HD>;
   constexpr size_t kRowB = HD * sizeof(T);
   constexpr size_t kStageB = kPipeStageBytes<HD, T>;
-  constexpr int kRowChunks = kTile * kLpr / kAttnThreads;
   constexpr int kMT = kTile / 16;        // 16-row m-tiles of S^T per tile
   constexpr int kKS = HD / 16;           // k-steps of K Q^T
   constexpr int kDW = HD / kAttnWarps;   // head dimensions of O per warp
   constexpr int kDT = kDW / 16;          // 16-row m-tiles of O^T per warp
-  static_assert(kRowChunks * kAttnThreads == kTile * kLpr && kDT >= 1 && kKS % 2 == 0);
+  static_assert(kDT >= 1 && kKS % 2 == 0);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int fr = lane >> 2;        // fragment row within an 8-row block
   const int fc = (lane & 3) * 2;   // fragment column pair: heads fc, fc + 1 in S^T and O^T
 
   const int64_t ntiles = end > begin ? (end - begin + kTile - 1) / kTile : 0;
+  // Rows past the range are zeroed, so that P = 0 never meets a stale NaN.
   auto issue = [&](int64_t t) {
-    char* stage = pipe + (t % kPipeStages) * kStageB;
-    const int64_t r0 = begin + t * kTile;
-#pragma unroll
-    for (int i = 0; i < kRowChunks; ++i) {
-      const int c = threadIdx.x + i * kAttnThreads;
-      const int rr = c / kLpr;
-      const int piece = c % kLpr;
-      char* ks = stage + mma::TileOffset<HD>(rr, piece);
-      char* vs = ks + kTile * kRowB;
-      if (r0 + rr < end) {
-        const char* kp;
-        const char* vp;
-        src.Rows(r0 + rr, kp, vp);
-        CpAsync16(ks, kp + piece * 16);
-        CpAsync16(vs, vp + piece * 16);
-      } else {  // past the range: zeros, so that P = 0 never meets a stale NaN
-        *reinterpret_cast<uint4*>(ks) = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(vs) = make_uint4(0, 0, 0, 0);
-      }
-    }
+    IssueTile<HD, T, true>(src, pipe, begin, end, t,
+                           [](int rr, int piece) { return mma::TileOffset<HD>(rr, piece); });
   };
-#pragma unroll
-  for (int t = 0; t < kPipeStages - 1; ++t) {
-    if (t < ntiles) issue(t);
-    CpAsyncCommit();
-  }
+  PipeStart(issue, ntiles);
 
   // Q^T as B fragments: k-step ks, b0 = dims ks*16 + fc, +1 and b1 = dims +8, of head fr.
   uint32_t qb_hi[kKS][2], qb_lo[kKS][2];
@@ -538,10 +542,7 @@ __device__ void AttendRangeMma(const Src& src, const float* __restrict__ q, int 
   for (int j = 0; j < kDT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
 
   for (int64_t t = 0; t < ntiles; ++t) {
-    CpAsyncWait<kPipeStages - 2>();
-    __syncthreads();  // tile t visible to all; every warp is done with tile t - 1's stage
-    if (t + kPipeStages - 1 < ntiles) issue(t + kPipeStages - 1);
-    CpAsyncCommit();
+    PipeAdvance(issue, t, ntiles);
     const char* stage = pipe + (t % kPipeStages) * kStageB;
     const char* vstage = stage + kTile * kRowB;
     const int64_t r0 = begin + t * kTile;

@@ -113,8 +113,7 @@ Result<void*> CudaDevice::AllocDevice(size_t bytes) {
                                  cudaGetErrorString(err)));
   }
   std::lock_guard<std::mutex> lock(mu_);
-  device_blocks_[p] = bytes;
-  device_block_bytes_ += static_cast<int64_t>(bytes);
+  device_blocks_.Add(p, bytes);
   return p;
 }
 
@@ -122,11 +121,7 @@ void CudaDevice::FreeDevice(void* ptr) {
   if (ptr == nullptr) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = device_blocks_.find(ptr);
-    if (it != device_blocks_.end()) {
-      device_block_bytes_ -= static_cast<int64_t>(it->second);
-      device_blocks_.erase(it);
-    }
+    device_blocks_.Remove(ptr);
   }
   KVF_CUDA_WARN(cudaSetDevice(device_id_));
   KVF_CUDA_WARN(cudaFree(ptr));
@@ -134,7 +129,7 @@ void CudaDevice::FreeDevice(void* ptr) {
 
 int64_t CudaDevice::device_bytes_held() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return device_block_bytes_ +
+  return device_blocks_.bytes() +
          static_cast<int64_t>(workspaces_.size()) * static_cast<int64_t>(kWorkspaceBytes);
 }
 

@@ -20,6 +20,7 @@
 
 #include "gpu/cuda_kernels.h"
 #include "gpu/device.h"
+#include "gpu/device_blocks.h"
 
 namespace kvferry::cuda {
 
@@ -122,9 +123,7 @@ class CudaDevice final : public Device {
   std::atomic<bool> batch_copies_{true};  // cleared when cudaMemcpyBatchAsync is refused
   std::unordered_map<cudaStream_t, float*> workspaces_;
   std::unordered_map<void*, HostBlock> host_blocks_;
-  // Live AllocDevice blocks (bytes as requested), for device_bytes_held().
-  std::unordered_map<void*, size_t> device_blocks_;
-  int64_t device_block_bytes_ = 0;
+  DeviceBlocks device_blocks_;  // live AllocDevice blocks, for device_bytes_held()
 };
 
 }  // namespace kvferry::cuda

@@ -21,6 +21,7 @@
 #include <limits>
 
 #include "base/hip_mask.h"
+#include "base/psaw.h"
 #include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
@@ -195,6 +196,31 @@ __device__ __forceinline__ QuestSplit QuestSplitOf(const DecodeStepArgs& a, int6
   s.p_lo = s.off_lo / a.meta_page;
   s.np = s.off_hi > s.off_lo ? (s.off_hi - 1) / a.meta_page + 1 - s.p_lo : 0;
   return s;
+}
+
+// An item's list written by the CTA around its ranked positions (Quest, SparCas, HiP): the head,
+// every position when the split takes all (with the count: true, the list is done), else the
+// sinks ...
+__device__ __forceinline__ bool WriteListHead(const DecodeStepArgs& a, int32_t item,
+                                              const QuestSplit& s, int64_t n, int32_t* out) {
+  if (s.all) {
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = static_cast<int32_t>(i);
+    if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(n);
+    return true;
+  }
+  for (int64_t i = threadIdx.x; i < s.sinks; i += blockDim.x) out[i] = static_cast<int32_t>(i);
+  return false;
+}
+
+// ... and, after the sinks and the `taken` ranked positions, the window [off_hi, n) and the count.
+__device__ __forceinline__ void WriteListTail(const DecodeStepArgs& a, int32_t item, int64_t sinks,
+                                              int64_t off_hi, int64_t n, int64_t taken,
+                                              int32_t* out) {
+  const int64_t w0 = sinks + taken;
+  for (int64_t i = off_hi + threadIdx.x; i < n; i += blockDim.x) {
+    out[w0 + (i - off_hi)] = static_cast<int32_t>(i);
+  }
+  if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - off_hi));
 }
 
 // Pages a Quest item ranks (enough to fill k_off even when the first and last are cut).
@@ -454,12 +480,7 @@ __global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const QuestSplit s = QuestSplitOf(a, n);
   int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
-  if (s.all) {
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = static_cast<int32_t>(i);
-    if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(n);
-    return;
-  }
-  for (int64_t i = threadIdx.x; i < s.sinks; i += blockDim.x) out[i] = static_cast<int32_t>(i);
+  if (WriteListHead(a, item, s, n, out)) return;
   int64_t taken = 0;
   if (s.k_off > 0) {
     float* l = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
@@ -485,9 +506,7 @@ __global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a
     taken = QuestTakePages(a, s, sel, reinterpret_cast<int32_t*>(sort_smem + sort_n), sort_n, want,
                            out);
   }
-  const int64_t w0 = s.sinks + taken;
-  for (int64_t i = s.off_hi + threadIdx.x; i < n; i += blockDim.x) out[w0 + (i - s.off_hi)] = static_cast<int32_t>(i);
-  if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - s.off_hi));
+  WriteListTail(a, item, s.sinks, s.off_hi, n, taken, out);
 }
 
 
@@ -703,6 +722,41 @@ __device__ __forceinline__ float HipRowScore(const uint32_t* row, int words, con
 // __dp4a as the SparCas 4-bit scoring packs them): group heads of `words` int2, then each head's
 // step and 8 * its code sum. In shared memory after the branches and keys, or in global memory
 // at hip_query + t * HipQueryWords (a requested rebuild's, for the side stream).
+// One query head as SparcasQ4Dot takes it, by a warp: its len elements x(i) as int8 codes
+// (SparcasQ8Code), packed 8 to a word pair (even bytes, odd bytes) into pack[0, len / 8), and the
+// codes' step and 8 times their sum (written by lane 0).
+template <typename Elem>
+__device__ __forceinline__ void PackQ8HeadWarp(const Elem& x, int len, int words, int lane,
+                                               int2* pack, float* step, int32_t* sum8) {
+  float amax = 0.0f;
+  for (int i = lane; i < len; i += 32) amax = fmaxf(amax, fabsf(x(i)));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const float inv = SparcasQ8Inv(amax);
+  int32_t sum = 0;
+  for (int w = lane; w < words; w += 32) {
+    uint32_t even = 0, odd = 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int32_t c = SparcasQ8Code(x(w * 8 + e), inv);
+      sum += c;
+      const uint32_t byte = static_cast<uint32_t>(c) & 0xFFu;
+      if (e % 2 == 0) {
+        even |= byte << (8 * (e / 2));
+      } else {
+        odd |= byte << (8 * (e / 2));
+      }
+    }
+    pack[w] = make_int2(static_cast<int>(even), static_cast<int>(odd));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) {
+    *step = SparcasQ8Step(amax);
+    *sum8 = 8 * sum;
+  }
+}
+
 struct HipQueryPtrs {
   int2* pack;
   float* step;
@@ -729,36 +783,9 @@ __device__ void HipPackQuery(const DecodeStepArgs& a, int32_t item, const HipQue
   const int group = a.params.group, hd = a.params.head_dim, words = SparcasQ4Words(hd);
   const int64_t q0 = static_cast<int64_t>(item) * group * hd;
   for (int g = warp; g < group; g += static_cast<int>(blockDim.x) / 32) {
-    float amax = 0.0f;
-    for (int i = lane; i < hd; i += 32) {
-      amax = fmaxf(amax, fabsf(LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(g) * hd + i)));
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    const float inv = SparcasQ8Inv(amax);
-    int32_t sum = 0;
-    for (int w = lane; w < words; w += 32) {
-      uint32_t even = 0, odd = 0;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const int32_t c =
-            SparcasQ8Code(LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(g) * hd + w * 8 + e), inv);
-        sum += c;
-        const uint32_t byte = static_cast<uint32_t>(c) & 0xFFu;
-        if (e % 2 == 0) {
-          even |= byte << (8 * (e / 2));
-        } else {
-          odd |= byte << (8 * (e / 2));
-        }
-      }
-      out.pack[g * words + w] = make_int2(static_cast<int>(even), static_cast<int>(odd));
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane == 0) {
-      out.step[g] = SparcasQ8Step(amax);
-      out.sum8[g] = 8 * sum;
-    }
+    const int64_t qg = q0 + static_cast<int64_t>(g) * hd;
+    PackQ8HeadWarp([&](int i) { return LoadElem(a.q, a.q_dtype, qg + i); }, hd, words, lane,
+                   out.pack + g * words, out.step + g, out.sum8 + g);
   }
 }
 
@@ -938,12 +965,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const QuestSplit sp = QuestSplitOf(a, n);
   int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
-  if (sp.all) {
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = static_cast<int32_t>(i);
-    if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(n);
-    return;
-  }
-  for (int64_t i = threadIdx.x; i < sp.sinks; i += blockDim.x) out[i] = static_cast<int32_t>(i);
+  if (WriteListHead(a, item, sp, n, out)) return;
   int64_t taken = 0;
   if (sp.k_off > 0) {
     const int64_t t = ItemT(a, b, h);
@@ -1004,9 +1026,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
       a.hip_state[t] = s;
     }
   }
-  const int64_t w0 = sp.sinks + taken;
-  for (int64_t i = sp.off_hi + threadIdx.x; i < n; i += blockDim.x) out[w0 + (i - sp.off_hi)] = static_cast<int32_t>(i);
-  if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - sp.off_hi));
+  WriteListTail(a, item, sp.sinks, sp.off_hi, n, taken, out);
 }
 
 // Grid (items), kThreads, on the runtime's side stream after HipMaskKernel (hip_lag 1): an
@@ -1230,33 +1250,8 @@ __global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1) SparcasS
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int g = warp; g < group; g += kSparcasThreads / 32) {
     const float* qg = q_raw + g * d_b;
-    float amax = 0.0f;
-    for (int i = lane; i < d_b; i += 32) amax = fmaxf(amax, fabsf(qg[i]));
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    const float inv = SparcasQ8Inv(amax);
-    int32_t sum = 0;
-    for (int w = lane; w < words; w += 32) {
-      uint32_t even = 0, odd = 0;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const int32_t c = SparcasQ8Code(qg[w * 8 + e], inv);
-        sum += c;
-        const uint32_t byte = static_cast<uint32_t>(c) & 0xFFu;
-        if (e % 2 == 0) {
-          even |= byte << (8 * (e / 2));
-        } else {
-          odd |= byte << (8 * (e / 2));
-        }
-      }
-      q_pack[g * words + w] = make_int2(static_cast<int>(even), static_cast<int>(odd));
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane == 0) {
-      q_step[g] = SparcasQ8Step(amax);
-      q_sum8[g] = 8 * sum;
-    }
+    PackQ8HeadWarp([&](int i) { return qg[i]; }, d_b, words, lane, q_pack + g * words, q_step + g,
+                   q_sum8 + g);
   }
   __syncthreads();
   const float log2_scale = a.params.scale * kLog2e;
@@ -1399,12 +1394,7 @@ __global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const QuestSplit sp = QuestSplitOf(a, n);
   int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
-  if (sp.all) {
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = static_cast<int32_t>(i);
-    if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(n);
-    return;
-  }
-  for (int64_t i = threadIdx.x; i < sp.sinks; i += blockDim.x) out[i] = static_cast<int32_t>(i);
+  if (WriteListHead(a, item, sp, n, out)) return;
   int64_t taken = 0;
   if (sp.k_off > 0) {
     float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
@@ -1419,9 +1409,7 @@ __global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs
     }
     taken = sp.k_off;
   }
-  const int64_t w0 = sp.sinks + taken;
-  for (int64_t i = sp.off_hi + threadIdx.x; i < n; i += blockDim.x) out[w0 + (i - sp.off_hi)] = static_cast<int32_t>(i);
-  if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - sp.off_hi));
+  WriteListTail(a, item, sp.sinks, sp.off_hi, n, taken, out);
 }
 
 // ---- Multi-CTA top-k ----------------------------------------------------------------------------
@@ -1843,11 +1831,7 @@ __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const
     if (blockIdx.y != 0) return;
     // CTA 0 writes the rest of the list: SparCas's sinks and window, and the count.
     for (int64_t i = threadIdx.x; i < sinks; i += blockDim.x) list[i] = static_cast<int32_t>(i);
-    const int64_t w0 = sinks + it.k;
-    for (int64_t i = off_hi + threadIdx.x; i < n; i += blockDim.x) {
-      list[w0 + (i - off_hi)] = static_cast<int32_t>(i);
-    }
-    if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - off_hi));
+    WriteListTail(a, item, sinks, off_hi, n, it.k, list);
   }
 }
 
@@ -1964,9 +1948,7 @@ __global__ void __launch_bounds__(kTopKThreads) MctaQuestListKernel(DecodeStepAr
   for (int64_t i = threadIdx.x; i < s.sinks; i += blockDim.x) out[i] = static_cast<int32_t>(i);
   const int64_t taken = QuestTakePages(a, s, sel, reinterpret_cast<int32_t*>(sort_smem + sort_n),
                                        sort_n, it.k, out);
-  const int64_t w0 = s.sinks + taken;
-  for (int64_t i = s.off_hi + threadIdx.x; i < n; i += blockDim.x) out[w0 + (i - s.off_hi)] = static_cast<int32_t>(i);
-  if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(w0 + (n - s.off_hi));
+  WriteListTail(a, item, s.sinks, s.off_hi, n, taken, out);
 }
 
 // Most dynamic shared memory a fused CTA takes for its chunk of weights (two CTAs an SM).
@@ -2168,21 +2150,8 @@ __global__ void __launch_bounds__(kPsawThreads) PsawFilterKernel(DecodeStepArgs 
       out = j0 + (n - p_star);
       __syncthreads();
     }
-    if (out < target && tid == 0) {  // the sinks not selected, ascending (as the host version)
-      int64_t add = 0, p_add = -1;
-      for (int64_t p = 0, j = 0; p < sink && out + add < target; ++p) {
-        while (j < i0 && list[j] < p) ++j;
-        if (!(j < i0 && list[j] == p)) ++add, p_add = p;
-      }
-      for (int64_t j = out - 1; j >= i0; --j) list[j + add] = list[j];
-      int64_t w = i0 + add, j = i0 - 1;
-      for (int64_t p = sink - 1; p >= 0 && w > 0; --p) {
-        const bool sel = j >= 0 && list[j] == p;
-        if (sel) --j;
-        if (sel || p <= p_add) list[--w] = static_cast<int32_t>(p);
-      }
-      out += add;
-    }
+    // The sinks not selected, ascending: the host version's step, on one thread.
+    if (out < target && tid == 0) out = PsawAddSinks(list, i0, out, sink, target);
   }
   if (tid == 0) a.list_count[item] = static_cast<int32_t>(out);
 }

@@ -91,18 +91,21 @@ struct StepRows {
   }
   __device__ __forceinline__ void Rows(int64_t j, const char*& k, const char*& v) const {
     const int64_t pos = PositionOf(j);
+    if (!DeviceRows(pos, k, v)) HostRow(pos, k, v);
+  }
+  // The rows of \p pos in device memory: the new token's input (new_k), else its resident row;
+  // false (k, v untouched) for an offloaded position.
+  __device__ __forceinline__ bool DeviceRows(int64_t pos, const char*& k, const char*& v) const {
     if (new_k != nullptr && pos == n - 1) {
       k = new_k;
       v = new_v;
-      return;
+      return true;
     }
     const int64_t row = ResidentRowOf(pos, n, sink, window);
-    if (row >= 0) {
-      k = res_k + static_cast<size_t>(row) * row_bytes;
-      v = k + res_v_off;
-    } else {
-      HostRow(pos, k, v);
-    }
+    if (row < 0) return false;
+    k = res_k + static_cast<size_t>(row) * row_bytes;
+    v = k + res_v_off;
+    return true;
   }
   // An offloaded row in the host store (zero-copy).
   __device__ __forceinline__ void HostRow(int64_t pos, const char*& k, const char*& v) const {
@@ -156,17 +159,7 @@ struct BankStepRows : StepRows {
   }
   __device__ __forceinline__ void Rows(int64_t j, const char*& k, const char*& v) const {
     const int64_t pos = PositionOf(j);
-    if (new_k != nullptr && pos == n - 1) {
-      k = new_k;
-      v = new_v;
-      return;
-    }
-    const int64_t row = ResidentRowOf(pos, n, sink, window);
-    if (row >= 0) {
-      k = res_k + static_cast<size_t>(row) * row_bytes;
-      v = k + res_v_off;
-      return;
-    }
+    if (DeviceRows(pos, k, v)) return;
     const int32_t slot = SlotOf(pos);
     if (slot >= 0) {
       k = SlotK(slot);

@@ -9,13 +9,13 @@
 #include <mutex>
 #include <thread>
 #include <new>
-#include <unordered_map>
 
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
 #include "cpu/numa.h"
 #include "cpu/reference.h"
 #include "gpu/device.h"
+#include "gpu/device_blocks.h"
 #include "base/check.h"
 
 namespace kvferry {
@@ -39,8 +39,7 @@ class HostDevice final : public Device {
     Result<void*> r = Alloc(bytes);
     if (r.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
-      device_blocks_[r.value()] = bytes;
-      device_bytes_ += static_cast<int64_t>(bytes);
+      device_blocks_.Add(r.value(), bytes);
     }
     return r;
   }
@@ -48,17 +47,13 @@ class HostDevice final : public Device {
     if (ptr == nullptr) return;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = device_blocks_.find(ptr);
-      if (it != device_blocks_.end()) {
-        device_bytes_ -= static_cast<int64_t>(it->second);
-        device_blocks_.erase(it);
-      }
+      device_blocks_.Remove(ptr);
     }
     std::free(ptr);
   }
   int64_t device_bytes_held() const override {
     std::lock_guard<std::mutex> lock(mu_);
-    return device_bytes_;
+    return device_blocks_.bytes();
   }
   // Host "streams" are synchronous and have no scratch of their own.
   size_t stream_scratch_bytes() const override { return 0; }
@@ -181,8 +176,7 @@ class HostDevice final : public Device {
   }
 
   mutable std::mutex mu_;
-  std::unordered_map<void*, size_t> device_blocks_;
-  int64_t device_bytes_ = 0;
+  DeviceBlocks device_blocks_;
 };
 
 }  // namespace

@@ -148,6 +148,32 @@ __device__ float KvpopBlockPriority(const DecodeStepArgs& a, const float* block,
   return sh.new_prio;
 }
 
+// An item of the step as both kernels take it: its positions n, state index t, sinks, the
+// offloaded range's end off_hi (the window's start), its (layer, KV head)'s scorer block, its state
+// as the step finds it (zeroed for a new sequence in the slot) and its m newcomers from lo.
+struct KvpopItem {
+  int64_t n, t, sinks, off_hi;
+  const float* block;
+  KvpopState st;
+  int64_t lo, m;
+};
+
+__device__ __forceinline__ KvpopItem KvpopItemOf(const DecodeStepArgs& a, int32_t item) {
+  KvpopItem it;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  it.n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  it.t = (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
+  it.sinks = min(max(static_cast<int64_t>(a.sink), int64_t{0}), it.n);
+  it.off_hi = max(it.sinks, it.n - max(a.window, 0));
+  it.block = a.kvpop_scorer + (static_cast<int64_t>(a.layer) * a.num_kv_heads + h) *
+                                  KvpopScorerFloats(a.kvpop_hidden, 2 * a.params.head_dim);
+  it.st = a.kvpop_state[it.t];
+  if (it.n < it.st.next_u) it.st = KvpopState{};  // a new sequence in this slot
+  it.lo = max(it.st.next_u, it.sinks);
+  it.m = max(it.off_hi - it.lo, int64_t{0});
+  return it;
+}
+
 // Grid (items, y), kKvpopScoreThreads (DecodeStepArgs::kvpop_catchup): the newcomers of an item
 // with more than one, a warp a token over the whole GPU, into its select_ws row (where
 // KvpopSelectKernel, next on the stream, reads them). The zero-copy reads of a prompt's rows are
@@ -160,25 +186,14 @@ __global__ void __launch_bounds__(kKvpopScoreThreads) KvpopScoreKernel(DecodeSte
   __shared__ float x[kKvpopScoreThreads / 32][2 * kKvpopMaxHeadDim];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int32_t item = blockIdx.x;
-  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
-  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const int64_t t =
-      (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
-  const int64_t sinks = min(max(static_cast<int64_t>(a.sink), int64_t{0}), n);
-  const int64_t off_hi = max(sinks, n - max(a.window, 0));
-  KvpopState st = a.kvpop_state[t];
-  if (n < st.next_u) st = KvpopState{};
-  const int64_t lo = max(st.next_u, sinks);
-  const int64_t m = max(off_hi - lo, int64_t{0});
+  const KvpopItem it = KvpopItemOf(a, item);
+  const int64_t lo = it.lo, m = it.m;
   if (m <= 1) return;  // the selection kernel scores a lone newcomer itself
-  const float* block =
-      a.kvpop_scorer + (static_cast<int64_t>(a.layer) * a.num_kv_heads + h) *
-                           KvpopScorerFloats(a.kvpop_hidden, 2 * a.params.head_dim);
   float* ws = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
   const int64_t warps = static_cast<int64_t>(gridDim.y) * (kKvpopScoreThreads / 32);
   for (int64_t j = static_cast<int64_t>(blockIdx.y) * (kKvpopScoreThreads / 32) + warp; j < m;
        j += warps) {
-    const float p = KvpopWarpPriority<T>(a, block, t, lo + j, n, x[warp]);
+    const float p = KvpopWarpPriority<T>(a, it.block, it.t, lo + j, it.n, x[warp]);
     if (lane == 0) ws[j] = p;
   }
 }
@@ -191,25 +206,16 @@ __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStep
   using Reduce = cub::BlockReduce<unsigned long long, kKvpopThreads>;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int32_t item = blockIdx.x;
-  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
-  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const int64_t t =
-      (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
-  const int64_t sinks = min(max(static_cast<int64_t>(a.sink), int64_t{0}), n);
-  const int64_t off_hi = max(sinks, n - max(a.window, 0));
+  // Every thread reads the item's state; thread 0 writes it at the end.
+  const KvpopItem it = KvpopItemOf(a, item);
+  const int64_t n = it.n, t = it.t, sinks = it.sinks, off_hi = it.off_hi, lo = it.lo, m = it.m;
+  const float* block = it.block;
   const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
   const int64_t k = max(budget - (sinks + (n - off_hi)), int64_t{0});
   int32_t* pos = a.kvpop_pos + t * a.kvpop_cap;
   float* prio = a.kvpop_prio + t * a.kvpop_cap;
   int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
-  const float* block =
-      a.kvpop_scorer + (static_cast<int64_t>(a.layer) * a.num_kv_heads + h) *
-                           KvpopScorerFloats(a.kvpop_hidden, 2 * a.params.head_dim);
-  KvpopState st = a.kvpop_state[t];      // every thread reads it; thread 0 writes it at the end
-  if (n < st.next_u) st = KvpopState{};  // a new sequence in this slot
-  const int64_t count = st.count;
-  const int64_t lo = max(st.next_u, sinks);
-  const int64_t m = max(off_hi - lo, int64_t{0});
+  const int64_t count = it.st.count;
   int64_t kept = 0;
   bool listed = false;  // the slots are in the list already
   if (m == 1 && count == k && k > 0 && k <= int64_t{kKvpopThreads} * kKvpopRegs) {
@@ -365,7 +371,7 @@ __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStep
   __syncthreads();  // the slots are written
   if (tid == 0) {
     KvpopState s;
-    s.next_u = max(st.next_u, off_hi);
+    s.next_u = max(it.st.next_u, off_hi);
     s.count = kept;
     a.kvpop_state[t] = s;
   }

@@ -17,12 +17,14 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "base/attn_types.h"
 #include "gpu/device.h"
 #include "kvferry/config.h"
 #include "kvferry/status.h"
+#include "kvferry/status_macros.h"
 #include "policies/policy.h"
 
 namespace kvferry::detail {
@@ -129,6 +131,18 @@ class DeviceSelector {
 
  protected:
   explicit DeviceSelector(const SelectorShape& shape) : shape_(shape) {}
+  /// (first, count) of the items of sequence slot \p slot (-1: all): an item is (slot, layer, KV
+  /// head), slot-major.
+  [[nodiscard]] std::pair<size_t, size_t> ItemsOf(int slot) const;
+  /// Zeroes the items of \p slot (-1: all) of \p state (one T an item, device memory) on
+  /// \p stream, and waits for the stream when \p wait.
+  template <typename T>
+  Status ZeroItems(T* state, int slot, StreamHandle stream, bool wait) const {
+    const auto [first, count] = ItemsOf(slot);
+    const std::vector<T> zeros(count);
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(state + first, zeros.data(), count * sizeof(T), stream));
+    return wait ? device_->SynchronizeStream(stream) : Status::Ok();
+  }
   SelectorShape shape_;
   Device* device_ = nullptr;  ///< set by Bind
 };

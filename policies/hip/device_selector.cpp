@@ -68,9 +68,7 @@ class HipSelector final : public SparcasSelector {
   Status Reset(int slot, StreamHandle stream) override {
     KVF_RETURN_IF_ERROR(Join(-1, stream));  // the masks' side rebuilds first
     if (hip_state_ != nullptr) {  // a zero count: the next ranked step builds the mask
-      const auto [first, count] = ItemsOf(slot);
-      const std::vector<HipState> zeros(count);
-      KVF_RETURN_IF_ERROR(device_->CopyAsync(hip_state_ + first, zeros.data(), count * sizeof(HipState), stream));
+      KVF_RETURN_IF_ERROR(ZeroItems(hip_state_, slot, stream, /*wait=*/false));
     }
     return SparcasSelector::Reset(slot, stream);
   }

@@ -52,16 +52,10 @@ class KvpopSelector final : public DeviceSelector {
     return Reset(-1, stream);
   }
   Status Reset(int slot, StreamHandle stream) override {  // no slots, nothing scored yet
-    const ModelShape& m = shape_.model;
-    const size_t layers = static_cast<size_t>(m.num_layers);
+    const size_t layers = static_cast<size_t>(shape_.model.num_layers);
     std::fill(seen_.begin() + (slot < 0 ? 0 : static_cast<size_t>(slot) * layers),
               slot < 0 ? seen_.end() : seen_.begin() + (static_cast<size_t>(slot) + 1) * layers, int64_t{0});
-    const size_t per_slot = layers * m.num_kv_heads;
-    const size_t first = slot < 0 ? 0 : static_cast<size_t>(slot) * per_slot;
-    const size_t count = slot < 0 ? shape_.items() : per_slot;
-    const std::vector<KvpopState> zeros(count);
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(state_ + first, zeros.data(), count * sizeof(KvpopState), stream));
-    return device_->SynchronizeStream(stream);
+    return ZeroItems(state_, slot, stream, /*wait=*/true);
   }
 
   void Fill(DecodeStepArgs& a) const override {

@@ -42,17 +42,8 @@ Status SparcasSelector::Bind(std::span<void* const> buffers, Device& device, Str
   return Reset(-1, stream);
 }
 
-std::pair<size_t, size_t> SparcasSelector::ItemsOf(int slot) const {
-  const size_t per_slot = static_cast<size_t>(shape_.model.num_layers) * shape_.model.num_kv_heads;
-  if (slot < 0) return {0, per_slot * shape_.max_sequences};
-  return {static_cast<size_t>(slot) * per_slot, per_slot};
-}
-
 Status SparcasSelector::Reset(int slot, StreamHandle stream) {
-  const auto [first, count] = ItemsOf(slot);
-  const std::vector<SparcasState> zeros(count);
-  KVF_RETURN_IF_ERROR(device_->CopyAsync(state_ + first, zeros.data(), count * sizeof(SparcasState), stream));
-  return device_->SynchronizeStream(stream);
+  return ZeroItems(state_, slot, stream, /*wait=*/true);
 }
 
 void SparcasSelector::Fill(DecodeStepArgs& a) const {

@@ -29,8 +29,6 @@ class SparcasSelector : public DeviceSelector {
   /// The memory plan's part names (HiP's differ).
   virtual const char* keys_part() const { return "sparcas compact keys"; }
   virtual const char* state_part() const { return "sparcas selection state"; }
-  /// (first, count) of the items of \p slot (-1: all).
-  std::pair<size_t, size_t> ItemsOf(int slot) const;
 
   std::string name_;
   Policy::DeviceSelectParams dp_;
