@@ -16,9 +16,14 @@
 //               [--prefill-chunks 2048,8192] [--prefill-layers 3] [--prefill-order layer|chunk]
 //               [--cpu-threads N] [--trace PREFIX] [--param key=value ...] [--query-drift E] [--unique-kv] [--budget-tokens N]
 //               [--async-cpu -1|0|1] [--engine-us U] [--engine-gpu-us U] [--route gpu|auto]
-// --query-drift E: the decode query moves from step to step, q = q0 + E * noise_s, 16 noises in
-// turn (0, the default: one query for every step, as a repeated prompt token). A moving query
-// changes SparCas's dimensions at its refreshes and what the bank must hold; the row says "query_drift".
+// --query real|repeated, --query-drift E, --query-rho R: the decode query. repeated (the default,
+// the token bank's best case): one query for every step, as a repeated prompt token. Moving:
+// q_s = q_0 + E z_s with z_s = R z_(s-1) + sqrt(1 - R^2) n_s, fresh noise n_s at every step (an
+// anchor that stays plus an AR(1) walk that moves; no query ever repeats). real: E and R
+// calibrated so that the exact top-k's overlap between steps 1-32 apart matches recorded SmolLM2
+// decoding (bench/query_calibration.py, bench/results/query_calibration.json). A moving query
+// changes SparCas's dimensions at its refreshes and what the bank must hold; the row says "query"
+// ("real", "repeated (best case)" or "moving (drift E, rho R)"), "query_drift" and "query_rho".
 // --gpu-gib G caps the runtime's device memory (Capacity::gpu_bytes; the _bank modes take the
 // largest bank that fits). A mode may be prefixed by PrHS wrappers: "cis+lfps", "psaw+cis+oracle".
 // Modes: dense_cpu (dense, every row attended on the CPU cores), dense_resident (window covers the context), streaming (budget 1024, window 256: 768 rows
@@ -67,14 +72,30 @@ using kvferry::TensorView;
     }                                                                                   \
   } while (0)
 
-// out = base + e * noise, bf16 (round to nearest even).
-__global__ void DriftBf16(uint16_t* out, const uint16_t* base, const uint16_t* noise, int64_t n, float e) {
+// Element i of the seeded uniform fill in [-2, 2), truncated to bf16 (FillBf16's value).
+__device__ inline uint16_t HashBf16(int64_t i, uint32_t seed) {
+  uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+  h ^= h >> 15;
+  h *= 2246822519u;
+  h ^= h >> 13;
+  const float f = (static_cast<float>(h & 0xffff) / 65536.0f - 0.5f) * 4.0f;
+  return static_cast<uint16_t>(__float_as_uint(f) >> 16);
+}
+
+__device__ inline float Bf16ToF(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
+
+// The moving query's step (--query-drift, --query-rho): z = rho z + sqrt(1 - rho^2) n with fresh
+// noise n (seed), or z = n at the first step; q = bf16(q0 + e z), rounded to nearest even.
+__global__ void MoveQuery(uint16_t* q, const uint16_t* q0, float* z, int64_t n, uint32_t seed, float e,
+                          float rho, bool first) {
+  const float c = sqrtf(fmaxf(0.0f, 1.0f - rho * rho));
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float x = __uint_as_float(static_cast<uint32_t>(base[i]) << 16) +
-                    e * __uint_as_float(static_cast<uint32_t>(noise[i]) << 16);
-    const uint32_t bits = __float_as_uint(x);
-    out[i] = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    const float noise = Bf16ToF(HashBf16(i, seed));
+    const float zi = first ? noise : rho * z[i] + c * noise;
+    z[i] = zi;
+    const uint32_t bits = __float_as_uint(Bf16ToF(q0[i]) + e * zi);
+    q[i] = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
   }
 }
 
@@ -90,14 +111,7 @@ __global__ void SpinKernel(uint64_t ns) {
 __global__ void FillBf16(uint16_t* x, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    const float f = (static_cast<float>(h & 0xffff) / 65536.0f - 0.5f) * 4.0f;
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    x[i] = static_cast<uint16_t>(bits >> 16);
+    x[i] = HashBf16(i, seed);
   }
 }
 
@@ -126,7 +140,10 @@ struct Options {
   // --param k=v (repeatable): config.policy.params of every decode and prefill mode (unknown keys
   // are the policy's error); written into each row as "params".
   std::vector<std::pair<std::string, double>> params;
+  // The decode query (see the top): drift E and rho R of the moving query; E = 0 repeats it.
   double query_drift = 0;  // --query-drift
+  double query_rho = 0;    // --query-rho
+  std::string query = "repeated";  // --query: repeated, real, or "moving" (--query-drift given)
   // --budget-tokens N: the 2% modes select N tokens at every context instead (the flat check: a
   // fixed budget past it, 2% of 128K at 512K).
   int64_t budget_tokens = 0;
@@ -205,6 +222,19 @@ constexpr int64_t kMaxContext = int64_t{1} << 24;
 
 // Parses the command line (tools/common/args.h); on --help or a usage error prints and exits
 // (0 or 2) before any work. --json and --trace's folder are checked writable here.
+// --query real: the moving query's drift and rho fitted to recorded SmolLM2 decoding
+// (bench/query_calibration.py; the fit and its overlaps in bench/results/query_calibration.json).
+constexpr double kRealQueryDrift = 0.36;
+constexpr double kRealQueryRho = 0.3;
+
+std::string QueryLabel(const Options& o) {
+  if (o.query == "real") return "real";
+  if (o.query_drift == 0) return "repeated (best case)";
+  std::ostringstream s;
+  s << "moving (drift " << o.query_drift << ", rho " << o.query_rho << ")";
+  return s.str();
+}
+
 Options Parse(int argc, char** argv) {
   Options o;
   tools::ArgParser p(
@@ -252,8 +282,12 @@ Options Parse(int argc, char** argv) {
               &o.trace_prefix)
       .KeyReal("--param", "config.policy.params of every mode (the policy checks the names)",
                [&o](const std::string& key, double v) { o.params.emplace_back(key, v); })
-      .Real("--query-drift", "the decode query moves by E x noise from step to step",
+      .Choice("--query", "the decode query: repeated (the bank's best case) or real (calibrated motion)",
+              &o.query, {"repeated", "real"})
+      .Real("--query-drift", "the moving query's drift E (q = q0 + E z; 0: repeated)",
             &o.query_drift, 0.0, 1000.0, /*lo_open=*/false, "E")
+      .Real("--query-rho", "the moving query's step-to-step correlation R of z (0: fresh every step)",
+            &o.query_rho, 0.0, 0.999, /*lo_open=*/false, "R")
       .Switch("--unique-kv", "every prompt chunk's keys drawn afresh", &o.unique_kv)
       .Whole("--async-cpu", "RuntimeConfig::async_cpu (-1: on with CUDA)", &o.async_cpu, -1, 1)
       .Real("--split-share", "RuntimeConfig::split_share (-1: the cost model's, else in [0, 1])",
@@ -269,6 +303,16 @@ Options Parse(int argc, char** argv) {
                "--steps 10 --json rows.jsonl\n");
   const int rc = p.ParseAndReport(argc, argv);
   if (rc >= 0) std::exit(rc);
+  if (o.query == "real") {
+    if (o.query_drift != 0) {
+      std::exit(p.ReportUsageError("--query real sets the drift and rho itself: drop --query-drift"));
+    }
+    o.query_drift = kRealQueryDrift;
+    o.query_rho = kRealQueryRho;
+  } else if (o.query_drift == 0 && o.query_rho != 0) {
+    std::exit(p.ReportUsageError("--query-rho " + std::to_string(o.query_rho) +
+                                 ": the repeated query has no walk (give --query-drift too)"));
+  }
   const bool any_prefill = std::any_of(o.modes.begin(), o.modes.end(), [](const std::string& m) {
     return m.rfind("prefill_", 0) == 0;
   });
@@ -446,7 +490,8 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   }
   row << ",\"policy\":\"" << c.policy.name << "\",\"route\":\"" << kvferry::RouteName(c.route) << "\""
       << ",\"bank_slots\":" << c.tiers.bank_slots;
-  if (o.query_drift != 0) row << ",\"query_drift\":" << o.query_drift;
+  row << ",\"query\":\"" << QueryLabel(o) << "\"";
+  if (o.query_drift != 0) row << ",\"query_drift\":" << o.query_drift << ",\"query_rho\":" << o.query_rho;
   if (o.unique_kv) row << ",\"unique_kv\":true";
   if (o.async_cpu >= 0) row << ",\"async_cpu\":" << o.async_cpu;
   if (o.split_share >= 0) row << ",\"split_share\":" << o.split_share;
@@ -482,28 +527,24 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
   FillBf16<<<64, 256, 0, stream>>>(q, batch * kHq * kD, 4);
   FillBf16<<<64, 256, 0, stream>>>(k, batch * kHkv * kD, 5);
   FillBf16<<<64, 256, 0, stream>>>(v, batch * kHkv * kD, 6);
-  // --query-drift: kDriftQueries queries around q, one per step in turn (copied into q before the
-  // step: a CUDA graph reads q where it was captured).
-  constexpr int kDriftQueries = 16;
+  // The moving query: q0 keeps the anchor, z the walk; next_query writes step s's query into q
+  // (a CUDA graph reads q where it was captured), its noise drawn afresh from seed 1000 + s.
   const int64_t q_elems = batch * kHq * kD;
-  uint16_t* q_drift = nullptr;
+  uint16_t* q0 = nullptr;
+  float* q_walk = nullptr;
   if (o.query_drift != 0) {
-    uint16_t* noise = nullptr;
-    CHECK_CUDA(cudaMalloc(&q_drift, kDriftQueries * q_elems * 2));
-    CHECK_CUDA(cudaMalloc(&noise, q_elems * 2));
-    for (int i = 0; i < kDriftQueries; ++i) {
-      FillBf16<<<64, 256, 0, stream>>>(noise, q_elems, 1000 + i);
-      DriftBf16<<<64, 256, 0, stream>>>(q_drift + i * q_elems, q, noise, q_elems,
-                                        static_cast<float>(o.query_drift));
-    }
-    CHECK_CUDA(cudaStreamSynchronize(stream));
-    CHECK_CUDA(cudaFree(noise));
+    CHECK_CUDA(cudaMalloc(&q0, q_elems * 2));
+    CHECK_CUDA(cudaMalloc(&q_walk, q_elems * 4));
+    CHECK_CUDA(cudaMemcpyAsync(q0, q, q_elems * 2, cudaMemcpyDeviceToDevice, stream));
   }
-  int drift_step = 0;
+  uint32_t query_step = 0;
   auto next_query = [&] {
-    if (q_drift == nullptr) return;
-    CHECK_CUDA(cudaMemcpyAsync(q, q_drift + (drift_step++ % kDriftQueries) * q_elems, q_elems * 2,
-                               cudaMemcpyDeviceToDevice, stream));
+    if (q0 == nullptr) return;
+    MoveQuery<<<64, 256, 0, stream>>>(q, q0, q_walk, q_elems, 1000 + query_step,
+                                      static_cast<float>(o.query_drift), static_cast<float>(o.query_rho),
+                                      query_step == 0);
+    CHECK_CUDA(cudaGetLastError());
+    ++query_step;
   };
   CHECK_CUDA(cudaStreamSynchronize(stream));
   auto view = [](void* p, int64_t rows, int heads) {
@@ -683,7 +724,7 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
       << ",\"fill_s\":" << fill_s << ",\"ms_first_step\":" << ms_first_step << "}";
   for (void* p : {static_cast<void*>(ck), static_cast<void*>(cv), static_cast<void*>(pq),
                   static_cast<void*>(pout), static_cast<void*>(q), static_cast<void*>(k),
-                  static_cast<void*>(v), static_cast<void*>(out), static_cast<void*>(q_drift)}) {
+                  static_cast<void*>(v), static_cast<void*>(out), static_cast<void*>(q0), static_cast<void*>(q_walk)}) {
     CHECK_CUDA(cudaFree(p));
   }
   rt.reset();
