@@ -892,6 +892,71 @@ def bank_hit_merge(T):
     return rows
 
 
+# query_calibration: kvferry-e2e's --query real, fitted to recorded decoding (bench/query_calibration.py):
+# the exact top-k's overlap between steps 1-32 apart on SmolLM2 8K traces of both texts, the same on
+# kvferry-e2e's own keys and moving query over a grid of (drift, rho) at 32K (and the chosen point
+# at 128K), and the token bank's hit rate of the policies' real selections (kvferry-bench replaying
+# the traces on the host backend, 1.8% of the offloaded positions picked as at 128K, slots for twice
+# the picks as kvferry-e2e's _bank modes). The GPU rows of e2e.json at --query real carry the
+# synthetic hit rates to set beside them.
+QC_POLICIES = ("oracle", "sparcas", "quest", "hip")
+QC_BUDGET, QC_SLOTS = 214, 292  # 8K: 146 picks (1.8% of 8124 offloaded) + sink 4 + window 64
+
+
+def qc_cmds(T):
+    qc = f"{PY} bench/query_calibration.py"
+    return [FETCH,
+            side_by_side(*(trace_cmd(f"{T}/{t}8k.safetensors", f"data/{t}.txt", 0, 8192, dtype="bf16")
+                           + " --cpu-threads 1" for t in HQ_TEXTS)),
+            f"{qc} traces " + " ".join(f"--trace {t}={T}/{t}8k.safetensors" for t in HQ_TEXTS)
+            + f" --steps 96 --json {T}/traces.json",
+            f"{qc} synthetic --context 32768 --steps 64 --drifts 0.1,0.2,0.3,0.33,0.36,0.4,0.45,0.5 "
+            f"--rhos 0,0.3,0.5,0.7,0.9 --json {T}/synth32k.json",
+            f"{qc} synthetic --context 131072 --heads 2 --steps 64 --drifts 0.36 --rhos 0.3 --json {T}/synth128k.json",
+            *[f"{BENCH} --trace {T}/{t}8k.safetensors --policy {p} --budget {QC_BUDGET} --steps 64 --sink 4 "
+              f"--window 64 --backend host --route gpu --bank-slots {QC_SLOTS} --no-accuracy --json {T}/bank_{t}_{p}.json"
+              for t in HQ_TEXTS for p in QC_POLICIES]]
+
+
+def qc_real_point():
+    """kvferry-e2e's --query real constants, read from its source."""
+    src = open(os.path.join(ROOT, "bench", "e2e_bench.cu")).read()
+    get = lambda name: float(src.split(f"constexpr double {name} = ", 1)[1].split(";", 1)[0])
+    return {"drift": get("kRealQueryDrift"), "rho": get("kRealQueryRho")}
+
+
+def qc_merge(T):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import query_calibration as qc
+    traces, synth, s128 = jload(f"{T}/traces.json"), jload(f"{T}/synth32k.json"), jload(f"{T}/synth128k.json")
+    err, best = qc.fit(traces, synth)
+    real = qc_real_point()
+    chosen = next((g for g in synth["grid"] if g["drift"] == real["drift"] and g["rho"] == real["rho"]), None)
+    bank = []
+    for t in HQ_TEXTS:
+        for p in QC_POLICIES:
+            st = jload(f"{T}/bank_{t}_{p}.json")["stats"]
+            hit, miss = st["rows_bank_hit"], st["rows_fetched"]
+            bank.append({"text": t, "policy": p, "budget": QC_BUDGET, "bank_slots": QC_SLOTS, "steps": 64,
+                         "bank_hit_rate": round(hit / (hit + miss), 4) if hit + miss else None})
+    lags = sorted(traces["mean"], key=int)
+    return {"what": "kvferry-e2e's moving query calibrated to real decoding: the exact top-k's overlap between "
+                    "steps L apart (the share of step t's top-k that was in step t - L's), on SmolLM2 8K traces "
+                    "and on kvferry-e2e's keys and query, and the token bank's hit rate on the traces",
+            "regenerate": "python3 bench/reproduce.py query_calibration",
+            "fraction_picked": traces["fraction"],
+            "traces": {"mean": traces["mean"], "per_text": traces["per_text"],
+                       "per_layer": traces["rows"]},
+            "fit": {"drift": best["drift"], "rho": best["rho"], "rms_error": round(err, 4),
+                    "overlap": best["overlap"]},
+            "real": {**real, "overlap_32k": chosen["overlap"] if chosen else None,
+                     "overlap_128k": s128["grid"][0]["overlap"],
+                     "max_gap_to_traces_32k": round(max(abs(chosen["overlap"][l] - traces["mean"][l])
+                                                        for l in lags), 4) if chosen else None},
+            "grid_32k": synth["grid"],
+            "rows": bank}
+
+
 SPECS = {
     "e2e": dict(gpu=True, targets=["kvferry-e2e"], run=e2e_cmds, merge=e2e_merge,
                 what="the Runtime end to end per token step (32 layers, Llama-3.1-8B shape) vs torch SDPA, "
@@ -957,6 +1022,9 @@ SPECS = {
                                 what="KVpop's MLP scorer trained on SmolLM2 traces (scripts/kvpop_train.py; needs torch)"),
     "llama_smollm2_kjv_passkey": dict(gpu=False, targets=[], examples=True, run=passkey_cmds, merge=load_out,
                                       what="passkey 2K/4K x 3 depths: dense vs streaming and oracle at 256/512"),
+    "query_calibration": dict(gpu=False, targets=["kvferry-bench"], examples=True, run=qc_cmds, merge=qc_merge,
+                              what="kvferry-e2e's --query real fitted to the exact top-k's overlap across steps on "
+                                   "SmolLM2 traces; bank hit rates of real selections (needs numpy)"),
     "bank_hit_smollm2_kjv4k": dict(gpu=False, targets=["kvferry-bench"], examples=True, run=bank_hit_cmds,
                                    merge=bank_hit_merge, ext="jsonl",
                                    what="token-bank hit rate on real selections (SmolLM2 KJV 4K trace, 512/1024 slots)"),
@@ -990,6 +1058,8 @@ MACHINE = {
     "kvpop_mass_smollm2": (CPU2, "~65 min on 2 cores (12 runs of 8K, ~96 s of decode a lane recorded)"),
     "kvpop_train_smollm2": ("CPU: 2 threads, torch + safetensors", "~30 min (3 traces + 400 steps; not recorded)"),
     "llama_smollm2_kjv_passkey": (CPU2, "~5 min on 2 cores (6 prompts of 2K/4K, 5 lanes)"),
+    "query_calibration": (CPU2, "~8 min on 2 cores (two 8K traces, overlaps of 60 layer traces and 40 + 1 "
+                                "synthetic points, 8 bank replays of 64 steps)"),
     "bank_hit_smollm2_kjv4k": (CPU2, "~3 min (a 5-layer 4K trace, 6 replays of 64 steps)"),
 }
 
