@@ -49,32 +49,35 @@ def host_gib():
 # built), what (one line), run(T) -> list of commands (strings run by bash from the repository
 # root), merge(T) -> the JSON object to write (its rows get provenance).
 
+# e2e: the decode step per token at 32K and 128K, batch 1 and 4, with the query that moves as
+# real decoding does (--query real, bench/results/query_calibration.json) and, at batch 1, the
+# repeated query (the token bank's best case) beside it; dense_resident and full streaming as the
+# in-run baselines, torch SDPA by scripts/device/e2e_sdpa.py; chunked prefill. Sized for one
+# 10-minute call on the GPU machine (a 128K x 4 row fills 16 GiB of keys first: ~40 s).
+E2E_MODES = "streaming,sparcas_bank,quest_bank,hip_bank,kvpop_bank,xl+sparcas_bank"
+E2E_MODES_B4 = "sparcas_bank,quest_bank,hip_bank,kvpop_bank"
+
+
 def e2e_cmds(T):
     base = f"{E2E} --unique-kv --steps 8"
     return [
-        f"{base} --contexts 32768,131072 --batches 1,4 --modes dense_resident,streaming_resident,"
-        f"streaming,quest,sparcas,quest_bank,sparcas_bank,hip_bank,kvpop,kvpop_bank,xl+quest_bank,"
-        f"xl+sparcas_bank,xl+kvpop_bank --json {T}/decode.jsonl",
-        f"{base} --contexts 32768,131072 --batches 1 --modes oracle,oracle_bank,lfps --json {T}/slow.jsonl",
+        f"{base} --contexts 32768,131072 --batches 1 --modes dense_resident,{E2E_MODES} --json {T}/repeated_b1.jsonl",
+        f"{base} --query real --contexts 32768,131072 --batches 1 --modes {E2E_MODES},oracle_bank --json {T}/real_b1.jsonl",
+        f"{base} --query real --contexts 131072 --batches 4 --modes {E2E_MODES_B4} --json {T}/real_b4.jsonl",
         f"{E2E} --unique-kv --steps 2 --contexts 32768,131072 --batches 1 --modes full_streaming --json {T}/full.jsonl",
-        f"{base} --contexts 131072 --batches 1 --query-drift 0.5 --modes quest_bank,sparcas_bank,hip_bank,"
-        f"kvpop_bank --json {T}/drift05.jsonl",
-        f"{base} --contexts 131072 --batches 1 --query-drift 1 --modes quest_bank,sparcas_bank --json {T}/drift1.jsonl",
-        *[f"{base} --contexts 131072 --batches 1 --modes lfps --async-cpu {a} --engine-us {u} --json {T}/async_{a}_{u}.jsonl"
-          for a in (0, 1) for u in (0, 300)],
-        *[f"{E2E} --contexts 8192,32768,131072 --modes prefill_dense,prefill_lfps --prefill-chunks 2048,8192 "
-          f"--prefill-order {o} --json {T}/prefill_{o}.jsonl" for o in ("chunk", "layer")],
+        f"{E2E} --contexts 32768,131072 --modes prefill_dense --prefill-chunks 8192 --prefill-order layer "
+        f"--json {T}/prefill.jsonl",
         f"cat {T}/*.jsonl > {T}/rows.jsonl",
         f"{PY} scripts/device/e2e_sdpa.py {T}/rows.jsonl {T}/e2e_sdpa.json",
     ]
 
 
 def label_query(rows):
-    """Every decode row says which query model it ran with: kvferry-e2e's default query repeats
-    every step (the token bank's best case); --query-drift E moves it (the row's query_drift).
-    Prefill rows have no decode query."""
+    """Every decode row says which query it ran with: kvferry-e2e writes "query" ("real", "repeated
+    (best case)" or "moving (drift E, rho R)"); a row without it ran before the query model and
+    is labelled from its query_drift. Prefill rows have no decode query."""
     for r in rows:
-        if isinstance(r, dict) and not str(r.get("mode", "")).startswith("prefill"):
+        if isinstance(r, dict) and not str(r.get("mode", "")).startswith("prefill") and "query" not in r:
             drift = float(r.get("query_drift", 0) or 0)
             r["query"] = f"moving (drift {drift:g})" if drift else "repeated (best case)"
     return rows
