@@ -183,6 +183,24 @@ def t_e2e():
     return table(head, rows)
 
 
+def t_query():
+    d = load("query_calibration.json")
+    if not d:
+        return ""
+    tr, real = d["traces"], d["real"]
+    lags = sorted(tr["mean"], key=int)
+    head = ["steps apart", "KJV trace", "Jargon trace", "traces' mean",
+            f"`--query real` at 32K (drift {real['drift']:g}, rho {real['rho']:g})", "at 128K"]
+    rows = [[l, tr["per_text"]["kjv"][l], tr["per_text"]["jargon"][l], tr["mean"][l],
+             real["overlap_32k"][l], real["overlap_128k"][l]] for l in lags]
+    bank = {(r["text"], r["policy"]): r["bank_hit_rate"] for r in d["rows"]}
+    pols = sorted({r["policy"] for r in d["rows"]}, key=lambda p: ["oracle", "sparcas", "quest", "hip"].index(p)
+                  if p in ("oracle", "sparcas", "quest", "hip") else 9)
+    return table(head, rows) + "\n" + table(
+        ["token bank hit rate on the traces"] + [f"`{p}`" for p in pols],
+        [[t] + [bank.get((t, p)) for p in pols] for t in ("kjv", "jargon")])
+
+
 def t_async():
     head = ["mode", "context", "batch", "runtime thread (`async_cpu`)", "engine host work a layer (us)",
             "ms / step", "GPU"]
@@ -379,7 +397,7 @@ def t_gemma_quality():
     return table(head, rows)
 
 
-TABLES = {"policy": t_policy, "e2e": t_e2e, "async": t_async, "prefill": t_prefill, "scale": t_scale,
+TABLES = {"query": t_query, "policy": t_policy, "e2e": t_e2e, "async": t_async, "prefill": t_prefill, "scale": t_scale,
           "quality": t_quality, "kernels": t_kernels, "cpu": t_cpu,
           "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
           "hip-quality": t_hip_quality, "gemma-quality": t_gemma_quality}
