@@ -61,8 +61,10 @@ E2E_MODES_B4 = "sparcas_bank,quest_bank,hip_bank,kvpop_bank"
 def e2e_cmds(T):
     base = f"{E2E} --unique-kv --steps 8"
     return [
-        f"{base} --contexts 32768,131072 --batches 1 --modes dense_resident,{E2E_MODES} --json {T}/repeated_b1.jsonl",
-        f"{base} --query real --contexts 32768,131072 --batches 1 --modes {E2E_MODES},oracle_bank --json {T}/real_b1.jsonl",
+        f"{base} --contexts 32768,131072 --batches 1 --modes dense_resident,streaming_resident,{E2E_MODES} "
+        f"--json {T}/repeated_b1.jsonl",
+        f"{base} --query real --contexts 32768,131072 --batches 1 --modes {E2E_MODES},oracle_bank,lfps "
+        f"--json {T}/real_b1.jsonl",
         f"{base} --query real --contexts 131072 --batches 4 --modes {E2E_MODES_B4} --json {T}/real_b4.jsonl",
         f"{E2E} --unique-kv --steps 2 --contexts 32768,131072 --batches 1 --modes full_streaming --json {T}/full.jsonl",
         f"{E2E} --contexts 32768,131072 --modes prefill_dense --prefill-chunks 8192 --prefill-order layer "
