@@ -897,6 +897,61 @@ def bank_hit_merge(T):
     return rows
 
 
+# frontier: speed and quality of every policy the e2e headline times, side by side. Quality runs
+# here (host backend, SmolLM2-135M, 8K windows of KJV and the Jargon File, last 1024 scored,
+# budget 256, the device policies' defaults, kvpop with its trained scorer); speed is read from
+# bench/results/e2e.json (128K x 1, --query real, time over SDPA's in the same call), whose rows
+# carry their own provenance: regenerate e2e on the GPU machine at the same commit first.
+FRONTIER = (("streaming", "streaming_resident"), ("oracle", "oracle_bank"), ("quest", "quest_bank"),
+            ("sparcas", "sparcas_bank"), ("hip", "hip_bank"), ("kvpop", "kvpop_bank"),
+            ("xl+sparcas", "xl+sparcas_bank"), ("lfps", "lfps"))
+
+
+def frontier_cmds(T):
+    W = "--policy-weights policies/weights/kvpop_smollm2.safetensors"
+
+    def text_cmds(t):
+        base = f"{HOST_PPL} --text data/{t}.txt --context 8192 --scored 1024 --cpu-threads 1 --budget 256"
+        pols = ",".join(p for p, _ in FRONTIER if p != "kvpop")
+        return (f"{base} --policy {pols} --json {T}/{t}.json && "
+                f"{base} {W} --policy kvpop --no-dense --json {T}/{t}_kvpop.json")
+    return [FETCH, side_by_side(*(text_cmds(t) for t in HQ_TEXTS))]
+
+
+def frontier_merge(T):
+    e2e = jload(os.path.join(RES, "e2e.json"))
+    speed = {}
+    for r in e2e.get("rows", []):
+        fixed = r.get("mode") in ("streaming_resident", "dense_resident")
+        if (r.get("name") == "decode" and r.get("context") == 131072 and r.get("batch") == 1
+                and r.get("query") == ("repeated (best case)" if fixed else "real") and r.get("ratio")):
+            speed[r["mode"]] = r
+    quality = {}
+    for t in HQ_TEXTS:
+        lanes = {**lanes_of(f"{T}/{t}.json"), **lanes_of(f"{T}/{t}_kvpop.json")}
+        gaps(lanes)
+        quality[t] = lanes
+    points = []
+    for policy, mode in FRONTIER:
+        s = speed.get(mode)
+        p = {"policy": policy, "mode": mode, "budget": 256, "context_quality": 8192,
+             "ratio_vs_sdpa_128k_b1": s["ratio"] if s else None,
+             "ms_per_token_step": s["ms_per_token_step"] if s else None,
+             "speed_provenance": {k: s["provenance"].get(k) for k in ("commit", "date", "gpu")} if s else None}
+        for t in HQ_TEXTS:
+            l = quality[t].get(f"{policy}@256", {})
+            p[f"perplexity_{t}"] = l.get("perplexity")
+            p[f"gap_pct_{t}"] = l.get("gap_pct")
+            p[f"gap_over_oracle_gap_{t}"] = l.get("gap_over_oracle_gap")
+        points.append(p)
+    dense = {t: quality[t]["dense"]["perplexity"] for t in HQ_TEXTS}
+    return {"what": "every policy's decode time at 128K x 1 with the real query (ratio to torch SDPA, "
+                    "bench/results/e2e.json) against its perplexity gap to dense at 256 of 8K on KJV and the "
+                    "Jargon File (this run: SmolLM2-135M, host backend, last 1024 scored)",
+            "regenerate": "python3 bench/reproduce.py frontier (after bench/reproduce.py e2e on the GPU machine)",
+            "dense_perplexity": dense, "rows": points}
+
+
 # query_calibration: kvferry-e2e's --query real, fitted to recorded decoding (bench/query_calibration.py):
 # the exact top-k's overlap between steps 1-32 apart on SmolLM2 8K traces of both texts, the same on
 # kvferry-e2e's own keys and moving query over a grid of (drift, rho) at 32K (and the chosen point
@@ -1027,6 +1082,9 @@ SPECS = {
                                 what="KVpop's MLP scorer trained on SmolLM2 traces (scripts/kvpop_train.py; needs torch)"),
     "llama_smollm2_kjv_passkey": dict(gpu=False, targets=[], examples=True, run=passkey_cmds, merge=load_out,
                                       what="passkey 2K/4K x 3 depths: dense vs streaming and oracle at 256/512"),
+    "frontier": dict(gpu=False, targets=[], examples=True, run=frontier_cmds, merge=frontier_merge,
+                     what="every policy's 128K decode time (real query, from e2e.json) against its perplexity gap "
+                          "at 256 on KJV and the Jargon File"),
     "query_calibration": dict(gpu=False, targets=["kvferry-bench"], examples=True, run=qc_cmds, merge=qc_merge,
                               what="kvferry-e2e's --query real fitted to the exact top-k's overlap across steps on "
                                    "SmolLM2 traces; bank hit rates of real selections (needs numpy)"),
@@ -1063,6 +1121,7 @@ MACHINE = {
     "kvpop_mass_smollm2": (CPU2, "~65 min on 2 cores (12 runs of 8K, ~96 s of decode a lane recorded)"),
     "kvpop_train_smollm2": ("CPU: 2 threads, torch + safetensors", "~30 min (3 traces + 400 steps; not recorded)"),
     "llama_smollm2_kjv_passkey": (CPU2, "~5 min on 2 cores (6 prompts of 2K/4K, 5 lanes)"),
+    "frontier": (CPU2, "~30 min on 2 cores (two texts side by side, 9 lanes of 8K each)"),
     "query_calibration": (CPU2, "~8 min on 2 cores (two 8K traces, overlaps of 60 layer traces and 40 + 1 "
                                 "synthetic points, 8 bank replays of 64 steps)"),
     "bank_hit_smollm2_kjv4k": (CPU2, "~3 min (a 5-layer 4K trace, 6 replays of 64 steps)"),
@@ -1133,6 +1192,9 @@ def main():
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--no-build", action="store_true", help="use the binaries already in $B")
+    ap.add_argument("--merge-only", action="store_true",
+                    help="run nothing: write the file from the outputs an earlier run left in $T (e.g. "
+                         "frontier once e2e.json is regenerated)")
     a = ap.parse_args()
     if a.list or not a.name:
         for n, s in SPECS.items():
@@ -1152,7 +1214,7 @@ def main():
         print(f"reproduce: {a.name} needs an NVIDIA GPU (nvidia-smi not found); nothing run")
         return 3
     os.makedirs(T, exist_ok=True)
-    for c in cmds:
+    for c in ([] if a.merge_only else cmds):
         print("+", c, flush=True)
         rc = subprocess.run(["bash", "-c", c], cwd=ROOT).returncode
         if rc:
