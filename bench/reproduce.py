@@ -10,7 +10,7 @@
   python3 bench/reproduce.py NAME --dry-run  print the commands only
 
 Every row written carries "provenance": the commit (git rev-parse HEAD, "+dirty" when the tree has
-changes), the date, the GPU and driver (nvidia-smi, when present), the CPU model and core count
+changes; KVFERRY_SOURCE_COMMIT overrides it for a tree copied without its history), the date, the GPU and driver (nvidia-smi, when present), the CPU model and core count
 (/proc/cpuinfo), and the exact commands of the run. Environment: B (build folder, default
 build-release), T (scratch folder, default /tmp/kvferry-reproduce/NAME), KVFERRY_CUDA_ARCHS (default
 90), JOBS (build jobs, default all cores). Without CUDA the GPU names refuse to run and say so.
@@ -1137,8 +1137,10 @@ def sh(cmd):
 
 
 def provenance(commands):
-    commit = sh("git rev-parse --short=10 HEAD") or "unknown"
-    if sh("git status --porcelain --untracked-files=no"):
+    # KVFERRY_SOURCE_COMMIT: the commit of a tree copied without its history (the GPU machine's copy
+    # of a working tree sits on another HEAD, so git there names the wrong commit).
+    commit = os.environ.get("KVFERRY_SOURCE_COMMIT") or sh("git rev-parse --short=10 HEAD") or "unknown"
+    if not os.environ.get("KVFERRY_SOURCE_COMMIT") and sh("git status --porcelain --untracked-files=no"):
         commit += "+dirty"
     gpu = sh("nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1")
     name, _, driver = gpu.partition(",")

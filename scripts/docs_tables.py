@@ -217,15 +217,6 @@ def t_query():
         [[t] + [bank.get((t, p)) for p in pols] for t in ("kjv", "jargon")])
 
 
-def t_async():
-    head = ["mode", "context", "batch", "runtime thread (`async_cpu`)", "engine host work a layer (us)",
-            "ms / step", "GPU"]
-    rows = [[f"`{r['mode']}`", f"{r['context'] // 1024}K", r["batch"], r.get("async_cpu"),
-             r.get("engine_us", 0), r.get("ms_per_token_step"), gpu_short(r)]
-            for r in e2e_decode() if "async_cpu" in r]
-    return table(head, sorted(rows, key=lambda x: (x[4], -x[3])))
-
-
 def t_prefill():
     d = load("e2e.json")
     head = ["mode", "context", "chunk", "order", "ms / layer", "SDPA flash ms / layer", "ratio",
@@ -413,7 +404,7 @@ def t_gemma_quality():
     return table(head, rows)
 
 
-TABLES = {"query": t_query, "policy": t_policy, "e2e": t_e2e, "async": t_async, "prefill": t_prefill, "scale": t_scale,
+TABLES = {"query": t_query, "policy": t_policy, "e2e": t_e2e, "prefill": t_prefill, "scale": t_scale,
           "quality": t_quality, "kernels": t_kernels, "cpu": t_cpu,
           "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
           "hip-quality": t_hip_quality, "gemma-quality": t_gemma_quality}

@@ -3,7 +3,8 @@
 # On the GPU machine: python3 bench/reproduce.py NAME (build, run with its baselines, write
 # bench/results/NAME.json with provenance), then copy the file and the plots to $OUT.
 #   bash scripts/device/reproduce.sh NAME [--no-build]     (names: python3 bench/reproduce.py --list)
-#   B: build folder (default /tmp/b); T: scratch folder.
+#   B: build folder (default /tmp/b); T: scratch folder; KVFERRY_SOURCE_COMMIT: the commit the copied
+#   tree is (set it from the development machine: the copy's git HEAD is not that commit).
 set -u
 name=${1:?usage: reproduce.sh NAME [--no-build]}
 export B=${B:-/tmp/b}
