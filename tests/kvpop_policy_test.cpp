@@ -317,6 +317,65 @@ TEST(KvpopPolicy, BadParametersNameTheParameter) {
   EXPECT_NE(r.status().message().find("scorer"), std::string::npos);
 }
 
+// decay 1's choice against a brute force on fresh random scores: each grid decay's kept set is the
+// top k by (priority desc, position asc), the chosen one holds the most mass (the first on ties);
+// attention on the newest positions picks the strongest decay, attention on the best-scored old
+// positions the weakest.
+TEST(KvpopDecay, ChoosesTheDecayWhoseKeptSetDrawsTheMostAttention) {
+  std::mt19937 rng(static_cast<uint32_t>(std::random_device{}()));
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int64_t lo = 4, hi = 1004, k = 50, n = hi - lo;
+  std::vector<float> grid{std::log(0.9995f)};
+  for (double g : kKvpopDecayGrid) grid.push_back(static_cast<float>(std::log(g)));
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<float> r(n), mass(n);
+    for (auto& x : r) x = nd(rng);
+    for (auto& x : mass) x = std::abs(nd(rng));
+    const int got = KvpopChooseDecay(r.data(), mass.data(), lo, hi, k, grid);
+    double best = -1;
+    int want = 0;
+    for (size_t gi = 0; gi < grid.size(); ++gi) {
+      std::vector<int64_t> idx(n);
+      std::iota(idx.begin(), idx.end(), 0);
+      std::sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) {
+        const float pa = KvpopPriorityOf(r[a], lo + a, grid[gi]), pb = KvpopPriorityOf(r[b], lo + b, grid[gi]);
+        return pa > pb || (pa == pb && a < b);
+      });
+      double m = 0;
+      for (int64_t i = 0; i < k; ++i) m += mass[idx[i]];
+      if (m > best * (1 + 1e-6)) {
+        best = m;
+        want = static_cast<int>(gi);
+      }
+    }
+    EXPECT_EQ(got, want) << "trial " << trial;
+  }
+  std::vector<float> r(n), recent(n, 0.0f), scored(n, 0.0f);
+  for (auto& x : r) x = nd(rng);
+  for (int64_t i = n - k; i < n; ++i) recent[i] = 1.0f;  // the newest k positions
+  std::vector<int64_t> idx(n);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return r[a] > r[b]; });
+  for (int64_t i = 0; i < k; ++i) scored[idx[i]] = 1.0f;  // the best-scored k, wherever they are
+  EXPECT_EQ(grid[KvpopChooseDecay(r.data(), recent.data(), lo, hi, k, grid)], static_cast<float>(std::log(0.5)));
+  EXPECT_EQ(grid[KvpopChooseDecay(r.data(), scored.data(), lo, hi, k, grid)], static_cast<float>(std::log(0.99999)));
+  // Nothing to choose: every eligible position fits.
+  EXPECT_EQ(KvpopChooseDecay(r.data(), recent.data(), lo, lo + k, k, grid), 0);
+}
+
+TEST(KvpopDecay, PromptDecaySelectsOnTheHost) {
+  auto r = ParseKvpopParams({{"decay", 1}, {"device", 1}});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("decay"), std::string::npos) << r.status().message();
+  EXPECT_FALSE(ParseKvpopParams({{"decay", 2}}).ok());
+  auto ok = ParseKvpopParams({{"decay", 1}});
+  ASSERT_TRUE(ok.ok());
+  auto pol = KvpopPolicy::Create(*ok, nullptr, OneHead());
+  ASSERT_TRUE(pol.ok());
+  EXPECT_EQ((*pol)->device_scoring(), SelectScoring::kNone);
+  EXPECT_TRUE((*pol)->wants_prefill_queries());
+}
+
 // Scorer 2 (notes section 9 (b)): each token's score is the attention it received while in the
 // window. Against a brute-force reference on fresh random keys and queries (the same fp32
 // operations in the same order: cpu::SoftmaxAccumulate over the sinks and window of each

@@ -233,6 +233,9 @@ Status CheckKvpopCombination(const KvpopParams& kp) {
   KVF_CHECK_ARG(kp.scorer != 2 || kp.device != 1,
                 "kvpop parameter 'device' = 1 with 'scorer' = 2: the attention-mass scorer reads "
                 "each step's query on the host, so it selects on the host (device = 0)");
+  KVF_CHECK_ARG(kp.decay != 1 || kp.device != 1,
+                "kvpop parameter 'device' = 1 with 'decay' = 1: the decay chosen from the prompt's "
+                "queries is the host selection's (device = 0)");
   return Status::Ok();
 }
 }  // namespace
@@ -246,6 +249,9 @@ Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params
     } else if (key == "device") {
       KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("kvpop", key, value, 0, 1));
       kp.device = static_cast<int>(v);
+    } else if (key == "decay") {
+      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("kvpop", key, value, 0, 1));
+      kp.decay = static_cast<int>(v);
     } else if (key == "gamma") {
       KVF_CHECK_ARG(value > 0 && value < 1, "kvpop parameter 'gamma' = ", value,
                     " must be in (0, 1)");
@@ -260,7 +266,7 @@ Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params
       kp.gamma_max = value;
     } else {
       return InvalidArgument(detail::StrCat("unknown kvpop parameter '", key,
-                                            "' (known: scorer, gamma, gamma_min, gamma_max, device)"));
+                                            "' (known: scorer, gamma, gamma_min, gamma_max, device, decay)"));
     }
   }
   KVF_CHECK_ARG(kp.gamma_min <= kp.gamma_max, "kvpop parameter 'gamma_min' = ", kp.gamma_min,
@@ -333,14 +339,80 @@ void KvpopPolicy::CountQueries(HeadState* st, const KvPages& kv, const AttnParam
 }
 
 Status KvpopPolicy::OnPrefill(const PrefillContext& ctx) {
-  if (params_.scorer != 2 || ctx.q == nullptr) return Status::Ok();
+  if ((params_.scorer != 2 && params_.decay != 1) || ctx.q == nullptr) return Status::Ok();
   KVF_ASSIGN_OR_RETURN(HeadState * st, states_.Get("kvpop", ctx.slot, ctx.layer, ctx.kv_head, true));
-  if (ctx.q_pos0 < st->mass_next || ctx.q_pos0 < st->next_u) *st = HeadState{};  // a new sequence
   const size_t row = static_cast<size_t>(ctx.params.group) * ctx.params.head_dim;
+  const int64_t cal_end = st->cal_pos0 + static_cast<int64_t>(st->cal_q.size() / std::max<size_t>(row, 1));
+  if (ctx.q_pos0 < st->mass_next || ctx.q_pos0 < st->next_u || (!st->cal_q.empty() && ctx.q_pos0 < cal_end)) {
+    *st = HeadState{};  // a new sequence
+  }
+  if (params_.decay == 1 && !st->calibrated) {  // keep the last kKvpopCalibrationQueries queries
+    if (st->cal_q.empty()) st->cal_pos0 = ctx.q_pos0;
+    st->cal_q.insert(st->cal_q.end(), ctx.q, ctx.q + static_cast<size_t>(ctx.num_q) * row);
+    const size_t keep = static_cast<size_t>(kKvpopCalibrationQueries) * row;
+    if (st->cal_q.size() > keep) {
+      const size_t drop = st->cal_q.size() - keep;
+      st->cal_q.erase(st->cal_q.begin(), st->cal_q.begin() + static_cast<std::ptrdiff_t>(drop));
+      st->cal_pos0 += static_cast<int64_t>(drop / row);
+    }
+  }
+  if (params_.scorer != 2) return Status::Ok();
   for (int32_t i = 0; i < ctx.num_q; ++i) {
     CountQueries(st, ctx.kv, ctx.params, ctx.sink, ctx.window, ctx.q_pos0 + i, ctx.q + i * row);
   }
   return Status::Ok();
+}
+
+int KvpopChooseDecay(const float* r, const float* mass, int64_t lo, int64_t hi, int64_t k,
+                     const std::vector<float>& grid) {
+  const int64_t n = hi - lo;
+  if (n <= k || k <= 0 || grid.size() <= 1) return 0;
+  std::vector<int64_t> idx(static_cast<size_t>(n));
+  std::vector<float> prio(static_cast<size_t>(n));
+  int best = 0;
+  double best_mass = -1.0;
+  for (size_t gi = 0; gi < grid.size(); ++gi) {
+    for (int64_t i = 0; i < n; ++i) {
+      idx[static_cast<size_t>(i)] = i;
+      prio[static_cast<size_t>(i)] = KvpopPriorityOf(r[i], lo + i, grid[gi]);
+    }
+    // The top k by priority, as the online admission keeps them (KvpopRanksAbove).
+    std::nth_element(idx.begin(), idx.begin() + (k - 1), idx.end(), [&](int64_t a, int64_t b) {
+      return KvpopRanksAbove(prio[static_cast<size_t>(a)], lo + a, prio[static_cast<size_t>(b)], lo + b);
+    });
+    double m = 0.0;
+    for (int64_t i = 0; i < k; ++i) m += mass[idx[static_cast<size_t>(i)]];
+    if (m > best_mass * (1.0 + 1e-6)) {
+      best_mass = m;
+      best = static_cast<int>(gi);
+    }
+  }
+  return best;
+}
+
+float KvpopPolicy::CalibrateDecay(const SelectContext& ctx, HeadState* st, const std::vector<float>& r,
+                                  int64_t lo, int64_t k, float own) const {
+  const AttnParams& p = ctx.params;
+  const size_t row = static_cast<size_t>(p.group) * p.head_dim;
+  const int64_t rows = static_cast<int64_t>(st->cal_q.size() / row);
+  // The set the first step keeps is chosen among the positions that left the window before the
+  // calibration queries: their attention to those positions is the future the set must serve.
+  const int64_t hi = std::min<int64_t>(lo + static_cast<int64_t>(r.size()), st->cal_pos0 - ctx.window);
+  if (rows == 0 || hi - lo <= k || st->cal_pos0 + rows > ctx.n) return own;
+  std::vector<float> mass(static_cast<size_t>(hi - lo), 0.0f), logits, w;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t t = st->cal_pos0 + i;  // the query of position t sees keys [0, t]
+    logits.resize(static_cast<size_t>(t + 1) * p.group);
+    cpu::ScorePaged(p, st->cal_q.data() + static_cast<size_t>(i) * row, ctx.kv, t + 1, logits.data());
+    w.assign(static_cast<size_t>(t + 1), 0.0f);
+    for (int g = 0; g < p.group; ++g) {
+      cpu::SoftmaxAccumulate(logits.data() + static_cast<size_t>(g) * (t + 1), t + 1, 1.0f, w.data());
+    }
+    for (int64_t u = lo; u < hi; ++u) mass[static_cast<size_t>(u - lo)] += w[static_cast<size_t>(u)];
+  }
+  std::vector<float> grid{own};
+  for (double g : kKvpopDecayGrid) grid.push_back(static_cast<float>(std::log(g)));
+  return grid[static_cast<size_t>(KvpopChooseDecay(r.data(), mass.data(), lo, hi, k, grid))];
 }
 
 KvpopPolicy::KvpopPolicy(const KvpopParams& params,
@@ -348,7 +420,7 @@ KvpopPolicy::KvpopPolicy(const KvpopParams& params,
                          const RuntimeConfig& config)
     : params_(params), weights_(std::move(weights)) {
   use_mlp_ = weights_ != nullptr && (params_.scorer == 1 || params_.scorer == -1);
-  if (params_.device < 0) params_.device = params_.scorer == 2 ? 0 : 1;
+  if (params_.device < 0) params_.device = params_.scorer == 2 || params_.decay == 1 ? 0 : 1;
   states_.Init(config.capacity.max_sequences, config.model.num_layers, config.model.num_kv_heads);
 }
 
@@ -446,12 +518,15 @@ Status KvpopPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) 
     st->slot_pos[w] = st->slot_pos[st->count];
     st->slot_prio[w] = st->slot_prio[st->count];
   }
-  // Tokens that left the window since the last call, in order (the decode kernel does one a step).
-  const float log_gamma = LogGamma(ctx.layer, ctx.kv_head);
-  thread_local std::vector<float> x;
+  // Tokens that left the window since the last call, in order (the decode kernel does one a step):
+  // their scores, then (decay 1, the first step) the head's decay, then their admission.
+  float log_gamma = st->calibrated ? st->log_gamma : LogGamma(ctx.layer, ctx.kv_head);
+  thread_local std::vector<float> x, rs;
   x.resize(static_cast<size_t>(2 * p.head_dim));
   const size_t head = static_cast<size_t>(ctx.layer) * (w ? w->num_kv_heads : 0) + ctx.kv_head;
-  for (int64_t u = std::max<int64_t>(st->next_u, s.sink); u < s.off_hi; ++u) {
+  const int64_t u0 = std::max<int64_t>(st->next_u, s.sink);
+  rs.clear();
+  for (int64_t u = u0; u < s.off_hi; ++u) {
     float r = 0.0f;
     if (mass) {
       const int64_t i = u - st->score_base;
@@ -464,8 +539,17 @@ Status KvpopPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) 
       r = KvpopMlp(x.data(), w->in_dim, w->hidden, w->w1.data() + head * h * w->in_dim,
                    w->b1.data() + head * h, w->w2.data() + head * h, w->b2[head]);
     }
+    rs.push_back(r);
+  }
+  if (params_.decay == 1 && !st->calibrated) {
+    if (u0 == s.sink && !st->cal_q.empty()) log_gamma = CalibrateDecay(ctx, st, rs, u0, k, log_gamma);
+    st->calibrated = true;
+    st->log_gamma = log_gamma;
+    st->cal_q = {};
+  }
+  for (int64_t u = u0; u < s.off_hi; ++u) {
     const int64_t ev = KvpopAdmit(st->slot_pos.data(), st->slot_prio.data(), &st->count, k,
-                                  static_cast<int32_t>(u), KvpopPriorityOf(r, u, log_gamma));
+                                  static_cast<int32_t>(u), KvpopPriorityOf(rs[static_cast<size_t>(u - u0)], u, log_gamma));
     if (ev >= 0) st->evicted.push_back(static_cast<int32_t>(ev));
   }
   st->next_u = std::max(st->next_u, s.off_hi);

@@ -96,9 +96,26 @@ struct KvpopParams {
   double gamma_max = 0.999999;  ///< "gamma_max"
   double gamma = 0.998;         ///< "gamma": scorer 2's decay, log gamma a position
   /// "device": 1 select on the device (SelectScoring::kKvpop), 0 on the host; -1 (unset): 1,
-  /// except 0 for scorer 2 (which selects on the host only)
+  /// except 0 for scorer 2 and decay 1 (which select on the host only)
   int device = -1;
+  /// "decay": 0 the scorer's decay (the weights' per-head alpha, or "gamma"); 1 each (sequence,
+  /// layer, KV head) chooses its own from the prompt: of kKvpopDecayGrid and the scorer's, the
+  /// decay whose kept set draws the most attention from the prompt's last kKvpopCalibrationQueries
+  /// queries (host selection only)
+  int decay = 0;
 };
+
+/// decay 1: the prompt queries a head keeps to choose its decay, and the decays it chooses among
+/// (besides the scorer's own): from pure recency (0.5: a position's age outweighs any score) to
+/// nearly pure score (0.99999).
+constexpr int kKvpopCalibrationQueries = 128;
+constexpr double kKvpopDecayGrid[] = {0.5, 0.9, 0.99, 0.995, 0.998, 0.999, 0.9995, 0.9999, 0.99999};
+
+/// decay 1's choice: of the log decays \p grid (the first wins ties), the one whose top-k by
+/// KvpopPriorityOf(r[u - lo], u, log_gamma) over positions [lo, hi) holds the most of \p mass
+/// (mass[u - lo]: the attention the calibration queries paid position u). Returns its index.
+int KvpopChooseDecay(const float* r, const float* mass, int64_t lo, int64_t hi, int64_t k,
+                     const std::vector<float>& grid);
 
 /// Scorer 2's floor inside the log: r = log(kKvpopMassEps + mass).
 constexpr float kKvpopMassEps = 1e-6f;
@@ -122,7 +139,9 @@ class KvpopPolicy final : public Policy {
   [[nodiscard]] SelectScoring device_scoring() const override {
     return params_.device != 0 ? SelectScoring::kKvpop : SelectScoring::kNone;
   }
-  [[nodiscard]] bool wants_prefill_queries() const override { return params_.scorer == 2; }
+  [[nodiscard]] bool wants_prefill_queries() const override {
+    return params_.scorer == 2 || params_.decay == 1;
+  }
   Status OnPrefill(const PrefillContext& ctx) override;
   [[nodiscard]] DeviceSelectParams device_select_params(int head_dim) const override;
   /// The scorer of every (layer, KV head) in base/kvpop_score.h's table layout (hidden 0 for the
@@ -154,7 +173,17 @@ class KvpopPolicy final : public Policy {
     std::vector<float> mass;
     std::vector<float> scores;
     int64_t score_base = 0;
+    // decay 1: the last prompt queries ([cal_pos0, cal_pos0 + rows), group x head_dim each) until
+    // the first step chooses the head's decay (log_gamma, calibrated from then on).
+    std::vector<float> cal_q;
+    int64_t cal_pos0 = 0;
+    bool calibrated = false;
+    float log_gamma = 0.0f;
   };
+  // decay 1: the head's log decay chosen from its stored prompt queries over the scores \p r of
+  // positions [lo, lo + r.size()) (falls back to \p own when there is nothing to choose).
+  float CalibrateDecay(const SelectContext& ctx, HeadState* st, const std::vector<float>& r, int64_t lo,
+                       int64_t k, float own) const;
   float LogGamma(int layer, int kv_head) const;
   // Scorer 2: counts the queries [st->mass_next, d] (q of query d at q_d, null for one not seen:
   // it adds nothing), scoring every token that leaves the window on the way.
