@@ -209,7 +209,8 @@ def t_e2e():
         rows.append([f"`{r['mode']}`", f"{r['context'] // 1024}K", r["batch"], query_of(r),
                      "yes" if r.get("unique_kv") else "no",
                      r.get("ms_per_token_step"), r.get("sdpa_ms_per_token_step"),
-                     f"{r['ratio']:.3f}x" if r.get("ratio") else None, r.get("bank_hit_rate"), gpu_short(r)])
+                     f"{r['ratio']:.3f}x" if r.get("ratio") else None,
+                     r["bank_hit_rate"] if (r.get("bank_hit_rate") or -1) >= 0 else None, gpu_short(r)])
     return table(head, rows)
 
 
