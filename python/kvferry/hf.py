@@ -220,8 +220,11 @@ class KvferryCache(Cache):
     sinks and window included. ``sink_tokens``/``window_tokens``: the resident tiers (of the global
     layers; a sliding-window layer, from the config's ``layer_types`` and ``sliding_window``, keeps
     exactly its window on the device: see :func:`layer_windows`).
-    ``max_tokens``: longest sequence; ``max_batch``: batch rows. Further keyword arguments are
-    :class:`kvferry.RuntimeConfig` fields.
+    ``max_tokens``: longest sequence; ``max_batch``: batch rows. ``plan_steps`` (default True):
+    each decode token step is planned once, at its first layer (``Runtime.plan_decode``: the
+    step's pages reserved and its positions copied once, the layers' decodes then only enqueue
+    work, with the device selection and bank of the planned step); False plans each layer's decode
+    by itself. Further keyword arguments are :class:`kvferry.RuntimeConfig` fields.
 
     Tensor parallelism: ``tp_size`` (default: what transformers' ``from_pretrained(tp_plan=...)``
     recorded in the model / its config, else 1) ranks each hold num_attention_heads / tp_size query
@@ -238,7 +241,7 @@ class KvferryCache(Cache):
                  route: str = "auto", params: Optional[Dict[str, float]] = None,
                  max_tokens: int = 32768, max_batch: int = 8, kv_dtype: str = "bf16",
                  max_prefill_chunk: int = 4096, tp_size: Optional[int] = None,
-                 tp_rank: Optional[int] = None, **runtime_fields: Any) -> None:
+                 tp_rank: Optional[int] = None, plan_steps: bool = True, **runtime_fields: Any) -> None:
         tp_size, tp_rank, config, model = _tensor_parallel(config, tp_size, tp_rank)
         c = _text_config(config)
         windows = layer_windows(c, max_tokens)
@@ -284,6 +287,7 @@ class KvferryCache(Cache):
             route=route, backend=backend, **runtime_fields)
         self._pending: Dict[int, Any] = {}
         self._batch: Optional[int] = None
+        self.plan_steps = plan_steps
         super().__init__(layers=[KvferryLayer(self, i, windows[i] if windows else 0)
                                  for i in range(c.num_hidden_layers)])
 
@@ -350,6 +354,8 @@ class KvferryCache(Cache):
         k = key.transpose(1, 2)
         v = value.transpose(1, 2)
         if t == 1:
+            if self.plan_steps and layer == 0:  # the token step's first layer: plan the whole step
+                self.runtime.plan_decode(list(range(bsz)))
             self.runtime.decode(list(range(bsz)), layer, q[:, 0].contiguous(),
                                 k[:, 0].contiguous(), v[:, 0].contiguous(), out=out[:, 0])
             return out

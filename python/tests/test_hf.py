@@ -122,6 +122,27 @@ def test_oracle_generation_attends_the_exact_top_k():
             assert abs(sum(float(p[i]) for i in got) - sum(float(p[i]) for i in want)) < 1e-5
 
 
+@pytest.mark.parametrize("policy", ["oracle", "streaming", "sparcas", "dense"])
+def test_planned_steps_equal_layer_by_layer_planning(policy):
+    """plan_steps (the default) plans each token step once at its first layer: the same tokens and
+    selections as planning every layer's decode by itself, and the runtime counts one plan a step
+    instead of one a layer."""
+    m = tiny_model(4)
+    ids = torch.randint(0, 300, (2, 200))
+    outs, sels, plans = [], [], []
+    for plan in (True, False):
+        c = cache_for(m, policy=policy, budget=40, sink_tokens=4, window_tokens=8, plan_steps=plan)
+        m.config._attn_implementation = "kvferry"
+        outs.append(m.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=c))
+        sels.append([c.runtime.last_selection(b, layer, h) for b in range(2) for layer in range(2)
+                     for h in range(2)])
+        plans.append(c.runtime.stats()["decode_plans"])
+    assert torch.equal(outs[0], outs[1])
+    assert sels[0] == sels[1]
+    # 6 new tokens, the first from the prefill: 5 steps, planned once each or once a layer (2 layers)
+    assert plans == [5, 10]
+
+
 def test_bad_uses_raise():
     m = tiny_model(4)
     ids = torch.randint(0, 300, (2, 20))
