@@ -1101,7 +1101,7 @@ GPU1 = "GPU: 1x H100/H200 + 16 cores (nvidia-h200)"
 GPU1_RAM = "GPU: 1x H100/H200 + 16 cores, 128 GiB RAM (nvidia-h200)"
 CPU2 = "CPU: host backend, 2+ cores"
 MACHINE = {
-    "e2e": (GPU1_RAM, "?"), "scale": (GPU1_RAM, "?"), "split": (GPU1_RAM, "?"),
+    "e2e": (GPU1_RAM, "~8 min (454 s recorded on an H100 with the binaries built: 40 rows, SDPA, prefill)"), "scale": (GPU1_RAM, "?"), "split": (GPU1_RAM, "?"),
     "quality_gemma3_32k": (CPU2, "~145 min on 2 cores (143 min recorded beside builds and CI: 4 prefills of 16K/32K, 32 lanes x 1024 tokens at ~11 tok/s idle, 9 passkey prompts)"),
     "quality_smollm2": (CPU2, "~75 min on 2 cores (2507 s of decode recorded, + 9 prefills, passkey, replays)"),
     "gpu_attention": (GPU1, "?"), "torch_sdpa": (GPU1, "?"), "transfer_span": (GPU1, "?"),
@@ -1121,9 +1121,9 @@ MACHINE = {
     "kvpop_mass_smollm2": (CPU2, "~65 min on 2 cores (12 runs of 8K, ~96 s of decode a lane recorded)"),
     "kvpop_train_smollm2": ("CPU: 2 threads, torch + safetensors", "~30 min (3 traces + 400 steps; not recorded)"),
     "llama_smollm2_kjv_passkey": (CPU2, "~5 min on 2 cores (6 prompts of 2K/4K, 5 lanes)"),
-    "frontier": (CPU2, "~30 min on 2 cores (two texts side by side, 9 lanes of 8K each)"),
-    "query_calibration": (CPU2, "~8 min on 2 cores (two 8K traces, overlaps of 60 layer traces and 40 + 1 "
-                                "synthetic points, 8 bank replays of 64 steps)"),
+    "frontier": (CPU2, "~10 min on 2 cores (9 min recorded: two texts side by side, 8 lanes + dense of 1024 tokens each)"),
+    "query_calibration": (CPU2, "~9 min on 2 cores (recorded: two 8K traces, overlaps of 60 layer traces and "
+                                "40 + 1 synthetic points, 8 bank replays of 64 steps)"),
     "bank_hit_smollm2_kjv4k": (CPU2, "~3 min (a 5-layer 4K trace, 6 replays of 64 steps)"),
 }
 
