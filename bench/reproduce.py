@@ -1020,7 +1020,7 @@ def qc_merge(T):
 SPECS = {
     "e2e": dict(gpu=True, targets=["kvferry-e2e"], run=e2e_cmds, merge=e2e_merge,
                 what="the Runtime end to end per token step (32 layers, Llama-3.1-8B shape) vs torch SDPA, "
-                     "every policy, repeated and moving query, chunked prefill"),
+                     "the device policies with the real and the repeated query, baselines, chunked prefill"),
     "scale": dict(gpu=True, targets=["kvferry-e2e"], run=scale_cmds, merge=scale_merge,
                   what="(context, batch) points under an 8 GiB GPU cap with full-streaming, dense-CPU and "
                        "uncapped-SDPA baselines; the scheduler's routes"),
