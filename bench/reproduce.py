@@ -93,31 +93,47 @@ def e2e_merge(T):
     return d
 
 
-SCALE_POINTS = [(32768, 4), (32768, 16), (131072, 1), (131072, 4), (524288, 1)]
+SCALE_POINTS = [(32768, 4), (131072, 1), (131072, 4), (524288, 1)]
+SCALE_DENSE = [(32768, 1), (49152, 1), (57344, 1), (131072, 1), (32768, 2)]
+
+
+def sdpa_pending(T):
+    """torch SDPA for every kvferry-e2e output in T that has none yet, in one torch process."""
+    return (f"pairs=$(for f in {T}/*.jsonl; do [ -e \"${{f%.jsonl}}.sdpa.json\" ] || echo \"$f ${{f%.jsonl}}.sdpa.json\"; "
+            f"done); [ -z \"$pairs\" ] || {PY} scripts/device/e2e_sdpa.py $pairs")
 
 
 def scale_cmds(T):
+    """Each point: the four device policies with the token bank, the two baselines, and sparcas /
+    kvpop without a bank on route gpu and on the scheduler's split (auto); the real, moving query.
+    Every row fills its own runtime (about 0.5 s a GiB of KV), so the whole file is about 17
+    minutes of a one-GPU machine: on one whose calls stop at 10 minutes, run it in parts on the
+    same warm machine with the same T, SCALE_POINTS=CxN[,CxN] (SCALE_POINTS=dense: the
+    dense_resident capacity rows), then once with --merge-only."""
     H = host_gib()
-    cap = f"--unique-kv --gpu-gib 8 --host-gib {H}"
+    cap = f"--unique-kv --gpu-gib 8 --host-gib {H} --query real"
+    sel = os.environ.get("SCALE_POINTS", "")
+    want = None if not sel else {tuple(int(x) for x in p.split("x")) for p in sel.split(",") if p != "dense"}
     cmds = []
     for c, n in SCALE_POINTS:
+        if want is not None and (c, n) not in want:
+            continue
         need = c * n * 128 // 1048576  # GiB of host KV (128 KiB a token)
         if need * 1.05 > H:
             cmds.append(f"echo 'scale: {c}x{n} needs {need} GiB of host KV, this machine gives {H}: skipped'")
             continue
         p = f"{T}/p{c}x{n}"
         cmds += [
-            f"{E2E} {cap} --contexts {c} --batches {n} --steps 8 --modes kvpop_bank,psaw+kvpop_bank,"
-            f"xl+kvpop_bank,quest_bank,sparcas_bank,hip_bank --json {p}_bank.jsonl",
+            f"{E2E} {cap} --contexts {c} --batches {n} --steps 8 --modes kvpop_bank,quest_bank,sparcas_bank,"
+            f"hip_bank --json {p}_bank.jsonl",
             f"{E2E} {cap} --contexts {c} --batches {n} --steps 2 --modes full_streaming,dense_cpu --json {p}_base.jsonl",
             f"{E2E} {cap} --contexts {c} --batches {n} --steps 8 --modes sparcas,kvpop --route gpu --json {p}_route_gpu.jsonl",
             f"{E2E} {cap} --contexts {c} --batches {n} --steps 8 --modes sparcas,kvpop --route auto --json {p}_route_auto.jsonl",
-            f"{E2E} {cap} --split-share 1 --contexts {c} --batches {n} --steps 8 --modes sparcas,kvpop "
-            f"--route auto --json {p}_route_cpu.jsonl",
         ]
-    cmds += [f"{E2E} {cap} --contexts {c} --batches {n} --steps 8 --modes dense_resident --json {T}/dense_{c}x{n}.jsonl"
-             for c, n in ((32768, 1), (49152, 1), (57344, 1), (131072, 1), (32768, 2))]
-    cmds += [f"for f in {T}/*.jsonl; do {PY} scripts/device/e2e_sdpa.py $f ${{f%.jsonl}}.sdpa.json; done"]
+    if want is None or "dense" in sel.split(","):
+        cmds += [f"{E2E} {cap} --contexts {c} --batches {n} --steps 8 --modes dense_resident "
+                 f"--json {T}/dense_{c}x{n}.jsonl" for c, n in SCALE_DENSE]
+    cmds.append(sdpa_pending(T))
     return cmds
 
 
@@ -481,7 +497,7 @@ def step_profile_cmds(T):
             tag = f"{v}_{rep}"
             cmds.append(f"{env}KVFERRY_LFPS_PROFILE=1 {E2E} --contexts 32768,65536 --batches 1 --steps 8 --modes lfps "
                         f"{extra} --trace {T}/{tag} --json {T}/{tag}.jsonl 2> {T}/{tag}.log".replace("  ", " "))
-    cmds.append(f"for f in {T}/*.jsonl; do {PY} scripts/device/e2e_sdpa.py $f ${{f%.jsonl}}.sdpa.json; done")
+    cmds.append(sdpa_pending(T))
     return cmds
 
 

@@ -7,7 +7,8 @@ scaled_dot_product_attention over all layers (each layer its own K/V, as many as
 one CUDA graph of the whole step, like kvferry's), and writes the rows with sdpa_ms_per_token_step
 and ratio = kvferry / SDPA time into one JSON file.
 
-Usage: e2e_sdpa.py ROWS.jsonl OUT.json [--device-gib 70]
+Usage: e2e_sdpa.py ROWS.jsonl OUT.json [ROWS2.jsonl OUT2.json ...] [--device-gib 70]
+Several pairs share one torch start and one SDPA timing per (context, batch, layers).
 """
 import json
 import sys
@@ -79,12 +80,21 @@ def time_prefill(ctx, hq=32, hkv=8, d=128, reps=3):
 
 
 def main():
-    rows_path, out_path = sys.argv[1], sys.argv[2]
+    args = sys.argv[1:]
     device_gib = 70.0
-    if "--device-gib" in sys.argv:
-        device_gib = float(sys.argv[sys.argv.index("--device-gib") + 1])
-    rows = [json.loads(l) for l in open(rows_path) if l.strip()]
+    if "--device-gib" in args:
+        i = args.index("--device-gib")
+        device_gib = float(args[i + 1])
+        del args[i:i + 2]
+    if not args or len(args) % 2:
+        sys.exit("usage: e2e_sdpa.py ROWS.jsonl OUT.json [ROWS2.jsonl OUT2.json ...] [--device-gib 70]")
     cache = {}
+    for rows_path, out_path in zip(args[::2], args[1::2]):
+        add_sdpa(rows_path, out_path, cache, device_gib)
+
+
+def add_sdpa(rows_path, out_path, cache, device_gib):
+    rows = [json.loads(l) for l in open(rows_path) if l.strip()]
     for r in rows:
         if "skipped" in r:
             continue
