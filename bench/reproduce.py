@@ -479,7 +479,7 @@ def lfps_recall_merge(T):
 
 
 # lfps_step_profile (GPU): kvferry-e2e --modes lfps at 32K and 64K with the policy's phase timers
-# (KVFERRY_LFPS_PROFILE=1, printed on stderr when a row's Runtime is destroyed) and one traced step.
+# (lfps parameter profile=1, printed on stderr when a row's Runtime is destroyed) and one traced step.
 STEP_VARIANTS = [  # (variant, params for the row, env, extra flags)
     ("default", {}, "", ""),
     ("scan0", {"scan": 0}, "", "--param scan=0"),
@@ -495,7 +495,7 @@ def step_profile_cmds(T):
     for rep in range(1, STEP_REPEATS + 1):  # interleaved: the machine's drift falls on every variant
         for v, _, env, extra in STEP_VARIANTS:
             tag = f"{v}_{rep}"
-            cmds.append(f"{env}KVFERRY_LFPS_PROFILE=1 {E2E} --contexts 32768,65536 --batches 1 --steps 8 --modes lfps "
+            cmds.append(f"{env}{E2E} --contexts 32768,65536 --batches 1 --steps 8 --modes lfps --param profile=1 "
                         f"{extra} --trace {T}/{tag} --json {T}/{tag}.jsonl 2> {T}/{tag}.log".replace("  ", " "))
     cmds.append(sdpa_pending(T))
     return cmds
@@ -550,7 +550,7 @@ def step_profile_merge(T):
                 row.update(trace_step_fields(f"{T}/{tag}_lfps_{r['context']}_b1.json"))
                 rows.append(row)
     return {"bench": "kvferry-e2e --modes lfps (32 layers, Llama-3.1-8B attention shape, batch 1, lfps@2% route "
-                     "auto) with KVFERRY_LFPS_PROFILE=1 and --trace",
+                     "auto) with the lfps parameter profile=1 and --trace",
             "device": "one GPU of the lent machine + its cores (provenance.gpu / provenance.cpu)",
             "scripts": step_profile_cmds(T),
             "note": "lfps_us_per_select: LfpsPolicy phase profile, microseconds per Select (one KV head of one layer), "

@@ -84,9 +84,9 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
 
 size_t RuntimeImpl::AllocBytes(size_t bytes) { return std::max<size_t>(bytes, 64); }
 
-bool RuntimeImpl::EnvIs(const char* name, std::string_view value) {
-  const char* v = std::getenv(name);
-  return v != nullptr && std::string_view(v) == value;
+bool RuntimeImpl::OnDevicePath(PathChoice choice) const {
+  if (choice == PathChoice::kAuto) return device_->backend() == Backend::kCuda;
+  return choice == PathChoice::kDevice;
 }
 
 HostStoreShape RuntimeImpl::StoreShape() const {
@@ -215,10 +215,10 @@ void RuntimeImpl::SizePrefillStaging(const HostStoreShape& store, DeviceBufferSi
   z.prefill_scratch = AllocBytes(static_cast<size_t>(hkv * z.max_pages) *
                                  static_cast<size_t>(HostStore::PageBytes(store)));
   z.prefill_pages = AllocBytes(static_cast<size_t>(hkv * z.max_pages) * sizeof(void*));
-  // Tensor cores unless KVFERRY_CUDA_PREFILL=paged asks for the CUDA-core kernel (the reference
-  // it is tested against); with them, chunks after the first copy their history on a stream of
-  // their own.
-  z.prefill_tensor_cores = !EnvIs("KVFERRY_CUDA_PREFILL", "paged");
+  // Tensor cores unless ReferencePaths::cuda_prefill_paged asks for the CUDA-core kernel (the
+  // reference it is tested against); with them, chunks after the first copy their history on a
+  // stream of their own.
+  z.prefill_tensor_cores = !config_.paths.cuda_prefill_paged;
   z.prefill_copy_stream = z.prefill_tensor_cores;
   if (z.prefill_copy_stream) ++z.streams;
   // The chunk's write-through on a stream of its own, from the staging, while the chunk is
@@ -238,12 +238,12 @@ void RuntimeImpl::SizePriming(DeviceBufferSizes& z) const {
   const Capacity& cap = config_.capacity;
   const bool cuda = device_->backend() == Backend::kCuda;
   const int64_t hkv = m.num_kv_heads;
-  // Priming on the device: on CUDA unless KVFERRY_PRIME=host (the host loop, for comparison); on
-  // the host backend only with KVFERRY_PRIME=device (the CPU reference of the same path, so that
-  // machines without a GPU run it). Per KV head a table pair (vertical, slash) of 2 n floats and
+  // Priming on the device: on CUDA unless ReferencePaths::prime is kHost (the host loop, for
+  // comparison); on the host backend only with kDevice (the CPU reference of the same path, so
+  // that machines without a GPU run it). Per KV head a table pair (vertical, slash) of 2 n floats and
   // the stats; on CUDA the softmax partials of up to 256 key splits per head, at most about
   // 16 MiB (fewer splits for many rows).
-  const bool device_prime = cuda ? !EnvIs("KVFERRY_PRIME", "host") : EnvIs("KVFERRY_PRIME", "device");
+  const bool device_prime = OnDevicePath(config_.paths.prime);
   if (policy_->prime_rows() > 0 && device_prime) {
     z.prime_rows = static_cast<int>(std::min<int64_t>(policy_->prime_rows(), cap.max_prefill_chunk));
     z.prime_table_stride = 2 * cap.max_tokens_per_sequence;
@@ -366,13 +366,12 @@ Status RuntimeImpl::SizeStepLists(DeviceBufferSizes& z) const {
 void RuntimeImpl::SizeDeviceScan(DeviceBufferSizes& z) const {
   const ModelShape& m = config_.model;
   const Capacity& cap = config_.capacity;
-  const bool cuda = device_->backend() == Backend::kCuda;
   const int64_t hkv = m.num_kv_heads, d = m.head_dim;
   // LFPS's scan on the device: a copy of the policy's int8 shadow of K (head_dim bytes per token
   // and KV head, a quarter of a bf16 K + V row pair) and its scales, the scan's scores and
   // workspace (its ranking and counts: mapped host memory, scan_out / scan_counts).
   const int channels = policy_->device_scan_channels();
-  const bool scan_env = cuda ? !EnvIs("KVFERRY_LFPS_SCAN", "host") : EnvIs("KVFERRY_LFPS_SCAN", "device");
+  const bool scan_env = OnDevicePath(config_.paths.lfps_scan);
   if ((z.cpu_step || z.host_lists) && channels > 0 && scan_env && dims_.group <= kLfpsScanMaxGroup &&
       d <= 256) {
     const int64_t items = int64_t{cap.max_batch} * hkv;
@@ -395,7 +394,7 @@ void RuntimeImpl::SizeDeviceScan(DeviceBufferSizes& z) const {
     z.scan_counts = AllocBytes(static_cast<size_t>(items) * sizeof(int32_t));
     // Under a cap the scan is what gives way (the policy then scans on the host); with no cap it
     // takes at most a quarter of the GPU (an engine's weights and activations share it), unless
-    // KVFERRY_LFPS_SCAN=device asks for it.
+    // ReferencePaths::lfps_scan = kDevice asks for it.
     const int64_t scan_bytes = static_cast<int64_t>(z.scan_shadow + z.scan_scale + z.scan_keys +
                                                     z.scan_ints + z.scan_hist + z.scan_blocks +
                                                     z.scan_items);
@@ -403,7 +402,7 @@ void RuntimeImpl::SizeDeviceScan(DeviceBufferSizes& z) const {
     const bool too_big = cap.gpu_bytes > 0
                              ? z.Plan(cap.gpu_bytes).total_bytes > cap.gpu_bytes
                              : total > 0 && scan_bytes > total / 4 &&
-                                   !EnvIs("KVFERRY_LFPS_SCAN", "device");
+                                   config_.paths.lfps_scan != PathChoice::kDevice;
     if (too_big) z.DropScan();
   }
 }

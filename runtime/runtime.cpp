@@ -281,8 +281,7 @@ void RuntimeImpl::InitDeferredPrime() {
         std::min<int64_t>(policy_->prime_rows(), config_.capacity.max_prefill_chunk));
     prime_.pending.assign(static_cast<size_t>(config_.capacity.max_sequences) * m.num_layers, {});
     prime_.pending_q.assign(static_cast<size_t>(config_.capacity.max_sequences), nullptr);
-    const char* eager = std::getenv("KVFERRY_PRIME_EAGER");
-    prime_.eager = eager != nullptr && std::string_view(eager) == "1";
+    prime_.eager = config_.paths.prime_eager;
   }
 }
 

@@ -72,7 +72,7 @@ struct DeviceBufferSizes {
   int bank_regions = 1;
   int64_t step_ws_floats = 0;
   // CUDA prefill: pages of one layer staged in device memory; the tensor-core kernel and its
-  // copy stream unless KVFERRY_CUDA_PREFILL=paged asks for the CUDA-core kernel.
+  // copy stream unless ReferencePaths::cuda_prefill_paged asks for the CUDA-core kernel.
   int64_t max_pages = 0;
   bool prefill_tensor_cores = false;
   bool prefill_copy_stream = false;
@@ -81,12 +81,12 @@ struct DeviceBufferSizes {
   /// history while the current call computes (PrefetchNextHistory).
   bool prefill_prefetch = false;
   int streams = 0;  // streams the device keeps scratch for: its default one and those Init creates
-  // LFPS-style priming on the device (Policy::prime_rows() > 0; on CUDA unless KVFERRY_PRIME=host,
-  // on the host backend with KVFERRY_PRIME=device): rows primed per chunk, table stride per head.
+  // LFPS-style priming on the device (Policy::prime_rows() > 0; on CUDA unless paths.prime is kHost,
+  // on the host backend with kDevice): rows primed per chunk, table stride per head.
   int prime_rows = 0;
   int64_t prime_table_stride = 0;
   // LFPS's scan on the device (Policy::device_scan_channels() > 0, a host-selecting planned step;
-  // on CUDA unless KVFERRY_LFPS_SCAN=host, on the host backend with KVFERRY_LFPS_SCAN=device;
+  // on CUDA unless paths.lfps_scan is kHost, on the host backend with kDevice;
   // dropped when a GPU cap leaves no room for it): picks per item (the row stride of scan_out).
   bool device_scan = false;
   int64_t scan_picks = 0;  // the most picks an item asks for
@@ -228,7 +228,8 @@ class RuntimeImpl {
   static size_t AllocBytes(size_t bytes);
   /// True if the environment variable \p name is set to exactly \p value (the runtime's switches,
   /// read at Create).
-  static bool EnvIs(const char* name, std::string_view value);
+  // Whether a ReferencePaths choice takes the device path on this backend.
+  bool OnDevicePath(PathChoice choice) const;
   // The host store's shape, and the banks' configurations for \p bank_slots.
   HostStoreShape StoreShape() const;
   StepBankConfig StepBankConfigFor(int bank_slots) const;
@@ -331,11 +332,11 @@ class RuntimeImpl {
   // Device::PrimeAttention over the store then OnPrefillPrimed; Stats::ms_prime). A policy primes
   // from the prompt's last chunk only (each chunk re-primes from scratch), so priming once from
   // the last chunk's rows gives what priming after every chunk gave, at one pass over the
-  // history per layer instead of one per chunk. KVFERRY_PRIME_EAGER=1 primes at each chunk (the
+  // history per layer instead of one per chunk. ReferencePaths::prime_eager primes at each chunk (the
   // earlier behaviour, for comparison).
   Status DeferPrime(int slot, int layer, int64_t new_len, int64_t tokens, const void* q_src,
                     DType q_dtype, StreamHandle stream);
-  // \p same_call: the rows were copied by the call still under way (KVFERRY_PRIME_EAGER): wait
+  // \p same_call: the rows were copied by the call still under way (ReferencePaths::prime_eager): wait
   // for \p stream instead of the last call.
   Status FlushPrime(int slot, int layer, StreamHandle stream, bool same_call);
   // Primes (slot, layer) at length new_len from the f32 queries in io_.q_f32, [Hkv][rows][G][D]: the

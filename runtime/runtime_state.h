@@ -404,7 +404,7 @@ struct PrefillStaging {
 };
 
 /// Priming a policy that learns from the prompt (Policy::prime_rows, wants_prefill_queries). With
-/// rows > 0 (on CUDA unless KVFERRY_PRIME=host, on the host backend with KVFERRY_PRIME=device)
+/// rows > 0 (RuntimeConfig::paths.prime: on CUDA unless kHost, on the host backend with kDevice)
 /// Device::PrimeAttention computes the statistics and OnPrefillPrimed finishes on the host. The
 /// pending rows are kept by DeferPrime and primed from by FlushPrime. Allocated by
 /// InitPrimeBuffers and InitDeferredPrime (pending_q at a slot's first primed prefill).
@@ -413,7 +413,7 @@ struct Priming {
   std::vector<PendingPrime> pending;  // [slot * num_layers + layer]
   std::vector<char*> pending_q;       // per slot, pinned: [layer][rows][Hq][D] in q's dtype
   int pending_rows = 0;               // rows kept at most (Policy::prime_rows)
-  bool eager = false;                 // KVFERRY_PRIME_EAGER=1
+  bool eager = false;                 // RuntimeConfig::paths.prime_eager
   int64_t table_stride = 0;           // floats per head: ver [n] then sla [n]
   float* tables_dev = nullptr;        // device: [Hkv][table_stride]
   float* tables_host = nullptr;       // pinned copy the policy reads

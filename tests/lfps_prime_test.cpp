@@ -7,8 +7,8 @@
 //    1/17/97/4099, sink 0/4, GQA 1/4, d64/d128, bf16/f16, chunks shorter than s;
 //  - CUDA kernel (gpu/prime.cu) against the CPU reference on the same inputs, outputs poisoned,
 //    with the GPU's split count and with a scratch that holds one split;
-//  - through the Runtime: the host backend with KVFERRY_PRIME=device equals its host loop; on
-//    CUDA the GPU-primed runtime equals one primed by the host loop (KVFERRY_PRIME=host) bit for
+//  - through the Runtime: the host backend with paths.prime = kDevice equals its host loop; on
+//    CUDA the GPU-primed runtime equals one primed by the host loop (paths.prime = kHost) bit for
 //    bit in its selections, and the host backend within the existing CUDA-vs-host tolerance.
 // Tolerance of the tables: |a - b| <= 1e-4 |b| + 1e-6 max|b| (fp32 sums of up to rows x group
 // weights in another order, logits of another dot-product order); k_bar / v_bar 1e-5 absolute;
@@ -371,20 +371,29 @@ RuntimeConfig PrimeConfig(Backend backend, DType kv_dtype) {
   return cfg;
 }
 
-// Creates a Runtime with KVFERRY_PRIME set to \p prime ("" leaves it unset), and \p env (NAME=VALUE)
-// if given.
-std::unique_ptr<Runtime> MakeRuntime(const RuntimeConfig& c, const char* prime,
-                                     const char* env = nullptr) {
-  std::string env_name;
-  if (*prime != '\0') setenv("KVFERRY_PRIME", prime, 1);
-  if (env != nullptr) {
-    const std::string e(env);
-    env_name = e.substr(0, e.find('='));
-    setenv(env_name.c_str(), e.substr(e.find('=') + 1).c_str(), 1);
+PathChoice PathNamed(const std::string& name) {
+  if (name == "host") return PathChoice::kHost;
+  if (name == "device") return PathChoice::kDevice;
+  EXPECT_TRUE(name.empty()) << "path '" << name << "'";
+  return PathChoice::kAuto;
+}
+
+// Creates a Runtime whose RuntimeConfig::paths.prime is \p prime ("host", "device"; "" the
+// backend's own), and with \p path if given: "prime_eager", "cuda_prefill_paged",
+// "lfps_scan=host" or "lfps_scan=device".
+std::unique_ptr<Runtime> MakeRuntime(RuntimeConfig c, const char* prime, const char* path = nullptr) {
+  c.paths.prime = PathNamed(prime);
+  const std::string p = path == nullptr ? "" : path;
+  if (p == "prime_eager") {
+    c.paths.prime_eager = true;
+  } else if (p == "cuda_prefill_paged") {
+    c.paths.cuda_prefill_paged = true;
+  } else if (p.rfind("lfps_scan=", 0) == 0) {
+    c.paths.lfps_scan = PathNamed(p.substr(10));
+  } else {
+    EXPECT_TRUE(p.empty()) << "path '" << p << "'";
   }
   auto made = Runtime::Create(c);
-  if (*prime != '\0') unsetenv("KVFERRY_PRIME");
-  if (env != nullptr) unsetenv(env_name.c_str());
   EXPECT_TRUE(made.ok()) << made.status().ToString();
   return made.ok() ? std::move(made).value() : nullptr;
 }
@@ -479,7 +488,7 @@ void RunAndCompare(std::vector<std::unique_ptr<Runtime>>& rts, const std::vector
   }
 }
 
-// The host backend with KVFERRY_PRIME=device (the CPU reference of the device path) equals its
+// The host backend with paths.prime = kDevice (the CPU reference of the device path) equals its
 // host loop: the runtime wiring of the GPU path, run where there is no GPU.
 TEST(LfpsPrimeRuntime, HostDevicePathEqualsHostLoop) {
   for (const DType dt : {DType::kBF16, DType::kF16}) {
@@ -493,7 +502,7 @@ TEST(LfpsPrimeRuntime, HostDevicePathEqualsHostLoop) {
 }
 
 // Priming is deferred to the first Decode after the prompt (the last chunk's rows kept): it selects
-// and attends exactly as priming after every chunk (KVFERRY_PRIME_EAGER=1), on the host loop and on
+// and attends exactly as priming after every chunk (paths.prime_eager), on the host loop and on
 // the host backend's copy of the device path; a prefill alone primes nothing until then.
 TEST(LfpsPrimeRuntime, DeferredToFirstDecodeEqualsEager) {
   for (const char* prime : {"", "device"}) {
@@ -501,14 +510,14 @@ TEST(LfpsPrimeRuntime, DeferredToFirstDecodeEqualsEager) {
     std::vector<std::unique_ptr<Runtime>> rts;
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kHost, DType::kBF16), prime));
     rts.push_back(
-        MakeRuntime(PrimeConfig(Backend::kHost, DType::kBF16), prime, "KVFERRY_PRIME_EAGER=1"));
+        MakeRuntime(PrimeConfig(Backend::kHost, DType::kBF16), prime, "prime_eager"));
     ASSERT_TRUE(rts[0] != nullptr && rts[1] != nullptr);
     RunAndCompare(rts, {300, 21}, {0.0, 0.0}, {true, true});
   }
   // Deferred: nothing primed by the prefill itself; the eager runtime primed every chunk.
   std::vector<std::unique_ptr<Runtime>> rts;
   rts.push_back(MakeRuntime(PrimeConfig(Backend::kHost, DType::kBF16), ""));
-  rts.push_back(MakeRuntime(PrimeConfig(Backend::kHost, DType::kBF16), "", "KVFERRY_PRIME_EAGER=1"));
+  rts.push_back(MakeRuntime(PrimeConfig(Backend::kHost, DType::kBF16), "", "prime_eager"));
   ASSERT_TRUE(rts[0] != nullptr && rts[1] != nullptr);
   const ModelShape& m = rts[0]->config().model;
   std::vector<float> q(64 * m.num_q_heads * m.head_dim, 0.5f), k(64 * m.num_kv_heads * m.head_dim, 0.25f),
@@ -543,15 +552,15 @@ TEST(LfpsPrimeRuntime, WrappedLfpsPrimesLikeLfps) {
     std::vector<std::unique_ptr<Runtime>> rts;
     rts.push_back(MakeRuntime(c, ""));
     rts.push_back(MakeRuntime(c, "device"));
-    rts.push_back(MakeRuntime(c, "", "KVFERRY_PRIME_EAGER=1"));
+    rts.push_back(MakeRuntime(c, "", "prime_eager"));
     for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
     RunAndCompare(rts, {300, 21}, {0.0, 1e-5, 0.0}, {true, true, true});
   }
 }
 
 // On CUDA, LFPS primes on the GPU by default: its selections equal those of a CUDA runtime primed
-// by the host loop (KVFERRY_PRIME=host), of one with the CUDA-core prefill
-// (KVFERRY_CUDA_PREFILL=paged), of the host backend and of one primed after every chunk; outputs within 1e-5 of the first
+// by the host loop (paths.prime = kHost), of one with the CUDA-core prefill
+// (paths.cuda_prefill_paged), of the host backend and of one primed after every chunk; outputs within 1e-5 of the first
 // and within the CUDA-vs-host decode tolerance (1e-4, tests/cuda_runtime_test.cpp) of the others.
 TEST(LfpsPrimeRuntime, CudaGpuPrimedEqualsHostPrimed) {
   if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
@@ -560,10 +569,10 @@ TEST(LfpsPrimeRuntime, CudaGpuPrimedEqualsHostPrimed) {
     std::vector<std::unique_ptr<Runtime>> rts;
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), ""));
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "host"));
-    rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "KVFERRY_CUDA_PREFILL=paged"));
+    rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "cuda_prefill_paged"));
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kHost, dt), ""));
-    rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "KVFERRY_PRIME_EAGER=1"));
-    rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "KVFERRY_LFPS_SCAN=host"));
+    rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "prime_eager"));
+    rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "lfps_scan=host"));
     for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
     // Chunks after the first read their history through the overlapped page copies (segments
     // from 2 pages of 256 tokens on); the deferred priming reads the host store over PCIe, the
@@ -577,7 +586,7 @@ TEST(LfpsPrimeRuntime, CudaGpuPrimedEqualsHostPrimed) {
   }
 }
 
-// LFPS's scan on the device, on the host backend's copy of the path (KVFERRY_LFPS_SCAN=device:
+// LFPS's scan on the device, on the host backend's copy of the path (paths.lfps_scan = kDevice:
 // the policy's shadow copied at priming, each step's new row written by the "device", the keys
 // ranked by cpu::LfpsScanRef, the host's Select taking the ranking): the same selections and
 // outputs as the host's own scan, with either priming path. The window is shorter than the steps,
@@ -588,7 +597,7 @@ TEST(LfpsDeviceScanRuntime, HostDevicePathEqualsHostScan) {
     RuntimeConfig c = PrimeConfig(Backend::kHost, DType::kBF16);
     c.tiers.window_tokens = 8;
     std::vector<std::unique_ptr<Runtime>> rts;
-    rts.push_back(MakeRuntime(c, prime, "KVFERRY_LFPS_SCAN=device"));
+    rts.push_back(MakeRuntime(c, prime, "lfps_scan=device"));
     rts.push_back(MakeRuntime(c, prime));
     for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
     RunAndCompare(rts, {512, 512, 512, 21}, {0.0, 0.0}, {true, true});
@@ -604,7 +613,7 @@ TEST(LfpsDeviceScanRuntime, MixedLengthsAndContinuedPromptsEqualHostScan) {
   RuntimeConfig c = PrimeConfig(Backend::kHost, DType::kBF16);
   c.tiers.window_tokens = 8;
   std::vector<std::unique_ptr<Runtime>> rts;
-  rts.push_back(MakeRuntime(c, "device", "KVFERRY_LFPS_SCAN=device"));
+  rts.push_back(MakeRuntime(c, "device", "lfps_scan=device"));
   rts.push_back(MakeRuntime(c, "device"));
   for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
   RunAndCompare(rts, {512, 512}, {0.0, 0.0}, {true, true}, /*skew=*/300, /*mid_chunk=*/40);
@@ -631,7 +640,7 @@ TEST(LfpsDeviceScanRuntime, PrhsWrappersTakeTheDeviceRanking) {
     c.policy.name = name;
     c.policy.params = params;
     std::vector<std::unique_ptr<Runtime>> rts;
-    rts.push_back(MakeRuntime(c, "device", "KVFERRY_LFPS_SCAN=device"));
+    rts.push_back(MakeRuntime(c, "device", "lfps_scan=device"));
     rts.push_back(MakeRuntime(c, "device"));
     RuntimeConfig unplanned = c;
     unplanned.route = Route::kGpu;

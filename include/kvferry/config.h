@@ -104,6 +104,28 @@ enum class Backend : uint8_t {
   kHost = 2,  ///< host-emulated device: same plan, CPU reference kernels; no GPU needed
 };
 
+/// \brief Where a stage that has a device path and a host path runs (ReferencePaths).
+enum class PathChoice : uint8_t {
+  kAuto = 0,    ///< the backend's own: the device path on CUDA, the host loop on the host backend
+  kHost = 1,    ///< the host loop (on CUDA: the reference the device path is compared with)
+  kDevice = 2,  ///< the device path (on the host backend: its CPU reference, for machines without a GPU)
+};
+
+/// \brief The reference paths the fast ones are tested and measured against. The defaults take
+/// the fast paths; a user never needs to change them (docs/runtime.md, "Reference paths").
+struct ReferencePaths {
+  /// LFPS-style priming after a prompt (a policy with Policy::prime_rows() > 0).
+  PathChoice prime = PathChoice::kAuto;
+  /// Prime after every prefill chunk instead of once, at the first Decode after the prompt (the
+  /// same selections; Stats::ms_prime then counts inside ms_prefill).
+  bool prime_eager = false;
+  /// LFPS's candidate scan over its int8 shadow of K. kAuto on CUDA: on the device unless its
+  /// buffers would take more than a quarter of an uncapped GPU; kDevice there takes them anyway.
+  PathChoice lfps_scan = PathChoice::kAuto;
+  /// CUDA prefill with the CUDA-core paged kernel (the reference) instead of the tensor cores.
+  bool cuda_prefill_paged = false;
+};
+
 const char* RouteName(Route route);
 const char* BackendName(Backend backend);
 
@@ -162,6 +184,8 @@ struct RuntimeConfig {
   /// longer item beside them); it pays where the next layer's CPU work comes within tens of
   /// microseconds and the cores are otherwise idle.
   int64_t cpu_spin_us = 0;
+  /// The reference paths (tests and comparisons); the defaults are the fast paths.
+  ReferencePaths paths;
 };
 
 }  // namespace kvferry

@@ -111,7 +111,7 @@ class Runtime {
   /// q/k/v/out may be f32, bf16 or f16, on host or device memory (device only with CUDA).
   /// A policy that learns from the prompt's last queries (lfps) keeps the chunk's last rows of q
   /// (one asynchronous copy) and is primed by the first Decode of (seq, layer) after it, from
-  /// the last chunk: once per prompt and layer, however many chunks (KVFERRY_PRIME_EAGER=1 primes
+  /// the last chunk: once per prompt and layer, however many chunks (RuntimeConfig::paths.prime_eager primes
   /// after every chunk instead, with the same result). That first Decode waits for the device.
   /// CUDA, where the earlier positions are read from: a chunk continuing the call before it (same
   /// sequence and layer) finds them on the GPU; a prompt issued chunk-major (chunk c of every

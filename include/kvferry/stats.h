@@ -58,7 +58,7 @@ struct Stats {
   int64_t prhs_select_calls = 0;
   int64_t prhs_select_reused = 0;
   /// LFPS's scan (policy param "scan"): scans answered from the ranking the device computed over
-  /// its copy of the int8 shadow of K (CUDA; KVFERRY_LFPS_SCAN=host turns it off), and those
+  /// its copy of the int8 shadow of K (CUDA; RuntimeConfig::paths.lfps_scan = kHost turns it off), and those
   /// where too few of its picks lay outside the tables' candidates, so the host scanned.
   int64_t lfps_scans_device = 0;
   int64_t lfps_scans_device_short = 0;
@@ -88,7 +88,7 @@ struct Stats {
   double ms_attend_device = 0;
   /// The policy learning from the prompt (LFPS's tables), from the kept queries' upload (or the
   /// device's priming statistics) to the end of the policy's update; part of the first Decode
-  /// after a prompt (part of ms_prefill with KVFERRY_PRIME_EAGER=1), see Runtime::Prefill.
+  /// after a prompt (part of ms_prefill with RuntimeConfig::paths.prime_eager), see Runtime::Prefill.
   double ms_prime = 0;
 
   double cost_pcie_gbps = 0;     ///< scheduler's GPU-route rate: zero-copy gather GB/s (probed on CUDA)

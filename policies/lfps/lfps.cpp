@@ -747,10 +747,13 @@ Result<LfpsParams> ParseLfpsParams(const std::map<std::string, double>& params) 
     } else if (key == "score_all") {
       KVF_CHECK_ARG(value == 0 || value == 1, "lfps score_all ", value, " must be 0 or 1");
       lp.score_all = value == 1;
+    } else if (key == "profile") {
+      KVF_CHECK_ARG(value == 0 || value == 1, "lfps profile ", value, " must be 0 or 1");
+      lp.profile = value == 1;
     } else {
       return InvalidArgument(detail::StrCat("unknown lfps parameter '", key,
                                             "' (known: s, r, eps, a, local, fallback, score_all, fill, rank, scan, scan_factor, "
-                                            "scan_max_period, per_head_budget)"));
+                                            "scan_max_period, per_head_budget, profile)"));
     }
   }
   return lp;
@@ -764,9 +767,7 @@ LfpsPolicy::LfpsPolicy(const LfpsParams& params, int max_sequences, int num_laye
       num_kv_heads_(num_kv_heads),
       max_tokens_(max_tokens) {
   states_.resize(static_cast<size_t>(max_sequences) * num_layers * num_kv_heads);
-  if (const char* env = std::getenv("KVFERRY_LFPS_PROFILE"); env != nullptr && env[0] == '1') {
-    profile_ = true;
-  }
+  profile_ = params.profile;
   need_.reset(new std::atomic<float>[states_.size()]);
   for (size_t i = 0; i < states_.size(); ++i) need_[i].store(-1.0f, std::memory_order_relaxed);
 }

@@ -56,6 +56,9 @@ struct LfpsParams {
   /// share on offloaded tokens, an EMA), none above ctx.budget: run with ctx.budget > B to let
   /// needy heads take more.
   int64_t per_head_budget = 0;
+  /// "profile" 1: Select's nanoseconds by phase, printed to stderr when the policy is destroyed
+  /// (the runtime's step profile, docs/lfps.md).
+  bool profile = false;
 };
 
 /// Parses config.policy.params; unknown keys and out-of-range values are kInvalidArgument.
@@ -202,7 +205,7 @@ class LfpsPolicy final : public Policy {
   std::unique_ptr<std::atomic<float>[]> need_;  ///< per head: offloaded attention share (EMA), -1 unknown
   std::atomic<int64_t> steps_{0}, bypassed_{0}, fallbacks_{0}, all_{0}, scored_{0},
       offloaded_{0}, shadow_rows_{0}, device_scans_{0}, device_scans_short_{0};
-  // KVFERRY_LFPS_PROFILE=1: nanoseconds of Select by phase, printed to stderr by the destructor
+  // Parameter "profile" 1: nanoseconds of Select by phase, printed to stderr by the destructor
   // (a diagnostic for where a step's select time goes; off by default, one branch a phase).
   static constexpr int kPhases = 7;
   bool profile_ = false;

@@ -143,6 +143,15 @@ class RuntimeConfig:
     split_min_us: float = 30.0
     #: Microseconds the CPU pool's workers spin after a CPU step for the next layer's (0: none).
     cpu_spin_us: int = 0
+    #: The reference paths the fast ones are tested against (docs/runtime.md, "Reference paths");
+    #: the defaults take the fast paths. LFPS-style priming: "auto", "host" or "device".
+    prime_path: str = "auto"
+    #: Prime after every prefill chunk instead of once at the first decode (the same selections).
+    prime_eager: bool = False
+    #: LFPS's candidate scan: "auto", "host" or "device".
+    lfps_scan_path: str = "auto"
+    #: CUDA prefill on the CUDA-core paged kernel instead of the tensor cores.
+    cuda_prefill_paged: bool = False
 
 
 def _is_torch(t: Any) -> bool:

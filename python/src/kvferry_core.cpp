@@ -143,6 +143,19 @@ void RequireRows(const TensorView& v, const char* name, int64_t rows, const char
 
 StreamHandle StreamOf(uintptr_t stream) { return reinterpret_cast<StreamHandle>(stream); }
 
+// The fields of the package's RuntimeConfig dataclass, the one table of them: ConfigFromDict reads
+// these and refuses any other name, and python/tests/test_binding.py checks that the dataclass has
+// exactly these fields (config_fields()).
+constexpr const char* kConfigFields[] = {
+    "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "kv_dtype", "softmax_scale",
+    "layer_window",
+    "max_sequences", "max_tokens_per_sequence", "max_batch", "max_prefill_chunk",
+    "max_host_bytes", "host_bytes_at_create", "gpu_bytes", "prefill_prefetch", "sink_tokens", "window_tokens",
+    "bank_slots", "bank_map", "policy", "budget", "budget_fraction", "params", "weights_path",
+    "route", "backend", "device_id", "cpu_threads", "probe_at_start", "async_cpu",
+    "xl_prefetch", "xl_prefetch_gap_us", "split_share", "split_min_us", "cpu_spin_us",
+    "prime_path", "prime_eager", "lfps_scan_path", "cuda_prefill_paged"};
+
 // RuntimeConfig from the package's RuntimeConfig dataclass (as a dict of its fields).
 RuntimeConfig ConfigFromDict(const nb::dict& d) {
   RuntimeConfig c;
@@ -202,18 +215,10 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
       throw nb::value_error(("kv_dtype must be 'bf16' or 'f16' (got '" + s + "')").c_str());
     }
   };
-  static const char* const kKnown[] = {
-      "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "kv_dtype", "softmax_scale",
-      "layer_window",
-      "max_sequences", "max_tokens_per_sequence", "max_batch", "max_prefill_chunk",
-      "max_host_bytes", "host_bytes_at_create", "gpu_bytes", "prefill_prefetch", "sink_tokens", "window_tokens",
-      "bank_slots", "bank_map", "policy", "budget", "budget_fraction", "params", "weights_path",
-      "route", "backend", "device_id", "cpu_threads", "probe_at_start", "async_cpu",
-      "xl_prefetch", "xl_prefetch_gap_us", "split_share", "split_min_us", "cpu_spin_us"};
   for (auto [key, value] : d) {
     const std::string k = nb::cast<std::string>(key);
     bool known = false;
-    for (const char* n : kKnown) known |= k == n;
+    for (const char* n : kConfigFields) known |= k == n;
     if (!known) throw nb::value_error(("unknown configuration field '" + k + "'").c_str());
   }
   get_int("num_layers", c.model.num_layers);
@@ -316,6 +321,19 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   get_as("split_share", c.split_share, "a float");
   get_as("split_min_us", c.split_min_us, "a float");
   get_int("cpu_spin_us", c.cpu_spin_us);
+  // The reference paths (RuntimeConfig::paths; docs/runtime.md, "Reference paths").
+  auto get_path = [&](const char* k, PathChoice& field) {
+    std::string s;
+    if (!get_as(k, s, "a str")) return;
+    if (s == "auto") field = PathChoice::kAuto;
+    else if (s == "host") field = PathChoice::kHost;
+    else if (s == "device") field = PathChoice::kDevice;
+    else throw nb::value_error((std::string(k) + " must be 'auto', 'host' or 'device' (got '" + s + "')").c_str());
+  };
+  get_path("prime_path", c.paths.prime);
+  get_as("prime_eager", c.paths.prime_eager, "a bool");
+  get_path("lfps_scan_path", c.paths.lfps_scan);
+  get_as("cuda_prefill_paged", c.paths.cuda_prefill_paged, "a bool");
   return c;
 }
 
@@ -516,6 +534,10 @@ NB_MODULE(_core, m) {
   m.def("cuda_available", &kvferry::CudaAvailable,
         "Whether this build has the CUDA backend and a usable GPU.");
   m.def("policy_names", &kvferry::PolicyNames, "Names of the selection policies.");
+  m.def(
+      "config_fields",
+      [] { return std::vector<std::string>(std::begin(kvferry::python::kConfigFields), std::end(kvferry::python::kConfigFields)); },
+      "The RuntimeConfig fields the core reads (the one table the dataclass is checked against).");
   nb::class_<PyRuntime>(m, "Runtime")
       .def(nb::init<const nb::dict&>(), nb::arg("config"),
            "Creates a runtime from a dict of RuntimeConfig fields (see kvferry.RuntimeConfig).")

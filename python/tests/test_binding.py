@@ -354,6 +354,46 @@ def test_tuning_fields_reach_the_config():
         make_rt(policy="kvpop", budget=48, weights_path="/nonexistent/w.safetensors")
 
 
+def test_config_fields_are_one_table():
+    """The dataclass has exactly the fields the core reads, in its order (kvferry_core.cpp's
+    kConfigFields, the one table of them)."""
+    import dataclasses
+
+    assert [f.name for f in dataclasses.fields(kvferry.RuntimeConfig)] == list(kvferry._core.config_fields())
+
+
+def test_reference_paths_are_config_fields():
+    """The reference paths (RuntimeConfig::paths) are fields, checked at create: lfps primed after
+    every chunk (prime_eager) decodes as the deferred priming does, bit for bit; the host backend's
+    copy of the device priming and scan paths (prime_path / lfps_scan_path "device") gives the same
+    outputs within fp32 rounding, and the scan path is the one that ran."""
+    for name in ("prime_path", "lfps_scan_path"):
+        with pytest.raises(ValueError, match=rf"{name} must be 'auto', 'host' or 'device' \(got 'gpu'\)"):
+            make_rt(**{name: "gpu"})
+    with pytest.raises(TypeError, match=r"prime_eager must be a bool"):
+        make_rt(prime_eager="yes")
+    variants = [{}, {"prime_eager": True}, {"prime_path": "device"},
+                {"prime_path": "device", "lfps_scan_path": "device"}]
+    rts = [make_rt(policy="lfps", budget=48, max_prefill_chunk=128, **v) for v in variants]
+    for rt in rts:
+        rt.add_sequence(1)
+    n = 300
+    for layer in (0, 1):
+        q, k, v = rnd(n, HQ, D), rnd(n, HKV, D), rnd(n, HKV, D)
+        for start in range(0, n, 128):
+            for rt in rts:
+                rt.prefill(1, layer, q[start:start + 128], k[start:start + 128], v[start:start + 128])
+    assert rts[0].stats()["ms_prime"] == 0 < rts[1].stats()["ms_prime"]  # deferred vs every chunk
+    for _step in range(3):
+        for layer in (0, 1):
+            q, k, v = rnd(1, HQ, D), rnd(1, HKV, D), rnd(1, HKV, D)
+            outs = [rt.decode([1], layer, q, k, v) for rt in rts]
+            assert torch.equal(outs[0], outs[1])
+            for o in outs[2:]:
+                assert torch.allclose(o, outs[0], rtol=0, atol=1e-5)
+    assert rts[0].stats()["lfps_scans_device"] == 0 < rts[3].stats()["lfps_scans_device"]
+
+
 def test_gpu_bytes_cap_refuses_what_does_not_fit_and_sizes_the_auto_bank():
     with pytest.raises(MemoryError, match="capacity.gpu_bytes 4096 is below"):
         make_rt(gpu_bytes=4096)
