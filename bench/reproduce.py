@@ -105,9 +105,9 @@ def sdpa_pending(T):
 
 def scale_cmds(T):
     """Each point: the four device policies with the token bank, the two baselines, and sparcas /
-    kvpop without a bank on route gpu and on the scheduler's split (auto); the real, moving query.
-    Every row fills its own runtime (about 0.5 s a GiB of KV), so the whole file is about 17
-    minutes of a one-GPU machine: on one whose calls stop at 10 minutes, run it in parts on the
+    kvpop without a bank on the scheduler's route (auto: its GPU/CPU split of the misses); the
+    real, moving query. Every row fills its own runtime (about 0.5 s a GiB of KV), so the whole
+    file is about 13 minutes of a one-GPU machine: on one whose calls stop at 10 minutes, run it in parts on the
     same warm machine with the same T, SCALE_POINTS=CxN[,CxN] (SCALE_POINTS=dense: the
     dense_resident capacity rows), then once with --merge-only."""
     H = host_gib()
@@ -127,7 +127,6 @@ def scale_cmds(T):
             f"{E2E} {cap} --contexts {c} --batches {n} --steps 8 --modes kvpop_bank,quest_bank,sparcas_bank,"
             f"hip_bank --json {p}_bank.jsonl",
             f"{E2E} {cap} --contexts {c} --batches {n} --steps 2 --modes full_streaming,dense_cpu --json {p}_base.jsonl",
-            f"{E2E} {cap} --contexts {c} --batches {n} --steps 8 --modes sparcas,kvpop --route gpu --json {p}_route_gpu.jsonl",
             f"{E2E} {cap} --contexts {c} --batches {n} --steps 8 --modes sparcas,kvpop --route auto --json {p}_route_auto.jsonl",
         ]
     if want is None or "dense" in sel.split(","):
