@@ -170,8 +170,11 @@ def plot_scale(results):
         ax.set_xlabel("ms per token step (32 layers)", fontsize=8)
         ax.grid(True, axis="x", which="both", alpha=0.3)
     axes[0][0].legend(fontsize=6, loc="lower right")
-    fig.suptitle("kvferry under an 8 GiB GPU memory cap (H100 / H200, Llama-3.1-8B attention shape, "
-                 "2% budget); labels: kvferry / uncapped SDPA time measured in the "
+    gpus = " / ".join(sorted({str((r.get("provenance") or {}).get("gpu", "?")).replace("NVIDIA ", "")
+                              for r in rows}))
+    queries = " / ".join(sorted({str(r.get("query", "?")) for r in rows}))
+    fig.suptitle(f"kvferry under an 8 GiB GPU memory cap ({gpus}, Llama-3.1-8B attention shape, "
+                 f"2% budget, {queries} query); labels: kvferry / uncapped SDPA time measured in the "
                  "same call", fontsize=9)
     save(fig, src[:-5] + ".png")
 

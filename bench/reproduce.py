@@ -158,6 +158,8 @@ def scale_merge(T):
                "context": r["context"], "batch": r["batch"],
                "route": "cpu" if mode == "dense_cpu" else (route_kind or r.get("route", "gpu")),
                "gpu_bytes_cap": 8 << 30, "query_drift": r.get("query_drift", 0)}
+        if r.get("query"):
+            row["query"] = r["query"]  # kvferry-e2e's own label ("real", ...)
         label_query([row])
         row.pop("query_drift")
         if route_kind:
@@ -1116,7 +1118,8 @@ GPU1 = "GPU: 1x H100/H200 + 16 cores (nvidia-h200)"
 GPU1_RAM = "GPU: 1x H100/H200 + 16 cores, 128 GiB RAM (nvidia-h200)"
 CPU2 = "CPU: host backend, 2+ cores"
 MACHINE = {
-    "e2e": (GPU1_RAM, "~8 min (454 s recorded on an H100 with the binaries built: 40 rows, SDPA, prefill)"), "scale": (GPU1_RAM, "?"), "split": (GPU1_RAM, "?"),
+    "e2e": (GPU1_RAM, "~8 min (454 s recorded on an H100 with the binaries built: 40 rows, SDPA, prefill)"), "scale": (GPU1_RAM, "~13 min in two calls on one warm machine (730 s recorded on an H200: "
+                                   "SCALE_POINTS=32768x4,131072x1,dense 210 s, then 131072x4,524288x1 520 s)"), "split": (GPU1_RAM, "?"),
     "quality_gemma3_32k": (CPU2, "~145 min on 2 cores (143 min recorded beside builds and CI: 4 prefills of 16K/32K, 32 lanes x 1024 tokens at ~11 tok/s idle, 9 passkey prompts)"),
     "quality_smollm2": (CPU2, "~75 min on 2 cores (2507 s of decode recorded, + 9 prefills, passkey, replays)"),
     "gpu_attention": (GPU1, "?"), "torch_sdpa": (GPU1, "?"), "transfer_span": (GPU1, "?"),
