@@ -10,9 +10,13 @@
 // is dense attention); when k_off <= 0 only the resident positions are returned.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <span>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "base/attn_types.h"
@@ -20,6 +24,7 @@
 #include "cpu/dtype.h"
 #include "kvferry/config.h"
 #include "kvferry/status.h"
+#include "kvferry/status_macros.h"
 #include "policies/policy.h"
 
 namespace kvferry {
@@ -112,6 +117,69 @@ Status CheckPolicyShape(const char* policy, const RuntimeConfig& config);
 /// A policy parameter that must be an integer in [lo, hi]; the error names it.
 Result<int64_t> IntParam(const char* policy, const std::string& key, double value, int64_t lo,
                          int64_t hi);
+
+/// One parameter of a policy's table (ParseParams): its name, the member it sets and the values it
+/// takes. An int, int64_t or bool member takes integers in [lo, hi] (a bool: 0 or 1); a double
+/// member takes reals in [lo, hi], or in (lo, hi) when \p open. \p only, when set, lists the
+/// values allowed (e.g. bits 4 or 16).
+template <class P>
+struct ParamSpec {
+  const char* name;
+  std::variant<int P::*, int64_t P::*, double P::*, bool P::*> field;
+  double lo = 0, hi = 1;
+  bool open = false;
+  std::vector<double> only = {};
+};
+
+/// The named parameters into \p p (the defaults) by the policy's table; a name not in it, or a
+/// value out of its range, is kInvalidArgument naming the policy, the parameter, the value and
+/// what it takes (the known names for an unknown one).
+template <class P>
+Result<P> ParseParams(const char* policy, const std::map<std::string, double>& params,
+                      std::span<const ParamSpec<P>> table, P p = {}) {
+  for (const auto& [key, value] : params) {
+    const ParamSpec<P>* spec = nullptr;
+    for (const ParamSpec<P>& s : table) {
+      if (key == s.name) spec = &s;
+    }
+    if (spec == nullptr) {
+      std::string known;
+      for (const ParamSpec<P>& s : table) known += (known.empty() ? "" : ", ") + std::string(s.name);
+      return InvalidArgument(detail::StrCat("unknown ", policy, " parameter '", key, "' (known: ",
+                                            known, ")"));
+    }
+    const bool real = std::holds_alternative<double P::*>(spec->field);
+    bool ok = real ? std::isfinite(value) && (spec->open ? value > spec->lo && value < spec->hi
+                                                         : value >= spec->lo && value <= spec->hi)
+                   : std::isfinite(value) && value == std::floor(value) && value >= spec->lo &&
+                         value <= spec->hi;
+    if (!spec->only.empty()) {
+      ok = std::find(spec->only.begin(), spec->only.end(), value) != spec->only.end();
+    }
+    if (!ok) {
+      std::string takes;
+      if (!spec->only.empty()) {
+        for (const double v : spec->only) takes += (takes.empty() ? "one of " : ", ") + detail::StrCat(v);
+      } else {
+        takes = detail::StrCat(real ? "in " : "an integer in ", spec->open ? "(" : "[", spec->lo, ", ",
+                               spec->hi, spec->open ? ")" : "]");
+      }
+      return InvalidArgument(detail::StrCat(policy, " parameter '", key, "' = ", value, " must be ", takes));
+    }
+    // Each alternative's store is compiled for every P; GCC then warns that a double's store could
+    // not fit a P without double members (as QuestParams), though only the member's own type runs.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#endif
+    std::visit([&](auto member) { p.*member = static_cast<std::remove_reference_t<decltype(p.*member)>>(value); },
+               spec->field);
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+  }
+  return p;
+}
 
 }  // namespace kvferry
 

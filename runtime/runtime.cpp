@@ -1823,72 +1823,57 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& config) {
   return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
 }
 // Every call that reads or writes the runtime's state takes the runtime's mutex once, for the
-// whole call (see the contract on Runtime). config() and backend() read what Create fixed.
+// whole call (see the contract on Runtime), and first collects a CPU part still running from the
+// call before (RuntimeConfig::async_cpu). config() and backend() read what Create fixed.
+namespace {
+template <class F>
+auto Locked(detail::RuntimeImpl& impl, F&& call) -> decltype(call()) {
+  const std::lock_guard<std::mutex> lock(impl.mutex());
+  KVF_RETURN_IF_ERROR(impl.CollectCpuPart());
+  return call();
+}
+}  // namespace
 
 Status Runtime::AddSequence(SequenceId seq) {
-  const std::lock_guard<std::mutex> lock(impl_->mutex());
-  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
-  return impl_->AddSequence(seq);
+  return Locked(*impl_, [&] { return impl_->AddSequence(seq); });
 }
 Status Runtime::RemoveSequence(SequenceId seq) {
-  const std::lock_guard<std::mutex> lock(impl_->mutex());
-  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
-  return impl_->RemoveSequence(seq);
+  return Locked(*impl_, [&] { return impl_->RemoveSequence(seq); });
 }
 Result<int64_t> Runtime::SequenceLength(SequenceId seq, int layer) const {
-  const std::lock_guard<std::mutex> lock(impl_->mutex());
-  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
-  return impl_->SequenceLength(seq, layer);
+  return Locked(*impl_, [&] { return impl_->SequenceLength(seq, layer); });
 }
 Status Runtime::Prefill(SequenceId seq, int layer, const TensorView& q, const TensorView& k,
                         const TensorView& v, const TensorView& out, StreamHandle stream) {
-  const std::lock_guard<std::mutex> lock(impl_->mutex());
-  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
-  return impl_->Prefill(seq, layer, q, k, v, out, stream);
+  return Locked(*impl_, [&] { return impl_->Prefill(seq, layer, q, k, v, out, stream); });
 }
 Status Runtime::Decode(std::span<const SequenceId> seqs, int layer, const TensorView& q,
                        const TensorView& k, const TensorView& v, const TensorView& out,
                        StreamHandle stream) {
-  const std::lock_guard<std::mutex> lock(impl_->mutex());
-  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
-  return impl_->Decode(seqs, layer, q, k, v, out, stream);
+  return Locked(*impl_, [&] { return impl_->Decode(seqs, layer, q, k, v, out, stream); });
 }
 Status Runtime::Append(SequenceId seq, int layer, const TensorView& k, const TensorView& v,
                        StreamHandle stream) {
-  const std::lock_guard<std::mutex> lock(impl_->mutex());
-  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
-  return impl_->Append(seq, layer, k, v, stream);
+  return Locked(*impl_, [&] { return impl_->Append(seq, layer, k, v, stream); });
 }
 Status Runtime::PlanDecode(std::span<const SequenceId> seqs, StreamHandle stream) {
-  const std::lock_guard<std::mutex> lock(impl_->mutex());
-  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
-  return impl_->PlanDecode(seqs, stream);
+  return Locked(*impl_, [&] { return impl_->PlanDecode(seqs, stream); });
 }
 bool Runtime::decode_is_capture_safe() const { return impl_->decode_is_capture_safe(); }
 Result<std::vector<int32_t>> Runtime::LastSelection(SequenceId seq, int layer, int kv_head) const {
-  const std::lock_guard<std::mutex> lock(impl_->mutex());
-  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
-  return impl_->LastSelection(seq, layer, kv_head);
+  return Locked(*impl_, [&] { return impl_->LastSelection(seq, layer, kv_head); });
 }
 Status Runtime::Synchronize() {
-  const std::lock_guard<std::mutex> lock(impl_->mutex());
-  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
-  return impl_->Synchronize();
+  return Locked(*impl_, [&] { return impl_->Synchronize(); });
 }
 Status Runtime::TimeDeviceSelect(bool on) {
-  const std::lock_guard<std::mutex> lock(impl_->mutex());
-  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
-  return impl_->TimeDeviceSelect(on);
+  return Locked(*impl_, [&] { return impl_->TimeDeviceSelect(on); });
 }
 Status Runtime::StartTrace(int64_t max_events) {
-  const std::lock_guard<std::mutex> lock(impl_->mutex());
-  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
-  return impl_->StartTrace(max_events);
+  return Locked(*impl_, [&] { return impl_->StartTrace(max_events); });
 }
 Status Runtime::WriteTrace(const std::string& path) {
-  const std::lock_guard<std::mutex> lock(impl_->mutex());
-  KVF_RETURN_IF_ERROR(impl_->CollectCpuPart());
-  return impl_->WriteTrace(path);
+  return Locked(*impl_, [&] { return impl_->WriteTrace(path); });
 }
 Stats Runtime::GetStats() const {
   const std::lock_guard<std::mutex> lock(impl_->mutex());

@@ -62,52 +62,22 @@ int64_t HipMask(const AttnParams& p, const float* q, const KvPages& kv, int64_t 
 }
 
 Result<HipParams> ParseHipParams(const std::map<std::string, double>& params) {
-  HipParams hp;
-  for (const auto& [key, value] : params) {
-    if (key == "bk") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 1, 1024));
-      hp.bk = static_cast<int>(v);
-    } else if (key == "r_m") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 1, 1 << 20));
-      hp.r_m = static_cast<int>(v);
-    } else if (key == "dense_layers") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 0, 4096));
-      hp.dense_layers = static_cast<int>(v);
-    } else if (key == "rep") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 0, 3));
-      hp.rep = static_cast<int>(v);
-    } else if (key == "align") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 0, 1));
-      hp.align = static_cast<int>(v);
-    } else if (key == "dense_bits") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 4, 16));
-      KVF_CHECK_ARG(v == 4 || v == 16, "hip parameter 'dense_bits' = ", v, " must be 4 or 16");
-      hp.dense_bits = static_cast<int>(v);
-    } else if (key == "lag") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 0, 1));
-      hp.lag = static_cast<int>(v);
-    } else if (key == "over") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 1, 64));
-      hp.over = static_cast<int>(v);
-    } else if (key == "guard") {
-      KVF_CHECK_ARG(value >= 0.0 && value <= 1.0, "hip parameter 'guard' = ", value, " must be in [0, 1]");
-      hp.guard = value;
-    } else if (key == "guard_every") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 1, 1 << 20));
-      hp.guard_every = static_cast<int>(v);
-    } else if (key == "fresh") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 0, 1));
-      hp.fresh = static_cast<int>(v);
-    } else if (key == "bits") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("hip", key, value, 4, 16));
-      KVF_CHECK_ARG(v == 4 || v == 16, "hip parameter 'bits' = ", v, " must be 4 or 16");
-      hp.bits = static_cast<int>(v);
-    } else {
-      return InvalidArgument(detail::StrCat("unknown hip parameter '", key,
-                                            "' (known: bk, r_m, dense_layers, rep, bits, align, lag, dense_bits, over, guard, guard_every, fresh)"));
-    }
-  }
-  return hp;
+  using H = HipParams;
+  static const ParamSpec<H> kTable[] = {
+      {"bk", &H::bk, 1, 1024},
+      {"r_m", &H::r_m, 1, 1 << 20},
+      {"dense_layers", &H::dense_layers, 0, 4096},
+      {"rep", &H::rep, 0, 3},
+      {"bits", &H::bits, 4, 16, false, {4, 16}},
+      {"align", &H::align, 0, 1},
+      {"lag", &H::lag, 0, 1},
+      {"dense_bits", &H::dense_bits, 4, 16, false, {4, 16}},
+      {"over", &H::over, 1, 64},
+      {"guard", &H::guard, 0, 1},
+      {"guard_every", &H::guard_every, 1, 1 << 20},
+      {"fresh", &H::fresh, 0, 1},
+  };
+  return ParseParams<H>("hip", params, kTable);
 }
 
 int HipBits(const HipParams& params, int head_dim) {

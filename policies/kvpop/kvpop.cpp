@@ -241,34 +241,16 @@ Status CheckKvpopCombination(const KvpopParams& kp) {
 }  // namespace
 
 Result<KvpopParams> ParseKvpopParams(const std::map<std::string, double>& params) {
-  KvpopParams kp;
-  for (const auto& [key, value] : params) {
-    if (key == "scorer") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("kvpop", key, value, -1, 2));
-      kp.scorer = static_cast<int>(v);
-    } else if (key == "device") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("kvpop", key, value, 0, 1));
-      kp.device = static_cast<int>(v);
-    } else if (key == "decay") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("kvpop", key, value, 0, 1));
-      kp.decay = static_cast<int>(v);
-    } else if (key == "gamma") {
-      KVF_CHECK_ARG(value > 0 && value < 1, "kvpop parameter 'gamma' = ", value,
-                    " must be in (0, 1)");
-      kp.gamma = value;
-    } else if (key == "gamma_min") {
-      KVF_CHECK_ARG(value > 0 && value < 1, "kvpop parameter 'gamma_min' = ", value,
-                    " must be in (0, 1)");
-      kp.gamma_min = value;
-    } else if (key == "gamma_max") {
-      KVF_CHECK_ARG(value > 0 && value < 1, "kvpop parameter 'gamma_max' = ", value,
-                    " must be in (0, 1)");
-      kp.gamma_max = value;
-    } else {
-      return InvalidArgument(detail::StrCat("unknown kvpop parameter '", key,
-                                            "' (known: scorer, gamma, gamma_min, gamma_max, device, decay)"));
-    }
-  }
+  using K = KvpopParams;
+  static const ParamSpec<K> kTable[] = {
+      {"scorer", &K::scorer, -1, 2},
+      {"gamma", &K::gamma, 0, 1, true},
+      {"gamma_min", &K::gamma_min, 0, 1, true},
+      {"gamma_max", &K::gamma_max, 0, 1, true},
+      {"device", &K::device, 0, 1},
+      {"decay", &K::decay, 0, 1},
+  };
+  KVF_ASSIGN_OR_RETURN(K kp, ParseParams<K>("kvpop", params, kTable));
   KVF_CHECK_ARG(kp.gamma_min <= kp.gamma_max, "kvpop parameter 'gamma_min' = ", kp.gamma_min,
                 " exceeds 'gamma_max' = ", kp.gamma_max);
   KVF_RETURN_IF_ERROR(CheckKvpopCombination(kp));

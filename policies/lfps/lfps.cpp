@@ -34,6 +34,7 @@
 //    (exact resync at every renormalisation), so thresholds cost O(1). The candidate scan reads only
 //    the table blocks whose upper bound (kept per cpu::kFilterBlock entries) exceeds tau.
 #include "policies/lfps/lfps.h"
+#include "policies/select_util.h"
 
 #include <algorithm>
 #include <chrono>
@@ -700,63 +701,25 @@ void ScoreManyRows(const AttnParams& p, const float* q, int rows, const KvPages&
 }  // namespace
 
 Result<LfpsParams> ParseLfpsParams(const std::map<std::string, double>& params) {
-  LfpsParams lp;
-  for (const auto& [key, value] : params) {
-    if (key == "s") {
-      KVF_CHECK_ARG(value >= 1 && value <= 4096 && value == std::floor(value),
-                    "lfps s ", value, " must be an integer in [1, 4096]");
-      lp.s = static_cast<int>(value);
-    } else if (key == "r") {
-      KVF_CHECK_ARG(value > 0 && value < 1, "lfps r ", value, " must be in (0, 1)");
-      lp.r = value;
-    } else if (key == "eps") {
-      KVF_CHECK_ARG(value > 0, "lfps eps ", value, " must be > 0 (>= 1 disables the bypass)");
-      lp.eps = value;
-    } else if (key == "a") {
-      KVF_CHECK_ARG(value >= 0 && std::isfinite(value), "lfps a ", value, " must be >= 0");
-      lp.a = value;
-    } else if (key == "local") {
-      KVF_CHECK_ARG(value >= 0 && value <= 1024 && value == std::floor(value), "lfps local ",
-                    value, " must be an integer in [0, 1024]");
-      lp.local = static_cast<int>(value);
-    } else if (key == "fallback") {
-      KVF_CHECK_ARG(value == 0 || value == 1, "lfps fallback ", value, " must be 0 or 1");
-      lp.fallback = value == 1;
-    } else if (key == "fill") {
-      KVF_CHECK_ARG(value >= 0 && value <= 64, "lfps fill ", value, " must be in [0, 64]");
-      lp.fill = value;
-    } else if (key == "scan") {
-      KVF_CHECK_ARG(value >= 0 && value <= 256 && value == std::floor(value), "lfps scan ", value,
-                    " must be an integer in [0, 256]");
-      lp.scan = static_cast<int>(value);
-    } else if (key == "scan_factor") {
-      KVF_CHECK_ARG(value >= 0 && value <= 64, "lfps scan_factor ", value, " must be in [0, 64]");
-      lp.scan_factor = value;
-    } else if (key == "scan_max_period") {
-      KVF_CHECK_ARG(value >= 1 && value <= 1024 && value == std::floor(value),
-                    "lfps scan_max_period ", value, " must be an integer in [1, 1024]");
-      lp.scan_max_period = static_cast<int>(value);
-    } else if (key == "per_head_budget") {
-      KVF_CHECK_ARG(value >= 0 && value == std::floor(value), "lfps per_head_budget ", value,
-                    " must be an integer >= 0");
-      lp.per_head_budget = static_cast<int64_t>(value);
-    } else if (key == "rank") {
-      KVF_CHECK_ARG(value == 0 || value == 1 || value == 2, "lfps rank ", value,
-                    " must be 0, 1 or 2");
-      lp.rank = static_cast<int>(value);
-    } else if (key == "score_all") {
-      KVF_CHECK_ARG(value == 0 || value == 1, "lfps score_all ", value, " must be 0 or 1");
-      lp.score_all = value == 1;
-    } else if (key == "profile") {
-      KVF_CHECK_ARG(value == 0 || value == 1, "lfps profile ", value, " must be 0 or 1");
-      lp.profile = value == 1;
-    } else {
-      return InvalidArgument(detail::StrCat("unknown lfps parameter '", key,
-                                            "' (known: s, r, eps, a, local, fallback, score_all, fill, rank, scan, scan_factor, "
-                                            "scan_max_period, per_head_budget, profile)"));
-    }
-  }
-  return lp;
+  using L = LfpsParams;
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  static const ParamSpec<L> kTable[] = {
+      {"s", &L::s, 1, 4096},
+      {"r", &L::r, 0, 1, true},
+      {"eps", &L::eps, 0, kInf, true},  // >= 1 disables the bypass
+      {"a", &L::a, 0, kInf},
+      {"local", &L::local, 0, 1024},
+      {"fallback", &L::fallback, 0, 1},
+      {"score_all", &L::score_all, 0, 1},
+      {"fill", &L::fill, 0, 64},
+      {"rank", &L::rank, 0, 2},
+      {"scan", &L::scan, 0, 256},
+      {"scan_factor", &L::scan_factor, 0, 64},
+      {"scan_max_period", &L::scan_max_period, 1, 1024},
+      {"per_head_budget", &L::per_head_budget, 0, 1e15},
+      {"profile", &L::profile, 0, 1},
+  };
+  return ParseParams<L>("lfps", params, kTable);
 }
 
 LfpsPolicy::LfpsPolicy(const LfpsParams& params, int max_sequences, int num_layers,

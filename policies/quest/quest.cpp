@@ -48,16 +48,8 @@ void QuestGroupPageScores(const float* ub, int group, int64_t num_pages, int64_t
 }
 
 Result<QuestParams> ParseQuestParams(const std::map<std::string, double>& params) {
-  QuestParams qp;
-  for (const auto& [key, value] : params) {
-    if (key == "page") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("quest", key, value, 1, 4096));
-      qp.page = static_cast<int>(v);
-    } else {
-      return InvalidArgument(detail::StrCat("unknown quest parameter '", key, "' (known: page)"));
-    }
-  }
-  return qp;
+  static const ParamSpec<QuestParams> kTable[] = {{"page", &QuestParams::page, 1, 4096}};
+  return ParseParams<QuestParams>("quest", params, kTable);
 }
 
 QuestPolicy::QuestPolicy(const QuestParams& params, int max_sequences, int num_layers,

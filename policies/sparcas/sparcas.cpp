@@ -71,27 +71,13 @@ void SparcasApproxScoresQ4(const float* q, int group, int head_dim, const int32_
 }
 
 Result<SparcasParams> ParseSparcasParams(const std::map<std::string, double>& params) {
-  SparcasParams sp;
-  for (const auto& [key, value] : params) {
-    if (key == "d_b") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("sparcas", key, value, 1, 256));
-      sp.d_b = static_cast<int>(v);
-    } else if (key == "u") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("sparcas", key, value, 1, 1 << 20));
-      sp.u = static_cast<int>(v);
-    } else if (key == "dense_layers") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("sparcas", key, value, 0, 4096));
-      sp.dense_layers = static_cast<int>(v);
-    } else if (key == "bits") {
-      KVF_ASSIGN_OR_RETURN(int64_t v, IntParam("sparcas", key, value, 4, 16));
-      KVF_CHECK_ARG(v == 4 || v == 16, "sparcas parameter 'bits' = ", v, " (want 4 or 16)");
-      sp.bits = static_cast<int>(v);
-    } else {
-      return InvalidArgument(detail::StrCat("unknown sparcas parameter '", key,
-                                            "' (known: d_b, u, dense_layers, bits)"));
-    }
-  }
-  return sp;
+  static const ParamSpec<SparcasParams> kTable[] = {
+      {"d_b", &SparcasParams::d_b, 1, 256},
+      {"u", &SparcasParams::u, 1, 1 << 20},
+      {"dense_layers", &SparcasParams::dense_layers, 0, 4096},
+      {"bits", &SparcasParams::bits, 4, 16, false, {4, 16}},
+  };
+  return ParseParams<SparcasParams>("sparcas", params, kTable);
 }
 
 int SparcasBits(const SparcasParams& params, int head_dim) {
