@@ -107,7 +107,7 @@ def plot_quality(results):
     # A row's line: its policy, with its parameters when it has any (sparcas bits=4,d_b=32).
     def label(r):
         ps = r.get("params") or {}
-        return r["policy"] + (" " + ",".join(f"{k}={v}" for k, v in ps.items()) if ps else "")
+        return r["policy"] + (" " + ",".join(f"{k}={v:g}" for k, v in ps.items()) if ps else "")
     policies = sorted({label(r) for r in rows if r.get("gap_pct") is not None})
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for j, p in enumerate(policies):

@@ -234,8 +234,11 @@ def quality_cmds(T):
         f"--trace-layers all --trace-steps 1 --policy dense --backend host",
         *[f"{BENCH} --trace {T}/kjv4k.safetensors --policy {p} --budget {b} --steps 64 --sink 4 --window 64 "
           f"--kv-dtype f16 --backend host --json {T}/replay_{p}_{b}.jsonl"
-          for p in ("streaming", "oracle", "quest", "sparcas", "hip", "lfps", "kvpop") for b in (256, 512)],
-        f"{PY} scripts/quality_smollm2.py --ppl {T}/ppl*.json --passkey {T}/passkey*.json "
+          # kvpop is not replayed: kvferry-bench takes no scorer weights, and without them kvpop's
+          # zero scorer keeps the newest rows, i.e. it replays as streaming.
+          for p in ("streaming", "oracle", "quest", "sparcas", "hip", "lfps") for b in (256, 512)],
+        f"{PY} scripts/quality_smollm2.py --ppl {T}/ppl.json {T}/ppl_kvpop.json {T}/ppl_kvpop2.json@scorer=2 "
+        f"{T}/ppl_sparcas16.json@bits=16,d_b=8 {T}/ppl_hip32.json@bits=16,align=0 --passkey {T}/passkey*.json "
         f"--replay {T}/replay_*.jsonl --out {T}/quality.json",
     ]
     return cmds

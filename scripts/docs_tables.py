@@ -132,7 +132,6 @@ def quality_pick(policy, budget, params=None):
     return None
 
 
-DEFAULT_PARAMS = {"sparcas": {"bits": 4, "d_b": 32}}
 
 
 def frontier_pick(policy):
@@ -156,7 +155,7 @@ def t_policy():
         real = e2e_pick(mode, 131072, 1, REPEATED if fixed else "real")
         real4 = e2e_pick(mode, 131072, 4, REPEATED if fixed else "real")
         rep = e2e_pick(mode, 131072, 1)
-        q = quality_pick(name, 256, DEFAULT_PARAMS.get(name)) if name != "dense" else None
+        q = quality_pick(name, 256, {}) if name != "dense" else None
         ms = f"{fmt(real['ms_per_token_step'])} ({gpu_short(real)})" if real else None
         f = frontier_pick(name)
         gap = (f"+{f['gap_pct_kjv']:.1f}%, +{f['gap_pct_jargon']:.1f}%" if f else
@@ -272,7 +271,7 @@ def t_quality():
         ps = r.get("params") or {}
         tr = r.get("trace_replay") or {}
         pk = r.get("passkey")
-        rows.append([f"`{r['policy']}`", ", ".join(f"{k}={v}" for k, v in ps.items()) or "defaults",
+        rows.append([f"`{r['policy']}`", ", ".join(f"{k}={v:g}" for k, v in ps.items()) or "defaults",
                      r.get("budget") or "all", r["perplexity"],
                      f"+{r['gap_pct']:.2f}%" if r.get("gap_pct") else "0",
                      f"{r['gap_over_oracle_gap']:.2f}x" if r.get("gap_over_oracle_gap") else None,

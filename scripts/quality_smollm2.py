@@ -5,9 +5,11 @@ quality table (bench/results/quality_smollm2.json): per policy and budget, perpl
 to dense (and over the oracle's gap at the same budget), passkey found/total and whether it is
 found whenever dense finds it, and recall / mass_recall / rel_err on real traces.
 
-  python scripts/quality_smollm2.py --ppl a.json b.json --passkey p.json q.json \
+  python scripts/quality_smollm2.py --ppl a.json b.json@bits=16,d_b=8 --passkey p.json q.json \
       --replay r.jsonl --out bench/results/quality_smollm2.json --note "..."
-Later files win when a lane appears twice.
+A perplexity file named with "@k=v,..." ran its policies with those parameters: its rows are the
+policy's variant (its "params"), beside the defaults' rows (params {}). Later files win when a lane
+of the same parameters appears twice.
 """
 import argparse
 import json
@@ -31,23 +33,24 @@ def main():
     a = ap.parse_args()
 
     rows = {}
-    def row(policy, budget):
-        return rows.setdefault(f"{policy}@{budget}" if budget else policy,
-                               {"policy": policy, "budget": budget})
+    def row(policy, budget, params=None):
+        params = params or {}
+        key = (f"{policy}@{budget}" if budget else policy) + "".join(f" {k}={v:g}" for k, v in params.items())
+        return rows.setdefault(key, {"policy": policy, "budget": budget, "params": dict(params)})
 
-    ppl_sources = {}
-    for path in a.ppl:
+    for spec in a.ppl:
+        path, _, ps = spec.partition("@")
+        params = {k: float(v) for k, v in (kv.split("=") for kv in ps.split(",") if kv)}
         d = json.load(open(path))
         for l in d["lanes"]:
             p, b = lane_key(l["lane"])
-            r = row(p, b)
+            r = row(p, b, params if p != "dense" else None)
             r["perplexity"] = l["perplexity"]
             r["argmax_agree_with_lane0"] = l["argmax_agree"]
             r["decode_seconds"] = l["decode_seconds"]
             st = l.get("stats", {})
             if st.get("decode_steps"):
                 r["ms_select_per_layer_step"] = st["ms_select"] / st["decode_steps"]
-            ppl_sources[r["policy"] + (f"@{b}" if b else "")] = path
     dense = rows.get("dense", {}).get("perplexity")
     if dense:
         for r in rows.values():
@@ -109,7 +112,8 @@ def main():
     for r in out["rows"]:
         pk = r.get("passkey", {})
         tr = r.get("trace_replay", {})
-        print(f"{r['policy']:>10} {str(r['budget'] or ''):>4} ppl {r.get('perplexity', float('nan')):7.3f} "
+        ps = ",".join(f"{k}={v:g}" for k, v in r["params"].items())
+        print(f"{r['policy']:>10} {str(r['budget'] or ''):>4} {ps:>14} ppl {r.get('perplexity', float('nan')):7.3f} "
               f"gap {r.get('gap_pct', float('nan')):6.2f}% x{r.get('gap_over_oracle_gap', float('nan')):5.2f} "
               f"passkey {pk.get('found', '-')}/{pk.get('trials', '-')} "
               f"recall {tr.get('recall', float('nan')):.3f} mass {tr.get('mass_recall', float('nan')):.3f} "
