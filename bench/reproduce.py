@@ -927,6 +927,52 @@ FRONTIER = (("streaming", "streaming_resident"), ("oracle", "oracle_bank"), ("qu
             ("xl+sparcas", "xl+sparcas_bank"), ("lfps", "lfps"))
 
 
+# The papers' own budgets and Quest's page size at a small budget (issue: HiP and KVpop at their
+# papers' quality): HiP at k = 512, 1024, 2048 of 8K, KVpop at 75% / 88% compression (2048 / 1024
+# of 8K) and 512, with the oracle and streaming at each budget; Quest's pages of 16 / 8 / 4
+# tokens at 256 beside the oracle and streaming there. Both texts, side by side, one core each.
+BUDGETS_BIG = "512,1024,2048"
+
+
+def budgets_cmds(T):
+    W = "--policy-weights policies/weights/kvpop_smollm2.safetensors"
+
+    def text_cmds(t):
+        base = f"{HOST_PPL} --text data/{t}.txt --context 8192 --scored 1024 --cpu-threads 1"
+        return " && ".join([
+            f"{base} --policy oracle,streaming,hip --budget {BUDGETS_BIG} --json {T}/{t}_big.json",
+            f"{base} {W} --policy kvpop --budget {BUDGETS_BIG} --no-dense --json {T}/{t}_kvpop.json",
+            f"{base} --policy oracle,streaming,quest --budget 256 --no-dense --json {T}/{t}_quest16.json",
+            f"{base} --policy quest --param page=8 --budget 256 --no-dense --json {T}/{t}_quest8.json",
+            f"{base} --policy quest --param page=4 --budget 256 --no-dense --json {T}/{t}_quest4.json",
+        ])
+    return [FETCH, side_by_side(*(text_cmds(t) for t in HQ_TEXTS))]
+
+
+def budgets_merge(T):
+    rows = []
+    for t in HQ_TEXTS:
+        dense = lanes_of(f"{T}/{t}_big.json").get("dense", {}).get("perplexity")
+        lanes = []  # (label, lane, params)
+        for f, params in (("big", {}), ("kvpop", {}), ("quest16", {}), ("quest8", {"page": 8}),
+                          ("quest4", {"page": 4})):
+            lanes += [(lab, l, params) for lab, l in lanes_of(f"{T}/{t}_{f}.json").items() if lab != "dense"]
+        oracle = {l["lane"].split("@")[1]: l["perplexity"] for lab, l, _ in lanes if lab.startswith("oracle@")}
+        for lab, l, params in lanes:
+            policy, budget = lab.split("@")
+            gap = 100.0 * (l["perplexity"] / dense - 1)
+            og = 100.0 * (oracle[budget] / dense - 1) if budget in oracle else None
+            rows.append({"text": f"data/{t}.txt", "context": 8192, "scored": 1024, "policy": policy,
+                         "params": params, "budget": int(budget), "perplexity": l["perplexity"],
+                         "dense_perplexity": dense, "gap_pct": gap,
+                         "gap_over_oracle_gap": gap / og if og else None,
+                         "decode_seconds": l.get("decode_seconds")})
+    return {"what": "SmolLM2-135M perplexity (last 1024 of 8K, host backend) at the papers' budgets: HiP at "
+                    "512-2048 of 8K, KVpop at 75% / 88% compression (2048 / 1024) and 512, the oracle and "
+                    "streaming at each; Quest's pages of 16 / 8 / 4 at 256. KJV and the Jargon File",
+            "regenerate": "python3 bench/reproduce.py budgets_smollm2", "rows": rows}
+
+
 def frontier_cmds(T):
     W = "--policy-weights policies/weights/kvpop_smollm2.safetensors"
 
@@ -1102,6 +1148,9 @@ SPECS = {
                                 what="KVpop's MLP scorer trained on SmolLM2 traces (scripts/kvpop_train.py; needs torch)"),
     "llama_smollm2_kjv_passkey": dict(gpu=False, targets=[], examples=True, run=passkey_cmds, merge=load_out,
                                       what="passkey 2K/4K x 3 depths: dense vs streaming and oracle at 256/512"),
+    "budgets_smollm2": dict(gpu=False, targets=[], examples=True, run=budgets_cmds, merge=budgets_merge,
+                            what="HiP and KVpop at their papers' budgets (512-2048 of 8K) and Quest's page size "
+                                 "at 256, beside the oracle and streaming, on KJV and the Jargon File"),
     "frontier": dict(gpu=False, targets=[], examples=True, run=frontier_cmds, merge=frontier_merge,
                      what="every policy's 128K decode time (real query, from e2e.json) against its perplexity gap "
                           "at 256 on KJV and the Jargon File"),
@@ -1142,6 +1191,7 @@ MACHINE = {
     "kvpop_mass_smollm2": (CPU2, "~65 min on 2 cores (12 runs of 8K, ~96 s of decode a lane recorded)"),
     "kvpop_train_smollm2": ("CPU: 2 threads, torch + safetensors", "~30 min (3 traces + 400 steps; not recorded)"),
     "llama_smollm2_kjv_passkey": (CPU2, "~5 min on 2 cores (6 prompts of 2K/4K, 5 lanes)"),
+    "budgets_smollm2": (CPU2, "~25 min on 2 cores (two texts side by side: 5 prefills and 17 lanes of 1024 tokens each)"),
     "frontier": (CPU2, "~10 min on 2 cores (9 min recorded: two texts side by side, 8 lanes + dense of 1024 tokens each)"),
     "query_calibration": (CPU2, "~9 min on 2 cores (recorded: two 8K traces, overlaps of 60 layer traces and "
                                 "40 + 1 synthetic points, 8 bank replays of 64 steps)"),
