@@ -418,10 +418,35 @@ def t_gemma_quality():
     return table(head, rows)
 
 
+def t_budgets():
+    """bench/results/budgets_smollm2.json: gap to dense (and over the oracle's) per policy, budget
+    and text; the papers' budgets for hip / kvpop, Quest's page size at 256."""
+    d = load("budgets_smollm2.json")
+    if not d:
+        return "(bench/results/budgets_smollm2.json not yet generated)\n"
+    texts = sorted({r["text"] for r in d["rows"]}, key=lambda t: ("jargon" in t, t))
+    name = lambda t: os.path.basename(t).replace(".txt", "").upper().replace("JARGON", "Jargon")
+    by = {}
+    for r in d["rows"]:
+        ps = ", ".join(f"{k}={v:g}" for k, v in (r.get("params") or {}).items())
+        by.setdefault((r["budget"], r["policy"], ps), {})[r["text"]] = r
+    order = ["oracle", "streaming", "quest", "hip", "kvpop"]
+    head = ["budget of 8K", "policy", "parameters"] + [f"{name(t)}: gap (/ oracle's)" for t in texts]
+    rows = []
+    for (b, pol, ps) in sorted(by, key=lambda k: (k[0], order.index(k[1]) if k[1] in order else 99, k[2])):
+        cells = [b, f"`{pol}`", ps or "defaults"]
+        for t in texts:
+            r = by[(b, pol, ps)].get(t)
+            o = f" ({r['gap_over_oracle_gap']:.2f}x)" if r and r.get("gap_over_oracle_gap") and pol != "oracle" else ""
+            cells.append(f"{r['gap_pct']:+.2f}%{o}" if r else None)
+        rows.append(cells)
+    return table(head, rows)
+
+
 TABLES = {"query": t_query, "policy": t_policy, "e2e": t_e2e, "prefill": t_prefill, "scale": t_scale,
           "quality": t_quality, "kernels": t_kernels, "cpu": t_cpu,
           "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
-          "hip-quality": t_hip_quality, "gemma-quality": t_gemma_quality}
+          "hip-quality": t_hip_quality, "gemma-quality": t_gemma_quality, "budgets": t_budgets}
 
 
 def doc_files():

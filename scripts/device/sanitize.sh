@@ -3,7 +3,8 @@
 # kvferry_tests (the suites that launch kernels: Cuda*, Gpu*, the device bank, the cuBLAS matmul),
 # each tool's tests split into shards that run side by side on the one GPU. Summaries under $OUT.
 #   B: a build dir with tests/kvferry_tests (built if missing); SHARDS_{MEM,RACE,SYNC}: shard
-#   counts; SAN_TIMEOUT: seconds per shard; SAN_FILTER: the gtest filter of the GPU tests.
+#   counts; SAN_TIMEOUT: seconds per shard; SAN_FILTER: the gtest filter of the GPU tests;
+#   SAN_PART=k/n: the k-th of n disjoint parts of those tests (one call each); TOOLS: which tools.
 set -u
 SRC=${SRC:-.}
 B=${B:-/tmp/b}
@@ -23,6 +24,14 @@ FILTER=${SAN_FILTER:-'Cuda*:*Cuda*:Gpu*:*Gpu*:*DeviceBank*:*DeviceMap*:LlamaGpuM
 TIMEOUT=${SAN_TIMEOUT:-500}
 "$B/tests/kvferry_tests" --gtest_list_tests --gtest_filter="$FILTER" | grep -c '^  ' > "$OUT/gpu_tests.count"
 echo "GPU tests: $(cat "$OUT/gpu_tests.count")"
+# SAN_PART=k/n: only the tests whose index in the list is k mod n (a complete pass in n calls on
+# one commit, each call its own part; the parts are disjoint and together every GPU test).
+if [ -n "${SAN_PART:-}" ]; then
+  k=${SAN_PART%/*}; n=${SAN_PART#*/}
+  FILTER=$("$B/tests/kvferry_tests" --gtest_list_tests --gtest_filter="$FILTER" |
+    awk -v k="$k" -v n="$n" '/^[^ ]/ {suite=$1; next} /^  / {if (i++ % n == k) {printf "%s%s%s", sep, suite, $1; sep=":"}}')
+  echo "part $SAN_PART: $(echo "$FILTER" | tr ':' '\n' | grep -c .) tests"
+fi
 pids=()
 run_tool() {  # tool shards extra-args
   local tool=$1 shards=$2
