@@ -42,6 +42,7 @@ struct Options {
   int64_t seed = 1;
   std::string json;
   std::string trace;
+  std::string weights;  // --policy-weights
   int sink = 4;
   int window = 64;
   std::string kv_dtype = "bf16";
@@ -111,6 +112,8 @@ tools::ArgParser MakeParser(Options& o) {
       .Choice("--kv-dtype", "KV cache element type", &o.kv_dtype, {"bf16", "f16"})
       .KeyReal("--param", "a policy parameter (the runtime checks its name and range)",
                [&o](const std::string& key, double v) { o.params[key] = v; })
+      .InputFile("--policy-weights", "trained weights of a policy that takes them (kvpop's scorer, "
+                 "scripts/kvpop_train.py)", &o.weights, "FILE.safetensors")
       .Whole("--bank-slots", "device token-bank slots per table (0: no bank)", &o.bank_slots, 0,
              65534)
       .Choice("--bank-map", "token bank's position map", &o.bank_map, {"vector", "hash"})
@@ -258,6 +261,7 @@ int Run(const Options& opt_in) {
     c.policy.budget_tokens = static_cast<int64_t>(o.budget);
   }
   c.policy.params = o.params;
+  c.policy.weights_path = o.weights;
   c.route = o.route == "gpu" ? Route::kGpu : o.route == "cpu" ? Route::kCpu : Route::kAuto;
   c.backend = o.backend == "cuda" ? Backend::kCuda : o.backend == "auto" ? Backend::kAuto : Backend::kHost;
   c.cpu_threads = o.cpu_threads;
@@ -397,6 +401,7 @@ int Run(const Options& opt_in) {
      << "\",\"sink\":" << o.sink << ",\"window\":" << o.window
      << ",\"backend\":\"" << BackendName(rt.backend()) << "\",\"route\":\"" << o.route
      << "\",\"seed\":" << o.seed;
+  if (!o.weights.empty()) js << ",\"policy_weights\":\"" << o.weights << "\"";
   if (o.accuracy && samples > 0) {
     js << ",\"recall\":" << sum_recall / samples << ",\"mass_recall\":" << sum_mass / samples
        << ",\"rel_err\":" << sum_err / samples << ",\"rel_err_max\":" << max_err;

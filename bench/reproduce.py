@@ -234,8 +234,8 @@ def quality_cmds(T):
         f"--trace-layers all --trace-steps 1 --policy dense --backend host",
         *[f"{BENCH} --trace {T}/kjv4k.safetensors --policy {p} --budget {b} --steps 64 --sink 4 --window 64 "
           f"--kv-dtype f16 --backend host --json {T}/replay_{p}_{b}.jsonl"
-          # kvpop is not replayed: kvferry-bench takes no scorer weights, and without them kvpop's
-          # zero scorer keeps the newest rows, i.e. it replays as streaming.
+          # kvpop is not replayed here: without its trained scorer (kvferry-bench --policy-weights)
+          # its zero scorer keeps the newest rows and would replay as streaming.
           for p in ("streaming", "oracle", "quest", "sparcas", "hip", "lfps") for b in (256, 512)],
         f"{PY} scripts/quality_smollm2.py --ppl {T}/ppl.json {T}/ppl_kvpop.json {T}/ppl_kvpop2.json@scorer=2 "
         f"{T}/ppl_sparcas16.json@bits=16,d_b=8 {T}/ppl_hip32.json@bits=16,align=0 --passkey {T}/passkey*.json "

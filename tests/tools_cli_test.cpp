@@ -412,12 +412,28 @@ TEST(ToolsCliBench, HelpAndUsageErrors) {
       {"--trace /nonexistent/t.safetensors", kExitUsage,
        {"--trace /nonexistent/t.safetensors: cannot open the file"}},
       {"--kv-dtype f32", kExitUsage, {"--kv-dtype f32: want bf16 or f16"}},
+      {"--policy-weights /nonexistent/w.safetensors", kExitUsage,
+       {"--policy-weights /nonexistent/w.safetensors: cannot open the file"}},
   };
   cases.insert(cases.end(), more.begin(), more.end());
   ExpectCases(kBench, cases);
   // The --json check comes before the run: nothing was prefilled.
   const RunResult r = RunTool(kBench, "--context 100000 --json /nonexistent/dir/out.json");
   EXPECT_EQ(r.exit_code, kExitUsage);
+  EXPECT_EQ(r.all.find("prefilled"), std::string::npos) << r.all;
+}
+
+// --policy-weights reaches the policy: a file that is not a safetensors file is refused by kvpop's
+// scorer at Create, naming the weights path, before anything is prefilled.
+TEST(ToolsCliBench, PolicyWeightsReachThePolicy) {
+  if (!Built(kBench)) GTEST_SKIP() << "kvferry-bench not built in this tree";
+  const std::string w = TempPath("not_weights.safetensors");
+  std::ofstream(w) << "not a safetensors file";
+  const RunResult r = RunTool(kBench, "--policy kvpop --policy-weights " + w +
+                                      " --context 300 --steps 2 --budget 96 --layers 2 --q-heads 4 "
+                                      "--kv-heads 2 --head-dim 64 --backend host");
+  EXPECT_EQ(r.exit_code, kExitFailure) << r.all;
+  EXPECT_NE(r.all.find("weights_path"), std::string::npos) << r.all;
   EXPECT_EQ(r.all.find("prefilled"), std::string::npos) << r.all;
 }
 
