@@ -1191,7 +1191,7 @@ MACHINE = {
     "kvpop_mass_smollm2": (CPU2, "~65 min on 2 cores (12 runs of 8K, ~96 s of decode a lane recorded)"),
     "kvpop_train_smollm2": ("CPU: 2 threads, torch + safetensors", "~30 min (3 traces + 400 steps; not recorded)"),
     "llama_smollm2_kjv_passkey": (CPU2, "~5 min on 2 cores (6 prompts of 2K/4K, 5 lanes)"),
-    "budgets_smollm2": (CPU2, "~25 min on 2 cores (two texts side by side: 5 prefills and 17 lanes of 1024 tokens each)"),
+    "budgets_smollm2": (CPU2, "~32 min on 2 cores (32 min recorded: two texts side by side, 5 prefills and 17 lanes of 1024 tokens each)"),
     "frontier": (CPU2, "~10 min on 2 cores (9 min recorded: two texts side by side, 8 lanes + dense of 1024 tokens each)"),
     "query_calibration": (CPU2, "~9 min on 2 cores (recorded: two 8K traces, overlaps of 60 layer traces and "
                                 "40 + 1 synthetic points, 8 bank replays of 64 steps)"),
