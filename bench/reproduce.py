@@ -162,10 +162,8 @@ def scale_merge(T):
             row["query"] = r["query"]  # kvferry-e2e's own label ("real", ...)
         label_query([row])
         row.pop("query_drift")
-        if route_kind:
-            row["mode"] = f"{mode} ({ {'gpu': 'route gpu', 'auto': 'split', 'cpu': 'all misses on CPU'}[route_kind] })"
-            if route_kind == "cpu":
-                row["route"] = "auto, --split-share 1"
+        if route_kind:  # scale_cmds runs route auto only: the scheduler's split
+            row["mode"] = f"{mode} (split)"
         if "skipped" in r:
             out.append({**row, "skipped": r["skipped"]})
             continue
