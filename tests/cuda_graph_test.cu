@@ -284,6 +284,11 @@ TEST(CudaPlannedStep, DeviceAndHostTensorsAgree) {
                         .ok());
       }
     }
+    // The appends above took host tensors: a call may wait for the previous one's copies (how
+    // often depends on how fast the GPU drains them; under compute-sanitizer it does). Only the
+    // decode calls with device tensors below must never wait.
+    for (Runtime* r : rts) ASSERT_TRUE(r->Synchronize().ok());
+    const int64_t syncs_before = rts[1]->GetStats().host_syncs;
     const size_t nq = m.num_q_heads * m.head_dim, nkv = m.num_kv_heads * m.head_dim;
     DeviceBuf dq(nq * 2), dk(nkv * 2), dv(nkv * 2), dout(nq * 2);
     const std::vector<SequenceId> one = {1};
@@ -312,7 +317,7 @@ TEST(CudaPlannedStep, DeviceAndHostTensorsAgree) {
         EXPECT_EQ(out_host, out_dev) << policy << " step " << step << " layer " << l;
       }
     }
-    EXPECT_EQ(rts[1]->GetStats().host_syncs, 0) << policy;  // device tensors: no host wait
+    EXPECT_EQ(rts[1]->GetStats().host_syncs - syncs_before, 0) << policy;  // device tensors: no host wait
     EXPECT_GT(rts[0]->GetStats().host_syncs, 0) << policy;  // host output: waited for
   }
 }
