@@ -4,7 +4,8 @@
 # each tool's tests split into shards that run side by side on the one GPU. Summaries under $OUT.
 #   B: a build dir with tests/kvferry_tests (built if missing); SHARDS_{MEM,RACE,SYNC}: shard
 #   counts; SAN_TIMEOUT: seconds per shard; SAN_FILTER: the gtest filter of the GPU tests;
-#   SAN_PART=k/n: the k-th of n disjoint parts of those tests (one call each); TOOLS: which tools.
+#   SAN_PART=k/n: the k-th of n disjoint parts of those tests (one call each); SAN_LIST=file: only
+#   the tests it names, one a line; TOOLS: which tools.
 set -u
 SRC=${SRC:-.}
 B=${B:-/tmp/b}
@@ -31,6 +32,11 @@ if [ -n "${SAN_PART:-}" ]; then
   FILTER=$("$B/tests/kvferry_tests" --gtest_list_tests --gtest_filter="$FILTER" |
     awk -v k="$k" -v n="$n" '/^[^ ]/ {suite=$1; next} /^  / {if (i++ % n == k) {printf "%s%s%s", sep, suite, $1; sep=":"}}')
   echo "part $SAN_PART: $(echo "$FILTER" | tr ':' '\n' | grep -c .) tests"
+fi
+# SAN_LIST=file: only the tests named in it, one per line (e.g. those a timed-out pass left).
+if [ -n "${SAN_LIST:-}" ]; then
+  FILTER=$(grep -v '^ *$' "$SAN_LIST" | paste -sd:)
+  echo "list $SAN_LIST: $(grep -vc '^ *$' "$SAN_LIST") tests"
 fi
 pids=()
 run_tool() {  # tool shards extra-args
