@@ -107,10 +107,11 @@ TEST(Gemma3Engine, ExactReferenceMatchesNumpyLogits) {
   EXPECT_GT(err_dense, 1e-2);
 }
 
-std::unique_ptr<RuntimeAttention> MakeRuntime(const std::string& policy, DType kv) {
+std::unique_ptr<RuntimeAttention> MakeRuntime(const std::string& policy, DType kv,
+                                              Backend backend = Backend::kHost) {
   const ModelConfig& mc = Tiny().model.config;
   RuntimeConfig rc;
-  rc.backend = Backend::kHost;
+  rc.backend = backend;
   rc.policy.name = policy;
   rc.policy.budget_tokens = policy == "dense" ? 128 : 6;
   rc.model.kv_dtype = kv;
@@ -186,6 +187,49 @@ TEST(Gemma3Engine, RuntimeMatchesNumpyLogits) {
                 "prefill %.3g, prefill+decode %.3g\n", kv_name, err_prefill, err_decode);
     EXPECT_LT(err_prefill, tol) << kv_name;
     EXPECT_LT(err_decode, tol) << kv_name;
+  }
+}
+
+// The engine on the CUDA backend: the same prompt (in chunks of 3) and decode steps as the host
+// backend, for dense and every policy with a device path (the sliding layers' rings and windowed
+// prefill, the global layer's selection on the GPU); dense also against the numpy logits. The
+// two backends sum in other orders, so they agree to rounding, not bit for bit. Skips without a GPU.
+TEST(Gemma3Engine, CudaBackendMatchesTheHostBackend) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  const Fixture& fx = Tiny();
+  const int64_t n = static_cast<int64_t>(fx.tokens.size()), prompt = 11;
+  for (const char* policy : {"dense", "streaming", "oracle", "quest", "sparcas", "hip", "kvpop", "lfps"}) {
+    std::vector<std::vector<float>> logits[2];  // [backend][step]
+    for (int b = 0; b < 2; ++b) {
+      auto attn = MakeRuntime(policy, DType::kF16, b == 0 ? Backend::kCuda : Backend::kHost);
+      ASSERT_NE(attn, nullptr) << policy;
+      Attention* attns[1] = {attn.get()};
+      Engine engine(fx.model);
+      std::vector<float> step;
+      ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, attns, &step,
+                                 false, /*chunk=*/3).ok()) << policy;
+      logits[b].push_back(step);
+      for (int64_t t = prompt; t < n; ++t) {
+        const Status st = engine.Decode(fx.tokens[t], t, *attn, &step);
+        ASSERT_TRUE(st.ok()) << policy << ": " << st.ToString();
+        logits[b].push_back(step);
+      }
+    }
+    double diff = 0, mx = 0;
+    for (size_t i = 0; i < logits[0].size(); ++i) {
+      for (size_t j = 0; j < logits[0][i].size(); ++j) {
+        ASSERT_TRUE(std::isfinite(logits[0][i][j])) << policy;
+        diff = std::max(diff, static_cast<double>(std::fabs(logits[0][i][j] - logits[1][i][j])));
+        mx = std::max(mx, static_cast<double>(std::fabs(logits[1][i][j])));
+      }
+    }
+    std::printf("%s: CUDA vs host backend, max |dlogit| / max |logit| = %.3g\n", policy, diff / mx);
+    EXPECT_LT(diff / mx, 1e-3) << policy;
+    if (std::string(policy) == "dense") {
+      double err = RelErr(logits[0][0], prompt - 1, 1);
+      for (int64_t t = prompt; t < n; ++t) err = std::max(err, RelErr(logits[0][t - prompt + 1], t, 1));
+      EXPECT_LT(err, 1e-3) << "CUDA dense against the numpy logits";
+    }
   }
 }
 
