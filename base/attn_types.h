@@ -227,6 +227,59 @@ struct StepBankView {
   int32_t staged = 0;
 };
 
+/// kSparcas's part of a DecodeStepArgs: item t's state at state + t, its chosen dimensions at
+/// dims + t * head_dim; db dimensions, refreshed every u ranked steps; layers below dense_layers
+/// exact; bits 16: compact keys in the KV dtype, 4: SparcasQuantizeRow's rows (sparse layers).
+struct SparcasStepArgs {
+  SparcasState* state = nullptr;
+  int32_t* dims = nullptr;
+  int32_t db = 16;
+  int32_t u = 64;
+  int32_t dense_layers = 2;
+  int32_t bits = 16;
+};
+
+/// kHip's part of a DecodeStepArgs: the mask state of item t at state + t and its two blocks
+/// buffers at blocks + (2 t + i) * max_nodes, i = 0, 1 (HipState::cur; max_nodes >= budget_cap /
+/// bk); tokens per block, refresh interval r_m, representative (HipRepresentative).
+struct HipStepArgs {
+  HipState* state = nullptr;
+  int32_t* blocks = nullptr;
+  int32_t max_nodes = 0;
+  int32_t bk = 2;
+  int32_t r_m = 8;
+  int32_t rep = 0;
+  int32_t align = 1;  ///< the first nodes aligned to a power of two blocks (base/hip_mask.h)
+  /// Layers below HipDenseOf (max(sparcas.dense_layers, dense_layers)) take kSparcas's path
+  /// instead of the mask: its exact top-k below sparcas.dense_layers, its 4-bit top-k over every
+  /// dimension from there (HiP's `dense_bits` 4: sparcas.dense_layers 0).
+  int32_t dense_layers = 0;
+  /// 1: a due rebuild is built beside the step (CUDA: DecodeSelectDeferred on a side stream) and
+  /// used from the item's next ranked step; 0: built in the step that finds it due.
+  int32_t lag = 0;
+  /// CUDA, lag 1: item t's packed int8 query for its requested rebuild at query + t *
+  /// HipQueryWords(group, head_dim) (device memory).
+  uint32_t* query = nullptr;
+};
+
+/// kKvpop's part of a DecodeStepArgs: item t's state at state + t and its slots at pos / prio +
+/// t * cap (cap >= budget_cap); the scorers' table (KvpopScorerFloats(hidden, 2 head_dim) floats
+/// a (layer, KV head), device memory). A catch-up of more than one newcomer (the first step after
+/// a prompt) scores them into DecodeStepArgs::select_ws (item * group * select_ld).
+struct KvpopStepArgs {
+  KvpopState* state = nullptr;
+  int32_t* pos = nullptr;
+  float* prio = nullptr;
+  int64_t cap = 0;
+  const float* scorer = nullptr;
+  int32_t hidden = 0;
+  /// CUDA: 1 when the runtime saw a catch-up coming (a prompt stored since the item's last step):
+  /// a grid over the whole GPU scores the newcomers into select_ws first and the selection kernel
+  /// reads them there; 0: the selection kernel scores any newcomers itself (correct either way; a
+  /// captured graph keeps what it was captured with).
+  int32_t catchup = 0;
+};
+
 /// One layer of a planned decode step for a batch (the Runtime's run path), executed by
 /// Device::DecodeStep. Everything that changes from step to step (the sequences' slots and the new
 /// token's position at every layer) is read from device memory, so the same arguments serve every
@@ -305,52 +358,13 @@ struct DecodeStepArgs {
   /// kQuestPages: the page bounds (see PageBoundsArgs) and tokens per page.
   /// kSparcas: item (slot, layer, h)'s compact keys (KV dtype) at element SparcasCompactOffset of
   /// meta, meta_pages positions of SparcasDimsOf elements each (row j holds key j's chosen
-  /// dimensions, ascending); its chosen dimensions at sparcas_dims + t * head_dim.
+  /// dimensions, ascending); its chosen dimensions at sparcas.dims + t * head_dim.
   char* meta = nullptr;
   int64_t meta_pages = 0;
   int32_t meta_page = 16;
-  SparcasState* sparcas_state = nullptr;
-  int32_t* sparcas_dims = nullptr;
-  int32_t sparcas_db = 16;
-  int32_t sparcas_u = 64;
-  int32_t sparcas_dense_layers = 2;
-  int32_t sparcas_bits = 16;  ///< 16: the KV dtype; 4: SparcasQuantizeRow's rows (sparse layers)
-  /// kHip: the mask state and blocks of item t at hip_state + t and its two blocks buffers at
-  /// hip_blocks + (2 t + i) * hip_max_nodes, i = 0, 1 (HipState::cur; hip_max_nodes >= budget_cap /
-  /// hip_bk); tokens per block, refresh interval,
-  /// representative (HipRepresentative).
-  HipState* hip_state = nullptr;
-  int32_t* hip_blocks = nullptr;
-  int32_t hip_max_nodes = 0;
-  int32_t hip_bk = 2;
-  int32_t hip_r_m = 8;
-  int32_t hip_rep = 0;
-  int32_t hip_align = 1;  ///< the first nodes aligned to a power of two blocks (base/hip_mask.h)
-  /// kHip: layers below HipDenseOf (max(sparcas_dense_layers, hip_dense_layers)) take kSparcas's
-  /// path instead of the mask: its exact top-k below sparcas_dense_layers, its 4-bit top-k over
-  /// every dimension from there (HiP's `dense_bits` 4: sparcas_dense_layers 0).
-  int32_t hip_dense_layers = 0;
-  /// 1: a due rebuild is built beside the step (CUDA: DecodeSelectDeferred on a side stream) and
-  /// used from the item's next ranked step; 0: built in the step that finds it due.
-  int32_t hip_lag = 0;
-  /// CUDA, hip_lag 1: item t's packed int8 query for its requested rebuild at hip_query + t *
-  /// HipQueryWords(group, head_dim) (device memory).
-  uint32_t* hip_query = nullptr;
-  /// kKvpop: item t's state at kvpop_state + t and its slots at kvpop_pos / kvpop_prio + t *
-  /// kvpop_cap (kvpop_cap >= budget_cap); the scorers' table (KvpopScorerFloats(kvpop_hidden, 2
-  /// head_dim) floats a (layer, KV head), device memory). A catch-up of more than one newcomer
-  /// (the first step after a prompt) scores them into select_ws (item * group * select_ld).
-  KvpopState* kvpop_state = nullptr;
-  int32_t* kvpop_pos = nullptr;
-  float* kvpop_prio = nullptr;
-  int64_t kvpop_cap = 0;
-  const float* kvpop_scorer = nullptr;
-  int32_t kvpop_hidden = 0;
-  /// kKvpop, CUDA: 1 when the runtime saw a catch-up coming (a prompt stored since the item's last
-  /// step): a grid over the whole GPU scores the newcomers into select_ws first and the selection
-  /// kernel reads them there; 0: the selection kernel scores any newcomers itself (correct either
-  /// way; a captured graph keeps what it was captured with).
-  int32_t kvpop_catchup = 0;
+  SparcasStepArgs sparcas;  ///< kSparcas (and kHip's dense layers)
+  HipStepArgs hip;          ///< kHip
+  KvpopStepArgs kvpop;      ///< kKvpop
   float* select_ws = nullptr;
   int64_t select_ld = 0;
   unsigned long long* topk_ws = nullptr;

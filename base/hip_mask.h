@@ -80,7 +80,7 @@ KVF_HOST_DEVICE inline bool HipMaskStale(int64_t count, int64_t k_off_built, int
 
 /// kHip: the first layer its mask ranks (see DecodeStepArgs::hip_dense_layers).
 KVF_HOST_DEVICE inline int32_t HipDenseOf(const DecodeStepArgs& a) {
-  return a.sparcas_dense_layers > a.hip_dense_layers ? a.sparcas_dense_layers : a.hip_dense_layers;
+  return a.sparcas.dense_layers > a.hip.dense_layers ? a.sparcas.dense_layers : a.hip.dense_layers;
 }
 
 /// What a ranked step does with an item's mask.

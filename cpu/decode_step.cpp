@@ -279,12 +279,12 @@ CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q
   const AttnParams& p = a.params;
   const int d = p.head_dim;
   const size_t elem = DTypeSize(p.kv_dtype);
-  SparcasState& st = a.sparcas_state[t];
-  int32_t* dims = a.sparcas_dims + t * d;
-  const int d_b = SparcasDimsOf(a.layer, a.sparcas_dense_layers, a.sparcas_db, d);
+  SparcasState& st = a.sparcas.state[t];
+  int32_t* dims = a.sparcas.dims + t * d;
+  const int d_b = SparcasDimsOf(a.layer, a.sparcas.dense_layers, a.sparcas.db, d);
   if (st.seen > n) st.seen = 0;
   bool regather = false;
-  if (st.d_b != d_b || st.since_refresh >= a.sparcas_u) {
+  if (st.d_b != d_b || st.since_refresh >= a.sparcas.u) {
     thread_local std::vector<float> imp;
     thread_local std::vector<int32_t> idx;
     imp.assign(static_cast<size_t>(d), 0.0f);
@@ -310,11 +310,11 @@ CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q
   CompactRows r;
   r.base = a.meta + SparcasCompactOffset(slot, a.layer, static_cast<int32_t>(t % a.num_kv_heads),
                                          a.num_layers, a.num_kv_heads, a.meta_pages, d,
-                                         a.sparcas_db, a.sparcas_dense_layers, a.sparcas_bits) *
+                                         a.sparcas.db, a.sparcas.dense_layers, a.sparcas.bits) *
                         elem;
   r.dims = dims;
   r.d_b = d_b;
-  r.q4 = SparcasBitsOf(a.layer, a.sparcas_dense_layers, a.sparcas_bits) == 4;
+  r.q4 = SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4;
   r.words = SparcasQ4Words(d_b);
   thread_local std::vector<float> row, kept;
   row.resize(static_cast<size_t>(d));
@@ -391,11 +391,11 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
     const int d = p.head_dim;
     const int64_t off_lo = sp.off_lo, off_hi = sp.off_hi, k_off = sp.k_off;
     const CompactRows rows = UpdateCompactRows(a, t, q, kv, n);  // every dimension, 4 bits
-    HipState& st = a.hip_state[t];
-    const int64_t bk = std::max(a.hip_bk, 1);
+    HipState& st = a.hip.state[t];
+    const int64_t bk = std::max(a.hip.bk, 1);
     HipPromote(st);
     const HipAction action = HipStepAction(st.count, st.k_off, st.n, st.since_refresh, k_off, n,
-                                           a.hip_r_m, a.hip_lag);
+                                           a.hip.r_m, a.hip.lag);
     int32_t built = 0;  // blocks of the mask built at this step
     if (action != HipAction::kKeep) {
       // kRequest: CUDA builds it on a side stream from this step's query (DecodeSelectDeferred);
@@ -414,16 +414,16 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
       };
       mask.clear();
       if (k_off >= bk) {
-        HipMaskBlocks((off_hi - off_lo + bk - 1) / bk, k_off / bk, a.hip_rep,
-                      HipSeed(n, a.layer, static_cast<int32_t>(t % a.num_kv_heads)), a.hip_align != 0,
+        HipMaskBlocks((off_hi - off_lo + bk - 1) / bk, k_off / bk, a.hip.rep,
+                      HipSeed(n, a.layer, static_cast<int32_t>(t % a.num_kv_heads)), a.hip.align != 0,
                       score_of, mask);
       }
       const int32_t buf = action == HipAction::kBuild ? st.cur : st.cur ^ 1;
-      std::copy(mask.begin(), mask.end(), a.hip_blocks + (2 * t + buf) * a.hip_max_nodes);
+      std::copy(mask.begin(), mask.end(), a.hip.blocks + (2 * t + buf) * a.hip.max_nodes);
       built = static_cast<int32_t>(mask.size());
     }
-    HipRecordStep(st, action, built, off_lo, off_hi, k_off, n, a.hip_r_m, a.layer);
-    const int32_t* blocks = a.hip_blocks + (2 * t + st.cur) * a.hip_max_nodes;
+    HipRecordStep(st, action, built, off_lo, off_hi, k_off, n, a.hip.r_m, a.layer);
+    const int32_t* blocks = a.hip.blocks + (2 * t + st.cur) * a.hip.max_nodes;
     for (int32_t j = 0; j < st.count; ++j) {
       const int64_t t0 = off_lo + blocks[j] * bk, t1 = std::min(t0 + bk, st.hi);
       for (int64_t i = t0; i < t1; ++i) out[c++] = static_cast<int32_t>(i);
@@ -440,14 +440,14 @@ int64_t KvpopSelect(const DecodeStepArgs& a, int64_t t, const KvPages& kv, int64
   const int d = p.head_dim;
   const size_t elem = DTypeSize(p.kv_dtype);
   const OffloadSplit sp = ItemSplitOf(a, n);
-  KvpopState& st = a.kvpop_state[t];
+  KvpopState& st = a.kvpop.state[t];
   if (n < st.next_u) st = KvpopState{};  // a new sequence in this slot
-  int32_t* pos = a.kvpop_pos + t * a.kvpop_cap;
-  float* prio = a.kvpop_prio + t * a.kvpop_cap;
+  int32_t* pos = a.kvpop.pos + t * a.kvpop.cap;
+  float* prio = a.kvpop.prio + t * a.kvpop.cap;
   const int64_t k = std::max<int64_t>(sp.k_off, 0);
   const int64_t lo = std::max(st.next_u, sp.off_lo);
   const int64_t head = static_cast<int64_t>(a.layer) * a.num_kv_heads + t % a.num_kv_heads;
-  const float* block = a.kvpop_scorer + head * KvpopScorerFloats(a.kvpop_hidden, 2 * d);
+  const float* block = a.kvpop.scorer + head * KvpopScorerFloats(a.kvpop.hidden, 2 * d);
   thread_local std::vector<float> x;
   thread_local std::vector<std::pair<float, int32_t>> cand;  // (priority, position)
   x.resize(static_cast<size_t>(2 * d));
@@ -460,7 +460,7 @@ int64_t KvpopSelect(const DecodeStepArgs& a, int64_t t, const KvPages& kv, int64
       x[j] = LoadAsF32(kr, p.kv_dtype, j);
       x[d + j] = LoadAsF32(vr, p.kv_dtype, j);
     }
-    const float r = KvpopScore(block, a.kvpop_hidden, 2 * d, x.data());
+    const float r = KvpopScore(block, a.kvpop.hidden, 2 * d, x.data());
     cand.emplace_back(KvpopPriorityOf(r, u, block[0]), static_cast<int32_t>(u));
   }
   if (static_cast<int64_t>(cand.size()) > k) {

@@ -43,7 +43,7 @@ template <typename T>
 __device__ __forceinline__ T* CompactOf(const DecodeStepArgs& a, int32_t b, int32_t h) {
   return reinterpret_cast<T*>(a.meta) +
          SparcasCompactOffset(a.slots[b], a.layer, h, a.num_layers, a.num_kv_heads, a.meta_pages,
-                              a.params.head_dim, a.sparcas_db, a.sparcas_dense_layers, a.sparcas_bits);
+                              a.params.head_dim, a.sparcas.db, a.sparcas.dense_layers, a.sparcas.bits);
 }
 
 // Grid (items, y), kScoreWarps warps: warp w of CTA y scores positions y * warps + w, striding by
@@ -524,20 +524,20 @@ __global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a) {
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const QuestSplit sp = QuestSplitOf(a, n);
   const int64_t t = ItemT(a, b, h);
-  SparcasState* st = a.sparcas_state + t;
+  SparcasState* st = a.sparcas.state + t;
   if (sp.all || sp.k_off <= 0) {
     if (threadIdx.x == 0) st->ranked = 0;
     return;
   }
-  const int d_b = SparcasDimsOf(a.layer, a.sparcas_dense_layers, a.sparcas_db, hd);
+  const int d_b = SparcasDimsOf(a.layer, a.sparcas.dense_layers, a.sparcas.db, hd);
   const int32_t cur_db = st->d_b;
   const int32_t since = st->since_refresh;
   int64_t seen = st->seen;
   if (seen > n) seen = 0;
   __syncthreads();  // every thread has read the state before thread 0 rewrites it
-  int32_t* dims = a.sparcas_dims + t * hd;
+  int32_t* dims = a.sparcas.dims + t * hd;
   bool regather = false;
-  const bool choose = cur_db != d_b || since >= a.sparcas_u;
+  const bool choose = cur_db != d_b || since >= a.sparcas.u;
   if (choose) {
     const int64_t q0 = static_cast<int64_t>(item) * group * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
@@ -584,12 +584,12 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t t = ItemT(a, b, h);
-  const SparcasState st = a.sparcas_state[t];
+  const SparcasState st = a.sparcas.state[t];
   if (st.ranked == 0) return;
   const int hd = a.params.head_dim;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const int d_b = st.d_b;
-  const int32_t* dims = a.sparcas_dims + t * hd;
+  const int32_t* dims = a.sparcas.dims + t * hd;
   T* compact = CompactOf<T>(a, b, h);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const size_t row_bytes = static_cast<size_t>(hd) * sizeof(T);
@@ -603,7 +603,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
     return row >= 0 ? reinterpret_cast<const T*>(res_k + static_cast<size_t>(row) * row_bytes)
                     : reinterpret_cast<const T*>(StoreKRow(pages, j, static_cast<uint32_t>(a.page_tokens), row_bytes));
   };
-  if (SparcasBitsOf(a.layer, a.sparcas_dense_layers, a.sparcas_bits) == 4) {
+  if (SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4) {
     // 4-bit rows (base/sparcas_q4.h): the warp's max |x|, then each group of 8 lanes ORs its
     // nibbles into one word; the row's scale after its words.
     const int words = SparcasQ4Words(d_b);
@@ -796,7 +796,7 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, int64_t off_lo, int64_t
                                 int64_t k_off, int64_t n, int32_t item, int32_t kn_cap,
                                 unsigned char* smem, HipShared<kThreads>& sh, int32_t* blocks) {
   using HipScan = cub::BlockScan<int32_t, kThreads>;
-  const int64_t bk = max(a.hip_bk, 1);
+  const int64_t bk = max(a.hip.bk, 1);
   const int64_t len = off_hi - off_lo;
   const int64_t nb = (len + bk - 1) / bk;
   const int32_t kn = static_cast<int32_t>(min(k_off / bk, static_cast<int64_t>(kn_cap)));
@@ -814,7 +814,7 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, int64_t off_lo, int64_t
   const int2* q_pack = qp.pack;
   const float* q_step = qp.step;
   const int32_t* q_sum8 = qp.sum8;
-  const bool align = a.hip_align != 0;
+  const bool align = a.hip.align != 0;
   int32_t cnt = static_cast<int32_t>(HipFirstNodes(nb, kn, align));
   for (int32_t j = tid; j < cnt; j += blockDim.x) {
     int64_t f = 0, l = 0;
@@ -859,7 +859,7 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, int64_t off_lo, int64_t
     for (int64_t x = tid; x < static_cast<int64_t>(branches) * bk; x += blockDim.x) {
       const int32_t i = static_cast<int32_t>(x / bk);
       const int2 r = br[i];
-      const int64_t pos = off_lo + HipRepBlock(r.x, r.y, a.hip_rep, seed) * bk + x % bk;
+      const int64_t pos = off_lo + HipRepBlock(r.x, r.y, a.hip.rep, seed) * bk + x % bk;
       if (pos >= off_hi) continue;
       const uint32_t* row = rows + pos * (words + 1);
       atomicMax(&keys[i], OrderedKey(words == 16 ? HipRowScore<16>(row, 16, q_pack, q_step, q_sum8, group, scale)
@@ -969,19 +969,19 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
   int64_t taken = 0;
   if (sp.k_off > 0) {
     const int64_t t = ItemT(a, b, h);
-    const int64_t bk = max(a.hip_bk, 1);
+    const int64_t bk = max(a.hip.bk, 1);
     HipState& s_st = *reinterpret_cast<HipState*>(s_raw);
     if (threadIdx.x == 0) {
-      HipState st = a.hip_state[t];
+      HipState st = a.hip.state[t];
       HipPromote(st);
       s_action = static_cast<int>(HipStepAction(st.count, st.k_off, st.n, st.since_refresh, sp.k_off, n,
-                                                a.hip_r_m, a.hip_lag));
+                                                a.hip.r_m, a.hip.lag));
       s_st = st;
     }
     __syncthreads();
     const HipAction action = static_cast<HipAction>(s_action);
     const int32_t cur = s_st.cur;
-    int32_t* blocks = a.hip_blocks + (2 * t + cur) * a.hip_max_nodes;
+    int32_t* blocks = a.hip.blocks + (2 * t + cur) * a.hip.max_nodes;
     int32_t count = s_st.count;
     int64_t hi = s_st.hi;
     if (action == HipAction::kBuild) {
@@ -991,7 +991,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
       count = HipBuildMask<kHipThreads>(a, sp.off_lo, sp.off_hi, sp.k_off, n, item, kn_cap, hip_smem, sh,
                                         blocks);
     } else if (action == HipAction::kRequest) {
-      HipPackQuery(a, item, HipQueryAt(a.hip_query + t * HipQueryWords(a.params.group, a.params.head_dim),
+      HipPackQuery(a, item, HipQueryAt(a.hip.query + t * HipQueryWords(a.params.group, a.params.head_dim),
                                        a.params.group, SparcasQ4Words(a.params.head_dim)));
     }
     __syncthreads();  // the mask's blocks (global memory) are written
@@ -1006,7 +1006,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
     if (threadIdx.x == 0) {
       HipState s = s_st;
       const int32_t since = HipSinceAfterBuild(s.count, s.k_off, s.n, s.since_refresh, sp.k_off, n,
-                                               a.hip_r_m, a.layer);
+                                               a.hip.r_m, a.layer);
       if (action == HipAction::kBuild) {
         s.count = count;
         s.k_off = sp.k_off;
@@ -1023,7 +1023,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
       }
       ++s.since_refresh;
       s.n = n;
-      a.hip_state[t] = s;
+      a.hip.state[t] = s;
     }
   }
   WriteListTail(a, item, sp.sinks, sp.off_hi, n, taken, out);
@@ -1042,16 +1042,16 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) HipDeferredKernel(D
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t t = ItemT(a, b, h);
   HipState& s_st = *reinterpret_cast<HipState*>(s_raw);
-  if (threadIdx.x == 0) s_st = a.hip_state[t];
+  if (threadIdx.x == 0) s_st = a.hip.state[t];
   __syncthreads();
   if (s_st.pending != 1) return;
   const int group = a.params.group, words = SparcasQ4Words(a.params.head_dim);
   const int64_t qw = HipQueryWords(group, a.params.head_dim);
-  const uint32_t* src = a.hip_query + t * qw;
+  const uint32_t* src = a.hip.query + t * qw;
   uint32_t* dst = reinterpret_cast<uint32_t*>(HipSmemQuery(hip_smem, kn_cap, group, words).pack);
   for (int64_t i = threadIdx.x; i < qw; i += blockDim.x) dst[i] = src[i];
   __syncthreads();
-  int32_t* blocks = a.hip_blocks + (2 * t + (s_st.cur ^ 1)) * a.hip_max_nodes;
+  int32_t* blocks = a.hip.blocks + (2 * t + (s_st.cur ^ 1)) * a.hip.max_nodes;
   const int32_t count =
       HipBuildMask<kThreads>(a, s_st.p_lo, s_st.p_hi, s_st.p_k_off, s_st.p_n, item, kn_cap, hip_smem, sh,
                              blocks);
@@ -1060,7 +1060,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) HipDeferredKernel(D
     HipState s = s_st;
     s.p_count = count;
     s.pending = 2;
-    a.hip_state[t] = s;
+    a.hip.state[t] = s;
   }
 }
 
@@ -1125,13 +1125,13 @@ __device__ __forceinline__ SparcasScoreItem LoadSparcasQuery(const DecodeStepArg
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   SparcasScoreItem it;
   it.t = ItemT(a, b, h);
-  const SparcasState st = a.sparcas_state[it.t];
+  const SparcasState st = a.sparcas.state[it.t];
   it.ranked = st.ranked != 0;
   if (!it.ranked) return it;
   const int hd = a.params.head_dim, group = a.params.group;
   it.d_b = min(st.d_b, max_db);
   it.n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const int32_t* dims = a.sparcas_dims + it.t * hd;
+  const int32_t* dims = a.sparcas.dims + it.t * hd;
   const float qscale = scaled ? a.params.scale * kLog2e : 1.0f;
   const int64_t q0 = static_cast<int64_t>(item) * group * hd;
   for (int i = threadIdx.x; i < group * it.d_b; i += blockDim.x) {
@@ -1347,7 +1347,7 @@ __global__ void __launch_bounds__(kSparcasThreads) DenseCompactScoreKernel(Decod
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t t = ItemT(a, b, h);
-  if (a.sparcas_state[t].ranked == 0) return;
+  if (a.sparcas.state[t].ranked == 0) return;
   const int group = a.params.group;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const float qscale = a.params.scale * kLog2e;
@@ -2284,17 +2284,17 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
     DecodeStepArgs s = a;
     s.scoring = SelectScoring::kSparcas;
     if (a.layer < HipDenseOf(a)) return LaunchDecodeSelect(s, info, stream);
-    const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / std::max(a.hip_bk, 1), kHipMaxNodes));
-    KVF_CHECK_ARG(a.meta != nullptr && a.sparcas_state != nullptr && a.sparcas_dims != nullptr &&
-                      a.hip_state != nullptr && a.hip_blocks != nullptr && a.hip_bk >= 1 &&
-                      a.hip_r_m >= 1 && a.sparcas_db == a.params.head_dim &&
+    const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / std::max(a.hip.bk, 1), kHipMaxNodes));
+    KVF_CHECK_ARG(a.meta != nullptr && a.sparcas.state != nullptr && a.sparcas.dims != nullptr &&
+                      a.hip.state != nullptr && a.hip.blocks != nullptr && a.hip.bk >= 1 &&
+                      a.hip.r_m >= 1 && a.sparcas.db == a.params.head_dim &&
                       a.params.head_dim % 8 == 0 && a.params.head_dim <= 256 &&
-                      SparcasBitsOf(a.layer, a.sparcas_dense_layers, a.sparcas_bits) == 4 &&
-                      a.budget_cap / a.hip_bk <= std::min<int64_t>(kHipMaxNodes, a.hip_max_nodes) &&
-                      (a.hip_lag == 0 || a.hip_query != nullptr),
+                      SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4 &&
+                      a.budget_cap / a.hip.bk <= std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes) &&
+                      (a.hip.lag == 0 || a.hip.query != nullptr),
                   "DecodeSelect: hip without its 4-bit rows and mask state (or hip_lag without "
                   "hip_query), or a budget_cap of ",
-                  a.budget_cap, " at bk ", a.hip_bk, " over ", std::min<int64_t>(kHipMaxNodes, a.hip_max_nodes),
+                  a.budget_cap, " at bk ", a.hip.bk, " over ", std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes),
                   " nodes");
     SparcasPrepKernel<<<static_cast<unsigned>(items), 256, 0, stream>>>(s);
     KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
@@ -2313,12 +2313,12 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
     return LaunchPsawFilter(a, stream);
   }
   if (a.scoring == SelectScoring::kSparcas) {
-    KVF_CHECK_ARG(a.meta != nullptr && a.sparcas_state != nullptr && a.sparcas_dims != nullptr &&
+    KVF_CHECK_ARG(a.meta != nullptr && a.sparcas.state != nullptr && a.sparcas.dims != nullptr &&
                       a.params.head_dim <= 256,
                   "DecodeSelect: sparcas without its compact keys or state");
     SparcasPrepKernel<<<static_cast<unsigned>(items), 256, 0, stream>>>(a);
     KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
-    const bool dense_layer = a.layer < a.sparcas_dense_layers;
+    const bool dense_layer = a.layer < a.sparcas.dense_layers;
     int32_t stats_parts = 0;  // > 0: the scoring wrote the top-k's statistics
     KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
       return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
@@ -2350,8 +2350,8 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
           return Status::Ok();
         }
         const size_t qs = static_cast<size_t>(a.params.group) * HD * sizeof(float);
-        const int d_b = SparcasDimsOf(a.layer, a.sparcas_dense_layers, a.sparcas_db, HD);
-        if (SparcasBitsOf(a.layer, a.sparcas_dense_layers, a.sparcas_bits) == 4) {
+        const int d_b = SparcasDimsOf(a.layer, a.sparcas.dense_layers, a.sparcas.db, HD);
+        if (SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4) {
           KVF_CHECK_ARG(d_b % 8 == 0, "DecodeSelect: sparcas 4-bit rows need d_b % 8 == 0, not ", d_b);
           // 16 CTAs an SM over all items: each CTA first quantizes and packs the query, so fewer
           // CTAs with more rows a thread amortize that.
@@ -2421,16 +2421,16 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
 
 Status LaunchDecodeSelectDeferred(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
   (void)info;
-  if (a.scoring != SelectScoring::kHip || a.hip_lag == 0 || a.layer < HipDenseOf(a)) {
+  if (a.scoring != SelectScoring::kHip || a.hip.lag == 0 || a.layer < HipDenseOf(a)) {
     return Status::Ok();
   }
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
   if (items == 0) return Status::Ok();
-  KVF_CHECK_ARG(a.hip_state != nullptr && a.hip_blocks != nullptr && a.hip_query != nullptr &&
-                    a.hip_bk >= 1 && a.params.head_dim % 8 == 0 && a.params.head_dim <= 256 &&
-                    a.budget_cap / a.hip_bk <= std::min<int64_t>(kHipMaxNodes, a.hip_max_nodes),
+  KVF_CHECK_ARG(a.hip.state != nullptr && a.hip.blocks != nullptr && a.hip.query != nullptr &&
+                    a.hip.bk >= 1 && a.params.head_dim % 8 == 0 && a.params.head_dim <= 256 &&
+                    a.budget_cap / a.hip.bk <= std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes),
                 "DecodeSelectDeferred: hip without its mask state, blocks or packed queries");
-  const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / a.hip_bk, kHipMaxNodes));
+  const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / a.hip.bk, kHipMaxNodes));
   const size_t smem = HipMaskSmem(std::max(kn_cap, 1), a.params.group, a.params.head_dim);
   const auto launch = [&](auto kernel, int block) -> Status {
     if (smem > 48 * 1024) {

@@ -48,18 +48,10 @@ struct PrimedStats {
 
 /// The parameters of the device's selection (Policy::device_select_params; see SelectScoring).
 struct Policy::DeviceSelectParams {
-  int page_tokens = 16;  ///< kQuestPages: tokens per page of the bounds
-  int d_b = 16;          ///< kSparcas: dimensions kept
-  int u = 64;            ///< kSparcas: refresh interval in ranked steps
-  int dense_layers = 2;  ///< kSparcas: first layers ranked over every dimension
-  int sparcas_bits = 16; ///< kSparcas: 16 (KV dtype) or 4 (base/sparcas_q4.h) per dimension
-  int hip_bk = 2;        ///< kHip (which also takes d_b, u, dense_layers and sparcas_bits)
-  int hip_r_m = 8;
-  int hip_rep = 0;
-  int hip_align = 1;
-  int hip_lag = 0;
-  int hip_dense_layers = 0;  ///< kHip: DecodeStepArgs::hip_dense_layers
-  int kvpop_hidden = 0;      ///< kKvpop: the scorer's hidden width (0: the zero scorer)
+  int page_tokens = 16;     ///< kQuestPages: tokens per page of the bounds
+  SparcasStepArgs sparcas;  ///< kSparcas, and kHip's dense layers (its buffers are the selector's)
+  HipStepArgs hip;          ///< kHip (which also takes sparcas), buffers aside
+  int kvpop_hidden = 0;     ///< kKvpop: the scorer's hidden width (0: the zero scorer)
 };
 
 /// Builds the policy named in \p config.policy; unknown names or parameters are kInvalidArgument.

@@ -54,7 +54,7 @@ Status RuntimeImpl::CopyScanShadow(int slot, int layer, StreamHandle stream) {
     }
     n = view.n;
     const int64_t head = (static_cast<int64_t>(slot) * m.num_layers + layer) * hkv + h;
-    int8_t* shadow = scan_.shadow + head * d * len;
+    int8_t* shadow = scan_.args.shadow + head * d * len;
     for (int c = 0; c < d; ++c) {
       dst.push_back(shadow + c * len);
       src.push_back(view.k8 + c * view.cap);
@@ -123,7 +123,7 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
         scan_.view[i].count = picks;
         scan_.view[i].off_lo = off_lo;
         scan_.view[i].len = len;
-        scan_.view[i].channels = scan_.channels;
+        scan_.view[i].channels = scan_.args.channels;
       }
     }
     if (live) rows = n;
@@ -136,36 +136,18 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
   const int64_t stride = std::min(scan_.list_cap, ScanListCap(max_picks));
   scan_.step_items = items;
   for (int64_t i = 0; i < items; ++i) {
-    if (scan_.view[i].count > 0) scan_.view[i].picks = scan_.out_host + i * stride;
+    if (scan_.view[i].count > 0) scan_.view[i].picks = scan_.args.out + i * stride;
   }
   const bool host = device_->backend() == Backend::kHost;
-  LfpsScanArgs& a = scan_.args;
-  a = LfpsScanArgs{};
+  LfpsScanArgs& a = scan_.args;  // its buffers and shape: InitDeviceScan
   a.items = items;
-  a.item = scan_.items_dev;
-  a.group = dims_.group;
-  a.head_dim = d;
-  a.channels = scan_.channels;
   a.cap = len_cap;
-  a.shadow = scan_.shadow;
-  a.scale = scan_.scale;
   a.q = q;
   a.q_dtype = q_dtype;
   a.k = k;
   a.k_dtype = k_dtype;
-  a.kv_dtype = m.kv_dtype;
   a.max_len = max_len;
   a.max_picks = stride;
-  a.keys = scan_.keys;
-  a.ints = scan_.ints;
-  a.hist = scan_.hist;
-  a.block_counts = scan_.blocks;
-  // The passes read the item table from, and write the ranking into, mapped host memory: no
-  // copies to enqueue (on the GPU machine: 32K 13.1-13.8 ms a step against
-  // 13.6-15.2 with a copy each way, 64K 21.7-22.3 against 23.3-24.3).
-  a.item_host = scan_.items_host;
-  a.out = scan_.out_host;
-  a.counts = scan_.counts_host;
   scan_.live = max_picks > 0;
   scan_.arrived.store(false, std::memory_order_release);
   scan_.launched.store(0, std::memory_order_release);
@@ -219,7 +201,7 @@ void RuntimeImpl::TakeScanCounts() {
   for (int64_t i = 0; i < scan_.step_items; ++i) {
     // -1: more keys than the list holds (the policy then scans on the host).
     if (scan_.view[i].picks == nullptr) continue;
-    scan_.view[i].count = std::max(scan_.counts_host[i], 0);
+    scan_.view[i].count = std::max(scan_.args.counts[i], 0);
     // Written into mapped memory: what crossed PCIe is the listed entries and the count.
     if (mapped) scan_.bytes_d2h += scan_.view[i].count * int64_t{8} + 4;
   }

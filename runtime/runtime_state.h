@@ -328,17 +328,8 @@ struct DeviceScan {
   bool on = false;
   int64_t picks_cap = 0;
   int64_t list_cap = 0;
-  int channels = 0;
-  int8_t* shadow = nullptr;
-  float* scale = nullptr;
-  uint32_t* keys = nullptr;
-  int32_t* ints = nullptr;
-  uint32_t* hist = nullptr;
-  int32_t* blocks = nullptr;
-  int32_t* counts_host = nullptr;  // pinned, mapped: the scan writes it
-  LfpsScanItem* items_dev = nullptr;
-  LfpsScanItem* items_host = nullptr;  // pinned, mapped: the scan's first pass reads it
-  uint64_t* out_host = nullptr;  // pinned, mapped: the scan writes it
+  LfpsScanItem* items_host = nullptr;  // pinned, mapped: the scan's first pass reads it (args.item_host)
+  float* scale = nullptr;              // the shadow's scales, written at priming (args.scale)
   EventHandle ready = nullptr;   // this step's ranking reached out_host
   bool live = false;             // view belongs to the step being selected
   // The first Select that needs the ranking waits for ready (WaitScanRanking, under wait_mu),
@@ -351,6 +342,8 @@ struct DeviceScan {
   int64_t step_items = 0;
   std::vector<int64_t> rows;           // per (slot, layer): shadow rows on the device, 0: none
   std::vector<DeviceScanPicks> view;   // per item of the step; count 0: host scan
+  /// The scan's arguments: its buffers (shadow, scale, workspaces, the mapped item table, ranking
+  /// and counts), channels and shape set once by InitDeviceScan; each step sets the rest.
   LfpsScanArgs args;
   StreamHandle stream = nullptr;
   bool pending = false;            // prepared, not enqueued

@@ -18,7 +18,7 @@ namespace {
 class HipSelector final : public SparcasSelector {
  public:
   HipSelector(const Policy& policy, const SelectorShape& shape) : SparcasSelector(policy, shape) {
-    max_nodes_ = static_cast<int32_t>(std::max<int64_t>(shape.item_cap / std::max(dp_.hip_bk, 1), 1));
+    dp_.hip.max_nodes = static_cast<int32_t>(std::max<int64_t>(shape.item_cap / std::max(dp_.hip.bk, 1), 1));
   }
   ~HipSelector() override { Release(); }
   SelectScoring scoring() const override { return SelectScoring::kHip; }
@@ -26,15 +26,15 @@ class HipSelector final : public SparcasSelector {
   Status Size(std::vector<SelectorBuffer>& buffers) const override {
     KVF_RETURN_IF_ERROR(CheckParams());
     // The cached masks: k_off / bk blocks at most (k_off <= the item budget).
-    KVF_CHECK_ARG(dp_.hip_bk >= 1 && dp_.hip_r_m >= 1 && dp_.hip_rep >= 0 && dp_.hip_rep <= 3 &&
-                      dp_.d_b == shape_.model.head_dim && dp_.sparcas_bits == 4 &&
-                      shape_.item_cap / dp_.hip_bk <= kHipMaxNodes,
-                  "policy '", name_, "': bk ", dp_.hip_bk, ", r_m ", dp_.hip_r_m, ", rep ", dp_.hip_rep,
+    KVF_CHECK_ARG(dp_.hip.bk >= 1 && dp_.hip.r_m >= 1 && dp_.hip.rep >= 0 && dp_.hip.rep <= 3 &&
+                      dp_.sparcas.db == shape_.model.head_dim && dp_.sparcas.bits == 4 &&
+                      shape_.item_cap / dp_.hip.bk <= kHipMaxNodes,
+                  "policy '", name_, "': bk ", dp_.hip.bk, ", r_m ", dp_.hip.r_m, ", rep ", dp_.hip.rep,
                   ", a budget of ", shape_.item_cap, " tokens over ", kHipMaxNodes, " nodes");
     KVF_RETURN_IF_ERROR(SparcasSelector::Size(buffers));
     const size_t items = shape_.items();
     buffers.push_back({state_part(), items * sizeof(HipState)});
-    buffers.push_back({state_part(), items * 2 * static_cast<size_t>(max_nodes_) * sizeof(int32_t)});
+    buffers.push_back({state_part(), items * 2 * static_cast<size_t>(dp_.hip.max_nodes) * sizeof(int32_t)});
     // The host backend's twin builds a requested mask at once: no packed queries, no side stream.
     if (side()) {
       buffers.push_back({state_part(), items * static_cast<size_t>(HipQueryWords(shape_.group, shape_.model.head_dim)) *
@@ -43,14 +43,14 @@ class HipSelector final : public SparcasSelector {
     return Status::Ok();
   }
   int extra_streams() const override { return side() ? 1 : 0; }
-  bool runs_beside_step() const override { return dp_.hip_lag != 0; }
+  bool runs_beside_step() const override { return dp_.hip.lag != 0; }
 
   Status Bind(std::span<void* const> buffers, Device& device, StreamHandle stream) override {
     device_ = &device;
-    hip_state_ = static_cast<HipState*>(buffers[3]);
-    blocks_ = static_cast<int32_t*>(buffers[4]);
+    dp_.hip.state = static_cast<HipState*>(buffers[3]);
+    dp_.hip.blocks = static_cast<int32_t*>(buffers[4]);
     if (side()) {
-      query_ = static_cast<uint32_t*>(buffers[5]);
+      dp_.hip.query = static_cast<uint32_t*>(buffers[5]);
       KVF_ASSIGN_OR_RETURN(side_stream_, device.CreateStream());
       KVF_ASSIGN_OR_RETURN(fork_, device.CreateEvent());
       KVF_ASSIGN_OR_RETURN(join_, device.CreateEvent());
@@ -67,24 +67,15 @@ class HipSelector final : public SparcasSelector {
   }
   Status Reset(int slot, StreamHandle stream) override {
     KVF_RETURN_IF_ERROR(Join(-1, stream));  // the masks' side rebuilds first
-    if (hip_state_ != nullptr) {  // a zero count: the next ranked step builds the mask
-      KVF_RETURN_IF_ERROR(ZeroItems(hip_state_, slot, stream, /*wait=*/false));
+    if (dp_.hip.state != nullptr) {  // a zero count: the next ranked step builds the mask
+      KVF_RETURN_IF_ERROR(ZeroItems(dp_.hip.state, slot, stream, /*wait=*/false));
     }
     return SparcasSelector::Reset(slot, stream);
   }
 
   void Fill(DecodeStepArgs& a) const override {
     SparcasSelector::Fill(a);
-    a.hip_state = hip_state_;
-    a.hip_blocks = blocks_;
-    a.hip_max_nodes = max_nodes_;
-    a.hip_bk = dp_.hip_bk;
-    a.hip_r_m = dp_.hip_r_m;
-    a.hip_rep = dp_.hip_rep;
-    a.hip_align = dp_.hip_align;
-    a.hip_lag = dp_.hip_lag;
-    a.hip_dense_layers = dp_.hip_dense_layers;
-    a.hip_query = query_;
+    a.hip = dp_.hip;
   }
   // The mask's state advances when it ranks: a layer that takes the previous one's list still does.
   bool ranking_skippable() const override { return false; }
@@ -111,27 +102,23 @@ class HipSelector final : public SparcasSelector {
     // The mask's representative rows when it is rebuilt, averaged over its r_m steps: an
     // iteration scores at most 2 K' branches of bk rows, until the nodes of about nb / K' blocks
     // are one block each.
-    const int64_t bk = dp_.hip_bk;
+    const int64_t bk = dp_.hip.bk;
     if (!ranks || s.k_off < bk) return 0;
     const int64_t nb = (s.n_off() + bk - 1) / bk, kn = s.k_off / bk;
     int64_t iters = 0;
     for (int64_t len = (nb + kn - 1) / kn; len > 1; len = (len + 1) / 2) ++iters;
     const int64_t row = SparcasRowElems(shape_.model.head_dim, 4) * static_cast<int64_t>(shape_.kv_elem);
-    return iters * 2 * kn * bk * row / std::max(dp_.hip_r_m, 1);
+    return iters * 2 * kn * bk * row / std::max(dp_.hip.r_m, 1);
   }
-  int32_t ListBlock(int layer) const override { return layer >= Dense() ? dp_.hip_bk : 0; }
+  int32_t ListBlock(int layer) const override { return layer >= Dense() ? dp_.hip.bk : 0; }
 
  private:
   const char* keys_part() const override { return "hip compact keys"; }
   const char* state_part() const override { return "hip selection state"; }
   // The first layer its mask ranks (below it, SparCas's path).
-  int Dense() const { return std::max(dp_.dense_layers, dp_.hip_dense_layers); }
-  bool side() const { return dp_.hip_lag != 0 && shape_.cuda; }
+  int Dense() const { return std::max(dp_.sparcas.dense_layers, dp_.hip.dense_layers); }
+  bool side() const { return dp_.hip.lag != 0 && shape_.cuda; }
 
-  int32_t max_nodes_ = 1;
-  HipState* hip_state_ = nullptr;
-  int32_t* blocks_ = nullptr;
-  uint32_t* query_ = nullptr;
   StreamHandle side_stream_ = nullptr;
   EventHandle fork_ = nullptr, join_ = nullptr;
   int side_layer_ = -1;  // the last layer with a rebuild beside the stream, -1: joined

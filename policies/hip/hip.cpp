@@ -107,19 +107,19 @@ bool HipPolicy::DenseQ4(int head_dim) const {
 
 Policy::DeviceSelectParams HipPolicy::device_select_params(int head_dim) const {
   DeviceSelectParams d;
-  d.d_b = head_dim;
-  d.u = 1 << 30;  // every dimension: never re-chosen
+  d.sparcas.db = head_dim;
+  d.sparcas.u = 1 << 30;  // every dimension: never re-chosen
   // Dense layers at 4 bits: the SparCas machinery ranks every layer over the 4-bit rows, and the
   // mask starts at hip_dense_layers; else its exact path below dense_layers.
   const bool q4 = DenseQ4(head_dim);
-  d.dense_layers = q4 ? 0 : params_.dense_layers;
-  d.hip_dense_layers = q4 ? params_.dense_layers : 0;
-  d.sparcas_bits = 4;
-  d.hip_bk = params_.bk;
-  d.hip_r_m = params_.r_m;
-  d.hip_rep = params_.rep;
-  d.hip_align = params_.align;
-  d.hip_lag = params_.lag;
+  d.sparcas.dense_layers = q4 ? 0 : params_.dense_layers;
+  d.hip.dense_layers = q4 ? params_.dense_layers : 0;
+  d.sparcas.bits = 4;
+  d.hip.bk = params_.bk;
+  d.hip.r_m = params_.r_m;
+  d.hip.rep = params_.rep;
+  d.hip.align = params_.align;
+  d.hip.lag = params_.lag;
   return d;
 }
 

@@ -16,21 +16,22 @@ namespace {
 class KvpopSelector final : public DeviceSelector {
  public:
   KvpopSelector(const Policy& policy, const SelectorShape& shape)
-      : DeviceSelector(shape), policy_(policy),
-        hidden_(policy.device_select_params(shape.model.head_dim).kvpop_hidden),
-        cap_(std::max<int64_t>(shape.item_cap, 1)) {}
+      : DeviceSelector(shape), policy_(policy) {
+    k_.hidden = policy.device_select_params(shape.model.head_dim).kvpop_hidden;
+    k_.cap = std::max<int64_t>(shape.item_cap, 1);
+  }
   SelectScoring scoring() const override { return SelectScoring::kKvpop; }
 
   Status Size(std::vector<SelectorBuffer>& buffers) const override {
     const ModelShape& m = shape_.model;
-    KVF_CHECK_ARG(hidden_ >= 0 && hidden_ <= kKvpopMaxHidden && m.head_dim <= kKvpopMaxHeadDim,
-                  "policy '", policy_.name(), "': a scorer of hidden width ", hidden_, " (at most ",
+    KVF_CHECK_ARG(k_.hidden >= 0 && k_.hidden <= kKvpopMaxHidden && m.head_dim <= kKvpopMaxHeadDim,
+                  "policy '", policy_.name(), "': a scorer of hidden width ", k_.hidden, " (at most ",
                   kKvpopMaxHidden, ") at head_dim ", m.head_dim, " (at most ", kKvpopMaxHeadDim,
                   ") on the device; kvpop's 'device' = 0 selects on the host");
     const char* part = "kvpop selection state (slots, priorities, scorers)";
     const size_t items = shape_.items();
     buffers.push_back({part, items * sizeof(KvpopState)});
-    buffers.push_back({part, items * static_cast<size_t>(cap_) * (sizeof(int32_t) + sizeof(float))});
+    buffers.push_back({part, items * static_cast<size_t>(k_.cap) * (sizeof(int32_t) + sizeof(float))});
     buffers.push_back({part, ScorerFloats() * sizeof(float)});
     return Status::Ok();
   }
@@ -40,14 +41,15 @@ class KvpopSelector final : public DeviceSelector {
 
   Status Bind(std::span<void* const> buffers, Device& device, StreamHandle stream) override {
     device_ = &device;
-    state_ = static_cast<KvpopState*>(buffers[0]);
-    pos_ = static_cast<int32_t*>(buffers[1]);
-    prio_ = reinterpret_cast<float*>(pos_ + shape_.items() * static_cast<size_t>(cap_));
-    scorer_ = static_cast<float*>(buffers[2]);
+    k_.state = static_cast<KvpopState*>(buffers[0]);
+    k_.pos = static_cast<int32_t*>(buffers[1]);
+    k_.prio = reinterpret_cast<float*>(k_.pos + shape_.items() * static_cast<size_t>(k_.cap));
+    float* scorer = static_cast<float*>(buffers[2]);
+    k_.scorer = scorer;
     KVF_ASSIGN_OR_RETURN(std::vector<float> table, policy_.device_select_table(shape_.model));
     KVF_CHECK_CODE(table.size() == ScorerFloats(), StatusCode::kInternal, "policy '", policy_.name(),
-                   "': a scorer table of ", table.size(), " floats for hidden width ", hidden_);
-    KVF_RETURN_IF_ERROR(device.CopyAsync(scorer_, table.data(), table.size() * sizeof(float), stream));
+                   "': a scorer table of ", table.size(), " floats for hidden width ", k_.hidden);
+    KVF_RETURN_IF_ERROR(device.CopyAsync(scorer, table.data(), table.size() * sizeof(float), stream));
     seen_.assign(static_cast<size_t>(shape_.max_sequences) * shape_.model.num_layers, 0);
     return Reset(-1, stream);
   }
@@ -55,17 +57,10 @@ class KvpopSelector final : public DeviceSelector {
     const size_t layers = static_cast<size_t>(shape_.model.num_layers);
     std::fill(seen_.begin() + (slot < 0 ? 0 : static_cast<size_t>(slot) * layers),
               slot < 0 ? seen_.end() : seen_.begin() + (static_cast<size_t>(slot) + 1) * layers, int64_t{0});
-    return ZeroItems(state_, slot, stream, /*wait=*/true);
+    return ZeroItems(k_.state, slot, stream, /*wait=*/true);
   }
 
-  void Fill(DecodeStepArgs& a) const override {
-    a.kvpop_state = state_;
-    a.kvpop_pos = pos_;
-    a.kvpop_prio = prio_;
-    a.kvpop_cap = cap_;
-    a.kvpop_scorer = scorer_;
-    a.kvpop_hidden = hidden_;
-  }
+  void Fill(DecodeStepArgs& a) const override { a.kvpop = k_; }  // catchup 0: BeforeSelect's
   // The slots' state advances at every step: a layer that takes the previous one's list ranks.
   bool ranking_skippable() const override { return false; }
   // The catch-up scored by a grid over the GPU (KvpopScoreKernel) when a prompt was stored since
@@ -80,7 +75,7 @@ class KvpopSelector final : public DeviceSelector {
       const int64_t n = positions[b] + 1;
       const int64_t off_hi = std::max(std::min(sink, n), n - shape_.window);
       int64_t& seen = seen_[static_cast<size_t>(slots[b]) * shape_.model.num_layers + layer];
-      if (off_hi - std::max(seen, std::min(sink, n)) > 1) a.kvpop_catchup = 1;
+      if (off_hi - std::max(seen, std::min(sink, n)) > 1) a.kvpop.catchup = 1;
       seen = off_hi;
     }
   }
@@ -93,16 +88,11 @@ class KvpopSelector final : public DeviceSelector {
  private:
   size_t ScorerFloats() const {
     return static_cast<size_t>(shape_.model.num_layers) * shape_.model.num_kv_heads *
-           static_cast<size_t>(KvpopScorerFloats(hidden_, 2 * shape_.model.head_dim));
+           static_cast<size_t>(KvpopScorerFloats(k_.hidden, 2 * shape_.model.head_dim));
   }
 
   const Policy& policy_;
-  int32_t hidden_ = 0;
-  int64_t cap_ = 1;
-  KvpopState* state_ = nullptr;
-  int32_t* pos_ = nullptr;
-  float* prio_ = nullptr;
-  float* scorer_ = nullptr;
+  KvpopStepArgs k_;  // the parameters and, from Bind, the buffers a step takes
   // Per (slot, layer) the offloaded range's end at its last decode step, as the host saw it.
   std::vector<int64_t> seen_;
 };

@@ -13,10 +13,10 @@ SparcasSelector::SparcasSelector(const Policy& policy, const SelectorShape& shap
       dp_(policy.device_select_params(shape.model.head_dim)) {}
 
 Status SparcasSelector::CheckParams() const {
-  KVF_CHECK_ARG(dp_.d_b >= 1 && dp_.u >= 1 && dp_.dense_layers >= 0 &&
-                    (dp_.sparcas_bits == 16 || (dp_.sparcas_bits == 4 && dp_.d_b % 8 == 0)),
-                "policy '", name_, "': d_b ", dp_.d_b, ", u ", dp_.u, ", dense_layers ",
-                dp_.dense_layers, ", bits ", dp_.sparcas_bits);
+  KVF_CHECK_ARG(dp_.sparcas.db >= 1 && dp_.sparcas.u >= 1 && dp_.sparcas.dense_layers >= 0 &&
+                    (dp_.sparcas.bits == 16 || (dp_.sparcas.bits == 4 && dp_.sparcas.db % 8 == 0)),
+                "policy '", name_, "': d_b ", dp_.sparcas.db, ", u ", dp_.sparcas.u, ", dense_layers ",
+                dp_.sparcas.dense_layers, ", bits ", dp_.sparcas.bits);
   return Status::Ok();
 }
 
@@ -26,8 +26,8 @@ Status SparcasSelector::Size(std::vector<SelectorBuffer>& buffers) const {
   // Compact rows of every position an item may hold (meta_pages = max_tokens), its state and its
   // chosen dimensions.
   const int64_t elems = SparcasCompactOffset(shape_.max_sequences, 0, 0, m.num_layers, m.num_kv_heads,
-                                             shape_.max_tokens, m.head_dim, dp_.d_b, dp_.dense_layers,
-                                             dp_.sparcas_bits);
+                                             shape_.max_tokens, m.head_dim, dp_.sparcas.db, dp_.sparcas.dense_layers,
+                                             dp_.sparcas.bits);
   buffers.push_back({keys_part(), static_cast<size_t>(elems) * shape_.kv_elem});
   buffers.push_back({state_part(), shape_.items() * sizeof(SparcasState)});
   buffers.push_back({state_part(), shape_.items() * static_cast<size_t>(m.head_dim) * sizeof(int32_t)});
@@ -37,30 +37,25 @@ Status SparcasSelector::Size(std::vector<SelectorBuffer>& buffers) const {
 Status SparcasSelector::Bind(std::span<void* const> buffers, Device& device, StreamHandle stream) {
   device_ = &device;
   meta_ = static_cast<char*>(buffers[0]);
-  state_ = static_cast<SparcasState*>(buffers[1]);
-  dims_ = static_cast<int32_t*>(buffers[2]);
+  dp_.sparcas.state = static_cast<SparcasState*>(buffers[1]);
+  dp_.sparcas.dims = static_cast<int32_t*>(buffers[2]);
   return Reset(-1, stream);
 }
 
 Status SparcasSelector::Reset(int slot, StreamHandle stream) {
-  return ZeroItems(state_, slot, stream, /*wait=*/true);
+  return ZeroItems(dp_.sparcas.state, slot, stream, /*wait=*/true);
 }
 
 void SparcasSelector::Fill(DecodeStepArgs& a) const {
   a.meta = meta_;
   a.meta_pages = shape_.max_tokens;
-  a.sparcas_state = state_;
-  a.sparcas_dims = dims_;
-  a.sparcas_db = dp_.d_b;
-  a.sparcas_u = dp_.u;
-  a.sparcas_dense_layers = dp_.dense_layers;
-  a.sparcas_bits = dp_.sparcas_bits;
+  a.sparcas = dp_.sparcas;
 }
 
 int64_t SparcasSelector::CompactKeyBytes(int64_t n, int layer, bool ranks) const {
   if (!ranks) return 0;
-  const int32_t dims = SparcasDimsOf(layer, dp_.dense_layers, dp_.d_b, shape_.model.head_dim);
-  const int64_t row = SparcasRowElems(dims, SparcasBitsOf(layer, dp_.dense_layers, dp_.sparcas_bits));
+  const int32_t dims = SparcasDimsOf(layer, dp_.sparcas.dense_layers, dp_.sparcas.db, shape_.model.head_dim);
+  const int64_t row = SparcasRowElems(dims, SparcasBitsOf(layer, dp_.sparcas.dense_layers, dp_.sparcas.bits));
   return n * row * static_cast<int64_t>(shape_.kv_elem);
 }
 

@@ -31,10 +31,10 @@ class SparcasSelector : public DeviceSelector {
   virtual const char* state_part() const { return "sparcas selection state"; }
 
   std::string name_;
+  /// The policy's parameters; Bind adds the buffers to dp_.sparcas (and HiP's to dp_.hip), which
+  /// Fill hands to each step as they are.
   Policy::DeviceSelectParams dp_;
   char* meta_ = nullptr;
-  SparcasState* state_ = nullptr;
-  int32_t* dims_ = nullptr;
 };
 
 }  // namespace kvferry::detail

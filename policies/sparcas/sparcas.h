@@ -91,10 +91,10 @@ class SparcasPolicy final : public Policy {
   [[nodiscard]] SelectScoring device_scoring() const override { return SelectScoring::kSparcas; }
   [[nodiscard]] DeviceSelectParams device_select_params(int head_dim) const override {
     DeviceSelectParams d;
-    d.d_b = SparcasDb(params_, head_dim);
-    d.u = params_.u;
-    d.dense_layers = params_.dense_layers;
-    d.sparcas_bits = SparcasBits(params_, head_dim);
+    d.sparcas.db = SparcasDb(params_, head_dim);
+    d.sparcas.u = params_.u;
+    d.sparcas.dense_layers = params_.dense_layers;
+    d.sparcas.bits = SparcasBits(params_, head_dim);
     return d;
   }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
