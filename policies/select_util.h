@@ -67,6 +67,10 @@ void GroupSoftmaxSum(const float* logits, int group, int64_t count, int64_t ld, 
 template <typename State>
 class HeadStateTable {
  public:
+  HeadStateTable() = default;
+  HeadStateTable(int max_sequences, int num_layers, int num_kv_heads) {
+    Init(max_sequences, num_layers, num_kv_heads);
+  }
   void Init(int max_sequences, int num_layers, int num_kv_heads) {
     max_sequences_ = max_sequences;
     num_layers_ = num_layers;
@@ -87,6 +91,13 @@ class HeadStateTable {
     auto& st = states_[Index(slot, layer, kv_head)];
     if (st == nullptr && create) st = std::make_unique<State>();
     return st.get();
+  }
+  /// The state of the head a Select is for (created), once the context has a position, a group and
+  /// a query: what every query-reading policy checks first.
+  Result<State*> ForSelect(const char* policy, const SelectContext& ctx) {
+    KVF_CHECK_ARG(ctx.n >= 1 && ctx.q != nullptr && ctx.params.group >= 1, policy,
+                  " select needs n >= 1 and a query");
+    return Get(policy, ctx.slot, ctx.layer, ctx.kv_head, true);
   }
   const State* Peek(int slot, int layer, int kv_head) const {
     if (slot < 0 || slot >= max_sequences_ || layer < 0 || layer >= num_layers_ || kv_head < 0 ||

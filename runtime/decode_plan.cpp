@@ -53,7 +53,6 @@ Status RuntimeImpl::InitCpuPartBuffers() {
   const Capacity& cap = config_.capacity;
   const ModelShape& m = config_.model;
   const DeviceBufferSizes& z = sizes_;
-  void* p = nullptr;
   // The scheduler's split (route auto, a device selection without a bank): its CPU share runs on
   // the runtime's thread with a CPU step's pinned q staging, events and attention partials.
   split_.on = z.split;
@@ -75,14 +74,10 @@ Status RuntimeImpl::InitCpuPartBuffers() {
     const int64_t items = int64_t{cap.max_batch} * m.num_kv_heads;
     KVF_ASSIGN_OR_RETURN(split_.ready, device_->CreateEvent());
     KVF_ASSIGN_OR_RETURN(split_.step_done, device_->CreateEvent());
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.split_list, false));
-    split_.gpu_list = static_cast<int32_t*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.split_count, false));
-    split_.gpu_count = static_cast<int32_t*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(items * z.list_cap) * sizeof(int32_t), true));
-    split_.cpu_list = static_cast<int32_t*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(items) * sizeof(int32_t), true));
-    split_.cpu_count = static_cast<int32_t*>(p);
+    KVF_ASSIGN_OR_RETURN(split_.gpu_list, AllocAs<int32_t>(z.split_list, false));
+    KVF_ASSIGN_OR_RETURN(split_.gpu_count, AllocAs<int32_t>(z.split_count, false));
+    KVF_ASSIGN_OR_RETURN(split_.cpu_list, AllocAs<int32_t>(static_cast<size_t>(items * z.list_cap) * sizeof(int32_t), true));
+    KVF_ASSIGN_OR_RETURN(split_.cpu_count, AllocAs<int32_t>(static_cast<size_t>(items) * sizeof(int32_t), true));
   }
   if (step_.cpu_step || split_.on) {
     // The CPU part on its own thread (RuntimeConfig::async_cpu; -1: with CUDA). The split's
@@ -90,8 +85,7 @@ Status RuntimeImpl::InitCpuPartBuffers() {
     const int want = config_.async_cpu;
     cpu_.async = want > 0 || (want < 0 && device_->backend() == Backend::kCuda) || split_.on;
     if (cpu_.async) {
-      KVF_ASSIGN_OR_RETURN(p, Alloc(2 * sizeof(uint32_t), true));
-      cpu_.word = static_cast<uint32_t*>(p);
+      KVF_ASSIGN_OR_RETURN(cpu_.word, AllocAs<uint32_t>(2 * sizeof(uint32_t), true));
       cpu_.word[0] = cpu_.word[1] = 0;
       cpu_.thread = std::thread([this] { CpuThreadMain(); });
     }
@@ -108,16 +102,13 @@ Status RuntimeImpl::InitSelectLists() {
   // rewrites a list an earlier launch of the step may still read.
   const int64_t items = int64_t{cap.max_batch} * m.num_kv_heads;
   lists_.cap = z.list_cap;
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_list, false));
-  lists_.positions = static_cast<int32_t*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_list_count, false));
-  lists_.counts = static_cast<int32_t*>(p);
+  KVF_ASSIGN_OR_RETURN(lists_.positions, AllocAs<int32_t>(z.step_list, false));
+  KVF_ASSIGN_OR_RETURN(lists_.counts, AllocAs<int32_t>(z.step_list_count, false));
   if (step_.host_lists) {
     // The host's lists of every layer, pinned, copied up from here (UploadHostLists).
     const size_t lists = static_cast<size_t>(m.num_layers) * items;
     const size_t staged = lists * static_cast<size_t>(lists_.cap + 1) * sizeof(int32_t);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(staged, true));
-    lists_.stage = static_cast<int32_t*>(p);
+    KVF_ASSIGN_OR_RETURN(lists_.stage, AllocAs<int32_t>(staged, true));
     lists_.up.assign(static_cast<size_t>(m.num_layers), nullptr);
     for (EventHandle& e : lists_.up) {
       KVF_ASSIGN_OR_RETURN(e, device_->CreateEvent());
@@ -126,17 +117,14 @@ Status RuntimeImpl::InitSelectLists() {
   // Host lists need no selection scratch.
   lists_.select_ld = z.select_ld;
   if (z.select_ws > 0) {
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.select_ws, false));
-    lists_.select_ws = static_cast<float*>(p);
+    KVF_ASSIGN_OR_RETURN(lists_.select_ws, AllocAs<float>(z.select_ws, false));
   }
   if (z.topk_ws > 0) {
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.topk_ws, false));
-    lists_.topk_ws = static_cast<unsigned long long*>(p);
+    KVF_ASSIGN_OR_RETURN(lists_.topk_ws, AllocAs<unsigned long long>(z.topk_ws, false));
   }
   // The multi-CTA top-k's scratch, when an item can rank enough scores to take it.
   if (z.select_mcta > 0) {
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.select_mcta, false));
-    lists_.select_mcta_ws = static_cast<uint32_t*>(p);
+    KVF_ASSIGN_OR_RETURN(lists_.select_mcta_ws, AllocAs<uint32_t>(z.select_mcta, false));
   }
   if (selector_ != nullptr) {  // its buffers, in the order it sized them
     std::vector<void*> buffers;
@@ -156,7 +144,6 @@ Status RuntimeImpl::InitSelectLists() {
 
 Status RuntimeImpl::InitBankStaging() {
   const DeviceBufferSizes& z = sizes_;
-  void* p = nullptr;
   // The step's misses: staged at their list index, listed for the admission after the step;
   // one set a region (DeviceBufferSizes::bank_regions).
   dbank_.miss_cap = z.bank_miss_cap;
@@ -165,10 +152,8 @@ Status RuntimeImpl::InitBankStaging() {
   dbank_.stage_region = z.bank_stage / regions;
   dbank_.miss_region = z.bank_miss / regions;
   dbank_.admit_region = z.bank_admit / regions;
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.bank_stage, false));
-  dbank_.stage = static_cast<char*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.bank_miss, false));
-  dbank_.miss = static_cast<int32_t*>(p);
+  KVF_ASSIGN_OR_RETURN(dbank_.stage, AllocAs<char>(z.bank_stage, false));
+  KVF_ASSIGN_OR_RETURN(dbank_.miss, AllocAs<int32_t>(z.bank_miss, false));
   const std::vector<int32_t> zeros(z.bank_miss / sizeof(int32_t), 0);
   KVF_RETURN_IF_ERROR(device_->CopyAsync(dbank_.miss, zeros.data(), z.bank_miss, stream_));
   KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
@@ -209,27 +194,21 @@ Status RuntimeImpl::InitPlanBuffers() {
   const Capacity& cap = config_.capacity;
   const ModelShape& m = config_.model;
   const DeviceBufferSizes& z = sizes_;
-  void* p = nullptr;
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_slots, false));
-  step_.slots_dev = static_cast<int32_t*>(p);
+  KVF_ASSIGN_OR_RETURN(step_.slots_dev, AllocAs<int32_t>(z.step_slots, false));
   const size_t positions = static_cast<size_t>(cap.max_batch) * m.num_layers;
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_pos, false));
-  step_.pos_dev = static_cast<int64_t*>(p);
+  KVF_ASSIGN_OR_RETURN(step_.pos_dev, AllocAs<int64_t>(z.step_pos, false));
   step_.plan_stage_bytes = AlignUp(static_cast<size_t>(cap.max_batch) * sizeof(int32_t), 64) +
                            AlignUp(positions * sizeof(int64_t), 64);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(kPlanRing * step_.plan_stage_bytes, true));
-  step_.plan_stage = static_cast<char*>(p);
+  KVF_ASSIGN_OR_RETURN(step_.plan_stage, AllocAs<char>(kPlanRing * step_.plan_stage_bytes, true));
   for (int i = 0; i < kPlanRing; ++i) {
     KVF_ASSIGN_OR_RETURN(EventHandle e, device_->CreateEvent());
     step_.plan_events.push_back(e);
   }
   if (z.step_ws > 0) {
     step_.ws_floats = z.step_ws_floats;
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_ws, false));
-    step_.ws = static_cast<float*>(p);
+    KVF_ASSIGN_OR_RETURN(step_.ws, AllocAs<float>(z.step_ws, false));
     const size_t counters = static_cast<size_t>(cap.max_batch) * m.num_kv_heads * dims_.group;
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.step_counters, false));
-    step_.counters = static_cast<int32_t*>(p);
+    KVF_ASSIGN_OR_RETURN(step_.counters, AllocAs<int32_t>(z.step_counters, false));
     const std::vector<int32_t> zeros(counters, 0);
     KVF_RETURN_IF_ERROR(
         device_->CopyAsync(step_.counters, zeros.data(), counters * sizeof(int32_t), stream_));

@@ -326,47 +326,32 @@ Status RuntimeImpl::InitCallBuffers() {
   KVF_ASSIGN_OR_RETURN(io_.v_in, Alloc(z.v_in, false));
   KVF_ASSIGN_OR_RETURN(io_.out_stage, Alloc(z.out_stage, false));
   void* p = nullptr;
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.q_f32, false));
-  io_.q_f32 = static_cast<float*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.o_gpu, false));
-  io_.o_gpu = static_cast<float*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.lse_gpu, false));
-  io_.lse_gpu = static_cast<float*>(p);
+  KVF_ASSIGN_OR_RETURN(io_.q_f32, AllocAs<float>(z.q_f32, false));
+  KVF_ASSIGN_OR_RETURN(io_.o_gpu, AllocAs<float>(z.o_gpu, false));
+  KVF_ASSIGN_OR_RETURN(io_.lse_gpu, AllocAs<float>(z.lse_gpu, false));
   const size_t batch_q = static_cast<size_t>(cap.max_batch * hq * m.head_dim);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.o_cpu, false));
-  io_.o_cpu_dev = static_cast<float*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.lse_cpu, false));
-  io_.lse_cpu_dev = static_cast<float*>(p);
+  KVF_ASSIGN_OR_RETURN(io_.o_cpu_dev, AllocAs<float>(z.o_cpu, false));
+  KVF_ASSIGN_OR_RETURN(io_.lse_cpu_dev, AllocAs<float>(z.lse_cpu, false));
 
-  KVF_ASSIGN_OR_RETURN(p, Alloc(act_q * 4, true));
-  io_.q_host = static_cast<float*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(batch_q * 4, true));
-  io_.o_cpu_host = static_cast<float*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(cap.max_batch * hq) * 4, true));
-  io_.lse_cpu_host = static_cast<float*>(p);
+  KVF_ASSIGN_OR_RETURN(io_.q_host, AllocAs<float>(act_q * 4, true));
+  KVF_ASSIGN_OR_RETURN(io_.o_cpu_host, AllocAs<float>(batch_q * 4, true));
+  KVF_ASSIGN_OR_RETURN(io_.lse_cpu_host, AllocAs<float>(static_cast<size_t>(cap.max_batch * hq) * 4, true));
   const size_t rows = static_cast<size_t>(dims_.max_rows);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(rows * hkv * 2 * sizeof(RowCopy), true));
-  desc_.k_copies = static_cast<RowCopy*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(rows * hkv * 2 * sizeof(RowCopy), true));
-  desc_.v_copies = static_cast<RowCopy*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(rows * hq * sizeof(RowCopy), true));
-  desc_.q_copies = static_cast<RowCopy*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(rows * hkv * sizeof(RowCopy), true));
-  desc_.o_copies = static_cast<RowCopy*>(p);
+  KVF_ASSIGN_OR_RETURN(desc_.k_copies, AllocAs<RowCopy>(rows * hkv * 2 * sizeof(RowCopy), true));
+  KVF_ASSIGN_OR_RETURN(desc_.v_copies, AllocAs<RowCopy>(rows * hkv * 2 * sizeof(RowCopy), true));
+  KVF_ASSIGN_OR_RETURN(desc_.q_copies, AllocAs<RowCopy>(rows * hq * sizeof(RowCopy), true));
+  KVF_ASSIGN_OR_RETURN(desc_.o_copies, AllocAs<RowCopy>(rows * hkv * sizeof(RowCopy), true));
   KVF_ASSIGN_OR_RETURN(call_done_, device_->CreateEvent());
   const size_t items = static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(items * sizeof(RowAttnItem), true));
-  desc_.gpu_items = static_cast<RowAttnItem*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(items * sizeof(RowAttnItem), true));
-  desc_.cpu_items = static_cast<RowAttnItem*>(p);
+  KVF_ASSIGN_OR_RETURN(desc_.gpu_items, AllocAs<RowAttnItem>(items * sizeof(RowAttnItem), true));
+  KVF_ASSIGN_OR_RETURN(desc_.cpu_items, AllocAs<RowAttnItem>(items * sizeof(RowAttnItem), true));
   KVF_ASSIGN_OR_RETURN(
       p, Alloc(std::max<size_t>(items, static_cast<size_t>(hkv)) * sizeof(PagedAttnItem), true));
   desc_.paged_items = static_cast<PagedAttnItem*>(p);
   const size_t row_ptrs = items * static_cast<size_t>(std::max<int64_t>(dims_.item_cap, 1));
   for (const void*** dst :
        {&desc_.gpu_k_rows, &desc_.gpu_v_rows, &desc_.cpu_k_rows, &desc_.cpu_v_rows}) {
-    KVF_ASSIGN_OR_RETURN(p, Alloc(row_ptrs * sizeof(void*), true));
-    *dst = static_cast<const void**>(p);
+    KVF_ASSIGN_OR_RETURN(*dst, AllocAs<const void*>(row_ptrs * sizeof(void*), true));
   }
   return Status::Ok();
 }
@@ -391,23 +376,17 @@ Status RuntimeImpl::InitBanks() {
 Status RuntimeImpl::InitPrefillStaging() {
   const DeviceBufferSizes& z = sizes_;
   const int64_t hkv = config_.model.num_kv_heads;
-  void* p = nullptr;
   // Prefill staging: one layer's pages of one sequence in device memory, and their page table.
   prefill_.max_pages = z.max_pages;
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_scratch, false));
-  prefill_.scratch = static_cast<char*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(hkv * prefill_.max_pages) * sizeof(void*), true));
-  prefill_.pages_host = static_cast<void**>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_pages, false));
-  prefill_.pages_dev = static_cast<void**>(p);
+  KVF_ASSIGN_OR_RETURN(prefill_.scratch, AllocAs<char>(z.prefill_scratch, false));
+  KVF_ASSIGN_OR_RETURN(prefill_.pages_host, AllocAs<void*>(static_cast<size_t>(hkv * prefill_.max_pages) * sizeof(void*), true));
+  KVF_ASSIGN_OR_RETURN(prefill_.pages_dev, AllocAs<void*>(z.prefill_pages, false));
   prefill_.page_copy_dst.reserve(static_cast<size_t>(hkv * prefill_.max_pages));
   prefill_.page_copy_src.reserve(static_cast<size_t>(hkv * prefill_.max_pages));
   prefill_.page_copy_bytes.reserve(static_cast<size_t>(hkv * prefill_.max_pages));
   if (z.prefill_prefetch) {
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_next, false));
-    prefill_.next = static_cast<char*>(p);
-    KVF_ASSIGN_OR_RETURN(p, Alloc(z.prefill_next_pages, false));
-    prefill_.next_pages_dev = static_cast<void**>(p);
+    KVF_ASSIGN_OR_RETURN(prefill_.next, AllocAs<char>(z.prefill_next, false));
+    KVF_ASSIGN_OR_RETURN(prefill_.next_pages_dev, AllocAs<void*>(z.prefill_next_pages, false));
     KVF_ASSIGN_OR_RETURN(prefill_.next_ready, device_->CreateEvent());
     KVF_ASSIGN_OR_RETURN(prefill_.call_start, device_->CreateEvent());
   }
@@ -451,17 +430,12 @@ Status RuntimeImpl::InitPrefillStaging() {
 
 Status RuntimeImpl::InitPrimeBuffers() {
   const DeviceBufferSizes& z = sizes_;
-  void* p = nullptr;
   prime_.rows = z.prime_rows;
   prime_.table_stride = z.prime_table_stride;
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_tables, false));
-  prime_.tables_dev = static_cast<float*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_tables, true));
-  prime_.tables_host = static_cast<float*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_stats, false));
-  prime_.stats_dev = static_cast<double*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.prime_stats, true));
-  prime_.stats_host = static_cast<double*>(p);
+  KVF_ASSIGN_OR_RETURN(prime_.tables_dev, AllocAs<float>(z.prime_tables, false));
+  KVF_ASSIGN_OR_RETURN(prime_.tables_host, AllocAs<float>(z.prime_tables, true));
+  KVF_ASSIGN_OR_RETURN(prime_.stats_dev, AllocAs<double>(z.prime_stats, false));
+  KVF_ASSIGN_OR_RETURN(prime_.stats_host, AllocAs<double>(z.prime_stats, true));
   if (z.prime_scratch > 0) {
     prime_.scratch_bytes = z.prime_scratch;
     KVF_ASSIGN_OR_RETURN(prime_.scratch, Alloc(prime_.scratch_bytes, false));
@@ -476,7 +450,6 @@ Status RuntimeImpl::InitDeviceScan() {
   const Capacity& cap = config_.capacity;
   const DeviceBufferSizes& z = sizes_;  // DropScan below clears z.device_scan
   const int64_t hkv = m.num_kv_heads;
-  void* p = nullptr;
   // LFPS's scan on the device (sizes and the choice: SizeDeviceBuffers). A GPU that cannot hold
   // its shadow now (other work on it) leaves it out: the policy scans on the host.
   if (z.device_scan) {
@@ -497,34 +470,25 @@ Status RuntimeImpl::InitDeviceScan() {
   a.group = dims_.group;
   a.head_dim = m.head_dim;
   a.kv_dtype = m.kv_dtype;
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_scale, false));
-  scan_.scale = static_cast<float*>(p);
+  KVF_ASSIGN_OR_RETURN(scan_.scale, AllocAs<float>(z.scan_scale, false));
   a.scale = scan_.scale;
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_keys, false));
-  a.keys = static_cast<uint32_t*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_ints, false));
-  a.ints = static_cast<int32_t*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_hist, false));
-  a.hist = static_cast<uint32_t*>(p);
+  KVF_ASSIGN_OR_RETURN(a.keys, AllocAs<uint32_t>(z.scan_keys, false));
+  KVF_ASSIGN_OR_RETURN(a.ints, AllocAs<int32_t>(z.scan_ints, false));
+  KVF_ASSIGN_OR_RETURN(a.hist, AllocAs<uint32_t>(z.scan_hist, false));
   {  // the histograms start at zero (each scan leaves them so)
     const std::vector<uint32_t> zeros(z.scan_hist / sizeof(uint32_t), 0u);
     KVF_RETURN_IF_ERROR(device_->CopyAsync(a.hist, zeros.data(), z.scan_hist, stream_));
     KVF_RETURN_IF_ERROR(device_->SynchronizeStream(stream_));
   }
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_blocks, false));
-  a.block_counts = static_cast<int32_t*>(p);
+  KVF_ASSIGN_OR_RETURN(a.block_counts, AllocAs<int32_t>(z.scan_blocks, false));
   // The passes read the item table from, and write the ranking into, mapped host memory: no
   // copies to enqueue (on the GPU machine: 32K 13.1-13.8 ms a step against
   // 13.6-15.2 with a copy each way, 64K 21.7-22.3 against 23.3-24.3).
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_counts, true));
-  a.counts = static_cast<int32_t*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_items, false));
-  a.item = static_cast<LfpsScanItem*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_items, true));
-  scan_.items_host = static_cast<LfpsScanItem*>(p);
+  KVF_ASSIGN_OR_RETURN(a.counts, AllocAs<int32_t>(z.scan_counts, true));
+  KVF_ASSIGN_OR_RETURN(a.item, AllocAs<LfpsScanItem>(z.scan_items, false));
+  KVF_ASSIGN_OR_RETURN(scan_.items_host, AllocAs<LfpsScanItem>(z.scan_items, true));
   a.item_host = scan_.items_host;
-  KVF_ASSIGN_OR_RETURN(p, Alloc(z.scan_out, true));
-  a.out = static_cast<uint64_t*>(p);
+  KVF_ASSIGN_OR_RETURN(a.out, AllocAs<uint64_t>(z.scan_out, true));
   KVF_ASSIGN_OR_RETURN(scan_.ready, device_->CreateEvent());
   scan_.rows.assign(static_cast<size_t>(cap.max_sequences) * m.num_layers, 0);
   scan_.view.assign(static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv), {});

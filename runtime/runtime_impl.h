@@ -223,6 +223,12 @@ class RuntimeImpl {
   // Measures the scheduler's rates (CPU sparse attention, PCIe zero-copy gather) into cost_.
   Status ProbeCosts();
   Result<void*> Alloc(size_t bytes, bool host);
+  /// Alloc, typed: a buffer of \p bytes as T*.
+  template <typename T>
+  Result<T*> AllocAs(size_t bytes, bool host) {
+    KVF_ASSIGN_OR_RETURN(void* p, Alloc(bytes, host));
+    return static_cast<T*>(p);
+  }
   // ---- device memory (runtime/device_memory.cpp) ----
   // Bytes Alloc takes for a request of \p bytes (the one rounding rule the sizing shares).
   static size_t AllocBytes(size_t bytes);

@@ -67,27 +67,21 @@ Status RuntimeImpl::InitWindowBuffers() {
   if (win_.max == 0) return Status::Ok();
   const Capacity& cap = config_.capacity;
   const int64_t hkv = config_.model.num_kv_heads;
-  void* p = nullptr;
   if (sizes_.window_rings > 0) {
-    KVF_ASSIGN_OR_RETURN(p, Alloc(sizes_.window_rings, false));
-    win_.rings = static_cast<char*>(p);
+    KVF_ASSIGN_OR_RETURN(win_.rings, AllocAs<char>(sizes_.window_rings, false));
   }
-  KVF_ASSIGN_OR_RETURN(p, Alloc(sizes_.window_stage, false));
-  win_.stage = static_cast<char*>(p);
+  KVF_ASSIGN_OR_RETURN(win_.stage, AllocAs<char>(sizes_.window_stage, false));
   // Pinned descriptors, one region per use in a call (WindowDecode: q, k, v; WindowChunk: the
   // history, the chunk's k and v, q and out, the ring, the history back).
   const int64_t hist = win_.max - 1, chunk = cap.max_prefill_chunk;
   win_.copy_cap = hkv * std::max<int64_t>(3 * int64_t{cap.max_batch}, 4 * hist + 6 * chunk);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(win_.copy_cap) * sizeof(RowCopy), true));
-  win_.copies = static_cast<RowCopy*>(p);
-  KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(dims_.max_rows * hkv) * sizeof(RowAttnItem), true));
-  win_.items = static_cast<RowAttnItem*>(p);
+  KVF_ASSIGN_OR_RETURN(win_.copies, AllocAs<RowCopy>(static_cast<size_t>(win_.copy_cap) * sizeof(RowCopy), true));
+  KVF_ASSIGN_OR_RETURN(win_.items, AllocAs<RowAttnItem>(static_cast<size_t>(dims_.max_rows * hkv) * sizeof(RowAttnItem), true));
   // Row lists: a decode item's ring rows; a chunk's staging rows of each KV head.
   win_.row_cap = std::max<int64_t>(int64_t{cap.max_batch} * hkv * win_.max,
                                    hkv * win_.stage_rows);
   for (const void*** dst : {&win_.k_rows, &win_.v_rows}) {
-    KVF_ASSIGN_OR_RETURN(p, Alloc(static_cast<size_t>(win_.row_cap) * sizeof(void*), true));
-    *dst = static_cast<const void**>(p);
+    KVF_ASSIGN_OR_RETURN(*dst, AllocAs<const void*>(static_cast<size_t>(win_.row_cap) * sizeof(void*), true));
   }
   return Status::Ok();
 }

@@ -87,8 +87,7 @@ int HipBits(const HipParams& params, int head_dim) {
 
 HipPolicy::HipPolicy(const HipParams& params, int max_sequences, int num_layers, int num_kv_heads,
                      bool device)
-    : params_(params), device_(device) {
-  states_.Init(max_sequences, num_layers, num_kv_heads);
+    : params_(params), device_(device), states_(max_sequences, num_layers, num_kv_heads) {
   if ((params_.dense_bits == 4 && params_.dense_layers > 0) || Fresh()) {
     SparcasParams sp;
     sp.d_b = 1 << 20;  // clamped to head_dim: every dimension
@@ -124,10 +123,8 @@ Policy::DeviceSelectParams HipPolicy::device_select_params(int head_dim) const {
 }
 
 Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
-  KVF_CHECK_ARG(ctx.n >= 1 && ctx.q != nullptr && ctx.params.group >= 1,
-                "hip select needs n >= 1 and a query");
   KVF_CHECK_ARG(ctx.params.head_dim <= 256, "hip: head_dim ", ctx.params.head_dim, " > 256");
-  KVF_ASSIGN_OR_RETURN(HeadState * st, states_.Get("hip", ctx.slot, ctx.layer, ctx.kv_head, true));
+  KVF_ASSIGN_OR_RETURN(HeadState * st, states_.ForSelect("hip", ctx));
   const OffloadSplit s = SplitPositions(ctx.n, ctx.sink, ctx.window, ctx.budget);
   if (s.all) {
     SelectAll(ctx.n, out);

@@ -54,14 +54,10 @@ Result<QuestParams> ParseQuestParams(const std::map<std::string, double>& params
 
 QuestPolicy::QuestPolicy(const QuestParams& params, int max_sequences, int num_layers,
                          int num_kv_heads)
-    : params_(params) {
-  states_.Init(max_sequences, num_layers, num_kv_heads);
-}
+    : params_(params), states_(max_sequences, num_layers, num_kv_heads) {}
 
 Status QuestPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
-  KVF_CHECK_ARG(ctx.n >= 1 && ctx.q != nullptr && ctx.params.group >= 1,
-                "quest select needs n >= 1 and a query");
-  KVF_ASSIGN_OR_RETURN(HeadState * st, states_.Get("quest", ctx.slot, ctx.layer, ctx.kv_head, true));
+  KVF_ASSIGN_OR_RETURN(HeadState * st, states_.ForSelect("quest", ctx));
   const AttnParams& p = ctx.params;
   const int hd = p.head_dim;
   const int64_t n = ctx.n;

@@ -95,15 +95,10 @@ int SparcasDb(const SparcasParams& params, int head_dim) {
 
 SparcasPolicy::SparcasPolicy(const SparcasParams& params, int max_sequences, int num_layers,
                              int num_kv_heads)
-    : params_(params) {
-  states_.Init(max_sequences, num_layers, num_kv_heads);
-}
+    : params_(params), states_(max_sequences, num_layers, num_kv_heads) {}
 
 Status SparcasPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
-  KVF_CHECK_ARG(ctx.n >= 1 && ctx.q != nullptr && ctx.params.group >= 1,
-                "sparcas select needs n >= 1 and a query");
-  KVF_ASSIGN_OR_RETURN(HeadState * st,
-                       states_.Get("sparcas", ctx.slot, ctx.layer, ctx.kv_head, true));
+  KVF_ASSIGN_OR_RETURN(HeadState * st, states_.ForSelect("sparcas", ctx));
   const AttnParams& p = ctx.params;
   const int hd = p.head_dim;
   const int64_t n = ctx.n;
