@@ -68,7 +68,7 @@ enum class SelectScoring : int32_t {
   /// policies/quest's host Select.
   kQuestPages = 2,
   /// SparCas: per item the d_b key dimensions of largest sum_g |q_g,d| (ties: lower d), chosen at
-  /// the first ranked step and every sparcas_u ranked steps; a compact copy of those dimensions of
+  /// the first ranked step and every sparcas.u ranked steps; a compact copy of those dimensions of
   /// every key kept in device memory (`meta`, re-gathered when the dimensions change, extended by
   /// the positions stored since the last ranked step); partial logits of all n positions over
   /// them, the group's summed softmax, its top k of the offloaded range [sink, n - window) with
@@ -78,19 +78,19 @@ enum class SelectScoring : int32_t {
   /// logit is that row's scale times sum_i q[dims[i]] * n_i. Equals policies/sparcas's host
   /// Select.
   kSparcas = 3,
-  /// HiP (policies/hip/hip.h): the compact rows of kSparcas with every dimension (sparcas_db =
-  /// head_dim, sparcas_u past any run: the dimensions never change) at 4 bits, so that a
+  /// HiP (policies/hip/hip.h): the compact rows of kSparcas with every dimension (sparcas.db =
+  /// head_dim, sparcas.u past any run: the dimensions never change) at 4 bits, so that a
   /// representative block is scored as an exact integer dot with the int8 query (base/hip_mask.h);
-  /// per item a hierarchical mask of k_off / hip_bk blocks of the offloaded range, kept in
-  /// hip_blocks and rebuilt every hip_r_m ranked steps (or when k_off shrinks or n falls as
+  /// per item a hierarchical mask of k_off / hip.bk blocks of the offloaded range, kept in
+  /// hip.blocks and rebuilt every hip.r_m ranked steps (or when k_off shrinks or n falls as
   /// base/hip_mask.h's HipMaskStale says); the list is the sinks, the mask's positions below the
   /// offloaded end it was built at, and the window. Layers below sparcas_dense_layers take
   /// kSparcas's exact path. Equals policies/hip's host Select.
   kHip = 4,
   /// KVpop (policies/kvpop/kvpop.h, base/kvpop_score.h): per item up to k = k_off long-range slots
-  /// (positions ascending, static priorities) in kvpop_pos / kvpop_prio. Each token that has left
+  /// (positions ascending, static priorities) in kvpop.pos / kvpop.prio. Each token that has left
   /// the window since the item's last step ([max(next_u, sink), n - window)) is scored once by
-  /// the item's (layer, KV head) scorer in kvpop_scorer on [k; v] and ranked by p = r - u log
+  /// the item's (layer, KV head) scorer in kvpop.scorer on [k; v] and ranked by p = r - u log
   /// gamma; the slots keep the k best of slots and newcomers by (p desc, position asc); the
   /// others are evicted for good (they stay in the host store). The list is the sinks, the slots
   /// and the window. Reads no query: the selection is a function of the keys and values alone.
@@ -100,7 +100,7 @@ enum class SelectScoring : int32_t {
 
 struct KvpopState;  // base/kvpop_score.h
 
-/// Per-item HiP mask state in device memory (DecodeStepArgs::hip_state, one per t; all zero for a
+/// Per-item HiP mask state in device memory (DecodeStepArgs::hip.state, one per t; all zero for a
 /// new sequence).
 struct HipState {
   int64_t n = 0;      ///< n at the last ranked step
@@ -119,7 +119,7 @@ struct HipState {
   int32_t p_since = 0;  ///< since_refresh when it takes over
 };
 
-/// Per-item SparCas state in device memory (DecodeStepArgs::sparcas_state, one per
+/// Per-item SparCas state in device memory (DecodeStepArgs::sparcas.state, one per
 /// t = (slot * num_layers + layer) * num_kv_heads + h; all zero for a new sequence).
 struct SparcasState {
   int64_t seen = 0;           ///< compact rows [0, seen) hold the current dimensions
@@ -128,6 +128,15 @@ struct SparcasState {
   int64_t from = 0;           ///< this step: first compact row to (re)gather
   int32_t ranked = 0;         ///< this step ranks positions (else all, or sinks + window only)
   int32_t pad = 0;
+};
+
+/// A host-store page table as the kernels read it (device-readable): table t's page p at pages[t *
+/// max_pages + p], each page page_tokens K rows then as many V rows (see KvPages). Which tables a
+/// struct holding it covers (all the store's, or one (slot, layer)'s heads) its field says.
+struct StoreTable {
+  void* const* pages = nullptr;
+  int64_t max_pages = 0;
+  int32_t page_tokens = 256;
 };
 
 /// Page bounds of a KV head (SelectScoring::kQuestPages): page p's element-wise min row then max
@@ -141,9 +150,7 @@ struct PageBoundsArgs {
   int32_t slot = 0;
   int64_t pos0 = 0;     ///< first position written by the chunk
   int64_t new_len = 0;  ///< positions stored after it: pages [pos0 / page, (new_len-1) / page]
-  void* const* pages = nullptr;  ///< host-store page table (device-readable), as in DecodeStepArgs
-  int64_t max_pages = 0;
-  int32_t page_tokens = 256;
+  StoreTable store;  ///< the whole store's, as in DecodeStepArgs
   char* meta = nullptr;
   int64_t meta_pages = 0;
   int32_t meta_page = 16;
@@ -173,10 +180,7 @@ struct PrimeArgs {
   int64_t n = 0;        ///< keys stored (>= 1)
   int64_t sink = 0;     ///< scored keys [sink, off_hi), sink <= off_hi <= n
   int64_t off_hi = 0;
-  /// Page table of head h (KvPages layout) at pages + h * max_pages, device-readable.
-  void* const* pages = nullptr;
-  int64_t max_pages = 0;
-  int32_t page_tokens = 256;
+  StoreTable store;  ///< the (slot, layer)'s: head h's table is t = h
   /// Head h's tables: ver at tables + h * table_stride, sla n floats after it; table_stride >= 2 n.
   float* tables = nullptr;
   int64_t table_stride = 0;
@@ -233,10 +237,7 @@ struct StepBankView {
 struct SparcasStepArgs {
   SparcasState* state = nullptr;
   int32_t* dims = nullptr;
-  int32_t db = 16;
-  int32_t u = 64;
-  int32_t dense_layers = 2;
-  int32_t bits = 16;
+  int32_t db = 16, u = 64, dense_layers = 2, bits = 16;
 };
 
 /// kHip's part of a DecodeStepArgs: the mask state of item t at state + t and its two blocks
@@ -245,10 +246,7 @@ struct SparcasStepArgs {
 struct HipStepArgs {
   HipState* state = nullptr;
   int32_t* blocks = nullptr;
-  int32_t max_nodes = 0;
-  int32_t bk = 2;
-  int32_t r_m = 8;
-  int32_t rep = 0;
+  int32_t max_nodes = 0, bk = 2, r_m = 8, rep = 0;
   int32_t align = 1;  ///< the first nodes aligned to a power of two blocks (base/hip_mask.h)
   /// Layers below HipDenseOf (max(sparcas.dense_layers, dense_layers)) take kSparcas's path
   /// instead of the mask: its exact top-k below sparcas.dense_layers, its 4-bit top-k over every
@@ -327,11 +325,9 @@ struct DecodeStepArgs {
   /// many V rows at resident + ((slot * num_layers + layer) * num_kv_heads + h) * 2 *
   /// rows_per_slot * row_bytes. Rows as ResidentRowOf places them.
   char* resident = nullptr;
-  /// Host store page table (device-readable): entry ((slot * num_layers + layer) * num_kv_heads +
-  /// h) * max_pages + p is page p (see KvPages).
-  void* const* pages = nullptr;
-  int64_t max_pages = 0;
-  int32_t page_tokens = 256;
+  /// The whole host store: item (slot, layer, h)'s table is t = (slot * num_layers + layer) *
+  /// num_kv_heads + h.
+  StoreTable store;
 
   /// kList: [batch * num_kv_heads, list_cap] positions and [batch * num_kv_heads] counts (device
   /// memory), written by DecodeSelect, read by DecodeStep.
@@ -616,11 +612,7 @@ struct PrefillStageArgs {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
   DType kv_dtype = DType::kBF16;
-  /// Device page table of the (slot, layer): head h's page p at pages[h * max_pages + p]; pages
-  /// hold page_tokens K rows then as many V rows (see KvPages).
-  void* const* pages = nullptr;
-  int64_t max_pages = 0;
-  int32_t page_tokens = 256;
+  StoreTable store;  ///< the (slot, layer)'s: head h's table is t = h
   /// Resident tier of the (slot, layer): head h's K rows at resident + h * 2 * (sink + window)
   /// rows, its V rows after them, placed by ResidentRowOf.
   char* resident = nullptr;

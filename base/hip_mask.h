@@ -78,7 +78,7 @@ KVF_HOST_DEVICE inline bool HipMaskStale(int64_t count, int64_t k_off_built, int
   return count == 0 || k_off < k_off_built || n < n_last || since_refresh >= r_m;
 }
 
-/// kHip: the first layer its mask ranks (see DecodeStepArgs::hip_dense_layers).
+/// kHip: the first layer its mask ranks (see DecodeStepArgs::hip.dense_layers).
 KVF_HOST_DEVICE inline int32_t HipDenseOf(const DecodeStepArgs& a) {
   return a.sparcas.dense_layers > a.hip.dense_layers ? a.sparcas.dense_layers : a.hip.dense_layers;
 }

@@ -19,9 +19,9 @@
 
 namespace kvferry {
 
-/// Per-item KVpop state in device memory (DecodeStepArgs::kvpop_state, one per t = (slot *
+/// Per-item KVpop state in device memory (DecodeStepArgs::kvpop.state, one per t = (slot *
 /// num_layers + layer) * num_kv_heads + h; all zero for a new sequence). The item's long-range
-/// slots are kvpop_pos / kvpop_prio [t * kvpop_cap, + count), ascending positions.
+/// slots are kvpop.pos / kvpop.prio [t * kvpop.cap, + count), ascending positions.
 struct KvpopState {
   int64_t next_u = 0;  ///< positions below this have left the window (were scored)
   int64_t count = 0;   ///< live slots
@@ -31,7 +31,7 @@ struct KvpopState {
 constexpr int32_t kKvpopMaxHidden = 256;
 constexpr int32_t kKvpopMaxHeadDim = 256;
 
-/// Floats of one (layer, KV head) scorer in the device table (DecodeStepArgs::kvpop_scorer, block
+/// Floats of one (layer, KV head) scorer in the device table (DecodeStepArgs::kvpop.scorer, block
 /// (layer * num_kv_heads + h)): log gamma, b2, then w1 [hidden][in_dim], b1 [hidden], w2
 /// [hidden]. hidden 0: the zero scorer (r = 0: recency).
 KVF_HOST_DEVICE inline int64_t KvpopScorerFloats(int32_t hidden, int32_t in_dim) {

@@ -41,7 +41,7 @@ void DecodeStep(const DecodeStepArgs& a) {
     const int64_t t = (static_cast<int64_t>(slot) * a.num_layers + a.layer) * hkv + h;
     return ItemRows{a.resident + static_cast<size_t>(t * 2 * rows_per_slot) * row_bytes,
                     static_cast<size_t>(rows_per_slot) * row_bytes,
-                    KvPages{a.pages + t * a.max_pages, a.page_tokens}};
+                    KvPages{a.store.pages + t * a.store.max_pages, a.store.page_tokens}};
   };
 
   // 1 append (all items first, as the CUDA append kernel completes before attention starts).
@@ -256,7 +256,7 @@ int64_t WriteRankedList(const DecodeStepArgs& a, int64_t n, int32_t* out, const 
 }
 
 // SparCas's compact rows of item t (kSparcas, and kHip's every-dimension rows) brought up to n
-// positions: the dimensions chosen at the first ranked step and every sparcas_u ranked steps (a
+// positions: the dimensions chosen at the first ranked step and every sparcas.u ranked steps (a
 // change re-gathers every row), then the rows stored since the last ranked step.
 struct CompactRows {
   char* base = nullptr;
@@ -493,7 +493,7 @@ void PageBounds(const PageBoundsArgs& a) {
                             DTypeSize(a.params.kv_dtype);
   for (int h = 0; h < a.num_kv_heads; ++h) {
     const int64_t t = (static_cast<int64_t>(a.slot) * a.num_layers + a.layer) * a.num_kv_heads + h;
-    RecomputeBounds(a.params, KvPages{a.pages + t * a.max_pages, a.page_tokens}, a.meta + t * meta_bytes,
+    RecomputeBounds(a.params, KvPages{a.store.pages + t * a.store.max_pages, a.store.page_tokens}, a.meta + t * meta_bytes,
                     p0, p1, a.new_len, a.meta_page, nullptr);
   }
 }
@@ -513,7 +513,7 @@ void DecodeSelect(const DecodeStepArgs& a) {
     for (int h = 0; h < hkv; ++h) {
       const int64_t item = static_cast<int64_t>(b) * hkv + h;
       const int64_t t = (slot * a.num_layers + a.layer) * hkv + h;
-      const KvPages kv{a.pages + t * a.max_pages, a.page_tokens};
+      const KvPages kv{a.store.pages + t * a.store.max_pages, a.store.page_tokens};
       const int64_t src = item * d;
       ConvertSpan(const_cast<void*>(PagedKRow(kv, pos, d, elem)), p.kv_dtype,
                   static_cast<const char*>(a.k) + src * DTypeSize(a.k_dtype), a.k_dtype, d);
@@ -588,7 +588,7 @@ void SplitStepList(const DecodeStepArgs& a, const SplitListArgs& s) {
 
 void PrefetchListRows(const DecodeStepArgs& a) {
   const size_t row_bytes = static_cast<size_t>(a.params.head_dim) * DTypeSize(a.params.kv_dtype);
-  const uint32_t pt = static_cast<uint32_t>(a.page_tokens);
+  const uint32_t pt = static_cast<uint32_t>(a.store.page_tokens);
   const StepBankView& bank = a.bank;
   for (int32_t b = 0; b < a.batch; ++b) {
     const int64_t slot = a.slots[b];
@@ -620,7 +620,7 @@ void PrefetchListRows(const DecodeStepArgs& a) {
         }
         if (hit) continue;
         const uint32_t p = static_cast<uint32_t>(pos) / pt, off = static_cast<uint32_t>(pos) % pt;
-        const char* page = static_cast<const char*>(a.pages[t * a.max_pages + p]);
+        const char* page = static_cast<const char*>(a.store.pages[t * a.store.max_pages + p]);
         std::memcpy(stage + static_cast<size_t>(j) * 2 * row_bytes, page + off * row_bytes, row_bytes);
         std::memcpy(stage + (static_cast<size_t>(j) * 2 + 1) * row_bytes, page + (pt + off) * row_bytes,
                     row_bytes);

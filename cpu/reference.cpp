@@ -218,7 +218,7 @@ void PrimeAttentionRef(const PrimeArgs& a) {
   const int64_t len = a.n - a.sink;
   std::vector<float> logits(static_cast<size_t>(std::max<int64_t>(len, 0)));
   for (int h = 0; h < a.num_kv_heads; ++h) {
-    const KvPages kv{a.pages + h * a.max_pages, a.page_tokens};
+    const KvPages kv{a.store.pages + h * a.store.max_pages, a.store.page_tokens};
     float* ver = a.tables + h * a.table_stride;
     float* sla = ver + a.n;
     std::fill(ver, ver + 2 * a.n, 0.0f);

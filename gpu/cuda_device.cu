@@ -399,7 +399,7 @@ Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) 
   const cudaStream_t s = Resolve(stream);
   PrefillStageArgs st = a.stage;
   KVF_CHECK_ARG(a.items != nullptr && st.staging != nullptr, "PrefillChunk: no items or staging");
-  const int64_t pt = st.page_tokens;
+  const int64_t pt = st.store.page_tokens;
   KVF_CHECK_ARG(pt >= 32 && (pt & (pt - 1)) == 0 && st.staging_cap % pt == 0,
                 "PrefillChunk: page of ", pt, " tokens is not a power of two >= 32");
   int page_shift = 0;
@@ -442,14 +442,14 @@ Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) 
     }
     return status;
   };
-  const int64_t cap = static_cast<int64_t>(hkv) * st.max_pages;
+  const int64_t cap = static_cast<int64_t>(hkv) * st.store.max_pages;
   auto** copy_dst = static_cast<void**>(a.copy_scratch);
   auto** copy_src = const_cast<const void**>(copy_dst + cap);
   auto* copy_bytes = reinterpret_cast<size_t*>(copy_dst + 2 * cap);
   int64_t copies_used = 0;  // each segment its own entries: none is rewritten while enqueued
   auto enqueue_segment = [&](int j) -> Status {
     const int64_t n =
-        ListPageCopies(a.host_pages, st.max_pages, hkv, seg_begin[j], seg_begin[j + 1], st.staging,
+        ListPageCopies(a.host_pages, st.store.max_pages, hkv, seg_begin[j], seg_begin[j + 1], st.staging,
                        staging_pages, page_elems * static_cast<int64_t>(elem),
                        copy_dst + copies_used, copy_src + copies_used, copy_bytes + copies_used);
     KVF_RETURN_IF_ERROR(EnqueuePageCopies(copy_dst + copies_used, copy_src + copies_used,
@@ -491,7 +491,7 @@ Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) 
     write_forked = true;
     // Two copies (K rows, V rows) per head and page the chunk touches: write_scratch holds
     // 2 * num_kv_heads * max_pages entries of each list.
-    const int64_t wcap = 2 * static_cast<int64_t>(hkv) * st.max_pages;
+    const int64_t wcap = 2 * static_cast<int64_t>(hkv) * st.store.max_pages;
     auto** wdst = static_cast<void**>(a.write_scratch);
     auto** wsrc = const_cast<const void**>(wdst + wcap);
     auto* wbytes = reinterpret_cast<size_t*>(wdst + 2 * wcap);
@@ -501,7 +501,7 @@ Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) 
       for (int64_t p = st.pos0 / pt; p * pt < st.new_len; ++p) {
         const int64_t r0 = std::max(st.pos0, p * pt) - p * pt;
         const int64_t r1 = std::min(st.new_len, (p + 1) * pt) - p * pt;
-        char* host = static_cast<char*>(a.host_pages[h * st.max_pages + p]);
+        char* host = static_cast<char*>(a.host_pages[h * st.store.max_pages + p]);
         const char* dev = st.staging + static_cast<size_t>((h * staging_pages + p) * 2 * pt) * row_b;
         for (int kv = 0; kv < 2; ++kv) {  // the page's K rows, then its V rows
           wdst[n] = host + static_cast<size_t>(kv * pt + r0) * row_b;

@@ -63,7 +63,7 @@ Status LaunchDecodeSelect(const DecodeStepArgs& args, const LaunchInfo& info, cu
 /// slots with the tokens that left the window and writes the list (sinks, slots, window).
 Status LaunchKvpopSelect(const DecodeStepArgs& args, const LaunchInfo& info, cudaStream_t stream);
 
-/// The work LaunchDecodeSelect leaves beside the step (kHip with hip_lag 1: the rebuilds it
+/// The work LaunchDecodeSelect leaves beside the step (kHip with hip.lag 1: the rebuilds it
 /// requested, HipStepAction's kRequest), for a side stream that waits for the selection; the
 /// caller joins it back before the items' next ranked step. A no-op for the other scorings.
 /// Graph-capturable.

@@ -71,8 +71,8 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SelectScoreKernel(DecodeStep
   const size_t row_bytes = HD * sizeof(T);
   const char* res_k =
       a.resident + static_cast<size_t>(t * 2 * (static_cast<int64_t>(a.sink) + a.window)) * row_bytes;
-  const unsigned long long* pages = reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages;
-  const uint32_t pt = static_cast<uint32_t>(a.page_tokens);
+  const unsigned long long* pages = reinterpret_cast<const unsigned long long*>(a.store.pages) + t * a.store.max_pages;
+  const uint32_t pt = static_cast<uint32_t>(a.store.page_tokens);
   float* out = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
   for (int64_t j = static_cast<int64_t>(blockIdx.y) * kScoreWarps + warp; j < n;
        j += static_cast<int64_t>(gridDim.y) * kScoreWarps) {
@@ -159,8 +159,8 @@ __global__ void PageBoundsKernel(PageBoundsArgs a) {
   const int64_t t = (static_cast<int64_t>(a.slot) * a.num_layers + a.layer) * a.num_kv_heads + h;
   const size_t meta_bytes = static_cast<size_t>(a.meta_pages) * 2 * a.params.head_dim * sizeof(T);
   RecomputePage<T>(a.meta + t * meta_bytes,
-                   reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages,
-                   static_cast<uint32_t>(a.page_tokens), a.params.head_dim, pg, a.new_len,
+                   reinterpret_cast<const unsigned long long*>(a.store.pages) + t * a.store.max_pages,
+                   static_cast<uint32_t>(a.store.page_tokens), a.params.head_dim, pg, a.new_len,
                    a.meta_page, nullptr, DType::kF32, 0);
 }
 
@@ -174,8 +174,8 @@ __global__ void QuestAppendKernel(DecodeStepArgs a) {
   const int64_t t = (slot * a.num_layers + a.layer) * a.num_kv_heads + h;
   const size_t meta_bytes = static_cast<size_t>(a.meta_pages) * 2 * a.params.head_dim * sizeof(T);
   RecomputePage<T>(a.meta + t * meta_bytes,
-                   reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages,
-                   static_cast<uint32_t>(a.page_tokens), a.params.head_dim, (n - 1) / a.meta_page,
+                   reinterpret_cast<const unsigned long long*>(a.store.pages) + t * a.store.max_pages,
+                   static_cast<uint32_t>(a.store.page_tokens), a.params.head_dim, (n - 1) / a.meta_page,
                    n, a.meta_page, a.k, a.k_dtype, static_cast<int64_t>(item) * a.params.head_dim);
 }
 
@@ -595,13 +595,13 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
   const size_t row_bytes = static_cast<size_t>(hd) * sizeof(T);
   const char* res_k =
       a.resident + static_cast<size_t>(t * 2 * (static_cast<int64_t>(a.sink) + a.window)) * row_bytes;
-  const unsigned long long* pages = reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages;
+  const unsigned long long* pages = reinterpret_cast<const unsigned long long*>(a.store.pages) + t * a.store.max_pages;
   // Key j's row in the resident tier or the host store; null for the new token (read from a.k).
   const auto source_row = [&](int64_t j) -> const T* {
     if (j == n - 1) return nullptr;
     const int64_t row = ResidentRowOf(j, n, a.sink, a.window);
     return row >= 0 ? reinterpret_cast<const T*>(res_k + static_cast<size_t>(row) * row_bytes)
-                    : reinterpret_cast<const T*>(StoreKRow(pages, j, static_cast<uint32_t>(a.page_tokens), row_bytes));
+                    : reinterpret_cast<const T*>(StoreKRow(pages, j, static_cast<uint32_t>(a.store.page_tokens), row_bytes));
   };
   if (SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4) {
     // 4-bit rows (base/sparcas_q4.h): the warp's max |x|, then each group of 8 lanes ORs its
@@ -721,7 +721,7 @@ __device__ __forceinline__ float HipRowScore(const uint32_t* row, int words, con
 // The packed int8 query of HipBuildMask (SparcasQuantizeQuery of every dimension, packed for
 // __dp4a as the SparCas 4-bit scoring packs them): group heads of `words` int2, then each head's
 // step and 8 * its code sum. In shared memory after the branches and keys, or in global memory
-// at hip_query + t * HipQueryWords (a requested rebuild's, for the side stream).
+// at hip.query + t * HipQueryWords (a requested rebuild's, for the side stream).
 // One query head as SparcasQ4Dot takes it, by a warp: its len elements x(i) as int8 codes
 // (SparcasQ8Code), packed 8 to a word pair (even bytes, odd bytes) into pack[0, len / 8), and the
 // codes' step and 8 times their sum (written by lane 0).
@@ -951,7 +951,7 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, int64_t off_lo, int64_t
 }
 
 // Grid (items), kHipThreads: a kHip layer past the dense ones. A mask requested at the item's last
-// ranked step takes over (HipPromote); the mask is then kept, rebuilt here, or (hip_lag 1, due)
+// ranked step takes over (HipPromote); the mask is then kept, rebuilt here, or (hip.lag 1, due)
 // requested from this step's query for HipDeferredKernel (HipStepAction); then the list is
 // written: sinks, the mask's positions below the offloaded end it was built at, window. The
 // compact rows are current (SparcasGatherKernel).
@@ -1029,7 +1029,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
   WriteListTail(a, item, sp.sinks, sp.off_hi, n, taken, out);
 }
 
-// Grid (items), kThreads, on the runtime's side stream after HipMaskKernel (hip_lag 1): an
+// Grid (items), kThreads, on the runtime's side stream after HipMaskKernel (hip.lag 1): an
 // item whose rebuild was requested builds it from the packed query into its other blocks buffer
 // (pending 2); HipMaskKernel's next ranked step of the item promotes it. Nothing else reads or
 // writes those bytes until the runtime joins the side stream back.
@@ -2235,7 +2235,7 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
 Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
   if (a.batch == 0 || a.scoring == SelectScoring::kNone) return Status::Ok();
   KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
-  KVF_CHECK_ARG(a.pages != nullptr, "DecodeSelect: null page table");
+  KVF_CHECK_ARG(a.store.pages != nullptr, "DecodeSelect: null page table");
   if (a.scoring == SelectScoring::kKvpop) {  // gpu/kvpop_select.cu
     KVF_RETURN_IF_ERROR(LaunchKvpopSelect(a, info, stream));
     return LaunchPsawFilter(a, stream);
@@ -2292,8 +2292,8 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
                       SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4 &&
                       a.budget_cap / a.hip.bk <= std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes) &&
                       (a.hip.lag == 0 || a.hip.query != nullptr),
-                  "DecodeSelect: hip without its 4-bit rows and mask state (or hip_lag without "
-                  "hip_query), or a budget_cap of ",
+                  "DecodeSelect: hip without its 4-bit rows and mask state (or hip.lag without "
+                  "hip.query), or a budget_cap of ",
                   a.budget_cap, " at bk ", a.hip.bk, " over ", std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes),
                   " nodes");
     SparcasPrepKernel<<<static_cast<unsigned>(items), 256, 0, stream>>>(s);
@@ -2446,7 +2446,7 @@ Status LaunchDecodeSelectDeferred(const DecodeStepArgs& a, const LaunchInfo& inf
 
 Status LaunchPageBounds(const PageBoundsArgs& a, cudaStream_t stream) {
   if (a.new_len <= a.pos0) return Status::Ok();
-  KVF_CHECK_ARG(a.meta != nullptr && a.pages != nullptr && a.meta_page >= 1,
+  KVF_CHECK_ARG(a.meta != nullptr && a.store.pages != nullptr && a.meta_page >= 1,
                 "PageBounds: null page bounds or page table");
   const int64_t pages = (a.new_len - 1) / a.meta_page - a.pos0 / a.meta_page + 1;
   KVF_CHECK_ARG(pages <= 65535, "PageBounds: ", pages, " pages in one chunk");

@@ -35,7 +35,7 @@ __device__ __forceinline__ ItemPlace PlaceOf(const DecodeStepArgs& a, int32_t b,
   ItemPlace p;
   p.n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   p.res_k = a.resident + static_cast<size_t>(t * 2 * rows_per_slot) * row_bytes;
-  p.pages = reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages;
+  p.pages = reinterpret_cast<const unsigned long long*>(a.store.pages) + t * a.store.max_pages;
   return p;
 }
 
@@ -45,7 +45,7 @@ __device__ void AppendItem(const DecodeStepArgs& a, int32_t b, int32_t h, const 
   const int d = a.params.head_dim;
   const int64_t pos = pl.n - 1;
   const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(a.params.kv_dtype);
-  const uint32_t pt = static_cast<uint32_t>(a.page_tokens);
+  const uint32_t pt = static_cast<uint32_t>(a.store.page_tokens);
   const uint32_t off = static_cast<uint32_t>(pos) % pt;
   char* page = reinterpret_cast<char*>(pl.pages[static_cast<uint32_t>(pos) / pt]);
   char* store_k = page + off * row_bytes;
@@ -492,7 +492,7 @@ __global__ void __launch_bounds__(kAttnThreads, kPipeMinBlocks<HD, G, kPipe>)
   src.window = a.window;
   src.row_bytes = HD * sizeof(T);
   src.res_v_off = static_cast<size_t>(static_cast<int64_t>(a.sink) + a.window) * HD * sizeof(T);
-  src.page_tokens = static_cast<uint32_t>(a.page_tokens);
+  src.page_tokens = static_cast<uint32_t>(a.store.page_tokens);
   int64_t len;
   bool contiguous = false;
   if (a.mode == StepRowMode::kList) {
@@ -701,7 +701,7 @@ bool PipelinedList(const DecodeStepArgs& a, const LaunchInfo& info) {
 Status LaunchDecodeStep(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
   KVF_RETURN_IF_ERROR(CheckAttnShape(a.params));
   if (a.batch == 0) return Status::Ok();
-  KVF_CHECK_ARG(a.ws != nullptr && a.counters != nullptr && a.slots != nullptr && a.positions != nullptr && a.pages != nullptr,
+  KVF_CHECK_ARG(a.ws != nullptr && a.counters != nullptr && a.slots != nullptr && a.positions != nullptr && a.store.pages != nullptr,
                 "decode step: null workspace, slots, positions or page table");
   KVF_CHECK_ARG(a.mode != StepRowMode::kList || (a.list != nullptr && a.list_count != nullptr),
                 "decode step: list mode without a list");
@@ -830,7 +830,7 @@ __global__ void __launch_bounds__(kPrefetchThreads) PrefetchListKernel(DecodeSte
   const ItemPlace pl = PlaceOf(a, b, h);
   const int64_t table = (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
   const uint32_t row_bytes = static_cast<uint32_t>(a.params.head_dim) * static_cast<uint32_t>(DTypeSize(a.params.kv_dtype));
-  const uint32_t pt = static_cast<uint32_t>(a.page_tokens);
+  const uint32_t pt = static_cast<uint32_t>(a.store.page_tokens);
   const int32_t* list = a.list + item * a.list_cap;
   const int64_t count = a.list_count[item];
   char* stage = a.bank.stage + static_cast<size_t>(item) * a.list_cap * 2 * row_bytes;
@@ -878,8 +878,8 @@ Status LaunchPrefetchListRows(const DecodeStepArgs& a, const LaunchInfo& info, c
   if (a.batch == 0) return Status::Ok();
   const size_t row_bytes = static_cast<size_t>(a.params.head_dim) * DTypeSize(a.params.kv_dtype);
   KVF_CHECK_ARG(a.list != nullptr && a.list_count != nullptr && a.positions != nullptr &&
-                    a.slots != nullptr && a.pages != nullptr && a.bank.stage != nullptr &&
-                    row_bytes % 16 == 0 && a.page_tokens > 0,
+                    a.slots != nullptr && a.store.pages != nullptr && a.bank.stage != nullptr &&
+                    row_bytes % 16 == 0 && a.store.page_tokens > 0,
                 "prefetch list rows: null list, positions, slots, page table or stage, or rows of ",
                 row_bytes, " bytes (a multiple of 16 is needed)");
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;

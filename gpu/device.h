@@ -156,7 +156,7 @@ class Device {
   /// and args.list_count for a DecodeStep in kList mode that follows on the same stream. Like
   /// DecodeStep, reads the step from device memory, never allocates, never synchronises.
   virtual Status DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) = 0;
-  /// The part of DecodeSelect that may run beside the step (kHip with hip_lag 1: the mask
+  /// The part of DecodeSelect that may run beside the step (kHip with hip.lag 1: the mask
   /// rebuilds it requested), on a stream that waits for DecodeSelect's; the caller joins that
   /// stream back before the same items' next DecodeSelect. The host backend builds them inside
   /// DecodeSelect: nothing here.

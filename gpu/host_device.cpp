@@ -140,8 +140,8 @@ class HostDevice final : public Device {
   Status PrefetchListRows(const DecodeStepArgs& next, StreamHandle) override {
     const size_t row_bytes = static_cast<size_t>(next.params.head_dim) * DTypeSize(next.params.kv_dtype);
     KVF_CHECK_ARG(next.list != nullptr && next.list_count != nullptr && next.positions != nullptr &&
-                      next.slots != nullptr && next.pages != nullptr && next.bank.stage != nullptr &&
-                      row_bytes > 0 && next.page_tokens > 0,
+                      next.slots != nullptr && next.store.pages != nullptr && next.bank.stage != nullptr &&
+                      row_bytes > 0 && next.store.page_tokens > 0,
                   "prefetch list rows: null list, positions, slots, page table or stage");
     cpu::PrefetchListRows(next);
     return Status::Ok();
@@ -192,15 +192,15 @@ Status CheckPrimeArgs(const PrimeArgs& a) {
   KVF_CHECK_ARG(a.sink >= 0 && a.sink <= a.off_hi && a.off_hi <= a.n,
                 "PrimeAttention: scored keys [", a.sink, ", ", a.off_hi, ") not inside [0, ", a.n,
                 ")");
-  KVF_CHECK_ARG(a.page_tokens >= 1 && a.max_pages * a.page_tokens >= a.n,
-                "PrimeAttention: ", a.max_pages, " pages of ", a.page_tokens,
+  KVF_CHECK_ARG(a.store.page_tokens >= 1 && a.store.max_pages * a.store.page_tokens >= a.n,
+                "PrimeAttention: ", a.store.max_pages, " pages of ", a.store.page_tokens,
                 " tokens hold fewer than ", a.n, " positions");
   KVF_CHECK_ARG(a.table_stride >= 2 * a.n, "PrimeAttention: table stride ", a.table_stride,
                 " below 2 n = ", 2 * a.n);
   KVF_CHECK_ARG(a.q_head_stride >= int64_t{a.rows} * p.group * p.head_dim,
                 "PrimeAttention: q head stride ", a.q_head_stride,
                 " below rows * group * head_dim");
-  KVF_CHECK_ARG(a.q != nullptr && a.pages != nullptr && a.tables != nullptr && a.stats != nullptr,
+  KVF_CHECK_ARG(a.q != nullptr && a.store.pages != nullptr && a.tables != nullptr && a.stats != nullptr,
                 "PrimeAttention: null q, pages, tables or stats");
   return Status::Ok();
 }

@@ -68,8 +68,8 @@ __device__ void KvpopLoadRow(const DecodeStepArgs& a, int64_t t, int64_t u, int6
     vp = reinterpret_cast<const T*>(res + static_cast<size_t>(rows_per_slot + row) * row_bytes);
   } else {
     const unsigned long long* pages =
-        reinterpret_cast<const unsigned long long*>(a.pages) + t * a.max_pages;
-    const uint32_t pt = static_cast<uint32_t>(a.page_tokens), p = static_cast<uint32_t>(u);
+        reinterpret_cast<const unsigned long long*>(a.store.pages) + t * a.store.max_pages;
+    const uint32_t pt = static_cast<uint32_t>(a.store.page_tokens), p = static_cast<uint32_t>(u);
     const char* base = reinterpret_cast<const char*>(__ldg(pages + p / pt));
     kp = reinterpret_cast<const T*>(base + static_cast<size_t>(p % pt) * row_bytes);
     vp = reinterpret_cast<const T*>(base + static_cast<size_t>(pt + p % pt) * row_bytes);
@@ -174,12 +174,12 @@ __device__ __forceinline__ KvpopItem KvpopItemOf(const DecodeStepArgs& a, int32_
   return it;
 }
 
-// Grid (items, y), kKvpopScoreThreads (DecodeStepArgs::kvpop_catchup): the newcomers of an item
+// Grid (items, y), kKvpopScoreThreads (DecodeStepArgs::kvpop.catchup): the newcomers of an item
 // with more than one, a warp a token over the whole GPU, into its select_ws row (where
 // KvpopSelectKernel, next on the stream, reads them). The zero-copy reads of a prompt's rows are
 // latency-bound; one CTA an item (the selection kernel's own scoring) took 4.2 s for the first step
 // after a 128K prompt (32 layers x 8 KV heads), this grid 0.47 s (on the H200). The
-// runtime sets kvpop_catchup on CUDA.
+// runtime sets kvpop.catchup on CUDA.
 constexpr int kKvpopScoreThreads = 256;
 template <typename T>
 __global__ void __launch_bounds__(kKvpopScoreThreads) KvpopScoreKernel(DecodeStepArgs a) {
@@ -393,7 +393,7 @@ Status LaunchKvpopSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaSt
   KVF_CHECK_ARG(a.kvpop.state != nullptr && a.kvpop.pos != nullptr && a.kvpop.prio != nullptr &&
                     a.kvpop.scorer != nullptr && a.kvpop.hidden >= 0 &&
                     a.kvpop.hidden <= kKvpopMaxHidden && a.kvpop.cap >= a.budget_cap &&
-                    a.params.head_dim <= kKvpopMaxHeadDim && a.pages != nullptr &&
+                    a.params.head_dim <= kKvpopMaxHeadDim && a.store.pages != nullptr &&
                     a.resident != nullptr,
                 "DecodeSelect: kvpop without its slots, state or scorers, slots for ", a.kvpop.cap,
                 " tokens under a budget of ", a.budget_cap, ", a scorer of width ", a.kvpop.hidden,

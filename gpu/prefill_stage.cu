@@ -43,11 +43,11 @@ __global__ void __launch_bounds__(kStageThreads) StageChunkKernel(PrefillStageAr
     const uint4 val = *reinterpret_cast<const uint4*>(packed);
     const size_t col = static_cast<size_t>(c) * 8 * elem;
     // Host store (write-through), unless the caller's copy engines take it from the staging.
-    const uint32_t pt = static_cast<uint32_t>(a.page_tokens);
+    const uint32_t pt = static_cast<uint32_t>(a.store.page_tokens);
     const size_t page_row = static_cast<size_t>(which) * pt + pos % pt;
     if (a.write_through) {
       const char* page = reinterpret_cast<const char*>(
-          reinterpret_cast<const unsigned long long*>(a.pages)[h * a.max_pages + pos / pt]);
+          reinterpret_cast<const unsigned long long*>(a.store.pages)[h * a.store.max_pages + pos / pt]);
       *reinterpret_cast<uint4*>(const_cast<char*>(page) + page_row * row_bytes + col) = val;
     }
     // Resident tier: the sinks and the rows that end in the window.
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kStageThreads) StageHistoryKernel(PrefillStage
   const int chunks = static_cast<int>(row_bytes / 16);
   const int64_t n = a.pos0 - a.history_begin;
   const int64_t units = n * a.num_kv_heads * 2 * chunks;
-  const uint32_t pt = static_cast<uint32_t>(a.page_tokens);
+  const uint32_t pt = static_cast<uint32_t>(a.store.page_tokens);
   const int64_t staging_pages = a.staging_cap / pt;
   for (int64_t u = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; u < units;
        u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kStageThreads) StageHistoryKernel(PrefillStage
     const int h = static_cast<int>(r / 2);
     const size_t page_row = static_cast<size_t>(which) * pt + pos % pt;
     const char* page = reinterpret_cast<const char*>(
-        reinterpret_cast<const unsigned long long*>(a.pages)[h * a.max_pages + pos / pt]);
+        reinterpret_cast<const unsigned long long*>(a.store.pages)[h * a.store.max_pages + pos / pt]);
     const uint4 val =
         *reinterpret_cast<const uint4*>(page + page_row * row_bytes + static_cast<size_t>(c) * 16);
     const size_t staging_page = static_cast<size_t>(h * staging_pages + pos / pt);
@@ -162,10 +162,10 @@ Status LaunchPrefillStage(const PrefillStageArgs& a, cudaStream_t stream) {
   KVF_CHECK_ARG(a.head_dim % 8 == 0 && a.tokens >= 0 && a.pos0 >= 0 && a.history_begin >= 0 &&
                     a.history_begin <= a.pos0,
                 "prefill stage: head_dim ", a.head_dim, " or sizes out of range");
-  KVF_CHECK_ARG(a.staging == nullptr || (a.page_tokens > 0 && a.staging_cap % a.page_tokens == 0),
+  KVF_CHECK_ARG(a.staging == nullptr || (a.store.page_tokens > 0 && a.staging_cap % a.store.page_tokens == 0),
                 "prefill stage: staging of ", a.staging_cap, " rows is not whole pages of ",
-                a.page_tokens);
-  KVF_CHECK_ARG(a.pages != nullptr && a.resident != nullptr, "prefill stage: null page table or tier");
+                a.store.page_tokens);
+  KVF_CHECK_ARG(a.store.pages != nullptr && a.resident != nullptr, "prefill stage: null page table or tier");
   KVF_CHECK_ARG(a.write_through || a.staging != nullptr,
                 "prefill stage: the write-through left to the caller needs the staging");
   if (a.tokens > 0) {

@@ -94,7 +94,7 @@ __device__ __forceinline__ void LoadKeys(const PrimeArgs& a, void* const* pages,
   for (int e = threadIdx.x; e < kPrimeTile * HD; e += kPrimeThreads) {
     const int j = e / HD, c = e % HD;
     const int64_t pos = p0 + j;
-    sm.k[j][c] = pos < end ? ToF32(PagedRow<T>(pages, a.page_tokens, pos, HD, false)[c]) : 0.0f;
+    sm.k[j][c] = pos < end ? ToF32(PagedRow<T>(pages, a.store.page_tokens, pos, HD, false)[c]) : 0.0f;
   }
 }
 
@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kPrimeThreads)
   const int group = a.params.group;
   const int num_v = a.rows * group;
   const int last_v0 = (a.rows - 1) * group;  // first vector of the last row
-  void* const* pages = a.pages + h * a.max_pages;
+  void* const* pages = a.store.pages + h * a.store.max_pages;
   const PrimeSplit split = SplitOf(a, span);
   float2* partial =
       static_cast<float2*>(a.scratch) + (static_cast<int64_t>(h) * splits + blockIdx.x) * num_v;
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(kPrimeThreads)
           if (c >= HD) continue;
           for (int j = 0; j < kPrimeTile && p0 + j < split.end; ++j) {
             k_sum[u] += sm.k[j][c];
-            v_sum[u] += ToF32(PagedRow<T>(pages, a.page_tokens, p0 + j, HD, true)[c]);
+            v_sum[u] += ToF32(PagedRow<T>(pages, a.store.page_tokens, p0 + j, HD, true)[c]);
           }
         }
       }
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kPrimeThreads)
   const int group = a.params.group;
   const int num_v = a.rows * group;
   const int last_v0 = (a.rows - 1) * group;
-  void* const* pages = a.pages + h * a.max_pages;
+  void* const* pages = a.store.pages + h * a.store.max_pages;
   const PrimeSplit split = SplitOf(a, span);
   const float2* final_pairs = static_cast<const float2*>(a.scratch) +
                               (static_cast<int64_t>(a.num_kv_heads) * splits + h) * num_v;

@@ -57,6 +57,10 @@ class HostStore {
   /// Entries that Reserve set since the last FlushTable reach it with FlushTable.
   [[nodiscard]] void* const* device_table() const { return table_dev_; }
   [[nodiscard]] int64_t max_pages() const { return max_pages_; }
+  /// That table as the kernels take it; \p first: the table t it starts at.
+  [[nodiscard]] StoreTable device_store(int64_t first = 0) const {
+    return StoreTable{table_dev_ + first * max_pages_, max_pages_, shape_.page_tokens};
+  }
   /// Enqueues on \p stream the copies of the table entries Reserve set since the last call.
   Status FlushTable(StreamHandle stream);
 

@@ -54,12 +54,6 @@ struct SelectorBuffer {
   size_t bytes = 0;
 };
 
-/// The host store as the device reads it (DecodeStepArgs::pages and its shape).
-struct StoreTableView {
-  void* const* pages = nullptr;
-  int64_t max_pages = 0;
-  int32_t page_tokens = 256;
-};
 
 class DeviceSelector {
  public:
@@ -95,7 +89,7 @@ class DeviceSelector {
   /// Positions [pos0, new_len) of (slot, layer) were stored (prefill, append): extends what the
   /// selector derives from the keys (Quest's page bounds). The page table is flushed.
   virtual Status OnStored(int slot, int layer, int64_t pos0, int64_t new_len,
-                          const StoreTableView& store, StreamHandle stream) {
+                          const StoreTable& store, StreamHandle stream) {
     (void)slot, (void)layer, (void)pos0, (void)new_len, (void)store, (void)stream;
     return Status::Ok();
   }

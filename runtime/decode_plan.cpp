@@ -622,9 +622,7 @@ void RuntimeImpl::FillStepArgs(DecodeLayer& s) {
   a.v_dtype = s.v.dtype;
   a.out_dtype = s.out.dtype;
   a.resident = resident_;
-  a.pages = store_->device_table();
-  a.max_pages = store_->max_pages();
-  a.page_tokens = store_->shape().page_tokens;
+  a.store = store_->device_store();
   a.q_f32 = io_.q_f32;
   a.lse = io_.lse_gpu;
   a.ws = step_.ws;
@@ -1242,7 +1240,7 @@ Status RuntimeImpl::SelectorStored(int slot, int layer, int64_t pos0, int64_t ne
                                    StreamHandle stream) {
   if (selector_ == nullptr || !selector_->tracks_store()) return Status::Ok();
   KVF_RETURN_IF_ERROR(store_->FlushTable(stream));
-  const StoreTableView view{store_->device_table(), store_->max_pages(), store_->shape().page_tokens};
+  const StoreTable view = store_->device_store();
   return selector_->OnStored(slot, layer, pos0, new_len, view, stream);
 }
 

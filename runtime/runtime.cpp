@@ -916,9 +916,7 @@ void RuntimeImpl::FillPrefillStageArgs(const PrefillCall& c, PrefillStageArgs& s
   st.num_kv_heads = hkv;
   st.head_dim = m.head_dim;
   st.kv_dtype = m.kv_dtype;
-  st.pages = store_->device_table() + t0_index * store_->max_pages();
-  st.max_pages = store_->max_pages();
-  st.page_tokens = store_->shape().page_tokens;
+  st.store = store_->device_store(t0_index);
   st.resident = resident_ + static_cast<size_t>(t0_index * 2 * rows_per_slot) * dims_.row_bytes;
   st.sink = config_.tiers.sink_tokens;
   st.window = config_.tiers.window_tokens;
@@ -1176,13 +1174,10 @@ Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t new_len, int rows,
       if (!(prefill_.staged.slot == slot && prefill_.staged.layer == layer && prefill_.staged.rows == new_len)) {
         KVF_RETURN_IF_ERROR(StageLayerPages(slot, layer, new_len, stream));
       }
-      a.pages = prefill_.pages_dev;
-      a.max_pages = prefill_.max_pages;
+      a.store = StoreTable{prefill_.pages_dev, prefill_.max_pages, store_->shape().page_tokens};
     } else {
-      a.pages = store_->pages(slot, layer, 0).pages;
-      a.max_pages = store_->max_pages();
+      a.store = StoreTable{store_->pages(slot, layer, 0).pages, store_->max_pages(), store_->shape().page_tokens};
     }
-    a.page_tokens = store_->shape().page_tokens;
     a.tables = prime_.tables_dev;
     a.table_stride = prime_.table_stride;
     a.stats = prime_.stats_dev;

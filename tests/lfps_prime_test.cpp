@@ -128,9 +128,9 @@ struct PrimeInputs {
     a.n = c.n;
     a.sink = std::min<int64_t>(c.sink, c.n);
     a.off_hi = std::max<int64_t>(a.sink, c.n - kWindow);
-    a.pages = table.data();
-    a.max_pages = max_pages;
-    a.page_tokens = 64;
+    a.store.pages = table.data();
+    a.store.max_pages = max_pages;
+    a.store.page_tokens = 64;
     a.tables = tables;
     a.table_stride = 2 * c.n;
     a.stats = stats;
@@ -295,7 +295,7 @@ TEST_P(LfpsPrimeTest, CudaKernelEqualsReference) {
     ASSERT_TRUE(dev->CopyAsync(d_stats, poison_stats.data(), poison_stats.size() * 8, s).ok());
     PrimeArgs a = in.Args(c, rows, d_tables, d_stats);
     a.q = d_q + static_cast<int64_t>(c.chunk - rows) * c.group * c.head_dim;
-    a.pages = d_table;
+    a.store.pages = d_table;
     a.table_stride = stride;
     a.scratch = d_scratch;
     a.scratch_bytes = scratch;

@@ -725,9 +725,9 @@ TEST(PrefetchListRows, EveryDeviceStagesTheMissesOnRandomLists) {
       a.mode = StepRowMode::kList;
       a.slots = static_cast<const int32_t*>(d_slots);
       a.positions = static_cast<const int64_t*>(d_pos);
-      a.pages = static_cast<void* const*>(d_pages);
-      a.max_pages = max_pages;
-      a.page_tokens = page_tokens;
+      a.store.pages = static_cast<void* const*>(d_pages);
+      a.store.max_pages = max_pages;
+      a.store.page_tokens = page_tokens;
       a.list = static_cast<int32_t*>(d_list);
       a.list_count = static_cast<int32_t*>(d_count);
       a.list_cap = cap;

@@ -109,7 +109,7 @@ Policy::DeviceSelectParams HipPolicy::device_select_params(int head_dim) const {
   d.sparcas.db = head_dim;
   d.sparcas.u = 1 << 30;  // every dimension: never re-chosen
   // Dense layers at 4 bits: the SparCas machinery ranks every layer over the 4-bit rows, and the
-  // mask starts at hip_dense_layers; else its exact path below dense_layers.
+  // mask starts at hip.dense_layers; else its exact path below dense_layers.
   const bool q4 = DenseQ4(head_dim);
   d.sparcas.dense_layers = q4 ? 0 : params_.dense_layers;
   d.hip.dense_layers = q4 ? params_.dense_layers : 0;

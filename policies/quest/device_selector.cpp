@@ -35,7 +35,7 @@ class QuestSelector final : public DeviceSelector {
     return Status::Ok();
   }
   bool tracks_store() const override { return true; }
-  Status OnStored(int slot, int layer, int64_t pos0, int64_t new_len, const StoreTableView& store,
+  Status OnStored(int slot, int layer, int64_t pos0, int64_t new_len, const StoreTable& store,
                   StreamHandle stream) override {
     const ModelShape& m = shape_.model;
     PageBoundsArgs a;
@@ -46,9 +46,7 @@ class QuestSelector final : public DeviceSelector {
     a.slot = slot;
     a.pos0 = pos0;
     a.new_len = new_len;
-    a.pages = store.pages;
-    a.max_pages = store.max_pages;
-    a.page_tokens = store.page_tokens;
+    a.store = store;
     a.meta = meta_;
     a.meta_pages = pages_;
     a.meta_page = page_;
