@@ -230,11 +230,11 @@ def quality_cmds(T):
         f"{L} {pk} --lengths 8192 --depths 0.5 --policy oracle,quest,sparcas,lfps --budget 256 --json {T}/passkey_8k.json",
         f"{L} --dump-trace {T}/kjv4k.safetensors --text data/kjv.txt --offset-lines 1000 --context 4096 "
         f"--trace-layers all --trace-steps 1 --policy dense --backend host",
+        # kvpop replays with its trained scorer, as its perplexity runs (its zero scorer would keep
+        # the newest rows and replay as streaming).
         *[f"{BENCH} --trace {T}/kjv4k.safetensors --policy {p} --budget {b} --steps 64 --sink 4 --window 64 "
-          f"--kv-dtype f16 --backend host --json {T}/replay_{p}_{b}.jsonl"
-          # kvpop is not replayed here: without its trained scorer (kvferry-bench --policy-weights)
-          # its zero scorer keeps the newest rows and would replay as streaming.
-          for p in ("streaming", "oracle", "quest", "sparcas", "hip", "lfps") for b in (256, 512)],
+          f"--kv-dtype f16 --backend host{' ' + W if p == 'kvpop' else ''} --json {T}/replay_{p}_{b}.jsonl"
+          for p in ("streaming", "oracle", "quest", "sparcas", "hip", "lfps", "kvpop") for b in (256, 512)],
         f"{PY} scripts/quality_smollm2.py --ppl {T}/ppl.json {T}/ppl_kvpop.json {T}/ppl_kvpop2.json@scorer=2 "
         f"{T}/ppl_sparcas16.json@bits=16,d_b=8 {T}/ppl_hip32.json@bits=16,align=0 --passkey {T}/passkey*.json "
         f"--replay {T}/replay_*.jsonl --out {T}/quality.json",
