@@ -321,6 +321,12 @@ TEST(LlamaCli, CheckBeforeLoadNamesFilesPoliciesAndBudgets) {
   // --param goes to the sparse policies only (the dense lane takes none).
   s = check({"--policy", "dense,streaming", "--param", "nonsense=1"});
   EXPECT_EQ(s.message().rfind("--policy streaming --budget 256:", 0), 0u) << s.message();
+  // A parameter bounded by the head dimension is judged against the widest head a model may have
+  // (Gemma 3's 256), not a probe's: the model's own runtime checks it against its shape.
+  s = check({"--policy", "sparcas", "--param", "d_b=256", "--param", "bits=4"});
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  s = check({"--policy", "sparcas", "--param", "d_b=257"});
+  EXPECT_NE(s.message().find("'d_b'"), std::string::npos) << s.message();
   s = check({"--tokenizer", "/nonexistent/tok.bin"});
   EXPECT_EQ(s.message(), "--tokenizer /nonexistent/tok.bin: cannot open the file");
   s = check({"--json", "/nonexistent/dir/out.json"});

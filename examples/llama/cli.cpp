@@ -304,7 +304,10 @@ Status CheckBeforeLoad(const Options& o) {
   int64_t max_tokens = o.context + o.max_new + o.trace_steps + 1;
   for (int64_t l : o.lengths) max_tokens = std::max(max_tokens, l + 64);
   // Let the runtime judge each lane's policy, budget, tiers and parameters on a small model shape
-  // (one layer, GQA 2:1, head_dim 64), on the host backend and without its start-up probes.
+  // (one layer, GQA 2:1), on the host backend and without its start-up probes. head_dim is the
+  // largest any path takes (256): a parameter bounded by the head dimension (sparcas's d_b) must
+  // not be refused for a model whose heads are wider than a probe's; against the model's own
+  // head_dim it is checked when the run creates its runtime.
   std::vector<std::pair<std::string, int64_t>> lanes;
   for (const std::string& p : o.policies) {
     if (p == "dense") {
@@ -318,7 +321,7 @@ Status CheckBeforeLoad(const Options& o) {
     rc.model.num_layers = 1;
     rc.model.num_q_heads = 2;
     rc.model.num_kv_heads = 1;
-    rc.model.head_dim = 64;
+    rc.model.head_dim = 256;
     rc.backend = Backend::kHost;
     rc.probe_at_start = false;
     rc.cpu_threads = 1;
