@@ -52,12 +52,10 @@ class HostStore {
   /// Returns every page of \p slot to the free list.
   void Release(int slot);
 
-  /// The page table's copy in device memory, as KvPages::pages of (slot, layer, kv_head) at
-  /// device_table() + ((slot * num_layers + layer) * num_kv_heads + kv_head) * max_pages().
-  /// Entries that Reserve set since the last FlushTable reach it with FlushTable.
-  [[nodiscard]] void* const* device_table() const { return table_dev_; }
   [[nodiscard]] int64_t max_pages() const { return max_pages_; }
-  /// That table as the kernels take it; \p first: the table t it starts at.
+  /// The page table's copy in device memory as the kernels take it, from table \p first on: table
+  /// t = (slot * num_layers + layer) * num_kv_heads + kv_head holds KvPages::pages of that head.
+  /// Entries that Reserve set since the last FlushTable reach it with FlushTable.
   [[nodiscard]] StoreTable device_store(int64_t first = 0) const {
     return StoreTable{table_dev_ + first * max_pages_, max_pages_, shape_.page_tokens};
   }

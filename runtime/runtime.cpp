@@ -325,7 +325,6 @@ Status RuntimeImpl::InitCallBuffers() {
   KVF_ASSIGN_OR_RETURN(io_.k_in, Alloc(z.k_in, false));
   KVF_ASSIGN_OR_RETURN(io_.v_in, Alloc(z.v_in, false));
   KVF_ASSIGN_OR_RETURN(io_.out_stage, Alloc(z.out_stage, false));
-  void* p = nullptr;
   KVF_ASSIGN_OR_RETURN(io_.q_f32, AllocAs<float>(z.q_f32, false));
   KVF_ASSIGN_OR_RETURN(io_.o_gpu, AllocAs<float>(z.o_gpu, false));
   KVF_ASSIGN_OR_RETURN(io_.lse_gpu, AllocAs<float>(z.lse_gpu, false));
@@ -345,9 +344,8 @@ Status RuntimeImpl::InitCallBuffers() {
   const size_t items = static_cast<size_t>(std::max<int64_t>(cap.max_batch, 1) * hkv);
   KVF_ASSIGN_OR_RETURN(desc_.gpu_items, AllocAs<RowAttnItem>(items * sizeof(RowAttnItem), true));
   KVF_ASSIGN_OR_RETURN(desc_.cpu_items, AllocAs<RowAttnItem>(items * sizeof(RowAttnItem), true));
-  KVF_ASSIGN_OR_RETURN(
-      p, Alloc(std::max<size_t>(items, static_cast<size_t>(hkv)) * sizeof(PagedAttnItem), true));
-  desc_.paged_items = static_cast<PagedAttnItem*>(p);
+  KVF_ASSIGN_OR_RETURN(desc_.paged_items,
+                       AllocAs<PagedAttnItem>(std::max<size_t>(items, hkv) * sizeof(PagedAttnItem), true));
   const size_t row_ptrs = items * static_cast<size_t>(std::max<int64_t>(dims_.item_cap, 1));
   for (const void*** dst :
        {&desc_.gpu_k_rows, &desc_.gpu_v_rows, &desc_.cpu_k_rows, &desc_.cpu_v_rows}) {
