@@ -135,6 +135,9 @@ for tool in $TOOLS; do
   echo "$tool: $done_shards/$total shards finished, $ok tests passed under it"
   grep -h '^\[       OK \]' "$OUT/$tool".*.log | awk '{print $4}' | sort -u > "$OUT/$tool.ok.txt"
   grep -h '^\[  FAILED  \] [^ ]* (' "$OUT/$tool".*.log | awk '{print $4}' | sort -u > "$OUT/$tool.failed.txt"
+  # What each test took under the tool ("test seconds"): the SAN_COSTS of a later call.
+  grep -h '^\[       OK \] [^ ]* ([0-9]* ms)' "$OUT/$tool".*.log |
+    awk '{gsub(/\(/, "", $5); printf "%s %.1f\n", $4, $5 / 1000}' | sort -u > "$OUT/$tool.times.txt"
   grep -h "SUMMARY" "$OUT/$tool".*.log | sort | uniq -c
   grep -h -E "^\[  FAILED  \]" "$OUT/$tool".*.log | head -8
   grep -h -E "^========= [A-Z]" "$OUT/$tool".*.log | grep -v "SUMMARY\|COMPUTE-SANITIZER" | sort | uniq -c | sort -rn | head -8
