@@ -234,10 +234,14 @@ struct StepBankView {
 /// kSparcas's part of a DecodeStepArgs: item t's state at state + t, its chosen dimensions at
 /// dims + t * head_dim; db dimensions, refreshed every u ranked steps; layers below dense_layers
 /// exact; bits 16: compact keys in the KV dtype, 4: SparcasQuantizeRow's rows (sparse layers).
+/// smooth 1 (4-bit layers, host backend): item t's channel scales at scales + t * head_dim
+/// (base/sparcas_q4.h, SparcasChannelScales), taken at its first ranked step.
 struct SparcasStepArgs {
   SparcasState* state = nullptr;
   int32_t* dims = nullptr;
+  float* scales = nullptr;
   int32_t db = 16, u = 64, dense_layers = 2, bits = 16;
+  int32_t smooth = 0;
 };
 
 /// kHip's part of a DecodeStepArgs: the mask state of item t at state + t and its two blocks

@@ -13,6 +13,30 @@
 
 namespace kvferry {
 
+/// SparCas's channel smoothing ("smooth" 1): 4-bit rows with one scale a row lose every dimension
+/// far below the row's largest, and keys have channels of very different size (QK-norm's learned
+/// weights, RoPE's outlier pairs). Each kept key dimension d is divided by s[d] before the row is
+/// quantized and each query dimension multiplied by it (the dot product is unchanged), and the
+/// dimensions are chosen by sum_g |q[g][d]| * s[d], what a dimension adds to the logits.
+/// s[d] = max |k[j][d]| over the rows j an item holds at its first ranked step (the prompt),
+/// floored at 1e-3 of the largest (1 when every row is zero); kept for the item's life.
+/// Start: s[0, head_dim) = 0; then SparcasScalesAdd for each row; then SparcasScalesFinish.
+inline void SparcasScalesAdd(const float* row, int head_dim, float* s) {
+  for (int d = 0; d < head_dim; ++d) s[d] = fmaxf(s[d], fabsf(row[d]));  // fmaxf skips NaN
+}
+inline void SparcasScalesFinish(int head_dim, float* s) {
+  float top = 0.0f;
+  for (int d = 0; d < head_dim; ++d) top = fmaxf(top, s[d]);
+  const float floor = top > 0.0f && std::isfinite(top) ? 1e-3f * top : 1.0f;
+  for (int d = 0; d < head_dim; ++d) s[d] = std::isfinite(s[d]) ? fmaxf(s[d], floor) : floor;
+}
+/// The query as smoothing sees it: out[g * head_dim + d] = q[g * head_dim + d] * s[d].
+inline void SparcasScaleQuery(const float* q, int group, int head_dim, const float* s, float* out) {
+  for (int g = 0; g < group; ++g) {
+    for (int d = 0; d < head_dim; ++d) out[g * head_dim + d] = q[g * head_dim + d] * s[d];
+  }
+}
+
 /// Quantizes one compact row x[0, d_b) (the chosen dimensions, fp32; d_b a multiple of 8) into
 /// words[0, d_b / 8); returns the row's scale.
 inline float SparcasQuantizeRow(const float* x, int d_b, uint32_t* words) {

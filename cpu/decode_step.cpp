@@ -257,10 +257,12 @@ int64_t WriteRankedList(const DecodeStepArgs& a, int64_t n, int32_t* out, const 
 
 // SparCas's compact rows of item t (kSparcas, and kHip's every-dimension rows) brought up to n
 // positions: the dimensions chosen at the first ranked step and every sparcas.u ranked steps (a
-// change re-gathers every row), then the rows stored since the last ranked step.
+// change re-gathers every row), then the rows stored since the last ranked step. With smoothing
+// (4-bit layers), the channel scales are taken at the first ranked step (base/sparcas_q4.h).
 struct CompactRows {
   char* base = nullptr;
   const int32_t* dims = nullptr;
+  const float* scales = nullptr;  ///< smooth: [head_dim] (null: none)
   int d_b = 0;
   bool q4 = false;
   int words = 0;
@@ -282,14 +284,28 @@ CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q
   SparcasState& st = a.sparcas.state[t];
   int32_t* dims = a.sparcas.dims + t * d;
   const int d_b = SparcasDimsOf(a.layer, a.sparcas.dense_layers, a.sparcas.db, d);
+  const bool q4 = SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4;
+  float* scales = a.sparcas.smooth != 0 && q4 && a.sparcas.scales != nullptr
+                      ? a.sparcas.scales + t * d
+                      : nullptr;
+  thread_local std::vector<float> row, kept;
+  row.resize(static_cast<size_t>(d));
   if (st.seen > n) st.seen = 0;
+  if (scales != nullptr && st.d_b == 0) {  // the item's first ranked step
+    std::fill_n(scales, d, 0.0f);
+    for (int64_t pos = 0; pos < n; ++pos) {
+      ConvertSpan(row.data(), DType::kF32, PagedKRow(kv, pos, d, elem), p.kv_dtype, d);
+      SparcasScalesAdd(row.data(), d, scales);
+    }
+    SparcasScalesFinish(d, scales);
+  }
   bool regather = false;
   if (st.d_b != d_b || st.since_refresh >= a.sparcas.u) {
     thread_local std::vector<float> imp;
     thread_local std::vector<int32_t> idx;
     imp.assign(static_cast<size_t>(d), 0.0f);
     for (int g = 0; g < p.group; ++g) {
-      for (int i = 0; i < d; ++i) imp[i] += std::fabs(q[g * d + i]);
+      for (int i = 0; i < d; ++i) imp[i] += std::fabs(scales ? q[g * d + i] * scales[i] : q[g * d + i]);
     }
     idx.resize(static_cast<size_t>(d));
     for (int i = 0; i < d; ++i) idx[i] = i;
@@ -313,17 +329,16 @@ CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q
                                          a.sparcas.db, a.sparcas.dense_layers, a.sparcas.bits) *
                         elem;
   r.dims = dims;
+  r.scales = scales;
   r.d_b = d_b;
-  r.q4 = SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4;
+  r.q4 = q4;
   r.words = SparcasQ4Words(d_b);
-  thread_local std::vector<float> row, kept;
-  row.resize(static_cast<size_t>(d));
   kept.resize(static_cast<size_t>(d_b));
   for (int64_t pos = regather ? 0 : st.seen; pos < n; ++pos) {
     ConvertSpan(row.data(), DType::kF32, PagedKRow(kv, pos, d, elem), p.kv_dtype, d);
     if (r.q4) {  // d_b / 8 words then the f32 scale (base/sparcas_q4.h)
       auto* dst = reinterpret_cast<uint32_t*>(r.base + static_cast<size_t>(pos) * (r.words + 1) * 4);
-      for (int i = 0; i < d_b; ++i) kept[i] = row[dims[i]];
+      for (int i = 0; i < d_b; ++i) kept[i] = scales ? row[dims[i]] / scales[dims[i]] : row[dims[i]];
       const float scale = SparcasQuantizeRow(kept.data(), d_b, dst);
       std::memcpy(dst + r.words, &scale, sizeof(float));
     } else {
@@ -351,7 +366,9 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
     thread_local std::vector<int32_t> chosen;
     qs.resize(static_cast<size_t>(p.group) * d_b);
     for (int g = 0; g < p.group; ++g) {
-      for (int i = 0; i < d_b; ++i) qs[g * d_b + i] = q[g * d + dims[i]];
+      for (int i = 0; i < d_b; ++i) {
+        qs[g * d_b + i] = rows.scales ? q[g * d + dims[i]] * rows.scales[dims[i]] : q[g * d + dims[i]];
+      }
     }
     cf.resize(static_cast<size_t>(d_b));
     logits.resize(static_cast<size_t>(p.group) * n);

@@ -19,6 +19,7 @@ namespace kvferry {
 namespace {
 
 using testing_util::Context;
+using testing_util::PagedHead;
 using testing_util::ExpectValidSelection;
 using testing_util::SelectedRecall;
 using testing_util::Synthetic;
@@ -315,13 +316,73 @@ TEST(SparcasQ4, RecallNearTheSixteenBitRowsAndMonotoneInDb) {
   EXPECT_GT(q4[2], recall_of(8, 16)) << "d_b 32 at 4 bits vs d_b 8 at 16 bits";
 }
 
-TEST(SparcasQ4, FourBitsNeedDbAMultipleOfEight) {
+// Multiplying key channels by c and the query's by 1 / c leaves every logit, and so the exact
+// top-k, as it was; 4-bit rows with one scale a row then lose the channels far below the scaled
+// ones (what QK-norm's learned channel weights do to Gemma 3's keys). Smoothing divides the
+// channels back before quantizing: its recall on the rescaled keys is the plain rows' on the
+// original ones, and far above the plain rows' on the rescaled ones.
+TEST(SparcasQ4, SmoothingUndoesAChannelRescaling) {
+  const int hd = 64, group = 3, trials = 8;
+  const float c = 64.0f;  // a power of two: the rescaled bf16 keys are exact
+  const auto recall = [&](const PagedHead& kv, const std::vector<float>& q, int smooth) {
+    SparcasParams sp;
+    sp.d_b = hd;  // every dimension: the scaled ones share each 4-bit row with the others
+    sp.bits = 4;
+    sp.dense_layers = 0;
+    sp.smooth = smooth;
+    SparcasPolicy policy(sp, 1, 1, 1);
+    return SelectedRecall(policy, Context(kv, q.data(), group, 4, 32, 4 + 32 + 128));
+  };
+  double plain = 0, plain_smoothed = 0, rescaled = 0, rescaled_smoothed = 0;
+  for (int t = 0; t < trials; ++t) {
+    Synthetic syn(2049, group, hd, 700 + t);
+    PagedHead big(hd, syn.kv.dtype());
+    const std::vector<float> zero(hd, 0.0f);
+    for (int64_t pos = 0; pos < syn.kv.n(); ++pos) {
+      std::vector<float> k = syn.kv.Key(pos);
+      for (int d = 0; d < 8; ++d) k[d] *= c;
+      big.Append(k.data(), zero.data());
+    }
+    std::vector<float> q = syn.q;
+    for (int g = 0; g < group; ++g) {
+      for (int d = 0; d < 8; ++d) q[g * hd + d] /= c;
+    }
+    plain += recall(syn.kv, syn.q, 0) / trials;
+    plain_smoothed += recall(syn.kv, syn.q, 1) / trials;
+    rescaled += recall(big, q, 0) / trials;
+    rescaled_smoothed += recall(big, q, 1) / trials;
+  }
+  std::printf("recall: plain %.4f smoothed %.4f; channels 0-7 x%g: plain %.4f smoothed %.4f\n", plain,
+              plain_smoothed, c, rescaled, rescaled_smoothed);
+  EXPECT_GT(rescaled_smoothed, plain - 0.03);
+  EXPECT_GT(plain_smoothed, plain - 0.03);
+  EXPECT_LT(rescaled, rescaled_smoothed - 0.1);
+}
+
+// A small model for MakeSparcasPolicy's parameter checks.
+RuntimeConfig SparcasConfig() {
   RuntimeConfig c;
   c.model.num_layers = 2;
   c.model.num_q_heads = 4;
   c.model.num_kv_heads = 2;
   c.model.head_dim = 64;
   c.policy.name = "sparcas";
+  return c;
+}
+
+// smooth is 0 or 1 (the CUDA backend refuses 1 until its kernels smooth).
+TEST(SparcasQ4, SmoothIsZeroOrOne) {
+  RuntimeConfig c = SparcasConfig();
+  c.policy.params["smooth"] = 2;
+  auto r = MakeSparcasPolicy(c);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("smooth"), std::string::npos) << r.status().message();
+  c.policy.params["smooth"] = 1;
+  EXPECT_TRUE(MakeSparcasPolicy(c).ok());
+}
+
+TEST(SparcasQ4, FourBitsNeedDbAMultipleOfEight) {
+  RuntimeConfig c = SparcasConfig();
   c.policy.params["d_b"] = 12;
   auto r = MakeSparcasPolicy(c);
   ASSERT_FALSE(r.ok());

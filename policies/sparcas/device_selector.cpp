@@ -17,6 +17,10 @@ Status SparcasSelector::CheckParams() const {
                     (dp_.sparcas.bits == 16 || (dp_.sparcas.bits == 4 && dp_.sparcas.db % 8 == 0)),
                 "policy '", name_, "': d_b ", dp_.sparcas.db, ", u ", dp_.sparcas.u, ", dense_layers ",
                 dp_.sparcas.dense_layers, ", bits ", dp_.sparcas.bits);
+  // The CUDA kernels (gpu/decode_select.cu) do not apply the channel scales yet.
+  KVF_CHECK_ARG(dp_.sparcas.smooth == 0 || !shape_.cuda, "policy '", name_,
+                "': parameter 'smooth' = 1 runs on the host backend only (the CUDA selection does "
+                "not smooth the channels yet); use smooth=0 or backend host");
   return Status::Ok();
 }
 
@@ -31,6 +35,9 @@ Status SparcasSelector::Size(std::vector<SelectorBuffer>& buffers) const {
   buffers.push_back({keys_part(), static_cast<size_t>(elems) * shape_.kv_elem});
   buffers.push_back({state_part(), shape_.items() * sizeof(SparcasState)});
   buffers.push_back({state_part(), shape_.items() * static_cast<size_t>(m.head_dim) * sizeof(int32_t)});
+  if (dp_.sparcas.smooth != 0) {  // the channel scales (base/sparcas_q4.h)
+    buffers.push_back({state_part(), shape_.items() * static_cast<size_t>(m.head_dim) * sizeof(float)});
+  }
   return Status::Ok();
 }
 
@@ -39,6 +46,7 @@ Status SparcasSelector::Bind(std::span<void* const> buffers, Device& device, Str
   meta_ = static_cast<char*>(buffers[0]);
   dp_.sparcas.state = static_cast<SparcasState*>(buffers[1]);
   dp_.sparcas.dims = static_cast<int32_t*>(buffers[2]);
+  dp_.sparcas.scales = dp_.sparcas.smooth != 0 ? static_cast<float*>(buffers[3]) : nullptr;
   return Reset(-1, stream);
 }
 

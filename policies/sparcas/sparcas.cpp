@@ -76,6 +76,7 @@ Result<SparcasParams> ParseSparcasParams(const std::map<std::string, double>& pa
       {"u", &SparcasParams::u, 1, 1 << 20},
       {"dense_layers", &SparcasParams::dense_layers, 0, 4096},
       {"bits", &SparcasParams::bits, 4, 16, false, {4, 16}},
+      {"smooth", &SparcasParams::smooth, 0, 1},
   };
   return ParseParams<SparcasParams>("sparcas", params, kTable);
 }
@@ -117,11 +118,29 @@ Status SparcasPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out
   if (st->seen > n) st->seen = 0;
   thread_local std::vector<float> row;
   row.resize(static_cast<size_t>(hd));
+  // Smoothing (4-bit layers): the channel scales of the rows held at the first ranked step; the
+  // query is scaled by them from then on (and the kept key dimensions divided by them).
+  const bool smooth = params_.smooth != 0 && bits == 4;
+  const float* q = ctx.q;
+  thread_local std::vector<float> q_smooth;
+  if (smooth) {
+    if (st->scales.empty()) {
+      st->scales.assign(static_cast<size_t>(hd), 0.0f);
+      for (int64_t pos = 0; pos < n; ++pos) {
+        LoadRowF32(ctx.kv, p, pos, false, row.data());
+        SparcasScalesAdd(row.data(), hd, st->scales.data());
+      }
+      SparcasScalesFinish(hd, st->scales.data());
+    }
+    q_smooth.resize(static_cast<size_t>(p.group) * hd);
+    SparcasScaleQuery(ctx.q, p.group, hd, st->scales.data(), q_smooth.data());
+    q = q_smooth.data();
+  }
   // Stage 1 (query only): dimensions, every u steps; a change re-gathers every compact row.
   bool regather = false;
   if (st->d_b != d_b || st->bits != bits || st->dims.empty() || st->since_refresh >= params_.u) {
     std::vector<int32_t> dims(static_cast<size_t>(d_b));
-    SparcasChooseDims(ctx.q, p.group, hd, d_b, dims.data());
+    SparcasChooseDims(q, p.group, hd, d_b, dims.data());
     regather = st->d_b != d_b || st->bits != bits || dims != st->dims;
     st->dims = std::move(dims);
     st->d_b = d_b;
@@ -146,6 +165,9 @@ Status SparcasPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out
     LoadRowF32(ctx.kv, p, pos, false, row.data());
     if (bits == 4) {
       SparcasGatherCompact(row.data(), st->dims.data(), d_b, kept.data());
+      if (smooth) {
+        for (int i = 0; i < d_b; ++i) kept[i] /= st->scales[st->dims[i]];
+      }
       st->q4_scale[pos] = SparcasQuantizeRow(kept.data(), d_b, st->q4.data() + pos * words);
     } else {
       SparcasGatherCompact(row.data(), st->dims.data(), d_b, st->compact.data() + pos * d_b);
@@ -158,7 +180,7 @@ Status SparcasPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out
   logits.resize(static_cast<size_t>(p.group) * n);
   weights.resize(static_cast<size_t>(n));
   if (bits == 4) {
-    SparcasApproxScoresQ4(ctx.q, p.group, hd, st->dims.data(), d_b, st->q4.data(),
+    SparcasApproxScoresQ4(q, p.group, hd, st->dims.data(), d_b, st->q4.data(),
                           st->q4_scale.data(), n, p.scale, logits.data(), n);
   } else {
     SparcasApproxScores(ctx.q, p.group, hd, st->dims.data(), d_b, st->compact.data(), n, p.scale,

@@ -71,6 +71,10 @@ struct SparcasParams {
   int u = 64;            ///< "u": dimension refresh interval in steps
   int dense_layers = 2;  ///< "dense_layers": first layers that use every dimension (exact top-k)
   int bits = 0;          ///< "bits": 4 or 16 per kept dimension (0 = 4 when head_dim % 8 == 0)
+  /// "smooth": 1 divides each key channel by its largest size in the prompt before the 4-bit rows
+  /// are quantized and weighs the dimensions by it (base/sparcas_q4.h, SparcasScalesAdd); host
+  /// backend only until the CUDA kernels apply it (docs/policies.md, `sparcas`).
+  int smooth = 0;
 };
 
 Result<SparcasParams> ParseSparcasParams(const std::map<std::string, double>& params);
@@ -95,6 +99,7 @@ class SparcasPolicy final : public Policy {
     d.sparcas.u = params_.u;
     d.sparcas.dense_layers = params_.dense_layers;
     d.sparcas.bits = SparcasBits(params_, head_dim);
+    d.sparcas.smooth = params_.smooth;
     return d;
   }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
@@ -111,6 +116,7 @@ class SparcasPolicy final : public Policy {
     std::vector<float> compact;   ///< bits 16: [seen][d_b]
     std::vector<uint32_t> q4;     ///< bits 4: [seen][d_b / 8] words
     std::vector<float> q4_scale;  ///< bits 4: [seen]
+    std::vector<float> scales;    ///< smooth: [head_dim] channel scales (empty: not taken yet)
   };
   SparcasParams params_;
   HeadStateTable<HeadState> states_;
