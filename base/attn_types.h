@@ -234,8 +234,8 @@ struct StepBankView {
 /// kSparcas's part of a DecodeStepArgs: item t's state at state + t, its chosen dimensions at
 /// dims + t * head_dim; db dimensions, refreshed every u ranked steps; layers below dense_layers
 /// exact; bits 16: compact keys in the KV dtype, 4: SparcasQuantizeRow's rows (sparse layers).
-/// smooth 1 (4-bit layers, host backend): item t's channel scales at scales + t * head_dim
-/// (base/sparcas_q4.h, SparcasChannelScales), taken at its first ranked step.
+/// smooth 1 (4-bit layers): item t's channel scales at scales + t * head_dim (base/sparcas_q4.h,
+/// SparcasChannelScales), taken at its first ranked step; the CUDA selector refuses smooth.
 struct SparcasStepArgs {
   SparcasState* state = nullptr;
   int32_t* dims = nullptr;

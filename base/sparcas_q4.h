@@ -18,13 +18,16 @@ namespace kvferry {
 /// weights, RoPE's outlier pairs). Each kept key dimension d is divided by s[d] before the row is
 /// quantized and each query dimension multiplied by it (the dot product is unchanged), and the
 /// dimensions are chosen by sum_g |q[g][d]| * s[d], what a dimension adds to the logits.
-/// s[d] = max |k[j][d]| over the rows j an item holds at its first ranked step (the prompt),
-/// floored at 1e-3 of the largest (1 when every row is zero); kept for the item's life.
-/// Start: s[0, head_dim) = 0; then SparcasScalesAdd for each row; then SparcasScalesFinish.
-inline void SparcasScalesAdd(const float* row, int head_dim, float* s) {
-  for (int d = 0; d < head_dim; ++d) s[d] = fmaxf(s[d], fabsf(row[d]));  // fmaxf skips NaN
-}
-inline void SparcasScalesFinish(int head_dim, float* s) {
+/// s[d] = max |k[j][d]| over the rows j an item holds at its first ranked step (the prompt; NaN
+/// skipped), floored at 1e-3 of the largest (1 when every row is zero); kept for the item's life.
+/// load_row(j, row) writes key j as fp32 into row[0, head_dim) (scratch the caller owns).
+template <typename LoadRow>
+void SparcasChannelScales(int64_t n, int head_dim, const LoadRow& load_row, float* row, float* s) {
+  for (int d = 0; d < head_dim; ++d) s[d] = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    load_row(j, row);
+    for (int d = 0; d < head_dim; ++d) s[d] = fmaxf(s[d], fabsf(row[d]));  // fmaxf skips NaN
+  }
   float top = 0.0f;
   for (int d = 0; d < head_dim; ++d) top = fmaxf(top, s[d]);
   const float floor = top > 0.0f && std::isfinite(top) ? 1e-3f * top : 1.0f;

@@ -292,12 +292,9 @@ CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q
   row.resize(static_cast<size_t>(d));
   if (st.seen > n) st.seen = 0;
   if (scales != nullptr && st.d_b == 0) {  // the item's first ranked step
-    std::fill_n(scales, d, 0.0f);
-    for (int64_t pos = 0; pos < n; ++pos) {
-      ConvertSpan(row.data(), DType::kF32, PagedKRow(kv, pos, d, elem), p.kv_dtype, d);
-      SparcasScalesAdd(row.data(), d, scales);
-    }
-    SparcasScalesFinish(d, scales);
+    SparcasChannelScales(
+        n, d, [&](int64_t j, float* r) { ConvertSpan(r, DType::kF32, PagedKRow(kv, j, d, elem), p.kv_dtype, d); },
+        row.data(), scales);
   }
   bool regather = false;
   if (st.d_b != d_b || st.since_refresh >= a.sparcas.u) {

@@ -125,12 +125,10 @@ Status SparcasPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out
   thread_local std::vector<float> q_smooth;
   if (smooth) {
     if (st->scales.empty()) {
-      st->scales.assign(static_cast<size_t>(hd), 0.0f);
-      for (int64_t pos = 0; pos < n; ++pos) {
-        LoadRowF32(ctx.kv, p, pos, false, row.data());
-        SparcasScalesAdd(row.data(), hd, st->scales.data());
-      }
-      SparcasScalesFinish(hd, st->scales.data());
+      st->scales.resize(static_cast<size_t>(hd));
+      SparcasChannelScales(
+          n, hd, [&](int64_t j, float* r) { LoadRowF32(ctx.kv, p, j, false, r); }, row.data(),
+          st->scales.data());
     }
     q_smooth.resize(static_cast<size_t>(p.group) * hd);
     SparcasScaleQuery(ctx.q, p.group, hd, st->scales.data(), q_smooth.data());
