@@ -300,6 +300,48 @@ def quality_gemma3_merge(T):
             "regenerate": "python3 bench/reproduce.py quality_gemma3_32k"}
 
 
+# SparCas's channel smoothing on Gemma 3 (QK-norm: key channels of very different size): sparcas
+# with and without smooth=1, the oracle and dense in the same runs, at 2% of 16K and 32K windows
+# of both texts, and passkey at 16K/32K (docs/policies.md, `sparcas`).
+SMOOTH_LANES = "oracle,sparcas,sparcas:smooth=1"
+
+
+def sparcas_smooth_cmds(T):
+    L = f"{LLAMA} --model {GEMMA} --backend host"
+    cmds = ["bash scripts/fetch-data.sh --text-only", "bash scripts/fetch-data.sh --gemma3"]
+    for ctx in (16384, 32768):
+        for text in ("kjv", "jargon"):
+            cmds.append(f"{L} --perplexity --text data/{text}.txt --context {ctx} --scored 1024 "
+                        f"--policy {SMOOTH_LANES} --budget {gemma_budget(ctx)} --json {T}/ppl_{text}_{ctx}.json")
+            cmds.append(f"{PY} scripts/quality_smollm2.py --ppl {T}/ppl_{text}_{ctx}.json "
+                        f"--out {T}/q_{text}_{ctx}.json --no-plot")
+    for n in (16384, 32768):
+        cmds.append(f"{L} --passkey --text data/kjv.txt --lengths {n} --depths 0.1,0.5,0.9 "
+                    f"--policy {SMOOTH_LANES} --budget {gemma_budget(n)} --json {T}/passkey_{n}.json")
+        cmds.append(f"{PY} scripts/quality_smollm2.py --passkey {T}/passkey_{n}.json --out {T}/q_passkey_{n}.json --no-plot")
+    return cmds
+
+
+def sparcas_smooth_merge(T):
+    rows, passkey = [], []
+    for ctx in (16384, 32768):
+        for text in ("kjv", "jargon"):
+            for r in json.load(open(f"{T}/q_{text}_{ctx}.json"))["rows"]:
+                r.pop("passkey", None)
+                rows.append(dict(r, text=f"data/{text}.txt", context=ctx, budget_pct=GEMMA_PCT))
+    for n in (16384, 32768):
+        q = json.load(open(f"{T}/q_passkey_{n}.json"))
+        passkey.append({"length": n, "budget": gemma_budget(n), "budget_pct": GEMMA_PCT,
+                        "rows": [{"policy": r["policy"], "params": r["params"], "budget": r["budget"],
+                                  **r["passkey"]} for r in q["rows"] if "passkey" in r]})
+    return {"bench": "sparcas_smooth_gemma3", "model": GEMMA,
+            "notes": ["Gemma 3 270M (Q4_K_M GGUF), host backend, sinks 4 + window 64 on the 3 global layers, "
+                      "the 15 sliding-window layers exact; budgets 2% of the context. sparcas with its defaults "
+                      "(params {}) and with smooth=1 (the channel scales), the oracle and dense in the same runs."],
+            "rows": rows, "passkey": passkey,
+            "regenerate": "python3 bench/reproduce.py sparcas_smooth_gemma3"}
+
+
 def quality_merge(T):
     d = json.load(open(f"{T}/quality.json"))
     d["regenerate"] = "python3 bench/reproduce.py quality_smollm2"
@@ -1094,6 +1136,10 @@ SPECS = {
                                merge=quality_gemma3_merge,
                                what="Gemma 3 270M at 16K/32K: perplexity (KJV, Jargon) and passkey (8K-32K) of every "
                                     "policy at 2% of the context"),
+    "sparcas_smooth_gemma3": dict(gpu=False, targets=[], examples=True, run=sparcas_smooth_cmds,
+                                  merge=sparcas_smooth_merge,
+                                  what="SparCas with and without channel smoothing on Gemma 3 at 2% of 16K/32K "
+                                       "(perplexity on KJV and Jargon, passkey), oracle and dense beside"),
     "quality_smollm2": dict(gpu=False, targets=["kvferry-bench"], examples=True, run=quality_cmds,
                             merge=quality_merge,
                             what="perplexity gap, passkey and attention-mass recall of every policy on SmolLM2-135M"),

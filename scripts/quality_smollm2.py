@@ -16,10 +16,11 @@ import json
 
 
 def lane_key(label):
-    if "@" in label:
-        p, b = label.split("@")
-        return p, int(b)
-    return label, None
+    """(policy, budget, params) of a lane label "name[:k=v...][@budget]" (kvferry-llama --policy)."""
+    p, b = label.split("@") if "@" in label else (label, None)
+    name, *parts = p.split(":")
+    params = {k: float(v) for k, v in (kv.split("=") for kv in parts)}
+    return name, int(b) if b is not None else None, params
 
 
 def main():
@@ -43,8 +44,8 @@ def main():
         params = {k: float(v) for k, v in (kv.split("=") for kv in ps.split(",") if kv)}
         d = json.load(open(path))
         for l in d["lanes"]:
-            p, b = lane_key(l["lane"])
-            r = row(p, b, params if p != "dense" else None)
+            p, b, lp = lane_key(l["lane"])
+            r = row(p, b, {**params, **lp} if p != "dense" else None)
             r["perplexity"] = l["perplexity"]
             r["argmax_agree_with_lane0"] = l["argmax_agree"]
             r["decode_seconds"] = l["decode_seconds"]
@@ -70,8 +71,8 @@ def main():
             trials.setdefault(k, {}).update({lab: v["found"] for lab, v in t["answers"].items()})
     for (length, depth, key), ans in sorted(trials.items()):
         for lab, found in ans.items():
-            p, b = lane_key(lab)
-            r = row(p, b)
+            p, b, lp = lane_key(lab)
+            r = row(p, b, lp)
             pk = r.setdefault("passkey", {"found": 0, "trials": 0, "missed_where_dense_found": 0,
                                           "by_prompt": []})
             pk["trials"] += 1

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -334,6 +335,40 @@ TEST(LlamaCli, CheckBeforeLoadNamesFilesPoliciesAndBudgets) {
   auto o = Parse({"--model", "/nonexistent.gguf", "--prompt", "hi"});
   ASSERT_TRUE(o.ok());
   EXPECT_EQ(CheckBeforeLoad(*o).message(), "--model /nonexistent.gguf: cannot open the file");
+}
+
+// A lane of --policy may carry its own parameters ("sparcas:smooth=1" beside "sparcas"), over
+// --param's; a malformed lane is a usage error naming it, a parameter the policy does not take is
+// refused before the model loads.
+TEST(LlamaCli, LanesCarryTheirOwnParameters) {
+  auto o = ParseWith("--policy", "oracle,sparcas,sparcas:smooth=1:u=32");
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  ASSERT_EQ(o->policies.size(), 3u);
+  o->base.policy.params["dense_layers"] = 1;  // as --param dense_layers=1
+  const RuntimeConfig plain = LaneConfig(o->base, o->policies[1]);
+  const RuntimeConfig smooth = LaneConfig(o->base, o->policies[2]);
+  EXPECT_EQ(plain.policy.name, "sparcas");
+  EXPECT_EQ(plain.policy.params, (std::map<std::string, double>{{"dense_layers", 1}}));
+  EXPECT_EQ(smooth.policy.name, "sparcas");
+  EXPECT_EQ(smooth.policy.params,
+            (std::map<std::string, double>{{"dense_layers", 1}, {"smooth", 1}, {"u", 32}}));
+  EXPECT_TRUE(LaneConfig(o->base, "dense").policy.params.empty());
+  for (const auto& [lane, why] : std::vector<std::pair<std::string, std::string>>{
+           {"sparcas:smooth", "lane 'sparcas:smooth': 'smooth' is not key=value"},
+           {":u=3", "lane ':u=3': no policy name before ':'"},
+           {"sparcas:=1", "lane 'sparcas:=1': '=1' has no key"},
+           {"sparcas:u=x", "lane 'sparcas:u=x': parameter u: not a number"},
+           {"sparcas:u=1:u=2", "lane 'sparcas:u=1:u=2': parameter u given twice"}}) {
+    auto bad = ParseWith("--policy", lane);
+    ASSERT_FALSE(bad.ok()) << lane;
+    EXPECT_NE(bad.status().message().find(why), std::string::npos) << bad.status().message();
+  }
+  const std::string model = Data("stories260K.bin");
+  auto with = Parse({"--model", model, "--perplexity", "--text", model, "--context", "256",
+                     "--scored", "64", "--policy", "sparcas:smooth=1,sparcas:nonsense=1"});
+  ASSERT_TRUE(with.ok()) << with.status().ToString();
+  const Status s = CheckBeforeLoad(*with);
+  EXPECT_EQ(s.message().rfind("--policy sparcas:nonsense=1 --budget 256:", 0), 0u) << s.message();
 }
 
 TEST(LlamaCli, ModelFilesAreNamedForWhatTheyAre) {

@@ -66,7 +66,7 @@ std::string UsageText() {
          "gen:     --max-new N (64) --temperature T (0) --top-p P (0.9) --seed S --chat\n"
          "passkey: --lengths 2048,4096 --depths 0.1,0.5,0.9 --trials N\n"
          "trace:   --trace-layers 0,15 | all --trace-steps N --trace-dtype f32|bf16\n"
-         "runtime: --policy a[,b] (streaming) --budget n[,m] (256) --backend host|cuda|auto\n"
+         "runtime: --policy a[,b:k=v] (streaming) --budget n[,m] (256) --backend host|cuda|auto\n"
          "         --route auto|gpu|cpu --kv-dtype f16|bf16 --sinks N (4) --window N (64)\n"
          "         --bank-slots N (0) --cpu-threads N --param k=v --policy-weights FILE --no-dense\n"
          "prefill: --etf (PrHS's early-token freezing) --etf-psi P (0.5) --etf-gamma G (1)\n"
@@ -133,6 +133,11 @@ Result<Options> ParseArgs(int argc, const char* const* argv) {
         std::vector<std::string> items;
         const std::string problem = tools::SplitListProblem(v, &items);
         if (!problem.empty()) return BadValue(flag, v, problem);
+        for (const std::string& item : items) {
+          LaneSpec spec;
+          const std::string why = LaneSpecProblem(item, &spec);
+          if (!why.empty()) return BadValue(flag, v, StrCat("lane '", item, "': ", why));
+        }
         o.policies = std::move(items);
         return std::string();
       })
@@ -317,7 +322,7 @@ Status CheckBeforeLoad(const Options& o) {
     for (int64_t b : o.budgets) lanes.emplace_back(p, b);
   }
   for (const auto& [policy, budget] : lanes) {
-    RuntimeConfig rc = o.base;
+    RuntimeConfig rc = LaneConfig(o.base, policy);
     rc.model.num_layers = 1;
     rc.model.num_q_heads = 2;
     rc.model.num_kv_heads = 1;
@@ -325,9 +330,7 @@ Status CheckBeforeLoad(const Options& o) {
     rc.backend = Backend::kHost;
     rc.probe_at_start = false;
     rc.cpu_threads = 1;
-    rc.policy.name = policy;
     rc.policy.budget_tokens = policy == "dense" ? max_tokens : budget;
-    if (policy == "dense") rc.policy.params.clear();  // --param is for the sparse policies
     // A trained KVpop scorer fits the real model only; the run's own Create checks its shape.
     if (policy.find("kvpop") != std::string::npos) rc.policy.params["device"] = 0;
     rc.capacity.max_sequences = 1;
@@ -343,6 +346,38 @@ Status CheckBeforeLoad(const Options& o) {
   }
 #endif
   return Status::Ok();
+}
+
+std::string LaneSpecProblem(const std::string& item, LaneSpec* out) {
+  LaneSpec spec;
+  size_t at = item.find(':');
+  spec.policy = item.substr(0, at);
+  if (spec.policy.empty()) return "no policy name before ':'";
+  while (at != std::string::npos) {
+    const size_t next = item.find(':', at + 1);
+    const std::string part = item.substr(at + 1, next == std::string::npos ? std::string::npos : next - at - 1);
+    const size_t eq = part.find('=');
+    if (eq == std::string::npos) return StrCat("'", part, "' is not key=value (want name:key=value[:key=value])");
+    const std::string key = part.substr(0, eq);
+    if (key.empty()) return StrCat("'", part, "' has no key");
+    double x = 0;
+    const std::string why = tools::RealProblem(part.substr(eq + 1), -1e300, 1e300, false, &x);
+    if (!why.empty()) return StrCat("parameter ", key, ": ", why);
+    if (!spec.params.emplace(key, x).second) return StrCat("parameter ", key, " given twice");
+    at = next;
+  }
+  *out = std::move(spec);
+  return "";
+}
+
+RuntimeConfig LaneConfig(const RuntimeConfig& base, const std::string& item) {
+  LaneSpec spec;
+  LaneSpecProblem(item, &spec);  // checked by ParseArgs
+  RuntimeConfig rc = base;
+  rc.policy.name = spec.policy;
+  if (spec.policy == "dense") rc.policy.params.clear();  // --param is for the sparse policies
+  for (const auto& [key, value] : spec.params) rc.policy.params[key] = value;
+  return rc;
 }
 
 std::string FileLabel(const std::string& path) {

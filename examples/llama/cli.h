@@ -6,6 +6,7 @@
 /// prints, each defined once here.
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,19 @@ struct Options {
   /// sink from --sinks).
   EtfOptions etf;
 };
+
+/// One lane of --policy: "name" or "name:key=value[:key=value...]", the lane's own policy
+/// parameters (over --param's; e.g. "sparcas:smooth=1" beside "sparcas" in one run).
+struct LaneSpec {
+  std::string policy;
+  std::map<std::string, double> params;
+};
+/// Why \p item is not a lane spec, or "" (then *out is set): an empty name, a part without '=',
+/// an empty key, a value that is not a finite number, a key given twice.
+std::string LaneSpecProblem(const std::string& item, LaneSpec* out);
+/// The runtime configuration of lane \p item over \p base: the policy's name, --param's values
+/// for a sparse policy (none for dense) and the lane's own.
+RuntimeConfig LaneConfig(const RuntimeConfig& base, const std::string& item);
 
 /// Parses argv[1, argc) with the tools' shared parser (tools/common/args.h). Reads no file. Every
 /// numeric flag must be a number of the right kind (whole or real) inside its range, and flags

@@ -52,10 +52,8 @@ Result<std::vector<Lane>> MakeLanes(const Options& o, const ModelConfig& mc, int
                                     bool with_dense) {
   std::vector<Lane> lanes;
   const auto add = [&](const std::string& policy, int64_t budget) -> Status {
-    RuntimeConfig rc = RuntimeConfigFor(mc, o.base);
-    rc.policy.name = policy;
+    RuntimeConfig rc = RuntimeConfigFor(mc, LaneConfig(o.base, policy));  // "name[:key=value...]"
     rc.policy.budget_tokens = budget;
-    if (policy == "dense") rc.policy.params.clear();  // --param is for the sparse policies
     rc.capacity.max_sequences = 2;
     rc.capacity.max_batch = 1;
     rc.capacity.max_tokens_per_sequence = max_tokens;
