@@ -235,7 +235,8 @@ struct StepBankView {
 /// dims + t * head_dim; db dimensions, refreshed every u ranked steps; layers below dense_layers
 /// exact; bits 16: compact keys in the KV dtype, 4: SparcasQuantizeRow's rows (sparse layers).
 /// smooth 1 (4-bit layers): item t's channel scales at scales + t * head_dim (base/sparcas_q4.h,
-/// SparcasChannelScales), taken at its first ranked step; the CUDA selector refuses smooth.
+/// SparcasChannelScales), taken at its first ranked step (on CUDA: zeroed by Reset, maxima by
+/// SparcasScalesKernel, floored by SparcasPrepKernel).
 struct SparcasStepArgs {
   SparcasState* state = nullptr;
   int32_t* dims = nullptr;

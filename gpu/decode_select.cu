@@ -512,12 +512,90 @@ __global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a
 
 // ---- kSparcas -----------------------------------------------------------------------------------
 
+// Item t's channel scales (smooth 1 at a 4-bit layer, base/sparcas_q4.h), or null.
+__device__ __forceinline__ float* SparcasScalesOf(const DecodeStepArgs& a, int64_t t) {
+  return a.sparcas.smooth != 0 && a.sparcas.scales != nullptr &&
+                 SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4
+             ? a.sparcas.scales + t * a.params.head_dim
+             : nullptr;
+}
+
+// Where item (b, h)'s key j lies as the step starts: a row of the resident tier or of the host
+// store, or null for the new token n - 1 (read from a.k, rounded to T as the store keeps it).
+template <typename T>
+struct SparcasKeySource {
+  const char* res_k;
+  const unsigned long long* pages;
+  size_t row_bytes;
+  int64_t n;
+  int32_t sink, window, page_tokens;
+  __device__ __forceinline__ const T* operator()(int64_t j) const {
+    if (j == n - 1) return nullptr;
+    const int64_t row = ResidentRowOf(j, n, sink, window);
+    return row >= 0 ? reinterpret_cast<const T*>(res_k + static_cast<size_t>(row) * row_bytes)
+                    : reinterpret_cast<const T*>(StoreKRow(pages, j, static_cast<uint32_t>(page_tokens), row_bytes));
+  }
+};
+template <typename T>
+__device__ __forceinline__ SparcasKeySource<T> SparcasKeySourceOf(const DecodeStepArgs& a, int64_t t, int64_t n) {
+  SparcasKeySource<T> s;
+  s.row_bytes = static_cast<size_t>(a.params.head_dim) * sizeof(T);
+  s.res_k = a.resident + static_cast<size_t>(t * 2 * (static_cast<int64_t>(a.sink) + a.window)) * s.row_bytes;
+  s.pages = reinterpret_cast<const unsigned long long*>(a.store.pages) + t * a.store.max_pages;
+  s.n = n;
+  s.sink = a.sink;
+  s.window = a.window;
+  s.page_tokens = static_cast<int32_t>(a.store.page_tokens);
+  return s;
+}
+
+// Grid (items, y), a warp per position in [0, n) of an item at its first ranked step (state d_b
+// 0; smooth at a 4-bit layer): the largest |k| of each channel into its scales, which Reset
+// zeroed, by atomicMax on the float's bits (non-negative floats order as their bits; fmaxf skips
+// NaN, as the host's SparcasChannelScales does). SparcasPrepKernel floors them next.
+template <typename T>
+__global__ void __launch_bounds__(kScoreWarps * 32) SparcasScalesKernel(DecodeStepArgs a) {
+  const int32_t item = blockIdx.x;
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  const int64_t t = ItemT(a, b, h);
+  float* sc = SparcasScalesOf(a, t);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
+  const QuestSplit sp = QuestSplitOf(a, n);
+  if (sc == nullptr || sp.all || sp.k_off <= 0 || a.sparcas.state[t].d_b != 0) return;
+  const int hd = a.params.head_dim;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const SparcasKeySource<T> source = SparcasKeySourceOf<T>(a, t, n);
+  float m[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // lane + 32 c: head_dim <= 256
+  for (int64_t j = static_cast<int64_t>(blockIdx.y) * kScoreWarps + warp; j < n;
+       j += static_cast<int64_t>(gridDim.y) * kScoreWarps) {
+    const T* kp = source(j);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const int d = c * 32 + lane;
+      if (d < hd) {
+        const float x = kp != nullptr
+                            ? ToF32(kp[d])
+                            : ToF32(FromF32<T>(LoadElem(a.k, a.k_dtype, static_cast<int64_t>(item) * hd + d)));
+        m[c] = fmaxf(m[c], fabsf(x));
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const int d = c * 32 + lane;
+    if (d < hd && m[c] > 0.0f) atomicMax(reinterpret_cast<int*>(sc + d), __float_as_int(m[c]));
+  }
+}
+
 // Grid (items), 256 threads: whether the step ranks, the dimensions (every u ranked steps), and
-// the compact rows to (re)gather, into the item's SparcasState.
+// the compact rows to (re)gather, into the item's SparcasState. With smoothing, at the item's
+// first ranked step, first the floor of its channel scales (SparcasChannelScales' last loop); the
+// dimensions are then chosen by sum_g |q[g][d] * s[d]|.
 __global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a) {
   __shared__ float imp[256];
   __shared__ int32_t chosen[256];
   __shared__ int32_t picked[256];
+  __shared__ float top_w[8];
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int hd = a.params.head_dim, group = a.params.group;
@@ -536,13 +614,30 @@ __global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a) {
   if (seen > n) seen = 0;
   __syncthreads();  // every thread has read the state before thread 0 rewrites it
   int32_t* dims = a.sparcas.dims + t * hd;
+  float* sc = SparcasScalesOf(a, t);
+  if (sc != nullptr && cur_db == 0) {  // the item's first ranked step: SparcasScalesKernel ran
+    float top = 0.0f;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) top = fmaxf(top, sc[d]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
+    if ((threadIdx.x & 31) == 0) top_w[threadIdx.x >> 5] = top;
+    __syncthreads();
+    top = 0.0f;
+    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) top = fmaxf(top, top_w[w]);
+    const float floor = top > 0.0f && isfinite(top) ? 1e-3f * top : 1.0f;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) sc[d] = isfinite(sc[d]) ? fmaxf(sc[d], floor) : floor;
+    __syncthreads();
+  }
   bool regather = false;
   const bool choose = cur_db != d_b || since >= a.sparcas.u;
   if (choose) {
     const int64_t q0 = static_cast<int64_t>(item) * group * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
       float x = 0.0f;
-      for (int g = 0; g < group; ++g) x += fabsf(LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(g) * hd + d));
+      for (int g = 0; g < group; ++g) {
+        const float qd = LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(g) * hd + d);
+        x += fabsf(sc != nullptr ? qd * sc[d] : qd);
+      }
       imp[d] = x == x ? x : -1.0f;  // NaN ranks last
     }
     __syncthreads();
@@ -592,20 +687,12 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
   const int32_t* dims = a.sparcas.dims + t * hd;
   T* compact = CompactOf<T>(a, b, h);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const size_t row_bytes = static_cast<size_t>(hd) * sizeof(T);
-  const char* res_k =
-      a.resident + static_cast<size_t>(t * 2 * (static_cast<int64_t>(a.sink) + a.window)) * row_bytes;
-  const unsigned long long* pages = reinterpret_cast<const unsigned long long*>(a.store.pages) + t * a.store.max_pages;
-  // Key j's row in the resident tier or the host store; null for the new token (read from a.k).
-  const auto source_row = [&](int64_t j) -> const T* {
-    if (j == n - 1) return nullptr;
-    const int64_t row = ResidentRowOf(j, n, a.sink, a.window);
-    return row >= 0 ? reinterpret_cast<const T*>(res_k + static_cast<size_t>(row) * row_bytes)
-                    : reinterpret_cast<const T*>(StoreKRow(pages, j, static_cast<uint32_t>(a.store.page_tokens), row_bytes));
-  };
+  const SparcasKeySource<T> source_row = SparcasKeySourceOf<T>(a, t, n);
   if (SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4) {
     // 4-bit rows (base/sparcas_q4.h): the warp's max |x|, then each group of 8 lanes ORs its
-    // nibbles into one word; the row's scale after its words.
+    // nibbles into one word; the row's scale after its words. With smoothing each kept
+    // dimension is divided by its channel scale first.
+    const float* sc = SparcasScalesOf(a, t);
     const int words = SparcasQ4Words(d_b);
     uint32_t* rows = reinterpret_cast<uint32_t*>(compact);
     for (int64_t j = st.from + static_cast<int64_t>(blockIdx.y) * kScoreWarps + warp; j < n;
@@ -624,6 +711,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
           x[c] = kp != nullptr
                      ? ToF32(kp[dims[i]])
                      : ToF32(FromF32<T>(LoadElem(a.k, a.k_dtype, static_cast<int64_t>(item) * hd + dims[i])));
+          if (sc != nullptr) x[c] = x[c] / sc[dims[i]];
           amax = fmaxf(amax, fabsf(x[c]));
         }
       }
@@ -1112,8 +1200,9 @@ __device__ __forceinline__ void SoftmaxMerge(float& m, float& s, float m2, float
 
 // The SparCas scoring kernels' common start (a CTA per item in blockIdx.x): the item's state and
 // length, and q's chosen dimensions scaled to the log2 domain in q_s[g * d_b + i] (synced; as
-// given when scaled is false). d_b is the state's, at most max_db; nothing is loaded when the item
-// does not rank (ranked false, the same for the whole CTA).
+// given when scaled is false, times the channel scales where the item has them: the 4-bit rows
+// of smoothing). d_b is the state's, at most max_db; nothing is loaded when the item does not
+// rank (ranked false, the same for the whole CTA).
 struct SparcasScoreItem {
   int64_t t = 0, n = 0;
   int d_b = 0;
@@ -1133,9 +1222,12 @@ __device__ __forceinline__ SparcasScoreItem LoadSparcasQuery(const DecodeStepArg
   it.n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const int32_t* dims = a.sparcas.dims + it.t * hd;
   const float qscale = scaled ? a.params.scale * kLog2e : 1.0f;
+  const float* sc = scaled ? nullptr : SparcasScalesOf(a, it.t);
   const int64_t q0 = static_cast<int64_t>(item) * group * hd;
   for (int i = threadIdx.x; i < group * it.d_b; i += blockDim.x) {
-    q_s[i] = LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(i / it.d_b) * hd + dims[i % it.d_b]) * qscale;
+    const int d = dims[i % it.d_b];
+    const float x = LoadElem(a.q, a.q_dtype, q0 + static_cast<int64_t>(i / it.d_b) * hd + d);
+    q_s[i] = sc != nullptr ? x * sc[d] : x * qscale;
   }
   __syncthreads();
   return it;
@@ -2316,6 +2408,14 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
     KVF_CHECK_ARG(a.meta != nullptr && a.sparcas.state != nullptr && a.sparcas.dims != nullptr &&
                       a.params.head_dim <= 256,
                   "DecodeSelect: sparcas without its compact keys or state");
+    if (a.sparcas.smooth != 0 && SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4) {
+      KVF_CHECK_ARG(a.sparcas.scales != nullptr, "DecodeSelect: sparcas smooth without its channel scales");
+      KVF_RETURN_IF_ERROR(DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
+        SparcasScalesKernel<T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, 0, stream>>>(a);
+        KVF_CUDA_CHECK_LAUNCH(SparcasScalesKernel);
+        return Status::Ok();
+      }));
+    }
     SparcasPrepKernel<<<static_cast<unsigned>(items), 256, 0, stream>>>(a);
     KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
     const bool dense_layer = a.layer < a.sparcas.dense_layers;

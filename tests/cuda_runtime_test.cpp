@@ -37,6 +37,7 @@ struct Case {
   int sparcas_bits = 0;    // sparcas's or hip's "bits" (0: the default, 4-bit rows)
   int lag = -1;            // >= 0: hip's "lag" (the default 1: due rebuilds on a side stream)
   int dense_bits = 0;      // > 0: hip's "dense_bits" (the default 4: SparCas's 4-bit top-k)
+  int smooth = 0;          // sparcas's "smooth"; its keys then have channels 16x the others
 };
 
 class CudaRuntimeTest : public ::testing::TestWithParam<Case> {};
@@ -77,6 +78,7 @@ RuntimeConfig MakeConfig(const Case& c, Backend backend) {
     cfg.policy.params["u"] = 4;
     cfg.policy.params["dense_layers"] = 1;
     if (c.sparcas_bits != 0) cfg.policy.params["bits"] = c.sparcas_bits;
+    if (c.smooth != 0) cfg.policy.params["smooth"] = c.smooth;
   }
   // KVpop selects on the device unless asked (bits 16 stands for "the host selects" here too);
   // "kvpop_mlp_test" scores with a random MLP (tests/policy_test_util.h).
@@ -111,6 +113,14 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
   auto fill = [&](std::vector<float>& v) {
     for (auto& x : v) x = nd(rng);
   };
+  // With smoothing, every eighth key channel 16x the others (as QK-norm's weights make them), so
+  // that the channel scales decide which dimensions are kept and how the rows quantize.
+  auto wide_channels = [&](std::vector<float>& k) {
+    if (c.smooth == 0) return;
+    for (size_t i = 0; i < k.size(); ++i) {
+      if (i % m.head_dim % 8 == 3) k[i] *= 16.0f;
+    }
+  };
   const int64_t prompt = 300;
   // Prefill each sequence (one chunk per layer).
   for (SequenceId s : seqs) {
@@ -120,6 +130,7 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
       fill(q);
       fill(k);
       fill(v);
+      wide_channels(k);
       std::vector<float> out[2];
       for (int b = 0; b < 2; ++b) {
         out[b].assign(q.size(), std::nanf(""));
@@ -170,6 +181,7 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
       fill(q);
       fill(k);
       fill(v);
+      wide_channels(k);
       std::vector<float> out[2];
       for (int b = 0; b < 2; ++b) {
         out[b].assign(q.size(), std::nanf(""));
@@ -282,6 +294,9 @@ INSTANTIATE_TEST_SUITE_P(
                       // The paper's compact rows (the KV dtype) next to the default 4-bit ones.
                       Case{"sparcas", Route::kGpu, 0, "vector", false, 16},
                       Case{"sparcas", Route::kGpu, 64, "hash", true, 16},
+                      // Channel smoothing (4-bit rows), without and with the bank.
+                      Case{"sparcas", Route::kGpu, 0, "vector", false, 0, -1, 0, 1},
+                      Case{"sparcas", Route::kGpu, 64, "hash", true, 0, -1, 0, 1},
                       // HiP's masks on the device (its 4-bit scores), with and without the bank.
                       Case{"hip", Route::kGpu, 0, "vector"},
                       Case{"hip", Route::kGpu, 64, "vector", true},
@@ -331,8 +346,82 @@ INSTANTIATE_TEST_SUITE_P(
              (c.bank_slots ? "_" + c.bank_map : "") + (c.device_io ? "_device_io" : "") +
              (c.sparcas_bits ? "_bits" + std::to_string(c.sparcas_bits) : "") +
              (c.lag >= 0 ? "_lag" + std::to_string(c.lag) : "") +
-             (c.dense_bits > 0 ? "_dense" + std::to_string(c.dense_bits) : "");
+             (c.dense_bits > 0 ? "_dense" + std::to_string(c.dense_bits) : "") +
+             (c.smooth ? "_smooth" : "");
     });
+
+
+// SparCas's channel scales belong to a sequence: taken at its first ranked step, and taken anew
+// for the next sequence in its slot (CUDA: zeroed by the selector's Reset, their maxima by
+// atomicMax). Two rounds of two sequences on CUDA and host runtimes, the wide key channel moved
+// between rounds (3 mod 8, then 5 mod 8): the selections agree in both. Scales that kept the
+// first round's maxima would keep channel 3's, choose other dimensions and rows, and differ.
+TEST(CudaSparcasSmooth, ScalesStartOverForTheNextSequenceInASlot) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  std::unique_ptr<Runtime> rt[2];
+  for (int b = 0; b < 2; ++b) {
+    auto r = Runtime::Create(MakeConfig(Case{"sparcas", Route::kGpu, 0, "vector", false, 0, -1, 0, 1},
+                                        b == 0 ? Backend::kCuda : Backend::kHost));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    rt[b] = std::move(r).value();
+  }
+  const auto& m = rt[0]->config().model;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto view = [&](std::vector<float>& x, int64_t rows, int heads) {
+    return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost, {rows, heads, m.head_dim});
+  };
+  for (int round = 0; round < 2; ++round) {
+    const std::vector<SequenceId> seqs = {SequenceId(20 + 2 * round), SequenceId(21 + 2 * round)};
+    const size_t wide = round == 0 ? 3 : 5;
+    auto keys = [&](int64_t rows) {
+      std::vector<float> k(static_cast<size_t>(rows * m.num_kv_heads * m.head_dim));
+      for (size_t i = 0; i < k.size(); ++i) k[i] = nd(rng) * (i % m.head_dim % 8 == wide ? 16.0f : 1.0f);
+      return k;
+    };
+    auto random = [&](int64_t rows, int heads) {
+      std::vector<float> x(static_cast<size_t>(rows * heads * m.head_dim));
+      for (float& e : x) e = nd(rng);
+      return x;
+    };
+    for (auto& r : rt) {
+      for (SequenceId s : seqs) ASSERT_TRUE(r->AddSequence(s).ok());
+    }
+    for (SequenceId s : seqs) {
+      for (int l = 0; l < m.num_layers; ++l) {
+        auto k = keys(300), v = random(300, m.num_kv_heads);
+        for (auto& r : rt) ASSERT_TRUE(r->Append(s, l, view(k, 300, m.num_kv_heads), view(v, 300, m.num_kv_heads)).ok());
+      }
+    }
+    for (int step = 0; step < 8; ++step) {
+      for (int l = 0; l < m.num_layers; ++l) {
+        auto q = random(2, m.num_q_heads), k = keys(2), v = random(2, m.num_kv_heads);
+        std::vector<float> out[2];
+        for (int b = 0; b < 2; ++b) {
+          out[b].assign(q.size(), std::nanf(""));
+          const Status st = rt[b]->Decode(seqs, l, view(q, 2, m.num_q_heads), view(k, 2, m.num_kv_heads),
+                                          view(v, 2, m.num_kv_heads), view(out[b], 2, m.num_q_heads));
+          ASSERT_TRUE(st.ok()) << st.ToString();
+          ASSERT_TRUE(rt[b]->Synchronize().ok());
+        }
+        for (size_t i = 0; i < q.size(); ++i) {
+          ASSERT_NEAR(out[0][i], out[1][i], 1e-4) << "round " << round << " step " << step << " layer " << l;
+        }
+        for (SequenceId s : seqs) {
+          for (int h = 0; h < m.num_kv_heads; ++h) {
+            auto a = rt[0]->LastSelection(s, l, h);
+            auto b = rt[1]->LastSelection(s, l, h);
+            ASSERT_TRUE(a.ok() && b.ok());
+            EXPECT_EQ(a.value(), b.value()) << "round " << round << " step " << step << " layer " << l;
+          }
+        }
+      }
+    }
+    for (auto& r : rt) {
+      for (SequenceId s : seqs) ASSERT_TRUE(r->RemoveSequence(s).ok());
+    }
+  }
+}
 
 
 // The device token bank changes where a selected row is read from, never what is read: a CUDA

@@ -17,10 +17,6 @@ Status SparcasSelector::CheckParams() const {
                     (dp_.sparcas.bits == 16 || (dp_.sparcas.bits == 4 && dp_.sparcas.db % 8 == 0)),
                 "policy '", name_, "': d_b ", dp_.sparcas.db, ", u ", dp_.sparcas.u, ", dense_layers ",
                 dp_.sparcas.dense_layers, ", bits ", dp_.sparcas.bits);
-  // The CUDA kernels (gpu/decode_select.cu) do not apply the channel scales yet.
-  KVF_CHECK_ARG(dp_.sparcas.smooth == 0 || !shape_.cuda, "policy '", name_,
-                "': parameter 'smooth' = 1 runs on the host backend only (the CUDA selection does "
-                "not smooth the channels yet); use smooth=0 or backend host");
   return Status::Ok();
 }
 
@@ -51,6 +47,14 @@ Status SparcasSelector::Bind(std::span<void* const> buffers, Device& device, Str
 }
 
 Status SparcasSelector::Reset(int slot, StreamHandle stream) {
+  if (dp_.sparcas.scales != nullptr) {
+    // The channel scales start at zero: the CUDA selection takes their maxima by atomicMax.
+    const auto [first, count] = ItemsOf(slot);
+    const size_t hd = static_cast<size_t>(shape_.model.head_dim);
+    const std::vector<float> zeros(count * hd);
+    KVF_RETURN_IF_ERROR(device_->CopyAsync(dp_.sparcas.scales + first * hd, zeros.data(),
+                                           zeros.size() * sizeof(float), stream));
+  }
   return ZeroItems(dp_.sparcas.state, slot, stream, /*wait=*/true);
 }
 
