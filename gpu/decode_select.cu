@@ -2324,6 +2324,220 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
                         path != SelectTopKPath::kMultiCtaPerPass, quest ? 0 : stats_parts, stream);
 }
 
+namespace {
+
+// What every scoring's launch sizes its grids by: the items, q's bytes in shared memory, the CTAs
+// an item may take (8 an SM over all items), and the score kernels' gridDim.y (a warp per 8 keys).
+struct SelectGrid {
+  int64_t items = 0;
+  size_t q_smem = 0;
+  int64_t fill = 1;
+  unsigned gy = 1;
+};
+
+SelectGrid SelectGridOf(const DecodeStepArgs& a, const LaunchInfo& info) {
+  SelectGrid g;
+  g.items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
+  g.q_smem = static_cast<size_t>(a.params.group) * a.params.head_dim * sizeof(float);
+  g.fill = std::max<int64_t>(1, int64_t{info.num_sms} * 8 / g.items);
+  const int64_t want = (a.select_ld + kScoreWarps * 8 - 1) / (kScoreWarps * 8);
+  g.gy = static_cast<unsigned>(std::clamp<int64_t>(std::min(want, g.fill), 1, 65535));
+  return g;
+}
+
+// gridDim.y of the kernels with a thread a position over kSparcasThreads-thread CTAs, at most
+// per_sm CTAs an SM over all items (and at most cap).
+unsigned ThreadGridY(const DecodeStepArgs& a, const LaunchInfo& info, const SelectGrid& g, int64_t per_sm,
+                     int64_t cap = 65535) {
+  const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * per_sm / g.items);
+  return static_cast<unsigned>(std::clamp<int64_t>(
+      std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1, cap));
+}
+
+// kQuestPages: the page bounds of the stored pages, the pages' scores, the top-k of the pages.
+Status LaunchQuestSelect(const DecodeStepArgs& a, const LaunchInfo& info, const SelectGrid& g,
+                         cudaStream_t stream) {
+  KVF_CHECK_ARG(a.meta != nullptr && a.meta_pages >= 1, "DecodeSelect: quest without page bounds");
+  KVF_CHECK_ARG(SortCapOf(a) <= kTopKSmemItems, "DecodeSelect: quest budget ", a.budget_cap,
+                " over ", kTopKSmemItems, " pages of ", a.meta_page);
+  const int64_t pages = (a.select_ld + a.meta_page - 1) / a.meta_page;
+  const unsigned gy = static_cast<unsigned>(
+      std::clamp<int64_t>(std::min((pages + kScoreWarps * 4 - 1) / (kScoreWarps * 4), g.fill), 1, 65535));
+  KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
+    return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
+      QuestAppendKernel<T><<<static_cast<unsigned>(g.items), 128, 0, stream>>>(a);
+      KVF_CUDA_CHECK_LAUNCH(QuestAppendKernel);
+      if (a.select_skip_ranking) return Status::Ok();  // the page bounds are current
+      if (g.q_smem > 48 * 1024) {
+        KVF_CUDA_CHECK(cudaFuncSetAttribute(QuestScoreKernel<HD, T>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(g.q_smem)));
+      }
+      QuestScoreKernel<HD, T><<<dim3(static_cast<unsigned>(g.items), gy), kScoreWarps * 32, g.q_smem,
+                                stream>>>(a);
+      KVF_CUDA_CHECK_LAUNCH(QuestScoreKernel);
+      return Status::Ok();
+    });
+  }));
+  if (a.select_skip_ranking) return Status::Ok();
+  KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream));
+  return LaunchPsawFilter(a, stream);
+}
+
+// kHip past its dense layers: SparCas's prep and gather keep the 4-bit rows of every dimension
+// current, and the mask kernel writes the list.
+Status LaunchHipSelect(const DecodeStepArgs& a, const SelectGrid& g, cudaStream_t stream) {
+  DecodeStepArgs s = a;
+  s.scoring = SelectScoring::kSparcas;
+  const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / std::max(a.hip.bk, 1), kHipMaxNodes));
+  KVF_CHECK_ARG(a.meta != nullptr && a.sparcas.state != nullptr && a.sparcas.dims != nullptr &&
+                    a.hip.state != nullptr && a.hip.blocks != nullptr && a.hip.bk >= 1 &&
+                    a.hip.r_m >= 1 && a.sparcas.db == a.params.head_dim &&
+                    a.params.head_dim % 8 == 0 && a.params.head_dim <= 256 &&
+                    SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4 &&
+                    a.budget_cap / a.hip.bk <= std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes) &&
+                    (a.hip.lag == 0 || a.hip.query != nullptr),
+                "DecodeSelect: hip without its 4-bit rows and mask state (or hip.lag without "
+                "hip.query), or a budget_cap of ",
+                a.budget_cap, " at bk ", a.hip.bk, " over ", std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes),
+                " nodes");
+  SparcasPrepKernel<<<static_cast<unsigned>(g.items), 256, 0, stream>>>(s);
+  KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
+  KVF_RETURN_IF_ERROR(DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
+    SparcasGatherKernel<T><<<dim3(static_cast<unsigned>(g.items), g.gy), kScoreWarps * 32, 0, stream>>>(s);
+    KVF_CUDA_CHECK_LAUNCH(SparcasGatherKernel);
+    return Status::Ok();
+  }));
+  const size_t smem = HipMaskSmem(std::max(kn_cap, 1), a.params.group, a.params.head_dim);
+  if (smem > 48 * 1024) {
+    KVF_CUDA_CHECK(cudaFuncSetAttribute(HipMaskKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  }
+  HipMaskKernel<<<static_cast<unsigned>(g.items), kHipThreads, smem, stream>>>(a, std::max(kn_cap, 1));
+  KVF_CUDA_CHECK_LAUNCH(HipMaskKernel);
+  return LaunchPsawFilter(a, stream);
+}
+
+// SparCas's scores of one layer into select_ws, from its compact rows: every dimension at its
+// dense layers, else its chosen d_b (4-bit rows, or the KV dtype: a thread a position for small
+// d_b, a warp a position above). Sets *stats_parts > 0 when the scoring wrote the top-k's
+// statistics.
+template <int HD, typename T>
+Status LaunchSparcasScores(const DecodeStepArgs& a, const LaunchInfo& info, const SelectGrid& g,
+                           cudaStream_t stream, int32_t* stats_parts) {
+  const unsigned items = static_cast<unsigned>(g.items);
+  if (a.layer < a.sparcas.dense_layers) {
+    // Every dimension, as the oracle, but from the compact rows on the device (they hold every
+    // dimension at these layers): at 128K the host store's keys took 5.4 ms a layer over PCIe,
+    // the compact rows are HBM reads.
+    if (a.params.group <= kDenseThreadMaxGroup) {  // the compact rows are 16-byte aligned
+      DenseCompactScoreKernel<HD, T><<<dim3(items, ThreadGridY(a, info, g, 16)), kSparcasThreads, g.q_smem,
+                                       stream>>>(a);
+      KVF_CUDA_CHECK_LAUNCH(DenseCompactScoreKernel);
+      return Status::Ok();
+    }
+    if (g.q_smem > 48 * 1024) {
+      KVF_CUDA_CHECK(cudaFuncSetAttribute(SelectScoreKernel<HD, T, true>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(g.q_smem)));
+    }
+    SelectScoreKernel<HD, T, true><<<dim3(items, g.gy), kScoreWarps * 32, g.q_smem, stream>>>(a);
+    KVF_CUDA_CHECK_LAUNCH(SelectScoreKernel);
+    return Status::Ok();
+  }
+  const int d_b = SparcasDimsOf(a.layer, a.sparcas.dense_layers, a.sparcas.db, HD);
+  if (SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4) {
+    KVF_CHECK_ARG(d_b % 8 == 0, "DecodeSelect: sparcas 4-bit rows need d_b % 8 == 0, not ", d_b);
+    // 16 CTAs an SM over all items: each CTA first quantizes and packs the query, so fewer CTAs
+    // with more rows a thread amortize that.
+    const unsigned ty = ThreadGridY(a, info, g, 16, kSelectMctaStatsSlots);
+    // Each CTA's softmax statistics into the multi-CTA scratch, so that the top-k skips its
+    // statistics pass (a read of every logit): off. Measured through the Runtime (H200,
+    // sparcas_bank 128K) it cost 3.6% at batch 1 (4.14 vs 3.99 ms a token step: the exp2 work in
+    // the scoring, 264 partials a head to merge) and gained 0.9% at batch 4 (9.47 vs 9.56).
+    constexpr bool fold = false;
+    if (fold && a.select_mcta_ws != nullptr && a.params.group <= kSparcasQ4Heads) {
+      *stats_parts = static_cast<int32_t>(ty);
+    }
+    // q as given, its packed codes (an int2 a word), each head's step and 8 x code sum
+    const size_t qs_db = static_cast<size_t>(a.params.group) *
+                         (d_b * sizeof(float) + SparcasQ4Words(d_b) * sizeof(int2) + 8);
+    const auto kernel = a.params.group <= 4 ? SparcasScoreQ4Kernel<4> : SparcasScoreQ4Kernel<kSparcasQ4Heads>;
+    if (qs_db > 48 * 1024) {
+      KVF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(qs_db)));
+    }
+    kernel<<<dim3(items, ty), kSparcasThreads, qs_db, stream>>>(a, *stats_parts > 0 ? 1 : 0);
+    KVF_CUDA_CHECK_LAUNCH(SparcasScoreQ4Kernel);
+    return Status::Ok();
+  }
+  if (d_b <= kSparcasThreadMaxDb) {  // what the prep kernel sets for every ranked item
+    const size_t qs_db = static_cast<size_t>(a.params.group) * d_b * sizeof(float);
+    SparcasScoreThreadKernel<T><<<dim3(items, ThreadGridY(a, info, g, 16)), kSparcasThreads, qs_db,
+                                  stream>>>(a);
+    KVF_CUDA_CHECK_LAUNCH(SparcasScoreThreadKernel);
+    return Status::Ok();
+  }
+  const size_t qs = static_cast<size_t>(a.params.group) * HD * sizeof(float);
+  SparcasScoreKernel<T><<<dim3(items, g.gy), kScoreWarps * 32, qs, stream>>>(a);
+  KVF_CUDA_CHECK_LAUNCH(SparcasScoreKernel);
+  return Status::Ok();
+}
+
+// kSparcas: with smoothing the channel scales at an item's first ranked step, then the prep
+// (dimensions, what to gather), the gather of the compact rows, the scores and the top-k.
+Status LaunchSparcasSelect(const DecodeStepArgs& a, const LaunchInfo& info, const SelectGrid& g,
+                           cudaStream_t stream) {
+  KVF_CHECK_ARG(a.meta != nullptr && a.sparcas.state != nullptr && a.sparcas.dims != nullptr &&
+                    a.params.head_dim <= 256,
+                "DecodeSelect: sparcas without its compact keys or state");
+  const unsigned items = static_cast<unsigned>(g.items);
+  if (a.sparcas.smooth != 0 && SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4) {
+    KVF_CHECK_ARG(a.sparcas.scales != nullptr, "DecodeSelect: sparcas smooth without its channel scales");
+    KVF_RETURN_IF_ERROR(DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
+      SparcasScalesKernel<T><<<dim3(items, g.gy), kScoreWarps * 32, 0, stream>>>(a);
+      KVF_CUDA_CHECK_LAUNCH(SparcasScalesKernel);
+      return Status::Ok();
+    }));
+  }
+  SparcasPrepKernel<<<items, 256, 0, stream>>>(a);
+  KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
+  int32_t stats_parts = 0;  // > 0: the scoring wrote the top-k's statistics
+  KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
+    return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
+      SparcasGatherKernel<T><<<dim3(items, g.gy), kScoreWarps * 32, 0, stream>>>(a);
+      KVF_CUDA_CHECK_LAUNCH(SparcasGatherKernel);
+      if (a.select_skip_ranking) return Status::Ok();  // the dimensions and rows are current
+      return LaunchSparcasScores<HD, T>(a, info, g, stream, &stats_parts);
+    });
+  }));
+  if (a.select_skip_ranking) return Status::Ok();
+  KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream, stats_parts));
+  return LaunchPsawFilter(a, stream);
+}
+
+// kExactTopK: every key's score from the host store and the resident tier, then the top-k.
+Status LaunchExactSelect(const DecodeStepArgs& a, const LaunchInfo& info, const SelectGrid& g,
+                         cudaStream_t stream) {
+  KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
+    return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
+      if (g.q_smem > 48 * 1024) {
+        KVF_CUDA_CHECK(cudaFuncSetAttribute(
+            SelectScoreKernel<HD, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+            static_cast<int>(g.q_smem)));
+      }
+      SelectScoreKernel<HD, T><<<dim3(static_cast<unsigned>(g.items), g.gy), kScoreWarps * 32, g.q_smem,
+                                 stream>>>(a);
+      KVF_CUDA_CHECK_LAUNCH(SelectScoreKernel);
+      return Status::Ok();
+    });
+  }));
+  KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream));
+  return LaunchPsawFilter(a, stream);
+}
+
+}  // namespace
+
 Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
   if (a.batch == 0 || a.scoring == SelectScoring::kNone) return Status::Ok();
   KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
@@ -2336,187 +2550,21 @@ Status LaunchDecodeSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaS
                     a.scoring == SelectScoring::kQuestPages || a.scoring == SelectScoring::kSparcas,
                 "DecodeSelect: select_skip_ranking with scoring ", static_cast<int>(a.scoring));
   if (a.select_skip_ranking && a.scoring == SelectScoring::kExactTopK) return Status::Ok();  // no metadata
-  const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
-  const size_t q_smem = static_cast<size_t>(a.params.group) * a.params.head_dim * sizeof(float);
-  const int64_t fill = std::max<int64_t>(1, int64_t{info.num_sms} * 8 / items);
-  if (a.scoring == SelectScoring::kQuestPages) {
-    KVF_CHECK_ARG(a.meta != nullptr && a.meta_pages >= 1, "DecodeSelect: quest without page bounds");
-    KVF_CHECK_ARG(SortCapOf(a) <= kTopKSmemItems, "DecodeSelect: quest budget ", a.budget_cap,
-                  " over ", kTopKSmemItems, " pages of ", a.meta_page);
-    const int64_t pages = (a.select_ld + a.meta_page - 1) / a.meta_page;
-    const unsigned gy = static_cast<unsigned>(
-        std::clamp<int64_t>(std::min((pages + kScoreWarps * 4 - 1) / (kScoreWarps * 4), fill), 1, 65535));
-    KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
-      return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
-        QuestAppendKernel<T><<<static_cast<unsigned>(items), 128, 0, stream>>>(a);
-        KVF_CUDA_CHECK_LAUNCH(QuestAppendKernel);
-        if (a.select_skip_ranking) return Status::Ok();  // the page bounds are current
-        if (q_smem > 48 * 1024) {
-          KVF_CUDA_CHECK(cudaFuncSetAttribute(QuestScoreKernel<HD, T>,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              static_cast<int>(q_smem)));
-        }
-        QuestScoreKernel<HD, T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, q_smem,
-                                  stream>>>(a);
-        KVF_CUDA_CHECK_LAUNCH(QuestScoreKernel);
-        return Status::Ok();
-      });
-    }));
-    if (a.select_skip_ranking) return Status::Ok();
-    KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream));
-    return LaunchPsawFilter(a, stream);
-  }
+  const SelectGrid g = SelectGridOf(a, info);
+  if (a.scoring == SelectScoring::kQuestPages) return LaunchQuestSelect(a, info, g, stream);
   KVF_CHECK_ARG(SortCapOf(a) <= kTopKSmemItems || a.topk_ws != nullptr,
                 "DecodeSelect: budget_cap ", a.budget_cap, " needs a top-k workspace");
-  const int64_t want = (a.select_ld + kScoreWarps * 8 - 1) / (kScoreWarps * 8);
-  const unsigned gy = static_cast<unsigned>(std::clamp<int64_t>(std::min(want, fill), 1, 65535));
   if (a.scoring == SelectScoring::kHip) {
-    // SparCas's machinery with every dimension: its exact path at the dense layers; past them
-    // its prep and gather keep the 4-bit rows current, and the mask kernel writes the list.
-    DecodeStepArgs s = a;
-    s.scoring = SelectScoring::kSparcas;
-    if (a.layer < HipDenseOf(a)) return LaunchDecodeSelect(s, info, stream);
-    const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / std::max(a.hip.bk, 1), kHipMaxNodes));
-    KVF_CHECK_ARG(a.meta != nullptr && a.sparcas.state != nullptr && a.sparcas.dims != nullptr &&
-                      a.hip.state != nullptr && a.hip.blocks != nullptr && a.hip.bk >= 1 &&
-                      a.hip.r_m >= 1 && a.sparcas.db == a.params.head_dim &&
-                      a.params.head_dim % 8 == 0 && a.params.head_dim <= 256 &&
-                      SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4 &&
-                      a.budget_cap / a.hip.bk <= std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes) &&
-                      (a.hip.lag == 0 || a.hip.query != nullptr),
-                  "DecodeSelect: hip without its 4-bit rows and mask state (or hip.lag without "
-                  "hip.query), or a budget_cap of ",
-                  a.budget_cap, " at bk ", a.hip.bk, " over ", std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes),
-                  " nodes");
-    SparcasPrepKernel<<<static_cast<unsigned>(items), 256, 0, stream>>>(s);
-    KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
-    KVF_RETURN_IF_ERROR(DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
-      SparcasGatherKernel<T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, 0, stream>>>(s);
-      KVF_CUDA_CHECK_LAUNCH(SparcasGatherKernel);
-      return Status::Ok();
-    }));
-    const size_t smem = HipMaskSmem(std::max(kn_cap, 1), a.params.group, a.params.head_dim);
-    if (smem > 48 * 1024) {
-      KVF_CUDA_CHECK(cudaFuncSetAttribute(HipMaskKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
+    // SparCas's machinery with every dimension: its exact path at the dense layers.
+    if (a.layer < HipDenseOf(a)) {
+      DecodeStepArgs s = a;
+      s.scoring = SelectScoring::kSparcas;
+      return LaunchDecodeSelect(s, info, stream);
     }
-    HipMaskKernel<<<static_cast<unsigned>(items), kHipThreads, smem, stream>>>(a, std::max(kn_cap, 1));
-    KVF_CUDA_CHECK_LAUNCH(HipMaskKernel);
-    return LaunchPsawFilter(a, stream);
+    return LaunchHipSelect(a, g, stream);
   }
-  if (a.scoring == SelectScoring::kSparcas) {
-    KVF_CHECK_ARG(a.meta != nullptr && a.sparcas.state != nullptr && a.sparcas.dims != nullptr &&
-                      a.params.head_dim <= 256,
-                  "DecodeSelect: sparcas without its compact keys or state");
-    if (a.sparcas.smooth != 0 && SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4) {
-      KVF_CHECK_ARG(a.sparcas.scales != nullptr, "DecodeSelect: sparcas smooth without its channel scales");
-      KVF_RETURN_IF_ERROR(DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
-        SparcasScalesKernel<T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, 0, stream>>>(a);
-        KVF_CUDA_CHECK_LAUNCH(SparcasScalesKernel);
-        return Status::Ok();
-      }));
-    }
-    SparcasPrepKernel<<<static_cast<unsigned>(items), 256, 0, stream>>>(a);
-    KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
-    const bool dense_layer = a.layer < a.sparcas.dense_layers;
-    int32_t stats_parts = 0;  // > 0: the scoring wrote the top-k's statistics
-    KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
-      return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
-        SparcasGatherKernel<T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, 0,
-                                 stream>>>(a);
-        KVF_CUDA_CHECK_LAUNCH(SparcasGatherKernel);
-        if (a.select_skip_ranking) return Status::Ok();  // the dimensions and rows are current
-        if (dense_layer) {
-          // Every dimension, as the oracle, but from the compact rows on the device (they hold
-          // every dimension at these layers): at 128K the host store's keys took 5.4 ms a layer
-          // over PCIe, the compact rows are HBM reads.
-          if (a.params.group <= kDenseThreadMaxGroup) {  // the compact rows are 16-byte aligned
-            const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * 16 / items);
-            const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(
-                std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1, 65535));
-            DenseCompactScoreKernel<HD, T><<<dim3(static_cast<unsigned>(items), ty), kSparcasThreads,
-                                             q_smem, stream>>>(a);
-            KVF_CUDA_CHECK_LAUNCH(DenseCompactScoreKernel);
-            return Status::Ok();
-          }
-          if (q_smem > 48 * 1024) {
-            KVF_CUDA_CHECK(cudaFuncSetAttribute(SelectScoreKernel<HD, T, true>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(q_smem)));
-          }
-          SelectScoreKernel<HD, T, true><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32,
-                                           q_smem, stream>>>(a);
-          KVF_CUDA_CHECK_LAUNCH(SelectScoreKernel);
-          return Status::Ok();
-        }
-        const size_t qs = static_cast<size_t>(a.params.group) * HD * sizeof(float);
-        const int d_b = SparcasDimsOf(a.layer, a.sparcas.dense_layers, a.sparcas.db, HD);
-        if (SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4) {
-          KVF_CHECK_ARG(d_b % 8 == 0, "DecodeSelect: sparcas 4-bit rows need d_b % 8 == 0, not ", d_b);
-          // 16 CTAs an SM over all items: each CTA first quantizes and packs the query, so fewer
-          // CTAs with more rows a thread amortize that.
-          constexpr int64_t q4_per_sm = 16;
-          const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * q4_per_sm / items);
-          const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(
-              std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1,
-              kSelectMctaStatsSlots));
-          // Each CTA's softmax statistics into the multi-CTA scratch, so that the top-k skips its
-          // statistics pass (a read of every logit): off. Measured through the Runtime (stop 24,
-          // H200, sparcas_bank 128K) it cost 3.6% at batch 1 (4.14 vs 3.99 ms a token step: the
-          // exp2 work in the scoring, 264 partials a head to merge) and gained 0.9% at batch 4
-          // (9.47 vs 9.56).
-          constexpr bool fold = false;
-          if (fold && a.select_mcta_ws != nullptr && a.params.group <= kSparcasQ4Heads) {
-            stats_parts = static_cast<int32_t>(ty);
-          }
-          // q as given, its packed codes (an int2 a word), each head's step and 8 x code sum
-          const size_t qs_db = static_cast<size_t>(a.params.group) *
-                               (d_b * sizeof(float) + SparcasQ4Words(d_b) * sizeof(int2) + 8);
-          const auto kernel = a.params.group <= 4 ? SparcasScoreQ4Kernel<4> : SparcasScoreQ4Kernel<kSparcasQ4Heads>;
-          if (qs_db > 48 * 1024) {
-            KVF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(qs_db)));
-          }
-          kernel<<<dim3(static_cast<unsigned>(items), ty), kSparcasThreads, qs_db, stream>>>(
-              a, stats_parts > 0 ? 1 : 0);
-          KVF_CUDA_CHECK_LAUNCH(SparcasScoreQ4Kernel);
-          return Status::Ok();
-        }
-        if (d_b <= kSparcasThreadMaxDb) {  // what the prep kernel sets for every ranked item
-          const int64_t per_item = std::max<int64_t>(1, int64_t{info.num_sms} * 16 / items);
-          const unsigned ty = static_cast<unsigned>(std::clamp<int64_t>(
-              std::min((a.select_ld + kSparcasThreads - 1) / kSparcasThreads, per_item), 1, 65535));
-          const size_t qs_db = static_cast<size_t>(a.params.group) * d_b * sizeof(float);
-          SparcasScoreThreadKernel<T><<<dim3(static_cast<unsigned>(items), ty), kSparcasThreads,
-                                        qs_db, stream>>>(a);
-          KVF_CUDA_CHECK_LAUNCH(SparcasScoreThreadKernel);
-          return Status::Ok();
-        }
-        SparcasScoreKernel<T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, qs,
-                                stream>>>(a);
-        KVF_CUDA_CHECK_LAUNCH(SparcasScoreKernel);
-        return Status::Ok();
-      });
-    }));
-    if (a.select_skip_ranking) return Status::Ok();
-    KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream, stats_parts));
-    return LaunchPsawFilter(a, stream);
-  }
-  KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
-    return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
-      if (q_smem > 48 * 1024) {
-        KVF_CUDA_CHECK(cudaFuncSetAttribute(
-            SelectScoreKernel<HD, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-            static_cast<int>(q_smem)));
-      }
-      SelectScoreKernel<HD, T><<<dim3(static_cast<unsigned>(items), gy), kScoreWarps * 32, q_smem,
-                                 stream>>>(a);
-      KVF_CUDA_CHECK_LAUNCH(SelectScoreKernel);
-      return Status::Ok();
-    });
-  }));
-  KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream));
-  return LaunchPsawFilter(a, stream);
+  if (a.scoring == SelectScoring::kSparcas) return LaunchSparcasSelect(a, info, g, stream);
+  return LaunchExactSelect(a, info, g, stream);
 }
 
 Status LaunchDecodeSelectDeferred(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
