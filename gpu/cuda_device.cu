@@ -394,6 +394,48 @@ Status CudaDevice::EnqueuePageCopies(void** dst, const void** src, size_t* bytes
   return Status::Ok();
 }
 
+// The items of one prefill launch (a KV head each): the chunk's queries from q, the staged KV
+// pages from page0 on, the output to out (final_out) or to the running (o_acc, lse_acc), merged
+// with them first (merge).
+struct PrefillItemsOf {
+  const PrefillChunkArgs& a;
+  const void* q;
+  int64_t staging_pages;
+  int page_shift;
+  void operator()(PrefillAttnItem* its, int64_t page0, int64_t q_pos0, int64_t kv_limit, bool merge,
+                  bool final_out) const {
+    const PrefillStageArgs& st = a.stage;
+    const int64_t pt = st.store.page_tokens, d = st.head_dim, group = a.params.group, tokens = st.tokens;
+    const size_t elem = DTypeSize(st.kv_dtype), out_elem = DTypeSize(a.out_dtype);
+    const int64_t page_elems = 2 * pt * d;  // one staging page: K rows then V rows
+    for (int h = 0; h < st.num_kv_heads; ++h) {
+      PrefillAttnItem& it = its[h];
+      it = PrefillAttnItem{};
+      it.q = static_cast<const char*>(q) + static_cast<size_t>(h * group * d) * elem;
+      it.q_stride_tok = a.num_q_heads * d;
+      if (final_out) {
+        it.o = static_cast<char*>(a.out) + static_cast<size_t>(h * group * d) * out_elem;
+      } else {
+        it.o = a.o_acc + h * group * d;
+        it.lse = a.lse_acc + h * tokens * group;
+      }
+      const char* base =
+          st.staging + static_cast<size_t>((h * staging_pages + page0) * page_elems) * elem;
+      it.k = base;
+      it.v = base + static_cast<size_t>(pt * d) * elem;
+      it.kv_stride = d;
+      it.kv_page_shift = page_shift;
+      it.num_q = static_cast<int32_t>(tokens);
+      it.q_pos0 = q_pos0;
+      it.kv_limit = kv_limit;
+      if (merge) {
+        it.o_in = a.o_acc + h * group * d;
+        it.lse_in = a.lse_acc + h * tokens * group;
+      }
+    }
+  }
+};
+
 Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) {
   KVF_RETURN_IF_ERROR(Activate());
   const cudaStream_t s = Resolve(stream);
@@ -405,8 +447,8 @@ Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) 
   int page_shift = 0;
   while ((int64_t{1} << page_shift) < pt) ++page_shift;
   const int hkv = st.num_kv_heads;
-  const int64_t hq = a.num_q_heads, d = st.head_dim, group = a.params.group, tokens = st.tokens;
-  const size_t elem = DTypeSize(st.kv_dtype), out_elem = DTypeSize(a.out_dtype);
+  const int64_t hq = a.num_q_heads, d = st.head_dim, tokens = st.tokens;
+  const size_t elem = DTypeSize(st.kv_dtype);
   const int64_t staging_pages = st.staging_cap / pt;
   const int64_t page_elems = 2 * pt * d;  // one staging page: K rows then V rows
   auto* items = static_cast<PrefillAttnItem*>(a.items);
@@ -495,22 +537,7 @@ Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) 
     auto** wdst = static_cast<void**>(a.write_scratch);
     auto** wsrc = const_cast<const void**>(wdst + wcap);
     auto* wbytes = reinterpret_cast<size_t*>(wdst + 2 * wcap);
-    const size_t row_b = static_cast<size_t>(d) * elem;
-    int64_t n = 0;
-    for (int h = 0; h < hkv; ++h) {
-      for (int64_t p = st.pos0 / pt; p * pt < st.new_len; ++p) {
-        const int64_t r0 = std::max(st.pos0, p * pt) - p * pt;
-        const int64_t r1 = std::min(st.new_len, (p + 1) * pt) - p * pt;
-        char* host = static_cast<char*>(a.host_pages[h * st.store.max_pages + p]);
-        const char* dev = st.staging + static_cast<size_t>((h * staging_pages + p) * 2 * pt) * row_b;
-        for (int kv = 0; kv < 2; ++kv) {  // the page's K rows, then its V rows
-          wdst[n] = host + static_cast<size_t>(kv * pt + r0) * row_b;
-          wsrc[n] = dev + static_cast<size_t>(kv * pt + r0) * row_b;
-          wbytes[n] = static_cast<size_t>(r1 - r0) * row_b;
-          ++n;
-        }
-      }
-    }
+    const int64_t n = ListWriteThroughCopies(st, a.host_pages, staging_pages, wdst, wsrc, wbytes);
     KVF_RETURN_IF_ERROR(fail_all(EnqueuePageCopies(wdst, wsrc, wbytes, n, wstream)));
     const cudaError_t err = cudaEventRecord(static_cast<cudaEvent_t>(a.write_done), wstream);
     if (err != cudaSuccess) return fail_all(CudaStatus(err, "cudaEventRecord(write_done)", __FILE__, __LINE__));
@@ -529,34 +556,7 @@ Status CudaDevice::PrefillChunk(const PrefillChunkArgs& a, StreamHandle stream) 
   // overlapped), from staging page first_page on. Launch 1 + j: segment j, merged into the
   // running (o_acc, lse_acc) in place; the last one writes out.
   const int64_t first_page = num_segs > 0 ? history_pages : 0;
-  auto fill = [&](PrefillAttnItem* its, int64_t page0, int64_t q_pos0, int64_t kv_limit, bool merge,
-                  bool final_out) {
-    for (int h = 0; h < hkv; ++h) {
-      PrefillAttnItem& it = its[h];
-      it = PrefillAttnItem{};
-      it.q = static_cast<const char*>(q) + static_cast<size_t>(h * group * d) * elem;
-      it.q_stride_tok = hq * d;
-      if (final_out) {
-        it.o = static_cast<char*>(a.out) + static_cast<size_t>(h * group * d) * out_elem;
-      } else {
-        it.o = a.o_acc + h * group * d;
-        it.lse = a.lse_acc + h * tokens * group;
-      }
-      const char* base =
-          st.staging + static_cast<size_t>((h * staging_pages + page0) * page_elems) * elem;
-      it.k = base;
-      it.v = base + static_cast<size_t>(pt * d) * elem;
-      it.kv_stride = d;
-      it.kv_page_shift = page_shift;
-      it.num_q = static_cast<int32_t>(tokens);
-      it.q_pos0 = q_pos0;
-      it.kv_limit = kv_limit;
-      if (merge) {
-        it.o_in = a.o_acc + h * group * d;
-        it.lse_in = a.lse_acc + h * tokens * group;
-      }
-    }
-  };
+  const PrefillItemsOf fill{a, q, staging_pages, page_shift};
   fill(items, first_page, st.pos0 - first_page * pt, 0, false, num_segs == 0);
   KVF_RETURN_IF_ERROR(
       fail_all(LaunchPrefillAttention(a.params, st.kv_dtype, num_segs == 0 ? a.out_dtype : DType::kF32,

@@ -130,6 +130,13 @@ int64_t ListPageCopies(void* const* host_pages, int64_t max_pages, int num_kv_he
                        int64_t page_begin, int64_t page_end, char* staging, int64_t staging_pages,
                        int64_t page_bytes, void** dst, const void** src, size_t* bytes);
 
+/// The write-through of a staged chunk: for every head and every page the chunk's rows
+/// [a.pos0, a.new_len) touch, two copies (the page's K rows, then its V rows) from the staging
+/// (the layout above) to the host store's page (host_pages[h * max_pages + p]). Writes at most
+/// 2 * num_kv_heads * max_pages entries to dst, src and bytes; returns the count.
+int64_t ListWriteThroughCopies(const PrefillStageArgs& a, void* const* host_pages, int64_t staging_pages,
+                               void** dst, const void** src, size_t* bytes);
+
 /// dst[i] <- convert(src[i]) for n elements.
 Status LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n,
                      cudaStream_t stream);

@@ -158,6 +158,28 @@ int64_t ListPageCopies(void* const* host_pages, int64_t max_pages, int num_kv_he
   return n;
 }
 
+int64_t ListWriteThroughCopies(const PrefillStageArgs& a, void* const* host_pages, int64_t staging_pages,
+                               void** dst, const void** src, size_t* bytes) {
+  const int64_t pt = a.store.page_tokens;
+  const size_t row_b = static_cast<size_t>(a.head_dim) * DTypeSize(a.kv_dtype);
+  int64_t n = 0;
+  for (int h = 0; h < a.num_kv_heads; ++h) {
+    for (int64_t p = a.pos0 / pt; p * pt < a.new_len; ++p) {
+      const int64_t r0 = std::max(a.pos0, p * pt) - p * pt;
+      const int64_t r1 = std::min(a.new_len, (p + 1) * pt) - p * pt;
+      char* host = static_cast<char*>(host_pages[h * a.store.max_pages + p]);
+      const char* dev = a.staging + static_cast<size_t>((h * staging_pages + p) * 2 * pt) * row_b;
+      for (int kv = 0; kv < 2; ++kv) {  // the page's K rows, then its V rows
+        dst[n] = host + static_cast<size_t>(kv * pt + r0) * row_b;
+        src[n] = dev + static_cast<size_t>(kv * pt + r0) * row_b;
+        bytes[n] = static_cast<size_t>(r1 - r0) * row_b;
+        ++n;
+      }
+    }
+  }
+  return n;
+}
+
 Status LaunchPrefillStage(const PrefillStageArgs& a, cudaStream_t stream) {
   KVF_CHECK_ARG(a.head_dim % 8 == 0 && a.tokens >= 0 && a.pos0 >= 0 && a.history_begin >= 0 &&
                     a.history_begin <= a.pos0,
