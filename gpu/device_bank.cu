@@ -113,35 +113,9 @@ __device__ int BlockScan(int v, int* total, int* smem) {
   return off + x - v;
 }
 
-__global__ void __launch_bounds__(kThreads) AdmitKernel(AdmitArgs a) {
-  __shared__ int32_t keys[DeviceBank::kMaxAdmit], vals[DeviceBank::kMaxAdmit];
-  __shared__ int32_t new_pos[DeviceBank::kMaxAdmit], new_row[DeviceBank::kMaxAdmit];
-  __shared__ int32_t victims[DeviceBank::kMaxAdmit];
-  __shared__ int scan_smem[kWarps];
-  __shared__ int sh_stop, sh_admitted, sh_evicted, sh_used_delta, sh_tomb_delta;
-  const BankAdmitItem it = a.items[blockIdx.x];
-  const int tid = threadIdx.x;
-  const int32_t S = a.slots;
-  const size_t t = static_cast<size_t>(it.table);
-  int32_t* spos = a.slot_pos + t * S;
-  uint8_t* cnt = a.count + t * S;
-  uint32_t* refs = a.refs + t * a.ref_words;
-  uint16_t* vmap = a.vmap != nullptr ? a.vmap + t * a.max_positions : nullptr;
-  unsigned long long* hmap = a.hmap != nullptr ? a.hmap + (t << a.hash_log2) : nullptr;
-  DeviceBank::TableState* ts = a.state + t;
-  const int reported = max(it.miss_list[0], 0);
-  const int n = min(min(reported, it.miss_cap), DeviceBank::kMaxAdmit);
-  const bool compact = it.stage_first != nullptr;
-  const int64_t stage_base = compact ? *it.stage_first : 0;
-  if (tid == 0) {
-    sh_admitted = 0;
-    sh_evicted = 0;
-    sh_used_delta = 0;
-    sh_tomb_delta = 0;
-  }
-
-  // 1. Reference bits -> counts.
-  for (int64_t w = tid; w < a.ref_words; w += kThreads) {
+// Step 1: the reference bits of the step folded into the CLOCK counts (saturating), cleared.
+__device__ void CountReferences(uint32_t* refs, int64_t ref_words, uint8_t* cnt, int32_t S) {
+  for (int64_t w = threadIdx.x; w < ref_words; w += kThreads) {
     uint32_t bits = refs[w];
     if (bits == 0) continue;
     refs[w] = 0;
@@ -152,8 +126,16 @@ __global__ void __launch_bounds__(kThreads) AdmitKernel(AdmitArgs a) {
       if (s < S && cnt[s] < kMaxCount) cnt[s] = static_cast<uint8_t>(cnt[s] + 1);
     }
   }
+}
 
-  // 2. Sort the misses by position (pad to a power of two with INT_MAX).
+// Step 2: the item's n misses sorted by position (a bitonic sort padded to a power of two with
+// INT_MAX, in keys and vals), then the first of each position, in range and not mapped yet,
+// compacted in order into new_pos and new_row (where the row is staged), at most max_admit;
+// returns how many (every thread).
+__device__ int NewMissesByPosition(const AdmitArgs& a, const BankAdmitItem& it, int n, bool compact,
+                                   const uint16_t* vmap, const unsigned long long* hmap, int32_t* keys,
+                                   int32_t* vals, int32_t* new_pos, int32_t* new_row, int* scan_smem) {
+  const int tid = threadIdx.x;
   int p2 = 1;
   while (p2 < n) p2 <<= 1;
   for (int j = tid; j < p2; j += kThreads) {
@@ -186,7 +168,6 @@ __global__ void __launch_bounds__(kThreads) AdmitKernel(AdmitArgs a) {
       __syncthreads();
     }
   }
-  // First of each position, in range, not mapped yet; compacted in order, at most max_admit.
   int m = 0;
   for (int base = 0; base < p2; base += kThreads) {
     const int j = base + tid;
@@ -206,9 +187,15 @@ __global__ void __launch_bounds__(kThreads) AdmitKernel(AdmitArgs a) {
     }
     m = min(m + total, a.max_admit);
   }
-  m = min(m, S);
+  return m;
+}
 
-  // 3. CLOCK victims.
+// Step 3: up to m CLOCK victims of the table from its hand on (count 0: taken and marked
+// kChosen; passed over: count - 1), into victims[0, found); returns found (every thread) and
+// moves the hand. sh_stop: one int of shared memory.
+__device__ int ClockVictims(DeviceBank::TableState* ts, uint8_t* cnt, int32_t S, int m, int32_t* victims,
+                            int* scan_smem, int* sh_stop) {
+  const int tid = threadIdx.x;
   const int B = min(kThreads, S);
   int32_t hand = ts->hand;
   int found = 0;
@@ -221,11 +208,11 @@ __global__ void __launch_bounds__(kThreads) AdmitKernel(AdmitArgs a) {
     int total = 0;
     const int rank = BlockScan(cand ? 1 : 0, &total, scan_smem);
     const int need = m - found;
-    if (tid == 0) sh_stop = B - 1;
+    if (tid == 0) (*sh_stop) = B - 1;
     __syncthreads();
-    if (cand && rank == need - 1) sh_stop = tid;
+    if (cand && rank == need - 1) (*sh_stop) = tid;
     __syncthreads();
-    const int stop = sh_stop;
+    const int stop = (*sh_stop);
     if (cand && rank < need) {
       victims[found + rank] = s;
       cnt[s] = kChosen;  // step 4 sets its count
@@ -238,6 +225,44 @@ __global__ void __launch_bounds__(kThreads) AdmitKernel(AdmitArgs a) {
     __syncthreads();
   }
   if (tid == 0) ts->hand = hand;
+  return found;
+}
+
+__global__ void __launch_bounds__(kThreads) AdmitKernel(AdmitArgs a) {
+  __shared__ int32_t keys[DeviceBank::kMaxAdmit], vals[DeviceBank::kMaxAdmit];
+  __shared__ int32_t new_pos[DeviceBank::kMaxAdmit], new_row[DeviceBank::kMaxAdmit];
+  __shared__ int32_t victims[DeviceBank::kMaxAdmit];
+  __shared__ int scan_smem[kWarps];
+  __shared__ int sh_stop, sh_admitted, sh_evicted, sh_used_delta, sh_tomb_delta;
+  const BankAdmitItem it = a.items[blockIdx.x];
+  const int tid = threadIdx.x;
+  const int32_t S = a.slots;
+  const size_t t = static_cast<size_t>(it.table);
+  int32_t* spos = a.slot_pos + t * S;
+  uint8_t* cnt = a.count + t * S;
+  uint32_t* refs = a.refs + t * a.ref_words;
+  uint16_t* vmap = a.vmap != nullptr ? a.vmap + t * a.max_positions : nullptr;
+  unsigned long long* hmap = a.hmap != nullptr ? a.hmap + (t << a.hash_log2) : nullptr;
+  DeviceBank::TableState* ts = a.state + t;
+  const int reported = max(it.miss_list[0], 0);
+  const int n = min(min(reported, it.miss_cap), DeviceBank::kMaxAdmit);
+  const bool compact = it.stage_first != nullptr;
+  const int64_t stage_base = compact ? *it.stage_first : 0;
+  if (tid == 0) {
+    sh_admitted = 0;
+    sh_evicted = 0;
+    sh_used_delta = 0;
+    sh_tomb_delta = 0;
+  }
+
+  CountReferences(refs, a.ref_words, cnt, S);  // 1.
+  // 2. The new misses by position, at most max_admit (and S).
+  const int m = min(NewMissesByPosition(a, it, n, compact, vmap, hmap, keys, vals, new_pos, new_row,
+                                        scan_smem),
+                    static_cast<int>(S));
+  // 3. CLOCK victims.
+  const int found = ClockVictims(ts, cnt, S, m, victims, scan_smem, &sh_stop);
+
 
   // 4. Unmap the victims' old rows, then map the new ones.
   int tomb_local = 0;
