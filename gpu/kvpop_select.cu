@@ -198,11 +198,86 @@ __global__ void __launch_bounds__(kKvpopScoreThreads) KvpopScoreKernel(DecodeSte
   }
 }
 
+// The k best of an item's slots [0, count) and its m newcomers [lo, lo + m) (their priorities
+// into select_ws first, unless KvpopScoreKernel wrote them): the k-th largest priority by a radix
+// select, 8 bits at a time, then every candidate above it and its first ties, compacted in order
+// into the slots. Returns how many it kept (every thread).
+template <typename T>
+__device__ int64_t KvpopKeepBest(const DecodeStepArgs& a, const KvpopItem& it, int32_t item, int64_t k,
+                                 int32_t* pos, float* prio, KvpopShared& sh) {
+  using Scan = cub::BlockScan<int32_t, kKvpopThreads>;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t n = it.n, t = it.t, lo = it.lo, m = it.m, count = it.st.count;
+  const float* block = it.block;
+  float* ws = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
+  if (a.kvpop.catchup == 0 || m <= 1) {  // else KvpopScoreKernel wrote them
+    for (int64_t j = warp; j < m; j += kKvpopWarps) {
+      const float p = KvpopWarpPriority<T>(a, block, t, lo + j, n, sh.x[warp]);
+      if (lane == 0) ws[j] = p;
+    }
+  }
+  __syncthreads();
+  const int64_t total = count + m;
+  const auto prio_of = [&](int64_t i) { return i < count ? prio[i] : ws[i - count]; };
+  // The k-th largest key, 8 bits at a time, and how many of its ties are taken.
+  uint32_t prefix = 0, mask = 0;
+  int32_t want = static_cast<int32_t>(k);
+  for (int shift = 24; shift >= 0 && k > 0; shift -= 8) {
+    for (int i = tid; i < 256; i += kKvpopThreads) sh.hist[i] = 0;
+    __syncthreads();
+    for (int64_t i = tid; i < total; i += kKvpopThreads) {
+      const uint32_t key = OrderedKey(prio_of(i));
+      if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 0xFFu], 1u);
+    }
+    __syncthreads();
+    if (tid == 0) {
+      int32_t above = 0;
+      int bin = 255;
+      for (; bin > 0; --bin) {
+        const int32_t c = static_cast<int32_t>(sh.hist[bin]);
+        if (above + c >= want) break;
+        above += c;
+      }
+      sh.prefix = prefix | (static_cast<uint32_t>(bin) << shift);
+      sh.want = want - above;
+    }
+    __syncthreads();
+    prefix = sh.prefix;
+    want = sh.want;
+    mask |= 0xFFu << shift;
+  }
+  // Every candidate above the threshold and its first `want` ties, compacted in order (the
+  // outputs of a chunk land at or below its inputs, which are read first).
+  int32_t out_base = 0, tie_base = 0;
+  for (int64_t c0 = 0; c0 < total && k > 0; c0 += kKvpopThreads) {
+    const int64_t i = c0 + tid;
+    const bool valid = i < total;
+    const float pr = valid ? prio_of(i) : 0.0f;
+    const int32_t ps = valid ? (i < count ? pos[i] : static_cast<int32_t>(lo + (i - count))) : 0;
+    const uint32_t key = valid ? OrderedKey(pr) : 0u;
+    const int32_t tie = valid && key == prefix ? 1 : 0;
+    int32_t tie_rank = 0, ties = 0;
+    Scan(sh.tmp.scan).ExclusiveSum(tie, tie_rank, ties);
+    __syncthreads();
+    const int32_t keep = valid && (key > prefix || (tie && tie_base + tie_rank < want)) ? 1 : 0;
+    int32_t at = 0, keeps = 0;
+    Scan(sh.tmp.scan).ExclusiveSum(keep, at, keeps);
+    __syncthreads();
+    if (keep) {
+      pos[out_base + at] = ps;
+      prio[out_base + at] = pr;
+    }
+    out_base += keeps;
+    tie_base += ties;
+    __syncthreads();
+  }
+  return out_base;
+}
+
 // Grid (items), kKvpopThreads. See the file's comment and SelectScoring::kKvpop.
 template <typename T>
 __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStepArgs a) {
   __shared__ KvpopShared sh;
-  using Scan = cub::BlockScan<int32_t, kKvpopThreads>;
   using Reduce = cub::BlockReduce<unsigned long long, kKvpopThreads>;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int32_t item = blockIdx.x;
@@ -304,69 +379,7 @@ __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStep
     }
     kept = count + m;
   } else {  // many newcomers (or a smaller budget): the k best of slots and newcomers
-    float* ws = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
-    if (a.kvpop.catchup == 0 || m <= 1) {  // else KvpopScoreKernel wrote them
-      for (int64_t j = warp; j < m; j += kKvpopWarps) {
-        const float p = KvpopWarpPriority<T>(a, block, t, lo + j, n, sh.x[warp]);
-        if (lane == 0) ws[j] = p;
-      }
-    }
-    __syncthreads();
-    const int64_t total = count + m;
-    const auto prio_of = [&](int64_t i) { return i < count ? prio[i] : ws[i - count]; };
-    // The k-th largest key, 8 bits at a time, and how many of its ties are taken.
-    uint32_t prefix = 0, mask = 0;
-    int32_t want = static_cast<int32_t>(k);
-    for (int shift = 24; shift >= 0 && k > 0; shift -= 8) {
-      for (int i = tid; i < 256; i += kKvpopThreads) sh.hist[i] = 0;
-      __syncthreads();
-      for (int64_t i = tid; i < total; i += kKvpopThreads) {
-        const uint32_t key = OrderedKey(prio_of(i));
-        if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 0xFFu], 1u);
-      }
-      __syncthreads();
-      if (tid == 0) {
-        int32_t above = 0;
-        int bin = 255;
-        for (; bin > 0; --bin) {
-          const int32_t c = static_cast<int32_t>(sh.hist[bin]);
-          if (above + c >= want) break;
-          above += c;
-        }
-        sh.prefix = prefix | (static_cast<uint32_t>(bin) << shift);
-        sh.want = want - above;
-      }
-      __syncthreads();
-      prefix = sh.prefix;
-      want = sh.want;
-      mask |= 0xFFu << shift;
-    }
-    // Every candidate above the threshold and its first `want` ties, compacted in order (the
-    // outputs of a chunk land at or below its inputs, which are read first).
-    int32_t out_base = 0, tie_base = 0;
-    for (int64_t c0 = 0; c0 < total && k > 0; c0 += kKvpopThreads) {
-      const int64_t i = c0 + tid;
-      const bool valid = i < total;
-      const float pr = valid ? prio_of(i) : 0.0f;
-      const int32_t ps = valid ? (i < count ? pos[i] : static_cast<int32_t>(lo + (i - count))) : 0;
-      const uint32_t key = valid ? OrderedKey(pr) : 0u;
-      const int32_t tie = valid && key == prefix ? 1 : 0;
-      int32_t tie_rank = 0, ties = 0;
-      Scan(sh.tmp.scan).ExclusiveSum(tie, tie_rank, ties);
-      __syncthreads();
-      const int32_t keep = valid && (key > prefix || (tie && tie_base + tie_rank < want)) ? 1 : 0;
-      int32_t at = 0, keeps = 0;
-      Scan(sh.tmp.scan).ExclusiveSum(keep, at, keeps);
-      __syncthreads();
-      if (keep) {
-        pos[out_base + at] = ps;
-        prio[out_base + at] = pr;
-      }
-      out_base += keeps;
-      tie_base += ties;
-      __syncthreads();
-    }
-    kept = out_base;
+    kept = KvpopKeepBest<T>(a, it, item, k, pos, prio, sh);
   }
   __syncthreads();  // the slots are written
   if (tid == 0) {
