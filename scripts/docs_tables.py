@@ -418,6 +418,42 @@ def t_gemma_quality():
     return table(head, rows)
 
 
+def t_sparcas_smooth():
+    """bench/results/sparcas_smooth_gemma3.json: Gemma 3 270M at 2% of 16K/32K, sparcas with its
+    defaults and with smooth=1 beside the oracle and dense: perplexity gap per (text, context) and
+    passkey per length."""
+    d = load("sparcas_smooth_gemma3.json")
+    if not d:
+        return "(bench/results/sparcas_smooth_gemma3.json not yet generated)\n"
+    lane = lambda r: r["policy"] + "".join(f" {k}={v:g}" for k, v in (r.get("params") or {}).items())
+    cols = [(r["text"], r["context"]) for r in d["rows"] if r["policy"] == "dense"]
+    by, pk = {}, {}
+    for r in d["rows"]:
+        by.setdefault(lane(r), {})[(r["text"], r["context"])] = r
+    for g in d.get("passkey", []):
+        for r in g["rows"]:
+            pk.setdefault(lane(r), {})[g["length"]] = r
+    lengths = [g["length"] for g in d.get("passkey", [])]
+    name = lambda t: os.path.basename(t).replace(".txt", "").upper().replace("JARGON", "Jargon")
+    head = ["lane"] + [f"{name(t)} {c // 1024}K: gap (/ oracle's)" for t, c in cols] + \
+           [f"passkey {n // 1024}K" for n in lengths]
+    rows = []
+    for ln in sorted(by, key=lambda p: (["dense", "oracle"].index(p) if p in ("dense", "oracle") else 9, p)):
+        cells = [f"`{ln}`"]
+        for col in cols:
+            r = by[ln].get(col)
+            if not r or r.get("gap_pct") is None:
+                cells.append(None)
+                continue
+            o = f" ({r['gap_over_oracle_gap']:.2f}x)" if r.get("gap_over_oracle_gap") and ln != "oracle" else ""
+            cells.append("0 (ppl %.3f)" % r["perplexity"] if ln == "dense" else f"{r['gap_pct']:+.2f}%{o}")
+        for n in lengths:
+            r = pk.get(ln, {}).get(n)
+            cells.append(f"{r['found']}/{r['trials']}" if r else None)
+        rows.append(cells)
+    return table(head, rows)
+
+
 def t_budgets():
     """bench/results/budgets_smollm2.json: gap to dense (and over the oracle's) per policy, budget
     and text; the papers' budgets for hip / kvpop, Quest's page size at 256."""
@@ -446,7 +482,8 @@ def t_budgets():
 TABLES = {"query": t_query, "policy": t_policy, "e2e": t_e2e, "prefill": t_prefill, "scale": t_scale,
           "quality": t_quality, "kernels": t_kernels, "cpu": t_cpu,
           "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
-          "hip-quality": t_hip_quality, "gemma-quality": t_gemma_quality, "budgets": t_budgets}
+          "hip-quality": t_hip_quality, "gemma-quality": t_gemma_quality, "budgets": t_budgets,
+          "sparcas-smooth": t_sparcas_smooth}
 
 
 def doc_files():
