@@ -255,91 +255,75 @@ def gemma_budget(ctx):
     return ctx * GEMMA_PCT // 100
 
 
-def quality_gemma3_cmds(T):
+def gemma_cmds(T, lanes, lengths):
+    """Perplexity of the last 1024 tokens of 16K and 32K windows of KJV and Jargon, and passkey at
+    `lengths` x 3 depths, for the --policy lanes `lanes` at 2% of the context, dense beside."""
     L = f"{LLAMA} --model {GEMMA} --backend host"
     cmds = ["bash scripts/fetch-data.sh --text-only", "bash scripts/fetch-data.sh --gemma3"]
     for ctx in (16384, 32768):
         for text in ("kjv", "jargon"):
             cmds.append(f"{L} --perplexity --text data/{text}.txt --context {ctx} --scored 1024 "
-                        f"--policy {GEMMA_POLICIES} --budget {gemma_budget(ctx)} --json {T}/ppl_{text}_{ctx}.json")
-    for n in (8192, 16384, 32768):
+                        f"--policy {lanes} --budget {gemma_budget(ctx)} --json {T}/ppl_{text}_{ctx}.json")
+    for n in lengths:
         cmds.append(f"{L} --passkey --text data/kjv.txt --lengths {n} --depths 0.1,0.5,0.9 "
-                    f"--policy {GEMMA_POLICIES} --budget {gemma_budget(n)} --json {T}/passkey_{n}.json")
+                    f"--policy {lanes} --budget {gemma_budget(n)} --json {T}/passkey_{n}.json")
     for ctx in (16384, 32768):
         for text in ("kjv", "jargon"):
             cmds.append(f"{PY} scripts/quality_smollm2.py --ppl {T}/ppl_{text}_{ctx}.json --out {T}/q_{text}_{ctx}.json "
                         f"--no-plot")
-    for n in (8192, 16384, 32768):
+    for n in lengths:
         cmds.append(f"{PY} scripts/quality_smollm2.py --passkey {T}/passkey_{n}.json --out {T}/q_passkey_{n}.json --no-plot")
     return cmds
 
 
-def quality_gemma3_merge(T):
-    groups, passkey = [], []
-    for ctx in (16384, 32768):
-        for text in ("kjv", "jargon"):
-            q = json.load(open(f"{T}/q_{text}_{ctx}.json"))
-            for r in q["rows"]:
-                r.pop("passkey", None)
-            groups.append({"text": f"data/{text}.txt", "context": ctx, "scored": 1024,
-                           "budget": gemma_budget(ctx), "budget_pct": GEMMA_PCT, "rows": q["rows"]})
-    for n in (8192, 16384, 32768):
-        if not os.path.exists(f"{T}/q_passkey_{n}.json"):  # a run cut short: the length is left out
-            continue
-        q = json.load(open(f"{T}/q_passkey_{n}.json"))
-        passkey.append({"length": n, "budget": gemma_budget(n), "budget_pct": GEMMA_PCT,
-                        "rows": [{"policy": r["policy"], "budget": r["budget"], **r["passkey"]}
-                                 for r in q["rows"] if "passkey" in r]})
-    rows = [dict(r, text=g["text"], context=g["context"]) for g in groups for r in g["rows"]]
-    return {"bench": "quality_gemma3_32k", "model": GEMMA,
-            "notes": ["Gemma 3 270M (Q4_K_M GGUF), host backend, sinks 4 + window 64 on the 3 global layers; "
-                      "the 15 sliding-window layers (512 tokens) attend their window exactly. Budgets 2% of the "
-                      "context (the tokens a global layer attends, resident ones included). kvpop runs without "
-                      "trained weights (no Gemma scorer exists: its recency fallback)."],
-            "rows": rows, "passkey": passkey,
-            "regenerate": "python3 bench/reproduce.py quality_gemma3_32k"}
-
-
-# SparCas's channel smoothing on Gemma 3 (QK-norm: key channels of very different size): sparcas
-# with and without smooth=1, the oracle and dense in the same runs, at 2% of 16K and 32K windows
-# of both texts, and passkey at 16K/32K (docs/policies.md, `sparcas`).
-SMOOTH_LANES = "oracle,sparcas,sparcas:smooth=1"
-
-
-def sparcas_smooth_cmds(T):
-    L = f"{LLAMA} --model {GEMMA} --backend host"
-    cmds = ["bash scripts/fetch-data.sh --text-only", "bash scripts/fetch-data.sh --gemma3"]
-    for ctx in (16384, 32768):
-        for text in ("kjv", "jargon"):
-            cmds.append(f"{L} --perplexity --text data/{text}.txt --context {ctx} --scored 1024 "
-                        f"--policy {SMOOTH_LANES} --budget {gemma_budget(ctx)} --json {T}/ppl_{text}_{ctx}.json")
-            cmds.append(f"{PY} scripts/quality_smollm2.py --ppl {T}/ppl_{text}_{ctx}.json "
-                        f"--out {T}/q_{text}_{ctx}.json --no-plot")
-    for n in (16384, 32768):
-        cmds.append(f"{L} --passkey --text data/kjv.txt --lengths {n} --depths 0.1,0.5,0.9 "
-                    f"--policy {SMOOTH_LANES} --budget {gemma_budget(n)} --json {T}/passkey_{n}.json")
-        cmds.append(f"{PY} scripts/quality_smollm2.py --passkey {T}/passkey_{n}.json --out {T}/q_passkey_{n}.json --no-plot")
-    return cmds
-
-
-def sparcas_smooth_merge(T):
+def gemma_merge(T, bench, lengths, notes):
+    """gemma_cmds' outputs as one results file: rows per (text, context), passkey per length."""
     rows, passkey = [], []
     for ctx in (16384, 32768):
         for text in ("kjv", "jargon"):
             for r in json.load(open(f"{T}/q_{text}_{ctx}.json"))["rows"]:
                 r.pop("passkey", None)
-                rows.append(dict(r, text=f"data/{text}.txt", context=ctx, budget_pct=GEMMA_PCT))
-    for n in (16384, 32768):
+                rows.append(dict(r, text=f"data/{text}.txt", context=ctx))
+    for n in lengths:
+        if not os.path.exists(f"{T}/q_passkey_{n}.json"):  # a run cut short: the length is left out
+            continue
         q = json.load(open(f"{T}/q_passkey_{n}.json"))
         passkey.append({"length": n, "budget": gemma_budget(n), "budget_pct": GEMMA_PCT,
                         "rows": [{"policy": r["policy"], "params": r["params"], "budget": r["budget"],
                                   **r["passkey"]} for r in q["rows"] if "passkey" in r]})
-    return {"bench": "sparcas_smooth_gemma3", "model": GEMMA,
-            "notes": ["Gemma 3 270M (Q4_K_M GGUF), host backend, sinks 4 + window 64 on the 3 global layers, "
-                      "the 15 sliding-window layers exact; budgets 2% of the context. sparcas with its defaults "
-                      "(params {}) and with smooth=1 (the channel scales), the oracle and dense in the same runs."],
-            "rows": rows, "passkey": passkey,
-            "regenerate": "python3 bench/reproduce.py sparcas_smooth_gemma3"}
+    return {"bench": bench, "model": GEMMA, "notes": notes, "rows": rows, "passkey": passkey,
+            "regenerate": f"python3 bench/reproduce.py {bench}"}
+
+
+GEMMA_NOTE = ("Gemma 3 270M (Q4_K_M GGUF), host backend, sinks 4 + window 64 on the 3 global layers; the 15 "
+              "sliding-window layers (512 tokens) attend their window exactly. Budgets 2% of the context (the "
+              "tokens a global layer attends, resident ones included).")
+
+
+def quality_gemma3_cmds(T):
+    return gemma_cmds(T, GEMMA_POLICIES, (8192, 16384, 32768))
+
+
+def quality_gemma3_merge(T):
+    return gemma_merge(T, "quality_gemma3_32k", (8192, 16384, 32768),
+                       [GEMMA_NOTE + " kvpop runs without trained weights (no Gemma scorer exists: its recency "
+                        "fallback)."])
+
+
+# SparCas's channel smoothing on Gemma 3 (QK-norm: key channels of very different size): sparcas
+# with and without smooth=1, the oracle and dense in the same runs, passkey at 16K/32K
+# (docs/policies.md, `sparcas`).
+SMOOTH_LANES = "oracle,sparcas,sparcas:smooth=1"
+
+
+def sparcas_smooth_cmds(T):
+    return gemma_cmds(T, SMOOTH_LANES, (16384, 32768))
+
+
+def sparcas_smooth_merge(T):
+    return gemma_merge(T, "sparcas_smooth_gemma3", (16384, 32768),
+                       [GEMMA_NOTE + " sparcas with its defaults (params {}) and with smooth=1 (the channel "
+                        "scales), the oracle and dense in the same runs."])
 
 
 def quality_merge(T):

@@ -128,13 +128,14 @@ class DeviceSelector {
   /// (first, count) of the items of sequence slot \p slot (-1: all): an item is (slot, layer, KV
   /// head), slot-major.
   [[nodiscard]] std::pair<size_t, size_t> ItemsOf(int slot) const;
-  /// Zeroes the items of \p slot (-1: all) of \p state (one T an item, device memory) on
-  /// \p stream, and waits for the stream when \p wait.
+  /// Zeroes the items of \p slot (-1: all) of \p state (\p per_item T an item, device memory)
+  /// on \p stream, and waits for the stream when \p wait.
   template <typename T>
-  Status ZeroItems(T* state, int slot, StreamHandle stream, bool wait) const {
+  Status ZeroItems(T* state, int slot, StreamHandle stream, bool wait, size_t per_item = 1) const {
     const auto [first, count] = ItemsOf(slot);
-    const std::vector<T> zeros(count);
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(state + first, zeros.data(), count * sizeof(T), stream));
+    const std::vector<T> zeros(count * per_item);
+    KVF_RETURN_IF_ERROR(
+        device_->CopyAsync(state + first * per_item, zeros.data(), zeros.size() * sizeof(T), stream));
     return wait ? device_->SynchronizeStream(stream) : Status::Ok();
   }
   SelectorShape shape_;

@@ -382,49 +382,9 @@ def t_hip_quality():
     return table(head, rows)
 
 
-def t_gemma_quality():
-    """bench/results/quality_gemma3_32k.json: Gemma 3 270M, perplexity gap per (text, context) and
-    passkey per length, every policy at 2% of the context."""
-    d = load("quality_gemma3_32k.json")
-    if not d:
-        return "(bench/results/quality_gemma3_32k.json not yet generated)\n"
-    cols = [(r["text"], r["context"]) for r in d["rows"] if r["policy"] == "dense"]
-    by = {}
-    for r in d["rows"]:
-        by.setdefault(r["policy"], {})[(r["text"], r["context"])] = r
-    pk = {}
-    for g in d.get("passkey", []):
-        for r in g["rows"]:
-            pk.setdefault(r["policy"], {})[g["length"]] = r
-    lengths = [g["length"] for g in d.get("passkey", [])]
-    name = lambda t: os.path.basename(t).replace(".txt", "").upper().replace("JARGON", "Jargon")
-    head = ["policy"] + [f"{name(t)} {c // 1024}K: gap (/ oracle's)" for t, c in cols] + \
-           [f"passkey {n // 1024}K" for n in lengths]
-    order = ["dense", "oracle", "lfps", "sparcas", "quest", "hip", "kvpop", "streaming"]
-    rows = []
-    for pol in sorted(by, key=lambda p: (order.index(p) if p in order else 99, p)):
-        cells = [f"`{pol}`"]
-        for col in cols:
-            r = by[pol].get(col)
-            if not r or r.get("gap_pct") is None:
-                cells.append(None)
-                continue
-            o = f" ({r['gap_over_oracle_gap']:.2f}x)" if r.get("gap_over_oracle_gap") else ""
-            cells.append("0 (ppl %.3f)" % r["perplexity"] if pol == "dense" else f"{r['gap_pct']:+.2f}%{o}")
-        for n in lengths:
-            r = pk.get(pol, {}).get(n)
-            cells.append(f"{r['found']}/{r['trials']}" if r else None)
-        rows.append(cells)
-    return table(head, rows)
-
-
-def t_sparcas_smooth():
-    """bench/results/sparcas_smooth_gemma3.json: Gemma 3 270M at 2% of 16K/32K, sparcas with its
-    defaults and with smooth=1 beside the oracle and dense: perplexity gap per (text, context) and
-    passkey per length."""
-    d = load("sparcas_smooth_gemma3.json")
-    if not d:
-        return "(bench/results/sparcas_smooth_gemma3.json not yet generated)\n"
+def gemma_table(d):
+    """A Gemma 3 results file (bench/reproduce.py gemma_merge): a row per lane (a policy and its
+    parameters), its perplexity gap per (text, context) and passkey per length."""
     lane = lambda r: r["policy"] + "".join(f" {k}={v:g}" for k, v in (r.get("params") or {}).items())
     cols = [(r["text"], r["context"]) for r in d["rows"] if r["policy"] == "dense"]
     by, pk = {}, {}
@@ -435,23 +395,37 @@ def t_sparcas_smooth():
             pk.setdefault(lane(r), {})[g["length"]] = r
     lengths = [g["length"] for g in d.get("passkey", [])]
     name = lambda t: os.path.basename(t).replace(".txt", "").upper().replace("JARGON", "Jargon")
-    head = ["lane"] + [f"{name(t)} {c // 1024}K: gap (/ oracle's)" for t, c in cols] + \
+    head = ["policy"] + [f"{name(t)} {c // 1024}K: gap (/ oracle's)" for t, c in cols] + \
            [f"passkey {n // 1024}K" for n in lengths]
+    order = ["dense", "oracle", "lfps", "sparcas", "quest", "hip", "kvpop", "streaming"]
     rows = []
-    for ln in sorted(by, key=lambda p: (["dense", "oracle"].index(p) if p in ("dense", "oracle") else 9, p)):
+    for ln in sorted(by, key=lambda p: (order.index(p.split()[0]) if p.split()[0] in order else 99, p)):
         cells = [f"`{ln}`"]
         for col in cols:
             r = by[ln].get(col)
             if not r or r.get("gap_pct") is None:
                 cells.append(None)
                 continue
-            o = f" ({r['gap_over_oracle_gap']:.2f}x)" if r.get("gap_over_oracle_gap") and ln != "oracle" else ""
+            o = f" ({r['gap_over_oracle_gap']:.2f}x)" if r.get("gap_over_oracle_gap") else ""
             cells.append("0 (ppl %.3f)" % r["perplexity"] if ln == "dense" else f"{r['gap_pct']:+.2f}%{o}")
         for n in lengths:
             r = pk.get(ln, {}).get(n)
             cells.append(f"{r['found']}/{r['trials']}" if r else None)
         rows.append(cells)
     return table(head, rows)
+
+
+def t_gemma_quality():
+    """bench/results/quality_gemma3_32k.json: Gemma 3 270M, every policy at 2% of the context."""
+    d = load("quality_gemma3_32k.json")
+    return gemma_table(d) if d else "(bench/results/quality_gemma3_32k.json not yet generated)\n"
+
+
+def t_sparcas_smooth():
+    """bench/results/sparcas_smooth_gemma3.json: Gemma 3 270M at 2% of 16K/32K, sparcas with its
+    defaults and with smooth=1 beside the oracle and dense."""
+    d = load("sparcas_smooth_gemma3.json")
+    return gemma_table(d) if d else "(bench/results/sparcas_smooth_gemma3.json not yet generated)\n"
 
 
 def t_budgets():

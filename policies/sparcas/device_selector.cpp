@@ -49,11 +49,8 @@ Status SparcasSelector::Bind(std::span<void* const> buffers, Device& device, Str
 Status SparcasSelector::Reset(int slot, StreamHandle stream) {
   if (dp_.sparcas.scales != nullptr) {
     // The channel scales start at zero: the CUDA selection takes their maxima by atomicMax.
-    const auto [first, count] = ItemsOf(slot);
-    const size_t hd = static_cast<size_t>(shape_.model.head_dim);
-    const std::vector<float> zeros(count * hd);
-    KVF_RETURN_IF_ERROR(device_->CopyAsync(dp_.sparcas.scales + first * hd, zeros.data(),
-                                           zeros.size() * sizeof(float), stream));
+    KVF_RETURN_IF_ERROR(ZeroItems(dp_.sparcas.scales, slot, stream, /*wait=*/true,
+                                  static_cast<size_t>(shape_.model.head_dim)));
   }
   return ZeroItems(dp_.sparcas.state, slot, stream, /*wait=*/true);
 }
