@@ -245,28 +245,31 @@ def quality_cmds(T):
 
 # Gemma 3 270M (32K context; 3 global layers take the policy, 15 sliding layers their window):
 # perplexity of the last 1024 tokens of 16K and 32K windows of KJV and the Jargon File, and passkey
-# at 8K/16K/32K x 3 depths, every policy at 2% of the context on the global layers, dense beside.
+# at 8K/16K/32K x 3 depths, every policy at 1%, 2% and 4% of the context on the global layers,
+# dense beside. The lanes decode each step together (--lanes-together: the weights read once a
+# step for all of them), which is what makes 25 lanes affordable on 2 cores.
 GEMMA = "data/gemma-3-270m-q4_k_m.gguf"
-GEMMA_POLICIES = "oracle,streaming,lfps,sparcas,quest,hip,kvpop"
-GEMMA_PCT = 2
+GEMMA_POLICIES = "oracle,streaming,lfps,sparcas:smooth=0,sparcas:smooth=1,quest,hip,kvpop"
+GEMMA_PCTS = (1, 2, 4)
 
 
-def gemma_budget(ctx):
-    return ctx * GEMMA_PCT // 100
+def gemma_budgets(ctx, pcts):
+    return ",".join(str(ctx * p // 100) for p in pcts)
 
 
-def gemma_cmds(T, lanes, lengths):
+def gemma_cmds(T, lanes, lengths, pcts=GEMMA_PCTS, together=True):
     """Perplexity of the last 1024 tokens of 16K and 32K windows of KJV and Jargon, and passkey at
-    `lengths` x 3 depths, for the --policy lanes `lanes` at 2% of the context, dense beside."""
-    L = f"{LLAMA} --model {GEMMA} --backend host"
+    `lengths` x 3 depths, for the --policy lanes `lanes` at `pcts` percent of the context, dense
+    beside (`together`: the lanes of a run decode each step at once)."""
+    L = f"{LLAMA} --model {GEMMA} --backend host" + (" --lanes-together" if together else "")
     cmds = ["bash scripts/fetch-data.sh --text-only", "bash scripts/fetch-data.sh --gemma3"]
     for ctx in (16384, 32768):
         for text in ("kjv", "jargon"):
             cmds.append(f"{L} --perplexity --text data/{text}.txt --context {ctx} --scored 1024 "
-                        f"--policy {lanes} --budget {gemma_budget(ctx)} --json {T}/ppl_{text}_{ctx}.json")
+                        f"--policy {lanes} --budget {gemma_budgets(ctx, pcts)} --json {T}/ppl_{text}_{ctx}.json")
     for n in lengths:
         cmds.append(f"{L} --passkey --text data/kjv.txt --lengths {n} --depths 0.1,0.5,0.9 "
-                    f"--policy {lanes} --budget {gemma_budget(n)} --json {T}/passkey_{n}.json")
+                    f"--policy {lanes} --budget {gemma_budgets(n, pcts)} --json {T}/passkey_{n}.json")
     for ctx in (16384, 32768):
         for text in ("kjv", "jargon"):
             cmds.append(f"{PY} scripts/quality_smollm2.py --ppl {T}/ppl_{text}_{ctx}.json --out {T}/q_{text}_{ctx}.json "
@@ -276,28 +279,38 @@ def gemma_cmds(T, lanes, lengths):
     return cmds
 
 
+def budget_pct(budget, ctx):
+    """A lane's budget as the percent of the context it was set from (dense: None)."""
+    return None if budget is None else round(100 * budget / ctx)
+
+
 def gemma_merge(T, bench, lengths, notes):
-    """gemma_cmds' outputs as one results file: rows per (text, context), passkey per length."""
+    """gemma_cmds' outputs as one results file: rows per (text, context, lane), passkey per length;
+    each row with its budget_pct."""
     rows, passkey = [], []
     for ctx in (16384, 32768):
         for text in ("kjv", "jargon"):
             for r in json.load(open(f"{T}/q_{text}_{ctx}.json"))["rows"]:
                 r.pop("passkey", None)
-                rows.append(dict(r, text=f"data/{text}.txt", context=ctx))
+                rows.append(dict(r, text=f"data/{text}.txt", context=ctx,
+                                 budget_pct=budget_pct(r.get("budget"), ctx)))
     for n in lengths:
         if not os.path.exists(f"{T}/q_passkey_{n}.json"):  # a run cut short: the length is left out
             continue
         q = json.load(open(f"{T}/q_passkey_{n}.json"))
-        passkey.append({"length": n, "budget": gemma_budget(n), "budget_pct": GEMMA_PCT,
+        passkey.append({"length": n,
                         "rows": [{"policy": r["policy"], "params": r["params"], "budget": r["budget"],
-                                  **r["passkey"]} for r in q["rows"] if "passkey" in r]})
+                                  "budget_pct": budget_pct(r["budget"], n), **r["passkey"]}
+                                 for r in q["rows"] if "passkey" in r]})
     return {"bench": bench, "model": GEMMA, "notes": notes, "rows": rows, "passkey": passkey,
             "regenerate": f"python3 bench/reproduce.py {bench}"}
 
 
 GEMMA_NOTE = ("Gemma 3 270M (Q4_K_M GGUF), host backend, sinks 4 + window 64 on the 3 global layers; the 15 "
-              "sliding-window layers (512 tokens) attend their window exactly. Budgets 2% of the context (the "
-              "tokens a global layer attends, resident ones included).")
+              "sliding-window layers (512 tokens) attend their window exactly. Budgets in percent of the "
+              "context (the tokens a global layer attends, resident ones included).")
+TOGETHER_NOTE = (" The lanes of a run decode each step together (--lanes-together), so a row's "
+                 "decode_seconds is the time of all of them.")
 
 
 def quality_gemma3_cmds(T):
@@ -306,7 +319,8 @@ def quality_gemma3_cmds(T):
 
 def quality_gemma3_merge(T):
     return gemma_merge(T, "quality_gemma3_32k", (8192, 16384, 32768),
-                       [GEMMA_NOTE + " kvpop runs without trained weights (no Gemma scorer exists: its recency "
+                       [GEMMA_NOTE + TOGETHER_NOTE + " sparcas runs with smooth=0 and smooth=1 (its channel scales) as "
+                        "two lanes. kvpop runs without trained weights (no Gemma scorer exists: its recency "
                         "fallback)."])
 
 
@@ -317,7 +331,7 @@ SMOOTH_LANES = "oracle,sparcas,sparcas:smooth=1"
 
 
 def sparcas_smooth_cmds(T):
-    return gemma_cmds(T, SMOOTH_LANES, (16384, 32768))
+    return gemma_cmds(T, SMOOTH_LANES, (16384, 32768), (2,), together=False)
 
 
 def sparcas_smooth_merge(T):

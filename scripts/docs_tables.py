@@ -181,6 +181,18 @@ def t_policy():
         "(`bench/results/quality_gemma3_32k.json`; kvpop without a Gemma scorer).\n")
 
 
+# A policy's parameters as kvferry's defaults set them, for results that run a policy as several
+# lanes of explicit parameters (quality_gemma3_32k: sparcas with smooth=0 and smooth=1).
+DEFAULT_PARAMS = {"sparcas": {"smooth": 0.0}}
+
+
+def is_default_lane(r):
+    """Whether a row's lane is its policy with kvferry's defaults."""
+    ps = r.get("params") or {}
+    want = DEFAULT_PARAMS.get(r["policy"], {})
+    return all(ps.get(k, v) == v for k, v in want.items()) and all(k in want for k in ps)
+
+
 def gemma_cell(policy):
     """Gemma 3 at 32K: gap over the oracle's gap, KJV then Jargon (quality_gemma3_32k.json)."""
     d = load("quality_gemma3_32k.json")
@@ -190,7 +202,8 @@ def gemma_cell(policy):
         return "reference"
     cells = []
     for text in ("data/kjv.txt", "data/jargon.txt"):
-        r = next((r for r in d["rows"] if r["policy"] == policy and r["context"] == 32768 and r["text"] == text), None)
+        r = next((r for r in d["rows"] if r["policy"] == policy and r["context"] == 32768 and r["text"] == text
+                  and r.get("budget_pct", 2) == 2 and is_default_lane(r)), None)
         if r is None or r.get("gap_over_oracle_gap") is None:
             return None
         cells.append(f"{r['gap_over_oracle_gap']:.2f}x")
@@ -383,33 +396,40 @@ def t_hip_quality():
 
 
 def gemma_table(d):
-    """A Gemma 3 results file (bench/reproduce.py gemma_merge): a row per lane (a policy and its
-    parameters), its perplexity gap per (text, context) and passkey per length."""
+    """A Gemma 3 results file (bench/reproduce.py gemma_merge): a row per budget (percent of the
+    context) and lane (a policy and its parameters), its perplexity gap per (text, context) and
+    passkey per length."""
     lane = lambda r: r["policy"] + "".join(f" {k}={v:g}" for k, v in (r.get("params") or {}).items())
+
+    def pct(r, ctx):
+        if r["policy"] == "dense" or r.get("budget") is None:
+            return None
+        return r.get("budget_pct") or round(100 * r["budget"] / ctx)
     cols = [(r["text"], r["context"]) for r in d["rows"] if r["policy"] == "dense"]
     by, pk = {}, {}
     for r in d["rows"]:
-        by.setdefault(lane(r), {})[(r["text"], r["context"])] = r
+        by.setdefault((pct(r, r["context"]), lane(r)), {})[(r["text"], r["context"])] = r
     for g in d.get("passkey", []):
         for r in g["rows"]:
-            pk.setdefault(lane(r), {})[g["length"]] = r
+            pk.setdefault((pct(r, g["length"]), lane(r)), {})[g["length"]] = r
     lengths = [g["length"] for g in d.get("passkey", [])]
     name = lambda t: os.path.basename(t).replace(".txt", "").upper().replace("JARGON", "Jargon")
-    head = ["policy"] + [f"{name(t)} {c // 1024}K: gap (/ oracle's)" for t, c in cols] + \
+    head = ["budget", "policy"] + [f"{name(t)} {c // 1024}K: gap (/ oracle's)" for t, c in cols] + \
            [f"passkey {n // 1024}K" for n in lengths]
     order = ["dense", "oracle", "lfps", "sparcas", "quest", "hip", "kvpop", "streaming"]
+    rank = lambda ln: (order.index(ln.split()[0]) if ln.split()[0] in order else 99, ln)
     rows = []
-    for ln in sorted(by, key=lambda p: (order.index(p.split()[0]) if p.split()[0] in order else 99, p)):
-        cells = [f"`{ln}`"]
+    for p, ln in sorted(by, key=lambda k: (k[0] or 0, rank(k[1]))):
+        cells = ["all" if p is None else f"{p}%", f"`{ln}`"]
         for col in cols:
-            r = by[ln].get(col)
+            r = by[(p, ln)].get(col)
             if not r or r.get("gap_pct") is None:
                 cells.append(None)
                 continue
             o = f" ({r['gap_over_oracle_gap']:.2f}x)" if r.get("gap_over_oracle_gap") else ""
             cells.append("0 (ppl %.3f)" % r["perplexity"] if ln == "dense" else f"{r['gap_pct']:+.2f}%{o}")
         for n in lengths:
-            r = pk.get(ln, {}).get(n)
+            r = pk.get((p, ln), {}).get(n)
             cells.append(f"{r['found']}/{r['trials']}" if r else None)
         rows.append(cells)
     return table(head, rows)

@@ -53,6 +53,9 @@ struct Options {
   /// model's shape is filled in once it is loaded.
   RuntimeConfig base;
   bool no_dense = false;
+  /// Perplexity and passkey: the lanes decode each step at once (weights read once a step; the
+  /// per-lane decode time is then the shared time).
+  bool lanes_together = false;
   /// PrHS's early-token freezing at prefill (--etf, --etf-psi, --etf-gamma, --etf-start; the
   /// sink from --sinks).
   EtfOptions etf;

@@ -203,6 +203,16 @@ Status Engine::Decode(int32_t token, int64_t pos, Attention& attn, std::vector<f
                  logits != nullptr ? logits->data() : nullptr, false);
 }
 
+Status Engine::DecodeLanes(std::span<const int32_t> tokens, int64_t pos,
+                           std::span<Attention* const> lanes, std::vector<float>* logits) {
+  KVF_CHECK_ARG(!lanes.empty() && tokens.size() == lanes.size(), "decode: ", tokens.size(),
+                " tokens for ", lanes.size(), " lanes (one token a lane, at least one lane)");
+  KVF_CHECK_ARG(!observer_ || lanes.size() == 1, "decode: ", lanes.size(),
+                " lanes at once with an observer set (it reads rows as consecutive positions)");
+  if (logits != nullptr) logits->resize(lanes.size() * static_cast<size_t>(model_.config.vocab_size));
+  return Forward(tokens, pos, lanes, true, logits != nullptr ? logits->data() : nullptr, true);
+}
+
 Status Engine::Forward(std::span<const int32_t> tokens, int64_t pos,
                        std::span<Attention* const> attns, bool decode, float* logits,
                        bool all_logits, int64_t prompt_end) {
@@ -311,11 +321,16 @@ Status Engine::LayerRows(int l, int64_t r0, int64_t r1, int64_t pos,
   KVF_RETURN_IF_ERROR(matmul_.Run(xb, n, w.wv, v));
   if (!w.q_norm.empty()) HeadNorm(q, n, c.num_q_heads, w.q_norm);
   if (!w.k_norm.empty()) HeadNorm(k, n, c.num_kv_heads, w.k_norm);
-  ApplyRope(q, n, c.num_q_heads, pos + r0, l);
-  ApplyRope(k, n, c.num_kv_heads, pos + r0, l);
-  if (decode) {
-    KVF_RETURN_IF_ERROR(attns[0]->Decode(l, q, k, v, att));
+  if (decode) {  // row t: lane t's token at position pos
+    for (int64_t t = 0; t < n; ++t) {
+      ApplyRope(q + t * q_dim, 1, c.num_q_heads, pos, l);
+      ApplyRope(k + t * kv_dim, 1, c.num_kv_heads, pos, l);
+      KVF_RETURN_IF_ERROR(attns[static_cast<size_t>(r0 + t)]->Decode(
+          l, q + t * q_dim, k + t * kv_dim, v + t * kv_dim, att + t * q_dim));
+    }
   } else {
+    ApplyRope(q, n, c.num_q_heads, pos + r0, l);
+    ApplyRope(k, n, c.num_kv_heads, pos + r0, l);
     for (size_t a = attns.size(); a-- > 0;) {
       // Every cache gets the same rows; the first attention's output is the one kept.
       KVF_RETURN_IF_ERROR(attns[a]->Prefill(l, n, q, k, v, att));

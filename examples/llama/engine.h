@@ -120,6 +120,13 @@ class Engine {
                  std::vector<float>* logits, bool all_logits = false, int64_t chunk = 512);
   /// Runs one token at position \p pos through \p attn's decode path; \p logits receives [vocab].
   Status Decode(int32_t token, int64_t pos, Attention& attn, std::vector<float>* logits);
+  /// One decode step of several lanes at the same position \p pos: lane i feeds tokens[i] through
+  /// its own attention lanes[i]. The matrix products take the lanes as the rows of one product, so
+  /// the weights are read once per step instead of once per lane; each lane's result equals its
+  /// Decode up to the products' summation order. \p logits receives [lanes, vocab]. Not with an
+  /// observer set (it sees rows as consecutive positions).
+  Status DecodeLanes(std::span<const int32_t> tokens, int64_t pos, std::span<Attention* const> lanes,
+                     std::vector<float>* logits);
 
   void set_observer(QkvObserver observer) { observer_ = std::move(observer); }
   /// ETF for the prefills from now on (off by default). Invalid options are kInvalidArgument.
@@ -135,6 +142,8 @@ class Engine {
   [[nodiscard]] const Model& model() const { return model_; }
 
  private:
+  // decode: row t is the token of lane attns[t], every row at position pos (Decode, DecodeLanes);
+  // else the tokens are consecutive positions from pos, stored in every attention (Prefill).
   Status Forward(std::span<const int32_t> tokens, int64_t pos, std::span<Attention* const> attns,
                  bool decode, float* logits, bool all_logits, int64_t prompt_end = 0);
   // One layer's attention and MLP over rows [r0, r1) of the current pass (prefill or decode).

@@ -26,7 +26,7 @@ Status ResetAll(const std::vector<Attention*>& lanes) {
 Result<std::vector<PerplexityResult>> EvalPerplexity(
     Engine& engine, const std::vector<int32_t>& tokens, int64_t scored,
     const std::vector<Attention*>& lanes, int64_t chunk, double* prefill_seconds,
-    const std::function<void(size_t lane, bool after)>& around_decode) {
+    const std::function<void(size_t lane, bool after)>& around_decode, bool together) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   KVF_CHECK_ARG(!lanes.empty(), "perplexity: no lanes");
   KVF_CHECK_ARG(scored >= 1 && scored + 2 <= n, "perplexity: ", scored, " scored tokens of a ", n,
@@ -40,26 +40,47 @@ Result<std::vector<PerplexityResult>> EvalPerplexity(
   std::vector<PerplexityResult> results(lanes.size());
   std::vector<int32_t> lane0_argmax;
   std::vector<float> logits;
-  for (size_t l = 0; l < lanes.size(); ++l) {
-    PerplexityResult& r = results[l];
-    if (around_decode) around_decode(l, false);
-    t0 = std::chrono::steady_clock::now();
-    tools::Progress progress("perplexity, lane " + std::to_string(l + 1) + " of " +
-                          std::to_string(lanes.size()),
-                      n - 1 - prefix, "tokens");
-    for (int64_t p = prefix; p < n - 1; ++p) {
-      KVF_RETURN_IF_ERROR(engine.Decode(tokens[p], p, *lanes[l], &logits));
-      r.nll_sum -= LogProb(logits, tokens[p + 1]);
-      const int32_t top = Argmax(logits);
-      if (l == 0) lane0_argmax.push_back(top);
+  const int64_t vocab = engine.model().config.vocab_size;
+  // Scores step p of lanes [l0, l0 + count) from logits [count, vocab].
+  const auto score = [&](size_t l0, size_t count, int64_t p) {
+    for (size_t i = 0; i < count; ++i) {
+      const std::span<const float> row(logits.data() + static_cast<int64_t>(i) * vocab, vocab);
+      PerplexityResult& r = results[l0 + i];
+      r.nll_sum -= LogProb(row, tokens[p + 1]);
+      const int32_t top = Argmax(row);
+      if (l0 + i == 0) lane0_argmax.push_back(top);
       if (top == lane0_argmax[p - prefix]) ++r.argmax_agree;
       ++r.scored;
+    }
+  };
+  const size_t groups = together ? 1 : lanes.size();
+  const size_t per = together ? lanes.size() : 1;
+  for (size_t g = 0; g < groups; ++g) {
+    const size_t l0 = g * per;
+    for (size_t i = 0; i < per; ++i) {
+      if (around_decode) around_decode(l0 + i, false);
+    }
+    t0 = std::chrono::steady_clock::now();
+    tools::Progress progress(together ? "perplexity, " + std::to_string(per) + " lanes together"
+                                      : "perplexity, lane " + std::to_string(l0 + 1) + " of " +
+                                            std::to_string(lanes.size()),
+                             n - 1 - prefix, "tokens");
+    const std::span<Attention* const> group(lanes.data() + l0, per);
+    std::vector<int32_t> fed(per);
+    for (int64_t p = prefix; p < n - 1; ++p) {
+      std::fill(fed.begin(), fed.end(), tokens[p]);
+      KVF_RETURN_IF_ERROR(engine.DecodeLanes(fed, p, group, &logits));
+      score(l0, per, p);
       progress.Update(p - prefix + 1);
     }
     progress.Finish();
-    r.decode_seconds = Seconds(t0);
-    if (around_decode) around_decode(l, true);
-    r.perplexity = std::exp(r.nll_sum / static_cast<double>(r.scored));
+    const double secs = Seconds(t0);
+    for (size_t i = 0; i < per; ++i) {
+      PerplexityResult& r = results[l0 + i];
+      r.decode_seconds = secs;
+      if (around_decode) around_decode(l0 + i, true);
+      r.perplexity = std::exp(r.nll_sum / static_cast<double>(r.scored));
+    }
   }
   return results;
 }
@@ -127,7 +148,8 @@ Result<std::vector<std::vector<int32_t>>> GenerateGreedy(Engine& engine,
                                                          const std::vector<int32_t>& prompt,
                                                          int max_new,
                                                          const std::vector<Attention*>& lanes,
-                                                         int64_t chunk, int32_t stop_token) {
+                                                         int64_t chunk, int32_t stop_token,
+                                                         bool together) {
   KVF_CHECK_ARG(prompt.size() >= 2, "generate: prompt of ", prompt.size(), " tokens");
   KVF_RETURN_IF_ERROR(ResetAll(lanes));
   const int64_t prefix = static_cast<int64_t>(prompt.size()) - 1;
@@ -135,14 +157,25 @@ Result<std::vector<std::vector<int32_t>>> GenerateGreedy(Engine& engine,
                                      nullptr, false, chunk));
   std::vector<std::vector<int32_t>> out(lanes.size());
   std::vector<float> logits;
-  for (size_t l = 0; l < lanes.size(); ++l) {
+  const int64_t vocab = engine.model().config.vocab_size;
+  const size_t per = together ? lanes.size() : 1;
+  for (size_t l0 = 0; l0 < lanes.size(); l0 += per) {
     // The last prompt token goes through decode, so the first answer token is already sparse.
-    int32_t token = prompt.back();
+    std::vector<int32_t> token(per, prompt.back());
+    std::vector<bool> done(per, false);
+    const std::span<Attention* const> group(lanes.data() + l0, per);
     for (int i = 0; i < max_new; ++i) {
-      KVF_RETURN_IF_ERROR(engine.Decode(token, prefix + i, *lanes[l], &logits));
-      token = Argmax(logits);
-      if (token == stop_token) break;
-      out[l].push_back(token);
+      KVF_RETURN_IF_ERROR(engine.DecodeLanes(token, prefix + i, group, &logits));
+      bool all_done = true;
+      for (size_t j = 0; j < per; ++j) {
+        // A lane that has stopped keeps decoding its last token with the others; its answer is kept.
+        if (done[j]) continue;
+        token[j] = Argmax(std::span<const float>(logits.data() + static_cast<int64_t>(j) * vocab, vocab));
+        done[j] = token[j] == stop_token;
+        if (!done[j]) out[l0 + j].push_back(token[j]);
+        all_done = all_done && done[j];
+      }
+      if (all_done) break;
     }
   }
   return out;

@@ -31,10 +31,14 @@ struct PerplexityResult {
 /// \p prefill_seconds receives the shared prefill's wall time. \p around_decode, if set, is called
 /// with (lane, false) just before a lane's scored decode steps and (lane, true) just after them,
 /// so that a caller can take counters around decode alone.
+/// \p together: the lanes decode each step at once (Engine::DecodeLanes: the weights read once a
+/// step for every lane, for quality runs of many lanes); each lane's decode_seconds is then the
+/// shared time of all of them, and around_decode is called for every lane before the first step
+/// and after the last.
 Result<std::vector<PerplexityResult>> EvalPerplexity(
     Engine& engine, const std::vector<int32_t>& tokens, int64_t scored,
     const std::vector<Attention*>& lanes, int64_t chunk, double* prefill_seconds,
-    const std::function<void(size_t lane, bool after)>& around_decode = {});
+    const std::function<void(size_t lane, bool after)>& around_decode = {}, bool together = false);
 
 /// \brief A passkey prompt: a pass key sentence hidden at \p depth of filler text.
 struct PasskeyPrompt {
@@ -51,12 +55,14 @@ Result<PasskeyPrompt> BuildPasskeyPrompt(const Tokenizer& tok,
                                          const std::string& key, bool chat);
 
 /// Greedy continuation of \p prompt (prefilled once into every lane) for \p max_new tokens per
-/// lane. Resets every lane first. Returns the generated ids per lane.
+/// lane. Resets every lane first. Returns the generated ids per lane. \p together: the lanes
+/// decode each step at once (Engine::DecodeLanes), as in EvalPerplexity.
 Result<std::vector<std::vector<int32_t>>> GenerateGreedy(Engine& engine,
                                                          const std::vector<int32_t>& prompt,
                                                          int max_new,
                                                          const std::vector<Attention*>& lanes,
-                                                         int64_t chunk, int32_t stop_token);
+                                                         int64_t chunk, int32_t stop_token,
+                                                         bool together = false);
 
 /// Samples from \p logits: greedy when \p temperature <= 0, else nucleus (top-p) sampling.
 int32_t SampleToken(std::vector<float> logits, float temperature, float top_p, std::mt19937_64& rng);

@@ -170,7 +170,7 @@ Result<PerplexityRun> RunPerplexity(const Options& o, Engine& engine, const Toke
     (done ? after : before)[lane] = lanes[lane].attn->runtime().GetStats();
   };
   KVF_ASSIGN_OR_RETURN(auto results, EvalPerplexity(engine, tokens, o.scored, Attns(lanes), o.chunk,
-                                                    &run.prefill_seconds, around_decode));
+                                                    &run.prefill_seconds, around_decode, o.lanes_together));
   const bool emulated = Emulated(lanes[0].attn->runtime().backend());
   std::printf("perplexity: %lld-token window of %s from line %lld, last %lld tokens scored; "
               "shared prefill of %lld tokens into %zu lanes %.1f s (%.0f tok/s)\n",
@@ -183,7 +183,11 @@ Result<PerplexityRun> RunPerplexity(const Options& o, Engine& engine, const Toke
               emulated ? "GPU KV (emul.)" : "GPU KV");
   json << "{\"mode\": \"perplexity\", \"context\": " << o.context << ", \"scored\": " << o.scored
        << ", \"prefill_tokens\": " << run.prefix_tokens
-       << ", \"prefill_seconds\": " << run.prefill_seconds;
+       << ", \"prefill_seconds\": " << run.prefill_seconds
+       << ", \"lanes_together\": " << (o.lanes_together ? "true" : "false");
+  if (o.lanes_together) {
+    std::printf("the lanes decoded each step together: decode tok/s is the step rate of all of them\n");
+  }
   if (engine.etf().on) {
     const EtfOptions& e = engine.etf();
     json << ", \"etf\": {\"kv\": \"" << EtfKvName(e)
@@ -252,7 +256,7 @@ Status RunPasskey(const Options& o, Engine& engine, const Tokenizer& tok, const 
                              BuildPasskeyPrompt(tok, lines, offset, length, depth, key, o.chat));
         auto t0 = std::chrono::steady_clock::now();
         KVF_ASSIGN_OR_RETURN(auto outs, GenerateGreedy(engine, prompt.tokens, 8, Attns(lanes),
-                                                       o.chunk, tok.eos_id()));
+                                                       o.chunk, tok.eos_id(), o.lanes_together));
         const double secs =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         std::printf("  len %5lld depth %.2f key %s (%.1f s):", static_cast<long long>(length),
