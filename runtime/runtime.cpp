@@ -1826,6 +1826,7 @@ Status Runtime::PlanDecode(std::span<const SequenceId> seqs, StreamHandle stream
   return Locked(*impl_, [&] { return impl_->PlanDecode(seqs, stream); });
 }
 bool Runtime::decode_is_capture_safe() const { return impl_->decode_is_capture_safe(); }
+bool Runtime::prefill_reads_queries() const { return impl_->prefill_reads_queries(); }
 Result<std::vector<int32_t>> Runtime::LastSelection(SequenceId seq, int layer, int kv_head) const {
   return Locked(*impl_, [&] { return impl_->LastSelection(seq, layer, kv_head); });
 }

@@ -169,6 +169,9 @@ class RuntimeImpl {
                 StreamHandle stream);
   // A sliding-window layer's decode is described by the host at each step: not in a graph.
   bool decode_is_capture_safe() const { return step_.fast_path && win_.max == 0; }
+  bool prefill_reads_queries() const {
+    return policy_->wants_prefill_queries() || policy_->prime_rows() > 0;
+  }
   Result<std::vector<int32_t>> LastSelection(SequenceId seq, int layer, int kv_head) const;
   Status Synchronize() { return device_->SynchronizeStream(stream_); }
 

@@ -296,6 +296,47 @@ TEST(Gemma3Engine, LanesDecodedTogetherEqualEachLaneAlone) {
             StatusCode::kInvalidArgument);
 }
 
+// Engine::Prefill stores the rows into every attention but the first with Append where the
+// policy reads no prompt queries: the state it leaves decodes as a Prefill's does (the same
+// policy prefilled as the first attention), on a fresh random prompt. lfps reads them (primed from
+// the prompt's last queries) and keeps its Prefill.
+TEST(Gemma3Engine, PrefillAppendsWhereThePolicyReadsNoQueries) {
+  const Fixture& fx = Tiny();
+  Engine engine(fx.model);
+  std::random_device rd;
+  const unsigned seed = rd();
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> tok(1, fx.model.config.vocab_size - 1);
+  std::vector<int32_t> prompt(40);
+  for (int32_t& t : prompt) t = tok(rng);
+  auto dense = MakeRuntime("dense", DType::kF16);
+  ASSERT_NE(dense, nullptr);
+  EXPECT_FALSE(dense->prefill_reads_queries());
+  for (const char* p : {"oracle", "streaming", "sparcas", "quest", "lfps"}) {
+    SCOPED_TRACE(std::string(p) + ", seed " + std::to_string(seed));
+    auto first = MakeRuntime(p, DType::kF16);
+    auto second = MakeRuntime(p, DType::kF16);
+    ASSERT_TRUE(first != nullptr && second != nullptr);
+    EXPECT_EQ(first->prefill_reads_queries(), std::string(p) == "lfps");
+    Attention* alone[1] = {first.get()};
+    Attention* behind[2] = {dense.get(), second.get()};
+    for (Attention* a : {static_cast<Attention*>(first.get()), static_cast<Attention*>(second.get()),
+                         static_cast<Attention*>(dense.get())}) {
+      ASSERT_TRUE(a->Reset().ok());
+    }
+    ASSERT_TRUE(engine.Prefill(prompt, 0, alone, nullptr).ok());
+    ASSERT_TRUE(engine.Prefill(prompt, 0, behind, nullptr).ok());
+    std::vector<float> want, got;
+    for (int i = 0; i < 8; ++i) {
+      const int32_t t = tok(rng);
+      const int64_t pos = static_cast<int64_t>(prompt.size()) + i;
+      ASSERT_TRUE(engine.Decode(t, pos, *first, &want).ok());
+      ASSERT_TRUE(engine.Decode(t, pos, *second, &got).ok());
+      ASSERT_EQ(got, want) << "step " << i;
+    }
+  }
+}
+
 // A damaged Gemma 3 file fails cleanly: truncations, and single bytes of the header, metadata and
 // tensor directory overwritten (what the gemma3 loader reads: keys, the pattern, shapes).
 TEST(Gemma3Engine, DamagedFilesFailCleanly) {

@@ -332,8 +332,13 @@ Status Engine::LayerRows(int l, int64_t r0, int64_t r1, int64_t pos,
     ApplyRope(q, n, c.num_q_heads, pos + r0, l);
     ApplyRope(k, n, c.num_kv_heads, pos + r0, l);
     for (size_t a = attns.size(); a-- > 0;) {
-      // Every cache gets the same rows; the first attention's output is the one kept.
-      KVF_RETURN_IF_ERROR(attns[a]->Prefill(l, n, q, k, v, att));
+      // Every cache gets the same rows; the first attention's output is the one kept, so the
+      // others whose state does not depend on the queries only store the rows.
+      if (a > 0 && !attns[a]->prefill_reads_queries()) {
+        KVF_RETURN_IF_ERROR(attns[a]->Append(l, n, k, v));
+      } else {
+        KVF_RETURN_IF_ERROR(attns[a]->Prefill(l, n, q, k, v, att));
+      }
     }
   }
   KVF_RETURN_IF_ERROR(matmul_.Run(att, n, w.wo, xb));

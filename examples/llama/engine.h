@@ -34,6 +34,10 @@ class Attention {
                         float* out) = 0;
   /// Appends T tokens' K and V at \p layer with no attention (ETF's frozen prompt rows).
   virtual Status Append(int layer, int64_t num_tokens, const float* k, const float* v) = 0;
+  /// Whether Prefill's queries change this cache's state. Where false, Append leaves the state
+  /// Prefill would, so a prefill whose output is not kept (every attention but the first of
+  /// Engine::Prefill) appends instead and skips the attention.
+  [[nodiscard]] virtual bool prefill_reads_queries() const { return true; }
   /// Forgets the sequence, ready for a new one.
   virtual Status Reset() = 0;
 };
@@ -62,6 +66,7 @@ class RuntimeAttention final : public Attention {
                  float* out) override;
   Status Decode(int layer, const float* q, const float* k, const float* v, float* out) override;
   Status Append(int layer, int64_t num_tokens, const float* k, const float* v) override;
+  [[nodiscard]] bool prefill_reads_queries() const override { return runtime_->prefill_reads_queries(); }
   Status Reset() override;
   /// The Runtime (every layer, global and sliding-window).
   [[nodiscard]] Runtime& runtime() { return *runtime_; }
@@ -114,7 +119,8 @@ class Engine {
 
   /// Runs tokens at positions [pos, pos + n) as a prefill through every Attention of \p attns
   /// (they all receive the same q/k/v; the output of the first is used, so several caches can be
-  /// filled by one pass). Processes at most \p chunk tokens per call to the attention.
+  /// filled by one pass; those after the first whose state takes no queries are given Append,
+  /// which skips their attention). Processes at most \p chunk tokens per call to the attention.
   /// \p logits: if non-null, receives [n, vocab] (all_logits) or [vocab] (last position only).
   Status Prefill(std::span<const int32_t> tokens, int64_t pos, std::span<Attention* const> attns,
                  std::vector<float>* logits, bool all_logits = false, int64_t chunk = 512);

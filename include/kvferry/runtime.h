@@ -127,6 +127,11 @@ class Runtime {
   /// queries (lfps) get nothing from these tokens; a later Prefill chunk primes them.
   Status Append(SequenceId seq, int layer, const TensorView& k, const TensorView& v,
                 StreamHandle stream = nullptr);
+  /// Whether the policy learns from the prompt's queries (Prefill primes it from them; Append
+  /// gives it nothing). Where false, Append leaves the same state as Prefill less its output: an
+  /// engine that runs one prompt pass into several runtimes and keeps one output may Append into
+  /// the others.
+  [[nodiscard]] bool prefill_reads_queries() const;
 
   /// Appends one new token for each sequence of \p seqs at \p layer and computes attention of its
   /// query over the positions the policy selects, merging the resident, GPU and CPU parts exactly;
