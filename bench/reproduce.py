@@ -249,7 +249,7 @@ def quality_cmds(T):
 # dense beside. The lanes decode each step together (--lanes-together: the weights read once a
 # step for all of them), which is what makes 25 lanes affordable on 2 cores.
 GEMMA = "data/gemma-3-270m-q4_k_m.gguf"
-GEMMA_POLICIES = "oracle,streaming,lfps,sparcas:smooth=0,sparcas:smooth=1,quest,hip,kvpop"
+GEMMA_POLICIES = "oracle,streaming,lfps,lfps:scan=64,sparcas:smooth=0,sparcas:smooth=1,quest,hip,kvpop"
 GEMMA_PCTS = (1, 2, 4)
 
 
@@ -257,25 +257,36 @@ def gemma_budgets(ctx, pcts):
     return ",".join(str(ctx * p // 100) for p in pcts)
 
 
-def gemma_cmds(T, lanes, lengths, pcts=GEMMA_PCTS, together=True):
+def gemma_cmds(T, lanes, lengths, pcts=GEMMA_PCTS, together=True, streams=1):
     """Perplexity of the last 1024 tokens of 16K and 32K windows of KJV and Jargon, and passkey at
     `lengths` x 3 depths, for the --policy lanes `lanes` at `pcts` percent of the context, dense
-    beside (`together`: the lanes of a run decode each step at once)."""
-    L = f"{LLAMA} --model {GEMMA} --backend host" + (" --lanes-together" if together else "")
+    beside (`together`: the lanes of a run decode each step at once). streams=2: two chains side by
+    side, one core each (KJV's windows, the shorter passkeys and the longest at depth 0.9; the
+    Jargon File's windows and the longest passkey at depths 0.1 and 0.5)."""
+    L = f"{LLAMA} --model {GEMMA} --backend host" + (" --lanes-together" if together else "") + \
+        (" --cpu-threads 1" if streams > 1 else "")
+    ppl = {(text, ctx): f"{L} --perplexity --text data/{text}.txt --context {ctx} --scored 1024 --policy {lanes} "
+                        f"--budget {gemma_budgets(ctx, pcts)} --json {T}/ppl_{text}_{ctx}.json"
+           for ctx in (16384, 32768) for text in ("kjv", "jargon")}
+
+    def pk(n, depths="0.1,0.5,0.9", part=""):
+        return (f"{L} --passkey --text data/kjv.txt --lengths {n} --depths {depths} --policy {lanes} "
+                f"--budget {gemma_budgets(n, pcts)} --json {T}/passkey_{n}{part}.json")
     cmds = ["bash scripts/fetch-data.sh --text-only", "bash scripts/fetch-data.sh --gemma3"]
-    for ctx in (16384, 32768):
-        for text in ("kjv", "jargon"):
-            cmds.append(f"{L} --perplexity --text data/{text}.txt --context {ctx} --scored 1024 "
-                        f"--policy {lanes} --budget {gemma_budgets(ctx, pcts)} --json {T}/ppl_{text}_{ctx}.json")
-    for n in lengths:
-        cmds.append(f"{L} --passkey --text data/kjv.txt --lengths {n} --depths 0.1,0.5,0.9 "
-                    f"--policy {lanes} --budget {gemma_budgets(n, pcts)} --json {T}/passkey_{n}.json")
+    if streams > 1:
+        n = max(lengths)
+        a = [ppl["kjv", 16384], ppl["kjv", 32768]] + [pk(m) for m in lengths if m != n] + [pk(n, "0.9", "_b")]
+        b = [ppl["jargon", 16384], ppl["jargon", 32768], pk(n, "0.1,0.5", "_a")]
+        cmds.append(side_by_side(" && ".join(a), " && ".join(b)))
+    else:
+        cmds += [ppl["kjv", 16384], ppl["jargon", 16384], ppl["kjv", 32768], ppl["jargon", 32768]]
+        cmds += [pk(m) for m in lengths]
     for ctx in (16384, 32768):
         for text in ("kjv", "jargon"):
             cmds.append(f"{PY} scripts/quality_smollm2.py --ppl {T}/ppl_{text}_{ctx}.json --out {T}/q_{text}_{ctx}.json "
                         f"--no-plot")
     for n in lengths:
-        cmds.append(f"{PY} scripts/quality_smollm2.py --passkey {T}/passkey_{n}.json --out {T}/q_passkey_{n}.json --no-plot")
+        cmds.append(f"{PY} scripts/quality_smollm2.py --passkey {T}/passkey_{n}*.json --out {T}/q_passkey_{n}.json --no-plot")
     return cmds
 
 
@@ -314,13 +325,14 @@ TOGETHER_NOTE = (" The lanes of a run decode each step together (--lanes-togethe
 
 
 def quality_gemma3_cmds(T):
-    return gemma_cmds(T, GEMMA_POLICIES, (8192, 16384, 32768))
+    return gemma_cmds(T, GEMMA_POLICIES, (8192, 16384, 32768), streams=2)
 
 
 def quality_gemma3_merge(T):
     return gemma_merge(T, "quality_gemma3_32k", (8192, 16384, 32768),
                        [GEMMA_NOTE + TOGETHER_NOTE + " sparcas runs with smooth=0 and smooth=1 (its channel scales) as "
-                        "two lanes. kvpop runs without trained weights (no Gemma scorer exists: its recency "
+                        "two lanes, lfps with its default scan of 16 channels and with 64 (a quarter of Gemma's "
+                        "256 dimensions, as 16 is of SmolLM2's 64). kvpop runs without trained weights (no Gemma scorer exists: its recency "
                         "fallback)."])
 
 
