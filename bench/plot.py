@@ -10,9 +10,12 @@
                        cap, per policy and selectors, with the baselines, from scale.json
   frontier.png         every policy's 128K decode time over SDPA's (real query) against its
                        perplexity gap to dense at 256 on KJV and the Jargon File, from frontier.json
+  quality_gemma3_32k.png  Gemma 3's perplexity gap to dense vs budget (percent of the context),
+                       per policy and parameters, one panel per text and context, from
+                       quality_gemma3_32k.json
 
 A plot whose JSON is absent is skipped with a message. Usage: plot.py [--results bench/results]
-[--only e2e,quality,scale,frontier]
+[--only e2e,quality,scale,frontier,gemma]
 """
 import argparse
 import glob
@@ -215,12 +218,46 @@ def plot_frontier(results):
     save(fig, src[:-5] + ".png")
 
 
+def plot_gemma(results):
+    src = os.path.join(results, "quality_gemma3_32k.json")
+    if not os.path.exists(src):
+        return print(f"plot.py: {src} absent; Gemma plot skipped")
+    d = json.load(open(src))
+    rows = [r for r in d["rows"] if r.get("budget") and r.get("gap_pct") is not None]
+
+    def label(r):
+        ps = r.get("params") or {}
+        return r["policy"] + (" " + ",".join(f"{k}={v:g}" for k, v in ps.items()) if ps else "")
+    panels = sorted({(r["context"], r["text"]) for r in rows}, key=lambda p: (p[0], "jargon" in p[1]))
+    lanes = sorted({label(r) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.5), squeeze=False)
+    for a, (ctx, text) in zip(axes[0], panels):
+        for j, ln in enumerate(lanes):
+            pts = sorted((r.get("budget_pct") or 100 * r["budget"] / ctx, r["gap_pct"]) for r in rows
+                         if label(r) == ln and r["context"] == ctx and r["text"] == text)
+            style = "-o" if ln.split()[0] in ("oracle", "lfps", "sparcas") else "--o"
+            a.plot([b for b, _ in pts], [max(g, 1e-2) for _, g in pts], style, color=f"C{j % 10}",
+                   label=ln, markersize=4)
+        a.set_xscale("log", base=2)
+        a.set_yscale("log")
+        pcts = sorted({r.get("budget_pct") or round(100 * r["budget"] / r["context"]) for r in rows})
+        a.set_xticks(pcts, [f"{p:g}%" for p in pcts])
+        a.set_xlabel("budget (of the context, global layers)")
+        a.set_title(f"{os.path.basename(text)[:-4]}, {ctx // 1024}K")
+        a.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("perplexity gap to dense (%)")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("Gemma 3 270M, last 1024 tokens scored (host backend)")
+    save(fig, src[:-5] + ".png")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--only", default="e2e,quality,scale,frontier")
+    ap.add_argument("--only", default="e2e,quality,scale,frontier,gemma")
     a = ap.parse_args()
-    plots = {"e2e": plot_e2e, "quality": plot_quality, "scale": plot_scale, "frontier": plot_frontier}
+    plots = {"e2e": plot_e2e, "quality": plot_quality, "scale": plot_scale, "frontier": plot_frontier,
+             "gemma": plot_gemma}
     for name in a.only.split(","):
         if name not in plots:
             sys.exit(f"plot.py: unknown plot '{name}' (known: {', '.join(plots)})")
