@@ -38,14 +38,16 @@ POLICIES = [
      "faster than SDPA at long contexts when a quality gap is acceptable; on some text it loses as much as streaming"),
     ("sparcas", "sparcas_bank", "GPU (4-bit compact keys in HBM) + token bank",
      "near-oracle quality on both texts selected on the GPU for SmolLM2-like models, but its scan of every "
-     "compact key makes a moving query's step slower than SDPA's; not on Gemma 3 (QK-norm: see the Gemma column)"),
+     "compact key makes a moving query's step slower than SDPA's; on models with QK-norm (Gemma 3) with "
+     "`smooth=1` (see the Gemma column)"),
     ("hip", "hip_bank", "GPU (cached hierarchical masks) + token bank",
      "fast, but its cached masks lose as much as streaming on text unlike the model's training (the recall "
      "guard, host selection, closes most of it: policies.md)"),
     ("kvpop", "kvpop_bank", "GPU (learned eviction slots) + token bank",
      "the fastest sparse step; quality depends on the trained scorer (`scorer=2`: untrained)"),
     ("lfps", "lfps", "CPU selects and attends the offloaded picks, GPU the resident rows",
-     "oracle quality on both texts when GPU memory is tight and time matters less (the CPU selects and attends)"),
+     "oracle quality on both texts when GPU memory is tight and time matters less (the CPU selects and attends); "
+     "on head dims above 64 with `scan` at a quarter of them (Gemma 3: `scan=64`)"),
 ]
 
 
@@ -194,20 +196,27 @@ def is_default_lane(r):
 
 
 def gemma_cell(policy):
-    """Gemma 3 at 32K: gap over the oracle's gap, KJV then Jargon (quality_gemma3_32k.json)."""
+    """Gemma 3 at 32K and 2%: gap over the oracle's gap, KJV then Jargon (quality_gemma3_32k.json), of
+    the policy with its defaults, then of each other parameter set it ran with, in brackets."""
     d = load("quality_gemma3_32k.json")
     if not d:
         return None
     if policy == "dense":
         return "reference"
-    cells = []
-    for text in ("data/kjv.txt", "data/jargon.txt"):
-        r = next((r for r in d["rows"] if r["policy"] == policy and r["context"] == 32768 and r["text"] == text
-                  and r.get("budget_pct", 2) == 2 and is_default_lane(r)), None)
-        if r is None or r.get("gap_over_oracle_gap") is None:
-            return None
-        cells.append(f"{r['gap_over_oracle_gap']:.2f}x")
-    return ", ".join(cells)
+    lanes = {}
+    for r in d["rows"]:
+        if r["policy"] == policy and r["context"] == 32768 and r.get("budget_pct", 2) == 2:
+            ps = r.get("params") or {}
+            key = "" if is_default_lane(r) else ", ".join(f"{k}={v:g}" for k, v in ps.items())
+            lanes.setdefault(key, {})[r["text"]] = r.get("gap_over_oracle_gap")
+
+    def pair(by):
+        x = [by.get(t) for t in ("data/kjv.txt", "data/jargon.txt")]
+        return None if None in x else ", ".join(f"{v:.2f}x" for v in x)
+    if pair(lanes.get("", {})) is None:
+        return None
+    extra = "".join(f" (`{k}`: {pair(v)})" for k, v in sorted(lanes.items()) if k and pair(v))
+    return pair(lanes[""]) + extra
 
 
 def t_e2e():
