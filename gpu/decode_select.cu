@@ -39,11 +39,6 @@ __device__ __forceinline__ int64_t ItemT(const DecodeStepArgs& a, int32_t b, int
   return (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
 }
 
-// Positions stored for the step's sequence b at its layer, the new token included.
-__device__ __forceinline__ int64_t SeqLen(const DecodeStepArgs& a, int32_t b) {
-  return a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-}
-
 template <typename T>
 __device__ __forceinline__ T* CompactOf(const DecodeStepArgs& a, int32_t b, int32_t h) {
   return reinterpret_cast<T*>(a.meta) +
@@ -64,7 +59,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SelectScoreKernel(DecodeStep
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int group = a.params.group;
   const int64_t slot = a.slots[b];
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const int64_t t = (slot * a.num_layers + a.layer) * a.num_kv_heads + h;
   const int64_t q0 = static_cast<int64_t>(item) * group * HD;
   const float qscale = a.params.scale * kLog2e;
@@ -175,7 +170,7 @@ __global__ void QuestAppendKernel(DecodeStepArgs a) {
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t slot = a.slots[b];
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const int64_t t = (slot * a.num_layers + a.layer) * a.num_kv_heads + h;
   const size_t meta_bytes = static_cast<size_t>(a.meta_pages) * 2 * a.params.head_dim * sizeof(T);
   RecomputePage<T>(a.meta + t * meta_bytes,
@@ -246,7 +241,7 @@ struct TopKItem {
 __device__ __forceinline__ TopKItem TopKItemOf(const DecodeStepArgs& a, int32_t item,
                                                int64_t mcta_min) {
   const int32_t b = item / a.num_kv_heads;
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   TopKItem t;
   if (a.scoring == SelectScoring::kExactTopK) {
     t.n = n;
@@ -293,7 +288,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) QuestScoreKernel(DecodeStepA
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int group = a.params.group;
   const int64_t slot = a.slots[b];
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const QuestSplit s = QuestSplitOf(a, n);
   if (s.all || s.k_off <= 0) return;
   const int64_t t = (slot * a.num_layers + a.layer) * a.num_kv_heads + h;
@@ -384,7 +379,7 @@ __global__ void __launch_bounds__(kTopKThreads) SelectTopKKernel(DecodeStepArgs 
   const int32_t item = blockIdx.x;
   if (MctaTakes(a, item, mcta_min)) return;
   const int32_t b = item / a.num_kv_heads;
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   int64_t k = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
   if (k > n) k = n;
   float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
@@ -482,7 +477,7 @@ __global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a
   if (MctaTakes(a, item, mcta_min)) return;
   const int32_t b = item / a.num_kv_heads;
   const int group = a.params.group;
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const QuestSplit s = QuestSplitOf(a, n);
   int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
   if (WriteListHead(a, item, s, n, out)) return;
@@ -564,7 +559,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasScalesKernel(DecodeSt
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t t = ItemT(a, b, h);
   float* sc = SparcasScalesOf(a, t);
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const QuestSplit sp = QuestSplitOf(a, n);
   if (sc == nullptr || sp.all || sp.k_off <= 0 || a.sparcas.state[t].d_b != 0) return;
   const int hd = a.params.head_dim;
@@ -604,7 +599,7 @@ __global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a) {
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int hd = a.params.head_dim, group = a.params.group;
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const QuestSplit sp = QuestSplitOf(a, n);
   const int64_t t = ItemT(a, b, h);
   SparcasState* st = a.sparcas.state + t;
@@ -687,7 +682,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
   const SparcasState st = a.sparcas.state[t];
   if (st.ranked == 0) return;
   const int hd = a.params.head_dim;
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const int d_b = st.d_b;
   const int32_t* dims = a.sparcas.dims + t * hd;
   T* compact = CompactOf<T>(a, b, h);
@@ -1055,7 +1050,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
   __shared__ int s_action;
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const QuestSplit sp = QuestSplitOf(a, n);
   int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
   if (WriteListHead(a, item, sp, n, out)) return;
@@ -1224,7 +1219,7 @@ __device__ __forceinline__ SparcasScoreItem LoadSparcasQuery(const DecodeStepArg
   if (!it.ranked) return it;
   const int hd = a.params.head_dim, group = a.params.group;
   it.d_b = min(st.d_b, max_db);
-  it.n = SeqLen(a, b);
+  it.n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const int32_t* dims = a.sparcas.dims + it.t * hd;
   const float qscale = scaled ? a.params.scale * kLog2e : 1.0f;
   const float* sc = scaled ? nullptr : SparcasScalesOf(a, it.t);
@@ -1446,7 +1441,7 @@ __global__ void __launch_bounds__(kSparcasThreads) DenseCompactScoreKernel(Decod
   const int64_t t = ItemT(a, b, h);
   if (a.sparcas.state[t].ranked == 0) return;
   const int group = a.params.group;
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const float qscale = a.params.scale * kLog2e;
   const int64_t q0 = static_cast<int64_t>(item) * group * HD;
   for (int i = threadIdx.x; i < group * HD; i += blockDim.x) q_s[i] = LoadElem(a.q, a.q_dtype, q0 + i) * qscale;
@@ -1488,7 +1483,7 @@ __global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs
   const int32_t item = blockIdx.x;
   if (MctaTakes(a, item, mcta_min)) return;
   const int32_t b = item / a.num_kv_heads;
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const QuestSplit sp = QuestSplitOf(a, n);
   int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
   if (WriteListHead(a, item, sp, n, out)) return;
@@ -1546,7 +1541,7 @@ constexpr size_t kQuestSmemOptIn = 40 * 1024;
 // write needs one pair of block scans a tile, not one a key.
 constexpr int kMctaVec = 4;
 struct Chunk {
-  int64_t begin, end;
+  int64_t begin, end, tiles_end;  // tiles_end: begin + whole tiles covering [begin, end)
 };
 
 __device__ __forceinline__ Chunk ChunkOf(int64_t count) {
@@ -1556,6 +1551,7 @@ __device__ __forceinline__ Chunk ChunkOf(int64_t count) {
   Chunk c;
   c.begin = min(static_cast<int64_t>(blockIdx.y) * chunk, count);
   c.end = min(c.begin + chunk, count);
+  c.tiles_end = c.begin + (c.end - c.begin + tile - 1) / tile * tile;
   return c;
 }
 
@@ -1572,20 +1568,6 @@ __device__ __forceinline__ void LoadTile(const Row& row, int64_t jt, int64_t end
                                          float (&x)[kMctaVec]) {
 #pragma unroll
   for (int u = 0; u < kMctaVec; ++u) x[u] = jt + u < end ? row[jt + u] : fill;
-}
-
-// Calls f(jt, x) for every tile of this CTA's chunk c of `row`: jt = TileFirst(j0) and x the
-// thread's kMctaVec values (`fill` past c.end). Every thread runs the same iterations, so f may
-// hold a block-wide barrier.
-template <typename Row, typename F>
-__device__ __forceinline__ void ForEachTile(const Chunk& c, const Row& row, float fill, F&& f) {
-  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
-  for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
-    const int64_t jt = TileFirst(j0);
-    float x[kMctaVec];
-    LoadTile(row, jt, c.end, fill, x);
-    f(jt, x);
-  }
 }
 
 // The radix state after `passes` histograms of an item ranking its k largest keys: the key bits
@@ -1772,7 +1754,7 @@ __device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, con
   const Chunk c = ChunkOf(it.count);
   const float* l = a.select_ws + static_cast<size_t>(item) * group * a.select_ld + it.lo;
   const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
-  for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
+  for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
     const int64_t jt = TileFirst(j0);
     float wt[kMctaVec];
 #pragma unroll
@@ -1814,13 +1796,17 @@ __device__ void MctaRadixPass(const DecodeStepArgs& a, const TopKItem& it, const
   const RadixState r = MctaPrefix(ws.hist, pass, it.k);  // synchronises: bins are zero
   const int shift = 24 - 8 * pass;
   const Chunk c = ChunkOf(it.count);
-  ForEachTile(c, w, 0.0f, [&](int64_t jt, const float (&x)[kMctaVec]) {
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
+  for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
+    const int64_t jt = TileFirst(j0);
+    float x[kMctaVec];
+    LoadTile(w, jt, c.end, 0.0f, x);
 #pragma unroll
     for (int u = 0; u < kMctaVec; ++u) {
       const uint32_t key = OrderedKey(x[u]);
       CountBin(bins, key, shift, jt + u < c.end && (key & r.mask) == r.prefix);
     }
-  });
+  }
   FlushHistogram(bins, ws.hist + pass * 256);
 }
 
@@ -1832,14 +1818,18 @@ __device__ void MctaCountPass(const DecodeStepArgs& a, const TopKItem& it, const
   const RadixState r = MctaPrefix(ws.hist, 4, it.k);
   const Chunk c = ChunkOf(it.count);
   int gt = 0, eq = 0;
-  ForEachTile(c, w, 0.0f, [&](int64_t jt, const float (&x)[kMctaVec]) {
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
+  for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
+    const int64_t jt = TileFirst(j0);
+    float x[kMctaVec];
+    LoadTile(w, jt, c.end, 0.0f, x);
 #pragma unroll
     for (int u = 0; u < kMctaVec; ++u) {
       const uint32_t key = OrderedKey(x[u]);
       gt += jt + u < c.end && key > r.prefix;
       eq += jt + u < c.end && key == r.prefix;
     }
-  });
+  }
   gt = Reduce(tmp).Sum(gt);
   __syncthreads();
   eq = Reduce(tmp).Sum(eq);
@@ -1875,7 +1865,7 @@ __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const
   __syncthreads();
   int64_t out_base = s_out, eq_base = s_eq;
   const int32_t b = item / a.num_kv_heads;
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   int64_t sinks = 0, off_hi = n;
   if (!kQuest && a.scoring == SelectScoring::kSparcas) {
     const QuestSplit sp = QuestSplitOf(a, n);
@@ -1884,7 +1874,11 @@ __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const
   }
   int32_t* list = a.list + static_cast<size_t>(item) * a.list_cap;
   const Chunk c = ChunkOf(it.count);
-  ForEachTile(c, w, 0.0f, [&](int64_t jt, const float (&x)[kMctaVec]) {
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
+  for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
+    const int64_t jt = TileFirst(j0);
+    float x[kMctaVec];
+    LoadTile(w, jt, c.end, 0.0f, x);
     uint32_t key[kMctaVec];
     int eq = 0;
 #pragma unroll
@@ -1924,7 +1918,7 @@ __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const
     out_base += sel_total;
     eq_base += eq_total;
     __syncthreads();
-  });
+  }
   if constexpr (!kQuest) {
     if (blockIdx.y != 0) return;
     // CTA 0 writes the rest of the list: SparCas's sinks and window, and the count.
@@ -2027,7 +2021,7 @@ __global__ void __launch_bounds__(kTopKThreads) MctaQuestListKernel(DecodeStepAr
   if (!it.mcta) return;
   const MctaScratch ws = MctaScratchOf(a, item);
   const int32_t b = item / a.num_kv_heads;
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const QuestSplit s = QuestSplitOf(a, n);
   const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
   int sort_n = 1;
@@ -2203,7 +2197,7 @@ constexpr int kPsawThreads = 256;
 __global__ void __launch_bounds__(kPsawThreads) PsawFilterKernel(DecodeStepArgs a) {
   const int64_t item = blockIdx.x;
   const int b = static_cast<int>(item / a.num_kv_heads);
-  const int64_t n = SeqLen(a, b);
+  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const int64_t sink = min(max(static_cast<int64_t>(a.sink), int64_t{0}), n);
   const int64_t hide_end = static_cast<int64_t>(floor(a.hide_fraction * static_cast<double>(n)));
   if (hide_end <= sink) return;
