@@ -1226,7 +1226,7 @@ CPU2 = "CPU: host backend, 2+ cores"
 MACHINE = {
     "e2e": (GPU1_RAM, "~8 min (454 s recorded on an H100 with the binaries built: 40 rows, SDPA, prefill)"), "scale": (GPU1_RAM, "~13 min in two calls on one warm machine (730 s recorded on an H200: "
                                    "SCALE_POINTS=32768x4,131072x1,dense 210 s, then 131072x4,524288x1 520 s)"), "split": (GPU1_RAM, "?"),
-    "quality_gemma3_32k": (CPU2, "~145 min on 2 cores (143 min recorded beside builds and CI: 4 prefills of 16K/32K, 32 lanes x 1024 tokens at ~11 tok/s idle, 9 passkey prompts)"),
+    "quality_gemma3_32k": (CPU2, "~70 min on 2 cores (70 min recorded, the last 25 beside CI: two chains side by side, 28 lanes decoded together after each of 4 prefills of 16K/32K, 9 passkey prompts of 85-880 s)"),
     "sparcas_smooth_gemma3": (CPU2, "~62 min on 2 cores (4 perplexity runs of 4 lanes x 1024 tokens at ~10 tok/s, 6 passkey prompts of 100-265 s)"),
     "quality_smollm2": (CPU2, "~75 min on 2 cores (2507 s of decode recorded, + 9 prefills, passkey, replays)"),
     "gpu_attention": (GPU1, "?"), "torch_sdpa": (GPU1, "?"), "transfer_span": (GPU1, "?"),
