@@ -253,6 +253,14 @@ TEST(Gemma3Engine, SparseGlobalPolicyRuns) {
   }
 }
 
+// n token ids drawn uniformly from the tiny model's vocabulary (id 0 left out).
+std::vector<int32_t> RandomTokens(size_t n, std::mt19937& rng) {
+  std::uniform_int_distribution<int32_t> tok(1, Tiny().model.config.vocab_size - 1);
+  std::vector<int32_t> out(n);
+  for (int32_t& t : out) t = tok(rng);
+  return out;
+}
+
 // Lanes decoded together (Engine::DecodeLanes: one pass a step, the lanes as the products' rows)
 // score as each lane decoded alone, on a fresh random window, for lanes that differ (dense and
 // three sparse policies on the global layer), and generate the same tokens.
@@ -267,12 +275,9 @@ TEST(Gemma3Engine, LanesDecodedTogetherEqualEachLaneAlone) {
     ASSERT_NE(owned.back(), nullptr) << p;
     lanes.push_back(owned.back().get());
   }
-  std::random_device rd;
-  const unsigned seed = rd();
+  const unsigned seed = std::random_device{}();
   std::mt19937 rng(seed);
-  std::uniform_int_distribution<int32_t> tok(1, fx.model.config.vocab_size - 1);
-  std::vector<int32_t> window(48);
-  for (int32_t& t : window) t = tok(rng);
+  const std::vector<int32_t> window = RandomTokens(48, rng);
   auto alone = EvalPerplexity(engine, window, 24, lanes, 16, nullptr, {}, false);
   auto together = EvalPerplexity(engine, window, 24, lanes, 16, nullptr, {}, true);
   ASSERT_TRUE(alone.ok()) << alone.status().ToString();
@@ -303,12 +308,9 @@ TEST(Gemma3Engine, LanesDecodedTogetherEqualEachLaneAlone) {
 TEST(Gemma3Engine, PrefillAppendsWhereThePolicyReadsNoQueries) {
   const Fixture& fx = Tiny();
   Engine engine(fx.model);
-  std::random_device rd;
-  const unsigned seed = rd();
+  const unsigned seed = std::random_device{}();
   std::mt19937 rng(seed);
-  std::uniform_int_distribution<int32_t> tok(1, fx.model.config.vocab_size - 1);
-  std::vector<int32_t> prompt(40);
-  for (int32_t& t : prompt) t = tok(rng);
+  const std::vector<int32_t> prompt = RandomTokens(40, rng);
   auto dense = MakeRuntime("dense", DType::kF16);
   ASSERT_NE(dense, nullptr);
   EXPECT_FALSE(dense->prefill_reads_queries());
@@ -328,7 +330,7 @@ TEST(Gemma3Engine, PrefillAppendsWhereThePolicyReadsNoQueries) {
     ASSERT_TRUE(engine.Prefill(prompt, 0, behind, nullptr).ok());
     std::vector<float> want, got;
     for (int i = 0; i < 8; ++i) {
-      const int32_t t = tok(rng);
+      const int32_t t = RandomTokens(1, rng)[0];
       const int64_t pos = static_cast<int64_t>(prompt.size()) + i;
       ASSERT_TRUE(engine.Decode(t, pos, *first, &want).ok());
       ASSERT_TRUE(engine.Decode(t, pos, *second, &got).ok());
