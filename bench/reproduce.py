@@ -1133,6 +1133,122 @@ def qc_merge(T):
             "rows": bank}
 
 
+# real_model_gpu: SmolLM2-135M decoding on the GPU through kvferry-llama --backend cuda (cuBLAS
+# matrix products, attention through the Runtime's CUDA backend), every policy at budget 256 of
+# 2K/4K/8K windows of KJV (the last 256 tokens scored), batch 1 (each lane alone) and batch 8 (8
+# sequences of one policy decoded together, --lanes-together); the same perplexity runs on the host
+# backend of the same machine for the agreement check, passkey at 2K/4K on both backends, and the
+# report the main job prints with --backend auto. The model and the text must be in data/ (the GPU
+# machine has no network: bash scripts/fetch-data.sh on a machine with one, then copy data/).
+RM_POLICIES = "oracle,streaming,lfps,sparcas,quest,hip"
+RM_CONTEXTS = (2048, 4096, 8192)
+RM_SCORED = 256
+RM_WEIGHTS = "--policy-weights policies/weights/kvpop_smollm2.safetensors"
+
+
+def real_model_cmds(T):
+    """In order of need, so that a run cut short keeps the agreement and batch-1 rows: batch 1 on both
+    backends, passkey, the report, batch 8, then the device policies with a token bank."""
+    L = f"{LLAMA} --model {MODEL}"
+    cmds = [f"test -s {MODEL} && test -s data/kjv.txt"]
+
+    def ppl(ctx):
+        return (f"--perplexity --text data/kjv.txt --offset-lines 1000 --context {ctx} --scored {RM_SCORED} "
+                f"--budget 256")
+    for ctx in RM_CONTEXTS:
+        for be in ("cuda", "host"):
+            tog = " --lanes-together" if be == "host" else ""  # the host rows are for agreement only
+            cmds.append(f"{L} --backend {be}{tog} {ppl(ctx)} --policy {RM_POLICIES} --json {T}/{be}_b1_{ctx}.json")
+            cmds.append(f"{L} --backend {be}{tog} {ppl(ctx)} {RM_WEIGHTS} --policy kvpop --no-dense "
+                        f"--json {T}/{be}_b1_kvpop_{ctx}.json")
+    for be in ("cuda", "host"):
+        cmds.append(f"{L} --backend {be} --passkey --text data/kjv.txt --lengths 2048,4096 --depths 0.1,0.5,0.9 "
+                    f"--policy oracle,lfps,sparcas,quest,hip --budget 256 --json {T}/passkey_{be}.json")
+    cmds.append(f"{L} --backend auto --report --chat --text data/kjv.txt --context 8192 --scored 1024 "
+                f"--offset-lines 1000 --policy lfps --budget 256 --window 192 --json {T}/report.json")
+    for ctx in RM_CONTEXTS:
+        for p in ("dense",) + tuple(RM_POLICIES.split(",")) + ("kvpop",):
+            w = f" {RM_WEIGHTS}" if p == "kvpop" else ""
+            cmds.append(f"{L} --backend cuda --lanes-together {ppl(ctx)}{w} --policy {','.join([p] * 8)} --no-dense "
+                        f"--json {T}/cuda_b8_{p}_{ctx}.json")
+    for ctx in RM_CONTEXTS:  # real queries against the token bank (slots for twice the budget)
+        cmds.append(f"{L} --backend cuda {ppl(ctx)} --bank-slots 512 --policy oracle,sparcas,quest,hip --no-dense "
+                    f"--json {T}/cuda_bank_{ctx}.json")
+        cmds.append(f"{L} --backend cuda {ppl(ctx)} --bank-slots 512 {RM_WEIGHTS} --policy kvpop --no-dense "
+                    f"--json {T}/cuda_bank_kvpop_{ctx}.json")
+    return cmds
+
+
+def rm_lane_row(lane, backend, ctx, batch, run):
+    st = lane.get("stats", {})
+    steps = max(1, st.get("decode_steps", 0))
+    sel = st.get("rows_selected", 0)
+    return {"backend": backend, "context": ctx, "batch": batch, "policy": lane["policy"],
+            "budget": None if lane["policy"] == "dense" else lane["budget"],
+            "perplexity": lane["perplexity"],
+            "decode_tokens_per_second": lane["decode_tokens_per_second"] * batch,
+            "prefill_tokens_per_second": run["prefill_tokens"] / run["prefill_seconds"] if run["prefill_seconds"] else None,
+            "decode_pcie_bytes_per_token": lane["decode_pcie_bytes_per_token"],
+            "gpu_kv_bytes_per_sequence": lane["gpu_kv_bytes_per_sequence"],
+            "device_bytes_reserved": lane["device_bytes_reserved"],
+            "bank_hit_rate": st["rows_bank_hit"] / sel if sel and st.get("rows_bank_hit") is not None else None,
+            "rows_selected_per_layer_step": sel / steps,
+            "ms_select_device_per_step": st.get("ms_select_device", 0) / steps,
+            "ms_attend_gpu_per_step": st.get("ms_attend_gpu", 0) / steps}
+
+
+def real_model_merge(T):
+    rows, agree = [], []
+    for ctx in RM_CONTEXTS:
+        per = {}
+        for be in ("cuda", "host"):
+            for f in (f"{T}/{be}_b1_{ctx}.json", f"{T}/{be}_b1_kvpop_{ctx}.json"):
+                if not os.path.exists(f):  # a run cut short: left out
+                    continue
+                run = jload(f)
+                for lane in run["lanes"]:
+                    r = rm_lane_row(lane, be, ctx, 1, run)
+                    per[be, lane["policy"]] = r
+                    if be == "cuda":
+                        rows.append(r)
+        for p in ("dense",) + tuple(RM_POLICIES.split(",")) + ("kvpop",):
+            f = f"{T}/cuda_b8_{p}_{ctx}.json"
+            if os.path.exists(f):
+                run = jload(f)
+                lanes = run["lanes"]
+                r = rm_lane_row(lanes[0], "cuda", ctx, len(lanes), run)
+                r["perplexity_spread"] = max(l["perplexity"] for l in lanes) - min(l["perplexity"] for l in lanes)
+                rows.append(r)
+            c, h = per.get(("cuda", p)), per.get(("host", p))
+            if c and h:
+                agree.append({"context": ctx, "policy": p, "perplexity_cuda": c["perplexity"],
+                              "perplexity_host": h["perplexity"],
+                              "rel_diff": abs(c["perplexity"] / h["perplexity"] - 1)})
+        for f in (f"{T}/cuda_bank_{ctx}.json", f"{T}/cuda_bank_kvpop_{ctx}.json"):
+            if os.path.exists(f):
+                run = jload(f)
+                rows += [dict(rm_lane_row(lane, "cuda", ctx, 1, run), bank_slots=512) for lane in run["lanes"]]
+    for r in rows:  # decode speed against dense on the same backend, context and batch
+        d = next((x for x in rows if x["policy"] == "dense" and x["context"] == r["context"]
+                  and x["batch"] == r["batch"] and "bank_slots" not in x), None)
+        r["decode_vs_dense"] = r["decode_tokens_per_second"] / d["decode_tokens_per_second"] if d else None
+    passkey = []
+    for be in ("cuda", "host"):
+        if not os.path.exists(f"{T}/passkey_{be}.json"):
+            continue
+        pk = jload(f"{T}/passkey_{be}.json")
+        passkey.append({"backend": be, **{k: v for k, v in pk.items() if k not in ("mode",)}})
+    report = jload(f"{T}/report.json") if os.path.exists(f"{T}/report.json") else None
+    return {"bench": "real_model_gpu", "model": MODEL,
+            "notes": "SmolLM2-135M (Q4_1 GGUF) through kvferry-llama: matrix products on cuBLAS, attention "
+                     "through the Runtime's CUDA backend; KJV from line 1000, the last 256 tokens of each window "
+                     "scored; sinks 4 + window 64, budget 256; batch 1 = one lane alone, batch 8 = 8 sequences of "
+                     "one policy decoded together (tokens/s counts all 8). agreement: the same runs on the host "
+                     "backend of the same machine.",
+            "regenerate": "python3 bench/reproduce.py real_model_gpu",
+            "rows": rows, "agreement": agree, "passkey": passkey, "report": report}
+
+
 SPECS = {
     "e2e": dict(gpu=True, targets=["kvferry-e2e"], run=e2e_cmds, merge=e2e_merge,
                 what="the Runtime end to end per token step (32 layers, Llama-3.1-8B shape) vs torch SDPA, "
@@ -1150,6 +1266,9 @@ SPECS = {
                                   merge=sparcas_smooth_merge,
                                   what="SparCas with and without channel smoothing on Gemma 3 at 2% of 16K/32K "
                                        "(perplexity on KJV and Jargon, passkey), oracle and dense beside"),
+    "real_model_gpu": dict(gpu=True, targets=[], examples=True, run=real_model_cmds, merge=real_model_merge,
+                           what="SmolLM2-135M decoding on the GPU (kvferry-llama --backend cuda): every policy's "
+                                "perplexity and tokens/s at 2K/4K/8K, batch 1 and 8; CUDA vs host agreement; passkey"),
     "quality_smollm2": dict(gpu=False, targets=["kvferry-bench"], examples=True, run=quality_cmds,
                             merge=quality_merge,
                             what="perplexity gap, passkey and attention-mass recall of every policy on SmolLM2-135M"),
@@ -1228,6 +1347,7 @@ MACHINE = {
                                    "SCALE_POINTS=32768x4,131072x1,dense 210 s, then 131072x4,524288x1 520 s)"), "split": (GPU1_RAM, "?"),
     "quality_gemma3_32k": (CPU2, "~70 min on 2 cores (70 min recorded, the last 25 beside CI: two chains side by side, 28 lanes decoded together after each of 4 prefills of 16K/32K, 9 passkey prompts of 85-880 s)"),
     "sparcas_smooth_gemma3": (CPU2, "~62 min on 2 cores (4 perplexity runs of 4 lanes x 1024 tokens at ~10 tok/s, 6 passkey prompts of 100-265 s)"),
+    "real_model_gpu": (GPU1, "?"),
     "quality_smollm2": (CPU2, "~75 min on 2 cores (2507 s of decode recorded, + 9 prefills, passkey, replays)"),
     "gpu_attention": (GPU1, "?"), "torch_sdpa": (GPU1, "?"), "transfer_span": (GPU1, "?"),
     "select_topk": (GPU1, "?"), "cpu_attention": ("CPU: 16 cores (the GPU machine's)", "?"),

@@ -14,6 +14,7 @@
 #include "examples/llama/engine.h"
 #include "examples/llama/model.h"
 #include "examples/llama/tokenizer.h"
+#include "kvferry/runtime.h"
 
 namespace kvferry::llama {
 namespace {
@@ -193,6 +194,57 @@ TEST(LlamaSmolLm2, SparsePoliciesRunAndStayCloseOnShortContext) {
     }
     const Agreement a = Compare(*fx, logits);
     EXPECT_EQ(a.top1_agree, a.positions) << policy;
+  }
+}
+
+// The real model through the CUDA backend equals the host backend: the reference prompt's first
+// half prefilled in chunks of 7, the rest decoded token by token, every policy at a budget of 24
+// (sinks 4 + window 8, so the sparse policies choose), the logits of every step compared. Runs where
+// a GPU is present and the model is fetched.
+TEST(LlamaSmolLm2, CudaBackendMatchesTheHostBackend) {
+  KVF_NEED_SMOLLM2();
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  const std::vector<int32_t> tokens = fx->ref.GetInt32("tokens").value();
+  const int64_t n = static_cast<int64_t>(tokens.size()), half = n / 2;
+  for (const char* policy : {"dense", "oracle", "streaming", "lfps", "sparcas", "quest", "hip", "kvpop"}) {
+    std::vector<float> logits[2];  // [backend]: every step's logits, one after another
+    for (int b = 0; b < 2; ++b) {
+      RuntimeConfig rc;
+      rc.backend = b == 0 ? Backend::kCuda : Backend::kHost;
+      rc.policy.name = policy;
+      rc.policy.budget_tokens = std::string(policy) == "dense" ? 256 : 24;
+      rc.model.kv_dtype = DType::kF16;
+      rc.capacity.max_sequences = 1;
+      rc.capacity.max_batch = 1;
+      rc.capacity.max_tokens_per_sequence = 256;
+      rc.capacity.max_prefill_chunk = 64;
+      rc.tiers.sink_tokens = 4;
+      rc.tiers.window_tokens = 8;
+      rc.cpu_threads = 1;
+      rc.probe_at_start = false;
+      auto attn = RuntimeAttention::Create(RuntimeConfigFor(fx->model.config, rc));
+      ASSERT_TRUE(attn.ok()) << policy << ": " << attn.status().ToString();
+      Engine engine(fx->model);
+      std::vector<Attention*> attns{attn->get()};
+      std::vector<float> step;
+      ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(tokens.data(), half), 0, attns, &logits[b],
+                                 false, /*chunk=*/7).ok()) << policy;
+      for (int64_t p = half; p < n; ++p) {
+        const Status st = engine.Decode(tokens[p], p, **attn, &step);
+        ASSERT_TRUE(st.ok()) << policy << ": " << st.ToString();
+        logits[b].insert(logits[b].end(), step.begin(), step.end());
+      }
+    }
+    ASSERT_EQ(logits[0].size(), logits[1].size());
+    double diff = 0, mx = 0;
+    for (size_t i = 0; i < logits[0].size(); ++i) {
+      ASSERT_TRUE(std::isfinite(logits[0][i])) << policy;
+      diff = std::max(diff, static_cast<double>(std::fabs(logits[0][i] - logits[1][i])));
+      mx = std::max(mx, static_cast<double>(std::fabs(logits[1][i])));
+    }
+    std::printf("SmolLM2 %s: CUDA vs host backend over %lld steps, max |dlogit| / max |logit| = %.3g\n",
+                policy, static_cast<long long>(n - half + 1), diff / mx);
+    EXPECT_LT(diff / mx, 1e-3) << policy;
   }
 }
 
