@@ -1187,6 +1187,7 @@ def rm_lane_row(lane, backend, ctx, batch, run):
     st = lane.get("stats", {})
     steps = max(1, st.get("decode_steps", 0))
     sel = st.get("rows_selected", 0)
+    hit, fetched = st.get("rows_bank_hit", 0), st.get("rows_fetched", 0)
     return {"backend": backend, "context": ctx, "batch": batch, "policy": lane["policy"],
             "budget": None if lane["policy"] == "dense" else lane["budget"],
             "perplexity": lane["perplexity"],
@@ -1195,8 +1196,12 @@ def rm_lane_row(lane, backend, ctx, batch, run):
             "decode_pcie_bytes_per_token": lane["decode_pcie_bytes_per_token"],
             "gpu_kv_bytes_per_sequence": lane["gpu_kv_bytes_per_sequence"],
             "device_bytes_reserved": lane["device_bytes_reserved"],
-            "bank_hit_rate": st["rows_bank_hit"] / sel if sel and st.get("rows_bank_hit") is not None else None,
+            # the share of the offloaded picks the token bank served (the rest crossed PCIe)
+            "bank_hit_rate": hit / (hit + fetched) if hit + fetched > 0 and hit > 0 else None,
             "rows_selected_per_layer_step": sel / steps,
+            "rows_bank_hit_per_layer_step": hit / steps,
+            "rows_fetched_per_layer_step": fetched / steps,
+            "host_syncs_per_layer_step": st.get("host_syncs", 0) / steps,
             "ms_select_device_per_step": st.get("ms_select_device", 0) / steps,
             "ms_attend_gpu_per_step": st.get("ms_attend_gpu", 0) / steps}
 

@@ -482,11 +482,53 @@ def t_budgets():
     return table(head, rows)
 
 
+def t_real_model_gpu():
+    """bench/results/real_model_gpu.json: SmolLM2-135M through kvferry-llama --backend cuda, every
+    policy: perplexity and decode tokens/s per context, batch 8 at 8K, the bank hit rate of real
+    queries, the largest perplexity difference to the host backend, passkey."""
+    d = load("real_model_gpu.json")
+    if not d:
+        return "(bench/results/real_model_gpu.json not yet generated)\n"
+    rows = d["rows"]
+    ctxs = sorted({r["context"] for r in rows if r["batch"] == 1})
+    pick = lambda p, c, b=1, bank=False: next((r for r in rows if r["policy"] == p and r["context"] == c and
+                                               r["batch"] == b and ("bank_slots" in r) == bank), None)
+    agree = {}
+    for a in d.get("agreement", []):
+        agree[a["policy"]] = max(agree.get(a["policy"], 0), a["rel_diff"])
+    found = {}
+    for pk in d.get("passkey", []):
+        acc = {}
+        for t in pk["trials"]:
+            for lab, v in t["answers"].items():
+                f, n = acc.get(lab.split("@")[0], (0, 0))
+                acc[lab.split("@")[0]] = (f + bool(v["found"]), n + 1)
+        found[pk["backend"]] = acc
+    gpu = gpu_short(rows[0]) if rows else "—"
+    big = max(ctxs)
+    head = (["policy"] + [f"perplexity {c // 1024}K" for c in ctxs] + [f"tok/s {c // 1024}K b1" for c in ctxs] +
+            [f"tok/s {big // 1024}K b8", f"b1 vs dense, {big // 1024}K", f"bank hit {big // 1024}K",
+             "max ppl diff to host", "passkey CUDA (host)"])
+    out = []
+    for p in ("dense", "oracle", "streaming", "lfps", "sparcas", "quest", "hip", "kvpop"):
+        b1 = [pick(p, c) for c in ctxs]
+        b8, bank = pick(p, big, 8), pick(p, big, 1, True)
+        fc, fh = found.get("cuda", {}).get(p), found.get("host", {}).get(p)
+        pkc = f"{fc[0]}/{fc[1]}" + (f" ({fh[0]}/{fh[1]})" if fh else "") if fc else None
+        out.append([f"`{p}`"] + [r["perplexity"] if r else None for r in b1] +
+                   [round(r["decode_tokens_per_second"], 1) if r else None for r in b1] +
+                   [round(b8["decode_tokens_per_second"], 1) if b8 else None,
+                    f"{b1[-1]['decode_vs_dense']:.2f}x" if b1[-1] else None,
+                    f"{bank['bank_hit_rate']:.2f}" if bank and bank.get("bank_hit_rate") is not None else None,
+                    f"{100 * agree[p]:.2f}%" if p in agree else None, pkc])
+    return table(head, out) + f"\n({gpu}, {rows[0]['provenance']['commit'] if rows else ''}; passkey: CUDA at 2K and 4K, the host backend at 2K, 3 depths each.)\n"
+
+
 TABLES = {"query": t_query, "policy": t_policy, "e2e": t_e2e, "prefill": t_prefill, "scale": t_scale,
           "quality": t_quality, "kernels": t_kernels, "cpu": t_cpu,
           "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
           "hip-quality": t_hip_quality, "gemma-quality": t_gemma_quality, "budgets": t_budgets,
-          "sparcas-smooth": t_sparcas_smooth}
+          "sparcas-smooth": t_sparcas_smooth, "real-model-gpu": t_real_model_gpu}
 
 
 def doc_files():
