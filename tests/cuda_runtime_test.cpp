@@ -78,7 +78,7 @@ RuntimeConfig MakeConfig(const Case& c, Backend backend) {
     cfg.policy.params["u"] = 4;
     cfg.policy.params["dense_layers"] = 1;
     if (c.sparcas_bits != 0) cfg.policy.params["bits"] = c.sparcas_bits;
-    if (c.smooth != 0) cfg.policy.params["smooth"] = c.smooth;
+    cfg.policy.params["smooth"] = c.smooth;  // explicit both ways (the default is 1)
   }
   // KVpop selects on the device unless asked (bits 16 stands for "the host selects" here too);
   // "kvpop_mlp_test" scores with a random MLP (tests/policy_test_util.h).

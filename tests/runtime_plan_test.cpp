@@ -901,7 +901,7 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   // configured) and the same outputs.
   // "X:lag0": HiP with each mask served from the step that builds it (the default lag 1 serves a
   // due one from the next step); "X:dense16": HiP's dense layers exact (the default: 4-bit);
-  // "sparcas:smooth": SparCas's channel smoothing.
+  // "sparcas:raw": SparCas without its channel smoothing (smooth=0; the default smooths).
   const std::string param = GetParam();
   const size_t colon = param.find(':');
   const std::string name = param.substr(0, colon);
@@ -911,7 +911,7 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   if (variant == "mlp") c.policy.name = testing_util::RegisterKvpopMlpTestPolicy();
   if (variant == "lag0") c.policy.params["lag"] = 0;
   if (variant == "dense16") c.policy.params["dense_bits"] = 16;
-  if (variant == "smooth") c.policy.params["smooth"] = 1;  // SparCas's channel smoothing
+  if (variant == "raw") c.policy.params["smooth"] = 0;  // SparCas's 4-bit rows of the raw keys
   // "psaw+X": PrHS's depth window hides [sink, 0.16 n) at layer 1; the device filters its list.
   // "xl+X": layer 1 takes layer 0's list (xl.start 0.5 of 2 layers); the device copies it.
   const std::string base = name.substr(name.rfind('+') + 1);
@@ -1048,7 +1048,7 @@ TEST(KvpopDevice, ZeroScorerIsStreamingAndEvictedNeverReturn) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, DeviceSelected,
-                         ::testing::Values("oracle", "quest", "sparcas", "sparcas:smooth", "hip", "hip:lag0",
+                         ::testing::Values("oracle", "quest", "sparcas", "sparcas:raw", "hip", "hip:lag0",
                                            "hip:dense16", "kvpop", "kvpop:mlp",
                                            "psaw+oracle", "psaw+quest", "psaw+sparcas", "psaw+hip",
                                            "psaw+kvpop", "xl+oracle", "xl+quest", "xl+sparcas",

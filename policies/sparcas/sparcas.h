@@ -71,10 +71,10 @@ struct SparcasParams {
   int u = 64;            ///< "u": dimension refresh interval in steps
   int dense_layers = 2;  ///< "dense_layers": first layers that use every dimension (exact top-k)
   int bits = 0;          ///< "bits": 4 or 16 per kept dimension (0 = 4 when head_dim % 8 == 0)
-  /// "smooth": 1 divides each key channel by its largest size in the prompt before the 4-bit rows
-  /// are quantized and weighs the dimensions by it (base/sparcas_q4.h, SparcasChannelScales; both
-  /// backends, docs/policies.md, `sparcas`).
-  int smooth = 0;
+  /// "smooth": 1 (the default) divides each key channel by its largest size in the prompt before
+  /// the 4-bit rows are quantized and weighs the dimensions by it (base/sparcas_q4.h,
+  /// SparcasChannelScales; both backends, docs/policies.md, `sparcas`); 0 quantizes the raw rows.
+  int smooth = 1;
 };
 
 Result<SparcasParams> ParseSparcasParams(const std::map<std::string, double>& params);
