@@ -214,8 +214,8 @@ def split_merge(T):
 
 def quality_cmds(T):
     L = f"{LLAMA} --model {MODEL}"
-    ppl = "--perplexity --text data/kjv.txt --context 8192 --scored 1024 --backend host"
-    pk = "--passkey --text data/kjv.txt --backend host"
+    ppl = "--perplexity --text data/kjv.txt --context 8192 --scored 1024 --backend host --lanes-together"
+    pk = "--passkey --text data/kjv.txt --backend host --lanes-together"
     W = "--policy-weights policies/weights/kvpop_smollm2.safetensors"
     cmds = [
         "bash scripts/fetch-data.sh",
@@ -336,25 +336,11 @@ def quality_gemma3_merge(T):
                         "fallback)."])
 
 
-# SparCas's channel smoothing on Gemma 3 (QK-norm: key channels of very different size): sparcas
-# with and without smooth=1, the oracle and dense in the same runs, passkey at 16K/32K
-# (docs/policies.md, `sparcas`).
-SMOOTH_LANES = "oracle,sparcas,sparcas:smooth=1"
-
-
-def sparcas_smooth_cmds(T):
-    return gemma_cmds(T, SMOOTH_LANES, (16384, 32768), (2,), together=False)
-
-
-def sparcas_smooth_merge(T):
-    return gemma_merge(T, "sparcas_smooth_gemma3", (16384, 32768),
-                       [GEMMA_NOTE + " sparcas with its defaults (params {}) and with smooth=1 (the channel "
-                        "scales), the oracle and dense in the same runs."])
-
-
 def quality_merge(T):
     d = json.load(open(f"{T}/quality.json"))
     d["regenerate"] = "python3 bench/reproduce.py quality_smollm2"
+    d["notes"] = ("The lanes of a perplexity or passkey run decode each step together (--lanes-together), "
+                  "so a row's decode_seconds is the time of all the lanes of its run.")
     return d
 
 
@@ -1034,6 +1020,9 @@ def frontier_cmds(T):
     return [FETCH, side_by_side(*(text_cmds(t) for t in HQ_TEXTS))]
 
 
+SMOOTH_BEFORE = ("e943d47",)  # e2e.json commits whose sparcas rows ran at smooth=0 (then the default)
+
+
 def frontier_merge(T):
     e2e = jload(os.path.join(RES, "e2e.json"))
     speed = {}
@@ -1061,6 +1050,11 @@ def frontier_merge(T):
             p[f"gap_over_oracle_gap_{t}"] = l.get("gap_over_oracle_gap")
         points.append(p)
     dense = {t: quality[t]["dense"]["perplexity"] for t in HQ_TEXTS}
+    # e2e.json's rows from before SparCas smoothed by default ran it at smooth=0.
+    if any(str((p.get("speed_provenance") or {}).get("commit", "")).startswith(SMOOTH_BEFORE) for p in points):
+        for p in points:
+            if "sparcas" in p["policy"]:
+                p["speed_params"] = {"smooth": 0}
     return {"what": "every policy's decode time at 128K x 1 with the real query (ratio to torch SDPA, "
                     "bench/results/e2e.json) against its perplexity gap to dense at 256 of 8K on KJV and the "
                     "Jargon File (this run: SmolLM2-135M, host backend, last 1024 scored)",
@@ -1271,10 +1265,6 @@ SPECS = {
                                merge=quality_gemma3_merge,
                                what="Gemma 3 270M at 16K/32K: perplexity (KJV, Jargon) and passkey (8K-32K) of every "
                                     "policy at 2% of the context"),
-    "sparcas_smooth_gemma3": dict(gpu=False, targets=[], examples=True, run=sparcas_smooth_cmds,
-                                  merge=sparcas_smooth_merge,
-                                  what="SparCas with and without channel smoothing on Gemma 3 at 2% of 16K/32K "
-                                       "(perplexity on KJV and Jargon, passkey), oracle and dense beside"),
     "real_model_gpu": dict(gpu=True, targets=[], examples=True, run=real_model_cmds, merge=real_model_merge,
                            what="SmolLM2-135M decoding on the GPU (kvferry-llama --backend cuda): every policy's "
                                 "perplexity and tokens/s at 2K/4K/8K, batch 1 and 8; CUDA vs host agreement; passkey"),
@@ -1355,9 +1345,8 @@ MACHINE = {
     "e2e": (GPU1_RAM, "~8 min (454 s recorded on an H100 with the binaries built: 40 rows, SDPA, prefill)"), "scale": (GPU1_RAM, "~13 min in two calls on one warm machine (730 s recorded on an H200: "
                                    "SCALE_POINTS=32768x4,131072x1,dense 210 s, then 131072x4,524288x1 520 s)"), "split": (GPU1_RAM, "?"),
     "quality_gemma3_32k": (CPU2, "~70 min on 2 cores (70 min recorded, the last 25 beside CI: two chains side by side, 28 lanes decoded together after each of 4 prefills of 16K/32K, 9 passkey prompts of 85-880 s)"),
-    "sparcas_smooth_gemma3": (CPU2, "~62 min on 2 cores (4 perplexity runs of 4 lanes x 1024 tokens at ~10 tok/s, 6 passkey prompts of 100-265 s)"),
     "real_model_gpu": (GPU1, "~8 min with kvferry-llama built (the host backend's agreement runs and passkey are half of it)"),
-    "quality_smollm2": (CPU2, "~75 min on 2 cores (2507 s of decode recorded, + 9 prefills, passkey, replays)"),
+    "quality_smollm2": (CPU2, "~75 min on 2 cores before its lanes decoded together (2507 s of decode recorded, + 9 prefills, passkey, replays)"),
     "gpu_attention": (GPU1, "?"), "torch_sdpa": (GPU1, "?"), "transfer_span": (GPU1, "?"),
     "select_topk": (GPU1, "?"), "cpu_attention": ("CPU: 16 cores (the GPU machine's)", "?"),
     "lfps": ("CPU: one core", "?"), "lfps_select_speed": ("CPU: one core", "?"),
