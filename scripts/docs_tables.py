@@ -178,7 +178,7 @@ def t_policy():
         "Quality: SmolLM2-135M, 8K windows of KJV and the Jargon File, last 1024 scored, host "
         "backend (`bench/results/frontier.json`; kvpop with its trained scorer, while the speed "
         "rows use a random scorer of the same size; sparcas with its channel smoothing, while its speed rows "
-        "and passkey ran at `smooth=0`, the default then); passkey: KJV, 2K/4K x 3 depths and 8K "
+        "ran at `smooth=0`, the default then); passkey: KJV, 2K/4K x 3 depths and 8K "
         "(`bench/results/quality_smollm2.json`). Gemma 3: 270M, 32K windows of KJV and the Jargon File, "
         "last 1024 scored, 2% of the context on its global layers, host backend "
         "(`bench/results/quality_gemma3_32k.json`; kvpop without a Gemma scorer).\n")
