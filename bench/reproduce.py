@@ -1346,7 +1346,7 @@ MACHINE = {
                                    "SCALE_POINTS=32768x4,131072x1,dense 210 s, then 131072x4,524288x1 520 s)"), "split": (GPU1_RAM, "?"),
     "quality_gemma3_32k": (CPU2, "~70 min on 2 cores (70 min recorded, the last 25 beside CI: two chains side by side, 28 lanes decoded together after each of 4 prefills of 16K/32K, 9 passkey prompts of 85-880 s)"),
     "real_model_gpu": (GPU1, "~8 min with kvferry-llama built (the host backend's agreement runs and passkey are half of it)"),
-    "quality_smollm2": (CPU2, "~75 min on 2 cores before its lanes decoded together (2507 s of decode recorded, + 9 prefills, passkey, replays)"),
+    "quality_smollm2": (CPU2, "~25 min on 2 cores (23 min recorded: 13 lanes of 1024 tokens decoded together, + 5 runs of 1-2 lanes, passkey, 14 replays)"),
     "gpu_attention": (GPU1, "?"), "torch_sdpa": (GPU1, "?"), "transfer_span": (GPU1, "?"),
     "select_topk": (GPU1, "?"), "cpu_attention": ("CPU: 16 cores (the GPU machine's)", "?"),
     "lfps": ("CPU: one core", "?"), "lfps_select_speed": ("CPU: one core", "?"),
