@@ -19,6 +19,7 @@
 #include "examples/llama/eval.h"
 #include "examples/llama/gguf.h"
 #include "examples/llama/model.h"
+#include "tests/llama_test_util.h"
 
 namespace kvferry::llama {
 namespace {
@@ -111,23 +112,7 @@ TEST(Gemma3Engine, ExactReferenceMatchesNumpyLogits) {
 
 std::unique_ptr<RuntimeAttention> MakeRuntime(const std::string& policy, DType kv,
                                               Backend backend = Backend::kHost) {
-  const ModelConfig& mc = Tiny().model.config;
-  RuntimeConfig rc;
-  rc.backend = backend;
-  rc.policy.name = policy;
-  rc.policy.budget_tokens = policy == "dense" ? 128 : 6;
-  rc.model.kv_dtype = kv;
-  rc.capacity.max_sequences = 2;
-  rc.capacity.max_batch = 1;
-  rc.capacity.max_tokens_per_sequence = 128;
-  rc.capacity.max_prefill_chunk = 64;
-  rc.tiers.sink_tokens = 2;
-  rc.tiers.window_tokens = 4;
-  rc.cpu_threads = 1;
-  rc.probe_at_start = false;
-  auto attn = RuntimeAttention::Create(RuntimeConfigFor(mc, rc), mc);
-  EXPECT_TRUE(attn.ok()) << attn.status().ToString();
-  return attn.ok() ? std::move(attn.value()) : nullptr;
+  return testing_util::MakeLlamaRuntime(Tiny().model.config, policy, kv, backend);
 }
 
 TEST(Gemma3Engine, RuntimeTakesTheModelsLayerWindows) {

@@ -15,6 +15,7 @@
 #include "examples/llama/model.h"
 #include "examples/llama/tokenizer.h"
 #include "kvferry/runtime.h"
+#include "tests/llama_test_util.h"
 
 namespace kvferry::llama {
 namespace {
@@ -204,6 +205,10 @@ TEST(LlamaSmolLm2, SparsePoliciesRunAndStayCloseOnShortContext) {
 // max |logit| 2.6e-3 oracle, 1.5e-2 sparcas, 2.6e-2 hip), so every policy is held to the mean
 // next-token NLL (the perplexity's terms) within 1% and the argmax within one step in ten. Runs
 // where a GPU is present and the model is fetched.
+// Sinks 4 + window 8 and a budget of 24 of 256 tokens: the sparse policies choose.
+constexpr testing_util::LlamaRuntimeShape kSmallTiers{.budget = 24, .sinks = 4, .window = 8, .capacity = 256,
+                                                      .max_sequences = 1};
+
 TEST(LlamaSmolLm2, CudaBackendMatchesTheHostBackend) {
   KVF_NEED_SMOLLM2();
   if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
@@ -213,28 +218,16 @@ TEST(LlamaSmolLm2, CudaBackendMatchesTheHostBackend) {
   for (const char* policy : {"dense", "oracle", "streaming", "lfps", "sparcas", "quest", "hip", "kvpop"}) {
     std::vector<float> logits[2];  // [backend]: the logits after tokens[half-1 .. n-1], one after another
     for (int b = 0; b < 2; ++b) {
-      RuntimeConfig rc;
-      rc.backend = b == 0 ? Backend::kCuda : Backend::kHost;
-      rc.policy.name = policy;
-      rc.policy.budget_tokens = std::string(policy) == "dense" ? 256 : 24;
-      rc.model.kv_dtype = DType::kF16;
-      rc.capacity.max_sequences = 1;
-      rc.capacity.max_batch = 1;
-      rc.capacity.max_tokens_per_sequence = 256;
-      rc.capacity.max_prefill_chunk = 64;
-      rc.tiers.sink_tokens = 4;
-      rc.tiers.window_tokens = 8;
-      rc.cpu_threads = 1;
-      rc.probe_at_start = false;
-      auto attn = RuntimeAttention::Create(RuntimeConfigFor(fx->model.config, rc));
-      ASSERT_TRUE(attn.ok()) << policy << ": " << attn.status().ToString();
+      auto attn = testing_util::MakeLlamaRuntime(fx->model.config, policy, DType::kF16,
+                                                 b == 0 ? Backend::kCuda : Backend::kHost, kSmallTiers);
+      ASSERT_NE(attn, nullptr) << policy;
       Engine engine(fx->model);
-      std::vector<Attention*> attns{attn->get()};
+      std::vector<Attention*> attns{attn.get()};
       std::vector<float> step;
       ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(tokens.data(), half), 0, attns, &logits[b],
                                  false, /*chunk=*/7).ok()) << policy;
       for (int64_t p = half; p < n; ++p) {
-        const Status st = engine.Decode(tokens[p], p, **attn, &step);
+        const Status st = engine.Decode(tokens[p], p, *attn, &step);
         ASSERT_TRUE(st.ok()) << policy << ": " << st.ToString();
         logits[b].insert(logits[b].end(), step.begin(), step.end());
       }
