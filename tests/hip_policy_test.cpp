@@ -305,6 +305,7 @@ TEST(HipPolicy, DenseLayersTakeTheFourBitTopKOrTheExactOne) {
   sp.u = 1 << 30;
   sp.dense_layers = 0;
   sp.bits = 4;
+  sp.smooth = 0;  // HiP's dense layers rank the raw 4-bit rows
   SparcasPolicy sparcas(sp, 1, 4, 1);
   std::vector<int32_t> a, b, want_q4, want_exact, chosen;
   for (int layer = 0; layer < 3; ++layer) {
@@ -462,6 +463,7 @@ TEST(HipPolicy, AHeadTheGuardFindsShortIsRankedEveryStep) {
     sp.u = 1 << 30;
     sp.dense_layers = 0;
     sp.bits = 4;
+    sp.smooth = 0;  // HiP's dense layers rank the raw 4-bit rows
     SparcasPolicy want_policy(sp, 1, 1, 1);
     std::vector<float> q(syn.q.size());
     int differs = 0;

@@ -94,6 +94,7 @@ HipPolicy::HipPolicy(const HipParams& params, int max_sequences, int num_layers,
     sp.u = 1 << 30;    // never re-chosen
     sp.dense_layers = 0;
     sp.bits = 4;
+    sp.smooth = 0;  // HiP's dense layers rank the raw 4-bit rows, as its device selection does
     dense_ = std::make_unique<SparcasPolicy>(sp, max_sequences, num_layers, num_kv_heads);
   }
 }
