@@ -1020,9 +1020,6 @@ def frontier_cmds(T):
     return [FETCH, side_by_side(*(text_cmds(t) for t in HQ_TEXTS))]
 
 
-SMOOTH_BEFORE = ("e943d47",)  # e2e.json commits whose sparcas rows ran at smooth=0 (then the default)
-
-
 def frontier_merge(T):
     e2e = jload(os.path.join(RES, "e2e.json"))
     speed = {}
@@ -1050,11 +1047,6 @@ def frontier_merge(T):
             p[f"gap_over_oracle_gap_{t}"] = l.get("gap_over_oracle_gap")
         points.append(p)
     dense = {t: quality[t]["dense"]["perplexity"] for t in HQ_TEXTS}
-    # e2e.json's rows from before SparCas smoothed by default ran it at smooth=0.
-    if any(str((p.get("speed_provenance") or {}).get("commit", "")).startswith(SMOOTH_BEFORE) for p in points):
-        for p in points:
-            if "sparcas" in p["policy"]:
-                p["speed_params"] = {"smooth": 0}
     return {"what": "every policy's decode time at 128K x 1 with the real query (ratio to torch SDPA, "
                     "bench/results/e2e.json) against its perplexity gap to dense at 256 of 8K on KJV and the "
                     "Jargon File (this run: SmolLM2-135M, host backend, last 1024 scored)",
@@ -1137,6 +1129,7 @@ def qc_merge(T):
 # auto. The model and the text must be in data/ (the GPU machine has no network: bash
 # scripts/fetch-data.sh on a machine with one, then copy data/).
 RM_POLICIES = "oracle,streaming,lfps,sparcas,quest,hip"
+RM_ALL = ("dense", *RM_POLICIES.split(","), "kvpop")  # every lane: dense, the above, kvpop (trained)
 RM_CONTEXTS = (2048, 4096, 8192)
 RM_HOST_CONTEXTS = (2048, 4096)
 RM_B8_CONTEXTS = (8192,)
@@ -1165,7 +1158,7 @@ def real_model_cmds(T):
     cmds.append(f"{L} --backend auto --report --chat --text data/kjv.txt --context 8192 --scored 1024 "
                 f"--offset-lines 1000 --policy lfps --budget 256 --window 192 --json {T}/report.json")
     for ctx in RM_B8_CONTEXTS:
-        for p in ("dense",) + tuple(RM_POLICIES.split(",")) + ("kvpop",):
+        for p in RM_ALL:
             w = f" {RM_WEIGHTS}" if p == "kvpop" else ""
             cmds.append(f"{L} --backend cuda --lanes-together {ppl(ctx)}{w} --policy {','.join([p] * 8)} --no-dense "
                         f"--json {T}/cuda_b8_{p}_{ctx}.json")
@@ -1183,6 +1176,7 @@ def rm_lane_row(lane, backend, ctx, batch, run):
     sel = st.get("rows_selected", 0)
     hit, fetched = st.get("rows_bank_hit", 0), st.get("rows_fetched", 0)
     return {"backend": backend, "context": ctx, "batch": batch, "policy": lane["policy"],
+            "query": "the model's own (real decoding)",
             "budget": None if lane["policy"] == "dense" else lane["budget"],
             "perplexity": lane["perplexity"],
             "decode_tokens_per_second": lane["decode_tokens_per_second"] * batch,
@@ -1196,7 +1190,6 @@ def rm_lane_row(lane, backend, ctx, batch, run):
             "rows_bank_hit_per_layer_step": hit / steps,
             "rows_fetched_per_layer_step": fetched / steps,
             "host_syncs_per_layer_step": st.get("host_syncs", 0) / steps,
-            "ms_select_device_per_step": st.get("ms_select_device", 0) / steps,
             "ms_attend_gpu_per_step": st.get("ms_attend_gpu", 0) / steps}
 
 
@@ -1214,7 +1207,7 @@ def real_model_merge(T):
                     per[be, lane["policy"]] = r
                     if be == "cuda":
                         rows.append(r)
-        for p in ("dense",) + tuple(RM_POLICIES.split(",")) + ("kvpop",):
+        for p in RM_ALL:
             f = f"{T}/cuda_b8_{p}_{ctx}.json"
             if os.path.exists(f):
                 run = jload(f)
@@ -1345,7 +1338,7 @@ MACHINE = {
     "e2e": (GPU1_RAM, "~8 min (454 s recorded on an H100 with the binaries built: 40 rows, SDPA, prefill)"), "scale": (GPU1_RAM, "~13 min in two calls on one warm machine (730 s recorded on an H200: "
                                    "SCALE_POINTS=32768x4,131072x1,dense 210 s, then 131072x4,524288x1 520 s)"), "split": (GPU1_RAM, "?"),
     "quality_gemma3_32k": (CPU2, "~70 min on 2 cores (70 min recorded, the last 25 beside CI: two chains side by side, 28 lanes decoded together after each of 4 prefills of 16K/32K, 9 passkey prompts of 85-880 s)"),
-    "real_model_gpu": (GPU1, "~8 min with kvferry-llama built (the host backend's agreement runs and passkey are half of it)"),
+    "real_model_gpu": (GPU1, "~12 min with kvferry-llama built (recorded: a 10-minute call cut after the batch-8 oracle row, then 160 s on the same machine; the host backend's agreement runs and passkey are half of it)"),
     "quality_smollm2": (CPU2, "~25 min on 2 cores (23 min recorded: 13 lanes of 1024 tokens decoded together, + 5 runs of 1-2 lanes, passkey, 14 replays)"),
     "gpu_attention": (GPU1, "?"), "torch_sdpa": (GPU1, "?"), "transfer_span": (GPU1, "?"),
     "select_topk": (GPU1, "?"), "cpu_attention": ("CPU: 16 cores (the GPU machine's)", "?"),

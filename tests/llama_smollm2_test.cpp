@@ -242,13 +242,11 @@ TEST(LlamaSmolLm2, CudaBackendMatchesTheHostBackend) {
       mx = std::max(mx, static_cast<double>(std::fabs(logits[1][i])));
     }
     for (int64_t p = half - 1; p + 1 < n; ++p, ++scored) {  // row r predicts tokens[half + r]
-      size_t arg[2];
+      int32_t arg[2];
       for (int b = 0; b < 2; ++b) {
-        const float* row = &logits[b][static_cast<size_t>(p - half + 1) * vocab];
-        arg[b] = static_cast<size_t>(std::max_element(row, row + vocab) - row);
-        double z = 0;
-        for (size_t v = 0; v < vocab; ++v) z += std::exp(static_cast<double>(row[v] - row[arg[b]]));
-        nll[b] += std::log(z) - static_cast<double>(row[tokens[p + 1]] - row[arg[b]]);
+        const std::span<const float> row(&logits[b][static_cast<size_t>(p - half + 1) * vocab], vocab);
+        arg[b] = Argmax(row);
+        nll[b] -= LogProb(row, tokens[p + 1]);
       }
       argmax_agree += arg[0] == arg[1];
     }
