@@ -158,12 +158,24 @@ def _is_torch(t: Any) -> bool:
     return type(t).__module__.startswith("torch")
 
 
+# cudaStreamLegacy: the handle of CUDA's legacy default stream, which torch's default stream is
+# (its cuda_stream reads 0). kvferry takes a null stream for "the runtime's own stream", a
+# non-blocking one that is not ordered after the default stream: handing it 0 would let kvferry
+# read q, k and v before torch's kernels have written them.
+_CUDA_STREAM_LEGACY = 1
+
+
+def _torch_stream(device: Any = None) -> int:
+    """The handle of torch's current CUDA stream (of ``device``), the legacy stream for its default."""
+    import torch
+
+    return int(torch.cuda.current_stream(device).cuda_stream) or _CUDA_STREAM_LEGACY
+
+
 def _stream_of(t: Any) -> int:
     """torch's current CUDA stream for a CUDA tensor, else 0 (the runtime's own / host)."""
     if _is_torch(t) and t.is_cuda:
-        import torch
-
-        return int(torch.cuda.current_stream(t.device).cuda_stream)
+        return _torch_stream(t.device)
     return 0
 
 
@@ -251,7 +263,7 @@ class Runtime:
                 import torch
 
                 if torch.cuda.is_available() and self.backend == "cuda":
-                    stream = int(torch.cuda.current_stream().cuda_stream)
+                    stream = _torch_stream()
             except ImportError:
                 pass
         self._rt.plan_decode(list(seqs), stream)
