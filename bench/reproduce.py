@@ -1245,6 +1245,36 @@ def real_model_merge(T):
             "rows": rows, "agreement": agree, "passkey": passkey, "report": report}
 
 
+# hf_gpu: Hugging Face transformers on the GPU, transformers' SDPA with its DynamicCache against the
+# same model with attn_implementation="kvferry" (bench/hf_gpu.py), one process: SmolLM2-135M (from
+# the GGUF) at 8K, batch 1 and 8, budget 256; a Llama with the 8B attention and MLP shape, 8 layers of
+# random bf16 weights, at 32K and 128K, batch 1, budget 2%. Needs transformers and gguf (the GPU
+# machine has transformers; carry gguf as a wheel).
+HF_LANES = "sdpa,dense,streaming,sparcas,sparcas_bank,quest,quest_bank,hip,hip_bank"
+
+
+def hf_gpu_cmds(T):
+    run = f"PYTHONPATH={B}/python${{PYTHONPATH:+:$PYTHONPATH}} {PY} bench/hf_gpu.py"
+    return [f"rm -f {T}/smollm2.jsonl {T}/llama8b.jsonl && test -s {MODEL}",
+            f"{run} --model smollm2 --contexts 8192 --batches 1,8 --budget 256 --lanes {HF_LANES} "
+            f"--json {T}/smollm2.jsonl",
+            f"{run} --model llama8b --layers 8 --contexts 32768,131072 --batches 1 --budget 2% --lanes {HF_LANES} "
+            f"--json {T}/llama8b.jsonl"]
+
+
+def hf_gpu_merge(T):
+    rows = []
+    for f in ("smollm2", "llama8b"):
+        if os.path.exists(f"{T}/{f}.jsonl"):
+            rows += [json.loads(l) for l in open(f"{T}/{f}.jsonl") if l.strip()]
+    return {"bench": "hf_gpu",
+            "notes": "decode tokens/s (every sequence of the batch) over 31 greedy steps after a warm-up, each lane "
+                     "in the same process; sdpa = transformers' SDPA + DynamicCache, dense = kvferry with every "
+                     "token resident, a policy = kvferry at the budget (sinks 4 + window 64), _bank = with a token "
+                     "bank of twice the budget's slots; kv_gpu_bytes: the K/V kept in GPU memory",
+            "regenerate": "python3 bench/reproduce.py hf_gpu", "rows": rows}
+
+
 SPECS = {
     "e2e": dict(gpu=True, targets=["kvferry-e2e"], run=e2e_cmds, merge=e2e_merge,
                 what="the Runtime end to end per token step (32 layers, Llama-3.1-8B shape) vs torch SDPA, "
@@ -1261,6 +1291,9 @@ SPECS = {
     "real_model_gpu": dict(gpu=True, targets=[], examples=True, run=real_model_cmds, merge=real_model_merge,
                            what="SmolLM2-135M decoding on the GPU (kvferry-llama --backend cuda): every policy's "
                                 "perplexity and tokens/s at 2K/4K/8K, batch 1 and 8; CUDA vs host agreement; passkey"),
+    "hf_gpu": dict(gpu=True, targets=["_core"], python=True, run=hf_gpu_cmds, merge=hf_gpu_merge,
+                   what="Hugging Face on the GPU: transformers' SDPA vs attn_implementation=\"kvferry\" "
+                        "(SmolLM2 8K b1/b8, an 8B-shaped model at 32K/128K): tokens/s, GPU memory, tokens"),
     "quality_smollm2": dict(gpu=False, targets=["kvferry-bench"], examples=True, run=quality_cmds,
                             merge=quality_merge,
                             what="perplexity gap, passkey and attention-mass recall of every policy on SmolLM2-135M"),
@@ -1338,6 +1371,7 @@ MACHINE = {
     "e2e": (GPU1_RAM, "~8 min (454 s recorded on an H100 with the binaries built: 40 rows, SDPA, prefill)"), "scale": (GPU1_RAM, "~13 min in two calls on one warm machine (730 s recorded on an H200: "
                                    "SCALE_POINTS=32768x4,131072x1,dense 210 s, then 131072x4,524288x1 520 s)"), "split": (GPU1_RAM, "?"),
     "quality_gemma3_32k": (CPU2, "~70 min on 2 cores (70 min recorded, the last 25 beside CI: two chains side by side, 28 lanes decoded together after each of 4 prefills of 16K/32K, 9 passkey prompts of 85-880 s)"),
+    "hf_gpu": (GPU1, "~3 min with _core built (two models, 9 lanes at 3 points + 2 at batch 8)"),
     "real_model_gpu": (GPU1, "~12 min with kvferry-llama built (recorded: a 10-minute call cut after the batch-8 oracle row, then 160 s on the same machine; the host backend's agreement runs and passkey are half of it)"),
     "quality_smollm2": (CPU2, "~25 min on 2 cores (23 min recorded: 13 lanes of 1024 tokens decoded together, + 5 runs of 1-2 lanes, passkey, 14 replays)"),
     "gpu_attention": (GPU1, "?"), "torch_sdpa": (GPU1, "?"), "transfer_span": (GPU1, "?"),
@@ -1420,7 +1454,8 @@ def build(spec):
         return []
     archs = os.environ.get("KVFERRY_CUDA_ARCHS", "90")
     cfg = (f"cmake -S . -B {B} -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVFERRY_CUDA_ARCHS={archs} "
-           f"-DKVFERRY_BUILD_EXAMPLES={'ON' if spec.get('examples') else 'OFF'}")
+           f"-DKVFERRY_BUILD_EXAMPLES={'ON' if spec.get('examples') else 'OFF'}"
+           + (" -DKVFERRY_BUILD_PYTHON=ON -DPython_EXECUTABLE=$(command -v python3)" if spec.get("python") else ""))
     tg = " ".join(targets + (["kvferry-llama"] if spec.get("examples") else []))
     return [cfg, f"cmake --build {B} -j{os.environ.get('JOBS', os.cpu_count())} --target {tg}"]
 

@@ -530,11 +530,46 @@ def t_real_model_gpu():
     return table(head, out) + f"\n({gpu}, {rows[0]['provenance']['commit'] if rows else ''}; passkey: CUDA at 2K and 4K, the host backend at 2K, 3 depths each.)\n"
 
 
+def t_hf_gpu():
+    """bench/results/hf_gpu.json: Hugging Face transformers on the GPU, transformers' SDPA with its
+    DynamicCache against attn_implementation="kvferry": decode tokens/s (and the ratio to SDPA of
+    the same run), SmolLM2 at 8K batch 1 and 8, the 8B-shaped 8-layer model at 32K and 128K; the
+    K/V kept in GPU memory and the greedy tokens equal to SDPA's at SmolLM2 8K batch 1."""
+    d = load("hf_gpu.json")
+    if not d:
+        return "(bench/results/hf_gpu.json not yet generated)\n"
+    rows = d["rows"]
+    smol = next((r["model"] for r in rows if r["model"].startswith("SmolLM2")), None)
+    big = next((r["model"] for r in rows if r["model"].startswith("llama8b")), None)
+    pick = lambda m, c, b, lane: next((r for r in rows if r["model"] == m and r["context"] == c and
+                                       r["batch"] == b and r["lane"] == lane and "skipped" not in r), None)
+
+    def speed(r):
+        if not r:
+            return None
+        ratio = f" ({r['decode_vs_sdpa']:.2f}x)" if r["lane"] != "sdpa" else ""
+        return f"{r['decode_tokens_per_second']:.1f}{ratio}"
+    head = ["lane", "SmolLM2 8K b1 tok/s", "SmolLM2 8K b8 tok/s", "same tokens as SDPA, 8K b1",
+            "K/V in GPU memory, 8K b1", "8B-shape 32K b1 tok/s", "8B-shape 128K b1 tok/s"]
+    out = []
+    for lane in dict.fromkeys(r["lane"] for r in rows):
+        a, b = pick(smol, 8192, 1, lane), pick(smol, 8192, 8, lane)
+        out.append([f"`{lane}`", speed(a), speed(b),
+                    f"{a['same_tokens']}/{a['tokens_compared']}" if a and a.get("same_tokens") is not None else None,
+                    f"{a['kv_gpu_bytes'] / 2**20:.1f} MiB" if a else None,
+                    speed(pick(big, 32768, 1, lane)), speed(pick(big, 131072, 1, lane))])
+    p = rows[0]["provenance"] if rows else {}
+    return table(head, out) + (f"\n({gpu_short(rows[0]) if rows else '—'}, {p.get('commit', '')}, transformers "
+                               f"{rows[0].get('transformers', '?')}, torch {rows[0].get('torch', '?')}; in parentheses: "
+                               "the ratio to SDPA's tokens/s in the same run.)\n")
+
+
 TABLES = {"query": t_query, "policy": t_policy, "e2e": t_e2e, "prefill": t_prefill, "scale": t_scale,
           "quality": t_quality, "kernels": t_kernels, "cpu": t_cpu,
           "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
           "hip-quality": t_hip_quality, "gemma-quality": t_gemma_quality, "budgets": t_budgets,
-          "sparcas-smooth": t_sparcas_smooth, "real-model-gpu": t_real_model_gpu}
+          "sparcas-smooth": t_sparcas_smooth, "real-model-gpu": t_real_model_gpu,
+          "hf-gpu": t_hf_gpu}
 
 
 def doc_files():
