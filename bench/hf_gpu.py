@@ -32,7 +32,10 @@ POLICIES = ("streaming", "sparcas", "quest", "hip", "lfps", "oracle")
 # --budget, every non-resident pick read from host memory; NAME_bank: with a token bank of twice the
 # budget's slots (the offloaded rows a step picks are served from GPU memory when they were picked
 # lately).
-LANES = ("sdpa", "dense", *POLICIES, *(p + "_bank" for p in POLICIES if p != "streaming"))
+# sdpa_nocudnn: transformers' SDPA with torch's cuDNN attention backend excluded (flash, memory-
+# efficient or math kernels only): cuDNN builds an execution graph for each new key length, which a
+# decode step has every step.
+LANES = ("sdpa", "sdpa_nocudnn", "dense", *POLICIES, *(p + "_bank" for p in POLICIES if p != "streaming"))
 
 
 def parse_args(argv=None):
@@ -116,7 +119,10 @@ def main(argv=None):
     pad = gc.pad_token_id if gc.pad_token_id is not None else (gc.eos_token_id or 0)
     pad = pad[0] if isinstance(pad, list) else pad
 
-    def generate(ids, n_new, cache):
+    def generate(ids, n_new, cache, backends=None):
+        if backends is not None:
+            with torch.nn.attention.sdpa_kernel(backends):
+                return generate(ids, n_new, cache)
         first = {}
 
         class First(transformers.LogitsProcessor):
@@ -150,17 +156,22 @@ def main(argv=None):
         for b in a.batches:
             ids = torch.stack([all_ids[i * ctx: (i + 1) * ctx] for i in range(b)]).to(dev)
             warm = ids[:, :64]
-            base_tokens, base_tps = None, None
+            base_tokens, base_tps, nocudnn_tps = None, None, None
             for lane in a.lanes:
                 row = dict(bench="hf_gpu", model=name, context=ctx, batch=b, lane=lane, query=query,
                            new_tokens=a.new_tokens, transformers=transformers.__version__,
                            torch=torch.__version__)
+                backends = None
                 try:
-                    if lane == "sdpa":
+                    if lane.startswith("sdpa"):
+                        from torch.nn.attention import SDPBackend
+                        if lane == "sdpa_nocudnn":
+                            backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
                         model.set_attn_implementation("sdpa")
-                        generate(warm, 4, DynamicCache(config=model.config))
+                        generate(warm, 4, DynamicCache(config=model.config), backends)
                         cache = DynamicCache(config=model.config)
-                        row.update(attention="transformers sdpa", cache="DynamicCache")
+                        row.update(attention="transformers sdpa" + (" (no cuDNN)" if backends else ""),
+                                   cache="DynamicCache")
                     else:
                         max_tokens = ctx + a.new_tokens + 16
                         if lane == "dense":  # every token resident: the window covers the context
@@ -181,14 +192,17 @@ def main(argv=None):
                         row.update(attention="kvferry", cache="KvferryCache", **kw)
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
-                    tokens, prefill_s, decode_s = generate(ids, a.new_tokens, cache)
+                    tokens, prefill_s, decode_s = generate(ids, a.new_tokens, cache, backends)
                     peak = torch.cuda.max_memory_allocated()
                     row.update(prefill_s=prefill_s, decode_s=decode_s,
                                prefill_tokens_per_second=b * ctx / prefill_s,
                                decode_tokens_per_second=b * (a.new_tokens - 1) / decode_s)
-                    if lane == "sdpa":
+                    if lane.startswith("sdpa"):
                         row.update(kv_gpu_bytes=dense_kv_bytes(cache), gpu_peak_bytes=peak)
-                        base_tokens, base_tps = tokens, row["decode_tokens_per_second"]
+                        if lane == "sdpa_nocudnn":
+                            nocudnn_tps = row["decode_tokens_per_second"]
+                        if base_tokens is None:
+                            base_tokens, base_tps = tokens, row["decode_tokens_per_second"]
                     else:
                         st = cache.runtime.stats()
                         row.update(kv_gpu_bytes=cache.kv_bytes_on_gpu(),
@@ -205,6 +219,8 @@ def main(argv=None):
                                                  for x, y in zip(p, q))
                         row["tokens_compared"] = sum(len(p) for p in tokens)
                         row["decode_vs_sdpa"] = row["decode_tokens_per_second"] / base_tps
+                        if nocudnn_tps:
+                            row["decode_vs_sdpa_nocudnn"] = row["decode_tokens_per_second"] / nocudnn_tps
                     del cache
                 except Exception as e:  # a lane that cannot run (memory, capacity) says why
                     row["skipped"] = f"{type(e).__name__}: {e}"[:400]

@@ -1250,7 +1250,7 @@ def real_model_merge(T):
 # the GGUF) at 8K, batch 1 and 8, budget 256; a Llama with the 8B attention and MLP shape, 8 layers of
 # random bf16 weights, at 32K and 128K, batch 1, budget 2%. Needs transformers and gguf (the GPU
 # machine has transformers; carry gguf as a wheel).
-HF_LANES = "sdpa,dense,streaming,sparcas,sparcas_bank,quest,quest_bank,hip,hip_bank"
+HF_LANES = "sdpa,sdpa_nocudnn,dense,streaming,sparcas,sparcas_bank,quest,quest_bank,hip,hip_bank"
 
 
 def hf_gpu_cmds(T):
