@@ -18,7 +18,9 @@ first new token's logits, decode the remaining --new-tokens - 1 forwards (tokens
 sequence of the batch). Memory: "kv_gpu_bytes" is the K/V the lane keeps in GPU memory (the
 DynamicCache's tensors; kvferry's resident tier, bank and rings), "gpu_peak_bytes" torch's peak
 allocation during the timed generate plus every byte kvferry reserved on the device. Greedy tokens
-are compared with the SDPA lane's ("same_tokens"). One JSON line per (model, context, batch, lane).
+are compared with the SDPA lane's ("same_tokens"). kvferry's counters (rows selected, host syncs,
+bank hits) cover the whole timed generate, its prefill included, over the decode's layer steps. One
+JSON line per (model, context, batch, lane).
 """
 import argparse
 import json
