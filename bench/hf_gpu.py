@@ -145,14 +145,6 @@ def main(argv=None):
         t1 = time.perf_counter()
         return out[:, ids.shape[1]:].tolist(), first["t"] - t0, t1 - first["t"]
 
-    def dense_kv_bytes(cache):
-        n = 0
-        for layer in getattr(cache, "layers", []):
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if isinstance(t, torch.Tensor):
-                    n += t.numel() * t.element_size()
-        return n
-
     out = open(a.json, "a")
     for ctx in a.contexts:
         for b in a.batches:
@@ -200,7 +192,7 @@ def main(argv=None):
                                prefill_tokens_per_second=b * ctx / prefill_s,
                                decode_tokens_per_second=b * (a.new_tokens - 1) / decode_s)
                     if lane.startswith("sdpa"):
-                        row.update(kv_gpu_bytes=dense_kv_bytes(cache), gpu_peak_bytes=peak)
+                        row.update(kv_gpu_bytes=kvferry.hf.kv_tensor_bytes(cache), gpu_peak_bytes=peak)
                         if lane == "sdpa_nocudnn":
                             nocudnn_tps = row["decode_tokens_per_second"]
                         if base_tokens is None:

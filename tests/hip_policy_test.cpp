@@ -300,13 +300,7 @@ TEST(HipPolicy, DenseLayersTakeTheFourBitTopKOrTheExactOne) {
   HipPolicy p4(h4, 1, 4, 1), p16(h16, 1, 4, 1);
   EXPECT_TRUE(p4.DenseQ4(64));
   EXPECT_FALSE(p16.DenseQ4(64));
-  SparcasParams sp;
-  sp.d_b = 64;
-  sp.u = 1 << 30;
-  sp.dense_layers = 0;
-  sp.bits = 4;
-  sp.smooth = 0;  // HiP's dense layers rank the raw 4-bit rows
-  SparcasPolicy sparcas(sp, 1, 4, 1);
+  SparcasPolicy sparcas(HipDenseRanking(), 1, 4, 1);
   std::vector<int32_t> a, b, want_q4, want_exact, chosen;
   for (int layer = 0; layer < 3; ++layer) {
     SelectContext cl = c;
@@ -458,13 +452,7 @@ TEST(HipPolicy, AHeadTheGuardFindsShortIsRankedEveryStep) {
     HipParams cached_params = hp;
     cached_params.fresh = 0;
     HipPolicy fresh(hp, 1, 1, 1), cached(cached_params, 1, 1, 1);
-    SparcasParams sp;
-    sp.d_b = 64;
-    sp.u = 1 << 30;
-    sp.dense_layers = 0;
-    sp.bits = 4;
-    sp.smooth = 0;  // HiP's dense layers rank the raw 4-bit rows
-    SparcasPolicy want_policy(sp, 1, 1, 1);
+    SparcasPolicy want_policy(HipDenseRanking(), 1, 1, 1);
     std::vector<float> q(syn.q.size());
     int differs = 0;
     const int steps = 12;

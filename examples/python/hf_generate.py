@@ -79,16 +79,6 @@ def parse_args(argv=None):
     return a
 
 
-def cache_bytes(cache):
-    """Bytes of the K/V tensors a transformers cache holds."""
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
-
-
 def cache_dtype(cache):
     for layer in getattr(cache, "layers", []):
         t = getattr(layer, "keys", None)
@@ -167,7 +157,7 @@ def run_dense(model, ids, a, attn):
     cache = DynamicCache(config=model.config)
     tokens, prefill_s, decode_s = generate(model, ids, a.new_tokens, cache)
     r = dict(attn=attn, tokens=tokens, prefill_s=prefill_s, decode_s=decode_s,
-             kv_dtype=cache_dtype(cache), kv_device_bytes=cache_bytes(cache), host_store_bytes=0,
+             kv_dtype=cache_dtype(cache), kv_device_bytes=kvferry.hf.kv_tensor_bytes(cache), host_store_bytes=0,
              other_device_bytes=0)
     if ids.is_cuda:
         r["gpu_bytes_held"] = gpu_bytes_in_use() - before

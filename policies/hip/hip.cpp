@@ -85,17 +85,21 @@ int HipBits(const HipParams& params, int head_dim) {
   return head_dim % 8 == 0 ? 4 : 16;
 }
 
+SparcasParams HipDenseRanking() {
+  SparcasParams sp;
+  sp.d_b = 1 << 20;  // clamped to head_dim: every dimension
+  sp.u = 1 << 30;    // never re-chosen
+  sp.dense_layers = 0;
+  sp.bits = 4;
+  sp.smooth = 0;  // the raw 4-bit rows, as HiP's device selection ranks them
+  return sp;
+}
+
 HipPolicy::HipPolicy(const HipParams& params, int max_sequences, int num_layers, int num_kv_heads,
                      bool device)
     : params_(params), device_(device), states_(max_sequences, num_layers, num_kv_heads) {
   if ((params_.dense_bits == 4 && params_.dense_layers > 0) || Fresh()) {
-    SparcasParams sp;
-    sp.d_b = 1 << 20;  // clamped to head_dim: every dimension
-    sp.u = 1 << 30;    // never re-chosen
-    sp.dense_layers = 0;
-    sp.bits = 4;
-    sp.smooth = 0;  // HiP's dense layers rank the raw 4-bit rows, as its device selection does
-    dense_ = std::make_unique<SparcasPolicy>(sp, max_sequences, num_layers, num_kv_heads);
+    dense_ = std::make_unique<SparcasPolicy>(HipDenseRanking(), max_sequences, num_layers, num_kv_heads);
   }
 }
 

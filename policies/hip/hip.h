@@ -118,6 +118,11 @@ struct HipParams {
 /// The bits HiP scores with at \p head_dim.
 int HipBits(const HipParams& params, int head_dim);
 
+/// The SparCas selection HiP's dense layers (and its guarded heads) take: a 4-bit top-k over every
+/// dimension of the raw rows (no channel smoothing, as HiP's device selection ranks them), never
+/// re-chosen.
+SparcasParams HipDenseRanking();
+
 Result<HipParams> ParseHipParams(const std::map<std::string, double>& params);
 
 class HipPolicy final : public Policy {

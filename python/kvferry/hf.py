@@ -56,7 +56,7 @@ try:
 except ImportError as e:  # the package's 'hf' extra is not installed
     raise kvferry.missing_extra("hf", "kvferry.hf", e) from e
 
-__all__ = ["KvferryCache", "kvferry_attention_forward"]
+__all__ = ["KvferryCache", "kvferry_attention_forward", "kv_tensor_bytes"]
 
 _ACTIVE = threading.local()  # the KvferryCache whose update ran last on this thread
 
@@ -113,6 +113,17 @@ def _tensor_parallel(model_or_config: Any, tp_size: Optional[int],
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"kvferry.hf: tp_rank {tp_rank} is not in [0, {tp_size})")
     return tp_size, tp_rank, config, model
+
+
+def kv_tensor_bytes(cache: Any) -> int:
+    """Bytes of the K/V tensors a transformers cache holds in its layers (a DynamicCache's, on
+    whatever device they are); for a :class:`KvferryCache`, see ``kv_bytes_on_gpu``."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
 
 
 def layer_windows(config: Any, max_tokens: int) -> List[int]:

@@ -143,6 +143,22 @@ def test_planned_steps_equal_layer_by_layer_planning(policy):
     assert plans == [5, 10]
 
 
+def test_kv_tensor_bytes_counts_a_dynamic_cache():
+    from transformers import DynamicCache
+
+    model = tiny_model()
+    model.config._attn_implementation = "eager"
+    cache = DynamicCache(config=model.config)
+    assert kh.kv_tensor_bytes(cache) == 0
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    c = model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    want = 2 * c.num_hidden_layers * 2 * c.num_key_value_heads * 5 * head_dim * 4  # K and V, fp32
+    assert kh.kv_tensor_bytes(cache) == want
+
+
 def test_bad_uses_raise():
     m = tiny_model(4)
     ids = torch.randint(0, 300, (2, 20))
