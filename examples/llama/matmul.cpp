@@ -82,8 +82,11 @@ Status Matmul::Impl::RunGpu(const float* x, int64_t m, const Matrix& w, float* y
     float* dev = nullptr;
     const size_t bytes = w.data.size() * sizeof(float);
     KVF_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&dev, bytes), "cudaMalloc weights"));
-    KVF_RETURN_IF_ERROR(CudaStatus(cudaMemcpy(dev, w.data.data(), bytes, cudaMemcpyHostToDevice),
-                                   "upload weights"));
+    // On the products' own stream: a cudaMemcpy from pageable memory returns once the bytes are
+    // staged, before the DMA lands, and the non-blocking stream's GEMM is not ordered after the
+    // legacy stream's copy (a loaded GPU then ran GEMMs over weights not yet written).
+    KVF_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(dev, w.data.data(), bytes, cudaMemcpyHostToDevice, cuda_stream), "upload weights"));
     it = weights.emplace(w.data.data(), DeviceWeights{dev, w.data.size()}).first;
   }
   KVF_RETURN_IF_ERROR(Grow(dx, dx_cap, static_cast<size_t>(m * k)));
