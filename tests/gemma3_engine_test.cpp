@@ -220,6 +220,79 @@ TEST(Gemma3Engine, CudaBackendMatchesTheHostBackend) {
   }
 }
 
+// Engine::UseGpuDecode: the decode step with its activations on the GPU (the products on cuBLAS,
+// the norms, RoPE, GELU and residuals as kernels, attention through the Runtime with device
+// tensors, its step planned once a token) gives the logits of the host path over the same CUDA
+// Runtime, for dense and each device policy; three lanes decoded together equal each alone.
+TEST(Gemma3Engine, GpuDecodeMatchesTheHostPath) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  const Fixture& fx = Tiny();
+  const int64_t n = static_cast<int64_t>(fx.tokens.size()), prompt = 11;
+  for (const char* policy : {"dense", "streaming", "oracle", "quest", "sparcas", "hip", "kvpop", "lfps"}) {
+    std::vector<std::vector<float>> logits[2];  // [0]: host path, [1]: on the device; [step]
+    for (int b = 0; b < 2; ++b) {
+      auto attn = MakeRuntime(policy, DType::kF16, Backend::kCuda);
+      ASSERT_NE(attn, nullptr) << policy;
+      Attention* attns[1] = {attn.get()};
+      Engine engine(fx.model);
+      ASSERT_TRUE(engine.UseGpuMatmul().ok());
+      if (b == 1) ASSERT_TRUE(engine.UseGpuDecode().ok());
+      std::vector<float> step;
+      ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, attns, &step).ok());
+      for (int64_t t = prompt; t < n; ++t) {
+        const Status st = engine.Decode(fx.tokens[t], t, *attn, &step);
+        ASSERT_TRUE(st.ok()) << policy << ": " << st.ToString();
+        logits[b].push_back(step);
+      }
+    }
+    double diff = 0, mx = 0;
+    for (size_t i = 0; i < logits[0].size(); ++i) {
+      for (size_t j = 0; j < logits[0][i].size(); ++j) {
+        ASSERT_TRUE(std::isfinite(logits[1][i][j])) << policy;
+        diff = std::max(diff, static_cast<double>(std::fabs(logits[0][i][j] - logits[1][i][j])));
+        mx = std::max(mx, static_cast<double>(std::fabs(logits[0][i][j])));
+      }
+    }
+    std::printf("%s: decode on the device vs the host path, max |dlogit| / max |logit| = %.3g\n", policy,
+                diff / mx);
+    EXPECT_LT(diff / mx, 1e-4) << policy;
+  }
+  // Three lanes (dense, sparcas, quest) decoded together on the device equal each decoded alone.
+  const char* lane_policies[3] = {"dense", "sparcas", "quest"};
+  std::vector<std::unique_ptr<RuntimeAttention>> together, alone;
+  for (const char* p : lane_policies) {
+    together.push_back(MakeRuntime(p, DType::kF16, Backend::kCuda));
+    alone.push_back(MakeRuntime(p, DType::kF16, Backend::kCuda));
+    ASSERT_NE(together.back(), nullptr);
+    ASSERT_NE(alone.back(), nullptr);
+  }
+  Engine engine(fx.model);
+  ASSERT_TRUE(engine.UseGpuMatmul().ok());
+  ASSERT_TRUE(engine.UseGpuDecode().ok());
+  std::vector<Attention*> lanes;
+  for (auto& a : together) lanes.push_back(a.get());
+  std::vector<float> step, one;
+  ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, lanes, &step).ok());
+  for (auto& a : alone) {
+    Attention* attns[1] = {a.get()};
+    ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, attns, &step).ok());
+  }
+  const size_t vocab = static_cast<size_t>(fx.model.config.vocab_size);
+  for (int64_t t = prompt; t < n; ++t) {
+    const std::vector<int32_t> toks(3, fx.tokens[t]);
+    ASSERT_TRUE(engine.DecodeLanes(toks, t, lanes, &step).ok());
+    for (size_t i = 0; i < 3; ++i) {
+      ASSERT_TRUE(engine.Decode(fx.tokens[t], t, *alone[i], &one).ok());
+      double diff = 0, mx = 0;
+      for (size_t j = 0; j < vocab; ++j) {
+        diff = std::max(diff, static_cast<double>(std::fabs(step[i * vocab + j] - one[j])));
+        mx = std::max(mx, static_cast<double>(std::fabs(one[j])));
+      }
+      EXPECT_LT(diff / mx, 1e-4) << lane_policies[i] << " at position " << t;
+    }
+  }
+}
+
 // A sparse policy on the global layer: the sliding layers are unchanged, the global layer attends
 // a budget; the logits move away from dense but stay finite, and the sliding layers are still
 // exact for a prompt inside the window.

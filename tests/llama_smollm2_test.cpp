@@ -259,5 +259,54 @@ TEST(LlamaSmolLm2, CudaBackendMatchesTheHostBackend) {
     EXPECT_GE(argmax_agree * 10, scored * 9) << policy;
   }
 }
+// Engine::UseGpuDecode on the real model: the decode step with its activations on the GPU gives
+// the host path's logits over the same CUDA Runtime (dense and three device policies).
+TEST(LlamaSmolLm2, GpuDecodeMatchesTheHostPath) {
+  KVF_NEED_SMOLLM2();
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  const std::vector<int32_t> tokens = fx->ref.GetInt32("tokens").value();
+  const int64_t n = static_cast<int64_t>(tokens.size()), half = n / 2;
+  for (const char* policy : {"dense", "oracle", "sparcas", "hip"}) {
+    std::vector<float> logits[2];  // [0]: host path, [1]: on the device
+    for (int b = 0; b < 2; ++b) {
+      RuntimeConfig rc;
+      rc.backend = Backend::kCuda;
+      rc.policy.name = policy;
+      rc.policy.budget_tokens = std::string(policy) == "dense" ? 256 : 24;
+      rc.model.kv_dtype = DType::kF16;
+      rc.capacity.max_sequences = 1;
+      rc.capacity.max_batch = 1;
+      rc.capacity.max_tokens_per_sequence = 256;
+      rc.capacity.max_prefill_chunk = 64;
+      rc.tiers.sink_tokens = 4;
+      rc.tiers.window_tokens = 8;
+      rc.cpu_threads = 1;
+      rc.probe_at_start = false;
+      auto attn = RuntimeAttention::Create(RuntimeConfigFor(fx->model.config, rc));
+      ASSERT_TRUE(attn.ok()) << policy << ": " << attn.status().ToString();
+      Engine engine(fx->model);
+      ASSERT_TRUE(engine.UseGpuMatmul().ok());
+      if (b == 1) ASSERT_TRUE(engine.UseGpuDecode().ok());
+      std::vector<Attention*> attns{attn->get()};
+      std::vector<float> step;
+      ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(tokens.data(), half), 0, attns, &step).ok());
+      for (int64_t p = half; p < n; ++p) {
+        const Status st = engine.Decode(tokens[p], p, **attn, &step);
+        ASSERT_TRUE(st.ok()) << policy << ": " << st.ToString();
+        logits[b].insert(logits[b].end(), step.begin(), step.end());
+      }
+    }
+    double diff = 0, mx = 0;
+    for (size_t i = 0; i < logits[0].size(); ++i) {
+      ASSERT_TRUE(std::isfinite(logits[1][i])) << policy;
+      diff = std::max(diff, static_cast<double>(std::fabs(logits[0][i] - logits[1][i])));
+      mx = std::max(mx, static_cast<double>(std::fabs(logits[0][i])));
+    }
+    std::printf("SmolLM2 %s: decode on the device vs the host path, max |dlogit| / max |logit| = %.3g\n",
+                policy, diff / mx);
+    EXPECT_LT(diff / mx, 1e-4) << policy;
+  }
+}
+
 }  // namespace
 }  // namespace kvferry::llama

@@ -70,6 +70,7 @@ std::string UsageText() {
          "         --route auto|gpu|cpu --kv-dtype f16|bf16 --sinks N (4) --window N (64)\n"
          "         --bank-slots N (0) --cpu-threads N --param k=v --policy-weights FILE --no-dense\n"
          "         --lanes-together (perplexity, passkey: every lane's decode step in one pass)\n"
+         "         --host-decode (on the GPU: activations through host memory at every product)\n"
          "prefill: --etf (PrHS's early-token freezing) --etf-psi P (0.5) --etf-gamma G (1)\n"
          "         --etf-start L (3N/4) --etf-copy-kv (frozen rows keep the layer below's K/V)\n"
          "output:  --json FILE\n"
@@ -156,6 +157,7 @@ Result<Options> ParseArgs(int argc, const char* const* argv) {
       .String("--policy-weights", "FILE", "", &o.base.policy.weights_path)
       .Switch("--no-dense", "", &o.no_dense)
       .Switch("--lanes-together", "", &o.lanes_together)
+      .Switch("--host-decode", "", &o.host_decode)
       .Switch("--etf", "", &o.etf.on)
       .Switch("--etf-copy-kv", "", &o.etf.copy_kv)
       .Real("--etf-psi", "", &o.etf.psi, 0.0, 1.0, /*lo_open=*/true)

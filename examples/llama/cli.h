@@ -56,6 +56,9 @@ struct Options {
   /// Perplexity and passkey: the lanes decode each step at once (weights read once a step; the
   /// per-lane decode time is then the shared time).
   bool lanes_together = false;
+  /// With the matrix products on the GPU: decode steps as the host path runs them (activations
+  /// copied to and from the device at every product) instead of Engine::UseGpuDecode's.
+  bool host_decode = false;
   /// PrHS's early-token freezing at prefill (--etf, --etf-psi, --etf-gamma, --etf-start; the
   /// sink from --sinks).
   EtfOptions etf;

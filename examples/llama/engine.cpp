@@ -196,9 +196,21 @@ Status Engine::Prefill(std::span<const int32_t> tokens, int64_t pos,
   return Status::Ok();
 }
 
+bool Engine::CanDecodeOnDevice(std::span<Attention* const> lanes) const {
+  return gpu_ != nullptr && !observer_ &&
+         std::all_of(lanes.begin(), lanes.end(), [](const Attention* a) { return a->decodes_on_device(); });
+}
+
 Status Engine::Decode(int32_t token, int64_t pos, Attention& attn, std::vector<float>* logits) {
   Attention* attns[1] = {&attn};
   if (logits != nullptr) logits->resize(model_.config.vocab_size);
+  if (CanDecodeOnDevice(attns)) {
+    KVF_CHECK_ARG(token >= 0 && token < model_.config.vocab_size, "token ", token, " out of range [0, ",
+                  model_.config.vocab_size, ")");
+    KVF_CHECK_ARG(pos >= 0, "decode at position ", pos);
+    return DecodeOnDevice(std::span<const int32_t>(&token, 1), pos, attns,
+                          logits != nullptr ? logits->data() : nullptr);
+  }
   return Forward(std::span<const int32_t>(&token, 1), pos, attns, true,
                  logits != nullptr ? logits->data() : nullptr, false);
 }
@@ -210,6 +222,14 @@ Status Engine::DecodeLanes(std::span<const int32_t> tokens, int64_t pos,
   KVF_CHECK_ARG(!observer_ || lanes.size() == 1, "decode: ", lanes.size(),
                 " lanes at once with an observer set (it reads rows as consecutive positions)");
   if (logits != nullptr) logits->resize(lanes.size() * static_cast<size_t>(model_.config.vocab_size));
+  if (CanDecodeOnDevice(lanes)) {
+    for (int32_t t : tokens) {
+      KVF_CHECK_ARG(t >= 0 && t < model_.config.vocab_size, "token ", t, " out of range [0, ",
+                    model_.config.vocab_size, ")");
+    }
+    KVF_CHECK_ARG(pos >= 0, "decode at position ", pos);
+    return DecodeOnDevice(tokens, pos, lanes, logits != nullptr ? logits->data() : nullptr);
+  }
   return Forward(tokens, pos, lanes, true, logits != nullptr ? logits->data() : nullptr, true);
 }
 

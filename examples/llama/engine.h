@@ -40,6 +40,22 @@ class Attention {
   [[nodiscard]] virtual bool prefill_reads_queries() const { return true; }
   /// Forgets the sequence, ready for a new one.
   virtual Status Reset() = 0;
+
+  /// Whether DecodeOnDevice works here (q, k, v and out in GPU memory).
+  [[nodiscard]] virtual bool decodes_on_device() const { return false; }
+  /// Plans the decode token step whose DecodeOnDevice calls (one a layer) follow, ordered on the
+  /// CUDA stream \p stream (a cudaStream_t).
+  virtual Status PlanDecodeOnDevice(void* stream) {
+    (void)stream;
+    return Unimplemented("this attention does not decode on the device");
+  }
+  /// Decode with q [num_q_heads, head_dim], k and v [num_kv_heads, head_dim] and out f32 in GPU
+  /// memory, ordered on \p stream: nothing is read back to the host.
+  virtual Status DecodeOnDevice(int layer, const float* q, const float* k, const float* v, float* out,
+                                void* stream) {
+    (void)layer, (void)q, (void)k, (void)v, (void)out, (void)stream;
+    return Unimplemented("this attention does not decode on the device");
+  }
 };
 
 /// Exact causal softmax attention in f32 (double accumulation for the softmax), over its own
@@ -68,12 +84,18 @@ class RuntimeAttention final : public Attention {
   Status Append(int layer, int64_t num_tokens, const float* k, const float* v) override;
   [[nodiscard]] bool prefill_reads_queries() const override { return runtime_->prefill_reads_queries(); }
   Status Reset() override;
+  /// On the CUDA backend: the Runtime's planned step (PlanDecode, then a Decode a layer with
+  /// device tensors on the caller's stream).
+  [[nodiscard]] bool decodes_on_device() const override;
+  Status PlanDecodeOnDevice(void* stream) override;
+  Status DecodeOnDevice(int layer, const float* q, const float* k, const float* v, float* out,
+                        void* stream) override;
   /// The Runtime (every layer, global and sliding-window).
   [[nodiscard]] Runtime& runtime() { return *runtime_; }
 
  private:
   RuntimeAttention() = default;
-  TensorView View(const float* p, int64_t rows, int heads) const;
+  TensorView View(const float* p, int64_t rows, int heads, MemoryKind where = MemoryKind::kHost) const;
   std::unique_ptr<Runtime> runtime_;
   SequenceId seq_ = 1;
   int q_heads_ = 0;
@@ -145,6 +167,14 @@ class Engine {
   /// Runs the matrix products on the GPU (cuBLAS) from now on; kUnimplemented without CUDA.
   Status UseGpuMatmul(int device_id = 0) { return matmul_.EnableCuda(device_id); }
   [[nodiscard]] bool gpu_matmul() const { return matmul_.on_gpu(); }
+  /// Decode steps with every activation in GPU memory from now on (after UseGpuMatmul): the
+  /// matrix products over the uploaded weights, the norms, RoPE, the activation and the residual
+  /// adds as kernels, each lane's attention through Attention::DecodeOnDevice on the same stream
+  /// (its step planned once a token), one copy of the logits back a step (examples/llama/
+  /// engine_gpu.cu). A step whose lanes do not all decode on the device, or with an observer set,
+  /// takes the host path. kUnimplemented without CUDA.
+  Status UseGpuDecode();
+  [[nodiscard]] bool gpu_decode() const { return gpu_ != nullptr; }
   [[nodiscard]] const Model& model() const { return model_; }
 
  private:
@@ -160,6 +190,10 @@ class Engine {
   // Gemma's QK-norm: RMSNorm of each head of x [num_tokens, num_heads, D] with w [D].
   void HeadNorm(float* x, int64_t num_tokens, int num_heads, const std::vector<float>& w) const;
   void GrowRope(int64_t positions);
+  // The decode step on the device (UseGpuDecode); logits [lanes, vocab] in host memory or null.
+  Status DecodeOnDevice(std::span<const int32_t> tokens, int64_t pos, std::span<Attention* const> lanes,
+                        float* logits);
+  [[nodiscard]] bool CanDecodeOnDevice(std::span<Attention* const> lanes) const;
 
   struct RopeTable {
     double theta = 10000.0;
@@ -175,6 +209,11 @@ class Engine {
   // Scratch, grown on demand.
   std::vector<float> x_, xb_, q_, k_, v_, att_, gate_, up_, hb_;
   std::vector<float> prev_k_, prev_v_;  // ETF: the layer below's K and V of the pass's rows
+  struct GpuDecode;  // engine_gpu.cu: the decode step's device copies and buffers
+  struct GpuDecodeDeleter {
+    void operator()(GpuDecode* g) const;
+  };
+  std::unique_ptr<GpuDecode, GpuDecodeDeleter> gpu_;
 };
 
 /// Index of the largest value.

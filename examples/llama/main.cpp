@@ -559,8 +559,10 @@ Status Run(const Options& o) {
     const Status s = engine.UseGpuMatmul(o.base.device_id);
     if (!s.ok() && o.base.backend == Backend::kCuda) return s;
   }
-  std::fprintf(stderr, "[kvferry-llama] matrix products on %s\n",
-               engine.gpu_matmul() ? "the GPU (cuBLAS)" : "the CPU (oneDNN)");
+  if (engine.gpu_matmul() && !o.host_decode) KVF_RETURN_IF_ERROR(engine.UseGpuDecode());
+  std::fprintf(stderr, "[kvferry-llama] matrix products on %s%s\n",
+               engine.gpu_matmul() ? "the GPU (cuBLAS)" : "the CPU (oneDNN)",
+               engine.gpu_decode() ? "; decode steps with their activations on the GPU" : "");
   if (o.etf.on) {
     EtfOptions etf = o.etf;
     etf.sink = o.base.tiers.sink_tokens;

@@ -46,6 +46,8 @@ struct Matmul::Impl {
     if (cuda_stream != nullptr) cudaStreamDestroy(cuda_stream);
   }
   Status RunGpu(const float* x, int64_t m, const Matrix& w, float* y);
+  Status DeviceWeightsOf(const Matrix& w, const float** dev);
+  Status Gemm(const float* dx, int64_t m, const Matrix& w, const float* dw, float* dy);
 #endif
 };
 
@@ -70,8 +72,7 @@ Status Grow(float*& buf, size_t& cap, size_t want) {
 }
 }  // namespace
 
-Status Matmul::Impl::RunGpu(const float* x, int64_t m, const Matrix& w, float* y) {
-  const int64_t k = w.cols, n = w.rows;
+Status Matmul::Impl::DeviceWeightsOf(const Matrix& w, const float** dev_out) {
   auto it = weights.find(w.data.data());
   if (it != weights.end() && it->second.elems != w.data.size()) {
     cudaFree(it->second.dev);
@@ -89,18 +90,30 @@ Status Matmul::Impl::RunGpu(const float* x, int64_t m, const Matrix& w, float* y
         cudaMemcpyAsync(dev, w.data.data(), bytes, cudaMemcpyHostToDevice, cuda_stream), "upload weights"));
     it = weights.emplace(w.data.data(), DeviceWeights{dev, w.data.size()}).first;
   }
+  *dev_out = it->second.dev;
+  return Status::Ok();
+}
+
+Status Matmul::Impl::Gemm(const float* dx, int64_t m, const Matrix& w, const float* dw, float* dy) {
+  const int64_t k = w.cols, n = w.rows;
+  // Row-major y[m,n] = x[m,k] W[n,k]^T is column-major y^T[n,m] = W^T^T x^T: W is a column-major
+  // [k, n] matrix (ld k), used transposed; x is column-major [k, m] (ld k).
+  const float one = 1.0f, zero = 0.0f;
+  return CublasStatus(cublasSgemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
+                                  static_cast<int>(k), &one, dw, static_cast<int>(k), dx, static_cast<int>(k),
+                                  &zero, dy, static_cast<int>(n)),
+                      "cublasSgemm");
+}
+
+Status Matmul::Impl::RunGpu(const float* x, int64_t m, const Matrix& w, float* y) {
+  const int64_t k = w.cols, n = w.rows;
+  const float* dw = nullptr;
+  KVF_RETURN_IF_ERROR(DeviceWeightsOf(w, &dw));
   KVF_RETURN_IF_ERROR(Grow(dx, dx_cap, static_cast<size_t>(m * k)));
   KVF_RETURN_IF_ERROR(Grow(dy, dy_cap, static_cast<size_t>(m * n)));
   KVF_RETURN_IF_ERROR(CudaStatus(
       cudaMemcpyAsync(dx, x, m * k * sizeof(float), cudaMemcpyHostToDevice, cuda_stream), "copy x"));
-  // Row-major y[m,n] = x[m,k] W[n,k]^T is column-major y^T[n,m] = W^T^T x^T: W is a column-major
-  // [k, n] matrix (ld k), used transposed; x is column-major [k, m] (ld k).
-  const float one = 1.0f, zero = 0.0f;
-  KVF_RETURN_IF_ERROR(CublasStatus(
-      cublasSgemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
-                  static_cast<int>(k), &one, it->second.dev, static_cast<int>(k), dx,
-                  static_cast<int>(k), &zero, dy, static_cast<int>(n)),
-      "cublasSgemm"));
+  KVF_RETURN_IF_ERROR(Gemm(dx, m, w, dw, dy));
   KVF_RETURN_IF_ERROR(CudaStatus(
       cudaMemcpyAsync(y, dy, m * n * sizeof(float), cudaMemcpyDeviceToHost, cuda_stream), "copy y"));
   return CudaStatus(cudaStreamSynchronize(cuda_stream), "synchronize");
@@ -122,6 +135,27 @@ Status Matmul::EnableCuda(int device_id) {
 #else
   (void)device_id;
   return Unimplemented("matmul: built without CUDA");
+#endif
+}
+
+Status Matmul::RunOnDevice(const float* x, int64_t m, const Matrix& w, float* y) {
+  KVF_CHECK_ARG(m > 0 && w.cols > 0 && w.rows > 0, "matmul: empty shape ", m, "x", w.cols, "x", w.rows);
+#ifdef KVFERRY_WITH_CUDA
+  KVF_CHECK_CODE(impl_->gpu, StatusCode::kFailedPrecondition, "matmul: RunOnDevice before EnableCuda");
+  const float* dw = nullptr;
+  KVF_RETURN_IF_ERROR(impl_->DeviceWeightsOf(w, &dw));
+  return impl_->Gemm(x, m, w, dw, y);
+#else
+  (void)x, (void)y;
+  return Unimplemented("matmul: built without CUDA");
+#endif
+}
+
+void* Matmul::cuda_stream() const {
+#ifdef KVFERRY_WITH_CUDA
+  return impl_->cuda_stream;
+#else
+  return nullptr;
 #endif
 }
 

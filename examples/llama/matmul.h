@@ -26,6 +26,12 @@ class Matmul {
   /// \p x: [m, w.cols] row-major; \p y: [m, w.rows] row-major (overwritten).
   Status Run(const float* x, int64_t m, const Matrix& w, float* y);
 
+  /// After EnableCuda: y = x W^T with \p x and \p y in GPU memory, enqueued on cuda_stream()
+  /// (no copy, no synchronisation); the weights are uploaded at first use as for Run.
+  Status RunOnDevice(const float* x, int64_t m, const Matrix& w, float* y);
+  /// The cudaStream_t every product is ordered on (null before EnableCuda).
+  [[nodiscard]] void* cuda_stream() const;
+
   /// Routes every later Run through cuBLAS on \p device_id; kUnimplemented without CUDA.
   Status EnableCuda(int device_id);
   [[nodiscard]] bool on_gpu() const;

@@ -44,9 +44,8 @@ Result<std::unique_ptr<RuntimeAttention>> RuntimeAttention::Create(const Runtime
   return Create(rc);
 }
 
-TensorView RuntimeAttention::View(const float* p, int64_t rows, int heads) const {
-  return TensorView::Contiguous(const_cast<float*>(p), DType::kF32, MemoryKind::kHost,
-                                {rows, heads, head_dim_});
+TensorView RuntimeAttention::View(const float* p, int64_t rows, int heads, MemoryKind where) const {
+  return TensorView::Contiguous(const_cast<float*>(p), DType::kF32, where, {rows, heads, head_dim_});
 }
 
 Status RuntimeAttention::Prefill(int layer, int64_t n, const float* q, const float* k,
@@ -60,6 +59,22 @@ Status RuntimeAttention::Decode(int layer, const float* q, const float* k, const
   const SequenceId seqs[1] = {seq_};
   return runtime_->Decode(seqs, layer, View(q, 1, q_heads_), View(k, 1, kv_heads_),
                           View(v, 1, kv_heads_), View(out, 1, q_heads_));
+}
+
+bool RuntimeAttention::decodes_on_device() const { return runtime_->backend() == Backend::kCuda; }
+
+Status RuntimeAttention::PlanDecodeOnDevice(void* stream) {
+  const SequenceId seqs[1] = {seq_};
+  return runtime_->PlanDecode(seqs, static_cast<StreamHandle>(stream));
+}
+
+Status RuntimeAttention::DecodeOnDevice(int layer, const float* q, const float* k, const float* v,
+                                        float* out, void* stream) {
+  const SequenceId seqs[1] = {seq_};
+  constexpr MemoryKind kDev = MemoryKind::kDevice;
+  return runtime_->Decode(seqs, layer, View(q, 1, q_heads_, kDev), View(k, 1, kv_heads_, kDev),
+                          View(v, 1, kv_heads_, kDev), View(out, 1, q_heads_, kDev),
+                          static_cast<StreamHandle>(stream));
 }
 
 Status RuntimeAttention::Append(int layer, int64_t n, const float* k, const float* v) {
