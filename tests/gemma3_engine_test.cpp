@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -19,6 +20,7 @@
 #include "examples/llama/eval.h"
 #include "examples/llama/gguf.h"
 #include "examples/llama/model.h"
+#include "kvferry/status_macros.h"
 #include "tests/llama_test_util.h"
 
 namespace kvferry::llama {
@@ -177,6 +179,36 @@ TEST(Gemma3Engine, RuntimeMatchesNumpyLogits) {
   }
 }
 
+// Prefills the tiny model's first \p prompt tokens (in chunks of \p chunk) into \p attn and
+// decodes the rest token by token; \p logits gets the prefill's last row, then every step's.
+Status RunTiny(Engine& engine, Attention& attn, int64_t prompt, int64_t chunk,
+               std::vector<std::vector<float>>* logits) {
+  const Fixture& fx = Tiny();
+  Attention* attns[1] = {&attn};
+  std::vector<float> step;
+  KVF_RETURN_IF_ERROR(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, attns, &step,
+                                     false, chunk));
+  logits->push_back(step);
+  for (int64_t t = prompt; t < static_cast<int64_t>(fx.tokens.size()); ++t) {
+    KVF_RETURN_IF_ERROR(engine.Decode(fx.tokens[t], t, attn, &step));
+    logits->push_back(step);
+  }
+  return Status::Ok();
+}
+
+// max |got - want| / max |want| over every step's logits; infinity where got is not finite.
+double MaxRelDiff(const std::vector<std::vector<float>>& got, const std::vector<std::vector<float>>& want) {
+  double diff = 0, mx = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    for (size_t j = 0; j < want[i].size(); ++j) {
+      if (!std::isfinite(got[i][j])) return std::numeric_limits<double>::infinity();
+      diff = std::max(diff, static_cast<double>(std::fabs(got[i][j] - want[i][j])));
+      mx = std::max(mx, static_cast<double>(std::fabs(want[i][j])));
+    }
+  }
+  return diff / mx;
+}
+
 // The engine on the CUDA backend: the same prompt (in chunks of 3) and decode steps as the host
 // backend, for dense and every policy with a device path (the sliding layers' rings and windowed
 // prefill, the global layer's selection on the GPU); dense also against the numpy logits. The
@@ -190,28 +222,13 @@ TEST(Gemma3Engine, CudaBackendMatchesTheHostBackend) {
     for (int b = 0; b < 2; ++b) {
       auto attn = MakeRuntime(policy, DType::kF16, b == 0 ? Backend::kCuda : Backend::kHost);
       ASSERT_NE(attn, nullptr) << policy;
-      Attention* attns[1] = {attn.get()};
       Engine engine(fx.model);
-      std::vector<float> step;
-      ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, attns, &step,
-                                 false, /*chunk=*/3).ok()) << policy;
-      logits[b].push_back(step);
-      for (int64_t t = prompt; t < n; ++t) {
-        const Status st = engine.Decode(fx.tokens[t], t, *attn, &step);
-        ASSERT_TRUE(st.ok()) << policy << ": " << st.ToString();
-        logits[b].push_back(step);
-      }
+      const Status st = RunTiny(engine, *attn, prompt, /*chunk=*/3, &logits[b]);
+      ASSERT_TRUE(st.ok()) << policy << ": " << st.ToString();
     }
-    double diff = 0, mx = 0;
-    for (size_t i = 0; i < logits[0].size(); ++i) {
-      for (size_t j = 0; j < logits[0][i].size(); ++j) {
-        ASSERT_TRUE(std::isfinite(logits[0][i][j])) << policy;
-        diff = std::max(diff, static_cast<double>(std::fabs(logits[0][i][j] - logits[1][i][j])));
-        mx = std::max(mx, static_cast<double>(std::fabs(logits[1][i][j])));
-      }
-    }
-    std::printf("%s: CUDA vs host backend, max |dlogit| / max |logit| = %.3g\n", policy, diff / mx);
-    EXPECT_LT(diff / mx, 1e-3) << policy;
+    const double rel = MaxRelDiff(logits[0], logits[1]);
+    std::printf("%s: CUDA vs host backend, max |dlogit| / max |logit| = %.3g\n", policy, rel);
+    EXPECT_LT(rel, 1e-3) << policy;
     if (std::string(policy) == "dense") {
       double err = RelErr(logits[0][0], prompt - 1, 1);
       for (int64_t t = prompt; t < n; ++t) err = std::max(err, RelErr(logits[0][t - prompt + 1], t, 1));
@@ -233,29 +250,15 @@ TEST(Gemma3Engine, GpuDecodeMatchesTheHostPath) {
     for (int b = 0; b < 2; ++b) {
       auto attn = MakeRuntime(policy, DType::kF16, Backend::kCuda);
       ASSERT_NE(attn, nullptr) << policy;
-      Attention* attns[1] = {attn.get()};
       Engine engine(fx.model);
       ASSERT_TRUE(engine.UseGpuMatmul().ok());
       if (b == 1) ASSERT_TRUE(engine.UseGpuDecode().ok());
-      std::vector<float> step;
-      ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, attns, &step).ok());
-      for (int64_t t = prompt; t < n; ++t) {
-        const Status st = engine.Decode(fx.tokens[t], t, *attn, &step);
-        ASSERT_TRUE(st.ok()) << policy << ": " << st.ToString();
-        logits[b].push_back(step);
-      }
+      const Status st = RunTiny(engine, *attn, prompt, /*chunk=*/512, &logits[b]);
+      ASSERT_TRUE(st.ok()) << policy << ": " << st.ToString();
     }
-    double diff = 0, mx = 0;
-    for (size_t i = 0; i < logits[0].size(); ++i) {
-      for (size_t j = 0; j < logits[0][i].size(); ++j) {
-        ASSERT_TRUE(std::isfinite(logits[1][i][j])) << policy;
-        diff = std::max(diff, static_cast<double>(std::fabs(logits[0][i][j] - logits[1][i][j])));
-        mx = std::max(mx, static_cast<double>(std::fabs(logits[0][i][j])));
-      }
-    }
-    std::printf("%s: decode on the device vs the host path, max |dlogit| / max |logit| = %.3g\n", policy,
-                diff / mx);
-    EXPECT_LT(diff / mx, 1e-4) << policy;
+    const double rel = MaxRelDiff(logits[1], logits[0]);
+    std::printf("%s: decode on the device vs the host path, max |dlogit| / max |logit| = %.3g\n", policy, rel);
+    EXPECT_LT(rel, 1e-4) << policy;
   }
   // Three lanes (dense, sparcas, quest) decoded together on the device equal each decoded alone.
   const char* lane_policies[3] = {"dense", "sparcas", "quest"};

@@ -269,29 +269,17 @@ TEST(LlamaSmolLm2, GpuDecodeMatchesTheHostPath) {
   for (const char* policy : {"dense", "oracle", "sparcas", "hip"}) {
     std::vector<float> logits[2];  // [0]: host path, [1]: on the device
     for (int b = 0; b < 2; ++b) {
-      RuntimeConfig rc;
-      rc.backend = Backend::kCuda;
-      rc.policy.name = policy;
-      rc.policy.budget_tokens = std::string(policy) == "dense" ? 256 : 24;
-      rc.model.kv_dtype = DType::kF16;
-      rc.capacity.max_sequences = 1;
-      rc.capacity.max_batch = 1;
-      rc.capacity.max_tokens_per_sequence = 256;
-      rc.capacity.max_prefill_chunk = 64;
-      rc.tiers.sink_tokens = 4;
-      rc.tiers.window_tokens = 8;
-      rc.cpu_threads = 1;
-      rc.probe_at_start = false;
-      auto attn = RuntimeAttention::Create(RuntimeConfigFor(fx->model.config, rc));
-      ASSERT_TRUE(attn.ok()) << policy << ": " << attn.status().ToString();
+      auto attn = testing_util::MakeLlamaRuntime(fx->model.config, policy, DType::kF16, Backend::kCuda,
+                                                 kSmallTiers);
+      ASSERT_NE(attn, nullptr) << policy;
       Engine engine(fx->model);
       ASSERT_TRUE(engine.UseGpuMatmul().ok());
       if (b == 1) ASSERT_TRUE(engine.UseGpuDecode().ok());
-      std::vector<Attention*> attns{attn->get()};
+      std::vector<Attention*> attns{attn.get()};
       std::vector<float> step;
       ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(tokens.data(), half), 0, attns, &step).ok());
       for (int64_t p = half; p < n; ++p) {
-        const Status st = engine.Decode(tokens[p], p, **attn, &step);
+        const Status st = engine.Decode(tokens[p], p, *attn, &step);
         ASSERT_TRUE(st.ok()) << policy << ": " << st.ToString();
         logits[b].insert(logits[b].end(), step.begin(), step.end());
       }
