@@ -1371,7 +1371,7 @@ MACHINE = {
     "e2e": (GPU1_RAM, "~8 min (454 s recorded on an H100 with the binaries built: 40 rows, SDPA, prefill)"), "scale": (GPU1_RAM, "~13 min in two calls on one warm machine (730 s recorded on an H200: "
                                    "SCALE_POINTS=32768x4,131072x1,dense 210 s, then 131072x4,524288x1 520 s)"), "split": (GPU1_RAM, "?"),
     "quality_gemma3_32k": (CPU2, "~70 min on 2 cores (70 min recorded, the last 25 beside CI: two chains side by side, 28 lanes decoded together after each of 4 prefills of 16K/32K, 9 passkey prompts of 85-880 s)"),
-    "hf_gpu": (GPU1, "~3 min with _core built (recorded: 2.3 min for 9 lanes at SmolLM2 8K b1/b8 and the 8B shape at 32K/128K, before the sdpa_nocudnn lane)"),
+    "hf_gpu": (GPU1, "~4 min with _core built (recorded: about 3.5 min for 10 lanes, sdpa_nocudnn included, at SmolLM2 8K b1/b8 and the 8B shape at 32K/128K)"),
     "real_model_gpu": (GPU1, "~12 min with kvferry-llama built (recorded: a 10-minute call cut after the batch-8 oracle row, then 160 s on the same machine; the host backend's agreement runs and passkey are half of it)"),
     "quality_smollm2": (CPU2, "~25 min on 2 cores (23 min recorded: 13 lanes of 1024 tokens decoded together, + 5 runs of 1-2 lanes, passkey, 14 replays)"),
     "gpu_attention": (GPU1, "?"), "torch_sdpa": (GPU1, "?"), "transfer_span": (GPU1, "?"),
