@@ -296,6 +296,92 @@ TEST(Gemma3Engine, GpuDecodeMatchesTheHostPath) {
   }
 }
 
+// CUDA graphs of the decode step: the tiny model with every layer global (no sliding window, so
+// that a device-selecting policy's step is capture-safe) decodes on the device with graphs and
+// gives the host path's logits; the graphs were captured and replayed for every capture-safe
+// policy (not for LFPS, which selects on the host); three lanes decoded together and each alone,
+// interleaved on one engine, keep a graph per lane set and equal each other.
+TEST(Gemma3Engine, GpuDecodeGraphsMatchTheHostPath) {
+  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU (or built without CUDA)";
+  const Fixture& fx = Tiny();
+  Model global = fx.model;
+  for (int& w : global.config.layer_window) w = 0;
+  const int64_t n = static_cast<int64_t>(fx.tokens.size()), prompt = 11;
+  auto make = [&](const char* policy) {
+    return testing_util::MakeLlamaRuntime(global.config, policy, DType::kF16, Backend::kCuda);
+  };
+  for (const char* policy : {"dense", "streaming", "quest", "sparcas", "hip", "kvpop", "lfps"}) {
+    std::vector<std::vector<float>> logits[2];  // [0]: host path, [1]: on the device with graphs
+    int64_t graph_steps = 0;
+    bool capture_safe = false;
+    for (int b = 0; b < 2; ++b) {
+      auto attn = make(policy);
+      ASSERT_NE(attn, nullptr) << policy;
+      Engine engine(global);
+      ASSERT_TRUE(engine.UseGpuMatmul().ok());
+      if (b == 1) ASSERT_TRUE(engine.UseGpuDecode().ok());
+      Attention* attns[1] = {attn.get()};
+      std::vector<float> step;
+      ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, attns, &step).ok());
+      for (int64_t t = prompt; t < n; ++t) {
+        const Status st = engine.Decode(fx.tokens[t], t, *attn, &step);
+        ASSERT_TRUE(st.ok()) << policy << ": " << st.ToString();
+        logits[b].push_back(step);
+      }
+      if (b == 1) {
+        graph_steps = engine.decode_graph_steps();
+        capture_safe = attn->decode_capture_safe();
+      }
+    }
+    const double rel = MaxRelDiff(logits[1], logits[0]);
+    std::printf("%s: graphs %lld of %lld steps, vs the host path max |dlogit| / max |logit| = %.3g\n", policy,
+                static_cast<long long>(graph_steps), static_cast<long long>(n - prompt), rel);
+    EXPECT_LT(rel, 1e-4) << policy;
+    if (std::string(policy) == "lfps") {
+      EXPECT_FALSE(capture_safe);
+      EXPECT_EQ(graph_steps, 0);
+    } else {
+      EXPECT_TRUE(capture_safe) << policy;
+      EXPECT_EQ(graph_steps, n - prompt - 1) << policy;  // the first step plain, then captured and replayed
+    }
+  }
+  const char* lane_policies[3] = {"dense", "sparcas", "quest"};
+  std::vector<std::unique_ptr<RuntimeAttention>> together, alone;
+  for (const char* p : lane_policies) {
+    together.push_back(make(p));
+    alone.push_back(make(p));
+    ASSERT_NE(together.back(), nullptr);
+    ASSERT_NE(alone.back(), nullptr);
+  }
+  Engine engine(global);
+  ASSERT_TRUE(engine.UseGpuMatmul().ok());
+  ASSERT_TRUE(engine.UseGpuDecode().ok());
+  std::vector<Attention*> lanes;
+  for (auto& a : together) lanes.push_back(a.get());
+  std::vector<float> step, one;
+  ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, lanes, &step).ok());
+  for (auto& a : alone) {
+    Attention* attns[1] = {a.get()};
+    ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, attns, &step).ok());
+  }
+  const size_t vocab = static_cast<size_t>(global.config.vocab_size);
+  for (int64_t t = prompt; t < n; ++t) {
+    const std::vector<int32_t> toks(3, fx.tokens[t]);
+    ASSERT_TRUE(engine.DecodeLanes(toks, t, lanes, &step).ok());
+    for (size_t i = 0; i < 3; ++i) {
+      ASSERT_TRUE(engine.Decode(fx.tokens[t], t, *alone[i], &one).ok());
+      double diff = 0, mx = 0;
+      for (size_t j = 0; j < vocab; ++j) {
+        diff = std::max(diff, static_cast<double>(std::fabs(step[i * vocab + j] - one[j])));
+        mx = std::max(mx, static_cast<double>(std::fabs(one[j])));
+      }
+      EXPECT_LT(diff / mx, 1e-4) << lane_policies[i] << " at position " << t;
+    }
+  }
+  EXPECT_EQ(engine.decode_graph_captures(), 4);  // the three lanes together, and each alone
+  EXPECT_EQ(engine.decode_graph_steps(), 4 * (n - prompt - 1));
+}
+
 // A sparse policy on the global layer: the sliding layers are unchanged, the global layer attends
 // a budget; the logits move away from dense but stay finite, and the sliding layers are still
 // exact for a prompt inside the window.

@@ -71,6 +71,7 @@ std::string UsageText() {
          "         --bank-slots N (0) --cpu-threads N --param k=v --policy-weights FILE --no-dense\n"
          "         --lanes-together (perplexity, passkey: every lane's decode step in one pass)\n"
          "         --host-decode (on the GPU: activations through host memory at every product)\n"
+         "         --no-graphs (on the GPU: every decode step launched kernel by kernel)\n"
          "prefill: --etf (PrHS's early-token freezing) --etf-psi P (0.5) --etf-gamma G (1)\n"
          "         --etf-start L (3N/4) --etf-copy-kv (frozen rows keep the layer below's K/V)\n"
          "output:  --json FILE\n"
@@ -158,6 +159,7 @@ Result<Options> ParseArgs(int argc, const char* const* argv) {
       .Switch("--no-dense", "", &o.no_dense)
       .Switch("--lanes-together", "", &o.lanes_together)
       .Switch("--host-decode", "", &o.host_decode)
+      .Switch("--no-graphs", "", &o.no_graphs)
       .Switch("--etf", "", &o.etf.on)
       .Switch("--etf-copy-kv", "", &o.etf.copy_kv)
       .Real("--etf-psi", "", &o.etf.psi, 0.0, 1.0, /*lo_open=*/true)

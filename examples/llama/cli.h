@@ -59,6 +59,7 @@ struct Options {
   /// With the matrix products on the GPU: decode steps as the host path runs them (activations
   /// copied to and from the device at every product) instead of Engine::UseGpuDecode's.
   bool host_decode = false;
+  bool no_graphs = false;  // decode steps on the GPU without CUDA graphs
   /// PrHS's early-token freezing at prefill (--etf, --etf-psi, --etf-gamma, --etf-start; the
   /// sink from --sinks).
   EtfOptions etf;

@@ -43,6 +43,9 @@ class Attention {
 
   /// Whether DecodeOnDevice works here (q, k, v and out in GPU memory).
   [[nodiscard]] virtual bool decodes_on_device() const { return false; }
+  /// Whether DecodeOnDevice's work, once its step is planned, can be captured in a CUDA graph and
+  /// replayed after the next PlanDecodeOnDevice (no host work inside the step).
+  [[nodiscard]] virtual bool decode_capture_safe() const { return false; }
   /// Plans the decode token step whose DecodeOnDevice calls (one a layer) follow, ordered on the
   /// CUDA stream \p stream (a cudaStream_t).
   virtual Status PlanDecodeOnDevice(void* stream) {
@@ -87,6 +90,7 @@ class RuntimeAttention final : public Attention {
   /// On the CUDA backend: the Runtime's planned step (PlanDecode, then a Decode a layer with
   /// device tensors on the caller's stream).
   [[nodiscard]] bool decodes_on_device() const override;
+  [[nodiscard]] bool decode_capture_safe() const override;
   Status PlanDecodeOnDevice(void* stream) override;
   Status DecodeOnDevice(int layer, const float* q, const float* k, const float* v, float* out,
                         void* stream) override;
@@ -173,8 +177,17 @@ class Engine {
   /// (its step planned once a token), one copy of the logits back a step (examples/llama/
   /// engine_gpu.cu). A step whose lanes do not all decode on the device, or with an observer set,
   /// takes the host path. kUnimplemented without CUDA.
+  /// Where every lane's attention is capture-safe (Attention::decode_capture_safe), the second
+  /// step of a lane set is captured in a CUDA graph and later steps replay it: one launch a step
+  /// instead of about 20 a layer.
   Status UseGpuDecode();
   [[nodiscard]] bool gpu_decode() const { return gpu_ != nullptr; }
+  /// CUDA graphs for the decode steps (on by default with UseGpuDecode; off: every step launched
+  /// kernel by kernel).
+  void SetDecodeGraphs(bool on);
+  /// Decode steps replayed from a CUDA graph, and graphs captured, so far.
+  [[nodiscard]] int64_t decode_graph_steps() const;
+  [[nodiscard]] int64_t decode_graph_captures() const;
   [[nodiscard]] const Model& model() const { return model_; }
 
  private:
@@ -194,6 +207,8 @@ class Engine {
   Status DecodeOnDevice(std::span<const int32_t> tokens, int64_t pos, std::span<Attention* const> lanes,
                         float* logits);
   [[nodiscard]] bool CanDecodeOnDevice(std::span<Attention* const> lanes) const;
+  // Enqueues the step's kernels, products and attention calls on the decode stream (captured or not).
+  Status EnqueueDecodeStep(int64_t n, std::span<Attention* const> lanes);
 
   struct RopeTable {
     double theta = 10000.0;

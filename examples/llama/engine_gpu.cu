@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <vector>
 
 #include "examples/llama/engine.h"
@@ -77,11 +78,12 @@ __global__ void RmsNormKernel(const float* x, const float* w, int64_t dim, float
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) out[row * dim + i] = xr[i] * inv * w[i];
 }
 
-// RoPE on x [rows, heads, head_dim] at position pos: (cos, sin) [head_dim / 2] from the table of
+// RoPE on x [rows, heads, head_dim] at position *pos_dev: (cos, sin) [head_dim / 2] from the table of
 // the layer's kind; pairs (i, i + half) when halves, else (2i, 2i + 1).
 __global__ void RopeKernel(float* x, int heads, int head_dim, const float* cos, const float* sin,
-                           int64_t pos, bool halves) {
+                           const int64_t* pos_dev, bool halves) {
   const int half = head_dim / 2;
+  const int64_t pos = *pos_dev;
   float* xh = x + static_cast<int64_t>(blockIdx.x) * heads * head_dim + static_cast<int64_t>(blockIdx.y) * head_dim;
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
     const float c = cos[pos * half + i], s = sin[pos * half + i];
@@ -129,8 +131,30 @@ struct Engine::GpuDecode {
   DeviceFloats x, xb, q, k, v, att, gate, up, logits;
   int32_t* tokens = nullptr;
   int64_t tokens_cap = 0;
+  int64_t* pos = nullptr;  // the step's position, read by RopeKernel
+  // CUDA graphs of the step, one per lane set (the lanes' order as called): captured at the second
+  // step of a set whose lanes are all capture-safe, replayed after their PlanDecode. A graph holds
+  // the buffers' and RoPE tables' addresses: any of them moving (generation) drops them all.
+  bool graphs_on = true;
+  int64_t generation = 0;
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+    int64_t generation = -1;
+    int64_t pos = 0;  // the step it was captured at: its launch shapes were sized for that length
+  };
+  std::map<std::vector<Attention*>, Graph> graphs;
+  std::map<std::vector<Attention*>, int> plain_steps;  // steps of a set decoded without a graph
+  int64_t graph_steps = 0, graph_captures = 0;
+  void DropGraphs() {
+    for (auto& [lanes, gr] : graphs) {
+      if (gr.exec != nullptr) cudaGraphExecDestroy(gr.exec);
+    }
+    graphs.clear();
+  }
   ~GpuDecode() {
+    DropGraphs();
     if (tokens != nullptr) cudaFree(tokens);
+    if (pos != nullptr) cudaFree(pos);
   }
 };
 
@@ -158,10 +182,20 @@ Status Engine::UseGpuDecode() {
     if (!w.post_attn_norm.empty()) KVF_RETURN_IF_ERROR(g->post_attn_norm[l].Upload(w.post_attn_norm, g->stream));
     if (!w.post_ffn_norm.empty()) KVF_RETURN_IF_ERROR(g->post_ffn_norm[l].Upload(w.post_ffn_norm, g->stream));
   }
+  KVF_RETURN_IF_ERROR(Cuda(cudaMalloc(&g->pos, sizeof(int64_t)), "cudaMalloc pos"));
   KVF_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(g->stream), "upload"));
   gpu_ = std::move(g);
   return Status::Ok();
 }
+
+void Engine::SetDecodeGraphs(bool on) {
+  if (!gpu_) return;
+  gpu_->graphs_on = on;
+  if (!on) gpu_->DropGraphs();
+}
+
+int64_t Engine::decode_graph_steps() const { return gpu_ ? gpu_->graph_steps : 0; }
+int64_t Engine::decode_graph_captures() const { return gpu_ ? gpu_->graph_captures : 0; }
 
 Status Engine::DecodeOnDevice(std::span<const int32_t> tokens, int64_t pos, std::span<Attention* const> lanes,
                               float* logits) {
@@ -172,12 +206,17 @@ Status Engine::DecodeOnDevice(std::span<const int32_t> tokens, int64_t pos, std:
   const int64_t q_dim = static_cast<int64_t>(c.num_q_heads) * c.head_dim;
   const int64_t kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
   cudaStream_t s = g.stream;
-  GrowRope(pos + 1);
+  const bool capture_safe = g.graphs_on && std::all_of(lanes.begin(), lanes.end(), [](const Attention* a) {
+    return a->decode_capture_safe();
+  });
+  // With graphs the tables cover the model's trained context at once, so that they rarely move.
+  GrowRope(capture_safe ? std::max<int64_t>(pos + 1, c.max_context) : pos + 1);
   for (int r = 0; r < 2; ++r) {  // the host tables grew: upload them again
     if (rope_[r].cos.size() != g.rope_have[r]) {
       KVF_RETURN_IF_ERROR(g.rope_cos[r].Upload(rope_[r].cos, s));
       KVF_RETURN_IF_ERROR(g.rope_sin[r].Upload(rope_[r].sin, s));
       g.rope_have[r] = rope_[r].cos.size();
+      ++g.generation;
     }
   }
   if (n > g.tokens_cap) {
@@ -186,15 +225,76 @@ Status Engine::DecodeOnDevice(std::span<const int32_t> tokens, int64_t pos, std:
     g.tokens_cap = 0;
     KVF_RETURN_IF_ERROR(Cuda(cudaMalloc(&g.tokens, n * sizeof(int32_t)), "cudaMalloc tokens"));
     g.tokens_cap = n;
+    ++g.generation;
   }
+  const void* before[] = {g.x.p, g.xb.p, g.q.p, g.att.p, g.k.p, g.v.p, g.gate.p, g.up.p, g.logits.p};
   for (DeviceFloats* b : {&g.x, &g.xb}) KVF_RETURN_IF_ERROR(b->Reserve(n * dim));
   for (DeviceFloats* b : {&g.q, &g.att}) KVF_RETURN_IF_ERROR(b->Reserve(n * q_dim));
   for (DeviceFloats* b : {&g.k, &g.v}) KVF_RETURN_IF_ERROR(b->Reserve(n * kv_dim));
   for (DeviceFloats* b : {&g.gate, &g.up}) KVF_RETURN_IF_ERROR(b->Reserve(n * c.hidden_dim));
   KVF_RETURN_IF_ERROR(g.logits.Reserve(n * static_cast<int64_t>(c.vocab_size)));
+  const void* after[] = {g.x.p, g.xb.p, g.q.p, g.att.p, g.k.p, g.v.p, g.gate.p, g.up.p, g.logits.p};
+  if (!std::equal(std::begin(before), std::end(before), std::begin(after))) ++g.generation;
+  // The step's inputs, then each lane's plan, outside any graph (a replay reads them).
   KVF_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(g.tokens, tokens.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice, s),
                            "upload tokens"));
+  KVF_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(g.pos, &pos, sizeof(int64_t), cudaMemcpyHostToDevice, s), "upload pos"));
   for (Attention* a : lanes) KVF_RETURN_IF_ERROR(a->PlanDecodeOnDevice(s));
+  const std::vector<Attention*> key(lanes.begin(), lanes.end());
+  GpuDecode::Graph* graph = nullptr;
+  if (capture_safe) {
+    auto it = g.graphs.find(key);
+    // Dropped when its addresses moved, when the lanes started over (a new sequence), or when the
+    // context has doubled since (its launch shapes follow the length it was captured at).
+    if (it != g.graphs.end() && (it->second.generation != g.generation || pos < it->second.pos ||
+                                 pos > 2 * it->second.pos + 64)) {
+      cudaGraphExecDestroy(it->second.exec);
+      g.graphs.erase(it);
+      it = g.graphs.end();
+    }
+    if (it != g.graphs.end()) graph = &it->second;
+  }
+  if (graph == nullptr && capture_safe && g.plain_steps[key] >= 1) {
+    // Capture the step (the first one of the set ran plainly: every weight uploaded, cuBLAS's
+    // workspace made, each policy caught up with the prompt), then replay it below.
+    KVF_RETURN_IF_ERROR(Cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "begin capture"));
+    Status st = EnqueueDecodeStep(n, lanes);
+    cudaGraph_t captured = nullptr;
+    const cudaError_t end = cudaStreamEndCapture(s, &captured);
+    if (st.ok()) st = Cuda(end, "end capture");
+    GpuDecode::Graph made;
+    if (st.ok()) st = Cuda(cudaGraphInstantiate(&made.exec, captured, 0), "instantiate graph");
+    if (captured != nullptr) cudaGraphDestroy(captured);
+    if (!st.ok()) {
+      (void)cudaGetLastError();
+      return st;
+    }
+    made.generation = g.generation;
+    made.pos = pos;
+    graph = &(g.graphs[key] = made);
+    ++g.graph_captures;
+  }
+  if (graph != nullptr) {
+    KVF_RETURN_IF_ERROR(Cuda(cudaGraphLaunch(graph->exec, s), "graph launch"));
+    ++g.graph_steps;
+  } else {
+    KVF_RETURN_IF_ERROR(EnqueueDecodeStep(n, lanes));
+    ++g.plain_steps[key];
+  }
+  if (logits != nullptr) {
+    KVF_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(logits, g.logits.p, n * c.vocab_size * sizeof(float),
+                                             cudaMemcpyDeviceToHost, s), "copy logits"));
+  }
+  return Cuda(cudaStreamSynchronize(s), "synchronize");
+}
+
+Status Engine::EnqueueDecodeStep(int64_t n, std::span<Attention* const> lanes) {
+  GpuDecode& g = *gpu_;
+  const ModelConfig& c = model_.config;
+  const int64_t dim = c.dim;
+  const int64_t q_dim = static_cast<int64_t>(c.num_q_heads) * c.head_dim;
+  const int64_t kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  cudaStream_t s = g.stream;
   const int rows = static_cast<int>(n);
   EmbedKernel<<<rows, kThreads, 0, s>>>(g.tokens, g.embed.p, dim, c.embed_scale, g.x.p);
   const bool halves = c.rope_style == RopeStyle::kHalves;
@@ -213,9 +313,9 @@ Status Engine::DecodeOnDevice(std::span<const int32_t> tokens, int64_t pos, std:
       RmsNormKernel<<<rows * c.num_kv_heads, kThreads, 0, s>>>(g.k.p, g.k_norm[l].p, c.head_dim, c.rms_eps, g.k.p);
     }
     RopeKernel<<<dim3(rows, c.num_q_heads), 64, 0, s>>>(g.q.p, c.num_q_heads, c.head_dim, g.rope_cos[table].p,
-                                                         g.rope_sin[table].p, pos, halves);
+                                                         g.rope_sin[table].p, g.pos, halves);
     RopeKernel<<<dim3(rows, c.num_kv_heads), 64, 0, s>>>(g.k.p, c.num_kv_heads, c.head_dim, g.rope_cos[table].p,
-                                                          g.rope_sin[table].p, pos, halves);
+                                                          g.rope_sin[table].p, g.pos, halves);
     for (int64_t t = 0; t < n; ++t) {
       KVF_RETURN_IF_ERROR(lanes[static_cast<size_t>(t)]->DecodeOnDevice(
           l, g.q.p + t * q_dim, g.k.p + t * kv_dim, g.v.p + t * kv_dim, g.att.p + t * q_dim, s));
@@ -236,12 +336,9 @@ Status Engine::DecodeOnDevice(std::span<const int32_t> tokens, int64_t pos, std:
     AddKernel<<<Blocks(n * dim), kThreads, 0, s>>>(g.x.p, g.xb.p, n * dim);
     KVF_RETURN_IF_ERROR(Cuda(cudaGetLastError(), "launch"));
   }
-  if (logits == nullptr) return Cuda(cudaStreamSynchronize(s), "synchronize");
   RmsNormKernel<<<rows, kThreads, 0, s>>>(g.x.p, g.final_norm.p, dim, c.rms_eps, g.xb.p);
   KVF_RETURN_IF_ERROR(matmul_.RunOnDevice(g.xb.p, n, model_.classifier(), g.logits.p));
-  KVF_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(logits, g.logits.p, n * c.vocab_size * sizeof(float),
-                                           cudaMemcpyDeviceToHost, s), "copy logits"));
-  return Cuda(cudaStreamSynchronize(s), "synchronize");
+  return Cuda(cudaGetLastError(), "launch");
 }
 
 }  // namespace kvferry::llama

@@ -10,6 +10,14 @@ void Engine::GpuDecodeDeleter::operator()(GpuDecode* g) const { delete g; }
 
 Status Engine::UseGpuDecode() { return Unimplemented("gpu decode: built without CUDA"); }
 
+void Engine::SetDecodeGraphs(bool) {}
+int64_t Engine::decode_graph_steps() const { return 0; }
+int64_t Engine::decode_graph_captures() const { return 0; }
+
+Status Engine::EnqueueDecodeStep(int64_t, std::span<Attention* const>) {
+  return Unimplemented("gpu decode: built without CUDA");
+}
+
 Status Engine::DecodeOnDevice(std::span<const int32_t>, int64_t, std::span<Attention* const>, float*) {
   return Unimplemented("gpu decode: built without CUDA");
 }

@@ -184,7 +184,9 @@ Result<PerplexityRun> RunPerplexity(const Options& o, Engine& engine, const Toke
   json << "{\"mode\": \"perplexity\", \"context\": " << o.context << ", \"scored\": " << o.scored
        << ", \"prefill_tokens\": " << run.prefix_tokens
        << ", \"prefill_seconds\": " << run.prefill_seconds
-       << ", \"lanes_together\": " << (o.lanes_together ? "true" : "false");
+       << ", \"lanes_together\": " << (o.lanes_together ? "true" : "false")
+       << ", \"decode_on_device\": " << (engine.gpu_decode() ? "true" : "false")
+       << ", \"decode_graph_steps\": " << engine.decode_graph_steps();
   if (o.lanes_together) {
     std::printf("the lanes decoded each step together: decode tok/s is the step rate of all of them\n");
   }
@@ -559,7 +561,10 @@ Status Run(const Options& o) {
     const Status s = engine.UseGpuMatmul(o.base.device_id);
     if (!s.ok() && o.base.backend == Backend::kCuda) return s;
   }
-  if (engine.gpu_matmul() && !o.host_decode) KVF_RETURN_IF_ERROR(engine.UseGpuDecode());
+  if (engine.gpu_matmul() && !o.host_decode) {
+    KVF_RETURN_IF_ERROR(engine.UseGpuDecode());
+    engine.SetDecodeGraphs(!o.no_graphs);
+  }
   std::fprintf(stderr, "[kvferry-llama] matrix products on %s%s\n",
                engine.gpu_matmul() ? "the GPU (cuBLAS)" : "the CPU (oneDNN)",
                engine.gpu_decode() ? "; decode steps with their activations on the GPU" : "");

@@ -63,6 +63,10 @@ Status RuntimeAttention::Decode(int layer, const float* q, const float* k, const
 
 bool RuntimeAttention::decodes_on_device() const { return runtime_->backend() == Backend::kCuda; }
 
+bool RuntimeAttention::decode_capture_safe() const {
+  return runtime_->backend() == Backend::kCuda && runtime_->decode_is_capture_safe();
+}
+
 Status RuntimeAttention::PlanDecodeOnDevice(void* stream) {
   const SequenceId seqs[1] = {seq_};
   return runtime_->PlanDecode(seqs, static_cast<StreamHandle>(stream));
