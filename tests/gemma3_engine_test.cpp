@@ -14,6 +14,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "examples/llama/engine.h"
@@ -237,6 +238,49 @@ TEST(Gemma3Engine, CudaBackendMatchesTheHostBackend) {
   }
 }
 
+// Three lanes (dense, sparcas, quest) of \p model decoded together on the device, interleaved
+// with each decoded alone on the same engine: equal logits at every step. Returns the engine's
+// (graph captures, graph steps).
+std::pair<int64_t, int64_t> ExpectLanesTogetherEqualAlone(const Model& model, int64_t prompt) {
+  const Fixture& fx = Tiny();
+  const int64_t n = static_cast<int64_t>(fx.tokens.size());
+  const char* lane_policies[3] = {"dense", "sparcas", "quest"};
+  std::vector<std::unique_ptr<RuntimeAttention>> together, alone;
+  for (const char* p : lane_policies) {
+    together.push_back(testing_util::MakeLlamaRuntime(model.config, p, DType::kF16, Backend::kCuda));
+    alone.push_back(testing_util::MakeLlamaRuntime(model.config, p, DType::kF16, Backend::kCuda));
+    if (together.back() == nullptr || alone.back() == nullptr) return {-1, -1};
+  }
+  Engine engine(model);
+  EXPECT_TRUE(engine.UseGpuMatmul().ok());
+  EXPECT_TRUE(engine.UseGpuDecode().ok());
+  std::vector<Attention*> lanes;
+  for (auto& a : together) lanes.push_back(a.get());
+  std::vector<float> step, one;
+  EXPECT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, lanes, &step).ok());
+  for (auto& a : alone) {
+    Attention* attns[1] = {a.get()};
+    EXPECT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, attns, &step).ok());
+  }
+  const size_t vocab = static_cast<size_t>(model.config.vocab_size);
+  for (int64_t t = prompt; t < n; ++t) {
+    const std::vector<int32_t> toks(3, fx.tokens[t]);
+    const Status st = engine.DecodeLanes(toks, t, lanes, &step);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    if (!st.ok()) break;
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_TRUE(engine.Decode(fx.tokens[t], t, *alone[i], &one).ok());
+      double diff = 0, mx = 0;
+      for (size_t j = 0; j < vocab; ++j) {
+        diff = std::max(diff, static_cast<double>(std::fabs(step[i * vocab + j] - one[j])));
+        mx = std::max(mx, static_cast<double>(std::fabs(one[j])));
+      }
+      EXPECT_LT(diff / mx, 1e-4) << lane_policies[i] << " at position " << t;
+    }
+  }
+  return {engine.decode_graph_captures(), engine.decode_graph_steps()};
+}
+
 // Engine::UseGpuDecode: the decode step with its activations on the GPU (the products on cuBLAS,
 // the norms, RoPE, GELU and residuals as kernels, attention through the Runtime with device
 // tensors, its step planned once a token) gives the logits of the host path over the same CUDA
@@ -261,39 +305,7 @@ TEST(Gemma3Engine, GpuDecodeMatchesTheHostPath) {
     EXPECT_LT(rel, 1e-4) << policy;
   }
   // Three lanes (dense, sparcas, quest) decoded together on the device equal each decoded alone.
-  const char* lane_policies[3] = {"dense", "sparcas", "quest"};
-  std::vector<std::unique_ptr<RuntimeAttention>> together, alone;
-  for (const char* p : lane_policies) {
-    together.push_back(MakeRuntime(p, DType::kF16, Backend::kCuda));
-    alone.push_back(MakeRuntime(p, DType::kF16, Backend::kCuda));
-    ASSERT_NE(together.back(), nullptr);
-    ASSERT_NE(alone.back(), nullptr);
-  }
-  Engine engine(fx.model);
-  ASSERT_TRUE(engine.UseGpuMatmul().ok());
-  ASSERT_TRUE(engine.UseGpuDecode().ok());
-  std::vector<Attention*> lanes;
-  for (auto& a : together) lanes.push_back(a.get());
-  std::vector<float> step, one;
-  ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, lanes, &step).ok());
-  for (auto& a : alone) {
-    Attention* attns[1] = {a.get()};
-    ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, attns, &step).ok());
-  }
-  const size_t vocab = static_cast<size_t>(fx.model.config.vocab_size);
-  for (int64_t t = prompt; t < n; ++t) {
-    const std::vector<int32_t> toks(3, fx.tokens[t]);
-    ASSERT_TRUE(engine.DecodeLanes(toks, t, lanes, &step).ok());
-    for (size_t i = 0; i < 3; ++i) {
-      ASSERT_TRUE(engine.Decode(fx.tokens[t], t, *alone[i], &one).ok());
-      double diff = 0, mx = 0;
-      for (size_t j = 0; j < vocab; ++j) {
-        diff = std::max(diff, static_cast<double>(std::fabs(step[i * vocab + j] - one[j])));
-        mx = std::max(mx, static_cast<double>(std::fabs(one[j])));
-      }
-      EXPECT_LT(diff / mx, 1e-4) << lane_policies[i] << " at position " << t;
-    }
-  }
+  ExpectLanesTogetherEqualAlone(fx.model, prompt);
 }
 
 // CUDA graphs of the decode step: the tiny model with every layer global (no sliding window, so
@@ -345,41 +357,9 @@ TEST(Gemma3Engine, GpuDecodeGraphsMatchTheHostPath) {
       EXPECT_EQ(graph_steps, n - prompt - 1) << policy;  // the first step plain, then captured and replayed
     }
   }
-  const char* lane_policies[3] = {"dense", "sparcas", "quest"};
-  std::vector<std::unique_ptr<RuntimeAttention>> together, alone;
-  for (const char* p : lane_policies) {
-    together.push_back(make(p));
-    alone.push_back(make(p));
-    ASSERT_NE(together.back(), nullptr);
-    ASSERT_NE(alone.back(), nullptr);
-  }
-  Engine engine(global);
-  ASSERT_TRUE(engine.UseGpuMatmul().ok());
-  ASSERT_TRUE(engine.UseGpuDecode().ok());
-  std::vector<Attention*> lanes;
-  for (auto& a : together) lanes.push_back(a.get());
-  std::vector<float> step, one;
-  ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, lanes, &step).ok());
-  for (auto& a : alone) {
-    Attention* attns[1] = {a.get()};
-    ASSERT_TRUE(engine.Prefill(std::span<const int32_t>(fx.tokens.data(), prompt), 0, attns, &step).ok());
-  }
-  const size_t vocab = static_cast<size_t>(global.config.vocab_size);
-  for (int64_t t = prompt; t < n; ++t) {
-    const std::vector<int32_t> toks(3, fx.tokens[t]);
-    ASSERT_TRUE(engine.DecodeLanes(toks, t, lanes, &step).ok());
-    for (size_t i = 0; i < 3; ++i) {
-      ASSERT_TRUE(engine.Decode(fx.tokens[t], t, *alone[i], &one).ok());
-      double diff = 0, mx = 0;
-      for (size_t j = 0; j < vocab; ++j) {
-        diff = std::max(diff, static_cast<double>(std::fabs(step[i * vocab + j] - one[j])));
-        mx = std::max(mx, static_cast<double>(std::fabs(one[j])));
-      }
-      EXPECT_LT(diff / mx, 1e-4) << lane_policies[i] << " at position " << t;
-    }
-  }
-  EXPECT_EQ(engine.decode_graph_captures(), 4);  // the three lanes together, and each alone
-  EXPECT_EQ(engine.decode_graph_steps(), 4 * (n - prompt - 1));
+  const auto [captures, graph_steps] = ExpectLanesTogetherEqualAlone(global, prompt);
+  EXPECT_EQ(captures, 4);  // the three lanes together, and each alone
+  EXPECT_EQ(graph_steps, 4 * (n - prompt - 1));
 }
 
 // A sparse policy on the global layer: the sliding layers are unchanged, the global layer attends
