@@ -481,6 +481,10 @@ Status RunReport(Options o, Engine& engine, const Tokenizer& tok, const Model& m
   std::printf("decode              %10.1f tok/s   (%s over the %lld scored steps; dense %.1f)\n",
               sparse.decode_tok_s, sparse.label.c_str(), static_cast<long long>(sparse.ppl.scored),
               dense.decode_tok_s);
+  if (engine.gpu_decode()) {
+    std::printf("decode path         every activation on the GPU (cuBLAS products, f32); %lld steps "
+                "replayed from CUDA graphs\n", static_cast<long long>(engine.decode_graph_steps()));
+  }
   std::printf("KV kept on the GPU  %10.2f MiB     per sequence%s: min(%lld tokens, sinks %d + "
               "window %d + bank %d) = %lld rows x %lld B per token\n",
               MiB(static_cast<double>(sparse.gpu_kv_bytes)), emulated ? " (emulated)" : "",
@@ -513,6 +517,8 @@ Status RunReport(Options o, Engine& engine, const Tokenizer& tok, const Model& m
        << ", \"text\": " << JsonString(o.text) << ", \"lane\": " << JsonString(sparse.label)
        << ", \"backend\": " << JsonString(BackendName(sparse.backend))
        << ", \"emulated_gpu\": " << (emulated ? "true" : "false")
+       << ", \"decode_on_device\": " << (engine.gpu_decode() ? "true" : "false")
+       << ", \"decode_graph_steps\": " << engine.decode_graph_steps()
        << ", \"perplexity_dense\": " << dense.ppl.perplexity
        << ", \"perplexity_sparse\": " << sparse.ppl.perplexity
        << ", \"prefill_tokens_per_second\": "
