@@ -1134,6 +1134,7 @@ RM_CONTEXTS = (2048, 4096, 8192)
 RM_HOST_CONTEXTS = (2048, 4096)
 RM_B8_CONTEXTS = (8192,)
 RM_SCORED = 256
+RM_RESIDENT_CTX = 8192
 RM_WEIGHTS = "--policy-weights policies/weights/kvpop_smollm2.safetensors"
 
 
@@ -1152,6 +1153,15 @@ def real_model_cmds(T):
             cmds.append(f"{L} --backend {be}{tog} {ppl(ctx)} --policy {RM_POLICIES} --json {T}/{be}_b1_{ctx}.json")
             cmds.append(f"{L} --backend {be}{tog} {ppl(ctx)} {RM_WEIGHTS} --policy kvpop --no-dense "
                         f"--json {T}/{be}_b1_kvpop_{ctx}.json")
+    # The baseline of the engine's decode: dense with every token resident on the GPU (a window that
+    # covers the context), batch 1 and 8, and batch 1 launched kernel by kernel (no CUDA graphs).
+    res = (f"--perplexity --text data/kjv.txt --offset-lines 1000 --context {RM_RESIDENT_CTX} --scored {RM_SCORED} "
+           f"--window {RM_RESIDENT_CTX + 64} --budget {RM_RESIDENT_CTX + 128} --no-dense")
+    cmds.append(f"{L} --backend cuda {res} --policy dense --json {T}/cuda_b1_resident_{RM_RESIDENT_CTX}.json")
+    cmds.append(f"{L} --backend cuda {res} --policy dense --no-graphs "
+                f"--json {T}/cuda_b1_resident_nographs_{RM_RESIDENT_CTX}.json")
+    cmds.append(f"{L} --backend cuda --lanes-together {res} --policy {','.join(['dense'] * 8)} "
+                f"--json {T}/cuda_b8_resident_{RM_RESIDENT_CTX}.json")
     pk = "--passkey --text data/kjv.txt --depths 0.1,0.5,0.9 --policy oracle,lfps,sparcas,quest,hip --budget 256"
     cmds.append(f"{L} --backend cuda {pk} --lengths 2048,4096 --json {T}/passkey_cuda.json")
     cmds.append(f"{L} --backend host --lanes-together {pk} --lengths 2048 --json {T}/passkey_host.json")
@@ -1190,6 +1200,8 @@ def rm_lane_row(lane, backend, ctx, batch, run):
             "rows_bank_hit_per_layer_step": hit / steps,
             "rows_fetched_per_layer_step": fetched / steps,
             "host_syncs_per_layer_step": st.get("host_syncs", 0) / steps,
+            "decode_on_device": run.get("decode_on_device"),
+            "run_decode_graph_steps": run.get("decode_graph_steps"),  # every lane of the run together
             "ms_attend_gpu_per_step": st.get("ms_attend_gpu", 0) / steps}
 
 
@@ -1224,6 +1236,17 @@ def real_model_merge(T):
             if os.path.exists(f):
                 run = jload(f)
                 rows += [dict(rm_lane_row(lane, "cuda", ctx, 1, run), bank_slots=512) for lane in run["lanes"]]
+    for name, batch in (("cuda_b1_resident", 1), ("cuda_b1_resident_nographs", 1), ("cuda_b8_resident", 8)):
+        f = f"{T}/{name}_{RM_RESIDENT_CTX}.json"
+        if os.path.exists(f):
+            run = jload(f)
+            r = rm_lane_row(run["lanes"][0], "cuda", RM_RESIDENT_CTX, batch, run)
+            r["policy"] = "dense_resident_nographs" if "nographs" in name else "dense_resident"
+            rows.append(r)
+    for r in rows:  # decode speed against dense with every token resident, same context and batch
+        d = next((x for x in rows if x["policy"] == "dense_resident" and x["context"] == r["context"]
+                  and x["batch"] == r["batch"]), None)
+        r["decode_vs_dense_resident"] = r["decode_tokens_per_second"] / d["decode_tokens_per_second"] if d else None
     for r in rows:  # decode speed against dense on the same backend, context and batch
         d = next((x for x in rows if x["policy"] == "dense" and x["context"] == r["context"]
                   and x["batch"] == r["batch"] and "bank_slots" not in x), None)

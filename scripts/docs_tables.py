@@ -513,10 +513,16 @@ def t_real_model_gpu():
     gpu = gpu_short(rows[0]) if rows else "—"
     big = max(ctxs)
     head = (["policy"] + [f"perplexity {c // 1024}K" for c in ctxs] + [f"tok/s {c // 1024}K b1" for c in ctxs] +
-            [f"tok/s {big // 1024}K b8", f"b1 vs dense, {big // 1024}K", f"bank hit {big // 1024}K",
+            [f"tok/s {big // 1024}K b8", f"b1 vs dense, {big // 1024}K", f"b1 / b8 vs resident, {big // 1024}K",
+             f"bank hit {big // 1024}K",
              "max ppl diff to host", "passkey CUDA (host)"])
     out = []
-    for p in ("dense", "oracle", "streaming", "lfps", "sparcas", "quest", "hip", "kvpop"):
+    def vs_resident(r):
+        v = r.get("decode_vs_dense_resident") if r else None
+        return f"{v:.2f}x" if v is not None else "—"
+    lanes = ("dense_resident", "dense_resident_nographs", "dense", "oracle", "streaming", "lfps", "sparcas",
+             "quest", "hip", "kvpop")
+    for p in (x for x in lanes if any(r["policy"] == x for r in rows)):
         b1 = [pick(p, c) for c in ctxs]
         b8, bank = pick(p, big, 8), pick(p, big, 1, True)
         fc, fh = found.get("cuda", {}).get(p), found.get("host", {}).get(p)
@@ -524,7 +530,9 @@ def t_real_model_gpu():
         out.append([f"`{p}`"] + [r["perplexity"] if r else None for r in b1] +
                    [round(r["decode_tokens_per_second"], 1) if r else None for r in b1] +
                    [round(b8["decode_tokens_per_second"], 1) if b8 else None,
-                    f"{b1[-1]['decode_vs_dense']:.2f}x" if b1[-1] else None,
+                    f"{b1[-1]['decode_vs_dense']:.2f}x" if b1[-1] and b1[-1].get("decode_vs_dense") else None,
+                    f"{vs_resident(b1[-1])} / {vs_resident(b8)}" if b1[-1] and any(
+                        r.get("decode_vs_dense_resident") for r in rows) else None,
                     f"{bank['bank_hit_rate']:.2f}" if bank and bank.get("bank_hit_rate") is not None else None,
                     f"{100 * agree[p]:.2f}%" if p in agree else None, pkc])
     return table(head, out) + f"\n({gpu}, {rows[0]['provenance']['commit'] if rows else ''}; passkey: CUDA at 2K and 4K, the host backend at 2K, 3 depths each.)\n"
