@@ -1395,7 +1395,7 @@ MACHINE = {
                                    "SCALE_POINTS=32768x4,131072x1,dense 210 s, then 131072x4,524288x1 520 s)"), "split": (GPU1_RAM, "?"),
     "quality_gemma3_32k": (CPU2, "~70 min on 2 cores (70 min recorded, the last 25 beside CI: two chains side by side, 28 lanes decoded together after each of 4 prefills of 16K/32K, 9 passkey prompts of 85-880 s)"),
     "hf_gpu": (GPU1, "~4 min with _core built (recorded: about 3.5 min for 10 lanes, sdpa_nocudnn included, at SmolLM2 8K b1/b8 and the 8B shape at 32K/128K)"),
-    "real_model_gpu": (GPU1, "~12 min with kvferry-llama built (recorded: a 10-minute call cut after the batch-8 oracle row, then 160 s on the same machine; the host backend's agreement runs and passkey are half of it)"),
+    "real_model_gpu": (GPU1, "~9 min with kvferry-llama built (recorded: about 8.7 min with the engine's device decode, 7.8 in a 10-minute call that was cut after the batch-8 quest row, then the last 4 commands in 50 s on the same warm machine)"),
     "quality_smollm2": (CPU2, "~25 min on 2 cores (23 min recorded: 13 lanes of 1024 tokens decoded together, + 5 runs of 1-2 lanes, passkey, 14 replays)"),
     "gpu_attention": (GPU1, "?"), "torch_sdpa": (GPU1, "?"), "transfer_span": (GPU1, "?"),
     "select_topk": (GPU1, "?"), "cpu_attention": ("CPU: 16 cores (the GPU machine's)", "?"),
