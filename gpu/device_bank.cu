@@ -443,7 +443,10 @@ Status DeviceBank::Init() {
   KVF_RETURN_IF_ERROR(alloc(z.count, &count_));
   KVF_RETURN_IF_ERROR(alloc(z.refs, &refs_));
   KVF_RETURN_IF_ERROR(alloc(z.state, &state_));
-  KVF_CUDA_CHECK(cudaMemset(state_, 0, tables * sizeof(TableState)));
+  // On the stream the reset and every later kernel use: a cudaMemset on the legacy stream is not
+  // ordered before the device's non-blocking stream (docs/reliability.md, the engine's weights).
+  const auto ds = static_cast<cudaStream_t>(device_->default_stream());
+  KVF_CUDA_CHECK(cudaMemsetAsync(state_, 0, tables * sizeof(TableState), ds));
   KVF_RETURN_IF_ERROR(ResetTables(0, config_.num_tables, nullptr));
   KVF_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(device_->default_stream())));
   return Status::Ok();
@@ -660,7 +663,10 @@ Result<std::unique_ptr<StepBank>> MakeCudaStepBank(CudaDevice* device, const Ste
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<DeviceBank> bank, DeviceBank::Create(device, dc));
   KVF_ASSIGN_OR_RETURN(void* hits, device->AllocDevice(sizeof(unsigned long long)));
   KVF_CUDA_CHECK(cudaSetDevice(device->device_id()));
-  const cudaError_t err = cudaMemset(hits, 0, sizeof(unsigned long long));
+  // Ordered on the device's stream and finished before the bank is used (not the legacy stream).
+  const auto ds = static_cast<cudaStream_t>(device->default_stream());
+  cudaError_t err = cudaMemsetAsync(hits, 0, sizeof(unsigned long long), ds);
+  if (err == cudaSuccess) err = cudaStreamSynchronize(ds);
   if (err != cudaSuccess) {
     device->FreeDevice(hits);
     KVF_CUDA_CHECK(err);
