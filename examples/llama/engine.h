@@ -5,6 +5,7 @@
 /// attention call goes through an Attention object (kvferry's Runtime in the engine proper, an
 /// exact f32 reference in tests).
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -26,6 +27,9 @@ namespace kvferry::llama {
 class Attention {
  public:
   virtual ~Attention() = default;
+  /// This object's number, unique in the process (never reused, unlike its address): what the
+  /// engine's CUDA graphs of a lane set are keyed by.
+  [[nodiscard]] uint64_t instance_id() const { return instance_id_; }
   /// Appends T tokens at \p layer and writes causal attention of them over the cache.
   virtual Status Prefill(int layer, int64_t num_tokens, const float* q, const float* k,
                          const float* v, float* out) = 0;
@@ -59,6 +63,13 @@ class Attention {
     (void)layer, (void)q, (void)k, (void)v, (void)out, (void)stream;
     return Unimplemented("this attention does not decode on the device");
   }
+
+ private:
+  static uint64_t NextInstanceId() {
+    static std::atomic<uint64_t> next{1};
+    return next.fetch_add(1, std::memory_order_relaxed);
+  }
+  uint64_t instance_id_ = NextInstanceId();
 };
 
 /// Exact causal softmax attention in f32 (double accumulation for the softmax), over its own

@@ -142,8 +142,9 @@ struct Engine::GpuDecode {
     int64_t generation = -1;
     int64_t pos = 0;  // the step it was captured at: its launch shapes were sized for that length
   };
-  std::map<std::vector<Attention*>, Graph> graphs;
-  std::map<std::vector<Attention*>, int> plain_steps;  // steps of a set decoded without a graph
+  // Keyed by the lanes' instance ids (an address may be reused by a later attention object).
+  std::map<std::vector<uint64_t>, Graph> graphs;
+  std::map<std::vector<uint64_t>, int> plain_steps;  // steps of a set decoded without a graph
   int64_t graph_steps = 0, graph_captures = 0;
   void DropGraphs() {
     for (auto& [lanes, gr] : graphs) {
@@ -240,7 +241,8 @@ Status Engine::DecodeOnDevice(std::span<const int32_t> tokens, int64_t pos, std:
                            "upload tokens"));
   KVF_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(g.pos, &pos, sizeof(int64_t), cudaMemcpyHostToDevice, s), "upload pos"));
   for (Attention* a : lanes) KVF_RETURN_IF_ERROR(a->PlanDecodeOnDevice(s));
-  const std::vector<Attention*> key(lanes.begin(), lanes.end());
+  std::vector<uint64_t> key(lanes.size());
+  for (size_t i = 0; i < lanes.size(); ++i) key[i] = lanes[i]->instance_id();
   GpuDecode::Graph* graph = nullptr;
   if (capture_safe) {
     auto it = g.graphs.find(key);
