@@ -517,6 +517,8 @@ def t_real_model_gpu():
              f"bank hit {big // 1024}K",
              "max ppl diff to host", "passkey CUDA (host)"])
     out = []
+    has_resident = any(r.get("decode_vs_dense_resident") for r in rows)
+
     def vs_resident(r):
         v = r.get("decode_vs_dense_resident") if r else None
         return f"{v:.2f}x" if v is not None else "—"
@@ -531,8 +533,7 @@ def t_real_model_gpu():
                    [round(r["decode_tokens_per_second"], 1) if r else None for r in b1] +
                    [round(b8["decode_tokens_per_second"], 1) if b8 else None,
                     f"{b1[-1]['decode_vs_dense']:.2f}x" if b1[-1] and b1[-1].get("decode_vs_dense") else None,
-                    f"{vs_resident(b1[-1])} / {vs_resident(b8)}" if b1[-1] and any(
-                        r.get("decode_vs_dense_resident") for r in rows) else None,
+                    f"{vs_resident(b1[-1])} / {vs_resident(b8)}" if b1[-1] and has_resident else None,
                     f"{bank['bank_hit_rate']:.2f}" if bank and bank.get("bank_hit_rate") is not None else None,
                     f"{100 * agree[p]:.2f}%" if p in agree else None, pkc])
     return table(head, out) + f"\n({gpu}, {rows[0]['provenance']['commit'] if rows else ''}; passkey: CUDA at 2K and 4K, the host backend at 2K, 3 depths each.)\n"

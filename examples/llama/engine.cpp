@@ -196,6 +196,16 @@ Status Engine::Prefill(std::span<const int32_t> tokens, int64_t pos,
   return Status::Ok();
 }
 
+Status Engine::CheckTokens(std::span<const int32_t> tokens, int64_t pos) const {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  KVF_CHECK_ARG(n > 0 && pos >= 0, "forward: ", n, " tokens at position ", pos);
+  for (int32_t t : tokens) {
+    KVF_CHECK_ARG(t >= 0 && t < model_.config.vocab_size, "token ", t, " out of range [0, ",
+                  model_.config.vocab_size, ")");
+  }
+  return Status::Ok();
+}
+
 bool Engine::CanDecodeOnDevice(std::span<Attention* const> lanes) const {
   return gpu_ != nullptr && !observer_ &&
          std::all_of(lanes.begin(), lanes.end(), [](const Attention* a) { return a->decodes_on_device(); });
@@ -205,11 +215,9 @@ Status Engine::Decode(int32_t token, int64_t pos, Attention& attn, std::vector<f
   Attention* attns[1] = {&attn};
   if (logits != nullptr) logits->resize(model_.config.vocab_size);
   if (CanDecodeOnDevice(attns)) {
-    KVF_CHECK_ARG(token >= 0 && token < model_.config.vocab_size, "token ", token, " out of range [0, ",
-                  model_.config.vocab_size, ")");
-    KVF_CHECK_ARG(pos >= 0, "decode at position ", pos);
-    return DecodeOnDevice(std::span<const int32_t>(&token, 1), pos, attns,
-                          logits != nullptr ? logits->data() : nullptr);
+    const std::span<const int32_t> tokens(&token, 1);
+    KVF_RETURN_IF_ERROR(CheckTokens(tokens, pos));
+    return DecodeOnDevice(tokens, pos, attns, logits != nullptr ? logits->data() : nullptr);
   }
   return Forward(std::span<const int32_t>(&token, 1), pos, attns, true,
                  logits != nullptr ? logits->data() : nullptr, false);
@@ -223,11 +231,7 @@ Status Engine::DecodeLanes(std::span<const int32_t> tokens, int64_t pos,
                 " lanes at once with an observer set (it reads rows as consecutive positions)");
   if (logits != nullptr) logits->resize(lanes.size() * static_cast<size_t>(model_.config.vocab_size));
   if (CanDecodeOnDevice(lanes)) {
-    for (int32_t t : tokens) {
-      KVF_CHECK_ARG(t >= 0 && t < model_.config.vocab_size, "token ", t, " out of range [0, ",
-                    model_.config.vocab_size, ")");
-    }
-    KVF_CHECK_ARG(pos >= 0, "decode at position ", pos);
+    KVF_RETURN_IF_ERROR(CheckTokens(tokens, pos));
     return DecodeOnDevice(tokens, pos, lanes, logits != nullptr ? logits->data() : nullptr);
   }
   return Forward(tokens, pos, lanes, true, logits != nullptr ? logits->data() : nullptr, true);
@@ -241,10 +245,7 @@ Status Engine::Forward(std::span<const int32_t> tokens, int64_t pos,
   const int64_t dim = c.dim;
   const int64_t q_dim = static_cast<int64_t>(c.num_q_heads) * c.head_dim;
   const int64_t kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
-  KVF_CHECK_ARG(n > 0 && pos >= 0, "forward: ", n, " tokens at position ", pos);
-  for (int32_t t : tokens) {
-    KVF_CHECK_ARG(t >= 0 && t < c.vocab_size, "token ", t, " out of range [0, ", c.vocab_size, ")");
-  }
+  KVF_RETURN_IF_ERROR(CheckTokens(tokens, pos));
   GrowRope(pos + n);
   x_.resize(n * dim);
   xb_.resize(n * dim);

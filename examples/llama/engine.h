@@ -218,6 +218,8 @@ class Engine {
   Status DecodeOnDevice(std::span<const int32_t> tokens, int64_t pos, std::span<Attention* const> lanes,
                         float* logits);
   [[nodiscard]] bool CanDecodeOnDevice(std::span<Attention* const> lanes) const;
+  // At least one token, each in the vocabulary, at a position >= 0 (every forward pass's check).
+  Status CheckTokens(std::span<const int32_t> tokens, int64_t pos) const;
   // Enqueues the step's kernels, products and attention calls on the decode stream (captured or not).
   Status EnqueueDecodeStep(int64_t n, std::span<Attention* const> lanes);
 

@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <vector>
 
+#include "examples/llama/device_floats.h"
 #include "examples/llama/engine.h"
 #include "kvferry/status_macros.h"
 
@@ -23,28 +25,6 @@ Status Cuda(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return Status::Ok();
   return DeviceError(StrCat("gpu decode: ", what, ": ", cudaGetErrorString(e)));
 }
-
-// A device buffer of floats, grown on demand (contents not kept).
-struct DeviceFloats {
-  float* p = nullptr;
-  size_t cap = 0;
-  Status Reserve(size_t n) {
-    if (n <= cap) return Status::Ok();
-    if (p != nullptr) cudaFree(p);
-    p = nullptr;
-    cap = 0;
-    KVF_RETURN_IF_ERROR(Cuda(cudaMalloc(&p, n * sizeof(float)), "cudaMalloc"));
-    cap = n;
-    return Status::Ok();
-  }
-  Status Upload(const std::vector<float>& v, cudaStream_t s) {
-    KVF_RETURN_IF_ERROR(Reserve(v.size()));
-    return Cuda(cudaMemcpyAsync(p, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice, s), "upload");
-  }
-  ~DeviceFloats() {
-    if (p != nullptr) cudaFree(p);
-  }
-};
 
 constexpr int kThreads = 256;
 
@@ -129,9 +109,14 @@ struct Engine::GpuDecode {
   DeviceFloats rope_cos[2], rope_sin[2];
   size_t rope_have[2] = {0, 0};
   DeviceFloats x, xb, q, k, v, att, gate, up, logits;
-  int32_t* tokens = nullptr;
+  // The step's inputs, one copy a step: [position (int64, read by RopeKernel), tokens (int32)];
+  // staged in `inputs_host`, grown with the lanes.
+  int32_t* inputs = nullptr;
   int64_t tokens_cap = 0;
-  int64_t* pos = nullptr;  // the step's position, read by RopeKernel
+  std::vector<int32_t> inputs_host;
+  int32_t* tokens() const { return inputs + 2; }
+  const int64_t* pos() const { return reinterpret_cast<const int64_t*>(inputs); }
+  std::vector<uint64_t> key;  // the step's lane set (instance ids), reused
   // CUDA graphs of the step, one per lane set (the lanes' order as called): captured at the second
   // step of a set whose lanes are all capture-safe, replayed after their PlanDecode. A graph holds
   // the buffers' and RoPE tables' addresses: any of them moving (generation) drops them all.
@@ -154,8 +139,7 @@ struct Engine::GpuDecode {
   }
   ~GpuDecode() {
     DropGraphs();
-    if (tokens != nullptr) cudaFree(tokens);
-    if (pos != nullptr) cudaFree(pos);
+    if (inputs != nullptr) cudaFree(inputs);
   }
 };
 
@@ -183,7 +167,6 @@ Status Engine::UseGpuDecode() {
     if (!w.post_attn_norm.empty()) KVF_RETURN_IF_ERROR(g->post_attn_norm[l].Upload(w.post_attn_norm, g->stream));
     if (!w.post_ffn_norm.empty()) KVF_RETURN_IF_ERROR(g->post_ffn_norm[l].Upload(w.post_ffn_norm, g->stream));
   }
-  KVF_RETURN_IF_ERROR(Cuda(cudaMalloc(&g->pos, sizeof(int64_t)), "cudaMalloc pos"));
   KVF_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(g->stream), "upload"));
   gpu_ = std::move(g);
   return Status::Ok();
@@ -221,11 +204,12 @@ Status Engine::DecodeOnDevice(std::span<const int32_t> tokens, int64_t pos, std:
     }
   }
   if (n > g.tokens_cap) {
-    if (g.tokens != nullptr) cudaFree(g.tokens);
-    g.tokens = nullptr;
+    if (g.inputs != nullptr) cudaFree(g.inputs);
+    g.inputs = nullptr;
     g.tokens_cap = 0;
-    KVF_RETURN_IF_ERROR(Cuda(cudaMalloc(&g.tokens, n * sizeof(int32_t)), "cudaMalloc tokens"));
+    KVF_RETURN_IF_ERROR(Cuda(cudaMalloc(&g.inputs, (2 + n) * sizeof(int32_t)), "cudaMalloc step inputs"));
     g.tokens_cap = n;
+    g.inputs_host.resize(static_cast<size_t>(2 + n));
     ++g.generation;
   }
   const void* before[] = {g.x.p, g.xb.p, g.q.p, g.att.p, g.k.p, g.v.p, g.gate.p, g.up.p, g.logits.p};
@@ -237,11 +221,13 @@ Status Engine::DecodeOnDevice(std::span<const int32_t> tokens, int64_t pos, std:
   const void* after[] = {g.x.p, g.xb.p, g.q.p, g.att.p, g.k.p, g.v.p, g.gate.p, g.up.p, g.logits.p};
   if (!std::equal(std::begin(before), std::end(before), std::begin(after))) ++g.generation;
   // The step's inputs, then each lane's plan, outside any graph (a replay reads them).
-  KVF_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(g.tokens, tokens.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice, s),
-                           "upload tokens"));
-  KVF_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(g.pos, &pos, sizeof(int64_t), cudaMemcpyHostToDevice, s), "upload pos"));
+  std::memcpy(g.inputs_host.data(), &pos, sizeof(int64_t));
+  std::copy(tokens.begin(), tokens.end(), g.inputs_host.begin() + 2);
+  KVF_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(g.inputs, g.inputs_host.data(), (2 + n) * sizeof(int32_t),
+                                           cudaMemcpyHostToDevice, s), "upload the step's inputs"));
   for (Attention* a : lanes) KVF_RETURN_IF_ERROR(a->PlanDecodeOnDevice(s));
-  std::vector<uint64_t> key(lanes.size());
+  std::vector<uint64_t>& key = g.key;
+  key.resize(lanes.size());
   for (size_t i = 0; i < lanes.size(); ++i) key[i] = lanes[i]->instance_id();
   GpuDecode::Graph* graph = nullptr;
   if (capture_safe) {
@@ -260,16 +246,17 @@ Status Engine::DecodeOnDevice(std::span<const int32_t> tokens, int64_t pos, std:
     // Capture the step (the first one of the set ran plainly: every weight uploaded, cuBLAS's
     // workspace made, each policy caught up with the prompt), then replay it below.
     KVF_RETURN_IF_ERROR(Cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "begin capture"));
-    Status st = EnqueueDecodeStep(n, lanes);
+    const Status st = EnqueueDecodeStep(n, lanes);
     cudaGraph_t captured = nullptr;
     const cudaError_t end = cudaStreamEndCapture(s, &captured);
-    if (st.ok()) st = Cuda(end, "end capture");
     GpuDecode::Graph made;
-    if (st.ok()) st = Cuda(cudaGraphInstantiate(&made.exec, captured, 0), "instantiate graph");
+    const cudaError_t inst =
+        st.ok() && end == cudaSuccess ? cudaGraphInstantiate(&made.exec, captured, 0) : cudaSuccess;
     if (captured != nullptr) cudaGraphDestroy(captured);
-    if (!st.ok()) {
+    if (!st.ok() || end != cudaSuccess || inst != cudaSuccess) {
       (void)cudaGetLastError();
-      return st;
+      if (!st.ok()) return st;
+      return end != cudaSuccess ? Cuda(end, "end capture") : Cuda(inst, "instantiate graph");
     }
     made.generation = g.generation;
     made.pos = pos;
@@ -298,7 +285,7 @@ Status Engine::EnqueueDecodeStep(int64_t n, std::span<Attention* const> lanes) {
   const int64_t kv_dim = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
   cudaStream_t s = g.stream;
   const int rows = static_cast<int>(n);
-  EmbedKernel<<<rows, kThreads, 0, s>>>(g.tokens, g.embed.p, dim, c.embed_scale, g.x.p);
+  EmbedKernel<<<rows, kThreads, 0, s>>>(g.tokens(), g.embed.p, dim, c.embed_scale, g.x.p);
   const bool halves = c.rope_style == RopeStyle::kHalves;
   const bool gelu = c.activation == Activation::kGeluTanh;
   for (int l = 0; l < c.num_layers; ++l) {
@@ -315,9 +302,9 @@ Status Engine::EnqueueDecodeStep(int64_t n, std::span<Attention* const> lanes) {
       RmsNormKernel<<<rows * c.num_kv_heads, kThreads, 0, s>>>(g.k.p, g.k_norm[l].p, c.head_dim, c.rms_eps, g.k.p);
     }
     RopeKernel<<<dim3(rows, c.num_q_heads), 64, 0, s>>>(g.q.p, c.num_q_heads, c.head_dim, g.rope_cos[table].p,
-                                                         g.rope_sin[table].p, g.pos, halves);
+                                                         g.rope_sin[table].p, g.pos(), halves);
     RopeKernel<<<dim3(rows, c.num_kv_heads), 64, 0, s>>>(g.k.p, c.num_kv_heads, c.head_dim, g.rope_cos[table].p,
-                                                          g.rope_sin[table].p, g.pos, halves);
+                                                          g.rope_sin[table].p, g.pos(), halves);
     for (int64_t t = 0; t < n; ++t) {
       KVF_RETURN_IF_ERROR(lanes[static_cast<size_t>(t)]->DecodeOnDevice(
           l, g.q.p + t * q_dim, g.k.p + t * kv_dim, g.v.p + t * kv_dim, g.att.p + t * q_dim, s));

@@ -12,6 +12,8 @@
 #ifdef KVFERRY_WITH_CUDA
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+
+#include "examples/llama/device_floats.h"
 #endif
 
 namespace kvferry::llama {
@@ -34,14 +36,10 @@ struct Matmul::Impl {
     size_t elems = 0;
   };
   std::unordered_map<const float*, DeviceWeights> weights;
-  float* dx = nullptr;
-  float* dy = nullptr;
-  size_t dx_cap = 0, dy_cap = 0;
+  DeviceFloats dx, dy;  // Run's staging of x and y
 
   ~Impl() {
     for (auto& [host, dw] : weights) cudaFree(dw.dev);
-    if (dx != nullptr) cudaFree(dx);
-    if (dy != nullptr) cudaFree(dy);
     if (handle != nullptr) cublasDestroy(handle);
     if (cuda_stream != nullptr) cudaStreamDestroy(cuda_stream);
   }
@@ -60,15 +58,6 @@ Status CudaStatus(cudaError_t e, const char* what) {
 Status CublasStatus(cublasStatus_t e, const char* what) {
   if (e == CUBLAS_STATUS_SUCCESS) return Status::Ok();
   return DeviceError(detail::StrCat("matmul: ", what, " failed (cublas status ", static_cast<int>(e), ")"));
-}
-Status Grow(float*& buf, size_t& cap, size_t want) {
-  if (want <= cap) return Status::Ok();
-  if (buf != nullptr) cudaFree(buf);
-  buf = nullptr;
-  cap = 0;
-  KVF_RETURN_IF_ERROR(CudaStatus(cudaMalloc(&buf, want * sizeof(float)), "cudaMalloc"));
-  cap = want;
-  return Status::Ok();
 }
 }  // namespace
 
@@ -109,13 +98,13 @@ Status Matmul::Impl::RunGpu(const float* x, int64_t m, const Matrix& w, float* y
   const int64_t k = w.cols, n = w.rows;
   const float* dw = nullptr;
   KVF_RETURN_IF_ERROR(DeviceWeightsOf(w, &dw));
-  KVF_RETURN_IF_ERROR(Grow(dx, dx_cap, static_cast<size_t>(m * k)));
-  KVF_RETURN_IF_ERROR(Grow(dy, dy_cap, static_cast<size_t>(m * n)));
+  KVF_RETURN_IF_ERROR(dx.Reserve(static_cast<size_t>(m * k)));
+  KVF_RETURN_IF_ERROR(dy.Reserve(static_cast<size_t>(m * n)));
   KVF_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(dx, x, m * k * sizeof(float), cudaMemcpyHostToDevice, cuda_stream), "copy x"));
-  KVF_RETURN_IF_ERROR(Gemm(dx, m, w, dw, dy));
+      cudaMemcpyAsync(dx.p, x, m * k * sizeof(float), cudaMemcpyHostToDevice, cuda_stream), "copy x"));
+  KVF_RETURN_IF_ERROR(Gemm(dx.p, m, w, dw, dy.p));
   KVF_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(y, dy, m * n * sizeof(float), cudaMemcpyDeviceToHost, cuda_stream), "copy y"));
+      cudaMemcpyAsync(y, dy.p, m * n * sizeof(float), cudaMemcpyDeviceToHost, cuda_stream), "copy y"));
   return CudaStatus(cudaStreamSynchronize(cuda_stream), "synchronize");
 }
 #endif
