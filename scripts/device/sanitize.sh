@@ -2,6 +2,8 @@
 # On the GPU machine: compute-sanitizer memcheck, racecheck and synccheck over every GPU test of
 # kvferry_tests (the suites that launch kernels: Cuda*, Gpu*, the device bank, the cuBLAS matmul),
 # each tool's tests split into shards that run side by side on the one GPU. Summaries under $OUT.
+# racecheck over every test costs hours; kernel_cover.sh makes a SAN_LIST that launches every kernel
+# shape racecheck can judge (docs/reliability.md, "racecheck by kernel shape").
 #   B: a build dir with tests/kvferry_tests (built if missing); SHARDS_{MEM,RACE,SYNC}: shard
 #   counts; SAN_TIMEOUT: seconds per shard; SAN_FILTER: the gtest filter of the GPU tests;
 #   SAN_PART=k/n: the k-th of n disjoint parts of those tests (one call each); SAN_LIST=file: only

@@ -7,7 +7,7 @@
 #   B: build folder (default /tmp/b); TEST_FILTER: a gtest filter for the last run (default: all
 #   tests not run before); TARGETS: more CMake targets to build alongside (e.g. kvferry-e2e);
 #   DEADLINE: seconds from the start by which every run is stopped (default none).
-#   Sanitizers: scripts/device/sanitize.sh.
+#   Sanitizers: scripts/device/sanitize.sh (racecheck over a kernel-shape cover: kernel_cover.sh).
 set -u
 source scripts/device/build.sh
 OUT=${OUT:-/tmp/test}
