@@ -808,6 +808,57 @@ def hip_quality_merge(T):
             "rows": rows}
 
 
+# hip_age_smollm2: what the age of HiP's cached mask costs when the model decodes freely (the
+# replays above score each step on its own, and there a stale mask looks almost as good as a fresh
+# one): its default (rebuilt every r_m = 8 steps, served a step late) against masks rebuilt every
+# 4, 2 and 1 steps and served at once, with streaming and the oracle, at 256 to 2048 of 8K; both
+# texts side by side, every lane of a text decoding together.
+HIP_AGE = ("hip", "hip:r_m=4:lag=0", "hip:r_m=2:lag=0", "hip:r_m=1:lag=0")
+HIP_AGE_BUDGETS = (256, 512, 1024, 2048)
+
+
+def hip_age_cmds(T):
+    budgets = ",".join(map(str, HIP_AGE_BUDGETS))
+    return [FETCH, side_by_side(*(
+        f"{HOST_PPL} --text data/{t}.txt --context 8192 --scored 1024 --cpu-threads 1 --lanes-together "
+        f"--policy streaming,oracle,{','.join(HIP_AGE)} --budget {budgets} --json {T}/{t}.json"
+        for t in HQ_TEXTS)),
+            f"{LLAMA} --model {MODEL} --passkey --text data/kjv.txt --backend host --cpu-threads 2 --lanes-together "
+            f"--lengths 2048,4096,8192 --depths 0.1,0.5,0.9 --budget 256 --policy oracle,{','.join(HIP_AGE)} "
+            f"--json {T}/passkey.json"]
+
+
+def hip_age_merge(T):
+    rows = []
+    for t in HQ_TEXTS:
+        lanes = {}
+        for lab, l in lanes_of(f"{T}/{t}.json").items():
+            name, *kv = l["policy"].split(":")  # a lane "hip:r_m=1:lag=0" carries its parameters
+            params = {k: int(float(v)) if float(v).is_integer() else float(v) for k, v in (x.split("=") for x in kv)}
+            lanes[lab] = {"policy": name, "params": params, "budget": l.get("budget"),
+                          "perplexity": l["perplexity"], "decode_seconds": l.get("decode_seconds")}
+        gaps(lanes)
+        rows += [{"label": lab, "text": f"data/{t}.txt", "context": 8192, "scored": 1024, **r}
+                 for lab, r in lanes.items()]
+    found = {}
+    for tr in jload(f"{T}/passkey.json")["trials"]:
+        for lab, a in tr["answers"].items():
+            f = found.setdefault(lab, {"found": 0, "trials": 0, "by_prompt": []})
+            f["found"] += int(a["found"])
+            f["trials"] += 1
+            f["by_prompt"].append({"length": tr["length"], "depth": tr["depth"], "found": a["found"]})
+    for r in rows:
+        if r["text"] == "data/kjv.txt" and r["label"] in found:
+            r["passkey"] = found[r["label"]]
+    return {"what": "HiP's perplexity gap to dense with its mask rebuilt every r_m steps (8, the default, served "
+                    "a step late: lag 1; 4, 2 and 1 served at once: lag 0), next to streaming and the oracle at "
+                    "the same budgets; SmolLM2-135M, host backend, sinks 4 + window 64, last 1024 of 8K scored, "
+                    "every lane of a text decoding together",
+            "regenerate": "python3 bench/reproduce.py hip_age_smollm2",
+            "passkey": "KJV, lengths 2048/4096/8192, depths 0.1/0.5/0.9, budget 256, greedy answer",
+            "rows": rows}
+
+
 REPLAY_LANES = ("oracle@256 streaming@256 quest@256 sparcas@256 lfps@256 hip@256 "
                 "hip_paper=hip@256:bits=16,align=0 hip_fresh=hip@256:r_m=1,lag=0 "
                 "hip_dl11=hip@256:dense_layers=11 hip_guard=hip@256:guard=0.9,over=4,fresh=0 "
@@ -1359,6 +1410,8 @@ SPECS = {
                              what="CIS reuse ratio rho, recall and error on a SmolLM2 2K trace; cis perplexity"),
     "hip_quality_smollm2": dict(gpu=False, targets=[], examples=True, run=hip_quality_cmds, merge=hip_quality_merge,
                                 what="HiP perplexity (KJV + Jargon 8K) and passkey, before and after its recall guard"),
+    "hip_age_smollm2": dict(gpu=False, targets=[], examples=True, run=hip_age_cmds, merge=hip_age_merge,
+                            what="HiP's mask age under free decoding: r_m 8/4/2/1, streaming and oracle, 256-2048 of 8K"),
     "hip_kvpop_replay_smollm2": dict(gpu=False, targets=["select_replay_bench"], examples=True, run=replay_cmds,
                                      merge=replay_merge,
                                      what="HiP and KVpop variants replayed on 8K SmolLM2 traces: recall, mass, error per layer"),
@@ -1410,6 +1463,7 @@ MACHINE = {
     "prhs_lfps_quality_smollm2": (CPU2, "~12 min on 2 cores (676 s recorded)"),
     "prhs_rho_smollm2": (CPU2, "~15 min on 2 cores (a 2K trace, 15 replays, 3 perplexity runs of 2K)"),
     "hip_quality_smollm2": (CPU2, "~60 min on 2 cores (62 min recorded beside other work: two texts side by side, 10 lanes each; passkey 9 prompts, 2 runs)"),
+    "hip_age_smollm2": (CPU2, "~30 min on 2 cores (two texts side by side, 24 lanes + dense decoding together; passkey 9 prompts)"),
     "hip_kvpop_replay_smollm2": (CPU2, "~30 min on 2 cores (30 min recorded beside other work: two 8K traces, 17 lanes x 512 steps x 30 layers each)"),
     "kvpop_mass_smollm2": (CPU2, "~65 min on 2 cores (12 runs of 8K, ~96 s of decode a lane recorded)"),
     "kvpop_train_smollm2": ("CPU: 2 threads, torch + safetensors", "~30 min (3 traces + 400 steps; not recorded)"),

@@ -405,6 +405,44 @@ def t_hip_quality():
     return table(head, rows)
 
 
+def t_hip_age():
+    """bench/results/hip_age_smollm2.json: perplexity gap to dense per lane (policy and parameters),
+    text and budget."""
+    d = load("hip_age_smollm2.json")
+    if not d:
+        return "(bench/results/hip_age_smollm2.json not yet generated)\n"
+    texts = sorted({r["text"] for r in d["rows"]}, key=lambda t: ("kjv" not in t, t))
+    budgets = sorted({r["budget"] for r in d["rows"] if r["policy"] != "dense"})
+    lane = lambda r: (r["policy"], tuple(sorted((r.get("params") or {}).items())))
+    cells, order, pk = {}, [], {}
+    for r in d["rows"]:
+        if r.get("passkey"):
+            pk[lane(r)] = r["passkey"]
+        if r["policy"] == "dense":
+            continue
+        if lane(r) not in order:
+            order.append(lane(r))
+        cells[(lane(r), r["text"], r["budget"])] = r.get("gap_pct")
+    # streaming, the oracle, then HiP from its default mask age (r_m 8) to the freshest
+    order.sort(key=lambda ln: (ln[0] != "streaming", ln[0] != "oracle", -dict(ln[1]).get("r_m", 8)))
+    name = lambda t: os.path.basename(t).replace(".txt", "").upper().replace("JARGON", "Jargon")
+    head = ["lane", "parameters"] + [f"{name(t)} @{b}" for t in texts for b in budgets] + \
+           ["passkey @256 (KJV, 2K/4K/8K x 3 depths)"]
+    dense = next((r for r in d["rows"] if r["policy"] == "dense"), None)
+    rows = [["`dense`", "all tokens"] + ["+0.00%"] * (len(texts) * len(budgets)) +
+            [f"{pk[lane(dense)]['found']}/{pk[lane(dense)]['trials']}" if dense and lane(dense) in pk else None]]
+    for ln in order:
+        row = [f"`{ln[0]}`", ", ".join(f"{k}={v}" for k, v in ln[1]) or "defaults"]
+        for t in texts:
+            for b in budgets:
+                g = cells.get((ln, t, b))
+                row.append(None if g is None else f"+{g:.2f}%")
+        row.append(f"{pk[ln]['found']}/{pk[ln]['trials']}" if ln in pk else None)
+        rows.append(row)
+    p = d["rows"][0].get("provenance", {})
+    return table(head, rows) + f"\n(perplexity gap to dense; {p.get('commit', '')}, {p.get('cpu', '')})\n"
+
+
 def gemma_table(d):
     """A Gemma 3 results file (bench/reproduce.py gemma_merge): a row per budget (percent of the
     context) and lane (a policy and its parameters), its perplexity gap per (text, context) and
@@ -579,7 +617,7 @@ def t_hf_gpu():
 TABLES = {"query": t_query, "policy": t_policy, "e2e": t_e2e, "prefill": t_prefill, "scale": t_scale,
           "quality": t_quality, "kernels": t_kernels, "cpu": t_cpu,
           "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
-          "hip-quality": t_hip_quality, "gemma-quality": t_gemma_quality, "budgets": t_budgets,
+          "hip-quality": t_hip_quality, "hip-age": t_hip_age, "gemma-quality": t_gemma_quality, "budgets": t_budgets,
           "sparcas-smooth": t_sparcas_smooth, "real-model-gpu": t_real_model_gpu,
           "hf-gpu": t_hf_gpu}
 
