@@ -769,6 +769,26 @@ def hip_quality_cmds(T):
                          f"{pk} --policy hip {HIP_GUARD} --no-dense --json {T}/passkey_guard.json")]
 
 
+def passkey_found(path, key=lambda lab: lab, found=None):
+    """kvferry-llama --passkey --json: {lane label (renamed by key): found, trials, by_prompt},
+    added to \p found when given."""
+    found = {} if found is None else found
+    for tr in jload(path)["trials"]:
+        for lab, a in tr["answers"].items():
+            f = found.setdefault(key(lab), {"found": 0, "trials": 0, "by_prompt": []})
+            f["found"] += int(a["found"])
+            f["trials"] += 1
+            f["by_prompt"].append({"length": tr["length"], "depth": tr["depth"], "found": a["found"]})
+    return found
+
+
+def attach_passkey(rows, found, text="data/kjv.txt"):
+    """Each row of the passkey's text whose label has a tally gets it as "passkey"."""
+    for r in rows:
+        if r["text"] == text and r["label"] in found:
+            r["passkey"] = found[r["label"]]
+
+
 def hip_quality_merge(T):
     rows = []
     tags = {"base": {}, "guard": {"guard": 0.9, "over": 4}, "cached": {"guard": 0.9, "over": 4, "fresh": 0}}
@@ -787,18 +807,9 @@ def hip_quality_merge(T):
         gaps(lanes)
         for lab, r in lanes.items():
             rows.append({"label": lab, "text": f"data/{t}.txt", "context": 8192, "scored": 1024, **r})
-    found = {}
-    for path, part in ((f"{T}/passkey.json", "base"), (f"{T}/passkey_guard.json", "guard")):
-        for tr in jload(path)["trials"]:
-            for lab, a in tr["answers"].items():
-                key = lab if part == "base" else lab.replace("hip", "hip_guard", 1)
-                f = found.setdefault(key, {"found": 0, "trials": 0, "by_prompt": []})
-                f["found"] += int(a["found"])
-                f["trials"] += 1
-                f["by_prompt"].append({"length": tr["length"], "depth": tr["depth"], "found": a["found"]})
-    for r in rows:
-        if r["text"] == "data/kjv.txt" and r["label"] in found:
-            r["passkey"] = found[r["label"]]
+    found = passkey_found(f"{T}/passkey.json")
+    passkey_found(f"{T}/passkey_guard.json", lambda lab: lab.replace("hip", "hip_guard", 1), found)
+    attach_passkey(rows, found)
     return {"what": "HiP's perplexity and passkey with its defaults and its recall guard (guard=0.9 over=4; "
                     "a head the guard finds short ranked at every step, fresh=1, the default, or its last "
                     "rebuild's ranking cached, fresh=0), next to dense, streaming and the oracle; SmolLM2-135M, "
@@ -840,16 +851,7 @@ def hip_age_merge(T):
         gaps(lanes)
         rows += [{"label": lab, "text": f"data/{t}.txt", "context": 8192, "scored": 1024, **r}
                  for lab, r in lanes.items()]
-    found = {}
-    for tr in jload(f"{T}/passkey.json")["trials"]:
-        for lab, a in tr["answers"].items():
-            f = found.setdefault(lab, {"found": 0, "trials": 0, "by_prompt": []})
-            f["found"] += int(a["found"])
-            f["trials"] += 1
-            f["by_prompt"].append({"length": tr["length"], "depth": tr["depth"], "found": a["found"]})
-    for r in rows:
-        if r["text"] == "data/kjv.txt" and r["label"] in found:
-            r["passkey"] = found[r["label"]]
+    attach_passkey(rows, passkey_found(f"{T}/passkey.json"))
     return {"what": "HiP's perplexity gap to dense with its mask rebuilt every r_m steps (8, the default, served "
                     "a step late: lag 1; 4, 2 and 1 served at once: lag 0), next to streaming and the oracle at "
                     "the same budgets; SmolLM2-135M, host backend, sinks 4 + window 64, last 1024 of 8K scored, "
