@@ -263,6 +263,12 @@ struct HipStepArgs {
   /// CUDA, lag 1: item t's packed int8 query for its requested rebuild at query + t *
   /// HipQueryWords(group, head_dim) (device memory).
   uint32_t* query = nullptr;
+  /// HiP's `drift` (0: off): a ranked step whose query's cosine to the one the item's mask was
+  /// built from falls below it, in any head, rebuilds (requests, with lag 1) the mask before its
+  /// interval (base/hip_mask.h's HipDriftedHead); the build query's int8 codes of item t at
+  /// built_q + t * HipCodeWords(group, head_dim), written at every step that builds or requests.
+  float drift = 0.0f;
+  uint32_t* built_q = nullptr;
 };
 
 /// kKvpop's part of a DecodeStepArgs: item t's state at state + t and its slots at pos / prio +

@@ -72,10 +72,46 @@ KVF_HOST_DEVICE inline int64_t HipRepBlock(int64_t f, int64_t l, int32_t rep, ui
 /// n) waits for the interval: the kept mask is one node short for at most r_m steps, where a
 /// rebuild on the step K' moves rebuilt every layer at once (stop 26: 2.20 against 1.84 ms a
 /// step at 128K b1).
+/// \p drifted: the query moved away from the one the mask was built from (HipQueryDrifted; HiP's
+/// `drift`): the mask is due before its interval.
 KVF_HOST_DEVICE inline bool HipMaskStale(int64_t count, int64_t k_off_built, int64_t n_last,
                                          int32_t since_refresh, int64_t k_off, int64_t n,
-                                         int32_t r_m) {
-  return count == 0 || k_off < k_off_built || n < n_last || since_refresh >= r_m;
+                                         int32_t r_m, bool drifted = false) {
+  return count == 0 || k_off < k_off_built || n < n_last || since_refresh >= r_m || drifted;
+}
+
+/// HiP's `drift` d in (0, 1] (0: off): a head's query has moved from the one the item's mask was
+/// built from when the cosine of their int8 codes (SparcasQuantizeQuery of every dimension) is
+/// below d: dot < 0 or dot^2 < d^2 |built|^2 |now|^2. Integer sums and one rounded product, so
+/// the host and the GPU decide alike to the bit.
+KVF_HOST_DEVICE inline bool HipDriftedHead(int64_t dot, int64_t built_sq, int64_t now_sq, float drift) {
+  if (!(drift > 0.0f)) return false;
+  const double d = static_cast<double>(drift);
+  const double dd = static_cast<double>(dot);
+  return dot < 0 || dd * dd < (d * d) * (static_cast<double>(built_sq) * static_cast<double>(now_sq));
+}
+
+/// 32-bit words of an item's stored build query (HiP's `drift`): the int8 codes of its group's
+/// heads, group * head_dim bytes (each backend in its own byte order: the host's in dimension
+/// order, CUDA's as its packed __dp4a pairs).
+KVF_HOST_DEVICE inline int64_t HipCodeWords(int32_t group, int32_t head_dim) {
+  return int64_t{group} * head_dim / 4;
+}
+
+/// The host's drift test over a group: whether any head of \p now moved from \p built (int8
+/// codes, [group][d]) by HipDriftedHead.
+inline bool HipQueryDrifted(const int8_t* built, const int8_t* now, int group, int d, float drift) {
+  for (int g = 0; g < group; ++g) {
+    int64_t dot = 0, b2 = 0, n2 = 0;
+    for (int i = 0; i < d; ++i) {
+      const int64_t x = built[g * d + i], y = now[g * d + i];
+      dot += x * y;
+      b2 += x * x;
+      n2 += y * y;
+    }
+    if (HipDriftedHead(dot, b2, n2, drift)) return true;
+  }
+  return false;
 }
 
 /// kHip: the first layer its mask ranks (see DecodeStepArgs::hip.dense_layers).
@@ -88,13 +124,13 @@ enum class HipAction : int32_t { kKeep = 0, kBuild = 1, kRequest = 2 };
 
 /// HiP's `lag`. With 0 a stale mask (HipMaskStale) is rebuilt in the step that finds it: kBuild.
 /// With 1 only a step without a usable mask builds one (none yet, k_off shrank, n fell); a due
-/// rebuild (the interval passed) is requested: kRequest. The requested mask is
+/// rebuild (the interval passed, or the query drifted) is requested: kRequest. The requested mask is
 /// built from this step's query beside the step (CUDA: on a side stream, off the step's critical
 /// path) and used from the item's next ranked step on (HipPromote); this step keeps the old one.
 KVF_HOST_DEVICE inline HipAction HipStepAction(int64_t count, int64_t k_off_built, int64_t n_last,
                                                int32_t since_refresh, int64_t k_off, int64_t n,
-                                               int32_t r_m, int32_t lag) {
-  if (!HipMaskStale(count, k_off_built, n_last, since_refresh, k_off, n, r_m)) return HipAction::kKeep;
+                                               int32_t r_m, int32_t lag, bool drifted = false) {
+  if (!HipMaskStale(count, k_off_built, n_last, since_refresh, k_off, n, r_m, drifted)) return HipAction::kKeep;
   if (lag == 0 || count == 0 || k_off < k_off_built || n < n_last) return HipAction::kBuild;
   return HipAction::kRequest;
 }
@@ -114,14 +150,14 @@ KVF_HOST_DEVICE inline void HipPromote(HipState& s) {
 }
 
 /// since_refresh right after a rebuild (the step then counts itself): 0 when the interval was
-/// due; else (a first mask, or k_off shrank or n fell) layer % r_m, so that the layers' later
-/// rebuilds spread over the r_m steps (each step rebuilds about 1 / r_m of the layers instead of
-/// every layer at once every r_m steps: the same mean step time, a flat one).
+/// due or the query drifted; else (a first mask, or k_off shrank or n fell) layer % r_m, so that
+/// the layers' later rebuilds spread over the r_m steps (each step rebuilds about 1 / r_m of the
+/// layers instead of every layer at once every r_m steps: the same mean step time, a flat one).
 KVF_HOST_DEVICE inline int32_t HipSinceAfterBuild(int64_t count, int64_t k_off_built, int64_t n_last,
                                                   int32_t since_refresh, int64_t k_off, int64_t n,
-                                                  int32_t r_m, int32_t layer) {
+                                                  int32_t r_m, int32_t layer, bool drifted = false) {
   const bool interval = count != 0 && k_off >= k_off_built && n >= n_last && since_refresh >= r_m;
-  return interval || r_m <= 1 ? 0 : layer % r_m;
+  return interval || drifted || r_m <= 1 ? 0 : layer % r_m;
 }
 
 /// The host's state update at a ranked step, after HipPromote and HipStepAction: a mask of
@@ -131,9 +167,11 @@ KVF_HOST_DEVICE inline int32_t HipSinceAfterBuild(int64_t count, int64_t k_off_b
 /// host policy and the host backend's twin; HipMaskKernel and HipDeferredKernel do the same on
 /// the device.
 inline void HipRecordStep(HipState& st, HipAction action, int32_t count, int64_t off_lo,
-                          int64_t off_hi, int64_t k_off, int64_t n, int32_t r_m, int32_t layer) {
+                          int64_t off_hi, int64_t k_off, int64_t n, int32_t r_m, int32_t layer,
+                          bool drifted = false) {
   if (action != HipAction::kKeep) {
-    const int32_t since = HipSinceAfterBuild(st.count, st.k_off, st.n, st.since_refresh, k_off, n, r_m, layer);
+    const int32_t since =
+        HipSinceAfterBuild(st.count, st.k_off, st.n, st.since_refresh, k_off, n, r_m, layer, drifted);
     if (action == HipAction::kBuild) {
       st.since_refresh = since;
       st.count = count;

@@ -408,15 +408,22 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
     HipState& st = a.hip.state[t];
     const int64_t bk = std::max(a.hip.bk, 1);
     HipPromote(st);
+    // HiP's drift: the step's query codes against those the mask was built from (this backend
+    // keeps them in dimension order).
+    thread_local Q8Query q8;
+    const bool drift = a.hip.drift > 0.0f;
+    int8_t* built_q = drift ? reinterpret_cast<int8_t*>(a.hip.built_q + t * HipCodeWords(p.group, d)) : nullptr;
+    if (drift) QuantizeQueryHeads(q, p.group, d, nullptr, d, &q8);
+    const bool drifted = drift && st.count > 0 && HipQueryDrifted(built_q, q8.codes.data(), p.group, d, a.hip.drift);
     const HipAction action = HipStepAction(st.count, st.k_off, st.n, st.since_refresh, k_off, n,
-                                           a.hip.r_m, a.hip.lag);
+                                           a.hip.r_m, a.hip.lag, drifted);
     int32_t built = 0;  // blocks of the mask built at this step
     if (action != HipAction::kKeep) {
       // kRequest: CUDA builds it on a side stream from this step's query (DecodeSelectDeferred);
       // here it is built at once into the other buffer and takes over at the next ranked step.
-      thread_local Q8Query q8;
       thread_local std::vector<int32_t> mask;
-      QuantizeQueryHeads(q, p.group, d, nullptr, d, &q8);
+      if (!drift) QuantizeQueryHeads(q, p.group, d, nullptr, d, &q8);
+      if (drift) std::copy(q8.codes.begin(), q8.codes.end(), built_q);
       const auto score_of = [&](int64_t block) {
         float best = -std::numeric_limits<float>::infinity();
         const int64_t t0 = off_lo + block * bk, t1 = std::min(t0 + bk, off_hi);
@@ -436,7 +443,7 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
       std::copy(mask.begin(), mask.end(), a.hip.blocks + (2 * t + buf) * a.hip.max_nodes);
       built = static_cast<int32_t>(mask.size());
     }
-    HipRecordStep(st, action, built, off_lo, off_hi, k_off, n, a.hip.r_m, a.layer);
+    HipRecordStep(st, action, built, off_lo, off_hi, k_off, n, a.hip.r_m, a.layer, drifted);
     const int32_t* blocks = a.hip.blocks + (2 * t + st.cur) * a.hip.max_nodes;
     for (int32_t j = 0; j < st.count; ++j) {
       const int64_t t0 = off_lo + blocks[j] * bk, t1 = std::min(t0 + bk, st.hi);

@@ -1047,7 +1047,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
   extern __shared__ __align__(16) unsigned char hip_smem[];
   __shared__ HipShared<kHipThreads> sh;
   __shared__ __align__(8) unsigned char s_raw[sizeof(HipState)];
-  __shared__ int s_action;
+  __shared__ int s_action, s_drifted;
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
@@ -1058,29 +1058,65 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
   if (sp.k_off > 0) {
     const int64_t t = ItemT(a, b, h);
     const int64_t bk = max(a.hip.bk, 1);
+    const int group = a.params.group, words = SparcasQ4Words(a.params.head_dim);
+    const bool drift = a.hip.drift > 0.0f;
+    const HipQueryPtrs qs = HipSmemQuery(hip_smem, kn_cap, group, words);
+    int2* built_q = drift ? reinterpret_cast<int2*>(a.hip.built_q + t * HipCodeWords(group, a.params.head_dim))
+                          : nullptr;
     HipState& s_st = *reinterpret_cast<HipState*>(s_raw);
     if (threadIdx.x == 0) {
       HipState st = a.hip.state[t];
       HipPromote(st);
-      s_action = static_cast<int>(HipStepAction(st.count, st.k_off, st.n, st.since_refresh, sp.k_off, n,
-                                                a.hip.r_m, a.hip.lag));
       s_st = st;
+      s_drifted = 0;
+    }
+    // HiP's drift: every ranked step packs its query and compares each head's codes with those
+    // the mask was built from (a warp a head; base/hip_mask.h's HipDriftedHead).
+    if (drift) HipPackQuery(a, item, qs);
+    __syncthreads();
+    if (drift && s_st.count > 0) {
+      const int lane = threadIdx.x & 31;
+      for (int g = threadIdx.x >> 5; g < group; g += static_cast<int>(blockDim.x) / 32) {
+        int dot = 0, b2 = 0, n2 = 0;  // |sums| <= 256 * 127^2: int32
+        for (int w = lane; w < words; w += 32) {
+          const int2 x = built_q[g * words + w], y = qs.pack[g * words + w];
+          dot = __dp4a(x.y, y.y, __dp4a(x.x, y.x, dot));
+          b2 = __dp4a(x.y, x.y, __dp4a(x.x, x.x, b2));
+          n2 = __dp4a(y.y, y.y, __dp4a(y.x, y.x, n2));
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+          dot += __shfl_xor_sync(0xffffffffu, dot, off);
+          b2 += __shfl_xor_sync(0xffffffffu, b2, off);
+          n2 += __shfl_xor_sync(0xffffffffu, n2, off);
+        }
+        if (lane == 0 && HipDriftedHead(dot, b2, n2, a.hip.drift)) atomicOr(&s_drifted, 1);
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      const HipState& st = s_st;
+      s_action = static_cast<int>(HipStepAction(st.count, st.k_off, st.n, st.since_refresh, sp.k_off, n,
+                                                a.hip.r_m, a.hip.lag, s_drifted != 0));
     }
     __syncthreads();
     const HipAction action = static_cast<HipAction>(s_action);
+    const bool drifted = s_drifted != 0;
     const int32_t cur = s_st.cur;
     int32_t* blocks = a.hip.blocks + (2 * t + cur) * a.hip.max_nodes;
     int32_t count = s_st.count;
     int64_t hi = s_st.hi;
+    if (drift && action != HipAction::kKeep) {  // the query the new mask is built from
+      for (int i = threadIdx.x; i < group * words; i += blockDim.x) built_q[i] = qs.pack[i];
+    }
     if (action == HipAction::kBuild) {
-      HipPackQuery(a, item, HipSmemQuery(hip_smem, kn_cap, a.params.group, SparcasQ4Words(a.params.head_dim)));
+      if (!drift) HipPackQuery(a, item, qs);
       __syncthreads();
       hi = sp.off_hi;
       count = HipBuildMask<kHipThreads>(a, sp.off_lo, sp.off_hi, sp.k_off, n, item, kn_cap, hip_smem, sh,
                                         blocks);
     } else if (action == HipAction::kRequest) {
-      HipPackQuery(a, item, HipQueryAt(a.hip.query + t * HipQueryWords(a.params.group, a.params.head_dim),
-                                       a.params.group, SparcasQ4Words(a.params.head_dim)));
+      HipPackQuery(a, item, HipQueryAt(a.hip.query + t * HipQueryWords(group, a.params.head_dim), group, words));
     }
     __syncthreads();  // the mask's blocks (global memory) are written
     for (int32_t j = threadIdx.x; j < count; j += blockDim.x) {
@@ -1094,7 +1130,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
     if (threadIdx.x == 0) {
       HipState s = s_st;
       const int32_t since = HipSinceAfterBuild(s.count, s.k_off, s.n, s.since_refresh, sp.k_off, n,
-                                               a.hip.r_m, a.layer);
+                                               a.hip.r_m, a.layer, drifted);
       if (action == HipAction::kBuild) {
         s.count = count;
         s.k_off = sp.k_off;
@@ -2396,9 +2432,10 @@ Status LaunchHipSelect(const DecodeStepArgs& a, const SelectGrid& g, cudaStream_
                     a.params.head_dim % 8 == 0 && a.params.head_dim <= 256 &&
                     SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4 &&
                     a.budget_cap / a.hip.bk <= std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes) &&
-                    (a.hip.lag == 0 || a.hip.query != nullptr),
+                    (a.hip.lag == 0 || a.hip.query != nullptr) &&
+                    (!(a.hip.drift > 0.0f) || a.hip.built_q != nullptr),
                 "DecodeSelect: hip without its 4-bit rows and mask state (or hip.lag without "
-                "hip.query), or a budget_cap of ",
+                "hip.query, hip.drift without hip.built_q), or a budget_cap of ",
                 a.budget_cap, " at bk ", a.hip.bk, " over ", std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes),
                 " nodes");
   SparcasPrepKernel<<<static_cast<unsigned>(g.items), 256, 0, stream>>>(s);

@@ -38,6 +38,8 @@ struct Case {
   int lag = -1;            // >= 0: hip's "lag" (the default 1: due rebuilds on a side stream)
   int dense_bits = 0;      // > 0: hip's "dense_bits" (the default 4: SparCas's 4-bit top-k)
   int smooth = 0;          // sparcas's "smooth"; its keys then have channels 16x the others
+  double drift = 0.0;      // > 0: hip's "drift" (no interval within the test: r_m 100), the
+                           // decode query moving as decoding's does (a cosine of 0.9 a step)
 };
 
 class CudaRuntimeTest : public ::testing::TestWithParam<Case> {};
@@ -67,6 +69,10 @@ RuntimeConfig MakeConfig(const Case& c, Backend backend) {
     if (c.sparcas_bits != 0) cfg.policy.params["bits"] = c.sparcas_bits;
     if (c.lag >= 0) cfg.policy.params["lag"] = c.lag;
     if (c.dense_bits > 0) cfg.policy.params["dense_bits"] = c.dense_bits;
+    if (c.drift > 0.0) {
+      cfg.policy.params["drift"] = c.drift;
+      cfg.policy.params["r_m"] = 100;
+    }
   }
   // PrHS's depth window from layer 0 on: layer 1 hides [sink, 0.16 n) (the device filters its own
   // selection for the device-selecting inner policies).
@@ -174,6 +180,7 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
       *p = a.value();
     }
   }
+  std::vector<std::vector<float>> last_q(m.num_layers);
   for (int step = 0; step < 24; ++step) {
     for (int layer = 0; layer < m.num_layers; ++layer) {
       std::vector<float> q(batch * m.num_q_heads * m.head_dim), k(batch * m.num_kv_heads * m.head_dim),
@@ -182,6 +189,12 @@ TEST_P(CudaRuntimeTest, CudaEqualsHost) {
       fill(k);
       fill(v);
       wide_channels(k);
+      if (c.drift > 0.0) {  // carry 0.9 of the layer's last query
+        if (step > 0) {
+          for (size_t i = 0; i < q.size(); ++i) q[i] = 0.9f * last_q[layer][i] + 0.43589f * q[i];
+        }
+        last_q[layer] = q;
+      }
       std::vector<float> out[2];
       for (int b = 0; b < 2; ++b) {
         out[b].assign(q.size(), std::nanf(""));
@@ -303,6 +316,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"psaw+hip", Route::kGpu, 64, "hash"},
                       Case{"hip", Route::kGpu, 64, "hash", true, 0, 0},  // every mask in its step
                       Case{"hip", Route::kGpu, 64, "vector", true, 0, -1, 16},  // exact dense layers
+                      // Masks rebuilt when the query drifts: beside the step, and in it.
+                      Case{"hip", Route::kGpu, 0, "vector", false, 0, -1, 0, 0, 0.75},
+                      Case{"hip", Route::kGpu, 64, "hash", true, 0, 0, 0, 0, 0.75},
                       // KVpop's slots on the device: recency (no weights), and a random MLP
                       // scorer computed on both backends to the bit.
                       Case{"kvpop", Route::kGpu, 0, "vector"},
@@ -347,7 +363,7 @@ INSTANTIATE_TEST_SUITE_P(
              (c.sparcas_bits ? "_bits" + std::to_string(c.sparcas_bits) : "") +
              (c.lag >= 0 ? "_lag" + std::to_string(c.lag) : "") +
              (c.dense_bits > 0 ? "_dense" + std::to_string(c.dense_bits) : "") +
-             (c.smooth ? "_smooth" : "");
+             (c.smooth ? "_smooth" : "") + (c.drift > 0.0 ? "_drift" : "");
     });
 
 

@@ -162,6 +162,59 @@ TEST(HipPolicy, MaskCachedForRmStepsThenRebuilt) {
   }
 }
 
+// drift's rule (base/hip_mask.h): a head drifts when the cosine of its int8 codes to the build
+// query's is below d; a group when any head does; 0 is off.
+TEST(HipCore, DriftIsTheCodesCosineBelowTheThreshold) {
+  EXPECT_FALSE(HipDriftedHead(9, 10, 10, 0.9f));    // cosine 0.9 exactly (d^2 rounds below 0.81)
+  EXPECT_TRUE(HipDriftedHead(8, 10, 10, 0.9f));     // 0.8
+  EXPECT_TRUE(HipDriftedHead(-1, 10, 10, 0.01f));   // pointing away
+  EXPECT_FALSE(HipDriftedHead(-50, 10, 10, 0.0f));  // off
+  EXPECT_FALSE(HipDriftedHead(0, 0, 0, 0.5f));      // a zero query: nothing to compare
+  const int8_t built[8] = {10, 0, 0, 0, 0, 10, 0, 0};
+  const int8_t same[8] = {20, 1, 0, 0, 0, 30, 0, 0};   // head 0 cosine 0.9988, head 1 1
+  const int8_t moved[8] = {20, 1, 0, 0, 0, 3, 9, 0};   // head 1 cosine 0.316
+  EXPECT_FALSE(HipQueryDrifted(built, same, 2, 4, 0.9f));
+  EXPECT_TRUE(HipQueryDrifted(built, moved, 2, 4, 0.9f));
+  EXPECT_FALSE(HipQueryDrifted(built, moved, 2, 4, 0.3f));
+  EXPECT_EQ(HipSinceAfterBuild(7, 10, 99, 3, 10, 100, 8, 13, /*drifted=*/true), 0);
+}
+
+// With drift the mask is rebuilt before its interval at the step whose query moved (cosine below
+// d; with lag 1 served from the next step), and kept while the query stays near the build query.
+TEST(HipPolicy, DriftRebuildsTheMaskWhenTheQueryMoves) {
+  Synthetic syn(700, 2, 64, 14);
+  std::mt19937 rng(4);
+  std::normal_distribution<float> nd;
+  std::vector<float> near(syn.q), far(syn.q.size());
+  for (float& x : near) x += 0.05f * nd(rng);  // cosine about 0.999
+  for (float& x : far) x = nd(rng);
+  const SelectContext c1 = Context(syn.kv, syn.q.data(), 2, 4, 32, 4 + 32 + 64);
+  const SelectContext cn = Context(syn.kv, near.data(), 2, 4, 32, 4 + 32 + 64);
+  const SelectContext cf = Context(syn.kv, far.data(), 2, 4, 32, 4 + 32 + 64);
+  for (int lag : {0, 1}) {
+    for (double drift : {0.0, 0.9}) {
+      HipParams hp;
+      hp.r_m = 100;
+      hp.dense_layers = 0;
+      hp.lag = lag;
+      hp.drift = drift;
+      HipPolicy policy(hp, 1, 1, 1), fresh(hp, 1, 1, 1);
+      std::vector<int32_t> first, sel, far_sel;
+      ASSERT_TRUE(policy.Select(c1, first).ok());
+      ASSERT_TRUE(fresh.Select(cf, far_sel).ok());
+      ASSERT_NE(far_sel, first);
+      for (int step = 2; step <= 4; ++step) {
+        ASSERT_TRUE(policy.Select(cn, sel).ok());
+        EXPECT_EQ(sel, first) << "lag " << lag << " drift " << drift << " step " << step;
+      }
+      ASSERT_TRUE(policy.Select(cf, sel).ok());  // moved: lag 0 rebuilds in this step
+      EXPECT_EQ(sel, drift > 0 && lag == 0 ? far_sel : first) << "lag " << lag << " drift " << drift;
+      ASSERT_TRUE(policy.Select(cf, sel).ok());  // lag 1: the mask requested above serves
+      EXPECT_EQ(sel, drift > 0 ? far_sel : first) << "lag " << lag << " drift " << drift;
+    }
+  }
+}
+
 // The first mask of layer l lives r_m - l % r_m steps (base/hip_mask.h's HipSinceAfterBuild), so
 // that the layers' rebuilds spread over the interval; every later one r_m steps.
 TEST(HipPolicy, LayersRebuildOnStaggeredSteps) {
@@ -469,14 +522,14 @@ TEST(HipPolicy, AHeadTheGuardFindsShortIsRankedEveryStep) {
     EXPECT_GT(differs, 0) << "seed " << seed;
     EXPECT_EQ(fresh.counters().select_calls, steps);
     EXPECT_EQ(fresh.counters().select_reused, 0);
-    EXPECT_EQ(cached.counters().select_calls, 0);
-    EXPECT_EQ(cached.counters().select_reused, steps);
+    EXPECT_EQ(cached.counters().select_calls, 2);  // the masks of steps 0 and 8 (r_m 8)
+    EXPECT_EQ(cached.counters().select_reused, steps - 2);
   }
 }
 
 TEST(HipPolicy, BadParametersNameTheParameter) {
   for (const auto& [key, value] : std::vector<std::pair<std::string, double>>{
-           {"bk", 0}, {"r_m", 0}, {"r_m", 1.5}, {"dense_layers", -2}, {"rep", 4}, {"bits", 8}, {"lag", 2}, {"dense_bits", 8}, {"align", -1}, {"k", 5}, {"over", 0}, {"over", 65}, {"guard", -0.1}, {"guard", 1.5}, {"guard_every", 0}, {"fresh", 2}, {"fresh", -1}}) {
+           {"bk", 0}, {"r_m", 0}, {"r_m", 1.5}, {"dense_layers", -2}, {"rep", 4}, {"bits", 8}, {"lag", 2}, {"dense_bits", 8}, {"align", -1}, {"k", 5}, {"over", 0}, {"over", 65}, {"guard", -0.1}, {"guard", 1.5}, {"guard_every", 0}, {"fresh", 2}, {"fresh", -1}, {"drift", -0.1}, {"drift", 1.5}}) {
     auto r = ParseHipParams({{key, value}});
     ASSERT_FALSE(r.ok()) << key << "=" << value;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);

@@ -80,10 +80,21 @@ struct Feeder {
   struct Step {
     std::vector<float> q, k, v;
   };
-  Step Make(int64_t batch) {
+  // With \p layer >= 0 and carry > 0 the query moves as decoding's does: carry times \p layer's
+  // last one plus fresh noise (a cosine of about carry between steps).
+  Step Make(int64_t batch, int layer = -1) {
     const ModelShape& m = c.model;
-    return Step{Random(batch * m.num_q_heads * m.head_dim), Random(batch * m.num_kv_heads * m.head_dim),
-                Random(batch * m.num_kv_heads * m.head_dim)};
+    Step st{Random(batch * m.num_q_heads * m.head_dim), Random(batch * m.num_kv_heads * m.head_dim),
+            Random(batch * m.num_kv_heads * m.head_dim)};
+    if (layer >= 0 && carry > 0.0) {
+      std::vector<float>& last = last_q[layer];
+      if (last.size() == st.q.size()) {
+        const double fresh = std::sqrt(1.0 - carry * carry);
+        for (size_t i = 0; i < st.q.size(); ++i) st.q[i] = static_cast<float>(carry * last[i] + fresh * st.q[i]);
+      }
+      last = st.q;
+    }
+    return st;
   }
   Status Decode(Runtime& rt, const std::vector<SequenceId>& seqs, int layer, Step& s,
                 std::vector<float>& out) {
@@ -96,6 +107,8 @@ struct Feeder {
   RuntimeConfig c;
   std::mt19937 rng;
   std::normal_distribution<float> nd{0.0f, 1.0f};
+  double carry = 0.0;
+  std::map<int, std::vector<float>> last_q;
 };
 
 std::unique_ptr<Runtime> Make(const RuntimeConfig& c) {
@@ -901,7 +914,9 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   // configured) and the same outputs.
   // "X:lag0": HiP with each mask served from the step that builds it (the default lag 1 serves a
   // due one from the next step); "X:dense16": HiP's dense layers exact (the default: 4-bit);
-  // "sparcas:raw": SparCas without its channel smoothing (smooth=0; the default smooths).
+  // "sparcas:raw": SparCas without its channel smoothing (smooth=0; the default smooths);
+  // "hip:drift", "hip:drift_lag0": HiP's masks rebuilt when the query drifts (drift 0.75, no
+  // interval within the test), the query moving as decoding's does (a cosine of 0.9 a step).
   const std::string param = GetParam();
   const size_t colon = param.find(':');
   const std::string name = param.substr(0, colon);
@@ -912,6 +927,8 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   if (variant == "lag0") c.policy.params["lag"] = 0;
   if (variant == "dense16") c.policy.params["dense_bits"] = 16;
   if (variant == "raw") c.policy.params["smooth"] = 0;  // SparCas's 4-bit rows of the raw keys
+  const bool drift = variant.rfind("drift", 0) == 0;
+  if (variant == "drift_lag0") c.policy.params["lag"] = 0;
   // "psaw+X": PrHS's depth window hides [sink, 0.16 n) at layer 1; the device filters its list.
   // "xl+X": layer 1 takes layer 0's list (xl.start 0.5 of 2 layers); the device copies it.
   const std::string base = name.substr(name.rfind('+') + 1);
@@ -926,6 +943,10 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
     c.policy.params["r_m"] = 3;  // masks kept, then rebuilt, within the test
     c.policy.params["dense_layers"] = 1;
     c.policy.params["bk"] = 3;  // blocks cut at the offloaded range's end
+    if (drift) {
+      c.policy.params["r_m"] = 100;
+      c.policy.params["drift"] = 0.75;
+    }
   }
   c.route = Route::kGpu;
   RuntimeConfig host = c;
@@ -935,6 +956,11 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   EXPECT_TRUE(dev->decode_is_capture_safe());
   EXPECT_FALSE(ref->decode_is_capture_safe());
   Feeder f(c, 11);
+  if (drift) f.carry = 0.9;
+  // drift: the mask's part of layer 1's lists (positions of sequence 4's first offloaded range) at
+  // the last step, and how often it changed from one step to the next.
+  std::map<std::pair<SequenceId, int>, std::vector<int32_t>> masked;
+  int mask_changes = 0, mask_steps = 0;
   const std::vector<SequenceId> seqs = {2, 6, 4};
   for (SequenceId s : seqs) {
     ASSERT_TRUE(dev->AddSequence(s).ok());
@@ -946,7 +972,7 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   for (int t = 0; t < 6; ++t) {
     ASSERT_TRUE(dev->PlanDecode(seqs).ok());
     for (int l = 0; l < c.model.num_layers; ++l) {
-      Feeder::Step s = f.Make(3);
+      Feeder::Step s = f.Make(3, l);
       std::vector<float> a, b;
       ASSERT_TRUE(f.Decode(*dev, seqs, l, s, a).ok());
       ASSERT_TRUE(f.Decode(*ref, seqs, l, s, b).ok());
@@ -957,6 +983,18 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
           auto x = dev->LastSelection(sq, l, h), y = ref->LastSelection(sq, l, h);
           ASSERT_TRUE(x.ok() && y.ok());
           EXPECT_EQ(*x, *y) << "sequence " << sq << " layer " << l << " head " << h;
+          if (drift && l == 1 && sq == 4) {
+            std::vector<int32_t> m;
+            for (int32_t p : *x) {
+              if (p >= c.tiers.sink_tokens && p < 250 - c.tiers.window_tokens) m.push_back(p);
+            }
+            auto [it, first] = masked.try_emplace({sq, h}, m);
+            if (!first) {
+              ++mask_steps;
+              mask_changes += it->second != m;
+              it->second = m;
+            }
+          }
           const int64_t n = *dev->SequenceLength(sq, l);
           if (base == "hip" && !psaw) {  // floor(k_off / bk) blocks, the last one maybe cut
             EXPECT_LE(static_cast<int64_t>(x->size()), std::min<int64_t>(n, c.policy.budget_tokens));
@@ -975,6 +1013,10 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
         }
       }
     }
+  }
+  if (drift) {  // with r_m 100 only the drift rebuilds: some steps, not every one
+    EXPECT_GT(mask_changes, 0);
+    EXPECT_LT(mask_changes, mask_steps);
   }
   const Stats st = dev->GetStats();
   EXPECT_EQ(st.host_syncs, 0);
@@ -1049,7 +1091,7 @@ TEST(KvpopDevice, ZeroScorerIsStreamingAndEvictedNeverReturn) {
 
 INSTANTIATE_TEST_SUITE_P(Policies, DeviceSelected,
                          ::testing::Values("oracle", "quest", "sparcas", "sparcas:raw", "hip", "hip:lag0",
-                                           "hip:dense16", "kvpop", "kvpop:mlp",
+                                           "hip:dense16", "hip:drift", "hip:drift_lag0", "kvpop", "kvpop:mlp",
                                            "psaw+oracle", "psaw+quest", "psaw+sparcas", "psaw+hip",
                                            "psaw+kvpop", "xl+oracle", "xl+quest", "xl+sparcas",
                                            "xl+hip", "xl+kvpop"),

@@ -40,6 +40,10 @@ class HipSelector final : public SparcasSelector {
       buffers.push_back({state_part(), items * static_cast<size_t>(HipQueryWords(shape_.group, shape_.model.head_dim)) *
                                            sizeof(uint32_t)});
     }
+    if (drift()) {  // the int8 codes of each item's build query
+      buffers.push_back({state_part(), items * static_cast<size_t>(HipCodeWords(shape_.group, shape_.model.head_dim)) *
+                                           sizeof(uint32_t)});
+    }
     return Status::Ok();
   }
   int extra_streams() const override { return side() ? 1 : 0; }
@@ -55,6 +59,7 @@ class HipSelector final : public SparcasSelector {
       KVF_ASSIGN_OR_RETURN(fork_, device.CreateEvent());
       KVF_ASSIGN_OR_RETURN(join_, device.CreateEvent());
     }
+    if (drift()) dp_.hip.built_q = static_cast<uint32_t*>(buffers[side() ? 6 : 5]);
     return SparcasSelector::Bind(buffers.first(3), device, stream);
   }
   void Release() override {
@@ -118,6 +123,7 @@ class HipSelector final : public SparcasSelector {
   // The first layer its mask ranks (below it, SparCas's path).
   int Dense() const { return std::max(dp_.sparcas.dense_layers, dp_.hip.dense_layers); }
   bool side() const { return dp_.hip.lag != 0 && shape_.cuda; }
+  bool drift() const { return dp_.hip.drift > 0.0f; }
 
   StreamHandle side_stream_ = nullptr;
   EventHandle fork_ = nullptr, join_ = nullptr;

@@ -76,6 +76,7 @@ Result<HipParams> ParseHipParams(const std::map<std::string, double>& params) {
       {"guard", &H::guard, 0, 1},
       {"guard_every", &H::guard_every, 1, 1 << 20},
       {"fresh", &H::fresh, 0, 1},
+      {"drift", &H::drift, 0, 1},
   };
   return ParseParams<H>("hip", params, kTable);
 }
@@ -124,6 +125,7 @@ Policy::DeviceSelectParams HipPolicy::device_select_params(int head_dim) const {
   d.hip.rep = params_.rep;
   d.hip.align = params_.align;
   d.hip.lag = params_.lag;
+  d.hip.drift = static_cast<float>(params_.drift);
   return d;
 }
 
@@ -149,10 +151,17 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
   }
   HipState& hs = st->st;
   HipPromote(hs);  // a mask requested at the last ranked step takes over
-  const HipAction action =
-      HipStepAction(hs.count, hs.k_off, hs.n, hs.since_refresh, s.k_off, ctx.n, params_.r_m, params_.lag);
+  // drift: the step's query codes against those of the query the mask was built from.
+  const auto drift = static_cast<float>(params_.drift);
+  thread_local Q8Query q8;
+  if (drift > 0.0f) QuantizeQueryHeads(ctx.q, ctx.params.group, ctx.params.head_dim, nullptr, ctx.params.head_dim, &q8);
+  const bool drifted = drift > 0.0f && hs.count > 0 &&
+                       HipQueryDrifted(st->built_q.data(), q8.codes.data(), ctx.params.group, ctx.params.head_dim, drift);
+  const HipAction action = HipStepAction(hs.count, hs.k_off, hs.n, hs.since_refresh, s.k_off, ctx.n,
+                                         params_.r_m, params_.lag, drifted);
   thread_local std::vector<int32_t> blocks;
   blocks.clear();
+  if (drift > 0.0f && action != HipAction::kKeep) st->built_q = q8.codes;
   if (action != HipAction::kKeep) {
     HipMaskOptions opt;
     opt.bk = params_.bk;
@@ -197,12 +206,12 @@ Status HipPolicy::Select(const SelectContext& ctx, std::vector<int32_t>& out) {
     }
   }
   HipRecordStep(hs, action, static_cast<int32_t>(blocks.size()), s.off_lo, s.off_hi, s.k_off, ctx.n,
-                params_.r_m, ctx.layer);
+                params_.r_m, ctx.layer, drifted);
   if (st->scan && Fresh()) {
     ranked_.fetch_add(1, std::memory_order_relaxed);
     return dense_->Select(ctx, out);
   }
-  cached_.fetch_add(1, std::memory_order_relaxed);
+  (action == HipAction::kKeep ? cached_ : ranked_).fetch_add(1, std::memory_order_relaxed);
   const std::vector<int32_t>& mask = st->masks[hs.cur];
   // The cached positions stay inside [sink, off_hi): off_hi only grows between refreshes.
   if (params_.over > 1 && static_cast<int64_t>(mask.size()) > s.k_off) {

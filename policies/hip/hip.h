@@ -113,6 +113,11 @@ struct HipParams {
   /// query); 0 the ranking of its last rebuild, cached as the tree's mask would be (over k
   /// candidates). Host selection only.
   int fresh = 1;
+  /// "drift": 0 (default) off; d in (0, 1] a mask is also due, before its r_m steps, at a ranked
+  /// step whose query has moved from the one it was built from: the cosine of their int8 codes
+  /// below d in any head of the group (base/hip_mask.h's HipDriftedHead). r_m stays the longest
+  /// a mask lives.
+  double drift = 0.0;
 };
 
 /// The bits HiP scores with at \p head_dim.
@@ -141,7 +146,8 @@ class HipPolicy final : public Policy {
   [[nodiscard]] DeviceSelectParams device_select_params(int head_dim) const override;
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
   /// select_calls: head-steps ranked afresh (the dense layers, heads the guard moved to the
-  /// ranking with fresh 1); select_reused: head-steps answered from a cached mask.
+  /// ranking with fresh 1) or whose mask was built or requested; select_reused: head-steps that
+  /// kept their cached mask.
   [[nodiscard]] PolicyCounters counters() const override {
     PolicyCounters c;
     c.select_calls = ranked_.load(std::memory_order_relaxed);
@@ -165,6 +171,7 @@ class HipPolicy final : public Policy {
     std::vector<int32_t> masks[2];  ///< its two masks as offloaded positions, ascending (st.cur in use)
     int64_t rebuilds = 0;           ///< masks built (the recall guard checks every guard_every-th)
     bool scan = false;              ///< the guard found the tree's recall short: masks come from the scan
+    std::vector<int8_t> built_q;    ///< drift: the int8 codes of the query the mask was built from
   };
   // The recall guard's ranking: the k offloaded positions with the best 4-bit (bits 16: fp32)
   // max-logit scores, best first (ties: the lower position).
