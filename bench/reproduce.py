@@ -861,6 +861,57 @@ def hip_age_merge(T):
             "rows": rows}
 
 
+# hip_drift_smollm2: HiP's mask rebuilt when the query moves (drift d: a ranked step whose query's
+# int8 codes fall below cosine d of the build query's in any head) and served at once (lag 0),
+# against the default (every 8 steps, a step late), every step at once, streaming and the oracle,
+# on KJV and the Jargon File (8K) and on the GPL-3 text every Debian system carries (4K, a text
+# no default was chosen on). The host-selecting path (--bank-slots 16) so that each lane's stats
+# count its mask builds: prhs_select_calls over calls + reused, less the 3 dense layers of 30.
+HIP_DRIFT = ("hip", "hip:drift=0.7:lag=0", "hip:drift=0.8:lag=0", "hip:r_m=1:lag=0")
+HIP_DRIFT_BUDGETS = (256, 512, 1024, 2048)
+UNSEEN_TEXT = "/usr/share/common-licenses/GPL-3"
+
+
+def hip_drift_cmds(T):
+    lanes = f"--policy streaming,oracle,{','.join(HIP_DRIFT)} --lanes-together --bank-slots 16"
+    return [FETCH, side_by_side(*(
+        f"{HOST_PPL} --text data/{t}.txt --context 8192 --scored 1024 --cpu-threads 1 {lanes} "
+        f"--budget {','.join(map(str, HIP_DRIFT_BUDGETS))} --json {T}/{t}.json" for t in HQ_TEXTS)),
+            f"{HOST_PPL} --text {UNSEEN_TEXT} --context 4096 --scored 1024 --cpu-threads 2 {lanes} "
+            f"--budget 256,512 --json {T}/gpl3.json",
+            f"{LLAMA} --model {MODEL} --passkey --text data/kjv.txt --backend host --cpu-threads 2 --lanes-together "
+            f"--lengths 2048,4096,8192 --depths 0.1,0.5,0.9 --budget 256 --policy oracle,{','.join(HIP_DRIFT)} "
+            f"--json {T}/passkey.json"]
+
+
+def hip_drift_merge(T):
+    rows = []
+    for t, path, ctx in (("kjv", "data/kjv.txt", 8192), ("jargon", "data/jargon.txt", 8192), ("gpl3", UNSEEN_TEXT, 4096)):
+        lanes = {}
+        for lab, l in lanes_of(f"{T}/{t}.json").items():
+            name, *kv = l["policy"].split(":")  # a lane "hip:drift=0.7:lag=0" carries its parameters
+            params = {k: int(float(v)) if float(v).is_integer() else float(v) for k, v in (x.split("=") for x in kv)}
+            st = l.get("stats") or {}
+            calls, reused = st.get("prhs_select_calls", 0), st.get("prhs_select_reused", 0)
+            row = {"policy": name, "params": params, "budget": l.get("budget"), "perplexity": l["perplexity"],
+                   "decode_seconds": l.get("decode_seconds")}
+            if name == "hip" and calls + reused:  # the mask layers' share of head-steps that built a mask
+                row["mask_builds"] = round(((calls / (calls + reused)) * 30 - 3) / 27, 4)
+            lanes[lab] = row
+        gaps(lanes)
+        rows += [{"label": lab, "text": path, "context": ctx, "scored": 1024, **r} for lab, r in lanes.items()]
+    attach_passkey(rows, passkey_found(f"{T}/passkey.json"))
+    return {"what": "HiP's perplexity gap to dense with its mask rebuilt when the query drifts (cosine of the int8 "
+                    "codes below 0.7 or 0.8 in any head, served at once), every 8 steps a step late (the default) "
+                    "and every step at once, next to streaming and the oracle at the same budgets; SmolLM2-135M, "
+                    "host backend selecting on the host (bank 16 slots), sinks 4 + window 64, last 1024 scored of "
+                    "8K (KJV, Jargon) and of 4K (GPL-3, a text no default was chosen on); mask_builds: the share "
+                    "of the mask layers' head-steps that built a mask",
+            "regenerate": "python3 bench/reproduce.py hip_drift_smollm2",
+            "passkey": "KJV, lengths 2048/4096/8192, depths 0.1/0.5/0.9, budget 256, greedy answer",
+            "rows": rows}
+
+
 REPLAY_LANES = ("oracle@256 streaming@256 quest@256 sparcas@256 lfps@256 hip@256 "
                 "hip_paper=hip@256:bits=16,align=0 hip_fresh=hip@256:r_m=1,lag=0 "
                 "hip_dl11=hip@256:dense_layers=11 hip_guard=hip@256:guard=0.9,over=4,fresh=0 "
@@ -1414,6 +1465,8 @@ SPECS = {
                                 what="HiP perplexity (KJV + Jargon 8K) and passkey, before and after its recall guard"),
     "hip_age_smollm2": dict(gpu=False, targets=[], examples=True, run=hip_age_cmds, merge=hip_age_merge,
                             what="HiP's mask age under free decoding: r_m 8/4/2/1, streaming and oracle, 256-2048 of 8K"),
+    "hip_drift_smollm2": dict(gpu=False, targets=[], examples=True, run=hip_drift_cmds, merge=hip_drift_merge,
+                              what="HiP's mask rebuilt on query drift (lag 0) vs every 8 / every step, streaming, oracle"),
     "hip_kvpop_replay_smollm2": dict(gpu=False, targets=["select_replay_bench"], examples=True, run=replay_cmds,
                                      merge=replay_merge,
                                      what="HiP and KVpop variants replayed on 8K SmolLM2 traces: recall, mass, error per layer"),
@@ -1466,6 +1519,7 @@ MACHINE = {
     "prhs_rho_smollm2": (CPU2, "~15 min on 2 cores (a 2K trace, 15 replays, 3 perplexity runs of 2K)"),
     "hip_quality_smollm2": (CPU2, "~60 min on 2 cores (62 min recorded beside other work: two texts side by side, 10 lanes each; passkey 9 prompts, 2 runs)"),
     "hip_age_smollm2": (CPU2, "~30 min on 2 cores (two texts side by side, 24 lanes + dense decoding together; passkey 9 prompts)"),
+    "hip_drift_smollm2": (CPU2, "~40 min on 2 cores (two texts side by side, 24 lanes each + dense; GPL-3 4K 12 lanes; passkey 9 prompts)"),
     "hip_kvpop_replay_smollm2": (CPU2, "~30 min on 2 cores (30 min recorded beside other work: two 8K traces, 17 lanes x 512 steps x 30 layers each)"),
     "kvpop_mass_smollm2": (CPU2, "~65 min on 2 cores (12 runs of 8K, ~96 s of decode a lane recorded)"),
     "kvpop_train_smollm2": ("CPU: 2 threads, torch + safetensors", "~30 min (3 traces + 400 steps; not recorded)"),
