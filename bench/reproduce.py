@@ -912,6 +912,35 @@ def hip_drift_merge(T):
             "rows": rows}
 
 
+# hip_speed: hip_bank's decode step at 128K, batch 1 and 4, with the real (moving) query, for the
+# mask ages hip_drift_smollm2 measures the quality of: the default (every 8 steps, a step late),
+# drift 0.7 and 0.8 served at once, every step at once, every 2 steps at once, drift 0.7 a step
+# late; torch SDPA with every layer's KV on the GPU in the same run.
+HIP_SPEED = (("default", ""), ("drift0.7_lag0", "--param drift=0.7 --param lag=0"),
+             ("drift0.8_lag0", "--param drift=0.8 --param lag=0"), ("r_m1_lag0", "--param r_m=1 --param lag=0"),
+             ("r_m2_lag0", "--param r_m=2 --param lag=0"), ("drift0.7_lag1", "--param drift=0.7"))
+
+
+def hip_speed_cmds(T):
+    base = f"{E2E} --unique-kv --steps 8 --query real --contexts 131072 --batches 1,4 --modes hip_bank"
+    return [f"{base} {extra} --json {T}/{v}.jsonl" for v, extra in HIP_SPEED] + [sdpa_pending(T)]
+
+
+def hip_speed_merge(T):
+    rows = []
+    for v, extra in HIP_SPEED:
+        params = dict(x.split("=") for x in extra.replace("--param ", "").split())
+        for r in jload(f"{T}/{v}.sdpa.json").get("rows", []):
+            rows.append({"variant": v, "params": {k: float(x) for k, x in params.items()}, **r})
+    label_query(rows)
+    return {"what": "hip_bank's decode step per token at 128K x 1 and x 4 (Llama-3.1-8B shape, 32 layers, real "
+                    "moving query) for HiP's mask rebuild variants, ratio to torch SDPA with all KV on the GPU in "
+                    "the same run",
+            "bench": "kvferry-e2e (bench/e2e_bench.cu) + scripts/device/e2e_sdpa.py",
+            "regenerate": "python3 bench/reproduce.py hip_speed",
+            "rows": rows}
+
+
 REPLAY_LANES = ("oracle@256 streaming@256 quest@256 sparcas@256 lfps@256 hip@256 "
                 "hip_paper=hip@256:bits=16,align=0 hip_fresh=hip@256:r_m=1,lag=0 "
                 "hip_dl11=hip@256:dense_layers=11 hip_guard=hip@256:guard=0.9,over=4,fresh=0 "
@@ -1467,6 +1496,8 @@ SPECS = {
                             what="HiP's mask age under free decoding: r_m 8/4/2/1, streaming and oracle, 256-2048 of 8K"),
     "hip_drift_smollm2": dict(gpu=False, targets=[], examples=True, run=hip_drift_cmds, merge=hip_drift_merge,
                               what="HiP's mask rebuilt on query drift (lag 0) vs every 8 / every step, streaming, oracle"),
+    "hip_speed": dict(gpu=True, targets=["kvferry-e2e"], run=hip_speed_cmds, merge=hip_speed_merge,
+                      what="hip_bank at 128K x 1/x 4 (real query) per mask rebuild variant, with torch SDPA"),
     "hip_kvpop_replay_smollm2": dict(gpu=False, targets=["select_replay_bench"], examples=True, run=replay_cmds,
                                      merge=replay_merge,
                                      what="HiP and KVpop variants replayed on 8K SmolLM2 traces: recall, mass, error per layer"),
@@ -1520,6 +1551,7 @@ MACHINE = {
     "hip_quality_smollm2": (CPU2, "~60 min on 2 cores (62 min recorded beside other work: two texts side by side, 10 lanes each; passkey 9 prompts, 2 runs)"),
     "hip_age_smollm2": (CPU2, "~30 min on 2 cores (two texts side by side, 24 lanes + dense decoding together; passkey 9 prompts)"),
     "hip_drift_smollm2": (CPU2, "~40 min on 2 cores (two texts side by side, 24 lanes each + dense; GPL-3 4K 12 lanes; passkey 9 prompts)"),
+    "hip_speed": (GPU1, "~5 min (six kvferry-e2e runs of 128K x 1 and x 4, SDPA)"),
     "hip_kvpop_replay_smollm2": (CPU2, "~30 min on 2 cores (30 min recorded beside other work: two 8K traces, 17 lanes x 512 steps x 30 layers each)"),
     "kvpop_mass_smollm2": (CPU2, "~65 min on 2 cores (12 runs of 8K, ~96 s of decode a lane recorded)"),
     "kvpop_train_smollm2": ("CPU: 2 threads, torch + safetensors", "~30 min (3 traces + 400 steps; not recorded)"),
