@@ -443,6 +443,79 @@ def t_hip_age():
     return table(head, rows) + f"\n(perplexity gap to dense; {p.get('commit', '')}, {p.get('cpu', '')})\n"
 
 
+def t_hip_drift():
+    """bench/results/hip_drift_smollm2.json: perplexity gap to dense per lane, text and budget, the
+    share of the mask layers' head-steps that built a mask (range over the texts and budgets), and
+    passkey at 256."""
+    d = load("hip_drift_smollm2.json")
+    if not d:
+        return "(bench/results/hip_drift_smollm2.json not yet generated)\n"
+    lane = lambda r: (r["policy"], tuple(sorted((r.get("params") or {}).items())))
+    name = lambda t: {"kjv": "KJV", "jargon": "Jargon", "gpl-3": "GPL-3"}.get(
+        os.path.basename(t).replace(".txt", "").lower(), os.path.basename(t))
+    cols = []
+    for r in d["rows"]:
+        if r["policy"] != "dense" and (r["text"], r["budget"]) not in cols:
+            cols.append((r["text"], r["budget"]))
+    cols.sort(key=lambda c: ("kjv" not in c[0], "jargon" not in c[0], c[0], c[1]))
+    cells, order, pk, builds = {}, [], {}, {}
+    for r in d["rows"]:
+        if r.get("passkey"):
+            pk[lane(r)] = r["passkey"]
+        if r["policy"] == "dense":
+            continue
+        if lane(r) not in order:
+            order.append(lane(r))
+        cells[(lane(r), r["text"], r["budget"])] = r.get("gap_pct")
+        if r.get("mask_builds") is not None:
+            builds.setdefault(lane(r), []).append(r["mask_builds"])
+    order.sort(key=lambda ln: (ln[0] != "streaming", ln[0] != "oracle", -dict(ln[1]).get("r_m", 8),
+                               dict(ln[1]).get("drift", 1)))
+    head = ["lane", "parameters"] + [f"{name(t)} @{b}" for t, b in cols] + \
+           ["mask builds", "passkey @256 (KJV, 2K/4K/8K x 3 depths)"]
+    dense = next((r for r in d["rows"] if r["policy"] == "dense"), None)
+    rows = [["`dense`", "all tokens"] + ["+0.00%"] * len(cols) + ["—"] +
+            [f"{pk[lane(dense)]['found']}/{pk[lane(dense)]['trials']}" if dense and lane(dense) in pk else None]]
+    for ln in order:
+        row = [f"`{ln[0]}`", ", ".join(f"{k}={v}" for k, v in ln[1]) or "defaults"]
+        for t, b in cols:
+            g = cells.get((ln, t, b))
+            row.append(None if g is None else f"+{g:.2f}%")
+        bs = builds.get(ln)
+        row.append("—" if not bs else (f"{min(bs):.0%}" if round(min(bs), 2) == round(max(bs), 2)
+                                       else f"{min(bs):.0%}-{max(bs):.0%}"))
+        row.append(f"{pk[ln]['found']}/{pk[ln]['trials']}" if ln in pk else None)
+        rows.append(row)
+    p = d["rows"][0].get("provenance", {})
+    return table(head, rows) + f"\n(perplexity gap to dense; {p.get('commit', '')}, {p.get('cpu', '')})\n"
+
+
+def t_hip_speed():
+    """bench/results/hip_speed.json: hip_bank's step time at 128K x 1 and x 4 per variant, and its
+    ratio to torch SDPA's in the same run."""
+    d = load("hip_speed.json")
+    if not d:
+        return "(bench/results/hip_speed.json not yet generated)\n"
+    batches = sorted({r["batch"] for r in d["rows"]})
+    head = ["variant", "parameters"] + [f"128K x {b}: ms a step (x SDPA)" for b in batches]
+    rows, order = [], []
+    for r in d["rows"]:
+        if r["variant"] not in order:
+            order.append(r["variant"])
+    for v in order:
+        per = {r["batch"]: r for r in d["rows"] if r["variant"] == v}
+        any_r = next(iter(per.values()))
+        params = ", ".join(f"{k}={x:g}" for k, x in sorted(any_r.get("params", {}).items())) or "defaults"
+        rows.append([f"`{v}`", params] + [
+            f"{per[b]['ms_per_token_step']:.3f} ({per[b]['ratio']:.2f}x)" if b in per and per[b].get("ratio") else None
+            for b in batches])
+    sd = {r["batch"]: r.get("sdpa_ms_per_token_step") for r in d["rows"]}
+    rows.append(["torch SDPA", "all KV on the GPU"] + [f"{sd[b]:.3f} (1.00x)" if sd.get(b) else None for b in batches])
+    p = d["rows"][0].get("provenance", {})
+    return table(head, rows) + (f"\n(real moving query; {p.get('commit', '')}, {p.get('gpu', '')}, "
+                                f"{p.get('cpu', '')})\n")
+
+
 def gemma_table(d):
     """A Gemma 3 results file (bench/reproduce.py gemma_merge): a row per budget (percent of the
     context) and lane (a policy and its parameters), its perplexity gap per (text, context) and
@@ -617,7 +690,7 @@ def t_hf_gpu():
 TABLES = {"query": t_query, "policy": t_policy, "e2e": t_e2e, "prefill": t_prefill, "scale": t_scale,
           "quality": t_quality, "kernels": t_kernels, "cpu": t_cpu,
           "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
-          "hip-quality": t_hip_quality, "hip-age": t_hip_age, "gemma-quality": t_gemma_quality, "budgets": t_budgets,
+          "hip-quality": t_hip_quality, "hip-age": t_hip_age, "hip-drift": t_hip_drift, "hip-speed": t_hip_speed, "gemma-quality": t_gemma_quality, "budgets": t_budgets,
           "sparcas-smooth": t_sparcas_smooth, "real-model-gpu": t_real_model_gpu,
           "hf-gpu": t_hf_gpu}
 
