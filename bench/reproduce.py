@@ -914,10 +914,10 @@ def hip_drift_merge(T):
 
 # hip_speed: hip_bank's decode step at 128K, batch 1 and 4, with the real (moving) query, for the
 # mask ages hip_drift_smollm2 measures the quality of: the default (every 8 steps, a step late),
-# drift 0.7 served at once, every step at once, drift 0.7 a step late; torch SDPA with every
-# layer's KV on the GPU in the same run.
+# drift 0.7 served at once, every step at once; torch SDPA with every layer's KV on the GPU in
+# the same run.
 HIP_SPEED = (("default", ""), ("drift0.7_lag0", "--param drift=0.7 --param lag=0"),
-             ("r_m1_lag0", "--param r_m=1 --param lag=0"), ("drift0.7_lag1", "--param drift=0.7"))
+             ("r_m1_lag0", "--param r_m=1 --param lag=0"))
 
 
 def hip_speed_cmds(T):
@@ -1496,7 +1496,7 @@ SPECS = {
     "hip_drift_smollm2": dict(gpu=False, targets=[], examples=True, run=hip_drift_cmds, merge=hip_drift_merge,
                               what="HiP's mask rebuilt on query drift (lag 0) vs every 8 / every step, streaming, oracle"),
     "hip_speed": dict(gpu=True, targets=["kvferry-e2e"], run=hip_speed_cmds, merge=hip_speed_merge,
-                      what="hip_bank at 128K x 1/x 4 (real query): default, drift 0.7 lag 0/1, every step; torch SDPA"),
+                      what="hip_bank at 128K x 1/x 4 (real query): default, drift 0.7 at lag 0, every step; torch SDPA"),
     "hip_kvpop_replay_smollm2": dict(gpu=False, targets=["select_replay_bench"], examples=True, run=replay_cmds,
                                      merge=replay_merge,
                                      what="HiP and KVpop variants replayed on 8K SmolLM2 traces: recall, mass, error per layer"),
@@ -1550,7 +1550,7 @@ MACHINE = {
     "hip_quality_smollm2": (CPU2, "~60 min on 2 cores (62 min recorded beside other work: two texts side by side, 10 lanes each; passkey 9 prompts, 2 runs)"),
     "hip_age_smollm2": (CPU2, "~30 min on 2 cores (two texts side by side, 24 lanes + dense decoding together; passkey 9 prompts)"),
     "hip_drift_smollm2": (CPU2, "~40 min on 2 cores (two texts side by side, 24 lanes each + dense; GPL-3 4K 12 lanes; passkey 9 prompts)"),
-    "hip_speed": (GPU1, "~4 min (four kvferry-e2e runs of 128K x 1 and x 4, SDPA)"),
+    "hip_speed": (GPU1, "~3 min (three kvferry-e2e runs of 128K x 1 and x 4, SDPA)"),
     "hip_kvpop_replay_smollm2": (CPU2, "~30 min on 2 cores (30 min recorded beside other work: two 8K traces, 17 lanes x 512 steps x 30 layers each)"),
     "kvpop_mass_smollm2": (CPU2, "~65 min on 2 cores (12 runs of 8K, ~96 s of decode a lane recorded)"),
     "kvpop_train_smollm2": ("CPU: 2 threads, torch + safetensors", "~30 min (3 traces + 400 steps; not recorded)"),
