@@ -470,7 +470,7 @@ def t_hip_drift():
         if r.get("mask_builds") is not None:
             builds.setdefault(lane(r), []).append(r["mask_builds"])
     order.sort(key=lambda ln: (ln[0] != "streaming", ln[0] != "oracle", -dict(ln[1]).get("r_m", 8),
-                               dict(ln[1]).get("drift", 1)))
+                               dict(ln[1]).get("drift", 0)))
     head = ["lane", "parameters"] + [f"{name(t)} @{b}" for t, b in cols] + \
            ["mask builds", "passkey @256 (KJV, 2K/4K/8K x 3 depths)"]
     dense = next((r for r in d["rows"] if r["policy"] == "dense"), None)
