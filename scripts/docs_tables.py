@@ -405,51 +405,13 @@ def t_hip_quality():
     return table(head, rows)
 
 
-def t_hip_age():
-    """bench/results/hip_age_smollm2.json: perplexity gap to dense per lane (policy and parameters),
-    text and budget."""
-    d = load("hip_age_smollm2.json")
+def hip_lane_table(name_json, builds):
+    """A HiP lanes file (hip_age_smollm2, hip_drift_smollm2): perplexity gap to dense per lane
+    (policy and parameters), text and budget; with \p builds the share of the mask layers'
+    head-steps that built a mask (range over the texts and budgets); passkey at 256."""
+    d = load(name_json)
     if not d:
-        return "(bench/results/hip_age_smollm2.json not yet generated)\n"
-    texts = sorted({r["text"] for r in d["rows"]}, key=lambda t: ("kjv" not in t, t))
-    budgets = sorted({r["budget"] for r in d["rows"] if r["policy"] != "dense"})
-    lane = lambda r: (r["policy"], tuple(sorted((r.get("params") or {}).items())))
-    cells, order, pk = {}, [], {}
-    for r in d["rows"]:
-        if r.get("passkey"):
-            pk[lane(r)] = r["passkey"]
-        if r["policy"] == "dense":
-            continue
-        if lane(r) not in order:
-            order.append(lane(r))
-        cells[(lane(r), r["text"], r["budget"])] = r.get("gap_pct")
-    # streaming, the oracle, then HiP from its default mask age (r_m 8) to the freshest
-    order.sort(key=lambda ln: (ln[0] != "streaming", ln[0] != "oracle", -dict(ln[1]).get("r_m", 8)))
-    name = lambda t: os.path.basename(t).replace(".txt", "").upper().replace("JARGON", "Jargon")
-    head = ["lane", "parameters"] + [f"{name(t)} @{b}" for t in texts for b in budgets] + \
-           ["passkey @256 (KJV, 2K/4K/8K x 3 depths)"]
-    dense = next((r for r in d["rows"] if r["policy"] == "dense"), None)
-    rows = [["`dense`", "all tokens"] + ["+0.00%"] * (len(texts) * len(budgets)) +
-            [f"{pk[lane(dense)]['found']}/{pk[lane(dense)]['trials']}" if dense and lane(dense) in pk else None]]
-    for ln in order:
-        row = [f"`{ln[0]}`", ", ".join(f"{k}={v}" for k, v in ln[1]) or "defaults"]
-        for t in texts:
-            for b in budgets:
-                g = cells.get((ln, t, b))
-                row.append(None if g is None else f"+{g:.2f}%")
-        row.append(f"{pk[ln]['found']}/{pk[ln]['trials']}" if ln in pk else None)
-        rows.append(row)
-    p = d["rows"][0].get("provenance", {})
-    return table(head, rows) + f"\n(perplexity gap to dense; {p.get('commit', '')}, {p.get('cpu', '')})\n"
-
-
-def t_hip_drift():
-    """bench/results/hip_drift_smollm2.json: perplexity gap to dense per lane, text and budget, the
-    share of the mask layers' head-steps that built a mask (range over the texts and budgets), and
-    passkey at 256."""
-    d = load("hip_drift_smollm2.json")
-    if not d:
-        return "(bench/results/hip_drift_smollm2.json not yet generated)\n"
+        return f"(bench/results/{name_json} not yet generated)\n"
     lane = lambda r: (r["policy"], tuple(sorted((r.get("params") or {}).items())))
     name = lambda t: {"kjv": "KJV", "jargon": "Jargon", "gpl-3": "GPL-3"}.get(
         os.path.basename(t).replace(".txt", "").lower(), os.path.basename(t))
@@ -458,7 +420,7 @@ def t_hip_drift():
         if r["policy"] != "dense" and (r["text"], r["budget"]) not in cols:
             cols.append((r["text"], r["budget"]))
     cols.sort(key=lambda c: ("kjv" not in c[0], "jargon" not in c[0], c[0], c[1]))
-    cells, order, pk, builds = {}, [], {}, {}
+    cells, order, pk, made = {}, [], {}, {}
     for r in d["rows"]:
         if r.get("passkey"):
             pk[lane(r)] = r["passkey"]
@@ -468,26 +430,38 @@ def t_hip_drift():
             order.append(lane(r))
         cells[(lane(r), r["text"], r["budget"])] = r.get("gap_pct")
         if r.get("mask_builds") is not None:
-            builds.setdefault(lane(r), []).append(r["mask_builds"])
+            made.setdefault(lane(r), []).append(r["mask_builds"])
+    # streaming, the oracle, then HiP from its default mask (r_m 8, no drift) to the freshest
     order.sort(key=lambda ln: (ln[0] != "streaming", ln[0] != "oracle", -dict(ln[1]).get("r_m", 8),
                                dict(ln[1]).get("drift", 0)))
     head = ["lane", "parameters"] + [f"{name(t)} @{b}" for t, b in cols] + \
-           ["mask builds", "passkey @256 (KJV, 2K/4K/8K x 3 depths)"]
+           (["mask builds"] if builds else []) + ["passkey @256 (KJV, 2K/4K/8K x 3 depths)"]
+    share = lambda bs: "—" if not bs else (f"{min(bs):.0%}" if round(min(bs), 2) == round(max(bs), 2)
+                                          else f"{min(bs):.0%}-{max(bs):.0%}")
     dense = next((r for r in d["rows"] if r["policy"] == "dense"), None)
-    rows = [["`dense`", "all tokens"] + ["+0.00%"] * len(cols) + ["—"] +
+    rows = [["`dense`", "all tokens"] + ["+0.00%"] * len(cols) + (["—"] if builds else []) +
             [f"{pk[lane(dense)]['found']}/{pk[lane(dense)]['trials']}" if dense and lane(dense) in pk else None]]
     for ln in order:
         row = [f"`{ln[0]}`", ", ".join(f"{k}={v}" for k, v in ln[1]) or "defaults"]
         for t, b in cols:
             g = cells.get((ln, t, b))
             row.append(None if g is None else f"+{g:.2f}%")
-        bs = builds.get(ln)
-        row.append("—" if not bs else (f"{min(bs):.0%}" if round(min(bs), 2) == round(max(bs), 2)
-                                       else f"{min(bs):.0%}-{max(bs):.0%}"))
+        if builds:
+            row.append(share(made.get(ln)))
         row.append(f"{pk[ln]['found']}/{pk[ln]['trials']}" if ln in pk else None)
         rows.append(row)
     p = d["rows"][0].get("provenance", {})
     return table(head, rows) + f"\n(perplexity gap to dense; {p.get('commit', '')}, {p.get('cpu', '')})\n"
+
+
+def t_hip_age():
+    """bench/results/hip_age_smollm2.json (hip_lane_table)."""
+    return hip_lane_table("hip_age_smollm2.json", builds=False)
+
+
+def t_hip_drift():
+    """bench/results/hip_drift_smollm2.json (hip_lane_table, with each lane's mask builds)."""
+    return hip_lane_table("hip_drift_smollm2.json", builds=True)
 
 
 def t_hip_speed():
