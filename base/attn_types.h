@@ -260,15 +260,15 @@ struct HipStepArgs {
   /// 1: a due rebuild is built beside the step (CUDA: DecodeSelectDeferred on a side stream) and
   /// used from the item's next ranked step; 0: built in the step that finds it due.
   int32_t lag = 0;
-  /// CUDA, lag 1: item t's packed int8 query for its requested rebuild at query + t *
-  /// HipQueryWords(group, head_dim) (device memory).
-  uint32_t* query = nullptr;
   /// HiP's `drift` (0: off): a ranked step whose query's cosine to the one the item's mask was
   /// built from falls below it, in any head, rebuilds (requests, with lag 1) the mask before its
-  /// interval (base/hip_mask.h's HipDriftedHead); the build query's int8 codes of item t at
-  /// built_q + t * HipCodeWords(group, head_dim), written at every step that builds or requests.
+  /// interval (base/hip_mask.h's HipDriftedHead).
   float drift = 0.0f;
-  uint32_t* built_q = nullptr;
+  /// Item t's query of its latest mask build or request, at query + t * HipQueryWords(group,
+  /// head_dim): CUDA's packed int8 query (with lag 1 the side stream builds a requested mask from
+  /// it), the host's int8 codes in dimension order; with drift the step's query is compared with
+  /// it. Needed for CUDA's lag 1 and for drift; else null.
+  uint32_t* query = nullptr;
 };
 
 /// kKvpop's part of a DecodeStepArgs: item t's state at state + t and its slots at pos / prio +

@@ -32,9 +32,10 @@ enum class HipRepresentative : int { kCentre = 0, kFirst = 1, kLast = 2, kRandom
 /// memory (24 bytes a node). Past it HiP selects on the host.
 constexpr int64_t kHipMaxNodes = 8192;
 
-/// 32-bit words of an item's packed int8 query (CUDA, `lag` 1: built in the step, read by the
-/// side stream's rebuild): per head head_dim / 8 __dp4a pairs (int2), then each head's step
-/// (float) and 8 * its code sum (int32).
+/// 32-bit words of an item's build query (HipStepArgs::query: the query of its latest mask build
+/// or request). CUDA's packed int8 query: per head head_dim / 8 __dp4a pairs (int2), then each
+/// head's step (float) and 8 * its code sum (int32); the host backend keeps the int8 codes in
+/// dimension order (group * head_dim bytes) in the same room.
 KVF_HOST_DEVICE inline int64_t HipQueryWords(int32_t group, int32_t head_dim) {
   return int64_t{group} * (head_dim / 8) * 2 + 2 * int64_t{group};
 }
@@ -89,13 +90,6 @@ KVF_HOST_DEVICE inline bool HipDriftedHead(int64_t dot, int64_t built_sq, int64_
   const double d = static_cast<double>(drift);
   const double dd = static_cast<double>(dot);
   return dot < 0 || dd * dd < (d * d) * (static_cast<double>(built_sq) * static_cast<double>(now_sq));
-}
-
-/// 32-bit words of an item's stored build query (HiP's `drift`): the int8 codes of its group's
-/// heads, group * head_dim bytes (each backend in its own byte order: the host's in dimension
-/// order, CUDA's as its packed __dp4a pairs).
-KVF_HOST_DEVICE inline int64_t HipCodeWords(int32_t group, int32_t head_dim) {
-  return int64_t{group} * head_dim / 4;
 }
 
 /// The host's drift test over a group: whether any head of \p now moved from \p built (int8

@@ -828,29 +828,48 @@ HIP_AGE = ("hip", "hip:r_m=4:lag=0", "hip:r_m=2:lag=0", "hip:r_m=1:lag=0")
 HIP_AGE_BUDGETS = (256, 512, 1024, 2048)
 
 
+def hip_passkey_cmd(T, lanes):
+    """Passkey on KJV at 256 (2K/4K/8K x 3 depths) for the oracle and \p lanes, decoding together."""
+    return (f"{LLAMA} --model {MODEL} --passkey --text data/kjv.txt --backend host --cpu-threads 2 --lanes-together "
+            f"--lengths 2048,4096,8192 --depths 0.1,0.5,0.9 --budget 256 --policy oracle,{','.join(lanes)} "
+            f"--json {T}/passkey.json")
+
+
+SMOLLM2_LAYERS, HIP_DENSE_LAYERS = 30, 3  # SmolLM2-135M's layers; HiP's default dense_layers
+
+
+def hip_lane_rows(path, text, context):
+    """A perplexity run of lanes "policy[:k=v...]@budget" (kvferry-llama --json) as rows with their
+    parameters and gaps; a hip lane whose stats count its selections (the host-selecting path) also
+    gets mask_builds: the share of the mask layers' head-steps that built or requested a mask."""
+    lanes = {}
+    for lab, l in lanes_of(path).items():
+        name, *kv = l["policy"].split(":")  # a lane "hip:r_m=1:lag=0" carries its parameters
+        params = {k: int(float(v)) if float(v).is_integer() else float(v) for k, v in (x.split("=") for x in kv)}
+        row = {"policy": name, "params": params, "budget": l.get("budget"), "perplexity": l["perplexity"],
+               "decode_seconds": l.get("decode_seconds")}
+        st = l.get("stats") or {}
+        calls, reused = st.get("prhs_select_calls", 0), st.get("prhs_select_reused", 0)
+        if name == "hip" and calls + reused:  # calls: the dense layers' head-steps and the builds
+            dense = params.get("dense_layers", HIP_DENSE_LAYERS)
+            row["mask_builds"] = round((calls / (calls + reused) * SMOLLM2_LAYERS - dense) /
+                                       (SMOLLM2_LAYERS - dense), 4)
+        lanes[lab] = row
+    gaps(lanes)
+    return [{"label": lab, "text": text, "context": context, "scored": 1024, **r} for lab, r in lanes.items()]
+
+
 def hip_age_cmds(T):
     budgets = ",".join(map(str, HIP_AGE_BUDGETS))
     return [FETCH, side_by_side(*(
         f"{HOST_PPL} --text data/{t}.txt --context 8192 --scored 1024 --cpu-threads 1 --lanes-together "
         f"--policy streaming,oracle,{','.join(HIP_AGE)} --budget {budgets} --json {T}/{t}.json"
         for t in HQ_TEXTS)),
-            f"{LLAMA} --model {MODEL} --passkey --text data/kjv.txt --backend host --cpu-threads 2 --lanes-together "
-            f"--lengths 2048,4096,8192 --depths 0.1,0.5,0.9 --budget 256 --policy oracle,{','.join(HIP_AGE)} "
-            f"--json {T}/passkey.json"]
+            hip_passkey_cmd(T, HIP_AGE)]
 
 
 def hip_age_merge(T):
-    rows = []
-    for t in HQ_TEXTS:
-        lanes = {}
-        for lab, l in lanes_of(f"{T}/{t}.json").items():
-            name, *kv = l["policy"].split(":")  # a lane "hip:r_m=1:lag=0" carries its parameters
-            params = {k: int(float(v)) if float(v).is_integer() else float(v) for k, v in (x.split("=") for x in kv)}
-            lanes[lab] = {"policy": name, "params": params, "budget": l.get("budget"),
-                          "perplexity": l["perplexity"], "decode_seconds": l.get("decode_seconds")}
-        gaps(lanes)
-        rows += [{"label": lab, "text": f"data/{t}.txt", "context": 8192, "scored": 1024, **r}
-                 for lab, r in lanes.items()]
+    rows = [r for t in HQ_TEXTS for r in hip_lane_rows(f"{T}/{t}.json", f"data/{t}.txt", 8192)]
     attach_passkey(rows, passkey_found(f"{T}/passkey.json"))
     return {"what": "HiP's perplexity gap to dense with its mask rebuilt every r_m steps (8, the default, served "
                     "a step late: lag 1; 4, 2 and 1 served at once: lag 0), next to streaming and the oracle at "
@@ -879,27 +898,13 @@ def hip_drift_cmds(T):
         f"--budget {','.join(map(str, HIP_DRIFT_BUDGETS))} --json {T}/{t}.json" for t in HQ_TEXTS)),
             f"{HOST_PPL} --text {UNSEEN_TEXT} --context 4096 --scored 1024 --cpu-threads 2 {lanes} "
             f"--budget 256,512 --json {T}/gpl3.json",
-            f"{LLAMA} --model {MODEL} --passkey --text data/kjv.txt --backend host --cpu-threads 2 --lanes-together "
-            f"--lengths 2048,4096,8192 --depths 0.1,0.5,0.9 --budget 256 --policy oracle,{','.join(HIP_DRIFT)} "
-            f"--json {T}/passkey.json"]
+            hip_passkey_cmd(T, HIP_DRIFT)]
 
 
 def hip_drift_merge(T):
-    rows = []
-    for t, path, ctx in (("kjv", "data/kjv.txt", 8192), ("jargon", "data/jargon.txt", 8192), ("gpl3", UNSEEN_TEXT, 4096)):
-        lanes = {}
-        for lab, l in lanes_of(f"{T}/{t}.json").items():
-            name, *kv = l["policy"].split(":")  # a lane "hip:drift=0.7:lag=0" carries its parameters
-            params = {k: int(float(v)) if float(v).is_integer() else float(v) for k, v in (x.split("=") for x in kv)}
-            st = l.get("stats") or {}
-            calls, reused = st.get("prhs_select_calls", 0), st.get("prhs_select_reused", 0)
-            row = {"policy": name, "params": params, "budget": l.get("budget"), "perplexity": l["perplexity"],
-                   "decode_seconds": l.get("decode_seconds")}
-            if name == "hip" and calls + reused:  # the mask layers' share of head-steps that built a mask
-                row["mask_builds"] = round(((calls / (calls + reused)) * 30 - 3) / 27, 4)
-            lanes[lab] = row
-        gaps(lanes)
-        rows += [{"label": lab, "text": path, "context": ctx, "scored": 1024, **r} for lab, r in lanes.items()]
+    rows = [r for t, path, ctx in (("kjv", "data/kjv.txt", 8192), ("jargon", "data/jargon.txt", 8192),
+                                   ("gpl3", UNSEEN_TEXT, 4096))
+            for r in hip_lane_rows(f"{T}/{t}.json", path, ctx)]
     attach_passkey(rows, passkey_found(f"{T}/passkey.json"))
     return {"what": "HiP's perplexity gap to dense with its mask rebuilt when the query drifts (cosine of the int8 "
                     "codes below 0.7 or 0.8 in any head, served at once), every 8 steps a step late (the default) "

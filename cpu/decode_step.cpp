@@ -412,7 +412,7 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
     // keeps them in dimension order).
     thread_local Q8Query q8;
     const bool drift = a.hip.drift > 0.0f;
-    int8_t* built_q = drift ? reinterpret_cast<int8_t*>(a.hip.built_q + t * HipCodeWords(p.group, d)) : nullptr;
+    int8_t* built_q = drift ? reinterpret_cast<int8_t*>(a.hip.query + t * HipQueryWords(p.group, d)) : nullptr;
     if (drift) QuantizeQueryHeads(q, p.group, d, nullptr, d, &q8);
     const bool drifted = drift && st.count > 0 && HipQueryDrifted(built_q, q8.codes.data(), p.group, d, a.hip.drift);
     const HipAction action = HipStepAction(st.count, st.k_off, st.n, st.since_refresh, k_off, n,

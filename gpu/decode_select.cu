@@ -1060,9 +1060,9 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
     const int64_t bk = max(a.hip.bk, 1);
     const int group = a.params.group, words = SparcasQ4Words(a.params.head_dim);
     const bool drift = a.hip.drift > 0.0f;
+    const int64_t qw = HipQueryWords(group, a.params.head_dim);
     const HipQueryPtrs qs = HipSmemQuery(hip_smem, kn_cap, group, words);
-    int2* built_q = drift ? reinterpret_cast<int2*>(a.hip.built_q + t * HipCodeWords(group, a.params.head_dim))
-                          : nullptr;
+    uint32_t* item_q = a.hip.query != nullptr ? a.hip.query + t * qw : nullptr;  // the build query
     HipState& s_st = *reinterpret_cast<HipState*>(s_raw);
     if (threadIdx.x == 0) {
       HipState st = a.hip.state[t];
@@ -1079,7 +1079,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
       for (int g = threadIdx.x >> 5; g < group; g += static_cast<int>(blockDim.x) / 32) {
         int dot = 0, b2 = 0, n2 = 0;  // |sums| <= 256 * 127^2: int32
         for (int w = lane; w < words; w += 32) {
-          const int2 x = built_q[g * words + w], y = qs.pack[g * words + w];
+          const int2 x = reinterpret_cast<const int2*>(item_q)[g * words + w], y = qs.pack[g * words + w];
           dot = __dp4a(x.y, y.y, __dp4a(x.x, y.x, dot));
           b2 = __dp4a(x.y, x.y, __dp4a(x.x, x.x, b2));
           n2 = __dp4a(y.y, y.y, __dp4a(y.x, y.x, n2));
@@ -1106,8 +1106,11 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
     int32_t* blocks = a.hip.blocks + (2 * t + cur) * a.hip.max_nodes;
     int32_t count = s_st.count;
     int64_t hi = s_st.hi;
-    if (drift && action != HipAction::kKeep) {  // the query the new mask is built from
-      for (int i = threadIdx.x; i < group * words; i += blockDim.x) built_q[i] = qs.pack[i];
+    // The query a new mask is built from: with drift packed above, kept as the item's (the next
+    // steps compare with it; a request's side rebuild reads it); else packed where it is needed.
+    if (drift && action != HipAction::kKeep) {
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(qs.pack);
+      for (int64_t i = threadIdx.x; i < qw; i += blockDim.x) item_q[i] = src[i];
     }
     if (action == HipAction::kBuild) {
       if (!drift) HipPackQuery(a, item, qs);
@@ -1115,8 +1118,8 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
       hi = sp.off_hi;
       count = HipBuildMask<kHipThreads>(a, sp.off_lo, sp.off_hi, sp.k_off, n, item, kn_cap, hip_smem, sh,
                                         blocks);
-    } else if (action == HipAction::kRequest) {
-      HipPackQuery(a, item, HipQueryAt(a.hip.query + t * HipQueryWords(group, a.params.head_dim), group, words));
+    } else if (action == HipAction::kRequest && !drift) {
+      HipPackQuery(a, item, HipQueryAt(item_q, group, words));
     }
     __syncthreads();  // the mask's blocks (global memory) are written
     for (int32_t j = threadIdx.x; j < count; j += blockDim.x) {
@@ -2432,10 +2435,9 @@ Status LaunchHipSelect(const DecodeStepArgs& a, const SelectGrid& g, cudaStream_
                     a.params.head_dim % 8 == 0 && a.params.head_dim <= 256 &&
                     SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4 &&
                     a.budget_cap / a.hip.bk <= std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes) &&
-                    (a.hip.lag == 0 || a.hip.query != nullptr) &&
-                    (!(a.hip.drift > 0.0f) || a.hip.built_q != nullptr),
-                "DecodeSelect: hip without its 4-bit rows and mask state (or hip.lag without "
-                "hip.query, hip.drift without hip.built_q), or a budget_cap of ",
+                    ((a.hip.lag == 0 && !(a.hip.drift > 0.0f)) || a.hip.query != nullptr),
+                "DecodeSelect: hip without its 4-bit rows and mask state (or hip.lag or hip.drift without "
+                "hip.query), or a budget_cap of ",
                 a.budget_cap, " at bk ", a.hip.bk, " over ", std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes),
                 " nodes");
   SparcasPrepKernel<<<static_cast<unsigned>(g.items), 256, 0, stream>>>(s);

@@ -21,6 +21,17 @@ using testing_util::Context;
 using testing_util::SelectedRecall;
 using testing_util::Synthetic;
 
+// HiP with its mask from layer 0 on (no dense layers), rebuilt every r_m ranked steps (and on
+// drift), served with the given lag.
+HipParams MaskParams(int r_m, int lag, double drift = 0.0) {
+  HipParams hp;
+  hp.r_m = r_m;
+  hp.dense_layers = 0;
+  hp.lag = lag;
+  hp.drift = drift;
+  return hp;
+}
+
 TEST(HipCore, MaskShape) {
   for (int bk : {1, 2, 3}) {
     for (int64_t len : {1, 17, 97, 1001}) {
@@ -144,10 +155,7 @@ TEST(HipPolicy, MaskCachedForRmStepsThenRebuilt) {
   const SelectContext c2 = Context(syn.kv, q2.data(), 1, 4, 32, 4 + 32 + 64);
   ASSERT_EQ(HipParams{}.lag, 1);
   for (int lag : {0, 1}) {
-    HipParams hp;
-    hp.r_m = 4;
-    hp.dense_layers = 0;
-    hp.lag = lag;
+    const HipParams hp = MaskParams(4, lag);
     HipPolicy policy(hp, 1, 1, 1), fresh(hp, 1, 1, 1);
     std::vector<int32_t> first, sel, fresh_sel;
     ASSERT_TRUE(policy.Select(c1, first).ok());
@@ -193,11 +201,7 @@ TEST(HipPolicy, DriftRebuildsTheMaskWhenTheQueryMoves) {
   const SelectContext cf = Context(syn.kv, far.data(), 2, 4, 32, 4 + 32 + 64);
   for (int lag : {0, 1}) {
     for (double drift : {0.0, 0.9}) {
-      HipParams hp;
-      hp.r_m = 100;
-      hp.dense_layers = 0;
-      hp.lag = lag;
-      hp.drift = drift;
+      const HipParams hp = MaskParams(100, lag, drift);
       HipPolicy policy(hp, 1, 1, 1), fresh(hp, 1, 1, 1);
       std::vector<int32_t> first, sel, far_sel;
       ASSERT_TRUE(policy.Select(c1, first).ok());
@@ -219,10 +223,7 @@ TEST(HipPolicy, DriftRebuildsTheMaskWhenTheQueryMoves) {
 // that the layers' rebuilds spread over the interval; every later one r_m steps.
 TEST(HipPolicy, LayersRebuildOnStaggeredSteps) {
   Synthetic syn(700, 1, 64, 12);
-  HipParams hp;
-  hp.r_m = 4;
-  hp.dense_layers = 0;
-  hp.lag = 0;
+  const HipParams hp = MaskParams(4, 0);
   HipPolicy policy(hp, 1, 4, 1);
   std::vector<float> q2(64);
   std::mt19937 rng(3);

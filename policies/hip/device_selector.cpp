@@ -35,13 +35,10 @@ class HipSelector final : public SparcasSelector {
     const size_t items = shape_.items();
     buffers.push_back({state_part(), items * sizeof(HipState)});
     buffers.push_back({state_part(), items * 2 * static_cast<size_t>(dp_.hip.max_nodes) * sizeof(int32_t)});
-    // The host backend's twin builds a requested mask at once: no packed queries, no side stream.
-    if (side()) {
+    // Each item's build query: CUDA's side stream builds a requested mask from it (lag 1), drift
+    // compares the step's query with it. The host backend's twin builds a requested mask at once.
+    if (side() || drift()) {
       buffers.push_back({state_part(), items * static_cast<size_t>(HipQueryWords(shape_.group, shape_.model.head_dim)) *
-                                           sizeof(uint32_t)});
-    }
-    if (drift()) {  // the int8 codes of each item's build query
-      buffers.push_back({state_part(), items * static_cast<size_t>(HipCodeWords(shape_.group, shape_.model.head_dim)) *
                                            sizeof(uint32_t)});
     }
     return Status::Ok();
@@ -53,13 +50,12 @@ class HipSelector final : public SparcasSelector {
     device_ = &device;
     dp_.hip.state = static_cast<HipState*>(buffers[3]);
     dp_.hip.blocks = static_cast<int32_t*>(buffers[4]);
+    if (side() || drift()) dp_.hip.query = static_cast<uint32_t*>(buffers[5]);
     if (side()) {
-      dp_.hip.query = static_cast<uint32_t*>(buffers[5]);
       KVF_ASSIGN_OR_RETURN(side_stream_, device.CreateStream());
       KVF_ASSIGN_OR_RETURN(fork_, device.CreateEvent());
       KVF_ASSIGN_OR_RETURN(join_, device.CreateEvent());
     }
-    if (drift()) dp_.hip.built_q = static_cast<uint32_t*>(buffers[side() ? 6 : 5]);
     return SparcasSelector::Bind(buffers.first(3), device, stream);
   }
   void Release() override {
