@@ -25,9 +25,17 @@ namespace {
 
 // "name:bank" is policy name with a device token bank of 128 slots per (sequence, layer, head).
 // "name:long": capacity 8192 tokens, so that the selection's multi-CTA top-k is captured too.
+// "...:lag1": HiP's paper cadence (drift 0: masks rebuilt every r_m steps, a due one built on the
+// side stream and served from the next step) instead of its default (rebuilt in the step whose
+// query turned).
 RuntimeConfig GraphConfig(std::string policy, int window) {
   RuntimeConfig c;
   bool long_ctx = false;
+  bool lag1 = false;
+  if (const size_t at = policy.find(":lag1"); at != std::string::npos) {
+    policy.resize(at);
+    lag1 = true;
+  }
   if (const size_t colon = policy.find(":bank"); colon != std::string::npos) {
     policy.resize(colon);
     c.tiers.bank_slots = 128;
@@ -45,6 +53,7 @@ RuntimeConfig GraphConfig(std::string policy, int window) {
   c.tiers.window_tokens = window;
   c.policy.name = policy;
   c.policy.budget_tokens = 200;
+  if (lag1) c.policy.params = {{"lag", 1}, {"drift", 0}};
   // PrHS's depth window from layer 1 on (layers 2 and 3 hide [sink, f n)): filtered on the device.
   if (policy.rfind("psaw+", 0) == 0) c.policy.params["psaw.start"] = 0.25;
   c.route = Route::kGpu;
@@ -218,7 +227,8 @@ TEST_P(CudaGraph, CapturedStepReplaysToTheSameOutputs) {
 // past the window), dense with every row resident (the cp.async path) and the oracle (its
 // top-k selected inside the captured step), quest (page bounds kept and scored on the device) and
 // sparcas (compact keys kept, re-gathered and scored on the device), hip (its masks kept and
-// rebuilt on the device every 8 steps, inside the replays).
+// rebuilt on the device inside the replays: when the query turns, and every 8 steps on the side
+// stream).
 // The device-selecting policies again with the device token bank: the step reads hits from the
 // bank, stages misses and queues their admission inside the graph; and quest inside PrHS's depth
 // window (psaw+), whose lists the device filters inside the graph, and with cross-layer sharing
@@ -228,13 +238,13 @@ INSTANTIATE_TEST_SUITE_P(
     Bank, CudaGraph,
     ::testing::Combine(::testing::Values(std::string("oracle:bank"), std::string("quest:bank"),
                                          std::string("sparcas:bank"), std::string("hip:bank"),
-                                         std::string("kvpop:bank"), std::string("psaw+quest:bank"),
-                                         std::string("xl+quest:bank"), std::string("xl+sparcas:bank"),
-                                         std::string("xl+kvpop:bank")),
+                                         std::string("hip:bank:lag1"), std::string("kvpop:bank"),
+                                         std::string("psaw+quest:bank"), std::string("xl+quest:bank"),
+                                         std::string("xl+sparcas:bank"), std::string("xl+kvpop:bank")),
                        ::testing::Values(64), ::testing::Values(DType::kBF16)),
     [](const auto& info) {
       std::string name = std::get<0>(info.param);
-      name.replace(name.find(':'), 1, "_");
+      std::replace(name.begin(), name.end(), ':', '_');
       std::replace(name.begin(), name.end(), '+', '_');
       return name;
     });
@@ -243,11 +253,12 @@ INSTANTIATE_TEST_SUITE_P(
 INSTANTIATE_TEST_SUITE_P(
     Long, CudaGraph,
     ::testing::Combine(::testing::Values(std::string("oracle:long"), std::string("sparcas:long"),
-                                         std::string("hip:long"), std::string("kvpop:long")),
+                                         std::string("hip:long"), std::string("hip:long:lag1"),
+                                         std::string("kvpop:long")),
                        ::testing::Values(64), ::testing::Values(DType::kBF16)),
     [](const auto& info) {
       std::string name = std::get<0>(info.param);
-      name.replace(name.find(':'), 1, "_");
+      std::replace(name.begin(), name.end(), ':', '_');
       return name;
     });
 

@@ -35,11 +35,12 @@ struct Case {
   std::string bank_map;
   bool device_io = false;  // the CUDA runtime's decode q/k/v/out in device memory
   int sparcas_bits = 0;    // sparcas's or hip's "bits" (0: the default, 4-bit rows)
-  int lag = -1;            // >= 0: hip's "lag" (the default 1: due rebuilds on a side stream)
+  int lag = -1;            // >= 0: hip's "lag"; -1: 1 (due rebuilds on a side stream)
   int dense_bits = 0;      // > 0: hip's "dense_bits" (the default 4: SparCas's 4-bit top-k)
   int smooth = 0;          // sparcas's "smooth"; its keys then have channels 16x the others
   double drift = 0.0;      // > 0: hip's "drift" (no interval within the test: r_m 100), the
-                           // decode query moving as decoding's does (a cosine of 0.9 a step)
+                           // decode query moving as decoding's does (a cosine of 0.9 a step);
+                           // 0: off (the cases' masks rebuilt on the r_m clock alone)
 };
 
 class CudaRuntimeTest : public ::testing::TestWithParam<Case> {};
@@ -62,17 +63,17 @@ RuntimeConfig MakeConfig(const Case& c, Backend backend) {
   cfg.policy.name = c.policy;
   cfg.policy.budget_tokens = 96;
   // HiP's first layers take the exact top-k (dense_layers, default 3): from layer 1 on, its masks,
-  // rebuilt every 3 steps. bits 16: the host selects (its lists uploaded); 4: the device.
+  // rebuilt every 3 steps (drift off, a due rebuild a step late on the side stream unless the case
+  // names its lag: the clock the cases check); the drift cases rebuild when the query turns.
+  // bits 16: the host selects (its lists uploaded); 4: the device.
   if (c.policy.find("hip") != std::string::npos) {
     cfg.policy.params["dense_layers"] = 1;
     cfg.policy.params["r_m"] = 3;
     if (c.sparcas_bits != 0) cfg.policy.params["bits"] = c.sparcas_bits;
-    if (c.lag >= 0) cfg.policy.params["lag"] = c.lag;
+    cfg.policy.params["lag"] = c.lag >= 0 ? c.lag : 1;
     if (c.dense_bits > 0) cfg.policy.params["dense_bits"] = c.dense_bits;
-    if (c.drift > 0.0) {
-      cfg.policy.params["drift"] = c.drift;
-      cfg.policy.params["r_m"] = 100;
-    }
+    cfg.policy.params["drift"] = c.drift;
+    if (c.drift > 0.0) cfg.policy.params["r_m"] = 100;
   }
   // PrHS's depth window from layer 0 on: layer 1 hides [sink, 0.16 n) (the device filters its own
   // selection for the device-selecting inner policies).

@@ -912,8 +912,9 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   // The selection runs inside the planned step (Device::DecodeSelect; quest's page bounds kept by
   // the device): the same positions as the policy's host Select (taken when a token bank is
   // configured) and the same outputs.
-  // "X:lag0": HiP with each mask served from the step that builds it (the default lag 1 serves a
-  // due one from the next step); "X:dense16": HiP's dense layers exact (the default: 4-bit);
+  // "hip": HiP's masks on the r_m clock alone (drift 0), a due one served from the next step
+  // (lag 1, built beside the step); "X:lag0": each mask served from the step that builds it (the
+  // default lag); "X:dense16": HiP's dense layers exact (the default: 4-bit);
   // "sparcas:raw": SparCas without its channel smoothing (smooth=0; the default smooths);
   // "hip:drift", "hip:drift_lag0": HiP's masks rebuilt when the query drifts (drift 0.75, no
   // interval within the test), the query moving as decoding's does (a cosine of 0.9 a step).
@@ -924,11 +925,9 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   RuntimeConfig c = PlanConfig(name, 2);
   // "kvpop:mlp": a scorer of random weights (the default kvpop has no weights file: recency).
   if (variant == "mlp") c.policy.name = testing_util::RegisterKvpopMlpTestPolicy();
-  if (variant == "lag0") c.policy.params["lag"] = 0;
   if (variant == "dense16") c.policy.params["dense_bits"] = 16;
   if (variant == "raw") c.policy.params["smooth"] = 0;  // SparCas's 4-bit rows of the raw keys
   const bool drift = variant.rfind("drift", 0) == 0;
-  if (variant == "drift_lag0") c.policy.params["lag"] = 0;
   // "psaw+X": PrHS's depth window hides [sink, 0.16 n) at layer 1; the device filters its list.
   // "xl+X": layer 1 takes layer 0's list (xl.start 0.5 of 2 layers); the device copies it.
   const std::string base = name.substr(name.rfind('+') + 1);
@@ -943,10 +942,9 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
     c.policy.params["r_m"] = 3;  // masks kept, then rebuilt, within the test
     c.policy.params["dense_layers"] = 1;
     c.policy.params["bk"] = 3;  // blocks cut at the offloaded range's end
-    if (drift) {
-      c.policy.params["r_m"] = 100;
-      c.policy.params["drift"] = 0.75;
-    }
+    c.policy.params["lag"] = variant == "lag0" || variant == "drift_lag0" ? 0 : 1;
+    c.policy.params["drift"] = drift ? 0.75 : 0.0;
+    if (drift) c.policy.params["r_m"] = 100;
   }
   c.route = Route::kGpu;
   RuntimeConfig host = c;

@@ -21,11 +21,17 @@
 //    waits for the interval); a layer's first (or forced) mask lives r_m - layer % r_m steps
 //    (base/hip_mask.h's HipSinceAfterBuild), so that each step rebuilds about 1 / r_m of the
 //    layers instead of all of them every r_m steps.
-//  - `lag` (1, the default): a due rebuild (the interval) is built from the step's
-//    query but used from the next ranked step on; only a step without a usable mask (the first,
-//    k_off shrank, n fell) builds and uses its own (base/hip_mask.h's HipStepAction). On CUDA the
-//    rebuild then runs on a side stream beside the rest of the step instead of on its critical
-//    path (a rebuild is about 214 us a layer at 128K); 0 uses each mask from the step it is built.
+//  - `drift` (0.7, the default; beyond the paper): a mask is also due, before its r_m steps, at a
+//    ranked step whose query has turned from the one it was built from (the cosine of their int8
+//    codes below `drift` in any head of the group: base/hip_mask.h's HipDriftedHead), so that a
+//    mask is rebuilt when its query changed rather than on the clock alone; 0 the paper's r_m
+//    cadence. Chosen by perplexity at equal GPU step time (docs/policies.md, "hip").
+//  - `lag` (0, the default): a due rebuild is built from the step's query and used from that step
+//    (the step whose query turned is the one that needs the new mask); 1 (the paper's decode with
+//    a side stream) uses it from the next ranked step on, and only a step without a usable mask
+//    (the first, k_off shrank, n fell) builds and uses its own (base/hip_mask.h's HipStepAction).
+//    On CUDA a lag-1 rebuild runs on a side stream beside the rest of the step instead of on its
+//    critical path (a rebuild is about 214 us a layer at 128K).
 //  - Iterations: until every node is one block (about log2(NB / K')); a one-block node is one
 //    branch and competes unsplit. Split of [f, l) at m = floor((f + l) / 2).
 //  - Branch score: the largest scaled q_g . k over the group's query heads and the representative
@@ -95,7 +101,7 @@ struct HipParams {
   int rep = 0;           ///< "rep": representative, 0 centre, 1 first, 2 last, 3 random
   int bits = 0;          ///< "bits": 4 or 16 (see above); 0: 4 when head_dim % 8 == 0, else 16
   int align = 1;         ///< "align": 1 the first nodes aligned to a power of two blocks, 0 the paper's even ones
-  int lag = 1;           ///< "lag": 1 a due rebuild serves from the next step (built beside the step), 0 from its own
+  int lag = 0;           ///< "lag": 0 a due rebuild serves from its own step, 1 from the next (built beside the step)
   int dense_bits = 4;    ///< "dense_bits": the dense layers' top-k over 4-bit keys of every dimension (4) or exact (16)
   /// "over": 1 the mask is the selection (the paper); c > 1 the mask holds c k candidate tokens
   /// and every step attends the k of them the step's query scores highest (at `bits`); host
@@ -113,11 +119,11 @@ struct HipParams {
   /// query); 0 the ranking of its last rebuild, cached as the tree's mask would be (over k
   /// candidates). Host selection only.
   int fresh = 1;
-  /// "drift": 0 (default) off; d in (0, 1] a mask is also due, before its r_m steps, at a ranked
+  /// "drift": d in (0, 1] (default 0.7) a mask is also due, before its r_m steps, at a ranked
   /// step whose query has moved from the one it was built from: the cosine of their int8 codes
-  /// below d in any head of the group (base/hip_mask.h's HipDriftedHead). r_m stays the longest
-  /// a mask lives.
-  double drift = 0.0;
+  /// below d in any head of the group (base/hip_mask.h's HipDriftedHead); r_m stays the longest
+  /// a mask lives. 0: off (the paper's cadence, every r_m steps).
+  double drift = 0.7;
 };
 
 /// The bits HiP scores with at \p head_dim.
