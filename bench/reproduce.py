@@ -883,11 +883,11 @@ def hip_age_merge(T):
 # hip_drift_smollm2: HiP's mask rebuilt when the query moves (drift d: a ranked step whose query's
 # int8 codes fall below cosine d of the build query's in any head) and served at once (lag 0; the
 # default, d = 0.7, and d = 0.8), against the paper's cadence (every 8 steps, a step late), every
-# 4, 2 and 1 steps at once, streaming and the oracle, on KJV and the Jargon File (8K) and on the
+# step at once, streaming and the oracle, on KJV and the Jargon File (8K) and on the
 # GPL-3 text every Debian system carries (4K, a text no default was chosen on). The host-selecting
 # path (--bank-slots 16) so that each lane's stats count its mask builds: prhs_select_calls over
 # calls + reused, less the 3 dense layers of 30.
-HIP_DRIFT = ("hip:drift=0:lag=1", "hip", "hip:drift=0.8", "hip:r_m=4:drift=0", "hip:r_m=2:drift=0", "hip:r_m=1")
+HIP_DRIFT = ("hip:drift=0:lag=1", "hip", "hip:drift=0.8", "hip:r_m=1")
 HIP_DRIFT_BUDGETS = (256, 512, 1024, 2048)
 UNSEEN_TEXT = "/usr/share/common-licenses/GPL-3"
 
@@ -909,7 +909,7 @@ def hip_drift_merge(T):
     attach_passkey(rows, passkey_found(f"{T}/passkey.json"))
     return {"what": "HiP's perplexity gap to dense with its mask rebuilt when the query drifts (cosine of the int8 "
                     "codes below 0.7, the default, or 0.8 in any head, served at once), every 8 steps a step late "
-                    "(the paper's cadence) and every 4, 2, 1 steps at once, next to streaming and the oracle at the same budgets; SmolLM2-135M, "
+                    "(the paper's cadence) and every step at once, next to streaming and the oracle at the same budgets; SmolLM2-135M, "
                     "host backend selecting on the host (bank 16 slots), sinks 4 + window 64, last 1024 scored of "
                     "8K (KJV, Jargon) and of 4K (GPL-3, a text no default was chosen on); mask_builds: the share "
                     "of the mask layers' head-steps that built a mask",
