@@ -819,15 +819,6 @@ def hip_quality_merge(T):
             "rows": rows}
 
 
-# hip_age_smollm2: what the age of HiP's cached mask costs when the model decodes freely (the
-# replays above score each step on its own, and there a stale mask looks almost as good as a fresh
-# one): its default (rebuilt every r_m = 8 steps, served a step late) against masks rebuilt every
-# 4, 2 and 1 steps and served at once, with streaming and the oracle, at 256 to 2048 of 8K; both
-# texts side by side, every lane of a text decoding together.
-HIP_AGE = ("hip", "hip:r_m=4:lag=0", "hip:r_m=2:lag=0", "hip:r_m=1:lag=0")
-HIP_AGE_BUDGETS = (256, 512, 1024, 2048)
-
-
 def hip_passkey_cmd(T, lanes):
     """Passkey on KJV at 256 (2K/4K/8K x 3 depths) for the oracle and \p lanes, decoding together."""
     return (f"{LLAMA} --model {MODEL} --passkey --text data/kjv.txt --backend host --cpu-threads 2 --lanes-together "
@@ -857,27 +848,6 @@ def hip_lane_rows(path, text, context):
         lanes[lab] = row
     gaps(lanes)
     return [{"label": lab, "text": text, "context": context, "scored": 1024, **r} for lab, r in lanes.items()]
-
-
-def hip_age_cmds(T):
-    budgets = ",".join(map(str, HIP_AGE_BUDGETS))
-    return [FETCH, side_by_side(*(
-        f"{HOST_PPL} --text data/{t}.txt --context 8192 --scored 1024 --cpu-threads 1 --lanes-together "
-        f"--policy streaming,oracle,{','.join(HIP_AGE)} --budget {budgets} --json {T}/{t}.json"
-        for t in HQ_TEXTS)),
-            hip_passkey_cmd(T, HIP_AGE)]
-
-
-def hip_age_merge(T):
-    rows = [r for t in HQ_TEXTS for r in hip_lane_rows(f"{T}/{t}.json", f"data/{t}.txt", 8192)]
-    attach_passkey(rows, passkey_found(f"{T}/passkey.json"))
-    return {"what": "HiP's perplexity gap to dense with its mask rebuilt every r_m steps (8, the default, served "
-                    "a step late: lag 1; 4, 2 and 1 served at once: lag 0), next to streaming and the oracle at "
-                    "the same budgets; SmolLM2-135M, host backend, sinks 4 + window 64, last 1024 of 8K scored, "
-                    "every lane of a text decoding together",
-            "regenerate": "python3 bench/reproduce.py hip_age_smollm2",
-            "passkey": "KJV, lengths 2048/4096/8192, depths 0.1/0.5/0.9, budget 256, greedy answer",
-            "rows": rows}
 
 
 # hip_drift_smollm2: HiP's mask rebuilt when the query moves (drift d: a ranked step whose query's
@@ -1496,12 +1466,10 @@ SPECS = {
                              what="CIS reuse ratio rho, recall and error on a SmolLM2 2K trace; cis perplexity"),
     "hip_quality_smollm2": dict(gpu=False, targets=[], examples=True, run=hip_quality_cmds, merge=hip_quality_merge,
                                 what="HiP perplexity (KJV + Jargon 8K) and passkey, before and after its recall guard"),
-    "hip_age_smollm2": dict(gpu=False, targets=[], examples=True, run=hip_age_cmds, merge=hip_age_merge,
-                            what="HiP's mask age under free decoding: r_m 8/4/2/1, streaming and oracle, 256-2048 of 8K"),
     "hip_drift_smollm2": dict(gpu=False, targets=[], examples=True, run=hip_drift_cmds, merge=hip_drift_merge,
-                              what="HiP's mask rebuilt on query drift (lag 0) vs every 8 / every step, streaming, oracle"),
+                              what="HiP's mask rebuilt on query drift (the default; 0.8) vs the paper's cadence / every step, streaming, oracle"),
     "hip_speed": dict(gpu=True, targets=["kvferry-e2e"], run=hip_speed_cmds, merge=hip_speed_merge,
-                      what="hip_bank at 128K x 1/x 4 (real query): default, drift 0.7 at lag 0, every step; torch SDPA"),
+                      what="hip_bank at 128K x 1/x 4 (real query): default (drift 0.7, lag 0), the paper's cadence, every step; torch SDPA"),
     "hip_kvpop_replay_smollm2": dict(gpu=False, targets=["select_replay_bench"], examples=True, run=replay_cmds,
                                      merge=replay_merge,
                                      what="HiP and KVpop variants replayed on 8K SmolLM2 traces: recall, mass, error per layer"),
@@ -1553,7 +1521,6 @@ MACHINE = {
     "prhs_lfps_quality_smollm2": (CPU2, "~12 min on 2 cores (676 s recorded)"),
     "prhs_rho_smollm2": (CPU2, "~15 min on 2 cores (a 2K trace, 15 replays, 3 perplexity runs of 2K)"),
     "hip_quality_smollm2": (CPU2, "~60 min on 2 cores (62 min recorded beside other work: two texts side by side, 10 lanes each; passkey 9 prompts, 2 runs)"),
-    "hip_age_smollm2": (CPU2, "~30 min on 2 cores (two texts side by side, 24 lanes + dense decoding together; passkey 9 prompts)"),
     "hip_drift_smollm2": (CPU2, "~40 min on 2 cores (two texts side by side, 24 lanes each + dense; GPL-3 4K 12 lanes; passkey 9 prompts)"),
     "hip_speed": (GPU1, "~3 min (three kvferry-e2e runs of 128K x 1 and x 4, SDPA)"),
     "hip_kvpop_replay_smollm2": (CPU2, "~30 min on 2 cores (30 min recorded beside other work: two 8K traces, 17 lanes x 512 steps x 30 layers each)"),

@@ -143,6 +143,30 @@ def frontier_pick(policy):
                  and r.get("gap_pct_jargon") is not None), None) if d else None
 
 
+def hip_default_rows():
+    """HiP's default rebuilds a mask when its query turns (drift 0.7, lag 0); results written before
+    that name its lanes without the paper's cadence apart. Its speed (hip_speed.json's "default"
+    variant, x 1 and x 4) and its SmolLM2 rows at 256 (hip_drift_smollm2.json's default lane, by
+    text, with that run's oracle and dense passkey) once both files ran a lane of the paper's
+    cadence (drift=0, lag=1) beside the default; else None for each."""
+    paper = lambda r: (r.get("params") or {}).get("lag") == 1
+    sp, hd = load("hip_speed.json"), load("hip_drift_smollm2.json")
+    speed = quality = None
+    if sp and any(paper(r) for r in sp["rows"]):
+        speed = {r["batch"]: r for r in sp["rows"] if r["variant"] == "default"}
+    if hd and any(paper(r) for r in hd["rows"] if r["policy"] == "hip"):
+        quality = {r["text"]: r for r in hd["rows"] if r["policy"] == "hip" and not r.get("params")
+                   and r.get("budget") == 256}
+        quality["dense"] = next((r for r in hd["rows"] if r["policy"] == "dense" and r.get("passkey")), None)
+    return speed, quality
+
+
+def passkey_whenever_dense(row, dense):
+    """Whether \p row's passkey prompts include every one \p dense found (their by_prompt lists)."""
+    got = {(p["length"], p["depth"]) for p in row["passkey"]["by_prompt"] if p["found"]}
+    return all((p["length"], p["depth"]) in got for p in dense["passkey"]["by_prompt"] if p["found"])
+
+
 def t_policy():
     head = ["policy", "where it runs", "128K x 1: ms / step (GPU)", "vs SDPA, 128K x 1",
             "vs SDPA, 128K x 4", "vs SDPA, 128K x 1, repeated query (best case)",
@@ -166,9 +190,19 @@ def t_policy():
                 if f and f.get("gap_over_oracle_gap_kjv") and f.get("gap_over_oracle_gap_jargon") else None)
         pk = q.get("passkey") if q else None
         pk = ("yes" if pk.get("found_whenever_dense_does") else "no") if pk else None
+        gemma = gemma_cell(name)
+        if name == "hip":  # its default since drift: the runs that name it apart (hip_default_rows)
+            hs, hq = hip_default_rows()
+            real, real4, rep = (hs or {}).get(1), (hs or {}).get(4), None
+            ms = f"{fmt(real['ms_per_token_step'])} ({gpu_short(real)})" if real else None
+            kjv, jar = (hq or {}).get("data/kjv.txt"), (hq or {}).get("data/jargon.txt")
+            gap = f"+{kjv['gap_pct']:.1f}%, +{jar['gap_pct']:.1f}%" if kjv and jar else None
+            over = (f"{kjv['gap_over_oracle_gap']:.2f}x, {jar['gap_over_oracle_gap']:.2f}x" if kjv and jar else None)
+            pk = (("yes" if passkey_whenever_dense(kjv, hq["dense"]) else "no")
+                  if kjv and kjv.get("passkey") and hq.get("dense") else None)
+            gemma = f"— (`drift=0, lag=1`: {gemma})" if gemma else None
         mname = f"`{name}`" + (f" (`{mode}`)" if mode != name else "")
-        rows.append([mname, where, ms, ratio(real), ratio(real4), ratio(rep), gap, over, pk, gemma_cell(name),
-                     when])
+        rows.append([mname, where, ms, ratio(real), ratio(real4), ratio(rep), gap, over, pk, gemma, when])
     return table(head, rows) + (
         "\nSpeed: `kvferry-e2e`, 32 layers of the Llama-3.1-8B attention shape, 128K context, budget 2% "
         "(streaming: sinks + window of 1024), time relative to torch SDPA with all KV on the GPU in the same "
@@ -181,7 +215,11 @@ def t_policy():
         "ran at `smooth=0`, the default then); passkey: KJV, 2K/4K x 3 depths and 8K "
         "(`bench/results/quality_smollm2.json`). Gemma 3: 270M, 32K windows of KJV and the Jargon File, "
         "last 1024 scored, 2% of the context on its global layers, host backend "
-        "(`bench/results/quality_gemma3_32k.json`; kvpop without a Gemma scorer).\n")
+        "(`bench/results/quality_gemma3_32k.json`; kvpop without a Gemma scorer). hip: its default rebuilds a "
+        "mask when the query turns (`drift=0.7, lag=0`); its speed is `bench/results/hip_speed.json`'s default "
+        "(no repeated-query row), its SmolLM2 gaps and passkey `bench/results/hip_drift_smollm2.json`'s default "
+        "lane (that run's oracle and dense; passkey at 2K/4K/8K x 3 depths), its Gemma 3 figure the paper's "
+        "cadence (every 8 steps, a step late: the default then).\n")
 
 
 # A policy's parameters as kvferry's defaults set them, for results that run a policy as several
@@ -406,7 +444,7 @@ def t_hip_quality():
 
 
 def hip_lane_table(name_json, builds):
-    """A HiP lanes file (hip_age_smollm2, hip_drift_smollm2): perplexity gap to dense per lane
+    """A HiP lanes file (hip_drift_smollm2): perplexity gap to dense per lane
     (policy and parameters), text and budget; with \p builds the share of the mask layers'
     head-steps that built a mask (range over the texts and budgets); passkey at 256."""
     d = load(name_json)
@@ -452,11 +490,6 @@ def hip_lane_table(name_json, builds):
         rows.append(row)
     p = d["rows"][0].get("provenance", {})
     return table(head, rows) + f"\n(perplexity gap to dense; {p.get('commit', '')}, {p.get('cpu', '')})\n"
-
-
-def t_hip_age():
-    """bench/results/hip_age_smollm2.json (hip_lane_table)."""
-    return hip_lane_table("hip_age_smollm2.json", builds=False)
 
 
 def t_hip_drift():
@@ -664,7 +697,7 @@ def t_hf_gpu():
 TABLES = {"query": t_query, "policy": t_policy, "e2e": t_e2e, "prefill": t_prefill, "scale": t_scale,
           "quality": t_quality, "kernels": t_kernels, "cpu": t_cpu,
           "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
-          "hip-quality": t_hip_quality, "hip-age": t_hip_age, "hip-drift": t_hip_drift, "hip-speed": t_hip_speed, "gemma-quality": t_gemma_quality, "budgets": t_budgets,
+          "hip-quality": t_hip_quality, "hip-drift": t_hip_drift, "hip-speed": t_hip_speed, "gemma-quality": t_gemma_quality, "budgets": t_budgets,
           "sparcas-smooth": t_sparcas_smooth, "real-model-gpu": t_real_model_gpu,
           "hf-gpu": t_hf_gpu}
 
