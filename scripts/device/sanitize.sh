@@ -10,7 +10,9 @@
 #   the tests it names, one a line; TOOLS: which tools; SAN_COSTS=file ("test seconds" a line, the
 #   seconds a test took under the tool before): a queue instead of gtest shards (below); SAN_SKIP=
 #   files (':'-separated, a test a line: e.g. the ok.txt and failed.txt of an earlier call): with
-#   SAN_COSTS, tests left out of the queue.
+#   SAN_COSTS, tests left out of the queue. SAN_KERNELS=substring: the tools check only the kernels
+#   whose name holds it (compute-sanitizer's kernel-name filter; the others run unchecked at full
+#   speed), for a kernel whose only tests take too long under a tool (docs/reliability.md).
 set -u
 SRC=${SRC:-.}
 B=${B:-/tmp/b}
@@ -27,6 +29,12 @@ fi
 export KVFERRY_TEST_NO_HOLD=1
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 FILTER=${SAN_FILTER:-'Cuda*:*Cuda*:Gpu*:*Gpu*:*DeviceBank*:*DeviceMap*:LlamaGpuMatmul*'}
+KSEL=()
+if [ -n "${SAN_KERNELS:-}" ]; then  # the option's name: --kernel-name (newer) or --filter (older)
+  if "$SAN" --help 2>&1 | grep -q -- "--kernel-name"; then KSEL=(--kernel-name "kns=$SAN_KERNELS");
+  else KSEL=(--filter "kns=$SAN_KERNELS"); fi
+  echo "kernels: ${KSEL[*]}"
+fi
 TIMEOUT=${SAN_TIMEOUT:-500}
 "$B/tests/kvferry_tests" --gtest_list_tests --gtest_filter="$FILTER" | grep -c '^  ' > "$OUT/gpu_tests.count"
 echo "GPU tests: $(cat "$OUT/gpu_tests.count")"
@@ -120,9 +128,9 @@ TOOLS=${TOOLS:-memcheck racecheck synccheck}
 for tool in $TOOLS; do
   case $tool in
     # The one API error memcheck reports is GpuDevice's deliberate over-sized cudaMalloc.
-    memcheck) run_tool memcheck "${SHARDS_MEM:-4}" --leak-check no ;;
-    racecheck) run_tool racecheck "${SHARDS_RACE:-6}" --racecheck-report hazard ;;
-    synccheck) run_tool synccheck "${SHARDS_SYNC:-4}" ;;
+    memcheck) run_tool memcheck "${SHARDS_MEM:-4}" --leak-check no "${KSEL[@]}" ;;
+    racecheck) run_tool racecheck "${SHARDS_RACE:-6}" --racecheck-report hazard "${KSEL[@]}" ;;
+    synccheck) run_tool synccheck "${SHARDS_SYNC:-4}" "${KSEL[@]}" ;;
   esac
 done
 for p in "${pids[@]}"; do wait "$p"; done
