@@ -18,6 +18,7 @@ import difflib
 import json
 import os
 import re
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,9 +41,9 @@ POLICIES = [
      "near-oracle quality selected on the GPU, on SmolLM2 and on models with QK-norm (Gemma 3: its channel "
      "smoothing, the default), but its scan of every compact key makes a moving query's step slower than "
      "SDPA's (speed rows at `smooth=0`)"),
-    ("hip", "hip_bank", "GPU (cached hierarchical masks) + token bank",
-     "fast, but its cached masks lose as much as streaming on text unlike the model's training (the recall "
-     "guard, host selection, closes most of it: policies.md)"),
+    ("hip", "hip_bank", "GPU (cached hierarchical masks, rebuilt when the query turns) + token bank",
+     "fast, and ahead of streaming on every text tried at every budget but the Jargon File's 2048 (policies.md); "
+     "at 256 of 8K still several times the oracle's gap (the recall guard, host selection, closes more)"),
     ("kvpop", "kvpop_bank", "GPU (learned eviction slots) + token bank",
      "the fastest sparse step; quality depends on the trained scorer (`scorer=2`: untrained)"),
     ("lfps", "lfps", "CPU selects and attends the offloaded picks, GPU the resident rows",
@@ -143,20 +144,63 @@ def frontier_pick(policy):
                  and r.get("gap_pct_jargon") is not None), None) if d else None
 
 
+# HiP's defaults changed at 7f57871 (a mask rebuilt when the query turns, used in its own step);
+# rows run before it with HiP's defaults ran the paper's cadence.
+HIP_DEFAULTS_SINCE = "7f57871"
+HIP_DEFAULTS = {"r_m": 8, "drift": 0.7, "lag": 0}
+HIP_DEFAULTS_BEFORE = {"r_m": 8, "drift": 0, "lag": 1}
+_since = {}
+
+
+def hip_row_defaults(r):
+    """The HiP defaults a row ran with: its provenance commit's (HIP_DEFAULTS_SINCE in its history
+    or not); a commit git does not know (or no git) counts as current."""
+    c = ((r.get("provenance") or {}).get("commit") or "").replace("+dirty", "")
+    if c not in _since:
+        try:
+            rc = subprocess.run(["git", "merge-base", "--is-ancestor", HIP_DEFAULTS_SINCE, c], cwd=ROOT,
+                                capture_output=True).returncode
+        except OSError:
+            rc = 0
+        _since[c] = rc != 1  # 1: not an ancestor (128: unknown commit)
+    return HIP_DEFAULTS if _since[c] else HIP_DEFAULTS_BEFORE
+
+
+def hip_params_label(r, ps=None):
+    """A HiP row's parameters (\p ps, else its own) as a table cell: "defaults" for today's, the old
+    defaults spelled out (and marked) for a row that ran them before HIP_DEFAULTS_SINCE."""
+    ps = (r.get("params") if ps is None else ps) or {}
+    d = hip_row_defaults(r)
+    own = ", ".join(f"{k}={v:g}" for k, v in ps.items())
+    if d is HIP_DEFAULTS_BEFORE:
+        merged = {**d, **ps}
+        if all(merged.get(k) == v for k, v in HIP_DEFAULTS.items()):
+            return "defaults"
+        then = ", ".join(f"{k}={v:g}" for k, v in d.items() if k not in ps and HIP_DEFAULTS.get(k) != v)
+        if not ps:
+            return f"{then} (the defaults then)"
+        return f"{own} ({then} then)" if then else own
+    return own or "defaults"
+
+
+def params_cell(policy, ps, r):
+    """A lane's parameters \p ps as a table cell; HiP's by hip_params_label (\p r: the row that
+    carries the provenance)."""
+    if policy.split("@")[0].split("_")[0] == "hip" and r is not None:
+        return hip_params_label(r, ps)
+    return ", ".join(f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in (ps or {}).items()) \
+        or "defaults"
+
+
 def hip_default_rows():
-    """HiP's default rebuilds a mask when its query turns (drift 0.7, lag 0); results written before
-    that name its lanes without the paper's cadence apart. Its speed (hip_speed.json's "default"
-    variant, x 1 and x 4) and its SmolLM2 rows at 256 (hip_drift_smollm2.json's default lane, by
-    text, with that run's oracle and dense passkey) once both files ran a lane of the paper's
-    cadence (drift=0, lag=1) beside the default; else None for each."""
-    paper = lambda r: (r.get("params") or {}).get("lag") == 1
+    """HiP's rows at today's defaults (hip_params_label): its speed, hip_speed.json's row by batch;
+    its SmolLM2 rows at 256, hip_drift_smollm2.json's by text, with that run's dense (passkey)."""
+    is_default = lambda r: r["policy"] == "hip" and hip_params_label(r) == "defaults"
     sp, hd = load("hip_speed.json"), load("hip_drift_smollm2.json")
-    speed = quality = None
-    if sp and any(paper(r) for r in sp["rows"]):
-        speed = {r["batch"]: r for r in sp["rows"] if r["variant"] == "default"}
-    if hd and any(paper(r) for r in hd["rows"] if r["policy"] == "hip"):
-        quality = {r["text"]: r for r in hd["rows"] if r["policy"] == "hip" and not r.get("params")
-                   and r.get("budget") == 256}
+    speed = {r["batch"]: r for r in sp["rows"] if is_default({"policy": "hip", **r})} if sp else None
+    quality = None
+    if hd:
+        quality = {r["text"]: r for r in hd["rows"] if is_default(r) and r.get("budget") == 256}
         quality["dense"] = next((r for r in hd["rows"] if r["policy"] == "dense" and r.get("passkey")), None)
     return speed, quality
 
@@ -332,7 +376,7 @@ def t_quality():
         ps = r.get("params") or {}
         tr = r.get("trace_replay") or {}
         pk = r.get("passkey")
-        rows.append([f"`{r['policy']}`", ", ".join(f"{k}={v:g}" for k, v in ps.items()) or "defaults",
+        rows.append([f"`{r['policy']}`", params_cell(r["policy"], ps, r),
                      r.get("budget") or "all", r["perplexity"],
                      f"+{r['gap_pct']:.2f}%" if r.get("gap_pct") else "0",
                      f"{r['gap_over_oracle_gap']:.2f}x" if r.get("gap_over_oracle_gap") else None,
@@ -397,7 +441,7 @@ def t_hip_replay():
     rows = []
     first = next(iter(texts.values()))
     for lab, l in first.items():
-        row = [f"`{lab}`", l["budget"], ", ".join(f"{k}={v}" for k, v in l["params"].items()) or "defaults"]
+        row = [f"`{lab}`", l["budget"], params_cell(l.get("policy", lab), l["params"], d["rows"][0])]
         for t, lanes in texts.items():
             x = lanes.get(lab)
             if x is None:
@@ -427,7 +471,7 @@ def t_hip_quality():
     for lab, per in sorted(by.items(), key=lambda kv: (budget(*kv) or 0, kv[0])):
         r0 = next(iter(per.values()))
         cells = [f"`{lab}`", budget(lab, per) or "all",
-                 ", ".join(f"{k}={v}" for k, v in (r0.get("params") or {}).items()) or "defaults"]
+                 params_cell(r0["policy"], r0.get("params"), r0)]
         for t in texts:
             r = per.get(t)
             if not r or r.get("gap_pct") is None:
@@ -469,9 +513,12 @@ def hip_lane_table(name_json, builds):
         cells[(lane(r), r["text"], r["budget"])] = r.get("gap_pct")
         if r.get("mask_builds") is not None:
             made.setdefault(lane(r), []).append(r["mask_builds"])
-    # streaming, the oracle, then HiP from its default mask (r_m 8, no drift) to the freshest
-    order.sort(key=lambda ln: (ln[0] != "streaming", ln[0] != "oracle", -dict(ln[1]).get("r_m", 8),
-                               dict(ln[1]).get("drift", 0)))
+    # streaming, the oracle, then HiP from the paper's cadence (r_m 8, no drift) to the freshest
+    eff = {ln: {**hip_row_defaults(r), **dict(ln[1])} for r in d["rows"] for ln in [lane(r)]}
+    order.sort(key=lambda ln: (ln[0] != "streaming", ln[0] != "oracle", -eff[ln].get("r_m", 8),
+                               eff[ln].get("drift", 0)))
+    label = {lane(r): hip_params_label(r) if r["policy"] == "hip" else
+             (", ".join(f"{k}={v}" for k, v in lane(r)[1]) or "defaults") for r in d["rows"]}
     head = ["lane", "parameters"] + [f"{name(t)} @{b}" for t, b in cols] + \
            (["mask builds"] if builds else []) + ["passkey @256 (KJV, 2K/4K/8K x 3 depths)"]
     share = lambda bs: "—" if not bs else (f"{min(bs):.0%}" if round(min(bs), 2) == round(max(bs), 2)
@@ -480,7 +527,7 @@ def hip_lane_table(name_json, builds):
     rows = [["`dense`", "all tokens"] + ["+0.00%"] * len(cols) + (["—"] if builds else []) +
             [f"{pk[lane(dense)]['found']}/{pk[lane(dense)]['trials']}" if dense and lane(dense) in pk else None]]
     for ln in order:
-        row = [f"`{ln[0]}`", ", ".join(f"{k}={v}" for k, v in ln[1]) or "defaults"]
+        row = [f"`{ln[0]}`", label[ln]]
         for t, b in cols:
             g = cells.get((ln, t, b))
             row.append(None if g is None else f"+{g:.2f}%")
@@ -512,8 +559,7 @@ def t_hip_speed():
     for v in order:
         per = {r["batch"]: r for r in d["rows"] if r["variant"] == v}
         any_r = next(iter(per.values()))
-        params = ", ".join(f"{k}={x:g}" for k, x in sorted(any_r.get("params", {}).items())) or "defaults"
-        rows.append([f"`{v}`", params] + [
+        rows.append([f"`{v}`", hip_params_label(any_r)] + [
             f"{per[b]['ms_per_token_step']:.3f} ({per[b]['ratio']:.2f}x)" if b in per and per[b].get("ratio") else None
             for b in batches])
     sd = {r["batch"]: r.get("sdpa_ms_per_token_step") for r in d["rows"]}
@@ -591,13 +637,13 @@ def t_budgets():
     name = lambda t: os.path.basename(t).replace(".txt", "").upper().replace("JARGON", "Jargon")
     by = {}
     for r in d["rows"]:
-        ps = ", ".join(f"{k}={v:g}" for k, v in (r.get("params") or {}).items())
+        ps = params_cell(r["policy"], r.get("params"), r)
         by.setdefault((r["budget"], r["policy"], ps), {})[r["text"]] = r
     order = ["oracle", "streaming", "quest", "hip", "kvpop"]
     head = ["budget of 8K", "policy", "parameters"] + [f"{name(t)}: gap (/ oracle's)" for t in texts]
     rows = []
     for (b, pol, ps) in sorted(by, key=lambda k: (k[0], order.index(k[1]) if k[1] in order else 99, k[2])):
-        cells = [b, f"`{pol}`", ps or "defaults"]
+        cells = [b, f"`{pol}`", ps]
         for t in texts:
             r = by[(b, pol, ps)].get(t)
             o = f" ({r['gap_over_oracle_gap']:.2f}x)" if r and r.get("gap_over_oracle_gap") and pol != "oracle" else ""
