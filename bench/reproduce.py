@@ -827,6 +827,9 @@ def hip_passkey_cmd(T, lanes):
 
 
 SMOLLM2_LAYERS, HIP_DENSE_LAYERS = 30, 3  # SmolLM2-135M's layers; HiP's default dense_layers
+# HiP's mask cadence defaults (policies/hip/hip.h's HipParams), written on each hip row as
+# "hip_defaults": what its lane's "defaults" meant when it ran (scripts/docs_tables.py).
+HIP_DEFAULTS = {"r_m": 8, "drift": 0.7, "lag": 0}
 
 
 def hip_lane_rows(path, text, context):
@@ -838,7 +841,7 @@ def hip_lane_rows(path, text, context):
         name, *kv = l["policy"].split(":")  # a lane "hip:r_m=1:lag=0" carries its parameters
         params = {k: int(float(v)) if float(v).is_integer() else float(v) for k, v in (x.split("=") for x in kv)}
         row = {"policy": name, "params": params, "budget": l.get("budget"), "perplexity": l["perplexity"],
-               "decode_seconds": l.get("decode_seconds")}
+               "decode_seconds": l.get("decode_seconds"), **({"hip_defaults": HIP_DEFAULTS} if name == "hip" else {})}
         st = l.get("stats") or {}
         calls, reused = st.get("prhs_select_calls", 0), st.get("prhs_select_reused", 0)
         if name == "hip" and calls + reused:  # calls: the dense layers' head-steps and the builds
@@ -905,7 +908,8 @@ def hip_speed_merge(T):
     for v, extra in HIP_SPEED:
         params = dict(x.split("=") for x in extra.replace("--param ", "").split())
         for r in jload(f"{T}/{v}.sdpa.json").get("rows", []):
-            rows.append({"variant": v, "params": {k: float(x) for k, x in params.items()}, **r})
+            rows.append({"variant": v, "params": {k: float(x) for k, x in params.items()}, "hip_defaults": HIP_DEFAULTS,
+                         **r})
     label_query(rows)
     return {"what": "hip_bank's decode step per token at 128K x 1 and x 4 (Llama-3.1-8B shape, 32 layers, real "
                     "moving query) for HiP's mask rebuild variants, ratio to torch SDPA with all KV on the GPU in "

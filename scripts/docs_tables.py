@@ -18,7 +18,6 @@ import difflib
 import json
 import os
 import re
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,26 +143,17 @@ def frontier_pick(policy):
                  and r.get("gap_pct_jargon") is not None), None) if d else None
 
 
-# HiP's defaults changed at 7f57871 (a mask rebuilt when the query turns, used in its own step);
-# rows run before it with HiP's defaults ran the paper's cadence.
-HIP_DEFAULTS_SINCE = "7f57871"
+# HiP's defaults changed at 7f57871 (a mask rebuilt when the query turns, used in its own step).
+# Rows written since carry the defaults they ran with ("hip_defaults", bench/reproduce.py); a hip
+# row without it ran the paper's cadence.
 HIP_DEFAULTS = {"r_m": 8, "drift": 0.7, "lag": 0}
 HIP_DEFAULTS_BEFORE = {"r_m": 8, "drift": 0, "lag": 1}
-_since = {}
 
 
 def hip_row_defaults(r):
-    """The HiP defaults a row ran with: its provenance commit's (HIP_DEFAULTS_SINCE in its history
-    or not); a commit git does not know (or no git) counts as current."""
-    c = ((r.get("provenance") or {}).get("commit") or "").replace("+dirty", "")
-    if c not in _since:
-        try:
-            rc = subprocess.run(["git", "merge-base", "--is-ancestor", HIP_DEFAULTS_SINCE, c], cwd=ROOT,
-                                capture_output=True).returncode
-        except OSError:
-            rc = 0
-        _since[c] = rc != 1  # 1: not an ancestor (128: unknown commit)
-    return HIP_DEFAULTS if _since[c] else HIP_DEFAULTS_BEFORE
+    """The HiP defaults a row ran with."""
+    d = r.get("hip_defaults")
+    return HIP_DEFAULTS if d == HIP_DEFAULTS else d if d else HIP_DEFAULTS_BEFORE
 
 
 def hip_params_label(r, ps=None):
