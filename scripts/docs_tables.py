@@ -158,7 +158,7 @@ def hip_row_defaults(r):
 
 def hip_params_label(r, ps=None):
     """A HiP row's parameters (\p ps, else its own) as a table cell: "defaults" for today's, the old
-    defaults spelled out (and marked) for a row that ran them before HIP_DEFAULTS_SINCE."""
+    defaults spelled out (and marked) for a row that ran them (hip_row_defaults)."""
     ps = (r.get("params") if ps is None else ps) or {}
     d = hip_row_defaults(r)
     own = ", ".join(f"{k}={v:g}" for k, v in ps.items())
