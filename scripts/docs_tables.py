@@ -152,8 +152,7 @@ HIP_DEFAULTS_BEFORE = {"r_m": 8, "drift": 0, "lag": 1}
 
 def hip_row_defaults(r):
     """The HiP defaults a row ran with."""
-    d = r.get("hip_defaults")
-    return HIP_DEFAULTS if d == HIP_DEFAULTS else d if d else HIP_DEFAULTS_BEFORE
+    return r.get("hip_defaults") or HIP_DEFAULTS_BEFORE
 
 
 def hip_params_label(r, ps=None):
@@ -162,7 +161,7 @@ def hip_params_label(r, ps=None):
     ps = (r.get("params") if ps is None else ps) or {}
     d = hip_row_defaults(r)
     own = ", ".join(f"{k}={v:g}" for k, v in ps.items())
-    if d is HIP_DEFAULTS_BEFORE:
+    if d != HIP_DEFAULTS:
         merged = {**d, **ps}
         if all(merged.get(k) == v for k, v in HIP_DEFAULTS.items()):
             return "defaults"
