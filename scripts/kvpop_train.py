@@ -152,7 +152,7 @@ def train(args):
     model = Scorer(L, H, 2 * D, args.hidden, mu, sd)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / args.steps))))
+        opt, lambda s: min(1.0, (s + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / max(1, args.steps)))))
     gen = torch.Generator().manual_seed(args.seed)
     history = []
     for step in range(args.steps):
