@@ -1043,63 +1043,47 @@ def kvpop_train_merge(T):
 
 # kvpop_decay_smollm2: KVpop's decay per group of layers chosen by decoding
 # (scripts/kvpop_decay_search.py) for the committed scorer, on training windows of KJV (line 20000)
-# and the Jargon File (line 2000) that the quality runs do not score; as many perplexity runs at a
-# time as the machine has cores. Its weights go to $T (the committed file is this run's output).
+# and the Jargon File (line 2000) that the quality runs do not score; then, in the same run, the
+# chosen decays against the same scorer at the paper's decay (alpha 0 over [0.999, 0.999999]),
+# streaming and the oracle, at 256-2048 of 8K on KJV and the Jargon File (line 0: the windows every
+# quality table scores) and at 256/512 of 4K of GPL-3 (a text neither the scorer nor its decays
+# saw), passkey at 256. As many processes at a time as the machine has cores. The weights go to $T;
+# policies/weights/kvpop_smollm2.safetensors is the output of the committed run.
 KVPOP_W = "policies/weights/kvpop_smollm2.safetensors"
 KVPOP_TRAIN_TEXTS = "data/kjv.txt:20000 data/jargon.txt:2000"
 KVPOP_GROUPS = "0-2 3-10 11-19 20-29"
+KVPOP_Q = (("kjv", "data/kjv.txt", 8192, (256, 512, 1024, 2048)),
+           ("jargon", "data/jargon.txt", 8192, (256, 512, 1024, 2048)),
+           ("gpl3", UNSEEN_TEXT, 4096, (256, 512)))
 
 
 def kvpop_decay_cmds(T):
-    return [FETCH, f"{PY} scripts/kvpop_decay_search.py --weights {KVPOP_W} --out {T}/kvpop_smollm2.safetensors "
-                   f"--report {T}/out.json --text {KVPOP_TRAIN_TEXTS} --groups {KVPOP_GROUPS} "
-                   f"--grid 0.995 0.998 0.9995 --budget 256 --llama {LLAMA} --model {MODEL} --parallel {os.cpu_count()}"]
-
-
-def kvpop_decay_merge(T):
-    d = jload(f"{T}/out.json")
-    d["args"] = {k: v for k, v in d["args"].items() if k not in ("llama", "parallel")}
-    d["what"] = ("KVpop's decay per group of layers chosen by decoding: from recency everywhere (= streaming), each "
-                 "group alone at each decay, then the best groups combined; perplexity at 256 of 8K, last 1024 scored, "
-                 "on training windows (KJV from line 20000, the Jargon File from line 2000); SmolLM2-135M, host backend")
-    d["regenerate"] = "python3 bench/reproduce.py kvpop_decay_smollm2"
-    return d
-
-
-# kvpop_quality_smollm2: the committed KVpop scorer with its per-layer decays against the same
-# scorer at the paper's decay (alpha 0 over [0.999, 0.999999]), streaming and the oracle, at 256-2048
-# of 8K on KJV and the Jargon File (line 0: the windows every quality table scores) and at 256/512
-# of 4K of GPL-3 (a text neither the scorer nor its decays saw); passkey at 256. One process per
-# (text, budget), all at once.
-KVPOP_Q_BUDGETS = (256, 512, 1024, 2048)
-
-
-def kvpop_quality_cmds(T):
-    P = f"{T}/kvpop_paper.safetensors"
+    W, P = f"{T}/kvpop_smollm2.safetensors", f"{T}/kvpop_paper.safetensors"
     runs = []
-    for t, path, ctx, budgets in (("kjv", "data/kjv.txt", 8192, KVPOP_Q_BUDGETS),
-                                  ("jargon", "data/jargon.txt", 8192, KVPOP_Q_BUDGETS),
-                                  ("gpl3", UNSEEN_TEXT, 4096, (256, 512))):
+    for t, path, ctx, budgets in KVPOP_Q:
         base = f"{HOST_PPL} --text {path} --context {ctx} --scored 1024 --cpu-threads 1"
         for b in budgets:
             dense = "" if b == budgets[0] else " --no-dense"
-            runs.append(f"{base} --policy-weights {KVPOP_W} --policy streaming,oracle,kvpop --budget {b} "
+            runs.append(f"{base} --policy-weights {W} --policy streaming,oracle,kvpop --budget {b} "
                         f"--lanes-together{dense} --json {T}/{t}_{b}.json")
             runs.append(f"{base} --policy-weights {P} --policy kvpop --budget {b} --no-dense --json {T}/{t}_{b}_paper.json")
-    runs.append(f"{LLAMA} --model {MODEL} --passkey --text data/kjv.txt --backend host --cpu-threads 1 --lanes-together "
-                f"--lengths 2048,4096,8192 --depths 0.1,0.5,0.9 --budget 256 --policy-weights {KVPOP_W} "
-                f"--policy oracle,streaming,kvpop --json {T}/passkey.json")
-    runs.append(f"{LLAMA} --model {MODEL} --passkey --text data/kjv.txt --backend host --cpu-threads 1 --no-dense "
-                f"--lengths 2048,4096,8192 --depths 0.1,0.5,0.9 --budget 256 --policy-weights {P} "
-                f"--policy kvpop --json {T}/passkey_paper.json")
-    return [FETCH, f"{PY} scripts/kvpop_decay_search.py --weights {KVPOP_W} --paper-out {P}", side_by_side(*runs)]
+    pk = (f"{LLAMA} --model {MODEL} --passkey --text data/kjv.txt --backend host --cpu-threads 1 "
+          f"--lengths 2048,4096,8192 --depths 0.1,0.5,0.9 --budget 256")
+    runs.append(f"{pk} --lanes-together --policy-weights {W} --policy oracle,streaming,kvpop --json {T}/passkey.json")
+    runs.append(f"{pk} --no-dense --policy-weights {P} --policy kvpop --json {T}/passkey_paper.json")
+    return [FETCH,
+            f"{PY} scripts/kvpop_decay_search.py --weights {KVPOP_W} --out {W} --report {T}/search.json "
+            f"--text {KVPOP_TRAIN_TEXTS} --groups {KVPOP_GROUPS} --grid 0.995 0.998 0.9995 --budget 256 "
+            f"--llama {LLAMA} --model {MODEL} --parallel {os.cpu_count()}",
+            f"{PY} scripts/kvpop_decay_search.py --weights {W} --paper-out {P}",
+            side_by_side(*runs)]
 
 
-def kvpop_quality_merge(T):
+def kvpop_decay_merge(T):
+    search = jload(f"{T}/search.json")
+    search["args"] = {k: v for k, v in search["args"].items() if k not in ("llama", "parallel", "out", "report")}
     rows = []
-    for t, path, ctx, budgets in (("kjv", "data/kjv.txt", 8192, KVPOP_Q_BUDGETS),
-                                  ("jargon", "data/jargon.txt", 8192, KVPOP_Q_BUDGETS),
-                                  ("gpl3", UNSEEN_TEXT, 4096, (256, 512))):
+    for t, path, ctx, budgets in KVPOP_Q:
         lanes = dict(lanes_of(f"{T}/{t}_{budgets[0]}.json"))
         for b in budgets:
             lanes.update({k: v for k, v in lanes_of(f"{T}/{t}_{b}.json").items() if k != "dense"})
@@ -1107,21 +1091,23 @@ def kvpop_quality_merge(T):
         table = {}
         for lab, l in lanes.items():
             name = lab.split("@")[0]
-            table[lab] = {"policy": "kvpop" if name.startswith("kvpop") else name,
-                          "decay": {"kvpop": "per layer (kvpop_decay_smollm2)", "kvpop_paper": "the paper's (alpha 0)"}.get(name),
+            decay = {"kvpop": "per layer, chosen by decoding", "kvpop_paper": "the paper's (alpha 0)"}.get(name)
+            table[lab] = {"policy": "kvpop" if name.startswith("kvpop") else name, **({"decay": decay} if decay else {}),
                           "budget": l.get("budget"), "perplexity": l["perplexity"], "decode_seconds": l.get("decode_seconds")}
         gaps(table)
         rows += [{"label": lab, "text": path, "context": ctx, "scored": 1024, **r} for lab, r in table.items()]
     found = passkey_found(f"{T}/passkey.json")
     passkey_found(f"{T}/passkey_paper.json", lambda lab: lab.replace("kvpop", "kvpop_paper", 1), found)
     attach_passkey(rows, found)
-    return {"what": "KVpop with its committed scorer and per-layer decays (kvpop_decay_smollm2) against the same scorer "
-                    "at the paper's decay, streaming and the oracle; SmolLM2-135M, host backend, sinks 4 + window 64, "
-                    "last 1024 scored of 8K (KJV, the Jargon File, from line 0) and of 4K (GPL-3, a text the scorer and "
-                    "its decays never saw)",
-            "regenerate": "python3 bench/reproduce.py kvpop_quality_smollm2",
+    return {"what": "KVpop's decay per group of layers chosen by decoding (search: from recency everywhere, = streaming, "
+                    "each group alone at each decay, then the best groups combined; perplexity at 256 of 8K on training "
+                    "windows, KJV from line 20000 and the Jargon File from line 2000), then the committed scorer with "
+                    "those decays against the same scorer at the paper's decay, streaming and the oracle; SmolLM2-135M, "
+                    "host backend, sinks 4 + window 64, last 1024 scored of 8K (KJV, the Jargon File, from line 0) and "
+                    "of 4K (GPL-3, a text the scorer and its decays never saw)",
+            "regenerate": "python3 bench/reproduce.py kvpop_decay_smollm2",
             "passkey": "KJV, lengths 2048/4096/8192, depths 0.1/0.5/0.9, budget 256, greedy answer",
-            "rows": rows}
+            "search": search, "rows": rows}
 
 
 # llama_smollm2_kjv_passkey: passkey, dense vs streaming and oracle at 256 / 512.
@@ -1573,9 +1559,8 @@ SPECS = {
     "kvpop_train_smollm2": dict(gpu=False, targets=[], examples=True, run=kvpop_train_cmds, merge=kvpop_train_merge,
                                 what="KVpop's MLP scorer trained on SmolLM2 traces (scripts/kvpop_train.py; needs torch)"),
     "kvpop_decay_smollm2": dict(gpu=False, targets=[], examples=True, run=kvpop_decay_cmds, merge=kvpop_decay_merge,
-                                what="KVpop's decay per group of layers chosen by decoding (training windows of KJV and Jargon)"),
-    "kvpop_quality_smollm2": dict(gpu=False, targets=[], examples=True, run=kvpop_quality_cmds, merge=kvpop_quality_merge,
-                                  what="KVpop with its per-layer decays vs the paper's decay, streaming, oracle; 256-2048 of 8K, GPL-3 4K, passkey"),
+                                what="KVpop's decay per layer group chosen by decoding; its quality vs the paper's decay, "
+                                     "streaming, oracle (256-2048 of 8K, GPL-3 4K, passkey)"),
     "llama_smollm2_kjv_passkey": dict(gpu=False, targets=[], examples=True, run=passkey_cmds, merge=load_out,
                                       what="passkey 2K/4K x 3 depths: dense vs streaming and oracle at 256/512"),
     "budgets_smollm2": dict(gpu=False, targets=[], examples=True, run=budgets_cmds, merge=budgets_merge,
@@ -1624,8 +1609,7 @@ MACHINE = {
     "hip_kvpop_replay_smollm2": (CPU2, "~30 min on 2 cores (30 min recorded beside other work: two 8K traces, 17 lanes x 512 steps x 30 layers each)"),
     "kvpop_mass_smollm2": (CPU2, "~65 min on 2 cores (12 runs of 8K, ~96 s of decode a lane recorded)"),
     "kvpop_train_smollm2": ("CPU: 2 threads, torch + safetensors", "~35 min (5 traces, their targets ~15 min, 400 steps)"),
-    "kvpop_decay_smollm2": ("CPU: as many perplexity runs at a time as cores", "~6 min on 16 cores (34 runs of 8K at 256 in 3 waves)"),
-    "kvpop_quality_smollm2": ("CPU: as many perplexity runs at a time as cores", "~5 min on 16 cores (20 runs of 8K/4K + 2 passkey runs at once)"),
+    "kvpop_decay_smollm2": ("CPU: as many perplexity runs at a time as cores", "~9 min on 16 cores (search: 32 runs of 8K at 256 in 3 waves; then 20 runs of 8K/4K and 2 passkey runs at once)"),
     "llama_smollm2_kjv_passkey": (CPU2, "~5 min on 2 cores (6 prompts of 2K/4K, 5 lanes)"),
     "budgets_smollm2": (CPU2, "~32 min on 2 cores (32 min recorded: two texts side by side, 5 prefills and 17 lanes of 1024 tokens each)"),
     "frontier": (CPU2, "~10 min on 2 cores (9 min recorded: two texts side by side, 8 lanes + dense of 1024 tokens each)"),

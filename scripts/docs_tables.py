@@ -533,6 +533,49 @@ def t_hip_drift():
     return hip_lane_table("hip_drift_smollm2.json", builds=True)
 
 
+def t_kvpop_decay():
+    """bench/results/kvpop_decay_smollm2.json: perplexity gap to dense per lane (streaming, the oracle,
+    KVpop with its decays chosen by decoding, the same scorer at the paper's decay), text and
+    budget; passkey at 256; then the decays the search chose per layer."""
+    d = load("kvpop_decay_smollm2.json")
+    if not d:
+        return "(bench/results/kvpop_decay_smollm2.json not yet generated)\n"
+    name = lambda t: {"kjv": "KJV", "jargon": "Jargon", "gpl-3": "GPL-3"}.get(
+        os.path.basename(t).replace(".txt", "").lower(), os.path.basename(t))
+    cols, cells, pk, order = [], {}, {}, []
+    for r in d["rows"]:
+        ln = r["label"].split("@")[0]
+        if r.get("passkey"):
+            pk[ln] = r["passkey"]
+        if ln == "dense":
+            continue
+        if (r["text"], r["budget"]) not in cols:
+            cols.append((r["text"], r["budget"]))
+        if ln not in order:
+            order.append(ln)
+        cells[(ln, r["text"], r["budget"])] = r.get("gap_pct")
+    what = {"streaming": "`streaming`", "oracle": "`oracle`", "kvpop": "`kvpop`, decays chosen by decoding",
+            "kvpop_paper": "`kvpop`, the paper's decay"}
+    ctx = {r["text"]: r["context"] for r in d["rows"]}
+    head = ["text, budget"] + [what.get(ln, f"`{ln}`") for ln in order]
+    rows = []
+    for t, b in cols:
+        rows.append([f"{name(t)} ({ctx[t] // 1024}K), {b}"] +
+                    [None if cells.get((ln, t, b)) is None else f"+{cells[(ln, t, b)]:.2f}%" for ln in order])
+    rows.append([f"passkey @256 (KJV, 2K/4K/8K x 3 depths; dense {pk['dense']['found']}/{pk['dense']['trials']})"
+                 if "dense" in pk else "passkey @256"] +
+                [f"{pk[ln]['found']}/{pk[ln]['trials']}" if ln in pk else None for ln in order])
+    p = d["rows"][0].get("provenance", {})
+    dec = d["search"]["chosen_decays"]
+    runs, start = [], 0
+    for i in range(1, len(dec) + 1):
+        if i == len(dec) or dec[i] != dec[start]:
+            runs.append(f"layers {start}-{i - 1}: " + ("recency" if dec[start] <= 0.01 else f"gamma {dec[start]:g}"))
+            start = i
+    return (table(head, rows) + f"\n(perplexity gap to dense; {p.get('commit', '')}, {p.get('cpu', '')}; the decays "
+            f"chosen: {'; '.join(runs)})\n")
+
+
 def t_hip_speed():
     """bench/results/hip_speed.json: hip_bank's step time at 128K x 1 and x 4 per variant, and its
     ratio to torch SDPA's in the same run."""
@@ -732,7 +775,7 @@ def t_hf_gpu():
 TABLES = {"query": t_query, "policy": t_policy, "e2e": t_e2e, "prefill": t_prefill, "scale": t_scale,
           "quality": t_quality, "kernels": t_kernels, "cpu": t_cpu,
           "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
-          "hip-quality": t_hip_quality, "hip-drift": t_hip_drift, "hip-speed": t_hip_speed, "gemma-quality": t_gemma_quality, "budgets": t_budgets,
+          "hip-quality": t_hip_quality, "hip-drift": t_hip_drift, "hip-speed": t_hip_speed, "kvpop-decay": t_kvpop_decay, "gemma-quality": t_gemma_quality, "budgets": t_budgets,
           "sparcas-smooth": t_sparcas_smooth, "real-model-gpu": t_real_model_gpu,
           "hf-gpu": t_hf_gpu}
 
