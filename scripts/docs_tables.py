@@ -16,6 +16,7 @@ marked table differs from what the results produce (CI runs it through scripts/c
 import argparse
 import difflib
 import json
+import math
 import os
 import re
 import sys
@@ -177,8 +178,14 @@ def params_cell(policy, ps, r):
     carries the provenance)."""
     if policy.split("@")[0].split("_")[0] == "hip" and r is not None:
         return hip_params_label(r, ps)
-    return ", ".join(f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in (ps or {}).items()) \
+    cell = ", ".join(f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in (ps or {}).items()) \
         or "defaults"
+    # KVpop's trained scorer: rows before kvpop_decay_smollm2 ran an earlier scorer file (two texts, the
+    # paper's decay); rows of that run carry "decay".
+    if (policy.split("@")[0].split("_")[0] == "kvpop" and r is not None and "decay" not in r
+            and (ps or {}).get("scorer") not in (0, 2) and kvpop_decay_rows()):
+        cell += " (the scorer file then: two texts, the paper's decay)"
+    return cell
 
 
 def hip_default_rows():
@@ -192,6 +199,17 @@ def hip_default_rows():
         quality = {r["text"]: r for r in hd["rows"] if is_default(r) and r.get("budget") == 256}
         quality["dense"] = next((r for r in hd["rows"] if r["policy"] == "dense" and r.get("passkey")), None)
     return speed, quality
+
+
+def kvpop_decay_rows():
+    """KVpop's SmolLM2 rows at 256 with the committed scorer file (its decays chosen by decoding),
+    kvpop_decay_smollm2.json's by text, with that run's dense (passkey); None before that run."""
+    d = load("kvpop_decay_smollm2.json")
+    if not d:
+        return None
+    q = {r["text"]: r for r in d["rows"] if r["label"] == "kvpop@256"}
+    q["dense"] = next((r for r in d["rows"] if r["policy"] == "dense" and r.get("passkey")), None)
+    return q
 
 
 def passkey_whenever_dense(row, dense):
@@ -234,6 +252,14 @@ def t_policy():
             pk = (("yes" if passkey_whenever_dense(kjv, hq["dense"]) else "no")
                   if kjv and kjv.get("passkey") and hq.get("dense") else None)
             gemma = f"— (`drift=0, lag=1`: {gemma})" if gemma else None
+        if name == "kvpop":  # its scorer file since the decays chosen by decoding (kvpop_decay_rows)
+            kq = kvpop_decay_rows()
+            if kq:
+                kjv, jar = kq.get("data/kjv.txt"), kq.get("data/jargon.txt")
+                gap = f"+{kjv['gap_pct']:.1f}%, +{jar['gap_pct']:.1f}%" if kjv and jar else None
+                over = (f"{kjv['gap_over_oracle_gap']:.2f}x, {jar['gap_over_oracle_gap']:.2f}x" if kjv and jar else None)
+                pk = (("yes" if passkey_whenever_dense(kjv, kq["dense"]) else "no")
+                      if kjv and kjv.get("passkey") and kq.get("dense") else None)
         mname = f"`{name}`" + (f" (`{mode}`)" if mode != name else "")
         rows.append([mname, where, ms, ratio(real), ratio(real4), ratio(rep), gap, over, pk, gemma, when])
     return table(head, rows) + (
@@ -248,7 +274,10 @@ def t_policy():
         "ran at `smooth=0`, the default then); passkey: KJV, 2K/4K x 3 depths and 8K "
         "(`bench/results/quality_smollm2.json`). Gemma 3: 270M, 32K windows of KJV and the Jargon File, "
         "last 1024 scored, 2% of the context on its global layers, host backend "
-        "(`bench/results/quality_gemma3_32k.json`; kvpop without a Gemma scorer). hip: its default rebuilds a "
+        "(`bench/results/quality_gemma3_32k.json`; kvpop without a Gemma scorer). " + (
+            "kvpop: its SmolLM2 gaps and passkey are `bench/results/kvpop_decay_smollm2.json`'s (the committed "
+            "scorer file, its decays chosen by decoding; that run's oracle and dense; passkey at 2K/4K/8K x 3 "
+            "depths). " if kvpop_decay_rows() else "") + "hip: its default rebuilds a "
         "mask when the query turns (`drift=0.7, lag=0`); its speed is `bench/results/hip_speed.json`'s default "
         "(no repeated-query row), its SmolLM2 gaps and passkey `bench/results/hip_drift_smollm2.json`'s default "
         "lane (that run's oracle and dense; passkey at 2K/4K/8K x 3 depths), its Gemma 3 figure the paper's "
@@ -566,14 +595,23 @@ def t_kvpop_decay():
                  if "dense" in pk else "passkey @256"] +
                 [f"{pk[ln]['found']}/{pk[ln]['trials']}" if ln in pk else None for ln in order])
     p = d["rows"][0].get("provenance", {})
-    dec = d["search"]["chosen_decays"]
-    runs, start = [], 0
-    for i in range(1, len(dec) + 1):
-        if i == len(dec) or dec[i] != dec[start]:
-            runs.append(f"layers {start}-{i - 1}: " + ("recency" if dec[start] <= 0.01 else f"gamma {dec[start]:g}"))
-            start = i
+    texts = list(d["search"]["evaluations"][0]["perplexity"])
+    def spans(dec):  # "layers a-b: gamma g; ..." over a list of per-layer decays
+        out, start = [], 0
+        for i in range(1, len(dec) + 1):
+            if i == len(dec) or dec[i] != dec[start]:
+                out.append(f"layers {start}-{i - 1}: " + ("recency" if dec[start] <= 0.01 else f"gamma {dec[start]:g}"))
+                start = i
+        return out
+    srows = [[e["tag"] if not e["tag"].startswith("best") else
+              e["tag"].replace("best", "the best", 1) + " (" + "; ".join(x for x in spans(e["decays"]) if "recency" not in x) + ")"] +
+             [f"{e['perplexity'][t]:.2f}" for t in texts] + [f"{math.exp(e['objective']):.2f}"]
+             for e in d["search"]["evaluations"]]
+    shead = ["search: decays tried (recency elsewhere)"] + \
+            [f"{name(t.rsplit(':', 1)[0])} from line {t.rsplit(':', 1)[1]}" for t in texts] + ["geometric mean"]
     return (table(head, rows) + f"\n(perplexity gap to dense; {p.get('commit', '')}, {p.get('cpu', '')}; the decays "
-            f"chosen: {'; '.join(runs)})\n")
+            f"chosen: {'; '.join(spans(d['search']['chosen_decays']))})\n\nThe search (perplexity at {d['search']['args']['budget']} of 8K on the "
+            f"training windows, last 1024 scored):\n\n" + table(shead, srows))
 
 
 def t_hip_speed():

@@ -134,7 +134,15 @@ def test_kvpop_trained_scorer_selects_on_the_device_as_on_the_host():
     rts = (dev, host, zero, stream)
     for rt in rts:
         rt.add_sequence(1)
-    t, layers = 150, (0, 17, 29)
+    # The file's decays per layer (its metadata): recency (0.01) where the scorer did not pay, so
+    # the layers checked are the first, the last and the first whose scorer decides.
+    import json
+    import struct
+    with open(weights, "rb") as f:
+        meta = json.loads(f.read(struct.unpack("<Q", f.read(8))[0])).get("__metadata__", {})
+    decays = [float(x) for x in meta.get("layer_decays", "").split(",") if x]
+    scored = next((l for l, g in enumerate(decays) if g > 0.01), 17)
+    t, layers = 150, tuple(sorted({0, scored, 29}))
     for layer in layers:
         q, k, v = rnd(t, 9, 64), rnd(t, 3, 64), rnd(t, 3, 64)
         for rt in rts:
