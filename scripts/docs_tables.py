@@ -505,6 +505,12 @@ def t_hip_quality():
     return table(head, rows)
 
 
+def text_name(path):
+    """A quality text's short name in a table (KJV, Jargon, GPL-3), else its file name."""
+    return {"kjv": "KJV", "jargon": "Jargon", "gpl-3": "GPL-3"}.get(
+        os.path.basename(path).replace(".txt", "").lower(), os.path.basename(path))
+
+
 def hip_lane_table(name_json, builds):
     """A HiP lanes file (hip_drift_smollm2): perplexity gap to dense per lane
     (policy and parameters), text and budget; with \p builds the share of the mask layers'
@@ -513,8 +519,7 @@ def hip_lane_table(name_json, builds):
     if not d:
         return f"(bench/results/{name_json} not yet generated)\n"
     lane = lambda r: (r["policy"], tuple(sorted((r.get("params") or {}).items())))
-    name = lambda t: {"kjv": "KJV", "jargon": "Jargon", "gpl-3": "GPL-3"}.get(
-        os.path.basename(t).replace(".txt", "").lower(), os.path.basename(t))
+    name = text_name
     cols = []
     for r in d["rows"]:
         if r["policy"] != "dense" and (r["text"], r["budget"]) not in cols:
@@ -569,8 +574,7 @@ def t_kvpop_decay():
     d = load("kvpop_decay_smollm2.json")
     if not d:
         return "(bench/results/kvpop_decay_smollm2.json not yet generated)\n"
-    name = lambda t: {"kjv": "KJV", "jargon": "Jargon", "gpl-3": "GPL-3"}.get(
-        os.path.basename(t).replace(".txt", "").lower(), os.path.basename(t))
+    name = text_name
     cols, cells, pk, order = [], {}, {}, []
     for r in d["rows"]:
         ln = r["label"].split("@")[0]
