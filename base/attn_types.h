@@ -706,10 +706,10 @@ struct PrefillChunkArgs {
   void* write_scratch = nullptr;
 };
 
-/// One (sequence, KV head) item of LFPS's approximate scan on a device (LfpsScanArgs).
-struct LfpsScanItem {
-  int64_t shadow = 0;    ///< offset of the item's int8 shadow [head_dim][cap] in LfpsScanArgs::shadow
-  int64_t scale = 0;     ///< offset of its head_dim channel scales in LfpsScanArgs::scale
+/// One (sequence, KV head) item of LFPS's approximate scan on a device (ShadowScanArgs).
+struct ShadowScanItem {
+  int64_t shadow = 0;    ///< offset of the item's int8 shadow [head_dim][cap] in ShadowScanArgs::shadow
+  int64_t scale = 0;     ///< offset of its head_dim channel scales in ShadowScanArgs::scale
   int64_t off_lo = 0;    ///< the ranked positions are [off_lo, off_lo + len)
   int64_t len = 0;       ///< 0: the item only writes its new row
   int64_t new_pos = -1;  ///< shadow row written from the item's k (the new token); -1: none
@@ -729,14 +729,14 @@ struct LfpsScanItem {
 ///     the (key_j << 32 | j) of those j in ascending j; counts[item] = -1 when they are more than
 ///     max_picks (nothing written). Every key >= T is there, so the list is a prefix of the order
 ///     by (key desc, j asc) (what a Select needs to take its best picks from it exactly).
-/// The host reference is cpu::LfpsScanRef; CUDA runs gpu/lfps_scan.cu (a histogram of the keys'
-/// top 16 bits finds T without sorting). group <= kLfpsScanMaxGroup, head_dim <= 256.
-struct LfpsScanArgs {
+/// The host reference is cpu::ShadowScanRef; CUDA runs gpu/shadow_scan.cu (a histogram of the keys'
+/// top 16 bits finds T without sorting). group <= kShadowScanMaxGroup, head_dim <= 256.
+struct ShadowScanArgs {
   int64_t items = 0;
   /// [items], device-readable. With item_host set, the first pass copies item_host there first
   /// (the table then needs no copy of its own before the launch).
-  LfpsScanItem* item = nullptr;
-  const LfpsScanItem* item_host = nullptr;  ///< [items] in mapped host memory (AllocHost), or null
+  ShadowScanItem* item = nullptr;
+  const ShadowScanItem* item_host = nullptr;  ///< [items] in mapped host memory (AllocHost), or null
   int32_t group = 1, head_dim = 128, channels = 16;
   int64_t cap = 0;  ///< rows of each shadow channel
   int8_t* shadow = nullptr;
@@ -749,26 +749,26 @@ struct LfpsScanArgs {
   int64_t max_len = 0;    ///< >= every item's len: row stride of scores
   int64_t max_picks = 0;  ///< > every item's picks: row stride of out, the most it takes
   uint32_t* keys = nullptr;  ///< workspace [items, max_len]
-  int32_t* ints = nullptr;   ///< workspace LfpsScanInts(items, group, channels)
-  /// Workspace of LfpsScanHistWords(items) words, all zero before the first launch (each launch
+  int32_t* ints = nullptr;   ///< workspace ShadowScanInts(items, group, channels)
+  /// Workspace of ShadowScanHistWords(items) words, all zero before the first launch (each launch
   /// leaves it zero again).
   uint32_t* hist = nullptr;
-  int32_t* block_counts = nullptr;  ///< workspace [items, ceil(max_len / kLfpsScanBlockKeys)]
+  int32_t* block_counts = nullptr;  ///< workspace [items, ceil(max_len / kShadowScanBlockKeys)]
   /// [items, max_picks] and [items]: device memory, or mapped host memory (AllocHost), which the
   /// passes write straight into (coalesced), so that the host reads the ranking with no copy.
   uint64_t* out = nullptr;
   int32_t* counts = nullptr;
 };
 
-constexpr int kLfpsScanMaxGroup = 8;
-/// int32 of LfpsScanArgs::ints: per item the group's maxima, the channels, the weights.
-constexpr int64_t LfpsScanInts(int64_t items, int group, int channels) {
+constexpr int kShadowScanMaxGroup = 8;
+/// int32 of ShadowScanArgs::ints: per item the group's maxima, the channels, the weights.
+constexpr int64_t ShadowScanInts(int64_t items, int group, int channels) {
   return items * (group + channels + int64_t{group} * channels);
 }
-/// Keys a CUDA block of the scan's passes covers (LfpsScanArgs::block_counts).
-constexpr int64_t kLfpsScanBlockKeys = 1024;
-/// uint32 of LfpsScanArgs::hist: per item 65536 bins of the keys' top 16 bits, then 256 of the top 8.
-constexpr int64_t kLfpsScanHistStride = 65536 + 256;
-constexpr int64_t LfpsScanHistWords(int64_t items) { return items * kLfpsScanHistStride; }
+/// Keys a CUDA block of the scan's passes covers (ShadowScanArgs::block_counts).
+constexpr int64_t kShadowScanBlockKeys = 1024;
+/// uint32 of ShadowScanArgs::hist: per item 65536 bins of the keys' top 16 bits, then 256 of the top 8.
+constexpr int64_t kShadowScanHistStride = 65536 + 256;
+constexpr int64_t ShadowScanHistWords(int64_t items) { return items * kShadowScanHistStride; }
 
 }  // namespace kvferry

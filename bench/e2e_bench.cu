@@ -703,8 +703,8 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
       << ",\"xl_gap_us\":" << sp.xl_gap_us
       // The cost model's CPU rate (probed at Create) and the one the steps' CPU kernels measured.
       << ",\"cost_cpu_gbps\":" << sp.cost_cpu_gbps << ",\"cost_cpu_gbps_measured\":" << sp.cost_cpu_gbps_measured
-      << ",\"lfps_scans_device_per_step\":" << sp.lfps_scans_device / steps
-      << ",\"lfps_scans_device_short_per_step\":" << sp.lfps_scans_device_short / steps
+      << ",\"scans_device_per_step\":" << sp.scans_device / steps
+      << ",\"scans_device_short_per_step\":" << sp.scans_device_short / steps
       << ",\"ms_select_device_per_step\":" << ms_select_device
       // The same calls' step (attention) time, and the cost model's device rates (probed at
       // Create) beside the ones these timed calls measured.

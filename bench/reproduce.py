@@ -684,7 +684,7 @@ def prhs_rho_cmds(T):
 
 
 def rho_of(stats):
-    n, r = stats.get("prhs_select_calls", 0), stats.get("prhs_select_reused", 0)
+    n, r = stats.get("select_calls", 0), stats.get("select_reused", 0)
     return (round(n / (n + r), 4) if n + r else None), n, r
 
 
@@ -801,7 +801,7 @@ def hip_quality_merge(T):
                               "budget": l.get("budget"), "perplexity": l["perplexity"],
                               "decode_seconds": l["decode_seconds"]}
                 st = l.get("stats", {})
-                ranked, reused = st.get("prhs_select_calls", 0), st.get("prhs_select_reused", 0)
+                ranked, reused = st.get("select_calls", 0), st.get("select_reused", 0)
                 if key.startswith("hip") and ranked + reused > 0:  # HiP's counters (HipPolicy::counters)
                     lanes[key]["ranked_share"] = round(ranked / (ranked + reused), 4)
         gaps(lanes)
@@ -843,7 +843,7 @@ def hip_lane_rows(path, text, context):
         row = {"policy": name, "params": params, "budget": l.get("budget"), "perplexity": l["perplexity"],
                "decode_seconds": l.get("decode_seconds"), **({"hip_defaults": HIP_DEFAULTS} if name == "hip" else {})}
         st = l.get("stats") or {}
-        calls, reused = st.get("prhs_select_calls", 0), st.get("prhs_select_reused", 0)
+        calls, reused = st.get("select_calls", 0), st.get("select_reused", 0)
         if name == "hip" and calls + reused:  # calls: the dense layers' head-steps and the builds
             dense = params.get("dense_layers", HIP_DENSE_LAYERS)
             row["mask_builds"] = round((calls / (calls + reused) * SMOLLM2_LAYERS - dense) /
@@ -858,7 +858,7 @@ def hip_lane_rows(path, text, context):
 # default, d = 0.7, and d = 0.8), against the paper's cadence (every 8 steps, a step late), every
 # step at once, streaming and the oracle, on KJV and the Jargon File (8K) and on the
 # GPL-3 text every Debian system carries (4K, a text no default was chosen on). The host-selecting
-# path (--bank-slots 16) so that each lane's stats count its mask builds: prhs_select_calls over
+# path (--bank-slots 16) so that each lane's stats count its mask builds: select_calls over
 # calls + reused, less the 3 dense layers of 30.
 HIP_DRIFT = ("hip:drift=0:lag=1", "hip", "hip:drift=0.8", "hip:r_m=1")
 HIP_DRIFT_BUDGETS = (256, 512, 1024, 2048)

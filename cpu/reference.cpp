@@ -122,7 +122,7 @@ void TopKRef(const float* scores, int64_t n, int64_t k, int32_t* out_indices) {
   std::copy(idx.begin(), idx.begin() + k, out_indices);
 }
 
-void LfpsScanWeights(const float* q, const float* scale, int group, int head_dim, int r,
+void ShadowScanWeights(const float* q, const float* scale, int group, int head_dim, int r,
                      float* imp, int32_t* ch, int32_t* w) {
   const int hd = head_dim;
   for (int c = 0; c < hd; ++c) {
@@ -147,13 +147,13 @@ void LfpsScanWeights(const float* q, const float* scale, int group, int head_dim
   }
 }
 
-void LfpsScanRef(const LfpsScanArgs& a) {
+void ShadowScanRef(const ShadowScanArgs& a) {
   const int hd = a.head_dim, group = a.group;
   if (a.item_host != nullptr && a.item_host != a.item) {
     std::copy_n(a.item_host, a.items, a.item);
   }
   for (int64_t it = 0; it < a.items; ++it) {
-    const LfpsScanItem& item = a.item[it];
+    const ShadowScanItem& item = a.item[it];
     int8_t* shadow = a.shadow + item.shadow;
     const float* scale = a.scale + item.scale;
     if (item.new_pos >= 0) {  // 1. the new row, quantised as the host's shadow rows are
@@ -176,7 +176,7 @@ void LfpsScanRef(const LfpsScanArgs& a) {
     for (int64_t i = 0; i < group * hd; ++i) q[i] = LoadAsF32(a.q, a.q_dtype, it * group * hd + i);
     const int r = std::min(a.channels, hd);
     std::vector<int32_t> ch(static_cast<size_t>(hd)), w(static_cast<size_t>(group * r));
-    LfpsScanWeights(q.data(), scale, group, hd, r, imp.data(), ch.data(), w.data());
+    ShadowScanWeights(q.data(), scale, group, hd, r, imp.data(), ch.data(), w.data());
     // 3. logits, maxima, scores.
     const int64_t len = item.len;
     std::vector<int32_t> acc(static_cast<size_t>(group * len), 0);

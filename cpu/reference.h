@@ -35,12 +35,12 @@ void PrimeAttentionRef(const PrimeArgs& a);
 /// has room for head_dim: it is sorted in place, imp is head_dim floats of scratch), and
 /// w[g * r + c] = lrint(q[g][ch[c]] * scale[ch[c]] * 16384 / wmax) with wmax the largest
 /// |q[g][ch[c]] * scale[ch[c]]| (0 when wmax is 0 or not finite; NaN products give 0).
-void LfpsScanWeights(const float* q, const float* scale, int group, int head_dim, int r,
+void ShadowScanWeights(const float* q, const float* scale, int group, int head_dim, int r,
                      float* imp, int32_t* ch, int32_t* w);
 
-/// LFPS's scan on a device copy of its int8 shadow (see LfpsScanArgs): the host device's
-/// Device::LfpsScan and the specification gpu/lfps_scan.cu is tested against.
-void LfpsScanRef(const LfpsScanArgs& a);
+/// LFPS's scan on a device copy of its int8 shadow (see ShadowScanArgs): the host device's
+/// Device::ShadowScan and the specification gpu/shadow_scan.cu is tested against.
+void ShadowScanRef(const ShadowScanArgs& a);
 
 /// Indices of the k largest scores, ordered by score descending, ties broken by lower index.
 /// k is clamped to n. NaN scores rank lowest.

@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kvferry/tensor.h"
 
@@ -22,18 +23,18 @@ __device__ __forceinline__ float LoadElem(const void* p, DType t, int64_t i) {
 
 /// A KV-dtype element (bf16 or f16, a template parameter) to fp32 and back (round to nearest).
 template <typename T>
-__device__ __forceinline__ float ToF32(T x);
-template <>
-__device__ __forceinline__ float ToF32(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <>
-__device__ __forceinline__ float ToF32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToF32(T x) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "a KV dtype");
+  if constexpr (std::is_same_v<T, __half>) return __half2float(x);
+  else return __bfloat162float(x);
+}
 
 template <typename T>
-__device__ __forceinline__ T FromF32(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromF32(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half FromF32(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ T FromF32(float x) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "a KV dtype");
+  if constexpr (std::is_same_v<T, __half>) return __float2half_rn(x);
+  else return __float2bfloat16_rn(x);
+}
 
 __device__ __forceinline__ void StoreElem(void* p, DType t, int64_t i, float x) {
   switch (t) {

@@ -350,9 +350,9 @@ Status CudaDevice::PrimeAttention(const PrimeArgs& args, StreamHandle stream) {
   return LaunchPrimeAttention(args, info_.num_sms, Resolve(stream));
 }
 
-Status CudaDevice::LfpsScan(const LfpsScanArgs& args, StreamHandle stream) {
+Status CudaDevice::ShadowScan(const ShadowScanArgs& args, StreamHandle stream) {
   KVF_RETURN_IF_ERROR(Activate());
-  return LaunchLfpsScan(args, Resolve(stream));
+  return LaunchShadowScan(args, Resolve(stream));
 }
 
 Status CudaDevice::CopyBatchAsync(void** dst, const void** src, size_t* bytes, int64_t count,

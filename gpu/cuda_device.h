@@ -72,7 +72,7 @@ class CudaDevice final : public Device {
   Status PageBounds(const PageBoundsArgs& args, StreamHandle stream) override;
   Status PrefillChunk(const PrefillChunkArgs& args, StreamHandle stream) override;
   Status PrimeAttention(const PrimeArgs& args, StreamHandle stream) override;
-  Status LfpsScan(const LfpsScanArgs& args, StreamHandle stream) override;
+  Status ShadowScan(const ShadowScanArgs& args, StreamHandle stream) override;
   [[nodiscard]] bool IsCapturing(StreamHandle stream) const override;
   Result<std::unique_ptr<StepBank>> CreateStepBank(const StepBankConfig& config) override;
   Result<StepBankSizes> StepBankSizesFor(const StepBankConfig& config) const override;

@@ -98,9 +98,9 @@ Status LaunchPageBounds(const PageBoundsArgs& args, cudaStream_t stream);
 /// three launches; tables, stats, scratch and q in device memory, pages device-readable.
 Status LaunchPrimeAttention(const PrimeArgs& args, int num_sms, cudaStream_t stream);
 
-/// LFPS's scan over the device copy of its int8 shadow of K (see LfpsScanArgs, gpu/lfps_scan.cu):
-/// four launches, no allocation; cpu::LfpsScanRef is the specification.
-Status LaunchLfpsScan(const LfpsScanArgs& args, cudaStream_t stream);
+/// LFPS's scan over the device copy of its int8 shadow of K (see ShadowScanArgs, gpu/shadow_scan.cu):
+/// four launches, no allocation; cpu::ShadowScanRef is the specification.
+Status LaunchShadowScan(const ShadowScanArgs& args, cudaStream_t stream);
 
 /// A prefill chunk's K/V converted to the KV dtype and written to the host store (zero-copy),
 /// the resident tier and the staging, then (staging only) positions [history_begin, pos0) read

@@ -197,10 +197,10 @@ class Device {
     (void)stream;
     return Unimplemented("this device cannot compute the prefill priming statistics");
   }
-  /// LFPS's scan over the device's copy of the policy's int8 shadow of K (see LfpsScanArgs), on
+  /// LFPS's scan over the device's copy of the policy's int8 shadow of K (see ShadowScanArgs), on
   /// \p stream after the work that wrote q and k; never allocates. The host device runs
-  /// cpu::LfpsScanRef, CUDA gpu/lfps_scan.cu.
-  virtual Status LfpsScan(const LfpsScanArgs& args, StreamHandle stream) {
+  /// cpu::ShadowScanRef, CUDA gpu/shadow_scan.cu.
+  virtual Status ShadowScan(const ShadowScanArgs& args, StreamHandle stream) {
     (void)args;
     (void)stream;
     return Unimplemented("this device cannot run LFPS's scan");

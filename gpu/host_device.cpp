@@ -146,11 +146,11 @@ class HostDevice final : public Device {
     cpu::PrefetchListRows(next);
     return Status::Ok();
   }
-  Status LfpsScan(const LfpsScanArgs& args, StreamHandle) override {
+  Status ShadowScan(const ShadowScanArgs& args, StreamHandle) override {
     KVF_CHECK_ARG(args.group >= 1 && args.head_dim >= 1 && args.channels >= 1 && args.items >= 0,
-                  "LfpsScan: group ", args.group, ", head_dim ", args.head_dim, ", channels ",
+                  "ShadowScan: group ", args.group, ", head_dim ", args.head_dim, ", channels ",
                   args.channels, ", items ", args.items);
-    cpu::LfpsScanRef(args);
+    cpu::ShadowScanRef(args);
     return Status::Ok();
   }
   Status PrimeAttention(const PrimeArgs& args, StreamHandle) override {

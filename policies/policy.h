@@ -15,7 +15,7 @@
 
 namespace kvferry {
 
-/// An approximate scan's ranking a device computed for one Select (LFPS's scan, Device::LfpsScan):
+/// An approximate scan's ranking a device computed for one Select (LFPS's scan, Device::ShadowScan):
 /// `count` positions of [off_lo, off_lo + len), every one whose key is at or above a threshold
 /// (so a prefix of the order by (key desc, j asc)), as (key << 32 | j) with j relative to
 /// off_lo, ascending j; key is the score's order-preserving uint32. Host memory.

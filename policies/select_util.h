@@ -123,6 +123,13 @@ class HeadStateTable {
 };
 
 /// Common checks of a policy factory's configuration.
+/// The bits a quantised-scoring policy keeps a key dimension in: \p bits when set (4 or 16), else 4
+/// where head_dim is a multiple of 8 (two dimensions a byte, whole 8-byte rows) and 16 otherwise.
+inline int ScoreBitsFor(int bits, int head_dim) {
+  if (bits != 0) return bits;
+  return head_dim % 8 == 0 ? 4 : 16;
+}
+
 Status CheckPolicyShape(const char* policy, const RuntimeConfig& config);
 
 /// A policy parameter that must be an integer in [lo, hi]; the error names it.

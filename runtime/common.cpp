@@ -33,32 +33,19 @@ std::string Status::ToString() const {
   return s;
 }
 
-const char* DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return "f32";
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "f16";
-  }
-  return "?";
+namespace {
+// An enum's name from its table, the values in order from 0 (each enum above numbers them so);
+// "?" for a value outside it (a cast from a bad integer).
+template <class E, size_t N>
+const char* NameIn(E value, const char* const (&names)[N]) {
+  const auto i = static_cast<size_t>(value);
+  return i < N ? names[i] : "?";
 }
+}  // namespace
 
-const char* RouteName(Route route) {
-  switch (route) {
-    case Route::kAuto: return "auto";
-    case Route::kGpu: return "gpu";
-    case Route::kCpu: return "cpu";
-  }
-  return "?";
-}
-
-const char* BackendName(Backend backend) {
-  switch (backend) {
-    case Backend::kAuto: return "auto";
-    case Backend::kCuda: return "cuda";
-    case Backend::kHost: return "host";
-  }
-  return "?";
-}
+const char* DTypeName(DType dtype) { return NameIn(dtype, {"f32", "bf16", "f16"}); }
+const char* RouteName(Route route) { return NameIn(route, {"auto", "gpu", "cpu"}); }
+const char* BackendName(Backend backend) { return NameIn(backend, {"auto", "cuda", "host"}); }
 
 TensorView TensorView::Contiguous(void* data, DType dtype, MemoryKind where,
                                   std::initializer_list<int64_t> shape) {
@@ -94,39 +81,12 @@ bool TensorView::is_contiguous() const {
 
 std::string Stats::ToJson() const {
   std::ostringstream os;
-  os << "{\"prefill_tokens\":" << prefill_tokens
-     << ",\"prefill_chunks_prefetched\":" << prefill_chunks_prefetched
-     << ",\"decode_steps\":" << decode_steps
-     << ",\"decode_tokens\":" << decode_tokens << ",\"decode_planned\":" << decode_planned
-     << ",\"decode_split\":" << decode_split << ",\"decode_prefetched\":" << decode_prefetched
-     << ",\"xl_gap_us\":" << xl_gap_us
-     << ",\"decode_plans\":" << decode_plans << ",\"host_syncs\":" << host_syncs
-     << ",\"bytes_h2d\":" << bytes_h2d
-     << ",\"bytes_d2h\":" << bytes_d2h << ",\"rows_resident\":" << rows_resident
-     << ",\"rows_bank_hit\":" << rows_bank_hit << ",\"rows_fetched\":" << rows_fetched
-     << ",\"rows_cpu\":" << rows_cpu << ",\"rows_selected\":" << rows_selected
-     << ",\"rows_window\":" << rows_window
-     << ",\"bank_admitted\":" << bank_admitted << ",\"bank_evicted\":" << bank_evicted
-     << ",\"bank_admit_failures\":" << bank_admit_failures
-     << ",\"prhs_select_calls\":" << prhs_select_calls
-     << ",\"prhs_select_reused\":" << prhs_select_reused
-     << ",\"lfps_scans_device\":" << lfps_scans_device
-     << ",\"lfps_scans_device_short\":" << lfps_scans_device_short
-     << ",\"select_key_bytes\":" << select_key_bytes
-     << ",\"ms_append\":" << ms_append << ",\"ms_select\":" << ms_select
-     << ",\"ms_select_device\":" << ms_select_device << ",\"ms_attend_device\":" << ms_attend_device
-     << ",\"ms_resolve\":" << ms_resolve << ",\"ms_attend_gpu\":" << ms_attend_gpu
-     << ",\"ms_attend_cpu\":" << ms_attend_cpu << ",\"ms_merge\":" << ms_merge << ",\"ms_admit\":" << ms_admit
-     << ",\"ms_prefill\":" << ms_prefill << ",\"ms_prime\":" << ms_prime
-     << ",\"cost_pcie_gbps\":" << cost_pcie_gbps
-     << ",\"split_share\":" << split_share
-     << ",\"cost_cpu_gbps\":" << cost_cpu_gbps << ",\"ms_cpu_attend_busy\":" << ms_cpu_attend_busy
-     << ",\"cost_cpu_gbps_measured\":" << cost_cpu_gbps_measured
-     << ",\"cost_h2d_gbps\":" << cost_h2d_gbps << ",\"cost_hbm_gbps\":" << cost_hbm_gbps
-     << ",\"cost_select_gbps_measured\":" << cost_select_gbps_measured
-     << ",\"cost_attend_gbps_measured\":" << cost_attend_gbps_measured
-     << ",\"host_bytes_reserved\":" << host_bytes_reserved
-     << ",\"device_bytes_reserved\":" << device_bytes_reserved << "}";
+  char sep = '{';
+  ForEachField([&](const char* name, auto value) {
+    os << sep << '"' << name << "\":" << value;
+    sep = ',';
+  });
+  os << '}';
   return os.str();
 }
 

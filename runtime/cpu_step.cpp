@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-// The CPU half of a planned decode step for a CPU-placed policy (lfps), docs/design.md's stages 2-5 on
+// The CPU half of a planned decode step for a CPU-placed policy, docs/design.md's stages 2-5 on
 // the host: select, resolve against the resident tier, attend the offloaded picks on the CPU next
 // to the memory. The device half (runtime/decode_plan.cpp RunDecodeStep) has already enqueued the
 // attention over the resident rows; this runs while it executes, and the two parts meet in the
@@ -110,8 +110,8 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
     for (int h = 0; h < hkv; ++h) {
       const int64_t i = b * hkv + h;
       const int64_t head = (static_cast<int64_t>(slot_of[b]) * m.num_layers + layer) * hkv + h;
-      LfpsScanItem& it = scan_.items_host[i];
-      it = LfpsScanItem{};
+      ShadowScanItem& it = scan_.items_host[i];
+      it = ShadowScanItem{};
       it.shadow = head * d * len_cap;
       it.scale = head * d;
       it.off_lo = off_lo;
@@ -139,7 +139,7 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
     if (scan_.view[i].count > 0) scan_.view[i].picks = scan_.args.out + i * stride;
   }
   const bool host = device_->backend() == Backend::kHost;
-  LfpsScanArgs& a = scan_.args;  // its buffers and shape: InitDeviceScan
+  ShadowScanArgs& a = scan_.args;  // its buffers and shape: InitDeviceScan
   a.items = items;
   a.cap = len_cap;
   a.q = q;
@@ -166,10 +166,10 @@ Status RuntimeImpl::LaunchDeviceScan(std::span<const int> slot_of, int layer,
 Status RuntimeImpl::EnqueueDeviceScan() {
   if (!scan_.pending) return Status::Ok();
   scan_.pending = false;
-  const LfpsScanArgs& a = scan_.args;
+  const ShadowScanArgs& a = scan_.args;
   const bool host = device_->backend() == Backend::kHost;
   scan_.bytes_d2h = 0;
-  Status st = device_->LfpsScan(a, scan_.stream);
+  Status st = device_->ShadowScan(a, scan_.stream);
   if (st.ok()) st = device_->RecordEvent(scan_.ready, scan_.stream);
   scan_.unwaited = !host;
   if (st.ok() && host) {

@@ -404,7 +404,7 @@ TimingPair* RuntimeImpl::NextTiming(TimingRing& ring, int layer, double& ms) {
 
 RuntimeImpl::ListRowsRule RuntimeImpl::DeviceListRowsRule(int layer) const {
   // xl+ copies the previous layer's list; psaw+'s filter refills up to the budget where it hides
-  // anything (base/psaw.h); HiP's ranked layers take whole blocks.
+  // anything (base/psaw.h); a ranked layer of a blockwise selector takes whole blocks.
   while (layer > 0 && policy_->device_reuses_previous_layer(layer)) --layer;
   ListRowsRule r;
   r.blocks = selector_ != nullptr ? selector_->ListBlock(layer) : 0;
@@ -496,7 +496,7 @@ Status RuntimeImpl::RunDecodeStep(std::span<const SequenceId> seqs, int layer, c
   // plan: the layer's positions (the plan's, or reserved and uploaded now), the inputs staged, the
   // step's arguments. From here on a failure takes the layer's token back (FailLayer).
   KVF_RETURN_IF_ERROR(PlanLayer(s));
-  // select: the device's selection, or the host's (q, k and v down first), LFPS's device scan.
+  // select: the device's selection, or the host's (q, k and v down first), the shadow scan on the device.
   Status st = SelectLayer(s);
   // resolve: where the misses come from (a prefetch's stage), the next layer's prefetched.
   if (st.ok()) st = ResolveLayer(s);
@@ -530,7 +530,7 @@ Status RuntimeImpl::PlanLayer(DecodeLayer& s) {
   KVF_CHECK_CODE(!s.capturing || (!step_.cpu_step && !step_.host_lists), StatusCode::kFailedPrecondition,
                  "policy '", policy_->name(), "' selects on the host inside the decode step, which "
                  "a CUDA graph cannot hold (Runtime::decode_is_capture_safe() is false)");
-  // The selector's work beside the step (HiP's rebuilds) of this layer or a later one is a step
+  // The selector's work beside the step (its metadata rebuilds) of this layer or a later one is a step
   // behind: it joins before this layer's selection reads the state it writes.
   // The engine's stream time since the previous layer's Decode ends here (the auto cross-layer
   // prefetch's measure), before anything of this call is on the stream.
@@ -655,7 +655,7 @@ void RuntimeImpl::FillListArgs(DecodeLayer& s) {
   a.scoring = lists_.scoring;
   if (lists_.scoring != SelectScoring::kNone) a.hide_fraction = policy_->device_hide_fraction(layer);
   // xl+ takes the previous layer's list below: a scoring whose ranking advances no state then
-  // only keeps its metadata current (SparCas at 128K: about 85 us a layer not spent).
+  // only keeps its metadata current (a 4-bit scoring selector at 128K: about 85 us a layer not spent).
   s.xl_reuse = XlReusesPrevious(s.slot_of, s.pos, layer);
   a.select_skip_ranking = s.xl_reuse && selector_ != nullptr && selector_->ranking_skippable();
   a.list = lists_.positions + lists * lists_.cap;
@@ -717,7 +717,7 @@ void RuntimeImpl::CountStepRows(DecodeLayer& s) {
 Status RuntimeImpl::SelectLayer(DecodeLayer& s) {
   s.t1 = Clock::now();
   Status st = InputsToHost(s);
-  // LFPS's scan ranks the offloaded keys on the device, ahead of the host's Select. On CUDA the
+  // The shadow scan ranks the offloaded keys on the device, ahead of the host's Select. On CUDA the
   // CPU step enqueues it, and its own kernel after it, beside the Selects (SelectOnHost's
   // launch): those calls take the host tens of microseconds a layer.
   // The CPU part on the runtime's thread (RuntimeConfig::async_cpu): on CUDA only with device
@@ -786,12 +786,12 @@ Status RuntimeImpl::SelectOnDevice(DecodeLayer& s) {
   Status st = TimedLaunch(timing_.on && !s.capturing, timing_.select, layer, stats_.ms_select_device,
                           s.key_bytes * m.num_kv_heads, timing_.select_key_bytes, s.stream,
                           [&] { return device_->DecodeSelect(a, s.stream); });
-  // Work the selection requested that runs beside the rest of the step (HiP's rebuilds).
+  // Work the selection requested that runs beside the rest of the step (metadata rebuilds).
   if (st.ok()) st = selector_->AfterSelect(a, layer, s.stream);
   // Cross-layer sharing (xl+): the previous layer's list replaces this one's when the same
   // sequences selected there at the same length (this step's layer before). The selection kept
   // the inner policy's device metadata (page bounds, compact keys) what it would be without the
-  // wrapper; it ranked only where that advances the policy's state (HiP, KVpop).
+  // wrapper; it ranked only where that advances the policy's state (rebuilt masks, learned scores).
   if (st.ok() && s.xl_reuse) {
     const size_t batch_cap = static_cast<size_t>(config_.capacity.max_batch);
     const int64_t region = static_cast<int64_t>(batch_cap) * m.num_kv_heads;
@@ -1120,7 +1120,7 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
   }
   job.ticket = ++cpu_.ticket;
   HandOverCpuPart(job);
-  // From here this thread touches only the device, its own events and LFPS's deferred scan
+  // From here this thread touches only the device, its own events and the deferred shadow scan
   // (made to run beside the Selects: EnqueueDeviceScan). It enqueues the scan the part's Selects
   // wait for and the step over the resident rows while they start, then the stream's wait for
   // the part's ticket, the upload of its (o, lse) and their merge with the resident rows' part.
@@ -1149,7 +1149,7 @@ Status RuntimeImpl::HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_def
     st = device_->CopyAsync(out.data, io_.out_stage, static_cast<size_t>(out.numel()) * DTypeSize(out.dtype),
                             stream);
   }
-  // A split step's policy may rebuild beside the step (HiP's side stream): its last layer joins.
+  // A split step's policy may rebuild beside the step (on the selector's side stream): its last layer joins.
   if (st.ok() && layer == config_.model.num_layers - 1) st = JoinSelectorSide(stream);
   if (st.ok()) st = device_->RecordEvent(call_done_, stream);
   if (!st.ok()) {
@@ -1245,19 +1245,17 @@ Status RuntimeImpl::SelectorStored(int slot, int layer, int64_t pos0, int64_t ne
 }
 
 SelectorShape RuntimeImpl::SelectorShapeOf() const {
-  SelectorShape s;
-  s.model = config_.model;
-  s.max_sequences = config_.capacity.max_sequences;
-  s.max_tokens = config_.capacity.max_tokens_per_sequence;
-  s.item_cap = dims_.item_cap;
-  s.group = dims_.group;
-  s.scale = dims_.scale;
-  s.kv_elem = dims_.kv_elem;
-  s.row_bytes = dims_.row_bytes;
-  s.sink = config_.tiers.sink_tokens;
-  s.window = config_.tiers.window_tokens;
-  s.cuda = device_->backend() == Backend::kCuda;
-  return s;
+  return {.model = config_.model,
+          .max_sequences = config_.capacity.max_sequences,
+          .max_tokens = config_.capacity.max_tokens_per_sequence,
+          .item_cap = dims_.item_cap,
+          .group = dims_.group,
+          .scale = dims_.scale,
+          .kv_elem = dims_.kv_elem,
+          .row_bytes = dims_.row_bytes,
+          .sink = config_.tiers.sink_tokens,
+          .window = config_.tiers.window_tokens,
+          .cuda = device_->backend() == Backend::kCuda};
 }
 
 Status RuntimeImpl::RestoreWindow(std::span<const int> slots, int layer, StreamHandle stream) {

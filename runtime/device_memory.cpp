@@ -68,7 +68,7 @@ DeviceMemoryPlan DeviceBufferSizes::Plan(int64_t cap_bytes) const {
   part("prefill staging", {prefill_scratch, prefill_pages});
   part("prefill prefetch staging", {prefill_next, prefill_next_pages});
   part("priming tables and partials", {prime_tables, prime_stats, prime_scratch});
-  part("lfps scan (int8 shadow of K, scores)",
+  part("shadow scan (int8 shadow of K, scores)",
        {scan_shadow, scan_scale, scan_keys, scan_ints, scan_hist, scan_blocks, scan_items});
   part("host-store page table", {store_table});
   part("stream workspaces", {stream_scratch});
@@ -92,16 +92,14 @@ bool RuntimeImpl::OnDevicePath(PathChoice choice) const {
 HostStoreShape RuntimeImpl::StoreShape() const {
   const ModelShape& m = config_.model;
   const Capacity& cap = config_.capacity;
-  HostStoreShape shape;
-  shape.max_slots = cap.max_sequences;
-  shape.num_layers = m.num_layers;
-  shape.num_kv_heads = m.num_kv_heads;
-  shape.head_dim = m.head_dim;
-  shape.kv_dtype = m.kv_dtype;
-  shape.page_tokens = kPageTokens;
-  shape.max_tokens = cap.max_tokens_per_sequence;
-  shape.max_bytes = cap.max_host_bytes;
-  return shape;
+  return {.max_slots = cap.max_sequences,
+          .num_layers = m.num_layers,
+          .num_kv_heads = m.num_kv_heads,
+          .head_dim = m.head_dim,
+          .kv_dtype = m.kv_dtype,
+          .page_tokens = kPageTokens,
+          .max_tokens = cap.max_tokens_per_sequence,
+          .max_bytes = cap.max_host_bytes};
 }
 
 StepBankConfig RuntimeImpl::StepBankConfigFor(int bank_slots) const {
@@ -334,7 +332,7 @@ Status RuntimeImpl::SizeStepLists(DeviceBufferSizes& z) const {
     z.streams += sel.extra_streams();
     if (sort_cap > 4096 && sel.uses_topk_ws()) z.topk_ws = AllocBytes(static_cast<size_t>(items * sort_cap) * 8);
     // The multi-CTA top-k's scratch (CUDA), when an item can rank enough scores (positions, or
-    // Quest's pages) to take it.
+    // pages) to take it.
     const int64_t ranked_cap = sel.RankedCap(z.select_ld);
     const size_t mcta_bytes =
         ranked_cap > 0 ? SelectMctaWorkspaceBytes(items, dims_.group, ranked_cap, sel.MctaMinRanked()) : 0;
@@ -344,11 +342,9 @@ Status RuntimeImpl::SizeStepLists(DeviceBufferSizes& z) const {
     if (z.device_bank && !z.step_all_resident) {
       // The step's misses: staged at their list index, listed for the admission after the
       // step. With two regions the admission of layer l runs on its own stream beside layer
-      // l + 1's step (which writes the other region); layer l + 2 waits for it. Measured at
-      // 128K b1 (H200, against one region in the same call): kvpop_bank 0.939 vs
-      // 1.162 ms a token step, sparcas_bank 3.869 vs 4.051, hip_bank 1.861 vs 1.811 (its
-      // rebuilds already run beside the step, and its selection slowed from 0.86 to 0.97 ms):
-      // two regions unless the selector runs work beside the step itself.
+      // l + 1's step (which writes the other region); layer l + 2 waits for it. Two regions
+      // unless the selector runs work beside the step itself (the measurement that chose this:
+      // docs/runtime.md, the bank's admission).
       const bool side = !(z.selector && selector_->runs_beside_step());
       z.bank_regions = cuda && side ? 2 : 1;
       if (z.bank_regions > 1) ++z.streams;  // the admissions' stream
@@ -367,12 +363,12 @@ void RuntimeImpl::SizeDeviceScan(DeviceBufferSizes& z) const {
   const ModelShape& m = config_.model;
   const Capacity& cap = config_.capacity;
   const int64_t hkv = m.num_kv_heads, d = m.head_dim;
-  // LFPS's scan on the device: a copy of the policy's int8 shadow of K (head_dim bytes per token
+  // The shadow scan on the device: a copy of the policy's int8 shadow of K (head_dim bytes per token
   // and KV head, a quarter of a bf16 K + V row pair) and its scales, the scan's scores and
   // workspace (its ranking and counts: mapped host memory, scan_out / scan_counts).
   const int channels = policy_->device_scan_channels();
-  const bool scan_env = OnDevicePath(config_.paths.lfps_scan);
-  if ((z.cpu_step || z.host_lists) && channels > 0 && scan_env && dims_.group <= kLfpsScanMaxGroup &&
+  const bool scan_env = OnDevicePath(config_.paths.shadow_scan);
+  if ((z.cpu_step || z.host_lists) && channels > 0 && scan_env && dims_.group <= kShadowScanMaxGroup &&
       d <= 256) {
     const int64_t items = int64_t{cap.max_batch} * hkv;
     const int64_t heads = int64_t{cap.max_sequences} * m.num_layers * hkv;
@@ -383,18 +379,18 @@ void RuntimeImpl::SizeDeviceScan(DeviceBufferSizes& z) const {
     z.scan_shadow = AllocBytes(static_cast<size_t>(heads * d * len));
     z.scan_scale = AllocBytes(static_cast<size_t>(heads * d) * sizeof(float));
     z.scan_keys = AllocBytes(static_cast<size_t>(items * len) * sizeof(uint32_t));
-    z.scan_ints = AllocBytes(static_cast<size_t>(LfpsScanInts(items, dims_.group, channels)) * 4);
-    z.scan_hist = AllocBytes(static_cast<size_t>(LfpsScanHistWords(items)) * sizeof(uint32_t));
+    z.scan_ints = AllocBytes(static_cast<size_t>(ShadowScanInts(items, dims_.group, channels)) * 4);
+    z.scan_hist = AllocBytes(static_cast<size_t>(ShadowScanHistWords(items)) * sizeof(uint32_t));
     // Per item a count per block of keys, then the items' thresholds.
     z.scan_blocks = AllocBytes(static_cast<size_t>(
-        items * ((len + kLfpsScanBlockKeys - 1) / kLfpsScanBlockKeys + 1)) * sizeof(int32_t));
-    z.scan_items = AllocBytes(static_cast<size_t>(items) * sizeof(LfpsScanItem));
+        items * ((len + kShadowScanBlockKeys - 1) / kShadowScanBlockKeys + 1)) * sizeof(int32_t));
+    z.scan_items = AllocBytes(static_cast<size_t>(items) * sizeof(ShadowScanItem));
     // The ranking and its counts go straight to mapped host memory: not the device's.
     z.scan_out = AllocBytes(static_cast<size_t>(items * z.scan_list_cap) * sizeof(uint64_t));
     z.scan_counts = AllocBytes(static_cast<size_t>(items) * sizeof(int32_t));
     // Under a cap the scan is what gives way (the policy then scans on the host); with no cap it
     // takes at most a quarter of the GPU (an engine's weights and activations share it), unless
-    // ReferencePaths::lfps_scan = kDevice asks for it.
+    // ReferencePaths::shadow_scan = kDevice asks for it.
     const int64_t scan_bytes = static_cast<int64_t>(z.scan_shadow + z.scan_scale + z.scan_keys +
                                                     z.scan_ints + z.scan_hist + z.scan_blocks +
                                                     z.scan_items);
@@ -402,7 +398,7 @@ void RuntimeImpl::SizeDeviceScan(DeviceBufferSizes& z) const {
     const bool too_big = cap.gpu_bytes > 0
                              ? z.Plan(cap.gpu_bytes).total_bytes > cap.gpu_bytes
                              : total > 0 && scan_bytes > total / 4 &&
-                                   config_.paths.lfps_scan != PathChoice::kDevice;
+                                   config_.paths.shadow_scan != PathChoice::kDevice;
     if (too_big) z.DropScan();
   }
 }

@@ -231,7 +231,7 @@ Status RuntimeImpl::Init() {
   if (sizes_.prime_rows > 0) KVF_RETURN_IF_ERROR(InitPrimeBuffers());
   KVF_RETURN_IF_ERROR(InitDeviceScan());
   InitDeferredPrime();
-  // Off by default: on the GPU machine (lfps@2%, three runs each) 500 us of spinning
+  // Off by default: on the GPU machine (a host-selecting policy at 2%, three runs each) 500 us of spinning
   // started the last of a layer's 8 items 25 us after the first instead of 67-82 us and took 32K
   // from 19.4 to 17.2 ms a step, but 64K from 29.1 to 30.8 ms (its longer items ran slower beside
   // the spinners). With the scan on the GPU the items wait for its ranking anyway,
@@ -266,7 +266,7 @@ void RuntimeImpl::DeriveDims() {
   dims_.max_rows = std::max<int64_t>(cap.max_prefill_chunk, cap.max_batch);
   if (!policy_->is_dense()) {
     // Room for the resident rows on top of the budget: a policy that always attends the sinks
-    // and the window (lfps) may return more than a budget smaller than they are.
+    // and the window (a host selection's) may return more than a budget smaller than they are.
     dims_.budget_max = ItemBudgetMax(config_);
     dims_.item_cap = ItemListCap(config_);
   }
@@ -448,7 +448,7 @@ Status RuntimeImpl::InitDeviceScan() {
   const Capacity& cap = config_.capacity;
   const DeviceBufferSizes& z = sizes_;  // DropScan below clears z.device_scan
   const int64_t hkv = m.num_kv_heads;
-  // LFPS's scan on the device (sizes and the choice: SizeDeviceBuffers). A GPU that cannot hold
+  // The shadow scan on the device (sizes and the choice: SizeDeviceBuffers). A GPU that cannot hold
   // its shadow now (other work on it) leaves it out: the policy scans on the host.
   if (z.device_scan) {
     Result<void*> shadow = Alloc(z.scan_shadow, false);
@@ -463,7 +463,7 @@ Status RuntimeImpl::InitDeviceScan() {
   scan_.on = true;
   scan_.picks_cap = z.scan_picks;
   scan_.list_cap = z.scan_list_cap;
-  LfpsScanArgs& a = scan_.args;
+  ShadowScanArgs& a = scan_.args;
   a.channels = static_cast<int32_t>(std::min<int64_t>(policy_->device_scan_channels(), m.head_dim));
   a.group = dims_.group;
   a.head_dim = m.head_dim;
@@ -483,8 +483,8 @@ Status RuntimeImpl::InitDeviceScan() {
   // copies to enqueue (on the GPU machine: 32K 13.1-13.8 ms a step against
   // 13.6-15.2 with a copy each way, 64K 21.7-22.3 against 23.3-24.3).
   KVF_ASSIGN_OR_RETURN(a.counts, AllocAs<int32_t>(z.scan_counts, true));
-  KVF_ASSIGN_OR_RETURN(a.item, AllocAs<LfpsScanItem>(z.scan_items, false));
-  KVF_ASSIGN_OR_RETURN(scan_.items_host, AllocAs<LfpsScanItem>(z.scan_items, true));
+  KVF_ASSIGN_OR_RETURN(a.item, AllocAs<ShadowScanItem>(z.scan_items, false));
+  KVF_ASSIGN_OR_RETURN(scan_.items_host, AllocAs<ShadowScanItem>(z.scan_items, true));
   a.item_host = scan_.items_host;
   KVF_ASSIGN_OR_RETURN(a.out, AllocAs<uint64_t>(z.scan_out, true));
   KVF_ASSIGN_OR_RETURN(scan_.ready, device_->CreateEvent());
@@ -753,7 +753,7 @@ Status RuntimeImpl::Prefill(SequenceId seq, int layer, const TensorView& q, cons
   }
   // The chunk's rows may have reached the ring before a failure: restore it for the old length,
   // which a failed call leaves unchanged.
-  // The device's copy of LFPS's shadow lacks the chunk's rows: made again at the next priming.
+  // The device's copy of the policy's shadow lacks the chunk's rows: made again at the next priming.
   if (scan_.on) scan_.rows[static_cast<size_t>(slot) * m.num_layers + layer] = 0;
   Status st = PrefillReserved(slot, layer, q, k, v, out, stream, pos0, new_len);
   if (!st.ok()) {
@@ -1139,7 +1139,7 @@ Status RuntimeImpl::FlushPrime(int slot, int layer, StreamHandle stream, bool sa
 
 Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t new_len, int rows,
                                 StreamHandle stream) {
-  // Policies that learn from the prompt (LFPS primes its tables) get its f32 queries on the host,
+  // Policies that learn from the prompt (priming tables from it) get its f32 queries on the host,
   // or the statistics the device computed from them.
   const int hkv = config_.model.num_kv_heads, d = config_.model.head_dim;
   const int64_t gd = static_cast<int64_t>(dims_.group) * d;
@@ -1193,7 +1193,7 @@ Status RuntimeImpl::PrimePolicy(int slot, int layer, int64_t new_len, int rows,
                                            stream));
     KVF_RETURN_IF_ERROR(HostWaitStream(stream));
     stats_.bytes_d2h += hkv * (2 * new_len * 4 + stats_count * 8);
-    // The heads' O(n) finishing (and LFPS's O(n d) scan shadow) on the pool: their states are
+    // The heads' O(n) finishing (and an O(n d) scan shadow) on the pool: their states are
     // independent.
     std::vector<Status> head_status(static_cast<size_t>(hkv));
     pool_->ParallelFor(hkv, [&](int64_t h) {
@@ -1308,7 +1308,7 @@ Status RuntimeImpl::Append(SequenceId seq, int layer, const TensorView& k, const
 int RuntimeImpl::SelectThreads(int64_t items) const {
   // Fewer items than threads: each Select may split its scan and exact scoring into up to four
   // times its share of the pool, so that the threads whose items finish first steal ranges of the
-  // slow ones (items differ by 2x in a step; measured on the GPU machine, 32-layer lfps step,
+  // slow ones (items differ by 2x in a step; measured on the GPU machine, 32-layer host-selecting step,
   // 15 pool threads: 18.7 -> 17.0 ms at 32K, and 38.5 -> 31.7 ms at 64K with 16, against the
   // even share). Enough items keep every thread busy unsplit.
   const int64_t threads = pool_->num_threads();
@@ -1433,7 +1433,7 @@ Status RuntimeImpl::AttendAppended(std::span<const SequenceId> seqs, std::span<c
   const int64_t batch = static_cast<int64_t>(seqs.size());
   const int d = m.head_dim;
   // A policy that selects on the CPU has q there already: in auto its misses stay on the CPU
-  // (only q went down; only (o, lse) comes back), as LFPS prescribes.
+  // (only q went down; only (o, lse) comes back), as a CPU-placed policy prescribes.
   HostLayer s{slot_of, layer, out, stream, batch, batch * m.num_kv_heads,
               batch * m.num_q_heads * d, static_cast<int64_t>(dims_.group) * d,
               AttnParams{dims_.group, d, m.kv_dtype, dims_.scale}, PlannedRoute()};
@@ -1737,10 +1737,10 @@ Stats RuntimeImpl::stats() const {
   s.cost_cpu_gbps = cost_.cpu_gbps;
   s.ms_cpu_attend_busy = static_cast<double>(stats_aux_.cpu_attend_ns.load(std::memory_order_relaxed)) * 1e-6;
   const PolicyCounters pc = policy_->counters();
-  s.prhs_select_calls = pc.select_calls - stats_aux_.policy_at_reset.select_calls;
-  s.prhs_select_reused = pc.select_reused - stats_aux_.policy_at_reset.select_reused;
-  s.lfps_scans_device = pc.scans_device - stats_aux_.policy_at_reset.scans_device;
-  s.lfps_scans_device_short = pc.scans_device_short - stats_aux_.policy_at_reset.scans_device_short;
+  s.select_calls = pc.select_calls - stats_aux_.policy_at_reset.select_calls;
+  s.select_reused = pc.select_reused - stats_aux_.policy_at_reset.select_reused;
+  s.scans_device = pc.scans_device - stats_aux_.policy_at_reset.scans_device;
+  s.scans_device_short = pc.scans_device_short - stats_aux_.policy_at_reset.scans_device_short;
   // Selections timed but not yet read back (their pairs stay pending: stats_ adds them later).
   for (const TimingPair& t : timing_.select.pairs) s.ms_select_device += TimingMs(t);
   for (const TimingPair& t : timing_.attend.pairs) s.ms_attend_device += TimingMs(t);

@@ -43,7 +43,7 @@ struct DeviceBuffer {
 /// checked against and the allocations cannot drift apart (the tests compare the plan with the
 /// device's own count, Stats::device_bytes_reserved).
 /// The positions the device's scan list of an item may hold when it asks for \p picks: every key
-/// in the threshold's 16-bit bin comes too (LfpsScanArgs), so twice the picks and some.
+/// in the threshold's 16-bit bin comes too (ShadowScanArgs), so twice the picks and some.
 constexpr int64_t ScanListCap(int64_t picks) { return 2 * picks + 512; }
 
 struct DeviceBufferSizes {
@@ -81,12 +81,12 @@ struct DeviceBufferSizes {
   /// history while the current call computes (PrefetchNextHistory).
   bool prefill_prefetch = false;
   int streams = 0;  // streams the device keeps scratch for: its default one and those Init creates
-  // LFPS-style priming on the device (Policy::prime_rows() > 0; on CUDA unless paths.prime is kHost,
+  // Priming on the device (Policy::prime_rows() > 0; on CUDA unless paths.prime is kHost,
   // on the host backend with kDevice): rows primed per chunk, table stride per head.
   int prime_rows = 0;
   int64_t prime_table_stride = 0;
-  // LFPS's scan on the device (Policy::device_scan_channels() > 0, a host-selecting planned step;
-  // on CUDA unless paths.lfps_scan is kHost, on the host backend with kDevice;
+  // The shadow scan on the device (Policy::device_scan_channels() > 0, a host-selecting planned step;
+  // on CUDA unless paths.shadow_scan is kHost, on the host backend with kDevice;
   // dropped when a GPU cap leaves no room for it): picks per item (the row stride of scan_out).
   bool device_scan = false;
   int64_t scan_picks = 0;  // the most picks an item asks for
@@ -120,7 +120,7 @@ struct DeviceBufferSizes {
 
   /// The parts (named groups of the buffers above), largest first, and their total.
   [[nodiscard]] DeviceMemoryPlan Plan(int64_t cap_bytes) const;
-  /// Leaves LFPS's device scan out (the policy scans on the host).
+  /// Leaves the device's shadow scan out (the policy scans on the host).
   void DropScan() {
     device_scan = false;
     scan_picks = scan_list_cap = 0;
@@ -212,7 +212,7 @@ class RuntimeImpl {
   explicit RuntimeImpl(const RuntimeConfig& config) : config_(config) {}
   // Makes the device, the policy and the pool, sizes every buffer against the GPU cap, then
   // allocates: the call's buffers (InitCallBuffers), the rings, the bank (InitBanks), the
-  // prefill staging (InitPrefillStaging, CUDA), priming's (InitPrimeBuffers), LFPS's device scan
+  // prefill staging (InitPrefillStaging, CUDA), priming's (InitPrimeBuffers), the shadow scan
   // (InitDeviceScan) and the planned step's (InitStepBuffers).
   Status Init();
   Status CreateDevice();  // the backend's device (through a test's decorator) and its stream
@@ -248,7 +248,7 @@ class RuntimeImpl {
   Status SizeDeviceBuffers(int bank_slots, DeviceBufferSizes& sizes) const;
   // SizeDeviceBuffers' parts, in its order: which bank and its sizes, the CUDA prefill staging,
   // priming on the device, the planned step (its mode, SizeStepLists: its lists, the selector's
-  // and the device bank's staging), LFPS's device scan (last: it gives way under the cap).
+  // and the device bank's staging), the shadow scan (last: it gives way under the cap).
   Status SizeBank(int bank_slots, DeviceBufferSizes& z) const;
   void SizePrefillStaging(const HostStoreShape& store, DeviceBufferSizes& z) const;
   void SizePriming(DeviceBufferSizes& z) const;
@@ -369,7 +369,7 @@ class RuntimeImpl {
   // Rolls back the layers of plan_ that did not run, when some did (see PlanDecode).
   void RetirePlan();
   // Rows a device selection's list holds for a sequence of n positions, as the host can tell: how
-  // a layer's lists are counted (once a layer), then each item's (HiP's may hold fewer).
+  // a layer's lists are counted (once a layer), then each item's (a blockwise selector's may hold fewer).
   struct ListRowsRule {
     int64_t blocks = 0;         // > 0: whole blocks of this many tokens (DeviceSelector::ListBlock)
     double hide_fraction = 0;   // psaw+'s hidden fraction there
@@ -396,7 +396,7 @@ class RuntimeImpl {
   void FillStepArgs(DecodeLayer& s);
   void FillListArgs(DecodeLayer& s);  // kList mode's part and the device bank's view
   void CountStepRows(DecodeLayer& s);
-  // select: q, k and v to the host where the host selects (InputsToHost), LFPS's device scan, the
+  // select: q, k and v to the host where the host selects (InputsToHost), the shadow scan, the
   // device's selection (SelectOnDevice: DecodeSelect, xl+'s copy of the previous layer's list) or
   // the host's lists (UploadHostLists).
   Status SelectLayer(DecodeLayer& s);
@@ -462,7 +462,7 @@ class RuntimeImpl {
   // already), else as configured.
   Route PlannedRoute() const;
   // Positions [pos0, new_len) of (slot, layer) were stored: the device selector extends what it
-  // derives from the keys (DeviceSelector::OnStored; Quest's page bounds); a no-op otherwise.
+  // derives from the keys (DeviceSelector::OnStored; page bounds, say); a no-op otherwise.
   Status SelectorStored(int slot, int layer, int64_t pos0, int64_t new_len, StreamHandle stream);
   // Zeroes the device selection state of \p slot (all slots for -1) for a new sequence; waits.
   Status ResetSelectState(int slot);
@@ -605,7 +605,7 @@ class RuntimeImpl {
   // at the layer), the write-through and the step's counters in stats_.
   void CommitDecodeStep(int layer, bool planned);
   // RunDecodeStep's end when the CPU part runs on cpu_.thread: counts the step, hands the part
-  // over, then enqueues LFPS's deferred scan (\p scan_deferred), the step \p a over the resident
+  // over, then enqueues the deferred shadow scan (\p scan_deferred), the step \p a over the resident
   // rows, the device's wait for the part, the upload and the merge.
   Status HandOverDecodeCpuPart(const DecodeStepArgs& a, bool scan_deferred, int layer, bool planned,
                                bool inputs_on_host, const TensorView& q_host,
@@ -622,7 +622,7 @@ class RuntimeImpl {
   void AttendInParts(int64_t item, const float* q32, float* o, float* lse, const void** ck,
                      const void** cv, int32_t n, int threads);
 
-  // ---- LFPS's scan on the device (DeviceScan; cpu_step.cpp) ----
+  // ---- The shadow scan on the device (DeviceScan; cpu_step.cpp) ----
   Status WaitScanRanking();
   // The lists' lengths from the device's counts, into scan_.view (once they arrived).
   void TakeScanCounts();
@@ -689,7 +689,7 @@ class RuntimeImpl {
   WindowLayers win_;
 
   // The decode step: the plan, the step's mode and buffers, its lists, the device bank's
-  // staging, the cross-layer prefetch, the CPU part, the split, LFPS's device scan and the
+  // staging, the cross-layer prefetch, the CPU part, the split, the shadow scan and the
   // host-side scratch.
   StepPlan plan_;
   PlannedStep step_;

@@ -145,8 +145,8 @@ struct PlannedStep {
   // planned step attends the resident rows on the device while the host selects, and merges the
   // CPU's part after (SelectOnHost). Not capture-safe (the host is inside the step).
   bool cpu_step = false;
-  // CUDA, bank_slots > 0, a policy that selects on the host (Select: hip, kvpop, lfps, streaming,
-  // the PrHS wrappers), route gpu: the planned step with the device bank. Per layer q, k and v go
+  // CUDA, bank_slots > 0, a policy that selects on the host (Select: a policy without a device
+  // selector, a selection wrapper), route gpu: the planned step with the device bank. Per layer q, k and v go
   // to the host (io_.q_raw_host, io_.q_ready), the host writes the new token's store rows and
   // selects per (sequence, KV head) on the pool (SelectOnHost) into lists_.stage, the lists go up
   // into the layer's lists_.positions region and the step kernel attends them in kList mode with
@@ -205,7 +205,7 @@ struct DeviceBankStep {
   // into the caller's at the step's last layer and before anything else reads or writes the bank
   // (JoinAdmitSide: PlanDecode, ResetSelectState, a call for a layer at or below one still
   // outstanding, a sequence's removal, a failure). A captured graph holds whole steps, as with
-  // HiP's side rebuilds.
+  // a selector's side rebuilds.
   StreamHandle admit_stream = nullptr;
   EventHandle admit_fork[2] = {nullptr, nullptr}, admit_done[2] = {nullptr, nullptr};
   EventHandle admit_join = nullptr;
@@ -318,17 +318,17 @@ struct SplitState {
   int32_t last_q10 = 0;  // the share of the last split step (Stats::split_share)
 };
 
-/// LFPS's scan on the device (DeviceBufferSizes::device_scan; runtime/cpu_step.cpp): a copy of the
+/// The shadow scan on the device (DeviceBufferSizes::device_scan; runtime/cpu_step.cpp): a copy of the
 /// policy's int8 shadow of K per (slot, layer, KV head), [head_dim][max_tokens] channel-major, made
 /// from the policy's at priming (CopyScanShadow) and extended by each step's new row on the device;
-/// the step ranks the offloaded keys there (Device::LfpsScan) and the host's Select takes the
+/// the step ranks the offloaded keys there (Device::ShadowScan) and the host's Select takes the
 /// ranking (SelectContext::scan) instead of scanning. Buffers allocated by InitDeviceScan; the
 /// step's state written by LaunchDeviceScan, EnqueueDeviceScan, WaitScanRanking and SelectOnHost.
 struct DeviceScan {
   bool on = false;
   int64_t picks_cap = 0;
   int64_t list_cap = 0;
-  LfpsScanItem* items_host = nullptr;  // pinned, mapped: the scan's first pass reads it (args.item_host)
+  ShadowScanItem* items_host = nullptr;  // pinned, mapped: the scan's first pass reads it (args.item_host)
   float* scale = nullptr;              // the shadow's scales, written at priming (args.scale)
   EventHandle ready = nullptr;   // this step's ranking reached out_host
   bool live = false;             // view belongs to the step being selected
@@ -344,7 +344,7 @@ struct DeviceScan {
   std::vector<DeviceScanPicks> view;   // per item of the step; count 0: host scan
   /// The scan's arguments: its buffers (shadow, scale, workspaces, the mapped item table, ranking
   /// and counts), channels and shape set once by InitDeviceScan; each step sets the rest.
-  LfpsScanArgs args;
+  ShadowScanArgs args;
   StreamHandle stream = nullptr;
   bool pending = false;            // prepared, not enqueued
   std::atomic<int> launched{1};    // 0: being enqueued, 1: enqueued, 2: failed

@@ -129,7 +129,7 @@ Status RuntimeImpl::WindowDecode(std::span<const SequenceId> seqs, std::span<con
   // at pos or later, or a chunk from pos on, attends from pos - w + 1): a failure only takes the
   // token back.
   auto run = [&]() -> Status {
-    // The global layers' side work (HiP's rebuilds, bank admissions) joins here, as at a step's
+    // The global layers' side work (selector rebuilds, bank admissions) joins here, as at a step's
     // last layer: a sliding layer may be the last.
     KVF_RETURN_IF_ERROR(JoinSelectorSide(stream));
     KVF_RETURN_IF_ERROR(JoinAdmitSide(stream));

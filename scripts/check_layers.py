@@ -21,7 +21,14 @@ Checked: every .h/.hpp/.cpp/.cu/.cuh/.inc file under those folders that git trac
 track (untracked files that .gitignore does not exclude count, so a new file is checked before
 it is committed). An include is resolved against the repository root, then the including
 file's folder, then include/; one that resolves to none of them (a system or third-party
-header) is not checked. Usage: python3 scripts/check_layers.py [--verbose]
+header) is not checked.
+
+Also checked: the runtime knows no policy. No file under runtime/ names one of the policies that
+live in policies/ (a folder there holding a policy: its name, case-insensitive, at the start of a
+word, as in "hip", "HipPolicy" or "kvpop_bank"); what is a policy's belongs in its folder, and the
+runtime reaches it through Policy and DeviceSelector.
+
+Usage: python3 scripts/check_layers.py [--verbose]
 """
 import os
 import re
@@ -83,6 +90,28 @@ def resolve(including, written):
     return None
 
 
+def policy_names():
+    """The folders of policies/ that hold a policy (weights/ holds data files)."""
+    base = os.path.join(ROOT, "policies")
+    return sorted(n for n in os.listdir(base)
+                  if os.path.isdir(os.path.join(base, n)) and n != "weights")
+
+
+def policy_mentions():
+    """(path:line: text) for every line under runtime/ that names a policy."""
+    names = policy_names()
+    word = re.compile(r"(?<![A-Za-z0-9_])(" + "|".join(names) + ")", re.IGNORECASE)
+    out = []
+    for path in files():
+        if not path.startswith("runtime/"):
+            continue
+        with open(os.path.join(ROOT, path), encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if word.search(line):
+                    out.append(f"{path}:{number}: names a policy: {line.strip()}")
+    return out
+
+
 def main():
     verbose = "--verbose" in sys.argv[1:]
     bad, seen_allowed, checked, arrows = [], set(), 0, {}
@@ -113,20 +142,23 @@ def main():
             bad.append(f'{path}:{number}: #include "{m.group(1)}" goes {how}: '
                        f"{src_name} (rank {src_rank}) -> {dst_name} (rank {dst_rank})")
     stale = sorted(set(ALLOWED) - seen_allowed)
+    named = policy_mentions()
     if verbose:
         for (a, b), count in sorted(arrows.items()):
             print(f"  {a} -> {b}: {count}")
-    if bad or stale:
-        for line in bad:
+    if bad or stale or named:
+        for line in bad + named:
             print(line)
         for path, written in stale:
             print(f'{path}: allowed exception #include "{written}" no longer occurs: '
                   "remove it from ALLOWED in scripts/check_layers.py")
         print(f"check_layers: {len(bad)} include(s) against the layer order, {len(stale)} stale "
-              "exception(s) (the order is in scripts/check_layers.py)")
+              f"exception(s), {len(named)} runtime line(s) naming a policy "
+              "(the rules are in scripts/check_layers.py)")
         return 1
     print(f"check_layers: {checked} files, every include points down "
-          f"({len(ALLOWED)} allowed exception(s))")
+          f"({len(ALLOWED)} allowed exception(s)); runtime/ names none of the "
+          f"{len(policy_names())} policies")
     return 0
 
 

@@ -5,15 +5,19 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <set>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvferry/runtime.h"
+#include "kvferry/stats.h"
 
 namespace kvferry {
 namespace {
@@ -43,6 +47,35 @@ void ExpectRefused(const RuntimeConfig& c, const std::string& field, const std::
   ASSERT_FALSE(rt.ok());
   EXPECT_EQ(rt.status().code(), StatusCode::kInvalidArgument) << rt.status().ToString();
   EXPECT_NE(rt.status().message().find(field), std::string::npos) << rt.status().ToString();
+}
+
+// Stats::ForEachField (what ToJson and the Python binding's stats() write) visits every field
+// once: the fields it visits tile the struct (each 8 bytes, no gaps), under distinct names, and
+// ToJson holds each name with its value.
+TEST(ConfigFields, StatsForEachFieldVisitsEveryField) {
+  Stats s;
+  int64_t i = 0;
+  std::set<std::string> names;
+  std::vector<const char*> at;
+  s.ForEachField([&](const char* name, auto& field) {
+    field = static_cast<std::remove_reference_t<decltype(field)>>(++i);
+    names.insert(name);
+    at.push_back(reinterpret_cast<const char*>(&field));
+  });
+  ASSERT_GT(i, 0);
+  EXPECT_EQ(names.size(), static_cast<size_t>(i)) << "a name visited twice";
+  EXPECT_EQ(sizeof(Stats), static_cast<size_t>(i) * 8) << "a field ForEachField does not visit";
+  std::sort(at.begin(), at.end());
+  for (size_t k = 0; k < at.size(); ++k) {
+    EXPECT_EQ(at[k], reinterpret_cast<const char*>(&s) + 8 * k) << "field " << k;
+  }
+  const std::string json = s.ToJson();
+  int64_t v = 0;
+  s.ForEachField([&](const char* name, const auto&) {
+    ++v;
+    EXPECT_NE(json.find("\"" + std::string(name) + "\":" + std::to_string(v)), std::string::npos)
+        << name << " in " << json;
+  });
 }
 
 TEST(ConfigFields, BadTuningValuesAreRefusedNamingTheField) {

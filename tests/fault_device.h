@@ -200,8 +200,8 @@ class FaultyDevice final : public Device {
   Status PrefillChunk(const PrefillChunkArgs &args, StreamHandle stream) override {
     return Run(FaultPoint::kPrefillChunk, [&] { return inner_->PrefillChunk(args, stream); });
   }
-  Status LfpsScan(const LfpsScanArgs &args, StreamHandle stream) override {
-    return inner_->LfpsScan(args, stream);
+  Status ShadowScan(const ShadowScanArgs &args, StreamHandle stream) override {
+    return inner_->ShadowScan(args, stream);
   }
   int64_t total_device_bytes() const override { return inner_->total_device_bytes(); }
   Status PrimeAttention(const PrimeArgs &args, StreamHandle stream) override {

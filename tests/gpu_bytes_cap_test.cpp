@@ -456,7 +456,7 @@ TEST(GpuBytesCapCuda, PlanIsWhatTheGpuHolds) {
       std::vector<std::vector<int32_t>> sel_without;
       FeedAndDecode(*without, c, 5, &sel_without);
       ASSERT_TRUE(without->Synchronize().ok());
-      EXPECT_EQ(without->GetStats().lfps_scans_device, 0);
+      EXPECT_EQ(without->GetStats().scans_device, 0);
     }
 
     c.capacity.gpu_bytes = plan.total_bytes - 1;

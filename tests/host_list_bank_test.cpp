@@ -128,7 +128,7 @@ class CudaPosingDevice final : public Device {
   Status PrimeAttention(const PrimeArgs& a, StreamHandle s) override {
     return inner_->PrimeAttention(a, s);
   }
-  Status LfpsScan(const LfpsScanArgs& a, StreamHandle s) override { return inner_->LfpsScan(a, s); }
+  Status ShadowScan(const ShadowScanArgs& a, StreamHandle s) override { return inner_->ShadowScan(a, s); }
   Status SplitStepList(const DecodeStepArgs& a, const SplitListArgs& sp, StreamHandle s) override {
     return inner_->SplitStepList(a, sp, s);
   }

@@ -380,7 +380,7 @@ PathChoice PathNamed(const std::string& name) {
 
 // Creates a Runtime whose RuntimeConfig::paths.prime is \p prime ("host", "device"; "" the
 // backend's own), and with \p path if given: "prime_eager", "cuda_prefill_paged",
-// "lfps_scan=host" or "lfps_scan=device".
+// "shadow_scan=host" or "shadow_scan=device".
 std::unique_ptr<Runtime> MakeRuntime(RuntimeConfig c, const char* prime, const char* path = nullptr) {
   c.paths.prime = PathNamed(prime);
   const std::string p = path == nullptr ? "" : path;
@@ -388,8 +388,8 @@ std::unique_ptr<Runtime> MakeRuntime(RuntimeConfig c, const char* prime, const c
     c.paths.prime_eager = true;
   } else if (p == "cuda_prefill_paged") {
     c.paths.cuda_prefill_paged = true;
-  } else if (p.rfind("lfps_scan=", 0) == 0) {
-    c.paths.lfps_scan = PathNamed(p.substr(10));
+  } else if (p.rfind("shadow_scan=", 0) == 0) {
+    c.paths.shadow_scan = PathNamed(p.substr(12));
   } else {
     EXPECT_TRUE(p.empty()) << "path '" << p << "'";
   }
@@ -572,23 +572,23 @@ TEST(LfpsPrimeRuntime, CudaGpuPrimedEqualsHostPrimed) {
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "cuda_prefill_paged"));
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kHost, dt), ""));
     rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "prime_eager"));
-    rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "lfps_scan=host"));
+    rts.push_back(MakeRuntime(PrimeConfig(Backend::kCuda, dt), "", "shadow_scan=host"));
     for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
     // Chunks after the first read their history through the overlapped page copies (segments
     // from 2 pages of 256 tokens on); the deferred priming reads the host store over PCIe, the
     // eager one (the fifth runtime) after each chunk. The last scans on the host.
     RunAndCompare(rts, {512, 512, 512, 21}, {0.0, 1e-5, 1e-4, 1e-4, 0.0, 1e-5},
                   {true, true, true, true, true, true});
-    // The CUDA runtimes rank the scan's keys on the GPU (gpu/lfps_scan.cu) unless told not to.
-    EXPECT_GT(rts[0]->GetStats().lfps_scans_device, 0);
-    EXPECT_EQ(rts[3]->GetStats().lfps_scans_device, 0);
-    EXPECT_EQ(rts[5]->GetStats().lfps_scans_device, 0);
+    // The CUDA runtimes rank the scan's keys on the GPU (gpu/shadow_scan.cu) unless told not to.
+    EXPECT_GT(rts[0]->GetStats().scans_device, 0);
+    EXPECT_EQ(rts[3]->GetStats().scans_device, 0);
+    EXPECT_EQ(rts[5]->GetStats().scans_device, 0);
   }
 }
 
-// LFPS's scan on the device, on the host backend's copy of the path (paths.lfps_scan = kDevice:
+// LFPS's scan on the device, on the host backend's copy of the path (paths.shadow_scan = kDevice:
 // the policy's shadow copied at priming, each step's new row written by the "device", the keys
-// ranked by cpu::LfpsScanRef, the host's Select taking the ranking): the same selections and
+// ranked by cpu::ShadowScanRef, the host's Select taking the ranking): the same selections and
 // outputs as the host's own scan, with either priming path. The window is shorter than the steps,
 // so rows the device wrote get ranked too.
 TEST(LfpsDeviceScanRuntime, HostDevicePathEqualsHostScan) {
@@ -597,12 +597,12 @@ TEST(LfpsDeviceScanRuntime, HostDevicePathEqualsHostScan) {
     RuntimeConfig c = PrimeConfig(Backend::kHost, DType::kBF16);
     c.tiers.window_tokens = 8;
     std::vector<std::unique_ptr<Runtime>> rts;
-    rts.push_back(MakeRuntime(c, prime, "lfps_scan=device"));
+    rts.push_back(MakeRuntime(c, prime, "shadow_scan=device"));
     rts.push_back(MakeRuntime(c, prime));
     for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
     RunAndCompare(rts, {512, 512, 512, 21}, {0.0, 0.0}, {true, true});
-    EXPECT_GT(rts[0]->GetStats().lfps_scans_device, 0);
-    EXPECT_EQ(rts[1]->GetStats().lfps_scans_device, 0);
+    EXPECT_GT(rts[0]->GetStats().scans_device, 0);
+    EXPECT_EQ(rts[1]->GetStats().scans_device, 0);
   }
 }
 
@@ -613,12 +613,12 @@ TEST(LfpsDeviceScanRuntime, MixedLengthsAndContinuedPromptsEqualHostScan) {
   RuntimeConfig c = PrimeConfig(Backend::kHost, DType::kBF16);
   c.tiers.window_tokens = 8;
   std::vector<std::unique_ptr<Runtime>> rts;
-  rts.push_back(MakeRuntime(c, "device", "lfps_scan=device"));
+  rts.push_back(MakeRuntime(c, "device", "shadow_scan=device"));
   rts.push_back(MakeRuntime(c, "device"));
   for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
   RunAndCompare(rts, {512, 512}, {0.0, 0.0}, {true, true}, /*skew=*/300, /*mid_chunk=*/40);
-  EXPECT_GT(rts[0]->GetStats().lfps_scans_device, 0);
-  EXPECT_EQ(rts[1]->GetStats().lfps_scans_device, 0);
+  EXPECT_GT(rts[0]->GetStats().scans_device, 0);
+  EXPECT_EQ(rts[1]->GetStats().scans_device, 0);
 }
 
 // PrHS's wrappers around lfps run the planned CPU step (they keep every resident position, as
@@ -640,17 +640,17 @@ TEST(LfpsDeviceScanRuntime, PrhsWrappersTakeTheDeviceRanking) {
     c.policy.name = name;
     c.policy.params = params;
     std::vector<std::unique_ptr<Runtime>> rts;
-    rts.push_back(MakeRuntime(c, "device", "lfps_scan=device"));
+    rts.push_back(MakeRuntime(c, "device", "shadow_scan=device"));
     rts.push_back(MakeRuntime(c, "device"));
     RuntimeConfig unplanned = c;
     unplanned.route = Route::kGpu;
     rts.push_back(MakeRuntime(unplanned, "device"));
     for (const auto& rt : rts) ASSERT_TRUE(rt != nullptr);
     RunAndCompare(rts, {512, 512, 21}, {0.0, 0.0, 2e-5}, {true, true, true});
-    EXPECT_GT(rts[0]->GetStats().lfps_scans_device, 0);
-    EXPECT_EQ(rts[0]->GetStats().lfps_scans_device_short, 0);
-    EXPECT_EQ(rts[1]->GetStats().lfps_scans_device, 0);
-    if (std::string_view(name) != "psaw+lfps") EXPECT_GT(rts[0]->GetStats().prhs_select_reused, 0);
+    EXPECT_GT(rts[0]->GetStats().scans_device, 0);
+    EXPECT_EQ(rts[0]->GetStats().scans_device_short, 0);
+    EXPECT_EQ(rts[1]->GetStats().scans_device, 0);
+    if (std::string_view(name) != "psaw+lfps") EXPECT_GT(rts[0]->GetStats().select_reused, 0);
   }
 }
 

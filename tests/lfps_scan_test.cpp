@@ -258,7 +258,7 @@ std::string FirstDiff(const std::vector<int32_t>& got, const std::vector<int32_t
 }
 
 // ---- the kernels: every table against the scalar reference, and the scalar one against frozen --
-TEST(LfpsScanTest, KernelsMatchTheReference) {
+TEST(ShadowScanTest, KernelsMatchTheReference) {
   std::mt19937 rng(11);
   const cpu::CpuKernels& ref = cpu::ScalarKernels();
   int checked = 0;
@@ -406,7 +406,7 @@ void RunPickCase(const PickCase& pc, uint32_t seed, int* retries) {
   }
 }
 
-TEST(LfpsScanTest, PicksMatchTheFrozenScan) {
+TEST(ShadowScanTest, PicksMatchTheFrozenScan) {
   // len, group, r, keys, weights, excl_frac, excl_best, need_frac
   const PickCase cases[] = {
       {1, 1, 1, Keys::kUniform, Weights::kScaled, 0.0, false, 1.0},
@@ -443,7 +443,7 @@ TEST(LfpsScanTest, PicksMatchTheFrozenScan) {
 constexpr int kHd = 128, kPage = 256;
 using testing_util::PagedHead;
 
-TEST(LfpsScanTest, SelectDoesNotDependOnThreads) {
+TEST(ShadowScanTest, SelectDoesNotDependOnThreads) {
   constexpr int kHeads = 4, kGroup = 4, kSteps = 12, kSink = 4, kWindow = 64;
   constexpr int64_t kN0 = 40000;
   std::mt19937 rng(77);
@@ -562,12 +562,12 @@ TEST(LfpsScanTest, SelectDoesNotDependOnThreads) {
   }
 }
 
-// ---- the scan's ranking from a device (Device::LfpsScan, SelectContext::scan) --------------------
-// A policy that takes its scan's picks from cpu::LfpsScanRef, run over a copy of its shadow that is
+// ---- the scan's ranking from a device (Device::ShadowScan, SelectContext::scan) --------------------
+// A policy that takes its scan's picks from cpu::ShadowScanRef, run over a copy of its shadow that is
 // extended by each step's new row (as the runtime's device copy is), selects what a policy that
 // scans on the host selects, every step: with the usual number of picks, and with so few that they
 // run short of C1's overlap (the policy then scans on the host, its own shadow rows behind).
-TEST(LfpsScanTest, DeviceRankingGivesTheHostPicks) {
+TEST(ShadowScanTest, DeviceRankingGivesTheHostPicks) {
   // A window shorter than the steps: rows the "device" wrote (new_pos) get ranked too.
   constexpr int kSteps = 14, kSink = 4, kWindow = 6;
   for (const int group : {4, 3}) {
@@ -658,7 +658,7 @@ TEST(LfpsScanTest, DeviceRankingGivesTheHostPicks) {
           for (int i = 1; i < 3; ++i) {
             const int64_t picks = i == 1 ? pols[i]->device_scan_picks(k_off) : 8;
             ASSERT_GT(picks, 0);
-            LfpsScanItem item;
+            ShadowScanItem item;
             item.shadow = static_cast<int64_t>(h) * hd * total;
             item.scale = static_cast<int64_t>(h) * hd;
             item.off_lo = kSink;
@@ -666,11 +666,11 @@ TEST(LfpsScanTest, DeviceRankingGivesTheHostPicks) {
             item.new_pos = n - 1;
             item.picks = std::min(picks, len);
             std::vector<uint32_t> keys(static_cast<size_t>(len));
-            std::vector<int32_t> ints(static_cast<size_t>(LfpsScanInts(1, group, lp.scan)));
+            std::vector<int32_t> ints(static_cast<size_t>(ShadowScanInts(1, group, lp.scan)));
             const int64_t list_cap = 2 * item.picks + 512;
             std::vector<uint64_t> ranked(static_cast<size_t>(list_cap));
             int32_t count = 0;
-            LfpsScanArgs a;
+            ShadowScanArgs a;
             a.items = 1;
             a.item = &item;
             a.group = group;
@@ -688,7 +688,7 @@ TEST(LfpsScanTest, DeviceRankingGivesTheHostPicks) {
             a.ints = ints.data();
             a.out = ranked.data();
             a.counts = &count;
-            cpu::LfpsScanRef(a);
+            cpu::ShadowScanRef(a);
             ASSERT_TRUE(count == -1 || count >= item.picks) << count;
             DeviceScanPicks dp;
             dp.picks = ranked.data();
@@ -715,7 +715,7 @@ TEST(LfpsScanTest, DeviceRankingGivesTheHostPicks) {
 // The runtime's decode step with one KV head (so each Select gets every pool thread,
 // SelectContext::threads > 1, and its scan splits into tasks of the pool's arena) selects what a
 // one-thread runtime selects, and its CPU attention split over the threads gives its output.
-TEST(LfpsScanTest, RuntimeSelectsTheSameWithMorePoolThreads) {
+TEST(ShadowScanTest, RuntimeSelectsTheSameWithMorePoolThreads) {
   constexpr int kHd = 64, kGroup = 4, kPrime = 32, kSteps = 8;
   constexpr int64_t kCtx = 24000;
   std::vector<std::unique_ptr<Runtime>> rts;

@@ -144,12 +144,12 @@ TEST(PrhsCis, RhoAtLeastOneOverS) {
       const int steps = 32;
       Trace t = RunSteps(Config("cis+oracle", 2, 4, 64, {{"cis.s", s}, {"cis.tau", tau}}), 300,
                          steps, 0.3f, 11u + s);
-      const int64_t calls = t.stats.prhs_select_calls, reused = t.stats.prhs_select_reused;
+      const int64_t calls = t.stats.select_calls, reused = t.stats.select_reused;
       ASSERT_EQ(calls + reused, int64_t{steps} * 2 * 2) << "every (step, layer, head) counted";
       const double rho = static_cast<double>(calls) / static_cast<double>(calls + reused);
       EXPECT_GE(rho, 1.0 / s - 1e-12) << "s " << s << " tau " << tau;
       if (tau == -1.0) EXPECT_DOUBLE_EQ(rho, 1.0 / s) << "tau = -1 shares every non-first step";
-      EXPECT_NE(t.stats.ToJson().find("\"prhs_select_calls\":" + std::to_string(calls)),
+      EXPECT_NE(t.stats.ToJson().find("\"select_calls\":" + std::to_string(calls)),
                 std::string::npos);
     }
   }
@@ -163,11 +163,11 @@ TEST(PrhsCis, GroupMeanSharesAtLeastAsOftenAsGroupMin) {
                   {{"cis.s", 16}, {"cis.tau", 0.8}, {"cis.group_mean", mean}});
   };
   Trace a = RunSteps(cfg(0), 300, 32, 0.45f, 13u), b = RunSteps(cfg(1), 300, 32, 0.45f, 13u);
-  EXPECT_LT(b.stats.prhs_select_calls, a.stats.prhs_select_calls);
-  EXPECT_GT(a.stats.prhs_select_calls, 2 * 2 * 2) << "the min gate retrieves inside blocks";
+  EXPECT_LT(b.stats.select_calls, a.stats.select_calls);
+  EXPECT_GT(a.stats.select_calls, 2 * 2 * 2) << "the min gate retrieves inside blocks";
   std::printf("[ info ] min gate calls %lld, mean gate calls %lld of %d\n",
-              static_cast<long long>(a.stats.prhs_select_calls),
-              static_cast<long long>(b.stats.prhs_select_calls), 32 * 2 * 2);
+              static_cast<long long>(a.stats.select_calls),
+              static_cast<long long>(b.stats.select_calls), 32 * 2 * 2);
 }
 
 TEST(PrhsCis, TauAboveOneIsTheBasePolicy) {
@@ -184,8 +184,8 @@ TEST(PrhsCis, TauAboveOneIsTheBasePolicy) {
     EXPECT_EQ(MaxRelErr(b2, b), 0.0) << base;
     std::printf("[ info ] %s: wrapped vs base %.3g, base vs base %.3g\n", base.c_str(),
                 MaxRelErr(w, b), MaxRelErr(b2, b));
-    EXPECT_EQ(w.stats.prhs_select_reused, 0);
-    EXPECT_EQ(b.stats.prhs_select_calls, 0) << "an unwrapped policy counts nothing";
+    EXPECT_EQ(w.stats.select_reused, 0);
+    EXPECT_EQ(b.stats.select_calls, 0) << "an unwrapped policy counts nothing";
   }
 }
 
@@ -323,7 +323,7 @@ TEST(PrhsPsaw, FilterListEqualsThePlainDefinition) {
 TEST(PrhsPsaw, StackWithCis) {
   Trace t = RunSteps(Config("psaw+cis+oracle", 8, 2, 64, {{"cis.s", 4}, {"psaw.phi", 0.5}}), 300, 8,
                 0.2f, 4u);
-  const int64_t calls = t.stats.prhs_select_calls, reused = t.stats.prhs_select_reused;
+  const int64_t calls = t.stats.select_calls, reused = t.stats.select_reused;
   EXPECT_EQ(calls + reused, 8 * 8 * 2);
   EXPECT_GE(calls * 4, calls + reused);
   const int64_t n = 301, hide = PsawHiddenEnd(7, 8, 6, 0.5, n);
@@ -673,14 +673,14 @@ TEST(PrhsCis, RemovedSequenceStartsFresh) {
   ASSERT_TRUE(r.ok());
   Runtime& rt = *r.value();
   RunSteps(c, 200, 3, 0.3f, 1u, &rt, 5);  // 1 retrieval + 2 reuses per head
-  EXPECT_EQ(rt.GetStats().prhs_select_calls, 2);
-  EXPECT_EQ(rt.GetStats().prhs_select_reused, 4);
+  EXPECT_EQ(rt.GetStats().select_calls, 2);
+  EXPECT_EQ(rt.GetStats().select_reused, 4);
   ASSERT_TRUE(rt.RemoveSequence(5).ok());
   rt.ResetStats();
   // The same id again: a block start, not step 4 of the old block.
   RunSteps(c, 200, 1, 0.3f, 2u, &rt, 5);
-  EXPECT_EQ(rt.GetStats().prhs_select_calls, 2);
-  EXPECT_EQ(rt.GetStats().prhs_select_reused, 0);
+  EXPECT_EQ(rt.GetStats().select_calls, 2);
+  EXPECT_EQ(rt.GetStats().select_reused, 0);
 }
 
 TEST(PrhsWrappers, BadParametersAndNames) {

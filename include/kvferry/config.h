@@ -121,7 +121,7 @@ struct ReferencePaths {
   bool prime_eager = false;
   /// LFPS's candidate scan over its int8 shadow of K. kAuto on CUDA: on the device unless its
   /// buffers would take more than a quarter of an uncapped GPU; kDevice there takes them anyway.
-  PathChoice lfps_scan = PathChoice::kAuto;
+  PathChoice shadow_scan = PathChoice::kAuto;
   /// CUDA prefill with the CUDA-core paged kernel (the reference) instead of the tensor cores.
   bool cuda_prefill_paged = false;
 };

@@ -54,14 +54,14 @@ struct Stats {
   /// the bank kept none of that step's rows and later steps fetch them from the host again.
   int64_t bank_admit_failures = 0;
   /// Selection wrappers (cis+, xl+): Select calls that ran the inner (base) selection and calls
-  /// answered from a kept set; rho = prhs_select_calls / (prhs_select_calls + prhs_select_reused).
-  int64_t prhs_select_calls = 0;
-  int64_t prhs_select_reused = 0;
+  /// answered from a kept set; rho = select_calls / (select_calls + select_reused).
+  int64_t select_calls = 0;
+  int64_t select_reused = 0;
   /// LFPS's scan (policy param "scan"): scans answered from the ranking the device computed over
-  /// its copy of the int8 shadow of K (CUDA; RuntimeConfig::paths.lfps_scan = kHost turns it off), and those
+  /// its copy of the int8 shadow of K (CUDA; RuntimeConfig::paths.shadow_scan = kHost turns it off), and those
   /// where too few of its picks lay outside the tables' candidates, so the host scanned.
-  int64_t lfps_scans_device = 0;
-  int64_t lfps_scans_device_short = 0;
+  int64_t scans_device = 0;
+  int64_t scans_device_short = 0;
   /// Bytes a device selection (policies whose device_scoring is not kNone, in the planned step)
   /// read to rank positions, summed over KV heads and layers: the oracle's keys (every position's
   /// K row), Quest's page bounds (two rows a page of the offloaded range), SparCas's compact keys
@@ -120,7 +120,64 @@ struct Stats {
   /// on, plus the workspace of each caller's stream the CUDA kernels ran on (32 MiB each).
   int64_t device_bytes_reserved = 0;
 
-  /// One JSON object with every field above.
+  /// Calls \p f(name, field) for every field above, in order: what ToJson and the Python
+  /// binding's stats() write (tests/config_fields_test.cpp checks that it visits every field).
+  template <class F>
+  void ForEachField(F&& f) const { VisitFields(*this, f); }
+  template <class F>
+  void ForEachField(F&& f) { VisitFields(*this, f); }
+  template <class S, class F>
+  static void VisitFields(S& s, F& f) {
+    f("prefill_tokens", s.prefill_tokens);
+    f("prefill_chunks_prefetched", s.prefill_chunks_prefetched);
+    f("decode_steps", s.decode_steps);
+    f("decode_tokens", s.decode_tokens);
+    f("decode_planned", s.decode_planned);
+    f("decode_split", s.decode_split);
+    f("decode_prefetched", s.decode_prefetched);
+    f("xl_gap_us", s.xl_gap_us);
+    f("decode_plans", s.decode_plans);
+    f("host_syncs", s.host_syncs);
+    f("bytes_h2d", s.bytes_h2d);
+    f("bytes_d2h", s.bytes_d2h);
+    f("rows_resident", s.rows_resident);
+    f("rows_bank_hit", s.rows_bank_hit);
+    f("rows_fetched", s.rows_fetched);
+    f("rows_cpu", s.rows_cpu);
+    f("rows_selected", s.rows_selected);
+    f("rows_window", s.rows_window);
+    f("bank_admitted", s.bank_admitted);
+    f("bank_evicted", s.bank_evicted);
+    f("bank_admit_failures", s.bank_admit_failures);
+    f("select_calls", s.select_calls);
+    f("select_reused", s.select_reused);
+    f("scans_device", s.scans_device);
+    f("scans_device_short", s.scans_device_short);
+    f("select_key_bytes", s.select_key_bytes);
+    f("ms_append", s.ms_append);
+    f("ms_select", s.ms_select);
+    f("ms_resolve", s.ms_resolve);
+    f("ms_attend_gpu", s.ms_attend_gpu);
+    f("ms_attend_cpu", s.ms_attend_cpu);
+    f("ms_merge", s.ms_merge);
+    f("ms_admit", s.ms_admit);
+    f("ms_prefill", s.ms_prefill);
+    f("ms_select_device", s.ms_select_device);
+    f("ms_attend_device", s.ms_attend_device);
+    f("ms_prime", s.ms_prime);
+    f("cost_pcie_gbps", s.cost_pcie_gbps);
+    f("split_share", s.split_share);
+    f("cost_cpu_gbps", s.cost_cpu_gbps);
+    f("ms_cpu_attend_busy", s.ms_cpu_attend_busy);
+    f("cost_cpu_gbps_measured", s.cost_cpu_gbps_measured);
+    f("cost_h2d_gbps", s.cost_h2d_gbps);
+    f("cost_hbm_gbps", s.cost_hbm_gbps);
+    f("cost_select_gbps_measured", s.cost_select_gbps_measured);
+    f("cost_attend_gbps_measured", s.cost_attend_gbps_measured);
+    f("host_bytes_reserved", s.host_bytes_reserved);
+    f("device_bytes_reserved", s.device_bytes_reserved);
+  }
+  /// One JSON object with every field above (ForEachField).
   [[nodiscard]] std::string ToJson() const;
 };
 

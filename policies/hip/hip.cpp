@@ -81,11 +81,6 @@ Result<HipParams> ParseHipParams(const std::map<std::string, double>& params) {
   return ParseParams<H>("hip", params, kTable);
 }
 
-int HipBits(const HipParams& params, int head_dim) {
-  if (params.bits != 0) return params.bits;
-  return head_dim % 8 == 0 ? 4 : 16;
-}
-
 SparcasParams HipDenseRanking() {
   SparcasParams sp;
   sp.d_b = 1 << 20;  // clamped to head_dim: every dimension

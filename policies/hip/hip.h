@@ -126,8 +126,8 @@ struct HipParams {
   double drift = 0.7;
 };
 
-/// The bits HiP scores with at \p head_dim.
-int HipBits(const HipParams& params, int head_dim);
+/// The bits HiP scores with at \p head_dim (ScoreBitsFor).
+inline int HipBits(const HipParams& params, int head_dim) { return ScoreBitsFor(params.bits, head_dim); }
 
 /// The SparCas selection HiP's dense layers (and its guarded heads) take: a 4-bit top-k over every
 /// dimension of the raw rows (no channel smoothing, as HiP's device selection ranks them), never

@@ -39,40 +39,27 @@ class JsonParser {
     if (i_ >= s_.size()) return false;
     const char c = s_[i_];
     if (c == '{') {
-      ++i_;
       out.kind = Json::kObj;
-      Skip();
-      if (Peek('}')) return ++i_, true;
-      for (;;) {
-        Json key;
+      return ParseList('}', [&] {
+        Json key, v;
         Skip();
         if (!ParseString(key.str)) return false;
         Skip();
         if (!Peek(':')) return false;
         ++i_;
-        Json v;
         if (!Parse(v, depth + 1)) return false;
         out.obj.emplace_back(std::move(key.str), std::move(v));
-        Skip();
-        if (Peek(',')) { ++i_; continue; }
-        if (Peek('}')) return ++i_, true;
-        return false;
-      }
+        return true;
+      });
     }
     if (c == '[') {
-      ++i_;
       out.kind = Json::kArr;
-      Skip();
-      if (Peek(']')) return ++i_, true;
-      for (;;) {
+      return ParseList(']', [&] {
         Json v;
         if (!Parse(v, depth + 1)) return false;
         out.arr.push_back(std::move(v));
-        Skip();
-        if (Peek(',')) { ++i_; continue; }
-        if (Peek(']')) return ++i_, true;
-        return false;
-      }
+        return true;
+      });
     }
     if (c == '"') {
       out.kind = Json::kStr;
@@ -88,6 +75,24 @@ class JsonParser {
   }
 
  private:
+  // The members of an object or array: at its opening bracket, \p item for each (it reads one
+  // member), separated by commas, up to \p close.
+  template <class Item>
+  bool ParseList(char close, Item&& item) {
+    ++i_;
+    Skip();
+    if (Peek(close)) return ++i_, true;
+    for (;;) {
+      if (!item()) return false;
+      Skip();
+      if (Peek(',')) {
+        ++i_;
+        continue;
+      }
+      if (Peek(close)) return ++i_, true;
+      return false;
+    }
+  }
   void Skip() {
     while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\n' || s_[i_] == '\t' || s_[i_] == '\r')) ++i_;
   }

@@ -1300,7 +1300,7 @@ int64_t LfpsPolicy::HostScanPicks(SelectStep& s, int r, int64_t want_scan, int32
   float* imp = Room(sc.chan_imp, hd);
   int32_t* ch = Room(sc.chans, hd);
   int32_t* wq = Room(sc.scan_w, static_cast<int64_t>(group) * r);
-  cpu::LfpsScanWeights(ctx.q, st->k8_scale.data(), group, static_cast<int>(hd), r, imp, ch, wq);
+  cpu::ShadowScanWeights(ctx.q, st->k8_scale.data(), group, static_cast<int>(hd), r, imp, ch, wq);
   const int8_t* rows[256];
   for (int c = 0; c < r; ++c) rows[c] = st->k8.get() + static_cast<int64_t>(ch[c]) * st->k8_cap + s.off_lo;
   // Approximate logits (exact integers: every kernel table agrees bit for bit), then the

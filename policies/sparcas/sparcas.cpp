@@ -81,11 +81,6 @@ Result<SparcasParams> ParseSparcasParams(const std::map<std::string, double>& pa
   return ParseParams<SparcasParams>("sparcas", params, kTable);
 }
 
-int SparcasBits(const SparcasParams& params, int head_dim) {
-  if (params.bits != 0) return params.bits;
-  return head_dim % 8 == 0 ? 4 : 16;
-}
-
 int SparcasDb(const SparcasParams& params, int head_dim) {
   int d_b = params.d_b;
   if (d_b <= 0) {

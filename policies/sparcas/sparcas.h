@@ -79,8 +79,10 @@ struct SparcasParams {
 
 Result<SparcasParams> ParseSparcasParams(const std::map<std::string, double>& params);
 
-/// Bits per kept dimension in effect for \p head_dim (params.bits, or 4 when head_dim % 8 == 0).
-int SparcasBits(const SparcasParams& params, int head_dim);
+/// Bits per kept dimension in effect for \p head_dim (ScoreBitsFor).
+inline int SparcasBits(const SparcasParams& params, int head_dim) {
+  return ScoreBitsFor(params.bits, head_dim);
+}
 
 /// d_b in effect for \p head_dim (when params.d_b == 0: 16/128 of head_dim at 16 bits, half of it
 /// rounded up to a multiple of 8 at 4 bits), clamped to [1, head_dim].

@@ -149,7 +149,7 @@ class RuntimeConfig:
     #: Prime after every prefill chunk instead of once at the first decode (the same selections).
     prime_eager: bool = False
     #: LFPS's candidate scan: "auto", "host" or "device".
-    lfps_scan_path: str = "auto"
+    shadow_scan_path: str = "auto"
     #: CUDA prefill on the CUDA-core paged kernel instead of the tensor cores.
     cuda_prefill_paged: bool = False
 

@@ -154,7 +154,7 @@ constexpr const char* kConfigFields[] = {
     "bank_slots", "bank_map", "policy", "budget", "budget_fraction", "params", "weights_path",
     "route", "backend", "device_id", "cpu_threads", "probe_at_start", "async_cpu",
     "xl_prefetch", "xl_prefetch_gap_us", "split_share", "split_min_us", "cpu_spin_us",
-    "prime_path", "prime_eager", "lfps_scan_path", "cuda_prefill_paged"};
+    "prime_path", "prime_eager", "shadow_scan_path", "cuda_prefill_paged"};
 
 // RuntimeConfig from the package's RuntimeConfig dataclass (as a dict of its fields).
 RuntimeConfig ConfigFromDict(const nb::dict& d) {
@@ -332,63 +332,14 @@ RuntimeConfig ConfigFromDict(const nb::dict& d) {
   };
   get_path("prime_path", c.paths.prime);
   get_as("prime_eager", c.paths.prime_eager, "a bool");
-  get_path("lfps_scan_path", c.paths.lfps_scan);
+  get_path("shadow_scan_path", c.paths.shadow_scan);
   get_as("cuda_prefill_paged", c.paths.cuda_prefill_paged, "a bool");
   return c;
 }
 
 nb::dict StatsDict(const Stats& s) {
   nb::dict d;
-#define KVF_STAT(f) d[#f] = s.f
-  KVF_STAT(prefill_tokens);
-  KVF_STAT(prefill_chunks_prefetched);
-  KVF_STAT(decode_steps);
-  KVF_STAT(decode_tokens);
-  KVF_STAT(decode_planned);
-  KVF_STAT(decode_split);
-  KVF_STAT(decode_prefetched);
-  KVF_STAT(xl_gap_us);
-  KVF_STAT(decode_plans);
-  KVF_STAT(host_syncs);
-  KVF_STAT(bytes_h2d);
-  KVF_STAT(bytes_d2h);
-  KVF_STAT(rows_resident);
-  KVF_STAT(rows_bank_hit);
-  KVF_STAT(rows_fetched);
-  KVF_STAT(rows_cpu);
-  KVF_STAT(rows_selected);
-  KVF_STAT(rows_window);
-  KVF_STAT(bank_admitted);
-  KVF_STAT(bank_evicted);
-  KVF_STAT(bank_admit_failures);
-  KVF_STAT(prhs_select_calls);
-  KVF_STAT(prhs_select_reused);
-  KVF_STAT(lfps_scans_device);
-  KVF_STAT(lfps_scans_device_short);
-  KVF_STAT(select_key_bytes);
-  KVF_STAT(ms_append);
-  KVF_STAT(ms_select);
-  KVF_STAT(ms_select_device);
-  KVF_STAT(ms_attend_device);
-  KVF_STAT(ms_resolve);
-  KVF_STAT(ms_attend_gpu);
-  KVF_STAT(ms_attend_cpu);
-  KVF_STAT(ms_merge);
-  KVF_STAT(ms_admit);
-  KVF_STAT(ms_prefill);
-  KVF_STAT(ms_prime);
-  KVF_STAT(cost_pcie_gbps);
-  KVF_STAT(split_share);
-  KVF_STAT(cost_cpu_gbps);
-  KVF_STAT(ms_cpu_attend_busy);
-  KVF_STAT(cost_cpu_gbps_measured);
-  KVF_STAT(cost_h2d_gbps);
-  KVF_STAT(cost_hbm_gbps);
-  KVF_STAT(cost_select_gbps_measured);
-  KVF_STAT(cost_attend_gbps_measured);
-  KVF_STAT(host_bytes_reserved);
-  KVF_STAT(device_bytes_reserved);
-#undef KVF_STAT
+  s.ForEachField([&](const char* name, auto value) { d[name] = value; });
   return d;
 }
 

@@ -373,15 +373,15 @@ def test_config_fields_are_one_table():
 def test_reference_paths_are_config_fields():
     """The reference paths (RuntimeConfig::paths) are fields, checked at create: lfps primed after
     every chunk (prime_eager) decodes as the deferred priming does, bit for bit; the host backend's
-    copy of the device priming and scan paths (prime_path / lfps_scan_path "device") gives the same
+    copy of the device priming and scan paths (prime_path / shadow_scan_path "device") gives the same
     outputs within fp32 rounding, and the scan path is the one that ran."""
-    for name in ("prime_path", "lfps_scan_path"):
+    for name in ("prime_path", "shadow_scan_path"):
         with pytest.raises(ValueError, match=rf"{name} must be 'auto', 'host' or 'device' \(got 'gpu'\)"):
             make_rt(**{name: "gpu"})
     with pytest.raises(TypeError, match=r"prime_eager must be a bool"):
         make_rt(prime_eager="yes")
     variants = [{}, {"prime_eager": True}, {"prime_path": "device"},
-                {"prime_path": "device", "lfps_scan_path": "device"}]
+                {"prime_path": "device", "shadow_scan_path": "device"}]
     rts = [make_rt(policy="lfps", budget=48, max_prefill_chunk=128, **v) for v in variants]
     for rt in rts:
         rt.add_sequence(1)
@@ -399,7 +399,7 @@ def test_reference_paths_are_config_fields():
             assert torch.equal(outs[0], outs[1])
             for o in outs[2:]:
                 assert torch.allclose(o, outs[0], rtol=0, atol=1e-5)
-    assert rts[0].stats()["lfps_scans_device"] == 0 < rts[3].stats()["lfps_scans_device"]
+    assert rts[0].stats()["scans_device"] == 0 < rts[3].stats()["scans_device"]
 
 
 def test_gpu_bytes_cap_refuses_what_does_not_fit_and_sizes_the_auto_bank():

@@ -1,6 +1,6 @@
 // Copyright kvferry authors. Apache-2.0.
 // LFPS's approximate scan (policies/lfps/lfps.cpp, step 3a) on the GPU, over the device's copy of the
-// policy's int8 channel-major shadow of K (LfpsScanArgs has the definition; cpu::LfpsScanRef is
+// policy's int8 channel-major shadow of K (ShadowScanArgs has the definition; cpu::ShadowScanRef is
 // the specification). Per batch of (sequence, KV head) items:
 //   1. ScanPrepKernel, a CTA per item: the new token's shadow row, the channel choice and the
 //      integer weights, the head maxima reset;
@@ -56,14 +56,14 @@ __device__ __forceinline__ float RoundTo(float x, DType t) {
   return x;
 }
 
-__device__ __forceinline__ int32_t* ItemInts(const LfpsScanArgs& a, int64_t item) {
+__device__ __forceinline__ int32_t* ItemInts(const ShadowScanArgs& a, int64_t item) {
   return a.ints + item * (a.group + a.channels + int64_t{a.group} * a.channels);
 }
 
-__global__ void __launch_bounds__(kPrepThreads) ScanPrepKernel(LfpsScanArgs a) {
+__global__ void __launch_bounds__(kPrepThreads) ScanPrepKernel(ShadowScanArgs a) {
   const int64_t it = blockIdx.x;
   // The table from mapped host memory, once, into the device copy the later passes read.
-  const LfpsScanItem item = a.item_host != nullptr ? a.item_host[it] : a.item[it];
+  const ShadowScanItem item = a.item_host != nullptr ? a.item_host[it] : a.item[it];
   if (a.item_host != nullptr && threadIdx.x == 0) a.item[it] = item;
   const int hd = a.head_dim, group = a.group, tid = threadIdx.x;
   const float* scale = a.scale + item.scale;
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kPrepThreads) ScanPrepKernel(LfpsScanArgs a) {
     a.shadow[item.shadow + tid * a.cap + item.new_pos] = static_cast<int8_t>(__float2int_rn(v));
   }
   if (item.len <= 0 || item.picks <= 0) return;
-  __shared__ float q[kLfpsScanMaxGroup * kMaxDim];
+  __shared__ float q[kShadowScanMaxGroup * kMaxDim];
   __shared__ float imp[kMaxDim];
   __shared__ int32_t ch[kMaxDim];
   __shared__ float s_wscale;
@@ -115,10 +115,10 @@ __global__ void __launch_bounds__(kPrepThreads) ScanPrepKernel(LfpsScanArgs a) {
 }
 
 // The logits of this thread's keys j0 .. j0 + 3 (zero past len) into acc.
-__device__ __forceinline__ void Logits(const LfpsScanArgs& a, const LfpsScanItem& item,
+__device__ __forceinline__ void Logits(const ShadowScanArgs& a, const ShadowScanItem& item,
                                        const int32_t* ch, const int32_t* w, int r, int64_t j0,
-                                       int32_t (&acc)[kLfpsScanMaxGroup][kKeysPerThread]) {
-  for (int g = 0; g < kLfpsScanMaxGroup; ++g) {
+                                       int32_t (&acc)[kShadowScanMaxGroup][kKeysPerThread]) {
+  for (int g = 0; g < kShadowScanMaxGroup; ++g) {
     for (int u = 0; u < kKeysPerThread; ++u) acc[g][u] = 0;
   }
   for (int c = 0; c < r; ++c) {
@@ -126,7 +126,7 @@ __device__ __forceinline__ void Logits(const LfpsScanArgs& a, const LfpsScanItem
     int32_t x[kKeysPerThread];
     for (int u = 0; u < kKeysPerThread; ++u) x[u] = j0 + u < item.len ? row[j0 + u] : 0;
 #pragma unroll
-    for (int g = 0; g < kLfpsScanMaxGroup; ++g) {
+    for (int g = 0; g < kShadowScanMaxGroup; ++g) {
       if (g < a.group) {
         const int32_t wg = w[g * r + c];
         for (int u = 0; u < kKeysPerThread; ++u) acc[g][u] += wg * x[u];
@@ -136,7 +136,7 @@ __device__ __forceinline__ void Logits(const LfpsScanArgs& a, const LfpsScanItem
 }
 
 // Channels and weights of the item into shared memory; false if the item ranks nothing.
-__device__ __forceinline__ bool LoadWeights(const LfpsScanArgs& a, int64_t it, const LfpsScanItem& item,
+__device__ __forceinline__ bool LoadWeights(const ShadowScanArgs& a, int64_t it, const ShadowScanItem& item,
                                             int32_t* ch, int32_t* w) {
   if (item.len <= 0 || item.picks <= 0) return false;
   const int r = min(a.channels, a.head_dim);
@@ -147,15 +147,15 @@ __device__ __forceinline__ bool LoadWeights(const LfpsScanArgs& a, int64_t it, c
   return true;
 }
 
-__global__ void __launch_bounds__(kScanThreads) ScanMaxKernel(LfpsScanArgs a) {
+__global__ void __launch_bounds__(kScanThreads) ScanMaxKernel(ShadowScanArgs a) {
   const int64_t it = blockIdx.y;
-  const LfpsScanItem item = a.item[it];
+  const ShadowScanItem item = a.item[it];
   __shared__ int32_t ch[kMaxDim];
-  __shared__ int32_t w[kLfpsScanMaxGroup * kMaxDim];
+  __shared__ int32_t w[kShadowScanMaxGroup * kMaxDim];
   const int64_t j0 = (static_cast<int64_t>(blockIdx.x) * kScanThreads + threadIdx.x) * kKeysPerThread;
   if (static_cast<int64_t>(blockIdx.x) * kScanThreads * kKeysPerThread >= item.len) return;
   if (!LoadWeights(a, it, item, ch, w)) return;
-  int32_t acc[kLfpsScanMaxGroup][kKeysPerThread];
+  int32_t acc[kShadowScanMaxGroup][kKeysPerThread];
   Logits(a, item, ch, w, min(a.channels, a.head_dim), j0, acc);
   int32_t* mx = ItemInts(a, it);
   for (int g = 0; g < a.group; ++g) {
@@ -173,22 +173,22 @@ __device__ __forceinline__ void WarpCount(uint32_t* bins, uint32_t bin, bool in)
 }
 
 // Keys, and the histograms of their top 16 bits (global) and top 8 bits (per block, then global).
-__global__ void __launch_bounds__(kScanThreads) ScanScoreKernel(LfpsScanArgs a) {
+__global__ void __launch_bounds__(kScanThreads) ScanScoreKernel(ShadowScanArgs a) {
   const int64_t it = blockIdx.y;
-  const LfpsScanItem item = a.item[it];
+  const ShadowScanItem item = a.item[it];
   __shared__ int32_t ch[kMaxDim];
-  __shared__ int32_t w[kLfpsScanMaxGroup * kMaxDim];
-  __shared__ int32_t mx[kLfpsScanMaxGroup];
+  __shared__ int32_t w[kShadowScanMaxGroup * kMaxDim];
+  __shared__ int32_t mx[kShadowScanMaxGroup];
   __shared__ uint32_t coarse[256];
   const int64_t j0 = (static_cast<int64_t>(blockIdx.x) * kScanThreads + threadIdx.x) * kKeysPerThread;
-  if (static_cast<int64_t>(blockIdx.x) * kLfpsScanBlockKeys >= item.len) return;
+  if (static_cast<int64_t>(blockIdx.x) * kShadowScanBlockKeys >= item.len) return;
   if (threadIdx.x < a.group) mx[threadIdx.x] = ItemInts(a, it)[threadIdx.x];
   coarse[threadIdx.x] = 0;  // kScanThreads == 256
   if (!LoadWeights(a, it, item, ch, w)) return;
-  int32_t acc[kLfpsScanMaxGroup][kKeysPerThread];
+  int32_t acc[kShadowScanMaxGroup][kKeysPerThread];
   Logits(a, item, ch, w, min(a.channels, a.head_dim), j0, acc);
   uint32_t* keys = a.keys + it * a.max_len;
-  uint32_t* fine = a.hist + it * kLfpsScanHistStride;
+  uint32_t* fine = a.hist + it * kShadowScanHistStride;
   for (int u = 0; u < kKeysPerThread; ++u) {
     const bool in = j0 + u < item.len;
     uint32_t key = 0;
@@ -238,14 +238,14 @@ __device__ __forceinline__ int WarpCrossing(const uint32_t* bins, uint32_t above
 // Per item: the 16-bit bin of the picks-th largest key, from the top-8-bit bins down to the
 // 16-bit ones inside the bin that holds it; counts[item] = the keys at or above it (before the
 // capacity check of ScanWriteKernel). One warp per item.
-__global__ void ScanThresholdKernel(LfpsScanArgs a, uint32_t* thr) {
+__global__ void ScanThresholdKernel(ShadowScanArgs a, uint32_t* thr) {
   const int64_t it = blockIdx.x;
-  const LfpsScanItem item = a.item[it];
+  const ShadowScanItem item = a.item[it];
   if (item.len <= 0 || item.picks <= 0) {
     if (threadIdx.x == 0) a.counts[it] = 0;
     return;
   }
-  const uint32_t* fine = a.hist + it * kLfpsScanHistStride;
+  const uint32_t* fine = a.hist + it * kShadowScanHistStride;
   const uint32_t picks = static_cast<uint32_t>(min(item.picks, item.len));
   uint32_t above = 0;
   const int c = WarpCrossing(fine + 65536, 0, picks, &above);
@@ -256,11 +256,11 @@ __global__ void ScanThresholdKernel(LfpsScanArgs a, uint32_t* thr) {
   }
 }
 
-// Keys at or above the threshold in each block of kLfpsScanBlockKeys.
-__global__ void __launch_bounds__(kScanThreads) ScanCountKernel(LfpsScanArgs a, const uint32_t* thr) {
+// Keys at or above the threshold in each block of kShadowScanBlockKeys.
+__global__ void __launch_bounds__(kScanThreads) ScanCountKernel(ShadowScanArgs a, const uint32_t* thr) {
   const int64_t it = blockIdx.y;
-  const LfpsScanItem item = a.item[it];
-  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * kLfpsScanBlockKeys;
+  const ShadowScanItem item = a.item[it];
+  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * kShadowScanBlockKeys;
   if (b0 >= item.len || item.picks <= 0) return;
   const uint32_t t = thr[it];
   const uint32_t* keys = a.keys + it * a.max_len;
@@ -272,19 +272,19 @@ __global__ void __launch_bounds__(kScanThreads) ScanCountKernel(LfpsScanArgs a, 
   using Reduce = cub::BlockReduce<int, kScanThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   const int total = Reduce(tmp).Sum(n);
-  const int64_t blocks = (a.max_len + kLfpsScanBlockKeys - 1) / kLfpsScanBlockKeys;
+  const int64_t blocks = (a.max_len + kShadowScanBlockKeys - 1) / kShadowScanBlockKeys;
   if (threadIdx.x == 0) a.block_counts[it * blocks + blockIdx.x] = total;
 }
 
 // The keys at or above the threshold in ascending j (each block after the blocks before it), or
 // counts[item] = -1 when they exceed max_picks; then the block's share of the histograms zeroed
 // for the next launch.
-__global__ void __launch_bounds__(kScanThreads) ScanWriteKernel(LfpsScanArgs a, const uint32_t* thr) {
+__global__ void __launch_bounds__(kScanThreads) ScanWriteKernel(ShadowScanArgs a, const uint32_t* thr) {
   const int64_t it = blockIdx.y;
-  const LfpsScanItem item = a.item[it];
-  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * kLfpsScanBlockKeys;
-  const int64_t blocks = (a.max_len + kLfpsScanBlockKeys - 1) / kLfpsScanBlockKeys;
-  const int64_t item_blocks = (item.len + kLfpsScanBlockKeys - 1) / kLfpsScanBlockKeys;
+  const ShadowScanItem item = a.item[it];
+  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * kShadowScanBlockKeys;
+  const int64_t blocks = (a.max_len + kShadowScanBlockKeys - 1) / kShadowScanBlockKeys;
+  const int64_t item_blocks = (item.len + kShadowScanBlockKeys - 1) / kShadowScanBlockKeys;
   if (b0 < item.len && item.picks > 0) {
     __shared__ int s_before, s_total;
     if (threadIdx.x < 32) {
@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(kScanThreads) ScanWriteKernel(LfpsScanArgs a, 
       __shared__ typename Scan::TempStorage tmp;
       // The block's entries in order in shared memory, then stored by consecutive threads: whole
       // lines, also when out is mapped host memory (each store a PCIe write).
-      __shared__ uint64_t stage[kLfpsScanBlockKeys];
+      __shared__ uint64_t stage[kShadowScanBlockKeys];
       int at = 0, block_n = 0;
       Scan(tmp).ExclusiveSum(n, at, block_n);
       for (int u = 0; u < kKeysPerThread; ++u) {
@@ -331,37 +331,37 @@ __global__ void __launch_bounds__(kScanThreads) ScanWriteKernel(LfpsScanArgs a, 
   }
   // Zero the item's histograms: its blocks split the 65536 + 256 words.
   if (item.len > 0 && item.picks > 0 && blockIdx.x < item_blocks) {
-    uint32_t* h = a.hist + it * kLfpsScanHistStride;
-    const int64_t per = (kLfpsScanHistStride + item_blocks - 1) / item_blocks;
+    uint32_t* h = a.hist + it * kShadowScanHistStride;
+    const int64_t per = (kShadowScanHistStride + item_blocks - 1) / item_blocks;
     const int64_t lo = blockIdx.x * per;
-    const int64_t hi = lo + per < kLfpsScanHistStride ? lo + per : kLfpsScanHistStride;
+    const int64_t hi = lo + per < kShadowScanHistStride ? lo + per : kShadowScanHistStride;
     for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) h[i] = 0;
   }
 }
 
 }  // namespace
 
-Status LaunchLfpsScan(const LfpsScanArgs& a, cudaStream_t stream) {
-  KVF_CHECK_ARG(a.group >= 1 && a.group <= kLfpsScanMaxGroup, "LfpsScan: group ", a.group,
-                " not in [1, ", kLfpsScanMaxGroup, "]");
-  KVF_CHECK_ARG(a.head_dim >= 1 && a.head_dim <= kMaxDim, "LfpsScan: head_dim ", a.head_dim,
+Status LaunchShadowScan(const ShadowScanArgs& a, cudaStream_t stream) {
+  KVF_CHECK_ARG(a.group >= 1 && a.group <= kShadowScanMaxGroup, "ShadowScan: group ", a.group,
+                " not in [1, ", kShadowScanMaxGroup, "]");
+  KVF_CHECK_ARG(a.head_dim >= 1 && a.head_dim <= kMaxDim, "ShadowScan: head_dim ", a.head_dim,
                 " not in [1, ", kMaxDim, "]");
-  KVF_CHECK_ARG(a.channels >= 1, "LfpsScan: ", a.channels, " channels");
-  KVF_CHECK_ARG(a.max_len >= 0 && a.max_len < (int64_t{1} << 31), "LfpsScan: max_len ", a.max_len);
-  KVF_CHECK_ARG(a.items >= 0 && a.items <= 65535, "LfpsScan: ", a.items, " items");
+  KVF_CHECK_ARG(a.channels >= 1, "ShadowScan: ", a.channels, " channels");
+  KVF_CHECK_ARG(a.max_len >= 0 && a.max_len < (int64_t{1} << 31), "ShadowScan: max_len ", a.max_len);
+  KVF_CHECK_ARG(a.items >= 0 && a.items <= 65535, "ShadowScan: ", a.items, " items");
   if (a.items == 0) return Status::Ok();
   KVF_CHECK_ARG(a.item != nullptr && a.shadow != nullptr && a.scale != nullptr && a.q != nullptr &&
                     a.k != nullptr && a.ints != nullptr && (a.max_picks == 0 || a.out != nullptr),
-                "LfpsScan: null pointer");
+                "ShadowScan: null pointer");
   const auto items = static_cast<unsigned>(a.items);
   ScanPrepKernel<<<items, kPrepThreads, 0, stream>>>(a);
   KVF_CUDA_CHECK_LAUNCH(ScanPrepKernel);
   if (a.max_len == 0 || a.max_picks == 0) return Status::Ok();
-  static_assert(int64_t{kScanThreads} * kKeysPerThread == kLfpsScanBlockKeys);
+  static_assert(int64_t{kScanThreads} * kKeysPerThread == kShadowScanBlockKeys);
   KVF_CHECK_ARG(a.keys != nullptr && a.hist != nullptr && a.block_counts != nullptr &&
                     a.counts != nullptr,
-                "LfpsScan: null workspace");
-  const int64_t blocks = (a.max_len + kLfpsScanBlockKeys - 1) / kLfpsScanBlockKeys;
+                "ShadowScan: null workspace");
+  const int64_t blocks = (a.max_len + kShadowScanBlockKeys - 1) / kShadowScanBlockKeys;
   const dim3 grid(static_cast<unsigned>(blocks), items);
   ScanMaxKernel<<<grid, kScanThreads, 0, stream>>>(a);
   KVF_CUDA_CHECK_LAUNCH(ScanMaxKernel);

@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-// LFPS's scan on the GPU (cuda::LaunchLfpsScan, gpu/lfps_scan.cu) against cpu::LfpsScanRef, bit
+// LFPS's scan on the GPU (cuda::LaunchShadowScan, gpu/shadow_scan.cu) against cpu::ShadowScanRef, bit
 // for bit: the new rows it quantises into the shadow and the ranked picks (keys and positions), on
 // random shadows made to tie (few key values), every activation dtype, GQA groups 1-8, head_dim 64
 // and 128, channel counts 1-128, items of different lengths in one launch (one with nothing to
@@ -29,7 +29,7 @@ struct ScanCase {
   bool ties;
 };
 
-class GpuLfpsScanTest : public ::testing::TestWithParam<ScanCase> {};
+class GpuShadowScanTest : public ::testing::TestWithParam<ScanCase> {};
 
 template <typename T>
 T* DeviceCopy(const std::vector<T>& v) {
@@ -39,7 +39,7 @@ T* DeviceCopy(const std::vector<T>& v) {
   return d;
 }
 
-TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
+TEST_P(GpuShadowScanTest, MatchesTheReferenceBitForBit) {
   if (!CudaAvailable()) GTEST_SKIP() << "no CUDA GPU";
   const ScanCase c = GetParam();
   std::mt19937 rng(static_cast<uint32_t>(c.group * 7 + c.head_dim + c.channels * 3 + c.len));
@@ -47,7 +47,7 @@ TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
   const int hd = c.head_dim, group = c.group;
   const int64_t items = 5, cap = c.len + 64;
   // Items: full length, two shorter ones, one that only writes its row, one with few picks.
-  std::vector<LfpsScanItem> item(items);
+  std::vector<ShadowScanItem> item(items);
   const int64_t lens[] = {c.len, c.len / 2 + 3, c.len / 3 + 1, 0, c.len};
   for (int64_t i = 0; i < items; ++i) {
     item[i].shadow = i * hd * cap;
@@ -70,7 +70,7 @@ TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
   // overflow: count -1).
   const int64_t max_picks = c.ties ? 1 + max_len / 8 : 1 + max_len;
 
-  LfpsScanArgs a;
+  ShadowScanArgs a;
   a.items = items;
   a.group = group;
   a.head_dim = hd;
@@ -84,13 +84,13 @@ TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
   // The reference on host copies.
   std::vector<int8_t> want_shadow = shadow;
   std::vector<uint32_t> keys(static_cast<size_t>(items * max_len));
-  std::vector<int32_t> ints(static_cast<size_t>(LfpsScanInts(items, group, c.channels)));
+  std::vector<int32_t> ints(static_cast<size_t>(ShadowScanInts(items, group, c.channels)));
   std::vector<uint64_t> want(static_cast<size_t>(items * max_picks), ~0ull);
   std::vector<int32_t> want_counts(static_cast<size_t>(items), -7);
-  std::vector<uint32_t> hist(static_cast<size_t>(LfpsScanHistWords(items)), 0u);
-  const int64_t blocks = (max_len + kLfpsScanBlockKeys - 1) / kLfpsScanBlockKeys;
+  std::vector<uint32_t> hist(static_cast<size_t>(ShadowScanHistWords(items)), 0u);
+  const int64_t blocks = (max_len + kShadowScanBlockKeys - 1) / kShadowScanBlockKeys;
   std::vector<int32_t> block_counts(static_cast<size_t>(items * (blocks + 1)), 0);
-  LfpsScanArgs h = a;
+  ShadowScanArgs h = a;
   h.item = item.data();
   h.shadow = want_shadow.data();
   h.scale = scale.data();
@@ -100,13 +100,13 @@ TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
   h.ints = ints.data();
   h.out = want.data();
   h.counts = want_counts.data();
-  cpu::LfpsScanRef(h);
+  cpu::ShadowScanRef(h);
   // The device, twice: the table, the list and its counts in device memory; then the table read
   // from and the ranking written straight into mapped host memory (the runtime's way on CUDA).
   for (const bool mapped : {false, true}) {
     SCOPED_TRACE(mapped ? "mapped host memory" : "device memory");
-    LfpsScanArgs g = a;
-    std::vector<LfpsScanItem> junk(item.size());
+    ShadowScanArgs g = a;
+    std::vector<ShadowScanItem> junk(item.size());
     for (auto& j : junk) j.len = j.picks = 12345;  // the first pass must overwrite it
     g.item = DeviceCopy(mapped ? junk : item);
     g.shadow = DeviceCopy(shadow);
@@ -119,11 +119,11 @@ TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
     g.block_counts = DeviceCopy(block_counts);
     std::vector<uint64_t> got(want.size(), ~0ull);
     std::vector<int32_t> got_counts(static_cast<size_t>(items), -7);
-    LfpsScanItem* item_host = nullptr;
+    ShadowScanItem* item_host = nullptr;
     if (mapped) {
       void* p = nullptr;
-      ASSERT_EQ(cudaHostAlloc(&p, item.size() * sizeof(LfpsScanItem), cudaHostAllocMapped), cudaSuccess);
-      item_host = static_cast<LfpsScanItem*>(p);
+      ASSERT_EQ(cudaHostAlloc(&p, item.size() * sizeof(ShadowScanItem), cudaHostAllocMapped), cudaSuccess);
+      item_host = static_cast<ShadowScanItem*>(p);
       std::copy(item.begin(), item.end(), item_host);
       g.item_host = item_host;
       ASSERT_EQ(cudaHostAlloc(&p, got.size() * 8, cudaHostAllocMapped), cudaSuccess);
@@ -136,7 +136,7 @@ TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
       g.out = DeviceCopy(got);
       g.counts = DeviceCopy(got_counts);
     }
-    const Status st = cuda::LaunchLfpsScan(g, nullptr);
+    const Status st = cuda::LaunchShadowScan(g, nullptr);
     ASSERT_TRUE(st.ok()) << st.ToString();
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<int8_t> got_shadow(shadow.size());
@@ -145,10 +145,10 @@ TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
     ASSERT_EQ(cudaMemcpy(got_counts.data(), g.counts, items * 4, cudaMemcpyDefault), cudaSuccess);
     std::vector<uint32_t> hist_after(hist.size(), 1u);
     ASSERT_EQ(cudaMemcpy(hist_after.data(), g.hist, hist.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    std::vector<LfpsScanItem> item_after(item.size());
-    ASSERT_EQ(cudaMemcpy(item_after.data(), g.item, item.size() * sizeof(LfpsScanItem),
+    std::vector<ShadowScanItem> item_after(item.size());
+    ASSERT_EQ(cudaMemcpy(item_after.data(), g.item, item.size() * sizeof(ShadowScanItem),
                          cudaMemcpyDeviceToHost), cudaSuccess);
-    EXPECT_EQ(std::memcmp(item_after.data(), item.data(), item.size() * sizeof(LfpsScanItem)), 0)
+    EXPECT_EQ(std::memcmp(item_after.data(), item.data(), item.size() * sizeof(ShadowScanItem)), 0)
         << "the device table is not the host's";
     EXPECT_EQ(hist_after, hist) << "the histograms are not left at zero";
     EXPECT_EQ(got_shadow, want_shadow) << "the new rows differ";
@@ -185,7 +185,7 @@ TEST_P(GpuLfpsScanTest, MatchesTheReferenceBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Shapes, GpuLfpsScanTest,
+    Shapes, GpuShadowScanTest,
     ::testing::Values(ScanCase{4, 128, 16, DType::kBF16, DType::kBF16, 40000, false},
                       ScanCase{4, 128, 16, DType::kF32, DType::kBF16, 5000, true},
                       ScanCase{3, 64, 16, DType::kF16, DType::kF16, 4099, false},
