@@ -1367,6 +1367,116 @@ __global__ void __launch_bounds__(kSparcasThreads) SparcasScoreThreadKernel(Deco
 constexpr int kSparcasQ4Heads = 8;
 constexpr int kQ4Chunk = 8;  // row words loaded before they are used
 
+// A CTA's packed query for the 4-bit rows: per head g its words q_pack[g * words + w], its step
+// and 8 x its code sum (PackQ8HeadWarp), in shared memory.
+struct SparcasQ4Query {
+  const int2* pack;
+  const float* step;
+  const int32_t* sum8;
+  int words;
+};
+
+// Packs q_raw[group][d_b] (LoadSparcasQuery's, unscaled) into the shared memory after it, a warp
+// a head; synchronises the CTA.
+__device__ __forceinline__ SparcasQ4Query PackSparcasQ4Query(float* q_raw, int group, int d_b) {
+  const int words = SparcasQ4Words(d_b);
+  int2* q_pack = reinterpret_cast<int2*>(q_raw + group * d_b);  // d_b % 8 == 0: 8-byte aligned
+  float* q_step = reinterpret_cast<float*>(q_pack + group * words);
+  int32_t* q_sum8 = reinterpret_cast<int32_t*>(q_step + group);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int g = warp; g < group; g += static_cast<int>(blockDim.x >> 5)) {
+    const float* qg = q_raw + g * d_b;
+    PackQ8HeadWarp([&](int i) { return qg[i]; }, d_b, words, lane, q_pack + g * words, q_step + g,
+                   q_sum8 + g);
+  }
+  __syncthreads();
+  return SparcasQ4Query{q_pack, q_step, q_sum8, words};
+}
+
+// Bytes of shared memory LoadSparcasQuery and PackSparcasQ4Query take for d_b <= head_dim.
+inline size_t SparcasQ4QueryBytes(int group, int head_dim) {
+  const size_t b = static_cast<size_t>(group) *
+                   (head_dim * sizeof(float) + SparcasQ4Words(head_dim) * sizeof(int2) + 8);
+  return (b + 15) / 16 * 16;
+}
+
+// The log2-domain logits of heads [g0, g0 + kHeads) of the group against one 4-bit row (its
+// words, then its scale): two __dp4a a word a head, SparcasQ4Dot's products in its order.
+template <int kHeads>
+__device__ __forceinline__ void SparcasQ4RowLogits(const uint32_t* row, int words, const SparcasQ4Query& q,
+                                                   int g0, int group, float log2_scale,
+                                                   float (&logit)[kHeads]) {
+  const float row_scale = __uint_as_float(row[words]);
+  int acc[kHeads];
+#pragma unroll
+  for (int g = 0; g < kHeads; ++g) acc[g] = 0;
+  for (int w0 = 0; w0 < words; w0 += kQ4Chunk) {
+    uint32_t rw[kQ4Chunk];
+#pragma unroll
+    for (int c = 0; c < kQ4Chunk; ++c) rw[c] = w0 + c < words ? row[w0 + c] : 0u;
+#pragma unroll
+    for (int c = 0; c < kQ4Chunk; ++c) {
+      if (w0 + c < words) {
+        const int lo = static_cast<int>(rw[c] & 0x0F0F0F0Fu);
+        const int hi = static_cast<int>((rw[c] >> 4) & 0x0F0F0F0Fu);
+#pragma unroll
+        for (int g = 0; g < kHeads; ++g) {
+          if (g0 + g < group) {
+            const int2 qw = q.pack[(g0 + g) * words + w0 + c];  // broadcast
+            acc[g] = __dp4a(lo, qw.x, acc[g]);
+            acc[g] = __dp4a(hi, qw.y, acc[g]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < kHeads; ++g) {
+    logit[g] = 0.0f;
+    if (g0 + g < group) {
+      const float dot = __fmul_rn(__int2float_rn(acc[g] - q.sum8[g0 + g]), q.step[g0 + g]);
+      logit[g] = __fmul_rn(__fmul_rn(dot, row_scale), log2_scale);
+    }
+  }
+}
+
+// Merges every thread's running (max, sum) of heads [g0, g0 + kHeads) of the group (kMaxOnly:
+// the max alone, the sum written 0) over the CTA of kThreads and writes them to slot blockIdx.y of
+// stats (a head's kSelectMctaStatsSlots slots); synchronises the CTA on return.
+template <int kThreads, int kHeads, bool kMaxOnly = false>
+__device__ void WriteSoftmaxPartials(float (&st_m)[kHeads], float (&st_s)[kHeads], int g0, int group,
+                                     float2* stats) {
+  __shared__ float red_m[kThreads / 32][kHeads], red_s[kThreads / 32][kHeads];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  auto merge = [](float& m, float& s, float m2, float s2) {
+    if (kMaxOnly) {
+      m = fmaxf(m, m2);
+    } else {
+      SoftmaxMerge(m, s, m2, s2);
+    }
+  };
+#pragma unroll
+  for (int g = 0; g < kHeads; ++g) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      merge(st_m[g], st_s[g], __shfl_xor_sync(0xffffffffu, st_m[g], off),
+            __shfl_xor_sync(0xffffffffu, st_s[g], off));
+    }
+    if (lane == 0) {
+      red_m[warp][g] = st_m[g];
+      red_s[warp][g] = st_s[g];
+    }
+  }
+  __syncthreads();
+  const int g = static_cast<int>(threadIdx.x);
+  if (g < kHeads && g0 + g < group) {
+    float mm = -INFINITY, ss = 0.0f;
+    for (int w = 0; w < kThreads / 32; ++w) merge(mm, ss, red_m[w][g], red_s[w][g]);
+    stats[(g0 + g) * kSelectMctaStatsSlots + blockIdx.y] = make_float2(mm, kMaxOnly ? 0.0f : ss);
+  }
+  __syncthreads();  // red_* are rewritten by the next call
+}
+
 template <int kHeads>  // query heads a pass over the row (kSparcasQ4Heads, or 4 for groups of 4 or fewer)
 __global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1) SparcasScoreQ4Kernel(DecodeStepArgs a, int write_stats) {
   extern __shared__ float q_raw[];  // [group][d_b] q as given, then int2 [group][words], steps, sums
@@ -1375,16 +1485,7 @@ __global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1) SparcasS
   const int32_t item = blockIdx.x;
   const int group = a.params.group, d_b = it.d_b;
   const int words = SparcasQ4Words(d_b);
-  int2* q_pack = reinterpret_cast<int2*>(q_raw + group * d_b);  // d_b % 8 == 0: 8-byte aligned
-  float* q_step = reinterpret_cast<float*>(q_pack + group * words);
-  int32_t* q_sum8 = reinterpret_cast<int32_t*>(q_step + group);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int g = warp; g < group; g += kSparcasThreads / 32) {
-    const float* qg = q_raw + g * d_b;
-    PackQ8HeadWarp([&](int i) { return qg[i]; }, d_b, words, lane, q_pack + g * words, q_step + g,
-                   q_sum8 + g);
-  }
-  __syncthreads();
+  const SparcasQ4Query q = PackSparcasQ4Query(q_raw, group, d_b);
   const float log2_scale = a.params.scale * kLog2e;
   const int64_t n = it.n;
   const uint32_t* rows = reinterpret_cast<const uint32_t*>(
@@ -1399,38 +1500,14 @@ __global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1) SparcasS
   for (int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.y) * blockDim.x) {
     const uint32_t* row = rows + j * (words + 1);
-    const float row_scale = __uint_as_float(row[words]);
     for (int g0 = 0; g0 < group; g0 += kHeads) {
-      int acc[kHeads];
-#pragma unroll
-      for (int g = 0; g < kHeads; ++g) acc[g] = 0;
-      for (int w0 = 0; w0 < words; w0 += kQ4Chunk) {
-        uint32_t rw[kQ4Chunk];
-#pragma unroll
-        for (int c = 0; c < kQ4Chunk; ++c) rw[c] = w0 + c < words ? row[w0 + c] : 0u;
-#pragma unroll
-        for (int c = 0; c < kQ4Chunk; ++c) {
-          if (w0 + c < words) {
-            const int lo = static_cast<int>(rw[c] & 0x0F0F0F0Fu);
-            const int hi = static_cast<int>((rw[c] >> 4) & 0x0F0F0F0Fu);
-#pragma unroll
-            for (int g = 0; g < kHeads; ++g) {
-              if (g0 + g < group) {
-                const int2 qw = q_pack[(g0 + g) * words + w0 + c];  // broadcast
-                acc[g] = __dp4a(lo, qw.x, acc[g]);
-                acc[g] = __dp4a(hi, qw.y, acc[g]);
-              }
-            }
-          }
-        }
-      }
+      float logit[kHeads];
+      SparcasQ4RowLogits<kHeads>(row, words, q, g0, group, log2_scale, logit);
 #pragma unroll
       for (int g = 0; g < kHeads; ++g) {
         if (g0 + g < group) {
-          const float dot = __fmul_rn(__int2float_rn(acc[g] - q_sum8[g0 + g]), q_step[g0 + g]);
-          const float logit = __fmul_rn(__fmul_rn(dot, row_scale), log2_scale);
-          out[static_cast<size_t>(g0 + g) * a.select_ld + j] = logit;
-          if (write_stats) SoftmaxAdd(st_m[g], st_s[g], logit);  // group <= kHeads: g0 is 0
+          out[static_cast<size_t>(g0 + g) * a.select_ld + j] = logit[g];
+          if (write_stats) SoftmaxAdd(st_m[g], st_s[g], logit[g]);  // group <= kHeads: g0 is 0
         }
       }
     }
@@ -1438,30 +1515,11 @@ __global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1) SparcasS
   if (!write_stats) return;
   // The CTA's (max, sum) a head into slot blockIdx.y of the item's multi-CTA scratch, where the
   // top-k's weights pass merges them (its statistics pass skipped); CTA 0 zeroes the histograms.
-  __shared__ float red_m[kSparcasThreads / 32][kHeads], red_s[kSparcasThreads / 32][kHeads];
   const MctaScratch ws = MctaScratchOf(a, item);
   if (blockIdx.y == 0) {
     for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) ws.hist[i] = 0;
   }
-#pragma unroll
-  for (int g = 0; g < kHeads; ++g) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, st_m[g], off);
-      const float s2 = __shfl_xor_sync(0xffffffffu, st_s[g], off);
-      SoftmaxMerge(st_m[g], st_s[g], m2, s2);
-    }
-    if (lane == 0) {
-      red_m[warp][g] = st_m[g];
-      red_s[warp][g] = st_s[g];
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x < group) {
-    float mm = -INFINITY, ss = 0.0f;
-    for (int w = 0; w < kSparcasThreads / 32; ++w) SoftmaxMerge(mm, ss, red_m[w][threadIdx.x], red_s[w][threadIdx.x]);
-    ws.stats[threadIdx.x * kSelectMctaStatsSlots + blockIdx.y] = make_float2(mm, ss);
-  }
+  WriteSoftmaxPartials<kSparcasThreads, kHeads>(st_m, st_s, 0, group, ws.stats);
 }
 
 // Grid (items, y), a thread per position in [0, n): SparCas's dense layers (every dimension, from
@@ -1685,7 +1743,6 @@ struct WeightRow {
 // max) into ws.stats; CTA 0 zeroes the item's histograms.
 template <bool kQuest>
 __device__ void MctaStatsPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws) {
-  __shared__ float red_m[kMctaThreads / 32][kStatsHeads], red_s[kMctaThreads / 32][kStatsHeads];
   const int32_t item = blockIdx.x;
   if (blockIdx.y == 0) {
     for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) ws.hist[i] = 0;
@@ -1694,7 +1751,6 @@ __device__ void MctaStatsPass(const DecodeStepArgs& a, const TopKItem& it, const
   const int group = a.params.group;
   const float* l = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
   const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int g0 = 0; g0 < group; g0 += kStatsHeads) {
     float m[kStatsHeads], s[kStatsHeads];
 #pragma unroll
@@ -1723,57 +1779,20 @@ __device__ void MctaStatsPass(const DecodeStepArgs& a, const TopKItem& it, const
         }
       }
     }
-#pragma unroll
-    for (int gg = 0; gg < kStatsHeads; ++gg) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m[gg], off);
-        const float s2 = __shfl_xor_sync(0xffffffffu, s[gg], off);
-        if (kQuest) {
-          m[gg] = fmaxf(m[gg], m2);
-        } else {
-          SoftmaxMerge(m[gg], s[gg], m2, s2);
-        }
-      }
-      if (lane == 0) {
-        red_m[warp][gg] = m[gg];
-        red_s[warp][gg] = s[gg];
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x < kStatsHeads && g0 + static_cast<int>(threadIdx.x) < group) {
-      float mm = -INFINITY, ss = 0.0f;
-      for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) {
-        if (kQuest) {
-          mm = fmaxf(mm, red_m[w][threadIdx.x]);
-        } else {
-          SoftmaxMerge(mm, ss, red_m[w][threadIdx.x], red_s[w][threadIdx.x]);
-        }
-      }
-      ws.stats[(g0 + threadIdx.x) * kSelectMctaStatsSlots + blockIdx.y] = make_float2(mm, kQuest ? 0.0f : ss);
-    }
-    __syncthreads();  // red_* are rewritten by the next heads
+    WriteSoftmaxPartials<kMctaThreads, kStatsHeads, kQuest>(m, s, g0, group, ws.stats);
   }
 }
 
-// 2. Combines the `parts` partials of each head (the statistics pass's, one a CTA, or the scoring
-// kernel's), writes the group's summed weight (Quest: max_g (ub_g - max ub_g)) of this CTA's
-// chunk of the ranked range into w (and into `also` when not null), and adds the top byte of each
-// weight's OrderedKey to histogram 0.
+// Per head g < group of an item's partial statistics (stats[g * kSelectMctaStatsSlots + y], y <
+// parts): the max of the partial maxima into m_s[g], and 1 / the sum of the partial sums rescaled
+// to it into inv_s[g] (Quest: the max only). A thread a partial, two block reductions a head;
+// every thread of a kMctaThreads CTA calls; m_s and inv_s are visible on return.
 template <bool kQuest>
-__device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
-                                WeightRow w, float* also, int parts) {
+__device__ void MergeSoftmaxPartials(const float2* stats, int group, int parts, float* m_s, float* inv_s) {
   using Reduce = cub::BlockReduce<float, kMctaThreads>;
   __shared__ typename Reduce::TempStorage red_tmp;
-  __shared__ float m_s[64], inv_s[64];
-  __shared__ unsigned int bins[256];
-  const int32_t item = blockIdx.x;
-  const int group = a.params.group;
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
-  // Per head, the max of the partial maxima, then the sum of the partial sums rescaled to it: a
-  // thread a partial (up to kSelectMctaStatsSlots of them), two block reductions.
   for (int g = 0; g < group; ++g) {
-    const float2* st = ws.stats + g * kSelectMctaStatsSlots;
+    const float2* st = stats + g * kSelectMctaStatsSlots;
     float m = -INFINITY;
     for (int y = threadIdx.x; y < parts; y += blockDim.x) m = fmaxf(m, st[y].x);
     m = Reduce(red_tmp).Reduce(m, FMaxOp{});
@@ -1790,6 +1809,21 @@ __device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, con
     if (threadIdx.x == 0) inv_s[g] = 1.0f / s;  // Quest: unused
     __syncthreads();
   }
+}
+
+// 2. Combines the `parts` partials of each head (the statistics pass's, one a CTA, or the scoring
+// kernel's), writes the group's summed weight (Quest: max_g (ub_g - max ub_g)) of this CTA's
+// chunk of the ranked range into w (and into `also` when not null), and adds the top byte of each
+// weight's OrderedKey to histogram 0.
+template <bool kQuest>
+__device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
+                                WeightRow w, float* also, int parts) {
+  __shared__ float m_s[64], inv_s[64];
+  __shared__ unsigned int bins[256];
+  const int32_t item = blockIdx.x;
+  const int group = a.params.group;
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
+  MergeSoftmaxPartials<kQuest>(ws.stats, group, parts, m_s, inv_s);
   const Chunk c = ChunkOf(it.count);
   const float* l = a.select_ws + static_cast<size_t>(item) * group * a.select_ld + it.lo;
   const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
@@ -1826,6 +1860,20 @@ __device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, con
   FlushHistogram(bins, ws.hist);
 }
 
+// f(j, in, key) for each position j of the chunk's whole tiles in tile order, key the OrderedKey
+// of w[j] (in: j < c.end); every lane of every warp calls f.
+template <typename F>
+__device__ __forceinline__ void ForEachTileKey(const WeightRow& w, const Chunk& c, F&& f) {
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
+  for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
+    const int64_t jt = TileFirst(j0);
+    float x[kMctaVec];
+    LoadTile(w, jt, c.end, 0.0f, x);
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) f(jt + u, jt + u < c.end, OrderedKey(x[u]));
+  }
+}
+
 // 3. Re-derives the prefix from histograms [0, pass) (a 256-bin scan) and adds the next byte of
 // the keys under it to histogram `pass`.
 __device__ void MctaRadixPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
@@ -1834,18 +1882,9 @@ __device__ void MctaRadixPass(const DecodeStepArgs& a, const TopKItem& it, const
   for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
   const RadixState r = MctaPrefix(ws.hist, pass, it.k);  // synchronises: bins are zero
   const int shift = 24 - 8 * pass;
-  const Chunk c = ChunkOf(it.count);
-  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
-  for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
-    const int64_t jt = TileFirst(j0);
-    float x[kMctaVec];
-    LoadTile(w, jt, c.end, 0.0f, x);
-#pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) {
-      const uint32_t key = OrderedKey(x[u]);
-      CountBin(bins, key, shift, jt + u < c.end && (key & r.mask) == r.prefix);
-    }
-  }
+  ForEachTileKey(w, ChunkOf(it.count), [&](int64_t, bool in, uint32_t key) {
+    CountBin(bins, key, shift, in && (key & r.mask) == r.prefix);
+  });
   FlushHistogram(bins, ws.hist + pass * 256);
 }
 
@@ -1855,20 +1894,11 @@ __device__ void MctaCountPass(const DecodeStepArgs& a, const TopKItem& it, const
   using Reduce = cub::BlockReduce<int, kMctaThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   const RadixState r = MctaPrefix(ws.hist, 4, it.k);
-  const Chunk c = ChunkOf(it.count);
   int gt = 0, eq = 0;
-  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
-  for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
-    const int64_t jt = TileFirst(j0);
-    float x[kMctaVec];
-    LoadTile(w, jt, c.end, 0.0f, x);
-#pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) {
-      const uint32_t key = OrderedKey(x[u]);
-      gt += jt + u < c.end && key > r.prefix;
-      eq += jt + u < c.end && key == r.prefix;
-    }
-  }
+  ForEachTileKey(w, ChunkOf(it.count), [&](int64_t, bool in, uint32_t key) {
+    gt += in && key > r.prefix;
+    eq += in && key == r.prefix;
+  });
   gt = Reduce(tmp).Sum(gt);
   __syncthreads();
   eq = Reduce(tmp).Sum(eq);
@@ -2051,6 +2081,324 @@ __global__ void __launch_bounds__(kMctaThreads, 2) MctaFusedKernel(DecodeStepArg
   MctaWritePass<kQuest>(a, it, ws, w);
 }
 
+// ---- SparCas's 4-bit scoring and its top-k in one launch ------------------------------------------
+// SparcasFusedSelectKernel, grid (items, ctas), a cooperative launch: each CTA scores its chunk of
+// [0, n) from the 4-bit rows into shared memory (the logits never reach global memory), then the
+// item's CTAs find the k-th largest weight with a radix descent whose first digit is 12 bits wide,
+// so that one histogram usually leaves a boundary bucket of a few hundred keys, which every CTA then
+// sorts whole. Three barriers among the item's CTAs where the separate launches took a scoring
+// kernel, a one-CTA kernel and six barriers of the fused top-k over logits in global memory:
+//   1. statistics: each CTA's (max, sum) a head, from the scoring loop (online softmax);
+//   2. digit 0: the CTA's weights (MctaWeightsPass's sum, in place of head 0's logits) and the
+//      histogram of their keys' top 12 bits; every CTA then finds the bucket of the k-th key;
+//   3. the bucket: each CTA counts its keys above the bucket and appends the bucket's keys (with
+//      their positions) to row 0 of the item's workspace; every CTA sorts them (at most
+//      kFusedCands), which gives the k-th key T and how many keys equal to T the list takes.
+// A bucket of more than kFusedCands keys takes the next digits (8, 8 and 4 bits, a barrier each)
+// until it is small; keys still equal after every bit (exact ties) are counted per CTA instead
+// (a barrier). The list is then written in position order as MctaWritePass writes it, so the
+// answer is the separate launches': the same logits and weights, the same ties (lower position
+// first); the softmax sums are merged in another order (the last bit of a weight may differ).
+constexpr int kFusedHeads = 4;     // the group's query heads a row is scored for (groups of <= 4)
+constexpr int kFusedCands = 2048;  // keys of a boundary bucket that one sort resolves
+constexpr int kFusedBins = 4096;   // the first digit's bins (12 bits)
+constexpr size_t kFusedMaxSmem = 112 * 1024;  // two CTAs an SM
+
+__device__ __forceinline__ int FusedShift(int level) {
+  return level == 0 ? 20 : level == 1 ? 12 : level == 2 ? 4 : 0;
+}
+__device__ __forceinline__ int FusedBits(int level) { return level == 0 ? 12 : level == 3 ? 4 : 8; }
+
+// Counts key's digit (key >> shift & mask) into bins when `in`, one atomic per digit per warp.
+// Every lane of the warp calls.
+__device__ __forceinline__ void CountDigit(unsigned int* bins, uint32_t key, int shift, uint32_t mask, bool in) {
+  const uint32_t bin = in ? (key >> shift) & mask : 0xffffffffu;
+  const unsigned peers = __match_any_sync(0xffffffffu, bin);
+  if (in && static_cast<int>(threadIdx.x & 31) == __ffs(peers) - 1) {
+    atomicAdd(&bins[bin], static_cast<unsigned>(__popc(peers)));
+  }
+}
+
+// The digit of hist[0, nb) (nb a power of two <= kFusedBins) where the count from the top first
+// reaches `remaining`: the digit, the keys of the digits above it, the keys of the digit. Every
+// thread of a kMctaThreads CTA calls and gets the answer.
+struct FusedDigitAt {
+  uint32_t digit, above, at;
+};
+__device__ FusedDigitAt FindFusedDigit(const uint32_t* hist, int nb, uint32_t remaining) {
+  constexpr int kPer = kFusedBins / kMctaThreads;  // 8 bins a thread at most
+  using Scan = cub::BlockScan<uint32_t, kMctaThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ FusedDigitAt s_d;
+  // Thread t holds the digits nb - 1 - (per t + i), i < per: descending, so the scan counts from the top.
+  const int per = nb >= kMctaThreads ? nb / kMctaThreads : 1;
+  uint32_t h[kPer], sum = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int r = static_cast<int>(threadIdx.x) * per + i;
+    h[i] = i < per && r < nb ? __ldcg(hist + nb - 1 - r) : 0u;
+    sum += h[i];
+  }
+  uint32_t base = 0;
+  Scan(scan_tmp).ExclusiveSum(sum, base);
+  if (threadIdx.x == 0) s_d = FusedDigitAt{0, 0, 0};  // no digit reaches it: digit 0 (as MctaPrefix)
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int r = static_cast<int>(threadIdx.x) * per + i;
+    if (i < per && r < nb) {
+      if (base < remaining && (base + h[i] >= remaining || r == nb - 1)) {
+        s_d = FusedDigitAt{static_cast<uint32_t>(nb - 1 - r), base, h[i]};
+      }
+      base += h[i];
+    }
+  }
+  __syncthreads();
+  const FusedDigitAt d = s_d;
+  __syncthreads();  // s_d and scan_tmp are rewritten by the next call
+  return d;
+}
+
+__global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(DecodeStepArgs a, int64_t chunk_cap,
+                                                                            int q_bytes) {
+  extern __shared__ __align__(16) unsigned char fused_smem[];
+  using Reduce = cub::BlockReduce<int, kMctaThreads>;
+  using Scan = cub::BlockScan<int, kMctaThreads>;
+  __shared__ union {
+    typename Reduce::TempStorage red;
+    typename Scan::TempStorage scan;
+  } tmp;
+  __shared__ float m_s[kFusedHeads], inv_s[kFusedHeads];
+  __shared__ int64_t s_base[3];  // gt_before, eq_before, quota
+  const int32_t item = blockIdx.x;
+  const TopKItem it = TopKItemOf(a, item, 1);
+  if (!it.mcta) return;  // nothing to rank: the one-CTA kernel wrote the list
+  float* q_raw = reinterpret_cast<float*>(fused_smem);
+  float* logits = reinterpret_cast<float*>(fused_smem + q_bytes);  // [group][chunk_cap]
+  uint32_t* keys = reinterpret_cast<uint32_t*>(logits);           // over head 0's logits
+  unsigned int* bins = reinterpret_cast<unsigned int*>(logits + a.params.group * chunk_cap);
+  unsigned long long* cands = reinterpret_cast<unsigned long long*>(bins + kFusedBins);
+  const SparcasScoreItem si = LoadSparcasQuery(a, q_raw, a.params.head_dim, /*scaled=*/false);
+  if (!si.ranked) return;  // (as it.mcta: the prep kernel ranks what has keys to rank)
+  const int group = a.params.group;
+  const SparcasQ4Query q = PackSparcasQ4Query(q_raw, group, si.d_b);
+  const MctaScratch ws = MctaScratchOf(a, item);
+  unsigned* bar = MctaBarrierOf(a, item);
+  unsigned* cand_count = bar + 1;  // the scratch's last word
+  unsigned arrivals = 0;
+  const Chunk c = ChunkOf(it.n);
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
+
+  // 1. The chunk's logits and the CTA's softmax statistics; CTA 0 zeroes what the item's CTAs
+  // count into after the barrier.
+  if (blockIdx.y == 0) {
+    for (int i = threadIdx.x; i < kFusedBins; i += blockDim.x) ws.picks[i] = 0;
+    for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) ws.hist[i] = 0;
+    if (threadIdx.x == 0) *cand_count = 0;
+  }
+  {
+    const float log2_scale = a.params.scale * kLog2e;
+    const uint32_t* rows = reinterpret_cast<const uint32_t*>(
+        CompactOf<__half>(a, item / a.num_kv_heads, item % a.num_kv_heads));
+    float st_m[kFusedHeads], st_s[kFusedHeads];
+#pragma unroll
+    for (int g = 0; g < kFusedHeads; ++g) {
+      st_m[g] = -INFINITY;
+      st_s[g] = 0.0f;
+    }
+    for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
+      float l[kFusedHeads];
+      SparcasQ4RowLogits<kFusedHeads>(rows + j * (q.words + 1), q.words, q, 0, group, log2_scale, l);
+#pragma unroll
+      for (int g = 0; g < kFusedHeads; ++g) {
+        if (g < group) {
+          logits[g * chunk_cap + (j - c.begin)] = l[g];
+          SoftmaxAdd(st_m[g], st_s[g], l[g]);
+        }
+      }
+    }
+    WriteSoftmaxPartials<kMctaThreads, kFusedHeads>(st_m, st_s, 0, group, ws.stats);
+  }
+  ItemBarrier(bar, arrivals += gridDim.y);
+
+  // 2. The weights of the ranked positions of the chunk, their keys over head 0's logits (a
+  // thread reads and writes only its own positions).
+  MergeSoftmaxPartials<false>(ws.stats, group, static_cast<int>(gridDim.y), m_s, inv_s);
+  const int64_t r0 = max(c.begin, it.lo), r1 = min(c.end, it.lo + it.count);
+  for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
+    float w = 0.0f;
+    for (int g = 0; g < group; ++g) w += exp2f(logits[g * chunk_cap + (j - c.begin)] - m_s[g]) * inv_s[g];
+    keys[j - c.begin] = OrderedKey(w);
+  }
+  __syncthreads();
+  auto ranked = [&](int64_t j) { return j >= r0 && j < r1; };
+  // f(j, in, key) for the positions of the chunk's whole tiles in tile order (every lane calls).
+  auto for_tiles = [&](auto&& f) {
+    for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
+      const int64_t jt = TileFirst(j0);
+#pragma unroll
+      for (int u = 0; u < kMctaVec; ++u) {
+        const bool in = ranked(jt + u);
+        f(jt + u, in, in ? keys[jt + u - c.begin] : 0u);
+      }
+    }
+  };
+
+  // The radix descent: each level histograms one digit of the keys under the prefix so far.
+  uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(it.k), at = 0;
+  int level = 0;
+  for (; level < 4; ++level) {
+    const int shift = FusedShift(level), nb = 1 << FusedBits(level);
+    const uint32_t dmask = static_cast<uint32_t>(nb - 1);
+    uint32_t* global = level == 0 ? reinterpret_cast<uint32_t*>(ws.picks) : ws.hist + (level - 1) * 256;
+    for (int i = threadIdx.x; i < nb; i += blockDim.x) bins[i] = 0;
+    __syncthreads();
+    for_tiles([&](int64_t, bool in, uint32_t key) {
+      CountDigit(bins, key, shift, dmask, in && (key & mask) == prefix);
+    });
+    __syncthreads();
+    for (int i = threadIdx.x; i < nb; i += blockDim.x) {
+      if (bins[i] != 0) atomicAdd(global + i, bins[i]);
+    }
+    ItemBarrier(bar, arrivals += gridDim.y);
+    const FusedDigitAt d = FindFusedDigit(global, nb, remaining);
+    prefix |= d.digit << shift;
+    mask |= dmask << shift;
+    remaining -= d.above;
+    at = d.at;
+    if (at <= static_cast<uint32_t>(kFusedCands)) break;
+  }
+
+  // 3. The k-th key T and the ties the list takes (quota), and what the chunks before this one
+  // select: keys > T (gt_before) and keys == T (eq_before).
+  uint32_t T = prefix;
+  int64_t quota = remaining, gt_before = 0, eq_before = 0;
+  unsigned long long* global_cands = reinterpret_cast<unsigned long long*>(
+      a.select_ws + static_cast<size_t>(item) * group * a.select_ld);  // row 0 (8-byte aligned: see the launch)
+  if (level < 4) {
+    // The bucket's keys as (~key << 32 | position), appended a warp at a time; the keys above it.
+    int above = 0;
+    const int lane = threadIdx.x & 31;
+    for_tiles([&](int64_t j, bool in, uint32_t key) {
+      above += in && (key & mask) > prefix;
+      const bool cand = in && (key & mask) == prefix;
+      const unsigned ballot = __ballot_sync(0xffffffffu, cand);
+      unsigned first = 0;
+      if (lane == __ffs(ballot) - 1) first = atomicAdd(cand_count, static_cast<unsigned>(__popc(ballot)));
+      first = __shfl_sync(0xffffffffu, first, ballot != 0 ? __ffs(ballot) - 1 : 0);
+      if (cand) {
+        global_cands[first + __popc(ballot & ((1u << lane) - 1u))] =
+            (static_cast<unsigned long long>(~key) << 32) | static_cast<uint32_t>(j);
+      }
+    });
+    above = Reduce(tmp.red).Sum(above);
+    if (threadIdx.x == 0) ws.counts[2 * blockIdx.y] = above;
+    __threadfence();  // the appended keys, before the barrier's release
+    ItemBarrier(bar, arrivals += gridDim.y);
+    int sort_n = 1;
+    while (sort_n < static_cast<int>(at)) sort_n <<= 1;
+    for (int i = threadIdx.x; i < sort_n; i += blockDim.x) cands[i] = i < static_cast<int>(at) ? __ldcg(global_cands + i) : ~0ull;
+    BitonicSortBlock(cands, sort_n);  // (key desc, position asc); synchronises
+    T = ~static_cast<uint32_t>(cands[max(min(remaining, at), 1u) - 1] >> 32);  // 1 <= remaining <= at
+    int gt_all = 0, gt_b = 0, eq_b = 0;
+    for (int i = threadIdx.x; i < static_cast<int>(at); i += blockDim.x) {
+      const uint32_t key = ~static_cast<uint32_t>(cands[i] >> 32);
+      const int64_t pos = static_cast<int64_t>(cands[i] & 0xffffffffull);
+      gt_all += key > T;
+      gt_b += key > T && pos < c.begin;
+      eq_b += key == T && pos < c.begin;
+    }
+    gt_all = Reduce(tmp.red).Sum(gt_all);
+    __syncthreads();
+    gt_b = Reduce(tmp.red).Sum(gt_b);
+    __syncthreads();
+    eq_b = Reduce(tmp.red).Sum(eq_b);
+    if (threadIdx.x == 0) {  // the reductions' sums are thread 0's
+      int64_t g = gt_b;
+      for (unsigned y = 0; y < blockIdx.y; ++y) g += __ldcg(ws.counts + 2 * y);
+      s_base[0] = g;
+      s_base[1] = eq_b;
+      s_base[2] = static_cast<int64_t>(remaining) - gt_all;
+    }
+    __syncthreads();
+    gt_before = s_base[0];
+    eq_before = s_base[1];
+    quota = s_base[2];
+  } else {
+    // Every bit found: T = prefix, and more than kFusedCands keys equal it. Per CTA its keys > T
+    // and == T, as MctaCountPass counts them.
+    int gt = 0, eq = 0;
+    for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
+      const uint32_t key = keys[j - c.begin];
+      gt += ranked(j) && key > T;
+      eq += ranked(j) && key == T;
+    }
+    gt = Reduce(tmp.red).Sum(gt);
+    __syncthreads();
+    eq = Reduce(tmp.red).Sum(eq);
+    if (threadIdx.x == 0) {
+      ws.counts[2 * blockIdx.y] = gt;
+      ws.counts[2 * blockIdx.y + 1] = eq;
+    }
+    ItemBarrier(bar, arrivals += gridDim.y);
+    if (threadIdx.x == 0) {
+      int64_t g = 0, e = 0;
+      for (unsigned y = 0; y < blockIdx.y; ++y) {
+        g += __ldcg(ws.counts + 2 * y);
+        e += __ldcg(ws.counts + 2 * y + 1);
+      }
+      s_base[0] = g;
+      s_base[1] = e;
+    }
+    __syncthreads();
+    gt_before = s_base[0];
+    eq_before = s_base[1];
+  }
+
+  // 4. The ordered write (MctaWritePass's): every key > T and the first `quota` keys == T by
+  // position, after what the chunks before this one select.
+  const QuestSplit sp = QuestSplitOf(a, it.n);
+  int32_t* list = a.list + static_cast<size_t>(item) * a.list_cap;
+  int64_t out_base = gt_before + min(eq_before, quota), eq_base = eq_before;
+  for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
+    const int64_t jt = TileFirst(j0);
+    uint32_t key[kMctaVec];
+    int eq = 0;
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      const bool in = ranked(jt + u);
+      key[u] = in ? keys[jt + u - c.begin] : 0u;
+      eq += in && key[u] == T;
+    }
+    int eq_rank = 0, eq_total = 0;
+    Scan(tmp.scan).ExclusiveSum(eq, eq_rank, eq_total);
+    unsigned sel = 0;
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      const bool in = ranked(jt + u);
+      if (in && key[u] > T) {
+        sel |= 1u << u;
+      } else if (in && key[u] == T) {
+        if (eq_base + eq_rank < quota) sel |= 1u << u;
+        ++eq_rank;
+      }
+    }
+    int rank = 0, sel_total = 0;
+    __syncthreads();
+    Scan(tmp.scan).ExclusiveSum(__popc(sel), rank, sel_total);
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      if (sel & (1u << u)) list[sp.sinks + out_base + rank++] = static_cast<int32_t>(jt + u);
+    }
+    out_base += sel_total;
+    eq_base += eq_total;
+    __syncthreads();
+  }
+  if (blockIdx.y != 0) return;
+  for (int64_t i = threadIdx.x; i < sp.sinks; i += blockDim.x) list[i] = static_cast<int32_t>(i);
+  WriteListTail(a, item, sp.sinks, sp.off_hi, it.n, it.k, list);
+}
+
 // A CTA per item: the multi-CTA Quest winners (ascending pages in the scratch) ranked by score,
 // then walked into the list as QuestTopKKernel does.
 __global__ void __launch_bounds__(kTopKThreads) MctaQuestListKernel(DecodeStepArgs a, int64_t mcta_min) {
@@ -2093,38 +2441,51 @@ size_t MctaFusedSmem(int64_t keys_cap, unsigned ctas) {
   return static_cast<size_t>((per + tile - 1) / tile * tile) * sizeof(float);
 }
 
-// Launches the fused top-k when its grid can be co-resident on this device (cooperative launch,
-// capturable in a CUDA graph); *launched says whether it did (when not, the per-pass launches run).
-template <bool kQuest>
-Status LaunchMctaFused(const DecodeStepArgs& a, int64_t mcta_min, dim3 grid, int64_t keys_cap,
-                       int stats_parts, cudaStream_t stream, bool* launched) {
-  *launched = false;
-  const size_t smem = MctaFusedSmem(keys_cap, grid.y);
-  if (smem > kMctaFusedMaxSmem) return Status::Ok();
-  // Co-residency of this grid on the current device, cached for the last (device, smem) asked.
+// Whether every CTA of `grid` (kMctaThreads a CTA, `smem` bytes of dynamic shared memory, at most
+// max_smem) of `kernel` can be resident on this device at once, for a cooperative launch. Cached
+// per kernel for the last (device, smem) asked.
+template <typename... Params>
+Status CooperativeFits(void (*kernel)(Params...), dim3 grid, size_t smem, size_t max_smem, bool* fits) {
+  *fits = false;
+  if (smem > max_smem) return Status::Ok();
   struct Fit {
+    const void* kernel = nullptr;
     int device = -1;
     size_t smem = 0;
     int64_t blocks = 0;  // CTAs the device holds at once, 0 without cooperative launch
   };
-  thread_local Fit fit[2];
-  Fit& f = fit[kQuest ? 1 : 0];
+  thread_local Fit fit_cache[4];
+  thread_local int next = 0;
+  const void* key = reinterpret_cast<const void*>(kernel);
+  Fit* f = nullptr;
+  for (Fit& x : fit_cache) f = x.kernel == key ? &x : f;
+  if (f == nullptr) {
+    f = &fit_cache[next];
+    next = (next + 1) % 4;
+    *f = Fit{};
+    f->kernel = key;
+  }
   int device = 0;
   KVF_CUDA_CHECK(cudaGetDevice(&device));
-  if (f.device != device || f.smem != smem) {
+  if (f->device != device || f->smem != smem) {
     int coop = 0, sms = 0, per_sm = 0;
     KVF_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
     KVF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    KVF_CUDA_CHECK(cudaFuncSetAttribute(MctaFusedKernel<kQuest>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kMctaFusedMaxSmem)));
-    KVF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, MctaFusedKernel<kQuest>,
-                                                                 kMctaThreads, smem));
-    f.device = device;
-    f.smem = smem;
-    f.blocks = coop != 0 ? int64_t{per_sm} * sms : 0;
+    KVF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(max_smem)));
+    KVF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMctaThreads, smem));
+    f->device = device;
+    f->smem = smem;
+    f->blocks = coop != 0 ? int64_t{per_sm} * sms : 0;
   }
-  if (int64_t{grid.x} * grid.y > f.blocks) return Status::Ok();
+  *fits = int64_t{grid.x} * grid.y <= f->blocks;
+  return Status::Ok();
+}
+
+// A cooperative launch of `kernel` over `grid` (kMctaThreads a CTA), capturable in a CUDA graph;
+// CooperativeFits said it fits.
+template <typename... Params, typename... Args>
+Status LaunchCooperative(void (*kernel)(Params...), dim3 grid, size_t smem, cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(kMctaThreads);
@@ -2135,9 +2496,19 @@ Status LaunchMctaFused(const DecodeStepArgs& a, int64_t mcta_min, dim3 grid, int
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  KVF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, MctaFusedKernel<kQuest>, a, mcta_min, stats_parts));
-  *launched = true;
+  KVF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
   return Status::Ok();
+}
+
+// Launches the fused top-k when its grid can be co-resident on this device; *launched says
+// whether it did (when not, the per-pass launches run).
+template <bool kQuest>
+Status LaunchMctaFused(const DecodeStepArgs& a, int64_t mcta_min, dim3 grid, int64_t keys_cap,
+                       int stats_parts, cudaStream_t stream, bool* launched) {
+  const size_t smem = MctaFusedSmem(keys_cap, grid.y);
+  KVF_RETURN_IF_ERROR(CooperativeFits(MctaFusedKernel<kQuest>, grid, smem, kMctaFusedMaxSmem, launched));
+  if (!*launched) return Status::Ok();
+  return LaunchCooperative(MctaFusedKernel<kQuest>, grid, smem, stream, a, mcta_min, stats_parts);
 }
 
 // The multi-CTA launches of an item set (see above); ctas CTAs per item of up to keys_cap scores:
@@ -2523,6 +2894,47 @@ Status LaunchSparcasScores(const DecodeStepArgs& a, const LaunchInfo& info, cons
   return Status::Ok();
 }
 
+// SparCas's scoring and top-k at a 4-bit layer as one cooperative launch (SparcasFusedSelectKernel)
+// where it applies: sparcas.fused, groups of <= kFusedHeads, the multi-CTA scratch, a workspace row
+// that holds kFusedCands candidates, and chunks whose logits fit two CTAs an SM with every CTA of
+// the grid resident. Called eagerly with every item short (max_len_hint below kSelectMctaMinKeys) it
+// leaves them to the one-CTA path, as LaunchSelectTopK does. The one-CTA kernel runs first: it
+// zeroes the items' barrier counters and writes the lists of the items with nothing to rank.
+// *launched says whether it ran (when not, the caller scores and ranks with the separate launches).
+Status LaunchSparcasFused(const DecodeStepArgs& a, const LaunchInfo& info, const SelectGrid& g,
+                          cudaStream_t stream, bool* launched) {
+  *launched = false;
+  if (a.sparcas.fused == 0 || a.select_mcta_ws == nullptr || a.params.group > kFusedHeads ||
+      a.select_ld < 2 * int64_t{kFusedCands} || a.select_ld % 2 != 0 ||
+      SparcasDimsOf(a.layer, a.sparcas.dense_layers, a.sparcas.db, a.params.head_dim) % 8 != 0) {
+    return Status::Ok();
+  }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  KVF_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (a.max_len_hint > 0 && a.max_len_hint < kSelectMctaMinKeys && capture == cudaStreamCaptureStatusNone) {
+    return Status::Ok();
+  }
+  const unsigned ctas = static_cast<unsigned>(SelectMctaCtas(g.items, a.select_ld, info.num_sms, 2));
+  const int64_t tile = int64_t{kMctaThreads} * kMctaVec;
+  const int64_t per = (a.select_ld + ctas - 1) / ctas;
+  const int64_t chunk_cap = (per + tile - 1) / tile * tile;
+  const int q_bytes = static_cast<int>(SparcasQ4QueryBytes(a.params.group, a.params.head_dim));
+  const size_t smem = static_cast<size_t>(q_bytes) + static_cast<size_t>(a.params.group) * chunk_cap * sizeof(float) +
+                      kFusedBins * sizeof(unsigned int) + kFusedCands * sizeof(unsigned long long);
+  const dim3 grid(static_cast<unsigned>(g.items), ctas);
+  bool fits = false;
+  KVF_RETURN_IF_ERROR(CooperativeFits(SparcasFusedSelectKernel, grid, smem, kFusedMaxSmem, &fits));
+  if (!fits) return Status::Ok();
+  const int64_t sort_cap = SortCapOf(a);
+  SparcasTopKKernel<<<static_cast<unsigned>(g.items), kTopKThreads,
+                      sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long) : 0, stream>>>(
+      a, static_cast<int>(sort_cap), int64_t{1});
+  KVF_CUDA_CHECK_LAUNCH(SparcasTopKKernel);
+  KVF_RETURN_IF_ERROR(LaunchCooperative(SparcasFusedSelectKernel, grid, smem, stream, a, chunk_cap, q_bytes));
+  *launched = true;
+  return Status::Ok();
+}
+
 // kSparcas: with smoothing the channel scales at an item's first ranked step, then the prep
 // (dimensions, what to gather), the gather of the compact rows, the scores and the top-k.
 Status LaunchSparcasSelect(const DecodeStepArgs& a, const LaunchInfo& info, const SelectGrid& g,
@@ -2542,16 +2954,21 @@ Status LaunchSparcasSelect(const DecodeStepArgs& a, const LaunchInfo& info, cons
   SparcasPrepKernel<<<items, 256, 0, stream>>>(a);
   KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
   int32_t stats_parts = 0;  // > 0: the scoring wrote the top-k's statistics
+  bool fused = false;       // the scoring and the top-k ran as one launch
   KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
     return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
       SparcasGatherKernel<T><<<dim3(items, g.gy), kScoreWarps * 32, 0, stream>>>(a);
       KVF_CUDA_CHECK_LAUNCH(SparcasGatherKernel);
       if (a.select_skip_ranking) return Status::Ok();  // the dimensions and rows are current
+      if (a.layer >= a.sparcas.dense_layers && SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4) {
+        KVF_RETURN_IF_ERROR(LaunchSparcasFused(a, info, g, stream, &fused));
+        if (fused) return Status::Ok();
+      }
       return LaunchSparcasScores<HD, T>(a, info, g, stream, &stats_parts);
     });
   }));
   if (a.select_skip_ranking) return Status::Ok();
-  KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream, stats_parts));
+  if (!fused) KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream, stats_parts));
   return LaunchPsawFilter(a, stream);
 }
 

@@ -1082,6 +1082,12 @@ TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
   // 4100 stored tokens in the first step.
   const bool kvpop = GetParam() == "kvpop_mlp_test";
   if (kvpop) testing_util::RegisterKvpopMlpTestPolicy();
+  // sparcas_unfused: the separate scoring and top-k launches (fused=0). sparcas_ties: every
+  // prompt key one of two rows, so that the weights tie exactly: at the 160th place more than
+  // kFusedCands (2048) equal keys for the 5000-token prompt (the fused select counts the ties),
+  // fewer for the 4100-token one (it sorts them).
+  const std::string policy = GetParam().rfind("sparcas", 0) == 0 ? "sparcas" : GetParam();
+  const bool ties = GetParam() == "sparcas_ties";
   const int64_t budget = GetParam() == "hip" || kvpop ? 3000 : 160;
   std::unique_ptr<Runtime> rt[2];
   for (int b = 0; b < 2; ++b) {
@@ -1097,9 +1103,10 @@ TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
     cfg.capacity.max_prefill_chunk = 1024;
     cfg.tiers.sink_tokens = 4;
     cfg.tiers.window_tokens = 32;
-    cfg.policy.name = GetParam();
+    cfg.policy.name = policy;
     cfg.policy.budget_tokens = budget;
-    if (GetParam() == "sparcas") cfg.policy.params["dense_layers"] = 1;
+    if (policy == "sparcas") cfg.policy.params["dense_layers"] = 1;
+    if (GetParam() == "sparcas_unfused") cfg.policy.params["fused"] = 0;
     if (GetParam() == "hip") {  // one-token blocks: 2964 nodes, 5928 branches an iteration
       cfg.policy.params["dense_layers"] = 1;
       cfg.policy.params["bk"] = 1;
@@ -1123,6 +1130,8 @@ TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
   for (int b = 0; b < 2; ++b) {
     for (SequenceId s : seqs) ASSERT_TRUE(rt[b]->AddSequence(s).ok());
   }
+  std::vector<float> patterns(static_cast<size_t>(m.num_layers) * 2 * m.num_kv_heads * m.head_dim);
+  if (ties) fill(patterns);
   for (int i = 0; i < 2; ++i) {
     for (int64_t c0 = 0; c0 < prompt[i]; c0 += 1024) {
       const int64_t t = std::min<int64_t>(1024, prompt[i] - c0);
@@ -1130,6 +1139,12 @@ TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
         std::vector<float> k(t * m.num_kv_heads * m.head_dim), v(k.size());
         fill(k);
         fill(v);
+        if (ties) {  // position p's keys: the layer's pattern p % 2
+          const size_t row = static_cast<size_t>(m.num_kv_heads) * m.head_dim;
+          for (int64_t r = 0; r < t; ++r) {
+            std::copy_n(patterns.begin() + (layer * 2 + (c0 + r) % 2) * row, row, k.begin() + r * row);
+          }
+        }
         for (int b = 0; b < 2; ++b) {
           auto tv = [&](std::vector<float>& x) {
             return TensorView::Contiguous(x.data(), DType::kF32, MemoryKind::kHost,
@@ -1191,7 +1206,9 @@ TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
   EXPECT_EQ(rt[1]->GetStats().ms_select_device, 0.0);  // not turned on there
 }
 
-INSTANTIATE_TEST_SUITE_P(Cuda, CudaRuntimeLong, ::testing::Values("oracle", "sparcas", "hip", "kvpop_mlp_test"));
+INSTANTIATE_TEST_SUITE_P(Cuda, CudaRuntimeLong,
+                         ::testing::Values("oracle", "sparcas", "sparcas_unfused", "sparcas_ties", "hip",
+                                           "kvpop_mlp_test"));
 
 }  // namespace
 }  // namespace kvferry
