@@ -2099,6 +2099,9 @@ __global__ void __launch_bounds__(kMctaThreads, 2) MctaFusedKernel(DecodeStepArg
 // (a barrier). The list is then written in position order as MctaWritePass writes it, so the
 // answer is the separate launches': the same logits and weights, the same ties (lower position
 // first); the softmax sums are merged in another order (the last bit of a weight may differ).
+// kRecompute: where an item's chunk of logits does not fit shared memory (its CTAs are few, at
+// large batches), the weights pass scores the rows a second time instead of reading them back,
+// and only the keys stay in shared memory.
 constexpr int kFusedHeads = 4;     // the group's query heads a row is scored for (groups of <= 4)
 constexpr int kFusedCands = 2048;  // keys of a boundary bucket that one sort resolves
 constexpr int kFusedBins = 4096;   // the first digit's bins (12 bits)
@@ -2159,6 +2162,7 @@ __device__ FusedDigitAt FindFusedDigit(const uint32_t* hist, int nb, uint32_t re
   return d;
 }
 
+template <bool kRecompute>
 __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(DecodeStepArgs a, int64_t chunk_cap,
                                                                             int q_bytes) {
   extern __shared__ __align__(16) unsigned char fused_smem[];
@@ -2174,9 +2178,10 @@ __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(Deco
   const TopKItem it = TopKItemOf(a, item, 1);
   if (!it.mcta) return;  // nothing to rank: the one-CTA kernel wrote the list
   float* q_raw = reinterpret_cast<float*>(fused_smem);
-  float* logits = reinterpret_cast<float*>(fused_smem + q_bytes);  // [group][chunk_cap]
-  uint32_t* keys = reinterpret_cast<uint32_t*>(logits);           // over head 0's logits
-  unsigned int* bins = reinterpret_cast<unsigned int*>(logits + a.params.group * chunk_cap);
+  // [group][chunk_cap] logits, or (kRecompute) the keys alone: the weights pass scores again
+  float* logits = reinterpret_cast<float*>(fused_smem + q_bytes);
+  uint32_t* keys = reinterpret_cast<uint32_t*>(logits);  // over head 0's logits
+  unsigned int* bins = reinterpret_cast<unsigned int*>(logits + (kRecompute ? 1 : a.params.group) * chunk_cap);
   unsigned long long* cands = reinterpret_cast<unsigned long long*>(bins + kFusedBins);
   const SparcasScoreItem si = LoadSparcasQuery(a, q_raw, a.params.head_dim, /*scaled=*/false);
   if (!si.ranked) return;  // (as it.mcta: the prep kernel ranks what has keys to rank)
@@ -2196,10 +2201,10 @@ __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(Deco
     for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) ws.hist[i] = 0;
     if (threadIdx.x == 0) *cand_count = 0;
   }
+  const float log2_scale = a.params.scale * kLog2e;
+  const uint32_t* rows = reinterpret_cast<const uint32_t*>(
+      CompactOf<__half>(a, item / a.num_kv_heads, item % a.num_kv_heads));
   {
-    const float log2_scale = a.params.scale * kLog2e;
-    const uint32_t* rows = reinterpret_cast<const uint32_t*>(
-        CompactOf<__half>(a, item / a.num_kv_heads, item % a.num_kv_heads));
     float st_m[kFusedHeads], st_s[kFusedHeads];
 #pragma unroll
     for (int g = 0; g < kFusedHeads; ++g) {
@@ -2212,7 +2217,7 @@ __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(Deco
 #pragma unroll
       for (int g = 0; g < kFusedHeads; ++g) {
         if (g < group) {
-          logits[g * chunk_cap + (j - c.begin)] = l[g];
+          if (!kRecompute) logits[g * chunk_cap + (j - c.begin)] = l[g];
           SoftmaxAdd(st_m[g], st_s[g], l[g]);
         }
       }
@@ -2226,8 +2231,13 @@ __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(Deco
   MergeSoftmaxPartials<false>(ws.stats, group, static_cast<int>(gridDim.y), m_s, inv_s);
   const int64_t r0 = max(c.begin, it.lo), r1 = min(c.end, it.lo + it.count);
   for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
+    float l[kFusedHeads];
+    if (kRecompute) SparcasQ4RowLogits<kFusedHeads>(rows + j * (q.words + 1), q.words, q, 0, group, log2_scale, l);
     float w = 0.0f;
-    for (int g = 0; g < group; ++g) w += exp2f(logits[g * chunk_cap + (j - c.begin)] - m_s[g]) * inv_s[g];
+#pragma unroll
+    for (int g = 0; g < kFusedHeads; ++g) {
+      if (g < group) w += exp2f((kRecompute ? l[g] : logits[g * chunk_cap + (j - c.begin)]) - m_s[g]) * inv_s[g];
+    }
     keys[j - c.begin] = OrderedKey(w);
   }
   __syncthreads();
@@ -2919,18 +2929,33 @@ Status LaunchSparcasFused(const DecodeStepArgs& a, const LaunchInfo& info, const
   const int64_t per = (a.select_ld + ctas - 1) / ctas;
   const int64_t chunk_cap = (per + tile - 1) / tile * tile;
   const int q_bytes = static_cast<int>(SparcasQ4QueryBytes(a.params.group, a.params.head_dim));
-  const size_t smem = static_cast<size_t>(q_bytes) + static_cast<size_t>(a.params.group) * chunk_cap * sizeof(float) +
-                      kFusedBins * sizeof(unsigned int) + kFusedCands * sizeof(unsigned long long);
+  // Shared memory with the chunk's logits kept, else with its weights alone (kRecompute: the
+  // weights pass scores the rows again; sparcas.fused 2 asks for it).
+  auto smem_of = [&](bool recompute) {
+    return static_cast<size_t>(q_bytes) +
+           static_cast<size_t>(recompute ? 1 : a.params.group) * chunk_cap * sizeof(float) +
+           kFusedBins * sizeof(unsigned int) + kFusedCands * sizeof(unsigned long long);
+  };
   const dim3 grid(static_cast<unsigned>(g.items), ctas);
-  bool fits = false;
-  KVF_RETURN_IF_ERROR(CooperativeFits(SparcasFusedSelectKernel, grid, smem, kFusedMaxSmem, &fits));
+  bool recompute = a.sparcas.fused == 2, fits = false;
+  if (!recompute) {
+    KVF_RETURN_IF_ERROR(CooperativeFits(SparcasFusedSelectKernel<false>, grid, smem_of(false), kFusedMaxSmem, &fits));
+    recompute = !fits;
+  }
+  if (recompute) {
+    KVF_RETURN_IF_ERROR(CooperativeFits(SparcasFusedSelectKernel<true>, grid, smem_of(true), kFusedMaxSmem, &fits));
+  }
   if (!fits) return Status::Ok();
   const int64_t sort_cap = SortCapOf(a);
   SparcasTopKKernel<<<static_cast<unsigned>(g.items), kTopKThreads,
                       sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long) : 0, stream>>>(
       a, static_cast<int>(sort_cap), int64_t{1});
   KVF_CUDA_CHECK_LAUNCH(SparcasTopKKernel);
-  KVF_RETURN_IF_ERROR(LaunchCooperative(SparcasFusedSelectKernel, grid, smem, stream, a, chunk_cap, q_bytes));
+  if (recompute) {
+    KVF_RETURN_IF_ERROR(LaunchCooperative(SparcasFusedSelectKernel<true>, grid, smem_of(true), stream, a, chunk_cap, q_bytes));
+  } else {
+    KVF_RETURN_IF_ERROR(LaunchCooperative(SparcasFusedSelectKernel<false>, grid, smem_of(false), stream, a, chunk_cap, q_bytes));
+  }
   *launched = true;
   return Status::Ok();
 }

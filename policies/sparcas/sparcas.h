@@ -76,8 +76,10 @@ struct SparcasParams {
   /// SparcasChannelScales; both backends, docs/policies.md, `sparcas`); 0 quantizes the raw rows.
   int smooth = 1;
   /// "fused": 1 (the default) scores and ranks a 4-bit layer's keys in one cooperative launch on
-  /// CUDA where it fits (docs/cuda.md, "SparCas's fused selection"); 0 keeps the separate scoring
-  /// and top-k launches. The lists are the same; the host backend ignores it.
+  /// CUDA where it fits (docs/cuda.md, "SparCas's fused selection"), keeping the logits in shared
+  /// memory or, where they do not fit (large batches), scoring the rows a second time; 2 always
+  /// scores twice; 0 keeps the separate scoring and top-k launches. The lists are the same; the
+  /// host backend ignores it.
   int fused = 1;
 };
 
