@@ -2283,8 +2283,10 @@ __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(Deco
   // select: keys > T (gt_before) and keys == T (eq_before).
   uint32_t T = prefix;
   int64_t quota = remaining, gt_before = 0, eq_before = 0;
+  // Row 0 of the item's workspace, from its first 8-byte boundary (room for kFusedCands: the launch).
   unsigned long long* global_cands = reinterpret_cast<unsigned long long*>(
-      a.select_ws + static_cast<size_t>(item) * group * a.select_ld);  // row 0 (8-byte aligned: see the launch)
+      (reinterpret_cast<uintptr_t>(a.select_ws + static_cast<size_t>(item) * group * a.select_ld) + 7) &
+      ~uintptr_t{7});
   if (level < 4) {
     // The bucket's keys as (~key << 32 | position), appended a warp at a time; the keys above it.
     int above = 0;
@@ -2915,7 +2917,7 @@ Status LaunchSparcasFused(const DecodeStepArgs& a, const LaunchInfo& info, const
                           cudaStream_t stream, bool* launched) {
   *launched = false;
   if (a.sparcas.fused == 0 || a.select_mcta_ws == nullptr || a.params.group > kFusedHeads ||
-      a.select_ld < 2 * int64_t{kFusedCands} || a.select_ld % 2 != 0 ||
+      a.select_ld < 2 * int64_t{kFusedCands} + 1 ||
       SparcasDimsOf(a.layer, a.sparcas.dense_layers, a.sparcas.db, a.params.head_dim) % 8 != 0) {
     return Status::Ok();
   }
