@@ -1674,31 +1674,59 @@ struct RadixState {
   uint32_t prefix = 0, mask = 0, remaining = 0;
 };
 
-__device__ RadixState MctaPrefix(const uint32_t* hist, int passes, int64_t k) {
+// Most bins a radix digit of the top-k has (the fused SparCas selection's first digit: 12 bits).
+constexpr int kMaxDigitBins = 4096;
+
+// The digit of hist[0, nb) (nb a power of two <= kMaxDigitBins) where the count from the top first
+// reaches `remaining`: the digit, the keys of the digits above it, the keys of the digit. Every
+// thread of a kMctaThreads CTA calls and gets the answer.
+struct DigitAt {
+  uint32_t digit, above, at;
+};
+__device__ DigitAt FindDigit(const uint32_t* hist, int nb, uint32_t remaining) {
+  constexpr int kPer = kMaxDigitBins / kMctaThreads;  // 8 bins a thread at most
   using Scan = cub::BlockScan<uint32_t, kMctaThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ uint32_t s_prefix, s_remaining;
+  __shared__ DigitAt s_d;
+  // Thread t holds the digits nb - 1 - (per t + i), i < per: descending, so the scan counts from the top.
+  const int per = nb >= kMctaThreads ? nb / kMctaThreads : 1;
+  uint32_t h[kPer], sum = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int r = static_cast<int>(threadIdx.x) * per + i;
+    h[i] = i < per && r < nb ? __ldcg(hist + nb - 1 - r) : 0u;
+    sum += h[i];
+  }
+  uint32_t base = 0;
+  Scan(scan_tmp).ExclusiveSum(sum, base);
+  if (threadIdx.x == 0) s_d = DigitAt{0, 0, 0};  // none reaches it: digit 0, as TopKSelect's loop ends
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int r = static_cast<int>(threadIdx.x) * per + i;
+    if (i < per && r < nb) {
+      if (base < remaining && (base + h[i] >= remaining || r == nb - 1)) {
+        s_d = DigitAt{static_cast<uint32_t>(nb - 1 - r), base, h[i]};
+      }
+      base += h[i];
+    }
+  }
+  __syncthreads();
+  const DigitAt d = s_d;
+  __syncthreads();  // s_d and scan_tmp are rewritten by the next call
+  return d;
+}
+
+// The RadixState after the first `passes` 8-bit histograms of hist (256 bins each, top byte first).
+__device__ RadixState MctaPrefix(const uint32_t* hist, int passes, int64_t k) {
   RadixState r;
   r.remaining = static_cast<uint32_t>(k);
-  const int t = threadIdx.x;
   for (int p = 0; p < passes; ++p) {
     const int shift = 24 - 8 * p;
-    // Thread t holds digit 255 - t: its inclusive sum counts the keys of digits >= 255 - t.
-    const uint32_t h = t < 256 ? hist[p * 256 + 255 - t] : 0u;
-    uint32_t incl = 0;
-    Scan(scan_tmp).InclusiveSum(h, incl);
-    const uint32_t above = incl - h;
-    // The digit where the count from the top first reaches `remaining` (digit 0 when none does
-    // before it, as TopKSelect's loop ends).
-    if (t < 256 && above < r.remaining && (incl >= r.remaining || t == 255)) {
-      s_prefix = r.prefix | (static_cast<uint32_t>(255 - t) << shift);
-      s_remaining = r.remaining - above;
-    }
-    __syncthreads();
-    r.prefix = s_prefix;
-    r.remaining = s_remaining;
+    const DigitAt d = FindDigit(hist + p * 256, 256, r.remaining);
+    r.prefix |= d.digit << shift;
+    r.remaining -= d.above;
     r.mask |= 0xffu << shift;
-    __syncthreads();  // s_prefix and scan_tmp are rewritten by the next pass
   }
   return r;
 }
@@ -1711,10 +1739,11 @@ __device__ __forceinline__ void FlushHistogram(const unsigned int* bins, uint32_
   }
 }
 
-// Counts key's bin (key >> shift & 0xff) into bins when `in`, one atomic per bin per warp (keys
-// of one row share their high bits). Every lane of the warp calls.
-__device__ __forceinline__ void CountBin(unsigned int* bins, uint32_t key, int shift, bool in) {
-  const uint32_t bin = in ? (key >> shift) & 0xffu : 0x100u;
+// Counts key's digit (key >> shift & mask) into bins when `in`, one atomic per digit per warp
+// (keys of one row share their high bits). Every lane of the warp calls.
+__device__ __forceinline__ void CountBin(unsigned int* bins, uint32_t key, int shift, bool in,
+                                         uint32_t mask = 0xffu) {
+  const uint32_t bin = in ? (key >> shift) & mask : 0xffffffffu;
   const unsigned peers = __match_any_sync(0xffffffffu, bin);
   if (in && static_cast<int>(threadIdx.x & 31) == __ffs(peers) - 1) {
     atomicAdd(&bins[bin], static_cast<unsigned>(__popc(peers)));
@@ -1888,23 +1917,76 @@ __device__ void MctaRadixPass(const DecodeStepArgs& a, const TopKItem& it, const
   FlushHistogram(bins, ws.hist + pass * 256);
 }
 
-// 4. The k-th largest key T is known: this CTA's keys > T and == T into ws.counts.
-__device__ void MctaCountPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
-                              WeightRow w) {
+// This CTA's keys > T (gt) and == T (eq), summed over the CTA, into its slot of ws.counts.
+__device__ void StoreChunkCounts(int gt, int eq, const MctaScratch& ws) {
   using Reduce = cub::BlockReduce<int, kMctaThreads>;
   __shared__ typename Reduce::TempStorage tmp;
-  const RadixState r = MctaPrefix(ws.hist, 4, it.k);
-  int gt = 0, eq = 0;
-  ForEachTileKey(w, ChunkOf(it.count), [&](int64_t, bool in, uint32_t key) {
-    gt += in && key > r.prefix;
-    eq += in && key == r.prefix;
-  });
   gt = Reduce(tmp).Sum(gt);
   __syncthreads();
   eq = Reduce(tmp).Sum(eq);
   if (threadIdx.x == 0) {
     ws.counts[2 * blockIdx.y] = gt;
     ws.counts[2 * blockIdx.y + 1] = eq;
+  }
+  __syncthreads();  // tmp is free again
+}
+
+// 4. The k-th largest key T is known: this CTA's keys > T and == T into ws.counts.
+__device__ void MctaCountPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
+                              WeightRow w) {
+  const RadixState r = MctaPrefix(ws.hist, 4, it.k);
+  int gt = 0, eq = 0;
+  ForEachTileKey(w, ChunkOf(it.count), [&](int64_t, bool in, uint32_t key) {
+    gt += in && key > r.prefix;
+    eq += in && key == r.prefix;
+  });
+  StoreChunkCounts(gt, eq, ws);
+}
+
+// The ordered write of a chunk (whole tiles from `begin` to `tiles_end`): every key > T, and each
+// key == T while fewer than `quota` keys == T came before it (eq_base: those of the chunks
+// before), in position order; emit(i, j) for position j, the chunk's i-th selected from out_base
+// on. key_of(j, in) gives position j's key and whether it takes part. Every thread of a
+// kMctaThreads CTA calls; position order is (thread, u) order within a tile.
+template <typename KeyOf, typename Emit>
+__device__ void WriteInOrder(int64_t begin, int64_t tiles_end, const KeyOf& key_of, uint32_t T, int64_t quota,
+                             int64_t out_base, int64_t eq_base, const Emit& emit) {
+  using Scan = cub::BlockScan<int, kMctaThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
+  for (int64_t j0 = begin; j0 < tiles_end; j0 += tile) {
+    const int64_t jt = TileFirst(j0);
+    uint32_t key[kMctaVec];
+    bool in[kMctaVec];
+    int eq = 0;
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      key[u] = key_of(jt + u, in[u]);
+      eq += in[u] && key[u] == T;
+    }
+    int eq_rank = 0, eq_total = 0;
+    Scan(scan_tmp).ExclusiveSum(eq, eq_rank, eq_total);
+    // This thread's keys == T come after eq_rank others of the tile.
+    unsigned sel = 0;
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      if (in[u] && key[u] > T) {
+        sel |= 1u << u;
+      } else if (in[u] && key[u] == T) {
+        if (eq_base + eq_rank < quota) sel |= 1u << u;
+        ++eq_rank;
+      }
+    }
+    int rank = 0, sel_total = 0;
+    __syncthreads();
+    Scan(scan_tmp).ExclusiveSum(__popc(sel), rank, sel_total);
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      if (sel & (1u << u)) emit(out_base + rank++, jt + u);
+    }
+    out_base += sel_total;
+    eq_base += eq_total;
+    __syncthreads();
   }
 }
 
@@ -1913,8 +1995,6 @@ __device__ void MctaCountPass(const DecodeStepArgs& a, const TopKItem& it, const
 template <bool kQuest>
 __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
                               WeightRow w) {
-  using Scan = cub::BlockScan<int, kMctaThreads>;
-  __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int64_t s_out, s_eq;
   const int32_t item = blockIdx.x;
   const RadixState r = MctaPrefix(ws.hist, 4, it.k);
@@ -1943,51 +2023,19 @@ __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const
   }
   int32_t* list = a.list + static_cast<size_t>(item) * a.list_cap;
   const Chunk c = ChunkOf(it.count);
-  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
-  for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
-    const int64_t jt = TileFirst(j0);
-    float x[kMctaVec];
-    LoadTile(w, jt, c.end, 0.0f, x);
-    uint32_t key[kMctaVec];
-    int eq = 0;
-#pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) {
-      key[u] = jt + u < c.end ? OrderedKey(x[u]) : 0u;
-      eq += jt + u < c.end && key[u] == r.prefix;
-    }
-    int eq_rank = 0, eq_total = 0;
-    Scan(scan_tmp).ExclusiveSum(eq, eq_rank, eq_total);
-    // Position order is (thread, u) order: this thread's keys == T come after eq_rank others.
-    unsigned sel_mask = 0;
-#pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) {
-      const bool in = jt + u < c.end;
-      if (in && key[u] > r.prefix) {
-        sel_mask |= 1u << u;
-      } else if (in && key[u] == r.prefix) {
-        if (eq_base + eq_rank < remaining) sel_mask |= 1u << u;
-        ++eq_rank;
-      }
-    }
-    int rank = 0, sel_total = 0;
-    __syncthreads();
-    Scan(scan_tmp).ExclusiveSum(__popc(sel_mask), rank, sel_total);
-#pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) {
-      if (sel_mask & (1u << u)) {
-        const int64_t j = jt + u;
+  WriteInOrder(
+      c.begin, c.tiles_end,
+      [&](int64_t j, bool& in) {
+        in = j < c.end;
+        return in ? OrderedKey(w[j]) : 0u;
+      },
+      r.prefix, remaining, out_base, eq_base, [&](int64_t i, int64_t j) {
         if (kQuest) {
-          ws.picks[out_base + rank] = static_cast<int32_t>(j);
+          ws.picks[i] = static_cast<int32_t>(j);
         } else {
-          list[sinks + out_base + rank] = static_cast<int32_t>(it.lo + j);
+          list[sinks + i] = static_cast<int32_t>(it.lo + j);
         }
-        ++rank;
-      }
-    }
-    out_base += sel_total;
-    eq_base += eq_total;
-    __syncthreads();
-  }
+      });
   if constexpr (!kQuest) {
     if (blockIdx.y != 0) return;
     // CTA 0 writes the rest of the list: SparCas's sinks and window, and the count.
@@ -2087,7 +2135,8 @@ __global__ void __launch_bounds__(kMctaThreads, 2) MctaFusedKernel(DecodeStepArg
 // item's CTAs find the k-th largest weight with a radix descent whose first digit is 12 bits wide,
 // so that one histogram usually leaves a boundary bucket of a few hundred keys, which every CTA then
 // sorts whole. Three barriers among the item's CTAs where the separate launches took a scoring
-// kernel, a one-CTA kernel and six barriers of the fused top-k over logits in global memory:
+// kernel and six barriers of the fused top-k over logits in global memory (the one-CTA kernel runs
+// before either, for the items with nothing to rank and the barrier counters):
 //   1. statistics: each CTA's (max, sum) a head, from the scoring loop (online softmax);
 //   2. digit 0: the CTA's weights (MctaWeightsPass's sum, in place of head 0's logits) and the
 //      histogram of their keys' top 12 bits; every CTA then finds the bucket of the k-th key;
@@ -2104,7 +2153,7 @@ __global__ void __launch_bounds__(kMctaThreads, 2) MctaFusedKernel(DecodeStepArg
 // and only the keys stay in shared memory.
 constexpr int kFusedHeads = 4;     // the group's query heads a row is scored for (groups of <= 4)
 constexpr int kFusedCands = 2048;  // keys of a boundary bucket that one sort resolves
-constexpr int kFusedBins = 4096;   // the first digit's bins (12 bits)
+constexpr int kFusedBins = kMaxDigitBins;  // the first digit's bins (12 bits)
 constexpr size_t kFusedMaxSmem = 112 * 1024;  // two CTAs an SM
 
 __device__ __forceinline__ int FusedShift(int level) {
@@ -2112,66 +2161,14 @@ __device__ __forceinline__ int FusedShift(int level) {
 }
 __device__ __forceinline__ int FusedBits(int level) { return level == 0 ? 12 : level == 3 ? 4 : 8; }
 
-// Counts key's digit (key >> shift & mask) into bins when `in`, one atomic per digit per warp.
-// Every lane of the warp calls.
-__device__ __forceinline__ void CountDigit(unsigned int* bins, uint32_t key, int shift, uint32_t mask, bool in) {
-  const uint32_t bin = in ? (key >> shift) & mask : 0xffffffffu;
-  const unsigned peers = __match_any_sync(0xffffffffu, bin);
-  if (in && static_cast<int>(threadIdx.x & 31) == __ffs(peers) - 1) {
-    atomicAdd(&bins[bin], static_cast<unsigned>(__popc(peers)));
-  }
-}
 
-// The digit of hist[0, nb) (nb a power of two <= kFusedBins) where the count from the top first
-// reaches `remaining`: the digit, the keys of the digits above it, the keys of the digit. Every
-// thread of a kMctaThreads CTA calls and gets the answer.
-struct FusedDigitAt {
-  uint32_t digit, above, at;
-};
-__device__ FusedDigitAt FindFusedDigit(const uint32_t* hist, int nb, uint32_t remaining) {
-  constexpr int kPer = kFusedBins / kMctaThreads;  // 8 bins a thread at most
-  using Scan = cub::BlockScan<uint32_t, kMctaThreads>;
-  __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ FusedDigitAt s_d;
-  // Thread t holds the digits nb - 1 - (per t + i), i < per: descending, so the scan counts from the top.
-  const int per = nb >= kMctaThreads ? nb / kMctaThreads : 1;
-  uint32_t h[kPer], sum = 0;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int r = static_cast<int>(threadIdx.x) * per + i;
-    h[i] = i < per && r < nb ? __ldcg(hist + nb - 1 - r) : 0u;
-    sum += h[i];
-  }
-  uint32_t base = 0;
-  Scan(scan_tmp).ExclusiveSum(sum, base);
-  if (threadIdx.x == 0) s_d = FusedDigitAt{0, 0, 0};  // no digit reaches it: digit 0 (as MctaPrefix)
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int r = static_cast<int>(threadIdx.x) * per + i;
-    if (i < per && r < nb) {
-      if (base < remaining && (base + h[i] >= remaining || r == nb - 1)) {
-        s_d = FusedDigitAt{static_cast<uint32_t>(nb - 1 - r), base, h[i]};
-      }
-      base += h[i];
-    }
-  }
-  __syncthreads();
-  const FusedDigitAt d = s_d;
-  __syncthreads();  // s_d and scan_tmp are rewritten by the next call
-  return d;
-}
 
 template <bool kRecompute>
 __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(DecodeStepArgs a, int64_t chunk_cap,
                                                                             int q_bytes) {
   extern __shared__ __align__(16) unsigned char fused_smem[];
   using Reduce = cub::BlockReduce<int, kMctaThreads>;
-  using Scan = cub::BlockScan<int, kMctaThreads>;
-  __shared__ union {
-    typename Reduce::TempStorage red;
-    typename Scan::TempStorage scan;
-  } tmp;
+  __shared__ typename Reduce::TempStorage red_tmp;
   __shared__ float m_s[kFusedHeads], inv_s[kFusedHeads];
   __shared__ int64_t s_base[3];  // gt_before, eq_before, quota
   const int32_t item = blockIdx.x;
@@ -2264,14 +2261,14 @@ __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(Deco
     for (int i = threadIdx.x; i < nb; i += blockDim.x) bins[i] = 0;
     __syncthreads();
     for_tiles([&](int64_t, bool in, uint32_t key) {
-      CountDigit(bins, key, shift, dmask, in && (key & mask) == prefix);
+      CountBin(bins, key, shift, in && (key & mask) == prefix, dmask);
     });
     __syncthreads();
     for (int i = threadIdx.x; i < nb; i += blockDim.x) {
       if (bins[i] != 0) atomicAdd(global + i, bins[i]);
     }
     ItemBarrier(bar, arrivals += gridDim.y);
-    const FusedDigitAt d = FindFusedDigit(global, nb, remaining);
+    const DigitAt d = FindDigit(global, nb, remaining);
     prefix |= d.digit << shift;
     mask |= dmask << shift;
     remaining -= d.above;
@@ -2303,7 +2300,7 @@ __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(Deco
             (static_cast<unsigned long long>(~key) << 32) | static_cast<uint32_t>(j);
       }
     });
-    above = Reduce(tmp.red).Sum(above);
+    above = Reduce(red_tmp).Sum(above);
     if (threadIdx.x == 0) ws.counts[2 * blockIdx.y] = above;
     __threadfence();  // the appended keys, before the barrier's release
     ItemBarrier(bar, arrivals += gridDim.y);
@@ -2320,11 +2317,11 @@ __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(Deco
       gt_b += key > T && pos < c.begin;
       eq_b += key == T && pos < c.begin;
     }
-    gt_all = Reduce(tmp.red).Sum(gt_all);
+    gt_all = Reduce(red_tmp).Sum(gt_all);
     __syncthreads();
-    gt_b = Reduce(tmp.red).Sum(gt_b);
+    gt_b = Reduce(red_tmp).Sum(gt_b);
     __syncthreads();
-    eq_b = Reduce(tmp.red).Sum(eq_b);
+    eq_b = Reduce(red_tmp).Sum(eq_b);
     if (threadIdx.x == 0) {  // the reductions' sums are thread 0's
       int64_t g = gt_b;
       for (unsigned y = 0; y < blockIdx.y; ++y) g += __ldcg(ws.counts + 2 * y);
@@ -2345,13 +2342,7 @@ __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(Deco
       gt += ranked(j) && key > T;
       eq += ranked(j) && key == T;
     }
-    gt = Reduce(tmp.red).Sum(gt);
-    __syncthreads();
-    eq = Reduce(tmp.red).Sum(eq);
-    if (threadIdx.x == 0) {
-      ws.counts[2 * blockIdx.y] = gt;
-      ws.counts[2 * blockIdx.y + 1] = eq;
-    }
+    StoreChunkCounts(gt, eq, ws);
     ItemBarrier(bar, arrivals += gridDim.y);
     if (threadIdx.x == 0) {
       int64_t g = 0, e = 0;
@@ -2371,41 +2362,14 @@ __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(Deco
   // position, after what the chunks before this one select.
   const QuestSplit sp = QuestSplitOf(a, it.n);
   int32_t* list = a.list + static_cast<size_t>(item) * a.list_cap;
-  int64_t out_base = gt_before + min(eq_before, quota), eq_base = eq_before;
-  for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
-    const int64_t jt = TileFirst(j0);
-    uint32_t key[kMctaVec];
-    int eq = 0;
-#pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) {
-      const bool in = ranked(jt + u);
-      key[u] = in ? keys[jt + u - c.begin] : 0u;
-      eq += in && key[u] == T;
-    }
-    int eq_rank = 0, eq_total = 0;
-    Scan(tmp.scan).ExclusiveSum(eq, eq_rank, eq_total);
-    unsigned sel = 0;
-#pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) {
-      const bool in = ranked(jt + u);
-      if (in && key[u] > T) {
-        sel |= 1u << u;
-      } else if (in && key[u] == T) {
-        if (eq_base + eq_rank < quota) sel |= 1u << u;
-        ++eq_rank;
-      }
-    }
-    int rank = 0, sel_total = 0;
-    __syncthreads();
-    Scan(tmp.scan).ExclusiveSum(__popc(sel), rank, sel_total);
-#pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) {
-      if (sel & (1u << u)) list[sp.sinks + out_base + rank++] = static_cast<int32_t>(jt + u);
-    }
-    out_base += sel_total;
-    eq_base += eq_total;
-    __syncthreads();
-  }
+  WriteInOrder(
+      c.begin, c.tiles_end,
+      [&](int64_t j, bool& in) {
+        in = ranked(j);
+        return in ? keys[j - c.begin] : 0u;
+      },
+      T, quota, gt_before + min(eq_before, quota), eq_before,
+      [&](int64_t i, int64_t j) { list[sp.sinks + i] = static_cast<int32_t>(j); });
   if (blockIdx.y != 0) return;
   for (int64_t i = threadIdx.x; i < sp.sinks; i += blockDim.x) list[i] = static_cast<int32_t>(i);
   WriteListTail(a, item, sp.sinks, sp.off_hi, it.n, it.k, list);
@@ -2678,6 +2642,33 @@ Status LaunchPsawFilter(const DecodeStepArgs& a, cudaStream_t stream) {
   return Status::Ok();
 }
 
+// The one-CTA top-k kernel of the item set's scoring: the items with nothing to rank and those
+// ranking fewer than mcta_min scores (it zeroes every item's multi-CTA barrier counter and returns
+// at once for the others); *smem is its dynamic shared memory (Quest's list kernel takes as much).
+Status LaunchOneCtaTopK(const DecodeStepArgs& a, int64_t mcta_min, cudaStream_t stream, size_t* smem) {
+  const unsigned items = static_cast<unsigned>(int64_t{a.batch} * a.num_kv_heads);
+  const int64_t sort_cap = SortCapOf(a);
+  const bool quest = a.scoring == SelectScoring::kQuestPages;
+  *smem = quest ? static_cast<size_t>(sort_cap) * (sizeof(unsigned long long) + sizeof(int32_t))
+          : sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long)
+                                       : 0;
+  if (quest) {
+    if (*smem > kQuestSmemOptIn) {  // 4096 pages: 48 KiB besides the kernel's static shared memory
+      KVF_CUDA_CHECK(cudaFuncSetAttribute(QuestTopKKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(*smem)));
+    }
+    QuestTopKKernel<<<items, kTopKThreads, *smem, stream>>>(a, mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(QuestTopKKernel);
+  } else if (a.scoring == SelectScoring::kSparcas) {
+    SparcasTopKKernel<<<items, kTopKThreads, *smem, stream>>>(a, static_cast<int>(sort_cap), mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(SparcasTopKKernel);
+  } else {
+    SelectTopKKernel<<<items, kTopKThreads, *smem, stream>>>(a, static_cast<int>(sort_cap), mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(SelectTopKKernel);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectTopKPath path,
@@ -2718,26 +2709,8 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
   // The one-CTA kernel always runs: it takes the items below the threshold (chosen on the device
   // from this step's lengths, so one launch sequence serves every step of a captured graph) and
   // the items with nothing to rank; it returns at once for the others.
-  const size_t smem = quest ? static_cast<size_t>(sort_cap) * (sizeof(unsigned long long) + sizeof(int32_t))
-                     : sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long)
-                                                  : 0;
-  if (a.scoring == SelectScoring::kQuestPages) {
-    if (smem > kQuestSmemOptIn) {  // 4096 pages: 48 KiB besides the kernel's static shared memory
-      KVF_CUDA_CHECK(cudaFuncSetAttribute(QuestTopKKernel,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
-    }
-    QuestTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(a, mcta_min);
-    KVF_CUDA_CHECK_LAUNCH(QuestTopKKernel);
-  } else if (a.scoring == SelectScoring::kSparcas) {
-    SparcasTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(
-        a, static_cast<int>(sort_cap), mcta_min);
-    KVF_CUDA_CHECK_LAUNCH(SparcasTopKKernel);
-  } else {
-    SelectTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(
-        a, static_cast<int>(sort_cap), mcta_min);
-    KVF_CUDA_CHECK_LAUNCH(SelectTopKKernel);
-  }
+  size_t smem = 0;
+  KVF_RETURN_IF_ERROR(LaunchOneCtaTopK(a, mcta_min, stream, &smem));
   if (mcta_min == std::numeric_limits<int64_t>::max()) return Status::Ok();
   // The multi-CTA top-k's CTAs per SM in all.
   constexpr int per_sm = 2;
@@ -2948,11 +2921,8 @@ Status LaunchSparcasFused(const DecodeStepArgs& a, const LaunchInfo& info, const
     KVF_RETURN_IF_ERROR(CooperativeFits(SparcasFusedSelectKernel<true>, grid, smem_of(true), kFusedMaxSmem, &fits));
   }
   if (!fits) return Status::Ok();
-  const int64_t sort_cap = SortCapOf(a);
-  SparcasTopKKernel<<<static_cast<unsigned>(g.items), kTopKThreads,
-                      sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long) : 0, stream>>>(
-      a, static_cast<int>(sort_cap), int64_t{1});
-  KVF_CUDA_CHECK_LAUNCH(SparcasTopKKernel);
+  size_t one_cta_smem = 0;  // the one-CTA kernel: the barriers zeroed, the lists of items with nothing to rank
+  KVF_RETURN_IF_ERROR(LaunchOneCtaTopK(a, 1, stream, &one_cta_smem));
   if (recompute) {
     KVF_RETURN_IF_ERROR(LaunchCooperative(SparcasFusedSelectKernel<true>, grid, smem_of(true), stream, a, chunk_cap, q_bytes));
   } else {
