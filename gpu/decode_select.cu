@@ -372,27 +372,6 @@ __device__ void GroupWeightsTopK(float* l, int64_t ld, int group, int64_t n, int
   BitonicSortBlock(sel, sort_n);
 }
 
-// A CTA per item: the oracle's list (top k of every position).
-__global__ void __launch_bounds__(kTopKThreads) SelectTopKKernel(DecodeStepArgs a, int sort_cap,
-                                                                  int64_t mcta_min) {
-  extern __shared__ unsigned long long sort_smem[];
-  const int32_t item = blockIdx.x;
-  if (MctaTakes(a, item, mcta_min)) return;
-  const int32_t b = item / a.num_kv_heads;
-  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  int64_t k = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
-  if (k > n) k = n;
-  float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
-  unsigned long long* sel = sort_cap <= kTopKSmemItems
-                                ? sort_smem
-                                : a.topk_ws + static_cast<size_t>(item) * sort_cap;
-  int sort_n = 0;
-  GroupWeightsTopK(l, a.select_ld, a.params.group, n, 0, n, k, sel, sort_n);
-  int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
-  for (int i = threadIdx.x; i < k; i += blockDim.x) out[i] = static_cast<int32_t>(sel[i]);
-  if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(k);
-}
-
 
 // The pages of sel[0, want) (ranked: (~key << 32 | page - p_lo), best first; sel has sort_n
 // entries, sort_n a power of two >= want, at most kTopKSmemItems) walked by score until k_off
@@ -1571,19 +1550,28 @@ __global__ void __launch_bounds__(kSparcasThreads) DenseCompactScoreKernel(Decod
   }
 }
 
-// A CTA per item: SparCas's list (sinks, top k_off of the offloaded range, window). Layers below
-// dense_layers score every dimension from the compact rows (DenseCompactScoreKernel; GQA groups over
-// kDenseThreadMaxGroup: SelectScoreKernel<.., kCompact>).
-__global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs a, int sort_cap,
-                                                                   int64_t mcta_min) {
+// A CTA per item: the top k of the group-summed softmax weights over the item's logits rows.
+// kSplit (SparCas): the list is the sinks, the top k_off of the offloaded range, the window;
+// layers below dense_layers score every dimension from the compact rows (DenseCompactScoreKernel;
+// GQA groups over kDenseThreadMaxGroup: SelectScoreKernel<.., kCompact>). Otherwise (the oracle)
+// the top k of every position.
+template <bool kSplit>
+__global__ void __launch_bounds__(kTopKThreads) WeightsTopKKernel(DecodeStepArgs a, int sort_cap,
+                                                                  int64_t mcta_min) {
   extern __shared__ unsigned long long sort_smem[];
   const int32_t item = blockIdx.x;
   if (MctaTakes(a, item, mcta_min)) return;
   const int32_t b = item / a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const QuestSplit sp = QuestSplitOf(a, n);
   int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
-  if (WriteListHead(a, item, sp, n, out)) return;
+  QuestSplit sp{};
+  if constexpr (kSplit) {
+    sp = QuestSplitOf(a, n);
+    if (WriteListHead(a, item, sp, n, out)) return;
+  } else {  // the whole range is ranked
+    sp.off_hi = n;
+    sp.k_off = min(StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n), n);
+  }
   int64_t taken = 0;
   if (sp.k_off > 0) {
     float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
@@ -1598,7 +1586,11 @@ __global__ void __launch_bounds__(kTopKThreads) SparcasTopKKernel(DecodeStepArgs
     }
     taken = sp.k_off;
   }
-  WriteListTail(a, item, sp.sinks, sp.off_hi, n, taken, out);
+  if constexpr (kSplit) {
+    WriteListTail(a, item, sp.sinks, sp.off_hi, n, taken, out);
+  } else if (threadIdx.x == 0) {
+    a.list_count[item] = static_cast<int32_t>(taken);
+  }
 }
 
 // ---- Multi-CTA top-k ----------------------------------------------------------------------------
@@ -2660,11 +2652,11 @@ Status LaunchOneCtaTopK(const DecodeStepArgs& a, int64_t mcta_min, cudaStream_t 
     QuestTopKKernel<<<items, kTopKThreads, *smem, stream>>>(a, mcta_min);
     KVF_CUDA_CHECK_LAUNCH(QuestTopKKernel);
   } else if (a.scoring == SelectScoring::kSparcas) {
-    SparcasTopKKernel<<<items, kTopKThreads, *smem, stream>>>(a, static_cast<int>(sort_cap), mcta_min);
-    KVF_CUDA_CHECK_LAUNCH(SparcasTopKKernel);
+    WeightsTopKKernel<true><<<items, kTopKThreads, *smem, stream>>>(a, static_cast<int>(sort_cap), mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(WeightsTopKKernel<true>);
   } else {
-    SelectTopKKernel<<<items, kTopKThreads, *smem, stream>>>(a, static_cast<int>(sort_cap), mcta_min);
-    KVF_CUDA_CHECK_LAUNCH(SelectTopKKernel);
+    WeightsTopKKernel<false><<<items, kTopKThreads, *smem, stream>>>(a, static_cast<int>(sort_cap), mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(WeightsTopKKernel<false>);
   }
   return Status::Ok();
 }
