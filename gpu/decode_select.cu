@@ -2153,16 +2153,218 @@ __device__ __forceinline__ int FusedShift(int level) {
 }
 __device__ __forceinline__ int FusedBits(int level) { return level == 0 ? 12 : level == 3 ? 4 : 8; }
 
+// A CTA's chunk of the item's positions with their keys in shared memory (the weights' OrderedKey
+// over head 0's logits), those of [r0, r1) ranked.
+struct FusedChunk {
+  Chunk c;
+  const uint32_t* keys;  // keys[j - c.begin]
+  int64_t r0, r1;
+  __device__ bool ranked(int64_t j) const { return j >= r0 && j < r1; }
+  // f(j, in, key) for the positions of the chunk's whole tiles in tile order (every lane calls).
+  template <class F>
+  __device__ void ForTiles(F&& f) const {
+    const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
+    for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
+      const int64_t jt = TileFirst(j0);
+#pragma unroll
+      for (int u = 0; u < kMctaVec; ++u) {
+        const bool in = ranked(jt + u);
+        f(jt + u, in, in ? keys[jt + u - c.begin] : 0u);
+      }
+    }
+  }
+};
 
+// The item's barrier and what its CTAs count into besides the scratch's histograms.
+struct FusedSync {
+  unsigned* bar;
+  unsigned* cand_count;  // the scratch's last word
+  unsigned arrivals;
+  __device__ void Wait() { ItemBarrier(bar, arrivals += gridDim.y); }
+};
+
+// Where the radix descent stopped: the digits found (prefix under mask), the keys the list still
+// takes under it (remaining), the keys in its bucket (at) and the level it stopped at (4: every
+// bit found, T = prefix).
+struct FusedDescent {
+  uint32_t prefix = 0, mask = 0, remaining = 0, at = 0;
+  int level = 0;
+};
+
+// The k-th key T, the ties the list takes (quota), and what the chunks before this one select:
+// keys > T (gt_before) and keys == T (eq_before).
+struct FusedThreshold {
+  uint32_t T;
+  int64_t quota, gt_before, eq_before;
+};
+
+// 1. The chunk's logits (kept unless kRecompute) and the CTA's softmax statistics a head.
+template <bool kRecompute>
+__device__ void FusedScorePass(const DecodeStepArgs& a, const Chunk& c, const uint32_t* rows,
+                               const SparcasQ4Query& q, float log2_scale, float* logits,
+                               int64_t chunk_cap, const MctaScratch& ws) {
+  const int group = a.params.group;
+  float st_m[kFusedHeads], st_s[kFusedHeads];
+#pragma unroll
+  for (int g = 0; g < kFusedHeads; ++g) {
+    st_m[g] = -INFINITY;
+    st_s[g] = 0.0f;
+  }
+  for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
+    float l[kFusedHeads];
+    SparcasQ4RowLogits<kFusedHeads>(rows + j * (q.words + 1), q.words, q, 0, group, log2_scale, l);
+#pragma unroll
+    for (int g = 0; g < kFusedHeads; ++g) {
+      if (g < group) {
+        if (!kRecompute) logits[g * chunk_cap + (j - c.begin)] = l[g];
+        SoftmaxAdd(st_m[g], st_s[g], l[g]);
+      }
+    }
+  }
+  WriteSoftmaxPartials<kMctaThreads, kFusedHeads>(st_m, st_s, 0, group, ws.stats);
+}
+
+// 2. The chunk's weights (the item's statistics merged) as keys over head 0's logits; a thread
+// reads and writes only its own positions.
+template <bool kRecompute>
+__device__ void FusedKeysPass(const DecodeStepArgs& a, const Chunk& c, const uint32_t* rows,
+                              const SparcasQ4Query& q, float log2_scale, const float* logits,
+                              int64_t chunk_cap, const MctaScratch& ws, uint32_t* keys) {
+  __shared__ float m_s[kFusedHeads], inv_s[kFusedHeads];
+  const int group = a.params.group;
+  MergeSoftmaxPartials<false>(ws.stats, group, static_cast<int>(gridDim.y), m_s, inv_s);
+  for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
+    float l[kFusedHeads];
+    if (kRecompute) SparcasQ4RowLogits<kFusedHeads>(rows + j * (q.words + 1), q.words, q, 0, group, log2_scale, l);
+    float w = 0.0f;
+#pragma unroll
+    for (int g = 0; g < kFusedHeads; ++g) {
+      if (g < group) w += exp2f((kRecompute ? l[g] : logits[g * chunk_cap + (j - c.begin)]) - m_s[g]) * inv_s[g];
+    }
+    keys[j - c.begin] = OrderedKey(w);
+  }
+  __syncthreads();
+}
+
+// The radix descent: each level histograms one digit of the keys under the prefix so far (12,
+// then 8, 8 and 4 bits; a barrier each) until the k-th key's bucket holds at most kFusedCands.
+__device__ FusedDescent FusedRadixDescent(const FusedChunk& fc, const MctaScratch& ws, FusedSync& sync,
+                                          unsigned int* bins, uint32_t k) {
+  FusedDescent d;
+  d.remaining = k;
+  for (; d.level < 4; ++d.level) {
+    const int shift = FusedShift(d.level), nb = 1 << FusedBits(d.level);
+    const uint32_t dmask = static_cast<uint32_t>(nb - 1);
+    uint32_t* global = d.level == 0 ? reinterpret_cast<uint32_t*>(ws.picks) : ws.hist + (d.level - 1) * 256;
+    for (int i = threadIdx.x; i < nb; i += blockDim.x) bins[i] = 0;
+    __syncthreads();
+    fc.ForTiles([&](int64_t, bool in, uint32_t key) {
+      CountBin(bins, key, shift, in && (key & d.mask) == d.prefix, dmask);
+    });
+    __syncthreads();
+    for (int i = threadIdx.x; i < nb; i += blockDim.x) {
+      if (bins[i] != 0) atomicAdd(global + i, bins[i]);
+    }
+    sync.Wait();
+    const DigitAt at = FindDigit(global, nb, d.remaining);
+    d.prefix |= at.digit << shift;
+    d.mask |= dmask << shift;
+    d.remaining -= at.above;
+    d.at = at.at;
+    if (d.at <= static_cast<uint32_t>(kFusedCands)) break;
+  }
+  return d;
+}
+
+// 3. A bucket of at most kFusedCands keys: its keys (with their positions) appended to
+// global_cands, every CTA's keys above it counted; then every CTA sorts the bucket, which gives
+// T and the ties the list takes.
+__device__ FusedThreshold FusedBucketSort(const FusedChunk& fc, const FusedDescent& d,
+                                          const MctaScratch& ws, FusedSync& sync,
+                                          unsigned long long* global_cands, unsigned long long* cands) {
+  using Reduce = cub::BlockReduce<int, kMctaThreads>;
+  __shared__ typename Reduce::TempStorage red_tmp;
+  __shared__ int64_t s_base[3];  // gt_before, eq_before, quota
+  // The bucket's keys as (~key << 32 | position), appended a warp at a time; the keys above it.
+  int above = 0;
+  const int lane = threadIdx.x & 31;
+  fc.ForTiles([&](int64_t j, bool in, uint32_t key) {
+    above += in && (key & d.mask) > d.prefix;
+    const bool cand = in && (key & d.mask) == d.prefix;
+    const unsigned ballot = __ballot_sync(0xffffffffu, cand);
+    unsigned first = 0;
+    if (lane == __ffs(ballot) - 1) first = atomicAdd(sync.cand_count, static_cast<unsigned>(__popc(ballot)));
+    first = __shfl_sync(0xffffffffu, first, ballot != 0 ? __ffs(ballot) - 1 : 0);
+    if (cand) {
+      global_cands[first + __popc(ballot & ((1u << lane) - 1u))] =
+          (static_cast<unsigned long long>(~key) << 32) | static_cast<uint32_t>(j);
+    }
+  });
+  above = Reduce(red_tmp).Sum(above);
+  if (threadIdx.x == 0) ws.counts[2 * blockIdx.y] = above;
+  __threadfence();  // the appended keys, before the barrier's release
+  sync.Wait();
+  const int at = static_cast<int>(d.at);
+  int sort_n = 1;
+  while (sort_n < at) sort_n <<= 1;
+  for (int i = threadIdx.x; i < sort_n; i += blockDim.x) cands[i] = i < at ? __ldcg(global_cands + i) : ~0ull;
+  BitonicSortBlock(cands, sort_n);  // (key desc, position asc); synchronises
+  const uint32_t T = ~static_cast<uint32_t>(cands[max(min(d.remaining, d.at), 1u) - 1] >> 32);  // 1 <= remaining <= at
+  int gt_all = 0, gt_b = 0, eq_b = 0;
+  for (int i = threadIdx.x; i < at; i += blockDim.x) {
+    const uint32_t key = ~static_cast<uint32_t>(cands[i] >> 32);
+    const int64_t pos = static_cast<int64_t>(cands[i] & 0xffffffffull);
+    gt_all += key > T;
+    gt_b += key > T && pos < fc.c.begin;
+    eq_b += key == T && pos < fc.c.begin;
+  }
+  gt_all = Reduce(red_tmp).Sum(gt_all);
+  __syncthreads();
+  gt_b = Reduce(red_tmp).Sum(gt_b);
+  __syncthreads();
+  eq_b = Reduce(red_tmp).Sum(eq_b);
+  if (threadIdx.x == 0) {  // the reductions' sums are thread 0's
+    int64_t g = gt_b;
+    for (unsigned y = 0; y < blockIdx.y; ++y) g += __ldcg(ws.counts + 2 * y);
+    s_base[0] = g;
+    s_base[1] = eq_b;
+    s_base[2] = static_cast<int64_t>(d.remaining) - gt_all;
+  }
+  __syncthreads();
+  return {T, s_base[2], s_base[0], s_base[1]};
+}
+
+// 3'. Every bit found: T = prefix, and more than kFusedCands keys equal it. Per CTA its keys > T
+// and == T, as MctaCountPass counts them; the list takes the remaining ties.
+__device__ FusedThreshold FusedTieCounts(const FusedChunk& fc, const FusedDescent& d,
+                                         const MctaScratch& ws, FusedSync& sync) {
+  __shared__ int64_t s_base[2];  // gt_before, eq_before
+  const uint32_t T = d.prefix;
+  int gt = 0, eq = 0;
+  for (int64_t j = fc.c.begin + threadIdx.x; j < fc.c.end; j += blockDim.x) {
+    const uint32_t key = fc.keys[j - fc.c.begin];
+    gt += fc.ranked(j) && key > T;
+    eq += fc.ranked(j) && key == T;
+  }
+  StoreChunkCounts(gt, eq, ws);
+  sync.Wait();
+  if (threadIdx.x == 0) {
+    int64_t g = 0, e = 0;
+    for (unsigned y = 0; y < blockIdx.y; ++y) {
+      g += __ldcg(ws.counts + 2 * y);
+      e += __ldcg(ws.counts + 2 * y + 1);
+    }
+    s_base[0] = g;
+    s_base[1] = e;
+  }
+  __syncthreads();
+  return {T, static_cast<int64_t>(d.remaining), s_base[0], s_base[1]};
+}
 
 template <bool kRecompute>
 __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(DecodeStepArgs a, int64_t chunk_cap,
                                                                             int q_bytes) {
   extern __shared__ __align__(16) unsigned char fused_smem[];
-  using Reduce = cub::BlockReduce<int, kMctaThreads>;
-  __shared__ typename Reduce::TempStorage red_tmp;
-  __shared__ float m_s[kFusedHeads], inv_s[kFusedHeads];
-  __shared__ int64_t s_base[3];  // gt_before, eq_before, quota
   const int32_t item = blockIdx.x;
   const TopKItem it = TopKItemOf(a, item, 1);
   if (!it.mcta) return;  // nothing to rank: the one-CTA kernel wrote the list
@@ -2177,178 +2379,31 @@ __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(Deco
   const int group = a.params.group;
   const SparcasQ4Query q = PackSparcasQ4Query(q_raw, group, si.d_b);
   const MctaScratch ws = MctaScratchOf(a, item);
-  unsigned* bar = MctaBarrierOf(a, item);
-  unsigned* cand_count = bar + 1;  // the scratch's last word
-  unsigned arrivals = 0;
+  FusedSync sync{MctaBarrierOf(a, item), MctaBarrierOf(a, item) + 1, 0};
   const Chunk c = ChunkOf(it.n);
-  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
 
-  // 1. The chunk's logits and the CTA's softmax statistics; CTA 0 zeroes what the item's CTAs
-  // count into after the barrier.
+  // 1. Scoring; CTA 0 zeroes what the item's CTAs count into after the barrier.
   if (blockIdx.y == 0) {
     for (int i = threadIdx.x; i < kFusedBins; i += blockDim.x) ws.picks[i] = 0;
     for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) ws.hist[i] = 0;
-    if (threadIdx.x == 0) *cand_count = 0;
+    if (threadIdx.x == 0) *sync.cand_count = 0;
   }
   const float log2_scale = a.params.scale * kLog2e;
   const uint32_t* rows = reinterpret_cast<const uint32_t*>(
       CompactOf<__half>(a, item / a.num_kv_heads, item % a.num_kv_heads));
-  {
-    float st_m[kFusedHeads], st_s[kFusedHeads];
-#pragma unroll
-    for (int g = 0; g < kFusedHeads; ++g) {
-      st_m[g] = -INFINITY;
-      st_s[g] = 0.0f;
-    }
-    for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
-      float l[kFusedHeads];
-      SparcasQ4RowLogits<kFusedHeads>(rows + j * (q.words + 1), q.words, q, 0, group, log2_scale, l);
-#pragma unroll
-      for (int g = 0; g < kFusedHeads; ++g) {
-        if (g < group) {
-          if (!kRecompute) logits[g * chunk_cap + (j - c.begin)] = l[g];
-          SoftmaxAdd(st_m[g], st_s[g], l[g]);
-        }
-      }
-    }
-    WriteSoftmaxPartials<kMctaThreads, kFusedHeads>(st_m, st_s, 0, group, ws.stats);
-  }
-  ItemBarrier(bar, arrivals += gridDim.y);
+  FusedScorePass<kRecompute>(a, c, rows, q, log2_scale, logits, chunk_cap, ws);
+  sync.Wait();
 
-  // 2. The weights of the ranked positions of the chunk, their keys over head 0's logits (a
-  // thread reads and writes only its own positions).
-  MergeSoftmaxPartials<false>(ws.stats, group, static_cast<int>(gridDim.y), m_s, inv_s);
-  const int64_t r0 = max(c.begin, it.lo), r1 = min(c.end, it.lo + it.count);
-  for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
-    float l[kFusedHeads];
-    if (kRecompute) SparcasQ4RowLogits<kFusedHeads>(rows + j * (q.words + 1), q.words, q, 0, group, log2_scale, l);
-    float w = 0.0f;
-#pragma unroll
-    for (int g = 0; g < kFusedHeads; ++g) {
-      if (g < group) w += exp2f((kRecompute ? l[g] : logits[g * chunk_cap + (j - c.begin)]) - m_s[g]) * inv_s[g];
-    }
-    keys[j - c.begin] = OrderedKey(w);
-  }
-  __syncthreads();
-  auto ranked = [&](int64_t j) { return j >= r0 && j < r1; };
-  // f(j, in, key) for the positions of the chunk's whole tiles in tile order (every lane calls).
-  auto for_tiles = [&](auto&& f) {
-    for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
-      const int64_t jt = TileFirst(j0);
-#pragma unroll
-      for (int u = 0; u < kMctaVec; ++u) {
-        const bool in = ranked(jt + u);
-        f(jt + u, in, in ? keys[jt + u - c.begin] : 0u);
-      }
-    }
-  };
-
-  // The radix descent: each level histograms one digit of the keys under the prefix so far.
-  uint32_t prefix = 0, mask = 0, remaining = static_cast<uint32_t>(it.k), at = 0;
-  int level = 0;
-  for (; level < 4; ++level) {
-    const int shift = FusedShift(level), nb = 1 << FusedBits(level);
-    const uint32_t dmask = static_cast<uint32_t>(nb - 1);
-    uint32_t* global = level == 0 ? reinterpret_cast<uint32_t*>(ws.picks) : ws.hist + (level - 1) * 256;
-    for (int i = threadIdx.x; i < nb; i += blockDim.x) bins[i] = 0;
-    __syncthreads();
-    for_tiles([&](int64_t, bool in, uint32_t key) {
-      CountBin(bins, key, shift, in && (key & mask) == prefix, dmask);
-    });
-    __syncthreads();
-    for (int i = threadIdx.x; i < nb; i += blockDim.x) {
-      if (bins[i] != 0) atomicAdd(global + i, bins[i]);
-    }
-    ItemBarrier(bar, arrivals += gridDim.y);
-    const DigitAt d = FindDigit(global, nb, remaining);
-    prefix |= d.digit << shift;
-    mask |= dmask << shift;
-    remaining -= d.above;
-    at = d.at;
-    if (at <= static_cast<uint32_t>(kFusedCands)) break;
-  }
-
-  // 3. The k-th key T and the ties the list takes (quota), and what the chunks before this one
-  // select: keys > T (gt_before) and keys == T (eq_before).
-  uint32_t T = prefix;
-  int64_t quota = remaining, gt_before = 0, eq_before = 0;
+  // 2. Keys, then the descent and 3. the threshold.
+  FusedKeysPass<kRecompute>(a, c, rows, q, log2_scale, logits, chunk_cap, ws, keys);
+  const FusedChunk fc{c, keys, max(c.begin, it.lo), min(c.end, it.lo + it.count)};
+  const FusedDescent d = FusedRadixDescent(fc, ws, sync, bins, static_cast<uint32_t>(it.k));
   // Row 0 of the item's workspace, from its first 8-byte boundary (room for kFusedCands: the launch).
   unsigned long long* global_cands = reinterpret_cast<unsigned long long*>(
       (reinterpret_cast<uintptr_t>(a.select_ws + static_cast<size_t>(item) * group * a.select_ld) + 7) &
       ~uintptr_t{7});
-  if (level < 4) {
-    // The bucket's keys as (~key << 32 | position), appended a warp at a time; the keys above it.
-    int above = 0;
-    const int lane = threadIdx.x & 31;
-    for_tiles([&](int64_t j, bool in, uint32_t key) {
-      above += in && (key & mask) > prefix;
-      const bool cand = in && (key & mask) == prefix;
-      const unsigned ballot = __ballot_sync(0xffffffffu, cand);
-      unsigned first = 0;
-      if (lane == __ffs(ballot) - 1) first = atomicAdd(cand_count, static_cast<unsigned>(__popc(ballot)));
-      first = __shfl_sync(0xffffffffu, first, ballot != 0 ? __ffs(ballot) - 1 : 0);
-      if (cand) {
-        global_cands[first + __popc(ballot & ((1u << lane) - 1u))] =
-            (static_cast<unsigned long long>(~key) << 32) | static_cast<uint32_t>(j);
-      }
-    });
-    above = Reduce(red_tmp).Sum(above);
-    if (threadIdx.x == 0) ws.counts[2 * blockIdx.y] = above;
-    __threadfence();  // the appended keys, before the barrier's release
-    ItemBarrier(bar, arrivals += gridDim.y);
-    int sort_n = 1;
-    while (sort_n < static_cast<int>(at)) sort_n <<= 1;
-    for (int i = threadIdx.x; i < sort_n; i += blockDim.x) cands[i] = i < static_cast<int>(at) ? __ldcg(global_cands + i) : ~0ull;
-    BitonicSortBlock(cands, sort_n);  // (key desc, position asc); synchronises
-    T = ~static_cast<uint32_t>(cands[max(min(remaining, at), 1u) - 1] >> 32);  // 1 <= remaining <= at
-    int gt_all = 0, gt_b = 0, eq_b = 0;
-    for (int i = threadIdx.x; i < static_cast<int>(at); i += blockDim.x) {
-      const uint32_t key = ~static_cast<uint32_t>(cands[i] >> 32);
-      const int64_t pos = static_cast<int64_t>(cands[i] & 0xffffffffull);
-      gt_all += key > T;
-      gt_b += key > T && pos < c.begin;
-      eq_b += key == T && pos < c.begin;
-    }
-    gt_all = Reduce(red_tmp).Sum(gt_all);
-    __syncthreads();
-    gt_b = Reduce(red_tmp).Sum(gt_b);
-    __syncthreads();
-    eq_b = Reduce(red_tmp).Sum(eq_b);
-    if (threadIdx.x == 0) {  // the reductions' sums are thread 0's
-      int64_t g = gt_b;
-      for (unsigned y = 0; y < blockIdx.y; ++y) g += __ldcg(ws.counts + 2 * y);
-      s_base[0] = g;
-      s_base[1] = eq_b;
-      s_base[2] = static_cast<int64_t>(remaining) - gt_all;
-    }
-    __syncthreads();
-    gt_before = s_base[0];
-    eq_before = s_base[1];
-    quota = s_base[2];
-  } else {
-    // Every bit found: T = prefix, and more than kFusedCands keys equal it. Per CTA its keys > T
-    // and == T, as MctaCountPass counts them.
-    int gt = 0, eq = 0;
-    for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
-      const uint32_t key = keys[j - c.begin];
-      gt += ranked(j) && key > T;
-      eq += ranked(j) && key == T;
-    }
-    StoreChunkCounts(gt, eq, ws);
-    ItemBarrier(bar, arrivals += gridDim.y);
-    if (threadIdx.x == 0) {
-      int64_t g = 0, e = 0;
-      for (unsigned y = 0; y < blockIdx.y; ++y) {
-        g += __ldcg(ws.counts + 2 * y);
-        e += __ldcg(ws.counts + 2 * y + 1);
-      }
-      s_base[0] = g;
-      s_base[1] = e;
-    }
-    __syncthreads();
-    gt_before = s_base[0];
-    eq_before = s_base[1];
-  }
+  const FusedThreshold th =
+      d.level < 4 ? FusedBucketSort(fc, d, ws, sync, global_cands, cands) : FusedTieCounts(fc, d, ws, sync);
 
   // 4. The ordered write (MctaWritePass's): every key > T and the first `quota` keys == T by
   // position, after what the chunks before this one select.
@@ -2357,10 +2412,10 @@ __global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(Deco
   WriteInOrder(
       c.begin, c.tiles_end,
       [&](int64_t j, bool& in) {
-        in = ranked(j);
+        in = fc.ranked(j);
         return in ? keys[j - c.begin] : 0u;
       },
-      T, quota, gt_before + min(eq_before, quota), eq_before,
+      th.T, th.quota, th.gt_before + min(th.eq_before, th.quota), th.eq_before,
       [&](int64_t i, int64_t j) { list[sp.sinks + i] = static_cast<int32_t>(j); });
   if (blockIdx.y != 0) return;
   for (int64_t i = threadIdx.x; i < sp.sinks; i += blockDim.x) list[i] = static_cast<int32_t>(i);
