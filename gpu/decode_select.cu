@@ -856,6 +856,64 @@ __device__ void HipPackQuery(const DecodeStepArgs& a, int32_t item, const HipQue
   }
 }
 
+// The want-th largest of keys[0, branches) (want in [1, branches]), its bits 8 at a time; on
+// return want is the count of keys equal to it that the selection takes. Every thread calls.
+template <int kThreads>
+__device__ uint32_t HipKthKey(const uint32_t* keys, int32_t branches, HipShared<kThreads>& sh,
+                              int32_t& want) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  uint32_t prefix = 0, mask = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = tid; i < 256; i += blockDim.x) sh.hist[i] = 0;
+    __syncthreads();
+    // Warp-aggregated: the scores of a step cluster in a few bins (the high bytes above all),
+    // where one atomic a key serialized the CTA (about 50 us an iteration).
+    for (int32_t w0 = warp * 32; w0 < branches; w0 += blockDim.x) {
+      const int32_t i = w0 + lane;
+      const uint32_t k = i < branches ? keys[i] : 0u;
+      const bool in = i < branches && (k & mask) == prefix;
+      const uint32_t bin = in ? (k >> shift) & 0xFFu : 256u + lane;
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], static_cast<uint32_t>(__popc(peers)));
+    }
+    __syncthreads();
+    if (warp == 0) {  // lane: bins [8 lane, 8 lane + 8); the bin where the count from the top reaches want
+      uint32_t cb[8];
+      int32_t s = 0;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        cb[e] = sh.hist[lane * 8 + e];
+        s += static_cast<int32_t>(cb[e]);
+      }
+      int32_t incl = s;  // bins of lanes >= lane
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int32_t v = __shfl_down_sync(0xffffffffu, incl, off);
+        if (lane + off < 32) incl += v;
+      }
+      const int32_t above = incl - s;
+      if (above < want && want <= incl) {
+        int32_t r = want - above;
+        int bin = lane * 8;
+        for (int e = 7; e >= 0; --e) {
+          if (r <= static_cast<int32_t>(cb[e])) {
+            bin = lane * 8 + e;
+            break;
+          }
+          r -= static_cast<int32_t>(cb[e]);
+        }
+        sh.prefix = prefix | (static_cast<uint32_t>(bin) << shift);
+        sh.want = r;
+      }
+    }
+    __syncthreads();
+    prefix = sh.prefix;
+    want = sh.want;
+    mask |= 0xFFu << shift;
+  }
+  return prefix;
+}
+
 // The mask over the offloaded range [off_lo, off_hi) for k_off picks at length n, into blocks;
 // returns its count. The query is packed in shared memory (HipSmemQuery) and visible to the CTA.
 template <int kThreads>
@@ -872,7 +930,7 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, int64_t off_lo, int64_t
     for (int32_t j = threadIdx.x; j < nb; j += blockDim.x) blocks[j] = j;
     return static_cast<int32_t>(nb);
   }
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x;
   const int group = a.params.group, hd = a.params.head_dim, words = SparcasQ4Words(hd);
   int2* br = reinterpret_cast<int2*>(smem);
   uint32_t* keys = reinterpret_cast<uint32_t*>(br + 2 * static_cast<int64_t>(kn_cap));
@@ -933,58 +991,10 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, int64_t off_lo, int64_t
                                                  : HipRowScore<0>(row, words, q_pack, q_step, q_sum8, group, scale)));
     }
     __syncthreads();
-    // The kn-th largest key: its bits 8 at a time, the count still wanted among its ties.
+    // The kn-th largest key and the count still wanted among its ties.
     const int32_t keep = min(kn, branches);
-    uint32_t prefix = 0, mask = 0;
     int32_t want = keep;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int i = tid; i < 256; i += blockDim.x) sh.hist[i] = 0;
-      __syncthreads();
-      // Warp-aggregated: the scores of a step cluster in a few bins (the high bytes above all),
-      // where one atomic a key serialized the CTA (stop 25: about 50 us an iteration).
-      for (int32_t w0 = warp * 32; w0 < branches; w0 += blockDim.x) {
-        const int32_t i = w0 + lane;
-        const uint32_t k = i < branches ? keys[i] : 0u;
-        const bool in = i < branches && (k & mask) == prefix;
-        const uint32_t bin = in ? (k >> shift) & 0xFFu : 256u + lane;
-        const unsigned peers = __match_any_sync(0xffffffffu, bin);
-        if (in && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], static_cast<uint32_t>(__popc(peers)));
-      }
-      __syncthreads();
-      if (warp == 0) {  // lane: bins [8 lane, 8 lane + 8); the bin where the count from the top reaches want
-        uint32_t cb[8];
-        int32_t s = 0;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          cb[e] = sh.hist[lane * 8 + e];
-          s += static_cast<int32_t>(cb[e]);
-        }
-        int32_t incl = s;  // bins of lanes >= lane
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-          const int32_t v = __shfl_down_sync(0xffffffffu, incl, off);
-          if (lane + off < 32) incl += v;
-        }
-        const int32_t above = incl - s;
-        if (above < want && want <= incl) {
-          int32_t r = want - above;
-          int bin = lane * 8;
-          for (int e = 7; e >= 0; --e) {
-            if (r <= static_cast<int32_t>(cb[e])) {
-              bin = lane * 8 + e;
-              break;
-            }
-            r -= static_cast<int32_t>(cb[e]);
-          }
-          sh.prefix = prefix | (static_cast<uint32_t>(bin) << shift);
-          sh.want = r;
-        }
-      }
-      __syncthreads();
-      prefix = sh.prefix;
-      want = sh.want;
-      mask |= 0xFFu << shift;
-    }
+    const uint32_t prefix = HipKthKey<kThreads>(keys, branches, sh, want);
     // Keep every branch above the threshold and the first `want` at it, in order.
     const int32_t per2 = (branches + kThreads - 1) / kThreads;  // <= 64: 2 kn_cap branches
     const int32_t i0 = min(tid * per2, branches), i1 = min(i0 + per2, branches);
