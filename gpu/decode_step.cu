@@ -407,6 +407,87 @@ __device__ void CombineHeads(const DecodeStepArgs& a, int32_t item, int g0, int 
   }
 }
 
+// The split's rows [begin, end) of a list of len rows (kPipe: whole pipeline tiles a split).
+template <int HD, bool kPipe>
+__device__ __forceinline__ void SplitRange(const StepLaunch& l, int split, int64_t len, int64_t& begin,
+                                           int64_t& end) {
+  int64_t chunk = (len + l.num_splits - 1) / l.num_splits;
+  if (chunk < l.min_chunk) chunk = l.min_chunk;
+  if constexpr (kPipe) chunk = (chunk + kPipeTileRows<HD> - 1) / kPipeTileRows<HD> * kPipeTileRows<HD>;
+  begin = chunk * split < len ? chunk * split : len;
+  end = begin + chunk < len ? begin + chunk : len;
+}
+
+// Before griddepcontrol.wait (PDL): warms L2 with the first l.prefetch_rows K and V rows of the
+// split when the step reads the item's resident rows whole (a hint; reads nothing a kernel writes).
+template <int HD, typename T>
+__device__ __forceinline__ void WarmResidentRows(const DecodeStepArgs& a, const StepLaunch& l,
+                                                 const ItemPlace& pl, int split) {
+  if (l.prefetch_rows <= 0 || !a.all_resident || a.mode == StepRowMode::kList) return;
+  const StepRange r =
+      SinksAndRecent(pl.n, a.sink, StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, pl.n));
+  if (r.count != min(pl.n, static_cast<int64_t>(a.sink) + a.window)) return;
+  int64_t begin, end;
+  SplitRange<HD, true>(l, split, r.count, begin, end);
+  end = min(end, begin + l.prefetch_rows);
+  const size_t row_b = HD * sizeof(T);
+  const size_t v_off = static_cast<size_t>(static_cast<int64_t>(a.sink) + a.window) * row_b;
+  const int lines = static_cast<int>((end - begin) * row_b / 128);
+  for (int i = threadIdx.x; i < 2 * lines; i += blockDim.x) {
+    const char* p = pl.res_k + begin * row_b + (i < lines ? i : i - lines + v_off / 128) * 128;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+  }
+}
+
+// The item's rows as the step reads them: its list (kList) or its sinks and recent rows; len is
+// how many, contiguous whether they are the item's resident rows whole.
+__device__ __forceinline__ StepRows StepRowsOf(const DecodeStepArgs& a, const ItemPlace& pl, int32_t item,
+                                               const char* new_k, const char* new_v, size_t row_bytes,
+                                               int64_t& len, bool& contiguous) {
+  StepRows src;
+  src.new_k = new_k;
+  src.new_v = new_v;
+  src.res_k = pl.res_k;
+  src.pages = pl.pages;
+  src.n = pl.n;
+  src.sink = a.sink;
+  src.window = a.window;
+  src.row_bytes = row_bytes;
+  src.res_v_off = static_cast<size_t>(static_cast<int64_t>(a.sink) + a.window) * row_bytes;
+  src.page_tokens = static_cast<uint32_t>(a.store.page_tokens);
+  contiguous = false;
+  if (a.mode == StepRowMode::kList) {
+    src.list = a.list + item * a.list_cap;
+    src.sinks = 0;
+    src.recent_begin = 0;
+    len = a.list_count[item];
+  } else {
+    src.list = nullptr;
+    const StepRange r =
+        SinksAndRecent(pl.n, a.sink, StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, pl.n));
+    src.sinks = r.sinks;
+    src.recent_begin = r.recent_begin;
+    len = r.count;
+    const int64_t in_use = min(pl.n, static_cast<int64_t>(a.sink) + a.window);
+    contiguous = a.all_resident && len == in_use;
+  }
+  return src;
+}
+
+// The bank's admission item of \p item, read by the admission launched after the step.
+__device__ __forceinline__ void WriteAdmitItem(const DecodeStepArgs& a, int32_t item, size_t row_bytes) {
+  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
+  BankAdmitItem ai;
+  ai.table = static_cast<int32_t>((static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) *
+                                      a.num_kv_heads + h);
+  ai.miss_cap = a.bank.miss_cap;
+  ai.positions = a.list + item * a.list_cap;
+  ai.miss_list = a.bank.miss + static_cast<int64_t>(item) * (1 + a.bank.miss_cap);
+  ai.stage = a.bank.stage + static_cast<size_t>(item) * a.list_cap * 2 * row_bytes;
+  ai.stage_first = nullptr;
+  static_cast<BankAdmitItem*>(a.bank.admit)[item] = ai;
+}
+
 // (2) attend + (3) combine: grid (items, splits, head chunks). Each CTA writes its partial result
 // to ws; the last CTA of an (item, head chunk) to finish (a counter per pair, reset by it) merges
 // them into out, so a layer costs two launches.
@@ -430,13 +511,8 @@ __global__ void __launch_bounds__(kAttnThreads, kPipeMinBlocks<HD, G, kPipe>)
   // Slots, positions and page tables come from host copies, never from a kernel: safe to read
   // before the wait below.
   const ItemPlace pl = PlaceOf(a, b, h);
-  // The split's rows [begin, end) of a list of len rows.
   auto split_range = [&](int64_t len, int64_t& begin, int64_t& end) {
-    int64_t chunk = (len + l.num_splits - 1) / l.num_splits;
-    if (chunk < l.min_chunk) chunk = l.min_chunk;
-    if constexpr (kPipe) chunk = (chunk + kPipeTileRows<HD> - 1) / kPipeTileRows<HD> * kPipeTileRows<HD>;
-    begin = chunk * split < len ? chunk * split : len;
-    end = begin + chunk < len ? begin + chunk : len;
+    SplitRange<HD, kPipe>(l, split, len, begin, end);
   };
   // Programmatic dependent launch (LaunchStepG): the next kernel on the stream may start while this
   // one runs, and this one may have started before the kernel ahead of it finished. Until
@@ -445,24 +521,7 @@ __global__ void __launch_bounds__(kAttnThreads, kPipeMinBlocks<HD, G, kPipe>)
   // kernel ahead is still writing reads correctly after the wait). Both are no-ops without PDL.
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  if constexpr (kPipe) {
-    if (l.prefetch_rows > 0 && a.all_resident && a.mode != StepRowMode::kList) {
-      const StepRange r =
-          SinksAndRecent(pl.n, a.sink, StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, pl.n));
-      if (r.count == min(pl.n, static_cast<int64_t>(a.sink) + a.window)) {
-        int64_t begin, end;
-        split_range(r.count, begin, end);
-        end = min(end, begin + l.prefetch_rows);
-        const size_t row_b = HD * sizeof(T);
-        const size_t v_off = static_cast<size_t>(static_cast<int64_t>(a.sink) + a.window) * row_b;
-        const int lines = static_cast<int>((end - begin) * row_b / 128);
-        for (int i = threadIdx.x; i < 2 * lines; i += blockDim.x) {
-          const char* p = pl.res_k + begin * row_b + (i < lines ? i : i - lines + v_off / 128) * 128;
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-        }
-      }
-    }
-  }
+  if constexpr (kPipe) WarmResidentRows<HD, T>(a, l, pl, split);
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   // The CTA's query heads in fp32 (converted from the caller's dtype here: no separate pass).
@@ -482,34 +541,9 @@ __global__ void __launch_bounds__(kAttnThreads, kPipeMinBlocks<HD, G, kPipe>)
   }
   __syncthreads();
 
-  StepRows src;
-  src.new_k = new_k;
-  src.new_v = new_v;
-  src.res_k = pl.res_k;
-  src.pages = pl.pages;
-  src.n = pl.n;
-  src.sink = a.sink;
-  src.window = a.window;
-  src.row_bytes = HD * sizeof(T);
-  src.res_v_off = static_cast<size_t>(static_cast<int64_t>(a.sink) + a.window) * HD * sizeof(T);
-  src.page_tokens = static_cast<uint32_t>(a.store.page_tokens);
   int64_t len;
   bool contiguous = false;
-  if (a.mode == StepRowMode::kList) {
-    src.list = a.list + item * a.list_cap;
-    src.sinks = 0;
-    src.recent_begin = 0;
-    len = a.list_count[item];
-  } else {
-    src.list = nullptr;
-    const StepRange r =
-        SinksAndRecent(pl.n, a.sink, StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, pl.n));
-    src.sinks = r.sinks;
-    src.recent_begin = r.recent_begin;
-    len = r.count;
-    const int64_t in_use = min(pl.n, static_cast<int64_t>(a.sink) + a.window);
-    contiguous = a.all_resident && len == in_use;
-  }
+  const StepRows src = StepRowsOf(a, pl, item, new_k, new_v, HD * sizeof(T), len, contiguous);
 
   int64_t begin, end;
   split_range(len, begin, end);
@@ -569,15 +603,7 @@ __global__ void __launch_bounds__(kAttnThreads, kPipeMinBlocks<HD, G, kPipe>)
   }
   // The bank's admission item of this item, read by the admission launched after this kernel.
   if (a.bank.rows != nullptr && split == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
-    BankAdmitItem ai;
-    ai.table = static_cast<int32_t>((static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) *
-                                        a.num_kv_heads + h);
-    ai.miss_cap = a.bank.miss_cap;
-    ai.positions = a.list + item * a.list_cap;
-    ai.miss_list = a.bank.miss + static_cast<int64_t>(item) * (1 + a.bank.miss_cap);
-    ai.stage = a.bank.stage + static_cast<size_t>(item) * a.list_cap * 2 * src.row_bytes;
-    ai.stage_first = nullptr;
-    static_cast<BankAdmitItem*>(a.bank.admit)[item] = ai;
+    WriteAdmitItem(a, item, src.row_bytes);
   }
   // Publish the partial, then count it; the last CTA combines.
   __threadfence();
