@@ -492,6 +492,52 @@ constexpr bool kMmaDecode = (HD == 64 || HD == 128) && G <= 8;
 template <int HD, int G, bool kPipe>
 constexpr int kPipeMinBlocks = kPipe && (G <= 4 || kMmaDecode<HD, G>) ? 3 : 1;
 
+// Q^T as the B fragments of AttendRangeMma: k-step ks, b0 = dims ks*16 + fc, +1 and b1 = dims +8,
+// of head fr, split into hi and lo halves of T. Returns whether any lo half is nonzero in the warp
+// (warp-uniform: the lo products are skipped when Q is exact in T).
+template <int HD, typename T>
+__device__ __forceinline__ bool MmaQueryFragments(const float* __restrict__ q, int gcount, int fr, int fc,
+                                                  uint32_t (&qb_hi)[HD / 16][2], uint32_t (&qb_lo)[HD / 16][2]) {
+  bool q_lo = false;
+#pragma unroll
+  for (int ks = 0; ks < HD / 16; ++ks) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int col = ks * 16 + h * 8 + fc;
+      const float x0 = fr < gcount ? q[fr * HD + col] : 0.0f;
+      const float x1 = fr < gcount ? q[fr * HD + col + 1] : 0.0f;
+      SplitPair<T>(x0, x1, qb_hi[ks][h], qb_lo[ks][h]);
+      q_lo |= qb_lo[ks][h] != 0u;
+    }
+  }
+  return __any_sync(0xffffffffu, q_lo);
+}
+
+// AttendRangeMma's state into red_m / red_l / red_o (heads fc, fc + 1 of this lane; O^T rows of
+// the warp's dims), then a barrier.
+template <int HD, int kDT>
+__device__ __forceinline__ void MmaWriteResult(const float (&m)[2], const float (&l)[2], const float (&o)[kDT][4],
+                                               int gcount, int warp, int fr, int fc, float* red_m,
+                                               float* red_l, float* red_o) {
+  constexpr int kDW = HD / kAttnWarps;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int g = fc + h;
+    if (g >= gcount) continue;
+    if (warp == 0 && fr == 0) {
+      red_m[g] = m[h];
+      red_l[g] = l[h];
+    }
+#pragma unroll
+    for (int j = 0; j < kDT; ++j) {
+      const int d = warp * kDW + j * 16 + fr;
+      red_o[g * HD + d] = o[j][h];
+      red_o[g * HD + d + 8] = o[j][2 + h];
+    }
+  }
+  __syncthreads();
+}
+
 // Same contract as AttendRangePipelined (rows in device memory, range [begin, end), q fp32
 // unscaled, result in red_m / red_l / red_o, the stages aliasing them).
 template <int HD, typename T, int G, typename Src>
@@ -520,21 +566,8 @@ __device__ void AttendRangeMma(const Src& src, const float* __restrict__ q, int 
   };
   PipeStart(issue, ntiles);
 
-  // Q^T as B fragments: k-step ks, b0 = dims ks*16 + fc, +1 and b1 = dims +8, of head fr.
   uint32_t qb_hi[kKS][2], qb_lo[kKS][2];
-  bool q_lo = false;
-#pragma unroll
-  for (int ks = 0; ks < kKS; ++ks) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int col = ks * 16 + h * 8 + fc;
-      const float x0 = fr < gcount ? q[fr * HD + col] : 0.0f;
-      const float x1 = fr < gcount ? q[fr * HD + col + 1] : 0.0f;
-      SplitPair<T>(x0, x1, qb_hi[ks][h], qb_lo[ks][h]);
-      q_lo |= qb_lo[ks][h] != 0u;
-    }
-  }
-  q_lo = __any_sync(0xffffffffu, q_lo);  // warp-uniform: skip Q's lo half when Q is exact
+  const bool q_lo = MmaQueryFragments<HD, T>(q, gcount, fr, fc, qb_hi, qb_lo);
   float m[2] = {-INFINITY, -INFINITY};  // running max (log2 domain) of heads fc, fc + 1
   float l[2] = {0.0f, 0.0f};            // this lane's share of their running sums
   float o[kDT][4];                      // O^T: dims (warp's dt-th 16) + fr (+8), heads fc, fc+1
@@ -634,22 +667,7 @@ __device__ void AttendRangeMma(const Src& src, const float* __restrict__ q, int 
   }
   CpAsyncWait<0>();
   __syncthreads();  // the stages are reused as red_* below
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int g = fc + h;
-    if (g >= gcount) continue;
-    if (warp == 0 && fr == 0) {
-      red_m[g] = m[h];
-      red_l[g] = l[h];
-    }
-#pragma unroll
-    for (int j = 0; j < kDT; ++j) {
-      const int d = warp * kDW + j * 16 + fr;
-      red_o[g * HD + d] = o[j][h];
-      red_o[g * HD + d + 8] = o[j][2 + h];
-    }
-  }
-  __syncthreads();
+  MmaWriteResult<HD, kDT>(m, l, o, gcount, warp, fr, fc, red_m, red_l, red_o);
 }
 
 // The pipelined single-query decode over device-memory rows: tensor cores where kMmaDecode holds,
