@@ -142,78 +142,17 @@ __device__ __forceinline__ uint32_t ChunkAddr(uint32_t lane, int m) {
   return (lane ^ static_cast<uint32_t>((m & 3) << 5)) + static_cast<uint32_t>((m >> 2) * 128);
 }
 
-}  // namespace prefill
-
-/// One CTA: item blockIdx.x, query rows [m0, m0 + kBlockM) of it (see the layout above).
-/// T: q/K/V dtype; OutT: o dtype (float, __nv_bfloat16 or __half).
-template <int HD, typename T, typename OutT>
-__global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kMinBlocks)
-    PrefillAttnKernel(PrefillArgs args) {
-  using Tile = PrefillTile<HD>;
-  using namespace prefill;
-  constexpr int kBM = Tile::kBlockM;
-  constexpr int kBN = Tile::kBlockN;
-  constexpr int kThreads = Tile::kThreads;
-  constexpr int kStages = Tile::kStages;
-  constexpr int kMRep = Tile::kMRep;
-  constexpr int kChunks = HD / 8;   // 16-byte chunks per row
-  constexpr int kDTiles = HD / 8;   // n8 tiles of O
-  constexpr int kNTiles = kBN / 8;  // n8 tiles of S
-  constexpr int kQChunksPerThread = kBM * kChunks / kThreads;
-  constexpr int kKvChunksPerThread = kBN * kChunks / kThreads;
-  static_assert(kQChunksPerThread * kThreads == kBM * kChunks);
-  static_assert(kKvChunksPerThread * kThreads == kBN * kChunks);
-  static_assert(kStages >= 2);
-
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t s_q = SmemAddr(smem);
-  const uint32_t s_kv = s_q + static_cast<uint32_t>(Tile::kQBytes);
-  // Stage s: K at s_kv + 2 s kKvTileBytes, V one tile later.
-
-  // Every thread reads the descriptor (items may be in mapped host memory: one request per warp).
-  // The output fields are read again in the epilogue rather than held in registers across the loop.
-  const PrefillAttnItem* item = args.items + blockIdx.x;
-  const int group = args.group;
-  const int64_t q_pos0 = item->q_pos0;
-  const int64_t rows = static_cast<int64_t>(item->num_q) * group;
-  const int64_t m0 =
-      static_cast<int64_t>(args.num_m_blocks - 1 - static_cast<int>(blockIdx.y)) * kBM;
-  if (m0 >= rows) return;  // uniform: this item has fewer queries than the longest
-
-  const int tid = threadIdx.x;
-  const int warp = tid >> 5;
-  const int lane = tid & 31;
-  const int gid = lane >> 2;
-  const int tig = lane & 3;
-
-  const T* q = static_cast<const T*>(item->q);
-  const T* k = static_cast<const T*>(item->k);
-  const T* v = static_cast<const T*>(item->v);
-  const int64_t q_stride = item->q_stride_tok;
-  const int64_t kv_stride = item->kv_stride;
-  // Paged rows (see PrefillAttnItem): K/V tile j starts at row j + (j & tile_hi) tiles, i.e. the
-  // K tiles of a page are followed by as many V tiles; flat rows: tile_hi = 0.
-  const int page_shift = item->kv_page_shift;
-  const int32_t tile_hi = page_shift > 0 ? ~((1 << page_shift) / kBN - 1) : 0;
-  // Last key any query may see: a history segment (kv_limit) ends before the causal limit.
-  const int64_t kv_limit = item->kv_limit;
-  const int64_t kv_last = kv_limit > 0 ? kv_limit - 1 : INT64_MAX;
-
-  // Causal range of the tile: the first row's token sees keys [0, min(q_pos0 + t_lo, kv_last)],
-  // the last row's [0, min(q_pos0 + t_hi, kv_last)]. Tiles [0, n_full) need no mask; tiles
-  // [n_full, n_tiles) are masked.
-  const int64_t row_last = (m0 + kBM < rows ? m0 + kBM : rows) - 1;
-  const int64_t t_lo = m0 / group;
-  const int64_t t_hi = row_last / group;
-  const int64_t kv_end = (q_pos0 + t_hi < kv_last ? q_pos0 + t_hi : kv_last) + 1;
-  const int n_tiles = static_cast<int>((kv_end + kBN - 1) / kBN);
-  const int n_full =
-      static_cast<int>(((q_pos0 + t_lo < kv_last ? q_pos0 + t_lo : kv_last) + 1) / kBN);
-
-  // Q tile: rows past the item are zero-filled (never written back).
+// The Q tile of rows [m0, m0 + kBlockM) (row r: token r / group, head r % group), rows past the
+// item zero-filled; the caller commits the copies.
+template <int HD, typename T, int kThreads>
+__device__ __forceinline__ void LoadQTile(uint32_t s_q, const T* q, int64_t m0, int64_t rows, int group,
+                                          int64_t q_stride) {
+  constexpr int kChunks = HD / 8;  // 16-byte chunks per row
+  constexpr int kPer = PrefillTile<HD>::kBlockM * kChunks / kThreads;
+  static_assert(kPer * kThreads == PrefillTile<HD>::kBlockM * kChunks);
 #pragma unroll
-  for (int i = 0; i < kQChunksPerThread; ++i) {
-    const int idx = tid + i * kThreads;
+  for (int i = 0; i < kPer; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
     const int r = idx / kChunks;
     const int c = idx % kChunks;
     const int64_t row = m0 + r;
@@ -225,50 +164,124 @@ __global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kM
     }
     CpAsync16Zfill(s_q + TileOffset<HD>(r, c), src, valid);
   }
-  CpAsyncCommit();
+}
 
-  // K/V tile j into stage s: positions past kv_end are zero-filled.
-  // Thread tid copies chunk c = tid % kChunks of rows r0 + i * kRowStep, i < kKvChunksPerThread.
-  constexpr int kRowStep = kThreads / kChunks;
-  static_assert(kRowStep * kChunks == kThreads);
-  const int kv_r0 = tid / kChunks;
-  const int kv_c = tid % kChunks;
-  const int64_t kv_step = static_cast<int64_t>(kRowStep) * kv_stride;
-  const uint32_t kv_soff = TileOffset<HD>(kv_r0, kv_c);
-  auto load_kv = [&](int j, int s) {
-    const uint32_t s_k = s_kv + static_cast<uint32_t>(2 * s * Tile::kKvTileBytes) + kv_soff;
-    const uint32_t s_v = s_k + static_cast<uint32_t>(Tile::kKvTileBytes);
+// S = Q K^T of one K tile at s_k_lane (this lane's K fragment address), scaled by scale_log2. Q from
+// registers (kQInRegs: qf) or shared memory (q_lane). S's n8 tiles: rows gid, gid + 8 of each of
+// the warp's kMRep row blocks, columns 2 tig, 2 tig + 1.
+template <int HD, typename T, int kMRep, int kNTiles, bool kQInRegs, typename QF>
+__device__ __forceinline__ void TileScores(const QF& qf, uint32_t q_lane, uint32_t s_k_lane, float scale_log2,
+                                           float (&s)[kMRep][kNTiles][4]) {
+#pragma unroll
+  for (int mr = 0; mr < kMRep; ++mr) {
+#pragma unroll
+    for (int i = 0; i < kNTiles; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mr][i][e] = 0.0f;
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    uint32_t a[kMRep][4];
+#pragma unroll
+    for (int mr = 0; mr < kMRep; ++mr) {
+      if constexpr (kQInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[mr][e] = qf[mr][kk][e];
+      } else {
+        LdMatrixX4(a[mr], ChunkAddr(q_lane, kk) + mr * 16 * HD * 2);
+      }
+    }
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np) {
+      uint32_t b[4];
+      LdMatrixX4(b, ChunkAddr(s_k_lane, kk) + np * 16 * HD * 2);
+#pragma unroll
+      for (int mr = 0; mr < kMRep; ++mr) {
+        Mma16816<T>(s[mr][2 * np], a[mr], b[0], b[1]);
+        Mma16816<T>(s[mr][2 * np + 1], a[mr], b[2], b[3]);
+      }
+    }
+  }
+#pragma unroll
+  for (int mr = 0; mr < kMRep; ++mr) {
+#pragma unroll
+    for (int i = 0; i < kNTiles; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mr][i][e] *= scale_log2;
+    }
+  }
+}
+
+// The causal mask of a tile that starts `shift` keys below the last tile: key col is visible to a
+// row iff col <= limit_rel + shift.
+template <int kMRep, int kNTiles>
+__device__ __forceinline__ void MaskTile(const int (&limit_rel)[kMRep][2], int shift, int tig,
+                                         float (&s)[kMRep][kNTiles][4]) {
+#pragma unroll
+  for (int mr = 0; mr < kMRep; ++mr) {
+    const int rel[2] = {limit_rel[mr][0] + shift, limit_rel[mr][1] + shift};
+#pragma unroll
+    for (int i = 0; i < kNTiles; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = i * 8 + 2 * tig + (e & 1);
+        if (col > rel[e >> 1]) s[mr][i][e] = -INFINITY;
+      }
+    }
+  }
+}
+
+// K/V tile j into pipeline stage s (K, then V one tile later, at 2 s tiles): positions past kv_end
+// are zero-filled. A thread copies chunk c = tid % kChunks of rows r0 + i * kRowStep (r0 = tid /
+// kChunks); s_lane is its chunk's place in stage 0's K tile.
+template <int HD, typename T, int kThreads>
+struct KvTileLoader {
+  static constexpr int kBN = PrefillTile<HD>::kBlockN;
+  static constexpr int kChunks = HD / 8;
+  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr int kPer = kBN * kChunks / kThreads;
+  static_assert(kRowStep * kChunks == kThreads && kPer * kThreads == kBN * kChunks);
+  const T* k;
+  const T* v;
+  int64_t kv_stride;
+  int64_t kv_end;
+  int32_t tile_hi;  // paged rows: K/V tile j starts at row j + (j & tile_hi) tiles
+  uint32_t s_lane;
+
+  __device__ __forceinline__ void operator()(int j, int s) const {
+    const int kv_r0 = threadIdx.x / kChunks;
+    const int kv_c = threadIdx.x % kChunks;
+    const uint32_t s_k = s_lane + static_cast<uint32_t>(2 * s * PrefillTile<HD>::kKvTileBytes);
+    const uint32_t s_v = s_k + static_cast<uint32_t>(PrefillTile<HD>::kKvTileBytes);
     const int64_t pos0 = static_cast<int64_t>(j) * kBN + kv_r0;
     const int64_t left = kv_end - pos0;  // rows i * kRowStep < left are inside the range
-    const int64_t off0 =
-        (static_cast<int64_t>(j + (j & tile_hi)) * kBN + kv_r0) * kv_stride + kv_c * 8;
+    const int64_t off0 = (static_cast<int64_t>(j + (j & tile_hi)) * kBN + kv_r0) * kv_stride + kv_c * 8;
+    const int64_t kv_step = static_cast<int64_t>(kRowStep) * kv_stride;
     const T* ks = k + off0;
     const T* vs = v + off0;
 #pragma unroll
-    for (int i = 0; i < kKvChunksPerThread; ++i) {
+    for (int i = 0; i < kPer; ++i) {
       const bool valid = i * kRowStep < left;
       // Same swizzle phase on every pass when kRowStep is a multiple of 8 (an immediate offset).
-      const uint32_t so = kRowStep % 8 == 0 ? static_cast<uint32_t>(i * kRowStep * HD * 2)
-                                            : TileOffset<HD>(kv_r0 + i * kRowStep, kv_c) - kv_soff;
+      const uint32_t so = kRowStep % 8 == 0
+                              ? static_cast<uint32_t>(i * kRowStep * HD * 2)
+                              : TileOffset<HD>(kv_r0 + i * kRowStep, kv_c) - TileOffset<HD>(kv_r0, kv_c);
       CpAsync16Zfill(s_k + so, valid ? ks : k, valid);
       CpAsync16Zfill(s_v + so, valid ? vs : v, valid);
       ks += kv_step;
       vs += kv_step;
     }
-  };
-  // The first kStages - 1 tiles (from the diagonal down) start streaming now.
-#pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) {
-    if (st < n_tiles) load_kv(n_tiles - 1 - st, st);
-    CpAsyncCommit();
   }
+};
 
-  // The rows of this thread: row block mr of the warp, rows gid and gid + 8 (h = 0, 1). For each,
-  // the last key position it may see, relative to the first key of the last tile (within
-  // [-kBM, kBN): every row of the tile sees up to min(q_pos0 + t_lo, kv_last)). Padding rows
-  // (past the item) take the last row's range; their Q is zero and they are not written.
-  const int64_t r_base = m0 + warp * 16 * kMRep + gid;
-  int limit_rel[kMRep][2];
+// The rows of this thread: row block mr of the warp, rows r_base + 16 mr (+ 8 for h = 1). For
+// each, the last key position it may see, relative to the first key of the last tile (within
+// [-kBM, kBN): every row of the tile sees up to min(q_pos0 + t_lo, kv_last)). Padding rows (past
+// the item) take the last row's range; their Q is zero and they are not written.
+template <int kBN, int kMRep>
+__device__ __forceinline__ void LastVisibleKeys(int64_t r_base, int64_t rows, int group, int64_t q_pos0,
+                                                int64_t kv_last, int n_tiles, int (&limit_rel)[kMRep][2]) {
 #pragma unroll
   for (int mr = 0; mr < kMRep; ++mr) {
 #pragma unroll
@@ -279,115 +292,38 @@ __global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kM
       limit_rel[mr][h] = static_cast<int>(last - static_cast<int64_t>(n_tiles - 1) * kBN);
     }
   }
+}
 
-  // Q fragments (A operand of S = Q K^T): lanes 0-15 address rows 0-15 of a row block at chunk
-  // 2 kk, lanes 16-31 the same rows at chunk 2 kk + 1.
-  const uint32_t q_lane = s_q + LaneOffset<HD>(warp * 16 * kMRep + (lane & 15), lane >> 4);
-  uint32_t qf[Tile::kQInRegs ? kMRep : 1][Tile::kQInRegs ? HD / 16 : 1][4];
-  CpAsyncWait<kStages - 1>();  // Q landed (this thread's copies)
-  __syncthreads();             // ... and everyone's
-  if constexpr (Tile::kQInRegs) {
-#pragma unroll
-    for (int mr = 0; mr < kMRep; ++mr) {
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; ++kk) {
-        LdMatrixX4(qf[mr][kk], ChunkAddr(q_lane, kk) + mr * 16 * HD * 2);
-      }
-    }
-  }
-
-  // K fragments (B of S): matrices {keys 0-7, chunk 2kk}, {keys 0-7, 2kk+1}, {keys 8-15, 2kk},
-  // {keys 8-15, 2kk+1} of a 16-key pair of n8 tiles -> b0, b1 of tile 2np and of tile 2np+1.
-  const uint32_t k_lane = LaneOffset<HD>((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-  // V fragments (B of P V, transposed): {keys 0-7, chunk 2dp}, {keys 8-15, 2dp}, {keys 0-7,
-  // 2dp+1}, {keys 8-15, 2dp+1} -> b0, b1 of d tile 2dp and of d tile 2dp+1.
-  const uint32_t v_lane = LaneOffset<HD>((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
-
+// A thread's rows of the CTA's query tile: O (kMRep row blocks, rows gid and gid + 8 (h), n8 tiles
+// of the head dimension), the running max (log2 domain) and this thread's share of the running sum.
+template <int HD, int kMRep>
+struct RowState {
+  static constexpr int kDTiles = HD / 8;  // n8 tiles of O
   float acc[kMRep][kDTiles][4];
-#pragma unroll
-  for (int mr = 0; mr < kMRep; ++mr) {
-#pragma unroll
-    for (int i = 0; i < kDTiles; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mr][i][e] = 0.0f;
-    }
-  }
-  float m_run[kMRep][2];  // running max, log2 domain
-  float l_run[kMRep][2];  // this thread's share of the running sum
-#pragma unroll
-  for (int mr = 0; mr < kMRep; ++mr) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      m_run[mr][h] = -INFINITY;
-      l_run[mr][h] = 0.0f;
-    }
-  }
-  const float scale_log2 = args.scale_log2;
+  float m_run[kMRep][2];
+  float l_run[kMRep][2];
 
-  // One K/V tile: S = Q K^T, mask, online softmax, O += P V.
-  auto attend_tile = [&](int it, int stage, auto masked) {
-    const uint32_t s_k = s_kv + static_cast<uint32_t>(2 * stage * Tile::kKvTileBytes);
-    const uint32_t s_v = s_k + static_cast<uint32_t>(Tile::kKvTileBytes);
-    float s[kMRep][kNTiles][4];
+  __device__ __forceinline__ void Init() {
 #pragma unroll
     for (int mr = 0; mr < kMRep; ++mr) {
 #pragma unroll
-      for (int i = 0; i < kNTiles; ++i) {
+      for (int i = 0; i < kDTiles; ++i) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[mr][i][e] = 0.0f;
+        for (int e = 0; e < 4; ++e) acc[mr][i][e] = 0.0f;
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        m_run[mr][h] = -INFINITY;
+        l_run[mr][h] = 0.0f;
       }
     }
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      uint32_t a[kMRep][4];
-#pragma unroll
-      for (int mr = 0; mr < kMRep; ++mr) {
-        if constexpr (Tile::kQInRegs) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) a[mr][e] = qf[mr][kk][e];
-        } else {
-          LdMatrixX4(a[mr], ChunkAddr(q_lane, kk) + mr * 16 * HD * 2);
-        }
-      }
-#pragma unroll
-      for (int np = 0; np < kNTiles / 2; ++np) {
-        uint32_t b[4];
-        LdMatrixX4(b, ChunkAddr(s_k + k_lane, kk) + np * 16 * HD * 2);
-#pragma unroll
-        for (int mr = 0; mr < kMRep; ++mr) {
-          Mma16816<T>(s[mr][2 * np], a[mr], b[0], b[1]);
-          Mma16816<T>(s[mr][2 * np + 1], a[mr], b[2], b[3]);
-        }
-      }
-    }
-#pragma unroll
-    for (int mr = 0; mr < kMRep; ++mr) {
-#pragma unroll
-      for (int i = 0; i < kNTiles; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mr][i][e] *= scale_log2;
-      }
-    }
-    if constexpr (decltype(masked)::value) {
-      // Tile it starts it * kBN keys below the last tile: its key col is visible to a row iff
-      // col <= limit_rel + it * kBN.
-#pragma unroll
-      for (int mr = 0; mr < kMRep; ++mr) {
-        const int rel[2] = {limit_rel[mr][0] + it * kBN, limit_rel[mr][1] + it * kBN};
-#pragma unroll
-        for (int i = 0; i < kNTiles; ++i) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = i * 8 + 2 * tig + (e & 1);
-            if (col > rel[e >> 1]) s[mr][i][e] = -INFINITY;
-          }
-        }
-      }
-    }
-    // Online softmax per row (the quad's 4 lanes hold the row's kBN columns). P is packed to 16
-    // bits as soon as it exists (half the registers of S): pp[mr][i][h] = row h's pair of n8
-    // tile i.
-    uint32_t pp[kMRep][kNTiles][2];
+  }
+
+  // Online softmax per row over a tile's scores (the quad's 4 lanes hold the row's columns). P is
+  // packed to 16 bits as soon as it exists (half the registers of S): pp[mr][i][h] = row h's pair
+  // of n8 tile i. O is rescaled by the change of the max.
+  template <typename T, int kNTiles>
+  __device__ __forceinline__ void Softmax(const float (&s)[kMRep][kNTiles][4], uint32_t (&pp)[kMRep][kNTiles][2]) {
 #pragma unroll
     for (int mr = 0; mr < kMRep; ++mr) {
 #pragma unroll
@@ -420,10 +356,15 @@ __global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kM
         }
       }
     }
-    // O += P V: P of keys [16 kk, 16 kk + 16) (n8 tiles 2 kk, 2 kk + 1) is the A fragment of
-    // k-step kk: a0 = (gid, tile 2kk), a1 = (gid + 8, tile 2kk), a2 / a3 the same of tile 2kk + 1.
+  }
+
+  // O += P V with V's tile at s_v_lane (this lane's V fragment address): P of keys [16 kk, 16 kk +
+  // 16) (n8 tiles 2 kk, 2 kk + 1) is the A fragment of k-step kk: a0 = (gid, tile 2kk), a1 = (gid +
+  // 8, tile 2kk), a2 / a3 the same of tile 2kk + 1.
+  template <typename T, int kNTiles>
+  __device__ __forceinline__ void AddPV(const uint32_t (&pp)[kMRep][kNTiles][2], uint32_t s_v_lane) {
 #pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
+    for (int kk = 0; kk < kNTiles / 2; ++kk) {
       uint32_t a[kMRep][4];
 #pragma unroll
       for (int mr = 0; mr < kMRep; ++mr) {
@@ -435,7 +376,7 @@ __global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kM
 #pragma unroll
       for (int dp = 0; dp < HD / 16; ++dp) {
         uint32_t b[4];
-        LdMatrixX4Trans(b, ChunkAddr(s_v + v_lane, dp) + kk * 16 * HD * 2);
+        LdMatrixX4Trans(b, ChunkAddr(s_v_lane, dp) + kk * 16 * HD * 2);
 #pragma unroll
         for (int mr = 0; mr < kMRep; ++mr) {
           Mma16816<T>(acc[mr][2 * dp], a[mr], b[0], b[1]);
@@ -443,6 +384,193 @@ __global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kM
         }
       }
     }
+  }
+
+  // Epilogue: the row sums over the quad, normalise, merge with (o_in, lse_in) when given, write
+  // o and lse. Merging in place (o_in == o): every element is read and written by one thread; the
+  // row's lse_in is read by lane tig 0 only and handed to its quad by a shuffle, so no lane reads
+  // it after tig 0 wrote the merged value. r_base: this thread's first row.
+  template <typename OutT>
+  __device__ __forceinline__ void WriteOut(const PrefillAttnItem* item, int64_t r_base, int64_t rows,
+                                           int group, int lane) const {
+    const int tig = lane & 3;
+    OutT* o = static_cast<OutT*>(item->o);
+    float* lse = item->lse;
+    const float* o_in = item->o_in;
+    const float* lse_in = item->lse_in;
+    const int64_t o_stride = item->q_stride_tok;
+#pragma unroll
+    for (int mr = 0; mr < kMRep; ++mr) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float l = l_run[mr][h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int64_t r = r_base + mr * 16 + 8 * h;
+        const bool valid = r < rows;
+        float lse_out = m_run[mr][h] == -INFINITY ? -INFINITY : m_run[mr][h] * kLn2 + logf(l);
+        float w_own = 1.0f, w_in = 0.0f;  // weights of this launch's o and of o_in
+        if (o_in != nullptr) {  // the same for the whole CTA: the shuffle below is not divergent
+          float lse_b = valid && tig == 0 ? lse_in[r] : -INFINITY;
+          lse_b = __shfl_sync(0xffffffffu, lse_b, lane & ~3);
+          const float mx = fmaxf(lse_out, lse_b);
+          if (mx == -INFINITY) {
+            w_own = 0.0f;
+          } else {
+            w_own = expf(lse_out - mx);
+            w_in = expf(lse_b - mx);
+            const float sum = w_own + w_in;
+            w_own /= sum;
+            w_in /= sum;
+            lse_out = mx + logf(sum);
+          }
+        }
+        if (!valid) continue;
+        const float inv = l > 0.0f ? w_own / l : 0.0f;
+        const int64_t t = r / group;
+        const int64_t off = t * o_stride + (r - t * group) * HD + 2 * tig;
+        OutT* dst = o + off;
+#pragma unroll
+        for (int i = 0; i < kDTiles; ++i) {
+          float a0 = acc[mr][i][2 * h] * inv;
+          float a1 = acc[mr][i][2 * h + 1] * inv;
+          if (w_in > 0.0f) {  // an o_in row of lse -inf is never read (it may hold anything)
+            const float2 b = *reinterpret_cast<const float2*>(o_in + off + i * 8);
+            a0 += b.x * w_in;
+            a1 += b.y * w_in;
+          }
+          StorePair<OutT>(dst + i * 8, a0, a1);
+        }
+        if (lse != nullptr && tig == 0) lse[r] = lse_out;
+      }
+    }
+  }
+};
+
+}  // namespace prefill
+
+/// One CTA: item blockIdx.x, query rows [m0, m0 + kBlockM) of it (see the layout above).
+/// T: q/K/V dtype; OutT: o dtype (float, __nv_bfloat16 or __half).
+template <int HD, typename T, typename OutT>
+__global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kMinBlocks)
+    PrefillAttnKernel(PrefillArgs args) {
+  using Tile = PrefillTile<HD>;
+  using namespace prefill;
+  constexpr int kBM = Tile::kBlockM;
+  constexpr int kBN = Tile::kBlockN;
+  constexpr int kThreads = Tile::kThreads;
+  constexpr int kStages = Tile::kStages;
+  constexpr int kMRep = Tile::kMRep;
+  constexpr int kChunks = HD / 8;   // 16-byte chunks per row
+  constexpr int kNTiles = kBN / 8;  // n8 tiles of S
+  constexpr int kQChunksPerThread = kBM * kChunks / kThreads;
+  constexpr int kKvChunksPerThread = kBN * kChunks / kThreads;
+  static_assert(kQChunksPerThread * kThreads == kBM * kChunks);
+  static_assert(kKvChunksPerThread * kThreads == kBN * kChunks);
+  static_assert(kStages >= 2);
+
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t s_q = SmemAddr(smem);
+  const uint32_t s_kv = s_q + static_cast<uint32_t>(Tile::kQBytes);
+  // Stage s: K at s_kv + 2 s kKvTileBytes, V one tile later.
+
+  // Every thread reads the descriptor (items may be in mapped host memory: one request per warp).
+  // The output fields are read again in the epilogue rather than held in registers across the loop.
+  const PrefillAttnItem* item = args.items + blockIdx.x;
+  const int group = args.group;
+  const int64_t q_pos0 = item->q_pos0;
+  const int64_t rows = static_cast<int64_t>(item->num_q) * group;
+  const int64_t m0 =
+      static_cast<int64_t>(args.num_m_blocks - 1 - static_cast<int>(blockIdx.y)) * kBM;
+  if (m0 >= rows) return;  // uniform: this item has fewer queries than the longest
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int gid = lane >> 2;
+  const int tig = lane & 3;
+
+  const T* q = static_cast<const T*>(item->q);
+  const T* k = static_cast<const T*>(item->k);
+  const T* v = static_cast<const T*>(item->v);
+  const int64_t kv_stride = item->kv_stride;
+  // Paged rows (see PrefillAttnItem): K/V tile j starts at row j + (j & tile_hi) tiles, i.e. the
+  // K tiles of a page are followed by as many V tiles; flat rows: tile_hi = 0.
+  const int page_shift = item->kv_page_shift;
+  const int32_t tile_hi = page_shift > 0 ? ~((1 << page_shift) / kBN - 1) : 0;
+  // Last key any query may see: a history segment (kv_limit) ends before the causal limit.
+  const int64_t kv_limit = item->kv_limit;
+  const int64_t kv_last = kv_limit > 0 ? kv_limit - 1 : INT64_MAX;
+
+  // Causal range of the tile: the first row's token sees keys [0, min(q_pos0 + t_lo, kv_last)],
+  // the last row's [0, min(q_pos0 + t_hi, kv_last)]. Tiles [0, n_full) need no mask; tiles
+  // [n_full, n_tiles) are masked.
+  const int64_t row_last = (m0 + kBM < rows ? m0 + kBM : rows) - 1;
+  const int64_t t_lo = m0 / group;
+  const int64_t t_hi = row_last / group;
+  const int64_t kv_end = (q_pos0 + t_hi < kv_last ? q_pos0 + t_hi : kv_last) + 1;
+  const int n_tiles = static_cast<int>((kv_end + kBN - 1) / kBN);
+  const int n_full =
+      static_cast<int>(((q_pos0 + t_lo < kv_last ? q_pos0 + t_lo : kv_last) + 1) / kBN);
+
+  // Q tile: rows past the item are zero-filled (never written back).
+  LoadQTile<HD, T, kThreads>(s_q, q, m0, rows, group, item->q_stride_tok);
+  CpAsyncCommit();
+
+  const KvTileLoader<HD, T, kThreads> load_kv{k, v, kv_stride, kv_end, tile_hi,
+                                             s_kv + TileOffset<HD>(tid / kChunks, tid % kChunks)};
+  // The first kStages - 1 tiles (from the diagonal down) start streaming now.
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < n_tiles) load_kv(n_tiles - 1 - st, st);
+    CpAsyncCommit();
+  }
+
+  // The rows of this thread: row block mr of the warp, rows gid and gid + 8 (h = 0, 1). For each,
+  // the last key position it may see, relative to the first key of the last tile (within
+  // [-kBM, kBN): every row of the tile sees up to min(q_pos0 + t_lo, kv_last)). Padding rows
+  // (past the item) take the last row's range; their Q is zero and they are not written.
+  const int64_t r_base = m0 + warp * 16 * kMRep + gid;
+  int limit_rel[kMRep][2];
+  LastVisibleKeys<kBN, kMRep>(r_base, rows, group, q_pos0, kv_last, n_tiles, limit_rel);
+
+  // Q fragments (A operand of S = Q K^T): lanes 0-15 address rows 0-15 of a row block at chunk
+  // 2 kk, lanes 16-31 the same rows at chunk 2 kk + 1.
+  const uint32_t q_lane = s_q + LaneOffset<HD>(warp * 16 * kMRep + (lane & 15), lane >> 4);
+  uint32_t qf[Tile::kQInRegs ? kMRep : 1][Tile::kQInRegs ? HD / 16 : 1][4];
+  CpAsyncWait<kStages - 1>();  // Q landed (this thread's copies)
+  __syncthreads();             // ... and everyone's
+  if constexpr (Tile::kQInRegs) {
+#pragma unroll
+    for (int mr = 0; mr < kMRep; ++mr) {
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk) {
+        LdMatrixX4(qf[mr][kk], ChunkAddr(q_lane, kk) + mr * 16 * HD * 2);
+      }
+    }
+  }
+
+  // K fragments (B of S): matrices {keys 0-7, chunk 2kk}, {keys 0-7, 2kk+1}, {keys 8-15, 2kk},
+  // {keys 8-15, 2kk+1} of a 16-key pair of n8 tiles -> b0, b1 of tile 2np and of tile 2np+1.
+  const uint32_t k_lane = LaneOffset<HD>((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+  // V fragments (B of P V, transposed): {keys 0-7, chunk 2dp}, {keys 8-15, 2dp}, {keys 0-7,
+  // 2dp+1}, {keys 8-15, 2dp+1} -> b0, b1 of d tile 2dp and of d tile 2dp+1.
+  const uint32_t v_lane = LaneOffset<HD>((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+
+  RowState<HD, kMRep> st;  // O, running max and sum of this thread's rows
+  st.Init();
+  const float scale_log2 = args.scale_log2;
+
+  // One K/V tile: S = Q K^T, mask, online softmax, O += P V.
+  auto attend_tile = [&](int it, int stage, auto masked) {
+    const uint32_t s_k = s_kv + static_cast<uint32_t>(2 * stage * Tile::kKvTileBytes);
+    const uint32_t s_v = s_k + static_cast<uint32_t>(Tile::kKvTileBytes);
+    float s[kMRep][kNTiles][4];
+    TileScores<HD, T, kMRep, kNTiles, Tile::kQInRegs>(qf, q_lane, s_k + k_lane, scale_log2, s);
+    if constexpr (decltype(masked)::value) MaskTile<kMRep, kNTiles>(limit_rel, it * kBN, tig, s);
+    uint32_t pp[kMRep][kNTiles][2];
+    st.template Softmax<T, kNTiles>(s, pp);
+    st.template AddPV<T, kNTiles>(pp, s_v + v_lane);
   };
 
   // Tiles from the diagonal (masked) down to 0; tiles it + 1 .. it + kStages - 1 stream in while
@@ -463,60 +591,7 @@ __global__ void __launch_bounds__(PrefillTile<HD>::kThreads, PrefillTile<HD>::kM
     stage = stage == kStages - 1 ? 0 : stage + 1;
   }
 
-  // Epilogue: the row sums over the quad, normalise, merge with (o_in, lse_in) when given, write
-  // o and lse. Merging in place (o_in == o): every element is read and written by one thread; the
-  // row's lse_in is read by lane tig 0 only and handed to its quad by a shuffle, so no lane reads
-  // it after tig 0 wrote the merged value.
-  OutT* o = static_cast<OutT*>(item->o);
-  float* lse = item->lse;
-  const float* o_in = item->o_in;
-  const float* lse_in = item->lse_in;
-  const int64_t o_stride = item->q_stride_tok;
-#pragma unroll
-  for (int mr = 0; mr < kMRep; ++mr) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float l = l_run[mr][h];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const int64_t r = r_base + mr * 16 + 8 * h;
-      const bool valid = r < rows;
-      float lse_out = m_run[mr][h] == -INFINITY ? -INFINITY : m_run[mr][h] * kLn2 + logf(l);
-      float w_own = 1.0f, w_in = 0.0f;  // weights of this launch's o and of o_in
-      if (o_in != nullptr) {  // the same for the whole CTA: the shuffle below is not divergent
-        float lse_b = valid && tig == 0 ? lse_in[r] : -INFINITY;
-        lse_b = __shfl_sync(0xffffffffu, lse_b, lane & ~3);
-        const float mx = fmaxf(lse_out, lse_b);
-        if (mx == -INFINITY) {
-          w_own = 0.0f;
-        } else {
-          w_own = expf(lse_out - mx);
-          w_in = expf(lse_b - mx);
-          const float sum = w_own + w_in;
-          w_own /= sum;
-          w_in /= sum;
-          lse_out = mx + logf(sum);
-        }
-      }
-      if (!valid) continue;
-      const float inv = l > 0.0f ? w_own / l : 0.0f;
-      const int64_t t = r / group;
-      const int64_t off = t * o_stride + (r - t * group) * HD + 2 * tig;
-      OutT* dst = o + off;
-#pragma unroll
-      for (int i = 0; i < kDTiles; ++i) {
-        float a0 = acc[mr][i][2 * h] * inv;
-        float a1 = acc[mr][i][2 * h + 1] * inv;
-        if (w_in > 0.0f) {  // an o_in row of lse -inf is never read (it may hold anything)
-          const float2 b = *reinterpret_cast<const float2*>(o_in + off + i * 8);
-          a0 += b.x * w_in;
-          a1 += b.y * w_in;
-        }
-        StorePair<OutT>(dst + i * 8, a0, a1);
-      }
-      if (lse != nullptr && tig == 0) lse[r] = lse_out;
-    }
-  }
+  st.template WriteOut<OutT>(item, r_base, rows, group, lane);
 }
 
 }  // namespace kvferry::cuda
