@@ -243,10 +243,6 @@ struct SparcasStepArgs {
   float* scales = nullptr;
   int32_t db = 16, u = 64, dense_layers = 2, bits = 16;
   int32_t smooth = 0;
-  /// CUDA, 4-bit layers: 1 scores and ranks in one cooperative launch where it fits (logits in
-  /// shared memory, else the rows scored twice), 2 the same always scoring twice, 0 the separate
-  /// scoring and top-k launches. The same lists either way.
-  int32_t fused = 1;
 };
 
 /// kHip's part of a DecodeStepArgs: the mask state of item t at state + t and its two blocks

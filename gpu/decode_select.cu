@@ -1382,13 +1382,6 @@ __device__ __forceinline__ SparcasQ4Query PackSparcasQ4Query(float* q_raw, int g
   return SparcasQ4Query{q_pack, q_step, q_sum8, words};
 }
 
-// Bytes of shared memory LoadSparcasQuery and PackSparcasQ4Query take for d_b <= head_dim.
-inline size_t SparcasQ4QueryBytes(int group, int head_dim) {
-  const size_t b = static_cast<size_t>(group) *
-                   (head_dim * sizeof(float) + SparcasQ4Words(head_dim) * sizeof(int2) + 8);
-  return (b + 15) / 16 * 16;
-}
-
 // The log2-domain logits of heads [g0, g0 + kHeads) of the group against one 4-bit row (its
 // words, then its scale): two __dp4a a word a head, SparcasQ4Dot's products in its order.
 template <int kHeads>
@@ -1676,7 +1669,7 @@ struct RadixState {
   uint32_t prefix = 0, mask = 0, remaining = 0;
 };
 
-// Most bins a radix digit of the top-k has (the fused SparCas selection's first digit: 12 bits).
+// Most bins a radix digit of the top-k may have (FindDigit; the multi-CTA passes use 256).
 constexpr int kMaxDigitBins = 4096;
 
 // The digit of hist[0, nb) (nb a power of two <= kMaxDigitBins) where the count from the top first
@@ -2129,307 +2122,6 @@ __global__ void __launch_bounds__(kMctaThreads, 2) MctaFusedKernel(DecodeStepArg
   MctaCountPass(a, it, ws, w);
   ItemBarrier(bar, arrivals += gridDim.y);
   MctaWritePass<kQuest>(a, it, ws, w);
-}
-
-// ---- SparCas's 4-bit scoring and its top-k in one launch ------------------------------------------
-// SparcasFusedSelectKernel, grid (items, ctas), a cooperative launch: each CTA scores its chunk of
-// [0, n) from the 4-bit rows into shared memory (the logits never reach global memory), then the
-// item's CTAs find the k-th largest weight with a radix descent whose first digit is 12 bits wide,
-// so that one histogram usually leaves a boundary bucket of a few hundred keys, which every CTA then
-// sorts whole. Three barriers among the item's CTAs where the separate launches took a scoring
-// kernel and six barriers of the fused top-k over logits in global memory (the one-CTA kernel runs
-// before either, for the items with nothing to rank and the barrier counters):
-//   1. statistics: each CTA's (max, sum) a head, from the scoring loop (online softmax);
-//   2. digit 0: the CTA's weights (MctaWeightsPass's sum, in place of head 0's logits) and the
-//      histogram of their keys' top 12 bits; every CTA then finds the bucket of the k-th key;
-//   3. the bucket: each CTA counts its keys above the bucket and appends the bucket's keys (with
-//      their positions) to row 0 of the item's workspace; every CTA sorts them (at most
-//      kFusedCands), which gives the k-th key T and how many keys equal to T the list takes.
-// A bucket of more than kFusedCands keys takes the next digits (8, 8 and 4 bits, a barrier each)
-// until it is small; keys still equal after every bit (exact ties) are counted per CTA instead
-// (a barrier). The list is then written in position order as MctaWritePass writes it, so the
-// answer is the separate launches': the same logits and weights, the same ties (lower position
-// first); the softmax sums are merged in another order (the last bit of a weight may differ).
-// kRecompute: where an item's chunk of logits does not fit shared memory (its CTAs are few, at
-// large batches), the weights pass scores the rows a second time instead of reading them back,
-// and only the keys stay in shared memory.
-constexpr int kFusedHeads = 4;     // the group's query heads a row is scored for (groups of <= 4)
-constexpr int kFusedCands = 2048;  // keys of a boundary bucket that one sort resolves
-constexpr int kFusedBins = kMaxDigitBins;  // the first digit's bins (12 bits)
-constexpr size_t kFusedMaxSmem = 112 * 1024;  // two CTAs an SM
-
-__device__ __forceinline__ int FusedShift(int level) {
-  return level == 0 ? 20 : level == 1 ? 12 : level == 2 ? 4 : 0;
-}
-__device__ __forceinline__ int FusedBits(int level) { return level == 0 ? 12 : level == 3 ? 4 : 8; }
-
-// A CTA's chunk of the item's positions with their keys in shared memory (the weights' OrderedKey
-// over head 0's logits), those of [r0, r1) ranked.
-struct FusedChunk {
-  Chunk c;
-  const uint32_t* keys;  // keys[j - c.begin]
-  int64_t r0, r1;
-  __device__ bool ranked(int64_t j) const { return j >= r0 && j < r1; }
-  // f(j, in, key) for the positions of the chunk's whole tiles in tile order (every lane calls).
-  template <class F>
-  __device__ void ForTiles(F&& f) const {
-    const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
-    for (int64_t j0 = c.begin; j0 < c.tiles_end; j0 += tile) {
-      const int64_t jt = TileFirst(j0);
-#pragma unroll
-      for (int u = 0; u < kMctaVec; ++u) {
-        const bool in = ranked(jt + u);
-        f(jt + u, in, in ? keys[jt + u - c.begin] : 0u);
-      }
-    }
-  }
-};
-
-// The item's barrier and what its CTAs count into besides the scratch's histograms.
-struct FusedSync {
-  unsigned* bar;
-  unsigned* cand_count;  // the scratch's last word
-  unsigned arrivals;
-  __device__ void Wait() { ItemBarrier(bar, arrivals += gridDim.y); }
-};
-
-// Where the radix descent stopped: the digits found (prefix under mask), the keys the list still
-// takes under it (remaining), the keys in its bucket (at) and the level it stopped at (4: every
-// bit found, T = prefix).
-struct FusedDescent {
-  uint32_t prefix = 0, mask = 0, remaining = 0, at = 0;
-  int level = 0;
-};
-
-// The k-th key T, the ties the list takes (quota), and what the chunks before this one select:
-// keys > T (gt_before) and keys == T (eq_before).
-struct FusedThreshold {
-  uint32_t T;
-  int64_t quota, gt_before, eq_before;
-};
-
-// 1. The chunk's logits (kept unless kRecompute) and the CTA's softmax statistics a head.
-template <bool kRecompute>
-__device__ void FusedScorePass(const DecodeStepArgs& a, const Chunk& c, const uint32_t* rows,
-                               const SparcasQ4Query& q, float log2_scale, float* logits,
-                               int64_t chunk_cap, const MctaScratch& ws) {
-  const int group = a.params.group;
-  float st_m[kFusedHeads], st_s[kFusedHeads];
-#pragma unroll
-  for (int g = 0; g < kFusedHeads; ++g) {
-    st_m[g] = -INFINITY;
-    st_s[g] = 0.0f;
-  }
-  for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
-    float l[kFusedHeads];
-    SparcasQ4RowLogits<kFusedHeads>(rows + j * (q.words + 1), q.words, q, 0, group, log2_scale, l);
-#pragma unroll
-    for (int g = 0; g < kFusedHeads; ++g) {
-      if (g < group) {
-        if (!kRecompute) logits[g * chunk_cap + (j - c.begin)] = l[g];
-        SoftmaxAdd(st_m[g], st_s[g], l[g]);
-      }
-    }
-  }
-  WriteSoftmaxPartials<kMctaThreads, kFusedHeads>(st_m, st_s, 0, group, ws.stats);
-}
-
-// 2. The chunk's weights (the item's statistics merged) as keys over head 0's logits; a thread
-// reads and writes only its own positions.
-template <bool kRecompute>
-__device__ void FusedKeysPass(const DecodeStepArgs& a, const Chunk& c, const uint32_t* rows,
-                              const SparcasQ4Query& q, float log2_scale, const float* logits,
-                              int64_t chunk_cap, const MctaScratch& ws, uint32_t* keys) {
-  __shared__ float m_s[kFusedHeads], inv_s[kFusedHeads];
-  const int group = a.params.group;
-  MergeSoftmaxPartials<false>(ws.stats, group, static_cast<int>(gridDim.y), m_s, inv_s);
-  for (int64_t j = c.begin + threadIdx.x; j < c.end; j += blockDim.x) {
-    float l[kFusedHeads];
-    if (kRecompute) SparcasQ4RowLogits<kFusedHeads>(rows + j * (q.words + 1), q.words, q, 0, group, log2_scale, l);
-    float w = 0.0f;
-#pragma unroll
-    for (int g = 0; g < kFusedHeads; ++g) {
-      if (g < group) w += exp2f((kRecompute ? l[g] : logits[g * chunk_cap + (j - c.begin)]) - m_s[g]) * inv_s[g];
-    }
-    keys[j - c.begin] = OrderedKey(w);
-  }
-  __syncthreads();
-}
-
-// The radix descent: each level histograms one digit of the keys under the prefix so far (12,
-// then 8, 8 and 4 bits; a barrier each) until the k-th key's bucket holds at most kFusedCands.
-__device__ FusedDescent FusedRadixDescent(const FusedChunk& fc, const MctaScratch& ws, FusedSync& sync,
-                                          unsigned int* bins, uint32_t k) {
-  FusedDescent d;
-  d.remaining = k;
-  for (; d.level < 4; ++d.level) {
-    const int shift = FusedShift(d.level), nb = 1 << FusedBits(d.level);
-    const uint32_t dmask = static_cast<uint32_t>(nb - 1);
-    uint32_t* global = d.level == 0 ? reinterpret_cast<uint32_t*>(ws.picks) : ws.hist + (d.level - 1) * 256;
-    for (int i = threadIdx.x; i < nb; i += blockDim.x) bins[i] = 0;
-    __syncthreads();
-    fc.ForTiles([&](int64_t, bool in, uint32_t key) {
-      CountBin(bins, key, shift, in && (key & d.mask) == d.prefix, dmask);
-    });
-    __syncthreads();
-    for (int i = threadIdx.x; i < nb; i += blockDim.x) {
-      if (bins[i] != 0) atomicAdd(global + i, bins[i]);
-    }
-    sync.Wait();
-    const DigitAt at = FindDigit(global, nb, d.remaining);
-    d.prefix |= at.digit << shift;
-    d.mask |= dmask << shift;
-    d.remaining -= at.above;
-    d.at = at.at;
-    if (d.at <= static_cast<uint32_t>(kFusedCands)) break;
-  }
-  return d;
-}
-
-// 3. A bucket of at most kFusedCands keys: its keys (with their positions) appended to
-// global_cands, every CTA's keys above it counted; then every CTA sorts the bucket, which gives
-// T and the ties the list takes.
-__device__ FusedThreshold FusedBucketSort(const FusedChunk& fc, const FusedDescent& d,
-                                          const MctaScratch& ws, FusedSync& sync,
-                                          unsigned long long* global_cands, unsigned long long* cands) {
-  using Reduce = cub::BlockReduce<int, kMctaThreads>;
-  __shared__ typename Reduce::TempStorage red_tmp;
-  __shared__ int64_t s_base[3];  // gt_before, eq_before, quota
-  // The bucket's keys as (~key << 32 | position), appended a warp at a time; the keys above it.
-  int above = 0;
-  const int lane = threadIdx.x & 31;
-  fc.ForTiles([&](int64_t j, bool in, uint32_t key) {
-    above += in && (key & d.mask) > d.prefix;
-    const bool cand = in && (key & d.mask) == d.prefix;
-    const unsigned ballot = __ballot_sync(0xffffffffu, cand);
-    unsigned first = 0;
-    if (lane == __ffs(ballot) - 1) first = atomicAdd(sync.cand_count, static_cast<unsigned>(__popc(ballot)));
-    first = __shfl_sync(0xffffffffu, first, ballot != 0 ? __ffs(ballot) - 1 : 0);
-    if (cand) {
-      global_cands[first + __popc(ballot & ((1u << lane) - 1u))] =
-          (static_cast<unsigned long long>(~key) << 32) | static_cast<uint32_t>(j);
-    }
-  });
-  above = Reduce(red_tmp).Sum(above);
-  if (threadIdx.x == 0) ws.counts[2 * blockIdx.y] = above;
-  __threadfence();  // the appended keys, before the barrier's release
-  sync.Wait();
-  const int at = static_cast<int>(d.at);
-  int sort_n = 1;
-  while (sort_n < at) sort_n <<= 1;
-  for (int i = threadIdx.x; i < sort_n; i += blockDim.x) cands[i] = i < at ? __ldcg(global_cands + i) : ~0ull;
-  BitonicSortBlock(cands, sort_n);  // (key desc, position asc); synchronises
-  const uint32_t T = ~static_cast<uint32_t>(cands[max(min(d.remaining, d.at), 1u) - 1] >> 32);  // 1 <= remaining <= at
-  int gt_all = 0, gt_b = 0, eq_b = 0;
-  for (int i = threadIdx.x; i < at; i += blockDim.x) {
-    const uint32_t key = ~static_cast<uint32_t>(cands[i] >> 32);
-    const int64_t pos = static_cast<int64_t>(cands[i] & 0xffffffffull);
-    gt_all += key > T;
-    gt_b += key > T && pos < fc.c.begin;
-    eq_b += key == T && pos < fc.c.begin;
-  }
-  gt_all = Reduce(red_tmp).Sum(gt_all);
-  __syncthreads();
-  gt_b = Reduce(red_tmp).Sum(gt_b);
-  __syncthreads();
-  eq_b = Reduce(red_tmp).Sum(eq_b);
-  if (threadIdx.x == 0) {  // the reductions' sums are thread 0's
-    int64_t g = gt_b;
-    for (unsigned y = 0; y < blockIdx.y; ++y) g += __ldcg(ws.counts + 2 * y);
-    s_base[0] = g;
-    s_base[1] = eq_b;
-    s_base[2] = static_cast<int64_t>(d.remaining) - gt_all;
-  }
-  __syncthreads();
-  return {T, s_base[2], s_base[0], s_base[1]};
-}
-
-// 3'. Every bit found: T = prefix, and more than kFusedCands keys equal it. Per CTA its keys > T
-// and == T, as MctaCountPass counts them; the list takes the remaining ties.
-__device__ FusedThreshold FusedTieCounts(const FusedChunk& fc, const FusedDescent& d,
-                                         const MctaScratch& ws, FusedSync& sync) {
-  __shared__ int64_t s_base[2];  // gt_before, eq_before
-  const uint32_t T = d.prefix;
-  int gt = 0, eq = 0;
-  for (int64_t j = fc.c.begin + threadIdx.x; j < fc.c.end; j += blockDim.x) {
-    const uint32_t key = fc.keys[j - fc.c.begin];
-    gt += fc.ranked(j) && key > T;
-    eq += fc.ranked(j) && key == T;
-  }
-  StoreChunkCounts(gt, eq, ws);
-  sync.Wait();
-  if (threadIdx.x == 0) {
-    int64_t g = 0, e = 0;
-    for (unsigned y = 0; y < blockIdx.y; ++y) {
-      g += __ldcg(ws.counts + 2 * y);
-      e += __ldcg(ws.counts + 2 * y + 1);
-    }
-    s_base[0] = g;
-    s_base[1] = e;
-  }
-  __syncthreads();
-  return {T, static_cast<int64_t>(d.remaining), s_base[0], s_base[1]};
-}
-
-template <bool kRecompute>
-__global__ void __launch_bounds__(kMctaThreads, 2) SparcasFusedSelectKernel(DecodeStepArgs a, int64_t chunk_cap,
-                                                                            int q_bytes) {
-  extern __shared__ __align__(16) unsigned char fused_smem[];
-  const int32_t item = blockIdx.x;
-  const TopKItem it = TopKItemOf(a, item, 1);
-  if (!it.mcta) return;  // nothing to rank: the one-CTA kernel wrote the list
-  float* q_raw = reinterpret_cast<float*>(fused_smem);
-  // [group][chunk_cap] logits, or (kRecompute) the keys alone: the weights pass scores again
-  float* logits = reinterpret_cast<float*>(fused_smem + q_bytes);
-  uint32_t* keys = reinterpret_cast<uint32_t*>(logits);  // over head 0's logits
-  unsigned int* bins = reinterpret_cast<unsigned int*>(logits + (kRecompute ? 1 : a.params.group) * chunk_cap);
-  unsigned long long* cands = reinterpret_cast<unsigned long long*>(bins + kFusedBins);
-  const SparcasScoreItem si = LoadSparcasQuery(a, q_raw, a.params.head_dim, /*scaled=*/false);
-  if (!si.ranked) return;  // (as it.mcta: the prep kernel ranks what has keys to rank)
-  const int group = a.params.group;
-  const SparcasQ4Query q = PackSparcasQ4Query(q_raw, group, si.d_b);
-  const MctaScratch ws = MctaScratchOf(a, item);
-  FusedSync sync{MctaBarrierOf(a, item), MctaBarrierOf(a, item) + 1, 0};
-  const Chunk c = ChunkOf(it.n);
-
-  // 1. Scoring; CTA 0 zeroes what the item's CTAs count into after the barrier.
-  if (blockIdx.y == 0) {
-    for (int i = threadIdx.x; i < kFusedBins; i += blockDim.x) ws.picks[i] = 0;
-    for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) ws.hist[i] = 0;
-    if (threadIdx.x == 0) *sync.cand_count = 0;
-  }
-  const float log2_scale = a.params.scale * kLog2e;
-  const uint32_t* rows = reinterpret_cast<const uint32_t*>(
-      CompactOf<__half>(a, item / a.num_kv_heads, item % a.num_kv_heads));
-  FusedScorePass<kRecompute>(a, c, rows, q, log2_scale, logits, chunk_cap, ws);
-  sync.Wait();
-
-  // 2. Keys, then the descent and 3. the threshold.
-  FusedKeysPass<kRecompute>(a, c, rows, q, log2_scale, logits, chunk_cap, ws, keys);
-  const FusedChunk fc{c, keys, max(c.begin, it.lo), min(c.end, it.lo + it.count)};
-  const FusedDescent d = FusedRadixDescent(fc, ws, sync, bins, static_cast<uint32_t>(it.k));
-  // Row 0 of the item's workspace, from its first 8-byte boundary (room for kFusedCands: the launch).
-  unsigned long long* global_cands = reinterpret_cast<unsigned long long*>(
-      (reinterpret_cast<uintptr_t>(a.select_ws + static_cast<size_t>(item) * group * a.select_ld) + 7) &
-      ~uintptr_t{7});
-  const FusedThreshold th =
-      d.level < 4 ? FusedBucketSort(fc, d, ws, sync, global_cands, cands) : FusedTieCounts(fc, d, ws, sync);
-
-  // 4. The ordered write (MctaWritePass's): every key > T and the first `quota` keys == T by
-  // position, after what the chunks before this one select.
-  const QuestSplit sp = QuestSplitOf(a, it.n);
-  int32_t* list = a.list + static_cast<size_t>(item) * a.list_cap;
-  WriteInOrder(
-      c.begin, c.tiles_end,
-      [&](int64_t j, bool& in) {
-        in = fc.ranked(j);
-        return in ? keys[j - c.begin] : 0u;
-      },
-      th.T, th.quota, th.gt_before + min(th.eq_before, th.quota), th.eq_before,
-      [&](int64_t i, int64_t j) { list[sp.sinks + i] = static_cast<int32_t>(j); });
-  if (blockIdx.y != 0) return;
-  for (int64_t i = threadIdx.x; i < sp.sinks; i += blockDim.x) list[i] = static_cast<int32_t>(i);
-  WriteListTail(a, item, sp.sinks, sp.off_hi, it.n, it.k, list);
 }
 
 // A CTA per item: the multi-CTA Quest winners (ascending pages in the scratch) ranked by score,
@@ -2936,59 +2628,6 @@ Status LaunchSparcasScores(const DecodeStepArgs& a, const LaunchInfo& info, cons
   return Status::Ok();
 }
 
-// SparCas's scoring and top-k at a 4-bit layer as one cooperative launch (SparcasFusedSelectKernel)
-// where it applies: sparcas.fused, groups of <= kFusedHeads, the multi-CTA scratch, a workspace row
-// that holds kFusedCands candidates, and chunks whose logits fit two CTAs an SM with every CTA of
-// the grid resident. Called eagerly with every item short (max_len_hint below kSelectMctaMinKeys) it
-// leaves them to the one-CTA path, as LaunchSelectTopK does. The one-CTA kernel runs first: it
-// zeroes the items' barrier counters and writes the lists of the items with nothing to rank.
-// *launched says whether it ran (when not, the caller scores and ranks with the separate launches).
-Status LaunchSparcasFused(const DecodeStepArgs& a, const LaunchInfo& info, const SelectGrid& g,
-                          cudaStream_t stream, bool* launched) {
-  *launched = false;
-  if (a.sparcas.fused == 0 || a.select_mcta_ws == nullptr || a.params.group > kFusedHeads ||
-      a.select_ld < 2 * int64_t{kFusedCands} + 1 ||
-      SparcasDimsOf(a.layer, a.sparcas.dense_layers, a.sparcas.db, a.params.head_dim) % 8 != 0) {
-    return Status::Ok();
-  }
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  KVF_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (a.max_len_hint > 0 && a.max_len_hint < kSelectMctaMinKeys && capture == cudaStreamCaptureStatusNone) {
-    return Status::Ok();
-  }
-  const unsigned ctas = static_cast<unsigned>(SelectMctaCtas(g.items, a.select_ld, info.num_sms, 2));
-  const int64_t tile = int64_t{kMctaThreads} * kMctaVec;
-  const int64_t per = (a.select_ld + ctas - 1) / ctas;
-  const int64_t chunk_cap = (per + tile - 1) / tile * tile;
-  const int q_bytes = static_cast<int>(SparcasQ4QueryBytes(a.params.group, a.params.head_dim));
-  // Shared memory with the chunk's logits kept, else with its weights alone (kRecompute: the
-  // weights pass scores the rows again; sparcas.fused 2 asks for it).
-  auto smem_of = [&](bool recompute) {
-    return static_cast<size_t>(q_bytes) +
-           static_cast<size_t>(recompute ? 1 : a.params.group) * chunk_cap * sizeof(float) +
-           kFusedBins * sizeof(unsigned int) + kFusedCands * sizeof(unsigned long long);
-  };
-  const dim3 grid(static_cast<unsigned>(g.items), ctas);
-  bool recompute = a.sparcas.fused == 2, fits = false;
-  if (!recompute) {
-    KVF_RETURN_IF_ERROR(CooperativeFits(SparcasFusedSelectKernel<false>, grid, smem_of(false), kFusedMaxSmem, &fits));
-    recompute = !fits;
-  }
-  if (recompute) {
-    KVF_RETURN_IF_ERROR(CooperativeFits(SparcasFusedSelectKernel<true>, grid, smem_of(true), kFusedMaxSmem, &fits));
-  }
-  if (!fits) return Status::Ok();
-  size_t one_cta_smem = 0;  // the one-CTA kernel: the barriers zeroed, the lists of items with nothing to rank
-  KVF_RETURN_IF_ERROR(LaunchOneCtaTopK(a, 1, stream, &one_cta_smem));
-  if (recompute) {
-    KVF_RETURN_IF_ERROR(LaunchCooperative(SparcasFusedSelectKernel<true>, grid, smem_of(true), stream, a, chunk_cap, q_bytes));
-  } else {
-    KVF_RETURN_IF_ERROR(LaunchCooperative(SparcasFusedSelectKernel<false>, grid, smem_of(false), stream, a, chunk_cap, q_bytes));
-  }
-  *launched = true;
-  return Status::Ok();
-}
-
 // kSparcas: with smoothing the channel scales at an item's first ranked step, then the prep
 // (dimensions, what to gather), the gather of the compact rows, the scores and the top-k.
 Status LaunchSparcasSelect(const DecodeStepArgs& a, const LaunchInfo& info, const SelectGrid& g,
@@ -3008,21 +2647,16 @@ Status LaunchSparcasSelect(const DecodeStepArgs& a, const LaunchInfo& info, cons
   SparcasPrepKernel<<<items, 256, 0, stream>>>(a);
   KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
   int32_t stats_parts = 0;  // > 0: the scoring wrote the top-k's statistics
-  bool fused = false;       // the scoring and the top-k ran as one launch
   KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
     return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
       SparcasGatherKernel<T><<<dim3(items, g.gy), kScoreWarps * 32, 0, stream>>>(a);
       KVF_CUDA_CHECK_LAUNCH(SparcasGatherKernel);
       if (a.select_skip_ranking) return Status::Ok();  // the dimensions and rows are current
-      if (a.layer >= a.sparcas.dense_layers && SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4) {
-        KVF_RETURN_IF_ERROR(LaunchSparcasFused(a, info, g, stream, &fused));
-        if (fused) return Status::Ok();
-      }
       return LaunchSparcasScores<HD, T>(a, info, g, stream, &stats_parts);
     });
   }));
   if (a.select_skip_ranking) return Status::Ok();
-  if (!fused) KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream, stats_parts));
+  KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream, stats_parts));
   return LaunchPsawFilter(a, stream);
 }
 

@@ -1082,11 +1082,8 @@ TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
   // 4100 stored tokens in the first step.
   const bool kvpop = GetParam() == "kvpop_mlp_test";
   if (kvpop) testing_util::RegisterKvpopMlpTestPolicy();
-  // sparcas_unfused: the separate scoring and top-k launches (fused=0); sparcas_recompute: the
-  // fused launch scoring the rows twice (fused=2, as at large batches). sparcas_ties: every
-  // prompt key one of two rows, so that the weights tie exactly: at the 160th place more than
-  // kFusedCands (2048) equal keys for the 5000-token prompt (the fused select counts the ties),
-  // fewer for the 4100-token one (it sorts them).
+  // sparcas_ties: every prompt key one of two rows, so that the weights tie exactly at the 160th
+  // place (thousands of equal keys: the multi-CTA top-k's ties, lower position first).
   const std::string policy = GetParam().rfind("sparcas", 0) == 0 ? "sparcas" : GetParam();
   const bool ties = GetParam() == "sparcas_ties";
   const int64_t budget = GetParam() == "hip" || kvpop ? 3000 : 160;
@@ -1107,8 +1104,6 @@ TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
     cfg.policy.name = policy;
     cfg.policy.budget_tokens = budget;
     if (policy == "sparcas") cfg.policy.params["dense_layers"] = 1;
-    if (GetParam() == "sparcas_unfused") cfg.policy.params["fused"] = 0;
-    if (GetParam() == "sparcas_recompute") cfg.policy.params["fused"] = 2;
     if (GetParam() == "hip") {  // one-token blocks: 2964 nodes, 5928 branches an iteration
       cfg.policy.params["dense_layers"] = 1;
       cfg.policy.params["bk"] = 1;
@@ -1209,8 +1204,7 @@ TEST_P(CudaRuntimeLong, MultiCtaSelectionEqualsHost) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda, CudaRuntimeLong,
-                         ::testing::Values("oracle", "sparcas", "sparcas_unfused", "sparcas_recompute", "sparcas_ties", "hip",
-                                           "kvpop_mlp_test"));
+                         ::testing::Values("oracle", "sparcas", "sparcas_ties", "hip", "kvpop_mlp_test"));
 
 }  // namespace
 }  // namespace kvferry

@@ -443,7 +443,7 @@ TEST(GpuBytesCapCuda, PlanIsWhatTheGpuHolds) {
     // short of the plan leaves it out (the host scans); the plan without it is then the one held.
     auto has_scan = [](const DeviceMemoryPlan& p) {
       return std::any_of(p.parts.begin(), p.parts.end(),
-                         [](const DeviceMemoryPlan::Part& x) { return x.name.rfind("lfps scan", 0) == 0; });
+                         [](const DeviceMemoryPlan::Part& x) { return x.name.rfind("shadow scan", 0) == 0; });
     };
     EXPECT_EQ(has_scan(plan), std::string(k.policy) == "lfps") << plan.ToString();
     if (has_scan(plan)) {

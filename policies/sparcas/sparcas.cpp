@@ -77,7 +77,6 @@ Result<SparcasParams> ParseSparcasParams(const std::map<std::string, double>& pa
       {"dense_layers", &SparcasParams::dense_layers, 0, 4096},
       {"bits", &SparcasParams::bits, 4, 16, false, {4, 16}},
       {"smooth", &SparcasParams::smooth, 0, 1},
-      {"fused", &SparcasParams::fused, 0, 2},
   };
   return ParseParams<SparcasParams>("sparcas", params, kTable);
 }

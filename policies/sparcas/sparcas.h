@@ -75,12 +75,6 @@ struct SparcasParams {
   /// the 4-bit rows are quantized and weighs the dimensions by it (base/sparcas_q4.h,
   /// SparcasChannelScales; both backends, docs/policies.md, `sparcas`); 0 quantizes the raw rows.
   int smooth = 1;
-  /// "fused": 1 (the default) scores and ranks a 4-bit layer's keys in one cooperative launch on
-  /// CUDA where it fits (docs/cuda.md, "SparCas's fused selection"), keeping the logits in shared
-  /// memory or, where they do not fit (large batches), scoring the rows a second time; 2 always
-  /// scores twice; 0 keeps the separate scoring and top-k launches. The lists are the same; the
-  /// host backend ignores it.
-  int fused = 1;
 };
 
 Result<SparcasParams> ParseSparcasParams(const std::map<std::string, double>& params);
@@ -108,7 +102,6 @@ class SparcasPolicy final : public Policy {
     d.sparcas.dense_layers = params_.dense_layers;
     d.sparcas.bits = SparcasBits(params_, head_dim);
     d.sparcas.smooth = params_.smooth;
-    d.sparcas.fused = params_.fused;
     return d;
   }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
