@@ -1356,72 +1356,6 @@ __global__ void __launch_bounds__(kSparcasThreads) SparcasScoreThreadKernel(Deco
 constexpr int kSparcasQ4Heads = 8;
 constexpr int kQ4Chunk = 8;  // row words loaded before they are used
 
-// A CTA's packed query for the 4-bit rows: per head g its words q_pack[g * words + w], its step
-// and 8 x its code sum (PackQ8HeadWarp), in shared memory.
-struct SparcasQ4Query {
-  const int2* pack;
-  const float* step;
-  const int32_t* sum8;
-  int words;
-};
-
-// Packs q_raw[group][d_b] (LoadSparcasQuery's, unscaled) into the shared memory after it, a warp
-// a head; synchronises the CTA.
-__device__ __forceinline__ SparcasQ4Query PackSparcasQ4Query(float* q_raw, int group, int d_b) {
-  const int words = SparcasQ4Words(d_b);
-  int2* q_pack = reinterpret_cast<int2*>(q_raw + group * d_b);  // d_b % 8 == 0: 8-byte aligned
-  float* q_step = reinterpret_cast<float*>(q_pack + group * words);
-  int32_t* q_sum8 = reinterpret_cast<int32_t*>(q_step + group);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int g = warp; g < group; g += static_cast<int>(blockDim.x >> 5)) {
-    const float* qg = q_raw + g * d_b;
-    PackQ8HeadWarp([&](int i) { return qg[i]; }, d_b, words, lane, q_pack + g * words, q_step + g,
-                   q_sum8 + g);
-  }
-  __syncthreads();
-  return SparcasQ4Query{q_pack, q_step, q_sum8, words};
-}
-
-// The log2-domain logits of heads [g0, g0 + kHeads) of the group against one 4-bit row (its
-// words, then its scale): two __dp4a a word a head, SparcasQ4Dot's products in its order.
-template <int kHeads>
-__device__ __forceinline__ void SparcasQ4RowLogits(const uint32_t* row, int words, const SparcasQ4Query& q,
-                                                   int g0, int group, float log2_scale,
-                                                   float (&logit)[kHeads]) {
-  const float row_scale = __uint_as_float(row[words]);
-  int acc[kHeads];
-#pragma unroll
-  for (int g = 0; g < kHeads; ++g) acc[g] = 0;
-  for (int w0 = 0; w0 < words; w0 += kQ4Chunk) {
-    uint32_t rw[kQ4Chunk];
-#pragma unroll
-    for (int c = 0; c < kQ4Chunk; ++c) rw[c] = w0 + c < words ? row[w0 + c] : 0u;
-#pragma unroll
-    for (int c = 0; c < kQ4Chunk; ++c) {
-      if (w0 + c < words) {
-        const int lo = static_cast<int>(rw[c] & 0x0F0F0F0Fu);
-        const int hi = static_cast<int>((rw[c] >> 4) & 0x0F0F0F0Fu);
-#pragma unroll
-        for (int g = 0; g < kHeads; ++g) {
-          if (g0 + g < group) {
-            const int2 qw = q.pack[(g0 + g) * words + w0 + c];  // broadcast
-            acc[g] = __dp4a(lo, qw.x, acc[g]);
-            acc[g] = __dp4a(hi, qw.y, acc[g]);
-          }
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int g = 0; g < kHeads; ++g) {
-    logit[g] = 0.0f;
-    if (g0 + g < group) {
-      const float dot = __fmul_rn(__int2float_rn(acc[g] - q.sum8[g0 + g]), q.step[g0 + g]);
-      logit[g] = __fmul_rn(__fmul_rn(dot, row_scale), log2_scale);
-    }
-  }
-}
-
 // Merges every thread's running (max, sum) of heads [g0, g0 + kHeads) of the group (kMaxOnly:
 // the max alone, the sum written 0) over the CTA of kThreads and writes them to slot blockIdx.y of
 // stats (a head's kSelectMctaStatsSlots slots); synchronises the CTA on return.
@@ -1467,7 +1401,16 @@ __global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1) SparcasS
   const int32_t item = blockIdx.x;
   const int group = a.params.group, d_b = it.d_b;
   const int words = SparcasQ4Words(d_b);
-  const SparcasQ4Query q = PackSparcasQ4Query(q_raw, group, d_b);
+  int2* q_pack = reinterpret_cast<int2*>(q_raw + group * d_b);  // d_b % 8 == 0: 8-byte aligned
+  float* q_step = reinterpret_cast<float*>(q_pack + group * words);
+  int32_t* q_sum8 = reinterpret_cast<int32_t*>(q_step + group);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int g = warp; g < group; g += kSparcasThreads / 32) {
+    const float* qg = q_raw + g * d_b;
+    PackQ8HeadWarp([&](int i) { return qg[i]; }, d_b, words, lane, q_pack + g * words, q_step + g,
+                   q_sum8 + g);
+  }
+  __syncthreads();
   const float log2_scale = a.params.scale * kLog2e;
   const int64_t n = it.n;
   const uint32_t* rows = reinterpret_cast<const uint32_t*>(
@@ -1482,14 +1425,38 @@ __global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1) SparcasS
   for (int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; j < n;
        j += static_cast<int64_t>(gridDim.y) * blockDim.x) {
     const uint32_t* row = rows + j * (words + 1);
+    const float row_scale = __uint_as_float(row[words]);
     for (int g0 = 0; g0 < group; g0 += kHeads) {
-      float logit[kHeads];
-      SparcasQ4RowLogits<kHeads>(row, words, q, g0, group, log2_scale, logit);
+      int acc[kHeads];
+#pragma unroll
+      for (int g = 0; g < kHeads; ++g) acc[g] = 0;
+      for (int w0 = 0; w0 < words; w0 += kQ4Chunk) {
+        uint32_t rw[kQ4Chunk];
+#pragma unroll
+        for (int c = 0; c < kQ4Chunk; ++c) rw[c] = w0 + c < words ? row[w0 + c] : 0u;
+#pragma unroll
+        for (int c = 0; c < kQ4Chunk; ++c) {
+          if (w0 + c < words) {
+            const int lo = static_cast<int>(rw[c] & 0x0F0F0F0Fu);
+            const int hi = static_cast<int>((rw[c] >> 4) & 0x0F0F0F0Fu);
+#pragma unroll
+            for (int g = 0; g < kHeads; ++g) {
+              if (g0 + g < group) {
+                const int2 qw = q_pack[(g0 + g) * words + w0 + c];  // broadcast
+                acc[g] = __dp4a(lo, qw.x, acc[g]);
+                acc[g] = __dp4a(hi, qw.y, acc[g]);
+              }
+            }
+          }
+        }
+      }
 #pragma unroll
       for (int g = 0; g < kHeads; ++g) {
         if (g0 + g < group) {
-          out[static_cast<size_t>(g0 + g) * a.select_ld + j] = logit[g];
-          if (write_stats) SoftmaxAdd(st_m[g], st_s[g], logit[g]);  // group <= kHeads: g0 is 0
+          const float dot = __fmul_rn(__int2float_rn(acc[g] - q_sum8[g0 + g]), q_step[g0 + g]);
+          const float logit = __fmul_rn(__fmul_rn(dot, row_scale), log2_scale);
+          out[static_cast<size_t>(g0 + g) * a.select_ld + j] = logit;
+          if (write_stats) SoftmaxAdd(st_m[g], st_s[g], logit);  // group <= kHeads: g0 is 0
         }
       }
     }
@@ -1669,59 +1636,31 @@ struct RadixState {
   uint32_t prefix = 0, mask = 0, remaining = 0;
 };
 
-// Most bins a radix digit of the top-k may have (FindDigit; the multi-CTA passes use 256).
-constexpr int kMaxDigitBins = 4096;
-
-// The digit of hist[0, nb) (nb a power of two <= kMaxDigitBins) where the count from the top first
-// reaches `remaining`: the digit, the keys of the digits above it, the keys of the digit. Every
-// thread of a kMctaThreads CTA calls and gets the answer.
-struct DigitAt {
-  uint32_t digit, above, at;
-};
-__device__ DigitAt FindDigit(const uint32_t* hist, int nb, uint32_t remaining) {
-  constexpr int kPer = kMaxDigitBins / kMctaThreads;  // 8 bins a thread at most
+__device__ RadixState MctaPrefix(const uint32_t* hist, int passes, int64_t k) {
   using Scan = cub::BlockScan<uint32_t, kMctaThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ DigitAt s_d;
-  // Thread t holds the digits nb - 1 - (per t + i), i < per: descending, so the scan counts from the top.
-  const int per = nb >= kMctaThreads ? nb / kMctaThreads : 1;
-  uint32_t h[kPer], sum = 0;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int r = static_cast<int>(threadIdx.x) * per + i;
-    h[i] = i < per && r < nb ? __ldcg(hist + nb - 1 - r) : 0u;
-    sum += h[i];
-  }
-  uint32_t base = 0;
-  Scan(scan_tmp).ExclusiveSum(sum, base);
-  if (threadIdx.x == 0) s_d = DigitAt{0, 0, 0};  // none reaches it: digit 0, as TopKSelect's loop ends
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int r = static_cast<int>(threadIdx.x) * per + i;
-    if (i < per && r < nb) {
-      if (base < remaining && (base + h[i] >= remaining || r == nb - 1)) {
-        s_d = DigitAt{static_cast<uint32_t>(nb - 1 - r), base, h[i]};
-      }
-      base += h[i];
-    }
-  }
-  __syncthreads();
-  const DigitAt d = s_d;
-  __syncthreads();  // s_d and scan_tmp are rewritten by the next call
-  return d;
-}
-
-// The RadixState after the first `passes` 8-bit histograms of hist (256 bins each, top byte first).
-__device__ RadixState MctaPrefix(const uint32_t* hist, int passes, int64_t k) {
+  __shared__ uint32_t s_prefix, s_remaining;
   RadixState r;
   r.remaining = static_cast<uint32_t>(k);
+  const int t = threadIdx.x;
   for (int p = 0; p < passes; ++p) {
     const int shift = 24 - 8 * p;
-    const DigitAt d = FindDigit(hist + p * 256, 256, r.remaining);
-    r.prefix |= d.digit << shift;
-    r.remaining -= d.above;
+    // Thread t holds digit 255 - t: its inclusive sum counts the keys of digits >= 255 - t.
+    const uint32_t h = t < 256 ? hist[p * 256 + 255 - t] : 0u;
+    uint32_t incl = 0;
+    Scan(scan_tmp).InclusiveSum(h, incl);
+    const uint32_t above = incl - h;
+    // The digit where the count from the top first reaches `remaining` (digit 0 when none does
+    // before it, as TopKSelect's loop ends).
+    if (t < 256 && above < r.remaining && (incl >= r.remaining || t == 255)) {
+      s_prefix = r.prefix | (static_cast<uint32_t>(255 - t) << shift);
+      s_remaining = r.remaining - above;
+    }
+    __syncthreads();
+    r.prefix = s_prefix;
+    r.remaining = s_remaining;
     r.mask |= 0xffu << shift;
+    __syncthreads();  // s_prefix and scan_tmp are rewritten by the next pass
   }
   return r;
 }
@@ -1734,11 +1673,10 @@ __device__ __forceinline__ void FlushHistogram(const unsigned int* bins, uint32_
   }
 }
 
-// Counts key's digit (key >> shift & mask) into bins when `in`, one atomic per digit per warp
-// (keys of one row share their high bits). Every lane of the warp calls.
-__device__ __forceinline__ void CountBin(unsigned int* bins, uint32_t key, int shift, bool in,
-                                         uint32_t mask = 0xffu) {
-  const uint32_t bin = in ? (key >> shift) & mask : 0xffffffffu;
+// Counts key's bin (key >> shift & 0xff) into bins when `in`, one atomic per bin per warp (keys
+// of one row share their high bits). Every lane of the warp calls.
+__device__ __forceinline__ void CountBin(unsigned int* bins, uint32_t key, int shift, bool in) {
+  const uint32_t bin = in ? (key >> shift) & 0xffu : 0x100u;
   const unsigned peers = __match_any_sync(0xffffffffu, bin);
   if (in && static_cast<int>(threadIdx.x & 31) == __ffs(peers) - 1) {
     atomicAdd(&bins[bin], static_cast<unsigned>(__popc(peers)));
@@ -1807,16 +1745,24 @@ __device__ void MctaStatsPass(const DecodeStepArgs& a, const TopKItem& it, const
   }
 }
 
-// Per head g < group of an item's partial statistics (stats[g * kSelectMctaStatsSlots + y], y <
-// parts): the max of the partial maxima into m_s[g], and 1 / the sum of the partial sums rescaled
-// to it into inv_s[g] (Quest: the max only). A thread a partial, two block reductions a head;
-// every thread of a kMctaThreads CTA calls; m_s and inv_s are visible on return.
+// 2. Combines the `parts` partials of each head (the statistics pass's, one a CTA, or the scoring
+// kernel's), writes the group's summed weight (Quest: max_g (ub_g - max ub_g)) of this CTA's
+// chunk of the ranked range into w (and into `also` when not null), and adds the top byte of each
+// weight's OrderedKey to histogram 0.
 template <bool kQuest>
-__device__ void MergeSoftmaxPartials(const float2* stats, int group, int parts, float* m_s, float* inv_s) {
+__device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
+                                WeightRow w, float* also, int parts) {
   using Reduce = cub::BlockReduce<float, kMctaThreads>;
   __shared__ typename Reduce::TempStorage red_tmp;
+  __shared__ float m_s[64], inv_s[64];
+  __shared__ unsigned int bins[256];
+  const int32_t item = blockIdx.x;
+  const int group = a.params.group;
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
+  // Per head, the max of the partial maxima, then the sum of the partial sums rescaled to it: a
+  // thread a partial (up to kSelectMctaStatsSlots of them), two block reductions.
   for (int g = 0; g < group; ++g) {
-    const float2* st = stats + g * kSelectMctaStatsSlots;
+    const float2* st = ws.stats + g * kSelectMctaStatsSlots;
     float m = -INFINITY;
     for (int y = threadIdx.x; y < parts; y += blockDim.x) m = fmaxf(m, st[y].x);
     m = Reduce(red_tmp).Reduce(m, FMaxOp{});
@@ -1833,21 +1779,6 @@ __device__ void MergeSoftmaxPartials(const float2* stats, int group, int parts, 
     if (threadIdx.x == 0) inv_s[g] = 1.0f / s;  // Quest: unused
     __syncthreads();
   }
-}
-
-// 2. Combines the `parts` partials of each head (the statistics pass's, one a CTA, or the scoring
-// kernel's), writes the group's summed weight (Quest: max_g (ub_g - max ub_g)) of this CTA's
-// chunk of the ranked range into w (and into `also` when not null), and adds the top byte of each
-// weight's OrderedKey to histogram 0.
-template <bool kQuest>
-__device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
-                                WeightRow w, float* also, int parts) {
-  __shared__ float m_s[64], inv_s[64];
-  __shared__ unsigned int bins[256];
-  const int32_t item = blockIdx.x;
-  const int group = a.params.group;
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
-  MergeSoftmaxPartials<kQuest>(ws.stats, group, parts, m_s, inv_s);
   const Chunk c = ChunkOf(it.count);
   const float* l = a.select_ws + static_cast<size_t>(item) * group * a.select_ld + it.lo;
   const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
@@ -1912,76 +1843,23 @@ __device__ void MctaRadixPass(const DecodeStepArgs& a, const TopKItem& it, const
   FlushHistogram(bins, ws.hist + pass * 256);
 }
 
-// This CTA's keys > T (gt) and == T (eq), summed over the CTA, into its slot of ws.counts.
-__device__ void StoreChunkCounts(int gt, int eq, const MctaScratch& ws) {
-  using Reduce = cub::BlockReduce<int, kMctaThreads>;
-  __shared__ typename Reduce::TempStorage tmp;
-  gt = Reduce(tmp).Sum(gt);
-  __syncthreads();
-  eq = Reduce(tmp).Sum(eq);
-  if (threadIdx.x == 0) {
-    ws.counts[2 * blockIdx.y] = gt;
-    ws.counts[2 * blockIdx.y + 1] = eq;
-  }
-  __syncthreads();  // tmp is free again
-}
-
 // 4. The k-th largest key T is known: this CTA's keys > T and == T into ws.counts.
 __device__ void MctaCountPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
                               WeightRow w) {
+  using Reduce = cub::BlockReduce<int, kMctaThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
   const RadixState r = MctaPrefix(ws.hist, 4, it.k);
   int gt = 0, eq = 0;
   ForEachTileKey(w, ChunkOf(it.count), [&](int64_t, bool in, uint32_t key) {
     gt += in && key > r.prefix;
     eq += in && key == r.prefix;
   });
-  StoreChunkCounts(gt, eq, ws);
-}
-
-// The ordered write of a chunk (whole tiles from `begin` to `tiles_end`): every key > T, and each
-// key == T while fewer than `quota` keys == T came before it (eq_base: those of the chunks
-// before), in position order; emit(i, j) for position j, the chunk's i-th selected from out_base
-// on. key_of(j, in) gives position j's key and whether it takes part. Every thread of a
-// kMctaThreads CTA calls; position order is (thread, u) order within a tile.
-template <typename KeyOf, typename Emit>
-__device__ void WriteInOrder(int64_t begin, int64_t tiles_end, const KeyOf& key_of, uint32_t T, int64_t quota,
-                             int64_t out_base, int64_t eq_base, const Emit& emit) {
-  using Scan = cub::BlockScan<int, kMctaThreads>;
-  __shared__ typename Scan::TempStorage scan_tmp;
-  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
-  for (int64_t j0 = begin; j0 < tiles_end; j0 += tile) {
-    const int64_t jt = TileFirst(j0);
-    uint32_t key[kMctaVec];
-    bool in[kMctaVec];
-    int eq = 0;
-#pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) {
-      key[u] = key_of(jt + u, in[u]);
-      eq += in[u] && key[u] == T;
-    }
-    int eq_rank = 0, eq_total = 0;
-    Scan(scan_tmp).ExclusiveSum(eq, eq_rank, eq_total);
-    // This thread's keys == T come after eq_rank others of the tile.
-    unsigned sel = 0;
-#pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) {
-      if (in[u] && key[u] > T) {
-        sel |= 1u << u;
-      } else if (in[u] && key[u] == T) {
-        if (eq_base + eq_rank < quota) sel |= 1u << u;
-        ++eq_rank;
-      }
-    }
-    int rank = 0, sel_total = 0;
-    __syncthreads();
-    Scan(scan_tmp).ExclusiveSum(__popc(sel), rank, sel_total);
-#pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) {
-      if (sel & (1u << u)) emit(out_base + rank++, jt + u);
-    }
-    out_base += sel_total;
-    eq_base += eq_total;
-    __syncthreads();
+  gt = Reduce(tmp).Sum(gt);
+  __syncthreads();
+  eq = Reduce(tmp).Sum(eq);
+  if (threadIdx.x == 0) {
+    ws.counts[2 * blockIdx.y] = gt;
+    ws.counts[2 * blockIdx.y + 1] = eq;
   }
 }
 
@@ -1990,6 +1868,8 @@ __device__ void WriteInOrder(int64_t begin, int64_t tiles_end, const KeyOf& key_
 template <bool kQuest>
 __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
                               WeightRow w) {
+  using Scan = cub::BlockScan<int, kMctaThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int64_t s_out, s_eq;
   const int32_t item = blockIdx.x;
   const RadixState r = MctaPrefix(ws.hist, 4, it.k);
@@ -2018,19 +1898,51 @@ __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const
   }
   int32_t* list = a.list + static_cast<size_t>(item) * a.list_cap;
   const Chunk c = ChunkOf(it.count);
-  WriteInOrder(
-      c.begin, c.tiles_end,
-      [&](int64_t j, bool& in) {
-        in = j < c.end;
-        return in ? OrderedKey(w[j]) : 0u;
-      },
-      r.prefix, remaining, out_base, eq_base, [&](int64_t i, int64_t j) {
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * kMctaVec;
+  for (int64_t j0 = c.begin; j0 < c.end; j0 += tile) {
+    const int64_t jt = TileFirst(j0);
+    float x[kMctaVec];
+    LoadTile(w, jt, c.end, 0.0f, x);
+    uint32_t key[kMctaVec];
+    int eq = 0;
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      key[u] = jt + u < c.end ? OrderedKey(x[u]) : 0u;
+      eq += jt + u < c.end && key[u] == r.prefix;
+    }
+    int eq_rank = 0, eq_total = 0;
+    Scan(scan_tmp).ExclusiveSum(eq, eq_rank, eq_total);
+    // Position order is (thread, u) order: this thread's keys == T come after eq_rank others.
+    unsigned sel_mask = 0;
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      const bool in = jt + u < c.end;
+      if (in && key[u] > r.prefix) {
+        sel_mask |= 1u << u;
+      } else if (in && key[u] == r.prefix) {
+        if (eq_base + eq_rank < remaining) sel_mask |= 1u << u;
+        ++eq_rank;
+      }
+    }
+    int rank = 0, sel_total = 0;
+    __syncthreads();
+    Scan(scan_tmp).ExclusiveSum(__popc(sel_mask), rank, sel_total);
+#pragma unroll
+    for (int u = 0; u < kMctaVec; ++u) {
+      if (sel_mask & (1u << u)) {
+        const int64_t j = jt + u;
         if (kQuest) {
-          ws.picks[i] = static_cast<int32_t>(j);
+          ws.picks[out_base + rank] = static_cast<int32_t>(j);
         } else {
-          list[sinks + i] = static_cast<int32_t>(it.lo + j);
+          list[sinks + out_base + rank] = static_cast<int32_t>(it.lo + j);
         }
-      });
+        ++rank;
+      }
+    }
+    out_base += sel_total;
+    eq_base += eq_total;
+    __syncthreads();
+  }
   if constexpr (!kQuest) {
     if (blockIdx.y != 0) return;
     // CTA 0 writes the rest of the list: SparCas's sinks and window, and the count.
@@ -2166,51 +2078,38 @@ size_t MctaFusedSmem(int64_t keys_cap, unsigned ctas) {
   return static_cast<size_t>((per + tile - 1) / tile * tile) * sizeof(float);
 }
 
-// Whether every CTA of `grid` (kMctaThreads a CTA, `smem` bytes of dynamic shared memory, at most
-// max_smem) of `kernel` can be resident on this device at once, for a cooperative launch. Cached
-// per kernel for the last (device, smem) asked.
-template <typename... Params>
-Status CooperativeFits(void (*kernel)(Params...), dim3 grid, size_t smem, size_t max_smem, bool* fits) {
-  *fits = false;
-  if (smem > max_smem) return Status::Ok();
+// Launches the fused top-k when its grid can be co-resident on this device (cooperative launch,
+// capturable in a CUDA graph); *launched says whether it did (when not, the per-pass launches run).
+template <bool kQuest>
+Status LaunchMctaFused(const DecodeStepArgs& a, int64_t mcta_min, dim3 grid, int64_t keys_cap,
+                       int stats_parts, cudaStream_t stream, bool* launched) {
+  *launched = false;
+  const size_t smem = MctaFusedSmem(keys_cap, grid.y);
+  if (smem > kMctaFusedMaxSmem) return Status::Ok();
+  // Co-residency of this grid on the current device, cached for the last (device, smem) asked.
   struct Fit {
-    const void* kernel = nullptr;
     int device = -1;
     size_t smem = 0;
     int64_t blocks = 0;  // CTAs the device holds at once, 0 without cooperative launch
   };
-  thread_local Fit fit_cache[4];
-  thread_local int next = 0;
-  const void* key = reinterpret_cast<const void*>(kernel);
-  Fit* f = nullptr;
-  for (Fit& x : fit_cache) f = x.kernel == key ? &x : f;
-  if (f == nullptr) {
-    f = &fit_cache[next];
-    next = (next + 1) % 4;
-    *f = Fit{};
-    f->kernel = key;
-  }
+  thread_local Fit fit[2];
+  Fit& f = fit[kQuest ? 1 : 0];
   int device = 0;
   KVF_CUDA_CHECK(cudaGetDevice(&device));
-  if (f->device != device || f->smem != smem) {
+  if (f.device != device || f.smem != smem) {
     int coop = 0, sms = 0, per_sm = 0;
     KVF_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
     KVF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    KVF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(max_smem)));
-    KVF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMctaThreads, smem));
-    f->device = device;
-    f->smem = smem;
-    f->blocks = coop != 0 ? int64_t{per_sm} * sms : 0;
+    KVF_CUDA_CHECK(cudaFuncSetAttribute(MctaFusedKernel<kQuest>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kMctaFusedMaxSmem)));
+    KVF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, MctaFusedKernel<kQuest>,
+                                                                 kMctaThreads, smem));
+    f.device = device;
+    f.smem = smem;
+    f.blocks = coop != 0 ? int64_t{per_sm} * sms : 0;
   }
-  *fits = int64_t{grid.x} * grid.y <= f->blocks;
-  return Status::Ok();
-}
-
-// A cooperative launch of `kernel` over `grid` (kMctaThreads a CTA), capturable in a CUDA graph;
-// CooperativeFits said it fits.
-template <typename... Params, typename... Args>
-Status LaunchCooperative(void (*kernel)(Params...), dim3 grid, size_t smem, cudaStream_t stream, Args... args) {
+  if (int64_t{grid.x} * grid.y > f.blocks) return Status::Ok();
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(kMctaThreads);
@@ -2221,19 +2120,9 @@ Status LaunchCooperative(void (*kernel)(Params...), dim3 grid, size_t smem, cuda
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  KVF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+  KVF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, MctaFusedKernel<kQuest>, a, mcta_min, stats_parts));
+  *launched = true;
   return Status::Ok();
-}
-
-// Launches the fused top-k when its grid can be co-resident on this device; *launched says
-// whether it did (when not, the per-pass launches run).
-template <bool kQuest>
-Status LaunchMctaFused(const DecodeStepArgs& a, int64_t mcta_min, dim3 grid, int64_t keys_cap,
-                       int stats_parts, cudaStream_t stream, bool* launched) {
-  const size_t smem = MctaFusedSmem(keys_cap, grid.y);
-  KVF_RETURN_IF_ERROR(CooperativeFits(MctaFusedKernel<kQuest>, grid, smem, kMctaFusedMaxSmem, launched));
-  if (!*launched) return Status::Ok();
-  return LaunchCooperative(MctaFusedKernel<kQuest>, grid, smem, stream, a, mcta_min, stats_parts);
 }
 
 // The multi-CTA launches of an item set (see above); ctas CTAs per item of up to keys_cap scores:
@@ -2391,33 +2280,6 @@ Status LaunchPsawFilter(const DecodeStepArgs& a, cudaStream_t stream) {
   return Status::Ok();
 }
 
-// The one-CTA top-k kernel of the item set's scoring: the items with nothing to rank and those
-// ranking fewer than mcta_min scores (it zeroes every item's multi-CTA barrier counter and returns
-// at once for the others); *smem is its dynamic shared memory (Quest's list kernel takes as much).
-Status LaunchOneCtaTopK(const DecodeStepArgs& a, int64_t mcta_min, cudaStream_t stream, size_t* smem) {
-  const unsigned items = static_cast<unsigned>(int64_t{a.batch} * a.num_kv_heads);
-  const int64_t sort_cap = SortCapOf(a);
-  const bool quest = a.scoring == SelectScoring::kQuestPages;
-  *smem = quest ? static_cast<size_t>(sort_cap) * (sizeof(unsigned long long) + sizeof(int32_t))
-          : sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long)
-                                       : 0;
-  if (quest) {
-    if (*smem > kQuestSmemOptIn) {  // 4096 pages: 48 KiB besides the kernel's static shared memory
-      KVF_CUDA_CHECK(cudaFuncSetAttribute(QuestTopKKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(*smem)));
-    }
-    QuestTopKKernel<<<items, kTopKThreads, *smem, stream>>>(a, mcta_min);
-    KVF_CUDA_CHECK_LAUNCH(QuestTopKKernel);
-  } else if (a.scoring == SelectScoring::kSparcas) {
-    WeightsTopKKernel<true><<<items, kTopKThreads, *smem, stream>>>(a, static_cast<int>(sort_cap), mcta_min);
-    KVF_CUDA_CHECK_LAUNCH(WeightsTopKKernel<true>);
-  } else {
-    WeightsTopKKernel<false><<<items, kTopKThreads, *smem, stream>>>(a, static_cast<int>(sort_cap), mcta_min);
-    KVF_CUDA_CHECK_LAUNCH(WeightsTopKKernel<false>);
-  }
-  return Status::Ok();
-}
-
 }  // namespace
 
 Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectTopKPath path,
@@ -2458,8 +2320,26 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
   // The one-CTA kernel always runs: it takes the items below the threshold (chosen on the device
   // from this step's lengths, so one launch sequence serves every step of a captured graph) and
   // the items with nothing to rank; it returns at once for the others.
-  size_t smem = 0;
-  KVF_RETURN_IF_ERROR(LaunchOneCtaTopK(a, mcta_min, stream, &smem));
+  const size_t smem = quest ? static_cast<size_t>(sort_cap) * (sizeof(unsigned long long) + sizeof(int32_t))
+                     : sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long)
+                                                  : 0;
+  if (a.scoring == SelectScoring::kQuestPages) {
+    if (smem > kQuestSmemOptIn) {  // 4096 pages: 48 KiB besides the kernel's static shared memory
+      KVF_CUDA_CHECK(cudaFuncSetAttribute(QuestTopKKernel,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+    }
+    QuestTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(a, mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(QuestTopKKernel);
+  } else if (a.scoring == SelectScoring::kSparcas) {
+    WeightsTopKKernel<true><<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(
+        a, static_cast<int>(sort_cap), mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(WeightsTopKKernel<true>);
+  } else {
+    WeightsTopKKernel<false><<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(
+        a, static_cast<int>(sort_cap), mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(WeightsTopKKernel<false>);
+  }
   if (mcta_min == std::numeric_limits<int64_t>::max()) return Status::Ok();
   // The multi-CTA top-k's CTAs per SM in all.
   constexpr int per_sm = 2;

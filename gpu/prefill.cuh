@@ -166,20 +166,26 @@ __device__ __forceinline__ void LoadQTile(uint32_t s_q, const T* q, int64_t m0, 
   }
 }
 
+// Zeroes a warp's accumulator fragments (row blocks x n8 tiles x 4).
+template <int kRows, int kTiles>
+__device__ __forceinline__ void ZeroFragments(float (&x)[kRows][kTiles][4]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[r][i][e] = 0.0f;
+    }
+  }
+}
+
 // S = Q K^T of one K tile at s_k_lane (this lane's K fragment address), scaled by scale_log2. Q from
 // registers (kQInRegs: qf) or shared memory (q_lane). S's n8 tiles: rows gid, gid + 8 of each of
 // the warp's kMRep row blocks, columns 2 tig, 2 tig + 1.
 template <int HD, typename T, int kMRep, int kNTiles, bool kQInRegs, typename QF>
 __device__ __forceinline__ void TileScores(const QF& qf, uint32_t q_lane, uint32_t s_k_lane, float scale_log2,
                                            float (&s)[kMRep][kNTiles][4]) {
-#pragma unroll
-  for (int mr = 0; mr < kMRep; ++mr) {
-#pragma unroll
-    for (int i = 0; i < kNTiles; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[mr][i][e] = 0.0f;
-    }
-  }
+  ZeroFragments(s);
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk) {
     uint32_t a[kMRep][4];
@@ -304,13 +310,9 @@ struct RowState {
   float l_run[kMRep][2];
 
   __device__ __forceinline__ void Init() {
+    ZeroFragments(acc);
 #pragma unroll
     for (int mr = 0; mr < kMRep; ++mr) {
-#pragma unroll
-      for (int i = 0; i < kDTiles; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[mr][i][e] = 0.0f;
-      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         m_run[mr][h] = -INFINITY;
