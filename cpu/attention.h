@@ -122,11 +122,6 @@ namespace kvferry::cpu {
 /// is the reference the CUDA DecodeStep is tested against.
 void DecodeStep(const DecodeStepArgs& args);
 
-/// The host implementation of a step's device selection (Device::DecodeSelect, see
-/// DecodeStepArgs::scoring): writes list / list_count of every item. The new token's K is taken
-/// from the input (written through to its host-store row first, as DecodeStep will).
-void DecodeSelect(const DecodeStepArgs& args);
-
 /// The host implementation of Device::SplitStepList (see SplitListArgs) over the items of
 /// \p step (its batch, slots, positions, list and list_count), and the reference of the CUDA one.
 void SplitStepList(const DecodeStepArgs& step, const SplitListArgs& split);
@@ -135,9 +130,6 @@ void SplitStepList(const DecodeStepArgs& step, const SplitListArgs& split);
 /// bank view and stage), and the reference of the CUDA one. A view with neither map holds nothing:
 /// every non-resident entry is a miss.
 void PrefetchListRows(const DecodeStepArgs& next);
-
-/// The host implementation of Device::PageBounds (see PageBoundsArgs).
-void PageBounds(const PageBoundsArgs& args);
 
 /// The oracle's selection over positions [0, n) of a paged KV head: the k positions of largest
 /// softmax weight summed over the GQA group (q: [group, head_dim] fp32), ascending; ties to the

@@ -329,19 +329,10 @@ Status CudaDevice::PrefetchListRows(const DecodeStepArgs& next, StreamHandle str
   return LaunchPrefetchListRows(next, info_, Resolve(stream));
 }
 
-Status CudaDevice::DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) {
+Status CudaDevice::Run(const DeviceKernel& kernel, const void* args, StreamHandle stream) {
+  KVF_CHECK_ARG(kernel.cuda != nullptr, kernel.name, ": no CUDA launcher");
   KVF_RETURN_IF_ERROR(Activate());
-  return LaunchDecodeSelect(args, info_, Resolve(stream));
-}
-
-Status CudaDevice::DecodeSelectDeferred(const DecodeStepArgs& args, StreamHandle stream) {
-  KVF_RETURN_IF_ERROR(Activate());
-  return LaunchDecodeSelectDeferred(args, info_, Resolve(stream));
-}
-
-Status CudaDevice::PageBounds(const PageBoundsArgs& args, StreamHandle stream) {
-  KVF_RETURN_IF_ERROR(Activate());
-  return LaunchPageBounds(args, Resolve(stream));
+  return kernel.cuda(args, info_, Resolve(stream));
 }
 
 Status CudaDevice::PrimeAttention(const PrimeArgs& args, StreamHandle stream) {

@@ -64,12 +64,10 @@ class CudaDevice final : public Device {
   Status AttendPaged(const AttnParams& p, const PagedAttnItem* items, int64_t num_items,
                      StreamHandle stream) override;
   Status DecodeStep(const DecodeStepArgs& args, StreamHandle stream) override;
-  Status DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) override;
-  Status DecodeSelectDeferred(const DecodeStepArgs& args, StreamHandle stream) override;
+  Status Run(const DeviceKernel& kernel, const void* args, StreamHandle stream) override;
   Status SplitStepList(const DecodeStepArgs& step, const SplitListArgs& split,
                        StreamHandle stream) override;
   Status PrefetchListRows(const DecodeStepArgs& next, StreamHandle stream) override;
-  Status PageBounds(const PageBoundsArgs& args, StreamHandle stream) override;
   Status PrefillChunk(const PrefillChunkArgs& args, StreamHandle stream) override;
   Status PrimeAttention(const PrimeArgs& args, StreamHandle stream) override;
   Status ShadowScan(const ShadowScanArgs& args, StreamHandle stream) override;

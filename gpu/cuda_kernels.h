@@ -23,12 +23,6 @@ struct AttnWorkspace {
 };
 
 /// What the launchers need to know about the GPU.
-struct LaunchInfo {
-  int num_sms = 132;
-  int max_splits = 128;  ///< upper bound on KV splits per item
-  int min_chunk = 256;  ///< fewest rows a split handles (shorter lists use fewer CTAs)
-};
-
 /// Whether the decode kernels are instantiated for this shape (head_dim 64/128/256, bf16/fp16).
 Status CheckAttnShape(const AttnParams& p);
 
@@ -57,20 +51,6 @@ Status LaunchPrefetchListRows(const DecodeStepArgs& next, const LaunchInfo& info
 /// kExactTopK scores every key (resident, host store zero-copy, the new token from the input),
 /// a softmax per query head summed over the group, an exact top-k per item (ties to the lower
 /// position), ascending. Everything per step is read on the device: graph-capturable.
-Status LaunchDecodeSelect(const DecodeStepArgs& args, const LaunchInfo& info, cudaStream_t stream);
-
-/// LaunchDecodeSelect's kKvpop (gpu/kvpop_select.cu): a CTA per item updates its long-range
-/// slots with the tokens that left the window and writes the list (sinks, slots, window).
-Status LaunchKvpopSelect(const DecodeStepArgs& args, const LaunchInfo& info, cudaStream_t stream);
-
-/// The work LaunchDecodeSelect leaves beside the step (kHip with hip.lag 1: the rebuilds it
-/// requested, HipStepAction's kRequest), for a side stream that waits for the selection; the
-/// caller joins it back before the items' next ranked step. A no-op for the other scorings.
-/// Graph-capturable.
-Status LaunchDecodeSelectDeferred(const DecodeStepArgs& args, const LaunchInfo& info,
-                                  cudaStream_t stream);
-
-/// Which top-k a device selection's ranking stage runs (LaunchSelectTopK).
 enum class SelectTopKPath : int32_t {
   kAuto = 0,      ///< multi-CTA for items ranking >= kSelectMctaMinKeys scores (when
                   ///< select_mcta_ws is set), one CTA per item for the others; outside graph
@@ -92,7 +72,24 @@ Status LaunchSelectTopK(const DecodeStepArgs& args, const LaunchInfo& info, Sele
                         cudaStream_t stream, int32_t stats_parts = 0);
 
 /// Quest page bounds of a prefill chunk's pages (see PageBoundsArgs), from the host store.
-Status LaunchPageBounds(const PageBoundsArgs& args, cudaStream_t stream);
+/// The selection's building blocks (gpu/decode_select.cu) the policies' selections call
+/// (policies/*/select.cu).
+/// The checks every selection makes of its arguments (kInvalidArgument naming what is wrong).
+Status CheckSelectArgs(const DecodeStepArgs& args);
+/// The power-of-two sort capacity of the one-CTA top-k (page ranking: pages).
+int64_t SelectSortCap(const DecodeStepArgs& args);
+/// What every scoring's launch sizes its grids by: the items, q's bytes in shared memory, the
+/// CTAs an item may take (8 an SM over all items), and the score kernels' gridDim.y (a warp per 8
+/// keys).
+struct SelectGrid {
+  int64_t items = 0;
+  size_t q_smem = 0;
+  int64_t fill = 1;
+  unsigned gy = 1;
+};
+SelectGrid SelectGridOf(const DecodeStepArgs& args, const LaunchInfo& info);
+/// PrHS's depth window on the finished lists (DecodeStepArgs::hide_fraction; nothing at 0).
+Status LaunchPsawFilter(const DecodeStepArgs& args, cudaStream_t stream);
 
 /// The prefill priming statistics (PrimeArgs, gpu/prime.cu): zeroes the tables and stats, then
 /// three launches; tables, stats, scratch and q in device memory, pages device-readable.

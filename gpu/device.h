@@ -30,6 +30,34 @@ struct RowCopy {
   const void* src = nullptr;
 };
 
+namespace cuda {
+/// What a CUDA launch needs of the device besides the stream.
+struct LaunchInfo {
+  int num_sms = 132;
+  int max_splits = 128;  ///< upper bound on KV splits per item
+  int min_chunk = 256;  ///< fewest rows a split handles (shorter lists use fewer CTAs)
+};
+}  // namespace cuda
+
+/// One kernel of a policy's device work (its selection, the metadata it keeps), in the policy's
+/// folder (docs/design.md, "Device selection"): the CUDA launcher, compiled only with CUDA (null
+/// without), and the host backend's twin, which computes the same on the CPU. Device::Run calls
+/// the one of its backend; neither allocates. \p args is what the kernel's launcher declares
+/// (DecodeStepArgs for a selection).
+struct DeviceKernel {
+  const char* name = "";
+  /// \p stream: the cudaStream_t.
+  Status (*cuda)(const void* args, const cuda::LaunchInfo& info, void* stream) = nullptr;
+  Status (*host)(const void* args) = nullptr;
+};
+
+/// A DeviceKernel's CUDA launcher: \p fn in a CUDA build, null without (its .cu is not built).
+#ifdef KVFERRY_WITH_CUDA
+#define KVF_CUDA_FN(fn) (&(fn))
+#else
+#define KVF_CUDA_FN(fn) nullptr
+#endif
+
 /// Sizes of a device token bank (Device::CreateStepBank).
 struct StepBankConfig {
   int num_tables = 0;          ///< max_sequences * num_layers * num_kv_heads
@@ -152,21 +180,12 @@ class Device {
   /// step's slots and positions from device memory, never allocates and never synchronises, so
   /// it can be captured in a CUDA graph.
   virtual Status DecodeStep(const DecodeStepArgs& args, StreamHandle stream) = 0;
-  /// The selection of a planned decode step (args.scoring, see DecodeStepArgs): fills args.list
-  /// and args.list_count for a DecodeStep in kList mode that follows on the same stream. Like
-  /// DecodeStep, reads the step from device memory, never allocates, never synchronises.
-  virtual Status DecodeSelect(const DecodeStepArgs& args, StreamHandle stream) = 0;
-  /// The part of DecodeSelect that may run beside the step (kHip with hip.lag 1: the mask
-  /// rebuilds it requested), on a stream that waits for DecodeSelect's; the caller joins that
-  /// stream back before the same items' next DecodeSelect. The host backend builds them inside
-  /// DecodeSelect: nothing here.
-  virtual Status DecodeSelectDeferred(const DecodeStepArgs& args, StreamHandle stream) {
-    (void)args;
-    (void)stream;
-    return Status::Ok();
-  }
+  /// A kernel of a policy's device selection (see DeviceKernel) on \p args: its CUDA launcher
+  /// on the CUDA backend, its host twin on the host backend; ordered on \p stream like every other
+  /// entry point, and, where the kernel allows it (the selections do), capture-safe.
+  virtual Status Run(const DeviceKernel& kernel, const void* args, StreamHandle stream) = 0;
   /// The scheduler's split of a step's selection (see SplitListArgs): on \p stream after the
-  /// DecodeSelect that wrote step.list; never allocates, never synchronises (not in a CUDA graph:
+  /// selection that wrote step.list; never allocates, never synchronises (not in a CUDA graph:
   /// the runtime's CPU share of the split is host work).
   virtual Status SplitStepList(const DecodeStepArgs& step, const SplitListArgs& split,
                                StreamHandle stream) = 0;
@@ -177,9 +196,6 @@ class Device {
   /// next.bank.stage at its list index, where the step then reads them (StepBankView::staged).
   /// Writes nothing else; never allocates, never synchronises (capture-safe).
   virtual Status PrefetchListRows(const DecodeStepArgs& next, StreamHandle stream) = 0;
-  /// Recomputes the page bounds (SelectScoring::kQuestPages) of a stored chunk's pages from the
-  /// host store, on \p stream after the chunk's writes.
-  virtual Status PageBounds(const PageBoundsArgs& args, StreamHandle stream) = 0;
   /// One prefill chunk on tensor cores (see PrefillChunkArgs). Only the CUDA device has the
   /// kernel; the runtime calls this only there (the host device prefills with AttendPaged), so
   /// the base class reports the call as a misuse.

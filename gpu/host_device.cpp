@@ -123,14 +123,9 @@ class HostDevice final : public Device {
     return Status::Ok();
   }
 
-  Status DecodeSelect(const DecodeStepArgs& args, StreamHandle) override {
-    cpu::DecodeSelect(args);
-    return Status::Ok();
-  }
-
-  Status PageBounds(const PageBoundsArgs& args, StreamHandle) override {
-    cpu::PageBounds(args);
-    return Status::Ok();
+  Status Run(const DeviceKernel& kernel, const void* args, StreamHandle) override {
+    KVF_CHECK_ARG(kernel.host != nullptr, kernel.name, ": no host twin");
+    return kernel.host(args);
   }
 
   Status SplitStepList(const DecodeStepArgs& step, const SplitListArgs& split, StreamHandle) override {

@@ -5,8 +5,8 @@
 /// it, behind one interface (docs/design.md, "Device selection").
 ///
 /// The planned decode step (runtime/decode_plan.cpp) ranks each item's positions on the device
-/// with the kernels of its scoring (DecodeSelect, gpu/decode_select.cu; the host backend's twin in
-/// cpu/decode_step.cpp). What a scoring keeps between steps (Quest's page bounds, SparCas's
+/// with the kernels of the policy's selector (policies/<name>/select.cu, which call the building
+/// blocks of gpu/decode_select.cu; the host backend's twins in policies/<name>/select_host.cpp). What a scoring keeps between steps (Quest's page bounds, SparCas's
 /// compact keys and dimensions, HiP's masks, KVpop's slots and scorers) and how it is sized,
 /// bound, reset, extended on each store, described to the kernels and accounted for lives in its
 /// policy's folder (policies/<name>/device_selector.cpp), not in the runtime: the runtime asks
@@ -64,7 +64,7 @@ class DeviceSelector {
   /// Checks the policy's parameters against the shape (kInvalidArgument naming them) and appends
   /// the buffers to allocate, in the order Bind receives them.
   virtual Status Size(std::vector<SelectorBuffer>& buffers) const = 0;
-  /// The DecodeSelect scratch the scoring uses: a list top-k workspace past 4096 picks, and the
+  /// The selection scratch the scoring uses: a list top-k workspace past 4096 picks, and the
   /// multi-CTA top-k over \p RankedCap(select_ld) scores of which an item needs at least
   /// \p MctaMinRanked() (0: none).
   [[nodiscard]] virtual bool uses_topk_ws() const { return true; }
@@ -95,8 +95,16 @@ class DeviceSelector {
   }
 
   // ---- the step ----
-  /// Describes the state to DecodeSelect (its fields of DecodeStepArgs).
+  /// Describes the state to the selection's kernels (its fields of DecodeStepArgs).
   virtual void Fill(DecodeStepArgs& a) const = 0;
+  /// The kernel of the step's selection (policies/<name>/select.cu and its host twin): writes
+  /// a.list and a.list_count of every item, for a DecodeStep in kList mode after it on the stream.
+  /// Reads the step from device memory, never allocates, never synchronises (capture-safe).
+  [[nodiscard]] virtual const DeviceKernel& select_kernel() const = 0;
+  /// Enqueues the selection of step \p a (filled by Fill) on \p stream.
+  Status Select(const DecodeStepArgs& a, StreamHandle stream) const {
+    return device_->Run(select_kernel(), &a, stream);
+  }
   /// Whether a layer that takes the previous layer's list (xl+) may skip ranking: yes where the
   /// ranking advances no state (the metadata is still kept current).
   [[nodiscard]] virtual bool ranking_skippable() const { return true; }
@@ -106,7 +114,7 @@ class DeviceSelector {
                             std::span<const int64_t> positions, int layer) {
     (void)a, (void)slots, (void)positions, (void)layer;
   }
-  /// After DecodeSelect was enqueued on \p stream: work the selection requested that may run
+  /// After the selection was enqueued on \p stream: work the selection requested that may run
   /// beside the rest of the step (HiP's deferred mask rebuilds).
   virtual Status AfterSelect(const DecodeStepArgs& a, int layer, StreamHandle stream) {
     (void)a, (void)layer, (void)stream;

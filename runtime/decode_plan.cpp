@@ -734,7 +734,7 @@ Status RuntimeImpl::SelectLayer(DecodeLayer& s) {
   }
   if (st.ok() && lists_.scoring != SelectScoring::kNone) st = SelectOnDevice(s);
   if (st.ok() && step_.host_lists) {
-    // The lists the step attends come from the host's Select (instead of DecodeSelect).
+    // The lists the step attends come from the host's Select (instead of the device's).
     const auto ts = Clock::now();
     Result<int64_t> most = UploadHostLists(s.slot_of, s.layer, s.pos, s.q_host, s.k_host, s.v_host,
                                            s.inputs_on_host, s.stream);
@@ -785,7 +785,7 @@ Status RuntimeImpl::SelectOnDevice(DecodeLayer& s) {
   // Runtime::TimeDeviceSelect: timing events around the launches (not while capturing).
   Status st = TimedLaunch(timing_.on && !s.capturing, timing_.select, layer, stats_.ms_select_device,
                           s.key_bytes * m.num_kv_heads, timing_.select_key_bytes, s.stream,
-                          [&] { return device_->DecodeSelect(a, s.stream); });
+                          [&] { return selector_->Select(a, s.stream); });
   // Work the selection requested that runs beside the rest of the step (metadata rebuilds).
   if (st.ok()) st = selector_->AfterSelect(a, layer, s.stream);
   // Cross-layer sharing (xl+): the previous layer's list replaces this one's when the same

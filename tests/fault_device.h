@@ -37,8 +37,7 @@ enum class FaultPoint : int {
   kAttendRows,
   kAttendPaged,
   kDecodeStep,
-  kDecodeSelect,
-  kPageBounds,
+  kRun,
   kPrefillChunk,
   kMergeLse,
   kPrimeAttention,
@@ -51,8 +50,8 @@ inline const char *FaultPointName(FaultPoint p) {
   static constexpr const char *kNames[] = {
       "AllocDevice",  "AllocHost",        "CreateStream",      "CreateEvent",  "RecordEvent",
       "WaitEvent",    "SynchronizeEvent", "SynchronizeStream", "CopyAsync",    "CopyRows",
-      "AttendRows",   "AttendPaged",      "DecodeStep",        "DecodeSelect", "PageBounds",
-      "PrefillChunk", "MergeLse",     "PrimeAttention",    "SplitStepList",
+      "AttendRows",   "AttendPaged",      "DecodeStep",        "Run",          "PrefillChunk",
+      "MergeLse",     "PrimeAttention",    "SplitStepList",
       "PrefetchListRows"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<size_t>(FaultPoint::kCount));
   return kNames[static_cast<int>(p)];
@@ -184,8 +183,8 @@ class FaultyDevice final : public Device {
   Status DecodeStep(const DecodeStepArgs &args, StreamHandle stream) override {
     return Run(FaultPoint::kDecodeStep, [&] { return inner_->DecodeStep(args, stream); });
   }
-  Status DecodeSelect(const DecodeStepArgs &args, StreamHandle stream) override {
-    return Run(FaultPoint::kDecodeSelect, [&] { return inner_->DecodeSelect(args, stream); });
+  Status Run(const DeviceKernel &kernel, const void *args, StreamHandle stream) override {
+    return Run(FaultPoint::kRun, [&] { return inner_->Run(kernel, args, stream); });
   }
   Status SplitStepList(const DecodeStepArgs &step, const SplitListArgs &split,
                        StreamHandle stream) override {
@@ -193,9 +192,6 @@ class FaultyDevice final : public Device {
   }
   Status PrefetchListRows(const DecodeStepArgs &next, StreamHandle stream) override {
     return Run(FaultPoint::kPrefetchListRows, [&] { return inner_->PrefetchListRows(next, stream); });
-  }
-  Status PageBounds(const PageBoundsArgs &args, StreamHandle stream) override {
-    return Run(FaultPoint::kPageBounds, [&] { return inner_->PageBounds(args, stream); });
   }
   Status PrefillChunk(const PrefillChunkArgs &args, StreamHandle stream) override {
     return Run(FaultPoint::kPrefillChunk, [&] { return inner_->PrefillChunk(args, stream); });

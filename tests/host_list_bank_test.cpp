@@ -35,7 +35,7 @@ namespace {
 // What the runtimes of a test asked of their devices.
 struct Seen {
   std::atomic<int64_t> admits{0};   // StepBank::Admit calls
-  std::atomic<int64_t> selects{0};  // Device::DecodeSelect calls
+  std::atomic<int64_t> selects{0};  // Device::Run calls (the oracle: its selection)
   std::atomic<int64_t> prefetches{0};  // Device::PrefetchListRows calls
 };
 
@@ -104,12 +104,9 @@ class CudaPosingDevice final : public Device {
   Status DecodeStep(const DecodeStepArgs& a, StreamHandle s) override {
     return inner_->DecodeStep(a, s);
   }
-  Status DecodeSelect(const DecodeStepArgs& a, StreamHandle s) override {
+  Status Run(const DeviceKernel& k, const void* a, StreamHandle s) override {
     seen_->selects.fetch_add(1);
-    return inner_->DecodeSelect(a, s);
-  }
-  Status PageBounds(const PageBoundsArgs& a, StreamHandle s) override {
-    return inner_->PageBounds(a, s);
+    return inner_->Run(k, a, s);
   }
   Result<std::unique_ptr<StepBank>> CreateStepBank(const StepBankConfig& config) override {
     if (config.slots <= 0 || config.num_tables <= 0) return InvalidArgument("bad bank config");

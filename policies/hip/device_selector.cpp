@@ -1,8 +1,8 @@
 // Copyright kvferry authors. Apache-2.0.
-// HiP's device selection (SelectScoring::kHip): SparCas's compact rows with every dimension at
+// HiP's device selection (select.cu): SparCas's compact rows with every dimension at
 // 4 bits; per item a hierarchical mask of k_off / bk blocks kept in its blocks buffers and rebuilt
 // every r_m ranked steps. Layers below HipDense take SparCas's path. With lag 1 on CUDA a due
-// rebuild runs beside the step on a stream of the selector's own (DecodeSelectDeferred) and is
+// rebuild runs beside the step on a stream of the selector's own (select.cu's HipDeferredCuda) and is
 // used from the item's next ranked step.
 #include <algorithm>
 #include <vector>
@@ -10,10 +10,16 @@
 #include "base/check.h"
 #include "base/hip_mask.h"
 #include "base/offload_split.h"
+#include "policies/hip/select.h"
 #include "policies/sparcas/device_selector.h"
 
 namespace kvferry::detail {
 namespace {
+
+constexpr DeviceKernel kHipSelect{"hip select", KVF_CUDA_FN(cuda::HipSelectCuda), &HipSelectHost};
+// The host backend builds a due mask inside the selection: nothing beside the step.
+constexpr DeviceKernel kHipDeferred{"hip deferred rebuilds", KVF_CUDA_FN(cuda::HipDeferredCuda),
+                                    [](const void*) { return Status::Ok(); }};
 
 class HipSelector final : public SparcasSelector {
  public:
@@ -74,6 +80,7 @@ class HipSelector final : public SparcasSelector {
     return SparcasSelector::Reset(slot, stream);
   }
 
+  const DeviceKernel& select_kernel() const override { return kHipSelect; }
   void Fill(DecodeStepArgs& a) const override {
     SparcasSelector::Fill(a);
     a.hip = dp_.hip;
@@ -84,7 +91,7 @@ class HipSelector final : public SparcasSelector {
     if (side_stream_ == nullptr || layer < Dense()) return Status::Ok();
     KVF_RETURN_IF_ERROR(device_->RecordEvent(fork_, stream));
     KVF_RETURN_IF_ERROR(device_->WaitEvent(side_stream_, fork_));
-    KVF_RETURN_IF_ERROR(device_->DecodeSelectDeferred(a, side_stream_));
+    KVF_RETURN_IF_ERROR(device_->Run(kHipDeferred, &a, side_stream_));
     side_layer_ = std::max(side_layer_, layer);
     return Status::Ok();
   }

@@ -9,9 +9,12 @@
 #include "base/kvpop_score.h"
 #include "base/offload_split.h"
 #include "policies/device_selector.h"
+#include "policies/kvpop/select.h"
 
 namespace kvferry::detail {
 namespace {
+
+constexpr DeviceKernel kKvpopSelect{"kvpop select", KVF_CUDA_FN(cuda::KvpopSelectCuda), &KvpopSelectHost};
 
 class KvpopSelector final : public DeviceSelector {
  public:
@@ -60,6 +63,7 @@ class KvpopSelector final : public DeviceSelector {
     return ZeroItems(k_.state, slot, stream, /*wait=*/true);
   }
 
+  const DeviceKernel& select_kernel() const override { return kKvpopSelect; }
   void Fill(DecodeStepArgs& a) const override { a.kvpop = k_; }  // catchup 0: BeforeSelect's
   // The slots' state advances at every step: a layer that takes the previous one's list ranks.
   bool ranking_skippable() const override { return false; }

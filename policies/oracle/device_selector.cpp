@@ -1,10 +1,13 @@
 // Copyright kvferry authors. Apache-2.0.
-// The oracle's device selection (SelectScoring::kExactTopK): the exact top-k of the group's summed
+// The oracle's device selection (select.cu): the exact top-k of the group's summed
 // softmax weight over every key. It keeps no state between steps.
 #include "policies/device_selector.h"
+#include "policies/oracle/select.h"
 
 namespace kvferry::detail {
 namespace {
+
+constexpr DeviceKernel kExactSelect{"oracle select", KVF_CUDA_FN(cuda::ExactSelectCuda), &ExactSelectHost};
 
 class ExactTopKSelector final : public DeviceSelector {
  public:
@@ -16,6 +19,7 @@ class ExactTopKSelector final : public DeviceSelector {
     return Status::Ok();
   }
   void Fill(DecodeStepArgs&) const override {}
+  const DeviceKernel& select_kernel() const override { return kExactSelect; }
   // Every key of the item.
   int64_t KeyBytes(int64_t n, int64_t, int) const override {
     return n * static_cast<int64_t>(shape_.row_bytes);

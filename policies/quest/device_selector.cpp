@@ -7,9 +7,14 @@
 #include "base/check.h"
 #include "base/offload_split.h"
 #include "policies/device_selector.h"
+#include "policies/quest/select.h"
 
 namespace kvferry::detail {
 namespace {
+
+constexpr DeviceKernel kQuestSelect{"quest select", KVF_CUDA_FN(cuda::QuestSelectCuda), &QuestSelectHost};
+constexpr DeviceKernel kPageBounds{"quest page bounds", KVF_CUDA_FN(cuda::QuestPageBoundsCuda),
+                                   &QuestPageBoundsHost};
 
 class QuestSelector final : public DeviceSelector {
  public:
@@ -50,9 +55,10 @@ class QuestSelector final : public DeviceSelector {
     a.meta = meta_;
     a.meta_pages = pages_;
     a.meta_page = page_;
-    return device_->PageBounds(a, stream);
+    return device_->Run(kPageBounds, &a, stream);
   }
 
+  const DeviceKernel& select_kernel() const override { return kQuestSelect; }
   void Fill(DecodeStepArgs& a) const override {
     a.meta = meta_;
     a.meta_pages = pages_;

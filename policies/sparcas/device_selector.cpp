@@ -5,6 +5,7 @@
 
 #include "base/check.h"
 #include "base/offload_split.h"
+#include "policies/sparcas/select.h"
 
 namespace kvferry::detail {
 
@@ -54,6 +55,13 @@ Status SparcasSelector::Reset(int slot, StreamHandle stream) {
   }
   return ZeroItems(dp_.sparcas.state, slot, stream, /*wait=*/true);
 }
+
+namespace {
+constexpr DeviceKernel kSparcasSelect{"sparcas select", KVF_CUDA_FN(cuda::SparcasSelectCuda),
+                                      &SparcasSelectHost};
+}  // namespace
+
+const DeviceKernel& SparcasSelector::select_kernel() const { return kSparcasSelect; }
 
 void SparcasSelector::Fill(DecodeStepArgs& a) const {
   a.meta = meta_;

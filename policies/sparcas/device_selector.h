@@ -19,6 +19,7 @@ class SparcasSelector : public DeviceSelector {
   Status Bind(std::span<void* const> buffers, Device& device, StreamHandle stream) override;
   Status Reset(int slot, StreamHandle stream) override;
   void Fill(DecodeStepArgs& a) const override;
+  const DeviceKernel& select_kernel() const override;
   int64_t KeyBytes(int64_t n, int64_t budget, int layer) const override;
 
  protected:

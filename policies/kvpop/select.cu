@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-// KVpop's selection inside a planned decode step (SelectScoring::kKvpop, base/kvpop_score.h):
+// KVpop's selection inside a planned decode step (policies/kvpop/device_selector.cpp, base/kvpop_score.h):
 // one CTA per item keeps its long-range slots in device memory and writes the step's list. A step
 // normally brings one newcomer (the token that left the window): it is scored by a warp, the
 // worst slot is found by one block reduction, and if the newcomer beats it the slots shift left
@@ -8,7 +8,7 @@
 // scratch, the k best of slots and newcomers found by a radix select over their priorities'
 // order-preserving keys (ties taken in position order), and compacted in order. A kernel of our
 // own: no library keeps a top-k set online. Nothing the host computes per step is read, so the
-// launch can be captured in a CUDA graph. The host twin is cpu/decode_step.cpp's KvpopSelect.
+// launch can be captured in a CUDA graph. The host twin is policies/kvpop/select_host.cpp.
 
 #include <algorithm>
 #include <cub/block/block_reduce.cuh>
@@ -22,6 +22,7 @@
 #include "gpu/cuda_kernels.h"
 #include "gpu/dispatch.cuh"
 #include "gpu/topk.cuh"
+#include "policies/kvpop/select.h"
 
 namespace kvferry::cuda {
 namespace {
@@ -400,9 +401,13 @@ __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStep
 
 }  // namespace
 
-Status LaunchKvpopSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream) {
+Status KvpopSelectCuda(const void* args, const LaunchInfo& info, void* stream_ptr) {
+  const DecodeStepArgs& a = *static_cast<const DecodeStepArgs*>(args);
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
   if (items == 0) return Status::Ok();
+  KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
+  KVF_CHECK_ARG(!a.select_skip_ranking, "DecodeSelect: kvpop's slots advance when they rank: no select_skip_ranking");
   KVF_CHECK_ARG(a.kvpop.state != nullptr && a.kvpop.pos != nullptr && a.kvpop.prio != nullptr &&
                     a.kvpop.scorer != nullptr && a.kvpop.hidden >= 0 &&
                     a.kvpop.hidden <= kKvpopMaxHidden && a.kvpop.cap >= a.budget_cap &&
@@ -415,7 +420,7 @@ Status LaunchKvpopSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaSt
                 "DecodeSelect: kvpop's catch-up without its scratch");
   const unsigned gy =
       static_cast<unsigned>(std::clamp<int64_t>(int64_t{info.num_sms} * 8 / items, 1, 65535));
-  return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
+  KVF_RETURN_IF_ERROR(DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
     if (a.kvpop.catchup != 0) {
       KvpopScoreKernel<T>
           <<<dim3(static_cast<unsigned>(items), gy), kKvpopScoreThreads, 0, stream>>>(a);
@@ -424,7 +429,8 @@ Status LaunchKvpopSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaSt
     KvpopSelectKernel<T><<<static_cast<unsigned>(items), kKvpopThreads, 0, stream>>>(a);
     KVF_CUDA_CHECK_LAUNCH(KvpopSelectKernel);
     return Status::Ok();
-  });
+  }));
+  return LaunchPsawFilter(a, stream);
 }
 
 }  // namespace kvferry::cuda

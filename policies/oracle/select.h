@@ -1,0 +1,20 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// The oracle's device selection (DeviceKernel): the exact top-k on the GPU (select.cu, CUDA
+// builds only) and on the host (select_host.cpp).
+
+#include <cstdint>
+
+#include "base/attn_types.h"
+#include "gpu/device.h"
+#include "kvferry/status.h"
+
+namespace kvferry::cuda {
+/// The selection of a step (args: DecodeStepArgs).
+Status ExactSelectCuda(const void* args, const LaunchInfo& info, void* stream);
+}  // namespace kvferry::cuda
+
+namespace kvferry::detail {
+/// The host twin of ExactSelectCuda.
+Status ExactSelectHost(const void* args);
+}  // namespace kvferry::detail

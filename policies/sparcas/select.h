@@ -1,0 +1,54 @@
+// Copyright kvferry authors. Apache-2.0.
+#pragma once
+// SparCas's device selection (DeviceKernel) on the GPU (select.cu, CUDA builds only) and on the
+// host (select_host.cpp); HiP's selection reuses its compact rows on both.
+
+#include <cstdint>
+#include <cstring>
+
+#include "base/attn_types.h"
+#include "gpu/device.h"
+#include "kvferry/status.h"
+
+namespace kvferry::cuda {
+/// The selection of a step (args: DecodeStepArgs).
+Status SparcasSelectCuda(const void* args, const LaunchInfo& info, void* stream);
+}  // namespace kvferry::cuda
+
+namespace kvferry::cpu {
+
+// SparCas's compact rows of item t (kSparcas, and kHip's every-dimension rows) brought up to n
+// positions: the dimensions chosen at the first ranked step and every sparcas.u ranked steps (a
+// change re-gathers every row), then the rows stored since the last ranked step. With smoothing
+// (4-bit layers), the channel scales are taken at the first ranked step (base/sparcas_q4.h).
+struct CompactRows {
+  char* base = nullptr;
+  const int32_t* dims = nullptr;
+  const float* scales = nullptr;  ///< smooth: [head_dim] (null: none)
+  int d_b = 0;
+  bool q4 = false;
+  int words = 0;
+  const uint32_t* Q4Row(int64_t j) const {
+    return reinterpret_cast<const uint32_t*>(base + static_cast<size_t>(j) * (words + 1) * 4);
+  }
+  static float Q4Scale(const uint32_t* row, int words) {
+    float scale;
+    std::memcpy(&scale, row + words, sizeof(float));
+    return scale;
+  }
+};
+
+/// Brings item \p t's compact rows up to \p n positions (the host twin's half of SparCas's prep
+/// and gather; HiP's twin keeps the same rows).
+CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv,
+                              int64_t n);
+/// SparCas's list for item \p t (see DecodeStepArgs); returns the count written to \p out.
+int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv,
+                      int64_t n, int32_t* out);
+
+}  // namespace kvferry::cpu
+
+namespace kvferry::detail {
+/// The host twin of SparcasSelectCuda.
+Status SparcasSelectHost(const void* args);
+}  // namespace kvferry::detail
