@@ -52,50 +52,21 @@ enum class StepRowMode : int32_t {
   kList = 1,
 };
 
-/// How the device selects a step's rows for kList (Device::DecodeSelect). A policy declares one
-/// (Policy::device_scoring); kNone means it selects on the host (or needs no list).
-enum class SelectScoring : int32_t {
+/// What the top-k of a step's selection ranks (gpu/decode_select.cu's building blocks; each
+/// policy's selector sets it in DeviceSelector::Fill, and its kernels write the scores).
+enum class SelectRanks : int32_t {
   kNone = 0,
-  /// Exact top-k of the GQA group's summed softmax weight over every position (the oracle): the
-  /// logits of all keys, a softmax per query head, their sum per position, top-k, ascending.
-  kExactTopK = 1,
-  /// Quest: per page of meta_page tokens the element-wise min and max of its keys (kept on the
-  /// device in `meta`, extended at prefill by Device::PageBounds and at each step by
-  /// DecodeSelect); each page's bound on q.k, sum_d max(q_d min_d, q_d max_d) * scale; the group's
-  /// page score max_g (bound_g - max over pages of bound_g); the best pages of the offloaded range
-  /// [sink, n - window) until budget - resident positions are taken (the last page taken
-  /// contributes its first positions; ties to the lower page); plus sinks and window. Equals
-  /// policies/quest's host Select.
-  kQuestPages = 2,
-  /// SparCas: per item the d_b key dimensions of largest sum_g |q_g,d| (ties: lower d), chosen at
-  /// the first ranked step and every sparcas.u ranked steps; a compact copy of those dimensions of
-  /// every key kept in device memory (`meta`, re-gathered when the dimensions change, extended by
-  /// the positions stored since the last ranked step); partial logits of all n positions over
-  /// them, the group's summed softmax, its top k of the offloaded range [sink, n - window) with
-  /// k = budget - resident positions; plus sinks and window. Layers below sparcas_dense_layers use
-  /// every dimension (the exact top-k). With sparcas_bits 4 the other layers' compact rows hold
-  /// the d_b dimensions as 4-bit integers with a per-row scale (SparcasQuantizeRow) and the partial
-  /// logit is that row's scale times sum_i q[dims[i]] * n_i. Equals policies/sparcas's host
-  /// Select.
-  kSparcas = 3,
-  /// HiP (policies/hip/hip.h): the compact rows of kSparcas with every dimension (sparcas.db =
-  /// head_dim, sparcas.u past any run: the dimensions never change) at 4 bits, so that a
-  /// representative block is scored as an exact integer dot with the int8 query (base/hip_mask.h);
-  /// per item a hierarchical mask of k_off / hip.bk blocks of the offloaded range, kept in
-  /// hip.blocks and rebuilt every hip.r_m ranked steps (or when k_off shrinks or n falls as
-  /// base/hip_mask.h's HipMaskStale says); the list is the sinks, the mask's positions below the
-  /// offloaded end it was built at, and the window. Layers below sparcas_dense_layers take
-  /// kSparcas's exact path. Equals policies/hip's host Select.
-  kHip = 4,
-  /// KVpop (policies/kvpop/kvpop.h, base/kvpop_score.h): per item up to k = k_off long-range slots
-  /// (positions ascending, static priorities) in kvpop.pos / kvpop.prio. Each token that has left
-  /// the window since the item's last step ([max(next_u, sink), n - window)) is scored once by
-  /// the item's (layer, KV head) scorer in kvpop.scorer on [k; v] and ranked by p = r - u log
-  /// gamma; the slots keep the k best of slots and newcomers by (p desc, position asc); the
-  /// others are evicted for good (they stay in the host store). The list is the sinks, the slots
-  /// and the window. Reads no query: the selection is a function of the keys and values alone.
-  /// Equals policies/kvpop's host Select.
-  kKvpop = 5,
+  /// Every position [0, n): the group's summed softmax weight of each (select_ws), its top
+  /// min(budget, n), ascending.
+  kPositions = 1,
+  /// Pages of meta_page positions of the offloaded range [sink, n - window) by the score the
+  /// scoring wrote a page (the group's max of bound - max bound); the best pages until budget -
+  /// resident positions are taken (the last page contributes its first positions; ties to the
+  /// lower page), plus sinks and window.
+  kPages = 2,
+  /// Positions of the offloaded range by the group's summed softmax weight over all n scores: its
+  /// top budget - resident positions, plus sinks and window.
+  kOffloaded = 3,
 };
 
 struct KvpopState;  // base/kvpop_score.h
@@ -346,20 +317,20 @@ struct DecodeStepArgs {
   int32_t* list_count = nullptr;
   int64_t list_cap = 0;
 
-  /// DecodeSelect: the scoring, the item budget (budget_tokens / budget_fraction / budget_cap as
+  /// The selection: what its top-k ranks, the item budget (budget_tokens / budget_fraction / budget_cap as
   /// above: an item selects min(StepBudget(n), n) positions; list_cap >= budget_cap), and its
   /// device scratch: select_ws holds [batch * num_kv_heads, group, select_ld] floats
   /// (select_ld >= every n), topk_ws [batch * num_kv_heads, pow2 >= budget_cap] 8-byte keys when
   /// budget_cap > 4096 (else unused). Nothing the host computes per step is read: capture-safe.
-  SelectScoring scoring = SelectScoring::kNone;
+  SelectRanks ranks = SelectRanks::kNone;
   /// After the scoring: positions [sink, floor(hide_fraction * n)) are dropped from each item's
   /// list and the list refilled (PrHS's depth window; base/psaw.h's PsawFilterList); 0: none.
   double hide_fraction = 0.0;
   /// DecodeSelect keeps the scoring's device metadata current (SparCas's dimensions and compact
   /// rows, Quest's page bounds) but ranks nothing and leaves list and list_count as they are, for a
-  /// caller that overwrites them (xl+'s copy of the previous layer's list). kExactTopK, kQuestPages
-  /// and kSparcas only (HiP's mask and KVpop's slots are state their selection advances). The
-  /// CUDA kernels honour it; the host backend's reference (cpu::DecodeSelect) still ranks, and its
+  /// caller that overwrites them (xl+'s copy of the previous layer's list). Only for a selector whose
+  /// ranking advances no state (DeviceSelector::ranking_skippable; HiP's mask and KVpop's slots
+  /// are state their selection advances). The CUDA kernels honour it; the host twins still rank, and their
   /// list is overwritten the same way, so the two backends' lists and outputs stay equal.
   bool select_skip_ranking = false;
   /// kQuestPages: the page bounds (see PageBoundsArgs) and tokens per page.

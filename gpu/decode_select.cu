@@ -570,7 +570,7 @@ __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const
   const int32_t b = item / a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   int64_t sinks = 0, off_hi = n;
-  if (!kQuest && a.scoring == SelectScoring::kSparcas) {
+  if (!kQuest && a.ranks == SelectRanks::kOffloaded) {
     const QuestSplit sp = QuestSplitOf(a, n);
     sinks = sp.sinks;
     off_hi = sp.off_hi;
@@ -811,7 +811,7 @@ Status LaunchMctaTopK(const DecodeStepArgs& a, int64_t mcta_min, unsigned ctas, 
                       size_t quest_smem, bool allow_fused, int stats_parts, cudaStream_t stream) {
   const unsigned items = static_cast<unsigned>(int64_t{a.batch} * a.num_kv_heads);
   const dim3 grid(items, ctas);
-  const bool quest = a.scoring == SelectScoring::kQuestPages;
+  const bool quest = a.ranks == SelectRanks::kPages;
   bool fused = false;
   if (allow_fused && quest) {
     KVF_RETURN_IF_ERROR(LaunchMctaFused<true>(a, mcta_min, grid, keys_cap, 0, stream, &fused));
@@ -862,10 +862,9 @@ Status LaunchMctaTopK(const DecodeStepArgs& a, int64_t mcta_min, unsigned ctas, 
 
 Status CheckSelectArgs(const DecodeStepArgs& a) {
   KVF_RETURN_IF_ERROR(CheckAttnShape(a.params));
-  KVF_CHECK_ARG(a.scoring == SelectScoring::kExactTopK || a.scoring == SelectScoring::kQuestPages ||
-                    a.scoring == SelectScoring::kSparcas || a.scoring == SelectScoring::kHip ||
-                    a.scoring == SelectScoring::kKvpop,
-                "DecodeSelect: unknown scoring ", static_cast<int>(a.scoring));
+  KVF_CHECK_ARG(a.ranks == SelectRanks::kPositions || a.ranks == SelectRanks::kPages ||
+                    a.ranks == SelectRanks::kOffloaded,
+                "DecodeSelect: unknown ranks ", static_cast<int>(a.ranks));
   KVF_CHECK_ARG(a.list != nullptr && a.list_count != nullptr && a.select_ws != nullptr &&
                     a.slots != nullptr && a.positions != nullptr,
                 "DecodeSelect: null list, workspace, slots or positions");
@@ -873,13 +872,13 @@ Status CheckSelectArgs(const DecodeStepArgs& a) {
                 a.params.group, " not in [1, 64]");
   KVF_CHECK_ARG(a.budget_cap >= 1 && a.list_cap >= a.budget_cap && a.budget_cap < (int64_t{1} << 30),
                 "DecodeSelect: list_cap ", a.list_cap, " < budget_cap ", a.budget_cap);
-  KVF_CHECK_ARG(a.scoring != SelectScoring::kQuestPages || a.meta_page >= 1,
+  KVF_CHECK_ARG(a.ranks != SelectRanks::kPages || a.meta_page >= 1,
                 "DecodeSelect: quest page of ", a.meta_page, " tokens");
   return Status::Ok();
 }
 
 int64_t SelectSortCap(const DecodeStepArgs& a) {
-  const int64_t want = a.scoring == SelectScoring::kQuestPages ? a.budget_cap / a.meta_page + 3
+  const int64_t want = a.ranks == SelectRanks::kPages ? a.budget_cap / a.meta_page + 3
                                                                : a.budget_cap;
   int64_t sort_cap = 1;
   while (sort_cap < want) sort_cap <<= 1;
@@ -962,10 +961,10 @@ Status LaunchPsawFilter(const DecodeStepArgs& a, cudaStream_t stream) {
 
 Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectTopKPath path,
                         cudaStream_t stream, int32_t stats_parts) {
-  if (a.batch == 0 || a.scoring == SelectScoring::kNone) return Status::Ok();
+  if (a.batch == 0 || a.ranks == SelectRanks::kNone) return Status::Ok();
   KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
-  const bool quest = a.scoring == SelectScoring::kQuestPages;
+  const bool quest = a.ranks == SelectRanks::kPages;
   const int64_t sort_cap = SelectSortCap(a);
   if (quest) {
     KVF_CHECK_ARG(sort_cap <= kTopKSmemItems, "DecodeSelect: quest budget ", a.budget_cap,
@@ -1001,7 +1000,7 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
   const size_t smem = quest ? static_cast<size_t>(sort_cap) * (sizeof(unsigned long long) + sizeof(int32_t))
                      : sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long)
                                                   : 0;
-  if (a.scoring == SelectScoring::kQuestPages) {
+  if (quest) {
     if (smem > kQuestSmemOptIn) {  // 4096 pages: 48 KiB besides the kernel's static shared memory
       KVF_CUDA_CHECK(cudaFuncSetAttribute(QuestTopKKernel,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1009,7 +1008,7 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
     }
     QuestTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(a, mcta_min);
     KVF_CUDA_CHECK_LAUNCH(QuestTopKKernel);
-  } else if (a.scoring == SelectScoring::kSparcas) {
+  } else if (a.ranks == SelectRanks::kOffloaded) {
     WeightsTopKKernel<true><<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(
         a, static_cast<int>(sort_cap), mcta_min);
     KVF_CUDA_CHECK_LAUNCH(WeightsTopKKernel<true>);

@@ -179,14 +179,14 @@ __device__ __forceinline__ TopKItem TopKItemOf(const DecodeStepArgs& a, int32_t 
   const int32_t b = item / a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   TopKItem t;
-  if (a.scoring == SelectScoring::kExactTopK) {
+  if (a.ranks == SelectRanks::kPositions) {
     t.n = n;
     t.count = n;
     t.k = min(StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n), n);
   } else {
     const QuestSplit s = QuestSplitOf(a, n);
     if (s.all || s.k_off <= 0) return t;  // no ranking: the one-CTA kernel writes the list
-    if (a.scoring == SelectScoring::kQuestPages) {
+    if (a.ranks == SelectRanks::kPages) {
       t.n = s.np;
       t.count = s.np;
       t.k = QuestWant(a, s);

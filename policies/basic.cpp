@@ -2,6 +2,8 @@
 // The three reference policies: dense (everything), streaming (StreamingLLM: sinks + recent
 // window) and oracle (exact top-k of the GQA group's summed softmax weight; the accuracy ceiling).
 #include "policies/basic.h"
+#include "policies/device_selector.h"
+#include "policies/oracle/select.h"
 
 #include <algorithm>
 #include <cmath>
@@ -42,7 +44,9 @@ class OraclePolicy final : public Policy {
  public:
   std::string_view name() const override { return "oracle"; }
   Placement placement() const override { return Placement::kGpu; }
-  SelectScoring device_scoring() const override { return SelectScoring::kExactTopK; }
+  std::unique_ptr<detail::DeviceSelector> MakeDeviceSelector(const detail::SelectorShape& shape) const override {
+    return detail::MakeExactTopKSelector(shape);
+  }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override {
     OracleSelect(ctx, out);
     return Status::Ok();

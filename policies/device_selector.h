@@ -10,7 +10,7 @@
 /// compact keys and dimensions, HiP's masks, KVpop's slots and scorers) and how it is sized,
 /// bound, reset, extended on each store, described to the kernels and accounted for lives in its
 /// policy's folder (policies/<name>/device_selector.cpp), not in the runtime: the runtime asks
-/// MakeDeviceSelector for the policy's selector and drives it through this interface.
+/// Policy::MakeDeviceSelector for the policy's selector and drives it through this interface.
 
 #include <cstddef>
 #include <cstdint>
@@ -58,8 +58,6 @@ struct SelectorBuffer {
 class DeviceSelector {
  public:
   virtual ~DeviceSelector() = default;
-  [[nodiscard]] virtual SelectScoring scoring() const = 0;
-
   // ---- sizing (once, at Create; const: ChooseBankSlots sizes several candidate plans) ----
   /// Checks the policy's parameters against the shape (kInvalidArgument naming them) and appends
   /// the buffers to allocate, in the order Bind receives them.
@@ -150,16 +148,9 @@ class DeviceSelector {
   Device* device_ = nullptr;  ///< set by Bind
 };
 
-/// The selector of \p policy's device scoring (Policy::device_scoring), or null when it has none.
-/// \p policy outlives it.
-std::unique_ptr<DeviceSelector> MakeDeviceSelector(const Policy& policy, const SelectorShape& shape);
-
-// The selectors, one per scoring, each in its policy's folder.
-std::unique_ptr<DeviceSelector> MakeExactTopKSelector(const Policy& policy, const SelectorShape& shape);
-std::unique_ptr<DeviceSelector> MakeQuestSelector(const Policy& policy, const SelectorShape& shape);
-std::unique_ptr<DeviceSelector> MakeSparcasSelector(const Policy& policy, const SelectorShape& shape);
-std::unique_ptr<DeviceSelector> MakeHipSelector(const Policy& policy, const SelectorShape& shape);
-/// KVpop's reads the policy's scorer table at Bind: \p policy outlives it.
-std::unique_ptr<DeviceSelector> MakeKvpopSelector(const Policy& policy, const SelectorShape& shape);
+/// Whether \p policy selects on the device inside a planned step (it has a DeviceSelector).
+inline bool SelectsOnDevice(const Policy& policy) {
+  return policy.MakeDeviceSelector(SelectorShape{}) != nullptr;
+}
 
 }  // namespace kvferry::detail

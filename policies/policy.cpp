@@ -3,11 +3,15 @@
 // in policies/policy.h) and the public row loader.
 #include "policies/policy.h"
 
+#include "policies/device_selector.h"
+
 #include "cpu/dtype.h"
 
 namespace kvferry {
 
-SelectScoring Policy::device_scoring() const { return SelectScoring::kNone; }
+std::unique_ptr<detail::DeviceSelector> Policy::MakeDeviceSelector(const detail::SelectorShape&) const {
+  return nullptr;
+}
 
 Policy::DeviceSelectParams Policy::device_select_params(int head_dim) const {
   (void)head_dim;

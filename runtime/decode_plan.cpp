@@ -34,7 +34,7 @@ Status RuntimeImpl::InitStepBuffers() {
   // Which step this runtime plans and its buffers' sizes come from SizeDeviceBuffers
   // (runtime/device_memory.cpp), the one place they are computed.
   const DeviceBufferSizes& z = sizes_;
-  lists_.scoring = z.scoring;
+  lists_.device_select = z.device_select;
   if (!z.selector) selector_.reset();  // the step does not select on the device
   step_.fast_path = z.fast_path;
   step_.all_resident = z.step_all_resident;
@@ -43,7 +43,7 @@ Status RuntimeImpl::InitStepBuffers() {
   // the planned step because its bank is on the device.
   if (!step_.fast_path && !step_.cpu_step && !step_.host_lists) return Status::Ok();
   KVF_RETURN_IF_ERROR(InitCpuPartBuffers());
-  if (lists_.scoring != SelectScoring::kNone || step_.host_lists) {
+  if (lists_.device_select || step_.host_lists) {
     KVF_RETURN_IF_ERROR(InitSelectLists());
   }
   return InitPlanBuffers();
@@ -425,7 +425,7 @@ int64_t RuntimeImpl::DeviceListRows(const ListRowsRule& rule, int64_t n, int64_t
 
 bool RuntimeImpl::XlReusesPrevious(std::span<const int> slot_of, std::span<const int64_t> pos,
                                    int layer) const {
-  if (lists_.scoring == SelectScoring::kNone || layer <= 0 || WindowOf(layer - 1) > 0 ||
+  if (!lists_.device_select || layer <= 0 || WindowOf(layer - 1) > 0 ||
       !policy_->device_reuses_previous_layer(layer)) {
     return false;
   }
@@ -599,7 +599,7 @@ void RuntimeImpl::FillStepArgs(DecodeLayer& s) {
   a.layer = layer;
   a.sink = config_.tiers.sink_tokens;
   a.window = config_.tiers.window_tokens;
-  a.mode = lists_.scoring != SelectScoring::kNone || step_.host_lists ? StepRowMode::kList
+  a.mode = lists_.device_select || step_.host_lists ? StepRowMode::kList
                                                                       : StepRowMode::kSinksAndRecent;
   if (policy_->is_dense()) {
     a.budget_tokens = config_.capacity.max_tokens_per_sequence;
@@ -630,7 +630,7 @@ void RuntimeImpl::FillStepArgs(DecodeLayer& s) {
   a.counters = step_.counters;
   // The host writes the new token's store rows before its Select reads them (SelectOnHost).
   a.host_writes_store = step_.host_lists;
-  if (lists_.scoring != SelectScoring::kNone || step_.host_lists) FillListArgs(s);
+  if (lists_.device_select || step_.host_lists) FillListArgs(s);
   if (step_.cpu_step) {
     // The device's part is the resident rows (sinks + window): every selection covers them. The
     // host's selection and its attention over the offloaded picks meet them in the merge (MergeLayer).
@@ -652,8 +652,7 @@ void RuntimeImpl::FillListArgs(DecodeLayer& s) {
   DecodeStepArgs& a = s.a;
   const size_t batch_cap = static_cast<size_t>(config_.capacity.max_batch);
   const size_t lists = static_cast<size_t>(layer) * batch_cap * m.num_kv_heads;
-  a.scoring = lists_.scoring;
-  if (lists_.scoring != SelectScoring::kNone) a.hide_fraction = policy_->device_hide_fraction(layer);
+  if (lists_.device_select) a.hide_fraction = policy_->device_hide_fraction(layer);
   // xl+ takes the previous layer's list below: a scoring whose ranking advances no state then
   // only keeps its metadata current (a 4-bit scoring selector at 128K: about 85 us a layer not spent).
   s.xl_reuse = XlReusesPrevious(s.slot_of, s.pos, layer);
@@ -696,7 +695,7 @@ void RuntimeImpl::CountStepRows(DecodeLayer& s) {
       continue;
     }
     if (step_.host_lists) continue;  // counted by SelectOnHost, the hint set after it
-    if (lists_.scoring != SelectScoring::kNone) {
+    if (lists_.device_select) {
       const int64_t count = DeviceListRows(list_rule, n, budget);
       max_rows = std::max(max_rows, count);
       s.selected += count;
@@ -732,7 +731,7 @@ Status RuntimeImpl::SelectLayer(DecodeLayer& s) {
     st = LaunchDeviceScan(s.slot_of, s.layer, s.pos, s.q_src, s.q.dtype, s.k_src, s.k.dtype,
                           s.stream, s.beside);
   }
-  if (st.ok() && lists_.scoring != SelectScoring::kNone) st = SelectOnDevice(s);
+  if (st.ok() && lists_.device_select) st = SelectOnDevice(s);
   if (st.ok() && step_.host_lists) {
     // The lists the step attends come from the host's Select (instead of the device's).
     const auto ts = Clock::now();
@@ -1052,7 +1051,7 @@ void RuntimeImpl::CommitLayer(const DecodeLayer& s) {
   stats_.select_key_bytes += s.key_bytes * hkv;
   // A device selection read through the device bank: its rows split into resident, bank hits and
   // misses on the device; Stats takes the resident share from the bank's counters.
-  if (s.a.bank.rows != nullptr && lists_.scoring != SelectScoring::kNone) {
+  if (s.a.bank.rows != nullptr && lists_.device_select) {
     stats_aux_.bank_step_selected += s.selected * hkv;
   }
   stats_.bytes_h2d += s.fetched * hkv * 2 * static_cast<int64_t>(dims_.row_bytes);

@@ -181,10 +181,9 @@ Status RuntimeImpl::SizeBank(int bank_slots, DeviceBufferSizes& z) const {
   // the CPU as the host path did: the planned step has no CPU branch for them, and a bank the
   // step reads is what the auto route's PCIe side needs (issue 14's scheduler brings the split
   // back inside the step).
-  const SelectScoring scoring = policy_->device_scoring();
   const bool bank_used =
       bank_slots > 0 && !(cuda && (policy_->is_dense() || PlannedRoute() == Route::kCpu));
-  const bool selects_on_device = scoring != SelectScoring::kNone;
+  const bool selects_on_device = selector_ != nullptr;
   z.host_lists = cuda && bank_used && !selects_on_device;
   z.device_bank = cuda && bank_used && (selects_on_device || z.host_lists);
   z.host_bank = bank_used && !z.device_bank;
@@ -263,16 +262,16 @@ Status RuntimeImpl::SizePlannedStep(DeviceBufferSizes& z) const {
   const bool cuda = device_->backend() == Backend::kCuda;
   const int64_t hkv = m.num_kv_heads, d = m.head_dim;
   const int64_t slot_rows = int64_t{config_.tiers.sink_tokens} + config_.tiers.window_tokens;
-  const SelectScoring scoring = policy_->device_scoring();
+  const bool device_select = selector_ != nullptr;
   // The planned decode step (runtime/decode_plan.cpp).
-  z.scoring = scoring;
+  z.device_select = device_select;
   // host_lists: a policy that selects on the host runs the planned step because its bank is on
   // the device.
-  z.fast_path = (policy_->selects_sinks_and_recent() || scoring != SelectScoring::kNone) &&
+  z.fast_path = (policy_->selects_sinks_and_recent() || device_select) &&
                 !z.host_bank && !z.host_lists && config_.route != Route::kCpu;
   // A device or host selection may pick any position: its rows are all resident only when every
   // position is.
-  z.step_all_resident = policy_->is_dense() || scoring != SelectScoring::kNone || z.host_lists
+  z.step_all_resident = policy_->is_dense() || device_select || z.host_lists
                             ? slot_rows >= cap.max_tokens_per_sequence
                             : dims_.budget_max <= slot_rows;
   z.cpu_step = !z.fast_path && !z.host_lists && policy_->placement() == Placement::kCpu &&
@@ -286,7 +285,7 @@ Status RuntimeImpl::SizePlannedStep(DeviceBufferSizes& z) const {
   // before the step and can give the CPU its share of them; with a bank, only the step knows
   // which of them it holds, and every miss is read over PCIe, then admitted. Route auto only,
   // with the CPU part on the runtime's thread (async_cpu), so that Decode does not wait for it.
-  z.split = scoring != SelectScoring::kNone && z.fast_path && !z.device_bank &&
+  z.split = device_select && z.fast_path && !z.device_bank &&
             !z.step_all_resident && config_.route == Route::kAuto && config_.async_cpu != 0;
   if (z.split) {
     z.split_list = AllocBytes(static_cast<size_t>(items * z.list_cap) * sizeof(int32_t));
@@ -309,9 +308,9 @@ Status RuntimeImpl::SizeStepLists(DeviceBufferSizes& z) const {
   const ModelShape& m = config_.model;
   const Capacity& cap = config_.capacity;
   const bool cuda = device_->backend() == Backend::kCuda;
-  const SelectScoring scoring = z.scoring;
+  const bool device_select = z.device_select;
   const int64_t items = int64_t{cap.max_batch} * m.num_kv_heads;
-  if (scoring != SelectScoring::kNone || z.host_lists) {
+  if (device_select || z.host_lists) {
     // Per layer a list region, so that any layer's last selection can be read back and no
     // layer rewrites a list an earlier launch of the step may still read.
     z.list_cap = std::max<int64_t>(dims_.item_cap, 1);
@@ -319,7 +318,7 @@ Status RuntimeImpl::SizeStepLists(DeviceBufferSizes& z) const {
     z.step_list = AllocBytes(lists * static_cast<size_t>(z.list_cap) * sizeof(int32_t));
     z.step_list_count = AllocBytes(lists * sizeof(int32_t));
   }
-  if (scoring != SelectScoring::kNone) {  // host lists need no selection scratch
+  if (device_select) {  // host lists need no selection scratch
     z.select_ld = cap.max_tokens_per_sequence;
     z.select_ws = AllocBytes(static_cast<size_t>(items) * dims_.group * z.select_ld * sizeof(float));
     int64_t sort_cap = 1;
@@ -338,7 +337,7 @@ Status RuntimeImpl::SizeStepLists(DeviceBufferSizes& z) const {
         ranked_cap > 0 ? SelectMctaWorkspaceBytes(items, dims_.group, ranked_cap, sel.MctaMinRanked()) : 0;
     if (cuda && mcta_bytes > 0) z.select_mcta = AllocBytes(mcta_bytes);
   }
-  if (scoring != SelectScoring::kNone || z.host_lists) {
+  if (device_select || z.host_lists) {
     if (z.device_bank && !z.step_all_resident) {
       // The step's misses: staged at their list index, listed for the admission after the
       // step. With two regions the admission of layer l runs on its own stream beside layer

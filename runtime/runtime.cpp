@@ -200,7 +200,7 @@ Status RuntimeImpl::Init() {
   DeriveDims();
   const Capacity& cap = config_.capacity;
   // The policy's device selection state, sized below where the planned step selects on the device.
-  selector_ = MakeDeviceSelector(*policy_, SelectorShapeOf());
+  selector_ = policy_->MakeDeviceSelector(SelectorShapeOf());
 
   InitWindowLayout();  // sliding-window layers (runtime/window.cpp)
   // Every device buffer's size, once (runtime/device_memory.cpp): the plan the cap is checked
@@ -1693,7 +1693,7 @@ Result<std::vector<int32_t>> RuntimeImpl::LastSelection(SequenceId seq, int laye
     for (int64_t i = 0; i < n; ++i) all[i] = static_cast<int32_t>(i);
     return all;
   }
-  if (step_.fast_path && lists_.scoring != SelectScoring::kNone) {
+  if (step_.fast_path && lists_.device_select) {
     // The device's list of the last step that ran this layer for the sequence.
     const std::vector<int>& slots = lists_.slots[static_cast<size_t>(layer)];
     const auto it = std::find(slots.begin(), slots.end(), slot);
@@ -1760,7 +1760,7 @@ Stats RuntimeImpl::stats() const {
       s.rows_bank_hit += t.value().hits - z.hits;
       s.rows_fetched += t.value().misses - z.misses;
       // (Host lists count their resident rows on the host.)
-      if (lists_.scoring != SelectScoring::kNone) {
+      if (lists_.device_select) {
         s.rows_resident +=
             stats_aux_.bank_step_selected - (t.value().hits - z.hits) - (t.value().misses - z.misses);
       }

@@ -58,7 +58,7 @@ struct DeviceBufferSizes {
   bool fast_path = false;
   bool cpu_step = false;
   bool step_all_resident = false;
-  SelectScoring scoring = SelectScoring::kNone;
+  bool device_select = false;
   int64_t list_cap = 0;
   int64_t select_ld = 0;
   // The device selector's buffers (DeviceSelector::Size), allocated in order and handed to its

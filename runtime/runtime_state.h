@@ -164,12 +164,12 @@ struct PlannedStep {
   int32_t* counters = nullptr;  // device: zeroed split counters of the step kernel
 };
 
-/// The lists the planned step attends in kList mode: a device selection's (Policy::device_scoring
-/// != kNone, written by DecodeSelect) or the host's (step_.host_lists, UploadHostLists), and the
+/// The lists the planned step attends in kList mode: a device selection's (the policy has a
+/// DeviceSelector, whose select_kernel writes them) or the host's (step_.host_lists, UploadHostLists), and the
 /// device selection's scratch. Allocated by InitSelectLists; slots and n written by
 /// SelectOnDevice (RunDecodeStep's select stage).
 struct SelectLists {
-  SelectScoring scoring = SelectScoring::kNone;
+  bool device_select = false;  // the policy selects on the device
   int64_t cap = 0;                // positions a list holds
   int32_t* positions = nullptr;   // device: [layer][max_batch * Hkv][cap]
   int32_t* counts = nullptr;      // device: [layer][max_batch * Hkv]

@@ -34,7 +34,7 @@
 //     positions its depth window leaves visible (PSAW hides [sink, floor(f n)) at every budget,
 //     base/psaw.h).
 //  2. ConfDeviceSelection.EqualsHostSelect: host backend: a policy that selects on the device
-//     (Policy::device_scoring() != kNone, or sinks + recent computed in the step), on route gpu
+//     (Policy::MakeDeviceSelector, or sinks + recent computed in the step), on route gpu
 //     and auto (route cpu never selects on the device), runs the planned step whose selection is
 //     the device twin (cpu::DecodeSelect); a twin runtime with a token bank (16 slots) takes the
 //     host path, where the policy's own Select chooses (the mechanism of runtime_plan_test.cpp's
@@ -100,6 +100,7 @@
 #include "kvferry/kvferry.h"
 #include "policies/policy.h"
 #include "policies/prhs/prhs.h"
+#include "policies/device_selector.h"
 #include "tests/policy_test_util.h"
 
 namespace kvferry {
@@ -263,7 +264,7 @@ Traits TraitsOf(const RuntimeConfig& config) {
   if (!made.ok()) return t;
   const Policy& p = *made.value();
   t.made = true;
-  t.device_selects = p.device_scoring() != SelectScoring::kNone || p.selects_sinks_and_recent();
+  t.device_selects = detail::SelectsOnDevice(p) || p.selects_sinks_and_recent();
   t.covers_resident = p.selection_covers_resident();
   t.dense = p.is_dense();
   return t;

@@ -31,7 +31,7 @@ namespace kvferry {
 namespace {
 
 struct TopKCase {
-  SelectScoring scoring;
+  SelectRanks ranks;
   int batch;
   int group;
   int64_t n;       // tokens of batch element 0; element b has n - 1013 b (at least 1)
@@ -42,8 +42,8 @@ struct TopKCase {
 };
 
 std::string CaseName(const TopKCase& c) {
-  const char* s = c.scoring == SelectScoring::kExactTopK ? "oracle"
-                  : c.scoring == SelectScoring::kSparcas  ? "sparcas"
+  const char* s = c.ranks == SelectRanks::kPositions ? "oracle"
+                  : c.ranks == SelectRanks::kOffloaded  ? "sparcas"
                                                           : "quest";
   return std::string(s) + "_b" + std::to_string(c.batch) + "_g" + std::to_string(c.group) + "_n" +
          std::to_string(c.n) + "_k" + std::to_string(c.picks) + "_lv" + std::to_string(c.levels);
@@ -74,7 +74,7 @@ std::vector<int32_t> ReferenceList(const TopKCase& c, const std::vector<float>& 
                                    int64_t n, int64_t budget) {
   std::vector<int32_t> out;
   const int group = c.group;
-  if (c.scoring == SelectScoring::kExactTopK) {
+  if (c.ranks == SelectRanks::kPositions) {
     const int64_t k = std::min(budget, n);
     // Group-summed softmax in the log2 domain, in double; rounded to fp32 it keeps every tie and
     // every order (the levels are far apart).
@@ -98,7 +98,7 @@ std::vector<int32_t> ReferenceList(const TopKCase& c, const std::vector<float>& 
     return out;
   }
   for (int64_t i = 0; i < s.sinks; ++i) out.push_back(static_cast<int32_t>(i));
-  if (s.k_off > 0 && c.scoring == SelectScoring::kSparcas) {
+  if (s.k_off > 0 && c.ranks == SelectRanks::kOffloaded) {
     std::vector<double> w(static_cast<size_t>(n), 0.0);
     for (int g = 0; g < group; ++g) {
       const float* lg = l.data() + g * ld;
@@ -155,7 +155,7 @@ TEST_P(GpuSelectTopKTest, BothPathsEqualTheHostReference) {
   for (int b = 0; b < c.batch; ++b) ns[b] = std::max<int64_t>(1, c.n - 1013 * b);
   // The budget in tokens: the picks plus what the sinks and the window take of the longest item.
   const int64_t budget =
-      c.scoring == SelectScoring::kExactTopK ? c.picks : c.picks + c.sink + c.window;
+      c.ranks == SelectRanks::kPositions ? c.picks : c.picks + c.sink + c.window;
 
   // Scores: item i, head g, position (Quest: page) j = c_g * level + d_g.
   std::mt19937 rng(static_cast<uint32_t>(c.n * 7 + c.picks * 3 + c.group * 11 + c.batch));
@@ -223,7 +223,7 @@ TEST_P(GpuSelectTopKTest, BothPathsEqualTheHostReference) {
   a.budget_cap = budget;
   a.slots = d_slots;
   a.positions = d_pos;
-  a.scoring = c.scoring;
+  a.ranks = c.ranks;
   a.list = d_list;
   a.list_count = d_count;
   a.list_cap = list_cap;
@@ -286,9 +286,9 @@ TEST_P(GpuSelectTopKTest, BothPathsEqualTheHostReference) {
   cudaStreamDestroy(stream);
 }
 
-constexpr auto kOracle = SelectScoring::kExactTopK;
-constexpr auto kSparcas = SelectScoring::kSparcas;
-constexpr auto kQuest = SelectScoring::kQuestPages;
+constexpr auto kOracle = SelectRanks::kPositions;
+constexpr auto kSparcas = SelectRanks::kOffloaded;
+constexpr auto kQuest = SelectRanks::kPages;
 
 INSTANTIATE_TEST_SUITE_P(
     Gpu, GpuSelectTopKTest,
@@ -332,7 +332,7 @@ TEST(GpuSelectTopK, MultiCtaWithoutScratchIsAnError) {
   a.batch = 1;
   a.num_kv_heads = 1;
   a.num_layers = 1;
-  a.scoring = SelectScoring::kExactTopK;
+  a.ranks = SelectRanks::kPositions;
   a.budget_tokens = 16;
   a.budget_cap = 16;
   a.list_cap = 16;

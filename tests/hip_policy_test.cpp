@@ -12,6 +12,7 @@
 
 #include "kvferry/kvferry.h"
 #include "policies/hip/hip.h"
+#include "policies/device_selector.h"
 #include "tests/policy_test_util.h"
 
 namespace kvferry {
@@ -393,21 +394,21 @@ TEST(HipPolicy, DeviceMaskOnlyWhereTheListFitsAndTheRuntimeIsMade) {
   c.policy.name = "hip";
   c.backend = Backend::kHost;
   c.probe_at_start = false;
-  const auto scoring = [&](int64_t budget) {
+  const auto on_device = [&](int64_t budget) {
     c.policy.budget_tokens = budget;
     auto p = MakeHipPolicy(c);
     EXPECT_TRUE(p.ok());
-    return p.ok() ? (*p)->device_scoring() : SelectScoring::kNone;
+    return p.ok() && detail::SelectsOnDevice(**p);
   };
-  EXPECT_EQ(scoring(2 * kHipMaxNodes - 68), SelectScoring::kHip);   // list 2 * kHipMaxNodes
-  EXPECT_EQ(scoring(2 * kHipMaxNodes - 4), SelectScoring::kNone);   // the budget's nodes fit, the list's not
+  EXPECT_TRUE(on_device(2 * kHipMaxNodes - 68));   // list 2 * kHipMaxNodes
+  EXPECT_FALSE(on_device(2 * kHipMaxNodes - 4));   // the budget's nodes fit, the list's not
   for (int64_t budget : {2 * kHipMaxNodes - 68, 2 * kHipMaxNodes - 4}) {
     c.policy.budget_tokens = budget;
     auto rt = Runtime::Create(c);
     EXPECT_TRUE(rt.ok()) << "budget " << budget << ": " << rt.status().ToString();
   }
   c.policy.params["bits"] = 16;  // fp32 scores: the host
-  EXPECT_EQ(scoring(64), SelectScoring::kNone);
+  EXPECT_FALSE(on_device(64));
 }
 
 // The reference the candidate ranking (over) and the recall guard are held to: the k offloaded
@@ -487,7 +488,7 @@ TEST(HipPolicy, RecallGuardFallsBackToTheFourBitRanking) {
     rc.policy.params = {{key, std::string(key) == "guard" ? 0.5 : 2.0}};
     auto p = MakeHipPolicy(rc);
     ASSERT_TRUE(p.ok()) << p.status().ToString();
-    EXPECT_EQ((*p)->device_scoring(), SelectScoring::kNone) << key;
+    EXPECT_FALSE(detail::SelectsOnDevice(**p)) << key;
   }
 }
 

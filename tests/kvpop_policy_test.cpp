@@ -19,6 +19,7 @@
 #include "kvferry/runtime.h"
 #include "policies/basic.h"
 #include "policies/kvpop/kvpop.h"
+#include "policies/device_selector.h"
 #include "tests/policy_test_util.h"
 
 namespace kvferry {
@@ -376,7 +377,7 @@ TEST(KvpopDecay, PromptDecaySelectsOnTheHost) {
   ASSERT_TRUE(ok.ok());
   auto pol = KvpopPolicy::Create(*ok, nullptr, OneHead());
   ASSERT_TRUE(pol.ok());
-  EXPECT_EQ((*pol)->device_scoring(), SelectScoring::kNone);
+  EXPECT_FALSE(detail::SelectsOnDevice(**pol));
   EXPECT_TRUE((*pol)->wants_prefill_queries());
 }
 
@@ -448,7 +449,7 @@ TEST(KvpopMass, RetainsTheTopKOfTheirWindowAttention) {
       ASSERT_TRUE(made.ok()) << made.status().ToString();
       x = std::move(made).value();
       EXPECT_TRUE(x->wants_prefill_queries());
-      EXPECT_EQ(x->device_scoring(), SelectScoring::kNone);  // the host selects
+      EXPECT_FALSE(detail::SelectsOnDevice(*x));  // the host selects
     }
     // The prompt's queries: policy 0 in chunks of 50, 7 and the rest; policy 1 in one.
     const std::vector<std::vector<int64_t>> chunks = {{0, 50, 57, prompt}, {0, prompt}};

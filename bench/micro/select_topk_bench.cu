@@ -30,7 +30,7 @@ namespace {
 
 struct Run {
   const char* name;
-  SelectScoring scoring;
+  SelectRanks ranks;
   int batch;
   int64_t n;  // context tokens
 };
@@ -60,9 +60,9 @@ int main(int argc, char** argv) {
 
   std::vector<Run> runs;
   for (const char* name : {"oracle", "sparcas", "quest"}) {
-    const SelectScoring s = !std::strcmp(name, "oracle")    ? SelectScoring::kExactTopK
-                            : !std::strcmp(name, "sparcas") ? SelectScoring::kSparcas
-                                                            : SelectScoring::kQuestPages;
+    const SelectRanks s = !std::strcmp(name, "oracle")    ? SelectRanks::kPositions
+                            : !std::strcmp(name, "sparcas") ? SelectRanks::kOffloaded
+                                                            : SelectRanks::kPages;
     for (int batch : {1, 4}) {
       for (int64_t n : {4096, 8192, 16384, 32768, 65536, 131072}) runs.push_back({name, s, batch, n});
     }
@@ -74,14 +74,14 @@ int main(int argc, char** argv) {
               "k", "one_cta_us", "per_pass_us", "multi_cta_us", "auto_us", "speedup", "lists_equal");
   bool first = true;
   for (const Run& r : runs) {
-    const bool quest = r.scoring == SelectScoring::kQuestPages;
+    const bool quest = r.ranks == SelectRanks::kPages;
     const int64_t items = int64_t{r.batch} * kHeads;
     const int64_t ld = r.n;
     const int64_t budget = (r.n * 2 + 99) / 100;  // 2%
     const int64_t ranked = quest ? (r.n - kWindow - 1) / kPage + 1
-                                 : (r.scoring == SelectScoring::kSparcas ? r.n - kSink - kWindow : r.n);
+                                 : (r.ranks == SelectRanks::kOffloaded ? r.n - kSink - kWindow : r.n);
     const int64_t k = quest ? (budget - kSink - kWindow) / kPage + 3
-                            : (r.scoring == SelectScoring::kSparcas ? budget - kSink - kWindow : budget);
+                            : (r.ranks == SelectRanks::kOffloaded ? budget - kSink - kWindow : budget);
     std::vector<float> logits(static_cast<size_t>(items * kGroup * ld));
     std::mt19937 rng(static_cast<uint32_t>(r.n + r.batch));
     std::normal_distribution<float> nd(0.f, 3.f);
@@ -121,7 +121,7 @@ int main(int argc, char** argv) {
     a.budget_cap = budget;
     a.slots = d_slots;
     a.positions = d_pos;
-    a.scoring = r.scoring;
+    a.ranks = r.ranks;
     a.list = d_list;
     a.list_count = d_count;
     a.list_cap = list_cap;

@@ -40,7 +40,10 @@ struct PolicyCounters {
 
 // Types of the library-internal hooks, defined in the library (policies/policy.h,
 // base/attn_types.h). A policy written against this header never needs them.
-enum class SelectScoring : int32_t;
+namespace detail {
+class DeviceSelector;
+struct SelectorShape;
+}  // namespace detail
 struct DeviceScanPicks;
 struct ScanShadowView;
 struct PrimedStats;
@@ -157,11 +160,13 @@ class Policy {
   // own policies. Their types are defined in the library's internal headers (policies/policy.h);
   // the defaults (no device work) are what a policy written against this header gets.
 
-  /// How the device computes this policy's selection inside a planned step; the default (none):
-  /// Select runs on the host. A policy that declares a scoring must select exactly what Select
-  /// would (up to fp32 rounding of near-ties on CUDA).
-  [[nodiscard]] virtual SelectScoring device_scoring() const;
-  /// The parameters of the device's selection (see SelectScoring).
+  /// The selector that computes this policy's selection on the device inside a planned step
+  /// (policies/<name>/device_selector.cpp, docs/design.md "Device selection"); the default, null:
+  /// Select runs on the host. A policy that has one must select exactly what Select would (up to
+  /// fp32 rounding of near-ties on CUDA). The policy outlives it.
+  [[nodiscard]] virtual std::unique_ptr<detail::DeviceSelector> MakeDeviceSelector(
+      const detail::SelectorShape& shape) const;
+  /// The parameters of the device's selection (DecodeStepArgs).
   struct DeviceSelectParams;
   [[nodiscard]] virtual DeviceSelectParams device_select_params(int head_dim) const;
   /// With a device scoring that reads a table (kKvpop): the table for \p model, uploaded once at

@@ -12,6 +12,7 @@
 #include "base/offload_split.h"
 #include "policies/hip/select.h"
 #include "policies/sparcas/device_selector.h"
+#include "policies/hip/hip.h"
 
 namespace kvferry::detail {
 namespace {
@@ -27,7 +28,6 @@ class HipSelector final : public SparcasSelector {
     dp_.hip.max_nodes = static_cast<int32_t>(std::max<int64_t>(shape.item_cap / std::max(dp_.hip.bk, 1), 1));
   }
   ~HipSelector() override { Release(); }
-  SelectScoring scoring() const override { return SelectScoring::kHip; }
 
   Status Size(std::vector<SelectorBuffer>& buffers) const override {
     KVF_RETURN_IF_ERROR(CheckParams());
@@ -135,8 +135,13 @@ class HipSelector final : public SparcasSelector {
 
 }  // namespace
 
-std::unique_ptr<DeviceSelector> MakeHipSelector(const Policy& policy, const SelectorShape& shape) {
-  return std::make_unique<HipSelector>(policy, shape);
+}  // namespace kvferry::detail
+
+namespace kvferry {
+
+std::unique_ptr<detail::DeviceSelector> HipPolicy::MakeDeviceSelector(const detail::SelectorShape& shape) const {
+  if (!device()) return nullptr;
+  return std::make_unique<detail::HipSelector>(*this, shape);
 }
 
-}  // namespace kvferry::detail
+}  // namespace kvferry

@@ -138,15 +138,16 @@ Result<HipParams> ParseHipParams(const std::map<std::string, double>& params);
 
 class HipPolicy final : public Policy {
  public:
-  /// \p device: the runtime's planned step may select on the device (SelectScoring::kHip): the
+  /// \p device: the runtime's planned step may select on the device (policies/hip/select.cu): the
   /// scores are 4-bit and the budget's nodes fit kHipMaxNodes (MakeHipPolicy decides).
   HipPolicy(const HipParams& params, int max_sequences, int num_layers, int num_kv_heads,
             bool device = false);
   [[nodiscard]] std::string_view name() const override { return "hip"; }
   [[nodiscard]] Placement placement() const override { return Placement::kGpu; }
-  [[nodiscard]] SelectScoring device_scoring() const override {
-    return device_ ? SelectScoring::kHip : SelectScoring::kNone;
-  }
+  [[nodiscard]] std::unique_ptr<detail::DeviceSelector> MakeDeviceSelector(
+      const detail::SelectorShape& shape) const override;
+  /// Whether the planned step may select on the device (MakeHipPolicy decides).
+  [[nodiscard]] bool device() const { return device_; }
   /// SparCas's compact rows with every dimension at 4 bits (the dense layers': the KV dtype),
   /// dimensions never re-chosen; the mask's block size, interval and representative.
   [[nodiscard]] DeviceSelectParams device_select_params(int head_dim) const override;

@@ -467,17 +467,13 @@ Status HipSelectCuda(const void* args, const LaunchInfo& info, void* stream_ptr)
   KVF_CHECK_ARG(!a.select_skip_ranking, "DecodeSelect: hip's masks advance when they rank: no select_skip_ranking");
   // SparCas's machinery with every dimension: its exact path at the dense layers.
   if (a.layer < HipDenseOf(a)) {
-    DecodeStepArgs s = a;
-    s.scoring = SelectScoring::kSparcas;
-    return SparcasSelectCuda(&s, info, stream);
+    return SparcasSelectCuda(&a, info, stream);
   }
   KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
   KVF_CHECK_ARG(a.store.pages != nullptr, "DecodeSelect: null page table");
   KVF_CHECK_ARG(SelectSortCap(a) <= kTopKSmemItems || a.topk_ws != nullptr,
                 "DecodeSelect: budget_cap ", a.budget_cap, " needs a top-k workspace");
   const SelectGrid g = SelectGridOf(a, info);
-  DecodeStepArgs s = a;
-  s.scoring = SelectScoring::kSparcas;
   const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / std::max(a.hip.bk, 1), kHipMaxNodes));
   KVF_CHECK_ARG(a.meta != nullptr && a.sparcas.state != nullptr && a.sparcas.dims != nullptr &&
                     a.hip.state != nullptr && a.hip.blocks != nullptr && a.hip.bk >= 1 &&
@@ -490,7 +486,7 @@ Status HipSelectCuda(const void* args, const LaunchInfo& info, void* stream_ptr)
                 "hip.query), or a budget_cap of ",
                 a.budget_cap, " at bk ", a.hip.bk, " over ", std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes),
                 " nodes");
-  KVF_RETURN_IF_ERROR(LaunchSparcasRows(s, g, stream));
+  KVF_RETURN_IF_ERROR(LaunchSparcasRows(a, g, stream));
   const size_t smem = HipMaskSmem(std::max(kn_cap, 1), a.params.group, a.params.head_dim);
   if (smem > 48 * 1024) {
     KVF_CUDA_CHECK(cudaFuncSetAttribute(HipMaskKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -505,7 +501,7 @@ Status HipDeferredCuda(const void* args, const LaunchInfo& info, void* stream_pt
   (void)info;
   const DecodeStepArgs& a = *static_cast<const DecodeStepArgs*>(args);
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  if (a.scoring != SelectScoring::kHip || a.hip.lag == 0 || a.layer < HipDenseOf(a)) {
+  if (a.hip.lag == 0 || a.layer < HipDenseOf(a)) {
     return Status::Ok();
   }
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;

@@ -10,6 +10,7 @@
 #include "base/offload_split.h"
 #include "policies/device_selector.h"
 #include "policies/kvpop/select.h"
+#include "policies/kvpop/kvpop.h"
 
 namespace kvferry::detail {
 namespace {
@@ -23,7 +24,6 @@ class KvpopSelector final : public DeviceSelector {
     k_.hidden = policy.device_select_params(shape.model.head_dim).kvpop_hidden;
     k_.cap = std::max<int64_t>(shape.item_cap, 1);
   }
-  SelectScoring scoring() const override { return SelectScoring::kKvpop; }
 
   Status Size(std::vector<SelectorBuffer>& buffers) const override {
     const ModelShape& m = shape_.model;
@@ -64,7 +64,10 @@ class KvpopSelector final : public DeviceSelector {
   }
 
   const DeviceKernel& select_kernel() const override { return kKvpopSelect; }
-  void Fill(DecodeStepArgs& a) const override { a.kvpop = k_; }  // catchup 0: BeforeSelect's
+  void Fill(DecodeStepArgs& a) const override {
+    a.ranks = SelectRanks::kOffloaded;  // its kernel writes the list; CheckSelectArgs reads it
+    a.kvpop = k_;                        // catchup 0: BeforeSelect's
+  }
   // The slots' state advances at every step: a layer that takes the previous one's list ranks.
   bool ranking_skippable() const override { return false; }
   // The catch-up scored by a grid over the GPU (KvpopScoreKernel) when a prompt was stored since
@@ -103,8 +106,13 @@ class KvpopSelector final : public DeviceSelector {
 
 }  // namespace
 
-std::unique_ptr<DeviceSelector> MakeKvpopSelector(const Policy& policy, const SelectorShape& shape) {
-  return std::make_unique<KvpopSelector>(policy, shape);
+}  // namespace kvferry::detail
+
+namespace kvferry {
+
+std::unique_ptr<detail::DeviceSelector> KvpopPolicy::MakeDeviceSelector(const detail::SelectorShape& shape) const {
+  if (params_.device == 0) return nullptr;  // the host selects
+  return std::make_unique<detail::KvpopSelector>(*this, shape);
 }
 
-}  // namespace kvferry::detail
+}  // namespace kvferry

@@ -136,9 +136,8 @@ class KvpopPolicy final : public Policy {
 
   [[nodiscard]] std::string_view name() const override { return "kvpop"; }
   [[nodiscard]] Placement placement() const override { return Placement::kGpu; }
-  [[nodiscard]] SelectScoring device_scoring() const override {
-    return params_.device != 0 ? SelectScoring::kKvpop : SelectScoring::kNone;
-  }
+  [[nodiscard]] std::unique_ptr<detail::DeviceSelector> MakeDeviceSelector(
+      const detail::SelectorShape& shape) const override;
   [[nodiscard]] bool wants_prefill_queries() const override {
     return params_.scorer == 2 || params_.decay == 1;
   }

@@ -12,13 +12,12 @@ constexpr DeviceKernel kExactSelect{"oracle select", KVF_CUDA_FN(cuda::ExactSele
 class ExactTopKSelector final : public DeviceSelector {
  public:
   explicit ExactTopKSelector(const SelectorShape& shape) : DeviceSelector(shape) {}
-  SelectScoring scoring() const override { return SelectScoring::kExactTopK; }
   Status Size(std::vector<SelectorBuffer>&) const override { return Status::Ok(); }
   Status Bind(std::span<void* const>, Device& device, StreamHandle) override {
     device_ = &device;
     return Status::Ok();
   }
-  void Fill(DecodeStepArgs&) const override {}
+  void Fill(DecodeStepArgs& a) const override { a.ranks = SelectRanks::kPositions; }
   const DeviceKernel& select_kernel() const override { return kExactSelect; }
   // Every key of the item.
   int64_t KeyBytes(int64_t n, int64_t, int) const override {
@@ -28,7 +27,7 @@ class ExactTopKSelector final : public DeviceSelector {
 
 }  // namespace
 
-std::unique_ptr<DeviceSelector> MakeExactTopKSelector(const Policy&, const SelectorShape& shape) {
+std::unique_ptr<DeviceSelector> MakeExactTopKSelector(const SelectorShape& shape) {
   return std::make_unique<ExactTopKSelector>(shape);
 }
 

@@ -4,6 +4,7 @@
 // builds only) and on the host (select_host.cpp).
 
 #include <cstdint>
+#include <memory>
 
 #include "base/attn_types.h"
 #include "gpu/device.h"
@@ -15,6 +16,10 @@ Status ExactSelectCuda(const void* args, const LaunchInfo& info, void* stream);
 }  // namespace kvferry::cuda
 
 namespace kvferry::detail {
+class DeviceSelector;
+struct SelectorShape;
+/// The oracle's selector (device_selector.cpp): no state between steps.
+std::unique_ptr<DeviceSelector> MakeExactTopKSelector(const SelectorShape& shape);
 /// The host twin of ExactSelectCuda.
 Status ExactSelectHost(const void* args);
 }  // namespace kvferry::detail

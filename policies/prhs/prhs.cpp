@@ -3,6 +3,8 @@
 // Decisions where the paper is ambiguous are in docs/prhs.md.
 #include "policies/prhs/prhs.h"
 
+#include "policies/device_selector.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -279,11 +281,11 @@ class PsawPolicy final : public WrapperBase {
   // same way (DecodeStepArgs::hide_fraction), so the step stays on the GPU (and capture-safe).
   // Not around an inner that reuses the previous layer's list (psaw+xl+...): the device's list
   // of that layer would be the filtered one, where the host's xl+ keeps its own unfiltered set.
-  SelectScoring device_scoring() const override {
+  std::unique_ptr<detail::DeviceSelector> MakeDeviceSelector(const detail::SelectorShape& shape) const override {
     for (int l = 0; l < num_layers_; ++l) {
-      if (inner_policy().device_reuses_previous_layer(l)) return SelectScoring::kNone;
+      if (inner_policy().device_reuses_previous_layer(l)) return nullptr;
     }
-    return inner_policy().device_scoring();
+    return inner_policy().MakeDeviceSelector(shape);
   }
   DeviceSelectParams device_select_params(int head_dim) const override {
     return inner_policy().device_select_params(head_dim);
@@ -343,7 +345,9 @@ class XlPolicy final : public WrapperBase, public XlPredictor {
 
   // Around a device-selecting policy the device shares the list itself (RuntimeImpl's decode
   // step copies layer l - 1's list of the same step), so the step stays on the GPU.
-  SelectScoring device_scoring() const override { return inner_policy().device_scoring(); }
+  std::unique_ptr<detail::DeviceSelector> MakeDeviceSelector(const detail::SelectorShape& shape) const override {
+    return inner_policy().MakeDeviceSelector(shape);
+  }
   DeviceSelectParams device_select_params(int head_dim) const override {
     return inner_policy().device_select_params(head_dim);
   }

@@ -8,6 +8,7 @@
 #include "base/offload_split.h"
 #include "policies/device_selector.h"
 #include "policies/quest/select.h"
+#include "policies/quest/quest.h"
 
 namespace kvferry::detail {
 namespace {
@@ -23,7 +24,6 @@ class QuestSelector final : public DeviceSelector {
         page_(policy.device_select_params(shape.model.head_dim).page_tokens) {
     pages_ = page_ >= 1 ? (shape.max_tokens + page_ - 1) / page_ : 0;
   }
-  SelectScoring scoring() const override { return SelectScoring::kQuestPages; }
 
   Status Size(std::vector<SelectorBuffer>& buffers) const override {
     KVF_CHECK_ARG(page_ >= 1, "policy '", name_, "': page of ", page_, " tokens");
@@ -60,6 +60,7 @@ class QuestSelector final : public DeviceSelector {
 
   const DeviceKernel& select_kernel() const override { return kQuestSelect; }
   void Fill(DecodeStepArgs& a) const override {
+    a.ranks = SelectRanks::kPages;
     a.meta = meta_;
     a.meta_pages = pages_;
     a.meta_page = page_;
@@ -83,8 +84,12 @@ class QuestSelector final : public DeviceSelector {
 
 }  // namespace
 
-std::unique_ptr<DeviceSelector> MakeQuestSelector(const Policy& policy, const SelectorShape& shape) {
-  return std::make_unique<QuestSelector>(policy, shape);
+}  // namespace kvferry::detail
+
+namespace kvferry {
+
+std::unique_ptr<detail::DeviceSelector> QuestPolicy::MakeDeviceSelector(const detail::SelectorShape& shape) const {
+  return std::make_unique<detail::QuestSelector>(*this, shape);
 }
 
-}  // namespace kvferry::detail
+}  // namespace kvferry

@@ -58,7 +58,8 @@ class QuestPolicy final : public Policy {
   [[nodiscard]] std::string_view name() const override { return "quest"; }
   [[nodiscard]] Placement placement() const override { return Placement::kGpu; }
   /// Inside a planned step the device keeps the page bounds and selects (kQuestPages).
-  [[nodiscard]] SelectScoring device_scoring() const override { return SelectScoring::kQuestPages; }
+  [[nodiscard]] std::unique_ptr<detail::DeviceSelector> MakeDeviceSelector(
+      const detail::SelectorShape& shape) const override;
   [[nodiscard]] DeviceSelectParams device_select_params(int) const override {
     DeviceSelectParams d;
     d.page_tokens = params_.page;

@@ -6,6 +6,7 @@
 #include "base/check.h"
 #include "base/offload_split.h"
 #include "policies/sparcas/select.h"
+#include "policies/sparcas/sparcas.h"
 
 namespace kvferry::detail {
 
@@ -64,6 +65,7 @@ constexpr DeviceKernel kSparcasSelect{"sparcas select", KVF_CUDA_FN(cuda::Sparca
 const DeviceKernel& SparcasSelector::select_kernel() const { return kSparcasSelect; }
 
 void SparcasSelector::Fill(DecodeStepArgs& a) const {
+  a.ranks = SelectRanks::kOffloaded;
   a.meta = meta_;
   a.meta_pages = shape_.max_tokens;
   a.sparcas = dp_.sparcas;
@@ -81,8 +83,12 @@ int64_t SparcasSelector::KeyBytes(int64_t n, int64_t budget, int layer) const {
   return CompactKeyBytes(n, layer, s.k_off > 0 && !s.all);
 }
 
-std::unique_ptr<DeviceSelector> MakeSparcasSelector(const Policy& policy, const SelectorShape& shape) {
-  return std::make_unique<SparcasSelector>(policy, shape);
+}  // namespace kvferry::detail
+
+namespace kvferry {
+
+std::unique_ptr<detail::DeviceSelector> SparcasPolicy::MakeDeviceSelector(const detail::SelectorShape& shape) const {
+  return std::make_unique<detail::SparcasSelector>(*this, shape);
 }
 
-}  // namespace kvferry::detail
+}  // namespace kvferry

@@ -14,7 +14,6 @@ namespace kvferry::detail {
 class SparcasSelector : public DeviceSelector {
  public:
   SparcasSelector(const Policy& policy, const SelectorShape& shape);
-  SelectScoring scoring() const override { return SelectScoring::kSparcas; }
   Status Size(std::vector<SelectorBuffer>& buffers) const override;
   Status Bind(std::span<void* const> buffers, Device& device, StreamHandle stream) override;
   Status Reset(int slot, StreamHandle stream) override;

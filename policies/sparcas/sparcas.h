@@ -94,7 +94,8 @@ class SparcasPolicy final : public Policy {
   [[nodiscard]] std::string_view name() const override { return "sparcas"; }
   [[nodiscard]] Placement placement() const override { return Placement::kGpu; }
   /// Inside a planned step the device keeps the compact keys and selects (kSparcas).
-  [[nodiscard]] SelectScoring device_scoring() const override { return SelectScoring::kSparcas; }
+  [[nodiscard]] std::unique_ptr<detail::DeviceSelector> MakeDeviceSelector(
+      const detail::SelectorShape& shape) const override;
   [[nodiscard]] DeviceSelectParams device_select_params(int head_dim) const override {
     DeviceSelectParams d;
     d.sparcas.db = SparcasDb(params_, head_dim);
