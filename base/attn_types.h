@@ -110,7 +110,7 @@ struct StoreTable {
   int32_t page_tokens = 256;
 };
 
-/// Page bounds of a KV head (SelectScoring::kQuestPages): page p's element-wise min row then max
+/// Page bounds of a KV head (Quest, policies/quest/select.cu): page p's element-wise min row then max
 /// row, head_dim elements each in the KV dtype, at meta + (t * meta_pages + p) * 2 * row_bytes for
 /// t = (slot * num_layers + layer) * num_kv_heads + h.
 struct PageBoundsArgs {
@@ -228,7 +228,7 @@ struct HipStepArgs {
   /// instead of the mask: its exact top-k below sparcas.dense_layers, its 4-bit top-k over every
   /// dimension from there (HiP's `dense_bits` 4: sparcas.dense_layers 0).
   int32_t dense_layers = 0;
-  /// 1: a due rebuild is built beside the step (CUDA: DecodeSelectDeferred on a side stream) and
+  /// 1: a due rebuild is built beside the step (CUDA: HiP's deferred kernel on the selector's side stream) and
   /// used from the item's next ranked step; 0: built in the step that finds it due.
   int32_t lag = 0;
   /// HiP's `drift` (0: off): a ranked step whose query's cosine to the one the item's mask was
@@ -312,7 +312,7 @@ struct DecodeStepArgs {
   StoreTable store;
 
   /// kList: [batch * num_kv_heads, list_cap] positions and [batch * num_kv_heads] counts (device
-  /// memory), written by DecodeSelect, read by DecodeStep.
+  /// memory), written by the selection (DeviceSelector::Select), read by DecodeStep.
   int32_t* list = nullptr;
   int32_t* list_count = nullptr;
   int64_t list_cap = 0;
@@ -326,14 +326,14 @@ struct DecodeStepArgs {
   /// After the scoring: positions [sink, floor(hide_fraction * n)) are dropped from each item's
   /// list and the list refilled (PrHS's depth window; base/psaw.h's PsawFilterList); 0: none.
   double hide_fraction = 0.0;
-  /// DecodeSelect keeps the scoring's device metadata current (SparCas's dimensions and compact
+  /// The selection keeps the scoring's device metadata current (SparCas's dimensions and compact
   /// rows, Quest's page bounds) but ranks nothing and leaves list and list_count as they are, for a
   /// caller that overwrites them (xl+'s copy of the previous layer's list). Only for a selector whose
   /// ranking advances no state (DeviceSelector::ranking_skippable; HiP's mask and KVpop's slots
   /// are state their selection advances). The CUDA kernels honour it; the host twins still rank, and their
   /// list is overwritten the same way, so the two backends' lists and outputs stay equal.
   bool select_skip_ranking = false;
-  /// kQuestPages: the page bounds (see PageBoundsArgs) and tokens per page.
+  /// Quest: the page bounds (see PageBoundsArgs) and tokens per page.
   /// kSparcas: item (slot, layer, h)'s compact keys (KV dtype) at element SparcasCompactOffset of
   /// meta, meta_pages positions of SparcasDimsOf elements each (row j holds key j's chosen
   /// dimensions, ascending); its chosen dimensions at sparcas.dims + t * head_dim.

@@ -3,7 +3,7 @@
 // Where a KV head's positions lie at one step: the resident sinks and window, and the offloaded
 // range between them from which a sparse policy picks. The policies (policies/select_util.h), the
 // host backend's device-selection twin (cpu/decode_step.cpp) and the runtime's row counts share it;
-// gpu/decode_select.cu's QuestSplitOf is its CUDA form.
+// gpu/select_kernels.cuh's ItemSplitOf is its CUDA form.
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,7 @@
 // Copyright kvferry authors. Apache-2.0.
 #pragma once
 // PrHS's depth window (PSAW) applied to a finished selection: shared by the psaw+ wrapper's host
-// Select (policies/prhs/prhs.cpp), the host reference of the device's selection (cpu::DecodeSelect) and
+// Select (policies/prhs/prhs.cpp), the host twins of the device's selection (cpu::ForEachSelectItem) and
 // the CUDA kernel after it (gpu/decode_select.cu), so that the three select the same positions.
 
 #include <algorithm>

@@ -31,7 +31,7 @@ struct SelectItem {
 /// (a.hide_fraction).
 void ForEachSelectItem(const DecodeStepArgs& a, const std::function<int64_t(const SelectItem&)>& rank);
 
-/// An item's split at this step (base/offload_split.h; QuestSplitOf on the GPU).
+/// An item's split at this step (base/offload_split.h; gpu/select_kernels.cuh's ItemSplitOf on the GPU).
 inline OffloadSplit ItemSplitOf(const DecodeStepArgs& a, int64_t n) {
   return SplitPositions(n, a.sink, a.window, StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n));
 }

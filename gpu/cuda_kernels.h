@@ -47,10 +47,7 @@ Status LaunchSplitStepList(const DecodeStepArgs& step, const SplitListArgs& spli
 /// a warp a list entry, a few CTAs an item.
 Status LaunchPrefetchListRows(const DecodeStepArgs& next, const LaunchInfo& info, cudaStream_t stream);
 
-/// The selection of a planned decode step (DecodeStepArgs::scoring) into args.list/list_count:
-/// kExactTopK scores every key (resident, host store zero-copy, the new token from the input),
-/// a softmax per query head summed over the group, an exact top-k per item (ties to the lower
-/// position), ascending. Everything per step is read on the device: graph-capturable.
+/// The paths of the selection's top-k (LaunchSelectTopK).
 enum class SelectTopKPath : int32_t {
   kAuto = 0,      ///< multi-CTA for items ranking >= kSelectMctaMinKeys scores (when
                   ///< select_mcta_ws is set), one CTA per item for the others; outside graph
@@ -61,17 +58,17 @@ enum class SelectTopKPath : int32_t {
   kMultiCtaPerPass = 3,  ///< as kMultiCta, always a launch a pass (never the fused kernel)
 };
 
-/// The ranking stage of LaunchDecodeSelect alone: the logits (kExactTopK, kSparcas: log2 domain)
-/// or page upper bounds (kQuestPages) are already in args.select_ws ([item][group][select_ld]);
-/// writes args.list/list_count exactly as LaunchDecodeSelect does (row 0 of each item's scratch is
-/// overwritten). For tests and benchmarks of the two top-k paths; graph-capturable. stats_parts >
+/// The ranking stage of a selection (args.ranks, see SelectRanks): the logits (log2 domain) or
+/// page scores are already in args.select_ws ([item][group][select_ld]); writes
+/// args.list/list_count (row 0 of each item's scratch is overwritten). Everything per step is read
+/// on the device: graph-capturable. The policies' selections call it after their scoring; tests
+/// and benchmarks call it alone for the two top-k paths. stats_parts >
 /// 0: the scoring already wrote that many partial (max, sum) pairs a query head into each item's
 /// multi-CTA scratch and zeroed its histograms (SparCas's 4-bit scoring can, though the runtime
 /// keeps it off), so the multi-CTA path skips its statistics pass.
 Status LaunchSelectTopK(const DecodeStepArgs& args, const LaunchInfo& info, SelectTopKPath path,
                         cudaStream_t stream, int32_t stats_parts = 0);
 
-/// Quest page bounds of a prefill chunk's pages (see PageBoundsArgs), from the host store.
 /// The selection's building blocks (gpu/decode_select.cu) the policies' selections call
 /// (policies/*/select.cu).
 /// The checks every selection makes of its arguments (kInvalidArgument naming what is wrong).

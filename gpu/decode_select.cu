@@ -86,9 +86,9 @@ __device__ void GroupWeightsTopK(float* l, int64_t ld, int group, int64_t n, int
 // positions are taken, their positions written to out[s.sinks, ...) ascending. Returns the count
 // taken (every thread). sel and offs (sort_n ints) in shared memory; every thread of the CTA
 // (kTopKThreads of them) calls. The walk and the offsets are block scans (four entries a thread):
-// a serial walk by one thread took about half of the 38 us MctaQuestListKernel spent a layer at
+// a serial walk by one thread took about half of the 38 us MctaPagesListKernel spent a layer at
 // 8K pages.
-__device__ int64_t QuestTakePages(const DecodeStepArgs& a, const QuestSplit& s,
+__device__ int64_t TakePages(const DecodeStepArgs& a, const ItemSplit& s,
                                   unsigned long long* sel, int32_t* offs, int sort_n, int64_t want,
                                   int32_t* out) {
   constexpr int kPer = kTopKSmemItems / kTopKThreads;
@@ -157,7 +157,7 @@ __device__ int64_t QuestTakePages(const DecodeStepArgs& a, const QuestSplit& s,
 
 // A CTA per item: group page scores over row g = 0, the best pages, the list (sinks, pages'
 // positions ascending, window).
-__global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a, int64_t mcta_min) {
+__global__ void __launch_bounds__(kTopKThreads) PagesTopKKernel(DecodeStepArgs a, int64_t mcta_min) {
   extern __shared__ unsigned long long sort_smem[];
   __shared__ float red[kTopKThreads / 32];
   const int32_t item = blockIdx.x;
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a
   const int32_t b = item / a.num_kv_heads;
   const int group = a.params.group;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const QuestSplit s = QuestSplitOf(a, n);
+  const ItemSplit s = ItemSplitOf(a, n);
   int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
   if (WriteListHead(a, item, s, n, out)) return;
   int64_t taken = 0;
@@ -185,12 +185,12 @@ __global__ void __launch_bounds__(kTopKThreads) QuestTopKKernel(DecodeStepArgs a
       l[p] = sc;
     }
     __syncthreads();
-    const int64_t want = QuestWant(a, s);
+    const int64_t want = PagesWanted(a, s);
     int sort_n = 1;
     while (sort_n < want) sort_n <<= 1;
     unsigned long long* sel = sort_smem;
     TopKSelect(l, s.np, static_cast<int>(want), sort_n, sel);
-    taken = QuestTakePages(a, s, sel, reinterpret_cast<int32_t*>(sort_smem + sort_n), sort_n, want,
+    taken = TakePages(a, s, sel, reinterpret_cast<int32_t*>(sort_smem + sort_n), sort_n, want,
                            out);
   }
   WriteListTail(a, item, s.sinks, s.off_hi, n, taken, out);
@@ -213,9 +213,9 @@ __global__ void __launch_bounds__(kTopKThreads) WeightsTopKKernel(DecodeStepArgs
   const int32_t b = item / a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
-  QuestSplit sp{};
+  ItemSplit sp{};
   if constexpr (kSplit) {
-    sp = QuestSplitOf(a, n);
+    sp = ItemSplitOf(a, n);
     if (WriteListHead(a, item, sp, n, out)) return;
   } else {  // the whole range is ranked
     sp.off_hi = n;
@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(kTopKThreads) WeightsTopKKernel(DecodeStepArgs
 //      every key > T and the first (by position) keys == T, so the list comes out ascending with
 //      the ties of TopKSelect (value descending, lower position first, NaN as -inf). Quest writes
 //      its winning pages to the scratch and MctaQuestList (a CTA per item, at most
-//      kSelectMctaMaxPicks pages) sorts them by score and walks them as QuestTopKKernel does.
+//      kSelectMctaMaxPicks pages) sorts them by score and walks them as PagesTopKKernel does.
 // The softmax sum is added in another order than the one-CTA kernel's, so the weights can differ
 // from it in the last bit: lists differ only where two weights are within that of each other at
 // the k-th place (as the host backend's lists already may).
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(kTopKThreads) WeightsTopKKernel(DecodeStepArgs
 constexpr int kMctaThreads = 512;
 // Dynamic shared memory above which a Quest list kernel opts in to more (static + dynamic must
 // stay under 48 KiB otherwise).
-constexpr size_t kQuestSmemOptIn = 40 * 1024;
+constexpr size_t kPagesSmemOptIn = 40 * 1024;
 
 // An item's multi-CTA scratch (SelectMctaItemWords words).
 // This CTA's chunk [begin, end) of [0, count): whole tiles of positions, so that every warp of a
@@ -382,7 +382,7 @@ struct WeightRow {
 
 // 1. Per query head the (max, sum of exp2(l - max)) of this CTA's chunk of [0, it.n) (Quest: the
 // max) into ws.stats; CTA 0 zeroes the item's histograms.
-template <bool kQuest>
+template <bool kPaged>
 __device__ void MctaStatsPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws) {
   const int32_t item = blockIdx.x;
   if (blockIdx.y == 0) {
@@ -412,7 +412,7 @@ __device__ void MctaStatsPass(const DecodeStepArgs& a, const TopKItem& it, const
       for (int gg = 0; gg < kStatsHeads; ++gg) {
 #pragma unroll
         for (int u = 0; u < kMctaVec; ++u) {
-          if (kQuest) {
+          if (kPaged) {
             m[gg] = fmaxf(m[gg], v[gg][u]);
           } else {
             SoftmaxAdd(m[gg], s[gg], v[gg][u]);
@@ -420,7 +420,7 @@ __device__ void MctaStatsPass(const DecodeStepArgs& a, const TopKItem& it, const
         }
       }
     }
-    WriteSoftmaxPartials<kMctaThreads, kStatsHeads, kQuest>(m, s, g0, group, ws.stats);
+    WriteSoftmaxPartials<kMctaThreads, kStatsHeads, kPaged>(m, s, g0, group, ws.stats);
   }
 }
 
@@ -428,7 +428,7 @@ __device__ void MctaStatsPass(const DecodeStepArgs& a, const TopKItem& it, const
 // kernel's), writes the group's summed weight (Quest: max_g (ub_g - max ub_g)) of this CTA's
 // chunk of the ranked range into w (and into `also` when not null), and adds the top byte of each
 // weight's OrderedKey to histogram 0.
-template <bool kQuest>
+template <bool kPaged>
 __device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
                                 WeightRow w, float* also, int parts) {
   using Reduce = cub::BlockReduce<float, kMctaThreads>;
@@ -448,7 +448,7 @@ __device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, con
     if (threadIdx.x == 0) m_s[g] = m;
     __syncthreads();  // m_s[g] visible; red_tmp free again
     float s = 0.0f;
-    if (!kQuest) {
+    if (!kPaged) {
       m = m_s[g];
       for (int y = threadIdx.x; y < parts; y += blockDim.x) {
         if (st[y].x != -INFINITY) s += st[y].y * exp2f(st[y].x - m);
@@ -465,7 +465,7 @@ __device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, con
     const int64_t jt = TileFirst(j0);
     float wt[kMctaVec];
 #pragma unroll
-    for (int u = 0; u < kMctaVec; ++u) wt[u] = kQuest ? -INFINITY : 0.0f;
+    for (int u = 0; u < kMctaVec; ++u) wt[u] = kPaged ? -INFINITY : 0.0f;
 #pragma unroll 4
     for (int g = 0; g < group; ++g) {
       const float* lg = l + static_cast<size_t>(g) * a.select_ld;
@@ -473,7 +473,7 @@ __device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, con
       LoadTile(lg, jt, c.end, 0.0f, x);
 #pragma unroll
       for (int u = 0; u < kMctaVec; ++u) {
-        if (kQuest) {
+        if (kPaged) {
           wt[u] = fmaxf(wt[u], x[u] - m_s[g]);
         } else {
           wt[u] += exp2f(x[u] - m_s[g]) * inv_s[g];
@@ -544,7 +544,7 @@ __device__ void MctaCountPass(const DecodeStepArgs& a, const TopKItem& it, const
 
 // 5. This CTA's offset from the counts of the chunks before it, then an ordered pass that writes
 // every key > T and the first (by position) keys == T.
-template <bool kQuest>
+template <bool kPaged>
 __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
                               WeightRow w) {
   using Scan = cub::BlockScan<int, kMctaThreads>;
@@ -570,8 +570,8 @@ __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const
   const int32_t b = item / a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   int64_t sinks = 0, off_hi = n;
-  if (!kQuest && a.ranks == SelectRanks::kOffloaded) {
-    const QuestSplit sp = QuestSplitOf(a, n);
+  if (!kPaged && a.ranks == SelectRanks::kOffloaded) {
+    const ItemSplit sp = ItemSplitOf(a, n);
     sinks = sp.sinks;
     off_hi = sp.off_hi;
   }
@@ -610,7 +610,7 @@ __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const
     for (int u = 0; u < kMctaVec; ++u) {
       if (sel_mask & (1u << u)) {
         const int64_t j = jt + u;
-        if (kQuest) {
+        if (kPaged) {
           ws.picks[out_base + rank] = static_cast<int32_t>(j);
         } else {
           list[sinks + out_base + rank] = static_cast<int32_t>(it.lo + j);
@@ -622,7 +622,7 @@ __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const
     eq_base += eq_total;
     __syncthreads();
   }
-  if constexpr (!kQuest) {
+  if constexpr (!kPaged) {
     if (blockIdx.y != 0) return;
     // CTA 0 writes the rest of the list: SparCas's sinks and window, and the count.
     for (int64_t i = threadIdx.x; i < sinks; i += blockDim.x) list[i] = static_cast<int32_t>(i);
@@ -635,17 +635,17 @@ __device__ __forceinline__ WeightRow Row0Of(const DecodeStepArgs& a, const TopKI
 }
 
 // The per-pass kernels: one launch a pass, the weights in row 0 of the workspace.
-template <bool kQuest>
+template <bool kPaged>
 __global__ void __launch_bounds__(kMctaThreads) MctaStatsKernel(DecodeStepArgs a, int64_t mcta_min) {
   const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
-  if (it.mcta) MctaStatsPass<kQuest>(a, it, MctaScratchOf(a, blockIdx.x));
+  if (it.mcta) MctaStatsPass<kPaged>(a, it, MctaScratchOf(a, blockIdx.x));
 }
 
-template <bool kQuest>
+template <bool kPaged>
 __global__ void __launch_bounds__(kMctaThreads) MctaWeightsKernel(DecodeStepArgs a, int64_t mcta_min,
                                                                   int parts) {
   const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
-  if (it.mcta) MctaWeightsPass<kQuest>(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it), nullptr, parts);
+  if (it.mcta) MctaWeightsPass<kPaged>(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it), nullptr, parts);
 }
 
 __global__ void __launch_bounds__(kMctaThreads) MctaRadixKernel(DecodeStepArgs a, int64_t mcta_min,
@@ -659,10 +659,10 @@ __global__ void __launch_bounds__(kMctaThreads) MctaCountKernel(DecodeStepArgs a
   if (it.mcta) MctaCountPass(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it));
 }
 
-template <bool kQuest>
+template <bool kPaged>
 __global__ void __launch_bounds__(kMctaThreads) MctaWriteKernel(DecodeStepArgs a, int64_t mcta_min) {
   const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
-  if (it.mcta) MctaWritePass<kQuest>(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it));
+  if (it.mcta) MctaWritePass<kPaged>(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it));
 }
 
 // The fused kernel's barrier among an item's CTAs: barrier i (from 1) of a launch waits until
@@ -688,7 +688,7 @@ __device__ __forceinline__ void ItemBarrier(unsigned* counter, unsigned target) 
 // row 0, where MctaQuestList reads its winners' scores. stats_parts > 0: the scoring kernel left
 // that many partial statistics a head and zeroed the histograms, so the statistics pass and its
 // barrier are skipped.
-template <bool kQuest>
+template <bool kPaged>
 __global__ void __launch_bounds__(kMctaThreads, 2) MctaFusedKernel(DecodeStepArgs a, int64_t mcta_min,
                                                                    int stats_parts) {
   extern __shared__ float fused_w[];
@@ -698,12 +698,12 @@ __global__ void __launch_bounds__(kMctaThreads, 2) MctaFusedKernel(DecodeStepArg
   unsigned* bar = MctaBarrierOf(a, blockIdx.x);
   unsigned arrivals = 0;
   const WeightRow w{fused_w, ChunkOf(it.count).begin};
-  if (kQuest) stats_parts = 0;  // Quest's bounds have no statistics from their scoring
+  if (kPaged) stats_parts = 0;  // Quest's bounds have no statistics from their scoring
   if (stats_parts == 0) {
-    MctaStatsPass<kQuest>(a, it, ws);
+    MctaStatsPass<kPaged>(a, it, ws);
     ItemBarrier(bar, arrivals += gridDim.y);
   }
-  MctaWeightsPass<kQuest>(a, it, ws, w, kQuest ? Row0Of(a, it).p : nullptr,
+  MctaWeightsPass<kPaged>(a, it, ws, w, kPaged ? Row0Of(a, it).p : nullptr,
                           stats_parts == 0 ? static_cast<int>(gridDim.y) : stats_parts);
   ItemBarrier(bar, arrivals += gridDim.y);
   for (int pass = 1; pass < 4; ++pass) {
@@ -712,12 +712,12 @@ __global__ void __launch_bounds__(kMctaThreads, 2) MctaFusedKernel(DecodeStepArg
   }
   MctaCountPass(a, it, ws, w);
   ItemBarrier(bar, arrivals += gridDim.y);
-  MctaWritePass<kQuest>(a, it, ws, w);
+  MctaWritePass<kPaged>(a, it, ws, w);
 }
 
 // A CTA per item: the multi-CTA Quest winners (ascending pages in the scratch) ranked by score,
-// then walked into the list as QuestTopKKernel does.
-__global__ void __launch_bounds__(kTopKThreads) MctaQuestListKernel(DecodeStepArgs a, int64_t mcta_min) {
+// then walked into the list as PagesTopKKernel does.
+__global__ void __launch_bounds__(kTopKThreads) MctaPagesListKernel(DecodeStepArgs a, int64_t mcta_min) {
   extern __shared__ unsigned long long sort_smem[];
   const int32_t item = blockIdx.x;
   const TopKItem it = TopKItemOf(a, item, mcta_min);
@@ -725,7 +725,7 @@ __global__ void __launch_bounds__(kTopKThreads) MctaQuestListKernel(DecodeStepAr
   const MctaScratch ws = MctaScratchOf(a, item);
   const int32_t b = item / a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const QuestSplit s = QuestSplitOf(a, n);
+  const ItemSplit s = ItemSplitOf(a, n);
   const float* l = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
   int sort_n = 1;
   while (sort_n < it.k) sort_n <<= 1;
@@ -741,7 +741,7 @@ __global__ void __launch_bounds__(kTopKThreads) MctaQuestListKernel(DecodeStepAr
   BitonicSortBlock(sel, sort_n);
   int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
   for (int64_t i = threadIdx.x; i < s.sinks; i += blockDim.x) out[i] = static_cast<int32_t>(i);
-  const int64_t taken = QuestTakePages(a, s, sel, reinterpret_cast<int32_t*>(sort_smem + sort_n),
+  const int64_t taken = TakePages(a, s, sel, reinterpret_cast<int32_t*>(sort_smem + sort_n),
                                        sort_n, it.k, out);
   WriteListTail(a, item, s.sinks, s.off_hi, n, taken, out);
 }
@@ -759,7 +759,7 @@ size_t MctaFusedSmem(int64_t keys_cap, unsigned ctas) {
 
 // Launches the fused top-k when its grid can be co-resident on this device (cooperative launch,
 // capturable in a CUDA graph); *launched says whether it did (when not, the per-pass launches run).
-template <bool kQuest>
+template <bool kPaged>
 Status LaunchMctaFused(const DecodeStepArgs& a, int64_t mcta_min, dim3 grid, int64_t keys_cap,
                        int stats_parts, cudaStream_t stream, bool* launched) {
   *launched = false;
@@ -772,17 +772,17 @@ Status LaunchMctaFused(const DecodeStepArgs& a, int64_t mcta_min, dim3 grid, int
     int64_t blocks = 0;  // CTAs the device holds at once, 0 without cooperative launch
   };
   thread_local Fit fit[2];
-  Fit& f = fit[kQuest ? 1 : 0];
+  Fit& f = fit[kPaged ? 1 : 0];
   int device = 0;
   KVF_CUDA_CHECK(cudaGetDevice(&device));
   if (f.device != device || f.smem != smem) {
     int coop = 0, sms = 0, per_sm = 0;
     KVF_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
     KVF_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    KVF_CUDA_CHECK(cudaFuncSetAttribute(MctaFusedKernel<kQuest>,
+    KVF_CUDA_CHECK(cudaFuncSetAttribute(MctaFusedKernel<kPaged>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(kMctaFusedMaxSmem)));
-    KVF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, MctaFusedKernel<kQuest>,
+    KVF_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, MctaFusedKernel<kPaged>,
                                                                  kMctaThreads, smem));
     f.device = device;
     f.smem = smem;
@@ -799,7 +799,7 @@ Status LaunchMctaFused(const DecodeStepArgs& a, int64_t mcta_min, dim3 grid, int
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  KVF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, MctaFusedKernel<kQuest>, a, mcta_min, stats_parts));
+  KVF_CUDA_CHECK(cudaLaunchKernelEx(&cfg, MctaFusedKernel<kPaged>, a, mcta_min, stats_parts));
   *launched = true;
   return Status::Ok();
 }
@@ -848,13 +848,13 @@ Status LaunchMctaTopK(const DecodeStepArgs& a, int64_t mcta_min, unsigned ctas, 
     }
   }
   if (!quest) return Status::Ok();
-  if (quest_smem > kQuestSmemOptIn) {
-    KVF_CUDA_CHECK(cudaFuncSetAttribute(MctaQuestListKernel,
+  if (quest_smem > kPagesSmemOptIn) {
+    KVF_CUDA_CHECK(cudaFuncSetAttribute(MctaPagesListKernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(quest_smem)));
   }
-  MctaQuestListKernel<<<items, kTopKThreads, quest_smem, stream>>>(a, mcta_min);
-  KVF_CUDA_CHECK_LAUNCH(MctaQuestListKernel);
+  MctaPagesListKernel<<<items, kTopKThreads, quest_smem, stream>>>(a, mcta_min);
+  KVF_CUDA_CHECK_LAUNCH(MctaPagesListKernel);
   return Status::Ok();
 }
 
@@ -1001,13 +1001,13 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
                      : sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long)
                                                   : 0;
   if (quest) {
-    if (smem > kQuestSmemOptIn) {  // 4096 pages: 48 KiB besides the kernel's static shared memory
-      KVF_CUDA_CHECK(cudaFuncSetAttribute(QuestTopKKernel,
+    if (smem > kPagesSmemOptIn) {  // 4096 pages: 48 KiB besides the kernel's static shared memory
+      KVF_CUDA_CHECK(cudaFuncSetAttribute(PagesTopKKernel,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
     }
-    QuestTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(a, mcta_min);
-    KVF_CUDA_CHECK_LAUNCH(QuestTopKKernel);
+    PagesTopKKernel<<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(a, mcta_min);
+    KVF_CUDA_CHECK_LAUNCH(PagesTopKKernel);
   } else if (a.ranks == SelectRanks::kOffloaded) {
     WeightsTopKKernel<true><<<static_cast<unsigned>(items), kTopKThreads, smem, stream>>>(
         a, static_cast<int>(sort_cap), mcta_min);

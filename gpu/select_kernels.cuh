@@ -116,13 +116,13 @@ __device__ __forceinline__ const char* StoreKRow(const unsigned long long* pages
 // new_k (k_dtype, rounded to T) when set. The CTA's threads split the dimensions.
 
 // The offloaded range of an item (as policies/select_util's SplitPositions).
-struct QuestSplit {
+struct ItemSplit {
   int64_t sinks, off_lo, off_hi, k_off, p_lo, np;
   bool all;
 };
 
-__device__ __forceinline__ QuestSplit QuestSplitOf(const DecodeStepArgs& a, int64_t n) {
-  QuestSplit s;
+__device__ __forceinline__ ItemSplit ItemSplitOf(const DecodeStepArgs& a, int64_t n) {
+  ItemSplit s;
   s.sinks = min(max(static_cast<int64_t>(a.sink), int64_t{0}), n);
   s.off_lo = s.sinks;
   s.off_hi = max(s.sinks, n - max(a.window, 0));
@@ -138,7 +138,7 @@ __device__ __forceinline__ QuestSplit QuestSplitOf(const DecodeStepArgs& a, int6
 // every position when the split takes all (with the count: true, the list is done), else the
 // sinks ...
 __device__ __forceinline__ bool WriteListHead(const DecodeStepArgs& a, int32_t item,
-                                              const QuestSplit& s, int64_t n, int32_t* out) {
+                                              const ItemSplit& s, int64_t n, int32_t* out) {
   if (s.all) {
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = static_cast<int32_t>(i);
     if (threadIdx.x == 0) a.list_count[item] = static_cast<int32_t>(n);
@@ -160,7 +160,7 @@ __device__ __forceinline__ void WriteListTail(const DecodeStepArgs& a, int32_t i
 }
 
 // Pages a Quest item ranks (enough to fill k_off even when the first and last are cut).
-__device__ __forceinline__ int64_t QuestWant(const DecodeStepArgs& a, const QuestSplit& s) {
+__device__ __forceinline__ int64_t PagesWanted(const DecodeStepArgs& a, const ItemSplit& s) {
   return min(s.np, s.k_off / a.meta_page + 3);
 }
 
@@ -184,12 +184,12 @@ __device__ __forceinline__ TopKItem TopKItemOf(const DecodeStepArgs& a, int32_t 
     t.count = n;
     t.k = min(StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n), n);
   } else {
-    const QuestSplit s = QuestSplitOf(a, n);
+    const ItemSplit s = ItemSplitOf(a, n);
     if (s.all || s.k_off <= 0) return t;  // no ranking: the one-CTA kernel writes the list
     if (a.ranks == SelectRanks::kPages) {
       t.n = s.np;
       t.count = s.np;
-      t.k = QuestWant(a, s);
+      t.k = PagesWanted(a, s);
     } else {
       t.n = n;
       t.lo = s.off_lo;

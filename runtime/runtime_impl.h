@@ -397,7 +397,7 @@ class RuntimeImpl {
   void FillListArgs(DecodeLayer& s);  // kList mode's part and the device bank's view
   void CountStepRows(DecodeLayer& s);
   // select: q, k and v to the host where the host selects (InputsToHost), the shadow scan, the
-  // device's selection (SelectOnDevice: DecodeSelect, xl+'s copy of the previous layer's list) or
+  // device's selection (SelectOnDevice: the selector's kernel, xl+'s copy of the previous layer's list) or
   // the host's lists (UploadHostLists).
   Status SelectLayer(DecodeLayer& s);
   Status InputsToHost(DecodeLayer& s);

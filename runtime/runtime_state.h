@@ -294,7 +294,7 @@ struct CpuPart {
 };
 
 /// The scheduler's split of a device selection's misses (DeviceBufferSizes::split). RouteLayer
-/// (RunDecodeStep's route stage), route auto: after the layer's DecodeSelect, q goes down to
+/// (RunDecodeStep's route stage), route auto: after the layer's device selection, q goes down to
 /// io_.q_raw_host and SplitStepList partitions each item's list: its last SplitCpuRows(misses,
 /// q10) misses to the CPU (cpu_list, pinned, written by the device), the rest to the device's list
 /// (gpu_list), which the step attends into (io_.o_gpu, io_.lse_gpu); ready follows. The CPU share

@@ -36,7 +36,7 @@
 //  2. ConfDeviceSelection.EqualsHostSelect: host backend: a policy that selects on the device
 //     (Policy::MakeDeviceSelector, or sinks + recent computed in the step), on route gpu
 //     and auto (route cpu never selects on the device), runs the planned step whose selection is
-//     the device twin (cpu::DecodeSelect); a twin runtime with a token bank (16 slots) takes the
+//     the host twins of the device selection (policies/*/select_host.cpp); a twin runtime with a token bank (16 slots) takes the
 //     host path, where the policy's own Select chooses (the mechanism of runtime_plan_test.cpp's
 //     DeviceSelected). The positions attended (LastSelection) must be equal, outputs equal to 1e-5
 //     (the same rows, merged in another order). CUDA: the CUDA runtime against that host-Select

@@ -288,7 +288,7 @@ TEST_P(GpuSelectTopKTest, BothPathsEqualTheHostReference) {
 
 constexpr auto kOracle = SelectRanks::kPositions;
 constexpr auto kSparcas = SelectRanks::kOffloaded;
-constexpr auto kQuest = SelectRanks::kPages;
+constexpr auto kPaged = SelectRanks::kPages;
 
 INSTANTIATE_TEST_SUITE_P(
     Gpu, GpuSelectTopKTest,
@@ -316,12 +316,12 @@ INSTANTIATE_TEST_SUITE_P(
         TopKCase{kSparcas, 3, 3, 9000, 170, 4, 64, 64},
         TopKCase{kSparcas, 2, 4, 300, 50, 4, 64, 16},
         // Quest: pages of 16 (8192 pages at 128K), budgets to 4096 pages.
-        TopKCase{kQuest, 1, 4, 131072, 2558, 4, 64, 64},
-        TopKCase{kQuest, 4, 8, 131072, 2558, 4, 64, 16384},
-        TopKCase{kQuest, 2, 1, 131072, 1, 4, 64, 64},
-        TopKCase{kQuest, 2, 4, 131072, 60000, 4, 64, 16384},
-        TopKCase{kQuest, 3, 3, 70000, 1400, 4, 64, 64},
-        TopKCase{kQuest, 2, 4, 4099, 100, 4, 64, 16}),
+        TopKCase{kPaged, 1, 4, 131072, 2558, 4, 64, 64},
+        TopKCase{kPaged, 4, 8, 131072, 2558, 4, 64, 16384},
+        TopKCase{kPaged, 2, 1, 131072, 1, 4, 64, 64},
+        TopKCase{kPaged, 2, 4, 131072, 60000, 4, 64, 16384},
+        TopKCase{kPaged, 3, 3, 70000, 1400, 4, 64, 64},
+        TopKCase{kPaged, 2, 4, 4099, 100, 4, 64, 16}),
     [](const auto& info) { return CaseName(info.param); });
 
 // Bad arguments are errors, not launches.

@@ -909,7 +909,7 @@ TEST(SchedulerSplit, TheCostModelDecidesWhereTheShareIsWorthIt) {
 class DeviceSelected : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(DeviceSelected, EqualsTheHostPolicy) {
-  // The selection runs inside the planned step (Device::DecodeSelect; quest's page bounds kept by
+  // The selection runs inside the planned step (DeviceSelector::Select; quest's page bounds kept by
   // the device): the same positions as the policy's host Select (taken when a token bank is
   // configured) and the same outputs.
   // "hip": HiP's masks on the r_m clock alone (drift 0), a due one served from the next step

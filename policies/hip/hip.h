@@ -11,7 +11,7 @@
 //  - Scores (`bits`): 4 (the default for head_dim % 8 == 0) scores a representative token from
 //    its key as SparCas's 4-bit row over every dimension and the int8 query (base/hip_mask.h):
 //    exact integer dots, so the GPU computes the same mask from compact rows it keeps in device
-//    memory (SelectScoring::kHip, 68 bytes a token and KV head at head_dim 128) and the step
+//    memory (policies/hip/select.cu, 68 bytes a token and KV head at head_dim 128) and the step
 //    stays on the device; 16 scores from the stored keys in fp32 (the paper's; host selection).
 //  - First nodes (`align`): 1 (the default) runs of a power of two blocks at its multiples, as
 //    the public code aligns them: the tree stays put as n grows, so a rebuilt mask changes only

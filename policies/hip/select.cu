@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const QuestSplit sp = QuestSplitOf(a, n);
+  const ItemSplit sp = ItemSplitOf(a, n);
   int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
   if (WriteListHead(a, item, sp, n, out)) return;
   int64_t taken = 0;

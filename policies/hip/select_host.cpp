@@ -44,7 +44,7 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
                                            a.hip.r_m, a.hip.lag, drifted);
     int32_t built = 0;  // blocks of the mask built at this step
     if (action != HipAction::kKeep) {
-      // kRequest: CUDA builds it on a side stream from this step's query (DecodeSelectDeferred);
+      // kRequest: CUDA builds it on a side stream from this step's query (HipDeferredCuda);
       // here it is built at once into the other buffer and takes over at the next ranked step.
       thread_local std::vector<int32_t> mask;
       if (!drift) QuantizeQueryHeads(q, p.group, d, nullptr, d, &q8);

@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-// KVpop's device selection (SelectScoring::kKvpop): per item the long-range slots (position,
+// KVpop's device selection (select.cu): per item the long-range slots (position,
 // priority) of the largest budget, and every (layer, KV head)'s scorer (the policy's table,
 // uploaded at Bind). A token leaving the window is scored and competes for a slot.
 #include <algorithm>

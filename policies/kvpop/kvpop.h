@@ -35,7 +35,7 @@
 //    stays); among equal lowest priorities the highest position is evicted.
 //  - Weights file: PolicyConfig::weights_path (read at MakeKvpopPolicy), or loaded weights given
 //    to KvpopPolicy::Create (tests, embedders).
-//  - Where it selects: on the device by default ("device" = 1: SelectScoring::kKvpop; the slots,
+//  - Where it selects: on the device by default ("device" = 1: policies/kvpop/select.cu; the slots,
 //    priorities and the scorer's table in device memory, updated by the planned step's kernels,
 //    no host work, capture-safe); "device" = 0 keeps this host Select in the step. Both compute
 //    base/kvpop_score.h's priorities, so they keep the same tokens.
@@ -95,7 +95,7 @@ struct KvpopParams {
   double gamma_min = 0.999;     ///< "gamma_min" (used when the weights file sets none)
   double gamma_max = 0.999999;  ///< "gamma_max"
   double gamma = 0.998;         ///< "gamma": scorer 2's decay, log gamma a position
-  /// "device": 1 select on the device (SelectScoring::kKvpop), 0 on the host; -1 (unset): 1,
+  /// "device": 1 select on the device (policies/kvpop/select.cu), 0 on the host; -1 (unset): 1,
   /// except 0 for scorer 2 and decay 1 (which select on the host only)
   int device = -1;
   /// "decay": 0 the scorer's decay (the weights' per-head alpha, or "gamma"); 1 each (sequence,

@@ -275,7 +275,7 @@ __device__ int64_t KvpopKeepBest(const DecodeStepArgs& a, const KvpopItem& it, i
   return out_base;
 }
 
-// Grid (items), kKvpopThreads. See the file's comment and SelectScoring::kKvpop.
+// Grid (items), kKvpopThreads. See the file's comment and kvpop.h.
 template <typename T>
 __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStepArgs a) {
   __shared__ KvpopShared sh;

@@ -1,7 +1,7 @@
 // Copyright kvferry authors. Apache-2.0.
-// Quest's device selection (SelectScoring::kQuestPages): per page of page_tokens keys the
-// element-wise min and max (PageBoundsArgs), extended at each store of rows (Device::PageBounds)
-// and by DecodeSelect for the new token; the pages' bounds on q.k rank them.
+// Quest's device selection (select.cu): per page of page_tokens keys the element-wise min and
+// max (PageBoundsArgs), extended at each store of rows (its page-bounds kernel) and by the
+// selection for the new token; the pages' bounds on q.k rank them.
 #include <algorithm>
 
 #include "base/check.h"
@@ -65,7 +65,7 @@ class QuestSelector final : public DeviceSelector {
     a.meta_pages = pages_;
     a.meta_page = page_;
   }
-  // The min and max rows of the pages over the offloaded range (QuestSplitOf in
+  // The min and max rows of the pages over the offloaded range (ItemSplitOf in
   // gpu/decode_select.cu splits it alike).
   int64_t KeyBytes(int64_t n, int64_t budget, int) const override {
     const OffloadSplit s = SplitPositions(n, shape_.sink, shape_.window, budget);

@@ -57,7 +57,7 @@ class QuestPolicy final : public Policy {
   QuestPolicy(const QuestParams& params, int max_sequences, int num_layers, int num_kv_heads);
   [[nodiscard]] std::string_view name() const override { return "quest"; }
   [[nodiscard]] Placement placement() const override { return Placement::kGpu; }
-  /// Inside a planned step the device keeps the page bounds and selects (kQuestPages).
+  /// Inside a planned step the device keeps the page bounds and selects (policies/quest/select.cu).
   [[nodiscard]] std::unique_ptr<detail::DeviceSelector> MakeDeviceSelector(
       const detail::SelectorShape& shape) const override;
   [[nodiscard]] DeviceSelectParams device_select_params(int) const override {

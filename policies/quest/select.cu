@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) QuestScoreKernel(DecodeStepA
   const int group = a.params.group;
   const int64_t slot = a.slots[b];
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const QuestSplit s = QuestSplitOf(a, n);
+  const ItemSplit s = ItemSplitOf(a, n);
   if (s.all || s.k_off <= 0) return;
   const int64_t t = (slot * a.num_layers + a.layer) * a.num_kv_heads + h;
   const int64_t q0 = static_cast<int64_t>(item) * group * HD;

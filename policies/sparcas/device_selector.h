@@ -1,6 +1,6 @@
 // Copyright kvferry authors. Apache-2.0.
 #pragma once
-// SparCas's device selection (SelectScoring::kSparcas), which HiP's extends (its dense layers take
+// SparCas's device selection (select.cu), which HiP's extends (its dense layers take
 // SparCas's path; its compact rows are SparCas's with every dimension at 4 bits).
 #include <string>
 

@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasScalesKernel(DecodeSt
   const int64_t t = ItemT(a, b, h);
   float* sc = SparcasScalesOf(a, t);
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const QuestSplit sp = QuestSplitOf(a, n);
+  const ItemSplit sp = ItemSplitOf(a, n);
   if (sc == nullptr || sp.all || sp.k_off <= 0 || a.sparcas.state[t].d_b != 0) return;
   const int hd = a.params.head_dim;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a) {
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int hd = a.params.head_dim, group = a.params.group;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const QuestSplit sp = QuestSplitOf(a, n);
+  const ItemSplit sp = ItemSplitOf(a, n);
   const int64_t t = ItemT(a, b, h);
   SparcasState* st = a.sparcas.state + t;
   if (sp.all || sp.k_off <= 0) {
