@@ -138,7 +138,8 @@ void ExactTopKSelect(const AttnParams& p, const float* q, const KvPages& kv, int
   std::sort(out, out + k);
 }
 
-void ForEachSelectItem(const DecodeStepArgs& a, const std::function<int64_t(const SelectItem&)>& rank) {
+Status ForEachSelectItem(const void* args, const RankItem& rank) {
+  const DecodeStepArgs& a = *static_cast<const DecodeStepArgs*>(args);
   const AttnParams& p = a.params;
   const int hkv = a.num_kv_heads, d = p.head_dim, group = p.group;
   const int64_t hq = static_cast<int64_t>(hkv) * group;
@@ -162,13 +163,14 @@ void ForEachSelectItem(const DecodeStepArgs& a, const std::function<int64_t(cons
                   a.q_dtype, static_cast<int64_t>(group) * d);
       int32_t* out = a.list + item * a.list_cap;
       const SelectItem it{item, t, pos, n, k, q.data(), kv, out};
-      a.list_count[item] = static_cast<int32_t>(rank(it));
+      a.list_count[item] = static_cast<int32_t>(rank(a, it));
       if (a.hide_fraction > 0.0) {
         a.list_count[item] = static_cast<int32_t>(PsawFilterList(
             out, a.list_count[item], n, a.sink, k, PsawHiddenEndOf(a.hide_fraction, n)));
       }
     }
   }
+  return Status::Ok();
 }
 
 void SplitStepList(const DecodeStepArgs& a, const SplitListArgs& s) {

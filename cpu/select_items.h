@@ -10,6 +10,7 @@
 #include "base/attn_types.h"
 #include "base/offload_split.h"
 #include "cpu/reference.h"
+#include "kvferry/status.h"
 
 namespace kvferry::cpu {
 
@@ -25,11 +26,14 @@ struct SelectItem {
   int32_t* out = nullptr;    ///< its list (list_cap entries)
 };
 
-/// For each item of step \p a: writes the new token's K through to its host-store row (as the
-/// step's append will), converts q to fp32, calls \p rank, which writes the item's list to
-/// it.out and returns its count, stores the count, and applies PrHS's depth window
+/// A policy's ranking of one item: writes its list to it.out and returns the count.
+using RankItem = std::function<int64_t(const DecodeStepArgs& a, const SelectItem& it)>;
+
+/// A host twin's frame (DeviceKernel::host over \p args, a DecodeStepArgs): for each item of the
+/// step, writes the new token's K through to its host-store row (as the step's append will),
+/// converts q to fp32, calls \p rank, stores the count, and applies PrHS's depth window
 /// (a.hide_fraction).
-void ForEachSelectItem(const DecodeStepArgs& a, const std::function<int64_t(const SelectItem&)>& rank);
+Status ForEachSelectItem(const void* args, const RankItem& rank);
 
 /// An item's split at this step (base/offload_split.h; gpu/select_kernels.cuh's ItemSplitOf on the GPU).
 inline OffloadSplit ItemSplitOf(const DecodeStepArgs& a, int64_t n) {

@@ -22,9 +22,13 @@ namespace {
 
 // HiP's list for one item (see DecodeStepArgs and base/hip_mask.h); returns the count
 // written to out.
-int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv, int64_t n,
-                  int32_t* out) {
-  if (a.layer < HipDenseOf(a)) return SparcasSelect(a, t, q, kv, n, out);
+int64_t HipSelect(const DecodeStepArgs& a, const SelectItem& it) {
+  if (a.layer < HipDenseOf(a)) return SparcasSelect(a, it);
+  const int64_t t = it.t, n = it.n;
+  const float* q = it.q;
+  const KvPages& kv = it.kv;
+  int32_t* out = it.out;
+
   return WriteRankedList(a, n, out, [&](const OffloadSplit& sp, int64_t c) {
     const AttnParams& p = a.params;
     const int d = p.head_dim;
@@ -83,12 +87,6 @@ int64_t HipSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPa
 
 namespace kvferry::detail {
 
-Status HipSelectHost(const void* args) {
-  const DecodeStepArgs& a = *static_cast<const DecodeStepArgs*>(args);
-  cpu::ForEachSelectItem(a, [&](const cpu::SelectItem& it) {
-    return cpu::HipSelect(a, it.t, it.q, it.kv, it.n, it.out);
-  });
-  return Status::Ok();
-}
+Status HipSelectHost(const void* args) { return cpu::ForEachSelectItem(args, cpu::HipSelect); }
 
 }  // namespace kvferry::detail

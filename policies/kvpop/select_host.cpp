@@ -21,7 +21,10 @@ namespace {
 // KVpop's list for one item (see DecodeStepArgs): the newcomers scored, the slots and
 // newcomers cut to the k best, as KvpopSelectKernel does (the host policy's one-by-one admission
 // keeps the same set: the priorities are static); returns the count written to out.
-int64_t KvpopSelect(const DecodeStepArgs& a, int64_t t, const KvPages& kv, int64_t n, int32_t* out) {
+int64_t KvpopSelect(const DecodeStepArgs& a, const SelectItem& it) {
+  const int64_t t = it.t, n = it.n;
+  const KvPages& kv = it.kv;
+  int32_t* out = it.out;
   const AttnParams& p = a.params;
   const int d = p.head_dim;
   const size_t elem = DTypeSize(p.kv_dtype);
@@ -75,12 +78,6 @@ int64_t KvpopSelect(const DecodeStepArgs& a, int64_t t, const KvPages& kv, int64
 
 namespace kvferry::detail {
 
-Status KvpopSelectHost(const void* args) {
-  const DecodeStepArgs& a = *static_cast<const DecodeStepArgs*>(args);
-  cpu::ForEachSelectItem(a, [&](const cpu::SelectItem& it) {
-    return cpu::KvpopSelect(a, it.t, it.kv, it.n, it.out);
-  });
-  return Status::Ok();
-}
+Status KvpopSelectHost(const void* args) { return cpu::ForEachSelectItem(args, cpu::KvpopSelect); }
 
 }  // namespace kvferry::detail

@@ -10,13 +10,11 @@
 namespace kvferry::detail {
 
 Status ExactSelectHost(const void* args) {
-  const DecodeStepArgs& a = *static_cast<const DecodeStepArgs*>(args);
-  thread_local std::vector<float> logits, weights;
-  cpu::ForEachSelectItem(a, [&](const cpu::SelectItem& it) {
+  return cpu::ForEachSelectItem(args, [](const DecodeStepArgs& a, const cpu::SelectItem& it) {
+    thread_local std::vector<float> logits, weights;
     cpu::ExactTopKSelect(a.params, it.q, it.kv, it.n, it.k, logits, weights, it.out);
     return it.k;
   });
-  return Status::Ok();
 }
 
 }  // namespace kvferry::detail

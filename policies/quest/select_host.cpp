@@ -117,9 +117,9 @@ int64_t QuestSelect(const AttnParams& p, const float* q, const char* meta_t, int
 namespace kvferry::detail {
 
 Status QuestSelectHost(const void* args) {
-  const DecodeStepArgs& a = *static_cast<const DecodeStepArgs*>(args);
-  const size_t meta_bytes = static_cast<size_t>(a.meta_pages) * 2 * a.params.head_dim * DTypeSize(a.params.kv_dtype);
-  cpu::ForEachSelectItem(a, [&](const cpu::SelectItem& it) -> int64_t {
+  return cpu::ForEachSelectItem(args, [](const DecodeStepArgs& a, const cpu::SelectItem& it) -> int64_t {
+    const size_t meta_bytes =
+        static_cast<size_t>(a.meta_pages) * 2 * a.params.head_dim * DTypeSize(a.params.kv_dtype);
     char* meta_t = a.meta + it.t * meta_bytes;
     // The new token's page first (its row was just written through).
     cpu::RecomputeBounds(a.params, it.kv, meta_t, it.pos / a.meta_page, it.pos / a.meta_page, it.n,
@@ -128,7 +128,6 @@ Status QuestSelectHost(const void* args) {
                             StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, it.n), a.meta_page,
                             it.out);
   });
-  return Status::Ok();
 }
 
 Status QuestPageBoundsHost(const void* args) {

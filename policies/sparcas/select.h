@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "base/attn_types.h"
+#include "cpu/select_items.h"
 #include "gpu/device.h"
 #include "kvferry/status.h"
 
@@ -42,9 +43,8 @@ struct CompactRows {
 /// and gather; HiP's twin keeps the same rows).
 CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv,
                               int64_t n);
-/// SparCas's list for item \p t (see DecodeStepArgs); returns the count written to \p out.
-int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv,
-                      int64_t n, int32_t* out);
+/// SparCas's list for item \p it of step \p a; returns the count written to it.out.
+int64_t SparcasSelect(const DecodeStepArgs& a, const SelectItem& it);
 
 }  // namespace kvferry::cpu
 

@@ -89,8 +89,11 @@ CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q
 }
 
 // SparCas's list for one item (see DecodeStepArgs); returns the count written to out.
-int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv,
-                      int64_t n, int32_t* out) {
+int64_t SparcasSelect(const DecodeStepArgs& a, const SelectItem& it) {
+  const int64_t t = it.t, n = it.n;
+  const float* q = it.q;
+  const KvPages& kv = it.kv;
+  int32_t* out = it.out;
   return WriteRankedList(a, n, out, [&](const OffloadSplit& sp, int64_t c) {
     const AttnParams& p = a.params;
     const int d = p.head_dim;
@@ -140,12 +143,6 @@ int64_t SparcasSelect(const DecodeStepArgs& a, int64_t t, const float* q, const 
 
 namespace kvferry::detail {
 
-Status SparcasSelectHost(const void* args) {
-  const DecodeStepArgs& a = *static_cast<const DecodeStepArgs*>(args);
-  cpu::ForEachSelectItem(a, [&](const cpu::SelectItem& it) {
-    return cpu::SparcasSelect(a, it.t, it.q, it.kv, it.n, it.out);
-  });
-  return Status::Ok();
-}
+Status SparcasSelectHost(const void* args) { return cpu::ForEachSelectItem(args, cpu::SparcasSelect); }
 
 }  // namespace kvferry::detail
