@@ -22,12 +22,8 @@ namespace {
 
 // HiP's list for one item (see DecodeStepArgs and base/hip_mask.h); returns the count
 // written to out.
-int64_t HipSelect(const DecodeStepArgs& a, const SelectItem& it) {
-  if (a.layer < HipDenseOf(a)) return SparcasSelect(a, it);
-  const int64_t t = it.t, n = it.n;
-  const float* q = it.q;
-  const KvPages& kv = it.kv;
-  int32_t* out = it.out;
+int64_t HipList(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv, int64_t n,
+                int32_t* out) {
 
   return WriteRankedList(a, n, out, [&](const OffloadSplit& sp, int64_t c) {
     const AttnParams& p = a.params;
@@ -80,6 +76,11 @@ int64_t HipSelect(const DecodeStepArgs& a, const SelectItem& it) {
     }
     return c;
   });
+}
+
+int64_t HipSelect(const DecodeStepArgs& a, const SelectItem& it) {
+  if (a.layer < HipDenseOf(a)) return SparcasSelect(a, it);
+  return HipList(a, it.t, it.q, it.kv, it.n, it.out);
 }
 
 }  // namespace

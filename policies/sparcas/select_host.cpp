@@ -89,11 +89,10 @@ CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q
 }
 
 // SparCas's list for one item (see DecodeStepArgs); returns the count written to out.
-int64_t SparcasSelect(const DecodeStepArgs& a, const SelectItem& it) {
-  const int64_t t = it.t, n = it.n;
-  const float* q = it.q;
-  const KvPages& kv = it.kv;
-  int32_t* out = it.out;
+namespace {
+
+int64_t SparcasList(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv, int64_t n,
+                    int32_t* out) {
   return WriteRankedList(a, n, out, [&](const OffloadSplit& sp, int64_t c) {
     const AttnParams& p = a.params;
     const int d = p.head_dim;
@@ -137,6 +136,12 @@ int64_t SparcasSelect(const DecodeStepArgs& a, const SelectItem& it) {
     for (int64_t i = 0; i < k_off; ++i) out[c++] = static_cast<int32_t>(off_lo + chosen[i]);
     return c;
   });
+}
+
+}  // namespace
+
+int64_t SparcasSelect(const DecodeStepArgs& a, const SelectItem& it) {
+  return SparcasList(a, it.t, it.q, it.kv, it.n, it.out);
 }
 
 }  // namespace kvferry::cpu
