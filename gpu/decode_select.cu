@@ -808,18 +808,18 @@ Status LaunchMctaFused(const DecodeStepArgs& a, int64_t mcta_min, dim3 grid, int
 // the fused kernel when it fits, else one launch a pass. stats_parts > 0 (not Quest): the scoring
 // kernel wrote the statistics and zeroed the histograms (no statistics pass).
 Status LaunchMctaTopK(const DecodeStepArgs& a, int64_t mcta_min, unsigned ctas, int64_t keys_cap,
-                      size_t quest_smem, bool allow_fused, int stats_parts, cudaStream_t stream) {
+                      size_t pages_smem, bool allow_fused, int stats_parts, cudaStream_t stream) {
   const unsigned items = static_cast<unsigned>(int64_t{a.batch} * a.num_kv_heads);
   const dim3 grid(items, ctas);
-  const bool quest = a.ranks == SelectRanks::kPages;
+  const bool paged = a.ranks == SelectRanks::kPages;
   bool fused = false;
-  if (allow_fused && quest) {
+  if (allow_fused && paged) {
     KVF_RETURN_IF_ERROR(LaunchMctaFused<true>(a, mcta_min, grid, keys_cap, 0, stream, &fused));
   } else if (allow_fused) {
     KVF_RETURN_IF_ERROR(LaunchMctaFused<false>(a, mcta_min, grid, keys_cap, stats_parts, stream, &fused));
   }
   if (!fused) {
-    if (quest) {
+    if (paged) {
       MctaStatsKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
       KVF_CUDA_CHECK_LAUNCH(MctaStatsKernel);
       MctaWeightsKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min, static_cast<int>(ctas));
@@ -839,7 +839,7 @@ Status LaunchMctaTopK(const DecodeStepArgs& a, int64_t mcta_min, unsigned ctas, 
     }
     MctaCountKernel<<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
     KVF_CUDA_CHECK_LAUNCH(MctaCountKernel);
-    if (quest) {
+    if (paged) {
       MctaWriteKernel<true><<<grid, kMctaThreads, 0, stream>>>(a, mcta_min);
       KVF_CUDA_CHECK_LAUNCH(MctaWriteKernel);
     } else {
@@ -847,13 +847,13 @@ Status LaunchMctaTopK(const DecodeStepArgs& a, int64_t mcta_min, unsigned ctas, 
       KVF_CUDA_CHECK_LAUNCH(MctaWriteKernel);
     }
   }
-  if (!quest) return Status::Ok();
-  if (quest_smem > kPagesSmemOptIn) {
+  if (!paged) return Status::Ok();
+  if (pages_smem > kPagesSmemOptIn) {
     KVF_CUDA_CHECK(cudaFuncSetAttribute(MctaPagesListKernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(quest_smem)));
+                                        static_cast<int>(pages_smem)));
   }
-  MctaPagesListKernel<<<items, kTopKThreads, quest_smem, stream>>>(a, mcta_min);
+  MctaPagesListKernel<<<items, kTopKThreads, pages_smem, stream>>>(a, mcta_min);
   KVF_CUDA_CHECK_LAUNCH(MctaPagesListKernel);
   return Status::Ok();
 }
@@ -873,7 +873,7 @@ Status CheckSelectArgs(const DecodeStepArgs& a) {
   KVF_CHECK_ARG(a.budget_cap >= 1 && a.list_cap >= a.budget_cap && a.budget_cap < (int64_t{1} << 30),
                 "DecodeSelect: list_cap ", a.list_cap, " < budget_cap ", a.budget_cap);
   KVF_CHECK_ARG(a.ranks != SelectRanks::kPages || a.meta_page >= 1,
-                "DecodeSelect: quest page of ", a.meta_page, " tokens");
+                "DecodeSelect: a page of ", a.meta_page, " tokens");
   return Status::Ok();
 }
 
@@ -964,18 +964,18 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
   if (a.batch == 0 || a.ranks == SelectRanks::kNone) return Status::Ok();
   KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
-  const bool quest = a.ranks == SelectRanks::kPages;
+  const bool paged = a.ranks == SelectRanks::kPages;
   const int64_t sort_cap = SelectSortCap(a);
-  if (quest) {
-    KVF_CHECK_ARG(sort_cap <= kTopKSmemItems, "DecodeSelect: quest budget ", a.budget_cap,
+  if (paged) {
+    KVF_CHECK_ARG(sort_cap <= kTopKSmemItems, "DecodeSelect: a page-ranked budget ", a.budget_cap,
                   " over ", kTopKSmemItems, " pages of ", a.meta_page);
   } else {
     KVF_CHECK_ARG(sort_cap <= kTopKSmemItems || a.topk_ws != nullptr,
                   "DecodeSelect: budget_cap ", a.budget_cap, " needs a top-k workspace");
   }
   // Scores an item ranks at most: positions, or Quest's pages.
-  const int64_t keys_cap = quest ? (a.select_ld + a.meta_page - 1) / a.meta_page + 1 : a.select_ld;
-  const int64_t min_keys = quest ? SelectMctaMinPages() : kSelectMctaMinKeys;
+  const int64_t keys_cap = paged ? (a.select_ld + a.meta_page - 1) / a.meta_page + 1 : a.select_ld;
+  const int64_t min_keys = paged ? SelectMctaMinPages() : kSelectMctaMinKeys;
   int64_t mcta_min = std::numeric_limits<int64_t>::max();  // no item takes the multi-CTA path
   if (path == SelectTopKPath::kMultiCta || path == SelectTopKPath::kMultiCtaPerPass) {
     KVF_CHECK_ARG(a.select_mcta_ws != nullptr, "DecodeSelect: multi-CTA top-k without its scratch");
@@ -987,7 +987,7 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
     // leave them out (their launch cost is the one-CTA path's at these lengths). Inside a capture
     // they stay: the graph is replayed at later lengths.
     const int64_t hint = a.max_len_hint;
-    const int64_t hint_keys = quest ? (hint + a.meta_page - 1) / a.meta_page + 1 : hint;
+    const int64_t hint_keys = paged ? (hint + a.meta_page - 1) / a.meta_page + 1 : hint;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     KVF_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     if (hint > 0 && hint_keys < min_keys && capture == cudaStreamCaptureStatusNone) {
@@ -997,10 +997,10 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
   // The one-CTA kernel always runs: it takes the items below the threshold (chosen on the device
   // from this step's lengths, so one launch sequence serves every step of a captured graph) and
   // the items with nothing to rank; it returns at once for the others.
-  const size_t smem = quest ? static_cast<size_t>(sort_cap) * (sizeof(unsigned long long) + sizeof(int32_t))
+  const size_t smem = paged ? static_cast<size_t>(sort_cap) * (sizeof(unsigned long long) + sizeof(int32_t))
                      : sort_cap <= kTopKSmemItems ? sort_cap * sizeof(unsigned long long)
                                                   : 0;
-  if (quest) {
+  if (paged) {
     if (smem > kPagesSmemOptIn) {  // 4096 pages: 48 KiB besides the kernel's static shared memory
       KVF_CUDA_CHECK(cudaFuncSetAttribute(PagesTopKKernel,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1022,7 +1022,7 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
   constexpr int per_sm = 2;
   const int32_t ctas = SelectMctaCtas(items, keys_cap, info.num_sms, per_sm);
   return LaunchMctaTopK(a, mcta_min, static_cast<unsigned>(ctas), keys_cap, smem,
-                        path != SelectTopKPath::kMultiCtaPerPass, quest ? 0 : stats_parts, stream);
+                        path != SelectTopKPath::kMultiCtaPerPass, paged ? 0 : stats_parts, stream);
 }
 
 SelectGrid SelectGridOf(const DecodeStepArgs& a, const LaunchInfo& info) {
