@@ -919,6 +919,56 @@ def hip_speed_merge(T):
             "rows": rows}
 
 
+# sparcas_refresh: SparCas re-chooses its dimensions every u ranked steps and then re-gathers every
+# offloaded key's compact row (over PCIe from the host store), so its steady-state step is only seen
+# over more than u steps: sparcas_bank at 128K x 1 and x 4 over 130 steps (two refreshes at the
+# default u = 64) for u = 64, 256 and never (2^20), torch SDPA in the same run.
+# sparcas_refresh_smollm2 is the quality side: the same u on SmolLM2 next to the oracle.
+SPARCAS_U = (64, 256, 1024, 1 << 20)
+
+
+def sparcas_refresh_cmds(T):
+    base = f"{E2E} --unique-kv --steps 130 --query real --contexts 131072 --batches 1,4 --modes sparcas_bank"
+    return [f"{base} --param u={u} --json {T}/u{u}.jsonl" for u in SPARCAS_U if u != 1024] + [sdpa_pending(T)]
+
+
+def sparcas_refresh_merge(T):
+    rows = []
+    for u in SPARCAS_U:
+        if u == 1024:
+            continue
+        for r in jload(f"{T}/u{u}.sdpa.json").get("rows", []):
+            rows.append({"variant": f"u{u}", "params": {"u": u}, **r})
+    label_query(rows)
+    return {"what": "sparcas_bank's decode step per token at 128K x 1 and x 4 (Llama-3.1-8B shape, 32 layers, real "
+                    "moving query) over 130 steps for SparCas's dimension refresh every u = 64 (the default), 256 "
+                    "and 2^20 (never) ranked steps; ratio to torch SDPA with all KV on the GPU in the same run",
+            "bench": "kvferry-e2e (bench/e2e_bench.cu) + scripts/device/e2e_sdpa.py",
+            "regenerate": "python3 bench/reproduce.py sparcas_refresh",
+            "rows": rows}
+
+
+def sparcas_refresh_quality_cmds(T):
+    lanes = ",".join(["streaming", "oracle"] + [f"sparcas:u={u}" for u in SPARCAS_U])
+    return [FETCH, side_by_side(*(
+        f"{HOST_PPL} --text data/{t}.txt --context 8192 --scored 1024 --cpu-threads 1 --policy {lanes} "
+        f"--budget 256 --lanes-together --json {T}/{t}.json" for t in HQ_TEXTS)),
+            f"{HOST_PPL} --text {UNSEEN_TEXT} --context 4096 --scored 1024 --cpu-threads 2 --policy {lanes} "
+            f"--budget 256 --lanes-together --json {T}/gpl3.json"]
+
+
+def sparcas_refresh_quality_merge(T):
+    rows = [r for t, path, ctx in (("kjv", "data/kjv.txt", 8192), ("jargon", "data/jargon.txt", 8192),
+                                   ("gpl3", UNSEEN_TEXT, 4096))
+            for r in hip_lane_rows(f"{T}/{t}.json", path, ctx)]
+    return {"what": "SparCas's perplexity gap to dense with its dimensions re-chosen every u = 64 (the default), "
+                    "256, 1024 and 2^20 (never) ranked steps, next to streaming and the oracle at budget 256; "
+                    "SmolLM2-135M, host backend, sinks 4 + window 64, last 1024 scored of 8K (KJV, Jargon) and of "
+                    "4K (GPL-3, a text no default was chosen on)",
+            "regenerate": "python3 bench/reproduce.py sparcas_refresh_smollm2",
+            "rows": rows}
+
+
 REPLAY_LANES = ("oracle@256 streaming@256 quest@256 sparcas@256 lfps@256 hip@256 "
                 "hip_paper=hip@256:bits=16,align=0 hip_fresh=hip@256:r_m=1,lag=0 "
                 "hip_dl11=hip@256:dense_layers=11 hip_guard=hip@256:guard=0.9,over=4,fresh=0 "
@@ -1548,6 +1598,11 @@ SPECS = {
                                 what="HiP perplexity (KJV + Jargon 8K) and passkey, before and after its recall guard"),
     "hip_drift_smollm2": dict(gpu=False, targets=[], examples=True, run=hip_drift_cmds, merge=hip_drift_merge,
                               what="HiP's mask rebuilt on query drift (the default; 0.8) vs the paper's cadence / every step, streaming, oracle"),
+    "sparcas_refresh": dict(gpu=True, targets=["kvferry-e2e"], run=sparcas_refresh_cmds, merge=sparcas_refresh_merge,
+                            what="sparcas_bank at 128K x 1/x 4 over 130 steps (real query) for u = 64, 256, never; torch SDPA"),
+    "sparcas_refresh_smollm2": dict(gpu=False, targets=[], examples=True, run=sparcas_refresh_quality_cmds,
+                                    merge=sparcas_refresh_quality_merge,
+                                    what="SparCas's dimension refresh every u = 64/256/1024/never: perplexity, SmolLM2 KJV + Jargon 8K, GPL-3 4K"),
     "hip_speed": dict(gpu=True, targets=["kvferry-e2e"], run=hip_speed_cmds, merge=hip_speed_merge,
                       what="hip_bank at 128K x 1/x 4 (real query): default (drift 0.7, lag 0), the paper's cadence, every step; torch SDPA"),
     "hip_kvpop_replay_smollm2": dict(gpu=False, targets=["select_replay_bench"], examples=True, run=replay_cmds,
@@ -1605,6 +1660,8 @@ MACHINE = {
     "prhs_rho_smollm2": (CPU2, "~15 min on 2 cores (a 2K trace, 15 replays, 3 perplexity runs of 2K)"),
     "hip_quality_smollm2": (CPU2, "~60 min on 2 cores (62 min recorded beside other work: two texts side by side, 10 lanes each; passkey 9 prompts, 2 runs)"),
     "hip_drift_smollm2": (CPU2, "~40 min on 2 cores (two texts side by side, 24 lanes each + dense; GPL-3 4K 12 lanes; passkey 9 prompts)"),
+    "sparcas_refresh": (GPU1, "~4 min (three kvferry-e2e runs of 128K x 1 and x 4 over 130 steps, SDPA)"),
+    "sparcas_refresh_smollm2": (CPU2, "~30 min on 2 cores (two 8K texts side by side, 6 lanes + dense each; GPL-3 4K)"),
     "hip_speed": (GPU1, "~3 min (three kvferry-e2e runs of 128K x 1 and x 4, SDPA)"),
     "hip_kvpop_replay_smollm2": (CPU2, "~30 min on 2 cores (30 min recorded beside other work: two 8K traces, 17 lanes x 512 steps x 30 layers each)"),
     "kvpop_mass_smollm2": (CPU2, "~65 min on 2 cores (12 runs of 8K, ~96 s of decode a lane recorded)"),
