@@ -10,11 +10,8 @@
 #include <vector>
 
 #include "base/bank_map.h"
-#include "base/hip_mask.h"
-#include "base/kvpop_score.h"
 #include "base/offload_split.h"
 #include "base/psaw.h"
-#include "base/sparcas_q4.h"
 #include "cpu/attention.h"
 #include "cpu/dtype.h"
 #include "cpu/reference.h"

@@ -24,7 +24,6 @@ namespace {
 // written to out.
 int64_t HipList(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv, int64_t n,
                 int32_t* out) {
-
   return WriteRankedList(a, n, out, [&](const OffloadSplit& sp, int64_t c) {
     const AttnParams& p = a.params;
     const int d = p.head_dim;

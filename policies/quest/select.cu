@@ -11,8 +11,6 @@
 #include <limits>
 
 #include "base/check.h"
-#include "base/hip_mask.h"
-#include "base/psaw.h"
 #include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"

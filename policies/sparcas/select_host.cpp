@@ -88,9 +88,9 @@ CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q
   return r;
 }
 
-// SparCas's list for one item (see DecodeStepArgs); returns the count written to out.
 namespace {
 
+// SparCas's list for one item (see DecodeStepArgs); returns the count written to out.
 int64_t SparcasList(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv, int64_t n,
                     int32_t* out) {
   return WriteRankedList(a, n, out, [&](const OffloadSplit& sp, int64_t c) {
