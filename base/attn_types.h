@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "kvferry/kv_pages.h"
 #include "kvferry/tensor.h"
@@ -67,38 +69,6 @@ enum class SelectRanks : int32_t {
   /// Positions of the offloaded range by the group's summed softmax weight over all n scores: its
   /// top budget - resident positions, plus sinks and window.
   kOffloaded = 3,
-};
-
-struct KvpopState;  // base/kvpop_score.h
-
-/// Per-item HiP mask state in device memory (DecodeStepArgs::hip.state, one per t; all zero for a
-/// new sequence).
-struct HipState {
-  int64_t n = 0;      ///< n at the last ranked step
-  int64_t k_off = 0;  ///< k_off the mask was built for
-  int64_t hi = 0;     ///< the offloaded range's end when it was built: its positions lie below
-  int32_t since_refresh = 0;  ///< ranked steps since it was built
-  int32_t count = 0;          ///< blocks in the mask (0: none: the next ranked step builds one)
-  /// HiP's `lag` 1 (base/hip_mask.h's HipStepAction): the mask in use is blocks buffer `cur` of
-  /// the item's two; a due rebuild is requested (pending 1, with the split and n it is built
-  /// for), built from that step's query into the other buffer (pending 2: p_count blocks), and
-  /// takes over at the item's next ranked step.
-  int32_t cur = 0;
-  int32_t pending = 0;  ///< 0 none, 1 requested, 2 built
-  int64_t p_n = 0, p_lo = 0, p_hi = 0, p_k_off = 0;
-  int32_t p_count = 0;
-  int32_t p_since = 0;  ///< since_refresh when it takes over
-};
-
-/// Per-item SparCas state in device memory (DecodeStepArgs::sparcas.state, one per
-/// t = (slot * num_layers + layer) * num_kv_heads + h; all zero for a new sequence).
-struct SparcasState {
-  int64_t seen = 0;           ///< compact rows [0, seen) hold the current dimensions
-  int32_t d_b = 0;            ///< dimensions in use (0: none chosen yet)
-  int32_t since_refresh = 0;  ///< ranked steps since the dimensions were chosen
-  int64_t from = 0;           ///< this step: first compact row to (re)gather
-  int32_t ranked = 0;         ///< this step ranks positions (else all, or sinks + window only)
-  int32_t pad = 0;
 };
 
 /// A host-store page table as the kernels read it (device-readable): table t's page p at pages[t *
@@ -202,62 +172,15 @@ struct StepBankView {
   int32_t staged = 0;
 };
 
-/// kSparcas's part of a DecodeStepArgs: item t's state at state + t, its chosen dimensions at
-/// dims + t * head_dim; db dimensions, refreshed every u ranked steps; layers below dense_layers
-/// exact; bits 16: compact keys in the KV dtype, 4: SparcasQuantizeRow's rows (sparse layers).
-/// smooth 1 (4-bit layers): item t's channel scales at scales + t * head_dim (base/sparcas_q4.h,
-/// SparcasChannelScales), taken at its first ranked step (on CUDA: zeroed by Reset, maxima by
-/// SparcasScalesKernel, floored by SparcasPrepKernel).
-struct SparcasStepArgs {
-  SparcasState* state = nullptr;
-  int32_t* dims = nullptr;
-  float* scales = nullptr;
-  int32_t db = 16, u = 64, dense_layers = 2, bits = 16;
-  int32_t smooth = 0;
-};
-
-/// kHip's part of a DecodeStepArgs: the mask state of item t at state + t and its two blocks
-/// buffers at blocks + (2 t + i) * max_nodes, i = 0, 1 (HipState::cur; max_nodes >= budget_cap /
-/// bk); tokens per block, refresh interval r_m, representative (HipRepresentative).
-struct HipStepArgs {
-  HipState* state = nullptr;
-  int32_t* blocks = nullptr;
-  int32_t max_nodes = 0, bk = 2, r_m = 8, rep = 0;
-  int32_t align = 1;  ///< the first nodes aligned to a power of two blocks (base/hip_mask.h)
-  /// Layers below HipDenseOf (max(sparcas.dense_layers, dense_layers)) take kSparcas's path
-  /// instead of the mask: its exact top-k below sparcas.dense_layers, its 4-bit top-k over every
-  /// dimension from there (HiP's `dense_bits` 4: sparcas.dense_layers 0).
-  int32_t dense_layers = 0;
-  /// 1: a due rebuild is built beside the step (CUDA: HiP's deferred kernel on the selector's side stream) and
-  /// used from the item's next ranked step; 0: built in the step that finds it due.
-  int32_t lag = 0;
-  /// HiP's `drift` (0: off): a ranked step whose query's cosine to the one the item's mask was
-  /// built from falls below it, in any head, rebuilds (requests, with lag 1) the mask before its
-  /// interval (base/hip_mask.h's HipDriftedHead).
-  float drift = 0.0f;
-  /// Item t's query of its latest mask build or request, at query + t * HipQueryWords(group,
-  /// head_dim): CUDA's packed int8 query (with lag 1 the side stream builds a requested mask from
-  /// it), the host's int8 codes in dimension order; with drift the step's query is compared with
-  /// it. Needed for CUDA's lag 1 and for drift; else null.
-  uint32_t* query = nullptr;
-};
-
-/// kKvpop's part of a DecodeStepArgs: item t's state at state + t and its slots at pos / prio +
-/// t * cap (cap >= budget_cap); the scorers' table (KvpopScorerFloats(hidden, 2 head_dim) floats
-/// a (layer, KV head), device memory). A catch-up of more than one newcomer (the first step after
-/// a prompt) scores them into DecodeStepArgs::select_ws (item * group * select_ld).
-struct KvpopStepArgs {
-  KvpopState* state = nullptr;
-  int32_t* pos = nullptr;
-  float* prio = nullptr;
-  int64_t cap = 0;
-  const float* scorer = nullptr;
-  int32_t hidden = 0;
-  /// CUDA: 1 when the runtime saw a catch-up coming (a prompt stored since the item's last step):
-  /// a grid over the whole GPU scores the newcomers into select_ws first and the selection kernel
-  /// reads them there; 0: the selection kernel scores any newcomers itself (correct either way; a
-  /// captured graph keeps what it was captured with).
-  int32_t catchup = 0;
+/// A device selector's own arguments (policies/<name>/select.h: SparCas's compact-key state,
+/// HiP's masks, KVpop's slots): a trivially copyable struct of at most kSelectorArgsBytes that the
+/// selector's Fill stores (SetSelectorArgs) and its kernels and host twin read (SelectorArgsOf).
+/// The step carries it as bytes, so no type of a policy appears here; it travels by value with the
+/// step, as a kernel parameter, and is read into registers (a memcpy the compiler turns into
+/// parameter loads), never through a pointer to the parameter.
+constexpr size_t kSelectorArgsBytes = 128;
+struct alignas(16) SelectorArgs {
+  unsigned char bytes[kSelectorArgsBytes] = {};
 };
 
 /// One layer of a planned decode step for a batch (the Runtime's run path), executed by
@@ -340,9 +263,7 @@ struct DecodeStepArgs {
   char* meta = nullptr;
   int64_t meta_pages = 0;
   int32_t meta_page = 16;
-  SparcasStepArgs sparcas;  ///< kSparcas (and kHip's dense layers)
-  HipStepArgs hip;          ///< kHip
-  KvpopStepArgs kvpop;      ///< kKvpop
+  SelectorArgs selector;  ///< the selector's own arguments (SelectorArgsOf)
   float* select_ws = nullptr;
   int64_t select_ld = 0;
   unsigned long long* topk_ws = nullptr;
@@ -380,6 +301,23 @@ struct DecodeStepArgs {
 #else
 #define KVF_HOST_DEVICE
 #endif
+
+/// The selector's own arguments of step \p a as \p T (see SelectorArgs); T may be a prefix of what
+/// the selector stored (HiP's arguments begin with SparCas's).
+template <typename T>
+KVF_HOST_DEVICE inline T SelectorArgsOf(const DecodeStepArgs& a) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= kSelectorArgsBytes);
+  T t;
+  memcpy(&t, a.selector.bytes, sizeof(T));
+  return t;
+}
+/// Stores \p t as step \p a's selector arguments.
+template <typename T>
+inline void SetSelectorArgs(DecodeStepArgs& a, const T& t) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= kSelectorArgsBytes);
+  a.selector = SelectorArgs{};
+  std::memcpy(a.selector.bytes, &t, sizeof(T));
+}
 
 /// Rows attended by an item with n positions under kSinksAndRecent: positions [0, sinks) and
 /// [recent_begin, n). Shared by the host reference, the runtime's stats and the CUDA kernels.

@@ -10,10 +10,10 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 #include "base/attn_types.h"
 #include "base/check.h"
-#include "base/hip_mask.h"
 #include "gpu/convert.cuh"
 #include "gpu/cuda_kernels.h"
 #include "gpu/topk.cuh"
@@ -28,21 +28,15 @@ __device__ __forceinline__ int64_t ItemT(const DecodeStepArgs& a, int32_t b, int
   return (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
 }
 
-template <typename T>
-__device__ __forceinline__ T* CompactOf(const DecodeStepArgs& a, int32_t b, int32_t h) {
-  return reinterpret_cast<T*>(a.meta) +
-         SparcasCompactOffset(a.slots[b], a.layer, h, a.num_layers, a.num_kv_heads, a.meta_pages,
-                              a.params.head_dim, a.sparcas.db, a.sparcas.dense_layers, a.sparcas.bits);
-}
-
 // Grid (items, y), kScoreWarps warps: warp w of CTA y scores positions y * warps + w, striding by
 // gridDim.y * warps. Each lane holds HD / 32 consecutive elements of the key. kCompact (SparCas's
 // dense layers): the keys other than the new token's come from the item's compact rows in device
 // memory, which hold every dimension there (SparcasGatherKernel keeps them current), instead of
-// the host store read over PCIe.
-template <int HD, typename T, bool kCompact = false>
+// the host store read over PCIe: Compact::Of<T>(a, b, h) is the item's first row (void: none).
+template <int HD, typename T, typename Compact = void>
 __global__ void __launch_bounds__(kScoreWarps * 32) SelectScoreKernel(DecodeStepArgs a) {
   constexpr int kE = HD / 32;
+  constexpr bool kCompact = !std::is_void_v<Compact>;
   extern __shared__ float q_s[];  // [group][HD] fp32
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
@@ -74,7 +68,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SelectScoreKernel(DecodeStep
       const int64_t row = kCompact ? -1 : ResidentRowOf(j, n, a.sink, a.window);
       const T* kp;
       if constexpr (kCompact) {
-        kp = CompactOf<T>(a, b, h) + j * HD;
+        kp = Compact::template Of<T>(a, b, h) + j * HD;
       } else if (row >= 0) {
         kp = reinterpret_cast<const T*>(res_k + static_cast<size_t>(row) * row_bytes);
       } else {

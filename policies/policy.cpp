@@ -13,16 +13,6 @@ std::unique_ptr<detail::DeviceSelector> Policy::MakeDeviceSelector(const detail:
   return nullptr;
 }
 
-Policy::DeviceSelectParams Policy::device_select_params(int head_dim) const {
-  (void)head_dim;
-  return {};
-}
-
-Result<std::vector<float>> Policy::device_select_table(const ModelShape& model) const {
-  (void)model;
-  return std::vector<float>{};
-}
-
 double Policy::device_hide_fraction(int layer) const {
   (void)layer;
   return 0.0;

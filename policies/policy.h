@@ -46,14 +46,6 @@ struct PrimedStats {
   int32_t rows = 0;               ///< the chunk's last rows they cover
 };
 
-/// The parameters of the device's selection (Policy::device_select_params; see DecodeStepArgs).
-struct Policy::DeviceSelectParams {
-  int page_tokens = 16;     ///< Quest: tokens per page of the bounds
-  SparcasStepArgs sparcas;  ///< kSparcas, and kHip's dense layers (its buffers are the selector's)
-  HipStepArgs hip;          ///< kHip (which also takes sparcas), buffers aside
-  int kvpop_hidden = 0;     ///< kKvpop: the scorer's hidden width (0: the zero scorer)
-};
-
 /// Builds the policy named in \p config.policy; unknown names or parameters are kInvalidArgument.
 Result<std::unique_ptr<Policy>> MakePolicy(const RuntimeConfig& config);
 

@@ -688,7 +688,7 @@ std::string Where(int step, int layer) {
 }
 
 // The rows_selected of a device-selected hip list may count up to bk - 1 more rows than the host's
-// (a mask holding the offloaded range's last block, cut short: base/hip_mask.h).
+// (a mask holding the offloaded range's last block, cut short: policies/hip/mask.h).
 void CheckRowsSelected(const ConfCase& c, const Stats& dev, const Stats& ref, int steps, Verdict& v) {
   const std::string counts =
       "rows_selected " + std::to_string(dev.rows_selected) + " vs " + std::to_string(ref.rows_selected);

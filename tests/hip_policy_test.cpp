@@ -170,7 +170,7 @@ TEST(HipPolicy, MaskCachedForRmStepsThenRebuilt) {
   }
 }
 
-// drift's rule (base/hip_mask.h): a head drifts when the cosine of its int8 codes to the build
+// drift's rule (policies/hip/mask.h): a head drifts when the cosine of its int8 codes to the build
 // query's is below d; a group when any head does; 0 is off.
 TEST(HipCore, DriftIsTheCodesCosineBelowTheThreshold) {
   EXPECT_FALSE(HipDriftedHead(9, 10, 10, 0.9f));    // cosine 0.9 exactly (d^2 rounds below 0.81)
@@ -219,7 +219,7 @@ TEST(HipPolicy, DriftRebuildsTheMaskWhenTheQueryMoves) {
   }
 }
 
-// The first mask of layer l lives r_m - l % r_m steps (base/hip_mask.h's HipSinceAfterBuild), so
+// The first mask of layer l lives r_m - l % r_m steps (policies/hip/mask.h's HipSinceAfterBuild), so
 // that the layers' rebuilds spread over the interval; every later one r_m steps.
 TEST(HipPolicy, LayersRebuildOnStaggeredSteps) {
   Synthetic syn(700, 1, 64, 12);

@@ -1021,7 +1021,7 @@ TEST_P(DeviceSelected, EqualsTheHostPolicy) {
   EXPECT_EQ(st.decode_planned, 6 * c.model.num_layers);
   if (base == "hip") {
     // The host counts HiP's rows without reading the device's masks: up to bk - 1 more a list
-    // where a mask holds the offloaded range's last block, cut short (base/hip_mask.h).
+    // where a mask holds the offloaded range's last block, cut short (policies/hip/mask.h).
     EXPECT_GE(st.rows_selected, ref->GetStats().rows_selected);
     EXPECT_LE(st.rows_selected, ref->GetStats().rows_selected + 2 * 6 * 3 * 2);
   } else {

@@ -166,12 +166,6 @@ class Policy {
   /// fp32 rounding of near-ties on CUDA). The policy outlives it.
   [[nodiscard]] virtual std::unique_ptr<detail::DeviceSelector> MakeDeviceSelector(
       const detail::SelectorShape& shape) const;
-  /// The parameters of the device's selection (DecodeStepArgs).
-  struct DeviceSelectParams;
-  [[nodiscard]] virtual DeviceSelectParams device_select_params(int head_dim) const;
-  /// With a device scoring that reads a table (kKvpop): the table for \p model, uploaded once at
-  /// Create; empty: none. A model it does not fit is kInvalidArgument.
-  [[nodiscard]] virtual Result<std::vector<float>> device_select_table(const ModelShape& model) const;
   /// With a device scoring: the fraction f of positions hidden at \p layer (PrHS's depth window,
   /// psaw+): the device drops [sink, floor(f n)) from its selection and refills it as
   /// base/psaw.h's PsawFilterList does. 0: nothing hidden.

@@ -5,10 +5,11 @@
 // rebuild runs beside the step on a stream of the selector's own (select.cu's HipDeferredCuda) and is
 // used from the item's next ranked step.
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "base/check.h"
-#include "base/hip_mask.h"
+#include "policies/hip/mask.h"
 #include "base/offload_split.h"
 #include "policies/hip/select.h"
 #include "policies/sparcas/device_selector.h"
@@ -24,23 +25,24 @@ constexpr DeviceKernel kHipDeferred{"hip deferred rebuilds", KVF_CUDA_FN(cuda::H
 
 class HipSelector final : public SparcasSelector {
  public:
-  HipSelector(const Policy& policy, const SelectorShape& shape) : SparcasSelector(policy, shape) {
-    dp_.hip.max_nodes = static_cast<int32_t>(std::max<int64_t>(shape.item_cap / std::max(dp_.hip.bk, 1), 1));
+  HipSelector(const HipPolicy& policy, const HipSelectArgs& args, const SelectorShape& shape)
+      : SparcasSelector(std::string(policy.name()), args.sparcas, shape), hip_(args.hip) {
+    hip_.max_nodes = static_cast<int32_t>(std::max<int64_t>(shape.item_cap / std::max(hip_.bk, 1), 1));
   }
   ~HipSelector() override { Release(); }
 
   Status Size(std::vector<SelectorBuffer>& buffers) const override {
     KVF_RETURN_IF_ERROR(CheckParams());
     // The cached masks: k_off / bk blocks at most (k_off <= the item budget).
-    KVF_CHECK_ARG(dp_.hip.bk >= 1 && dp_.hip.r_m >= 1 && dp_.hip.rep >= 0 && dp_.hip.rep <= 3 &&
-                      dp_.sparcas.db == shape_.model.head_dim && dp_.sparcas.bits == 4 &&
-                      shape_.item_cap / dp_.hip.bk <= kHipMaxNodes,
-                  "policy '", name_, "': bk ", dp_.hip.bk, ", r_m ", dp_.hip.r_m, ", rep ", dp_.hip.rep,
+    KVF_CHECK_ARG(hip_.bk >= 1 && hip_.r_m >= 1 && hip_.rep >= 0 && hip_.rep <= 3 &&
+                      sp_.db == shape_.model.head_dim && sp_.bits == 4 &&
+                      shape_.item_cap / hip_.bk <= kHipMaxNodes,
+                  "policy '", name_, "': bk ", hip_.bk, ", r_m ", hip_.r_m, ", rep ", hip_.rep,
                   ", a budget of ", shape_.item_cap, " tokens over ", kHipMaxNodes, " nodes");
     KVF_RETURN_IF_ERROR(SparcasSelector::Size(buffers));
     const size_t items = shape_.items();
     buffers.push_back({state_part(), items * sizeof(HipState)});
-    buffers.push_back({state_part(), items * 2 * static_cast<size_t>(dp_.hip.max_nodes) * sizeof(int32_t)});
+    buffers.push_back({state_part(), items * 2 * static_cast<size_t>(hip_.max_nodes) * sizeof(int32_t)});
     // Each item's build query: CUDA's side stream builds a requested mask from it (lag 1), drift
     // compares the step's query with it. The host backend's twin builds a requested mask at once.
     if (side() || drift()) {
@@ -50,13 +52,13 @@ class HipSelector final : public SparcasSelector {
     return Status::Ok();
   }
   int extra_streams() const override { return side() ? 1 : 0; }
-  bool runs_beside_step() const override { return dp_.hip.lag != 0; }
+  bool runs_beside_step() const override { return hip_.lag != 0; }
 
   Status Bind(std::span<void* const> buffers, Device& device, StreamHandle stream) override {
     device_ = &device;
-    dp_.hip.state = static_cast<HipState*>(buffers[3]);
-    dp_.hip.blocks = static_cast<int32_t*>(buffers[4]);
-    if (side() || drift()) dp_.hip.query = static_cast<uint32_t*>(buffers[5]);
+    hip_.state = static_cast<HipState*>(buffers[3]);
+    hip_.blocks = static_cast<int32_t*>(buffers[4]);
+    if (side() || drift()) hip_.query = static_cast<uint32_t*>(buffers[5]);
     if (side()) {
       KVF_ASSIGN_OR_RETURN(side_stream_, device.CreateStream());
       KVF_ASSIGN_OR_RETURN(fork_, device.CreateEvent());
@@ -74,8 +76,8 @@ class HipSelector final : public SparcasSelector {
   }
   Status Reset(int slot, StreamHandle stream) override {
     KVF_RETURN_IF_ERROR(Join(-1, stream));  // the masks' side rebuilds first
-    if (dp_.hip.state != nullptr) {  // a zero count: the next ranked step builds the mask
-      KVF_RETURN_IF_ERROR(ZeroItems(dp_.hip.state, slot, stream, /*wait=*/false));
+    if (hip_.state != nullptr) {  // a zero count: the next ranked step builds the mask
+      KVF_RETURN_IF_ERROR(ZeroItems(hip_.state, slot, stream, /*wait=*/false));
     }
     return SparcasSelector::Reset(slot, stream);
   }
@@ -83,7 +85,7 @@ class HipSelector final : public SparcasSelector {
   const DeviceKernel& select_kernel() const override { return kHipSelect; }
   void Fill(DecodeStepArgs& a) const override {
     SparcasSelector::Fill(a);
-    a.hip = dp_.hip;
+    SetSelectorArgs(a, HipSelectArgs{sp_, hip_});
   }
   // The mask's state advances when it ranks: a layer that takes the previous one's list still does.
   bool ranking_skippable() const override { return false; }
@@ -110,24 +112,25 @@ class HipSelector final : public SparcasSelector {
     // The mask's representative rows when it is rebuilt, averaged over its r_m steps: an
     // iteration scores at most 2 K' branches of bk rows, until the nodes of about nb / K' blocks
     // are one block each.
-    const int64_t bk = dp_.hip.bk;
+    const int64_t bk = hip_.bk;
     if (!ranks || s.k_off < bk) return 0;
     const int64_t nb = (s.n_off() + bk - 1) / bk, kn = s.k_off / bk;
     int64_t iters = 0;
     for (int64_t len = (nb + kn - 1) / kn; len > 1; len = (len + 1) / 2) ++iters;
     const int64_t row = SparcasRowElems(shape_.model.head_dim, 4) * static_cast<int64_t>(shape_.kv_elem);
-    return iters * 2 * kn * bk * row / std::max(dp_.hip.r_m, 1);
+    return iters * 2 * kn * bk * row / std::max(hip_.r_m, 1);
   }
-  int32_t ListBlock(int layer) const override { return layer >= Dense() ? dp_.hip.bk : 0; }
+  int32_t ListBlock(int layer) const override { return layer >= Dense() ? hip_.bk : 0; }
 
  private:
   const char* keys_part() const override { return "hip compact keys"; }
   const char* state_part() const override { return "hip selection state"; }
   // The first layer its mask ranks (below it, SparCas's path).
-  int Dense() const { return std::max(dp_.sparcas.dense_layers, dp_.hip.dense_layers); }
-  bool side() const { return dp_.hip.lag != 0 && shape_.cuda; }
-  bool drift() const { return dp_.hip.drift > 0.0f; }
+  int Dense() const { return std::max(sp_.dense_layers, hip_.dense_layers); }
+  bool side() const { return hip_.lag != 0 && shape_.cuda; }
+  bool drift() const { return hip_.drift > 0.0f; }
 
+  HipStepArgs hip_;  // its parameters and, from Bind, its buffers
   StreamHandle side_stream_ = nullptr;
   EventHandle fork_ = nullptr, join_ = nullptr;
   int side_layer_ = -1;  // the last layer with a rebuild beside the stream, -1: joined
@@ -141,7 +144,7 @@ namespace kvferry {
 
 std::unique_ptr<detail::DeviceSelector> HipPolicy::MakeDeviceSelector(const detail::SelectorShape& shape) const {
   if (!device()) return nullptr;
-  return std::make_unique<detail::HipSelector>(*this, shape);
+  return std::make_unique<detail::HipSelector>(*this, device_args(shape.model.head_dim), shape);
 }
 
 }  // namespace kvferry

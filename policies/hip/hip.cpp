@@ -105,8 +105,8 @@ bool HipPolicy::DenseQ4(int head_dim) const {
   return params_.dense_bits == 4 && dense_ != nullptr && HipBits(params_, head_dim) == 4;
 }
 
-Policy::DeviceSelectParams HipPolicy::device_select_params(int head_dim) const {
-  DeviceSelectParams d;
+HipSelectArgs HipPolicy::device_args(int head_dim) const {
+  HipSelectArgs d;
   d.sparcas.db = head_dim;
   d.sparcas.u = 1 << 30;  // every dimension: never re-chosen
   // Dense layers at 4 bits: the SparCas machinery ranks every layer over the 4-bit rows, and the

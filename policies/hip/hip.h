@@ -9,27 +9,27 @@
 //
 // Host reference. Decisions on the notes' open questions (section 8):
 //  - Scores (`bits`): 4 (the default for head_dim % 8 == 0) scores a representative token from
-//    its key as SparCas's 4-bit row over every dimension and the int8 query (base/hip_mask.h):
+//    its key as SparCas's 4-bit row over every dimension and the int8 query (policies/hip/mask.h):
 //    exact integer dots, so the GPU computes the same mask from compact rows it keeps in device
 //    memory (policies/hip/select.cu, 68 bytes a token and KV head at head_dim 128) and the step
 //    stays on the device; 16 scores from the stored keys in fp32 (the paper's; host selection).
 //  - First nodes (`align`): 1 (the default) runs of a power of two blocks at its multiples, as
 //    the public code aligns them: the tree stays put as n grows, so a rebuilt mask changes only
 //    where the scores do (the bank keeps serving it); 0 the paper's K' even nodes, whose bounds
-//    all shift with n (base/hip_mask.h).
+//    all shift with n (policies/hip/mask.h).
 //  - Rebuilds: every r_m ranked steps, and whenever k_off shrinks or n falls (a k_off that grows
 //    waits for the interval); a layer's first (or forced) mask lives r_m - layer % r_m steps
-//    (base/hip_mask.h's HipSinceAfterBuild), so that each step rebuilds about 1 / r_m of the
+//    (policies/hip/mask.h's HipSinceAfterBuild), so that each step rebuilds about 1 / r_m of the
 //    layers instead of all of them every r_m steps.
 //  - `drift` (0.7, the default; beyond the paper): a mask is also due, before its r_m steps, at a
 //    ranked step whose query has turned from the one it was built from (the cosine of their int8
-//    codes below `drift` in any head of the group: base/hip_mask.h's HipDriftedHead), so that a
+//    codes below `drift` in any head of the group: policies/hip/mask.h's HipDriftedHead), so that a
 //    mask is rebuilt when its query changed rather than on the clock alone; 0 the paper's r_m
 //    cadence. Chosen by perplexity at equal GPU step time (docs/policies.md, "hip").
 //  - `lag` (0, the default): a due rebuild is built from the step's query and used from that step
 //    (the step whose query turned is the one that needs the new mask); 1 (the paper's decode with
 //    a side stream) uses it from the next ranked step on, and only a step without a usable mask
-//    (the first, k_off shrank, n fell) builds and uses its own (base/hip_mask.h's HipStepAction).
+//    (the first, k_off shrank, n fell) builds and uses its own (policies/hip/mask.h's HipStepAction).
 //    On CUDA a lag-1 rebuild runs on a side stream beside the rest of the step instead of on its
 //    critical path (a rebuild is about 214 us a layer at 128K).
 //  - Iterations: until every node is one block (about log2(NB / K')); a one-block node is one
@@ -52,7 +52,7 @@
 #include <string>
 #include <vector>
 
-#include "base/hip_mask.h"
+#include "policies/hip/mask.h"
 #include "base/sparcas_q4.h"
 #include "policies/policy.h"
 #include "policies/select_util.h"
@@ -64,8 +64,8 @@ struct HipMaskOptions {
   int bk = 2;  ///< tokens per block
   HipRepresentative rep = HipRepresentative::kCentre;
   uint64_t seed = 0;  ///< kRandom: the pseudo-random choice is a hash of (seed, f, l)
-  int bits = 16;      ///< 16: fp32 scores of the stored keys; 4: base/hip_mask.h's 4-bit scores
-  bool align = true;  ///< the first nodes aligned (base/hip_mask.h's HipFirstNodes)
+  int bits = 16;      ///< 16: fp32 scores of the stored keys; 4: policies/hip/mask.h's 4-bit scores
+  bool align = true;  ///< the first nodes aligned (policies/hip/mask.h's HipFirstNodes)
 };
 
 // ---- numeric core (pure functions; the CUDA port is tested against these) ----------------------
@@ -121,7 +121,7 @@ struct HipParams {
   int fresh = 1;
   /// "drift": d in (0, 1] (default 0.7) a mask is also due, before its r_m steps, at a ranked
   /// step whose query has moved from the one it was built from: the cosine of their int8 codes
-  /// below d in any head of the group (base/hip_mask.h's HipDriftedHead); r_m stays the longest
+  /// below d in any head of the group (policies/hip/mask.h's HipDriftedHead); r_m stays the longest
   /// a mask lives. 0: off (the paper's cadence, every r_m steps).
   double drift = 0.7;
 };
@@ -150,7 +150,7 @@ class HipPolicy final : public Policy {
   [[nodiscard]] bool device() const { return device_; }
   /// SparCas's compact rows with every dimension at 4 bits (the dense layers': the KV dtype),
   /// dimensions never re-chosen; the mask's block size, interval and representative.
-  [[nodiscard]] DeviceSelectParams device_select_params(int head_dim) const override;
+  [[nodiscard]] HipSelectArgs device_args(int head_dim) const;
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
   /// select_calls: head-steps ranked afresh (the dense layers, heads the guard moved to the
   /// ranking with fresh 1) or whose mask was built or requested; select_reused: head-steps that
@@ -174,7 +174,7 @@ class HipPolicy final : public Policy {
 
  private:
   struct HeadState {
-    HipState st;  ///< the device's mask state (base/hip_mask.h's HipPromote / HipRecordStep)
+    HipState st;  ///< the device's mask state (policies/hip/mask.h's HipPromote / HipRecordStep)
     std::vector<int32_t> masks[2];  ///< its two masks as offloaded positions, ascending (st.cur in use)
     int64_t rebuilds = 0;           ///< masks built (the recall guard checks every guard_every-th)
     bool scan = false;              ///< the guard found the tree's recall short: masks come from the scan

@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-// HiP's selection on the GPU (policies/hip/device_selector.cpp, base/hip_mask.h): below its
+// HiP's selection on the GPU (policies/hip/device_selector.cpp, policies/hip/mask.h): below its
 // dense layers SparCas's path (policies/sparcas/select.cu); past them SparCas's prep and gather
 // keep the 4-bit rows of every dimension current and the mask kernel writes the list, with a due
 // rebuild beside the step on the selector's own stream (hip.lag 1). The host twin is
@@ -12,7 +12,7 @@
 #include <limits>
 
 #include "base/check.h"
-#include "base/hip_mask.h"
+#include "policies/hip/mask.h"
 #include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
@@ -29,7 +29,7 @@ namespace {
 
 // ---- kHip ---------------------------------------------------------------------------------------
 
-// HiP's mask (base/hip_mask.h) for one item, a CTA of kHipThreads: the nodes stay sorted by their
+// HiP's mask (policies/hip/mask.h) for one item, a CTA of kHipThreads: the nodes stay sorted by their
 // first block, so each iteration's branches are too; the kn best branches are found by a radix
 // select over their OrderedKey scores (4 passes of 8 bits), the ties at the threshold taken in
 // branch order (= first block ascending, the host's tie rule) and compacted in that order with two
@@ -192,7 +192,7 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, int64_t off_lo, int64_t
                                 int64_t k_off, int64_t n, int32_t item, int32_t kn_cap,
                                 unsigned char* smem, HipShared<kThreads>& sh, int32_t* blocks) {
   using HipScan = cub::BlockScan<int32_t, kThreads>;
-  const int64_t bk = max(a.hip.bk, 1);
+  const int64_t bk = max(HipArgsOf(a).bk, 1);
   const int64_t len = off_hi - off_lo;
   const int64_t nb = (len + bk - 1) / bk;
   const int32_t kn = static_cast<int32_t>(min(k_off / bk, static_cast<int64_t>(kn_cap)));
@@ -210,7 +210,7 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, int64_t off_lo, int64_t
   const int2* q_pack = qp.pack;
   const float* q_step = qp.step;
   const int32_t* q_sum8 = qp.sum8;
-  const bool align = a.hip.align != 0;
+  const bool align = HipArgsOf(a).align != 0;
   int32_t cnt = static_cast<int32_t>(HipFirstNodes(nb, kn, align));
   for (int32_t j = tid; j < cnt; j += blockDim.x) {
     int64_t f = 0, l = 0;
@@ -255,7 +255,7 @@ __device__ int32_t HipBuildMask(const DecodeStepArgs& a, int64_t off_lo, int64_t
     for (int64_t x = tid; x < static_cast<int64_t>(branches) * bk; x += blockDim.x) {
       const int32_t i = static_cast<int32_t>(x / bk);
       const int2 r = br[i];
-      const int64_t pos = off_lo + HipRepBlock(r.x, r.y, a.hip.rep, seed) * bk + x % bk;
+      const int64_t pos = off_lo + HipRepBlock(r.x, r.y, HipArgsOf(a).rep, seed) * bk + x % bk;
       if (pos >= off_hi) continue;
       const uint32_t* row = rows + pos * (words + 1);
       atomicMax(&keys[i], OrderedKey(words == 16 ? HipRowScore<16>(row, 16, q_pack, q_step, q_sum8, group, scale)
@@ -317,21 +317,21 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
   int64_t taken = 0;
   if (sp.k_off > 0) {
     const int64_t t = ItemT(a, b, h);
-    const int64_t bk = max(a.hip.bk, 1);
+    const int64_t bk = max(HipArgsOf(a).bk, 1);
     const int group = a.params.group, words = SparcasQ4Words(a.params.head_dim);
-    const bool drift = a.hip.drift > 0.0f;
+    const bool drift = HipArgsOf(a).drift > 0.0f;
     const int64_t qw = HipQueryWords(group, a.params.head_dim);
     const HipQueryPtrs qs = HipSmemQuery(hip_smem, kn_cap, group, words);
-    uint32_t* item_q = a.hip.query != nullptr ? a.hip.query + t * qw : nullptr;  // the build query
+    uint32_t* item_q = HipArgsOf(a).query != nullptr ? HipArgsOf(a).query + t * qw : nullptr;  // the build query
     HipState& s_st = *reinterpret_cast<HipState*>(s_raw);
     if (threadIdx.x == 0) {
-      HipState st = a.hip.state[t];
+      HipState st = HipArgsOf(a).state[t];
       HipPromote(st);
       s_st = st;
       s_drifted = 0;
     }
     // HiP's drift: every ranked step packs its query and compares each head's codes with those
-    // the mask was built from (a warp a head; base/hip_mask.h's HipDriftedHead).
+    // the mask was built from (a warp a head; policies/hip/mask.h's HipDriftedHead).
     if (drift) HipPackQuery(a, item, qs);
     __syncthreads();
     if (drift && s_st.count > 0) {
@@ -350,20 +350,20 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
           b2 += __shfl_xor_sync(0xffffffffu, b2, off);
           n2 += __shfl_xor_sync(0xffffffffu, n2, off);
         }
-        if (lane == 0 && HipDriftedHead(dot, b2, n2, a.hip.drift)) atomicOr(&s_drifted, 1);
+        if (lane == 0 && HipDriftedHead(dot, b2, n2, HipArgsOf(a).drift)) atomicOr(&s_drifted, 1);
       }
       __syncthreads();
     }
     if (threadIdx.x == 0) {
       const HipState& st = s_st;
       s_action = static_cast<int>(HipStepAction(st.count, st.k_off, st.n, st.since_refresh, sp.k_off, n,
-                                                a.hip.r_m, a.hip.lag, s_drifted != 0));
+                                                HipArgsOf(a).r_m, HipArgsOf(a).lag, s_drifted != 0));
     }
     __syncthreads();
     const HipAction action = static_cast<HipAction>(s_action);
     const bool drifted = s_drifted != 0;
     const int32_t cur = s_st.cur;
-    int32_t* blocks = a.hip.blocks + (2 * t + cur) * a.hip.max_nodes;
+    int32_t* blocks = HipArgsOf(a).blocks + (2 * t + cur) * HipArgsOf(a).max_nodes;
     int32_t count = s_st.count;
     int64_t hi = s_st.hi;
     // The query a new mask is built from: with drift packed above, kept as the item's (the next
@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
     if (threadIdx.x == 0) {
       HipState s = s_st;
       const int32_t since = HipSinceAfterBuild(s.count, s.k_off, s.n, s.since_refresh, sp.k_off, n,
-                                               a.hip.r_m, a.layer, drifted);
+                                               HipArgsOf(a).r_m, a.layer, drifted);
       if (action == HipAction::kBuild) {
         s.count = count;
         s.k_off = sp.k_off;
@@ -410,7 +410,7 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
       }
       ++s.since_refresh;
       s.n = n;
-      a.hip.state[t] = s;
+      HipArgsOf(a).state[t] = s;
     }
   }
   WriteListTail(a, item, sp.sinks, sp.off_hi, n, taken, out);
@@ -429,16 +429,16 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) HipDeferredKernel(D
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t t = ItemT(a, b, h);
   HipState& s_st = *reinterpret_cast<HipState*>(s_raw);
-  if (threadIdx.x == 0) s_st = a.hip.state[t];
+  if (threadIdx.x == 0) s_st = HipArgsOf(a).state[t];
   __syncthreads();
   if (s_st.pending != 1) return;
   const int group = a.params.group, words = SparcasQ4Words(a.params.head_dim);
   const int64_t qw = HipQueryWords(group, a.params.head_dim);
-  const uint32_t* src = a.hip.query + t * qw;
+  const uint32_t* src = HipArgsOf(a).query + t * qw;
   uint32_t* dst = reinterpret_cast<uint32_t*>(HipSmemQuery(hip_smem, kn_cap, group, words).pack);
   for (int64_t i = threadIdx.x; i < qw; i += blockDim.x) dst[i] = src[i];
   __syncthreads();
-  int32_t* blocks = a.hip.blocks + (2 * t + (s_st.cur ^ 1)) * a.hip.max_nodes;
+  int32_t* blocks = HipArgsOf(a).blocks + (2 * t + (s_st.cur ^ 1)) * HipArgsOf(a).max_nodes;
   const int32_t count =
       HipBuildMask<kThreads>(a, s_st.p_lo, s_st.p_hi, s_st.p_k_off, s_st.p_n, item, kn_cap, hip_smem, sh,
                              blocks);
@@ -447,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1024 / kThreads) HipDeferredKernel(D
     HipState s = s_st;
     s.p_count = count;
     s.pending = 2;
-    a.hip.state[t] = s;
+    HipArgsOf(a).state[t] = s;
   }
 }
 
@@ -473,17 +473,17 @@ Status HipSelectCuda(const void* args, const LaunchInfo& info, void* stream_ptr)
   KVF_CHECK_ARG(SelectSortCap(a) <= kTopKSmemItems || a.topk_ws != nullptr,
                 "DecodeSelect: budget_cap ", a.budget_cap, " needs a top-k workspace");
   const SelectGrid g = SelectGridOf(a, info);
-  const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / std::max(a.hip.bk, 1), kHipMaxNodes));
-  KVF_CHECK_ARG(a.meta != nullptr && a.sparcas.state != nullptr && a.sparcas.dims != nullptr &&
-                    a.hip.state != nullptr && a.hip.blocks != nullptr && a.hip.bk >= 1 &&
-                    a.hip.r_m >= 1 && a.sparcas.db == a.params.head_dim &&
+  const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / std::max(HipArgsOf(a).bk, 1), kHipMaxNodes));
+  KVF_CHECK_ARG(a.meta != nullptr && SparcasArgsOf(a).state != nullptr && SparcasArgsOf(a).dims != nullptr &&
+                    HipArgsOf(a).state != nullptr && HipArgsOf(a).blocks != nullptr && HipArgsOf(a).bk >= 1 &&
+                    HipArgsOf(a).r_m >= 1 && SparcasArgsOf(a).db == a.params.head_dim &&
                     a.params.head_dim % 8 == 0 && a.params.head_dim <= 256 &&
-                    SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4 &&
-                    a.budget_cap / a.hip.bk <= std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes) &&
-                    ((a.hip.lag == 0 && !(a.hip.drift > 0.0f)) || a.hip.query != nullptr),
+                    SparcasBitsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).bits) == 4 &&
+                    a.budget_cap / HipArgsOf(a).bk <= std::min<int64_t>(kHipMaxNodes, HipArgsOf(a).max_nodes) &&
+                    ((HipArgsOf(a).lag == 0 && !(HipArgsOf(a).drift > 0.0f)) || HipArgsOf(a).query != nullptr),
                 "DecodeSelect: hip without its 4-bit rows and mask state (or hip.lag or hip.drift without "
                 "hip.query), or a budget_cap of ",
-                a.budget_cap, " at bk ", a.hip.bk, " over ", std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes),
+                a.budget_cap, " at bk ", HipArgsOf(a).bk, " over ", std::min<int64_t>(kHipMaxNodes, HipArgsOf(a).max_nodes),
                 " nodes");
   KVF_RETURN_IF_ERROR(LaunchSparcasRows(a, g, stream));
   const size_t smem = HipMaskSmem(std::max(kn_cap, 1), a.params.group, a.params.head_dim);
@@ -500,16 +500,16 @@ Status HipDeferredCuda(const void* args, const LaunchInfo& info, void* stream_pt
   (void)info;
   const DecodeStepArgs& a = *static_cast<const DecodeStepArgs*>(args);
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  if (a.hip.lag == 0 || a.layer < HipDenseOf(a)) {
+  if (HipArgsOf(a).lag == 0 || a.layer < HipDenseOf(a)) {
     return Status::Ok();
   }
   const int64_t items = static_cast<int64_t>(a.batch) * a.num_kv_heads;
   if (items == 0) return Status::Ok();
-  KVF_CHECK_ARG(a.hip.state != nullptr && a.hip.blocks != nullptr && a.hip.query != nullptr &&
-                    a.hip.bk >= 1 && a.params.head_dim % 8 == 0 && a.params.head_dim <= 256 &&
-                    a.budget_cap / a.hip.bk <= std::min<int64_t>(kHipMaxNodes, a.hip.max_nodes),
+  KVF_CHECK_ARG(HipArgsOf(a).state != nullptr && HipArgsOf(a).blocks != nullptr && HipArgsOf(a).query != nullptr &&
+                    HipArgsOf(a).bk >= 1 && a.params.head_dim % 8 == 0 && a.params.head_dim <= 256 &&
+                    a.budget_cap / HipArgsOf(a).bk <= std::min<int64_t>(kHipMaxNodes, HipArgsOf(a).max_nodes),
                 "DecodeSelectDeferred: hip without its mask state, blocks or packed queries");
-  const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / a.hip.bk, kHipMaxNodes));
+  const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / HipArgsOf(a).bk, kHipMaxNodes));
   const size_t smem = HipMaskSmem(std::max(kn_cap, 1), a.params.group, a.params.head_dim);
   const auto launch = [&](auto kernel, int block) -> Status {
     if (smem > 48 * 1024) {

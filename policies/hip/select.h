@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "base/attn_types.h"
+#include "policies/hip/args.h"
 #include "gpu/device.h"
 #include "kvferry/status.h"
 

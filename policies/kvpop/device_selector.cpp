@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "base/check.h"
-#include "base/kvpop_score.h"
+#include "policies/kvpop/score.h"
 #include "base/offload_split.h"
 #include "policies/device_selector.h"
 #include "policies/kvpop/select.h"
@@ -19,9 +19,9 @@ constexpr DeviceKernel kKvpopSelect{"kvpop select", KVF_CUDA_FN(cuda::KvpopSelec
 
 class KvpopSelector final : public DeviceSelector {
  public:
-  KvpopSelector(const Policy& policy, const SelectorShape& shape)
+  KvpopSelector(const KvpopPolicy& policy, const SelectorShape& shape)
       : DeviceSelector(shape), policy_(policy) {
-    k_.hidden = policy.device_select_params(shape.model.head_dim).kvpop_hidden;
+    k_.hidden = policy.device_hidden();
     k_.cap = std::max<int64_t>(shape.item_cap, 1);
   }
 
@@ -66,7 +66,7 @@ class KvpopSelector final : public DeviceSelector {
   const DeviceKernel& select_kernel() const override { return kKvpopSelect; }
   void Fill(DecodeStepArgs& a) const override {
     a.ranks = SelectRanks::kOffloaded;  // its kernel writes the list; CheckSelectArgs reads it
-    a.kvpop = k_;                        // catchup 0: BeforeSelect's
+    SetSelectorArgs(a, k_);  // catchup 0: BeforeSelect's
   }
   // The slots' state advances at every step: a layer that takes the previous one's list ranks.
   bool ranking_skippable() const override { return false; }
@@ -82,7 +82,11 @@ class KvpopSelector final : public DeviceSelector {
       const int64_t n = positions[b] + 1;
       const int64_t off_hi = std::max(std::min(sink, n), n - shape_.window);
       int64_t& seen = seen_[static_cast<size_t>(slots[b]) * shape_.model.num_layers + layer];
-      if (off_hi - std::max(seen, std::min(sink, n)) > 1) a.kvpop.catchup = 1;
+      if (off_hi - std::max(seen, std::min(sink, n)) > 1) {
+        KvpopStepArgs k = KvpopArgsOf(a);
+        k.catchup = 1;
+        SetSelectorArgs(a, k);
+      }
       seen = off_hi;
     }
   }
@@ -98,7 +102,7 @@ class KvpopSelector final : public DeviceSelector {
            static_cast<size_t>(KvpopScorerFloats(k_.hidden, 2 * shape_.model.head_dim));
   }
 
-  const Policy& policy_;
+  const KvpopPolicy& policy_;
   KvpopStepArgs k_;  // the parameters and, from Bind, the buffers a step takes
   // Per (slot, layer) the offloaded range's end at its last decode step, as the host saw it.
   std::vector<int64_t> seen_;

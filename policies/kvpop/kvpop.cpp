@@ -435,12 +435,7 @@ float KvpopPolicy::LogGamma(int layer, int kv_head) const {
                        static_cast<float>(params_.gamma_max));
 }
 
-Policy::DeviceSelectParams KvpopPolicy::device_select_params(int head_dim) const {
-  (void)head_dim;
-  DeviceSelectParams p;
-  p.kvpop_hidden = use_mlp_ ? weights_->hidden : 0;
-  return p;
-}
+int32_t KvpopPolicy::device_hidden() const { return use_mlp_ ? weights_->hidden : 0; }
 
 Result<std::vector<float>> KvpopPolicy::device_select_table(const ModelShape& model) const {
   const KvpopScorerWeights* w = use_mlp_ ? weights_.get() : nullptr;

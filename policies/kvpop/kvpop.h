@@ -38,7 +38,7 @@
 //  - Where it selects: on the device by default ("device" = 1: policies/kvpop/select.cu; the slots,
 //    priorities and the scorer's table in device memory, updated by the planned step's kernels,
 //    no host work, capture-safe); "device" = 0 keeps this host Select in the step. Both compute
-//    base/kvpop_score.h's priorities, so they keep the same tokens.
+//    policies/kvpop/score.h's priorities, so they keep the same tokens.
 
 #include <cstdint>
 #include <map>
@@ -46,7 +46,7 @@
 #include <string>
 #include <vector>
 
-#include "base/kvpop_score.h"
+#include "policies/kvpop/score.h"
 #include "policies/policy.h"
 #include "policies/select_util.h"
 
@@ -74,7 +74,7 @@ Result<KvpopScorerWeights> LoadKvpopWeights(const std::string& path);
 // ---- numeric core (pure functions; the CUDA port is tested against these) ----------------------
 
 // The scorer (KvpopMlp), the static priority (KvpopPriorityOf) and the ranking
-// (KvpopRanksAbove) are base/kvpop_score.h's, shared with the device selection.
+// (KvpopRanksAbove) are policies/kvpop/score.h's, shared with the device selection.
 
 /// log gamma = log(gamma_min) + sigmoid(alpha) (log(gamma_max) - log(gamma_min)), fp32.
 float KvpopLogGamma(float alpha, float gamma_min, float gamma_max);
@@ -142,10 +142,11 @@ class KvpopPolicy final : public Policy {
     return params_.scorer == 2 || params_.decay == 1;
   }
   Status OnPrefill(const PrefillContext& ctx) override;
-  [[nodiscard]] DeviceSelectParams device_select_params(int head_dim) const override;
-  /// The scorer of every (layer, KV head) in base/kvpop_score.h's table layout (hidden 0 for the
+  /// The scorer of every (layer, KV head) in policies/kvpop/score.h's table layout (hidden 0 for the
   /// zero scorer); a model the weights do not fit is kInvalidArgument naming both shapes.
-  [[nodiscard]] Result<std::vector<float>> device_select_table(const ModelShape& model) const override;
+  [[nodiscard]] Result<std::vector<float>> device_select_table(const ModelShape& model) const;
+  /// The scorer's hidden width on the device (0: the zero scorer).
+  [[nodiscard]] int32_t device_hidden() const;
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
   void OnSequenceRemoved(int slot) override { states_.RemoveSlot(slot); }
 

@@ -1,5 +1,5 @@
 // Copyright kvferry authors. Apache-2.0.
-// KVpop's selection inside a planned decode step (policies/kvpop/device_selector.cpp, base/kvpop_score.h):
+// KVpop's selection inside a planned decode step (policies/kvpop/device_selector.cpp, policies/kvpop/score.h):
 // one CTA per item keeps its long-range slots in device memory and writes the step's list. A step
 // normally brings one newcomer (the token that left the window): it is scored by a warp, the
 // worst slot is found by one block reduction, and if the newcomer beats it the slots shift left
@@ -16,7 +16,7 @@
 #include <cuda/functional>
 
 #include "base/check.h"
-#include "base/kvpop_score.h"
+#include "policies/kvpop/score.h"
 #include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
@@ -95,7 +95,7 @@ template <typename T>
 __device__ float KvpopWarpPriority(const DecodeStepArgs& a, const float* block, int64_t t,
                                    int64_t u, int64_t n, float* x) {
   const int lane = threadIdx.x & 31;
-  const int in_dim = 2 * a.params.head_dim, hidden = a.kvpop.hidden;
+  const int in_dim = 2 * a.params.head_dim, hidden = KvpopArgsOf(a).hidden;
   KvpopLoadRow<T>(a, t, u, n, lane, 32, x);
   __syncwarp();
   float r = 0.0f;
@@ -120,7 +120,7 @@ template <typename T>
 __device__ float KvpopBlockPriority(const DecodeStepArgs& a, const float* block, int64_t t,
                                     int64_t u, int64_t n, KvpopShared& sh) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int in_dim = 2 * a.params.head_dim, hidden = a.kvpop.hidden;
+  const int in_dim = 2 * a.params.head_dim, hidden = KvpopArgsOf(a).hidden;
   if (hidden > 0) {
     KvpopLoadRow<T>(a, t, u, n, tid, kKvpopThreads, sh.x[0]);
     __syncthreads();
@@ -166,9 +166,9 @@ __device__ __forceinline__ KvpopItem KvpopItemOf(const DecodeStepArgs& a, int32_
   it.t = (static_cast<int64_t>(a.slots[b]) * a.num_layers + a.layer) * a.num_kv_heads + h;
   it.sinks = min(max(static_cast<int64_t>(a.sink), int64_t{0}), it.n);
   it.off_hi = max(it.sinks, it.n - max(a.window, 0));
-  it.block = a.kvpop.scorer + (static_cast<int64_t>(a.layer) * a.num_kv_heads + h) *
-                                  KvpopScorerFloats(a.kvpop.hidden, 2 * a.params.head_dim);
-  it.st = a.kvpop.state[it.t];
+  it.block = KvpopArgsOf(a).scorer + (static_cast<int64_t>(a.layer) * a.num_kv_heads + h) *
+                                  KvpopScorerFloats(KvpopArgsOf(a).hidden, 2 * a.params.head_dim);
+  it.st = KvpopArgsOf(a).state[it.t];
   if (it.n < it.st.next_u) it.st = KvpopState{};  // a new sequence in this slot
   it.lo = max(it.st.next_u, it.sinks);
   it.m = max(it.off_hi - it.lo, int64_t{0});
@@ -211,7 +211,7 @@ __device__ int64_t KvpopKeepBest(const DecodeStepArgs& a, const KvpopItem& it, i
   const int64_t n = it.n, t = it.t, lo = it.lo, m = it.m, count = it.st.count;
   const float* block = it.block;
   float* ws = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
-  if (a.kvpop.catchup == 0 || m <= 1) {  // else KvpopScoreKernel wrote them
+  if (KvpopArgsOf(a).catchup == 0 || m <= 1) {  // else KvpopScoreKernel wrote them
     for (int64_t j = warp; j < m; j += kKvpopWarps) {
       const float p = KvpopWarpPriority<T>(a, block, t, lo + j, n, sh.x[warp]);
       if (lane == 0) ws[j] = p;
@@ -288,8 +288,8 @@ __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStep
   const float* block = it.block;
   const int64_t budget = StepBudget(a.budget_tokens, a.budget_fraction, a.budget_cap, n);
   const int64_t k = max(budget - (sinks + (n - off_hi)), int64_t{0});
-  int32_t* pos = a.kvpop.pos + t * a.kvpop.cap;
-  float* prio = a.kvpop.prio + t * a.kvpop.cap;
+  int32_t* pos = KvpopArgsOf(a).pos + t * KvpopArgsOf(a).cap;
+  float* prio = KvpopArgsOf(a).prio + t * KvpopArgsOf(a).cap;
   int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
   const int64_t count = it.st.count;
   int64_t kept = 0;
@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStep
         pos[count] = static_cast<int32_t>(lo);
         prio[count] = p;
       }
-    } else if (a.kvpop.catchup != 0) {  // scored by KvpopScoreKernel
+    } else if (KvpopArgsOf(a).catchup != 0) {  // scored by KvpopScoreKernel
       const float* ws = a.select_ws + static_cast<size_t>(item) * a.params.group * a.select_ld;
       for (int64_t j = tid; j < m; j += kKvpopThreads) {
         pos[count + j] = static_cast<int32_t>(lo + j);
@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(kKvpopThreads, 1) KvpopSelectKernel(DecodeStep
     KvpopState s;
     s.next_u = max(it.st.next_u, off_hi);
     s.count = kept;
-    a.kvpop.state[t] = s;
+    KvpopArgsOf(a).state[t] = s;
   }
   for (int64_t i = tid; i < sinks; i += kKvpopThreads) out[i] = static_cast<int32_t>(i);
   if (!listed) {
@@ -408,20 +408,20 @@ Status KvpopSelectCuda(const void* args, const LaunchInfo& info, void* stream_pt
   if (items == 0) return Status::Ok();
   KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
   KVF_CHECK_ARG(!a.select_skip_ranking, "DecodeSelect: kvpop's slots advance when they rank: no select_skip_ranking");
-  KVF_CHECK_ARG(a.kvpop.state != nullptr && a.kvpop.pos != nullptr && a.kvpop.prio != nullptr &&
-                    a.kvpop.scorer != nullptr && a.kvpop.hidden >= 0 &&
-                    a.kvpop.hidden <= kKvpopMaxHidden && a.kvpop.cap >= a.budget_cap &&
+  KVF_CHECK_ARG(KvpopArgsOf(a).state != nullptr && KvpopArgsOf(a).pos != nullptr && KvpopArgsOf(a).prio != nullptr &&
+                    KvpopArgsOf(a).scorer != nullptr && KvpopArgsOf(a).hidden >= 0 &&
+                    KvpopArgsOf(a).hidden <= kKvpopMaxHidden && KvpopArgsOf(a).cap >= a.budget_cap &&
                     a.params.head_dim <= kKvpopMaxHeadDim && a.store.pages != nullptr &&
                     a.resident != nullptr,
-                "DecodeSelect: kvpop without its slots, state or scorers, slots for ", a.kvpop.cap,
-                " tokens under a budget of ", a.budget_cap, ", a scorer of width ", a.kvpop.hidden,
+                "DecodeSelect: kvpop without its slots, state or scorers, slots for ", KvpopArgsOf(a).cap,
+                " tokens under a budget of ", a.budget_cap, ", a scorer of width ", KvpopArgsOf(a).hidden,
                 ", or head_dim ", a.params.head_dim, " over ", kKvpopMaxHeadDim);
-  KVF_CHECK_ARG(a.kvpop.catchup == 0 || (a.select_ws != nullptr && a.select_ld >= 1),
+  KVF_CHECK_ARG(KvpopArgsOf(a).catchup == 0 || (a.select_ws != nullptr && a.select_ld >= 1),
                 "DecodeSelect: kvpop's catch-up without its scratch");
   const unsigned gy =
       static_cast<unsigned>(std::clamp<int64_t>(int64_t{info.num_sms} * 8 / items, 1, 65535));
   KVF_RETURN_IF_ERROR(DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
-    if (a.kvpop.catchup != 0) {
+    if (KvpopArgsOf(a).catchup != 0) {
       KvpopScoreKernel<T>
           <<<dim3(static_cast<unsigned>(items), gy), kKvpopScoreThreads, 0, stream>>>(a);
       KVF_CUDA_CHECK_LAUNCH(KvpopScoreKernel);

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "base/attn_types.h"
+#include "policies/kvpop/score.h"
 #include "gpu/device.h"
 #include "kvferry/status.h"
 

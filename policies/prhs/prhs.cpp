@@ -47,9 +47,6 @@ class WrapperBase : public Policy {
   // attends them on the device whatever the list says): CIS's shared set takes them all whatever
   // the budget, PSAW never hides them, XL reuses a set the inner chose at the same length.
   bool selection_covers_resident() const override { return inner_->selection_covers_resident(); }
-  Result<std::vector<float>> device_select_table(const ModelShape& model) const override {
-    return inner_->device_select_table(model);
-  }
   // The inner policy's device scan (LFPS): the wrappers pass their SelectContext, with the
   // device's ranking in it, to the inner Select whenever they run it.
   int device_scan_channels() const override { return inner_->device_scan_channels(); }
@@ -287,9 +284,6 @@ class PsawPolicy final : public WrapperBase {
     }
     return inner_policy().MakeDeviceSelector(shape);
   }
-  DeviceSelectParams device_select_params(int head_dim) const override {
-    return inner_policy().device_select_params(head_dim);
-  }
   double device_hide_fraction(int layer) const override {
     return PsawHiddenFraction(layer, num_layers_, l_s_, phi_);
   }
@@ -347,9 +341,6 @@ class XlPolicy final : public WrapperBase, public XlPredictor {
   // step copies layer l - 1's list of the same step), so the step stays on the GPU.
   std::unique_ptr<detail::DeviceSelector> MakeDeviceSelector(const detail::SelectorShape& shape) const override {
     return inner_policy().MakeDeviceSelector(shape);
-  }
-  DeviceSelectParams device_select_params(int head_dim) const override {
-    return inner_policy().device_select_params(head_dim);
   }
   double device_hide_fraction(int layer) const override {
     return inner_policy().device_hide_fraction(layer);

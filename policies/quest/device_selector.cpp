@@ -19,9 +19,8 @@ constexpr DeviceKernel kPageBounds{"quest page bounds", KVF_CUDA_FN(cuda::QuestP
 
 class QuestSelector final : public DeviceSelector {
  public:
-  QuestSelector(const Policy& policy, const SelectorShape& shape)
-      : DeviceSelector(shape), name_(policy.name()),
-        page_(policy.device_select_params(shape.model.head_dim).page_tokens) {
+  QuestSelector(const QuestPolicy& policy, const SelectorShape& shape)
+      : DeviceSelector(shape), name_(policy.name()), page_(policy.params().page) {
     pages_ = page_ >= 1 ? (shape.max_tokens + page_ - 1) / page_ : 0;
   }
 

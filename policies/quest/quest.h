@@ -60,11 +60,6 @@ class QuestPolicy final : public Policy {
   /// Inside a planned step the device keeps the page bounds and selects (policies/quest/select.cu).
   [[nodiscard]] std::unique_ptr<detail::DeviceSelector> MakeDeviceSelector(
       const detail::SelectorShape& shape) const override;
-  [[nodiscard]] DeviceSelectParams device_select_params(int) const override {
-    DeviceSelectParams d;
-    d.page_tokens = params_.page;
-    return d;
-  }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;
   void OnSequenceRemoved(int slot) override { states_.RemoveSlot(slot); }
   [[nodiscard]] const QuestParams& params() const { return params_; }

@@ -1,6 +1,8 @@
 // Copyright kvferry authors. Apache-2.0.
 #include "policies/sparcas/device_selector.h"
 
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "base/check.h"
@@ -10,15 +12,14 @@
 
 namespace kvferry::detail {
 
-SparcasSelector::SparcasSelector(const Policy& policy, const SelectorShape& shape)
-    : DeviceSelector(shape), name_(policy.name()),
-      dp_(policy.device_select_params(shape.model.head_dim)) {}
+SparcasSelector::SparcasSelector(std::string name, const SparcasStepArgs& args, const SelectorShape& shape)
+    : DeviceSelector(shape), name_(std::move(name)), sp_(args) {}
 
 Status SparcasSelector::CheckParams() const {
-  KVF_CHECK_ARG(dp_.sparcas.db >= 1 && dp_.sparcas.u >= 1 && dp_.sparcas.dense_layers >= 0 &&
-                    (dp_.sparcas.bits == 16 || (dp_.sparcas.bits == 4 && dp_.sparcas.db % 8 == 0)),
-                "policy '", name_, "': d_b ", dp_.sparcas.db, ", u ", dp_.sparcas.u, ", dense_layers ",
-                dp_.sparcas.dense_layers, ", bits ", dp_.sparcas.bits);
+  KVF_CHECK_ARG(sp_.db >= 1 && sp_.u >= 1 && sp_.dense_layers >= 0 &&
+                    (sp_.bits == 16 || (sp_.bits == 4 && sp_.db % 8 == 0)),
+                "policy '", name_, "': d_b ", sp_.db, ", u ", sp_.u, ", dense_layers ",
+                sp_.dense_layers, ", bits ", sp_.bits);
   return Status::Ok();
 }
 
@@ -28,12 +29,12 @@ Status SparcasSelector::Size(std::vector<SelectorBuffer>& buffers) const {
   // Compact rows of every position an item may hold (meta_pages = max_tokens), its state and its
   // chosen dimensions.
   const int64_t elems = SparcasCompactOffset(shape_.max_sequences, 0, 0, m.num_layers, m.num_kv_heads,
-                                             shape_.max_tokens, m.head_dim, dp_.sparcas.db, dp_.sparcas.dense_layers,
-                                             dp_.sparcas.bits);
+                                             shape_.max_tokens, m.head_dim, sp_.db, sp_.dense_layers,
+                                             sp_.bits);
   buffers.push_back({keys_part(), static_cast<size_t>(elems) * shape_.kv_elem});
   buffers.push_back({state_part(), shape_.items() * sizeof(SparcasState)});
   buffers.push_back({state_part(), shape_.items() * static_cast<size_t>(m.head_dim) * sizeof(int32_t)});
-  if (dp_.sparcas.smooth != 0) {  // the channel scales (base/sparcas_q4.h)
+  if (sp_.smooth != 0) {  // the channel scales (base/sparcas_q4.h)
     buffers.push_back({state_part(), shape_.items() * static_cast<size_t>(m.head_dim) * sizeof(float)});
   }
   return Status::Ok();
@@ -42,19 +43,19 @@ Status SparcasSelector::Size(std::vector<SelectorBuffer>& buffers) const {
 Status SparcasSelector::Bind(std::span<void* const> buffers, Device& device, StreamHandle stream) {
   device_ = &device;
   meta_ = static_cast<char*>(buffers[0]);
-  dp_.sparcas.state = static_cast<SparcasState*>(buffers[1]);
-  dp_.sparcas.dims = static_cast<int32_t*>(buffers[2]);
-  dp_.sparcas.scales = dp_.sparcas.smooth != 0 ? static_cast<float*>(buffers[3]) : nullptr;
+  sp_.state = static_cast<SparcasState*>(buffers[1]);
+  sp_.dims = static_cast<int32_t*>(buffers[2]);
+  sp_.scales = sp_.smooth != 0 ? static_cast<float*>(buffers[3]) : nullptr;
   return Reset(-1, stream);
 }
 
 Status SparcasSelector::Reset(int slot, StreamHandle stream) {
-  if (dp_.sparcas.scales != nullptr) {
+  if (sp_.scales != nullptr) {
     // The channel scales start at zero: the CUDA selection takes their maxima by atomicMax.
-    KVF_RETURN_IF_ERROR(ZeroItems(dp_.sparcas.scales, slot, stream, /*wait=*/true,
+    KVF_RETURN_IF_ERROR(ZeroItems(sp_.scales, slot, stream, /*wait=*/true,
                                   static_cast<size_t>(shape_.model.head_dim)));
   }
-  return ZeroItems(dp_.sparcas.state, slot, stream, /*wait=*/true);
+  return ZeroItems(sp_.state, slot, stream, /*wait=*/true);
 }
 
 namespace {
@@ -68,13 +69,13 @@ void SparcasSelector::Fill(DecodeStepArgs& a) const {
   a.ranks = SelectRanks::kOffloaded;
   a.meta = meta_;
   a.meta_pages = shape_.max_tokens;
-  a.sparcas = dp_.sparcas;
+  SetSelectorArgs(a, sp_);
 }
 
 int64_t SparcasSelector::CompactKeyBytes(int64_t n, int layer, bool ranks) const {
   if (!ranks) return 0;
-  const int32_t dims = SparcasDimsOf(layer, dp_.sparcas.dense_layers, dp_.sparcas.db, shape_.model.head_dim);
-  const int64_t row = SparcasRowElems(dims, SparcasBitsOf(layer, dp_.sparcas.dense_layers, dp_.sparcas.bits));
+  const int32_t dims = SparcasDimsOf(layer, sp_.dense_layers, sp_.db, shape_.model.head_dim);
+  const int64_t row = SparcasRowElems(dims, SparcasBitsOf(layer, sp_.dense_layers, sp_.bits));
   return n * row * static_cast<int64_t>(shape_.kv_elem);
 }
 
@@ -88,7 +89,8 @@ int64_t SparcasSelector::KeyBytes(int64_t n, int64_t budget, int layer) const {
 namespace kvferry {
 
 std::unique_ptr<detail::DeviceSelector> SparcasPolicy::MakeDeviceSelector(const detail::SelectorShape& shape) const {
-  return std::make_unique<detail::SparcasSelector>(*this, shape);
+  return std::make_unique<detail::SparcasSelector>(std::string(name()), device_args(shape.model.head_dim),
+                                                   shape);
 }
 
 }  // namespace kvferry

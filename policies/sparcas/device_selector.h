@@ -5,6 +5,7 @@
 #include <string>
 
 #include "policies/device_selector.h"
+#include "policies/sparcas/args.h"
 
 namespace kvferry::detail {
 
@@ -13,7 +14,7 @@ namespace kvferry::detail {
 /// partial logits ranked; layers below dense_layers rank every dimension.
 class SparcasSelector : public DeviceSelector {
  public:
-  SparcasSelector(const Policy& policy, const SelectorShape& shape);
+  SparcasSelector(std::string name, const SparcasStepArgs& args, const SelectorShape& shape);
   Status Size(std::vector<SelectorBuffer>& buffers) const override;
   Status Bind(std::span<void* const> buffers, Device& device, StreamHandle stream) override;
   Status Reset(int slot, StreamHandle stream) override;
@@ -31,9 +32,8 @@ class SparcasSelector : public DeviceSelector {
   virtual const char* state_part() const { return "sparcas selection state"; }
 
   std::string name_;
-  /// The policy's parameters; Bind adds the buffers to dp_.sparcas (and HiP's to dp_.hip), which
-  /// Fill hands to each step as they are.
-  Policy::DeviceSelectParams dp_;
+  /// The policy's parameters; Bind adds the buffers, and Fill hands them to each step as they are.
+  SparcasStepArgs sp_;
   char* meta_ = nullptr;
 };
 

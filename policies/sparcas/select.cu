@@ -12,7 +12,6 @@
 #include <limits>
 
 #include "base/check.h"
-#include "base/hip_mask.h"
 #include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
@@ -28,9 +27,9 @@ namespace {
 
 // Item t's channel scales (smooth 1 at a 4-bit layer, base/sparcas_q4.h), or null.
 __device__ __forceinline__ float* SparcasScalesOf(const DecodeStepArgs& a, int64_t t) {
-  return a.sparcas.smooth != 0 && a.sparcas.scales != nullptr &&
-                 SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4
-             ? a.sparcas.scales + t * a.params.head_dim
+  return SparcasArgsOf(a).smooth != 0 && SparcasArgsOf(a).scales != nullptr &&
+                 SparcasBitsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).bits) == 4
+             ? SparcasArgsOf(a).scales + t * a.params.head_dim
              : nullptr;
 }
 
@@ -75,7 +74,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasScalesKernel(DecodeSt
   float* sc = SparcasScalesOf(a, t);
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const ItemSplit sp = ItemSplitOf(a, n);
-  if (sc == nullptr || sp.all || sp.k_off <= 0 || a.sparcas.state[t].d_b != 0) return;
+  if (sc == nullptr || sp.all || sp.k_off <= 0 || SparcasArgsOf(a).state[t].d_b != 0) return;
   const int hd = a.params.head_dim;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const SparcasKeySource<T> source = SparcasKeySourceOf<T>(a, t, n);
@@ -116,18 +115,18 @@ __global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a) {
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const ItemSplit sp = ItemSplitOf(a, n);
   const int64_t t = ItemT(a, b, h);
-  SparcasState* st = a.sparcas.state + t;
+  SparcasState* st = SparcasArgsOf(a).state + t;
   if (sp.all || sp.k_off <= 0) {
     if (threadIdx.x == 0) st->ranked = 0;
     return;
   }
-  const int d_b = SparcasDimsOf(a.layer, a.sparcas.dense_layers, a.sparcas.db, hd);
+  const int d_b = SparcasDimsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).db, hd);
   const int32_t cur_db = st->d_b;
   const int32_t since = st->since_refresh;
   int64_t seen = st->seen;
   if (seen > n) seen = 0;
   __syncthreads();  // every thread has read the state before thread 0 rewrites it
-  int32_t* dims = a.sparcas.dims + t * hd;
+  int32_t* dims = SparcasArgsOf(a).dims + t * hd;
   float* sc = SparcasScalesOf(a, t);
   if (sc != nullptr && cur_db == 0) {  // the item's first ranked step: SparcasScalesKernel ran
     float top = 0.0f;
@@ -143,7 +142,7 @@ __global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a) {
     __syncthreads();
   }
   bool regather = false;
-  const bool choose = cur_db != d_b || since >= a.sparcas.u;
+  const bool choose = cur_db != d_b || since >= SparcasArgsOf(a).u;
   if (choose) {
     const int64_t q0 = static_cast<int64_t>(item) * group * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
@@ -193,16 +192,16 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t t = ItemT(a, b, h);
-  const SparcasState st = a.sparcas.state[t];
+  const SparcasState st = SparcasArgsOf(a).state[t];
   if (st.ranked == 0) return;
   const int hd = a.params.head_dim;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const int d_b = st.d_b;
-  const int32_t* dims = a.sparcas.dims + t * hd;
+  const int32_t* dims = SparcasArgsOf(a).dims + t * hd;
   T* compact = CompactOf<T>(a, b, h);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const SparcasKeySource<T> source_row = SparcasKeySourceOf<T>(a, t, n);
-  if (SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4) {
+  if (SparcasBitsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).bits) == 4) {
     // 4-bit rows (base/sparcas_q4.h): the warp's max |x|, then each group of 8 lanes ORs its
     // nibbles into one word; the row's scale after its words. With smoothing each kept
     // dimension is divided by its channel scale first.
@@ -276,13 +275,13 @@ __device__ __forceinline__ SparcasScoreItem LoadSparcasQuery(const DecodeStepArg
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   SparcasScoreItem it;
   it.t = ItemT(a, b, h);
-  const SparcasState st = a.sparcas.state[it.t];
+  const SparcasState st = SparcasArgsOf(a).state[it.t];
   it.ranked = st.ranked != 0;
   if (!it.ranked) return it;
   const int hd = a.params.head_dim, group = a.params.group;
   it.d_b = min(st.d_b, max_db);
   it.n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const int32_t* dims = a.sparcas.dims + it.t * hd;
+  const int32_t* dims = SparcasArgsOf(a).dims + it.t * hd;
   const float qscale = scaled ? a.params.scale * kLog2e : 1.0f;
   const float* sc = scaled ? nullptr : SparcasScalesOf(a, it.t);
   const int64_t q0 = static_cast<int64_t>(item) * group * hd;
@@ -482,7 +481,7 @@ __global__ void __launch_bounds__(kSparcasThreads) DenseCompactScoreKernel(Decod
   const int32_t item = blockIdx.x;
   const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
   const int64_t t = ItemT(a, b, h);
-  if (a.sparcas.state[t].ranked == 0) return;
+  if (SparcasArgsOf(a).state[t].ranked == 0) return;
   const int group = a.params.group;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const float qscale = a.params.scale * kLog2e;
@@ -535,7 +534,7 @@ template <int HD, typename T>
 Status LaunchSparcasScores(const DecodeStepArgs& a, const LaunchInfo& info, const SelectGrid& g,
                            cudaStream_t stream, int32_t* stats_parts) {
   const unsigned items = static_cast<unsigned>(g.items);
-  if (a.layer < a.sparcas.dense_layers) {
+  if (a.layer < SparcasArgsOf(a).dense_layers) {
     // Every dimension, as the oracle, but from the compact rows on the device (they hold every
     // dimension at these layers): at 128K the host store's keys took 5.4 ms a layer over PCIe,
     // the compact rows are HBM reads.
@@ -546,16 +545,16 @@ Status LaunchSparcasScores(const DecodeStepArgs& a, const LaunchInfo& info, cons
       return Status::Ok();
     }
     if (g.q_smem > 48 * 1024) {
-      KVF_CUDA_CHECK(cudaFuncSetAttribute(SelectScoreKernel<HD, T, true>,
+      KVF_CUDA_CHECK(cudaFuncSetAttribute(SelectScoreKernel<HD, T, CompactKeys>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(g.q_smem)));
     }
-    SelectScoreKernel<HD, T, true><<<dim3(items, g.gy), kScoreWarps * 32, g.q_smem, stream>>>(a);
+    SelectScoreKernel<HD, T, CompactKeys><<<dim3(items, g.gy), kScoreWarps * 32, g.q_smem, stream>>>(a);
     KVF_CUDA_CHECK_LAUNCH(SelectScoreKernel);
     return Status::Ok();
   }
-  const int d_b = SparcasDimsOf(a.layer, a.sparcas.dense_layers, a.sparcas.db, HD);
-  if (SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4) {
+  const int d_b = SparcasDimsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).db, HD);
+  if (SparcasBitsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).bits) == 4) {
     KVF_CHECK_ARG(d_b % 8 == 0, "DecodeSelect: sparcas 4-bit rows need d_b % 8 == 0, not ", d_b);
     // 16 CTAs an SM over all items: each CTA first quantizes and packs the query, so fewer CTAs
     // with more rows a thread amortize that.
@@ -606,12 +605,12 @@ Status SparcasSelectCuda(const void* args, const LaunchInfo& info, void* stream_
   KVF_CHECK_ARG(SelectSortCap(a) <= kTopKSmemItems || a.topk_ws != nullptr,
                 "DecodeSelect: budget_cap ", a.budget_cap, " needs a top-k workspace");
   const SelectGrid g = SelectGridOf(a, info);
-  KVF_CHECK_ARG(a.meta != nullptr && a.sparcas.state != nullptr && a.sparcas.dims != nullptr &&
+  KVF_CHECK_ARG(a.meta != nullptr && SparcasArgsOf(a).state != nullptr && SparcasArgsOf(a).dims != nullptr &&
                     a.params.head_dim <= 256,
                 "DecodeSelect: sparcas without its compact keys or state");
   const unsigned items = static_cast<unsigned>(g.items);
-  if (a.sparcas.smooth != 0 && SparcasBitsOf(a.layer, a.sparcas.dense_layers, a.sparcas.bits) == 4) {
-    KVF_CHECK_ARG(a.sparcas.scales != nullptr, "DecodeSelect: sparcas smooth without its channel scales");
+  if (SparcasArgsOf(a).smooth != 0 && SparcasBitsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).bits) == 4) {
+    KVF_CHECK_ARG(SparcasArgsOf(a).scales != nullptr, "DecodeSelect: sparcas smooth without its channel scales");
     KVF_RETURN_IF_ERROR(DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
       SparcasScalesKernel<T><<<dim3(items, g.gy), kScoreWarps * 32, 0, stream>>>(a);
       KVF_CUDA_CHECK_LAUNCH(SparcasScalesKernel);

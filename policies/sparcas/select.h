@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "base/attn_types.h"
+#include "policies/sparcas/args.h"
 #include "cpu/select_items.h"
 #include "gpu/device.h"
 #include "kvferry/status.h"

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "policies/policy.h"
+#include "policies/sparcas/args.h"
 #include "policies/select_util.h"
 
 namespace kvferry {
@@ -96,13 +97,14 @@ class SparcasPolicy final : public Policy {
   /// Inside a planned step the device keeps the compact keys and selects (kSparcas).
   [[nodiscard]] std::unique_ptr<detail::DeviceSelector> MakeDeviceSelector(
       const detail::SelectorShape& shape) const override;
-  [[nodiscard]] DeviceSelectParams device_select_params(int head_dim) const override {
-    DeviceSelectParams d;
-    d.sparcas.db = SparcasDb(params_, head_dim);
-    d.sparcas.u = params_.u;
-    d.sparcas.dense_layers = params_.dense_layers;
-    d.sparcas.bits = SparcasBits(params_, head_dim);
-    d.sparcas.smooth = params_.smooth;
+  /// The parameters of its device selection at \p head_dim (buffers aside).
+  [[nodiscard]] SparcasStepArgs device_args(int head_dim) const {
+    SparcasStepArgs d;
+    d.db = SparcasDb(params_, head_dim);
+    d.u = params_.u;
+    d.dense_layers = params_.dense_layers;
+    d.bits = SparcasBits(params_, head_dim);
+    d.smooth = params_.smooth;
     return d;
   }
   Status Select(const SelectContext& ctx, std::vector<int32_t>& out) override;

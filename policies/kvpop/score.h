@@ -1,8 +1,8 @@
 // Copyright kvferry authors. Apache-2.0.
 #pragma once
 // KVpop's numeric core (seed 004, notes/kvpop.md), shared by its three implementations:
-// policies/kvpop's host Select, the host backend's device-selection twin (cpu/decode_step.cpp) and
-// the CUDA kernel (gpu/decode_select.cu, KvpopSelectKernel). Every operation below is one IEEE
+// policies/kvpop's host Select, the host backend's device-selection twin (policies/kvpop/select_host.cpp) and
+// the CUDA kernel (policies/kvpop/select.cu, KvpopSelectKernel). Every operation below is one IEEE
 // operation or an explicit fma, in a fixed order, so the host and the GPU compute the same
 // priorities to the bit and keep the same tokens:
 //  - the scorer's dot products in the order of a warp: lane l sums x[j] w[j] for j = l, l + 32,
@@ -19,19 +19,42 @@
 
 namespace kvferry {
 
-/// Per-item KVpop state in device memory (DecodeStepArgs::kvpop.state, one per t = (slot *
+/// Per-item KVpop state in device memory (KvpopStepArgs::state, one per t = (slot *
 /// num_layers + layer) * num_kv_heads + h; all zero for a new sequence). The item's long-range
-/// slots are kvpop.pos / kvpop.prio [t * kvpop.cap, + count), ascending positions.
+/// slots are KvpopStepArgs::pos / prio [t * cap, + count), ascending positions.
 struct KvpopState {
   int64_t next_u = 0;  ///< positions below this have left the window (were scored)
   int64_t count = 0;   ///< live slots
 };
 
+/// KVpop's arguments of a step (DecodeStepArgs::selector): item t's state at state + t and its slots at pos / prio +
+/// t * cap (cap >= budget_cap); the scorers' table (KvpopScorerFloats(hidden, 2 head_dim) floats
+/// a (layer, KV head), device memory). A catch-up of more than one newcomer (the first step after
+/// a prompt) scores them into DecodeStepArgs::select_ws (item * group * select_ld).
+struct KvpopStepArgs {
+  KvpopState* state = nullptr;
+  int32_t* pos = nullptr;
+  float* prio = nullptr;
+  int64_t cap = 0;
+  const float* scorer = nullptr;
+  int32_t hidden = 0;
+  /// CUDA: 1 when the runtime saw a catch-up coming (a prompt stored since the item's last step):
+  /// a grid over the whole GPU scores the newcomers into select_ws first and the selection kernel
+  /// reads them there; 0: the selection kernel scores any newcomers itself (correct either way; a
+  /// captured graph keeps what it was captured with).
+  int32_t catchup = 0;
+};
+
+/// KVpop's arguments of step \p a.
+KVF_HOST_DEVICE inline KvpopStepArgs KvpopArgsOf(const DecodeStepArgs& a) {
+  return SelectorArgsOf<KvpopStepArgs>(a);
+}
+
 /// The device selection's limits (the runtime refuses more at Create).
 constexpr int32_t kKvpopMaxHidden = 256;
 constexpr int32_t kKvpopMaxHeadDim = 256;
 
-/// Floats of one (layer, KV head) scorer in the device table (DecodeStepArgs::kvpop.scorer, block
+/// Floats of one (layer, KV head) scorer in the device table (KvpopStepArgs::scorer, block
 /// (layer * num_kv_heads + h)): log gamma, b2, then w1 [hidden][in_dim], b1 [hidden], w2
 /// [hidden]. hidden 0: the zero scorer (r = 0: recency).
 KVF_HOST_DEVICE inline int64_t KvpopScorerFloats(int32_t hidden, int32_t in_dim) {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "base/attn_types.h"
+#include "policies/hip/args.h"
 
 namespace kvferry {
 
@@ -108,9 +109,10 @@ inline bool HipQueryDrifted(const int8_t* built, const int8_t* now, int group, i
   return false;
 }
 
-/// kHip: the first layer its mask ranks (see DecodeStepArgs::hip.dense_layers).
+/// kHip: the first layer its mask ranks (see HipStepArgs::dense_layers).
 KVF_HOST_DEVICE inline int32_t HipDenseOf(const DecodeStepArgs& a) {
-  return a.sparcas.dense_layers > a.hip.dense_layers ? a.sparcas.dense_layers : a.hip.dense_layers;
+  const HipSelectArgs s = SelectorArgsOf<HipSelectArgs>(a);
+  return s.sparcas.dense_layers > s.hip.dense_layers ? s.sparcas.dense_layers : s.hip.dense_layers;
 }
 
 /// What a ranked step does with an item's mask.
