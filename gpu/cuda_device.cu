@@ -297,20 +297,23 @@ Status CudaDevice::CopyRows(const RowCopy* rows, int64_t num_rows, int elems, DT
   return LaunchCopyRows(rows, num_rows, elems, src_dtype, dst_dtype, Resolve(stream));
 }
 
-Status CudaDevice::AttendRows(const AttnParams& p, const RowAttnItem* items, int64_t num_items,
-                              StreamHandle stream) {
+Result<std::pair<cudaStream_t, AttnWorkspace>> CudaDevice::AttendOn(StreamHandle stream) {
   KVF_RETURN_IF_ERROR(Activate());
   const cudaStream_t s = Resolve(stream);
   KVF_ASSIGN_OR_RETURN(AttnWorkspace ws, Workspace(s));
-  return LaunchAttendRows(p, items, num_items, info_, ws, s);
+  return std::make_pair(s, ws);
+}
+
+Status CudaDevice::AttendRows(const AttnParams& p, const RowAttnItem* items, int64_t num_items,
+                              StreamHandle stream) {
+  KVF_ASSIGN_OR_RETURN(const auto on, AttendOn(stream));
+  return LaunchAttendRows(p, items, num_items, info_, on.second, on.first);
 }
 
 Status CudaDevice::AttendPaged(const AttnParams& p, const PagedAttnItem* items, int64_t num_items,
                                StreamHandle stream) {
-  KVF_RETURN_IF_ERROR(Activate());
-  const cudaStream_t s = Resolve(stream);
-  KVF_ASSIGN_OR_RETURN(AttnWorkspace ws, Workspace(s));
-  return LaunchAttendPaged(p, items, num_items, info_, ws, s);
+  KVF_ASSIGN_OR_RETURN(const auto on, AttendOn(stream));
+  return LaunchAttendPaged(p, items, num_items, info_, on.second, on.first);
 }
 
 Status CudaDevice::DecodeStep(const DecodeStepArgs& args, StreamHandle stream) {

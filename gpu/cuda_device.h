@@ -17,6 +17,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 #include "gpu/cuda_kernels.h"
 #include "gpu/device.h"
@@ -98,6 +99,8 @@ class CudaDevice final : public Device {
     return stream == nullptr ? default_stream_ : static_cast<cudaStream_t>(stream);
   }
   Result<AttnWorkspace> Workspace(cudaStream_t stream);
+  /// The attention entry points' opening: the device current, the stream and its workspace.
+  Result<std::pair<cudaStream_t, AttnWorkspace>> AttendOn(StreamHandle stream);
   /// Host-to-device copies dst[i] <- src[i] (bytes[i]) on \p stream: one batched call where the
   /// runtime and driver have it, else one cudaMemcpyAsync each.
   Status EnqueuePageCopies(void** dst, const void** src, size_t* bytes, int64_t count,

@@ -85,6 +85,24 @@ struct SelectGrid {
   unsigned gy = 1;
 };
 SelectGrid SelectGridOf(const DecodeStepArgs& args, const LaunchInfo& info);
+/// The opening of a policy's select launcher (DeviceKernel::cuda, whose args is the step): the
+/// step, checked by CheckSelectArgs and for its page table, its stream and its grid. step is null
+/// for a step of no items: nothing to launch.
+struct SelectLaunch {
+  const DecodeStepArgs* step = nullptr;
+  cudaStream_t stream = nullptr;
+  SelectGrid grid;
+};
+Result<SelectLaunch> OpenSelectLaunch(const void* args, const LaunchInfo& info, void* stream);
+/// A policy's select launcher (DeviceKernel::cuda) from its body \p Body, which gets the checked
+/// step of at least one item, its stream and grid (OpenSelectLaunch).
+template <Status (*Body)(const DecodeStepArgs&, const LaunchInfo&, cudaStream_t, const SelectGrid&)>
+Status SelectLauncher(const void* args, const LaunchInfo& info, void* stream) {
+  Result<SelectLaunch> l = OpenSelectLaunch(args, info, stream);
+  if (!l.ok()) return l.status();
+  if (l->step == nullptr) return Status::Ok();  // no items
+  return Body(*l->step, info, l->stream, l->grid);
+}
 /// PrHS's depth window on the finished lists (DecodeStepArgs::hide_fraction; nothing at 0).
 Status LaunchPsawFilter(const DecodeStepArgs& args, cudaStream_t stream);
 

@@ -162,12 +162,10 @@ __global__ void __launch_bounds__(kTopKThreads) PagesTopKKernel(DecodeStepArgs a
   __shared__ float red[kTopKThreads / 32];
   const int32_t item = blockIdx.x;
   if (MctaTakes(a, item, mcta_min)) return;
-  const int32_t b = item / a.num_kv_heads;
+  const ListItem li = ListItemOf(a, item);
+  if (WriteListHead(a, item, li.s, li.n, li.out)) return;
+  const auto& [b, n, s, out] = li;
   const int group = a.params.group;
-  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const ItemSplit s = ItemSplitOf(a, n);
-  int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
-  if (WriteListHead(a, item, s, n, out)) return;
   int64_t taken = 0;
   if (s.k_off > 0) {
     float* l = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
@@ -1023,6 +1021,18 @@ Status LaunchSelectTopK(const DecodeStepArgs& a, const LaunchInfo& info, SelectT
   const int32_t ctas = SelectMctaCtas(items, keys_cap, info.num_sms, per_sm);
   return LaunchMctaTopK(a, mcta_min, static_cast<unsigned>(ctas), keys_cap, smem,
                         path != SelectTopKPath::kMultiCtaPerPass, paged ? 0 : stats_parts, stream);
+}
+
+Result<SelectLaunch> OpenSelectLaunch(const void* args, const LaunchInfo& info, void* stream) {
+  const DecodeStepArgs& a = *static_cast<const DecodeStepArgs*>(args);
+  SelectLaunch l;
+  if (a.batch == 0) return l;
+  KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
+  KVF_CHECK_ARG(a.store.pages != nullptr, "DecodeSelect: null page table");
+  l.step = &a;
+  l.stream = static_cast<cudaStream_t>(stream);
+  l.grid = SelectGridOf(a, info);
+  return l;
 }
 
 SelectGrid SelectGridOf(const DecodeStepArgs& a, const LaunchInfo& info) {

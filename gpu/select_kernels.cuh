@@ -142,6 +142,23 @@ __device__ __forceinline__ bool WriteListHead(const DecodeStepArgs& a, int32_t i
   return false;
 }
 
+// What a list kernel's CTA knows of its item first: the batch entry b, the positions n (its new
+// token's + 1), the split of [0, n) and the item's list.
+struct ListItem {
+  int32_t b;
+  int64_t n;
+  ItemSplit s;
+  int32_t* out;
+};
+__device__ __forceinline__ ListItem ListItemOf(const DecodeStepArgs& a, int32_t item) {
+  ListItem li;
+  li.b = item / a.num_kv_heads;
+  li.n = a.positions[static_cast<int64_t>(li.b) * a.num_layers + a.layer] + 1;
+  li.s = ItemSplitOf(a, li.n);
+  li.out = a.list + static_cast<size_t>(item) * a.list_cap;
+  return li;
+}
+
 // ... and, after the sinks and the `taken` ranked positions, the window [off_hi, n) and the count.
 __device__ __forceinline__ void WriteListTail(const DecodeStepArgs& a, int32_t item, int64_t sinks,
                                               int64_t off_hi, int64_t n, int64_t taken,

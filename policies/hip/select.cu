@@ -309,11 +309,10 @@ __global__ void __launch_bounds__(kHipThreads) HipMaskKernel(DecodeStepArgs a, i
   __shared__ __align__(8) unsigned char s_raw[sizeof(HipState)];
   __shared__ int s_action, s_drifted;
   const int32_t item = blockIdx.x;
-  const int32_t b = item / a.num_kv_heads, h = item % a.num_kv_heads;
-  const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
-  const ItemSplit sp = ItemSplitOf(a, n);
-  int32_t* out = a.list + static_cast<size_t>(item) * a.list_cap;
-  if (WriteListHead(a, item, sp, n, out)) return;
+  const ListItem li = ListItemOf(a, item);
+  if (WriteListHead(a, item, li.s, li.n, li.out)) return;
+  const auto& [b, n, sp, out] = li;
+  const int32_t h = item % a.num_kv_heads;
   int64_t taken = 0;
   if (sp.k_off > 0) {
     const int64_t t = ItemT(a, b, h);
@@ -468,23 +467,22 @@ Status HipSelectCuda(const void* args, const LaunchInfo& info, void* stream_ptr)
   if (a.layer < HipDenseOf(a)) {
     return SparcasSelectCuda(&a, info, stream);
   }
-  KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
-  KVF_CHECK_ARG(a.store.pages != nullptr, "DecodeSelect: null page table");
+  KVF_ASSIGN_OR_RETURN(const SelectLaunch l, OpenSelectLaunch(args, info, stream_ptr));
+  const SelectGrid& g = l.grid;
   KVF_CHECK_ARG(SelectSortCap(a) <= kTopKSmemItems || a.topk_ws != nullptr,
                 "DecodeSelect: budget_cap ", a.budget_cap, " needs a top-k workspace");
-  const SelectGrid g = SelectGridOf(a, info);
-  const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / std::max(HipArgsOf(a).bk, 1), kHipMaxNodes));
-  KVF_CHECK_ARG(a.meta != nullptr && SparcasArgsOf(a).state != nullptr && SparcasArgsOf(a).dims != nullptr &&
-                    HipArgsOf(a).state != nullptr && HipArgsOf(a).blocks != nullptr && HipArgsOf(a).bk >= 1 &&
-                    HipArgsOf(a).r_m >= 1 && SparcasArgsOf(a).db == a.params.head_dim &&
+  const SparcasStepArgs sp = SparcasArgsOf(a);
+  const HipStepArgs hp = HipArgsOf(a);
+  const int32_t kn_cap = static_cast<int32_t>(std::min<int64_t>(a.budget_cap / std::max(hp.bk, 1), kHipMaxNodes));
+  const int64_t nodes = std::min<int64_t>(kHipMaxNodes, hp.max_nodes);
+  KVF_CHECK_ARG(a.meta != nullptr && sp.state != nullptr && sp.dims != nullptr && hp.state != nullptr &&
+                    hp.blocks != nullptr && hp.bk >= 1 && hp.r_m >= 1 && sp.db == a.params.head_dim &&
                     a.params.head_dim % 8 == 0 && a.params.head_dim <= 256 &&
-                    SparcasBitsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).bits) == 4 &&
-                    a.budget_cap / HipArgsOf(a).bk <= std::min<int64_t>(kHipMaxNodes, HipArgsOf(a).max_nodes) &&
-                    ((HipArgsOf(a).lag == 0 && !(HipArgsOf(a).drift > 0.0f)) || HipArgsOf(a).query != nullptr),
+                    SparcasBitsOf(a.layer, sp.dense_layers, sp.bits) == 4 && a.budget_cap / hp.bk <= nodes &&
+                    ((hp.lag == 0 && !(hp.drift > 0.0f)) || hp.query != nullptr),
                 "DecodeSelect: hip without its 4-bit rows and mask state (or hip.lag or hip.drift without "
                 "hip.query), or a budget_cap of ",
-                a.budget_cap, " at bk ", HipArgsOf(a).bk, " over ", std::min<int64_t>(kHipMaxNodes, HipArgsOf(a).max_nodes),
-                " nodes");
+                a.budget_cap, " at bk ", hp.bk, " over ", nodes, " nodes");
   KVF_RETURN_IF_ERROR(LaunchSparcasRows(a, g, stream));
   const size_t smem = HipMaskSmem(std::max(kn_cap, 1), a.params.group, a.params.head_dim);
   if (smem > 48 * 1024) {

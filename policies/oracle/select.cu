@@ -20,16 +20,12 @@
 
 namespace kvferry::cuda {
 
-Status ExactSelectCuda(const void* args, const LaunchInfo& info, void* stream_ptr) {
-  const DecodeStepArgs& a = *static_cast<const DecodeStepArgs*>(args);
-  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  if (a.batch == 0) return Status::Ok();
-  KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
-  KVF_CHECK_ARG(a.store.pages != nullptr, "DecodeSelect: null page table");
+namespace {
+Status ExactSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream,
+                   const SelectGrid& g) {
   if (a.select_skip_ranking) return Status::Ok();  // no metadata
   KVF_CHECK_ARG(SelectSortCap(a) <= kTopKSmemItems || a.topk_ws != nullptr,
                 "DecodeSelect: budget_cap ", a.budget_cap, " needs a top-k workspace");
-  const SelectGrid g = SelectGridOf(a, info);
   KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
     return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
       if (g.q_smem > 48 * 1024) {
@@ -45,6 +41,11 @@ Status ExactSelectCuda(const void* args, const LaunchInfo& info, void* stream_pt
   }));
   KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream));
   return LaunchPsawFilter(a, stream);
+}
+}  // namespace
+
+Status ExactSelectCuda(const void* args, const LaunchInfo& info, void* stream) {
+  return SelectLauncher<ExactSelect>(args, info, stream);
 }
 
 }  // namespace kvferry::cuda

@@ -116,15 +116,9 @@ __global__ void __launch_bounds__(kScoreWarps * 32) QuestScoreKernel(DecodeStepA
   }
 }
 
-}  // namespace
 
-Status QuestSelectCuda(const void* args, const LaunchInfo& info, void* stream_ptr) {
-  const DecodeStepArgs& a = *static_cast<const DecodeStepArgs*>(args);
-  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  if (a.batch == 0) return Status::Ok();
-  KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
-  KVF_CHECK_ARG(a.store.pages != nullptr, "DecodeSelect: null page table");
-  const SelectGrid g = SelectGridOf(a, info);
+Status QuestSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream,
+                   const SelectGrid& g) {
   KVF_CHECK_ARG(a.meta != nullptr && a.meta_pages >= 1, "DecodeSelect: quest without page bounds");
   KVF_CHECK_ARG(SelectSortCap(a) <= kTopKSmemItems, "DecodeSelect: quest budget ", a.budget_cap,
                 " over ", kTopKSmemItems, " pages of ", a.meta_page);
@@ -150,6 +144,11 @@ Status QuestSelectCuda(const void* args, const LaunchInfo& info, void* stream_pt
   if (a.select_skip_ranking) return Status::Ok();
   KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream));
   return LaunchPsawFilter(a, stream);
+}
+}  // namespace
+
+Status QuestSelectCuda(const void* args, const LaunchInfo& info, void* stream) {
+  return SelectLauncher<QuestSelect>(args, info, stream);
 }
 
 Status QuestPageBoundsCuda(const void* args, const LaunchInfo& info, void* stream_ptr) {

@@ -592,25 +592,19 @@ Status LaunchSparcasScores(const DecodeStepArgs& a, const LaunchInfo& info, cons
   return Status::Ok();
 }
 
-}  // namespace
 
 // With smoothing the channel scales at an item's first ranked step, then the prep
 // (dimensions, what to gather), the gather of the compact rows, the scores and the top-k.
-Status SparcasSelectCuda(const void* args, const LaunchInfo& info, void* stream_ptr) {
-  const DecodeStepArgs& a = *static_cast<const DecodeStepArgs*>(args);
-  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  if (a.batch == 0) return Status::Ok();
-  KVF_RETURN_IF_ERROR(CheckSelectArgs(a));
-  KVF_CHECK_ARG(a.store.pages != nullptr, "DecodeSelect: null page table");
+Status SparcasSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream_t stream,
+                     const SelectGrid& g) {
   KVF_CHECK_ARG(SelectSortCap(a) <= kTopKSmemItems || a.topk_ws != nullptr,
                 "DecodeSelect: budget_cap ", a.budget_cap, " needs a top-k workspace");
-  const SelectGrid g = SelectGridOf(a, info);
-  KVF_CHECK_ARG(a.meta != nullptr && SparcasArgsOf(a).state != nullptr && SparcasArgsOf(a).dims != nullptr &&
-                    a.params.head_dim <= 256,
+  const SparcasStepArgs sp = SparcasArgsOf(a);
+  KVF_CHECK_ARG(a.meta != nullptr && sp.state != nullptr && sp.dims != nullptr && a.params.head_dim <= 256,
                 "DecodeSelect: sparcas without its compact keys or state");
   const unsigned items = static_cast<unsigned>(g.items);
-  if (SparcasArgsOf(a).smooth != 0 && SparcasBitsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).bits) == 4) {
-    KVF_CHECK_ARG(SparcasArgsOf(a).scales != nullptr, "DecodeSelect: sparcas smooth without its channel scales");
+  if (sp.smooth != 0 && SparcasBitsOf(a.layer, sp.dense_layers, sp.bits) == 4) {
+    KVF_CHECK_ARG(sp.scales != nullptr, "DecodeSelect: sparcas smooth without its channel scales");
     KVF_RETURN_IF_ERROR(DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
       SparcasScalesKernel<T><<<dim3(items, g.gy), kScoreWarps * 32, 0, stream>>>(a);
       KVF_CUDA_CHECK_LAUNCH(SparcasScalesKernel);
@@ -631,6 +625,11 @@ Status SparcasSelectCuda(const void* args, const LaunchInfo& info, void* stream_
   if (a.select_skip_ranking) return Status::Ok();
   KVF_RETURN_IF_ERROR(LaunchSelectTopK(a, info, SelectTopKPath::kAuto, stream, stats_parts));
   return LaunchPsawFilter(a, stream);
+}
+}  // namespace
+
+Status SparcasSelectCuda(const void* args, const LaunchInfo& info, void* stream) {
+  return SelectLauncher<SparcasSelect>(args, info, stream);
 }
 
 Status LaunchSparcasRows(const DecodeStepArgs& a, const SelectGrid& g, cudaStream_t stream) {
