@@ -11,6 +11,7 @@
 
 #include "policies/basic.h"
 #include "policies/hip/hip.h"
+#include "policies/knorm/knorm.h"
 #include "policies/kvpop/kvpop.h"
 #include "policies/lfps/lfps.h"
 #include "policies/policy.h"
@@ -38,6 +39,7 @@ struct Registry {
       {"sparcas", MakeSparcasPolicy},
       {"hip", MakeHipPolicy},
       {"kvpop", MakeKvpopPolicy},
+      {"knorm", MakeKnormPolicy},
   };
 };
 
