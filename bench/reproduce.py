@@ -969,6 +969,29 @@ def sparcas_refresh_quality_merge(T):
             "rows": rows}
 
 
+# knorm_smollm2: the key-norm policy (policies/knorm: the offloaded keys of smallest L2 norm, no
+# query read) next to streaming and the oracle at budget 256, on KJV and the Jargon File (8K) and
+# on GPL-3 (4K, a text no default was chosen on).
+def knorm_quality_cmds(T):
+    lanes = "streaming,oracle,knorm"
+    return [FETCH, side_by_side(*(
+        f"{HOST_PPL} --text data/{t}.txt --context 8192 --scored 1024 --cpu-threads 1 --policy {lanes} "
+        f"--budget 256 --lanes-together --json {T}/{t}.json" for t in HQ_TEXTS)),
+            f"{HOST_PPL} --text {UNSEEN_TEXT} --context 4096 --scored 1024 --cpu-threads 2 --policy {lanes} "
+            f"--budget 256 --lanes-together --json {T}/gpl3.json"]
+
+
+def knorm_quality_merge(T):
+    rows = [r for t, path, ctx in (("kjv", "data/kjv.txt", 8192), ("jargon", "data/jargon.txt", 8192),
+                                   ("gpl3", UNSEEN_TEXT, 4096))
+            for r in hip_lane_rows(f"{T}/{t}.json", path, ctx)]
+    return {"what": "knorm's perplexity gap to dense (the offloaded keys of smallest L2 norm) next to streaming and "
+                    "the oracle at budget 256; SmolLM2-135M, host backend, sinks 4 + window 64, last 1024 scored "
+                    "of 8K (KJV, Jargon) and of 4K (GPL-3)",
+            "regenerate": "python3 bench/reproduce.py knorm_smollm2",
+            "rows": rows}
+
+
 REPLAY_LANES = ("oracle@256 streaming@256 quest@256 sparcas@256 lfps@256 hip@256 "
                 "hip_paper=hip@256:bits=16,align=0 hip_fresh=hip@256:r_m=1,lag=0 "
                 "hip_dl11=hip@256:dense_layers=11 hip_guard=hip@256:guard=0.9,over=4,fresh=0 "
@@ -1603,6 +1626,8 @@ SPECS = {
     "sparcas_refresh_smollm2": dict(gpu=False, targets=[], examples=True, run=sparcas_refresh_quality_cmds,
                                     merge=sparcas_refresh_quality_merge,
                                     what="SparCas's dimension refresh every u = 64/256/1024/never: perplexity, SmolLM2 KJV + Jargon 8K, GPL-3 4K"),
+    "knorm_smollm2": dict(gpu=False, targets=[], examples=True, run=knorm_quality_cmds, merge=knorm_quality_merge,
+                          what="knorm (smallest key norms) perplexity next to streaming and the oracle: SmolLM2 KJV + Jargon 8K, GPL-3 4K"),
     "hip_speed": dict(gpu=True, targets=["kvferry-e2e"], run=hip_speed_cmds, merge=hip_speed_merge,
                       what="hip_bank at 128K x 1/x 4 (real query): default (drift 0.7, lag 0), the paper's cadence, every step; torch SDPA"),
     "hip_kvpop_replay_smollm2": dict(gpu=False, targets=["select_replay_bench"], examples=True, run=replay_cmds,
