@@ -30,7 +30,8 @@
 // per KV head read over PCIe each step), streaming_resident (budget 1024 = sinks + window: nothing
 // read over PCIe), oracle (2%),
 // quest (2%, page bounds on the GPU), sparcas (2%, compact keys on the GPU), lfps (2%, route auto), lfps_gpu (2%, route gpu), full_streaming (dense, every row read over PCIe); hip (2%, masks on the GPU); kvpop (2%, slots on the GPU, a random width-16 MLP scorer); any of oracle, quest, sparcas, hip, kvpop with "_bank" appended runs
-// with the device token bank (slots for twice the offloaded picks per sequence, layer and KV head).
+// with the device token bank (slots for twice the offloaded picks per sequence, layer and KV head);
+// any other registered policy's name (knorm, or an engine's own) runs it at 2%, with "_bank" too.
 
 #include <cuda_runtime.h>
 
@@ -212,9 +213,12 @@ std::string ModeProblem(const std::string& mode) {
   for (const char* m : kDecodeModes) {
     if (inner == m) return "";
   }
+  for (const std::string& m : kvferry::PolicyNames()) {  // any other registered policy, at 2%
+    if (inner == m) return "";
+  }
   std::string want;
   for (const char* m : kDecodeModes) want += std::string(m) + ", ";
-  return "unknown mode (want " + want + "prefill_dense or prefill_lfps; a decode mode may take "
+  return "unknown mode (want " + want + "prefill_dense, prefill_lfps or a registered policy's name; a decode mode may take "
          "the prefixes cis+, psaw+, xl+ and the suffix _bank)";
 }
 
@@ -465,6 +469,11 @@ std::string RunOne(const Options& o, int64_t ctx, int batch, const std::string& 
     c.policy.budget_tokens = 0;
     c.policy.budget_fraction = 0.02;
     c.route = kvferry::Route::kAuto;
+  } else if (const std::vector<std::string> names = kvferry::PolicyNames();
+             std::find(names.begin(), names.end(), base) != names.end()) {
+    c.policy.name = base;  // any other registered policy (knorm, an engine's own) at 2%
+    c.policy.budget_tokens = 0;
+    c.policy.budget_fraction = 0.02;
   } else {
     row << ",\"skipped\":\"unknown mode\"}";
     return row.str();
