@@ -567,6 +567,28 @@ def t_hip_drift():
     return hip_lane_table("hip_drift_smollm2.json", builds=True)
 
 
+def t_knorm():
+    """bench/results/knorm_smollm2.json: knorm's perplexity gap next to streaming and the oracle."""
+    d = load("knorm_smollm2.json")
+    if not d:
+        return "(bench/results/knorm_smollm2.json not yet generated)\n"
+    texts = []
+    for r in d["rows"]:
+        if r["text"] not in texts:
+            texts.append(r["text"])
+    cell = {(r["policy"], r["text"]): r for r in d["rows"]}
+    rows = []
+    for pol in ("streaming", "oracle", "knorm"):
+        row = [f"`{pol}`"]
+        for t in texts:
+            r = cell.get((pol, t))
+            row.append(None if r is None else f"+{r['gap_pct']:.1f}% ({r['gap_over_oracle_gap']:.1f}x the oracle's)")
+        rows.append(row)
+    head = ["policy @256"] + [f"{text_name(t)} ({cell[('dense', t)]['context'] // 1024}K)" for t in texts]
+    p = d.get("provenance", {})
+    return table(head, rows) + f"\n(perplexity gap to dense; {p.get('commit', '')}, {p.get('cpu', '')})\n"
+
+
 def t_kvpop_decay():
     """bench/results/kvpop_decay_smollm2.json: perplexity gap to dense per lane (streaming, the oracle,
     KVpop with its decays chosen by decoding, the same scorer at the paper's decay), text and
@@ -817,7 +839,7 @@ def t_hf_gpu():
 TABLES = {"query": t_query, "policy": t_policy, "e2e": t_e2e, "prefill": t_prefill, "scale": t_scale,
           "quality": t_quality, "kernels": t_kernels, "cpu": t_cpu,
           "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
-          "hip-quality": t_hip_quality, "hip-drift": t_hip_drift, "hip-speed": t_hip_speed, "kvpop-decay": t_kvpop_decay, "gemma-quality": t_gemma_quality, "budgets": t_budgets,
+          "hip-quality": t_hip_quality, "hip-drift": t_hip_drift, "knorm": t_knorm, "hip-speed": t_hip_speed, "kvpop-decay": t_kvpop_decay, "gemma-quality": t_gemma_quality, "budgets": t_budgets,
           "sparcas-smooth": t_sparcas_smooth, "real-model-gpu": t_real_model_gpu,
           "hf-gpu": t_hf_gpu}
 
