@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "base/attn_types.h"
+#include "policies/sparcas/args.h"
 
 namespace kvferry {
 
