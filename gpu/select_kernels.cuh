@@ -226,6 +226,39 @@ __device__ __forceinline__ bool MctaTakes(const DecodeStepArgs& a, int32_t item,
   return TopKItemOf(a, item, mcta_min).mcta;
 }
 
+// Grid (items, y), a warp per page of the offloaded range: ub[item][g][p - p_lo].
+
+template <typename Elem>
+__device__ __forceinline__ void PackQ8HeadWarp(const Elem& x, int len, int words, int lane,
+                                               int2* pack, float* step, int32_t* sum8) {
+  float amax = 0.0f;
+  for (int i = lane; i < len; i += 32) amax = fmaxf(amax, fabsf(x(i)));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+  const float inv = SparcasQ8Inv(amax);
+  int32_t sum = 0;
+  for (int w = lane; w < words; w += 32) {
+    uint32_t even = 0, odd = 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int32_t c = SparcasQ8Code(x(w * 8 + e), inv);
+      sum += c;
+      const uint32_t byte = static_cast<uint32_t>(c) & 0xFFu;
+      if (e % 2 == 0) {
+        even |= byte << (8 * (e / 2));
+      } else {
+        odd |= byte << (8 * (e / 2));
+      }
+    }
+    pack[w] = make_int2(static_cast<int>(even), static_cast<int>(odd));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) {
+    *step = SparcasQ8Step(amax);
+    *sum8 = 8 * sum;
+  }
+}
 
 
 // The multi-CTA top-k's per-item scratch and the online softmax's folds, used by the SparCas
@@ -269,6 +302,7 @@ __device__ __forceinline__ void SoftmaxMerge(float& m, float& s, float m2, float
 }
 
 
+constexpr int kSparcasQ4Heads = 8;
 constexpr int kQ4Chunk = 8;  // row words loaded before they are used
 
 // Merges every thread's running (max, sum) of heads [g0, g0 + kHeads) of the group (kMaxOnly:

@@ -11,7 +11,7 @@
 #include <random>
 #include <vector>
 
-#include "policies/sparcas/q4.h"
+#include "base/sparcas_q4.h"
 #include "policies/sparcas/sparcas.h"
 #include "tests/policy_test_util.h"
 

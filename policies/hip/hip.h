@@ -53,7 +53,7 @@
 #include <vector>
 
 #include "policies/hip/mask.h"
-#include "policies/sparcas/q4.h"
+#include "base/sparcas_q4.h"
 #include "policies/policy.h"
 #include "policies/select_util.h"
 #include "policies/sparcas/sparcas.h"

@@ -12,7 +12,7 @@
 // no node splits. The result is the kn nodes' first blocks, ascending.
 //
 // Scores at 4 bits (HiP's `bits` 4, the default): a token's key as SparCas's 4-bit row over every
-// dimension (policies/sparcas/q4.h, SparcasQuantizeRow) and each query head as its int8 codes
+// dimension (base/sparcas_q4.h, SparcasQuantizeRow) and each query head as its int8 codes
 // (SparcasQuantizeQuery), the logit scale * SparcasQ4Dot; the block's score is the max over its
 // tokens and the group's heads. Integer dots, so the host and the GPU agree to the bit.
 

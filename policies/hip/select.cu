@@ -19,7 +19,7 @@
 #include "gpu/dispatch.cuh"
 #include "gpu/select_kernels.cuh"
 #include "gpu/topk.cuh"
-#include "policies/sparcas/q4.h"
+#include "base/sparcas_q4.h"
 #include "policies/hip/select.h"
 #include "policies/sparcas/select.cuh"
 #include "policies/sparcas/select.h"

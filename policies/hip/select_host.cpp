@@ -13,7 +13,7 @@
 #include "cpu/reference.h"
 #include "cpu/select_items.h"
 #include "policies/hip/mask.h"
-#include "policies/sparcas/q4.h"
+#include "base/sparcas_q4.h"
 #include "policies/hip/select.h"
 #include "policies/sparcas/select.h"
 

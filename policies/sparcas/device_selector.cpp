@@ -34,7 +34,7 @@ Status SparcasSelector::Size(std::vector<SelectorBuffer>& buffers) const {
   buffers.push_back({keys_part(), static_cast<size_t>(elems) * shape_.kv_elem});
   buffers.push_back({state_part(), shape_.items() * sizeof(SparcasState)});
   buffers.push_back({state_part(), shape_.items() * static_cast<size_t>(m.head_dim) * sizeof(int32_t)});
-  if (sp_.smooth != 0) {  // the channel scales (policies/sparcas/q4.h)
+  if (sp_.smooth != 0) {  // the channel scales (base/sparcas_q4.h)
     buffers.push_back({state_part(), shape_.items() * static_cast<size_t>(m.head_dim) * sizeof(float)});
   }
   return Status::Ok();

@@ -18,14 +18,14 @@
 #include "gpu/dispatch.cuh"
 #include "gpu/select_kernels.cuh"
 #include "gpu/topk.cuh"
-#include "policies/sparcas/q4.h"
+#include "base/sparcas_q4.h"
 #include "policies/sparcas/select.cuh"
 #include "policies/sparcas/select.h"
 
 namespace kvferry::cuda {
 namespace {
 
-// Item t's channel scales (smooth 1 at a 4-bit layer, policies/sparcas/q4.h), or null.
+// Item t's channel scales (smooth 1 at a 4-bit layer, base/sparcas_q4.h), or null.
 __device__ __forceinline__ float* SparcasScalesOf(const DecodeStepArgs& a, int64_t t) {
   return SparcasArgsOf(a).smooth != 0 && SparcasArgsOf(a).scales != nullptr &&
                  SparcasBitsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).bits) == 4
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const SparcasKeySource<T> source_row = SparcasKeySourceOf<T>(a, t, n);
   if (SparcasBitsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).bits) == 4) {
-    // 4-bit rows (policies/sparcas/q4.h): the warp's max |x|, then each group of 8 lanes ORs its
+    // 4-bit rows (base/sparcas_q4.h): the warp's max |x|, then each group of 8 lanes ORs its
     // nibbles into one word; the row's scale after its words. With smoothing each kept
     // dimension is divided by its channel scale first.
     const float* sc = SparcasScalesOf(a, t);
@@ -375,7 +375,7 @@ __global__ void __launch_bounds__(kSparcasThreads) SparcasScoreThreadKernel(Deco
 }
 
 // Grid (items, y), a thread per position in [0, n): partial logits over 4-bit rows
-// (policies/sparcas/q4.h; the sparse layers at sparcas_bits 4) in integer arithmetic. The CTA first
+// (base/sparcas_q4.h; the sparse layers at sparcas_bits 4) in integer arithmetic. The CTA first
 // quantizes each query head's chosen dimensions to int8 (SparcasQuantizeQuery's codes, a warp a
 // head) and packs word w of head g as two ints for __dp4a: the codes of dimensions 8w, 8w+2, 8w+4,
 // 8w+6 and of 8w+1, 8w+3, 8w+5, 8w+7, which line up with a row word's nibbles masked (word &

@@ -22,7 +22,7 @@ namespace kvferry::cpu {
 // SparCas's compact rows of item t (kSparcas, and kHip's every-dimension rows) brought up to n
 // positions: the dimensions chosen at the first ranked step and every sparcas.u ranked steps (a
 // change re-gathers every row), then the rows stored since the last ranked step. With smoothing
-// (4-bit layers), the channel scales are taken at the first ranked step (policies/sparcas/q4.h).
+// (4-bit layers), the channel scales are taken at the first ranked step (base/sparcas_q4.h).
 struct CompactRows {
   char* base = nullptr;
   const int32_t* dims = nullptr;

@@ -12,7 +12,7 @@
 #include "cpu/dtype.h"
 #include "cpu/reference.h"
 #include "cpu/select_items.h"
-#include "policies/sparcas/q4.h"
+#include "base/sparcas_q4.h"
 #include "policies/sparcas/select.h"
 
 namespace kvferry::cpu {
@@ -74,7 +74,7 @@ CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q
   kept.resize(static_cast<size_t>(d_b));
   for (int64_t pos = regather ? 0 : st.seen; pos < n; ++pos) {
     ConvertSpan(row.data(), DType::kF32, PagedKRow(kv, pos, d, elem), p.kv_dtype, d);
-    if (r.q4) {  // d_b / 8 words then the f32 scale (policies/sparcas/q4.h)
+    if (r.q4) {  // d_b / 8 words then the f32 scale (base/sparcas_q4.h)
       auto* dst = reinterpret_cast<uint32_t*>(r.base + static_cast<size_t>(pos) * (r.words + 1) * 4);
       for (int i = 0; i < d_b; ++i) kept[i] = scales ? row[dims[i]] / scales[dims[i]] : row[dims[i]];
       const float scale = SparcasQuantizeRow(kept.data(), d_b, dst);
@@ -112,7 +112,7 @@ int64_t SparcasList(const DecodeStepArgs& a, int64_t t, const float* q, const Kv
     }
     cf.resize(static_cast<size_t>(d_b));
     logits.resize(static_cast<size_t>(p.group) * n);
-    thread_local Q8Query q8;  // 4-bit rows: each head's int8 query (policies/sparcas/q4.h)
+    thread_local Q8Query q8;  // 4-bit rows: each head's int8 query (base/sparcas_q4.h)
     if (rows.q4) QuantizeQueryHeads(qs.data(), p.group, d_b, nullptr, d_b, &q8);
     for (int64_t j = 0; j < n; ++j) {
       if (rows.q4) {

@@ -6,7 +6,7 @@
 #include <numeric>
 
 #include "base/check.h"
-#include "policies/sparcas/q4.h"
+#include "base/sparcas_q4.h"
 
 namespace kvferry {
 

@@ -21,7 +21,7 @@
 //    to runtime/.
 //  - Compact rows (kvferry's extension, docs/cuda.md "Stop 23"): "bits" 16 keeps the chosen key
 //    dimensions in the KV dtype, as the paper; "bits" 4 keeps them as 4-bit integers with a scale
-//    per row (policies/sparcas/q4.h), so four times the dimensions fit the same bytes. The default is
+//    per row (base/sparcas_q4.h), so four times the dimensions fit the same bytes. The default is
 //    4 (when head_dim is a multiple of 8): on SmolLM2 / KJV 4K at budget 256, d_b 32 of 64 at 4
 //    bits gave perplexity 13.94 against 14.82 for the paper's 8 of 64 at 16 bits (dense 13.39,
 //    oracle 13.82), for 20 bytes a row instead of 16. The dense layers keep every dimension in
@@ -58,7 +58,7 @@ void SparcasGatherCompact(const float* key, const int32_t* dims, int d_b, float*
 void SparcasApproxScores(const float* q, int group, int head_dim, const int32_t* dims, int d_b,
                          const float* compact, int64_t n, float scale, float* out, int64_t ld);
 
-/// SparcasApproxScores over 4-bit rows (policies/sparcas/q4.h): words [n][d_b / 8], row_scale [n];
+/// SparcasApproxScores over 4-bit rows (base/sparcas_q4.h): words [n][d_b / 8], row_scale [n];
 /// out[g * ld + j] = scale * SparcasQ4Dot(SparcasQuantizeQuery(q[g][dims]), row j): head g's
 /// chosen dimensions as int8 codes, an exact integer dot with the row's nibbles.
 void SparcasApproxScoresQ4(const float* q, int group, int head_dim, const int32_t* dims, int d_b,
@@ -73,7 +73,7 @@ struct SparcasParams {
   int dense_layers = 2;  ///< "dense_layers": first layers that use every dimension (exact top-k)
   int bits = 0;          ///< "bits": 4 or 16 per kept dimension (0 = 4 when head_dim % 8 == 0)
   /// "smooth": 1 (the default) divides each key channel by its largest size in the prompt before
-  /// the 4-bit rows are quantized and weighs the dimensions by it (policies/sparcas/q4.h,
+  /// the 4-bit rows are quantized and weighs the dimensions by it (base/sparcas_q4.h,
   /// SparcasChannelScales; both backends, docs/policies.md, `sparcas`); 0 quantizes the raw rows.
   int smooth = 1;
 };

@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "base/attn_types.h"
-#include "policies/sparcas/args.h"
 
 namespace kvferry {
 
