@@ -20,9 +20,10 @@
 namespace kvferry {
 
 /// The ranking both the host Select and the device selection's host twin use: of positions
-/// [lo, hi), whose key norms are \p norms[j] (KnormOf, policies/knorm/select.h), the \p k of
-/// smallest norm (ties: the lower position), written to \p out in ascending order.
-void KnormPicks(const float* norms, int64_t lo, int64_t hi, int64_t k, int32_t* out);
+/// [lo, hi) of \p kv, the \p k whose keys have the smallest L2 norm (fp32, dimensions summed in
+/// order; ties: the lower position), appended to \p out in ascending order.
+void KnormPicks(const KvPages& kv, const AttnParams& params, int64_t lo, int64_t hi, int64_t k,
+                  int32_t* out);
 
 class KnormPolicy final : public Policy {
  public:
