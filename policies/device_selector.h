@@ -148,6 +148,28 @@ class DeviceSelector {
   Device* device_ = nullptr;  ///< set by Bind
 };
 
+/// A selector that keeps nothing between steps (the oracle's, knorm's): no buffers; each step its
+/// kernel scores every key of the item (KeyBytes: n rows) and the shared top-k ranks \p ranks.
+class StatelessSelector final : public DeviceSelector {
+ public:
+  StatelessSelector(const SelectorShape& shape, const DeviceKernel& kernel, SelectRanks ranks)
+      : DeviceSelector(shape), kernel_(kernel), ranks_(ranks) {}
+  Status Size(std::vector<SelectorBuffer>&) const override { return Status::Ok(); }
+  Status Bind(std::span<void* const>, Device& device, StreamHandle) override {
+    device_ = &device;
+    return Status::Ok();
+  }
+  void Fill(DecodeStepArgs& a) const override { a.ranks = ranks_; }
+  [[nodiscard]] const DeviceKernel& select_kernel() const override { return kernel_; }
+  [[nodiscard]] int64_t KeyBytes(int64_t n, int64_t, int) const override {
+    return n * static_cast<int64_t>(shape_.row_bytes);
+  }
+
+ private:
+  const DeviceKernel& kernel_;
+  SelectRanks ranks_;
+};
+
 /// Whether \p policy selects on the device inside a planned step (it has a DeviceSelector).
 inline bool SelectsOnDevice(const Policy& policy) {
   return policy.MakeDeviceSelector(SelectorShape{}) != nullptr;

@@ -24,11 +24,11 @@ namespace {
 // written to out.
 int64_t HipList(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv, int64_t n,
                 int32_t* out) {
-  return WriteRankedList(a, n, out, [&](const OffloadSplit& sp, int64_t c) {
+  // Every dimension, 4 bits.
+  return CompactRankedList(a, t, q, kv, n, out, [&](const OffloadSplit& sp, int64_t c, const CompactRows& rows) {
     const AttnParams& p = a.params;
     const int d = p.head_dim;
     const int64_t off_lo = sp.off_lo, off_hi = sp.off_hi, k_off = sp.k_off;
-    const CompactRows rows = UpdateCompactRows(a, t, q, kv, n);  // every dimension, 4 bits
     HipState& st = HipArgsOf(a).state[t];
     const int64_t bk = std::max(HipArgsOf(a).bk, 1);
     HipPromote(st);

@@ -1,35 +1,31 @@
 // Copyright kvferry authors. Apache-2.0.
-// knorm's device selector: no state between steps. The kernel scores every key by its norm and
-// the shared top-k (gpu/decode_select.cu) takes the offloaded range's best.
+// knorm's device selection: no state between steps (a StatelessSelector). The kernel (select.cu)
+// scores every key by its norm and the shared top-k (gpu/decode_select.cu) takes the offloaded
+// range's best; its host twin, here, ranks with the host Select's own KnormPicks.
 #include <memory>
-#include <span>
-#include <vector>
 
+#include "cpu/select_items.h"
 #include "policies/device_selector.h"
 #include "policies/knorm/knorm.h"
-#include "policies/knorm/select.h"
+
+namespace kvferry::cuda {
+/// The selection of a step on the GPU (select.cu; args: DecodeStepArgs).
+Status KnormSelectCuda(const void* args, const LaunchInfo& info, void* stream);
+}  // namespace kvferry::cuda
 
 namespace kvferry::detail {
 namespace {
 
-constexpr DeviceKernel kKnormSelect{"knorm select", KVF_CUDA_FN(cuda::KnormSelectCuda),
-                                      &KnormSelectHost};
+Status KnormSelectHost(const void* args) {
+  return cpu::ForEachSelectItem(args, [](const DecodeStepArgs& a, const cpu::SelectItem& it) {
+    return cpu::WriteRankedList(a, it.n, it.out, [&](const OffloadSplit& sp, int64_t c) {
+      KnormPicks(it.kv, a.params, sp.off_lo, sp.off_hi, sp.k_off, it.out + c);
+      return c + sp.k_off;
+    });
+  });
+}
 
-class KnormSelector final : public DeviceSelector {
- public:
-  explicit KnormSelector(const SelectorShape& shape) : DeviceSelector(shape) {}
-  Status Size(std::vector<SelectorBuffer>&) const override { return Status::Ok(); }
-  Status Bind(std::span<void* const>, Device& device, StreamHandle) override {
-    device_ = &device;
-    return Status::Ok();
-  }
-  void Fill(DecodeStepArgs& a) const override { a.ranks = SelectRanks::kOffloaded; }
-  const DeviceKernel& select_kernel() const override { return kKnormSelect; }
-  // Every key of the item.
-  int64_t KeyBytes(int64_t n, int64_t, int) const override {
-    return n * static_cast<int64_t>(shape_.row_bytes);
-  }
-};
+constexpr DeviceKernel kKnormSelect{"knorm select", KVF_CUDA_FN(cuda::KnormSelectCuda), &KnormSelectHost};
 
 }  // namespace
 }  // namespace kvferry::detail
@@ -38,7 +34,7 @@ namespace kvferry {
 
 std::unique_ptr<detail::DeviceSelector> KnormPolicy::MakeDeviceSelector(
     const detail::SelectorShape& shape) const {
-  return std::make_unique<detail::KnormSelector>(shape);
+  return std::make_unique<detail::StatelessSelector>(shape, detail::kKnormSelect, SelectRanks::kOffloaded);
 }
 
 }  // namespace kvferry

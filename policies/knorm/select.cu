@@ -2,8 +2,8 @@
 // knorm's selection on the GPU (policies/knorm/device_selector.cpp): every key's L2 norm,
 // negated, as its score in each query head's row of the selection scratch, then the shared top-k
 // over the offloaded range (the largest score is the smallest norm; every head's row is the same,
-// so the group's summed weight orders the positions as the norm does). The host twin is
-// select_host.cpp.
+// so the group's summed weight orders the positions as the norm does). The host twin is in
+// device_selector.cpp.
 #include "base/check.h"
 #include "gpu/convert.cuh"
 #include "gpu/cuda_check.h"
@@ -11,7 +11,6 @@
 #include "gpu/dispatch.cuh"
 #include "gpu/select_kernels.cuh"
 #include "gpu/topk.cuh"
-#include "policies/knorm/select.h"
 
 namespace kvferry::cuda {
 namespace {

@@ -44,6 +44,16 @@ struct CompactRows {
 /// and gather; HiP's twin keeps the same rows).
 CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv,
                               int64_t n);
+/// A ranked list (WriteRankedList) over item t's compact rows, brought up to \p n positions first
+/// (SparCas's and HiP's twins): rank(sp, c, rows) appends the k_off picks at out[c] and returns
+/// the count.
+template <typename Rank>
+int64_t CompactRankedList(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv,
+                          int64_t n, int32_t* out, const Rank& rank) {
+  return WriteRankedList(a, n, out, [&](const OffloadSplit& sp, int64_t c) {
+    return rank(sp, c, UpdateCompactRows(a, t, q, kv, n));
+  });
+}
 /// SparCas's list for item \p it of step \p a; returns the count written to it.out.
 int64_t SparcasSelect(const DecodeStepArgs& a, const SelectItem& it);
 

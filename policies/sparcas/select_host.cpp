@@ -93,12 +93,10 @@ namespace {
 // SparCas's list for one item (see DecodeStepArgs); returns the count written to out.
 int64_t SparcasList(const DecodeStepArgs& a, int64_t t, const float* q, const KvPages& kv, int64_t n,
                     int32_t* out) {
-  return WriteRankedList(a, n, out, [&](const OffloadSplit& sp, int64_t c) {
+  return CompactRankedList(a, t, q, kv, n, out, [&](const OffloadSplit& sp, int64_t c, const CompactRows& rows) {
     const AttnParams& p = a.params;
-    const int d = p.head_dim;
+    const int d = p.head_dim, d_b = rows.d_b;
     const int64_t off_lo = sp.off_lo, off_hi = sp.off_hi, k_off = sp.k_off;
-    const CompactRows rows = UpdateCompactRows(a, t, q, kv, n);
-    const int d_b = rows.d_b;
     const int32_t* dims = rows.dims;
     const size_t elem = DTypeSize(p.kv_dtype);
     // Partial logits of every position, the group's softmax sum, top k_off of the offloaded range.
