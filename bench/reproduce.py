@@ -863,22 +863,34 @@ def hip_lane_rows(path, text, context):
 HIP_DRIFT = ("hip:drift=0:lag=1", "hip", "hip:drift=0.8", "hip:r_m=1")
 HIP_DRIFT_BUDGETS = (256, 512, 1024, 2048)
 UNSEEN_TEXT = "/usr/share/common-licenses/GPL-3"
+# The quality texts of the SmolLM2 perplexity runs: KJV and the Jargon File at 8K, and GPL-3 at 4K.
+QUALITY_TEXTS = (("kjv", "data/kjv.txt", 8192), ("jargon", "data/jargon.txt", 8192), ("gpl3", UNSEEN_TEXT, 4096))
+
+
+def quality_texts_cmds(T, lanes, budgets="256", unseen_budgets=None):
+    """Host-backend perplexity of kvferry-llama's \p lanes (its --policy and lane options) on the
+    QUALITY_TEXTS, last 1024 scored: KJV and Jargon side by side (a core each), then GPL-3 on both
+    cores; one JSON per text under T."""
+    run = lambda path, ctx, threads, b, out: (f"{HOST_PPL} --text {path} --context {ctx} --scored 1024 "
+                                              f"--cpu-threads {threads} {lanes} --budget {b} --json {T}/{out}.json")
+    (t0, p0, c0), (t1, p1, c1), (t2, p2, c2) = QUALITY_TEXTS
+    return [FETCH, side_by_side(run(p0, c0, 1, budgets, t0), run(p1, c1, 1, budgets, t1)),
+            run(p2, c2, 2, unseen_budgets or budgets, t2)]
+
+
+def quality_texts_rows(T):
+    """The rows of quality_texts_cmds' run (hip_lane_rows of each text's JSON)."""
+    return [r for t, path, ctx in QUALITY_TEXTS for r in hip_lane_rows(f"{T}/{t}.json", path, ctx)]
 
 
 def hip_drift_cmds(T):
     lanes = f"--policy streaming,oracle,{','.join(HIP_DRIFT)} --lanes-together --bank-slots 16"
-    return [FETCH, side_by_side(*(
-        f"{HOST_PPL} --text data/{t}.txt --context 8192 --scored 1024 --cpu-threads 1 {lanes} "
-        f"--budget {','.join(map(str, HIP_DRIFT_BUDGETS))} --json {T}/{t}.json" for t in HQ_TEXTS)),
-            f"{HOST_PPL} --text {UNSEEN_TEXT} --context 4096 --scored 1024 --cpu-threads 2 {lanes} "
-            f"--budget 256,512 --json {T}/gpl3.json",
-            hip_passkey_cmd(T, HIP_DRIFT)]
+    return quality_texts_cmds(T, lanes, ",".join(map(str, HIP_DRIFT_BUDGETS)), "256,512") + \
+        [hip_passkey_cmd(T, HIP_DRIFT)]
 
 
 def hip_drift_merge(T):
-    rows = [r for t, path, ctx in (("kjv", "data/kjv.txt", 8192), ("jargon", "data/jargon.txt", 8192),
-                                   ("gpl3", UNSEEN_TEXT, 4096))
-            for r in hip_lane_rows(f"{T}/{t}.json", path, ctx)]
+    rows = quality_texts_rows(T)
     attach_passkey(rows, passkey_found(f"{T}/passkey.json"))
     return {"what": "HiP's perplexity gap to dense with its mask rebuilt when the query drifts (cosine of the int8 "
                     "codes below 0.7, the default, or 0.8 in any head, served at once), every 8 steps a step late "
@@ -950,46 +962,31 @@ def sparcas_refresh_merge(T):
 
 def sparcas_refresh_quality_cmds(T):
     lanes = ",".join(["streaming", "oracle"] + [f"sparcas:u={u}" for u in SPARCAS_U])
-    return [FETCH, side_by_side(*(
-        f"{HOST_PPL} --text data/{t}.txt --context 8192 --scored 1024 --cpu-threads 1 --policy {lanes} "
-        f"--budget 256 --lanes-together --json {T}/{t}.json" for t in HQ_TEXTS)),
-            f"{HOST_PPL} --text {UNSEEN_TEXT} --context 4096 --scored 1024 --cpu-threads 2 --policy {lanes} "
-            f"--budget 256 --lanes-together --json {T}/gpl3.json"]
+    return quality_texts_cmds(T, f"--policy {lanes} --lanes-together")
 
 
 def sparcas_refresh_quality_merge(T):
-    rows = [r for t, path, ctx in (("kjv", "data/kjv.txt", 8192), ("jargon", "data/jargon.txt", 8192),
-                                   ("gpl3", UNSEEN_TEXT, 4096))
-            for r in hip_lane_rows(f"{T}/{t}.json", path, ctx)]
     return {"what": "SparCas's perplexity gap to dense with its dimensions re-chosen every u = 64 (the default), "
                     "256, 1024 and 2^20 (never) ranked steps, next to streaming and the oracle at budget 256; "
                     "SmolLM2-135M, host backend, sinks 4 + window 64, last 1024 scored of 8K (KJV, Jargon) and of "
                     "4K (GPL-3, a text no default was chosen on)",
             "regenerate": "python3 bench/reproduce.py sparcas_refresh_smollm2",
-            "rows": rows}
+            "rows": quality_texts_rows(T)}
 
 
 # knorm_smollm2: the key-norm policy (policies/knorm: the offloaded keys of smallest L2 norm, no
 # query read) next to streaming and the oracle at budget 256, on KJV and the Jargon File (8K) and
 # on GPL-3 (4K, a text no default was chosen on).
 def knorm_quality_cmds(T):
-    lanes = "streaming,oracle,knorm"
-    return [FETCH, side_by_side(*(
-        f"{HOST_PPL} --text data/{t}.txt --context 8192 --scored 1024 --cpu-threads 1 --policy {lanes} "
-        f"--budget 256 --lanes-together --json {T}/{t}.json" for t in HQ_TEXTS)),
-            f"{HOST_PPL} --text {UNSEEN_TEXT} --context 4096 --scored 1024 --cpu-threads 2 --policy {lanes} "
-            f"--budget 256 --lanes-together --json {T}/gpl3.json"]
+    return quality_texts_cmds(T, "--policy streaming,oracle,knorm --lanes-together")
 
 
 def knorm_quality_merge(T):
-    rows = [r for t, path, ctx in (("kjv", "data/kjv.txt", 8192), ("jargon", "data/jargon.txt", 8192),
-                                   ("gpl3", UNSEEN_TEXT, 4096))
-            for r in hip_lane_rows(f"{T}/{t}.json", path, ctx)]
     return {"what": "knorm's perplexity gap to dense (the offloaded keys of smallest L2 norm) next to streaming and "
                     "the oracle at budget 256; SmolLM2-135M, host backend, sinks 4 + window 64, last 1024 scored "
                     "of 8K (KJV, Jargon) and of 4K (GPL-3)",
             "regenerate": "python3 bench/reproduce.py knorm_smollm2",
-            "rows": rows}
+            "rows": quality_texts_rows(T)}
 
 
 REPLAY_LANES = ("oracle@256 streaming@256 quest@256 sparcas@256 lfps@256 hip@256 "

@@ -29,18 +29,19 @@ int64_t HipList(const DecodeStepArgs& a, int64_t t, const float* q, const KvPage
     const AttnParams& p = a.params;
     const int d = p.head_dim;
     const int64_t off_lo = sp.off_lo, off_hi = sp.off_hi, k_off = sp.k_off;
-    HipState& st = HipArgsOf(a).state[t];
-    const int64_t bk = std::max(HipArgsOf(a).bk, 1);
+    const HipStepArgs ha = HipArgsOf(a);
+    HipState& st = ha.state[t];
+    const int64_t bk = std::max(ha.bk, 1);
     HipPromote(st);
     // HiP's drift: the step's query codes against those the mask was built from (this backend
     // keeps them in dimension order).
     thread_local Q8Query q8;
-    const bool drift = HipArgsOf(a).drift > 0.0f;
-    int8_t* built_q = drift ? reinterpret_cast<int8_t*>(HipArgsOf(a).query + t * HipQueryWords(p.group, d)) : nullptr;
+    const bool drift = ha.drift > 0.0f;
+    int8_t* built_q = drift ? reinterpret_cast<int8_t*>(ha.query + t * HipQueryWords(p.group, d)) : nullptr;
     if (drift) QuantizeQueryHeads(q, p.group, d, nullptr, d, &q8);
-    const bool drifted = drift && st.count > 0 && HipQueryDrifted(built_q, q8.codes.data(), p.group, d, HipArgsOf(a).drift);
+    const bool drifted = drift && st.count > 0 && HipQueryDrifted(built_q, q8.codes.data(), p.group, d, ha.drift);
     const HipAction action = HipStepAction(st.count, st.k_off, st.n, st.since_refresh, k_off, n,
-                                           HipArgsOf(a).r_m, HipArgsOf(a).lag, drifted);
+                                           ha.r_m, ha.lag, drifted);
     int32_t built = 0;  // blocks of the mask built at this step
     if (action != HipAction::kKeep) {
       // kRequest: CUDA builds it on a side stream from this step's query (HipDeferredCuda);
@@ -59,16 +60,16 @@ int64_t HipList(const DecodeStepArgs& a, int64_t t, const float* q, const KvPage
       };
       mask.clear();
       if (k_off >= bk) {
-        HipMaskBlocks((off_hi - off_lo + bk - 1) / bk, k_off / bk, HipArgsOf(a).rep,
-                      HipSeed(n, a.layer, static_cast<int32_t>(t % a.num_kv_heads)), HipArgsOf(a).align != 0,
+        HipMaskBlocks((off_hi - off_lo + bk - 1) / bk, k_off / bk, ha.rep,
+                      HipSeed(n, a.layer, static_cast<int32_t>(t % a.num_kv_heads)), ha.align != 0,
                       score_of, mask);
       }
       const int32_t buf = action == HipAction::kBuild ? st.cur : st.cur ^ 1;
-      std::copy(mask.begin(), mask.end(), HipArgsOf(a).blocks + (2 * t + buf) * HipArgsOf(a).max_nodes);
+      std::copy(mask.begin(), mask.end(), ha.blocks + (2 * t + buf) * ha.max_nodes);
       built = static_cast<int32_t>(mask.size());
     }
-    HipRecordStep(st, action, built, off_lo, off_hi, k_off, n, HipArgsOf(a).r_m, a.layer, drifted);
-    const int32_t* blocks = HipArgsOf(a).blocks + (2 * t + st.cur) * HipArgsOf(a).max_nodes;
+    HipRecordStep(st, action, built, off_lo, off_hi, k_off, n, ha.r_m, a.layer, drifted);
+    const int32_t* blocks = ha.blocks + (2 * t + st.cur) * ha.max_nodes;
     for (int32_t j = 0; j < st.count; ++j) {
       const int64_t t0 = off_lo + blocks[j] * bk, t1 = std::min(t0 + bk, st.hi);
       for (int64_t i = t0; i < t1; ++i) out[c++] = static_cast<int32_t>(i);

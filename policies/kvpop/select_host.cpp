@@ -29,14 +29,15 @@ int64_t KvpopSelect(const DecodeStepArgs& a, const SelectItem& it) {
   const int d = p.head_dim;
   const size_t elem = DTypeSize(p.kv_dtype);
   const OffloadSplit sp = ItemSplitOf(a, n);
-  KvpopState& st = KvpopArgsOf(a).state[t];
+  const KvpopStepArgs ka = KvpopArgsOf(a);
+  KvpopState& st = ka.state[t];
   if (n < st.next_u) st = KvpopState{};  // a new sequence in this slot
-  int32_t* pos = KvpopArgsOf(a).pos + t * KvpopArgsOf(a).cap;
-  float* prio = KvpopArgsOf(a).prio + t * KvpopArgsOf(a).cap;
+  int32_t* pos = ka.pos + t * ka.cap;
+  float* prio = ka.prio + t * ka.cap;
   const int64_t k = std::max<int64_t>(sp.k_off, 0);
   const int64_t lo = std::max(st.next_u, sp.off_lo);
   const int64_t head = static_cast<int64_t>(a.layer) * a.num_kv_heads + t % a.num_kv_heads;
-  const float* block = KvpopArgsOf(a).scorer + head * KvpopScorerFloats(KvpopArgsOf(a).hidden, 2 * d);
+  const float* block = ka.scorer + head * KvpopScorerFloats(ka.hidden, 2 * d);
   thread_local std::vector<float> x;
   thread_local std::vector<std::pair<float, int32_t>> cand;  // (priority, position)
   x.resize(static_cast<size_t>(2 * d));
@@ -49,7 +50,7 @@ int64_t KvpopSelect(const DecodeStepArgs& a, const SelectItem& it) {
       x[j] = LoadAsF32(kr, p.kv_dtype, j);
       x[d + j] = LoadAsF32(vr, p.kv_dtype, j);
     }
-    const float r = KvpopScore(block, KvpopArgsOf(a).hidden, 2 * d, x.data());
+    const float r = KvpopScore(block, ka.hidden, 2 * d, x.data());
     cand.emplace_back(KvpopPriorityOf(r, u, block[0]), static_cast<int32_t>(u));
   }
   if (static_cast<int64_t>(cand.size()) > k) {

@@ -22,12 +22,13 @@ CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q
   const AttnParams& p = a.params;
   const int d = p.head_dim;
   const size_t elem = DTypeSize(p.kv_dtype);
-  SparcasState& st = SparcasArgsOf(a).state[t];
-  int32_t* dims = SparcasArgsOf(a).dims + t * d;
-  const int d_b = SparcasDimsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).db, d);
-  const bool q4 = SparcasBitsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).bits) == 4;
-  float* scales = SparcasArgsOf(a).smooth != 0 && q4 && SparcasArgsOf(a).scales != nullptr
-                      ? SparcasArgsOf(a).scales + t * d
+  const SparcasStepArgs sa = SparcasArgsOf(a);
+  SparcasState& st = sa.state[t];
+  int32_t* dims = sa.dims + t * d;
+  const int d_b = SparcasDimsOf(a.layer, sa.dense_layers, sa.db, d);
+  const bool q4 = SparcasBitsOf(a.layer, sa.dense_layers, sa.bits) == 4;
+  float* scales = sa.smooth != 0 && q4 && sa.scales != nullptr
+                      ? sa.scales + t * d
                       : nullptr;
   thread_local std::vector<float> row, kept;
   row.resize(static_cast<size_t>(d));
@@ -38,7 +39,7 @@ CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q
         row.data(), scales);
   }
   bool regather = false;
-  if (st.d_b != d_b || st.since_refresh >= SparcasArgsOf(a).u) {
+  if (st.d_b != d_b || st.since_refresh >= sa.u) {
     thread_local std::vector<float> imp;
     thread_local std::vector<int32_t> idx;
     imp.assign(static_cast<size_t>(d), 0.0f);
@@ -64,7 +65,7 @@ CompactRows UpdateCompactRows(const DecodeStepArgs& a, int64_t t, const float* q
   CompactRows r;
   r.base = a.meta + SparcasCompactOffset(slot, a.layer, static_cast<int32_t>(t % a.num_kv_heads),
                                          a.num_layers, a.num_kv_heads, a.meta_pages, d,
-                                         SparcasArgsOf(a).db, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).bits) *
+                                         sa.db, sa.dense_layers, sa.bits) *
                         elem;
   r.dims = dims;
   r.scales = scales;
