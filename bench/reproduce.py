@@ -974,6 +974,29 @@ def sparcas_refresh_quality_merge(T):
             "rows": quality_texts_rows(T)}
 
 
+# kernel_profile: where each device policy's decode step goes, kernel by kernel (ncu, steady state after
+# 24 token steps, 128K x 1, real query), with the HBM rate measured in the same run and the bank
+# misses' rate over the step kernel against the PCIe rate measured at Create.
+PROFILE_MODES = ("sparcas_bank", "quest_bank", "hip_bank", "kvpop_bank")
+
+
+def kernel_profile_cmds(T):
+    return [f"{PY} bench/kernel_profile.py --e2e {E2E} --mode {m} --context 131072 --batch 1 --json {T}/{m}.json"
+            for m in PROFILE_MODES]
+
+
+def kernel_profile_merge(T):
+    rows = [jload(f"{T}/{m}.json") for m in PROFILE_MODES if os.path.exists(f"{T}/{m}.json")]
+    return {"what": "each device policy's decode layer kernel by kernel at 128K x 1 (32 layers of the Llama-3.1-8B "
+                    "shape, real query, token bank on), steady state after 24 token steps: duration, DRAM bytes, "
+                    "their rate against the HBM rate measured in the same run; the bank misses' bytes over the "
+                    "step kernel's time against the PCIe rate kvferry measured at Create. ncu serialises the "
+                    "kernels: a layer's sum has no launch gaps (the e2e row beside it has the step's time)",
+            "bench": "bench/kernel_profile.py (ncu over kvferry-e2e)",
+            "regenerate": "python3 bench/reproduce.py kernel_profile",
+            "rows": rows}
+
+
 # knorm_smollm2: the key-norm policy (policies/knorm: the offloaded keys of smallest L2 norm, no
 # query read) next to streaming and the oracle at budget 256, on KJV and the Jargon File (8K) and
 # on GPL-3 (4K, a text no default was chosen on).
@@ -1620,6 +1643,8 @@ SPECS = {
                               what="HiP's mask rebuilt on query drift (the default; 0.8) vs the paper's cadence / every step, streaming, oracle"),
     "sparcas_refresh": dict(gpu=True, targets=["kvferry-e2e"], run=sparcas_refresh_cmds, merge=sparcas_refresh_merge,
                             what="sparcas_bank at 128K x 1/x 4 over 130 steps (real query) for u = 64, 256, never; torch SDPA"),
+    "kernel_profile": dict(gpu=True, targets=["kvferry-e2e"], run=kernel_profile_cmds, merge=kernel_profile_merge,
+                           what="each device policy's decode layer kernel by kernel (ncu, 128K x 1, steady state): time, bytes, HBM and PCIe fractions"),
     "sparcas_refresh_smollm2": dict(gpu=False, targets=[], examples=True, run=sparcas_refresh_quality_cmds,
                                     merge=sparcas_refresh_quality_merge,
                                     what="SparCas's dimension refresh every u = 64/256/1024/never: perplexity, SmolLM2 KJV + Jargon 8K, GPL-3 4K"),
@@ -1682,6 +1707,7 @@ MACHINE = {
     "prhs_rho_smollm2": (CPU2, "~15 min on 2 cores (a 2K trace, 15 replays, 3 perplexity runs of 2K)"),
     "hip_quality_smollm2": (CPU2, "~60 min on 2 cores (62 min recorded beside other work: two texts side by side, 10 lanes each; passkey 9 prompts, 2 runs)"),
     "hip_drift_smollm2": (CPU2, "~40 min on 2 cores (two texts side by side, 24 lanes each + dense; GPL-3 4K 12 lanes; passkey 9 prompts)"),
+    "kernel_profile": (GPU1_RAM, "~5 min (four modes, two ncu runs each over a 128K fill)"),
     "sparcas_refresh": (GPU1, "~4 min (three kvferry-e2e runs of 128K x 1 and x 4 over 130 steps, SDPA)"),
     "sparcas_refresh_smollm2": (CPU2, "~30 min on 2 cores (two 8K texts side by side, 6 lanes + dense each; GPL-3 4K)"),
     "hip_speed": (GPU1, "~3 min (three kvferry-e2e runs of 128K x 1 and x 4, SDPA)"),

@@ -723,6 +723,43 @@ def t_sparcas_smooth():
     return gemma_table(d)
 
 
+def t_sparcas_refresh():
+    """bench/results/sparcas_refresh.json (speed: sparcas_bank at 128K over 130 steps, SDPA in the same
+    run) beside bench/results/sparcas_refresh_smollm2.json (quality: perplexity gap to dense at 256)
+    for each refresh interval u of SparCas's dimensions."""
+    sp, q = load("sparcas_refresh.json"), load("sparcas_refresh_smollm2.json")
+    if not sp or not q:
+        return "(bench/results/sparcas_refresh.json or sparcas_refresh_smollm2.json not yet generated)\n"
+    texts = []
+    for r in q["rows"]:
+        if r["text"] not in texts:
+            texts.append(r["text"])
+    gap = {}
+    for r in q["rows"]:
+        key = (r["params"] or {}).get("u", r["policy"]) if r["policy"] == "sparcas" else r["policy"]
+        gap[(key, r["text"])] = r
+    speed = {(int(r["variant"][1:]), r["batch"]): r for r in sp["rows"]}  # variant "u<u>": params rounds 2^20
+    us = sorted({u for (u, _) in speed} | {k for (k, _) in gap if isinstance(k, int)})
+    uname = lambda u: "never" if u >= 1 << 20 else str(u)
+    head = ["u", "128K x 1: ms a step (/ SDPA)", "128K x 4: ms a step (/ SDPA)", "selection, 128K x 1: ms a step"] + \
+           [f"{text_name(t)}: gap (/ oracle's)" for t in texts]
+    rows = []
+    for u in us:
+        cells = [uname(u)]
+        for b in (1, 4):
+            r = speed.get((u, b))
+            cells.append(f"{r['ms_per_token_step']:.2f} ({r['ratio']:.2f}x)" if r else None)
+        r = speed.get((u, 1))
+        cells.append(f"{r['ms_select_device_per_step']:.2f}" if r else None)
+        for t in texts:
+            r = gap.get((u, t))
+            cells.append(f"+{r['gap_pct']:.2f}% ({r['gap_over_oracle_gap']:.2f}x)" if r else None)
+        rows.append(cells)
+    ps, pq = sp.get("provenance", {}), q.get("provenance", {})
+    return table(head, rows) + (f"\n(speed: {ps.get('gpu', '')}, {ps.get('commit', '')}, {ps.get('date', '')}; "
+                                f"quality: SmolLM2-135M, host backend, {pq.get('commit', '')}, {pq.get('cpu', '')})\n")
+
+
 def t_budgets():
     """bench/results/budgets_smollm2.json: gap to dense (and over the oracle's) per policy, budget
     and text; the papers' budgets for hip / kvpop, Quest's page size at 256."""
@@ -840,7 +877,7 @@ TABLES = {"query": t_query, "policy": t_policy, "e2e": t_e2e, "prefill": t_prefi
           "quality": t_quality, "kernels": t_kernels, "cpu": t_cpu,
           "prefill-host": t_prefill_host, "transfer": t_transfer, "hip-replay": t_hip_replay,
           "hip-quality": t_hip_quality, "hip-drift": t_hip_drift, "knorm": t_knorm, "hip-speed": t_hip_speed, "kvpop-decay": t_kvpop_decay, "gemma-quality": t_gemma_quality, "budgets": t_budgets,
-          "sparcas-smooth": t_sparcas_smooth, "real-model-gpu": t_real_model_gpu,
+          "sparcas-smooth": t_sparcas_smooth, "sparcas-refresh": t_sparcas_refresh, "real-model-gpu": t_real_model_gpu,
           "hf-gpu": t_hf_gpu}
 
 

@@ -28,7 +28,7 @@ struct SparcasStepArgs {
   SparcasState* state = nullptr;
   int32_t* dims = nullptr;
   float* scales = nullptr;
-  int32_t db = 16, u = 64, dense_layers = 2, bits = 16;
+  int32_t db = 16, u = 256, dense_layers = 2, bits = 16;
   int32_t smooth = 0;
 };
 

@@ -69,7 +69,7 @@ void SparcasApproxScoresQ4(const float* q, int group, int head_dim, const int32_
 
 struct SparcasParams {
   int d_b = 0;           ///< "d_b": dimensions kept (0 = the default of SparcasDb for the bits)
-  int u = 64;            ///< "u": dimension refresh interval in steps
+  int u = 256;           ///< "u": dimension refresh interval in ranked steps (docs/policies.md, `sparcas`)
   int dense_layers = 2;  ///< "dense_layers": first layers that use every dimension (exact top-k)
   int bits = 0;          ///< "bits": 4 or 16 per kept dimension (0 = 4 when head_dim % 8 == 0)
   /// "smooth": 1 (the default) divides each key channel by its largest size in the prompt before

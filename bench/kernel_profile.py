@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+# Copyright kvferry authors. Apache-2.0.
+"""Where a device policy's decode step goes, kernel by kernel, in the steady state.
+
+Runs kvferry-e2e for one mode under Nsight Compute (ncu, clocks left alone) and records, for the
+launches of one decode layer averaged over the layers of a few steady-state token steps (after
+--skip-steps token steps of warm-up, so that the token bank is warm and the first step's full
+gather is behind), each kernel's duration and its DRAM bytes read and written, the bytes over the
+time and that rate's fraction of the HBM rate measured in the same run (torch: a device-to-device
+copy of 1 GiB, read + written bytes over its time). The step kernel's rows from the host store
+(the bank's misses, from the e2e row of the same run: rows_fetched_per_step over the layers, times
+a row's K and V bytes) over the step kernel's time give the miss path's rate against the PCIe rate
+kvferry measured at Create (cost_h2d_gbps).
+
+ncu serialises the kernels, so a layer's sum here has no launch gaps and no overlap: it is what the
+kernels cost, not the step's time (the e2e row beside it has that).
+
+  python3 bench/kernel_profile.py --e2e build/bench/kvferry-e2e --mode sparcas_bank \
+      --context 131072 --batch 1 --json OUT.json [--skip-steps 24] [--steps 2]
+"""
+import argparse
+import csv
+import io
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+# Kernels of the prefill and of the e2e bench's own fill, left out of the decode layer.
+PREFILL = re.compile(r"Prefill|StageChunk|StageHistory|Fill|Init|Random|Convert")
+METRICS = "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum"
+
+
+def hbm_gbps():
+    """Device-to-device copy of 1 GiB with torch, best of 5: (read + written bytes) / time."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = None
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        ms = s.elapsed_time(e)
+        best = ms if best is None else min(best, ms)
+    return 2 * n / (best * 1e-3) / 1e9
+
+
+def short(name):
+    name = re.sub(r"\(.*", "", name)
+    for p in ("(anonymous namespace)::", "kvferry::cuda::", "void ", "<unnamed>::", "unnamed>::"):
+        name = name.replace(p, "")
+    return name.strip()
+
+
+def run_ncu(e2e, args, skip, count, log):
+    """ncu over kvferry-e2e: (kernel name, duration ns, dram read, dram write) per profiled launch."""
+    cmd = ["ncu", "--clock-control", "none", "--metrics", METRICS, "--csv", "--page", "raw",
+           "--kernel-name", r"regex:^(?!.*(Prefill|StageChunk|StageHistory)).*$",
+           "--launch-skip", str(skip), "--launch-count", str(count), e2e] + args
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    with open(log, "a") as f:
+        f.write(" ".join(cmd) + "\n" + p.stderr[-4000:] + "\n")
+    lines = [l for l in p.stdout.splitlines() if l.startswith('"')]
+    if not lines:
+        sys.exit(f"kernel_profile: ncu gave no rows (rc {p.returncode}); see {log}")
+    rows = list(csv.reader(io.StringIO("\n".join(lines))))
+    hdr, data = rows[0], [r for r in rows[1:] if r and r[0].isdigit()]
+    ix = {k: hdr.index(k) for k in ("Kernel Name", "gpu__time_duration.sum", "dram__bytes_read.sum",
+                                    "dram__bytes_write.sum", "Grid Size", "Block Size")}
+    num = lambda s: float(s.replace(",", "")) if s else 0.0
+    out = []
+    for r in data:
+        n = short(r[ix["Kernel Name"]])
+        if PREFILL.search(n):
+            continue
+        out.append({"kernel": n, "ns": num(r[ix["gpu__time_duration.sum"]]),
+                    "read": num(r[ix["dram__bytes_read.sum"]]), "write": num(r[ix["dram__bytes_write.sum"]]),
+                    "grid": r[ix["Grid Size"]], "block": r[ix["Block Size"]]})
+    # The e2e's own JSON row is written after ncu's output; the rows_fetched etc. come from there.
+    return out
+
+
+def layers_of(launches, anchor):
+    """The launch sequence cut into layers, each ending at the anchor kernel (the step kernel): the
+    launches after one step kernel up to and including the next. What follows a layer's step
+    kernel (the bank's admission) is counted with the next layer; the sum a layer is the same."""
+    starts = [i for i, l in enumerate(launches) if l["kernel"].startswith(anchor)]
+    return [launches[a + 1:b + 1] for a, b in zip(starts, starts[1:])]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--e2e", required=True)
+    ap.add_argument("--mode", required=True)
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--query", default="real")
+    ap.add_argument("--skip-steps", type=int, default=24, help="token steps of warm-up left out")
+    ap.add_argument("--steps", type=int, default=2, help="token steps profiled")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--extra", default="", help="more kvferry-e2e arguments")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    tmp = a.json + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    log = os.path.join(tmp, "ncu.log")
+    # kvferry-e2e runs its steps three times (eager, in a CUDA graph, the selection timed alone)
+    # after the first step, so --steps S gives about 3 S + 1 token steps of launches.
+    e2e_steps = (a.skip_steps + a.steps) // 3 + 2
+    base = ["--modes", a.mode, "--contexts", str(a.context), "--batches", str(a.batch), "--query", a.query,
+            "--unique-kv", "--steps", str(e2e_steps)] + a.extra.split()
+    # Launches a layer: from a short profile of the first layers.
+    probe = run_ncu(a.e2e, base + ["--json", os.path.join(tmp, "probe.jsonl")], 0, 48, log)
+    lay = layers_of(probe, "StepAttnKernel")
+    if not lay:
+        sys.exit("kernel_profile: no StepAttnKernel in the first launches")
+    per_layer = len(lay[-1])
+    skip = a.skip_steps * a.layers * per_layer
+    count = a.steps * a.layers * per_layer
+    launches = run_ncu(a.e2e, base + ["--json", os.path.join(tmp, "e2e.jsonl")], skip, count + per_layer, log)
+    layers = [l for l in layers_of(launches, "StepAttnKernel") if len(l) == per_layer]
+    if not layers:
+        sys.exit("kernel_profile: no whole layer profiled")
+    e2e_row = json.loads(open(os.path.join(tmp, "e2e.jsonl")).readline())
+    hbm = hbm_gbps()
+    kernels = []
+    for i in range(per_layer):
+        xs = [l[i] for l in layers]
+        us = statistics.mean(x["ns"] for x in xs) / 1e3
+        rd = statistics.mean(x["read"] for x in xs)
+        wr = statistics.mean(x["write"] for x in xs)
+        gbps = (rd + wr) / (us * 1e-6) / 1e9 if us > 0 else 0.0
+        kernels.append({"kernel": xs[0]["kernel"], "grid": xs[0]["grid"], "block": xs[0]["block"],
+                        "us_per_layer": round(us, 2), "us_min": round(min(x["ns"] for x in xs) / 1e3, 2),
+                        "us_max": round(max(x["ns"] for x in xs) / 1e3, 2),
+                        "dram_read_bytes": round(rd), "dram_write_bytes": round(wr), "dram_gbps": round(gbps, 1),
+                        "hbm_fraction": round(gbps / hbm, 3) if hbm else None})
+    step = next(k for k in kernels if k["kernel"].startswith("StepAttnKernel"))
+    # The bank's misses: K and V rows of head_dim 128 in bf16 (the e2e bench's Llama-3.1-8B shape).
+    row_bytes = 2 * 128 * 2
+    miss_bytes = e2e_row.get("rows_fetched_per_step", 0) / a.layers * row_bytes
+    pcie = e2e_row.get("cost_h2d_gbps")
+    miss_gbps = miss_bytes / (step["us_per_layer"] * 1e-6) / 1e9
+    d = {"bench": "kernel_profile", "mode": a.mode, "context": a.context, "batch": a.batch, "query": a.query,
+         "layers_profiled": len(layers), "skip_steps": a.skip_steps, "launches_per_layer": per_layer,
+         "hbm_gbps_measured": round(hbm, 1) if hbm else None,
+         "us_per_layer_kernels": round(sum(k["us_per_layer"] for k in kernels), 2),
+         "us_per_layer_select": round(sum(k["us_per_layer"] for k in kernels
+                                          if not re.match(r"StepAttn|Admit|StepAppend|Combine", k["kernel"])), 2),
+         "miss_bytes_per_layer": round(miss_bytes), "miss_gbps_over_step_kernel": round(miss_gbps, 2),
+         "pcie_gbps_measured": pcie, "miss_pcie_fraction": round(miss_gbps / pcie, 3) if pcie else None,
+         "e2e": {k: e2e_row.get(k) for k in ("ms_per_token_step", "ms_select_device_per_step",
+                                             "ms_attend_device_per_step", "bank_hit_rate",
+                                             "rows_fetched_per_step", "rows_selected_per_step")},
+         "kernels": kernels}
+    with open(a.json, "w") as f:
+        json.dump(d, f, indent=1)
+    print(f"{a.mode} {a.context}x{a.batch}: {per_layer} launches a layer, kernels {d['us_per_layer_kernels']} us "
+          f"(selection {d['us_per_layer_select']}), misses {miss_gbps:.1f} GB/s over the step kernel")
+    for k in kernels:
+        print(f"  {k['kernel'][:60]:60s} {k['us_per_layer']:8.2f} us  {k['dram_gbps']:8.1f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
