@@ -31,6 +31,8 @@ import sys
 # Kernels of the prefill and of the e2e bench's own fill, left out of the decode layer.
 PREFILL = re.compile(r"Prefill|StageChunk|StageHistory|Fill|Init|Random|Convert")
 METRICS = "gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum"
+# The decode layer's kernels (the step, the bank, the policies' selections).
+DECODE = "StepAttn|StepAppend|Admit|Bank|Combine|Sparcas|Mcta|TopK|Psaw|Hip|Kvpop|Quest|Page|Bound|Select|Knorm|Score|Gather"
 
 
 def hbm_gbps():
@@ -65,7 +67,7 @@ def short(name):
 def run_ncu(e2e, args, skip, count, log):
     """ncu over kvferry-e2e: (kernel name, duration ns, dram read, dram write) per profiled launch."""
     cmd = ["ncu", "--clock-control", "none", "--metrics", METRICS, "--csv", "--page", "raw",
-           "--kernel-name", r"regex:^(?!.*(Prefill|StageChunk|StageHistory)).*$",
+           "--kernel-name", f"regex:{DECODE}",
            "--launch-skip", str(skip), "--launch-count", str(count), e2e] + args
     p = subprocess.run(cmd, capture_output=True, text=True)
     with open(log, "a") as f:
@@ -120,7 +122,7 @@ def main():
     base = ["--modes", a.mode, "--contexts", str(a.context), "--batches", str(a.batch), "--query", a.query,
             "--unique-kv", "--steps", str(e2e_steps)] + a.extra.split()
     # Launches a layer: from a short profile of the first layers.
-    probe = run_ncu(a.e2e, base + ["--json", os.path.join(tmp, "probe.jsonl")], 0, 48, log)
+    probe = run_ncu(a.e2e, base + ["--json", os.path.join(tmp, "probe.jsonl")], 0, 200, log)
     lay = layers_of(probe, "StepAttnKernel")
     if not lay:
         sys.exit("kernel_profile: no StepAttnKernel in the first launches")
