@@ -72,9 +72,18 @@ def run_ncu(e2e, args, skip, count, log):
     p = subprocess.run(cmd, capture_output=True, text=True)
     with open(log, "a") as f:
         f.write(" ".join(cmd) + "\n" + p.stderr[-4000:] + "\n")
-    lines = [l for l in p.stdout.splitlines() if l.startswith('"')]
-    if not lines:
+    launches = parse_ncu_csv(p.stdout)
+    if not launches:
         sys.exit(f"kernel_profile: ncu gave no rows (rc {p.returncode}); see {log}")
+    return launches
+
+
+def parse_ncu_csv(text):
+    """ncu --csv --page raw output: (kernel, ns, DRAM bytes read, written, grid, block) per launch,
+    the prefill's kernels left out."""
+    lines = [l for l in text.splitlines() if l.startswith('"')]
+    if not lines:
+        return []
     rows = list(csv.reader(io.StringIO("\n".join(lines))))
     hdr, data = rows[0], [r for r in rows[1:] if r and r[0].isdigit()]
     ix = {k: hdr.index(k) for k in ("Kernel Name", "gpu__time_duration.sum", "dram__bytes_read.sum",
@@ -88,7 +97,6 @@ def run_ncu(e2e, args, skip, count, log):
         out.append({"kernel": n, "ns": num(r[ix["gpu__time_duration.sum"]]),
                     "read": num(r[ix["dram__bytes_read.sum"]]), "write": num(r[ix["dram__bytes_write.sum"]]),
                     "grid": r[ix["Grid Size"]], "block": r[ix["Block Size"]]})
-    # The e2e's own JSON row is written after ncu's output; the rows_fetched etc. come from there.
     return out
 
 
@@ -98,6 +106,45 @@ def layers_of(launches, anchor):
     kernel (the bank's admission) is counted with the next layer; the sum a layer is the same."""
     starts = [i for i, l in enumerate(launches) if l["kernel"].startswith(anchor)]
     return [launches[a + 1:b + 1] for a, b in zip(starts, starts[1:])]
+
+
+def summarize(launches, e2e_row, hbm, num_layers):
+    """Per kind of layer (its kernels' names), each kernel averaged over the layers of that kind."""
+    # Layers of one kind launch the same kernels (a policy's dense first layers differ from the
+    # rest): each kind is averaged on its own, position by position.
+    kinds = {}
+    for l in layers_of(launches, "StepAttnKernel"):
+        kinds.setdefault(tuple(x["kernel"] for x in l), []).append(l)
+    if not kinds:
+        sys.exit("kernel_profile: no whole layer profiled")
+    pcie = e2e_row.get("cost_h2d_gbps")
+    # The bank's misses: K and V rows of head_dim 128 in bf16 (the e2e bench's Llama-3.1-8B shape).
+    row_bytes = 2 * 128 * 2
+    miss_bytes = e2e_row.get("rows_fetched_per_step", 0) / num_layers * row_bytes
+    out_kinds = []
+    for sig, layers in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+        kernels = []
+        for i, name in enumerate(sig):
+            xs = [l[i] for l in layers]
+            us = statistics.mean(x["ns"] for x in xs) / 1e3
+            rd = statistics.mean(x["read"] for x in xs)
+            wr = statistics.mean(x["write"] for x in xs)
+            gbps = (rd + wr) / (us * 1e-6) / 1e9 if us > 0 else 0.0
+            kernels.append({"kernel": name, "grid": xs[0]["grid"], "block": xs[0]["block"],
+                            "us": round(us, 2), "us_min": round(min(x["ns"] for x in xs) / 1e3, 2),
+                            "us_max": round(max(x["ns"] for x in xs) / 1e3, 2),
+                            "dram_read_bytes": round(rd), "dram_write_bytes": round(wr), "dram_gbps": round(gbps, 1),
+                            "hbm_fraction": round(gbps / hbm, 3) if hbm else None})
+        step = next(k for k in kernels if k["kernel"].startswith("StepAttnKernel"))
+        miss_gbps = miss_bytes / (step["us"] * 1e-6) / 1e9
+        out_kinds.append({"layers_profiled": len(layers), "launches": len(sig),
+                          "us_kernels": round(sum(k["us"] for k in kernels), 2),
+                          "us_select": round(sum(k["us"] for k in kernels
+                                                 if not re.match(r"StepAttn|Admit|StepAppend|Combine", k["kernel"])), 2),
+                          "miss_gbps_over_step_kernel": round(miss_gbps, 2),
+                          "miss_pcie_fraction": round(miss_gbps / pcie, 3) if pcie else None,
+                          "kernels": kernels})
+    return out_kinds
 
 
 def main():
@@ -126,51 +173,32 @@ def main():
     lay = layers_of(probe, "StepAttnKernel")
     if not lay:
         sys.exit("kernel_profile: no StepAttnKernel in the first launches")
-    per_layer = len(lay[-1])
+    per_layer = max(len(l) for l in lay)
     skip = a.skip_steps * a.layers * per_layer
     count = a.steps * a.layers * per_layer
     launches = run_ncu(a.e2e, base + ["--json", os.path.join(tmp, "e2e.jsonl")], skip, count + per_layer, log)
-    layers = [l for l in layers_of(launches, "StepAttnKernel") if len(l) == per_layer]
-    if not layers:
-        sys.exit("kernel_profile: no whole layer profiled")
     e2e_row = json.loads(open(os.path.join(tmp, "e2e.jsonl")).readline())
     hbm = hbm_gbps()
-    kernels = []
-    for i in range(per_layer):
-        xs = [l[i] for l in layers]
-        us = statistics.mean(x["ns"] for x in xs) / 1e3
-        rd = statistics.mean(x["read"] for x in xs)
-        wr = statistics.mean(x["write"] for x in xs)
-        gbps = (rd + wr) / (us * 1e-6) / 1e9 if us > 0 else 0.0
-        kernels.append({"kernel": xs[0]["kernel"], "grid": xs[0]["grid"], "block": xs[0]["block"],
-                        "us_per_layer": round(us, 2), "us_min": round(min(x["ns"] for x in xs) / 1e3, 2),
-                        "us_max": round(max(x["ns"] for x in xs) / 1e3, 2),
-                        "dram_read_bytes": round(rd), "dram_write_bytes": round(wr), "dram_gbps": round(gbps, 1),
-                        "hbm_fraction": round(gbps / hbm, 3) if hbm else None})
-    step = next(k for k in kernels if k["kernel"].startswith("StepAttnKernel"))
-    # The bank's misses: K and V rows of head_dim 128 in bf16 (the e2e bench's Llama-3.1-8B shape).
+    out_kinds = summarize(launches, e2e_row, hbm, a.layers)
+    pcie = e2e_row.get("cost_h2d_gbps")
     row_bytes = 2 * 128 * 2
     miss_bytes = e2e_row.get("rows_fetched_per_step", 0) / a.layers * row_bytes
-    pcie = e2e_row.get("cost_h2d_gbps")
-    miss_gbps = miss_bytes / (step["us_per_layer"] * 1e-6) / 1e9
     d = {"bench": "kernel_profile", "mode": a.mode, "context": a.context, "batch": a.batch, "query": a.query,
-         "layers_profiled": len(layers), "skip_steps": a.skip_steps, "launches_per_layer": per_layer,
-         "hbm_gbps_measured": round(hbm, 1) if hbm else None,
-         "us_per_layer_kernels": round(sum(k["us_per_layer"] for k in kernels), 2),
-         "us_per_layer_select": round(sum(k["us_per_layer"] for k in kernels
-                                          if not re.match(r"StepAttn|Admit|StepAppend|Combine", k["kernel"])), 2),
-         "miss_bytes_per_layer": round(miss_bytes), "miss_gbps_over_step_kernel": round(miss_gbps, 2),
-         "pcie_gbps_measured": pcie, "miss_pcie_fraction": round(miss_gbps / pcie, 3) if pcie else None,
+         "skip_steps": a.skip_steps, "hbm_gbps_measured": round(hbm, 1) if hbm else None,
+         "pcie_gbps_measured": pcie, "miss_bytes_per_layer": round(miss_bytes),
          "e2e": {k: e2e_row.get(k) for k in ("ms_per_token_step", "ms_select_device_per_step",
                                              "ms_attend_device_per_step", "bank_hit_rate",
                                              "rows_fetched_per_step", "rows_selected_per_step")},
-         "kernels": kernels}
+         "layer_kinds": out_kinds,
+         "launches": [[x["kernel"], round(x["ns"] / 1e3, 2), round(x["read"]), round(x["write"])] for x in launches]}
     with open(a.json, "w") as f:
         json.dump(d, f, indent=1)
-    print(f"{a.mode} {a.context}x{a.batch}: {per_layer} launches a layer, kernels {d['us_per_layer_kernels']} us "
-          f"(selection {d['us_per_layer_select']}), misses {miss_gbps:.1f} GB/s over the step kernel")
-    for k in kernels:
-        print(f"  {k['kernel'][:60]:60s} {k['us_per_layer']:8.2f} us  {k['dram_gbps']:8.1f} GB/s")
+    for k in out_kinds:
+        print(f"{a.mode} {a.context}x{a.batch}, {k['layers_profiled']} layers of {k['launches']} launches: kernels "
+              f"{k['us_kernels']} us (selection {k['us_select']}), misses {k['miss_gbps_over_step_kernel']} GB/s "
+              f"over the step kernel")
+        for x in k["kernels"]:
+            print(f"  {x['kernel'][:60]:60s} {x['us']:8.2f} us  {x['dram_gbps']:8.1f} GB/s")
     return 0
 
 

@@ -186,50 +186,7 @@ __global__ void __launch_bounds__(256) SparcasPrepKernel(DecodeStepArgs a) {
   }
 }
 
-// A warp's 4-bit compact row (base/sparcas_q4.h) of one key, kp (a row of the resident tier or the
-// host store) or, null, the new token (read from a.k and rounded to T, as the host twin reads it):
-// the warp's max |x| over the chosen dimensions, then each group of 8 lanes ORs its nibbles into
-// one word; the row's scale after its words. With smoothing (sc) each kept dimension is divided by
-// its channel scale first. Every lane of the warp calls.
-template <typename T>
-__device__ __forceinline__ void GatherQ4Row(const DecodeStepArgs& a, int32_t item, const T* kp, const int32_t* dims,
-                                            const float* sc, int d_b, int words, uint32_t* dst, int lane) {
-  const int hd = a.params.head_dim;
-  // Each element read once (a row of the host store is read over PCIe): lane + 32 c for
-  // c < 8 covers d_b <= 256 (head_dim <= 256). The new token as stored (rounded to the KV
-  // dtype), as the host twin reads it.
-  float x[8];
-  float amax = 0.0f;
-#pragma unroll
-  for (int c = 0; c < 8; ++c) {
-    const int i = c * 32 + lane;
-    x[c] = 0.0f;
-    if (i < d_b) {
-      x[c] = kp != nullptr
-                 ? ToF32(kp[dims[i]])
-                 : ToF32(FromF32<T>(LoadElem(a.k, a.k_dtype, static_cast<int64_t>(item) * hd + dims[i])));
-      if (sc != nullptr) x[c] = x[c] / sc[dims[i]];
-      amax = fmaxf(amax, fabsf(x[c]));
-    }
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  const float inv = SparcasQ4Inv(amax);
-#pragma unroll
-  for (int c = 0; c < 8; ++c) {  // d_b % 8 == 0: a group of 8 lanes is all in or out
-    const int i = c * 32 + lane;
-    if (c * 32 >= d_b) break;  // warp-uniform
-    uint32_t code = i < d_b ? SparcasQ4Code(x[c], inv) << (4 * (i & 7)) : 0u;
-    code |= __shfl_xor_sync(0xffffffffu, code, 1);
-    code |= __shfl_xor_sync(0xffffffffu, code, 2);
-    code |= __shfl_xor_sync(0xffffffffu, code, 4);
-    if (i < d_b && (lane & 7) == 0) dst[i >> 3] = code;
-  }
-  if (lane == 0) dst[words] = __float_as_uint(SparcasQ4Scale(amax));
-}
-
-// Grid (items, y), a warp per position in [from, n): the chosen dimensions of its key. SparCas's
-// own ranking steps at 4-bit layers do not launch it: SparcasScoreQ4Kernel gathers there.
+// Grid (items, y), a warp per position in [from, n): the chosen dimensions of its key.
 template <typename T>
 __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeStepArgs a) {
   const int32_t item = blockIdx.x;
@@ -245,12 +202,47 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const SparcasKeySource<T> source_row = SparcasKeySourceOf<T>(a, t, n);
   if (SparcasBitsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).bits) == 4) {
+    // 4-bit rows (base/sparcas_q4.h): the warp's max |x|, then each group of 8 lanes ORs its
+    // nibbles into one word; the row's scale after its words. With smoothing each kept
+    // dimension is divided by its channel scale first.
     const float* sc = SparcasScalesOf(a, t);
     const int words = SparcasQ4Words(d_b);
     uint32_t* rows = reinterpret_cast<uint32_t*>(compact);
     for (int64_t j = st.from + static_cast<int64_t>(blockIdx.y) * kScoreWarps + warp; j < n;
          j += static_cast<int64_t>(gridDim.y) * kScoreWarps) {
-      GatherQ4Row<T>(a, item, source_row(j), dims, sc, d_b, words, rows + j * (words + 1), lane);
+      const T* kp = source_row(j);
+      // Each element read once (a row of the host store is read over PCIe): lane + 32 c for
+      // c < 8 covers d_b <= 256 (head_dim <= 256). The new token as stored (rounded to the KV
+      // dtype), as the host twin reads it.
+      float x[8];
+      float amax = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const int i = c * 32 + lane;
+        x[c] = 0.0f;
+        if (i < d_b) {
+          x[c] = kp != nullptr
+                     ? ToF32(kp[dims[i]])
+                     : ToF32(FromF32<T>(LoadElem(a.k, a.k_dtype, static_cast<int64_t>(item) * hd + dims[i])));
+          if (sc != nullptr) x[c] = x[c] / sc[dims[i]];
+          amax = fmaxf(amax, fabsf(x[c]));
+        }
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      const float inv = SparcasQ4Inv(amax);
+      uint32_t* dst = rows + j * (words + 1);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {  // d_b % 8 == 0: a group of 8 lanes is all in or out
+        const int i = c * 32 + lane;
+        if (c * 32 >= d_b) break;  // warp-uniform
+        uint32_t code = i < d_b ? SparcasQ4Code(x[c], inv) << (4 * (i & 7)) : 0u;
+        code |= __shfl_xor_sync(0xffffffffu, code, 1);
+        code |= __shfl_xor_sync(0xffffffffu, code, 2);
+        code |= __shfl_xor_sync(0xffffffffu, code, 4);
+        if (i < d_b && (lane & 7) == 0) dst[i >> 3] = code;
+      }
+      if (lane == 0) dst[words] = __float_as_uint(SparcasQ4Scale(amax));
     }
     return;
   }
@@ -273,7 +265,7 @@ __global__ void __launch_bounds__(kScoreWarps * 32) SparcasGatherKernel(DecodeSt
 // of smoothing). d_b is the state's, at most max_db; nothing is loaded when the item does not
 // rank (ranked false, the same for the whole CTA).
 struct SparcasScoreItem {
-  int64_t t = 0, n = 0, from = 0;  // from: the state's first compact row to (re)gather
+  int64_t t = 0, n = 0;
   int d_b = 0;
   bool ranked = false;
 };
@@ -288,7 +280,6 @@ __device__ __forceinline__ SparcasScoreItem LoadSparcasQuery(const DecodeStepArg
   if (!it.ranked) return it;
   const int hd = a.params.head_dim, group = a.params.group;
   it.d_b = min(st.d_b, max_db);
-  it.from = st.from;
   it.n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   const int32_t* dims = SparcasArgsOf(a).dims + it.t * hd;
   const float qscale = scaled ? a.params.scale * kLog2e : 1.0f;
@@ -398,13 +389,8 @@ __global__ void __launch_bounds__(kSparcasThreads) SparcasScoreThreadKernel(Deco
 
 
 
-// gather 1 (SparCas's own ranking steps): the CTA first (re)gathers the compact rows of each tile
-// of its positions that lie in [from, n) (a warp a row, GatherQ4Row, as SparcasGatherKernel
-// would), then scores them: in the steady state that is the new token's row alone, and the
-// gather's launch (1056 mostly idle CTAs at 128K b1, about 7 us a layer on an H100) is gone.
-template <typename T, int kHeads>  // kHeads: query heads a pass over the row (kSparcasQ4Heads, or 4 for groups of 4 or fewer)
-__global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1)
-    SparcasScoreQ4Kernel(DecodeStepArgs a, int write_stats, int gather) {
+template <int kHeads>  // query heads a pass over the row (kSparcasQ4Heads, or 4 for groups of 4 or fewer)
+__global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1) SparcasScoreQ4Kernel(DecodeStepArgs a, int write_stats) {
   extern __shared__ float q_raw[];  // [group][d_b] q as given, then int2 [group][words], steps, sums
   const SparcasScoreItem it = LoadSparcasQuery(a, q_raw, a.params.head_dim, /*scaled=*/false);
   if (!it.ranked) return;
@@ -423,8 +409,8 @@ __global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1)
   __syncthreads();
   const float log2_scale = a.params.scale * kLog2e;
   const int64_t n = it.n;
-  // Plain loads below (not __ldg): the CTA may have written the rows it reads (gather).
-  uint32_t* rows = reinterpret_cast<uint32_t*>(CompactOf<T>(a, item / a.num_kv_heads, item % a.num_kv_heads));
+  const uint32_t* rows = reinterpret_cast<const uint32_t*>(
+      CompactOf<__half>(a, item / a.num_kv_heads, item % a.num_kv_heads));
   float* out = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
   float st_m[kHeads], st_s[kHeads];  // write_stats: this thread's running softmax
 #pragma unroll
@@ -432,20 +418,8 @@ __global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1)
     st_m[g] = -INFINITY;
     st_s[g] = 0.0f;
   }
-  const int64_t stride = static_cast<int64_t>(gridDim.y) * blockDim.x;
-  for (int64_t base = static_cast<int64_t>(blockIdx.y) * blockDim.x; base < n; base += stride) {  // CTA-uniform
-    if (gather != 0 && base + blockDim.x > it.from) {  // CTA-uniform: rows of this tile to (re)gather
-      const SparcasKeySource<T> source = SparcasKeySourceOf<T>(a, it.t, n);
-      const int32_t* dims = SparcasArgsOf(a).dims + it.t * a.params.head_dim;
-      const float* sc = SparcasScalesOf(a, it.t);
-      const int64_t r_end = min(base + static_cast<int64_t>(blockDim.x), n);
-      for (int64_t r = max(base, it.from) + warp; r < r_end; r += kSparcasThreads / 32) {
-        GatherQ4Row<T>(a, item, source(r), dims, sc, d_b, words, rows + r * (words + 1), lane);
-      }
-      __syncthreads();  // the tile's rows, written by other warps, are visible to the CTA
-    }
-    const int64_t j = base + threadIdx.x;
-    if (j >= n) continue;
+  for (int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; j < n;
+       j += static_cast<int64_t>(gridDim.y) * blockDim.x) {
     const uint32_t* row = rows + j * (words + 1);
     const float row_scale = __uint_as_float(row[words]);
     for (int g0 = 0; g0 < group; g0 += kHeads) {
@@ -555,11 +529,10 @@ unsigned ThreadGridY(const DecodeStepArgs& a, const LaunchInfo& info, const Sele
 // SparCas's scores of one layer into select_ws, from its compact rows: every dimension at its
 // dense layers, else its chosen d_b (4-bit rows, or the KV dtype: a thread a position for small
 // d_b, a warp a position above). Sets *stats_parts > 0 when the scoring wrote the top-k's
-// statistics. gather: the 4-bit scoring (re)gathers the rows SparcasGatherKernel was not launched
-// for (SparcasQ4Gathers).
+// statistics.
 template <int HD, typename T>
 Status LaunchSparcasScores(const DecodeStepArgs& a, const LaunchInfo& info, const SelectGrid& g,
-                           cudaStream_t stream, int32_t* stats_parts, bool gather) {
+                           cudaStream_t stream, int32_t* stats_parts) {
   const unsigned items = static_cast<unsigned>(g.items);
   if (a.layer < SparcasArgsOf(a).dense_layers) {
     // Every dimension, as the oracle, but from the compact rows on the device (they hold every
@@ -583,11 +556,9 @@ Status LaunchSparcasScores(const DecodeStepArgs& a, const LaunchInfo& info, cons
   const int d_b = SparcasDimsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).db, HD);
   if (SparcasBitsOf(a.layer, SparcasArgsOf(a).dense_layers, SparcasArgsOf(a).bits) == 4) {
     KVF_CHECK_ARG(d_b % 8 == 0, "DecodeSelect: sparcas 4-bit rows need d_b % 8 == 0, not ", d_b);
-    // 4 CTAs an SM over all items, one wave (5 fit at 48 registers): each CTA first loads,
-    // quantizes and packs the query (three dependent global loads, two barriers), so fewer CTAs
-    // with more rows a thread amortize that. At 16 an SM (3.2 waves) the kernel read its 37.8 MB
-    // of 4-bit rows at 128K b1 in 36 us a layer, 1.05 TB/s (ncu, H100).
-    const unsigned ty = ThreadGridY(a, info, g, 4, kSelectMctaStatsSlots);
+    // 16 CTAs an SM over all items: each CTA first quantizes and packs the query, so fewer CTAs
+    // with more rows a thread amortize that.
+    const unsigned ty = ThreadGridY(a, info, g, 16, kSelectMctaStatsSlots);
     // Each CTA's softmax statistics into the multi-CTA scratch, so that the top-k skips its
     // statistics pass (a read of every logit): off. Measured through the Runtime (H200,
     // sparcas_bank 128K) it cost 3.6% at batch 1 (4.14 vs 3.99 ms a token step: the exp2 work in
@@ -599,12 +570,12 @@ Status LaunchSparcasScores(const DecodeStepArgs& a, const LaunchInfo& info, cons
     // q as given, its packed codes (an int2 a word), each head's step and 8 x code sum
     const size_t qs_db = static_cast<size_t>(a.params.group) *
                          (d_b * sizeof(float) + SparcasQ4Words(d_b) * sizeof(int2) + 8);
-    const auto kernel = a.params.group <= 4 ? SparcasScoreQ4Kernel<T, 4> : SparcasScoreQ4Kernel<T, kSparcasQ4Heads>;
+    const auto kernel = a.params.group <= 4 ? SparcasScoreQ4Kernel<4> : SparcasScoreQ4Kernel<kSparcasQ4Heads>;
     if (qs_db > 48 * 1024) {
       KVF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(qs_db)));
     }
-    kernel<<<dim3(items, ty), kSparcasThreads, qs_db, stream>>>(a, *stats_parts > 0 ? 1 : 0, gather ? 1 : 0);
+    kernel<<<dim3(items, ty), kSparcasThreads, qs_db, stream>>>(a, *stats_parts > 0 ? 1 : 0);
     KVF_CUDA_CHECK_LAUNCH(SparcasScoreQ4Kernel);
     return Status::Ok();
   }
@@ -621,13 +592,6 @@ Status LaunchSparcasScores(const DecodeStepArgs& a, const LaunchInfo& info, cons
   return Status::Ok();
 }
 
-
-// Whether the step's 4-bit scoring gathers its own compact rows (a ranking step at a 4-bit sparse
-// layer) instead of SparcasGatherKernel.
-bool SparcasQ4Gathers(const DecodeStepArgs& a) {
-  const SparcasStepArgs sp = SparcasArgsOf(a);
-  return !a.select_skip_ranking && a.layer >= sp.dense_layers && SparcasBitsOf(a.layer, sp.dense_layers, sp.bits) == 4;
-}
 
 // With smoothing the channel scales at an item's first ranked step, then the prep
 // (dimensions, what to gather), the gather of the compact rows, the scores and the top-k.
@@ -650,15 +614,12 @@ Status SparcasSelect(const DecodeStepArgs& a, const LaunchInfo& info, cudaStream
   SparcasPrepKernel<<<items, 256, 0, stream>>>(a);
   KVF_CUDA_CHECK_LAUNCH(SparcasPrepKernel);
   int32_t stats_parts = 0;  // > 0: the scoring wrote the top-k's statistics
-  const bool q4_gathers = SparcasQ4Gathers(a);
   KVF_RETURN_IF_ERROR(DISPATCH_HEAD_DIM(a.params.head_dim, HD, [&] {
     return DISPATCH_KV_DTYPE(a.params.kv_dtype, T, [&] {
-      if (!q4_gathers) {
-        SparcasGatherKernel<T><<<dim3(items, g.gy), kScoreWarps * 32, 0, stream>>>(a);
-        KVF_CUDA_CHECK_LAUNCH(SparcasGatherKernel);
-      }
+      SparcasGatherKernel<T><<<dim3(items, g.gy), kScoreWarps * 32, 0, stream>>>(a);
+      KVF_CUDA_CHECK_LAUNCH(SparcasGatherKernel);
       if (a.select_skip_ranking) return Status::Ok();  // the dimensions and rows are current
-      return LaunchSparcasScores<HD, T>(a, info, g, stream, &stats_parts, q4_gathers);
+      return LaunchSparcasScores<HD, T>(a, info, g, stream, &stats_parts);
     });
   }));
   if (a.select_skip_ranking) return Status::Ok();
