@@ -756,7 +756,18 @@ def t_sparcas_refresh():
             cells.append(f"+{r['gap_pct']:.2f}% ({r['gap_over_oracle_gap']:.2f}x)" if r else None)
         rows.append(cells)
     ps, pq = sp.get("provenance", {}), q.get("provenance", {})
-    return table(head, rows) + (f"\n(speed: {ps.get('gpu', '')}, {ps.get('commit', '')}, {ps.get('date', '')}; "
+    # A refresh's cost: u = 64 refreshes floor(steps / 64) times in the timed steps, never not at all.
+    m = re.search(r"--steps (\d+)", ps.get("command", ""))
+    note = ""
+    t64, tnever = speed.get((64, 1)), speed.get((1 << 20, 1))
+    if m and t64 and tnever and int(m.group(1)) >= 64:
+        steps = int(m.group(1))
+        per = (t64["ms_per_token_step"] - tnever["ms_per_token_step"]) * steps / (steps // 64)
+        steady = lambda u: tnever["ms_per_token_step"] + per / u
+        note = (f"\nA refresh at 128K x 1 costs about {per:.0f} ms (u = 64's {steps // 64} refreshes in the {steps} "
+                f"timed steps against never), so the steady step is about {steady(64):.2f} ms at u = 64 and "
+                f"{steady(256):.2f} ms at u = 256.\n")
+    return table(head, rows) + note + (f"\n(speed: {ps.get('gpu', '')}, {ps.get('commit', '')}, {ps.get('date', '')}; "
                                 f"quality: SmolLM2-135M, host backend, {pq.get('commit', '')}, {pq.get('cpu', '')})\n")
 
 
