@@ -36,6 +36,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -181,7 +182,11 @@ void AddParams(const Options& o, RuntimeConfig& c, std::ostringstream& row) {
   row << ",\"params\":{";
   for (size_t i = 0; i < o.params.size(); ++i) {
     c.policy.params[o.params[i].first] = o.params[i].second;
-    row << (i ? "," : "") << "\"" << o.params[i].first << "\":" << o.params[i].second;
+    // The shortest text that reads back as the same double (a stream's 6 digits wrote 2^20 as
+    // 1.04858e+06).
+    char num[32];
+    const auto end = std::to_chars(num, num + sizeof(num), o.params[i].second).ptr;
+    row << (i ? "," : "") << "\"" << o.params[i].first << "\":" << std::string_view(num, end - num);
   }
   row << "}";
 }

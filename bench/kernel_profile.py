@@ -65,7 +65,7 @@ def short(name):
 
 
 def run_ncu(e2e, args, skip, count, log):
-    """ncu over kvferry-e2e: (kernel name, duration ns, dram read, dram write) per profiled launch."""
+    """ncu over kvferry-e2e: parse_ncu_csv's launches."""
     cmd = ["ncu", "--clock-control", "none", "--metrics", METRICS, "--csv", "--page", "raw",
            "--kernel-name", f"regex:{DECODE}",
            "--launch-skip", str(skip), "--launch-count", str(count), e2e] + args
@@ -108,6 +108,12 @@ def layers_of(launches, anchor):
     return [launches[a + 1:b + 1] for a, b in zip(starts, starts[1:])]
 
 
+def miss_bytes_per_layer(e2e_row, num_layers):
+    """The bank's misses a layer: K and V rows of head_dim 128 in bf16 (kvferry-e2e's
+    Llama-3.1-8B shape)."""
+    return e2e_row.get("rows_fetched_per_step", 0) / num_layers * (2 * 128 * 2)
+
+
 def summarize(launches, e2e_row, hbm, num_layers):
     """Per kind of layer (its kernels' names), each kernel averaged over the layers of that kind."""
     # Layers of one kind launch the same kernels (a policy's dense first layers differ from the
@@ -118,9 +124,7 @@ def summarize(launches, e2e_row, hbm, num_layers):
     if not kinds:
         sys.exit("kernel_profile: no whole layer profiled")
     pcie = e2e_row.get("cost_h2d_gbps")
-    # The bank's misses: K and V rows of head_dim 128 in bf16 (the e2e bench's Llama-3.1-8B shape).
-    row_bytes = 2 * 128 * 2
-    miss_bytes = e2e_row.get("rows_fetched_per_step", 0) / num_layers * row_bytes
+    miss_bytes = miss_bytes_per_layer(e2e_row, num_layers)
     out_kinds = []
     for sig, layers in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
         kernels = []
@@ -180,12 +184,10 @@ def main():
     e2e_row = json.loads(open(os.path.join(tmp, "e2e.jsonl")).readline())
     hbm = hbm_gbps()
     out_kinds = summarize(launches, e2e_row, hbm, a.layers)
-    pcie = e2e_row.get("cost_h2d_gbps")
-    row_bytes = 2 * 128 * 2
-    miss_bytes = e2e_row.get("rows_fetched_per_step", 0) / a.layers * row_bytes
     d = {"bench": "kernel_profile", "mode": a.mode, "context": a.context, "batch": a.batch, "query": a.query,
          "skip_steps": a.skip_steps, "hbm_gbps_measured": round(hbm, 1) if hbm else None,
-         "pcie_gbps_measured": pcie, "miss_bytes_per_layer": round(miss_bytes),
+         "pcie_gbps_measured": e2e_row.get("cost_h2d_gbps"),
+         "miss_bytes_per_layer": round(miss_bytes_per_layer(e2e_row, a.layers)),
          "e2e": {k: e2e_row.get(k) for k in ("ms_per_token_step", "ms_select_device_per_step",
                                              "ms_attend_device_per_step", "bank_hit_rate",
                                              "rows_fetched_per_step", "rows_selected_per_step")},

@@ -950,10 +950,10 @@ def sparcas_refresh_merge(T):
         if u == 1024:
             continue
         for r in jload(f"{T}/u{u}.sdpa.json").get("rows", []):
-            rows.append({"variant": f"u{u}", "params": {"u": u}, **r})
+            rows.append({**r, "variant": f"u{u}", "params": {"u": u}})
     label_query(rows)
     return {"what": "sparcas_bank's decode step per token at 128K x 1 and x 4 (Llama-3.1-8B shape, 32 layers, real "
-                    "moving query) over 130 steps for SparCas's dimension refresh every u = 64 (the default), 256 "
+                    "moving query) over 130 steps for SparCas's dimension refresh every u = 64, 256 (the default) "
                     "and 2^20 (never) ranked steps; ratio to torch SDPA with all KV on the GPU in the same run",
             "bench": "kvferry-e2e (bench/e2e_bench.cu) + scripts/device/e2e_sdpa.py",
             "regenerate": "python3 bench/reproduce.py sparcas_refresh",
@@ -966,8 +966,8 @@ def sparcas_refresh_quality_cmds(T):
 
 
 def sparcas_refresh_quality_merge(T):
-    return {"what": "SparCas's perplexity gap to dense with its dimensions re-chosen every u = 64 (the default), "
-                    "256, 1024 and 2^20 (never) ranked steps, next to streaming and the oracle at budget 256; "
+    return {"what": "SparCas's perplexity gap to dense with its dimensions re-chosen every u = 64, 256 (the "
+                    "default), 1024 and 2^20 (never) ranked steps, next to streaming and the oracle at budget 256; "
                     "SmolLM2-135M, host backend, sinks 4 + window 64, last 1024 scored of 8K (KJV, Jargon) and of "
                     "4K (GPL-3, a text no default was chosen on)",
             "regenerate": "python3 bench/reproduce.py sparcas_refresh_smollm2",

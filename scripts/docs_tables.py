@@ -505,6 +505,11 @@ def t_hip_quality():
     return table(head, rows)
 
 
+def texts_of(rows):
+    """The rows' texts in the order they first appear."""
+    return list(dict.fromkeys(r["text"] for r in rows))
+
+
 def text_name(path):
     """A quality text's short name in a table (KJV, Jargon, GPL-3), else its file name."""
     return {"kjv": "KJV", "jargon": "Jargon", "gpl-3": "GPL-3"}.get(
@@ -572,10 +577,7 @@ def t_knorm():
     d = load("knorm_smollm2.json")
     if not d:
         return "(bench/results/knorm_smollm2.json not yet generated)\n"
-    texts = []
-    for r in d["rows"]:
-        if r["text"] not in texts:
-            texts.append(r["text"])
+    texts = texts_of(d["rows"])
     cell = {(r["policy"], r["text"]): r for r in d["rows"]}
     rows = []
     for pol in ("streaming", "oracle", "knorm"):
@@ -730,15 +732,14 @@ def t_sparcas_refresh():
     sp, q = load("sparcas_refresh.json"), load("sparcas_refresh_smollm2.json")
     if not sp or not q:
         return "(bench/results/sparcas_refresh.json or sparcas_refresh_smollm2.json not yet generated)\n"
-    texts = []
-    for r in q["rows"]:
-        if r["text"] not in texts:
-            texts.append(r["text"])
+    texts = texts_of(q["rows"])
     gap = {}
     for r in q["rows"]:
         key = (r["params"] or {}).get("u", r["policy"]) if r["policy"] == "sparcas" else r["policy"]
         gap[(key, r["text"])] = r
-    speed = {(int(r["variant"][1:]), r["batch"]): r for r in sp["rows"]}  # variant "u<u>": params rounds 2^20
+    # The merge's variant "u<u>" names the u a row asked for (the committed rows' params were written
+    # by kvferry-e2e with 6 digits: 2^20 as 1.04858e+06).
+    speed = {(int(r["variant"][1:]), r["batch"]): r for r in sp["rows"]}
     us = sorted({u for (u, _) in speed} | {k for (k, _) in gap if isinstance(k, int)})
     uname = lambda u: "never" if u >= 1 << 20 else str(u)
     head = ["u", "128K x 1: ms a step (/ SDPA)", "128K x 4: ms a step (/ SDPA)", "selection, 128K x 1: ms a step"] + \
