@@ -1319,7 +1319,10 @@ def frontier_merge(T):
         p = {"policy": policy, "mode": mode, "budget": 256, "context_quality": 8192,
              "ratio_vs_sdpa_128k_b1": s["ratio"] if s else None,
              "ms_per_token_step": s["ms_per_token_step"] if s else None,
-             "speed_provenance": {k: s["provenance"].get(k) for k in ("commit", "date", "gpu")} if s else None}
+             # The speed row's query model (real: the calibrated moving query; repeated: the best
+             # case, for the modes whose rows do not depend on it) and where it was measured.
+             "speed_query": s.get("query") if s else None,
+             "speed_provenance": {"file": "bench/results/e2e.json", **s["provenance"]} if s else None}
         for t in HQ_TEXTS:
             l = quality[t].get(f"{policy}@256", {})
             p[f"perplexity_{t}"] = l.get("perplexity")
