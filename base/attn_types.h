@@ -490,13 +490,21 @@ constexpr int64_t kSelectMctaMaxPicks = 4096;
 /// multi-CTA top-k CTA, or per CTA of a scoring kernel that folds them in (opt-in: SparCas's 4-bit
 /// scoring: then the top-k skips its statistics pass), whichever wrote them.
 constexpr int32_t kSelectMctaStatsSlots = 512;
+/// The fused multi-CTA top-k's first digit: the top kSelectMctaBucketBits bits of the keys, one
+/// histogram of 2^12 bins built while the weights are written. When the bucket holding the k-th
+/// largest key has at most kSelectMctaCandCap keys, they are listed (key, position) and every CTA
+/// finishes the select from the list; otherwise the 8-bit radix passes run on from the bucket.
+constexpr int kSelectMctaBucketBits = 12;
+constexpr int32_t kSelectMctaCandCap = 2048;
 /// 32-bit words of one item's multi-CTA scratch: 4 radix histograms of 256 bins, per CTA the
 /// (greater, equal) counts, per query head kSelectMctaStatsSlots (max, sum) pairs, the Quest
-/// picks, and the fused kernel's barrier counter (and a word of padding: items stay 8-byte
+/// picks, the 12-bit histogram, the candidate count (and a word of padding), the candidates (two
+/// words each), and the fused kernel's barrier counter (and a word of padding: items stay 8-byte
 /// aligned).
 KVF_HOST_DEVICE inline int64_t SelectMctaItemWords(int32_t group) {
   return 4 * 256 + 2 * int64_t{kSelectMctaMaxCtas} + 2 * int64_t{group} * kSelectMctaStatsSlots +
-         kSelectMctaMaxPicks + 2;
+         kSelectMctaMaxPicks + (int64_t{1} << kSelectMctaBucketBits) + 2 + 2 * int64_t{kSelectMctaCandCap} +
+         2;
 }
 /// Bytes of DecodeStepArgs::select_mcta_ws for \p items items: 0 when no item can reach the
 /// threshold (select_ld < kSelectMctaMinKeys).

@@ -260,6 +260,14 @@ __global__ void __launch_bounds__(kTopKThreads) WeightsTopKKernel(DecodeStepArgs
 //      the ties of TopKSelect (value descending, lower position first, NaN as -inf). Quest writes
 //      its winning pages to the scratch and MctaQuestList (a CTA per item, at most
 //      kSelectMctaMaxPicks pages) sorts them by score and walks them as PagesTopKKernel does.
+// The fused kernel (one cooperative launch, a barrier among an item's CTAs between passes) replaces
+// 3-5 there: its weights pass histograms the top 12 bits of the keys (4096 bins) instead of 8; when
+// the bucket of the k-th key holds at most kSelectMctaCandCap keys (the usual case: fine-grained
+// weights), each CTA lists its keys of that bucket with their positions and counts its keys above
+// it (one barrier), and every CTA then finds the last 20 bits of T from the list in shared memory
+// and its output offset from the counts and the list, and writes its chunk: three barriers after
+// the statistics instead of six. A crowded bucket (heavy ties) takes 8, 8 and 4 more bits by
+// histograms, then the count and the write, as the per-pass launches.
 // The softmax sum is added in another order than the one-CTA kernel's, so the weights can differ
 // from it in the last bit: lists differ only where two weights are within that of each other at
 // the k-th place (as the host backend's lists already may).
@@ -313,47 +321,69 @@ struct RadixState {
   uint32_t prefix = 0, mask = 0, remaining = 0;
 };
 
-__device__ RadixState MctaPrefix(const uint32_t* hist, int passes, int64_t k) {
+// One digit of the select: of the NB bins of hist (the digit at bits [shift, shift + log2 NB) of
+// the keys under r's prefix), the digit where the count from the top first reaches r.remaining
+// (digit 0 when none does before it, as TopKSelect's loop ends); r takes it. Returns that bin's
+// count. Every thread of a kMctaThreads CTA calls it (thread t holds digits NB - 1 - t * per - i,
+// i < per, a block scan ranks them from the top); synchronises before returning. kGlobal: hist is
+// the item's scratch, filled by other CTAs' atomics in L2 (read past L1).
+template <int NB, bool kGlobal>
+__device__ uint32_t DigitStep(const uint32_t* hist, int shift, RadixState& r) {
+  constexpr int kPer = NB > kMctaThreads ? NB / kMctaThreads : 1;
+  static_assert(NB <= kMctaThreads || NB % kMctaThreads == 0);
   using Scan = cub::BlockScan<uint32_t, kMctaThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ uint32_t s_prefix, s_remaining;
+  __shared__ uint32_t s_digit, s_above, s_count;
+  const int t = threadIdx.x;
+  uint32_t h[kPer], sum = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int d = NB - 1 - (t * kPer + i);
+    h[i] = d < 0 ? 0u : kGlobal ? __ldcg(hist + d) : hist[d];
+    sum += h[i];
+  }
+  uint32_t above = 0;
+  Scan(scan_tmp).ExclusiveSum(sum, above);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int d = NB - 1 - (t * kPer + i);
+    if (d >= 0 && above < r.remaining && (above + h[i] >= r.remaining || d == 0)) {
+      s_digit = static_cast<uint32_t>(d);
+      s_above = above;
+      s_count = h[i];
+    }
+    above += h[i];
+  }
+  __syncthreads();
+  r.prefix |= s_digit << shift;
+  r.mask |= static_cast<uint32_t>(NB - 1) << shift;
+  r.remaining -= s_above;
+  const uint32_t count = s_count;
+  __syncthreads();  // the s_* and scan_tmp are rewritten by the next step
+  return count;
+}
+
+// The state after the first `passes` 8-bit histograms of hist (the per-pass kernels' radix).
+__device__ RadixState MctaPrefix(const uint32_t* hist, int passes, int64_t k) {
   RadixState r;
   r.remaining = static_cast<uint32_t>(k);
-  const int t = threadIdx.x;
-  for (int p = 0; p < passes; ++p) {
-    const int shift = 24 - 8 * p;
-    // Thread t holds digit 255 - t: its inclusive sum counts the keys of digits >= 255 - t.
-    const uint32_t h = t < 256 ? hist[p * 256 + 255 - t] : 0u;
-    uint32_t incl = 0;
-    Scan(scan_tmp).InclusiveSum(h, incl);
-    const uint32_t above = incl - h;
-    // The digit where the count from the top first reaches `remaining` (digit 0 when none does
-    // before it, as TopKSelect's loop ends).
-    if (t < 256 && above < r.remaining && (incl >= r.remaining || t == 255)) {
-      s_prefix = r.prefix | (static_cast<uint32_t>(255 - t) << shift);
-      s_remaining = r.remaining - above;
-    }
-    __syncthreads();
-    r.prefix = s_prefix;
-    r.remaining = s_remaining;
-    r.mask |= 0xffu << shift;
-    __syncthreads();  // s_prefix and scan_tmp are rewritten by the next pass
-  }
+  for (int p = 0; p < passes; ++p) DigitStep<256, true>(hist + p * 256, 24 - 8 * p, r);
   return r;
 }
 
-// Adds bins[0, 256) of the CTA to the item's histogram (the bins this CTA saw only).
-__device__ __forceinline__ void FlushHistogram(const unsigned int* bins, uint32_t* global) {
+// Adds bins[0, nb) of the CTA to the item's histogram (the bins this CTA saw only).
+__device__ __forceinline__ void FlushHistogram(const unsigned int* bins, uint32_t* global, int nb = 256) {
   __syncthreads();
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+  for (int i = threadIdx.x; i < nb; i += blockDim.x) {
     if (bins[i] != 0) atomicAdd(global + i, bins[i]);
   }
 }
 
-// Counts key's bin (key >> shift & 0xff) into bins when `in`, one atomic per bin per warp (keys
+// Counts key's bin (key >> shift & dmask) into bins when `in`, one atomic per bin per warp (keys
 // of one row share their high bits). Every lane of the warp calls.
-__device__ __forceinline__ void CountBin(unsigned int* bins, uint32_t key, int shift, bool in) {
-  const uint32_t bin = in ? (key >> shift) & 0xffu : 0x100u;
+__device__ __forceinline__ void CountBin(unsigned int* bins, uint32_t key, int shift, bool in,
+                                         uint32_t dmask = 0xffu) {
+  const uint32_t bin = in ? (key >> shift) & dmask : 0xffffffffu;
   const unsigned peers = __match_any_sync(0xffffffffu, bin);
   if (in && static_cast<int>(threadIdx.x & 31) == __ffs(peers) - 1) {
     atomicAdd(&bins[bin], static_cast<unsigned>(__popc(peers)));
@@ -383,9 +413,7 @@ struct WeightRow {
 template <bool kPaged>
 __device__ void MctaStatsPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws) {
   const int32_t item = blockIdx.x;
-  if (blockIdx.y == 0) {
-    for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) ws.hist[i] = 0;
-  }
+  if (blockIdx.y == 0) MctaZeroHistograms(ws);
   const Chunk c = ChunkOf(it.n);
   const int group = a.params.group;
   const float* l = a.select_ws + static_cast<size_t>(item) * group * a.select_ld;
@@ -424,18 +452,19 @@ __device__ void MctaStatsPass(const DecodeStepArgs& a, const TopKItem& it, const
 
 // 2. Combines the `parts` partials of each head (the statistics pass's, one a CTA, or the scoring
 // kernel's), writes the group's summed weight (Quest: max_g (ub_g - max ub_g)) of this CTA's
-// chunk of the ranked range into w (and into `also` when not null), and adds the top byte of each
-// weight's OrderedKey to histogram 0.
-template <bool kPaged>
-__device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
-                                WeightRow w, float* also, int parts) {
+// chunk of the ranked range into w (and into `also` when not null), and adds the top kBits bits of
+// each weight's OrderedKey to `hist` (8: histogram 0 of the radix passes; 12: the fused kernel's
+// hist12), counted first in `bins` (shared memory, 2^kBits of them).
+template <bool kPaged, int kBits>
+__device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, WeightRow w, float* also,
+                                int parts, const MctaScratch& ws, unsigned int* bins, uint32_t* hist) {
   using Reduce = cub::BlockReduce<float, kMctaThreads>;
   __shared__ typename Reduce::TempStorage red_tmp;
   __shared__ float m_s[64], inv_s[64];
-  __shared__ unsigned int bins[256];
+  constexpr int kBins = 1 << kBits;
   const int32_t item = blockIdx.x;
   const int group = a.params.group;
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
+  for (int i = threadIdx.x; i < kBins; i += blockDim.x) bins[i] = 0;
   // Per head, the max of the partial maxima, then the sum of the partial sums rescaled to it: a
   // thread a partial (up to kSelectMctaStatsSlots of them), two block reductions.
   for (int g = 0; g < group; ++g) {
@@ -486,10 +515,10 @@ __device__ void MctaWeightsPass(const DecodeStepArgs& a, const TopKItem& it, con
         w[jt + u] = wt[u];
         if (also != nullptr) also[jt + u] = wt[u];
       }
-      CountBin(bins, in ? OrderedKey(wt[u]) : 0u, 24, in);
+      CountBin(bins, in ? OrderedKey(wt[u]) : 0u, 32 - kBits, in, kBins - 1);
     }
   }
-  FlushHistogram(bins, ws.hist);
+  FlushHistogram(bins, hist, kBins);
 }
 
 // f(j, in, key) for each position j of the chunk's whole tiles in tile order, key the OrderedKey
@@ -506,26 +535,29 @@ __device__ __forceinline__ void ForEachTileKey(const WeightRow& w, const Chunk& 
   }
 }
 
-// 3. Re-derives the prefix from histograms [0, pass) (a 256-bin scan) and adds the next byte of
+// 3. Adds the digit (key >> shift & dmask) of this CTA's keys under r's prefix to `hist`, counted
+// first in `bins` (shared memory, zero on entry, dmask + 1 of them).
+__device__ void MctaDigitPass(const TopKItem& it, WeightRow w, const RadixState& r, int shift, uint32_t dmask,
+                              unsigned int* bins, uint32_t* hist) {
+  ForEachTileKey(w, ChunkOf(it.count), [&](int64_t, bool in, uint32_t key) {
+    CountBin(bins, key, shift, in && (key & r.mask) == r.prefix, dmask);
+  });
+  FlushHistogram(bins, hist, static_cast<int>(dmask) + 1);
+}
+
+// 3 (per-pass kernels). Re-derives the prefix from histograms [0, pass) and adds the next byte of
 // the keys under it to histogram `pass`.
-__device__ void MctaRadixPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
-                              WeightRow w, int pass) {
+__device__ void MctaRadixPass(const TopKItem& it, const MctaScratch& ws, WeightRow w, int pass) {
   __shared__ unsigned int bins[256];
   for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
   const RadixState r = MctaPrefix(ws.hist, pass, it.k);  // synchronises: bins are zero
-  const int shift = 24 - 8 * pass;
-  ForEachTileKey(w, ChunkOf(it.count), [&](int64_t, bool in, uint32_t key) {
-    CountBin(bins, key, shift, in && (key & r.mask) == r.prefix);
-  });
-  FlushHistogram(bins, ws.hist + pass * 256);
+  MctaDigitPass(it, w, r, 24 - 8 * pass, 0xffu, bins, ws.hist + pass * 256);
 }
 
-// 4. The k-th largest key T is known: this CTA's keys > T and == T into ws.counts.
-__device__ void MctaCountPass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
-                              WeightRow w) {
+// 4. The k-th largest key T = r.prefix is known: this CTA's keys > T and == T into ws.counts.
+__device__ void MctaCountPass(const TopKItem& it, const MctaScratch& ws, WeightRow w, const RadixState& r) {
   using Reduce = cub::BlockReduce<int, kMctaThreads>;
   __shared__ typename Reduce::TempStorage tmp;
-  const RadixState r = MctaPrefix(ws.hist, 4, it.k);
   int gt = 0, eq = 0;
   ForEachTileKey(w, ChunkOf(it.count), [&](int64_t, bool in, uint32_t key) {
     gt += in && key > r.prefix;
@@ -540,31 +572,18 @@ __device__ void MctaCountPass(const DecodeStepArgs& a, const TopKItem& it, const
   }
 }
 
-// 5. This CTA's offset from the counts of the chunks before it, then an ordered pass that writes
-// every key > T and the first (by position) keys == T.
+// 5. The ordered pass of this CTA's chunk: writes every key > T and, of the keys == T, those
+// whose rank among all of them (by position) is below `remaining`; out_base entries of the
+// selection and eq_base keys == T come before the chunk. CTA 0 also writes the rest of a SparCas
+// list (sinks, window, count).
 template <bool kPaged>
-__device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
-                              WeightRow w) {
+__device__ void MctaWriteChunk(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
+                               WeightRow w, uint32_t T, int64_t remaining, int64_t out_base,
+                               int64_t eq_base) {
   using Scan = cub::BlockScan<int, kMctaThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ int64_t s_out, s_eq;
   const int32_t item = blockIdx.x;
-  const RadixState r = MctaPrefix(ws.hist, 4, it.k);
-  const int64_t remaining = r.remaining;
-  // Selected before this chunk: every key > T of the chunks before it, and of their keys == T
-  // the first `remaining` in position order.
-  if (threadIdx.x == 0) {
-    int64_t out = 0, eq = 0;
-    for (unsigned y = 0; y < blockIdx.y; ++y) {
-      const int64_t e = ws.counts[2 * y + 1];
-      out += ws.counts[2 * y] + max(int64_t{0}, min(e, remaining - eq));
-      eq += e;
-    }
-    s_out = out;
-    s_eq = eq;
-  }
-  __syncthreads();
-  int64_t out_base = s_out, eq_base = s_eq;
+  const RadixState r{T, 0xffffffffu, static_cast<uint32_t>(remaining)};
   const int32_t b = item / a.num_kv_heads;
   const int64_t n = a.positions[static_cast<int64_t>(b) * a.num_layers + a.layer] + 1;
   int64_t sinks = 0, off_hi = n;
@@ -628,6 +647,108 @@ __device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const
   }
 }
 
+// 5. This CTA's offset from the counts of the chunks before it, then its ordered pass.
+template <bool kPaged>
+__device__ void MctaWritePass(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
+                              WeightRow w, const RadixState& r) {
+  __shared__ int64_t s_out, s_eq;
+  const int64_t remaining = r.remaining;
+  // Selected before this chunk: every key > T of the chunks before it, and of their keys == T
+  // the first `remaining` in position order.
+  if (threadIdx.x == 0) {
+    int64_t out = 0, eq = 0;
+    for (unsigned y = 0; y < blockIdx.y; ++y) {
+      const int64_t e = ws.counts[2 * y + 1];
+      out += ws.counts[2 * y] + max(int64_t{0}, min(e, remaining - eq));
+      eq += e;
+    }
+    s_out = out;
+    s_eq = eq;
+  }
+  __syncthreads();
+  MctaWriteChunk<kPaged>(a, it, ws, w, r.prefix, remaining, s_out, s_eq);
+}
+
+// The fused kernel's candidate finish, when the bucket of the k-th key (its top 12 bits found,
+// state r) holds at most kSelectMctaCandCap keys.
+// a. Each CTA lists its keys in the bucket (key, position) in ws.cand (a warp's lanes take their
+//    slots with one atomic) and counts its keys above the bucket into ws.counts.
+__device__ void MctaCandidatePass(const TopKItem& it, const MctaScratch& ws, WeightRow w,
+                                  const RadixState& r) {
+  using Reduce = cub::BlockReduce<int, kMctaThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  const int lane = threadIdx.x & 31;
+  int gt = 0;
+  ForEachTileKey(w, ChunkOf(it.count), [&](int64_t j, bool in, uint32_t key) {
+    gt += in && (key & r.mask) > r.prefix;
+    const bool cand = in && (key & r.mask) == r.prefix;
+    const unsigned ballot = __ballot_sync(0xffffffffu, cand);
+    if (ballot != 0) {
+      const int leader = __ffs(ballot) - 1;
+      unsigned base = 0;
+      if (lane == leader) base = atomicAdd(ws.cand_count, static_cast<unsigned>(__popc(ballot)));
+      base = __shfl_sync(0xffffffffu, base, leader);
+      if (cand) {
+        ws.cand[base + __popc(ballot & ((1u << lane) - 1u))] = make_uint2(key, static_cast<uint32_t>(j));
+      }
+    }
+  });
+  gt = Reduce(tmp).Sum(gt);
+  if (threadIdx.x == 0) ws.counts[2 * blockIdx.y] = gt;
+}
+
+// b. Every CTA: the list into shared memory (cand_s), the last 20 bits of T by three digit steps
+//    over it (8, 8 and 4 bits), this CTA's offset (the keys above the bucket of the chunks before
+//    it, and the listed keys before its chunk that are taken), then its ordered pass.
+template <bool kPaged>
+__device__ void MctaCandidateFinish(const DecodeStepArgs& a, const TopKItem& it, const MctaScratch& ws,
+                                    WeightRow w, RadixState r, uint2* cand_s) {
+  using Reduce = cub::BlockReduce<int, kMctaThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  __shared__ uint32_t bins[256];
+  __shared__ int64_t s_out, s_eq;
+  const int nc = static_cast<int>(__ldcg(ws.cand_count));
+  for (int i = threadIdx.x; i < nc; i += blockDim.x) cand_s[i] = __ldcg(ws.cand + i);
+  for (int step = 0; step < 3; ++step) {
+    const int shift = step == 0 ? 12 : step == 1 ? 4 : 0;
+    const uint32_t dmask = step < 2 ? 0xffu : 0xfu;
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
+    __syncthreads();  // (and the list is in shared memory)
+    for (int i = threadIdx.x; i < nc; i += blockDim.x) {
+      const uint32_t key = cand_s[i].x;
+      if ((key & r.mask) == r.prefix) atomicAdd(&bins[(key >> shift) & dmask], 1u);
+    }
+    __syncthreads();
+    if (step < 2) {
+      DigitStep<256, false>(bins, shift, r);
+    } else {
+      DigitStep<16, false>(bins, shift, r);
+    }
+  }
+  const uint32_t T = r.prefix;
+  const int64_t remaining = r.remaining;
+  const int64_t begin = ChunkOf(it.count).begin;
+  int gt = 0, eq = 0;
+  for (int i = threadIdx.x; i < nc; i += blockDim.x) {
+    const uint2 e = cand_s[i];
+    if (e.y < begin) {
+      gt += e.x > T;
+      eq += e.x == T;
+    }
+  }
+  gt = Reduce(tmp).Sum(gt);
+  __syncthreads();
+  eq = Reduce(tmp).Sum(eq);
+  if (threadIdx.x == 0) {
+    int64_t out = gt + min(int64_t{eq}, remaining);
+    for (unsigned y = 0; y < blockIdx.y; ++y) out += ws.counts[2 * y];
+    s_out = out;
+    s_eq = eq;
+  }
+  __syncthreads();
+  MctaWriteChunk<kPaged>(a, it, ws, w, T, remaining, s_out, s_eq);
+}
+
 __device__ __forceinline__ WeightRow Row0Of(const DecodeStepArgs& a, const TopKItem& it) {
   return WeightRow{a.select_ws + static_cast<size_t>(blockIdx.x) * a.params.group * a.select_ld + it.lo, 0};
 }
@@ -643,24 +764,30 @@ template <bool kPaged>
 __global__ void __launch_bounds__(kMctaThreads) MctaWeightsKernel(DecodeStepArgs a, int64_t mcta_min,
                                                                   int parts) {
   const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
-  if (it.mcta) MctaWeightsPass<kPaged>(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it), nullptr, parts);
+  __shared__ unsigned int bins[256];
+  const MctaScratch ws = MctaScratchOf(a, blockIdx.x);
+  if (it.mcta) MctaWeightsPass<kPaged, 8>(a, it, Row0Of(a, it), nullptr, parts, ws, bins, ws.hist);
 }
 
 __global__ void __launch_bounds__(kMctaThreads) MctaRadixKernel(DecodeStepArgs a, int64_t mcta_min,
                                                                 int pass) {
   const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
-  if (it.mcta) MctaRadixPass(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it), pass);
+  if (it.mcta) MctaRadixPass(it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it), pass);
 }
 
 __global__ void __launch_bounds__(kMctaThreads) MctaCountKernel(DecodeStepArgs a, int64_t mcta_min) {
   const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
-  if (it.mcta) MctaCountPass(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it));
+  if (!it.mcta) return;
+  const MctaScratch ws = MctaScratchOf(a, blockIdx.x);
+  MctaCountPass(it, ws, Row0Of(a, it), MctaPrefix(ws.hist, 4, it.k));
 }
 
 template <bool kPaged>
 __global__ void __launch_bounds__(kMctaThreads) MctaWriteKernel(DecodeStepArgs a, int64_t mcta_min) {
   const TopKItem it = TopKItemOf(a, blockIdx.x, mcta_min);
-  if (it.mcta) MctaWritePass<kPaged>(a, it, MctaScratchOf(a, blockIdx.x), Row0Of(a, it));
+  if (!it.mcta) return;
+  const MctaScratch ws = MctaScratchOf(a, blockIdx.x);
+  MctaWritePass<kPaged>(a, it, ws, Row0Of(a, it), MctaPrefix(ws.hist, 4, it.k));
 }
 
 // The fused kernel's barrier among an item's CTAs: barrier i (from 1) of a launch waits until
@@ -679,10 +806,10 @@ __device__ __forceinline__ void ItemBarrier(unsigned* counter, unsigned target) 
   __syncthreads();
 }
 
-// The fused top-k: the five passes in one cooperative launch, a barrier among the item's CTAs
-// between them (items do not wait for each other), each CTA's chunk of weights kept in shared
-// memory from the weights pass on (the later passes read no global memory but the histograms and
-// counts). CTAs of items the one-CTA kernel takes return at once. Quest also writes its weights to
+// The fused top-k: the passes in one cooperative launch, a barrier among the item's CTAs between
+// them (items do not wait for each other), each CTA's chunk of weights kept in shared memory from
+// the weights pass on (the later passes read no global memory but the histograms, counts and
+// candidates); the candidate finish where the k-th key's 12-bit bucket is small (see above). CTAs of items the one-CTA kernel takes return at once. Quest also writes its weights to
 // row 0, where MctaQuestList reads its winners' scores. stats_parts > 0: the scoring kernel left
 // that many partial statistics a head and zeroed the histograms, so the statistics pass and its
 // barrier are skipped.
@@ -701,16 +828,40 @@ __global__ void __launch_bounds__(kMctaThreads, 2) MctaFusedKernel(DecodeStepArg
     MctaStatsPass<kPaged>(a, it, ws);
     ItemBarrier(bar, arrivals += gridDim.y);
   }
-  MctaWeightsPass<kPaged>(a, it, ws, w, kPaged ? Row0Of(a, it).p : nullptr,
-                          stats_parts == 0 ? static_cast<int>(gridDim.y) : stats_parts);
+  // The 12-bit bins of the weights pass, later the candidate list (16 KiB either way).
+  __shared__ uint2 cand_s[kSelectMctaCandCap];
+  static_assert(sizeof(cand_s) == sizeof(uint32_t) << kSelectMctaBucketBits);
+  unsigned int* bins = reinterpret_cast<unsigned int*>(cand_s);
+  MctaWeightsPass<kPaged, kSelectMctaBucketBits>(a, it, w, kPaged ? Row0Of(a, it).p : nullptr,
+                                                 stats_parts == 0 ? static_cast<int>(gridDim.y) : stats_parts,
+                                                 ws, bins, ws.hist12);
   ItemBarrier(bar, arrivals += gridDim.y);
-  for (int pass = 1; pass < 4; ++pass) {
-    MctaRadixPass(a, it, ws, w, pass);
+  RadixState r;
+  r.remaining = static_cast<uint32_t>(it.k);
+  const uint32_t bucket = DigitStep<1 << kSelectMctaBucketBits, true>(ws.hist12, 32 - kSelectMctaBucketBits, r);
+  if (bucket <= static_cast<uint32_t>(kSelectMctaCandCap)) {
+    MctaCandidatePass(it, ws, w, r);
     ItemBarrier(bar, arrivals += gridDim.y);
+    MctaCandidateFinish<kPaged>(a, it, ws, w, r, cand_s);
+    return;
   }
-  MctaCountPass(a, it, ws, w);
+  // A crowded bucket: 8, 8 and 4 more bits by histograms over the item's CTAs.
+  for (int pass = 1; pass < 4; ++pass) {
+    const int shift = pass < 3 ? 20 - 8 * pass : 0;
+    const uint32_t dmask = pass < 3 ? 0xffu : 0xfu;
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = 0;
+    __syncthreads();
+    MctaDigitPass(it, w, r, shift, dmask, bins, ws.hist + pass * 256);
+    ItemBarrier(bar, arrivals += gridDim.y);
+    if (pass < 3) {
+      DigitStep<256, true>(ws.hist + pass * 256, shift, r);
+    } else {
+      DigitStep<16, true>(ws.hist + pass * 256, shift, r);
+    }
+  }
+  MctaCountPass(it, ws, w, r);
   ItemBarrier(bar, arrivals += gridDim.y);
-  MctaWritePass<kPaged>(a, it, ws, w);
+  MctaWritePass<kPaged>(a, it, ws, w, r);
 }
 
 // A CTA per item: the multi-CTA Quest winners (ascending pages in the scratch) ranked by score,

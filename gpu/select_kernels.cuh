@@ -268,6 +268,9 @@ struct MctaScratch {
   int32_t* counts;  // [kSelectMctaMaxCtas][2]: keys > T, keys == T
   float2* stats;   // [group][kSelectMctaStatsSlots]: (max, sum of exp2(l - max)) a CTA
   int32_t* picks;  // [kSelectMctaMaxPicks] Quest's winning pages, ascending
+  uint32_t* hist12;  // [1 << kSelectMctaBucketBits]: the fused top-k's first digit
+  uint32_t* cand_count;  // keys listed in cand
+  uint2* cand;     // [kSelectMctaCandCap] (key, position) of the k-th key's bucket, any order
 };
 
 __device__ __forceinline__ MctaScratch MctaScratchOf(const DecodeStepArgs& a, int32_t item) {
@@ -278,7 +281,17 @@ __device__ __forceinline__ MctaScratch MctaScratchOf(const DecodeStepArgs& a, in
   s.stats = reinterpret_cast<float2*>(w + 4 * 256 + 2 * kSelectMctaMaxCtas);
   s.picks = reinterpret_cast<int32_t*>(w + 4 * 256 + 2 * kSelectMctaMaxCtas +
                                        2 * a.params.group * kSelectMctaStatsSlots);
+  s.hist12 = reinterpret_cast<uint32_t*>(s.picks + kSelectMctaMaxPicks);
+  s.cand_count = s.hist12 + (1 << kSelectMctaBucketBits);
+  s.cand = reinterpret_cast<uint2*>(s.cand_count + 2);
   return s;
+}
+
+// Zeroes an item's histograms and candidate count before a top-k fills them (the CTA calls it).
+__device__ __forceinline__ void MctaZeroHistograms(const MctaScratch& ws) {
+  for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) ws.hist[i] = 0;
+  for (int i = threadIdx.x; i < (1 << kSelectMctaBucketBits); i += blockDim.x) ws.hist12[i] = 0;
+  if (threadIdx.x == 0) *ws.cand_count = 0;
 }
 
 // fmaxf as a reduction operator.

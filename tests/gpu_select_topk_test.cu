@@ -298,6 +298,12 @@ INSTANTIATE_TEST_SUITE_P(
         TopKCase{kOracle, 2, 8, 131072, 2622, 0, 0, 16384},
         TopKCase{kOracle, 4, 1, 70000, 1400, 0, 0, 64},
         TopKCase{kOracle, 3, 3, 70000, 1400, 0, 0, 16384},
+        // The fused kernel's two finishes: the k-th key's 12-bit bucket listed (up to 2048 keys:
+        // fine levels, or 256 levels with ties at the threshold) or crowded (32 levels: 4096 keys
+        // a level; one level: every key ties).
+        TopKCase{kOracle, 2, 4, 131072, 2622, 0, 0, 256},
+        TopKCase{kOracle, 1, 4, 131072, 2622, 0, 0, 32},
+        TopKCase{kOracle, 1, 3, 131072, 2622, 0, 0, 1},
         // k near 1 and near n (k > 4096: the one-CTA path's workspace sort).
         TopKCase{kOracle, 2, 4, 131072, 1, 0, 0, 64},
         TopKCase{kOracle, 2, 4, 131072, 2, 0, 0, 16384},
@@ -315,13 +321,15 @@ INSTANTIATE_TEST_SUITE_P(
         TopKCase{kSparcas, 2, 1, 70000, 69000, 4, 64, 16384},
         TopKCase{kSparcas, 3, 3, 9000, 170, 4, 64, 64},
         TopKCase{kSparcas, 2, 4, 300, 50, 4, 64, 16},
+        TopKCase{kSparcas, 2, 4, 131072, 2558, 4, 64, 16},
         // Quest: pages of 16 (8192 pages at 128K), budgets to 4096 pages.
         TopKCase{kPaged, 1, 4, 131072, 2558, 4, 64, 64},
         TopKCase{kPaged, 4, 8, 131072, 2558, 4, 64, 16384},
         TopKCase{kPaged, 2, 1, 131072, 1, 4, 64, 64},
         TopKCase{kPaged, 2, 4, 131072, 60000, 4, 64, 16384},
         TopKCase{kPaged, 3, 3, 70000, 1400, 4, 64, 64},
-        TopKCase{kPaged, 2, 4, 4099, 100, 4, 64, 16}),
+        TopKCase{kPaged, 2, 4, 4099, 100, 4, 64, 16},
+        TopKCase{kPaged, 1, 4, 131072, 2558, 4, 64, 1}),
     [](const auto& info) { return CaseName(info.param); });
 
 // Bad arguments are errors, not launches.

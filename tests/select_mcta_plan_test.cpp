@@ -19,10 +19,12 @@ TEST(SelectMctaPlan, ScratchOnlyWhenAnItemCanReachTheThreshold) {
   EXPECT_GT(SelectMctaWorkspaceBytes(8, 4, kSelectMctaMinPages, kSelectMctaMinPages), 0u);
   EXPECT_EQ(SelectMctaWorkspaceBytes(8, 0, 1 << 17), 0u);
   const size_t one = SelectMctaWorkspaceBytes(1, 4, kSelectMctaMinKeys);
-  // Histograms, per-CTA counts, per-head per-CTA (max, sum) pairs, Quest's picks and the fused
-  // kernel's barrier counter with a word of padding.
+  // Histograms, per-CTA counts, per-head per-CTA (max, sum) pairs, Quest's picks, the 12-bit
+  // histogram, the candidate count and list, and the fused kernel's barrier counter, the count and
+  // the counter each with a word of padding.
   EXPECT_EQ(one, static_cast<size_t>(4 * 256 + 2 * kSelectMctaMaxCtas + 2 * 4 * kSelectMctaStatsSlots +
-                                     kSelectMctaMaxPicks + 2) * 4);
+                                     kSelectMctaMaxPicks + 4096 + 2 + 2 * kSelectMctaCandCap + 2) * 4);
+  EXPECT_EQ((one / 4 - 2 - 2 * kSelectMctaCandCap) % 2, 0u);  // the candidates (uint2) 8-byte aligned
   EXPECT_EQ(one % 8, 0u);  // every item's (max, sum) pairs stay 8-byte aligned
   EXPECT_EQ(SelectMctaWorkspaceBytes(32, 4, 1 << 20), 32 * one);  // independent of the length
   EXPECT_GT(SelectMctaWorkspaceBytes(1, 8, 1 << 17), one);        // grows with the group

@@ -418,9 +418,31 @@ __global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1) SparcasS
     st_m[g] = -INFINITY;
     st_s[g] = 0.0f;
   }
-  for (int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; j < n;
-       j += static_cast<int64_t>(gridDim.y) * blockDim.x) {
-    const uint32_t* row = rows + j * (words + 1);
+  // A warp's 32 consecutive rows are staged in shared memory with 16-byte loads (a 36-byte row
+  // read a word at a time by its thread makes each warp-wide load span 9 cache lines), then each
+  // thread reads its row there (an odd row stride: no bank conflicts).
+  const int row_words = words + 1;
+  const size_t q_bytes = static_cast<size_t>(group) * (d_b * sizeof(float) + words * sizeof(int2) + 8);
+  uint32_t* stage = reinterpret_cast<uint32_t*>(reinterpret_cast<char*>(q_raw) + (q_bytes + 15) / 16 * 16) +
+                    warp * 32 * row_words;
+  for (int64_t jb = static_cast<int64_t>(blockIdx.y) * blockDim.x + warp * 32; jb < n;
+       jb += static_cast<int64_t>(gridDim.y) * blockDim.x) {
+    const int valid = static_cast<int>(min(int64_t{32}, n - jb));
+    const uint32_t* src = rows + jb * row_words;
+    const int total = valid * row_words;
+    __syncwarp();  // the warp's reads of the previous rows are done
+    int i0 = 0;
+    if ((reinterpret_cast<uintptr_t>(src) & 15u) == 0) {
+      for (int i = lane; i < total / 4; i += 32) {
+        reinterpret_cast<uint4*>(stage)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+      }
+      i0 = total / 4 * 4;
+    }
+    for (int i = i0 + lane; i < total; i += 32) stage[i] = __ldg(src + i);
+    __syncwarp();
+    if (lane >= valid) continue;  // the warp's last rows (past n: the loop ends for every lane)
+    const int64_t j = jb + lane;
+    const uint32_t* row = stage + lane * row_words;
     const float row_scale = __uint_as_float(row[words]);
     for (int g0 = 0; g0 < group; g0 += kHeads) {
       int acc[kHeads];
@@ -461,9 +483,7 @@ __global__ void __launch_bounds__(kSparcasThreads, kHeads <= 4 ? 5 : 1) SparcasS
   // The CTA's (max, sum) a head into slot blockIdx.y of the item's multi-CTA scratch, where the
   // top-k's weights pass merges them (its statistics pass skipped); CTA 0 zeroes the histograms.
   const MctaScratch ws = MctaScratchOf(a, item);
-  if (blockIdx.y == 0) {
-    for (int i = threadIdx.x; i < 4 * 256; i += blockDim.x) ws.hist[i] = 0;
-  }
+  if (blockIdx.y == 0) MctaZeroHistograms(ws);
   WriteSoftmaxPartials<kSparcasThreads, kHeads>(st_m, st_s, 0, group, ws.stats);
 }
 
@@ -570,12 +590,14 @@ Status LaunchSparcasScores(const DecodeStepArgs& a, const LaunchInfo& info, cons
     // q as given, its packed codes (an int2 a word), each head's step and 8 x code sum
     const size_t qs_db = static_cast<size_t>(a.params.group) *
                          (d_b * sizeof(float) + SparcasQ4Words(d_b) * sizeof(int2) + 8);
+    // and, 16-byte aligned, each warp's staged rows
+    const size_t smem = (qs_db + 15) / 16 * 16 + size_t{kSparcasThreads} * (SparcasQ4Words(d_b) + 1) * 4;
     const auto kernel = a.params.group <= 4 ? SparcasScoreQ4Kernel<4> : SparcasScoreQ4Kernel<kSparcasQ4Heads>;
-    if (qs_db > 48 * 1024) {
+    if (smem > 48 * 1024) {
       KVF_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(qs_db)));
+                                          static_cast<int>(smem)));
     }
-    kernel<<<dim3(items, ty), kSparcasThreads, qs_db, stream>>>(a, *stats_parts > 0 ? 1 : 0);
+    kernel<<<dim3(items, ty), kSparcasThreads, smem, stream>>>(a, *stats_parts > 0 ? 1 : 0);
     KVF_CUDA_CHECK_LAUNCH(SparcasScoreQ4Kernel);
     return Status::Ok();
   }
