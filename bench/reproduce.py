@@ -859,8 +859,9 @@ def hip_lane_rows(path, text, context):
 # step at once, streaming and the oracle, on KJV and the Jargon File (8K) and on the
 # GPL-3 text every Debian system carries (4K, a text no default was chosen on). The host-selecting
 # path (--bank-slots 16) so that each lane's stats count its mask builds: select_calls over
-# calls + reused, less the 3 dense layers of 30.
-HIP_DRIFT = ("hip:drift=0:lag=1", "hip", "hip:drift=0.8", "hip:r_m=1")
+# calls + reused, less the 3 dense layers of 30. hip:align=0: the paper's even first nodes in place of
+# the default's power-of-two-aligned ones, at the default's cadence.
+HIP_DRIFT = ("hip:drift=0:lag=1", "hip", "hip:drift=0.8", "hip:r_m=1", "hip:align=0")
 HIP_DRIFT_BUDGETS = (256, 512, 1024, 2048)
 UNSEEN_TEXT = "/usr/share/common-licenses/GPL-3"
 # The quality texts of the SmolLM2 perplexity runs: KJV and the Jargon File at 8K, and GPL-3 at 4K.
@@ -906,8 +907,10 @@ def hip_drift_merge(T):
 # hip_speed: hip_bank's decode step at 128K, batch 1 and 4, with the real (moving) query, for the
 # mask rebuilds hip_drift_smollm2 measures the quality of: the default (when the query turns,
 # served at once), the paper's cadence (every 8 steps, a step late, built on the side stream),
-# every step; torch SDPA with every layer's KV on the GPU in the same run.
-HIP_SPEED = (("default", ""), ("clock_lag1", "--param drift=0 --param lag=1"), ("r_m1", "--param r_m=1"))
+# every step, and the paper's even first nodes (align=0, whose rebuilt masks move every block);
+# torch SDPA with every layer's KV on the GPU in the same run.
+HIP_SPEED = (("default", ""), ("clock_lag1", "--param drift=0 --param lag=1"), ("r_m1", "--param r_m=1"),
+             ("align0", "--param align=0"))
 
 
 def hip_speed_cmds(T):
@@ -1654,7 +1657,7 @@ SPECS = {
     "knorm_smollm2": dict(gpu=False, targets=[], examples=True, run=knorm_quality_cmds, merge=knorm_quality_merge,
                           what="knorm (smallest key norms) perplexity next to streaming and the oracle: SmolLM2 KJV + Jargon 8K, GPL-3 4K"),
     "hip_speed": dict(gpu=True, targets=["kvferry-e2e"], run=hip_speed_cmds, merge=hip_speed_merge,
-                      what="hip_bank at 128K x 1/x 4 (real query): default (drift 0.7, lag 0), the paper's cadence, every step; torch SDPA"),
+                      what="hip_bank at 128K x 1/x 4 (real query): default (drift 0.7, lag 0), the paper's cadence, every step, the paper's even first nodes (align=0); torch SDPA"),
     "hip_kvpop_replay_smollm2": dict(gpu=False, targets=["select_replay_bench"], examples=True, run=replay_cmds,
                                      merge=replay_merge,
                                      what="HiP and KVpop variants replayed on 8K SmolLM2 traces: recall, mass, error per layer"),
@@ -1709,11 +1712,11 @@ MACHINE = {
     "prhs_lfps_quality_smollm2": (CPU2, "~12 min on 2 cores (676 s recorded)"),
     "prhs_rho_smollm2": (CPU2, "~15 min on 2 cores (a 2K trace, 15 replays, 3 perplexity runs of 2K)"),
     "hip_quality_smollm2": (CPU2, "~60 min on 2 cores (62 min recorded beside other work: two texts side by side, 10 lanes each; passkey 9 prompts, 2 runs)"),
-    "hip_drift_smollm2": (CPU2, "~40 min on 2 cores (two texts side by side, 24 lanes each + dense; GPL-3 4K 12 lanes; passkey 9 prompts)"),
+    "hip_drift_smollm2": (CPU2, "~50 min on 2 cores (two texts side by side, 30 lanes each + dense; GPL-3 4K 14 lanes; passkey 9 prompts)"),
     "kernel_profile": (GPU1_RAM, "~5 min (four modes, two ncu runs each over a 128K fill)"),
     "sparcas_refresh": (GPU1, "~4 min (three kvferry-e2e runs of 128K x 1 and x 4 over 130 steps, SDPA)"),
     "sparcas_refresh_smollm2": (CPU2, "~30 min on 2 cores (two 8K texts side by side, 6 lanes + dense each; GPL-3 4K)"),
-    "hip_speed": (GPU1, "~3 min (three kvferry-e2e runs of 128K x 1 and x 4, SDPA)"),
+    "hip_speed": (GPU1, "~4 min (four kvferry-e2e runs of 128K x 1 and x 4, SDPA)"),
     "hip_kvpop_replay_smollm2": (CPU2, "~30 min on 2 cores (30 min recorded beside other work: two 8K traces, 17 lanes x 512 steps x 30 layers each)"),
     "kvpop_mass_smollm2": (CPU2, "~65 min on 2 cores (12 runs of 8K, ~96 s of decode a lane recorded)"),
     "kvpop_train_smollm2": ("CPU: 2 threads, torch + safetensors", "~22 min (recorded: 5 traces ~4 min, their targets ~14 min, 400 steps ~4 min)"),
