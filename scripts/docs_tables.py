@@ -42,7 +42,7 @@ POLICIES = [
      "smoothing, the default), but its scan of every compact key makes a moving query's step slower than "
      "SDPA's (speed rows at `smooth=0`)"),
     ("hip", "hip_bank", "GPU (cached hierarchical masks, rebuilt when the query turns) + token bank",
-     "fast, and ahead of streaming on every text tried at every budget but the Jargon File's 2048 (policies.md); "
+     "fast, and ahead of streaming on every text tried at every budget but the Jargon File's 2048, which `align=0` (the paper's even first nodes; its GPU step not yet measured) closes too (policies.md); "
      "at 256 of 8K still several times the oracle's gap (the recall guard, host selection, closes more)"),
     ("kvpop", "kvpop_bank", "GPU (learned eviction slots) + token bank",
      "the fastest sparse step; quality depends on the trained scorer (`scorer=2`: untrained)"),
