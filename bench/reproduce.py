@@ -897,8 +897,9 @@ def hip_drift_merge(T):
                     "codes below 0.7, the default, or 0.8 in any head, served at once), every 8 steps a step late "
                     "(the paper's cadence) and every step at once, next to streaming and the oracle at the same budgets; SmolLM2-135M, "
                     "host backend selecting on the host (bank 16 slots), sinks 4 + window 64, last 1024 scored of "
-                    "8K (KJV, Jargon) and of 4K (GPL-3, a text no default was chosen on); mask_builds: the share "
-                    "of the mask layers' head-steps that built a mask",
+                    "8K (KJV, Jargon) and of 4K (GPL-3, a text no default was chosen on); hip:align=0: the paper's even "
+                    "first nodes at the default's cadence; mask_builds: the share of the mask layers' head-steps "
+                    "that built a mask",
             "regenerate": "python3 bench/reproduce.py hip_drift_smollm2",
             "passkey": "KJV, lengths 2048/4096/8192, depths 0.1/0.5/0.9, budget 256, greedy answer",
             "rows": rows}
@@ -1712,7 +1713,7 @@ MACHINE = {
     "prhs_lfps_quality_smollm2": (CPU2, "~12 min on 2 cores (676 s recorded)"),
     "prhs_rho_smollm2": (CPU2, "~15 min on 2 cores (a 2K trace, 15 replays, 3 perplexity runs of 2K)"),
     "hip_quality_smollm2": (CPU2, "~60 min on 2 cores (62 min recorded beside other work: two texts side by side, 10 lanes each; passkey 9 prompts, 2 runs)"),
-    "hip_drift_smollm2": (CPU2, "~50 min on 2 cores (two texts side by side, 30 lanes each + dense; GPL-3 4K 14 lanes; passkey 9 prompts)"),
+    "hip_drift_smollm2": (CPU2, "~60 min on 2 cores (61 min recorded: two texts side by side, 28 lanes each + dense; GPL-3 4K 14 lanes + dense; passkey 9 prompts)"),
     "kernel_profile": (GPU1_RAM, "~5 min (four modes, two ncu runs each over a 128K fill)"),
     "sparcas_refresh": (GPU1, "~4 min (three kvferry-e2e runs of 128K x 1 and x 4 over 130 steps, SDPA)"),
     "sparcas_refresh_smollm2": (CPU2, "~30 min on 2 cores (two 8K texts side by side, 6 lanes + dense each; GPL-3 4K)"),
